@@ -1,0 +1,1 @@
+"""Numba kernels: ``cpu/`` (``@njit``, ``prange``) and ``cuda/`` (``numba.cuda``)."""

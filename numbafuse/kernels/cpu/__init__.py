@@ -1,0 +1,1 @@
+"""Numba CPU kernels (``@njit``, ``prange``). Importing this package compiles nothing."""

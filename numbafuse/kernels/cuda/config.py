@@ -1,0 +1,23 @@
+"""Launch sizes for every numba.cuda kernel, in one place.
+
+Shared-memory shapes must be compile-time constants, so they are the ``*_TILE``/``BLOCK``
+constants below and never change. Launch sizes (``threads``, ``max_blocks``...) are read at
+launch time, so tests can shrink them (``monkeypatch.setattr(config, "max_blocks", 2)``) to
+force tiny inputs across several blocks. A kernel never assumes more threads per block than
+``BLOCK``.
+"""
+
+# Compile-time constants (shared-array shapes).
+BLOCK = 256          # threads per block of 1-d kernels and of reductions; power of two
+TILE = 16            # square tile edge of 2-d tiled kernels (GEMM-like); TILE*TILE <= BLOCK
+
+# Launch-time knobs (tests patch these).
+threads = 256        # threads per block for 1-d kernels; power of two, <= BLOCK
+max_blocks = 1024    # grid-stride kernels never launch more blocks than this
+reduce_blocks = 64   # blocks of per-block partials in a two-stage deterministic reduction
+
+
+def grid_1d(n: int) -> tuple:
+    """(blocks, threads) for a grid-stride loop over ``n`` items."""
+    blocks = max(1, min(max_blocks, -(-n // threads)))
+    return blocks, threads

@@ -1,0 +1,159 @@
+"""Small numba.cuda kernels the tape needs on the device: fill, copy, a*x + b*y, x*y, sum.
+
+All work on flat (1-d, C-contiguous) views; the wrappers reshape. The sum is deterministic:
+fixed per-block partials (a shared-memory tree), then one block reduces the partials.
+"""
+import numpy as np
+from numba import cuda, float64
+
+from . import config
+
+BLOCK = config.BLOCK
+
+
+@cuda.jit(cache=True)
+def _fill(out, value):
+    # out: (n,)
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i] = value
+
+
+@cuda.jit(cache=True)
+def _axpby(a, x, b, y, out):
+    # x, y, out: (n,);  out = a*x + b*y
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i] = a * x[i] + b * y[i]
+
+
+@cuda.jit(cache=True)
+def _mul(x, y, out):
+    # x, y, out: (n,)
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i] = x[i] * y[i]
+
+
+@cuda.jit(cache=True)
+def _scale_broadcast(scale, x, out):
+    # scale: (1,) a device scalar, x/out: (n,);  out = scale[0] * x
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        out[i] = scale[0] * x[i]
+
+
+@cuda.jit(cache=True)
+def _copy_strided4(src, dst):
+    # src: any-strided (A, B, C, D); dst: C-contiguous (A, B, C, D)
+    A, B, C, D = src.shape
+    n = A * B * C * D
+    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+        d = i % D
+        c = (i // D) % C
+        b = (i // (C * D)) % B
+        a = i // (B * C * D)
+        dst[a, b, c, d] = src[a, b, c, d]
+
+
+@cuda.jit(cache=True)
+def _sum_partials(x, partials):
+    # x: (n,), partials: (gridDim.x,). Block b writes the sum of its grid-stride share.
+    buf = cuda.shared.array(BLOCK, float64)
+    t = cuda.threadIdx.x
+    acc = 0.0
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        acc += x[i]
+    buf[t] = acc
+    cuda.syncthreads()  # every thread's partial is in buf
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if t < step:
+            buf[t] += buf[t + step]
+        cuda.syncthreads()  # this level of the tree is complete before the next reads it
+        step //= 2
+    if t == 0:
+        partials[cuda.blockIdx.x] = buf[0]
+
+
+def fill(out, value):
+    flat = out.reshape(out.size) if len(out.shape) != 1 else out
+    if flat.size:
+        blocks, threads = config.grid_1d(flat.size)
+        _fill[blocks, threads](flat, value)
+    return out
+
+
+def axpby(a, x, b, y):
+    """``a*x + b*y`` for same-shape contiguous device arrays."""
+    out = cuda.device_array(x.shape, x.dtype)
+    if x.size:
+        blocks, threads = config.grid_1d(x.size)
+        _axpby[blocks, threads](a, x.reshape(x.size), b, y.reshape(y.size), out.reshape(out.size))
+    return out
+
+
+def mul(x, y):
+    out = cuda.device_array(x.shape, x.dtype)
+    if x.size:
+        blocks, threads = config.grid_1d(x.size)
+        _mul[blocks, threads](x.reshape(x.size), y.reshape(y.size), out.reshape(out.size))
+    return out
+
+
+def scale_by_device_scalar(scale, x):
+    """``scale[0] * x`` where ``scale`` is a one-element device array (no host round trip)."""
+    out = cuda.device_array(x.shape, x.dtype)
+    if x.size:
+        blocks, threads = config.grid_1d(x.size)
+        _scale_broadcast[blocks, threads](scale.reshape(1), x.reshape(x.size),
+                                          out.reshape(out.size))
+    return out
+
+
+def contiguous_copy(src):
+    """A C-contiguous copy of a (rank <= 4) device array."""
+    shape = tuple(src.shape)
+    if len(shape) > 4:
+        raise ValueError(f"contiguous_copy: rank {len(shape)} > 4 is not supported on the device")
+    pad = (1,) * (4 - len(shape))
+    dst = cuda.device_array(shape, src.dtype)
+    if dst.size:
+        src4 = src.reshape(pad + shape) if src.is_c_contiguous() else _view4(src, pad)
+        blocks, threads = config.grid_1d(dst.size)
+        _copy_strided4[blocks, threads](src4, dst.reshape(pad + shape))
+    return dst
+
+
+def _view4(src, pad):
+    # A strided device view with leading unit dimensions, without copying.
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    shape = pad + tuple(src.shape)
+    strides = (0,) * len(pad) + tuple(src.strides)
+    if not isinstance(src, DeviceNDArray):  # the simulator's FakeCUDAArray wraps an ndarray
+        return cuda.to_device(np.lib.stride_tricks.as_strided(
+            src.copy_to_host(), shape, (src.dtype.itemsize,) * len(pad) + tuple(src.strides)))
+    return DeviceNDArray(shape, strides, src.dtype, gpu_data=src.gpu_data)
+
+
+def sum_all(x):
+    """Sum of every element, as a 0-d device array; deterministic (fixed partial order)."""
+    flat = x.reshape(x.size)
+    nblocks = max(1, min(config.reduce_blocks, -(-flat.size // config.threads)))
+    partials = cuda.device_array(nblocks, np.float64)
+    _sum_partials[nblocks, config.threads](flat, partials)
+    total = cuda.device_array(1, np.float64)
+    _sum_partials[1, config.threads](partials, total)
+    out = cuda.device_array(1, x.dtype)
+    blocks, threads = config.grid_1d(1)
+    _axpby[blocks, threads](1.0, total, 0.0, total, out)
+    return out.reshape(())
+
+
+# Every kernel above with the signatures it is compiled for, as a function of the numba
+# scalar type (float32, float64); tests/test_ptx.py compiles each to PTX for a real target and
+# fails if a kernel of this module is missing here.
+PTX_SIGNATURES = [
+    (_fill, lambda f: (f[::1], f)),
+    (_axpby, lambda f: (f, f[::1], f, f[::1], f[::1])),
+    (_mul, lambda f: (f[::1], f[::1], f[::1])),
+    (_scale_broadcast, lambda f: (f[::1], f[::1], f[::1])),
+    (_copy_strided4, lambda f: (f[:, :, :, :], f[:, :, :, ::1])),
+    (_sum_partials, lambda f: (f[::1], float64[::1])),
+]

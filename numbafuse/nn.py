@@ -1,0 +1,1 @@
+"""PLACEHOLDER: being written; replaced by the real module."""

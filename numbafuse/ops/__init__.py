@@ -1,0 +1,1 @@
+"""One module per op family; each holds its Functions and public functions."""

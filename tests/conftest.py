@@ -1,0 +1,27 @@
+"""Test configuration: Hypothesis profiles and the CUDA marker.
+
+Profiles (choose with HYPOTHESIS_PROFILE=dev|ci|thorough; default "dev"):
+``dev`` is quick, ``ci`` is what .ci/run uses, ``thorough`` is for a long local run.
+CUDA tests live in tests/cuda/ and run in their own process under NUMBA_ENABLE_CUDASIM=1
+(the simulator is chosen when numba is first imported, so never in the same process).
+"""
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                     HealthCheck.data_too_large],
+               print_blob=True)
+settings.register_profile("dev", max_examples=10, **_common)
+settings.register_profile("ci", max_examples=25, derandomize=True, **_common)
+settings.register_profile("thorough", max_examples=300, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

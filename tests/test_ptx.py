@@ -1,0 +1,65 @@
+"""Compile every numba.cuda kernel in the package to PTX for a real target (cc 9.0).
+
+The CUDA simulator does no type checking and ignores shared-memory shape rules, so this is
+what proves the kernels compile for a GPU. It needs NVVM (numba-cuda[cu13]) but no GPU, and
+must run outside the simulator: it is skipped there and runs in the CPU test process.
+
+Each module under numbafuse/kernels/cuda lists its kernels in ``PTX_SIGNATURES`` as
+``(kernel, lambda f: signature)`` with ``f`` the numba float type; a kernel missing from that
+list fails ``test_every_kernel_is_listed``.
+"""
+import importlib
+import os
+import pkgutil
+
+import pytest
+
+pytestmark = [pytest.mark.ptx, pytest.mark.skipif(
+    os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1",
+    reason="PTX compilation needs the real numba.cuda, not the simulator")]
+
+CC = (9, 0)
+
+
+def _cuda_modules():
+    import numbafuse.kernels.cuda as pkg
+    names = [m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "config"]
+    return [importlib.import_module(f"numbafuse.kernels.cuda.{n}") for n in sorted(names)]
+
+
+def _kernels(module):
+    from numba.cuda.dispatcher import CUDADispatcher
+    return {name: obj for name, obj in vars(module).items()
+            if isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device")
+            and obj.py_func.__module__ == module.__name__}
+
+
+def _cases():
+    cases = []
+    for module in _cuda_modules():
+        for kernel, signature in getattr(module, "PTX_SIGNATURES", []):
+            cases.append(pytest.param(kernel, signature,
+                                      id=f"{module.__name__.rsplit('.', 1)[1]}.{kernel.__name__}"))
+    return cases
+
+
+def test_there_are_kernels():
+    assert len(_cases()) >= 6
+
+
+@pytest.mark.parametrize("module", _cuda_modules(), ids=lambda m: m.__name__.rsplit(".", 1)[1])
+def test_every_kernel_is_listed(module):
+    listed = {id(k) for k, _ in getattr(module, "PTX_SIGNATURES", [])}
+    missing = [name for name, k in _kernels(module).items() if id(k) not in listed]
+    assert not missing, f"{module.__name__}: kernels missing from PTX_SIGNATURES: {missing}"
+
+
+@pytest.mark.parametrize("kernel,signature", _cases())
+@pytest.mark.parametrize("ftype", ["float32", "float64"])
+def test_compiles_to_ptx(kernel, signature, ftype):
+    import numba
+    from numba import cuda
+    f = getattr(numba, ftype)
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature(f), cc=CC)
+    assert ".target sm_90" in ptx
+    assert ".entry" in ptx
