@@ -76,7 +76,12 @@ def to_host(a) -> np.ndarray:
 def to_device(a):
     if is_device_array(a):
         return as_device_array(a)
-    return _cuda().to_device(np.ascontiguousarray(a))
+    return _cuda().to_device(_host_contiguous(np.asarray(a)))
+
+
+def _host_contiguous(a: np.ndarray) -> np.ndarray:
+    # np.ascontiguousarray would turn a 0-d array into a 1-d one
+    return a if a.flags.c_contiguous else np.array(a, order="C")
 
 
 # --------------------------------------------------------------------------- dtype / rank
@@ -157,7 +162,7 @@ def check_scalar(op: str, name: str, value, lo=None, hi=None, lo_open=False) -> 
 def contiguous(a):
     """``a`` as a C-contiguous array on its own device (one copy at most)."""
     if isinstance(a, np.ndarray):
-        return np.ascontiguousarray(a)
+        return _host_contiguous(a)
     d = as_device_array(a)
     if d.is_c_contiguous():
         return d

@@ -40,16 +40,44 @@ def _scale_broadcast(scale, x, out):
 
 
 @cuda.jit(cache=True)
+def _copy_strided1(src, dst):
+    # src: any-strided (A,); dst: contiguous (A,)
+    for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
+        dst[i] = src[i]
+
+
+@cuda.jit(cache=True)
+def _copy_strided2(src, dst):
+    # src: any-strided (A, B); dst: C-contiguous (A, B)
+    B = src.shape[1]
+    for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
+        dst[i // B, i % B] = src[i // B, i % B]
+
+
+@cuda.jit(cache=True)
+def _copy_strided3(src, dst):
+    # src: any-strided (A, B, C); dst: C-contiguous (A, B, C)
+    B, C = src.shape[1], src.shape[2]
+    for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
+        c = i % C
+        b = (i // C) % B
+        a = i // (B * C)
+        dst[a, b, c] = src[a, b, c]
+
+
+@cuda.jit(cache=True)
 def _copy_strided4(src, dst):
     # src: any-strided (A, B, C, D); dst: C-contiguous (A, B, C, D)
-    A, B, C, D = src.shape
-    n = A * B * C * D
-    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+    B, C, D = src.shape[1], src.shape[2], src.shape[3]
+    for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
         d = i % D
         c = (i // D) % C
         b = (i // (C * D)) % B
         a = i // (B * C * D)
         dst[a, b, c, d] = src[a, b, c, d]
+
+
+_COPY_BY_RANK = {1: _copy_strided1, 2: _copy_strided2, 3: _copy_strided3, 4: _copy_strided4}
 
 
 @cuda.jit(cache=True)
@@ -108,28 +136,15 @@ def scale_by_device_scalar(scale, x):
 
 
 def contiguous_copy(src):
-    """A C-contiguous copy of a (rank <= 4) device array."""
-    shape = tuple(src.shape)
-    if len(shape) > 4:
-        raise ValueError(f"contiguous_copy: rank {len(shape)} > 4 is not supported on the device")
-    pad = (1,) * (4 - len(shape))
-    dst = cuda.device_array(shape, src.dtype)
+    """A C-contiguous copy of a (rank 1 to 4) device array."""
+    rank = len(src.shape)
+    if rank not in _COPY_BY_RANK:
+        raise ValueError(f"contiguous_copy: rank {rank} is not supported on the device (1 to 4)")
+    dst = cuda.device_array(src.shape, src.dtype)
     if dst.size:
-        src4 = src.reshape(pad + shape) if src.is_c_contiguous() else _view4(src, pad)
         blocks, threads = config.grid_1d(dst.size)
-        _copy_strided4[blocks, threads](src4, dst.reshape(pad + shape))
+        _COPY_BY_RANK[rank][blocks, threads](src, dst)
     return dst
-
-
-def _view4(src, pad):
-    # A strided device view with leading unit dimensions, without copying.
-    from numba.cuda.cudadrv.devicearray import DeviceNDArray
-    shape = pad + tuple(src.shape)
-    strides = (0,) * len(pad) + tuple(src.strides)
-    if not isinstance(src, DeviceNDArray):  # the simulator's FakeCUDAArray wraps an ndarray
-        return cuda.to_device(np.lib.stride_tricks.as_strided(
-            src.copy_to_host(), shape, (src.dtype.itemsize,) * len(pad) + tuple(src.strides)))
-    return DeviceNDArray(shape, strides, src.dtype, gpu_data=src.gpu_data)
 
 
 def sum_all(x):
@@ -154,6 +169,9 @@ PTX_SIGNATURES = [
     (_axpby, lambda f: (f, f[::1], f, f[::1], f[::1])),
     (_mul, lambda f: (f[::1], f[::1], f[::1])),
     (_scale_broadcast, lambda f: (f[::1], f[::1], f[::1])),
+    (_copy_strided1, lambda f: (f[:], f[::1])),
+    (_copy_strided2, lambda f: (f[:, :], f[:, ::1])),
+    (_copy_strided3, lambda f: (f[:, :, :], f[:, :, ::1])),
     (_copy_strided4, lambda f: (f[:, :, :, :], f[:, :, :, ::1])),
     (_sum_partials, lambda f: (f[::1], float64[::1])),
 ]

@@ -1,0 +1,54 @@
+"""The tape's device arithmetic (kernels/cuda/elementwise.py, ops/arith.py) vs NumPy."""
+import numpy as np
+import pytest
+from numba import cuda
+
+import numbafuse as nf
+from numbafuse.kernels.cuda import elementwise as ew
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_axpby_mul_fill(dtype, rng):
+    x = rng.standard_normal((3, 7)).astype(dtype)
+    y = rng.standard_normal((3, 7)).astype(dtype)
+    dx, dy = cuda.to_device(x), cuda.to_device(y)
+    np.testing.assert_allclose(ew.axpby(2.0, dx, -1.0, dy).copy_to_host(), 2 * x - y, rtol=1e-6)
+    np.testing.assert_allclose(ew.mul(dx, dy).copy_to_host(), x * y, rtol=1e-6)
+    np.testing.assert_array_equal(ew.fill(cuda.device_array((5,), dtype), 3.0).copy_to_host(),
+                                  np.full(5, 3.0, dtype))
+
+
+def test_sum_is_deterministic_and_right(rng):
+    x = rng.standard_normal(101)  # more than threads * reduce_blocks: grid-stride + partials
+    d = cuda.to_device(x)
+    a, b = ew.sum_all(d).copy_to_host(), ew.sum_all(d).copy_to_host()
+    assert a.shape == ()
+    np.testing.assert_allclose(a, x.sum(), rtol=1e-12)
+    assert a.tobytes() == b.tobytes()
+
+
+def test_contiguous_copy_of_a_transposed_view(rng):
+    x = rng.standard_normal((2, 3, 4))
+    d = cuda.to_device(x)
+    t = d.T if hasattr(d, "T") else d.transpose()
+    out = ew.contiguous_copy(t)
+    np.testing.assert_array_equal(out.copy_to_host(), x.T)
+
+
+def test_tape_arithmetic_on_device(rng):
+    x = rng.standard_normal((2, 3))
+    z = rng.standard_normal((2, 3))
+    tx = nf.Tensor(cuda.to_device(x), requires_grad=True)
+    tz = nf.Tensor(cuda.to_device(z), requires_grad=True)
+    loss = ((tx * tz - tz) * 2.0 + 1.0).mean()
+    assert loss.device == "cuda"
+    loss.backward()
+    np.testing.assert_allclose(loss.numpy(), ((x * z - z) * 2 + 1).mean(), rtol=1e-12)
+    np.testing.assert_allclose(tx.grad.copy_to_host(), 2 * z / x.size, rtol=1e-12)
+    np.testing.assert_allclose(tz.grad.copy_to_host(), 2 * (x - 1) / x.size, rtol=1e-12)
+
+
+def test_mixing_host_and_device_is_a_type_error(rng):
+    x = rng.standard_normal(3)
+    with pytest.raises(TypeError, match="add: cannot mix host and device"):
+        nf.add(x, cuda.to_device(x))
