@@ -1,1 +1,470 @@
-"""PLACEHOLDER: being written; replaced by the real module."""
+"""Layers: a tiny ``torch.nn`` for numbafuse ops.
+
+A :class:`Module` holds parameters (``Tensor`` with ``requires_grad=True``), buffers (plain
+arrays such as batch norm's running statistics, updated in place by the ops) and sub-modules,
+all registered by attribute assignment, in that order. ``m(x)`` calls ``m.forward(x)``;
+``m.train()`` / ``m.eval()`` set the ``training`` flag of the whole tree; ``m.to("cuda")``
+moves every parameter and buffer to the device (numba device arrays), keeping the same
+``Tensor`` objects so an optimizer built before the move still holds them.
+
+Unfused layers: :class:`Conv2d`, :class:`BatchNorm2d`, :class:`ReLU`, :class:`Linear`,
+:class:`MaxPool2d`, :class:`Flatten`, :class:`GlobalAvgPool2d`.
+Fused layers: :class:`Conv2dBiasReLU` (conv -> bias -> relu), :class:`BatchNormAddReLU`
+(batch norm -> add the residual ``z`` -> relu, called as ``m(x, z)``) and
+:class:`ConvBatchNormReLU` (conv -> batch norm [-> relu] trained with recompute; in ``eval()``
+the batch norm is folded into the conv's weights and bias).
+
+Initialisation follows PyTorch's defaults: conv and linear weights are
+``kaiming_uniform(a=sqrt(5))``, i.e. ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, and so are biases;
+batch norm starts at ``gamma=1, beta=0, running_mean=0, running_var=1``. Draws come from the
+``rng`` argument (a ``numpy.random.Generator``) or from the module-level generator that
+:func:`init.seed` resets, so the same seed builds the same weights, and a fused model and its
+unfused twin built with the same seed draw the same weights in the same order.
+
+Examples
+--------
+>>> import numpy as np
+>>> from numbafuse import nn
+>>> nn.init.seed(0)
+>>> m = nn.Sequential(nn.Conv2dBiasReLU(1, 4, 3, padding=1), nn.GlobalAvgPool2d(),
+...                   nn.Linear(4, 10))
+>>> m(np.zeros((2, 1, 8, 8), np.float32)).shape
+(2, 10)
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+
+from . import _arrays
+from .autograd import Tensor
+from .ops.arith import add
+from .ops.basic import flatten, global_avg_pool2d, linear, max_pool2d, relu
+from .ops.batchnorm import batchnorm, batchnorm_add_relu
+from .ops.conv import bias_add, conv2d, conv_bias_relu
+from .ops.conv_batchnorm import conv_batchnorm_relu
+
+DEFAULT_DTYPE = np.float32
+KAIMING_A = math.sqrt(5.0)     # PyTorch's default negative slope for conv/linear weights
+
+
+# --------------------------------------------------------------------------- initialisation
+
+class _Init:
+    """PyTorch-style initialisers drawing from one module-level, re-seedable generator."""
+
+    def __init__(self):
+        self.rng = np.random.default_rng(0)
+
+    def seed(self, s):
+        """Reset the module-level generator: the same seed builds the same weights."""
+        self.rng = np.random.default_rng(s)
+
+    def generator(self, rng=None):
+        return self.rng if rng is None else rng
+
+    @staticmethod
+    def kaiming_uniform_bound(fan_in, a=KAIMING_A):
+        """``gain * sqrt(3 / fan_in)`` with ``gain = sqrt(2 / (1 + a^2))`` (leaky-ReLU gain)."""
+        gain = math.sqrt(2.0 / (1.0 + a * a))
+        return gain * math.sqrt(3.0 / fan_in)
+
+    def kaiming_uniform(self, shape, fan_in, dtype=DEFAULT_DTYPE, rng=None, a=KAIMING_A):
+        bound = self.kaiming_uniform_bound(fan_in, a)
+        return self.generator(rng).uniform(-bound, bound, shape).astype(dtype)
+
+    def bias_uniform(self, n, fan_in, dtype=DEFAULT_DTYPE, rng=None):
+        """PyTorch's bias default, ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``."""
+        bound = 1.0 / math.sqrt(fan_in)
+        return self.generator(rng).uniform(-bound, bound, (n,)).astype(dtype)
+
+
+init = _Init()
+
+
+def _param(array):
+    return Tensor(array, requires_grad=True)
+
+
+# --------------------------------------------------------------------------- Module
+
+class Module:
+    """Base class: registers parameters, buffers and sub-modules by attribute assignment."""
+
+    def __init__(self):
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name, value):
+        if "_parameters" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__}: call Module.__init__() first")
+        for registry in (self._parameters, self._buffers, self._modules):
+            registry.pop(name, None)
+        if isinstance(value, Tensor) and value.requires_grad:
+            self.__dict__.pop(name, None)
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self.__dict__.pop(name, None)
+            self._modules[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name):  # only called when normal lookup fails
+        for registry in ("_parameters", "_buffers", "_modules"):
+            d = self.__dict__.get(registry)
+            if d is not None and name in d:
+                return d[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def register_buffer(self, name, array):
+        """A non-trainable array (e.g. running statistics), moved by :meth:`to`."""
+        self._parameters.pop(name, None)
+        self.__dict__.pop(name, None)
+        self._buffers[name] = array
+
+    # -- calling
+    def forward(self, *inputs):
+        raise NotImplementedError
+
+    def __call__(self, *inputs):
+        return self.forward(*inputs)
+
+    # -- traversal
+    def named_modules(self, prefix=""):
+        yield prefix, self
+        for name, m in self._modules.items():
+            yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def modules(self):
+        return (m for _, m in self.named_modules())
+
+    def children(self):
+        return iter(self._modules.values())
+
+    def named_parameters(self, prefix=""):
+        """``(dotted name, Tensor)`` of every parameter, each once, in registration order."""
+        seen = set()
+        for mname, m in self.named_modules(prefix):
+            for pname, p in m._parameters.items():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{mname}.{pname}" if mname else pname), p
+
+    def parameters(self):
+        """Every trainable Tensor (``requires_grad=True``), each once."""
+        return (p for _, p in self.named_parameters())
+
+    def named_buffers(self, prefix=""):
+        for mname, m in self.named_modules(prefix):
+            for bname, b in m._buffers.items():
+                yield (f"{mname}.{bname}" if mname else bname), b
+
+    # -- modes
+    def train(self, mode=True):
+        for m in self.modules():
+            object.__setattr__(m, "training", bool(mode))
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad = None
+
+    # -- state
+    def state_dict(self):
+        """Host copies of every parameter and buffer, by dotted name."""
+        state = OrderedDict((n, p.numpy().copy()) for n, p in self.named_parameters())
+        state.update((n, _arrays.to_host(b).copy()) for n, b in self.named_buffers())
+        return state
+
+    def load_state_dict(self, state):
+        """Copy arrays from ``state`` into this module's parameters and buffers (same names)."""
+        own = dict(self.named_parameters())
+        buffers = {}  # dotted name -> (owning module, buffer name)
+        for m_name, m in self.named_modules():
+            for b in m._buffers:
+                buffers[f"{m_name}.{b}" if m_name else b] = (m, b)
+        missing = (set(own) | set(buffers)) - set(state)
+        unexpected = set(state) - (set(own) | set(buffers))
+        if missing or unexpected:
+            raise KeyError(f"load_state_dict: missing {sorted(missing)}, "
+                           f"unexpected {sorted(unexpected)}")
+        for name, p in own.items():
+            p.data = _like(p.data, np.asarray(state[name], dtype=p.dtype), name)
+            p.grad = None
+        for name, (m, bname) in buffers.items():
+            old = m._buffers[bname]
+            m._buffers[bname] = _like(old, np.asarray(state[name], dtype=old.dtype), name)
+        return self
+
+    # -- device
+    def to(self, device):
+        """Move parameters and buffers to ``"cpu"`` or ``"cuda"`` (in place; returns self)."""
+        if device not in (_arrays.CPU, _arrays.CUDA):
+            raise ValueError(f"Module.to: device must be 'cpu' or 'cuda', got {device!r}")
+        move = _arrays.to_device if device == _arrays.CUDA else _arrays.to_host
+        for p in self.parameters():
+            p.data = move(p.data)
+            p.grad = None
+        for m in self.modules():
+            for name in list(m._buffers):
+                m._buffers[name] = move(m._buffers[name])
+        return self
+
+    @property
+    def device(self):
+        p = next(iter(self.parameters()), None)
+        return _arrays.CPU if p is None else p.device
+
+    # -- printing
+    def extra_repr(self):
+        return ""
+
+    def __repr__(self):
+        if not self._modules:
+            return f"{type(self).__name__}({self.extra_repr()})"
+        lines = [f"  ({name}): " + repr(m).replace("\n", "\n  ")
+                 for name, m in self._modules.items()]
+        return f"{type(self).__name__}(\n" + "\n".join(lines) + "\n)"
+
+
+def _like(old, new_host, name):
+    if tuple(np.shape(old)) != new_host.shape:
+        raise ValueError(f"load_state_dict: {name} has shape {new_host.shape}, "
+                         f"expected {tuple(np.shape(old))}")
+    return _arrays.to_device(new_host) if _arrays.is_device_array(old) else new_host.copy()
+
+
+class Sequential(Module):
+    """Modules applied in order: ``Sequential(a, b)(x) == b(a(x))``."""
+
+    def __init__(self, *modules):
+        super().__init__()
+        for i, m in enumerate(modules):
+            setattr(self, str(i), m)
+
+    def forward(self, x):
+        for m in self._modules.values():
+            x = m(x)
+        return x
+
+    def __getitem__(self, i):
+        return list(self._modules.values())[i]
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+def _conv_weight(in_channels, out_channels, k, dtype, rng):
+    """(K, C, R, S) kaiming-uniform conv weight; fan_in = C*R*S."""
+    R, S = (k, k) if np.ndim(k) == 0 else tuple(k)
+    fan_in = in_channels * R * S
+    return init.kaiming_uniform((out_channels, in_channels, R, S), fan_in, dtype, rng), fan_in
+
+
+def _batchnorm_state(module, C, dtype):
+    """gamma = 1, beta = 0 (parameters); running_mean = 0, running_var = 1 (buffers)."""
+    module.gamma = _param(np.ones(C, dtype))
+    module.beta = _param(np.zeros(C, dtype))
+    module.register_buffer("running_mean", np.zeros(C, dtype))
+    module.register_buffer("running_var", np.ones(C, dtype))
+
+
+def _geometry_repr(m):
+    return (f"{m.in_channels}, {m.out_channels}, kernel_size={m.kernel_size}, "
+            f"stride={m.stride}, padding={m.padding}, dilation={m.dilation}, "
+            f"layout={m.layout!r}")
+
+
+# --------------------------------------------------------------------------- unfused layers
+
+class Conv2d(Module):
+    """``conv2d(x, w) [+ b]`` with ``w`` of shape ``(out, in, k, k)`` (unfused)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
+                 dilation=1, bias=True, layout="NCHW", *, dtype=DEFAULT_DTYPE, rng=None):
+        super().__init__()
+        self.in_channels, self.out_channels, self.kernel_size = (in_channels, out_channels,
+                                                                 kernel_size)
+        self.stride, self.padding, self.dilation = stride, padding, dilation
+        self.layout = _arrays.check_layout("Conv2d", layout)
+        w, fan_in = _conv_weight(in_channels, out_channels, kernel_size, dtype, rng)
+        self.weight = _param(w)
+        self.bias = _param(init.bias_uniform(out_channels, fan_in, dtype, rng)) if bias else None
+
+    def forward(self, x):
+        y = conv2d(x, self.weight, stride=self.stride, padding=self.padding,
+                   dilation=self.dilation, layout=self.layout)
+        return y if self.bias is None else bias_add(y, self.bias, layout=self.layout)
+
+    def extra_repr(self):
+        return _geometry_repr(self) + f", bias={self.bias is not None}"
+
+
+class BatchNorm2d(Module):
+    """Batch norm over ``N, H, W`` per channel (unfused); running stats are buffers."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, layout="NCHW", *,
+                 dtype=DEFAULT_DTYPE):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.layout = _arrays.check_layout("BatchNorm2d", layout)
+        _batchnorm_state(self, num_features, dtype)
+
+    def forward(self, x):
+        return batchnorm(x, self.gamma, self.beta, running_mean=self.running_mean,
+                         running_var=self.running_var, training=self.training,
+                         momentum=self.momentum, eps=self.eps, layout=self.layout)
+
+    def extra_repr(self):
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+
+
+class ReLU(Module):
+    def forward(self, x):
+        return relu(x)
+
+
+class Linear(Module):
+    """``x @ w.T + b`` with ``w`` of shape ``(out_features, in_features)``."""
+
+    def __init__(self, in_features, out_features, bias=True, *, dtype=DEFAULT_DTYPE, rng=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _param(init.kaiming_uniform((out_features, in_features), in_features,
+                                                  dtype, rng))
+        self.bias = _param(init.bias_uniform(out_features, in_features, dtype, rng)) if (
+            bias) else None
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+    def extra_repr(self):
+        return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
+
+
+class MaxPool2d(Module):
+    """Max over ``k x k`` windows, stride ``k`` by default, no padding."""
+
+    def __init__(self, kernel_size, stride=None, layout="NCHW"):
+        super().__init__()
+        self.kernel_size, self.stride = kernel_size, stride
+        self.layout = _arrays.check_layout("MaxPool2d", layout)
+
+    def forward(self, x):
+        if self.layout == "NCHW":
+            return max_pool2d(x, self.kernel_size, self.stride)
+        return max_pool2d(x, self.kernel_size, self.stride, layout=self.layout)
+
+    def extra_repr(self):
+        return f"kernel_size={self.kernel_size}, stride={self.stride}"
+
+
+class Flatten(Module):
+    """``(N, ...) -> (N, prod(...))``."""
+
+    def forward(self, x):
+        return flatten(x)
+
+
+class GlobalAvgPool2d(Module):
+    """Mean over ``H, W``: ``(N, C, H, W) -> (N, C)``."""
+
+    def __init__(self, layout="NCHW"):
+        super().__init__()
+        self.layout = _arrays.check_layout("GlobalAvgPool2d", layout)
+
+    def forward(self, x):
+        if self.layout == "NCHW":
+            return global_avg_pool2d(x)
+        return global_avg_pool2d(x, layout=self.layout)
+
+
+# --------------------------------------------------------------------------- fused layers
+
+class Conv2dBiasReLU(Module):
+    """Fused ``relu(conv2d(x, w) + b)``; same parameters and init as ``Conv2d``."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
+                 dilation=1, bias=True, layout="NCHW", *, dtype=DEFAULT_DTYPE, rng=None):
+        super().__init__()
+        self.in_channels, self.out_channels, self.kernel_size = (in_channels, out_channels,
+                                                                 kernel_size)
+        self.stride, self.padding, self.dilation = stride, padding, dilation
+        self.layout = _arrays.check_layout("Conv2dBiasReLU", layout)
+        w, fan_in = _conv_weight(in_channels, out_channels, kernel_size, dtype, rng)
+        self.weight = _param(w)
+        self.bias = _param(init.bias_uniform(out_channels, fan_in, dtype, rng)) if bias else None
+
+    def forward(self, x):
+        return conv_bias_relu(x, self.weight, self.bias, stride=self.stride,
+                              padding=self.padding, dilation=self.dilation, layout=self.layout)
+
+    def extra_repr(self):
+        return _geometry_repr(self) + f", bias={self.bias is not None}"
+
+
+class BatchNormAddReLU(Module):
+    """Fused ``relu(batchnorm(x) + z)``, called as ``m(x, z)``; same state as ``BatchNorm2d``."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, layout="NCHW", *,
+                 dtype=DEFAULT_DTYPE):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.layout = _arrays.check_layout("BatchNormAddReLU", layout)
+        _batchnorm_state(self, num_features, dtype)
+
+    def forward(self, x, z):
+        return batchnorm_add_relu(x, z, self.gamma, self.beta, running_mean=self.running_mean,
+                                  running_var=self.running_var, training=self.training,
+                                  momentum=self.momentum, eps=self.eps, layout=self.layout)
+
+    def extra_repr(self):
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+
+
+class ConvBatchNormReLU(Module):
+    """Fused conv (no bias) -> batch norm [-> relu].
+
+    Training saves only the conv input (the conv is recomputed in backward); ``eval()``
+    folds the batch norm into the conv's weights and bias. Parameters: ``weight`` (as
+    ``Conv2d(bias=False)``), ``gamma``, ``beta``; buffers ``running_mean``, ``running_var``.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
+                 dilation=1, relu=True, eps=1e-5, momentum=0.1, layout="NCHW", *,
+                 dtype=DEFAULT_DTYPE, rng=None):
+        super().__init__()
+        self.in_channels, self.out_channels, self.kernel_size = (in_channels, out_channels,
+                                                                 kernel_size)
+        self.stride, self.padding, self.dilation = stride, padding, dilation
+        self.relu, self.eps, self.momentum = bool(relu), eps, momentum
+        self.layout = _arrays.check_layout("ConvBatchNormReLU", layout)
+        self.weight = _param(_conv_weight(in_channels, out_channels, kernel_size, dtype, rng)[0])
+        _batchnorm_state(self, out_channels, dtype)
+
+    def forward(self, x):
+        return conv_batchnorm_relu(
+            x, self.weight, self.gamma, self.beta, running_mean=self.running_mean,
+            running_var=self.running_var, training=self.training, momentum=self.momentum,
+            eps=self.eps, stride=self.stride, padding=self.padding, dilation=self.dilation,
+            relu=self.relu, layout=self.layout)
+
+    def extra_repr(self):
+        return _geometry_repr(self) + f", relu={self.relu}"
+
+
+__all__ = ["Module", "Sequential", "Conv2d", "BatchNorm2d", "ReLU", "Linear", "MaxPool2d",
+           "Flatten", "GlobalAvgPool2d", "Conv2dBiasReLU", "BatchNormAddReLU",
+           "ConvBatchNormReLU", "init"]
