@@ -146,7 +146,7 @@ def resolve_padding(size, k, stride, dilation, padding):
 
 
 def conv_output_size(size, k, stride=1, padding=0, dilation=1):
-    """Output size of one spatial dimension: (size + begin + end - dilation*(k-1) - 1)//stride + 1."""
+    """Output size of one dimension: (size + begin + end - dilation*(k-1) - 1) // stride + 1."""
     begin, end = resolve_padding(size, k, stride, dilation, padding)
     return (size + begin + end - dilation * (k - 1) - 1) // stride + 1
 
