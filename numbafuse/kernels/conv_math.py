@@ -1,0 +1,54 @@
+"""Index math of a convolution, shared by the CPU and the CUDA conv kernels.
+
+Plain Python (no decorators): ``kernels/cpu/conv.py`` wraps these with ``cpu_scalar`` and
+``kernels/cuda/conv.py`` with ``cuda_scalar``, so both backends agree on every index by
+construction.
+
+A convolution's geometry travels to the kernels as one tuple of ints, ``geo`` (see
+``GEO_FIELDS``); ``nhwc`` is 1 for the NHWC layout, 0 for NCHW. Notation: N batch, C input
+channels, H/W input size, K filters, R/S filter size, P/Q output size, sh/sw stride, ph/pw
+top/left padding, dh/dw dilation.
+"""
+
+GEO_FIELDS = ("N", "C", "H", "W", "K", "R", "S", "P", "Q", "sh", "sw", "ph", "pw", "dh", "dw",
+              "nhwc")
+GEO_LEN = len(GEO_FIELDS)
+
+
+def act_offset(n, c, h, w, C, H, W, nhwc):
+    """Flat offset of element (n, c, h, w) of a contiguous activation of C channels, H x W."""
+    if nhwc:
+        return ((n * H + h) * W + w) * C + c
+    return ((n * C + c) * H + h) * W + w
+
+
+def input_coord(o, t, stride, pad, dilation):
+    """Input row (or column) read by output position ``o`` through filter tap ``t``."""
+    return o * stride - pad + t * dilation
+
+
+def output_coord(i, t, stride, pad, dilation, size):
+    """Output position ``o`` whose tap ``t`` reads input position ``i``, or -1 if there is none.
+
+    Inverse of :func:`input_coord`: ``i = o*stride - pad + t*dilation`` with ``0 <= o < size``.
+    """
+    num = i + pad - t * dilation
+    if num < 0 or num % stride != 0:
+        return -1
+    o = num // stride
+    if o >= size:
+        return -1
+    return o
+
+
+def valid_range(t, stride, pad, dilation, size_in, size_out):
+    """``(lo, hi)``: the output positions ``lo <= o < hi`` whose tap ``t`` lands inside the input.
+
+    Outside that range the tap reads the zero padding. ``hi`` may be ``<= lo`` (no valid o).
+    """
+    off = t * dilation - pad                    # input position of output 0's tap t
+    lo = 0 if off >= 0 else (-off + stride - 1) // stride
+    hi = (size_in - 1 - off) // stride + 1 if size_in - 1 - off >= 0 else 0
+    if hi > size_out:
+        hi = size_out
+    return lo, hi
