@@ -1,29 +1,455 @@
-"""PLACEHOLDER: being written; replaced by the real module."""
+r"""The unfused ops a network needs around the fused layers: relu, linear, max_pool2d,
+global_avg_pool2d, flatten, squeeze and cross_entropy.
+
+One :class:`~numbafuse.autograd.Function` per op, its forward and backward side by side, and
+the public snake_case function at the bottom. ``forward`` validates (``_arrays``) before
+anything is allocated, normalises to C-contiguous arrays of one dtype, and hands them to the
+kernel module of the backend: ``kernels/cpu/basic.py`` for NumPy arrays,
+``kernels/cuda/basic.py`` for device arrays (both expose the same functions).
+
+Notation: N batch, C channels, H/W height/width, P/Q pooled height/width, kh/kw window,
+sh/sw stride, F_in/F_out linear features, L classes. Gradients: ``gy`` upstream, ``gx``...
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import _arrays
+from ..autograd import Function
 
 
-def relu(*args, **kwargs):
-    raise NotImplementedError("relu is not implemented yet")
+def _kernels(backend):
+    """The kernel module of ``backend``: same function names on the CPU and on the device."""
+    if backend == _arrays.CPU:
+        from ..kernels.cpu import basic
+    else:
+        from ..kernels.cuda import basic
+    return basic
 
 
-def linear(*args, **kwargs):
-    raise NotImplementedError("linear is not implemented yet")
+def _validated(op, **arrays):
+    """(backend, dtype) of one call's floating arrays: TypeError on a mix or a non-float."""
+    backend = _arrays.backend_of(op, **arrays)
+    return backend, _arrays.check_float_dtypes(op, **arrays)
 
 
-def max_pool2d(*args, **kwargs):
-    raise NotImplementedError("max_pool2d is not implemented yet")
+def _backend_of_array(a):
+    return _arrays.CPU if isinstance(a, np.ndarray) else _arrays.CUDA
 
 
-def global_avg_pool2d(*args, **kwargs):
-    raise NotImplementedError("global_avg_pool2d is not implemented yet")
+# --------------------------------------------------------------------------- relu
+
+class ReLU(Function):
+    r"""Rectified linear unit.
+
+    .. math::
+        y = \max(x, 0), \qquad gx = gy \cdot [y > 0]
+
+    The mask is read from the output ``y`` (saved), never from ``x``: the next layer usually
+    keeps ``y`` anyway, so the residual is free. A NaN input stays NaN.
+    """
+    name = "relu"
+
+    # fwd :: x -> (y, residuals=(y,))
+    def forward(self, x):
+        backend, _ = _validated(self.name, x=x)
+        y = _kernels(backend).relu_forward(_arrays.contiguous(x))
+        self.save_for_backward(y=y)
+        return y
+
+    # bwd :: (residuals=(y,), gy) -> (gx,)
+    def backward(self, gy):
+        if not self.needs_input_grad[0]:
+            return (None,)
+        y = self.saved.y
+        return (_kernels(_backend_of_array(y)).relu_backward(_arrays.contiguous(gy), y),)
 
 
-def flatten(*args, **kwargs):
-    raise NotImplementedError("flatten is not implemented yet")
+# --------------------------------------------------------------------------- linear
+
+class Linear(Function):
+    r"""Fully connected layer, PyTorch's convention: ``w`` is (F_out, F_in).
+
+    .. math::
+        y = x w^T + b, \qquad gx = gy\, w, \qquad gw = gy^T x, \qquad gb = \sum_n gy_{n,:}
+
+    CPU: BLAS (``@``); device: a shared-memory tiled matmul (``config.TILE``) and a
+    deterministic column sum for ``gb``.
+    """
+    name = "linear"
+
+    # fwd :: (x, w, b) -> (y, residuals=(x, w))
+    def forward(self, x, w, b):
+        op = self.name
+        backend, _ = _validated(op, x=x, w=w, b=b)
+        _arrays.check_ndim(op, "x", x, 2, "N, in_features")
+        _arrays.check_ndim(op, "w", w, 2, "out_features, in_features")
+        if w.shape[1] != x.shape[1]:
+            raise ValueError(f"{op}: w has {w.shape[1]} input features, x has {x.shape[1]}")
+        _arrays.check_vector(op, "b", b, w.shape[0])
+        x, w = _arrays.contiguous(x), _arrays.contiguous(w)
+        b = None if b is None else _arrays.contiguous(b)
+        self.save_for_backward(x=x, w=w)
+        return _kernels(backend).linear_forward(x, w, b)             # (N, F_out)
+
+    # bwd :: (residuals=(x, w), gy) -> (gx, gw, gb)
+    def backward(self, gy):
+        x, w = self.saved.x, self.saved.w
+        return _kernels(_backend_of_array(x)).linear_backward(_arrays.contiguous(gy), x, w,
+                                                              *self.needs_input_grad)
 
 
-def squeeze(*args, **kwargs):
-    raise NotImplementedError("squeeze is not implemented yet")
+# --------------------------------------------------------------------------- pooling
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Shapes of a pooling call, and the element strides kernels address both layouts with."""
+    N: int
+    C: int
+    H: int
+    W: int
+    P: int
+    Q: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    layout: str
+
+    @staticmethod
+    def _strides(layout, C, H, W):
+        # element strides (sN, sC, sH, sW) of a C-contiguous activation in ``layout``
+        if layout == "NCHW":
+            return (C * H * W, H * W, W, 1)
+        return (H * W * C, 1, W * C, C)
+
+    @property
+    def x_shape(self):
+        return (self.N, self.C, self.H, self.W) if self.layout == "NCHW" else (
+            self.N, self.H, self.W, self.C)
+
+    @property
+    def y_shape(self):
+        return (self.N, self.C, self.P, self.Q) if self.layout == "NCHW" else (
+            self.N, self.P, self.Q, self.C)
+
+    @property
+    def x_strides(self):
+        return self._strides(self.layout, self.C, self.H, self.W)
+
+    @property
+    def y_strides(self):
+        return self._strides(self.layout, self.C, self.P, self.Q)
 
 
-def cross_entropy(*args, **kwargs):
-    raise NotImplementedError("cross_entropy is not implemented yet")
+def _activation_dims(op, x, layout):
+    """(N, C, H, W) of a 4-d activation in ``layout``."""
+    _arrays.check_ndim(op, "x", x, 4, layout)
+    if layout == "NCHW":
+        N, C, H, W = x.shape
+    else:
+        N, H, W, C = x.shape
+    return N, C, H, W
+
+
+def pool_geometry(op, x, k, stride, layout):
+    """Validate a max-pool call and compute its :class:`PoolGeometry`."""
+    layout = _arrays.check_layout(op, layout)
+    N, C, H, W = _activation_dims(op, x, layout)
+    kh, kw = _arrays.pair(op, "k", k, 1)
+    sh, sw = (kh, kw) if stride is None else _arrays.pair(op, "stride", stride, 1)
+    if kh > H or kw > W:
+        raise ValueError(f"{op}: k: the {kh}x{kw} window is larger than the {H}x{W} input")
+    P, Q = (H - kh) // sh + 1, (W - kw) // sw + 1                    # floor, no padding
+    return PoolGeometry(N, C, H, W, P, Q, kh, kw, sh, sw, layout)
+
+
+class MaxPool2d(Function):
+    r"""Max pooling over ``k`` windows (stride defaults to ``k``), no padding, floor size.
+
+    .. math::
+        y_{n,c,p,q} = \max_{r<k_h,\,s<k_w} x_{n,c,p s_h + r,\,q s_w + s}, \qquad
+        gx_{n,c,h,w} = \sum_{(p,q):\ \operatorname{argmax}_{p,q} = (h,w)} gy_{n,c,p,q}
+
+    The gradient goes to the FIRST maximum (row-major) of each window, like PyTorch;
+    overlapping windows accumulate. Only ``x`` is saved and backward recomputes the argmax:
+    ``x`` is usually held anyway (the previous ReLU's output), while int32 indices would cost
+    as much as a float32 ``x`` for k == stride == 2.
+    """
+    name = "max_pool2d"
+
+    # fwd :: x -> (y, residuals=(x,))
+    def forward(self, x):
+        backend, _ = _validated(self.name, x=x)
+        self.geometry = pool_geometry(self.name, x, self.k, self.stride, self.layout)
+        x = _arrays.contiguous(x)
+        self.save_for_backward(x=x)
+        return _kernels(backend).max_pool2d_forward(x, self.geometry)
+
+    # bwd :: (residuals=(x,), gy) -> (gx,)
+    def backward(self, gy):
+        if not self.needs_input_grad[0]:
+            return (None,)
+        x = self.saved.x
+        return (_kernels(_backend_of_array(x)).max_pool2d_backward(
+            _arrays.contiguous(gy), x, self.geometry),)
+
+
+class GlobalAvgPool2d(Function):
+    r"""Mean over the spatial dimensions: (N, C, H, W) or (N, H, W, C) -> (N, C).
+
+    .. math::
+        y_{n,c} = \frac{1}{HW} \sum_{h,w} x_{n,c,h,w}, \qquad
+        gx_{n,c,h,w} = \frac{gy_{n,c}}{HW}
+
+    Nothing is saved but the input's shape.
+    """
+    name = "global_avg_pool2d"
+
+    # fwd :: x -> (y, residuals=())
+    def forward(self, x):
+        op = self.name
+        backend, self.dtype = _validated(op, x=x)
+        layout = _arrays.check_layout(op, self.layout)
+        N, C, H, W = _activation_dims(op, x, layout)
+        if H < 1 or W < 1:
+            raise ValueError(f"{op}: x has an empty spatial dimension, shape {tuple(x.shape)}")
+        self.geometry = PoolGeometry(N, C, H, W, 1, 1, H, W, H, W, layout)
+        return _kernels(backend).global_avg_pool2d_forward(_arrays.contiguous(x), self.geometry)
+
+    # bwd :: (residuals=(), gy) -> (gx,)
+    def backward(self, gy):
+        if not self.needs_input_grad[0]:
+            return (None,)
+        gy = _arrays.contiguous(gy)                                  # (N, C)
+        return (_kernels(_backend_of_array(gy)).global_avg_pool2d_backward(
+            gy, self.geometry, self.dtype),)
+
+
+# --------------------------------------------------------------------------- shape ops
+
+class Flatten(Function):
+    r"""(N, d1, d2, ...) -> (N, d1*d2*...): a view of the contiguous input.
+
+    .. math:: y = \operatorname{reshape}(x), \qquad gx = \operatorname{reshape}^{-1}(gy)
+    """
+    name = "flatten"
+
+    # fwd :: x -> (y, residuals=())
+    def forward(self, x):
+        _validated(self.name, x=x)
+        if len(x.shape) < 1:
+            raise ValueError(f"{self.name}: x must have a batch dimension, got a 0-d array")
+        self.x_shape = tuple(x.shape)
+        rest = int(np.prod(self.x_shape[1:], dtype=np.int64))
+        return _arrays.contiguous(x).reshape((self.x_shape[0], rest))     # (N, prod(rest))
+
+    # bwd :: (residuals=(), gy) -> (gx,)
+    def backward(self, gy):
+        if not self.needs_input_grad[0]:
+            return (None,)
+        return (_arrays.contiguous(gy).reshape(self.x_shape),)
+
+
+class Squeeze(Function):
+    r"""Drop the size-1 dimension ``axis``.
+
+    .. math:: y = \operatorname{reshape}(x), \qquad gx = \operatorname{reshape}^{-1}(gy)
+    """
+    name = "squeeze"
+
+    # fwd :: x -> (y, residuals=())
+    def forward(self, x):
+        op = self.name
+        _validated(op, x=x)
+        axis = self.axis
+        if not isinstance(axis, numbers.Integral) or isinstance(axis, bool):
+            raise TypeError(f"{op}: axis must be an int, got {axis!r}")
+        ndim = len(x.shape)
+        if not -ndim <= axis < ndim:
+            raise ValueError(f"{op}: axis {axis} is out of range for x of shape "
+                             f"{tuple(x.shape)}")
+        axis = int(axis) % ndim
+        if x.shape[axis] != 1:
+            raise ValueError(f"{op}: axis {axis} of x has size {x.shape[axis]}, not 1 "
+                             f"(shape {tuple(x.shape)})")
+        self.x_shape = tuple(x.shape)
+        y_shape = self.x_shape[:axis] + self.x_shape[axis + 1:]
+        return _arrays.contiguous(x).reshape(y_shape)
+
+    # bwd :: (residuals=(), gy) -> (gx,)
+    def backward(self, gy):
+        if not self.needs_input_grad[0]:
+            return (None,)
+        return (_arrays.contiguous(gy).reshape(self.x_shape),)
+
+
+# --------------------------------------------------------------------------- loss
+
+class CrossEntropy(Function):
+    r"""Softmax cross-entropy of ``logits`` (N, L) against integer ``labels`` (N,), mean over
+    the batch: a 0-d array.
+
+    .. math::
+        \mathrm{lse}_n = m_n + \log \sum_j e^{z_{n,j} - m_n},\ m_n = \max_j z_{n,j}, \qquad
+        y = \frac{1}{N} \sum_n (\mathrm{lse}_n - z_{n,\mathrm{label}_n})
+
+        gz_{n,j} = \frac{gy}{N} \left(e^{z_{n,j} - \mathrm{lse}_n} - [j = \mathrm{label}_n]\right)
+
+    Saved: ``logits``, ``labels`` and the row log-sum-exps ``lse`` (N,) in float64. ``labels``
+    (int32/int64, host or device, like ``logits``) are not differentiable.
+    """
+    name = "cross_entropy"
+
+    # fwd :: (logits, labels) -> (y, residuals=(logits, labels, lse))
+    def forward(self, logits, labels):
+        op = self.name
+        backend = _arrays.backend_of(op, logits=logits, labels=labels)
+        _arrays.check_float_dtypes(op, logits=logits)
+        _arrays.check_ndim(op, "logits", logits, 2, "N, classes")
+        if labels is None:
+            raise TypeError(f"{op}: labels must be an integer array, got None")
+        label_dtype = np.dtype(labels.dtype)
+        if not np.issubdtype(label_dtype, np.integer):
+            raise TypeError(f"{op}: labels must be integers, got {label_dtype}")
+        N, L = logits.shape
+        if tuple(labels.shape) != (N,):
+            raise ValueError(f"{op}: labels must have shape ({N},) (one per row of logits), "
+                             f"got {tuple(labels.shape)}")
+        if N < 1 or L < 1:
+            raise ValueError(f"{op}: logits must have at least one row and one class, "
+                             f"got shape {tuple(logits.shape)}")
+        kernels = _kernels(backend)
+        if backend == _arrays.CPU:
+            labels = np.ascontiguousarray(labels, dtype=np.int64)
+        else:
+            labels = _arrays.contiguous(labels)
+        if kernels.count_bad_labels(labels, L):
+            raise ValueError(f"{op}: labels must lie in [0, {L}) for {L} classes")
+        logits = _arrays.contiguous(logits)
+        loss, lse = kernels.cross_entropy_forward(logits, labels)
+        self.save_for_backward(logits=logits, labels=labels, lse=lse)
+        return loss
+
+    # bwd :: (residuals=(logits, labels, lse), gy) -> (glogits, None)
+    def backward(self, gy):
+        if not self.needs_input_grad[0]:
+            return (None, None)
+        s = self.saved
+        return (_kernels(_backend_of_array(s.logits)).cross_entropy_backward(
+            gy, s.logits, s.labels, s.lse), None)
+
+
+# --------------------------------------------------------------------------- public functions
+
+def relu(x):
+    """Elementwise ``max(x, 0)`` (NaN stays NaN).
+
+    Parameters
+    ----------
+    x : array or Tensor
+        NumPy or CUDA array (any shape), float32 or float64.
+
+    Examples
+    --------
+    >>> import numpy as np, numbafuse as nf
+    >>> nf.relu(np.array([-1.0, 0.0, 2.0]))
+    array([0., 0., 2.])
+    """
+    return ReLU().apply(x)
+
+
+def linear(x, w, b=None):
+    """Fully connected layer ``y = x @ w.T + b``.
+
+    Parameters
+    ----------
+    x : array or Tensor, (N, in_features)
+    w : array or Tensor, (out_features, in_features)
+    b : array or Tensor, (out_features,), optional
+
+    Returns
+    -------
+    (N, out_features), same dtype and device as ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np, numbafuse as nf
+    >>> nf.linear(np.ones((2, 3)), np.ones((4, 3)), np.arange(4.0))
+    array([[3., 4., 5., 6.],
+           [3., 4., 5., 6.]])
+    """
+    return Linear().apply(x, w, b)
+
+
+def max_pool2d(x, k, stride=None, *, layout="NCHW"):
+    """Max pooling over ``k`` x ``k`` windows (``k`` an int or an ``(h, w)`` pair).
+
+    ``stride`` defaults to ``k``; no padding; the output size is rounded down. The gradient
+    goes to the first maximum of each window (row-major), like PyTorch.
+
+    Examples
+    --------
+    >>> import numpy as np, numbafuse as nf
+    >>> nf.max_pool2d(np.arange(16.0).reshape(1, 1, 4, 4), 2)
+    array([[[[ 5.,  7.],
+             [13., 15.]]]])
+    """
+    return MaxPool2d(k=k, stride=stride, layout=layout).apply(x)
+
+
+def global_avg_pool2d(x, *, layout="NCHW"):
+    """Mean over height and width: a 4-d activation in ``layout`` -> (N, C).
+
+    Examples
+    --------
+    >>> import numpy as np, numbafuse as nf
+    >>> nf.global_avg_pool2d(np.arange(8.0).reshape(1, 2, 2, 2))
+    array([[1.5, 5.5]])
+    """
+    return GlobalAvgPool2d(layout=layout).apply(x)
+
+
+def flatten(x):
+    """(N, ...) -> (N, prod(...)), a view of the (contiguous) input.
+
+    Examples
+    --------
+    >>> import numpy as np, numbafuse as nf
+    >>> nf.flatten(np.zeros((2, 3, 4, 5))).shape
+    (2, 60)
+    """
+    return Flatten().apply(x)
+
+
+def squeeze(x, axis):
+    """Remove dimension ``axis``, which must have size 1 (else ``ValueError``).
+
+    Examples
+    --------
+    >>> import numpy as np, numbafuse as nf
+    >>> nf.squeeze(np.zeros((2, 1, 3)), 1).shape
+    (2, 3)
+    """
+    return Squeeze(axis=axis).apply(x)
+
+
+def cross_entropy(logits, labels):
+    """Mean softmax cross-entropy over the batch, a 0-d array (numerically stable).
+
+    Parameters
+    ----------
+    logits : array or Tensor, (N, classes), float32 or float64
+    labels : int array, (N,), each in ``[0, classes)``; on the same device as ``logits``;
+        not differentiable.
+
+    Examples
+    --------
+    >>> import numpy as np, numbafuse as nf
+    >>> float(nf.cross_entropy(np.zeros((2, 4)), np.array([0, 3])))  # log(4)
+    1.3862943611198906
+    """
+    return CrossEntropy().apply(logits, labels)

@@ -1,0 +1,251 @@
+"""CPU kernels of the unfused ops: relu, linear, max_pool2d, global_avg_pool2d, cross_entropy.
+
+Every function here takes C-contiguous arrays of one float dtype (``ops/basic.py`` validates and
+normalises) and returns new arrays. ``kernels/cuda/basic.py`` has the same functions, with the
+same names and arguments, for device arrays: ``ops/basic.py`` picks one module per call.
+
+Activations are handled as flat ``(n,)`` buffers addressed through *element strides*
+``(sN, sC, sH, sW)``, so one compiled kernel serves both layouts (see ``ops.basic.PoolGeometry``).
+
+Scalar math shared with the CUDA kernels is written once, below, as plain Python (no
+decorators) and wrapped per target (``scalar.cpu_scalar`` here, ``scalar.cuda_scalar`` in
+``kernels/cuda/basic.py``).
+
+Notation: N batch, C channels, H/W input height/width, P/Q pooled height/width,
+kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
+"""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .. import scalar
+
+
+# --------------------------------------------------------------------------- shared scalar math
+# Plain Python: wrapped with cpu_scalar here and cuda_scalar in kernels/cuda/basic.py.
+
+def first_max_offset(x, start, kh, kw, s_h, s_w):
+    """Flat offset in ``x`` of the FIRST maximum (row-major) of the kh x kw window at ``start``.
+
+    ``s_h``/``s_w`` are the element strides of a window row/column. A NaN wins over numbers
+    and the first NaN is kept (``np.argmax`` semantics, so NaN propagates like PyTorch).
+    """
+    best_off = start
+    best = x[start]
+    for r in range(kh):
+        for s in range(kw):
+            off = start + r * s_h + s * s_w
+            v = x[off]
+            if best == best and (v > best or v != v):  # best not NaN, and v larger or NaN
+                best = v
+                best_off = off
+    return best_off
+
+
+def row_logsumexp(logits, n, L):
+    """log(sum_j exp(logits[n, j])), stable: shifted by the row max. Accumulates in float64."""
+    m = logits[n, 0]
+    for j in range(1, L):
+        if logits[n, j] > m:
+            m = logits[n, j]
+    acc = 0.0
+    for j in range(L):
+        acc += math.exp(logits[n, j] - m)
+    return m + math.log(acc)
+
+
+def xent_grad(logit, lse, is_target, scale):
+    """d loss / d logit = scale * (softmax - onehot), softmax = exp(logit - lse)."""
+    return scale * (math.exp(logit - lse) - (1.0 if is_target else 0.0))
+
+
+_relu = scalar.cpu_scalar(scalar.relu)
+_relu_grad = scalar.cpu_scalar(scalar.relu_grad)
+_first_max_offset = scalar.cpu_scalar(first_max_offset)
+_row_logsumexp = scalar.cpu_scalar(row_logsumexp)
+_xent_grad = scalar.cpu_scalar(xent_grad)
+
+
+# --------------------------------------------------------------------------- relu
+
+@njit(parallel=True, cache=True)
+def _relu_fwd(x, y):
+    # x, y: (n,)
+    for i in prange(x.size):
+        y[i] = _relu(x[i])
+
+
+@njit(parallel=True, cache=True)
+def _relu_bwd(gy, y, gx):
+    # gy, y, gx: (n,); the mask comes from the output y
+    for i in prange(gy.size):
+        gx[i] = _relu_grad(gy[i], y[i])
+
+
+# fwd :: x -> y
+def relu_forward(x):
+    y = np.empty_like(x)
+    _relu_fwd(x.reshape(-1), y.reshape(-1))                         # (n,) views
+    return y
+
+
+# bwd :: (y, gy) -> gx
+def relu_backward(gy, y):
+    gx = np.empty_like(y)
+    _relu_bwd(gy.reshape(-1), y.reshape(-1), gx.reshape(-1))         # (n,) views
+    return gx
+
+
+# --------------------------------------------------------------------------- linear (BLAS)
+
+# fwd :: (x, w, b) -> y
+def linear_forward(x, w, b):
+    """x (N, F_in), w (F_out, F_in), b (F_out,) or None -> y (N, F_out) = x @ w.T + b."""
+    y = x @ w.T                                                      # (N, F_out)
+    if b is not None:
+        y += b
+    return y
+
+
+# bwd :: (x, w, gy) -> (gx, gw, gb)
+def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
+    """gx = gy @ w (N, F_in), gw = gy.T @ x (F_out, F_in), gb = sum_n gy (F_out,)."""
+    gx = gy @ w if need_gx else None
+    gw = gy.T @ x if need_gw else None                               # gy.T: (F_out, N)
+    gb = gy.sum(axis=0, dtype=np.float64).astype(gy.dtype) if need_gb else None
+    return gx, gw, gb
+
+
+# --------------------------------------------------------------------------- max_pool2d
+# Nothing but x is saved: backward recomputes each window's first argmax from x. x is usually
+# held anyway (the preceding ReLU's output), while an int32 argmax would cost N*C*P*Q*4 bytes
+# more: as much as a float32 x when k == stride == 2.
+
+@njit(parallel=True, cache=True)
+def _max_pool_fwd(x, y, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
+                  ys_n, ys_c, ys_h, ys_w):
+    # x: (N*C*H*W,), y: (N*C*P*Q,), both flat in their layout; xs_*/ys_*: element strides
+    for nc in prange(N * C):
+        n, c = nc // C, nc % C
+        x0, y0 = n * xs_n + c * xs_c, n * ys_n + c * ys_c
+        for p in range(P):
+            for q in range(Q):
+                off = _first_max_offset(x, x0 + p * sh * xs_h + q * sw * xs_w, kh, kw, xs_h,
+                                        xs_w)
+                y[y0 + p * ys_h + q * ys_w] = x[off]
+
+
+@njit(parallel=True, cache=True)
+def _max_pool_bwd(gy, x, gx, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
+                  ys_n, ys_c, ys_h, ys_w):
+    # gy: (N*C*P*Q,), x, gx: (N*C*H*W,) flat, gx zeroed. One (n, c) plane per iteration: the
+    # planes are disjoint, so overlapping windows (stride < k) scatter without races.
+    for nc in prange(N * C):
+        n, c = nc // C, nc % C
+        x0, y0 = n * xs_n + c * xs_c, n * ys_n + c * ys_c
+        for p in range(P):
+            for q in range(Q):
+                off = _first_max_offset(x, x0 + p * sh * xs_h + q * sw * xs_w, kh, kw, xs_h,
+                                        xs_w)
+                gx[off] += gy[y0 + p * ys_h + q * ys_w]
+
+
+def _pool_args(g):
+    return (g.N, g.C, g.P, g.Q, g.kh, g.kw, g.sh, g.sw) + g.x_strides + g.y_strides
+
+
+# fwd :: (x, geometry) -> y
+def max_pool2d_forward(x, g):
+    y = np.empty(g.y_shape, x.dtype)
+    _max_pool_fwd(x.reshape(-1), y.reshape(-1), *_pool_args(g))
+    return y
+
+
+# bwd :: (x, gy, geometry) -> gx
+def max_pool2d_backward(gy, x, g):
+    gx = np.zeros_like(x)
+    _max_pool_bwd(gy.reshape(-1), x.reshape(-1), gx.reshape(-1), *_pool_args(g))
+    return gx
+
+
+# --------------------------------------------------------------------------- global_avg_pool2d
+
+@njit(parallel=True, cache=True)
+def _gap_fwd(x, y, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
+    # x: (N*C*H*W,) flat in its layout, y: (N*C,) = (N, C) row-major
+    inv = 1.0 / (H * W)
+    for nc in prange(N * C):
+        x0 = (nc // C) * xs_n + (nc % C) * xs_c
+        acc = 0.0                                                    # float64 accumulator
+        for h in range(H):
+            for w in range(W):
+                acc += x[x0 + h * xs_h + w * xs_w]
+        y[nc] = acc * inv
+
+
+@njit(parallel=True, cache=True)
+def _gap_bwd(gy, gx, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
+    # gy: (N*C,), gx: (N*C*H*W,) flat in its layout
+    inv = 1.0 / (H * W)
+    for nc in prange(N * C):
+        x0 = (nc // C) * xs_n + (nc % C) * xs_c
+        g = gy[nc] * inv
+        for h in range(H):
+            for w in range(W):
+                gx[x0 + h * xs_h + w * xs_w] = g
+
+
+# fwd :: (x, geometry) -> y (N, C)
+def global_avg_pool2d_forward(x, g):
+    y = np.empty((g.N, g.C), x.dtype)
+    _gap_fwd(x.reshape(-1), y.reshape(-1), g.N, g.C, g.H, g.W, *g.x_strides)
+    return y
+
+
+# bwd :: (gy (N, C), geometry) -> gx
+def global_avg_pool2d_backward(gy, g, dtype):
+    gx = np.empty(g.x_shape, dtype)
+    _gap_bwd(gy.reshape(-1), gx.reshape(-1), g.N, g.C, g.H, g.W, *g.x_strides)
+    return gx
+
+
+# --------------------------------------------------------------------------- cross_entropy
+
+@njit(parallel=True, cache=True)
+def _xent_fwd(logits, labels, nll, lse):
+    # logits: (N, L), labels: (N,) int, nll, lse: (N,) float64
+    N, L = logits.shape
+    for n in prange(N):
+        lse[n] = _row_logsumexp(logits, n, L)
+        nll[n] = lse[n] - logits[n, labels[n]]
+
+
+@njit(parallel=True, cache=True)
+def _xent_bwd(logits, labels, lse, scale, glogits):
+    # logits, glogits: (N, L), labels: (N,) int, lse: (N,) float64; scale = gy / N
+    N, L = logits.shape
+    for n in prange(N):
+        for j in range(L):
+            glogits[n, j] = _xent_grad(logits[n, j], lse[n], j == labels[n], scale)
+
+
+def count_bad_labels(labels, L):
+    """How many labels fall outside [0, L)."""
+    return int(np.count_nonzero((labels < 0) | (labels >= L)))
+
+
+# fwd :: (logits, labels) -> (loss, residuals=(lse,))
+def cross_entropy_forward(logits, labels):
+    """0-d mean over rows of lse - logit[label], and the row log-sum-exps (N,) float64."""
+    N = logits.shape[0]
+    nll, lse = np.empty(N), np.empty(N)                              # (N,) float64
+    _xent_fwd(logits, labels, nll, lse)
+    return np.asarray(nll.sum() / N, dtype=logits.dtype), lse
+
+
+# bwd :: (logits, labels, lse, gy) -> glogits
+def cross_entropy_backward(gy, logits, labels, lse):
+    glogits = np.empty_like(logits)                                  # (N, L)
+    _xent_bwd(logits, labels, lse, float(gy) / logits.shape[0], glogits)
+    return glogits

@@ -1,0 +1,358 @@
+"""numba.cuda kernels of the unfused ops: relu, linear, max_pool2d, global_avg_pool2d,
+cross_entropy.
+
+The host-side functions at the bottom have the same names and arguments as those of
+``kernels/cpu/basic.py``; they take C-contiguous device arrays of one float dtype and return
+device arrays (no host round trip, except the one-integer label check of cross_entropy).
+
+Activations are flat ``(n,)`` buffers addressed through element strides ``(sN, sC, sH, sW)``,
+so one compiled kernel serves both layouts. Every reduction is deterministic: each output is
+summed by one thread in a fixed order, or by one block's shared-memory tree; there are no
+float atomics. Launch sizes come from ``config`` at launch time; shared-array shapes from the
+compile-time constants ``BLOCK`` and ``TILE``.
+
+Notation: N batch, C channels, H/W input height/width, P/Q pooled height/width,
+kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
+"""
+import numpy as np
+from numba import cuda, float64, int32, int64
+
+from .. import scalar
+from ..cpu import basic as cpu_basic  # the plain-Python scalar math shared with the CPU
+from . import config
+
+BLOCK = config.BLOCK
+TILE = config.TILE
+
+_relu = scalar.cuda_scalar(scalar.relu)
+_relu_grad = scalar.cuda_scalar(scalar.relu_grad)
+_first_max_offset = scalar.cuda_scalar(cpu_basic.first_max_offset)
+_row_logsumexp = scalar.cuda_scalar(cpu_basic.row_logsumexp)
+_xent_grad = scalar.cuda_scalar(cpu_basic.xent_grad)
+
+
+# --------------------------------------------------------------------------- relu
+
+@cuda.jit(cache=True)
+def _relu_fwd(x, y):
+    # x, y: (n,)
+    for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+        y[i] = _relu(x[i])
+
+
+@cuda.jit(cache=True)
+def _relu_bwd(gy, y, gx):
+    # gy, y, gx: (n,); the mask comes from the output y
+    for i in range(cuda.grid(1), gy.size, cuda.gridsize(1)):
+        gx[i] = _relu_grad(gy[i], y[i])
+
+
+# --------------------------------------------------------------------------- linear
+
+@cuda.jit(cache=True)
+def _matmul_tiled(a, b, bias, out, trans_a, trans_b, has_bias):
+    # out (M, Nc) = op(a) @ op(b) (+ bias[None, :]);  op(a): (M, Kd), op(b): (Kd, Nc)
+    # a: (Kd, M) if trans_a else (M, Kd);  b: (Nc, Kd) if trans_b else (Kd, Nc);  bias: (Nc,)
+    # A (TILE, TILE) block computes one TILE x TILE tile of out per iteration of a grid-stride
+    # loop over tiles; loop bounds depend on the block only, so all its threads reach every
+    # syncthreads. Tiles and the accumulator are float64.
+    a_tile = cuda.shared.array((TILE, TILE), float64)
+    b_tile = cuda.shared.array((TILE, TILE), float64)
+    ty, tx = cuda.threadIdx.y, cuda.threadIdx.x
+    M, Nc = out.shape
+    Kd = a.shape[0] if trans_a else a.shape[1]
+    tiles_n = (Nc + TILE - 1) // TILE
+    n_tiles = ((M + TILE - 1) // TILE) * tiles_n
+    for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
+        i = (tile // tiles_n) * TILE + ty                            # row of out
+        j = (tile % tiles_n) * TILE + tx                             # column of out
+        acc = 0.0
+        for k0 in range(0, Kd, TILE):
+            ka, kb = k0 + tx, k0 + ty
+            if i < M and ka < Kd:
+                a_tile[ty, tx] = a[ka, i] if trans_a else a[i, ka]
+            else:
+                a_tile[ty, tx] = 0.0
+            if j < Nc and kb < Kd:
+                b_tile[ty, tx] = b[j, kb] if trans_b else b[kb, j]
+            else:
+                b_tile[ty, tx] = 0.0
+            cuda.syncthreads()  # both tiles are loaded before anyone multiplies
+            for kk in range(TILE):
+                acc += a_tile[ty, kk] * b_tile[kk, tx]
+            cuda.syncthreads()  # everyone is done reading before the next load overwrites
+        if i < M and j < Nc:
+            if has_bias:
+                acc += bias[j]
+            out[i, j] = acc
+
+
+@cuda.jit(cache=True)
+def _column_sums(g, out):
+    # g: (M, Nc), out: (Nc,); out[j] = sum_i g[i, j], one thread per column, rows in order
+    M, Nc = g.shape
+    for j in range(cuda.grid(1), Nc, cuda.gridsize(1)):
+        acc = 0.0
+        for i in range(M):
+            acc += g[i, j]
+        out[j] = acc
+
+
+def _matmul(a, b, bias, trans_a, trans_b, shape):
+    """``op(a) @ op(b) (+ bias)`` into a new (M, Nc) device array."""
+    out = cuda.device_array(shape, a.dtype)
+    if out.size == 0:
+        return out
+    n_tiles = -(-shape[0] // TILE) * -(-shape[1] // TILE)
+    blocks = max(1, min(config.max_blocks, n_tiles))
+    has_bias = bias is not None
+    bias = bias if has_bias else out.reshape(out.size)  # never read: a placeholder of the type
+    _matmul_tiled[blocks, (TILE, TILE)](a, b, bias, out, int(trans_a), int(trans_b),
+                                        int(has_bias))
+    return out
+
+
+# fwd :: (x, w, b) -> y
+def linear_forward(x, w, b):
+    """x (N, F_in), w (F_out, F_in), b (F_out,) or None -> y (N, F_out) = x @ w.T + b."""
+    return _matmul(x, w, b, False, True, (x.shape[0], w.shape[0]))
+
+
+# bwd :: (x, w, gy) -> (gx, gw, gb)
+def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
+    """gx = gy @ w (N, F_in), gw = gy.T @ x (F_out, F_in), gb = sum_n gy (F_out,)."""
+    gx = _matmul(gy, w, None, False, False, (x.shape[0], w.shape[1])) if need_gx else None
+    gw = _matmul(gy, x, None, True, False, (w.shape[0], w.shape[1])) if need_gw else None
+    gb = None
+    if need_gb:
+        gb = cuda.device_array(w.shape[0], gy.dtype)
+        blocks, threads = config.grid_1d(w.shape[0])
+        _column_sums[blocks, threads](gy, gb)
+    return gx, gw, gb
+
+
+# --------------------------------------------------------------------------- max_pool2d
+# Nothing but x is saved; backward recomputes each window's first argmax (see cpu/basic.py).
+
+@cuda.jit(cache=True)
+def _max_pool_fwd(x, y, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w, ys_n, ys_c, ys_h,
+                  ys_w):
+    # x: (N*C*H*W,), y: (N*C*P*Q,) flat in their layout; one thread per output, decoded in
+    # (n, c, p, q) order and addressed through the element strides
+    for o in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        q = o % Q
+        p = (o // Q) % P
+        c = (o // (P * Q)) % C
+        n = o // (C * P * Q)
+        start = n * xs_n + c * xs_c + p * sh * xs_h + q * sw * xs_w
+        y[n * ys_n + c * ys_c + p * ys_h + q * ys_w] = x[
+            _first_max_offset(x, start, kh, kw, xs_h, xs_w)]
+
+
+@cuda.jit(cache=True)
+def _max_pool_bwd(gy, x, gx, C, H, W, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
+                  ys_n, ys_c, ys_h, ys_w):
+    # gy: (N*C*P*Q,), x, gx: (N*C*H*W,) flat. A gather, one thread per gx element: it visits
+    # the windows that cover it and adds gy of those whose first max it is. No atomics, and
+    # overlapping windows (stride < k) add in a fixed order.
+    for e in range(cuda.grid(1), gx.size, cuda.gridsize(1)):
+        w = e % W
+        h = (e // W) % H
+        c = (e // (H * W)) % C
+        n = e // (C * H * W)
+        x_off = n * xs_n + c * xs_c + h * xs_h + w * xs_w
+        p_lo = 0 if h < kh else (h - kh + sh) // sh                 # first window row covering h
+        q_lo = 0 if w < kw else (w - kw + sw) // sw
+        p_hi = min(P - 1, h // sh)
+        q_hi = min(Q - 1, w // sw)
+        acc = 0.0
+        for p in range(p_lo, p_hi + 1):
+            for q in range(q_lo, q_hi + 1):
+                start = n * xs_n + c * xs_c + p * sh * xs_h + q * sw * xs_w
+                if _first_max_offset(x, start, kh, kw, xs_h, xs_w) == x_off:
+                    acc += gy[n * ys_n + c * ys_c + p * ys_h + q * ys_w]
+        gx[x_off] = acc
+
+
+# fwd :: (x, geometry) -> y
+def max_pool2d_forward(x, g):
+    y = cuda.device_array(g.y_shape, x.dtype)
+    blocks, threads = config.grid_1d(y.size)
+    _max_pool_fwd[blocks, threads](x.reshape(x.size), y.reshape(y.size), g.C, g.P, g.Q, g.kh,
+                                   g.kw, g.sh, g.sw, *g.x_strides, *g.y_strides)
+    return y
+
+
+# bwd :: (x, gy, geometry) -> gx
+def max_pool2d_backward(gy, x, g):
+    gx = cuda.device_array(x.shape, x.dtype)
+    blocks, threads = config.grid_1d(gx.size)
+    _max_pool_bwd[blocks, threads](gy.reshape(gy.size), x.reshape(x.size), gx.reshape(gx.size),
+                                   g.C, g.H, g.W, g.P, g.Q, g.kh, g.kw, g.sh, g.sw,
+                                   *g.x_strides, *g.y_strides)
+    return gx
+
+
+# --------------------------------------------------------------------------- global_avg_pool2d
+
+@cuda.jit(cache=True)
+def _gap_fwd(x, y, C, H, W, xs_n, xs_c, xs_h, xs_w):
+    # x: (N*C*H*W,) flat in its layout, y: (N*C,) = (N, C); one thread per output sums its
+    # H*W values in a fixed order (float64)
+    inv = 1.0 / (H * W)
+    for nc in range(cuda.grid(1), y.size, cuda.gridsize(1)):
+        x0 = (nc // C) * xs_n + (nc % C) * xs_c
+        acc = 0.0
+        for h in range(H):
+            for w in range(W):
+                acc += x[x0 + h * xs_h + w * xs_w]
+        y[nc] = acc * inv
+
+
+@cuda.jit(cache=True)
+def _gap_bwd(gy, gx, C, H, W, xs_n, xs_c, xs_h, xs_w):
+    # gy: (N*C,), gx: (N*C*H*W,) flat in its layout; one thread per gx element
+    inv = 1.0 / (H * W)
+    for e in range(cuda.grid(1), gx.size, cuda.gridsize(1)):
+        w = e % W
+        h = (e // W) % H
+        c = (e // (H * W)) % C
+        n = e // (C * H * W)
+        gx[n * xs_n + c * xs_c + h * xs_h + w * xs_w] = gy[n * C + c] * inv
+
+
+# fwd :: (x, geometry) -> y (N, C)
+def global_avg_pool2d_forward(x, g):
+    y = cuda.device_array((g.N, g.C), x.dtype)
+    blocks, threads = config.grid_1d(y.size)
+    _gap_fwd[blocks, threads](x.reshape(x.size), y.reshape(y.size), g.C, g.H, g.W,
+                              *g.x_strides)
+    return y
+
+
+# bwd :: (gy (N, C), geometry) -> gx
+def global_avg_pool2d_backward(gy, g, dtype):
+    gx = cuda.device_array(g.x_shape, dtype)
+    blocks, threads = config.grid_1d(gx.size)
+    _gap_bwd[blocks, threads](gy.reshape(gy.size), gx.reshape(gx.size), g.C, g.H, g.W,
+                              *g.x_strides)
+    return gx
+
+
+# --------------------------------------------------------------------------- cross_entropy
+
+@cuda.jit(cache=True)
+def _xent_rows(logits, labels, nll, lse):
+    # logits: (N, L), labels: (N,) int, nll, lse: (N,) float64; one thread per row
+    N, L = logits.shape
+    for n in range(cuda.grid(1), N, cuda.gridsize(1)):
+        lse[n] = _row_logsumexp(logits, n, L)
+        nll[n] = lse[n] - logits[n, labels[n]]
+
+
+@cuda.jit(cache=True)
+def _mean_one_block(values, scale, out):
+    # values: (n,) float64, out: (1,); out[0] = scale * sum(values). One block: each thread
+    # sums a strided share in order, then a shared-memory tree (blockDim.x a power of two)
+    buf = cuda.shared.array(BLOCK, float64)
+    t = cuda.threadIdx.x
+    acc = 0.0
+    for i in range(t, values.size, cuda.blockDim.x):
+        acc += values[i]
+    buf[t] = acc
+    cuda.syncthreads()  # every thread's partial is in buf
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if t < step:
+            buf[t] += buf[t + step]
+        cuda.syncthreads()  # this level of the tree is complete before the next reads it
+        step //= 2
+    if t == 0:
+        out[0] = buf[0] * scale
+
+
+@cuda.jit(cache=True)
+def _xent_bwd(logits, labels, lse, gy, scale, glogits):
+    # logits, glogits: (N, L), labels: (N,) int, lse: (N,) float64, gy: (1,) device scalar;
+    # glogits = gy * scale * (softmax - onehot), scale = 1/N; one thread per element
+    N, L = logits.shape
+    for e in range(cuda.grid(1), N * L, cuda.gridsize(1)):
+        n, j = e // L, e % L
+        glogits[n, j] = _xent_grad(logits[n, j], lse[n], j == labels[n], gy[0] * scale)
+
+
+@cuda.jit(cache=True)
+def _flag_bad_labels(labels, L, flag):
+    # labels: (N,) int, flag: (1,) int32 zeroed; any label outside [0, L) sets flag[0] = 1
+    # (every writer writes the same value, so the race is benign)
+    for n in range(cuda.grid(1), labels.size, cuda.gridsize(1)):
+        if labels[n] < 0 or labels[n] >= L:
+            flag[0] = 1
+
+
+def count_bad_labels(labels, L):
+    """1 if a label falls outside [0, L), else 0: the one integer read back to the host, since
+    refusing bad labels with a ValueError needs a host-side answer."""
+    flag = cuda.to_device(np.zeros(1, np.int32))
+    blocks, threads = config.grid_1d(labels.size)
+    _flag_bad_labels[blocks, threads](labels, L, flag)
+    return int(flag.copy_to_host()[0])
+
+
+# fwd :: (logits, labels) -> (loss, residuals=(lse,))
+def cross_entropy_forward(logits, labels):
+    """0-d mean over rows of lse - logit[label], and the row log-sum-exps (N,) float64."""
+    N = logits.shape[0]
+    nll, lse = cuda.device_array(N, np.float64), cuda.device_array(N, np.float64)
+    blocks, threads = config.grid_1d(N)
+    _xent_rows[blocks, threads](logits, labels, nll, lse)
+    loss = cuda.device_array(1, logits.dtype)
+    _mean_one_block[1, config.threads](nll, 1.0 / N, loss)
+    return loss.reshape(()), lse
+
+
+# bwd :: (logits, labels, lse, gy) -> glogits
+def cross_entropy_backward(gy, logits, labels, lse):
+    glogits = cuda.device_array(logits.shape, logits.dtype)         # (N, L)
+    blocks, threads = config.grid_1d(glogits.size)
+    _xent_bwd[blocks, threads](logits, labels, lse, gy.reshape(1), 1.0 / logits.shape[0],
+                               glogits)
+    return glogits
+
+
+# fwd :: x -> y
+def relu_forward(x):
+    y = cuda.device_array(x.shape, x.dtype)
+    if y.size:
+        blocks, threads = config.grid_1d(y.size)
+        _relu_fwd[blocks, threads](x.reshape(x.size), y.reshape(y.size))   # (n,) views
+    return y
+
+
+# bwd :: (y, gy) -> gx
+def relu_backward(gy, y):
+    gx = cuda.device_array(y.shape, y.dtype)
+    if gx.size:
+        blocks, threads = config.grid_1d(gx.size)
+        _relu_bwd[blocks, threads](gy.reshape(gy.size), y.reshape(y.size), gx.reshape(gx.size))
+    return gx
+
+
+# Every kernel above with the signatures it is compiled for, as a function of the numba float
+# type f; tests/test_ptx.py compiles each to PTX. Integer scalars (sizes, strides, flags) are
+# int64, as Python ints are; labels are int64 here (int32 labels compile on first use).
+_i = int64
+PTX_SIGNATURES = [
+    (_relu_fwd, lambda f: (f[::1], f[::1])),
+    (_relu_bwd, lambda f: (f[::1], f[::1], f[::1])),
+    (_matmul_tiled, lambda f: (f[:, ::1], f[:, ::1], f[::1], f[:, ::1], _i, _i, _i)),
+    (_column_sums, lambda f: (f[:, ::1], f[::1])),
+    (_max_pool_fwd, lambda f: (f[::1], f[::1]) + (_i,) * 15),
+    (_max_pool_bwd, lambda f: (f[::1], f[::1], f[::1]) + (_i,) * 17),
+    (_gap_fwd, lambda f: (f[::1], f[::1]) + (_i,) * 7),
+    (_gap_bwd, lambda f: (f[::1], f[::1]) + (_i,) * 7),
+    (_xent_rows, lambda f: (f[:, ::1], int64[::1], float64[::1], float64[::1])),
+    (_mean_one_block, lambda f: (float64[::1], float64, f[::1])),
+    (_xent_bwd, lambda f: (f[:, ::1], int64[::1], float64[::1], f[::1], float64, f[:, ::1])),
+    (_flag_bad_labels, lambda f: (int64[::1], _i, int32[::1])),
+]
