@@ -1,0 +1,230 @@
+"""numbafuse.nn layers and numbafuse.optim.SGD.
+
+Layer shapes, PyTorch-style init statistics, parameter/buffer registration, train/eval
+switching (running statistics move only in training), fused layers equal their unfused
+twins (same seed -> same weights), the folded eval path of ConvBatchNormReLU equals the
+unfused eval chain, and SGD against a hand computation (momentum, weight decay).
+"""
+import math
+
+import numpy as np
+import pytest
+
+import numbafuse as nf
+from numbafuse import nn, optim
+
+TOL = {np.float32: dict(rtol=1e-4, atol=1e-5), np.float64: dict(rtol=1e-10, atol=1e-12)}
+INIT_SAMPLES = (64, 64, 3, 3)   # a conv big enough for init statistics: 36864 weights
+
+
+def _x(rng, shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+# --------------------------------------------------------------------------- init
+
+def test_kaiming_uniform_matches_pytorch_default():
+    nn.init.seed(0)
+    K, C, R, S = INIT_SAMPLES
+    conv = nn.Conv2d(C, K, R)
+    bound = 1.0 / math.sqrt(C * R * S)          # kaiming_uniform(a=sqrt(5)) == 1/sqrt(fan_in)
+    w = conv.weight.numpy()
+    assert w.shape == (K, C, R, S) and w.dtype == np.float32
+    assert np.abs(w).max() <= bound
+    # U(-b, b): mean 0, variance b^2 / 3
+    assert abs(w.mean()) < 0.02 * bound
+    assert w.var() == pytest.approx(bound ** 2 / 3, rel=0.03)
+    b = conv.bias.numpy()
+    assert b.shape == (K,) and np.abs(b).max() <= bound
+
+
+def test_batchnorm_init_and_buffers():
+    bn = nn.BatchNorm2d(3)
+    np.testing.assert_array_equal(bn.gamma.numpy(), np.ones(3))
+    np.testing.assert_array_equal(bn.beta.numpy(), np.zeros(3))
+    np.testing.assert_array_equal(bn.running_mean, np.zeros(3))
+    np.testing.assert_array_equal(bn.running_var, np.ones(3))
+    assert [n for n, _ in bn.named_parameters()] == ["gamma", "beta"]
+    assert [n for n, _ in bn.named_buffers()] == ["running_mean", "running_var"]
+
+
+def test_seed_reproducible_and_rng_argument():
+    nn.init.seed(7)
+    a = nn.Linear(5, 3).weight.numpy()
+    nn.init.seed(7)
+    b = nn.Linear(5, 3).weight.numpy()
+    np.testing.assert_array_equal(a, b)
+    c = nn.Linear(5, 3, rng=np.random.default_rng(7)).weight.numpy()
+    np.testing.assert_array_equal(a, c)
+
+
+# --------------------------------------------------------------------------- Module mechanics
+
+def test_registration_parameters_and_modes():
+    m = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.ReLU(), nn.Flatten())
+    names = [n for n, _ in m.named_parameters()]
+    assert names == ["0.weight", "0.bias", "1.gamma", "1.beta"]
+    assert all(p.requires_grad for p in m.parameters())
+    assert len(m) == 4 and isinstance(m[1], nn.BatchNorm2d)
+    assert m.training and all(c.training for c in m)
+    m.eval()
+    assert not m.training and not any(c.training for c in m)
+    m.train()
+    assert all(c.training for c in m)
+    assert "Conv2d" in repr(m)
+
+
+def test_state_dict_round_trip():
+    nn.init.seed(1)
+    a = nn.ConvBatchNormReLU(2, 3, 3)
+    nn.init.seed(2)
+    b = nn.ConvBatchNormReLU(2, 3, 3)
+    b.running_mean[:] = 5.0
+    a.load_state_dict(b.state_dict())
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb
+        np.testing.assert_array_equal(pa.numpy(), pb.numpy())
+    np.testing.assert_array_equal(a.running_mean, 5.0)
+    with pytest.raises(KeyError):
+        a.load_state_dict({"weight": b.weight.numpy()})
+
+
+def test_zero_grad():
+    lin = nn.Linear(3, 2)
+    x = nf.Tensor(np.ones((4, 3), np.float32))
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None
+    lin.zero_grad()
+    assert all(p.grad is None for p in lin.parameters())
+
+
+# --------------------------------------------------------------------------- layer shapes
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_layer_shapes(rng, layout):
+    nn.init.seed(0)
+    shape = (2, 3, 8, 8) if layout == "NCHW" else (2, 8, 8, 3)
+    x = nf.Tensor(_x(rng, shape))
+    y = nn.Conv2d(3, 4, 3, stride=2, padding=1, layout=layout)(x)
+    assert y.shape == ((2, 4, 4, 4) if layout == "NCHW" else (2, 4, 4, 4))
+    y = nn.Conv2dBiasReLU(3, 5, 3, padding="same", layout=layout)(x)
+    assert y.shape == ((2, 5, 8, 8) if layout == "NCHW" else (2, 8, 8, 5))
+    y = nn.ConvBatchNormReLU(3, 5, (3, 1), padding=(1, 0), layout=layout)(x)
+    assert y.shape == ((2, 5, 8, 8) if layout == "NCHW" else (2, 8, 8, 5))
+    assert nn.MaxPool2d(2, layout=layout)(x).shape == (
+        (2, 3, 4, 4) if layout == "NCHW" else (2, 4, 4, 3))
+    assert nn.GlobalAvgPool2d(layout)(x).shape == (2, 3)
+    assert nn.Flatten()(x).shape == (2, 3 * 8 * 8)
+    assert nn.Linear(3, 7)(nn.GlobalAvgPool2d(layout)(x)).shape == (2, 7)
+    assert nn.BatchNormAddReLU(3, layout=layout)(x, x).shape == shape
+
+
+# --------------------------------------------------------------------------- train / eval
+
+def test_running_stats_move_only_in_training(rng):
+    bn = nn.BatchNorm2d(3)
+    x = _x(rng, (4, 3, 5, 5)) + 2.0
+    bn.eval()
+    bn(x)
+    np.testing.assert_array_equal(bn.running_mean, 0.0)
+    bn.train()
+    bn(x)
+    assert np.all(bn.running_mean > 0.1)
+
+
+def test_fused_layers_equal_unfused_twins(rng):
+    """Same seed -> same weights; outputs and gradients agree in train and eval mode."""
+    x = _x(rng, (3, 2, 6, 6), np.float64)
+    z = _x(rng, (3, 4, 6, 6), np.float64)
+    kw = dict(padding=1, dtype=np.float64)
+    nn.init.seed(3)
+    fused = nn.ConvBatchNormReLU(2, 4, 3, **kw)
+    nn.init.seed(3)
+    conv, bn = nn.Conv2d(2, 4, 3, bias=False, **kw), nn.BatchNorm2d(4, dtype=np.float64)
+    for mode in ("train", "eval", "train"):
+        getattr(fused, mode)()
+        getattr(bn, mode)()
+        xf, xu = nf.Tensor(x, requires_grad=True), nf.Tensor(x, requires_grad=True)
+        yf, yu = fused(xf), nf.relu(bn(conv(xu)))
+        np.testing.assert_allclose(yf.numpy(), yu.numpy(), **TOL[np.float64])
+        (yf * z).sum().backward()
+        (yu * z).sum().backward()
+        np.testing.assert_allclose(xf.grad, xu.grad, **TOL[np.float64])
+        np.testing.assert_allclose(fused.weight.grad, conv.weight.grad, **TOL[np.float64])
+        np.testing.assert_allclose(fused.gamma.grad, bn.gamma.grad, **TOL[np.float64])
+        for p in (fused.weight, fused.gamma, fused.beta, conv.weight, bn.gamma, bn.beta):
+            p.grad = None
+        np.testing.assert_allclose(fused.running_mean, bn.running_mean, **TOL[np.float64])
+        np.testing.assert_allclose(fused.running_var, bn.running_var, **TOL[np.float64])
+
+
+def test_folded_eval_equals_unfused_eval(rng):
+    nn.init.seed(4)
+    fused = nn.ConvBatchNormReLU(3, 4, 3, padding=1, relu=False)
+    fused.running_mean[:] = rng.standard_normal(4)
+    fused.running_var[:] = rng.uniform(0.5, 2.0, 4)
+    fused.gamma.data[:] = rng.uniform(0.5, 1.5, 4)
+    fused.beta.data[:] = rng.standard_normal(4)
+    fused.eval()
+    x = _x(rng, (2, 3, 7, 7))
+    y = fused(x)
+    h = nf.conv2d(x, fused.weight.data, padding=1)
+    expected = nf.batchnorm(h, fused.gamma.data, fused.beta.data,
+                            running_mean=fused.running_mean, running_var=fused.running_var,
+                            training=False)
+    np.testing.assert_allclose(y, expected, **TOL[np.float32])
+
+
+def test_batchnorm_add_relu_module_equals_chain(rng):
+    x, z = _x(rng, (2, 3, 4, 4), np.float64), _x(rng, (2, 3, 4, 4), np.float64)
+    fused, bn = nn.BatchNormAddReLU(3, dtype=np.float64), nn.BatchNorm2d(3, dtype=np.float64)
+    np.testing.assert_allclose(fused(x, z), nf.relu(nf.add(bn(x), z)), **TOL[np.float64])
+    np.testing.assert_allclose(fused.running_var, bn.running_var, **TOL[np.float64])
+
+
+# --------------------------------------------------------------------------- SGD
+
+def _sgd_by_hand(p0, grads, lr, momentum, wd):
+    p, buf = p0.astype(np.float64).copy(), None
+    for g in grads:
+        g = g + wd * p
+        buf = g.copy() if buf is None else momentum * buf + g
+        p = p - lr * (buf if momentum else g)
+    return p
+
+
+@pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 0.0), (0.0, 0.1), (0.9, 0.01)])
+def test_sgd_matches_hand_computation(rng, momentum, wd):
+    p0 = rng.standard_normal(5)
+    grads = [rng.standard_normal(5) for _ in range(3)]
+    p = nf.Tensor(p0.copy(), requires_grad=True)
+    opt = optim.SGD([p], lr=0.1, momentum=momentum, weight_decay=wd)
+    for g in grads:
+        opt.zero_grad()
+        assert p.grad is None
+        p.grad = g.copy()
+        opt.step()
+    np.testing.assert_allclose(p.data, _sgd_by_hand(p0, grads, 0.1, momentum, wd),
+                               rtol=1e-12, atol=1e-14)
+
+
+def test_sgd_updates_in_place_and_skips_missing_grads():
+    p = nf.Tensor(np.ones(3, np.float32), requires_grad=True)
+    q = nf.Tensor(np.ones(3, np.float32), requires_grad=True)
+    data = p.data
+    opt = optim.SGD([p, q], lr=0.5)
+    (p * p).sum().backward()
+    opt.step()
+    assert p.data is data and p.data.dtype == np.float32
+    np.testing.assert_allclose(p.data, 0.0)
+    np.testing.assert_array_equal(q.data, 1.0)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(lr=0.0), "lr"), (dict(lr=0.1, momentum=-1),
+                                                                  "momentum"),
+                                          (dict(lr=0.1, weight_decay=-1), "weight_decay")])
+def test_sgd_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=f"SGD: {match}"):
+        optim.SGD([nf.Tensor(np.ones(1), requires_grad=True)], **kwargs)
+    with pytest.raises(TypeError, match="SGD: params"):
+        optim.SGD([np.ones(1)], lr=0.1)
