@@ -24,11 +24,19 @@ Threading: every Numba kernel here is ``prange`` over independent rows/images wi
 inside; the GEMMs run outside any ``prange`` (NumPy's BLAS threads them itself), so the two
 thread pools never nest.
 """
-import numpy as np
-from numba import njit, prange
+import os
 
-from .. import conv_math
-from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
+# Numba's OpenMP workers and OpenBLAS's workers take turns on the same cores (im2col, GEMM,
+# epilogue, GEMM...). Spinning OpenMP workers then steal the cores from the GEMM: on 2 cores a
+# forward ran 10x slower. Passive waiting must be chosen before Numba starts its thread pool
+# (its first parallel launch); a user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+from .. import conv_math  # noqa: E402
+from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math  # noqa: E402
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -36,7 +44,7 @@ _input_coord = cpu_scalar(conv_math.input_coord)
 _output_coord = cpu_scalar(conv_math.output_coord)
 _valid_range = cpu_scalar(conv_math.valid_range)
 
-CHUNK_BYTES = 8 << 20   # target size of one chunk's im2col buffer
+CHUNK_BYTES = 16 << 20  # target size of one chunk's im2col buffer
 DB_PARTS = 16           # fixed row blocks of the NHWC bias-gradient reduction (deterministic)
 
 
@@ -371,3 +379,17 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
         dw = np.ascontiguousarray(dwt.reshape(R, S, C, K).transpose(3, 2, 0, 1)) if need_dw \
             else None
     return dx, dw, db.astype(dtype) if need_db else None
+
+
+# --------------------------------------------------------------------------- unfused bias_add
+
+def bias_add(x, b, layout):
+    """``x + b[c]`` for a contiguous 4-d ``x`` in ``layout`` and ``b`` (C,)."""
+    shape = (1, -1, 1, 1) if layout == "NCHW" else (1, 1, 1, -1)   # b broadcast over N, H, W
+    return x + b.reshape(shape)
+
+
+def channel_sum(gy, layout):
+    """Per-channel sum of a 4-d ``gy`` over N, H, W (float64 accumulation), shape (C,)."""
+    axes = (0, 2, 3) if layout == "NCHW" else (0, 1, 2)
+    return gy.sum(axis=axes, dtype=np.float64).astype(gy.dtype)
