@@ -1,0 +1,286 @@
+"""The tape itself (autograd.py, ops/arith.py, testing/gradcheck.py): Tensor basics, arithmetic
+and its gradients, accumulation, no_grad, saved_bytes, gradcheck, the foundation's bad-input
+rules, and the unfused Conv -> BiasAdd -> ReLU -> BatchNorm -> Add -> ReLU chain vs finite
+differences.
+
+Run: python -m pytest tests/test_autograd.py -q -p no:cacheprovider
+"""
+import numpy as np
+import pytest
+
+import numbafuse as nf
+from numbafuse.autograd import Function, Tensor
+from numbafuse.testing import GradcheckError
+
+TOL = dict(rtol=1e-12, atol=1e-12)   # float64 arithmetic on the host: exact up to rounding
+
+
+def t(a, requires_grad=True):
+    return Tensor(np.asarray(a, dtype=np.float64), requires_grad=requires_grad)
+
+
+class FakeDeviceArray:
+    """Looks like a CUDA array to the dispatcher; no GPU or simulator is needed, since mixing
+    it with a host array must be refused before anything touches it."""
+
+    def __init__(self, shape, dtype=np.float64):
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": self.dtype.str,
+                                         "data": (0, False), "version": 3}
+
+
+# --------------------------------------------------------------------------- Tensor basics
+
+def test_tensor_basics():
+    a = np.arange(6.0).reshape(2, 3)
+    x = Tensor(a, requires_grad=True)
+    assert x.data is a and x.grad is None and x.requires_grad
+    assert x.shape == (2, 3) and x.dtype == np.float64 and x.device == "cpu"
+    assert x.ndim == 2 and x.size == 6 and len(x) == 2
+    np.testing.assert_array_equal(x.numpy(), a)
+    d = x.detach()
+    assert isinstance(d, Tensor) and d.data is a and not d.requires_grad and d._fn is None
+    assert not Tensor([1.0, 2.0]).requires_grad                    # lists become arrays
+    assert Tensor(x).data is a                                      # a Tensor of a Tensor
+    assert Tensor(np.zeros(2, np.float32)).dtype == np.float32
+
+
+def test_operations_of_tensors_give_tensors_on_the_tape():
+    x = t([1.0, 2.0])
+    y = x * 2.0
+    assert isinstance(y, Tensor) and y.requires_grad and y._fn is not None
+    assert x._fn is None                                           # a leaf
+    c = t([1.0, 2.0], requires_grad=False) * 2.0
+    assert isinstance(c, Tensor) and not c.requires_grad and c._fn is None
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+XS = np.array([0.5, -1.5, 2.0])
+ZS = np.array([3.0, 0.25, -2.0])
+GY = np.array([1.0, -2.0, 0.5])
+
+ARITH = [
+    # (name, f(x, z), expected y, expected gx, expected gz)
+    ("add", lambda x, z: x + z, XS + ZS, GY, GY),
+    ("sub", lambda x, z: x - z, XS - ZS, GY, -GY),
+    ("mul", lambda x, z: x * z, XS * ZS, GY * ZS, GY * XS),
+    ("add scalar", lambda x, z: x + 3.0, XS + 3.0, GY, None),
+    ("radd scalar", lambda x, z: 3.0 + x, 3.0 + XS, GY, None),
+    ("sub scalar", lambda x, z: x - 3.0, XS - 3.0, GY, None),
+    ("rsub scalar", lambda x, z: 3.0 - x, 3.0 - XS, -GY, None),
+    ("mul scalar", lambda x, z: x * 3.0, XS * 3.0, 3.0 * GY, None),
+    ("rmul scalar", lambda x, z: 3.0 * x, 3.0 * XS, 3.0 * GY, None),
+    ("neg", lambda x, z: -x, -XS, -GY, None),
+    ("tensor op array", lambda x, z: x * ZS, XS * ZS, GY * ZS, None),
+    ("array op tensor", lambda x, z: ZS - x, ZS - XS, -GY, None),
+    ("nf.add", lambda x, z: nf.add(x, z), XS + ZS, GY, GY),
+]
+
+
+@pytest.mark.parametrize("f,y_expected,gx_expected,gz_expected",
+                         [a[1:] for a in ARITH], ids=[a[0] for a in ARITH])
+def test_arithmetic_and_its_gradients(f, y_expected, gx_expected, gz_expected):
+    x, z = t(XS), t(ZS)
+    y = f(x, z)
+    assert isinstance(y, Tensor)
+    np.testing.assert_allclose(y.data, y_expected, **TOL)
+    y.backward(GY)
+    np.testing.assert_allclose(x.grad, gx_expected, **TOL)
+    if gz_expected is None:
+        assert z.grad is None
+    else:
+        np.testing.assert_allclose(z.grad, gz_expected, **TOL)
+
+
+def test_sum_mean_reshape_and_their_gradients():
+    a = np.arange(6.0).reshape(2, 3)
+    x = t(a)
+    s = x.sum()
+    assert s.shape == () and s.item() == 15.0
+    s.backward()
+    np.testing.assert_array_equal(x.grad, np.ones((2, 3)))
+
+    x = t(a)
+    m = x.mean()
+    assert m.item() == 2.5
+    m.backward()
+    np.testing.assert_allclose(x.grad, np.full((2, 3), 1 / 6), **TOL)
+
+    x = t(a)
+    r = x.reshape(3, 2)
+    assert r.shape == (3, 2) and x.reshape((6,)).shape == (6,)
+    g = np.arange(6.0).reshape(3, 2) + 1
+    r.backward(g)
+    np.testing.assert_array_equal(x.grad, g.reshape(2, 3))
+
+
+def test_gradient_accumulates_when_a_tensor_is_used_twice():
+    x = t(XS)
+    (x * x).sum().backward()
+    np.testing.assert_allclose(x.grad, 2 * XS, **TOL)
+    x = t(XS)
+    (x + x).sum().backward()
+    np.testing.assert_allclose(x.grad, 2 * np.ones(3), **TOL)
+    x = t(XS)
+    y = x * 2.0
+    (y * x + y).sum().backward()                                   # x reached by three paths
+    np.testing.assert_allclose(x.grad, 4 * XS + 2, **TOL)
+
+
+def test_gradient_accumulates_across_backward_calls():
+    x = t(XS)
+    (x * 3.0).sum().backward()
+    (x * x).sum().backward()
+    np.testing.assert_allclose(x.grad, 3.0 + 2 * XS, **TOL)
+    x.zero_grad()
+    assert x.grad is None
+
+
+def test_leaves_do_not_share_one_gradient_array():
+    # y = x + z: both gradients equal gy, but mutating one (an in-place clip, an optimizer)
+    # must not change the other.
+    x, z = t(XS), t(ZS)
+    (x + z).backward(GY.copy())
+    assert x.grad is not z.grad
+
+
+def test_backward_without_grad_needs_a_one_element_tensor():
+    y = t(XS) * 2.0
+    with pytest.raises(ValueError, match="backward"):
+        y.backward()
+    with pytest.raises(ValueError, match="backward"):
+        y.backward(np.ones(2))                                     # wrong shape
+
+
+def test_no_grad_records_nothing():
+    x = t(XS)
+    with nf.no_grad():
+        y = (x * x).sum()
+    assert isinstance(y, Tensor) and not y.requires_grad and y._fn is None
+    assert nf.saved_bytes(y) == 0
+    y = (x * x).sum()                                              # recording is back on
+    assert y.requires_grad and nf.saved_bytes(y) > 0
+
+
+def test_saved_bytes_counts_a_shared_array_once():
+    x, z, w = t(np.ones(100)), t(np.ones(100)), t(np.ones(100))
+    y = x * z + x * w                                               # both Muls save x.data
+    assert nf.saved_bytes(y) == 3 * 800
+    assert nf.saved_bytes(x * z) == 2 * 800
+
+
+# --------------------------------------------------------------------------- gradcheck
+
+class Cube(Function):
+    """y = x**3, with a correct or a deliberately wrong backward."""
+    name = "cube"
+
+    def forward(self, x):
+        self.save_for_backward(x=x)
+        return x ** 3
+
+    def backward(self, gy):
+        x = self.saved.x
+        return (gy * (2 if self.wrong else 3) * x ** 2,)
+
+
+@pytest.mark.parametrize("mode", ["full", "directional"])
+def test_gradcheck_accepts_a_correct_op_and_raises_for_a_wrong_one(mode):
+    x = t(np.array([0.5, -1.0, 2.0]))
+    assert nf.gradcheck(lambda v: Cube(wrong=False).apply(v), [x], mode=mode) is True
+    with pytest.raises(GradcheckError, match="gradcheck"):
+        nf.gradcheck(lambda v: Cube(wrong=True).apply(v), [x], mode=mode)
+
+
+def test_gradcheck_passes_non_tensor_inputs_through_and_needs_a_differentiated_input():
+    x = t(XS)
+    assert nf.gradcheck(lambda v, c: (v * c).sum(), [x, ZS])
+    with pytest.raises(ValueError, match="gradcheck"):
+        nf.gradcheck(lambda v: v * 2.0, [t(XS, requires_grad=False)])
+
+
+def test_hypothesis_strategies_import_as_documented():
+    from numbafuse.testing import strategies                       # the documented spelling
+    assert hasattr(strategies, "conv_problems")
+
+
+# --------------------------------------------------------------------------- the unfused chain
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_unfused_chain_matches_finite_differences(layout):
+    # conv2d -> bias_add -> relu -> batchnorm -> add -> relu -> sum, float64
+    rng = np.random.default_rng(0)
+    N, C, H, W, K = 2, 2, 4, 4, 3
+    x = rng.standard_normal((N, C, H, W) if layout == "NCHW" else (N, H, W, C))
+    w = rng.standard_normal((K, C, 3, 3)) / 3
+    b = rng.standard_normal(K)
+    gamma, beta = rng.uniform(0.5, 1.5, K), rng.standard_normal(K)
+    z = rng.standard_normal((N, K, H, W) if layout == "NCHW" else (N, H, W, K))
+
+    def chain(x, w, b, gamma, beta, z):
+        h = nf.relu(nf.bias_add(nf.conv2d(x, w, padding=1, layout=layout), b, layout=layout))
+        h = nf.batchnorm(h, gamma, beta, training=True, layout=layout)
+        return (nf.relu(nf.add(h, z)) * rng_weights).sum()
+
+    rng_weights = rng.standard_normal(z.shape)                     # so sum is not symmetric
+    inputs = [t(a) for a in (x, w, b, gamma, beta, z)]
+    assert nf.gradcheck(chain, inputs, mode="directional", directions=3)
+
+
+# --------------------------------------------------------------------------- foundation input rules
+
+X4 = np.zeros((2, 3, 4, 4))
+W4 = np.zeros((3, 3, 3, 3))
+VEC = np.zeros(3)
+DEV = FakeDeviceArray((2, 3, 4, 4))
+
+FOUNDATION_BAD = [
+    # host/device mix -> TypeError
+    ("add", lambda: nf.add(X4, DEV), TypeError),
+    ("conv2d", lambda: nf.conv2d(X4, FakeDeviceArray(W4.shape)), TypeError),
+    ("conv_bias_relu", lambda: nf.conv_bias_relu(X4, W4, FakeDeviceArray((3,))), TypeError),
+    ("batchnorm_add_relu", lambda: nf.batchnorm_add_relu(X4, DEV, VEC, VEC), TypeError),
+    ("linear", lambda: nf.linear(np.zeros((2, 3)), FakeDeviceArray((4, 3))), TypeError),
+    # non-float dtype -> TypeError
+    ("add", lambda: nf.add(np.arange(3), np.arange(3)), TypeError),
+    ("conv2d", lambda: nf.conv2d(X4.astype(np.int32), W4), TypeError),
+    ("batchnorm", lambda: nf.batchnorm(X4.astype(np.int64), VEC, VEC), TypeError),
+    ("relu", lambda: nf.relu(np.arange(3)), TypeError),
+    # mixed float32/float64 -> TypeError
+    ("add", lambda: nf.add(np.zeros(3, np.float32), np.zeros(3)), TypeError),
+    ("mul", lambda: nf.Tensor(np.zeros(3, np.float32)) * np.zeros(3), TypeError),
+    ("conv_bias_relu", lambda: nf.conv_bias_relu(X4.astype(np.float32), W4), TypeError),
+    ("batchnorm_add_relu",
+     lambda: nf.batchnorm_add_relu(X4, X4, VEC.astype(np.float32), VEC), TypeError),
+    # bad layout name -> ValueError
+    ("conv2d", lambda: nf.conv2d(X4, W4, layout="nchw4"), ValueError),
+    ("bias_add", lambda: nf.bias_add(X4, VEC, layout="CHWN"), ValueError),
+    ("batchnorm", lambda: nf.batchnorm(X4, VEC, VEC, layout="NCWH"), ValueError),
+    ("conv_bias_relu", lambda: nf.conv_bias_relu(X4, W4, layout=""), ValueError),
+    ("batchnorm_add_relu", lambda: nf.batchnorm_add_relu(X4, X4, VEC, VEC, layout=1),
+     ValueError),
+    ("max_pool2d", lambda: nf.max_pool2d(X4, 2, layout="HWC"), ValueError),
+    ("global_avg_pool2d", lambda: nf.global_avg_pool2d(X4, layout="N"), ValueError),
+]
+
+
+@pytest.mark.parametrize("op,call,exc", FOUNDATION_BAD,
+                         ids=[f"{i}-{case[0]}" for i, case in enumerate(FOUNDATION_BAD)])
+def test_foundation_bad_input_raises_naming_the_op(op, call, exc):
+    with pytest.raises(exc) as info:
+        call()
+    assert str(info.value).startswith(f"{op}:"), str(info.value)
+
+
+def test_bad_input_writes_no_running_stats():
+    running_mean, running_var = np.zeros(3), np.ones(3)
+    for bad in (dict(layout="NHCW"), dict(momentum=2.0)):
+        with pytest.raises(ValueError):
+            nf.batchnorm(X4, VEC + 1, VEC, running_mean=running_mean, running_var=running_var,
+                         **bad)
+    with pytest.raises(TypeError):
+        nf.batchnorm(X4.astype(np.float32), VEC + 1, VEC, running_mean=running_mean,
+                     running_var=running_var)
+    np.testing.assert_array_equal(running_mean, np.zeros(3))
+    np.testing.assert_array_equal(running_var, np.ones(3))
