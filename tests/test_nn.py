@@ -167,7 +167,7 @@ def test_folded_eval_equals_unfused_eval(rng):
     fused.beta.data[:] = rng.standard_normal(4)
     fused.eval()
     x = _x(rng, (2, 3, 7, 7))
-    y = fused(x)
+    y = fused(x).numpy()
     h = nf.conv2d(x, fused.weight.data, padding=1)
     expected = nf.batchnorm(h, fused.gamma.data, fused.beta.data,
                             running_mean=fused.running_mean, running_var=fused.running_var,
@@ -178,7 +178,8 @@ def test_folded_eval_equals_unfused_eval(rng):
 def test_batchnorm_add_relu_module_equals_chain(rng):
     x, z = _x(rng, (2, 3, 4, 4), np.float64), _x(rng, (2, 3, 4, 4), np.float64)
     fused, bn = nn.BatchNormAddReLU(3, dtype=np.float64), nn.BatchNorm2d(3, dtype=np.float64)
-    np.testing.assert_allclose(fused(x, z), nf.relu(nf.add(bn(x), z)), **TOL[np.float64])
+    np.testing.assert_allclose(fused(x, z).numpy(), nf.relu(nf.add(bn(x), z)).numpy(),
+                               **TOL[np.float64])
     np.testing.assert_allclose(fused.running_var, bn.running_var, **TOL[np.float64])
 
 
