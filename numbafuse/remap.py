@@ -50,7 +50,9 @@ logger = logging.getLogger("numbafuse.remap")
 # Grappler's names for the fusions, used in Graph.log
 FUSE_CONV_BIAS_RELU = "Fuse Conv2D with BiasAdd and Relu"
 FUSE_CONV_RELU = "Fuse Conv2D with Relu"
-FUSE_CONV_SQUEEZE_BIAS = "Fuse Conv2D with Squeeze, BiasAdd and Relu"
+FUSE_CONV_BIAS = "Fuse Conv2D with BiasAdd"
+FUSE_CONV_SQUEEZE_BIAS = "Fuse Conv2D with Squeeze and BiasAdd"
+FUSE_CONV_SQUEEZE_BIAS_RELU = "Fuse Conv2D with Squeeze, BiasAdd and Relu"
 FUSE_BN_ADD_RELU = "Fuse FusedBatchNorm with Add and Relu"
 FUSE_CONV_BN = "Fuse Conv2D with FusedBatchNorm"
 FUSE_CONV_BN_RELU = "Fuse Conv2D with FusedBatchNorm and Relu"
@@ -61,6 +63,7 @@ _PUBLIC = {
     "conv2d": ("numbafuse.ops.conv", "conv2d"),
     "bias_add": ("numbafuse.ops.conv", "bias_add"),
     "conv_bias_relu": ("numbafuse.ops.conv", "conv_bias_relu"),
+    "conv_bias": ("numbafuse.remap", "conv_bias"),
     "squeeze": ("numbafuse.ops.basic", "squeeze"),
     "batchnorm_add_relu": ("numbafuse.ops.batchnorm", "batchnorm_add_relu"),
     "conv_batchnorm_relu": ("numbafuse.ops.conv_batchnorm", "conv_batchnorm_relu"),
@@ -68,6 +71,7 @@ _PUBLIC = {
 # positional arguments of those public functions (the rest are keywords)
 _PUBLIC_POSITIONAL = {
     "conv2d": ("x", "w"), "bias_add": ("x", "b"), "conv_bias_relu": ("x", "w", "b"),
+    "conv_bias": ("x", "w", "b"),
     "squeeze": ("x", "axis"), "batchnorm_add_relu": ("x", "z", "gamma", "beta"),
     "conv_batchnorm_relu": ("x", "w", "gamma", "beta"),
 }
@@ -160,19 +164,10 @@ class Fold:
     b: Value                       # the folded bias (K,)
 
     def compute(self):
+        from .ops.conv_batchnorm import fold_batchnorm  # runs on the arrays' own device
         src = {k: _data(v.obj if isinstance(v, Value) else v) for k, v in self.sources.items()}
-        device = _arrays.is_device_array(src["w"])
-        host = {k: None if a is None else _arrays.to_host(a).astype(np.float64)
-                for k, a in src.items()}
-        scale = host["gamma"] / np.sqrt(host["running_var"] + self.eps)     # (K,)
-        b = np.zeros_like(scale) if host["b"] is None else host["b"]          # (K,)
-        w_folded = host["w"] * scale.reshape(-1, 1, 1, 1)                      # (K, C, R, S)
-        b_folded = (b - host["running_mean"]) * scale + host["beta"]          # (K,)
-        dtype = np.dtype(src["w"].dtype)
-        w_folded, b_folded = w_folded.astype(dtype), b_folded.astype(dtype)
-        if device:  # weights are small: one transfer each per run
-            return _arrays.to_device(w_folded), _arrays.to_device(b_folded)
-        return w_folded, b_folded
+        return fold_batchnorm(src["w"], src["b"], src["gamma"], src["beta"],
+                              src["running_mean"], src["running_var"], eps=self.eps)
 
     def differentiated_sources(self):
         return [k for k, v in self.sources.items()
@@ -617,6 +612,40 @@ def _conv_squeeze_bias_relu(m, relu):
     fused = _public("conv_bias_relu", y, x=conv.arg("x"), w=conv.arg("w"), b=b,
                     **_conv_kwargs(conv))
     squeezed = _public("squeeze", relu.output, x=y, axis=squeeze.arg("axis"))
+    return _Rewrite(FUSE_CONV_SQUEEZE_BIAS_RELU, chain, [fused, squeezed])
+
+
+def _conv_bias(m, badd):
+    conv = m.source(badd.arg("x"), "conv2d")
+    if conv is None:
+        return None
+    chain, b = [conv, badd], badd.arg("b")
+    reason = (m.intermediate_reason(chain) or _layouts(conv, badd)
+              or _agree([("conv2d output", conv.output), ("b", b)])
+              or _bias_reason(b, _out_channels(conv)))
+    if reason:
+        return _Refusal(chain, reason)
+    fused = _public("conv_bias", badd.output, x=conv.arg("x"), w=conv.arg("w"), b=b,
+                    **_conv_kwargs(conv))
+    return _Rewrite(FUSE_CONV_BIAS, chain, [fused])
+
+
+def _conv_squeeze_bias(m, badd):
+    squeeze = m.source(badd.arg("x"), "squeeze")
+    conv = squeeze and m.source(squeeze.arg("x"), "conv2d")
+    if conv is None:
+        return None
+    chain, b = [conv, squeeze, badd], badd.arg("b")
+    reason = (m.intermediate_reason(chain) or _layouts(conv, badd)
+              or _agree([("conv2d output", conv.output), ("b", b)])
+              or _bias_reason(b, _out_channels(conv))
+              or _squeeze_channel_reason(conv, squeeze, badd))
+    if reason:
+        return _Refusal(chain, reason)
+    y = _new_value(conv.output)
+    fused = _public("conv_bias", y, x=conv.arg("x"), w=conv.arg("w"), b=b,
+                    **_conv_kwargs(conv))
+    squeezed = _public("squeeze", badd.output, x=y, axis=squeeze.arg("axis"))
     return _Rewrite(FUSE_CONV_SQUEEZE_BIAS, chain, [fused, squeezed])
 
 
@@ -721,9 +750,8 @@ def _fold(conv, b, bn, root, chain, with_relu):
         new = [_public("conv_bias_relu", root.output, x=conv.arg("x"), w=fold.w, b=fold.b,
                        **kwargs)]
     else:
-        y = _new_value(conv.output)
-        new = [_public("conv2d", y, x=conv.arg("x"), w=fold.w, **kwargs),
-               _public("bias_add", root.output, x=y, b=fold.b, layout=kwargs["layout"])]
+        new = [_public("conv_bias", root.output, x=conv.arg("x"), w=fold.w, b=fold.b,
+                       **kwargs)]
     return _Rewrite(FOLD_CONV_BN, chain, new, [fold])
 
 
@@ -731,6 +759,7 @@ def _fold(conv, b, bn, root, chain, with_relu):
 _PATTERNS = {
     "relu": (_conv_bias_relu, _conv_squeeze_bias_relu, _bn_add_relu, _conv_bn, _conv_relu),
     "batchnorm": (_conv_bn,),
+    "bias_add": (_conv_squeeze_bias, _conv_bias),
 }
 
 
@@ -761,7 +790,7 @@ def remap(graph: Graph) -> Graph:
             continue
         for pattern in _PATTERNS.get(root.op, ()):
             result = pattern(m, root)
-            if result is None:
+            if result is None or _already_refused(result, events):
                 continue
             events.append(result)
             if isinstance(result, _Rewrite):
@@ -787,12 +816,71 @@ def remap(graph: Graph) -> Graph:
     return new_graph
 
 
+def _already_refused(result, events):
+    """A refusal already logged for a longer chain, with the same reason (say it once)."""
+    return isinstance(result, _Refusal) and any(
+        isinstance(e, _Refusal) and e.reason == result.reason and set(result.chain) <= set(e.chain)
+        for e in events)
+
+
 def _describe(event, old_names):
     if isinstance(event, _Refusal):
         return (f"refused {'->'.join(n.op for n in event.chain)}: {event.reason} "
                 f"({', '.join(old_names[n] for n in event.chain)})")
     return (f"{event.title}: {', '.join(old_names[n] for n in event.old)} -> "
             f"{', '.join(n.name for n in event.new)}")
+
+
+# --------------------------------------------------------------------------- conv_bias
+
+class ConvBias(Function):
+    r"""Conv2D with BiasAdd in the epilogue, no activation: what a rewrite without ReLU makes.
+
+    .. math::
+        y = \mathrm{conv}(x, w) + b, \qquad g = gy, \qquad gb_k = \sum_{n,p,q} g_{nkpq},
+        \qquad gw = \mathrm{correlate}(x, g), \qquad gx = \mathrm{conv\_transpose}(g, w)
+
+    Built on the conv family's array helpers (``ops.conv.conv_forward``/``conv_backward``
+    with ``relu=False``), on either backend. Residuals: x and w.
+    """
+    name = "conv_bias"
+
+    def __init__(self, stride=1, padding=0, dilation=1, layout="NCHW"):
+        super().__init__(stride=stride, padding=padding, dilation=dilation, layout=layout)
+
+    # fwd :: (x, w, b) -> (y, residuals=(x, w))
+    def forward(self, x, w, b):
+        from .ops import conv
+        op = self.name
+        _arrays.backend_of(op, x=x, w=w, b=b)
+        _arrays.check_float_dtypes(op, x=x, w=w, b=b)
+        geom = _arrays.conv_geometry(op, tuple(x.shape), tuple(w.shape), self.stride,
+                                     self.padding, self.dilation, self.layout)
+        _arrays.check_vector(op, "b", b, geom.K)
+        x, w, b = (_arrays.contiguous(a) for a in (x, w, b))
+        self.geom = geom
+        self.save_for_backward(x=x, w=w)
+        return conv.conv_forward(x, w, b, geom, False)
+
+    # bwd :: (residuals=(x, w), gy) -> (gx, gw, gb)
+    def backward(self, gy):
+        from .ops import conv
+        return conv.conv_backward(_arrays.contiguous(gy), self.saved.x, self.saved.w, self.geom,
+                                  None, tuple(self.needs_input_grad))
+
+
+def conv_bias(x, w, b, *, stride=1, padding=0, dilation=1, layout="NCHW"):
+    """``conv2d(x, w) + b`` in one pass (the remapper's Conv2D+BiasAdd without ReLU).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numbafuse.remap import conv_bias
+    >>> conv_bias(np.ones((1, 1, 2, 2)), np.ones((1, 1, 2, 2)), np.array([-10.0])).ravel()
+    array([-6.])
+    """
+    return ConvBias(stride=stride, padding=padding, dilation=dilation, layout=layout).apply(
+        x, w, b)
 
 
 # --------------------------------------------------------------------------- compile
