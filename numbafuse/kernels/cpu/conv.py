@@ -48,10 +48,7 @@ CHUNK_BYTES = 16 << 20  # target size of one chunk's im2col buffer
 DB_PARTS = 16           # fixed row blocks of the NHWC bias-gradient reduction (deterministic)
 
 
-def geo_tuple(geom):
-    """The ``conv_math.GEO_FIELDS`` tuple of a ``_arrays.ConvGeometry``."""
-    return tuple(int(getattr(geom, f)) if f != "nhwc" else int(geom.layout == "NHWC")
-                 for f in conv_math.GEO_FIELDS)
+geo_tuple = conv_math.geo_tuple
 
 
 # --------------------------------------------------------------------------- im2col
