@@ -390,11 +390,13 @@ def _nested_apply():
 
 def _trace(fn, example_inputs):
     tracer = _Tracer()
-    inputs = [tracer.value_of(obj, "input", i) if obj is not None else Value("input", i)
-              for i, obj in enumerate(example_inputs)]
-    # the same object passed twice: the later position gets its own Value, unused by ops
-    inputs = [v if v is not None and v.index == i else Value.of("input", obj, i)
-              for i, (v, obj) in enumerate(zip(inputs, example_inputs))]
+    inputs = []
+    for i, obj in enumerate(example_inputs):
+        v = tracer.value_of(obj, "input", i) if obj is not None else Value("input", i)
+        if v.index != i and Value.of("input", obj).shape is not None:
+            raise ValueError(f"trace: example inputs {v.index} and {i} are the same object; "
+                             f"pass distinct arrays so that their uses can be told apart")
+        inputs.append(v if v.index == i else Value.of("input", obj, i))
     previous, autograd._tracer = autograd._tracer, tracer
     try:
         result = fn(*example_inputs)

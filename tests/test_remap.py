@@ -148,6 +148,18 @@ def test_graph_refuses_unlike_inputs():
         g(np.ones(2), np.ones(2))
 
 
+def test_trace_refuses_bad_functions_and_inputs():
+    with pytest.raises(ValueError, match="trace: fn returned None"):
+        rm.trace(lambda x: None, np.ones(2))
+    x = np.ones(2)
+    with pytest.raises(ValueError, match="trace: example inputs 0 and 1 are the same object"):
+        rm.trace(nf.add, x, x)
+    g = rm.trace(lambda x, k: arith.mul(x, k), np.ones(2), 3.0)     # plain values: baked in
+    np.testing.assert_array_equal(g(np.ones(2), 3.0), [3.0, 3.0])
+    with pytest.raises(ValueError, match="input 1 was traced as 3.0, got 4.0"):
+        g(np.ones(2), 4.0)
+
+
 def test_nested_ops_are_not_recorded():
     class Outer(Function):
         name = "outer"
@@ -495,11 +507,14 @@ STEPS = ("conv", "bias", "relu", "bn_train", "bn_infer", "add_z", "add_prev")
 @needs_ops
 @settings(max_examples=12)
 @given(steps=st.lists(st.sampled_from(STEPS), min_size=1, max_size=6),
-       seed=st.integers(0, 2**16), as_output=st.booleans())
-def test_random_chains_remap_exactly(steps, seed, as_output):
-    """Random unfused chains (channels and sizes kept, so any step applies anywhere)."""
+       seed=st.integers(0, 2**16), as_output=st.booleans(), N=st.integers(1, 2),
+       squeeze_end=st.booleans())
+def test_random_chains_remap_exactly(steps, seed, as_output, N, squeeze_end):
+    """Random unfused chains (channels and sizes kept, so any step applies anywhere); with
+    N = 1 the chain may end in a squeeze of the batch axis (the only squeeze a 4-d op chain
+    can continue from is the last op's)."""
     rng = np.random.default_rng(seed)
-    N, C, H = 2, 2, 3
+    C, H = 2, 3
     x, z = rng.standard_normal((N, C, H, H)), rng.standard_normal((N, C, H, H))
     plan, params, stats = [], [], []
     for step in steps:
@@ -537,6 +552,8 @@ def test_random_chains_remap_exactly(steps, seed, as_output):
             else:                                # a second consumer of an earlier value
                 h = nf.add(seen[len(seen) // 2], h)
             seen.append(h)
+        if squeeze_end and N == 1:
+            h = nf.squeeze(h, 0)
         return (h, seen[len(seen) // 2]) if as_output else h
 
     def first(x, z):
