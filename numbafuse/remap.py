@@ -60,8 +60,6 @@ FOLD_CONV_BN = "Fold FusedBatchNorm into Conv2D"
 
 # the public functions fused nodes call: op name -> (module, attribute), looked up at run time
 _PUBLIC = {
-    "conv2d": ("numbafuse.ops.conv", "conv2d"),
-    "bias_add": ("numbafuse.ops.conv", "bias_add"),
     "conv_bias_relu": ("numbafuse.ops.conv", "conv_bias_relu"),
     "conv_bias": ("numbafuse.remap", "conv_bias"),
     "squeeze": ("numbafuse.ops.basic", "squeeze"),
@@ -70,7 +68,7 @@ _PUBLIC = {
 }
 # positional arguments of those public functions (the rest are keywords)
 _PUBLIC_POSITIONAL = {
-    "conv2d": ("x", "w"), "bias_add": ("x", "b"), "conv_bias_relu": ("x", "w", "b"),
+    "conv_bias_relu": ("x", "w", "b"),
     "conv_bias": ("x", "w", "b"),
     "squeeze": ("x", "axis"), "batchnorm_add_relu": ("x", "z", "gamma", "beta"),
     "conv_batchnorm_relu": ("x", "w", "gamma", "beta"),
@@ -457,7 +455,7 @@ class _Rewrite:
 
 @dataclasses.dataclass
 class _Refusal:
-    chain: list                    # op names of the chain refused, e.g. conv2d->bias_add->relu
+    chain: list                    # the nodes matched, the root last
     reason: str
 
 
@@ -502,7 +500,7 @@ def _agree(pairs):
     return _same("dtype", pairs, "dtype") or _same("device", pairs, "device")
 
 
-def _layouts(*nodes, defaults=None):
+def _layouts(*nodes):
     layouts = [(n.op, n.arg("layout", "NCHW")) for n in nodes]
     if len({layout for _, layout in layouts}) > 1:
         return "layout mismatch: " + ", ".join(f"{op} {layout}" for op, layout in layouts)
@@ -828,7 +826,7 @@ def _already_refused(result, events):
 def _describe(event, old_names):
     if isinstance(event, _Refusal):
         return (f"refused {'->'.join(n.op for n in event.chain)}: {event.reason} "
-                f"({', '.join(old_names[n] for n in event.chain)})")
+                f"[nodes {', '.join(old_names[n] for n in event.chain)}]")
     return (f"{event.title}: {', '.join(old_names[n] for n in event.old)} -> "
             f"{', '.join(n.name for n in event.new)}")
 
