@@ -292,6 +292,15 @@ def conv_geometry(op: str, x_shape, w_shape, stride=1, padding=0, dilation=1,
 
 # --------------------------------------------------------------------------- allocation
 
+def copy(a):
+    """A fresh copy of ``a`` on its own device."""
+    if isinstance(a, np.ndarray):
+        return a.copy()
+    out = _cuda().device_array(a.shape, a.dtype)
+    out.copy_to_device(a)
+    return out
+
+
 def empty_like_backend(backend: str, shape, dtype):
     if backend == CPU:
         return np.empty(shape, dtype)

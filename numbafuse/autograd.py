@@ -142,7 +142,8 @@ class Tensor:
             if g is None:
                 continue
             if t._fn is None:  # a leaf
-                t.grad = g if t.grad is None else _accumulate(t.grad, g)
+                # a leaf's grad is its own array, never an alias of another leaf's or the caller's
+                t.grad = _arrays.copy(g) if t.grad is None else _accumulate(t.grad, g)
                 continue
             for inp, g_in in zip(t._fn.inputs, t._fn.backward(g)):
                 if inp is None or g_in is None or not inp.requires_grad:

@@ -3,6 +3,8 @@
 ``numbafuse.testing.strategies`` needs Hypothesis (the ``test`` extra); it is imported only
 when asked for.
 """
+import importlib
+
 from .gradcheck import GradcheckError, gradcheck
 
 __all__ = ["gradcheck", "GradcheckError", "strategies"]
@@ -10,6 +12,5 @@ __all__ = ["gradcheck", "GradcheckError", "strategies"]
 
 def __getattr__(name):
     if name == "strategies":
-        from . import strategies
-        return strategies
+        return importlib.import_module(f"{__name__}.strategies")
     raise AttributeError(name)
