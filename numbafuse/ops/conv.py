@@ -31,14 +31,14 @@ import numpy as np
 
 from .. import _arrays
 from ..autograd import Function, Tensor
+from ..kernels.cpu import conv as _cpu_conv  # imported now: it sets OMP_WAIT_POLICY (see there)
 
 
 def _kernels(backend):
     """The kernel module of ``backend``: the same function names on the CPU and the device."""
     if backend == _arrays.CPU:
-        from ..kernels.cpu import conv
-    else:
-        from ..kernels.cuda import conv
+        return _cpu_conv
+    from ..kernels.cuda import conv
     return conv
 
 
