@@ -21,6 +21,8 @@ Relu state codes (``state_kind``) for the backward: ``STATE_NONE`` (plain batch 
 Host-level entry points (what ``numbafuse.ops.batchnorm`` calls): :func:`stats`,
 :func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`.
 """
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -119,113 +121,131 @@ def _update_running(running_mean, running_var, mean, var, count, momentum):
 
 
 # --------------------------------------------------------------------------- fused forward
+# Elementwise kernels walk 2-d row views with 0-based inner ranges (``xr = x2[r]``,
+# ``for k in range(L)``): Numba then knows the index is non-negative and LLVM vectorises the
+# loop; flat ``x[r*L + k]`` indexing keeps a wraparound check per access and does not.
 
 @njit(inline="always")
-def _pack_mask(y, mask, start, end):
-    # bits of y[start:end] > 0 into mask[start//8 : ceil(end/8)]; start is a multiple of 8
-    for q in range(start // BITS, (end + BITS - 1) // BITS):
+def _pack_mask(yflat, mask, start, end):
+    # bits of yflat[start:end] > 0 into mask[start//8 : ceil(end/8)]; start % 8 == 0
+    n = end - start
+    full = n // BITS
+    bytes8 = yflat[start:start + full * BITS].reshape(full, BITS)   # (full, 8)
+    out = mask[start // BITS:start // BITS + full]                 # (full,)
+    for q in range(full):
+        row = bytes8[q]
         byte = 0
         for t in range(BITS):
-            j = q * BITS + t
-            if j < end and y[j] > 0:
-                byte |= 1 << t
-        mask[q] = byte
+            byte |= (1 << t) if row[t] > 0 else 0
+        out[q] = byte
+    if full * BITS < n:  # a last, partial byte
+        byte = 0
+        for t in range(n - full * BITS):
+            byte |= (1 << t) if yflat[start + full * BITS + t] > 0 else 0
+        mask[start // BITS + full] = byte
 
 
 @njit(parallel=True, cache=True)
-def _apply_nchw(x, z, has_z, mean, scale, beta, relu, y, mask, want_mask, C, HW):
-    # x, z, y: (size,) flat NCHW; mean, scale (= gamma*invstd), beta: (C,) float64;
-    # mask: (ceil(size/8),) uint8, written when want_mask. One pass: y written once.
-    size = x.shape[0]
-    for k in prange((size + CHUNK - 1) // CHUNK):
-        start = k * CHUNK
-        end = min(size, start + CHUNK)
-        i = start
-        while i < end:  # runs of one channel
-            row = i // HW
-            c = row % C
-            stop = min(end, (row + 1) * HW)
+def _apply_nchw(x2, z2, has_z, mean, scale, beta, relu, y2, mask, want_mask, C,
+                rows_per_task):
+    # x2, z2, y2: (N*C, HW), row r is channel r % C; mean, scale (= gamma*invstd), beta: (C,)
+    # float64; mask: (ceil(size/8),) uint8, written when want_mask. y is written once; a task's
+    # rows start on a mask byte, so its mask bytes are its own.
+    R, L = x2.shape
+    yflat = y2.reshape(R * L)                                     # (size,)
+    for p in prange((R + rows_per_task - 1) // rows_per_task):
+        r0 = p * rows_per_task
+        r1 = min(R, r0 + rows_per_task)
+        for r in range(r0, r1):
+            c = r % C
             m, s, b = mean[c], scale[c], beta[c]
-            for j in range(i, stop):
-                v = _normalize_affine(x[j], m, s, b)
+            xr, zr, yr = x2[r], z2[r], y2[r]                      # (HW,) each
+            for k in range(L):
+                v = _normalize_affine(xr[k], m, s, b)
                 if has_z:
-                    v += z[j]
+                    v += zr[k]
                 if relu:
                     v = _relu(v)
-                y[j] = v
-            i = stop
+                yr[k] = v
         if want_mask:
-            _pack_mask(y, mask, start, end)
+            _pack_mask(yflat, mask, r0 * L, r1 * L)
 
 
 @njit(parallel=True, cache=True)
-def _apply_nhwc(x, z, has_z, mean, scale, beta, relu, y, mask, want_mask, C):
-    # as _apply_nchw for flat NHWC: the channel of flat index j is j % C
-    size = x.shape[0]
-    for k in prange((size + CHUNK - 1) // CHUNK):
-        start = k * CHUNK
-        end = min(size, start + CHUNK)
-        i = start
-        while i < end:  # runs within one row of C channels
-            row = i // C
-            base = row * C
-            stop = min(end, base + C)
-            for c in range(i - base, stop - base):
-                j = base + c
-                v = _normalize_affine(x[j], mean[c], scale[c], beta[c])
+def _apply_nhwc(x2, z2, has_z, mean, scale, beta, relu, y2, mask, want_mask, rows_per_task):
+    # as _apply_nchw for x2, z2, y2: (M, C), element (r, k) is channel k
+    R, L = x2.shape
+    yflat = y2.reshape(R * L)                                     # (size,)
+    for p in prange((R + rows_per_task - 1) // rows_per_task):
+        r0 = p * rows_per_task
+        r1 = min(R, r0 + rows_per_task)
+        for r in range(r0, r1):
+            xr, zr, yr = x2[r], z2[r], y2[r]                      # (C,) each
+            for k in range(L):
+                v = _normalize_affine(xr[k], mean[k], scale[k], beta[k])
                 if has_z:
-                    v += z[j]
+                    v += zr[k]
                 if relu:
                     v = _relu(v)
-                y[j] = v
-            i = stop
+                yr[k] = v
         if want_mask:
-            _pack_mask(y, mask, start, end)
+            _pack_mask(yflat, mask, r0 * L, r1 * L)
 
 
 # --------------------------------------------------------------------------- fused backward
 
 @njit(inline="always")
-def _gated(gy, state_kind, ystate, mask, j):
-    # g = gy * (relu was open at flat index j)
+def _gate_row(gyr, state_kind, yr, mask, base, g):
+    # g[k] = gy[k] * (relu open at flat index base + k): the state branch is taken once per
+    # row, so each of the three loops below vectorises
+    L = g.shape[0]
     if state_kind == STATE_Y:
-        return _gate(gy[j], ystate[j] > 0)
-    if state_kind == STATE_MASK:
-        return _gate(gy[j], _mask_bit(mask[j >> 3], j) != 0)
-    return gy[j] + 0.0
+        for k in range(L):
+            g[k] = _gate(gyr[k], yr[k] > 0)
+    elif state_kind == STATE_MASK:
+        for k in range(L):
+            j = base + k
+            g[k] = _gate(gyr[k], _mask_bit(mask[j >> 3], j) != 0)
+    else:
+        for k in range(L):
+            g[k] = gyr[k]
 
 
 @njit(parallel=True, fastmath=REDUCE_FASTMATH, cache=True)
-def _bwd_reduce_nchw(gy, x, mean, state_kind, ystate, mask, C, HW, partials):
-    # gy, x, ystate: (size,) flat NCHW; mask: packed (ceil(size/8),) uint8; mean: (C,) f64
+def _bwd_reduce_nchw(gy2, x2, mean, state_kind, y2, mask, C, rows_per_task, partials):
+    # gy2, x2, y2: (N*C, HW), row r is channel r % C; mask: packed (ceil(size/8),) uint8;
     # partials: (N, 2, C) float64 <- sum g, sum g*(x - mean) of each (n, c) row
-    N = partials.shape[0]
-    for r in prange(N * C):
-        n = r // C
-        c = r - n * C
-        m = mean[c]
-        sg = 0.0
-        sgx = 0.0
-        for j in range(r * HW, (r + 1) * HW):
-            g = _gated(gy, state_kind, ystate, mask, j)
-            sg += g
-            sgx += g * (x[j] - m)
-        partials[n, 0, c] = sg
-        partials[n, 1, c] = sgx
+    R, L = x2.shape
+    for p in prange((R + rows_per_task - 1) // rows_per_task):
+        g = np.empty(L)                                           # (HW,) this task's g row
+        for r in range(p * rows_per_task, min(R, (p + 1) * rows_per_task)):
+            n = r // C
+            c = r - n * C
+            m = mean[c]
+            xr = x2[r]                                            # (HW,)
+            _gate_row(gy2[r], state_kind, y2[r], mask, r * L, g)
+            sg = 0.0
+            sgx = 0.0
+            for k in range(L):
+                sg += g[k]
+                sgx += g[k] * (xr[k] - m)
+            partials[n, 0, c] = sg
+            partials[n, 1, c] = sgx
 
 
 @njit(parallel=True, fastmath=REDUCE_FASTMATH, cache=True)
-def _bwd_reduce_nhwc(gy, x, mean, state_kind, ystate, mask, C, rows_per_task, partials):
-    # flat NHWC as above; partials: (P, 2, C) float64, zeroed; task p owns a block of rows
-    M = gy.shape[0] // C
-    P = partials.shape[0]
-    for p in prange(P):
-        for row in range(p * rows_per_task, min(M, (p + 1) * rows_per_task)):
-            base = row * C
-            for c in range(C):
-                g = _gated(gy, state_kind, ystate, mask, base + c)
-                partials[p, 0, c] += g
-                partials[p, 1, c] += g * (x[base + c] - mean[c])
+def _bwd_reduce_nhwc(gy2, x2, mean, state_kind, y2, mask, rows_per_task, partials):
+    # gy2, x2, y2: (M, C); partials: (P, 2, C) float64, zeroed; task p owns a block of rows
+    R, L = x2.shape
+    for p in prange(partials.shape[0]):
+        g = np.empty(L)                                           # (C,) this task's g row
+        sg, sgx = partials[p, 0], partials[p, 1]                  # (C,) each
+        for r in range(p * rows_per_task, min(R, (p + 1) * rows_per_task)):
+            xr = x2[r]                                            # (C,)
+            _gate_row(gy2[r], state_kind, y2[r], mask, r * L, g)
+            for k in range(L):
+                sg[k] += g[k]
+                sgx[k] += g[k] * (xr[k] - mean[k])
 
 
 @njit(cache=True)
@@ -248,36 +268,44 @@ def _finalize_backward(partials, gamma, invstd, count, training, ggamma, gbeta, 
 
 
 @njit(parallel=True, cache=True)
-def _bwd_apply_nchw(gy, x, mean, cg, cx, c0, state_kind, ystate, mask, C, HW, gx, want_gx,
-                    gz, want_gz):
-    # flat NCHW; gx, gz: (size,) outputs (written when wanted); per-channel f64 coefficients
-    size = gy.shape[0]
-    for r in prange(size // HW):
-        c = r % C
-        m, a, b, d = mean[c], cg[c], cx[c], c0[c]
-        for j in range(r * HW, (r + 1) * HW):
-            g = _gated(gy, state_kind, ystate, mask, j)
-            if want_gz:
-                gz[j] = g
-            if want_gx:
-                gx[j] = _input_grad(g, x[j], m, a, b, d)
+def _bwd_apply_nchw(gy2, x2, mean, cg, cx, c0, state_kind, y2, mask, C, rows_per_task, gx2,
+                    want_gx, gz2, want_gz):
+    # gy2, x2, y2, gx2, gz2: (N*C, HW) (gx2/gz2 written when wanted); per-channel float64
+    # coefficients: dx = cg*g + cx*(x - mean) + c0, dz = g
+    R, L = x2.shape
+    for p in prange((R + rows_per_task - 1) // rows_per_task):
+        g = np.empty(L)                                           # (HW,) this task's g row
+        for r in range(p * rows_per_task, min(R, (p + 1) * rows_per_task)):
+            c = r % C
+            m, a, b, d = mean[c], cg[c], cx[c], c0[c]
+            xr = x2[r]                                            # (HW,)
+            gxr = gx2[r] if want_gx else gx2[0]                   # (HW,)
+            gzr = gz2[r] if want_gz else gz2[0]                   # (HW,)
+            _gate_row(gy2[r], state_kind, y2[r], mask, r * L, g)
+            for k in range(L):
+                if want_gz:
+                    gzr[k] = g[k]
+                if want_gx:
+                    gxr[k] = _input_grad(g[k], xr[k], m, a, b, d)
 
 
 @njit(parallel=True, cache=True)
-def _bwd_apply_nhwc(gy, x, mean, cg, cx, c0, state_kind, ystate, mask, C, rows_per_task, gx,
-                    want_gx, gz, want_gz):
-    # flat NHWC as _bwd_apply_nchw; tasks are blocks of rows
-    M = gy.shape[0] // C
-    for p in prange((M + rows_per_task - 1) // rows_per_task):
-        for row in range(p * rows_per_task, min(M, (p + 1) * rows_per_task)):
-            base = row * C
-            for c in range(C):
-                j = base + c
-                g = _gated(gy, state_kind, ystate, mask, j)
+def _bwd_apply_nhwc(gy2, x2, mean, cg, cx, c0, state_kind, y2, mask, rows_per_task, gx2,
+                    want_gx, gz2, want_gz):
+    # as _bwd_apply_nchw for (M, C) rows, element (r, k) is channel k
+    R, L = x2.shape
+    for p in prange((R + rows_per_task - 1) // rows_per_task):
+        g = np.empty(L)                                           # (C,) this task's g row
+        for r in range(p * rows_per_task, min(R, (p + 1) * rows_per_task)):
+            xr = x2[r]                                            # (C,)
+            gxr = gx2[r] if want_gx else gx2[0]                   # (C,)
+            gzr = gz2[r] if want_gz else gz2[0]                   # (C,)
+            _gate_row(gy2[r], state_kind, y2[r], mask, r * L, g)
+            for k in range(L):
                 if want_gz:
-                    gz[j] = g
+                    gzr[k] = g[k]
                 if want_gx:
-                    gx[j] = _input_grad(g, x[j], mean[c], cg[c], cx[c], c0[c])
+                    gxr[k] = _input_grad(g[k], xr[k], mean[k], cg[k], cx[k], c0[k])
 
 
 # --------------------------------------------------------------------------- host entry points
@@ -291,8 +319,9 @@ def _dims(shape, layout):
     return N, C, H * W
 
 
-def _rows_per_task(C):
-    return max(1, REDUCE_CHUNK // C)
+def _rows_per_task(L):
+    """Rows of length L per task of the reductions and the backward: ~REDUCE_CHUNK elements."""
+    return max(1, REDUCE_CHUNK // L)
 
 
 def _shift(x, layout, C):
@@ -345,21 +374,34 @@ def mask_nbytes(size):
     return -(-size // BITS)
 
 
+def _rows(x, layout):
+    """The (R, L) row view of the elementwise kernels: NCHW (N*C, HW), NHWC (N*H*W, C)."""
+    N, C, HW = _dims(x.shape, layout)
+    return x.reshape(N * C, HW) if layout == "NCHW" else x.reshape(N * HW, C)
+
+
+def _apply_rows_per_task(L):
+    """Rows per forward task: ~CHUNK elements, a multiple of 8/gcd(L, 8) rows so that every
+    task starts on a mask byte."""
+    group = BITS // math.gcd(L, BITS)
+    return -(-max(1, CHUNK // L) // group) * group
+
+
 def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     """(y, mask): y = [relu](gamma*xhat + beta [+ z]); mask (packed y > 0) or None."""
-    N, C, HW = _dims(x.shape, layout)
-    scale = invstd * gamma                          # (C,) float64
-    beta64 = beta.astype(np.float64)                # (C,)
     y = np.empty_like(x)
     mask = np.empty(mask_nbytes(x.size), np.uint8) if want_mask else _NO_MASK
-    flat = x.reshape(-1)                            # (size,)
-    zf = flat if z is None else z.reshape(-1)       # (size,); x stands in when there is no z
+    x2, y2 = _rows(x, layout), _rows(y, layout)                   # (R, L)
+    z2 = x2 if z is None else _rows(z, layout)                    # x stands in for "no z"
+    scale = invstd * gamma                                        # (C,) float64
+    beta64 = beta.astype(np.float64)                              # (C,)
+    rows = _apply_rows_per_task(x2.shape[1])
     if layout == "NCHW":
-        _apply_nchw(flat, zf, z is not None, mean, scale, beta64, bool(relu), y.reshape(-1),
-                    mask, bool(want_mask), C, HW)
+        _apply_nchw(x2, z2, z is not None, mean, scale, beta64, bool(relu), y2, mask,
+                    bool(want_mask), mean.shape[0], rows)
     else:
-        _apply_nhwc(flat, zf, z is not None, mean, scale, beta64, bool(relu), y.reshape(-1),
-                    mask, bool(want_mask), C)
+        _apply_nhwc(x2, z2, z is not None, mean, scale, beta64, bool(relu), y2, mask,
+                    bool(want_mask), rows)
     return y, (mask if want_mask else None)
 
 
@@ -371,38 +413,38 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     need_gx, need_ggamma, need_gbeta, need_gz = need
     N, C, HW = _dims(x.shape, layout)
     count = float(N * HW)
-    g_flat, x_flat = gy.reshape(-1), x.reshape(-1)              # (size,)
-    ystate = state.reshape(-1) if state_kind == STATE_Y else x_flat
+    gy2, x2 = _rows(gy, layout), _rows(x, layout)                 # (R, L)
+    y2 = _rows(state, layout) if state_kind == STATE_Y else x2    # x stands in for "no y"
     mask = state if state_kind == STATE_MASK else _NO_MASK
-    rows = _rows_per_task(C)
+    rows = _rows_per_task(x2.shape[1])                            # rows of L = HW or C
     ggamma64, gbeta64 = np.zeros(C), np.zeros(C)
     cg, cx, c0 = np.empty(C), np.empty(C), np.empty(C)
     if need_ggamma or need_gbeta or (need_gx and training):
         # pass 1: gbeta = sum g, ggamma = sum g*xhat (and the dx coefficients)
         if layout == "NCHW":
             partials = np.empty((N, 2, C))
-            _bwd_reduce_nchw(g_flat, x_flat, mean, state_kind, ystate, mask, C, HW, partials)
+            _bwd_reduce_nchw(gy2, x2, mean, state_kind, y2, mask, C, rows, partials)
         else:
             partials = np.zeros((-(-N * HW // rows), 2, C))
-            _bwd_reduce_nhwc(g_flat, x_flat, mean, state_kind, ystate, mask, C, rows, partials)
-    else:
+            _bwd_reduce_nhwc(gy2, x2, mean, state_kind, y2, mask, rows, partials)
+    else:  # inference, gx/gz only: the coefficients need no reduction
         partials = np.zeros((1, 2, C))
     _finalize_backward(partials, gamma, invstd, count, bool(training), ggamma64, gbeta64,
                        cg, cx, c0)
     gx = gz = None
     if need_gx or need_gz:
         # pass 2: dx = cg*g + cx*(x - mean) + c0 and dz = g, written once each
-        gx = np.empty_like(x) if need_gx else np.empty(0, x.dtype)
-        gz = np.empty_like(x) if need_gz else np.empty(0, x.dtype)
+        unused = np.empty((1, x2.shape[1]), x.dtype)              # stands in for a skipped output
+        gx = np.empty_like(x) if need_gx else None
+        gz = np.empty_like(x) if need_gz else None
+        gx2 = _rows(gx, layout) if need_gx else unused
+        gz2 = _rows(gz, layout) if need_gz else unused
         if layout == "NCHW":
-            _bwd_apply_nchw(g_flat, x_flat, mean, cg, cx, c0, state_kind, ystate, mask, C, HW,
-                            gx.reshape(-1), bool(need_gx), gz.reshape(-1), bool(need_gz))
+            _bwd_apply_nchw(gy2, x2, mean, cg, cx, c0, state_kind, y2, mask, C, rows, gx2,
+                            bool(need_gx), gz2, bool(need_gz))
         else:
-            _bwd_apply_nhwc(g_flat, x_flat, mean, cg, cx, c0, state_kind, ystate, mask, C,
-                            rows, gx.reshape(-1), bool(need_gx), gz.reshape(-1),
-                            bool(need_gz))
-        gx = gx if need_gx else None
-        gz = gz if need_gz else None
+            _bwd_apply_nhwc(gy2, x2, mean, cg, cx, c0, state_kind, y2, mask, rows, gx2,
+                            bool(need_gx), gz2, bool(need_gz))
     dtype = x.dtype
     return (gx, ggamma64.astype(dtype) if need_ggamma else None,
             gbeta64.astype(dtype) if need_gbeta else None, gz)
