@@ -124,7 +124,7 @@ class BiasAdd(Function):
         layout = _arrays.check_layout(self.name, self.layout)
         _arrays.check_ndim(self.name, "x", x, 4, layout)
         _arrays.check_vector(self.name, "b", b, x.shape[_arrays.channel_axis(layout)])
-        self.layout_ = layout
+        self.checked_layout = layout
         x, b = _arrays.contiguous(x), _arrays.contiguous(b)
         return _kernels(_backend_of_array(x)).bias_add(x, b, layout)
 
@@ -133,7 +133,7 @@ class BiasAdd(Function):
         gx = gy if self.needs_input_grad[0] else None
         gb = None
         if self.needs_input_grad[1]:
-            gb = _kernels(_backend_of_array(gy)).channel_sum(_arrays.contiguous(gy), self.layout_)
+            gb = _kernels(_backend_of_array(gy)).channel_sum(_arrays.contiguous(gy), self.checked_layout)
         return gx, gb
 
 
@@ -173,9 +173,9 @@ class ConvBiasReLU(Function):
 
     # bwd :: (residuals=(x, w, y), gy) -> (gx, gw, gb)
     def backward(self, gy):
-        need = tuple(self.needs_input_grad) + (False,) * (3 - len(self.needs_input_grad))
         s = self.saved
-        return conv_backward(_arrays.contiguous(gy), s.x, s.w, self.geom, s.y, need)
+        return conv_backward(_arrays.contiguous(gy), s.x, s.w, self.geom, s.y,
+                             self.needs_input_grad)                   # (need x, w, b)
 
 
 # --------------------------------------------------------------------------- public functions

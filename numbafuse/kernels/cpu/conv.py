@@ -312,10 +312,10 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     use_mask = y is not None
     y = y if use_mask else gy
     pointwise = _is_pointwise(geom)
-    db = np.zeros(K, np.float64)                                   # float64 accumulation
-    dx = np.empty(geom.x_shape, dtype) if need_dx else None
     if not (need_dx or need_dw or need_db):
         return None, None, None
+    db = np.zeros(K, np.float64)                                   # float64 accumulation
+    dx = np.empty(geom.x_shape, dtype) if need_dx else None
     if geom.layout == "NCHW":
         nb = 1 if pointwise else _images_per_chunk(geom, x.itemsize)
         wk = w.reshape(K, CRS)                                     # (K, C*R*S)
