@@ -127,5 +127,24 @@ def batches(x, y, batch_size, *, shuffle=True, seed=0, drop_last=False):
         yield np.ascontiguousarray(x[idx]), np.ascontiguousarray(y[idx])
 
 
+def random_shift(x, rng, max_shift=1, layout="NCHW"):
+    """Each image translated by its own random (dy, dx) in [-max_shift, max_shift], zero-filled.
+
+    The usual augmentation for small digit images; ``x`` is ``(N, 1, 8, 8)`` (or NHWC).
+    Returns a new array; ``x`` is not modified.
+    """
+    if max_shift <= 0:
+        return x
+    x4 = x if layout == "NCHW" else x.transpose(0, 3, 1, 2)        # (N, C, H, W) view
+    N, _, H, W = x4.shape
+    m = max_shift
+    padded = np.pad(x4, ((0, 0), (0, 0), (m, m), (m, m)))           # (N, C, H+2m, W+2m)
+    dy, dx = rng.integers(0, 2 * m + 1, size=(2, N))                # top-left corner per image
+    out = np.empty_like(x4)
+    for n in range(N):
+        out[n] = padded[n, :, dy[n]:dy[n] + H, dx[n]:dx[n] + W]
+    return out if layout == "NCHW" else np.ascontiguousarray(out.transpose(0, 2, 3, 1))
+
+
 def num_batches(n, batch_size, drop_last=False):
     return n // batch_size if drop_last else -(-n // batch_size)

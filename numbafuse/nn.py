@@ -44,7 +44,7 @@ from .ops.arith import add
 from .ops.basic import flatten, global_avg_pool2d, linear, max_pool2d, relu
 from .ops.batchnorm import batchnorm, batchnorm_add_relu
 from .ops.conv import bias_add, conv2d, conv_bias_relu
-from .ops.conv_batchnorm import conv_batchnorm_relu
+from .ops.conv_batchnorm import ConvBatchNormReLU as _ConvBatchNormReLUFn
 
 DEFAULT_DTYPE = np.float32
 KAIMING_A = math.sqrt(5.0)     # PyTorch's default negative slope for conv/linear weights
@@ -438,31 +438,36 @@ class ConvBatchNormReLU(Module):
     """Fused conv (no bias) -> batch norm [-> relu].
 
     Training saves only the conv input (the conv is recomputed in backward); ``eval()``
-    folds the batch norm into the conv's weights and bias. Parameters: ``weight`` (as
-    ``Conv2d(bias=False)``), ``gamma``, ``beta``; buffers ``running_mean``, ``running_var``.
+    folds the batch norm into the conv's weights and bias. ``recompute=False`` trades memory
+    for speed: the conv output and a 1-bit ReLU mask are kept instead (still less than the
+    unfused chain keeps). Parameters: ``weight`` (as ``Conv2d(bias=False)``), ``gamma``,
+    ``beta``; buffers ``running_mean``, ``running_var``.
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  dilation=1, relu=True, eps=1e-5, momentum=0.1, layout="NCHW", *,
-                 dtype=DEFAULT_DTYPE, rng=None):
+                 recompute=True, dtype=DEFAULT_DTYPE, rng=None):
         super().__init__()
         self.in_channels, self.out_channels, self.kernel_size = (in_channels, out_channels,
                                                                  kernel_size)
         self.stride, self.padding, self.dilation = stride, padding, dilation
         self.relu, self.eps, self.momentum = bool(relu), eps, momentum
+        self.recompute = bool(recompute)
         self.layout = _arrays.check_layout("ConvBatchNormReLU", layout)
         self.weight = _param(_conv_weight(in_channels, out_channels, kernel_size, dtype, rng)[0])
         _batchnorm_state(self, out_channels, dtype)
 
     def forward(self, x):
-        return conv_batchnorm_relu(
-            x, self.weight, self.gamma, self.beta, running_mean=self.running_mean,
-            running_var=self.running_var, training=self.training, momentum=self.momentum,
-            eps=self.eps, stride=self.stride, padding=self.padding, dilation=self.dilation,
-            relu=self.relu, layout=self.layout)
+        # conv_batchnorm_relu(...) with the recompute policy (not in the public signature)
+        fn = _ConvBatchNormReLUFn(
+            running_mean=self.running_mean, running_var=self.running_var,
+            training=self.training, momentum=self.momentum, eps=self.eps, stride=self.stride,
+            padding=self.padding, dilation=self.dilation, relu=self.relu, layout=self.layout,
+            recompute=self.recompute)
+        return fn.apply(x, self.weight, self.gamma, self.beta)
 
     def extra_repr(self):
-        return _geometry_repr(self) + f", relu={self.relu}"
+        return _geometry_repr(self) + f", relu={self.relu}, recompute={self.recompute}"
 
 
 __all__ = ["Module", "Sequential", "Conv2d", "BatchNorm2d", "ReLU", "Linear", "MaxPool2d",

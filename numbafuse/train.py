@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import tracemalloc
@@ -36,10 +37,11 @@ from .autograd import Tensor, no_grad, saved_bytes
 from .ops.arith import add
 from .ops.basic import cross_entropy, relu
 
-# Defaults chosen to reach >= 98% test accuracy on 2 CPU cores in well under a minute of
-# training (see docs/training.md for the measurements).
-DEFAULTS = dict(epochs=6, batch_size=32, lr=0.05, momentum=0.9, weight_decay=5e-4, seed=0,
-                width=16, blocks=2)
+# Defaults chosen to reach >= 97% (typically ~98%) test accuracy on 2 CPU cores in well under
+# a minute of training (see docs/training.md for the measurements).
+DEFAULTS = dict(epochs=12, batch_size=32, lr=0.05, momentum=0.9, weight_decay=5e-4, seed=0,
+                width=24, blocks=2, layout="NHWC", recompute=True, schedule="cosine", augment=1)
+SCHEDULES = ("cosine", "constant")
 WARMUP_STEPS = 3          # steps excluded from ms/step (Numba compilation, first touches)
 EVAL_BATCH = 512
 MIB = 2.0 ** 20
@@ -52,9 +54,10 @@ TQDM_HINT = "(install tqdm for progress bars: pip install 'numbafuse[data]')"
 class ResidualBlock(nn.Module):
     """Fused block: ConvBatchNormReLU -> Conv2d (no bias) -> BatchNormAddReLU(., x)."""
 
-    def __init__(self, C, layout="NCHW", dtype=np.float32):
+    def __init__(self, C, layout="NCHW", dtype=np.float32, recompute=True):
         super().__init__()
-        self.conv_bn_relu = nn.ConvBatchNormReLU(C, C, 3, padding=1, layout=layout, dtype=dtype)
+        self.conv_bn_relu = nn.ConvBatchNormReLU(C, C, 3, padding=1, layout=layout, dtype=dtype,
+                                                 recompute=recompute)
         self.conv = nn.Conv2d(C, C, 3, padding=1, bias=False, layout=layout, dtype=dtype)
         self.bn_add_relu = nn.BatchNormAddReLU(C, layout=layout, dtype=dtype)
 
@@ -65,7 +68,7 @@ class ResidualBlock(nn.Module):
 class UnfusedResidualBlock(nn.Module):
     """The same block from unfused ops: conv, bn, relu, conv, bn, add, relu."""
 
-    def __init__(self, C, layout="NCHW", dtype=np.float32):
+    def __init__(self, C, layout="NCHW", dtype=np.float32, recompute=None):
         super().__init__()
         self.conv1 = nn.Conv2d(C, C, 3, padding=1, bias=False, layout=layout, dtype=dtype)
         self.bn1 = nn.BatchNorm2d(C, layout=layout, dtype=dtype)
@@ -78,8 +81,13 @@ class UnfusedResidualBlock(nn.Module):
 
 
 def build_model(fused=True, width=DEFAULTS["width"], blocks=DEFAULTS["blocks"], layout="NCHW",
-                seed=DEFAULTS["seed"], num_classes=10, in_channels=1, dtype=np.float32):
-    """The digits ResNet, fused or unfused; the same seed gives the same initial weights."""
+                seed=DEFAULTS["seed"], num_classes=10, in_channels=1, dtype=np.float32,
+                recompute=DEFAULTS["recompute"]):
+    """The digits ResNet, fused or unfused; the same seed gives the same initial weights.
+
+    ``recompute`` (fused only): ConvBatchNormReLU recomputes its conv in backward (least
+    memory) or keeps the conv output and a 1-bit mask (faster).
+    """
     nn.init.seed(seed)
     if fused:
         stem = nn.Conv2dBiasReLU(in_channels, width, 3, padding=1, layout=layout, dtype=dtype)
@@ -87,7 +95,7 @@ def build_model(fused=True, width=DEFAULTS["width"], blocks=DEFAULTS["blocks"], 
         stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, layout=layout,
                                        dtype=dtype), nn.ReLU())
     block = ResidualBlock if fused else UnfusedResidualBlock
-    body = [block(width, layout, dtype) for _ in range(blocks)]
+    body = [block(width, layout, dtype, recompute) for _ in range(blocks)]
     return nn.Sequential(stem, *body, nn.GlobalAvgPool2d(layout),
                          nn.Linear(width, num_classes, dtype=dtype))
 
@@ -126,11 +134,11 @@ class Remapped(nn.Module):
 
 
 def make_model(kind, layout="NCHW", seed=DEFAULTS["seed"], width=DEFAULTS["width"],
-               blocks=DEFAULTS["blocks"]):
+               blocks=DEFAULTS["blocks"], recompute=DEFAULTS["recompute"]):
     """``kind``: "fused" (fused modules), "unfused", or "remap" (the unfused one remapped)."""
     if kind not in ("fused", "unfused", "remap"):
         raise ValueError(f"make_model: kind must be 'fused', 'unfused' or 'remap', got {kind!r}")
-    model = build_model(kind == "fused", width, blocks, layout, seed)
+    model = build_model(kind == "fused", width, blocks, layout, seed, recompute=recompute)
     return Remapped(model) if kind == "remap" else model
 
 
@@ -183,7 +191,7 @@ def _progress(total, desc, enabled):
 def fit(model, data, epochs=DEFAULTS["epochs"], batch_size=DEFAULTS["batch_size"],
         lr=DEFAULTS["lr"], momentum=DEFAULTS["momentum"],
         weight_decay=DEFAULTS["weight_decay"], seed=DEFAULTS["seed"], device="cpu",
-        progress=True, log=print):
+        schedule=DEFAULTS["schedule"], augment=DEFAULTS["augment"], progress=True, log=print):
     """Train ``model`` on ``data`` (a :class:`numbafuse.data.Digits`) with SGD.
 
     Parameters
@@ -194,6 +202,10 @@ def fit(model, data, epochs=DEFAULTS["epochs"], batch_size=DEFAULTS["batch_size"
     epochs, batch_size, lr, momentum, weight_decay : training hyper-parameters
     seed : int
         Seeds the batch shuffling (the weights are seeded when the model is built).
+    schedule : {"cosine", "constant"}
+        Learning rate per step: ``lr * (1 + cos(pi * step / steps)) / 2``, or ``lr``.
+    augment : int
+        Training images are shifted by up to this many pixels (0: no augmentation).
     device : {"cpu", "cuda"}
         Moves the model and every batch there.
     progress : bool
@@ -222,8 +234,11 @@ def fit(model, data, epochs=DEFAULTS["epochs"], batch_size=DEFAULTS["batch_size"
         model.to(device)
     opt = optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     rng = np.random.default_rng(seed)
-    from .data import batches, num_batches
+    from .data import batches, num_batches, random_shift
     n_batches = num_batches(len(data.x_train), batch_size)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"fit: schedule must be one of {SCHEDULES}, got {schedule!r}")
+    total_steps = epochs * n_batches
     history = dict(loss_curve=[], epoch_loss=[], epoch_accuracy=[], step_ms=[])
     held = 0
     if progress:
@@ -237,6 +252,10 @@ def fit(model, data, epochs=DEFAULTS["epochs"], batch_size=DEFAULTS["batch_size"
         bar = _progress(n_batches, f"epoch {epoch}/{epochs}", progress)
         losses, correct, seen = [], 0.0, 0
         for xb, yb in batches(data.x_train, data.y_train, batch_size, seed=rng):
+            if schedule == "cosine":
+                step = len(history["step_ms"])
+                opt.lr = lr * 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
+            xb = random_shift(xb, rng, augment, data.layout)
             t0 = time.perf_counter()
             loss, logits, held_now = train_step(model, opt, _to(device, xb), _to(device, yb))
             loss_value = loss.item()                       # syncs the device
@@ -301,13 +320,22 @@ def parse_args(argv=None):
     p.add_argument("--momentum", type=float, default=DEFAULTS["momentum"])
     p.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULTS["schedule"],
+                   help="learning-rate schedule over all steps")
+    p.add_argument("--augment", type=int, default=DEFAULTS["augment"], metavar="PIXELS",
+                   help="random shifts of training images by up to PIXELS (0: none)")
     p.add_argument("--width", type=int, default=DEFAULTS["width"], help="channels per layer")
     p.add_argument("--blocks", type=int, default=DEFAULTS["blocks"], help="residual blocks")
     p.add_argument("--unfused", action="store_true", help="train the unfused model")
     p.add_argument("--fuse", choices=("modules", "remap"), default="modules",
                    help="fused model from fused modules, or by remapping the unfused one")
+    p.add_argument("--recompute", choices=("on", "off"),
+                   default="on" if DEFAULTS["recompute"] else "off",
+                   help="fused ConvBatchNormReLU: recompute the conv in backward (least memory)"
+                        " or keep its output and a 1-bit mask (faster)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--layout", choices=("NCHW", "NHWC"), default="NCHW")
+    p.add_argument("--layout", choices=("NCHW", "NHWC"), default=DEFAULTS["layout"],
+                   help="activation layout (NHWC: the conv GEMMs write straight into y)")
     p.add_argument("--compare", action="store_true",
                    help="train fused and unfused and print a side-by-side table")
     p.add_argument("--report", metavar="FILE.json", help="write the results as JSON")
@@ -337,10 +365,12 @@ def run(args, log=print):
     results = {}
     for kind in _kinds(args):
         log(f"== {kind} model ({args.layout}, {args.device})")
-        model = make_model(kind, args.layout, args.seed, args.width, args.blocks)
+        model = make_model(kind, args.layout, args.seed, args.width, args.blocks,
+                           recompute=args.recompute == "on")
         history = fit(model, data, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                       momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
-                      device=args.device, progress=not args.no_progress, log=log)
+                      device=args.device, schedule=args.schedule, augment=args.augment,
+                      progress=not args.no_progress, log=log)
         if args.compare:
             history["peak_bytes"] = peak_step_bytes(model, data, args.batch_size, args.device)
         results[kind] = history

@@ -93,12 +93,15 @@ class ConvBatchNormReLU(Function):
     name = OP
 
     def __init__(self, *, running_mean=None, running_var=None, training=True, momentum=0.1,
-                 eps=1e-5, stride=1, padding=0, dilation=1, relu=True, layout="NCHW"):
+                 eps=1e-5, stride=1, padding=0, dilation=1, relu=True, layout="NCHW",
+                 recompute=True):
         super().__init__(running_mean=running_mean, running_var=running_var,
                          training=bool(training), momentum=momentum, eps=eps, stride=stride,
-                         padding=padding, dilation=dilation, relu=bool(relu), layout=layout)
+                         padding=padding, dilation=dilation, relu=bool(relu), layout=layout,
+                         recompute=bool(recompute))
 
     # fwd :: (x, w, gamma, beta) -> (y, residuals=(x, w, gamma, [beta], mean, invstd))
+    #        recompute=False, training: residuals=(x, w, gamma, h, [mask], mean, invstd)
     def forward(self, x, w, gamma, beta):
         backend, geom = _validate(self.name, x, w, gamma, beta, self.running_mean,
                                   self.running_var, self.training, self.momentum, self.eps,
@@ -108,11 +111,18 @@ class ConvBatchNormReLU(Function):
         if self.training:
             h = _conv.conv_forward(x, w, None, geom, False)               # (N,K,P,Q) | NHWC
             mean, var, invstd = _bn.bn_stats(h, eps=self.eps, layout=geom.layout)  # (K,)
-            y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=self.relu, layout=geom.layout)
-            del h                                                         # never kept
+            keep_h = not self.recompute
+            y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=self.relu, layout=geom.layout,
+                             with_mask=keep_h and self.relu)
             if self.running_mean is not None:
                 _bn.update_running(self.running_mean, self.running_var, mean, var,
                                    geom.N * geom.P * geom.Q, self.momentum)
+            if keep_h:   # trade memory for speed: keep h and a 1-bit ReLU mask, no recompute
+                y, mask = y if self.relu else (y, None)
+                self.save_for_backward(x=x, w=w, gamma=gamma, h=h, mask=mask, mean=mean,
+                                       invstd=invstd)
+                return y
+            del h                                                         # never kept
         else:
             mean, invstd = _bn.bn_inference_stats(_arrays.contiguous(self.running_mean),
                                                   _arrays.contiguous(self.running_var),
@@ -130,13 +140,17 @@ class ConvBatchNormReLU(Function):
         s, geom = self.saved, self.geom
         need_x, need_w, need_gamma, need_beta = self.needs_input_grad
         gy = _arrays.contiguous(gy)
-        h = _conv.conv_forward(s.x, s.w, None, geom, False)               # recompute
-        y = (_bn.bn_apply(h, s.mean, s.invstd, s.gamma, s.beta, relu=True, layout=geom.layout)
-             if self.relu else None)                                      # its sign: the mask
+        if hasattr(s, "h"):                                               # recompute=False
+            h, relu_state = s.h, s.mask
+        else:
+            h = _conv.conv_forward(s.x, s.w, None, geom, False)           # recompute
+            relu_state = (_bn.bn_apply(h, s.mean, s.invstd, s.gamma, s.beta, relu=True,
+                                       layout=geom.layout)
+                          if self.relu else None)                         # its sign: the mask
         gh, ggamma, gbeta, _ = _bn.bn_backward(
-            gy, h, s.mean, s.invstd, s.gamma, y, layout=geom.layout,
+            gy, h, s.mean, s.invstd, s.gamma, relu_state, layout=geom.layout,
             need=(need_x or need_w, need_gamma, need_beta, False), training=self.training)
-        del h, y
+        del h, relu_state
         gx = gw = None
         if need_x or need_w:
             gx, gw, _ = _conv.conv_backward(gh, s.x, s.w, geom, None, (need_x, need_w, False))
