@@ -24,19 +24,12 @@ Threading: every Numba kernel here is ``prange`` over independent rows/images wi
 inside; the GEMMs run outside any ``prange`` (NumPy's BLAS threads them itself), so the two
 thread pools never nest.
 """
-import os
+# OMP_WAIT_POLICY=PASSIVE is chosen in numbafuse/__init__.py (see the note there).
+import numpy as np
+from numba import njit, prange
 
-# Numba's OpenMP workers and OpenBLAS's workers take turns on the same cores (im2col, GEMM,
-# epilogue, GEMM...). Spinning OpenMP workers then steal the cores from the GEMM: on 2 cores a
-# forward ran 10x slower. Passive waiting must be chosen before Numba starts its thread pool
-# (its first parallel launch); a user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import numpy as np  # noqa: E402
-from numba import njit, prange  # noqa: E402
-
-from .. import conv_math  # noqa: E402
-from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math  # noqa: E402
+from .. import conv_math
+from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
