@@ -103,34 +103,27 @@ def build_model(fused=True, width=DEFAULTS["width"], blocks=DEFAULTS["blocks"], 
 class Remapped(nn.Module):
     """An unfused model run through :func:`numbafuse.remap.compile` (trace + remap + cache).
 
-    Training and inference trace different graphs (batch norm's mode is part of the op), so
-    each has its own compiled callable; the inference one folds batch norm using the running
-    statistics of the moment, so it is re-traced every time ``eval()`` is called.
+    The compiled callable keys its cache on the input signature and on the module's training
+    flags, so train and eval mode each get their own remapped graph (training: conv ->
+    batchnorm -> relu becomes conv_batchnorm_relu; eval: batch norm folded into the conv).
+    Weights and running statistics are read by reference at every run.
     """
 
     def __init__(self, unfused):
         super().__init__()
         from .remap import compile as remap_compile
         self.model = unfused
-        self._compile = remap_compile
-        self._train_fn = remap_compile(unfused)
-        self._eval_fn = None
-
-    def train(self, mode=True):
-        super().train(mode)
-        if not mode:
-            self._eval_fn = self._compile(self.model)   # fold with the current running stats
-        return self
+        self.compiled = remap_compile(unfused)
 
     def forward(self, x):
-        return self._train_fn(x) if self.training else self._eval_fn(x)
+        return self.compiled(x)
 
-    def graph_summary(self):
-        for attr in ("graphs", "_graphs", "cache", "_cache"):
-            cache = getattr(self._train_fn, attr, None)
-            if cache:
-                return cache
-        return None
+    def remap_log(self):
+        """The remapper's log lines of every cached graph (train, eval, batch sizes), deduped."""
+        lines = []
+        for graph in self.compiled.graphs.values():
+            lines += [line for line in graph.log if line not in lines]
+        return lines
 
 
 def make_model(kind, layout="NCHW", seed=DEFAULTS["seed"], width=DEFAULTS["width"],
@@ -373,6 +366,9 @@ def run(args, log=print):
                       progress=not args.no_progress, log=log)
         if args.compare:
             history["peak_bytes"] = peak_step_bytes(model, data, args.batch_size, args.device)
+        if kind == "remap":
+            history["remap_log"] = model.remap_log()
+            log("remap log (all graphs):\n  " + "\n  ".join(history["remap_log"]))
         results[kind] = history
     return results
 
