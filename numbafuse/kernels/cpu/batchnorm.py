@@ -203,7 +203,15 @@ def _gate_row(gyr, state_kind, yr, mask, base, g):
         for k in range(L):
             g[k] = _gate(gyr[k], yr[k] > 0)
     elif state_kind == STATE_MASK:
-        for k in range(L):
+        done = 0
+        if base % BITS == 0:  # whole bytes: constant shifts, vectorises
+            mrow = mask[base // BITS:base // BITS + L // BITS]      # (L // 8,) this row's bytes
+            for q in range(L // BITS):
+                byte = mrow[q]
+                for t in range(BITS):
+                    g[q * BITS + t] = _gate(gyr[q * BITS + t], _mask_bit(byte, t) != 0)
+            done = L // BITS * BITS
+        for k in range(done, L):  # a row not starting on a byte, or the last partial byte
             j = base + k
             g[k] = _gate(gyr[k], _mask_bit(mask[j >> 3], j) != 0)
     else:
