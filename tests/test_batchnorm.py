@@ -246,6 +246,24 @@ def test_nan_in_x_propagates_through_the_relu():
     assert np.isfinite(y[:, 1:]).all()
 
 
+@pytest.mark.parametrize("layout,shape", [("NCHW", (2, 3, 4, 4)), ("NCHW", (3, 2, 3, 5)),
+                                          ("NHWC", (2, 3, 3, 8)), ("NHWC", (2, 3, 5, 3))])
+def test_mask_and_output_states_give_the_same_gradients(layout, shape):
+    """Rows on and off mask-byte boundaries (HW or C a multiple of 8, or not)."""
+    p = _fixed_problem(layout, shape=shape)
+    gy = np.random.default_rng(8).standard_normal(shape)
+    grads = {}
+    for save in bn.SAVE_POLICIES:
+        leaves = [nf.Tensor(a, requires_grad=True) for a in (p.x, p.z, p.gamma, p.beta)]
+        nf.batchnorm_add_relu(*leaves, layout=layout, save=save).backward(gy)
+        grads[save] = [t.grad for t in leaves]
+    for a, b in zip(grads["output"], grads["mask"]):
+        np.testing.assert_array_equal(a, b)
+    y, mask = bn.bn_apply(p.x, *bn.bn_stats(p.x, layout=layout)[::2], p.gamma, p.beta, z=p.z,
+                          layout=layout, with_mask=True)
+    np.testing.assert_array_equal(mask, np.packbits(y.reshape(-1) > 0, bitorder="little"))
+
+
 def test_result_does_not_depend_on_thread_count():
     import numba
     p = _fixed_problem("NHWC", shape=(4, 16, 16, 8))
@@ -294,10 +312,16 @@ def _bad_calls(p):
         (ValueError, "more than one value per channel", dict(x=p.x[:1, :, :1, :1],
                                                              z=p.z[:1, :, :1, :1])),
         (TypeError, "cannot mix host and device|must be a NumPy array", dict(gamma=[1.0] * C)),
+        (TypeError, "running_mean is float32 but x is float64",
+         dict(running_mean=p.running_mean.astype(np.float32))),
+        (TypeError, "training must be True or False", dict(training="yes")),
     ]
 
 
-@pytest.mark.parametrize("case", range(16))
+N_BAD_CASES = 18
+
+
+@pytest.mark.parametrize("case", range(N_BAD_CASES))
 def test_bad_input_is_named_and_running_stats_untouched(case):
     p = _fixed_problem()
     exc, pattern, override = _bad_calls(p)[case]
@@ -308,6 +332,10 @@ def test_bad_input_is_named_and_running_stats_untouched(case):
         nf.batchnorm_add_relu(kw.pop("x"), kw.pop("z"), kw.pop("gamma"), kw.pop("beta"), **kw)
     np.testing.assert_array_equal(rm, p.running_mean)
     np.testing.assert_array_equal(rv, p.running_var)
+
+
+def test_every_bad_case_is_run():
+    assert len(_bad_calls(_fixed_problem())) == N_BAD_CASES
 
 
 def test_inference_needs_running_stats():
