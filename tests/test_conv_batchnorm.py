@@ -270,3 +270,25 @@ def test_backward_bad_gy(rng):
     with pytest.raises(ValueError, match="conv_batchnorm_relu_backward: gy has shape"):
         nf.conv_batchnorm_relu_backward(np.ones((2, 4, 5, 5), np.float32), a["x"], a["w"],
                                         a["gamma"], a["beta"])
+
+
+@given(problems(), st.booleans(), st.integers(0, 2**32 - 1))
+def test_no_recompute_policy_same_gradients_and_keeps_h_and_mask(problem, relu, seed):
+    """recompute=False (speed over memory) keeps h and a 1-bit mask; same values/gradients."""
+    p, bn = problem
+    out = {}
+    for recompute in (True, False):
+        ts = [nf.Tensor(a, requires_grad=True) for a in (p.x, p.w, bn["gamma"], bn["beta"])]
+        fn = ConvBatchNormReLU(relu=relu, recompute=recompute, **p.kwargs)
+        y = fn.apply(*ts)
+        y.backward(np.random.default_rng(seed).standard_normal(y.shape).astype(p.x.dtype))
+        out[recompute] = (y, [t.grad for t in ts], fn)
+    np.testing.assert_array_equal(out[True][0].numpy(), out[False][0].numpy())
+    for a, b in zip(out[True][1], out[False][1]):
+        _assert_grad_close(a, b, p.x.dtype.type, "grad")
+    saved = out[False][2].saved
+    assert saved.h.shape == out[False][0].shape
+    if relu:
+        assert saved.mask.dtype == np.uint8 and saved.mask.size == -(-saved.h.size // 8)
+    else:
+        assert saved.mask is None
