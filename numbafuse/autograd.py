@@ -136,14 +136,17 @@ class Tensor:
         if tuple(grad.shape) != self.shape:
             raise ValueError(f"backward: grad has shape {tuple(grad.shape)}, tensor has "
                              f"{self.shape}")
-        grads = {id(self): grad}
+        grads, handed_out = {id(self): grad}, {id(grad)}
         for t in reversed(_toposort(self)):
             g = grads.pop(id(t), None)
             if g is None:
                 continue
             if t._fn is None:  # a leaf
-                # a leaf's grad is its own array, never an alias of another leaf's or the caller's
-                t.grad = _arrays.copy(g) if t.grad is None else _accumulate(t.grad, g)
+                if t.grad is not None:
+                    t.grad = _accumulate(t.grad, g)
+                else:  # its own array, never an alias of the caller's grad or another leaf's
+                    t.grad = _arrays.copy(g) if id(g) in handed_out else g
+                    handed_out.add(id(t.grad))
                 continue
             for inp, g_in in zip(t._fn.inputs, t._fn.backward(g)):
                 if inp is None or g_in is None or not inp.requires_grad:
