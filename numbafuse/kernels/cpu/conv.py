@@ -39,6 +39,7 @@ _valid_range = cpu_scalar(conv_math.valid_range)
 
 CHUNK_BYTES = 16 << 20  # target size of one chunk's im2col buffer
 DB_PARTS = 16           # fixed row blocks of the NHWC bias-gradient reduction (deterministic)
+EPILOGUE_TILE = 64      # output pixels per tile of the NCHW epilogue's transpose
 
 
 geo_tuple = conv_math.geo_tuple
@@ -47,29 +48,35 @@ geo_tuple = conv_math.geo_tuple
 # --------------------------------------------------------------------------- im2col
 
 @njit(parallel=True, cache=True)
-def im2col_nchw(x, n0, geo, colsT):
-    # x: (N, C, H, W);  colsT: (C*R*S, nb*P*Q), rows (c, r, s), columns (n, p, q)
+def im2col_nchw(x, n0, geo, cols):
+    # x: (N, C, H, W);  cols: (nb*P*Q, R*S*C), rows (n, p, q), columns (r, s, c)
+    # The NHWC matrix, read from NCHW: for each tap row r, the input row x[n, :, h, :] (C, W)
+    # is transposed once into a small (W, C) tile, then every copy into cols is a C-run.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    nb = colsT.shape[1] // (P * Q)
-    for row in prange(C * R * S):
-        c = row // (R * S)
-        r = (row // S) % R
-        s = row % S
-        q_lo, q_hi = _valid_range(s, sw, pw, dw, W, Q)
-        for n in range(nb):
-            for p in range(P):
-                h = _input_coord(p, r, sh, ph, dh)
-                base = (n * P + p) * Q
-                if h < 0 or h >= H:
-                    for q in range(Q):
-                        colsT[row, base + q] = 0.0
-                    continue
-                for q in range(min(q_lo, Q)):
-                    colsT[row, base + q] = 0.0
-                for q in range(q_lo, q_hi):
-                    colsT[row, base + q] = x[n0 + n, c, h, _input_coord(q, s, sw, pw, dw)]
-                for q in range(max(q_hi, q_lo), Q):
-                    colsT[row, base + q] = 0.0
+    nb = cols.shape[0] // (P * Q)
+    for np_ in prange(nb * P):
+        n = np_ // P
+        p = np_ % P
+        tile = np.empty((W, C), cols.dtype)                # (W, C): x[n, :, h, :] transposed
+        for r in range(R):
+            h = _input_coord(p, r, sh, ph, dh)
+            row_inside = h >= 0 and h < H
+            if row_inside:
+                for c in range(C):
+                    for wi in range(W):
+                        tile[wi, c] = x[n0 + n, c, h, wi]
+            for s in range(S):
+                col0 = (r * S + s) * C
+                q_lo, q_hi = _valid_range(s, sw, pw, dw, W, Q)
+                for q in range(Q):
+                    m = np_ * Q + q
+                    if row_inside and q >= q_lo and q < q_hi:
+                        wi = _input_coord(q, s, sw, pw, dw)
+                        for c in range(C):
+                            cols[m, col0 + c] = tile[wi, c]
+                    else:
+                        for c in range(C):
+                            cols[m, col0 + c] = 0.0
 
 
 @njit(parallel=True, cache=True)
@@ -98,18 +105,23 @@ def im2col_nhwc(x, n0, geo, cols):
 # --------------------------------------------------------------------------- epilogues
 
 @njit(parallel=True, cache=True)
-def epilogue_nchw(yT, b, has_bias, relu, n0, y):
-    # yT: (K, nb*PQ) GEMM output;  b: (K,);  y: (N, K, PQ), rows n0 .. n0+nb written once
-    K = yT.shape[0]
+def epilogue_nchw(ymat, b, has_bias, relu, n0, y):
+    # ymat: (nb*PQ, K) GEMM output;  b: (K,);  y: (N, K, PQ), images n0 .. n0+nb written once
+    # The layout copy is a tiled transpose: EPILOGUE_TILE pixels x K channels of ymat (in L1)
+    # go out as K runs of EPILOGUE_TILE contiguous pixels.
+    K = ymat.shape[1]
     PQ = y.shape[2]
-    nb = yT.shape[1] // PQ
-    for nk in prange(nb * K):
-        n = nk // K
-        k = nk % K
-        bias = b[k] if has_bias else 0.0
-        for i in range(PQ):
-            v = yT[k, n * PQ + i] + bias
-            y[n0 + n, k, i] = _relu(v) if relu else v
+    nb = ymat.shape[0] // PQ
+    tiles = (PQ + EPILOGUE_TILE - 1) // EPILOGUE_TILE
+    for job in prange(nb * tiles):
+        n = job // tiles
+        i0 = (job % tiles) * EPILOGUE_TILE
+        i1 = min(i0 + EPILOGUE_TILE, PQ)
+        for k in range(K):
+            bias = b[k] if has_bias else 0.0
+            for i in range(i0, i1):
+                v = ymat[n * PQ + i, k] + bias
+                y[n0 + n, k, i] = _relu(v) if relu else v
 
 
 @njit(parallel=True, cache=True)
@@ -170,31 +182,33 @@ def _tap_table(size_in, T, stride, pad, dilation, size_out):
 
 
 @njit(parallel=True, cache=True)
-def col2im_nchw(dcolsT, n0, geo, dx):
-    # dcolsT: (C*R*S, nb*P*Q);  dx: (N, C, H, W), images n0 .. n0+nb written (not accumulated)
-    # Gather: dx[n, c, h, w] = sum over the taps (r, s) that read (h, w) of dcolsT; each (n, c)
-    # plane belongs to one thread, so there are no races.
+def col2im_nchw(dcols, n0, geo, dx):
+    # dcols: (nb*P*Q, R*S*C), columns (r, s, c);  dx: (N, C, H, W), images n0 .. n0+nb written
+    # Gather, one (n, h) input row per iteration (no races): the row is summed as a (W, C)
+    # tile from C-runs of dcols, over the taps (r, s) that read it, then stored transposed.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    nb = dcolsT.shape[1] // (P * Q)
+    nb = dcols.shape[0] // (P * Q)
     p_of = _tap_table(H, R, sh, ph, dh, P)             # (H, R)
     q_of = _tap_table(W, S, sw, pw, dw, Q)             # (W, S)
-    for nc in prange(nb * C):
-        n = nc // C
-        c = nc % C
-        for h in range(H):
+    for nh in prange(nb * H):
+        n = nh // H
+        h = nh % H
+        acc = np.zeros((W, C), dcols.dtype)            # (W, C): dx[n, :, h, :] transposed
+        for r in range(R):
+            p = p_of[h, r]
+            if p < 0:
+                continue
+            for s in range(S):
+                col0 = (r * S + s) * C
+                for wi in range(W):
+                    q = q_of[wi, s]
+                    if q >= 0:
+                        m = (n * P + p) * Q + q
+                        for c in range(C):
+                            acc[wi, c] += dcols[m, col0 + c]
+        for c in range(C):
             for wi in range(W):
-                dx[n0 + n, c, h, wi] = 0.0
-            for r in range(R):
-                p = p_of[h, r]
-                if p < 0:
-                    continue
-                for s in range(S):
-                    row = (c * R + r) * S + s
-                    base = (n * P + p) * Q
-                    for wi in range(W):
-                        q = q_of[wi, s]
-                        if q >= 0:
-                            dx[n0 + n, c, h, wi] += dcolsT[row, base + q]
+                dx[n0 + n, c, h, wi] = acc[wi, c]
 
 
 @njit(parallel=True, cache=True)
@@ -233,7 +247,7 @@ def _images_per_chunk(geom, itemsize):
 
 
 def _is_pointwise(geom):
-    """1x1, stride 1, unpadded: the cols matrix is x itself."""
+    """1x1, stride 1, unpadded: the cols matrix is x itself (NHWC: its rows as they are)."""
     return (geom.R == geom.S == geom.sh == geom.sw == 1 and geom.ph == geom.pw == 0
             and geom.ph_end == geom.pw_end == 0)
 
@@ -248,46 +262,46 @@ def _chunks(N, nb):
         yield n0, min(nb, N - n0)
 
 
+def _weight_matrix(w):
+    """(K, C, R, S) -> (K, R*S*C): w's rows with columns in the cols matrix's (r, s, c) order."""
+    K, C, R, S = w.shape
+    return np.ascontiguousarray(w.transpose(0, 2, 3, 1)).reshape(K, R * S * C)
+
+
 def conv_forward(x, w, b, geom, relu):
     """``y = relu?(conv(x, w) + b?)`` for contiguous host arrays of one dtype."""
-    N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
-    PQ, CRS = P * Q, C * R * S
+    N, K, P, Q = geom.N, geom.K, geom.P, geom.Q
+    PQ, RSC = P * Q, geom.R * geom.S * geom.C
     geo = geo_tuple(geom)
+    nchw = geom.layout == "NCHW"
     y = np.empty(geom.y_shape, x.dtype)
     has_bias = b is not None
     b = b if has_bias else np.zeros(K, x.dtype)
-    pointwise = _is_pointwise(geom)
-    if geom.layout == "NCHW":
-        nb = 1 if pointwise else _images_per_chunk(geom, x.itemsize)
-        wk = w.reshape(K, CRS)                                     # (K, C*R*S)
-        colsT_buf = None if pointwise else np.empty(CRS * nb * PQ, x.dtype)
-        yT_buf = np.empty(K * nb * PQ, x.dtype)
-        y3 = y.reshape(N, K, PQ)                                   # (N, K, P*Q)
-        for n0, m in _chunks(N, nb):
-            if pointwise:
-                colsT = x[n0].reshape(C, PQ)                       # (C, H*W) == (CRS, PQ)
-            else:
-                colsT = _prefix(colsT_buf, CRS, m * PQ)            # (CRS, m*PQ)
-                im2col_nchw(x, n0, geo, colsT)
-            yT = _prefix(yT_buf, K, m * PQ)                        # (K, m*PQ)
-            np.matmul(wk, colsT, out=yT)
-            epilogue_nchw(yT, b, has_bias, relu, n0, y3)
-        return y
+    x_rows = _is_pointwise(geom) and not nchw                      # x's rows are the cols
+    im2col = im2col_nchw if nchw else im2col_nhwc
     nb = _images_per_chunk(geom, x.itemsize)
-    wt = np.ascontiguousarray(w.transpose(2, 3, 1, 0)).reshape(R * S * C, K)  # (R*S*C, K)
-    x2 = x.reshape(N * geom.H * geom.W, C)                         # (N*H*W, C) pointwise cols
-    cols_buf = None if pointwise else np.empty(nb * PQ * CRS, x.dtype)
-    y2 = y.reshape(N * PQ, K)                                      # (N*P*Q, K)
+    wm = _weight_matrix(w)                                         # (K, R*S*C)
+    cols_buf = None if x_rows else np.empty(nb * PQ * RSC, x.dtype)
+    ymat_buf = np.empty(nb * PQ * K, x.dtype) if nchw else None
+    x2 = x.reshape(N * PQ, -1) if x_rows else None                 # (N*H*W, C)
+    y2 = y.reshape(N * PQ, K) if not nchw else None                # (N*P*Q, K) NHWC rows
+    y3 = y.reshape(N, K, PQ) if nchw else None                     # (N, K, P*Q)
     for n0, m in _chunks(N, nb):
-        if pointwise:
-            cols = x2[n0 * PQ:(n0 + m) * PQ]                       # (m*PQ, C)
+        rows = slice(n0 * PQ, (n0 + m) * PQ)
+        if x_rows:
+            cols = x2[rows]                                        # (m*PQ, C)
         else:
-            cols = _prefix(cols_buf, m * PQ, CRS)                  # (m*PQ, R*S*C)
-            im2col_nhwc(x, n0, geo, cols)
-        rows = y2[n0 * PQ:(n0 + m) * PQ]                           # (m*PQ, K), a view of y
-        np.matmul(cols, wt, out=rows)
-        if has_bias or relu:
-            epilogue_rows(rows, b, has_bias, relu)
+            cols = _prefix(cols_buf, m * PQ, RSC)                  # (m*PQ, R*S*C)
+            im2col(x, n0, geo, cols)
+        if nchw:
+            ymat = _prefix(ymat_buf, m * PQ, K)                    # (m*PQ, K)
+            np.matmul(cols, wm.T, out=ymat)                        # (m*PQ, RSC) @ (RSC, K)
+            epilogue_nchw(ymat, b, has_bias, relu, n0, y3)
+        else:
+            ymat = y2[rows]                                        # (m*PQ, K), a view of y
+            np.matmul(cols, wm.T, out=ymat)
+            if has_bias or relu:
+                epilogue_rows(ymat, b, has_bias, relu)
     return y
 
 
@@ -297,77 +311,63 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     Only the gradients flagged in ``need`` are computed (the others are ``None``).
     """
     need_dx, need_dw, need_db = (bool(v) for v in need)
-    N, C, H, W = geom.N, geom.C, geom.H, geom.W
-    K, R, S, P, Q = geom.K, geom.R, geom.S, geom.P, geom.Q
-    PQ, CRS = P * Q, C * R * S
-    geo = geo_tuple(geom)
-    dtype = gy.dtype
-    use_mask = y is not None
-    y = y if use_mask else gy
-    pointwise = _is_pointwise(geom)
     if not (need_dx or need_dw or need_db):
         return None, None, None
+    N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
+    PQ, RSC = P * Q, R * S * C
+    geo = geo_tuple(geom)
+    dtype = gy.dtype
+    nchw = geom.layout == "NCHW"
+    use_mask = y is not None
+    y = y if use_mask else gy
+    x_rows = _is_pointwise(geom) and not nchw                      # x's rows are the cols
+    im2col, col2im = (im2col_nchw, col2im_nchw) if nchw else (im2col_nhwc, col2im_nhwc)
+    nb = _images_per_chunk(geom, x.itemsize)
+    wm = _weight_matrix(w)                                         # (K, R*S*C)
     db = np.zeros(K, np.float64)                                   # float64 accumulation
     dx = np.empty(geom.x_shape, dtype) if need_dx else None
-    if geom.layout == "NCHW":
-        nb = 1 if pointwise else _images_per_chunk(geom, x.itemsize)
-        wk = w.reshape(K, CRS)                                     # (K, C*R*S)
-        dwk = np.zeros((K, CRS), dtype) if need_dw else None       # (K, C*R*S)
-        gT_buf = np.empty(K * nb * PQ, dtype)
-        cols_buf = None if pointwise else np.empty(CRS * nb * PQ, dtype)
-        gy3, y3 = gy.reshape(N, K, PQ), y.reshape(N, K, PQ)        # (N, K, P*Q)
-        for n0, m in _chunks(N, nb):
-            gT = _prefix(gT_buf, K, m * PQ)                        # (K, m*PQ)
+    dwm = np.empty((K, RSC), dtype) if need_dw else None           # (K, R*S*C)
+    dw_part = np.empty((K, RSC), dtype) if need_dw and N > nb else None
+    copy_g = nchw or use_mask or need_db                           # else g is gy's rows
+    g_buf = np.empty(nb * PQ * K, dtype) if copy_g else None
+    cols_buf = None if x_rows else np.empty(nb * PQ * RSC, dtype)
+    gy3, y3 = gy.reshape(N, K, PQ), y.reshape(N, K, PQ)            # NCHW (N, K, P*Q)
+    gy2, y2 = gy.reshape(N * PQ, K), y.reshape(N * PQ, K)          # NHWC rows (N*P*Q, K)
+    x2 = x.reshape(N * PQ, C) if x_rows else None                  # (N*H*W, C)
+    dx2 = dx.reshape(N * PQ, C) if x_rows and need_dx else None
+    for n0, m in _chunks(N, nb):
+        rows = slice(n0 * PQ, (n0 + m) * PQ)
+        # gT (K, m*PQ): g with one row per filter, whichever way it is stored
+        if nchw:
+            gT = _prefix(g_buf, K, m * PQ)                         # (K, m*PQ), contiguous
             mask_nchw(gy3, y3, use_mask, n0, gT, db)
-            if need_dw:
-                if pointwise:
-                    colsT = x[n0].reshape(C, PQ)                   # (C, H*W)
-                else:
-                    colsT = _prefix(cols_buf, CRS, m * PQ)         # (CRS, m*PQ)
-                    im2col_nchw(x, n0, geo, colsT)
-                dwk += gT @ colsT.T                                # (K, m*PQ) @ (m*PQ, CRS)
-            if need_dx:
-                if pointwise:
-                    np.matmul(wk.T, gT, out=dx[n0].reshape(C, PQ))   # (C, K) @ (K, H*W)
-                else:
-                    dcolsT = _prefix(cols_buf, CRS, m * PQ)        # (CRS, m*PQ), reuses cols
-                    np.matmul(wk.T, gT, out=dcolsT)
-                    col2im_nchw(dcolsT, n0, geo, dx)
-        dw = dwk.reshape(K, C, R, S) if need_dw else None          # (K, C, R, S)
-    else:
-        nb = _images_per_chunk(geom, x.itemsize)
-        wt = np.ascontiguousarray(w.transpose(2, 3, 1, 0)).reshape(R * S * C, K)  # (RSC, K)
-        dwt = np.zeros((R * S * C, K), dtype) if need_dw else None  # (R*S*C, K)
-        gy2, y2 = gy.reshape(N * PQ, K), y.reshape(N * PQ, K)      # (N*P*Q, K)
-        x2 = x.reshape(N * H * W, C)                               # (N*H*W, C)
-        dx2 = dx.reshape(N * H * W, C) if need_dx else None
-        copy_g = use_mask or need_db
-        g_buf = np.empty(nb * PQ * K, dtype) if copy_g else None
-        cols_buf = None if pointwise else np.empty(nb * PQ * CRS, dtype)
-        for n0, m in _chunks(N, nb):
-            rows = slice(n0 * PQ, (n0 + m) * PQ)
-            if copy_g:
-                g = _prefix(g_buf, m * PQ, K)                      # (m*PQ, K)
-                mask_rows(gy2[rows], y2[rows], use_mask, g, db)
+        elif copy_g:
+            g = _prefix(g_buf, m * PQ, K)                          # (m*PQ, K)
+            mask_rows(gy2[rows], y2[rows], use_mask, g, db)
+            gT = g.T
+        else:
+            gT = gy2[rows].T                                       # no mask, no db
+        if need_dw:
+            if x_rows:
+                cols = x2[rows]                                    # (m*HW, C)
             else:
-                g = gy2[rows]                                      # (m*PQ, K), no mask
-            if need_dw:
-                if pointwise:
-                    cols = x2[rows]                                # (m*HW, C)
-                else:
-                    cols = _prefix(cols_buf, m * PQ, CRS)          # (m*PQ, R*S*C)
-                    im2col_nhwc(x, n0, geo, cols)
-                dwt += cols.T @ g                                  # (RSC, m*PQ) @ (m*PQ, K)
-            if need_dx:
-                if pointwise:
-                    np.matmul(g, wt.T, out=dx2[rows])              # (m*HW, K) @ (K, C)
-                else:
-                    dcols = _prefix(cols_buf, m * PQ, CRS)         # (m*PQ, RSC), reuses cols
-                    np.matmul(g, wt.T, out=dcols)
-                    col2im_nhwc(dcols, n0, geo, dx)
-        # (R*S*C, K) -> (R, S, C, K) -> (K, C, R, S)
-        dw = np.ascontiguousarray(dwt.reshape(R, S, C, K).transpose(3, 2, 0, 1)) if need_dw \
-            else None
+                cols = _prefix(cols_buf, m * PQ, RSC)              # (m*PQ, R*S*C)
+                im2col(x, n0, geo, cols)
+            if n0 == 0:
+                np.matmul(gT, cols, out=dwm)                       # (K, m*PQ) @ (m*PQ, RSC)
+            else:
+                np.matmul(gT, cols, out=dw_part)
+                dwm += dw_part
+        if need_dx:
+            if x_rows:
+                np.matmul(gT.T, wm, out=dx2[rows])                 # (m*HW, K) @ (K, C)
+            else:
+                dcols = _prefix(cols_buf, m * PQ, RSC)             # (m*PQ, RSC), reuses cols
+                np.matmul(gT.T, wm, out=dcols)                     # (m*PQ, K) @ (K, RSC)
+                col2im(dcols, n0, geo, dx)
+    # (K, R*S*C) -> (K, R, S, C) -> (K, C, R, S)
+    dw = np.ascontiguousarray(dwm.reshape(K, R, S, C).transpose(0, 3, 1, 2)) if need_dw \
+        else None
     return dx, dw, db.astype(dtype) if need_db else None
 
 
