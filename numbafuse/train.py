@@ -3,7 +3,9 @@
     python -m numbafuse.train [--epochs N] [--batch-size B] [--lr LR] [--momentum M]
                               [--weight-decay WD] [--seed S] [--unfused] [--device cpu|cuda]
                               [--layout NCHW|NHWC] [--fuse modules|remap] [--compare]
-                              [--report FILE.json] [--plot FILE.png]
+                              [--report FILE.json] [--plot FILE.png] [--width C]
+                              [--blocks B] [--schedule cosine|constant] [--augment PIXELS]
+                              [--recompute on|off] [--train-subset N] [--no-progress]
 
 The model (``width`` C channels throughout, images stay 8x8)::
 
