@@ -289,6 +289,7 @@ def test_no_recompute_policy_same_gradients_and_keeps_h_and_mask(problem, relu, 
     saved = out[False][2].saved
     assert saved.h.shape == out[False][0].shape
     if relu:
-        assert saved.mask.dtype == np.uint8 and saved.mask.size == -(-saved.h.size // 8)
+        assert saved.relu_state.dtype == np.uint8
+        assert saved.relu_state.size == -(-saved.h.size // 8)      # 1 bit per element
     else:
-        assert saved.mask is None
+        assert saved.relu_state is None

@@ -101,7 +101,8 @@ class ConvBatchNormReLU(Function):
                          recompute=bool(recompute))
 
     # fwd :: (x, w, gamma, beta) -> (y, residuals=(x, w, gamma, [beta], mean, invstd))
-    #        recompute=False, training: residuals=(x, w, gamma, h, [mask], mean, invstd)
+    #        recompute=False, training: residuals=(x, w, gamma, h, relu_state, mean, invstd)
+    #        (relu_state: the packed 1-bit mask of y > 0, or None without ReLU)
     def forward(self, x, w, gamma, beta):
         backend, geom = _validate(self.name, x, w, gamma, beta, self.running_mean,
                                   self.running_var, self.training, self.momentum, self.eps,
@@ -119,7 +120,7 @@ class ConvBatchNormReLU(Function):
                                    geom.N * geom.P * geom.Q, self.momentum)
             if keep_h:   # trade memory for speed: keep h and a 1-bit ReLU mask, no recompute
                 y, mask = y if self.relu else (y, None)
-                self.save_for_backward(x=x, w=w, gamma=gamma, h=h, mask=mask, mean=mean,
+                self.save_for_backward(x=x, w=w, gamma=gamma, h=h, relu_state=mask, mean=mean,
                                        invstd=invstd)
                 return y
             del h                                                         # never kept
@@ -141,7 +142,7 @@ class ConvBatchNormReLU(Function):
         need_x, need_w, need_gamma, need_beta = self.needs_input_grad
         gy = _arrays.contiguous(gy)
         if hasattr(s, "h"):                                               # recompute=False
-            h, relu_state = s.h, s.mask
+            h, relu_state = s.h, s.relu_state
         else:
             h = _conv.conv_forward(s.x, s.w, None, geom, False)           # recompute
             relu_state = (_bn.bn_apply(h, s.mean, s.invstd, s.gamma, s.beta, relu=True,
@@ -287,10 +288,19 @@ def conv_batchnorm_relu_backward(gy, x, w, gamma, beta, *, running_mean=None, ru
     _arrays.check_float_dtypes(op, gy=gy, x=x)
     if tuple(gy.shape) != geom.y_shape:
         raise ValueError(f"{op}: gy has shape {tuple(gy.shape)}, expected {geom.y_shape}")
-    fn = ConvBatchNormReLU(running_mean=None if training else running_mean,
-                           running_var=None if training else running_var, training=training,
-                           eps=eps, stride=stride, padding=padding, dilation=dilation,
-                           relu=relu, layout=layout)
-    fn.forward(x, w, gamma, beta)          # recomputes the residuals; writes nothing
-    fn.needs_input_grad = tuple(bool(n) for n in need)
+    x, w, gamma, beta, gy = (_arrays.contiguous(a) for a in (x, w, gamma, beta, gy))
+    h = _conv.conv_forward(x, w, None, geom, False)                       # the one conv
+    if training:
+        mean, _, invstd = _bn.bn_stats(h, eps=eps, layout=geom.layout)    # (K,) float64
+    else:
+        mean, invstd = _bn.bn_inference_stats(_arrays.contiguous(running_mean),
+                                              _arrays.contiguous(running_var), eps=eps)
+    relu_state = (_bn.bn_apply(h, mean, invstd, gamma, beta, relu=True, layout=geom.layout)
+                  if relu else None)                                      # y: its sign, the mask
+    # the tape's backward, fed these residuals (the recompute=False form: h is at hand)
+    fn = ConvBatchNormReLU(training=training, eps=eps, stride=stride, padding=padding,
+                           dilation=dilation, relu=relu, layout=layout, recompute=False)
+    fn.geom, fn.needs_input_grad = geom, tuple(bool(n) for n in need)
+    fn.save_for_backward(x=x, w=w, gamma=gamma, h=h, relu_state=relu_state, mean=mean,
+                         invstd=invstd)
     return fn.backward(gy)
