@@ -435,8 +435,23 @@ def plot(path, results):
     plt.close(fig)
 
 
+def _cuda_problem():
+    """None if a CUDA device (or the simulator) is usable, else a one-line reason."""
+    try:
+        from numba import cuda
+    except ImportError:
+        return "numba-cuda is needed for --device cuda: pip install 'numbafuse[cuda]'"
+    if not cuda.is_available():
+        return "--device cuda: no CUDA device found (numba.cuda.is_available() is False)"
+    return None
+
+
 def main(argv=None):
     args = parse_args(argv)
+    problem = _cuda_problem() if args.device == "cuda" else None
+    if problem:
+        print(f"numbafuse-train: {problem}", file=sys.stderr)
+        return 1
     try:
         results = run(args)
     except ImportError as e:  # an optional dependency, with its one-line hint

@@ -143,3 +143,12 @@ def test_cli_compare_and_plot(tmp_path, capsys):
     assert set(r["compare"]) == {"fused", "unfused"}
     assert r["compare"]["fused"]["peak_bytes"] > 0
     assert plot.stat().st_size > 0
+
+
+def test_missing_scikit_learn_gives_a_one_line_hint(monkeypatch, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "sklearn", None)          # import sklearn -> ImportError
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert train.main(CLI_QUICK) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install 'numbafuse[data]'" in err
