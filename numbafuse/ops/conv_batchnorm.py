@@ -13,6 +13,11 @@ Training (``training=True``)::
     backward  h = conv(x, w) again; y = [relu](gamma*xhat + beta) again (its sign is the mask);
               (gh, ggamma, gbeta) = batch-norm backward;  (gx, gw) = conv backward of gh
 
+``beta`` (K values) is kept only with the ReLU: the mask is the sign of gamma*xhat + beta, so it
+cannot be rebuilt without it. The Function (not the public function, whose signature is fixed)
+also takes ``recompute=False``: keep h and a packed 1-bit ReLU mask instead of recomputing the
+conv - faster, but then the op keeps about what the unfused chain keeps.
+
 Inference (``training=False``): batch norm is folded into the conv,
 ``w' = w * s[k]``, ``b' = beta - running_mean * s``, ``s = gamma / sqrt(running_var + eps)``
 (:func:`fold_batchnorm`), and one conv with bias (and ReLU) runs. Its backward recomputes the
