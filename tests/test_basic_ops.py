@@ -138,18 +138,73 @@ def test_max_pool2d_matches_reference(problem):
     gy = seeded(y.shape, dtype, 3)
     y.backward(gy)
     close(t.grad, ref.max_pool2d_backward(gy, x, k, stride, layout), dtype)
+    np.testing.assert_array_equal(y._fn.saved.argmax, first_max_taps(x, k, stride, layout))
+
+
+def first_max_taps(x, k, stride, layout):
+    """Row-major tap r*kw + s of each window's first maximum, shaped like y (NumPy argmax)."""
+    kh, kw = (k, k) if np.isscalar(k) else k
+    sh, sw = (kh, kw) if stride is None else stride
+    xc = x if layout == "NCHW" else x.transpose(0, 3, 1, 2)       # (N, C, H, W)
+    P, Q = (xc.shape[2] - kh) // sh + 1, (xc.shape[3] - kw) // sw + 1
+    taps = np.stack([xc[:, :, r:r + (P - 1) * sh + 1:sh, s:s + (Q - 1) * sw + 1:sw]
+                     for r in range(kh) for s in range(kw)]).argmax(axis=0)  # (N, C, P, Q)
+    return taps if layout == "NCHW" else taps.transpose(0, 2, 3, 1)
 
 
 def test_max_pool2d_gradient_goes_to_the_first_maximum():
     x = np.array([[[[1.0, 3.0], [3.0, 3.0]]]])
     t = nf.Tensor(x, requires_grad=True)
-    nf.max_pool2d(t, 2).backward(np.ones((1, 1, 1, 1)))
+    y = nf.max_pool2d(t, 2)
+    np.testing.assert_array_equal(y._fn.saved.argmax, [[[[1]]]])     # tap (0, 1) of 2x2
+    y.backward(np.ones((1, 1, 1, 1)))
     np.testing.assert_array_equal(t.grad[0, 0], [[0.0, 1.0], [0.0, 0.0]])
 
 
-def test_max_pool2d_propagates_nan():
-    x = np.array([[[[1.0, np.nan], [5.0, 2.0]]]])
-    assert np.isnan(nf.max_pool2d(x, 2)).all()
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_max_pool2d_overlapping_windows_accumulate(dtype, layout):
+    # 3x3 plane, 2x2 windows, stride 1: the centre is the max of all four windows
+    plane = np.array([[0.0, 1.0, 0.0], [2.0, 9.0, 3.0], [0.0, 4.0, 0.0]])
+    x = np.stack([plane, -plane])[None].astype(dtype)               # (1, 2, 3, 3)
+    x = x if layout == "NCHW" else x.transpose(0, 2, 3, 1).copy()
+    t = nf.Tensor(x, requires_grad=True)
+    y = nf.max_pool2d(t, 2, 1, layout=layout)
+    gy = seeded(y.shape, dtype, 0)
+    y.backward(gy)
+    close(t.grad, ref.max_pool2d_backward(gy, x, 2, 1, layout), dtype)
+    gx_c = t.grad if layout == "NCHW" else t.grad.transpose(0, 3, 1, 2)
+    gy_c = gy if layout == "NCHW" else gy.transpose(0, 3, 1, 2)
+    np.testing.assert_allclose(gx_c[0, 0, 1, 1], gy_c[0, 0].sum(), **TOL[dtype])
+
+
+def test_max_pool2d_saves_a_one_byte_argmax_not_x():
+    x = nf.Tensor(seeded((2, 3, 6, 6), np.float32, 0), requires_grad=True)
+    y = nf.max_pool2d(x, 2)
+    assert set(vars(y._fn.saved)) == {"argmax"}
+    assert y._fn.saved.argmax.dtype == np.uint8 and y._fn.saved.argmax.shape == y.shape
+    assert nf.saved_bytes(y) == y.data.size                          # 1 byte per output
+
+
+def test_max_pool2d_windows_over_256_taps_use_uint16():
+    x = seeded((1, 2, 17, 18), np.float64, 1)
+    t = nf.Tensor(x, requires_grad=True)
+    y = nf.max_pool2d(t, (17, 16), (1, 2))                           # 272 taps, 2 windows
+    assert y._fn.saved.argmax.dtype == np.uint16
+    np.testing.assert_array_equal(y._fn.saved.argmax, first_max_taps(x, (17, 16), (1, 2),
+                                                                     "NCHW"))
+    gy = seeded(y.shape, np.float64, 2)
+    y.backward(gy)
+    close(t.grad, ref.max_pool2d_backward(gy, x, (17, 16), (1, 2), "NCHW"), np.float64)
+
+
+def test_max_pool2d_propagates_nan_and_routes_its_gradient_to_the_first_nan():
+    x = np.array([[[[1.0, np.nan], [5.0, np.nan]]]])
+    t = nf.Tensor(x, requires_grad=True)
+    y = nf.max_pool2d(t, 2)
+    assert np.isnan(y.data).all()
+    y.backward(np.ones((1, 1, 1, 1)))
+    np.testing.assert_array_equal(t.grad[0, 0], [[0.0, 1.0], [0.0, 0.0]])
 
 
 @given(nfs.dtypes(), nfs.layouts(), st.tuples(*[st.integers(1, 4)] * 4), seeds)

@@ -137,6 +137,12 @@ class PoolGeometry:
             self.N, self.P, self.Q, self.C)
 
     @property
+    def argmax_dtype(self):
+        """Smallest unsigned dtype of a window tap ``r * kw + s`` in ``[0, kh*kw)``: uint8 up
+        to 256 taps (16x16), then uint16, uint32."""
+        return np.min_scalar_type(self.kh * self.kw - 1)
+
+    @property
     def x_strides(self):
         return self._strides(self.layout, self.C, self.H, self.W)
 
@@ -171,31 +177,38 @@ class MaxPool2d(Function):
     r"""Max pooling over ``k`` windows (stride defaults to ``k``), no padding, floor size.
 
     .. math::
-        y_{n,c,p,q} = \max_{r<k_h,\,s<k_w} x_{n,c,p s_h + r,\,q s_w + s}, \qquad
-        gx_{n,c,h,w} = \sum_{(p,q):\ \operatorname{argmax}_{p,q} = (h,w)} gy_{n,c,p,q}
+        t_{n,c,p,q} = \operatorname{argmax}_{r<k_h,\,s<k_w} x_{n,c,p s_h + r,\,q s_w + s}
+        \ (\text{first, row-major: } t = r k_w + s), \qquad
+        y_{n,c,p,q} = x_{n,c,p s_h + r_t,\,q s_w + s_t}
+
+        gx_{n,c,h,w} = \sum_{(p,q):\ (p s_h + r_t,\, q s_w + s_t) = (h,w)} gy_{n,c,p,q}
 
     The gradient goes to the FIRST maximum (row-major) of each window, like PyTorch;
-    overlapping windows accumulate. Only ``x`` is saved and backward recomputes the argmax:
-    ``x`` is usually held anyway (the previous ReLU's output), while int32 indices would cost
-    as much as a float32 ``x`` for k == stride == 2.
+    overlapping windows (stride < k) accumulate. Forward writes ``y`` and the window argmax
+    ``t`` in one pass, and only ``t`` is saved, shaped like ``y`` in the smallest unsigned
+    dtype holding ``kh*kw - 1``: one byte per output up to 16x16 windows (uint16/uint32
+    beyond), a quarter of a float32 ``x`` for k == stride == 2. Backward never reads ``x``.
+
+    NaN: a NaN beats every number and the first NaN of a window is its argmax, so the window
+    pools to NaN (PyTorch propagates NaN too) and its gradient goes to that NaN.
     """
     name = "max_pool2d"
 
-    # fwd :: x -> (y, residuals=(x,))
+    # fwd :: x -> (y, residuals=(argmax,))
     def forward(self, x):
-        backend, _ = _validated(self.name, x=x)
+        backend, self.dtype = _validated(self.name, x=x)
         self.geometry = pool_geometry(self.name, x, self.k, self.stride, self.layout)
-        x = _arrays.contiguous(x)
-        self.save_for_backward(x=x)
-        return _kernels(backend).max_pool2d_forward(x, self.geometry)
+        y, argmax = _kernels(backend).max_pool2d_forward(_arrays.contiguous(x), self.geometry)
+        self.save_for_backward(argmax=argmax)       # shapes: self.geometry (plain attributes)
+        return y
 
-    # bwd :: (residuals=(x,), gy) -> (gx,)
+    # bwd :: (residuals=(argmax,), gy) -> (gx,)
     def backward(self, gy):
         if not self.needs_input_grad[0]:
             return (None,)
-        x = self.saved.x
-        return (_kernels(_backend_of_array(x)).max_pool2d_backward(
-            _arrays.contiguous(gy), x, self.geometry),)
+        argmax = self.saved.argmax
+        return (_kernels(_backend_of_array(argmax)).max_pool2d_backward(
+            _arrays.contiguous(gy), argmax, self.geometry, self.dtype),)
 
 
 class GlobalAvgPool2d(Function):
@@ -389,7 +402,8 @@ def max_pool2d(x, k, stride=None, *, layout="NCHW"):
     """Max pooling over ``k`` x ``k`` windows (``k`` an int or an ``(h, w)`` pair).
 
     ``stride`` defaults to ``k``; no padding; the output size is rounded down. The gradient
-    goes to the first maximum of each window (row-major), like PyTorch.
+    goes to the first maximum of each window (row-major), like PyTorch; a NaN counts as the
+    maximum. Backward keeps only a window argmax, one byte per output for windows up to 16x16.
 
     Examples
     --------

@@ -80,9 +80,35 @@ def test_max_pool2d(dtype, layout, window, ties, seed):
     x = (rng.integers(-1, 2, shape) if ties else rng.standard_normal(shape)).astype(dtype)
     y_ref = ref.max_pool2d(x, k, stride, layout)
     gy = seeded(y_ref.shape, dtype, seed + 1)
-    y, (gx,) = run_on_device(lambda t: nf.max_pool2d(t, k, stride, layout=layout), [x], gy)
-    host_close(y, y_ref, dtype)
-    host_close(gx, ref.max_pool2d_backward(gy, x, k, stride, layout), dtype)
+    t = nf.Tensor(dev(x), requires_grad=True)
+    y = nf.max_pool2d(t, k, stride, layout=layout)
+    argmax = y._fn.saved.argmax                                     # the only residual
+    assert set(vars(y._fn.saved)) == {"argmax"} and nf.saved_bytes(y) == y.data.size
+    assert nf.Tensor(argmax).device == "cuda" and argmax.dtype == np.uint8
+    y.backward(dev(gy))
+    host_close(y.data, y_ref, dtype)
+    host_close(t.grad, ref.max_pool2d_backward(gy, x, k, stride, layout), dtype)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_max_pool2d_nan_and_overlapping_windows(layout):
+    # 2x2 windows, stride 1 over a 3x3 plane: the NaN at the centre is every window's max
+    x = np.array([[[[0.0, 1.0, 0.0], [2.0, np.nan, 3.0], [0.0, np.nan, 0.0]]]])  # (1, 1, 3, 3)
+    x = x if layout == "NCHW" else x.transpose(0, 2, 3, 1)
+    gy = seeded((1, 1, 2, 2), np.float64, 0)                       # C == 1: same in NHWC
+    gy = gy if layout == "NCHW" else gy.reshape(1, 2, 2, 1)
+    y, (gx,) = run_on_device(lambda t: nf.max_pool2d(t, 2, 1, layout=layout), [x], gy)
+    assert np.isnan(y.copy_to_host()).all()
+    host_close(gx, ref.max_pool2d_backward(gy, x, 2, 1, layout), np.float64)
+    assert gx.copy_to_host().reshape(9)[4] == pytest.approx(gy.sum())
+
+
+def test_max_pool2d_windows_over_256_taps():
+    x = seeded((1, 1, 17, 17), np.float32, 0)                       # 289 taps: uint16 argmax
+    gy = seeded((1, 1, 1, 1), np.float32, 1)
+    y, (gx,) = run_on_device(lambda t: nf.max_pool2d(t, 17), [x], gy)
+    host_close(y, ref.max_pool2d(x, 17), np.float32)
+    host_close(gx, ref.max_pool2d_backward(gy, x, 17), np.float32)
 
 
 @settings(max_examples=EXAMPLES)

@@ -25,22 +25,23 @@ from .. import scalar
 # --------------------------------------------------------------------------- shared scalar math
 # Plain Python: wrapped with cpu_scalar here and cuda_scalar in kernels/cuda/basic.py.
 
-def first_max_offset(x, start, kh, kw, s_h, s_w):
-    """Flat offset in ``x`` of the FIRST maximum (row-major) of the kh x kw window at ``start``.
+def first_max_tap(x, start, kh, kw, s_h, s_w):
+    """Row-major tap ``t = r * kw + s`` in ``[0, kh*kw)`` of the FIRST maximum of the kh x kw
+    window of ``x`` at flat offset ``start``; the maximum is at ``start + r*s_h + s*s_w``.
 
     ``s_h``/``s_w`` are the element strides of a window row/column. A NaN wins over numbers
-    and the first NaN is kept (``np.argmax`` semantics, so NaN propagates like PyTorch).
+    and the first NaN is kept (``np.argmax`` semantics), so a window holding a NaN pools to
+    NaN, as in PyTorch, and its gradient goes to that first NaN.
     """
-    best_off = start
+    best_t = 0
     best = x[start]
     for r in range(kh):
         for s in range(kw):
-            off = start + r * s_h + s * s_w
-            v = x[off]
+            v = x[start + r * s_h + s * s_w]
             if best == best and (v > best or v != v):  # best not NaN, and v larger or NaN
                 best = v
-                best_off = off
-    return best_off
+                best_t = r * kw + s
+    return best_t
 
 
 def row_logsumexp(logits, n, L):
@@ -62,7 +63,7 @@ def xent_grad(logit, lse, is_target, scale):
 
 _relu = scalar.cpu_scalar(scalar.relu)
 _relu_grad = scalar.cpu_scalar(scalar.relu_grad)
-_first_max_offset = scalar.cpu_scalar(first_max_offset)
+_first_max_tap = scalar.cpu_scalar(first_max_tap)
 _row_logsumexp = scalar.cpu_scalar(row_logsumexp)
 _xent_grad = scalar.cpu_scalar(xent_grad)
 
@@ -118,54 +119,61 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
 
 
 # --------------------------------------------------------------------------- max_pool2d
-# Nothing but x is saved: backward recomputes each window's first argmax from x. x is usually
-# held anyway (the preceding ReLU's output), while an int32 argmax would cost N*C*P*Q*4 bytes
-# more: as much as a float32 x when k == stride == 2.
+# Forward writes y and, in the same pass, the window argmax: the row-major tap t = r*kw + s of
+# each window's first maximum, in the smallest unsigned dtype holding kh*kw - 1 (uint8 up to
+# 16x16 windows; ``PoolGeometry.argmax_dtype``). Backward reads only the argmax, never x: for
+# k == stride == 2 that is a quarter of a float32 x.
 
 @njit(parallel=True, cache=True)
-def _max_pool_fwd(x, y, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
+def _max_pool_fwd(x, y, argmax, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
                   ys_n, ys_c, ys_h, ys_w):
-    # x: (N*C*H*W,), y: (N*C*P*Q,), both flat in their layout; xs_*/ys_*: element strides
+    # x: (N*C*H*W,), y, argmax: (N*C*P*Q,), all flat in their layout; xs_*/ys_*: element
+    # strides (y and argmax share theirs)
     for nc in prange(N * C):
         n, c = nc // C, nc % C
         x0, y0 = n * xs_n + c * xs_c, n * ys_n + c * ys_c
         for p in range(P):
             for q in range(Q):
-                off = _first_max_offset(x, x0 + p * sh * xs_h + q * sw * xs_w, kh, kw, xs_h,
-                                        xs_w)
-                y[y0 + p * ys_h + q * ys_w] = x[off]
+                start = x0 + p * sh * xs_h + q * sw * xs_w
+                t = _first_max_tap(x, start, kh, kw, xs_h, xs_w)
+                o = y0 + p * ys_h + q * ys_w
+                y[o] = x[start + (t // kw) * xs_h + (t % kw) * xs_w]
+                argmax[o] = t
 
 
 @njit(parallel=True, cache=True)
-def _max_pool_bwd(gy, x, gx, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
+def _max_pool_bwd(gy, argmax, gx, N, C, P, Q, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
                   ys_n, ys_c, ys_h, ys_w):
-    # gy: (N*C*P*Q,), x, gx: (N*C*H*W,) flat, gx zeroed. One (n, c) plane per iteration: the
-    # planes are disjoint, so overlapping windows (stride < k) scatter without races.
+    # gy, argmax: (N*C*P*Q,), gx: (N*C*H*W,) flat, gx zeroed. One (n, c) plane per iteration:
+    # the planes are disjoint, so overlapping windows (stride < k) scatter without races.
     for nc in prange(N * C):
         n, c = nc // C, nc % C
         x0, y0 = n * xs_n + c * xs_c, n * ys_n + c * ys_c
         for p in range(P):
             for q in range(Q):
-                off = _first_max_offset(x, x0 + p * sh * xs_h + q * sw * xs_w, kh, kw, xs_h,
-                                        xs_w)
-                gx[off] += gy[y0 + p * ys_h + q * ys_w]
+                o = y0 + p * ys_h + q * ys_w
+                t = np.int64(argmax[o])
+                gx[x0 + (p * sh + t // kw) * xs_h + (q * sw + t % kw) * xs_w] += gy[o]
 
 
-def _pool_args(g):
-    return (g.N, g.C, g.P, g.Q, g.kh, g.kw, g.sh, g.sw) + g.x_strides + g.y_strides
+def _strides(g):
+    return g.x_strides + g.y_strides
 
 
-# fwd :: (x, geometry) -> y
+# fwd :: (x, geometry) -> (y, argmax)
 def max_pool2d_forward(x, g):
     y = np.empty(g.y_shape, x.dtype)
-    _max_pool_fwd(x.reshape(-1), y.reshape(-1), *_pool_args(g))
-    return y
+    argmax = np.empty(g.y_shape, g.argmax_dtype)
+    _max_pool_fwd(x.reshape(-1), y.reshape(-1), argmax.reshape(-1), g.N, g.C, g.P, g.Q, g.kh,
+                  g.kw, g.sh, g.sw, *_strides(g))
+    return y, argmax
 
 
-# bwd :: (x, gy, geometry) -> gx
-def max_pool2d_backward(gy, x, g):
-    gx = np.zeros_like(x)
-    _max_pool_bwd(gy.reshape(-1), x.reshape(-1), gx.reshape(-1), *_pool_args(g))
+# bwd :: (argmax, gy, geometry) -> gx
+def max_pool2d_backward(gy, argmax, g, dtype):
+    gx = np.zeros(g.x_shape, dtype)
+    _max_pool_bwd(gy.reshape(-1), argmax.reshape(-1), gx.reshape(-1), g.N, g.C, g.P, g.Q, g.kw,
+                  g.sh, g.sw, *_strides(g))
     return gx
 
 

@@ -15,7 +15,7 @@ Notation: N batch, C channels, H/W input height/width, P/Q pooled height/width,
 kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 """
 import numpy as np
-from numba import cuda, float64, int32, int64
+from numba import cuda, float64, int32, int64, uint8
 
 from .. import scalar
 from ..cpu import basic as cpu_basic  # the plain-Python scalar math shared with the CPU
@@ -26,7 +26,7 @@ TILE = config.TILE
 
 _relu = scalar.cuda_scalar(scalar.relu)
 _relu_grad = scalar.cuda_scalar(scalar.relu_grad)
-_first_max_offset = scalar.cuda_scalar(cpu_basic.first_max_offset)
+_first_max_tap = scalar.cuda_scalar(cpu_basic.first_max_tap)
 _row_logsumexp = scalar.cuda_scalar(cpu_basic.row_logsumexp)
 _xent_grad = scalar.cuda_scalar(cpu_basic.xent_grad)
 
@@ -132,35 +132,40 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
 
 
 # --------------------------------------------------------------------------- max_pool2d
-# Nothing but x is saved; backward recomputes each window's first argmax (see cpu/basic.py).
+# Forward writes y and the window argmax (row-major tap t = r*kw + s of the first maximum, uint8
+# up to 16x16 windows) in one pass; backward reads only the argmax (see cpu/basic.py).
+# Threads walk y (and gx) in memory order, so neighbouring threads touch neighbouring elements
+# in both layouts: channels innermost when the channel stride is 1 (NHWC).
+
+@cuda.jit(device=True, inline=True)
+def _coords(e, C, H, W, channels_last):
+    """(n, c, h, w) of element ``e`` of a C-contiguous (N, C, H, W) / (N, H, W, C) array."""
+    if channels_last:
+        return e // (H * W * C), e % C, (e // (W * C)) % H, (e // C) % W
+    return e // (C * H * W), (e // (H * W)) % C, (e // W) % H, e % W
+
 
 @cuda.jit(cache=True)
-def _max_pool_fwd(x, y, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w, ys_n, ys_c, ys_h,
-                  ys_w):
-    # x: (N*C*H*W,), y: (N*C*P*Q,) flat in their layout; one thread per output, decoded in
-    # (n, c, p, q) order and addressed through the element strides
+def _max_pool_fwd(x, y, argmax, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
+                  channels_last):
+    # x: (N*C*H*W,), y, argmax: (N*C*P*Q,) flat in their layout; xs_*: element strides of x.
+    # One thread per output o, which is y's (and argmax's) flat index.
     for o in range(cuda.grid(1), y.size, cuda.gridsize(1)):
-        q = o % Q
-        p = (o // Q) % P
-        c = (o // (P * Q)) % C
-        n = o // (C * P * Q)
+        n, c, p, q = _coords(o, C, P, Q, channels_last)
         start = n * xs_n + c * xs_c + p * sh * xs_h + q * sw * xs_w
-        y[n * ys_n + c * ys_c + p * ys_h + q * ys_w] = x[
-            _first_max_offset(x, start, kh, kw, xs_h, xs_w)]
+        t = _first_max_tap(x, start, kh, kw, xs_h, xs_w)
+        y[o] = x[start + (t // kw) * xs_h + (t % kw) * xs_w]
+        argmax[o] = t
 
 
 @cuda.jit(cache=True)
-def _max_pool_bwd(gy, x, gx, C, H, W, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
-                  ys_n, ys_c, ys_h, ys_w):
-    # gy: (N*C*P*Q,), x, gx: (N*C*H*W,) flat. A gather, one thread per gx element: it visits
-    # the windows that cover it and adds gy of those whose first max it is. No atomics, and
-    # overlapping windows (stride < k) add in a fixed order.
+def _max_pool_bwd(gy, argmax, gx, C, H, W, P, Q, kh, kw, sh, sw, ys_n, ys_c, ys_h, ys_w,
+                  channels_last):
+    # gy, argmax: (N*C*P*Q,), gx: (N*C*H*W,) flat; ys_*: element strides of gy/argmax. A
+    # gather, one thread per gx element e: it visits the windows covering it and adds gy of
+    # those whose argmax tap is e's own. No atomics; overlapping windows add in a fixed order.
     for e in range(cuda.grid(1), gx.size, cuda.gridsize(1)):
-        w = e % W
-        h = (e // W) % H
-        c = (e // (H * W)) % C
-        n = e // (C * H * W)
-        x_off = n * xs_n + c * xs_c + h * xs_h + w * xs_w
+        n, c, h, w = _coords(e, C, H, W, channels_last)
         p_lo = 0 if h < kh else (h - kh + sh) // sh                 # first window row covering h
         q_lo = 0 if w < kw else (w - kw + sw) // sw
         p_hi = min(P - 1, h // sh)
@@ -168,28 +173,32 @@ def _max_pool_bwd(gy, x, gx, C, H, W, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs
         acc = 0.0
         for p in range(p_lo, p_hi + 1):
             for q in range(q_lo, q_hi + 1):
-                start = n * xs_n + c * xs_c + p * sh * xs_h + q * sw * xs_w
-                if _first_max_offset(x, start, kh, kw, xs_h, xs_w) == x_off:
-                    acc += gy[n * ys_n + c * ys_c + p * ys_h + q * ys_w]
-        gx[x_off] = acc
+                o = n * ys_n + c * ys_c + p * ys_h + q * ys_w
+                if argmax[o] == (h - p * sh) * kw + (w - q * sw):   # e is this window's max
+                    acc += gy[o]
+        gx[e] = acc
 
 
-# fwd :: (x, geometry) -> y
+# fwd :: (x, geometry) -> (y, argmax)
 def max_pool2d_forward(x, g):
     y = cuda.device_array(g.y_shape, x.dtype)
-    blocks, threads = config.grid_1d(y.size)
-    _max_pool_fwd[blocks, threads](x.reshape(x.size), y.reshape(y.size), g.C, g.P, g.Q, g.kh,
-                                   g.kw, g.sh, g.sw, *g.x_strides, *g.y_strides)
-    return y
+    argmax = cuda.device_array(g.y_shape, g.argmax_dtype)
+    if y.size:
+        blocks, threads = config.grid_1d(y.size)
+        _max_pool_fwd[blocks, threads](x.reshape(x.size), y.reshape(y.size),
+                                       argmax.reshape(argmax.size), g.C, g.P, g.Q, g.kh, g.kw,
+                                       g.sh, g.sw, *g.x_strides, int(g.layout == "NHWC"))
+    return y, argmax
 
 
-# bwd :: (x, gy, geometry) -> gx
-def max_pool2d_backward(gy, x, g):
-    gx = cuda.device_array(x.shape, x.dtype)
-    blocks, threads = config.grid_1d(gx.size)
-    _max_pool_bwd[blocks, threads](gy.reshape(gy.size), x.reshape(x.size), gx.reshape(gx.size),
-                                   g.C, g.H, g.W, g.P, g.Q, g.kh, g.kw, g.sh, g.sw,
-                                   *g.x_strides, *g.y_strides)
+# bwd :: (argmax, gy, geometry) -> gx
+def max_pool2d_backward(gy, argmax, g, dtype):
+    gx = cuda.device_array(g.x_shape, dtype)
+    if gx.size:
+        blocks, threads = config.grid_1d(gx.size)
+        _max_pool_bwd[blocks, threads](gy.reshape(gy.size), argmax.reshape(argmax.size),
+                                       gx.reshape(gx.size), g.C, g.H, g.W, g.P, g.Q, g.kh, g.kw,
+                                       g.sh, g.sw, *g.y_strides, int(g.layout == "NHWC"))
     return gx
 
 
@@ -340,15 +349,16 @@ def relu_backward(gy, y):
 
 # Every kernel above with the signatures it is compiled for, as a function of the numba float
 # type f; tests/test_ptx.py compiles each to PTX. Integer scalars (sizes, strides, flags) are
-# int64, as Python ints are; labels are int64 here (int32 labels compile on first use).
+# int64, as Python ints are; labels are int64 here (int32 labels compile on first use), and
+# max-pool argmaxes uint8 (the uint16/uint32 of windows over 16x16 compile on first use).
 _i = int64
 PTX_SIGNATURES = [
     (_relu_fwd, lambda f: (f[::1], f[::1])),
     (_relu_bwd, lambda f: (f[::1], f[::1], f[::1])),
     (_matmul_tiled, lambda f: (f[:, ::1], f[:, ::1], f[::1], f[:, ::1], _i, _i, _i)),
     (_column_sums, lambda f: (f[:, ::1], f[::1])),
-    (_max_pool_fwd, lambda f: (f[::1], f[::1]) + (_i,) * 15),
-    (_max_pool_bwd, lambda f: (f[::1], f[::1], f[::1]) + (_i,) * 17),
+    (_max_pool_fwd, lambda f: (f[::1], f[::1], uint8[::1]) + (_i,) * 12),
+    (_max_pool_bwd, lambda f: (f[::1], uint8[::1], f[::1]) + (_i,) * 14),
     (_gap_fwd, lambda f: (f[::1], f[::1]) + (_i,) * 7),
     (_gap_bwd, lambda f: (f[::1], f[::1]) + (_i,) * 7),
     (_xent_rows, lambda f: (f[:, ::1], int64[::1], float64[::1], float64[::1])),
