@@ -47,37 +47,21 @@ geo_tuple = conv_math.geo_tuple
 
 
 # --------------------------------------------------------------------------- im2col
+# Inside each prange iteration the kernels first take the 1-3 d views they work on: indexing
+# 4-d arrays directly inside a prange body compiled measurably slower (about 2x on a transpose).
 
 @njit(parallel=True, cache=True)
-def im2col_nchw(x, n0, geo, cols):
-    # x: (N, C, H, W);  cols: (nb*P*Q, R*S*C), rows (n, p, q), columns (r, s, c)
-    # The NHWC matrix, read from NCHW: for each tap row r, the input row x[n, :, h, :] (C, W)
-    # is transposed once into a small (W, C) tile, then every copy into cols is a C-run.
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    nb = cols.shape[0] // (P * Q)
-    for np_ in prange(nb * P):
-        n = np_ // P
-        p = np_ % P
-        tile = np.empty((W, C), cols.dtype)                # (W, C): x[n, :, h, :] transposed
-        for r in range(R):
-            h = _input_coord(p, r, sh, ph, dh)
-            row_inside = h >= 0 and h < H
-            if row_inside:
-                for c in range(C):
-                    for wi in range(W):
-                        tile[wi, c] = x[n0 + n, c, h, wi]
-            for s in range(S):
-                col0 = (r * S + s) * C
-                q_lo, q_hi = _valid_range(s, sw, pw, dw, W, Q)
-                for q in range(Q):
-                    m = np_ * Q + q
-                    if row_inside and q >= q_lo and q < q_hi:
-                        wi = _input_coord(q, s, sw, pw, dw)
-                        for c in range(C):
-                            cols[m, col0 + c] = tile[wi, c]
-                    else:
-                        for c in range(C):
-                            cols[m, col0 + c] = 0.0
+def nchw_to_nhwc(x, n0, xt):
+    # x: (N, C, H, W);  xt: (nb, H, W, C) out, images n0 .. n0+nb of x, channels last
+    # One (n, h) row per iteration: x[n, :, h, :] (C, W) read as C contiguous runs.
+    nb, H, W, C = xt.shape
+    for nh in prange(nb * H):
+        src = x[n0 + nh // H]                             # (C, H, W): this image
+        dst = xt[nh // H, nh % H]                         # (W, C)
+        h = nh % H
+        for c in range(C):
+            for wi in range(W):
+                dst[wi, c] = src[c, h, wi]
 
 
 @njit(parallel=True, cache=True)
@@ -118,11 +102,14 @@ def epilogue_nchw(ymat, b, has_bias, relu, n0, y):
         n = job // tiles
         i0 = (job % tiles) * EPILOGUE_TILE
         i1 = min(i0 + EPILOGUE_TILE, PQ)
+        src = ymat[n * PQ + i0:n * PQ + i1]               # (i1-i0, K)
+        dst = y[n0 + n]                                   # (K, PQ)
         for k in range(K):
             bias = b[k] if has_bias else 0.0
-            for i in range(i0, i1):
-                v = ymat[n * PQ + i, k] + bias
-                y[n0 + n, k, i] = _relu(v) if relu else v
+            out = dst[k, i0:i1]                           # (i1-i0,)
+            for i in range(i1 - i0):
+                v = src[i, k] + bias
+                out[i] = _relu(v) if relu else v
 
 
 @njit(parallel=True, cache=True)
@@ -130,9 +117,10 @@ def epilogue_rows(ymat, b, has_bias, relu):
     # ymat: (rows, K), in place: relu(ymat + b)
     rows, K = ymat.shape
     for m in prange(rows):
+        row = ymat[m]                                     # (K,)
         for k in range(K):
-            v = ymat[m, k] + (b[k] if has_bias else 0.0)
-            ymat[m, k] = _relu(v) if relu else v
+            v = row[k] + (b[k] if has_bias else 0.0)
+            row[k] = _relu(v) if relu else v
 
 
 # --------------------------------------------------------------------------- mask pass (g, db)
@@ -152,12 +140,13 @@ def mask_nchw(gy, y, use_mask, n0, gT, db):
         a2 = 0.0
         a3 = 0.0
         for n in range(nb):
-            row = gT[k, n * PQ:(n + 1) * PQ]                 # (PQ,) view of gT
+            row = gT[k, n * PQ:(n + 1) * PQ]              # (PQ,)
+            gy_row = gy[n0 + n, k]                        # (PQ,)
+            y_row = y[n0 + n, k]                          # (PQ,)
             for i in range(PQ):
-                row[i] = _relu_grad(gy[n0 + n, k, i], y[n0 + n, k, i]) if use_mask \
-                    else gy[n0 + n, k, i]
+                row[i] = _relu_grad(gy_row[i], y_row[i]) if use_mask else gy_row[i]
             i = 0
-            while i + DB_LANES <= PQ:                         # DB_LANES == 4 accumulators
+            while i + DB_LANES <= PQ:                     # DB_LANES == 4 accumulators
                 a0 += row[i]
                 a1 += row[i + 1]
                 a2 += row[i + 2]
@@ -176,11 +165,13 @@ def mask_rows(gy, y, use_mask, g, db):
     rows, K = gy.shape
     partial = np.zeros((DB_PARTS, K))                  # (DB_PARTS, K) float64
     for part in prange(DB_PARTS):
+        acc = partial[part]                            # (K,)
         for m in range(part * rows // DB_PARTS, (part + 1) * rows // DB_PARTS):
+            gy_row, y_row, g_row = gy[m], y[m], g[m]   # (K,) each
             for k in range(K):
-                v = _relu_grad(gy[m, k], y[m, k]) if use_mask else gy[m, k]
-                g[m, k] = v
-                partial[part, k] += v
+                v = _relu_grad(gy_row[k], y_row[k]) if use_mask else gy_row[k]
+                g_row[k] = v
+                acc[k] += v
     for part in range(DB_PARTS):
         for k in range(K):
             db[k] += partial[part, k]
@@ -239,9 +230,10 @@ def col2im_nhwc(dcols, n0, geo, dx):
     for nh in prange(nb * H):
         n = nh // H
         h = nh % H
+        dst = dx[n0 + n, h]                               # (W, C)
         for wi in range(W):
             for c in range(C):
-                dx[n0 + n, h, wi, c] = 0.0
+                dst[wi, c] = 0.0
             for r in range(R):
                 p = p_of[h, r]
                 if p < 0:
@@ -253,7 +245,7 @@ def col2im_nhwc(dcols, n0, geo, dx):
                     m = (n * P + p) * Q + q
                     col0 = (r * S + s) * C
                     for c in range(C):
-                        dx[n0 + n, h, wi, c] += dcols[m, col0 + c]
+                        dst[wi, c] += dcols[m, col0 + c]
 
 
 # --------------------------------------------------------------------------- drivers
@@ -264,7 +256,7 @@ def _images_per_chunk(geom, itemsize):
 
 
 def _is_pointwise(geom):
-    """1x1, stride 1, unpadded: the cols matrix is x itself (NHWC: its rows as they are)."""
+    """1x1, stride 1, unpadded: the cols matrix is x itself (channels last)."""
     return (geom.R == geom.S == geom.sh == geom.sw == 1 and geom.ph == geom.pw == 0
             and geom.ph_end == geom.pw_end == 0)
 
@@ -285,37 +277,63 @@ def _weight_matrix(w):
     return np.ascontiguousarray(w.transpose(0, 2, 3, 1)).reshape(K, R * S * C)
 
 
+class _Cols:
+    """The cols matrix (m*P*Q, R*S*C) of a chunk of images, in reused buffers.
+
+    NCHW: the chunk is first transposed to channels last (``xt``), then both layouts share
+    ``im2col_nhwc``. Pointwise convolutions need no im2col: the (channels-last) chunk's pixel
+    rows are the cols matrix.
+    """
+
+    def __init__(self, x, geom, nb):
+        self.x, self.geom, self.geo = x, geom, geo_tuple(geom)
+        self.nchw = geom.layout == "NCHW"
+        self.pointwise = _is_pointwise(geom)
+        g = geom
+        self.xt_buf = np.empty(nb * g.H * g.W * g.C, x.dtype) if self.nchw else None
+        self.buf = None if self.pointwise else np.empty(nb * g.P * g.Q * g.R * g.S * g.C,
+                                                        x.dtype)
+
+    def __call__(self, n0, m):
+        g = self.geom
+        if self.nchw:
+            src, s0 = _prefix(self.xt_buf, m, g.H, g.W, g.C), 0     # (m, H, W, C)
+            nchw_to_nhwc(self.x, n0, src)
+        else:
+            src, s0 = self.x, n0                                      # (N, H, W, C)
+        if self.pointwise:
+            return src[s0:s0 + m].reshape(m * g.H * g.W, g.C)         # (m*H*W, C)
+        cols = self.scratch(m)                                        # (m*PQ, R*S*C)
+        im2col_nhwc(src, s0, self.geo, cols)
+        return cols
+
+    def scratch(self, m):
+        """The cols buffer as an (m*P*Q, R*S*C) matrix (backward reuses it for dcols)."""
+        g = self.geom
+        return _prefix(self.buf, m * g.P * g.Q, g.R * g.S * g.C)
+
+
 def conv_forward(x, w, b, geom, relu):
     """``y = relu?(conv(x, w) + b?)`` for contiguous host arrays of one dtype."""
-    N, K, P, Q = geom.N, geom.K, geom.P, geom.Q
-    PQ, RSC = P * Q, geom.R * geom.S * geom.C
-    geo = geo_tuple(geom)
+    N, K, PQ = geom.N, geom.K, geom.P * geom.Q
     nchw = geom.layout == "NCHW"
     y = np.empty(geom.y_shape, x.dtype)
     has_bias = b is not None
     b = b if has_bias else np.zeros(K, x.dtype)
-    x_rows = _is_pointwise(geom) and not nchw                      # x's rows are the cols
-    im2col = im2col_nchw if nchw else im2col_nhwc
     nb = _images_per_chunk(geom, x.itemsize)
     wm = _weight_matrix(w)                                         # (K, R*S*C)
-    cols_buf = None if x_rows else np.empty(nb * PQ * RSC, x.dtype)
+    cols_of = _Cols(x, geom, nb)
     ymat_buf = np.empty(nb * PQ * K, x.dtype) if nchw else None
-    x2 = x.reshape(N * PQ, -1) if x_rows else None                 # (N*H*W, C)
     y2 = y.reshape(N * PQ, K) if not nchw else None                # (N*P*Q, K) NHWC rows
     y3 = y.reshape(N, K, PQ) if nchw else None                     # (N, K, P*Q)
     for n0, m in _chunks(N, nb):
-        rows = slice(n0 * PQ, (n0 + m) * PQ)
-        if x_rows:
-            cols = x2[rows]                                        # (m*PQ, C)
-        else:
-            cols = _prefix(cols_buf, m * PQ, RSC)                  # (m*PQ, R*S*C)
-            im2col(x, n0, geo, cols)
+        cols = cols_of(n0, m)                                      # (m*PQ, R*S*C)
         if nchw:
             ymat = _prefix(ymat_buf, m * PQ, K)                    # (m*PQ, K)
             np.matmul(cols, wm.T, out=ymat)                        # (m*PQ, RSC) @ (RSC, K)
             epilogue_nchw(ymat, b, has_bias, relu, n0, y3)
         else:
-            ymat = y2[rows]                                        # (m*PQ, K), a view of y
+            ymat = y2[n0 * PQ:(n0 + m) * PQ]                       # (m*PQ, K), a view of y
             np.matmul(cols, wm.T, out=ymat)
             if has_bias or relu:
                 epilogue_rows(ymat, b, has_bias, relu)
@@ -337,8 +355,7 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     nchw = geom.layout == "NCHW"
     use_mask = y is not None
     y = y if use_mask else gy
-    x_rows = _is_pointwise(geom) and not nchw                      # x's rows are the cols
-    im2col, col2im = (im2col_nchw, col2im_nchw) if nchw else (im2col_nhwc, col2im_nhwc)
+    pointwise = _is_pointwise(geom)
     nb = _images_per_chunk(geom, x.itemsize)
     wm = _weight_matrix(w)                                         # (K, R*S*C)
     db = np.zeros(K, np.float64)                                   # float64 accumulation
@@ -347,11 +364,10 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     dw_part = np.empty((K, RSC), dtype) if need_dw and N > nb else None
     copy_g = nchw or use_mask or need_db                           # else g is gy's rows
     g_buf = np.empty(nb * PQ * K, dtype) if copy_g else None
-    cols_buf = None if x_rows else np.empty(nb * PQ * RSC, dtype)
+    cols_of = _Cols(x, geom, nb)
+    dxt_buf = np.empty(nb * PQ * C, dtype) if need_dx and nchw and pointwise else None
     gy3, y3 = gy.reshape(N, K, PQ), y.reshape(N, K, PQ)            # NCHW (N, K, P*Q)
     gy2, y2 = gy.reshape(N * PQ, K), y.reshape(N * PQ, K)          # NHWC rows (N*P*Q, K)
-    x2 = x.reshape(N * PQ, C) if x_rows else None                  # (N*H*W, C)
-    dx2 = dx.reshape(N * PQ, C) if x_rows and need_dx else None
     for n0, m in _chunks(N, nb):
         rows = slice(n0 * PQ, (n0 + m) * PQ)
         # gT (K, m*PQ): g with one row per filter, whichever way it is stored
@@ -365,23 +381,23 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
         else:
             gT = gy2[rows].T                                       # no mask, no db
         if need_dw:
-            if x_rows:
-                cols = x2[rows]                                    # (m*HW, C)
-            else:
-                cols = _prefix(cols_buf, m * PQ, RSC)              # (m*PQ, R*S*C)
-                im2col(x, n0, geo, cols)
+            cols = cols_of(n0, m)                                  # (m*PQ, R*S*C)
             if n0 == 0:
                 np.matmul(gT, cols, out=dwm)                       # (K, m*PQ) @ (m*PQ, RSC)
             else:
                 np.matmul(gT, cols, out=dw_part)
                 dwm += dw_part
         if need_dx:
-            if x_rows:
-                np.matmul(gT.T, wm, out=dx2[rows])                 # (m*HW, K) @ (K, C)
+            if pointwise and nchw:                                 # dx rows, channels last
+                dxt = _prefix(dxt_buf, m * PQ, C)                  # (m*H*W, C)
+                np.matmul(gT.T, wm, out=dxt)                       # (m*HW, K) @ (K, C)
+                col2im_nchw(dxt, n0, geo, dx)                      # 1x1: a transpose
+            elif pointwise:
+                np.matmul(gT.T, wm, out=dx.reshape(N * PQ, C)[rows])   # straight into dx
             else:
-                dcols = _prefix(cols_buf, m * PQ, RSC)             # (m*PQ, RSC), reuses cols
+                dcols = cols_of.scratch(m)                         # (m*PQ, RSC), reuses cols
                 np.matmul(gT.T, wm, out=dcols)                     # (m*PQ, K) @ (K, RSC)
-                col2im(dcols, n0, geo, dx)
+                (col2im_nchw if nchw else col2im_nhwc)(dcols, n0, geo, dx)
     # (K, R*S*C) -> (K, R, S, C) -> (K, C, R, S)
     dw = np.ascontiguousarray(dwm.reshape(K, R, S, C).transpose(0, 3, 1, 2)) if need_dw \
         else None
