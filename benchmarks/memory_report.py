@@ -163,18 +163,23 @@ def markdown(results, command):
                          f"(ratio {TUTORIAL['fused_gb'] / TUTORIAL['unfused_gb']:.2f}).")
     lines.append(
         "\nReading the table. Each array is counted once and charged to the first op (in "
-        "forward order) that keeps it. Unfused, a conv -> batchnorm -> relu layer keeps the "
-        "conv output h (batch norm's input) *and* the ReLU output y (the ReLU's mask; it is also "
-        "the next op's input). Fused, `conv_batchnorm_relu` keeps only its input x, w, gamma, "
-        "beta and two per-channel vectors (mean, invstd) and recomputes h in backward, so "
-        "layer 1 drops to its 28x28x1 input, and layer 2's row is layer 1's output (its own "
-        "input). The layer-2 output y2 is then first kept by `max_pool2d` (its input), which is "
-        "why that row moves from the unfused conv2 layer to max_pool2d. fc1 keeps its input and "
-        "its weight (4.5 MiB, independent of the batch). The remapped model (the unfused "
-        "model through `numbafuse.compile`) is rewritten into exactly the fused ops.\n\n"
-        "What is left: y1 and y2 are each kept once (they are needed: the next op's input). "
-        "`max_pool2d` keeps its float input y2 (the largest array); saving a 1-byte window "
-        "argmax instead would cut another ~216 MiB at batch 2048 (ratio ~0.33).")
+        "forward order) that keeps it. Unfused, a conv -> batchnorm -> relu layer keeps its "
+        "input x and w (conv2d), the conv output h and two per-channel vectors (batchnorm), and "
+        "the ReLU output y (the ReLU's mask; the next conv2d keeps the same array as its input). "
+        "Fused, `conv_batchnorm_relu` keeps only its input x, w, gamma, beta and two per-channel "
+        "float64 vectors (mean, invstd) and recomputes h in backward, so layer 1 drops to its "
+        "28x28x1 input, and layer 2's row is layer 1's output y1 (its own input). `max_pool2d` "
+        "keeps only a uint8 window argmax (the row-major offset of each 2x2 window's first "
+        "maximum), one byte per pooled output: N*64*12*12 bytes, 1/16 of its float32 input y2. "
+        "So in the fused model no op keeps y2 at all (unfused, the ReLU still keeps it as its "
+        "mask). fc1 keeps its input (the flattened pooled output) and its weight (4.5 MiB, "
+        "independent of the batch); its ReLU keeps its output, which fc2 keeps too. The remapped "
+        "model (the unfused model through `numbafuse.compile`) is rewritten into exactly the "
+        "fused ops.\n\n"
+        "What is left in the fused model at batch 2048: layer 2's input y1 is the largest "
+        "residual (about 60% of the total; conv2 needs it for its weight gradient and to "
+        "recompute h2), then fc1's input and weight, the pool's argmax and layer 1's input. At "
+        "small batches fc1's weight is a large share.")
     lines.append("\nOps per layer (forward order): " + "; ".join(
         f"{r['kind']}: " + ", ".join(ops for _, ops, _ in r["layers"]) for r in
         results["small"]) + ".")

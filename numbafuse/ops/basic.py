@@ -187,7 +187,7 @@ class MaxPool2d(Function):
     overlapping windows (stride < k) accumulate. Forward writes ``y`` and the window argmax
     ``t`` in one pass, and only ``t`` is saved, shaped like ``y`` in the smallest unsigned
     dtype holding ``kh*kw - 1``: one byte per output up to 16x16 windows (uint16/uint32
-    beyond), a quarter of a float32 ``x`` for k == stride == 2. Backward never reads ``x``.
+    beyond), 1/16 of a float32 ``x``'s bytes for k == stride == 2. Backward never reads ``x``.
 
     NaN: a NaN beats every number and the first NaN of a window is its argmax, so the window
     pools to NaN (PyTorch propagates NaN too) and its gradient goes to that NaN.

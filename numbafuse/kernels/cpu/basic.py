@@ -122,7 +122,7 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
 # Forward writes y and, in the same pass, the window argmax: the row-major tap t = r*kw + s of
 # each window's first maximum, in the smallest unsigned dtype holding kh*kw - 1 (uint8 up to
 # 16x16 windows; ``PoolGeometry.argmax_dtype``). Backward reads only the argmax, never x: for
-# k == stride == 2 that is a quarter of a float32 x.
+# k == stride == 2 that is 1/16 of a float32 x's bytes (a quarter of the elements, 1 byte each).
 
 @njit(parallel=True, cache=True)
 def _max_pool_fwd(x, y, argmax, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
