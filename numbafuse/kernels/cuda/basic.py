@@ -20,6 +20,7 @@ from numba import cuda, float64, int32, int64, uint8
 from .. import scalar
 from ..cpu import basic as cpu_basic  # the plain-Python scalar math shared with the CPU
 from . import config
+from .reduce import block_sum
 
 BLOCK = config.BLOCK
 TILE = config.TILE
@@ -268,16 +269,9 @@ def _mean_one_block(values, scale, out):
     acc = 0.0
     for i in range(t, values.size, cuda.blockDim.x):
         acc += values[i]
-    buf[t] = acc
-    cuda.syncthreads()  # every thread's partial is in buf
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if t < step:
-            buf[t] += buf[t + step]
-        cuda.syncthreads()  # this level of the tree is complete before the next reads it
-        step //= 2
+    total = block_sum(buf, acc)
     if t == 0:
-        out[0] = buf[0] * scale
+        out[0] = total * scale
 
 
 @cuda.jit(cache=True)

@@ -24,6 +24,7 @@ from numba import cuda, float64, types
 from .. import conv_math
 from ..scalar import cuda_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import config
+from .reduce import block_sum
 
 TILE = config.TILE
 BLOCK = config.BLOCK
@@ -199,17 +200,9 @@ def _channel_sum_partials(gy, y, use_mask, partials, K, PQ, nhwc, split_len):
         for m in range(split * split_len + t, min(M, (split + 1) * split_len), nt):
             off = _out_offset(m, k, K, PQ, nhwc)
             acc += _relu_grad(gy[off], y[off]) if use_mask else gy[off]
-        buf[t] = acc
-        cuda.syncthreads()  # every thread's share is in buf
-        step = nt // 2
-        while step > 0:
-            if t < step:
-                buf[t] += buf[t + step]
-            cuda.syncthreads()  # this level of the tree is complete before the next reads it
-            step //= 2
+        total = block_sum(buf, acc)
         if t == 0:
-            partials[split, k] = buf[0]
-        cuda.syncthreads()  # thread 0 has read buf[0] before the next job overwrites buf
+            partials[split, k] = total
 
 
 @cuda.jit(cache=True)

@@ -7,6 +7,7 @@ import numpy as np
 from numba import cuda, float64
 
 from . import config
+from .reduce import block_sum
 
 BLOCK = config.BLOCK
 
@@ -84,20 +85,12 @@ _COPY_BY_RANK = {1: _copy_strided1, 2: _copy_strided2, 3: _copy_strided3, 4: _co
 def _sum_partials(x, partials):
     # x: (n,), partials: (gridDim.x,). Block b writes the sum of its grid-stride share.
     buf = cuda.shared.array(BLOCK, float64)
-    t = cuda.threadIdx.x
     acc = 0.0
     for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
         acc += x[i]
-    buf[t] = acc
-    cuda.syncthreads()  # every thread's partial is in buf
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if t < step:
-            buf[t] += buf[t + step]
-        cuda.syncthreads()  # this level of the tree is complete before the next reads it
-        step //= 2
-    if t == 0:
-        partials[cuda.blockIdx.x] = buf[0]
+    total = block_sum(buf, acc)
+    if cuda.threadIdx.x == 0:
+        partials[cuda.blockIdx.x] = total
 
 
 def fill(out, value):
