@@ -1,28 +1,34 @@
-"""CPU convolution kernels: chunked im2col + one BLAS GEMM per chunk, fused epilogues.
+"""CPU convolution kernels: chunked im2col + tall-skinny BLAS GEMMs, fused epilogues.
 
 Notation: N batch, C input channels, H/W input size, K filters, R/S filter size, P/Q output
-size, PQ = P*Q, CRS = C*R*S, nb = images in one chunk.
+size, PQ = P*Q, RSC = R*S*C, nb = images in one chunk, M = nb*PQ rows of a chunk.
 
-Forward, per chunk of ``nb`` images (so the cols buffer stays a few MiB, cache friendly):
+Both layouts build the same cols matrix and use the same GEMM orientation - long M in the
+rows of every operand, the shapes OpenBLAS's sgemm runs near peak on:
 
-    NCHW:  colsT (CRS, nb*PQ) = im2col(x)         rows (c, r, s), columns (n, p, q)
-           yT    (K, nb*PQ)   = w (K, CRS) @ colsT                       (one BLAS GEMM)
-           y[n, k, :, :]      = relu(yT[k, n*PQ:(n+1)*PQ] + b[k])        (epilogue: layout copy)
-    NHWC:  cols  (nb*PQ, RSC) = im2col(x)         rows (n, p, q), columns (r, s, c)
-           y rows (nb*PQ, K)  = cols @ wt (RSC, K)                       (GEMM straight into y)
-           y rows             = relu(y rows + b)                         (epilogue, in place)
+    cols (M, RSC)   rows (n, p, q), columns (r, s, c)      im2col of the chunk, channels last
+    wm   (K, RSC)   w (K, C, R, S) permuted to (K, R, S, C)
 
-1x1 stride-1 unpadded convolutions skip im2col: x itself is the cols matrix.
+Forward, per chunk of ``nb`` images (the cols buffer stays a few MiB, cache resident):
+
+    NCHW:  xt = nchw_to_nhwc(x chunk);  cols = im2col_nhwc(xt)
+           ymat (M, K) = cols @ wm^T                                      (one BLAS GEMM)
+           y[n, k, :]  = relu(ymat[n*PQ:(n+1)*PQ, k] + b[k])   (epilogue: tiled transpose)
+    NHWC:  cols = im2col_nhwc(x);  y rows (M, K) = cols @ wm^T     (GEMM straight into y)
+           y rows = relu(y rows + b)                                   (epilogue, in place)
+
+1x1 stride-1 unpadded convolutions skip im2col: the channels-last pixel rows are the cols.
 
 Backward, per chunk, from ``gy`` and (fused op) the output ``y`` whose sign is the ReLU mask:
 
-    g = gy * (y > 0) in the GEMM layout, db += sum of g   (one pass over gy: the mask pass)
-    dw += g @ cols^T                                       (GEMM; cols recomputed from x)
-    dcols = w^T @ g;  dx = col2im(dcols)                   (GEMM, then a gather: no races)
+    gT (K, M) = (gy * (y > 0))^T, db += sum of g   (one pass over gy and y: the mask pass;
+                                                    NCHW planes are gT's rows, NHWC g.T)
+    dw (K, RSC) += gT @ cols                       (GEMM; cols recomputed from x)
+    dcols (M, RSC) = gT^T @ wm;  dx = col2im(dcols)   (GEMM, then a gather: no races)
 
 Threading: every Numba kernel here is ``prange`` over independent rows/images with plain loops
-inside; the GEMMs run outside any ``prange`` (NumPy's BLAS threads them itself), so the two
-thread pools never nest.
+inside (on 1-3 d views taken at the top of the body); the GEMMs run outside any ``prange``
+(NumPy's BLAS threads them itself), so the two thread pools never nest.
 """
 # OMP_WAIT_POLICY=PASSIVE is chosen in numbafuse/__init__.py (see the note there).
 import numpy as np
