@@ -7,65 +7,23 @@ same names and arguments, for device arrays: ``ops/basic.py`` picks one module p
 Activations are handled as flat ``(n,)`` buffers addressed through *element strides*
 ``(sN, sC, sH, sW)``, so one compiled kernel serves both layouts (see ``ops.basic.PoolGeometry``).
 
-Scalar math shared with the CUDA kernels is written once, below, as plain Python (no
-decorators) and wrapped per target (``scalar.cpu_scalar`` here, ``scalar.cuda_scalar`` in
-``kernels/cuda/basic.py``).
+Scalar math shared with the CUDA kernels is written once, as plain Python, in
+``kernels/basic_math.py`` and wrapped per target (``scalar.cpu_scalar`` here,
+``scalar.cuda_scalar`` in ``kernels/cuda/basic.py``).
 
 Notation: N batch, C channels, H/W input height/width, P/Q pooled height/width,
 kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 """
-import math
-
 import numpy as np
 from numba import njit, prange
 
-from .. import scalar
-
-
-# --------------------------------------------------------------------------- shared scalar math
-# Plain Python: wrapped with cpu_scalar here and cuda_scalar in kernels/cuda/basic.py.
-
-def first_max_tap(x, start, kh, kw, s_h, s_w):
-    """Row-major tap ``t = r * kw + s`` in ``[0, kh*kw)`` of the FIRST maximum of the kh x kw
-    window of ``x`` at flat offset ``start``; the maximum is at ``start + r*s_h + s*s_w``.
-
-    ``s_h``/``s_w`` are the element strides of a window row/column. A NaN wins over numbers
-    and the first NaN is kept (``np.argmax`` semantics), so a window holding a NaN pools to
-    NaN, as in PyTorch, and its gradient goes to that first NaN.
-    """
-    best_t = 0
-    best = x[start]
-    for r in range(kh):
-        for s in range(kw):
-            v = x[start + r * s_h + s * s_w]
-            if best == best and (v > best or v != v):  # best not NaN, and v larger or NaN
-                best = v
-                best_t = r * kw + s
-    return best_t
-
-
-def row_logsumexp(logits, n, L):
-    """log(sum_j exp(logits[n, j])), stable: shifted by the row max. Accumulates in float64."""
-    m = logits[n, 0]
-    for j in range(1, L):
-        if logits[n, j] > m:
-            m = logits[n, j]
-    acc = 0.0
-    for j in range(L):
-        acc += math.exp(logits[n, j] - m)
-    return m + math.log(acc)
-
-
-def xent_grad(logit, lse, is_target, scale):
-    """d loss / d logit = scale * (softmax - onehot), softmax = exp(logit - lse)."""
-    return scale * (math.exp(logit - lse) - (1.0 if is_target else 0.0))
-
+from .. import basic_math, scalar
 
 _relu = scalar.cpu_scalar(scalar.relu)
 _relu_grad = scalar.cpu_scalar(scalar.relu_grad)
-_first_max_tap = scalar.cpu_scalar(first_max_tap)
-_row_logsumexp = scalar.cpu_scalar(row_logsumexp)
-_xent_grad = scalar.cpu_scalar(xent_grad)
+_first_max_tap = scalar.cpu_scalar(basic_math.first_max_tap)
+_row_logsumexp = scalar.cpu_scalar(basic_math.row_logsumexp)
+_xent_grad = scalar.cpu_scalar(basic_math.xent_grad)
 
 
 # --------------------------------------------------------------------------- relu

@@ -17,8 +17,7 @@ kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 import numpy as np
 from numba import cuda, float64, int32, int64, uint8
 
-from .. import scalar
-from ..cpu import basic as cpu_basic  # the plain-Python scalar math shared with the CPU
+from .. import basic_math, scalar
 from . import config
 from .reduce import block_sum
 
@@ -27,9 +26,9 @@ TILE = config.TILE
 
 _relu = scalar.cuda_scalar(scalar.relu)
 _relu_grad = scalar.cuda_scalar(scalar.relu_grad)
-_first_max_tap = scalar.cuda_scalar(cpu_basic.first_max_tap)
-_row_logsumexp = scalar.cuda_scalar(cpu_basic.row_logsumexp)
-_xent_grad = scalar.cuda_scalar(cpu_basic.xent_grad)
+_first_max_tap = scalar.cuda_scalar(basic_math.first_max_tap)
+_row_logsumexp = scalar.cuda_scalar(basic_math.row_logsumexp)
+_xent_grad = scalar.cuda_scalar(basic_math.xent_grad)
 
 
 # --------------------------------------------------------------------------- relu
