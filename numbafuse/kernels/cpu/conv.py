@@ -43,7 +43,7 @@ _input_coord = cpu_scalar(conv_math.input_coord)
 _output_coord = cpu_scalar(conv_math.output_coord)
 _valid_range = cpu_scalar(conv_math.valid_range)
 
-CHUNK_BYTES = 4 << 20   # target size of one chunk's im2col buffer (measured: 2-5 MiB best)
+CHUNK_BYTES = 6 << 20   # target size of one chunk's cols buffer (measured: 2.5-10 MiB best)
 DB_PARTS = 16           # fixed row blocks of the NHWC bias-gradient reduction (deterministic)
 DB_LANES = 4            # interleaved float64 accumulators of the NCHW bias gradient
 EPILOGUE_TILE = 64      # output pixels per tile of the NCHW epilogue's transpose
