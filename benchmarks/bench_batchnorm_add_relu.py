@@ -1,23 +1,28 @@
 """Benchmark BatchNorm -> Add -> ReLU on the CPU: fused vs unfused vs NumPy vs PyTorch eager.
 
-    python benchmarks/bench_batchnorm_add_relu.py [--quick] [--markdown FILE]
+    python benchmarks/bench_batchnorm_add_relu.py [--quick] [--repeat R] [--markdown FILE]
 
-For each shape (float32, NCHW) it times the forward and the forward+backward of
+Everything runs in ONE process, round-robin: each round calls every implementation once
+(forward, then forward+backward) and a NumPy copy, and the table keeps the best time of each
+over the rounds, so a burst of load from another process hits all of them alike (the machine
+is shared: compare columns of one run, not runs). For each shape (float32, NCHW):
 
-* ``fused``     numbafuse.batchnorm_add_relu on the tape (Tensors, y.backward(gy)), save="output";
-* ``fused mask`` the same with save="mask" (1-bit ReLU state);
-* ``fused no-tape`` the NumPy-style API: batchnorm_add_relu on arrays, then
-                batchnorm_add_relu_backward(..., y=y) (the kernels without the tape's
-                bookkeeping; the backward recomputes the batch statistics);
-* ``unfused``   numbafuse relu(add(batchnorm(x), z)) on the tape;
-* ``numpy``     numbafuse.reference (plain NumPy, float64 inside);
-* ``torch``     PyTorch CPU eager F.batch_norm + add + relu with autograd (if importable);
+* ``fused``          numbafuse.batchnorm_add_relu on the tape (Tensors, y.backward(gy)),
+                     save="output" (the backward reads y for the ReLU gate);
+* ``fused mask``     the same with save="mask" (1-bit ReLU state);
+* ``fused no-cache`` save="output" with the CPU output cache off
+                     (``kernels.cpu.batchnorm.output_cache.max_bytes = 0``): every y, gx, gz
+                     is a fresh array whose pages the OS faults in and zeroes;
+* ``fused no-tape``  the NumPy-style API on arrays: batchnorm_add_relu, then
+                     batchnorm_add_relu_backward(..., y=y) (which recomputes the statistics);
+* ``unfused``        numbafuse relu(add(batchnorm(x), z)) on the tape;
+* ``numpy``          numbafuse.reference (plain NumPy, float64 inside);
+* ``torch``          PyTorch CPU eager F.batch_norm + add + relu with autograd (if importable).
 
-and reports the best time of ``repeat`` runs (after a warm-up that also compiles), the speed-up
-of ``fused`` over each, and the achieved bandwidth of ``fused``: the *minimum* bytes any
-implementation must move (forward: read x, z, write y; backward: read gy, x and the ReLU state
-y, write gx, gz) divided by its time, next to the bandwidth of a NumPy copy measured in the
-same run (read + write of an array of the same size).
+Bandwidth of ``fused`` = the *minimum* bytes each call must move, every tensor counted once per
+call: forward reads x, z and writes y (3 tensors); the backward reads gy, x, y and writes gx, gz
+(5 tensors), so forward+backward counts 8. That over the time, next to the bandwidth of a NumPy
+copy of an array of the same size (read + write, 2 tensors) measured in the same rounds.
 """
 import argparse
 import os
@@ -29,35 +34,31 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import numbafuse as nf                         # noqa: E402
-from numbafuse import reference as ref         # noqa: E402
+import numbafuse as nf                                      # noqa: E402
+from numbafuse import reference as ref                      # noqa: E402
+from numbafuse.kernels.cpu import batchnorm as cpu_bn       # noqa: E402
 
 SHAPES = [(32, 64, 32, 32), (64, 256, 56, 56)]   # (N, C, H, W)
 DTYPE = np.float32
-REPEAT, QUICK_REPEAT = 5, 2
+REPEAT, QUICK_REPEAT = 15, 3
+SLOW_REPEAT = 2          # rounds that include the (float64, ~seconds) NumPy reference
+LARGE_ELEMENTS = 1 << 24  # above this, the NumPy reference runs only SLOW_REPEAT rounds
 FWD_TENSORS = 3          # x, z read; y written
 BWD_TENSORS = 5          # gy, x, y read; gx, gz written
 COPY_TENSORS = 2         # read + write
 GB = 1e9
 MS = 1e3
-REFERENCE_MAX_ELEMENTS = 1 << 22   # --quick skips the (slow, float64) reference above this
-
-
-def best_time(fn, repeat):
-    """Best wall time of ``repeat`` calls after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+IMPLS = ("fused", "fused_mask", "fused_nocache", "fused_notape", "unfused", "numpy", "torch")
+HEADS = {"fused": "fused", "fused_mask": "fused mask", "fused_nocache": "fused no-cache",
+         "fused_notape": "fused no-tape", "unfused": "unfused", "numpy": "numpy",
+         "torch": "torch"}
 
 
 def make_problem(shape, seed=0):
     rng = np.random.default_rng(seed)
     C = shape[1]
-    return dict(x=rng.standard_normal(shape, dtype=DTYPE), z=rng.standard_normal(shape, dtype=DTYPE),
+    return dict(x=rng.standard_normal(shape, dtype=DTYPE),
+                z=rng.standard_normal(shape, dtype=DTYPE),
                 gamma=rng.uniform(0.5, 1.5, C).astype(DTYPE),
                 beta=rng.standard_normal(C, dtype=DTYPE),
                 gy=rng.standard_normal(shape, dtype=DTYPE))
@@ -85,8 +86,21 @@ def numbafuse_runners(p, chain, save="output"):
     return fwd, fwd_bwd
 
 
+def without_cache(runners):
+    """The same runners with the CPU output cache off (fresh outputs each call)."""
+    def wrap(fn):
+        def run():
+            saved, cpu_bn.output_cache.max_bytes = cpu_bn.output_cache.max_bytes, 0
+            try:
+                fn()
+            finally:
+                cpu_bn.output_cache.max_bytes = saved
+        return run
+    return tuple(wrap(f) for f in runners)
+
+
 def notape_runners(p):
-    """The fused kernels through the NumPy-style API: no tape, no gradient copies."""
+    """The fused kernels through the NumPy-style API: no tape, no gradient bookkeeping."""
     rm, rv = np.zeros(p["x"].shape[1], DTYPE), np.ones(p["x"].shape[1], DTYPE)
     args = (p["x"], p["z"], p["gamma"], p["beta"])
 
@@ -121,7 +135,8 @@ def torch_runners(p):
         return None
     t = {k: torch.from_numpy(v) for k, v in p.items()}
     rm, rv = torch.zeros(p["x"].shape[1]), torch.ones(p["x"].shape[1])
-    leaves = {k: torch.from_numpy(p[k]).requires_grad_(True) for k in ("x", "z", "gamma", "beta")}
+    leaves = {k: torch.from_numpy(p[k]).requires_grad_(True)
+              for k in ("x", "z", "gamma", "beta")}
 
     def fwd():
         with torch.no_grad():
@@ -137,102 +152,138 @@ def torch_runners(p):
     return fwd, fwd_bwd
 
 
-def copy_bandwidth(n_elements, repeat):
-    src = np.ones(n_elements, DTYPE)
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_shape(shape, repeat, quick, notes):
+    """{impl: [best fwd s, best fwd+bwd s]} and the copy bandwidth (GB/s) of one shape."""
+    p = make_problem(shape)
+    size = int(np.prod(shape))
+    impls = {"fused": numbafuse_runners(p, "fused"),
+             "fused_mask": numbafuse_runners(p, "fused", save="mask"),
+             "fused_nocache": without_cache(numbafuse_runners(p, "fused")),
+             "fused_notape": notape_runners(p),
+             "unfused": numbafuse_runners(p, "unfused")}
+    slow = {}
+    if quick and size > LARGE_ELEMENTS:
+        notes.append(f"{shape}: NumPy reference skipped (--quick)")
+    elif size > LARGE_ELEMENTS:
+        slow["numpy"] = numpy_runners(p)
+        notes.append(f"{shape}: NumPy reference: best of {min(SLOW_REPEAT, repeat)} rounds")
+    else:
+        impls["numpy"] = numpy_runners(p)
+    torch_impl = torch_runners(p)
+    if torch_impl is None:
+        notes.append("PyTorch not importable: torch column empty")
+    else:
+        impls["torch"] = torch_impl
+    src = np.ones(size, DTYPE)
     dst = np.empty_like(src)
-    seconds = best_time(lambda: np.copyto(dst, src), repeat)
-    return COPY_TENSORS * src.nbytes / seconds / GB
+    every = {**impls, **slow}
+    for f, fb in every.values():       # warm-up: compiles, and fills the output cache
+        f()
+        fb()
+    best = {name: [np.inf, np.inf] for name in every}
+    best_copy = np.inf
+    for r in range(repeat):
+        best_copy = min(best_copy, timed(lambda: np.copyto(dst, src)))
+        for name, (f, fb) in every.items():
+            if name in slow and r >= SLOW_REPEAT:
+                continue
+            best[name][0] = min(best[name][0], timed(f))
+            best[name][1] = min(best[name][1], timed(fb))
+    copy_gbs = COPY_TENSORS * src.nbytes / best_copy / GB
+    return best, copy_gbs
 
 
-def run(quick):
-    repeat = QUICK_REPEAT if quick else REPEAT
+def run(repeat, quick):
     rows, notes = [], []
     for shape in SHAPES:
-        p = make_problem(shape)
-        size = int(np.prod(shape))
-        nbytes = size * np.dtype(DTYPE).itemsize
-        copy_gbs = copy_bandwidth(size, repeat)
-        impls = {"fused": numbafuse_runners(p, "fused"),
-                 "fused_mask": numbafuse_runners(p, "fused", save="mask"),
-                 "fused_notape": notape_runners(p),
-                 "unfused": numbafuse_runners(p, "unfused")}
-        if quick and size > REFERENCE_MAX_ELEMENTS:
-            notes.append(f"{shape}: NumPy reference skipped (--quick)")
-        else:
-            impls["numpy"] = numpy_runners(p)
-        torch_impl = torch_runners(p)
-        if torch_impl is None:
-            notes.append("PyTorch not importable: torch column empty")
-        else:
-            impls["torch"] = torch_impl
-        times = {name: (best_time(f, repeat), best_time(fb, repeat))
-                 for name, (f, fb) in impls.items()}
+        best, copy_gbs = run_shape(shape, repeat, quick, notes)
+        nbytes = int(np.prod(shape)) * np.dtype(DTYPE).itemsize
         for i, (pass_name, tensors) in enumerate((("fwd", FWD_TENSORS),
                                                   ("fwd+bwd", FWD_TENSORS + BWD_TENSORS))):
-            fused = times["fused"][i]
-            row = dict(shape=shape, pass_=pass_name,
-                       **{name: t[i] for name, t in times.items()},
-                       gbs=tensors * nbytes / fused / GB,
-                       gbs_notape=tensors * nbytes / times["fused_notape"][i] / GB,
-                       copy_gbs=copy_gbs)
-            rows.append(row)
-        del p
-    return rows, sorted(set(notes))
+            times = {name: t[i] for name, t in best.items()}
+            rows.append(dict(shape=shape, pass_=pass_name, times=times, copy_gbs=copy_gbs,
+                             min_bytes=tensors * nbytes))
+    return rows, notes
 
 
 def _fmt_ms(t):
     return "-" if t is None else f"{t * MS:.2f}"
 
 
-def _fmt_x(base, t):
-    return "-" if t is None else f"{t / base:.2f}x"
-
-
-def table(rows):
-    head = ("| shape | pass | fused ms | fused mask ms | fused no-tape ms | unfused ms | numpy ms "
-            "| torch ms | vs unfused | vs numpy | vs torch | fused GB/s | no-tape GB/s "
-            "| copy GB/s | fused/copy | no-tape/copy |")
+def time_table(rows):
+    head = ("| shape | pass | " + " | ".join(f"{HEADS[i]} ms" for i in IMPLS)
+            + " | torch / fused | unfused / fused |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        f = r["fused"]
-        lines.append(
-            f"| {r['shape']} | {r['pass_']} | {_fmt_ms(f)} | {_fmt_ms(r['fused_mask'])} | "
-            f"{_fmt_ms(r['fused_notape'])} | {_fmt_ms(r.get('unfused'))} | "
-            f"{_fmt_ms(r.get('numpy'))} | {_fmt_ms(r.get('torch'))} | "
-            f"{_fmt_x(f, r.get('unfused'))} | {_fmt_x(f, r.get('numpy'))} | "
-            f"{_fmt_x(f, r.get('torch'))} | {r['gbs']:.1f} | {r['gbs_notape']:.1f} | "
-            f"{r['copy_gbs']:.1f} | {r['gbs'] / r['copy_gbs']:.2f} | "
-            f"{r['gbs_notape'] / r['copy_gbs']:.2f} |")
+        t = r["times"]
+        f = t["fused"]
+        ratio = {k: ("-" if k not in t else f"{t[k] / f:.2f}x") for k in ("torch", "unfused")}
+        lines.append(f"| {r['shape']} | {r['pass_']} | "
+                     + " | ".join(_fmt_ms(t.get(i)) for i in IMPLS)
+                     + f" | {ratio['torch']} | {ratio['unfused']} |")
+    return "\n".join(lines)
+
+
+def bandwidth_table(rows):
+    head = ("| shape | pass | min MB moved | copy GB/s | fused GB/s | fused / copy "
+            "| no-cache GB/s | no-cache / copy | no-tape GB/s | no-tape / copy |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        cells = []
+        for impl in ("fused", "fused_nocache", "fused_notape"):
+            gbs = r["min_bytes"] / r["times"][impl] / GB
+            cells.append(f"{gbs:.1f} | {gbs / r['copy_gbs']:.2f}")
+        lines.append(f"| {r['shape']} | {r['pass_']} | {r['min_bytes'] / 1e6:.0f} | "
+                     f"{r['copy_gbs']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats, skip slow refs")
-    parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_REPEAT} rounds, no NumPy reference at the large shape")
+    parser.add_argument("--repeat", type=int, help="rounds (default %d)" % REPEAT)
+    parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown")
     args = parser.parse_args(argv)
     import numba
-    rows, notes = run(args.quick)
-    text = table(rows)
+    repeat = args.repeat or (QUICK_REPEAT if args.quick else REPEAT)
+    rows, notes = run(repeat, args.quick)
+    try:
+        import torch
+        torch_info = f"torch {torch.__version__} with {torch.get_num_threads()} threads"
+    except ImportError:
+        torch_info = "no torch"
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-               f"numba {numba.__version__} with {numba.get_num_threads()} threads, "
-               f"numpy {np.__version__}, float32 NCHW, best of "
-               f"{QUICK_REPEAT if args.quick else REPEAT}")
+               f"numba {numba.__version__} with {numba.get_num_threads()} threads "
+               f"({numba.threading_layer()}), {torch_info}, numpy {np.__version__}, float32 "
+               f"NCHW, best of {repeat} round-robin rounds")
+    text = ("Times (ms):\n\n" + time_table(rows) + "\n\nBandwidth of the fused op (minimum "
+            "bytes moved / time):\n\n" + bandwidth_table(rows))
     print(machine)
     print(text)
     for n in notes:
         print("note:", n)
     if args.markdown:
-        command = "python benchmarks/bench_batchnorm_add_relu.py" + (
-            " --quick" if args.quick else "") + f" --markdown {args.markdown}"
+        command = ("python benchmarks/bench_batchnorm_add_relu.py"
+                   + (" --quick" if args.quick else "")
+                   + (f" --repeat {args.repeat}" if args.repeat else "")
+                   + f" --markdown {args.markdown}")
         with open(args.markdown, "w") as fh:
-            fh.write("# BatchNorm -> Add -> ReLU benchmark (CPU)\n\n")
-            fh.write(f"Command: `{command}`\n\nMachine: {machine}\n\n")
-            fh.write("Times are the best of the repeats, in milliseconds; `vs X` is X's time "
-                     "over fused's (tape, save=\"output\"; higher is better for fused). "
-                     "Bandwidth: minimum bytes moved (forward: x, z, y; backward: gy, x, y, "
-                     "gx, gz) over the fused time (tape, and no-tape), against a NumPy copy "
-                     "(read + write) in the same run.\n\n")
+            fh.write(f"Command: `{command}`\n\n# BatchNorm -> Add -> ReLU benchmark (CPU)\n\n")
+            fh.write(f"Machine: {machine}\n\n")
+            fh.write("All columns come from one process, round-robin (each round runs every "
+                     "implementation once), best time per column. `torch / fused` is PyTorch's "
+                     "time over fused's (tape, save=\"output\"): higher is better for fused. "
+                     "Bandwidth counts each tensor once per call: forward x, z, y (3 tensors); "
+                     "forward+backward adds gy, x, y, gx, gz (8 in all); copy = a NumPy copy "
+                     "(read + write) of one tensor, in the same rounds. `no-cache`: the output "
+                     "cache off, so every output is fresh memory (page faults).\n\n")
             fh.write(text + "\n")
             for n in notes:
                 fh.write(f"\n- {n}")

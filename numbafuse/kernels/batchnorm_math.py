@@ -3,9 +3,13 @@ r"""Scalar math of batch norm (-> add -> ReLU), shared by the CPU and the CUDA k
 Plain Python, no decorators: ``kernels/cpu/batchnorm.py`` wraps these with
 :func:`numbafuse.kernels.scalar.cpu_scalar`, ``kernels/cuda/batchnorm.py`` with
 :func:`~numbafuse.kernels.scalar.cuda_scalar`. Every per-channel quantity (mean, invstd, the
-backward coefficients) is float64, and the per-element formulas are evaluated in float64 too
-(``x - mean`` is where a float32 computation would lose the digits when channel means are large
-compared with their spread), rounding once on the store.
+backward coefficients) is float64. The CUDA kernels evaluate the per-element formulas in
+float64 too, rounding once on the store (``x - mean`` is where a float32 computation would lose
+the digits when channel means are large compared with their spread). The CPU kernels call the
+same functions with arguments in x's dtype (twice the SIMD width for float32) and keep the
+digits by splitting the mean: ``normalize_affine(x - mean_hi, mean_lo, scale, beta)`` and
+``input_grad(g, x - mean_hi, mean_lo, ...)``, where ``mean = mean_hi + mean_lo`` and
+``x - mean_hi`` is exact near the mean (Sterbenz).
 
 Statistics are accumulated *shifted*: with ``shift`` one value of the channel,
 ``s1 = sum(x - shift)`` and ``s2 = sum((x - shift)**2)`` in float64, so the single-pass

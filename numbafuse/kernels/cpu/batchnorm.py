@@ -16,7 +16,15 @@ row blocks of ``REDUCE_CHUNK`` elements) is a function of the shape only.
 
 Relu state codes (``state_kind``) for the backward: ``STATE_NONE`` (plain batch norm),
 ``STATE_Y`` (the forward output y: open where y > 0), ``STATE_MASK`` (packed bits, bit
-``j % 8`` of byte ``j // 8`` for flat index j, set where y > 0).
+``j % 8`` of byte ``j // 8`` for flat index j, set where y > 0). Every task of the elementwise
+passes starts on a mask byte; the forward packs its bytes while its y is in cache, the backward
+expands its bytes to one 0/0xFF byte per element with a 256-entry table (so the gate loops
+vectorise).
+
+Per-element arithmetic is in x's dtype (see the note above the fused forward); sums are
+float64. The backward's pass 1 writes gz = g while it reduces, and pass 2 reads g back from gz:
+y (or the mask) is read once. Large outputs come from :data:`output_cache`
+(:class:`OutputCache`), which reuses released buffers instead of faulting in fresh pages.
 
 Host-level entry points (what ``numbafuse.ops.batchnorm`` calls): :func:`stats`,
 :func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`.
