@@ -46,6 +46,7 @@ _valid_range = cpu_scalar(conv_math.valid_range)
 CHUNK_BYTES = 6 << 20   # target size of one chunk's cols buffer (measured: 2.5-10 MiB best)
 DB_PARTS = 16           # fixed row blocks of the NHWC bias-gradient reduction (deterministic)
 DB_LANES = 4            # interleaved float64 accumulators of the NCHW bias gradient
+ROW_BLOCK = 8           # input rows per iteration of the NCHW transposes (im2col, col2im)
 EPILOGUE_TILE = 64      # output pixels per tile of the NCHW epilogue's transpose
 
 
@@ -59,15 +60,20 @@ geo_tuple = conv_math.geo_tuple
 @njit(parallel=True, cache=True)
 def nchw_to_nhwc(x, n0, xt):
     # x: (N, C, H, W);  xt: (nb, H, W, C) out, images n0 .. n0+nb of x, channels last
-    # One (n, h) row per iteration: x[n, :, h, :] (C, W) read as C contiguous runs.
+    # One block of ROW_BLOCK input rows per iteration: each channel's rows are read as one
+    # contiguous run (short runs at a 4 KiB stride were latency-bound), the block is written
+    # in cache.
     nb, H, W, C = xt.shape
-    for nh in prange(nb * H):
-        src = x[n0 + nh // H]                             # (C, H, W): this image
-        dst = xt[nh // H, nh % H]                         # (W, C)
-        h = nh % H
+    blocks = (H + ROW_BLOCK - 1) // ROW_BLOCK
+    for job in prange(nb * blocks):
+        h0 = (job % blocks) * ROW_BLOCK
+        h1 = min(h0 + ROW_BLOCK, H)
+        src = x[n0 + job // blocks]                       # (C, H, W): this image
+        dst = xt[job // blocks]                           # (H, W, C)
         for c in range(C):
-            for wi in range(W):
-                dst[wi, c] = src[c, h, wi]
+            for h in range(h0, h1):
+                for wi in range(W):
+                    dst[h, wi, c] = src[c, h, wi]
 
 
 @njit(parallel=True, cache=True)
@@ -198,31 +204,37 @@ def _tap_table(size_in, T, stride, pad, dilation, size_out):
 @njit(parallel=True, cache=True)
 def col2im_nchw(dcols, n0, geo, dx):
     # dcols: (nb*P*Q, R*S*C), columns (r, s, c);  dx: (N, C, H, W), images n0 .. n0+nb written
-    # Gather, one (n, h) input row per iteration (no races): the row is summed as a (W, C)
-    # tile from C-runs of dcols, over the taps (r, s) that read it, then stored transposed.
+    # Gather, one block of ROW_BLOCK input rows per iteration (no races): the rows are summed
+    # as an (rows, W, C) tile from C-runs of dcols, over the taps (r, s) that read them, then
+    # stored transposed, one contiguous run per channel.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     nb = dcols.shape[0] // (P * Q)
     p_of = _tap_table(H, R, sh, ph, dh, P)             # (H, R)
     q_of = _tap_table(W, S, sw, pw, dw, Q)             # (W, S)
-    for nh in prange(nb * H):
-        n = nh // H
-        h = nh % H
-        acc = np.zeros((W, C), dcols.dtype)            # (W, C): dx[n, :, h, :] transposed
-        for r in range(R):
-            p = p_of[h, r]
-            if p < 0:
-                continue
-            for s in range(S):
-                col0 = (r * S + s) * C
-                for wi in range(W):
-                    q = q_of[wi, s]
-                    if q >= 0:
-                        m = (n * P + p) * Q + q
-                        for c in range(C):
-                            acc[wi, c] += dcols[m, col0 + c]
+    blocks = (H + ROW_BLOCK - 1) // ROW_BLOCK
+    for job in prange(nb * blocks):
+        n = job // blocks
+        h0 = (job % blocks) * ROW_BLOCK
+        h1 = min(h0 + ROW_BLOCK, H)
+        acc = np.zeros((h1 - h0, W, C), dcols.dtype)   # (rows, W, C): dx[n, :, h0:h1, :]^T
+        for h in range(h0, h1):
+            for r in range(R):
+                p = p_of[h, r]
+                if p < 0:
+                    continue
+                src = dcols[(n * P + p) * Q:(n * P + p + 1) * Q]     # (Q, RSC): output row p
+                for s in range(S):
+                    col0 = (r * S + s) * C
+                    for wi in range(W):
+                        q = q_of[wi, s]
+                        if q >= 0:
+                            for c in range(C):
+                                acc[h - h0, wi, c] += src[q, col0 + c]
+        dst = dx[n0 + n]                                  # (C, H, W)
         for c in range(C):
-            for wi in range(W):
-                dx[n0 + n, c, h, wi] = acc[wi, c]
+            for h in range(h0, h1):
+                for wi in range(W):
+                    dst[c, h, wi] = acc[h - h0, wi, c]
 
 
 @njit(parallel=True, cache=True)
