@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import _arrays
 from ..autograd import Function, Tensor
-from ..kernels.cpu import conv as _cpu_conv  # imported now: it sets OMP_WAIT_POLICY (see there)
+from ..kernels.cpu import conv as _cpu_conv  # OMP_WAIT_POLICY: see numbafuse/__init__.py
 
 
 def _kernels(backend):
