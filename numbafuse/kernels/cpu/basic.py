@@ -15,9 +15,10 @@ Notation: N batch, C channels, H/W input height/width, P/Q pooled height/width,
 kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 """
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from .. import basic_math, scalar
+from ._launch import parallel_kernel
 
 _relu = scalar.cpu_scalar(scalar.relu)
 _relu_grad = scalar.cpu_scalar(scalar.relu_grad)
@@ -28,14 +29,14 @@ _xent_grad = scalar.cpu_scalar(basic_math.xent_grad)
 
 # --------------------------------------------------------------------------- relu
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _relu_fwd(x, y):
     # x, y: (n,)
     for i in prange(x.size):
         y[i] = _relu(x[i])
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _relu_bwd(gy, y, gx):
     # gy, y, gx: (n,); the mask comes from the output y
     for i in prange(gy.size):
@@ -82,7 +83,7 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
 # 16x16 windows; ``PoolGeometry.argmax_dtype``). Backward reads only the argmax, never x: for
 # k == stride == 2 that is 1/16 of a float32 x's bytes (a quarter of the elements, 1 byte each).
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _max_pool_fwd(x, y, argmax, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
                   ys_n, ys_c, ys_h, ys_w):
     # x: (N*C*H*W,), y, argmax: (N*C*P*Q,), all flat in their layout; xs_*/ys_*: element
@@ -99,7 +100,7 @@ def _max_pool_fwd(x, y, argmax, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs
                 argmax[o] = t
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _max_pool_bwd(gy, argmax, gx, N, C, P, Q, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
                   ys_n, ys_c, ys_h, ys_w):
     # gy, argmax: (N*C*P*Q,), gx: (N*C*H*W,) flat, gx zeroed. One (n, c) plane per iteration:
@@ -137,7 +138,7 @@ def max_pool2d_backward(gy, argmax, g, dtype):
 
 # --------------------------------------------------------------------------- global_avg_pool2d
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _gap_fwd(x, y, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
     # x: (N*C*H*W,) flat in its layout, y: (N*C,) = (N, C) row-major
     inv = 1.0 / (H * W)
@@ -150,7 +151,7 @@ def _gap_fwd(x, y, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
         y[nc] = acc * inv
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _gap_bwd(gy, gx, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
     # gy: (N*C,), gx: (N*C*H*W,) flat in its layout
     inv = 1.0 / (H * W)
@@ -178,7 +179,7 @@ def global_avg_pool2d_backward(gy, g, dtype):
 
 # --------------------------------------------------------------------------- cross_entropy
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _xent_fwd(logits, labels, nll, lse):
     # logits: (N, L), labels: (N,) int, nll, lse: (N,) float64
     N, L = logits.shape
@@ -187,7 +188,7 @@ def _xent_fwd(logits, labels, nll, lse):
         nll[n] = lse[n] - logits[n, labels[n]]
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _xent_bwd(logits, labels, lse, scale, glogits):
     # logits, glogits: (N, L), labels: (N,) int, lse: (N,) float64; scale = gy / N
     N, L = logits.shape

@@ -35,6 +35,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import conv_math
+from ._launch import parallel_kernel
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 
 _relu = cpu_scalar(_relu_math)
@@ -57,7 +58,7 @@ geo_tuple = conv_math.geo_tuple
 # Inside each prange iteration the kernels first take the 1-3 d views they work on: indexing
 # 4-d arrays directly inside a prange body compiled measurably slower (about 2x on a transpose).
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def nchw_to_nhwc(x, n0, xt):
     # x: (N, C, H, W);  xt: (nb, H, W, C) out, images n0 .. n0+nb of x, channels last
     # One block of ROW_BLOCK input rows per iteration: each channel's rows are read as one
@@ -76,7 +77,7 @@ def nchw_to_nhwc(x, n0, xt):
                     dst[h, wi, c] = src[c, h, wi]
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def im2col_nhwc(x, n0, geo, cols):
     # x: (N, H, W, C);  cols: (nb*P*Q, R*S*C), rows (n, p, q), columns (r, s, c)
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
@@ -101,7 +102,7 @@ def im2col_nhwc(x, n0, geo, cols):
 
 # --------------------------------------------------------------------------- epilogues
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def epilogue_nchw(ymat, b, has_bias, relu, n0, y):
     # ymat: (nb*PQ, K) GEMM output;  b: (K,);  y: (N, K, PQ), images n0 .. n0+nb written once
     # The layout copy is a tiled transpose: EPILOGUE_TILE pixels x K channels of ymat (in L1)
@@ -124,7 +125,7 @@ def epilogue_nchw(ymat, b, has_bias, relu, n0, y):
                 out[i] = _relu(v) if relu else v
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def epilogue_rows(ymat, b, has_bias, relu):
     # ymat: (rows, K), in place: relu(ymat + b)
     rows, K = ymat.shape
@@ -137,7 +138,7 @@ def epilogue_rows(ymat, b, has_bias, relu):
 
 # --------------------------------------------------------------------------- mask pass (g, db)
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def mask_nchw(gy, y, use_mask, n0, gT, db):
     # gy, y: (N, K, PQ);  gT: (K, nb*PQ) out, g = gy*(y > 0);  db: (K,) float64, += sum g
     # Each gT row is written first (a vectorised select), then summed with DB_LANES
@@ -170,7 +171,7 @@ def mask_nchw(gy, y, use_mask, n0, gT, db):
         db[k] += (a0 + a1) + (a2 + a3)
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def mask_rows(gy, y, use_mask, g, db):
     # gy, y, g: (rows, K);  g = gy*(y > 0);  db: (K,) float64, += column sums of g, summed
     # over DB_PARTS fixed row blocks in a fixed order (the same result for any thread count)
@@ -201,7 +202,7 @@ def _tap_table(size_in, T, stride, pad, dilation, size_out):
     return table
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def col2im_nchw(dcols, n0, geo, dx):
     # dcols: (nb*P*Q, R*S*C), columns (r, s, c);  dx: (N, C, H, W), images n0 .. n0+nb written
     # Gather, one block of ROW_BLOCK input rows per iteration (no races): the rows are summed
@@ -237,7 +238,7 @@ def col2im_nchw(dcols, n0, geo, dx):
                     dst[c, h, wi] = acc[h - h0, wi, c]
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def col2im_nhwc(dcols, n0, geo, dx):
     # dcols: (nb*P*Q, R*S*C);  dx: (N, H, W, C), images n0 .. n0+nb written (not accumulated)
     # Gather, one (n, h) row of dx per iteration: no races.
