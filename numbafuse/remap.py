@@ -61,7 +61,7 @@ FOLD_CONV_BN = "Fold FusedBatchNorm into Conv2D"
 # the public functions fused nodes call: op name -> (module, attribute), looked up at run time
 _PUBLIC = {
     "conv_bias_relu": ("numbafuse.ops.conv", "conv_bias_relu"),
-    "conv_bias": ("numbafuse.remap", "conv_bias"),
+    "conv_bias": ("numbafuse.ops.conv", "conv_bias"),
     "squeeze": ("numbafuse.ops.basic", "squeeze"),
     "batchnorm_add_relu": ("numbafuse.ops.batchnorm", "batchnorm_add_relu"),
     "conv_batchnorm_relu": ("numbafuse.ops.conv_batchnorm", "conv_batchnorm_relu"),
@@ -829,58 +829,6 @@ def _describe(event, old_names):
                 f"[nodes {', '.join(old_names[n] for n in event.chain)}]")
     return (f"{event.title}: {', '.join(old_names[n] for n in event.old)} -> "
             f"{', '.join(n.name for n in event.new)}")
-
-
-# --------------------------------------------------------------------------- conv_bias
-
-class ConvBias(Function):
-    r"""Conv2D with BiasAdd in the epilogue, no activation: what a rewrite without ReLU makes.
-
-    .. math::
-        y = \mathrm{conv}(x, w) + b, \qquad g = gy, \qquad gb_k = \sum_{n,p,q} g_{nkpq},
-        \qquad gw = \mathrm{correlate}(x, g), \qquad gx = \mathrm{conv\_transpose}(g, w)
-
-    Built on the conv family's array helpers (``ops.conv.conv_forward``/``conv_backward``
-    with ``relu=False``), on either backend. Residuals: x and w.
-    """
-    name = "conv_bias"
-
-    def __init__(self, stride=1, padding=0, dilation=1, layout="NCHW"):
-        super().__init__(stride=stride, padding=padding, dilation=dilation, layout=layout)
-
-    # fwd :: (x, w, b) -> (y, residuals=(x, w))
-    def forward(self, x, w, b):
-        from .ops import conv
-        op = self.name
-        _arrays.backend_of(op, x=x, w=w, b=b)
-        _arrays.check_float_dtypes(op, x=x, w=w, b=b)
-        geom = _arrays.conv_geometry(op, tuple(x.shape), tuple(w.shape), self.stride,
-                                     self.padding, self.dilation, self.layout)
-        _arrays.check_vector(op, "b", b, geom.K)
-        x, w, b = (_arrays.contiguous(a) for a in (x, w, b))
-        self.geom = geom
-        self.save_for_backward(x=x, w=w)
-        return conv.conv_forward(x, w, b, geom, False)
-
-    # bwd :: (residuals=(x, w), gy) -> (gx, gw, gb)
-    def backward(self, gy):
-        from .ops import conv
-        return conv.conv_backward(_arrays.contiguous(gy), self.saved.x, self.saved.w, self.geom,
-                                  None, tuple(self.needs_input_grad))
-
-
-def conv_bias(x, w, b, *, stride=1, padding=0, dilation=1, layout="NCHW"):
-    """``conv2d(x, w) + b`` in one pass (the remapper's Conv2D+BiasAdd without ReLU).
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from numbafuse.remap import conv_bias
-    >>> conv_bias(np.ones((1, 1, 2, 2)), np.ones((1, 1, 2, 2)), np.array([-10.0])).ravel()
-    array([-6.])
-    """
-    return ConvBias(stride=stride, padding=padding, dilation=dilation, layout=layout).apply(
-        x, w, b)
 
 
 # --------------------------------------------------------------------------- compile

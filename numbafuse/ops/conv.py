@@ -158,6 +158,7 @@ class ConvBiasReLU(Function):
     Residuals: x, w and y only.
     """
     name = "conv_bias_relu"
+    relu = True
 
     def __init__(self, stride=1, padding=0, dilation=1, layout="NCHW"):
         super().__init__(stride=stride, padding=padding, dilation=dilation, layout=layout)
@@ -167,8 +168,8 @@ class ConvBiasReLU(Function):
         geom, x, w, b = _validate_conv(self.name, x, w, b, self.stride, self.padding,
                                        self.dilation, self.layout)
         self.geom = geom
-        y = conv_forward(x, w, b, geom, True)
-        self.save_for_backward(x=x, w=w, y=y)
+        y = conv_forward(x, w, b, geom, self.relu)
+        self.save_for_backward(x=x, w=w, y=y if self.relu else None)   # y: the ReLU mask
         return y
 
     # bwd :: (residuals=(x, w, y), gy) -> (gx, gw, gb)
@@ -176,6 +177,14 @@ class ConvBiasReLU(Function):
         s = self.saved
         return conv_backward(_arrays.contiguous(gy), s.x, s.w, self.geom, s.y,
                              self.needs_input_grad)                   # (need x, w, b)
+
+
+class ConvBias(ConvBiasReLU):
+    r"""Conv2D -> BiasAdd in one pass, no activation (the remapper's rewrite of
+    conv2d -> bias_add): :math:`y = \mathrm{conv}(x, w) + b`, :math:`g = gy`. Residuals: x, w.
+    """
+    name = "conv_bias"
+    relu = False
 
 
 # --------------------------------------------------------------------------- public functions
@@ -202,6 +211,21 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, layout="NCHW"):
     (1, 1, 2, 2)
     """
     return Conv2d(stride=stride, padding=padding, dilation=dilation, layout=layout).apply(x, w)
+
+
+def conv_bias(x, w, b, *, stride=1, padding=0, dilation=1, layout="NCHW"):
+    """``conv2d(x, w) + b`` in one pass, without ReLU (what the remapper makes of
+    conv2d -> bias_add). Same arguments as :func:`conv_bias_relu`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from numbafuse.ops.conv import conv_bias
+    >>> conv_bias(np.ones((1, 1, 2, 2)), np.ones((1, 1, 2, 2)), np.array([-10.0])).ravel()
+    array([-6.])
+    """
+    return ConvBias(stride=stride, padding=padding, dilation=dilation, layout=layout).apply(
+        x, w, b)
 
 
 def bias_add(x, b, *, layout="NCHW"):
