@@ -301,3 +301,21 @@ def test_nothing_written_on_bad_input(monkeypatch):
     with pytest.raises(ValueError, match="conv_bias_relu: b"):
         nf.conv_bias_relu(x, w, np.ones(5))
     assert np.array_equal(x, before[0]) and np.array_equal(w, before[1])
+
+
+@given(nfs.conv_problems(dtype=np.float64, bias=True))
+def test_conv_bias_without_relu_matches_reference_and_keeps_no_output(problem):
+    from numbafuse.ops.conv import conv_bias
+    x, w, b, kw = problem.x, problem.w, problem.b, problem.kwargs
+    lay = kw["layout"]
+    geo = {k: kw[k] for k in ("stride", "padding", "dilation")}
+    expected = ref.bias_add(ref.conv2d(x, w, layout=lay, **geo), b, layout=lay)
+    np.testing.assert_allclose(conv_bias(x, w, b, **kw), expected, rtol=1e-10, atol=1e-12)
+    tx, tw, tb = (nf.Tensor(a, requires_grad=True) for a in (x, w, b))
+    y = conv_bias(tx, tw, tb, **kw)
+    assert nf.saved_bytes(y) == x.nbytes + w.nbytes      # no ReLU: no mask, y is not kept
+    gy = np.random.default_rng(0).standard_normal(y.shape)
+    y.backward(gy)
+    gx, gw = ref.conv2d_backward(gy, x, w, layout=lay, **geo)
+    for got, want in ((tx.grad, gx), (tw.grad, gw), (tb.grad, ref.bias_add_backward(gy, lay)[1])):
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
