@@ -4,8 +4,9 @@
 
 Everything runs in ONE process, round-robin: each round calls every implementation once
 (forward, then forward+backward) and the two copies, in a fresh random order each round,
-and the table keeps the best time of each over the rounds, so a burst of load from another process hits all of them alike (the machine
-is shared: compare columns of one run, not runs). For each shape (float32, NCHW):
+and the table keeps the best time of each over the rounds, so a burst of load from another
+process hits all of them alike (the machine is shared: compare columns of one run, not runs).
+For each shape (float32, NCHW):
 
 * ``fused``          numbafuse.batchnorm_add_relu on the tape (Tensors, y.backward(gy)),
                      save="output" (the backward reads y for the ReLU gate);
@@ -234,6 +235,18 @@ def run(repeat, quick):
     return rows, notes
 
 
+EXPLANATION = (
+    "All columns come from one process, round-robin (each round runs every implementation "
+    "once, in a fresh random order), best time per column. `torch / fused` is PyTorch's time "
+    "over fused's (tape, save=\"output\"): higher is better for fused. Bandwidth counts each "
+    "tensor once per call: forward x, z, y (3 tensors); forward+backward adds gy, x, y, gx, gz "
+    "(8 in all). Copy: a copy of one tensor (read + write) in the same rounds, by NumPy's "
+    "copyto (one thread) and by a Numba prange loop (all threads, like the fused kernels); at "
+    "the small shape source and destination (16 MB) fit in the 32 MB L3 of the machine "
+    "measured, so its copy figures may be cache, not DRAM, bandwidth. `no-cache`: the output "
+    "cache off, so every output is fresh memory (page faults).")
+
+
 def _fmt_ms(t):
     return "-" if t is None else f"{t * MS:.2f}"
 
@@ -302,17 +315,7 @@ def main(argv=None):
         with open(args.markdown, "w") as fh:
             fh.write(f"Command: `{command}`\n\n# BatchNorm -> Add -> ReLU benchmark (CPU)\n\n")
             fh.write(f"Machine: {machine}\n\n")
-            fh.write("All columns come from one process, round-robin (each round runs every "
-                     "implementation once, in a fresh random order), best time per column. `torch / fused` is PyTorch's "
-                     "time over fused's (tape, save=\"output\"): higher is better for fused. "
-                     "Bandwidth counts each tensor once per call: forward x, z, y (3 tensors); "
-                     "forward+backward adds gy, x, y, gx, gz (8 in all); copy = a NumPy copy "
-                     "(read + write) of one tensor, in the same rounds: NumPy's copyto (one thread) and a Numba "
-                     "prange copy (all threads, like the fused kernels); at the small shape source and "
-                     "destination (16 MB) fit in the 32 MB L3 of the machine measured, so its copy "
-                     "figures may be cache, not "
-                     "DRAM, bandwidth. `no-cache`: the output "
-                     "cache off, so every output is fresh memory (page faults).\n\n")
+            fh.write(EXPLANATION + "\n\n")
             fh.write(text + "\n")
             for n in notes:
                 fh.write(f"\n- {n}")

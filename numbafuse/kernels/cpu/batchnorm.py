@@ -87,16 +87,21 @@ def _stats_nchw(x3, shift, partials):
 
 @njit(parallel=True, fastmath=REDUCE_FASTMATH, cache=True)
 def _stats_nhwc(x2, shift, rows_per_task, partials):
-    # x2: (M, C); shift: (C,) float64; partials: (P, 2, C) float64, zeroed; task p owns rows
+    # x2: (M, C); shift: (C,) float64; partials: (P, 2, C) float64; task p owns rows
     # [p*rows_per_task, (p+1)*rows_per_task)
     M, C = x2.shape
     P = partials.shape[0]
     for p in prange(P):
+        # task-local sums vectorise (accumulating into partials rows was 1.4x slower)
+        s1, s2 = np.zeros(C), np.zeros(C)                         # (C,) each
         for row in range(p * rows_per_task, min(M, (p + 1) * rows_per_task)):
+            xr = x2[row]                                          # (C,)
             for c in range(C):
-                d = x2[row, c] - shift[c]
-                partials[p, 0, c] += d
-                partials[p, 1, c] += d * d
+                d = xr[c] - shift[c]
+                s1[c] += d
+                s2[c] += d * d
+        partials[p, 0] = s1
+        partials[p, 1] = s2
 
 
 @njit(cache=True)
@@ -307,7 +312,7 @@ def _bwd_reduce_nchw(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C, rows_pe
 @njit(parallel=True, fastmath=REDUCE_FASTMATH, cache=True)
 def _bwd_reduce_nhwc(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, rows_per_task, gz2,
                      want_gz, partials):
-    # gy2, x2, y2, gz2: (M, C); partials: (P, 2, C) float64, zeroed; task p owns a block of
+    # gy2, x2, y2, gz2: (M, C); partials: (P, 2, C) float64 <- per-task sums; task p owns a block of
     # rows starting on a mask byte
     R, L = x2.shape
     for p in prange(partials.shape[0]):
@@ -315,7 +320,7 @@ def _bwd_reduce_nhwc(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, rows_per_t
         r1 = min(R, r0 + rows_per_task)
         e = _task_mask(state_kind, mask, r0, r1, L)
         buf = np.empty(L, x2.dtype)                               # (C,)
-        sg, sgx = partials[p, 0], partials[p, 1]                  # (C,) each
+        sg, sgx = np.zeros(L), np.zeros(L)                        # (C,) each, task-local
         for r in range(r0, r1):
             xr = x2[r]                                            # (C,)
             g = gz2[r] if want_gz else buf                        # (C,)
@@ -323,6 +328,8 @@ def _bwd_reduce_nhwc(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, rows_per_t
             for k in range(L):
                 sg[k] += g[k]
                 sgx[k] += g[k] * ((xr[k] - mean_hi[k]) - mean_lo[k])
+        partials[p, 0] = sg
+        partials[p, 1] = sgx
 
 
 @njit(cache=True)
@@ -432,7 +439,7 @@ def stats(x, layout, eps):
         _stats_nchw(x.reshape(N, C, HW), shift, partials)                     # (N, C, HW)
     else:
         rows = _rows_per_task(C)
-        partials = np.zeros((-(-N * HW // rows), 2, C))
+        partials = np.empty((-(-N * HW // rows), 2, C))
         _stats_nhwc(x.reshape(N * HW, C), shift, rows, partials)              # (M, C)
     mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
     _finalize_stats(partials, shift, float(N * HW), float(eps), mean, var, invstd)
@@ -597,7 +604,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
             _bwd_reduce_nchw(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C, rows, gz2,
                              bool(need_gz), partials)
         else:
-            partials = np.zeros((-(-N * HW // rows), 2, C))
+            partials = np.empty((-(-N * HW // rows), 2, C))
             _bwd_reduce_nhwc(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, rows, gz2,
                              bool(need_gz), partials)
         g_written = need_gz
