@@ -29,10 +29,10 @@ def _renamed(fn, suffix):
 class ParallelKernel:
     """``kernel(*args)``: the parallel build for large inputs, the serial one for small."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, **options):
         self.py_func = fn
-        self.parallel = njit(parallel=True, cache=True)(fn)
-        self.serial = njit(cache=True)(_renamed(fn, "__serial"))
+        self.parallel = njit(parallel=True, cache=True, **options)(fn)
+        self.serial = njit(cache=True, **options)(_renamed(fn, "__serial"))
         self.__name__, self.__doc__ = fn.__name__, fn.__doc__
 
     def __call__(self, *args):
@@ -41,6 +41,9 @@ class ParallelKernel:
         return kernel(*args)
 
 
-def parallel_kernel(fn):
-    """Decorator: ``@parallel_kernel`` in place of ``@njit(parallel=True, cache=True)``."""
-    return ParallelKernel(fn)
+def parallel_kernel(fn=None, **options):
+    """Decorator: ``@parallel_kernel`` in place of ``@njit(parallel=True, cache=True)``;
+    ``@parallel_kernel(fastmath=...)`` passes other ``njit`` options to both builds."""
+    if fn is None:
+        return lambda f: ParallelKernel(f, **options)
+    return ParallelKernel(fn, **options)

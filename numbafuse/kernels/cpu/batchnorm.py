@@ -38,6 +38,7 @@ import numpy as np
 from numba import njit, prange
 
 from .. import batchnorm_math as bm
+from ._launch import parallel_kernel
 from .. import scalar
 from ..scalar import cpu_scalar
 
@@ -67,7 +68,7 @@ _input_grad = cpu_scalar(bm.input_grad)
 
 # --------------------------------------------------------------------------- statistics
 
-@njit(parallel=True, fastmath=REDUCE_FASTMATH, cache=True)
+@parallel_kernel(fastmath=REDUCE_FASTMATH)
 def _stats_nchw(x3, shift, partials):
     # x3: (N, C, HW); shift: (C,) float64; partials: (N, 2, C) float64 <- shifted sums s1, s2
     N, C, HW = x3.shape
@@ -85,7 +86,7 @@ def _stats_nchw(x3, shift, partials):
         partials[n, 1, c] = s2
 
 
-@njit(parallel=True, fastmath=REDUCE_FASTMATH, cache=True)
+@parallel_kernel(fastmath=REDUCE_FASTMATH)
 def _stats_nhwc(x2, shift, rows_per_task, partials):
     # x2: (M, C); shift: (C,) float64; partials: (P, 2, C) float64; task p owns rows
     # [p*rows_per_task, (p+1)*rows_per_task)
@@ -177,7 +178,7 @@ def _pack_mask(yt, mt):
         mt[full] = byte
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _apply_nchw(x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, want_mask, C,
                 rows_per_task):
     # x2, z2, y2: (N*C, HW), row r is channel r % C; mean_hi, mean_lo, scale (= gamma*invstd),
@@ -204,7 +205,7 @@ def _apply_nchw(x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, wa
             _pack_mask(yflat[r0 * L:r1 * L], mask[r0 * L // BITS:-(-r1 * L // BITS)])
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _apply_nhwc(x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, want_mask,
                 rows_per_task):
     # as _apply_nchw for x2, z2, y2: (M, C), element (r, k) is channel k
@@ -280,7 +281,7 @@ def _task_mask(state_kind, mask, r0, r1, L):
     return np.empty(0, np.uint8)
 
 
-@njit(parallel=True, fastmath=REDUCE_FASTMATH, cache=True)
+@parallel_kernel(fastmath=REDUCE_FASTMATH)
 def _bwd_reduce_nchw(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C, rows_per_task, gz2,
                      want_gz, partials):
     # gy2, x2, y2, gz2: (N*C, HW), row r is channel r % C; mask: packed (ceil(size/8),) uint8;
@@ -309,7 +310,7 @@ def _bwd_reduce_nchw(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C, rows_pe
             partials[n, 1, c] = sgx
 
 
-@njit(parallel=True, fastmath=REDUCE_FASTMATH, cache=True)
+@parallel_kernel(fastmath=REDUCE_FASTMATH)
 def _bwd_reduce_nhwc(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, rows_per_task, gz2,
                      want_gz, partials):
     # gy2, x2, y2, gz2: (M, C); partials: (P, 2, C) float64 <- per-task sums; task p owns a block of
@@ -351,7 +352,7 @@ def _finalize_backward(partials, gamma, invstd, count, training, ggamma, gbeta, 
         c0[c] = _coef_0(gam, invstd[c], gbeta[c], count, training)
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _bwd_apply_nchw(gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y2, mask, C,
                     rows_per_task, gx2, want_gx, gz2, want_gz):
     # gy2, x2, y2, gx2, gz2: (N*C, HW) (gx2/gz2 written when wanted); per-channel coefficients
@@ -380,7 +381,7 @@ def _bwd_apply_nchw(gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y2, mask,
                         gxr[k] = _input_grad(g[k], xr[k] - mh, ml, a, b, d)
 
 
-@njit(parallel=True, cache=True)
+@parallel_kernel
 def _bwd_apply_nhwc(gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y2, mask,
                     rows_per_task, gx2, want_gx, gz2, want_gz):
     # as _bwd_apply_nchw for (M, C) rows, element (r, k) is channel k
