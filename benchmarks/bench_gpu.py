@@ -1,0 +1,206 @@
+"""GPU benchmark: the fused CUDA kernels vs PyTorch CUDA (TF32 off) and the measured ceilings.
+
+    PYTHONPATH=. python benchmarks/bench_gpu.py [--markdown FILE]      # on a machine with a GPU
+    NUMBA_ENABLE_CUDASIM=1 python benchmarks/bench_gpu.py --smoke       # tiny shapes, simulator
+
+For a session that is lent a GPU (none was while this was written: its figures are still to be
+taken). It measures, in one process:
+
+- the two ceilings: device-to-device copy bandwidth (bytes read + written / time) and, when
+  PyTorch CUDA is there, an FP32 matrix product's rate with TF32 off;
+- Conv-Bias-ReLU at the ResNet layer x (32, 64, 32, 32), w (64, 64, 3, 3), padding 1:
+  numbafuse's fused forward and forward+backward (GFLOP/s, fraction of the matmul ceiling)
+  and cuDNN's through PyTorch (``torch.backends.cudnn.allow_tf32 = False``);
+- BatchNorm-Add-ReLU at (32, 64, 32, 32) and (64, 256, 56, 56): fused forward and
+  forward+backward, achieved bandwidth (minimum bytes moved / time) against the copy ceiling,
+  and PyTorch CUDA eager (F.batch_norm + add + relu, autograd).
+
+Device work is timed with CUDA events around many repeats after a warm-up (median of the
+repeats). ``--smoke`` shrinks every shape so the script itself can be checked under the
+simulator; its times mean nothing.
+"""
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+from numba import cuda  # noqa: E402
+
+import numbafuse as nf  # noqa: E402
+
+FULL = dict(conv=((32, 64, 32, 32), (64, 64, 3, 3)),
+            bn=[(32, 64, 32, 32), (64, 256, 56, 56)], copy_mib=512, matmul=8192, repeats=50)
+SMOKE = dict(conv=((1, 2, 4, 4), (2, 2, 3, 3)), bn=[(1, 2, 3, 3)], copy_mib=0.01, matmul=0,
+             repeats=1)
+WARMUP = 3
+
+
+def time_device(fn, repeats):
+    """Median milliseconds of ``fn()`` by CUDA events, after a warm-up."""
+    for _ in range(WARMUP):
+        fn()
+    cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = cuda.event(), cuda.event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch
+
+
+def time_torch(torch, fn, repeats):
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def copy_ceiling(cfg):
+    n = max(1, int(cfg["copy_mib"] * 2**20 // 4))
+    src = cuda.to_device(np.ones(n, np.float32))
+    dst = cuda.device_array(n, np.float32)
+    ms = time_device(lambda: dst.copy_to_device(src), cfg["repeats"])
+    return 2 * src.nbytes / (ms * 1e-3) / 1e9          # GB/s, read + write
+
+
+def matmul_ceiling(torch, cfg):
+    n = cfg["matmul"]
+    if torch is None or n == 0:
+        return None
+    a = torch.randn(n, n, device="cuda")
+    b = torch.randn(n, n, device="cuda")
+    ms = time_torch(torch, lambda: a @ b, max(5, cfg["repeats"] // 5))
+    return 2 * n ** 3 / (ms * 1e-3) / 1e9              # GFLOP/s
+
+
+def bench_conv(torch, cfg, rows, matmul):
+    x_shape, w_shape = cfg["conv"]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+    b = rng.standard_normal(w_shape[0]).astype(np.float32)
+    dx, dw, db = (cuda.to_device(a) for a in (x, w, b))
+    y = nf.conv_bias_relu(dx, dw, db, padding=1)
+    gy = cuda.to_device(rng.standard_normal(y.shape).astype(np.float32))
+    geom_flops = 2 * np.prod(y.shape) * np.prod(w_shape[1:])
+    fwd = time_device(lambda: nf.conv_bias_relu(dx, dw, db, padding=1), cfg["repeats"])
+    both = time_device(lambda: nf.conv_bias_relu_backward(
+        gy, dx, dw, nf.conv_bias_relu(dx, dw, db, padding=1), padding=1), cfg["repeats"])
+    rate = 3 * geom_flops / (both * 1e-3) / 1e9
+    rows.append(("conv_bias_relu", str(x_shape), "numbafuse", fwd, both,
+                 f"{rate:.0f} GFLOP/s" + (f" ({rate / matmul:.0%} of matmul)" if matmul else "")))
+    if torch is not None:
+        tx, tw, tb = (torch.tensor(a, device="cuda", requires_grad=True) for a in (x, w, b))
+        tgy = torch.tensor(gy.copy_to_host(), device="cuda")
+        F = torch.nn.functional
+
+        def t_fwd():
+            return F.relu(F.conv2d(tx, tw, tb, padding=1))
+
+        def t_both():
+            t_fwd().backward(tgy)
+        tf, tb_ = time_torch(torch, t_fwd, cfg["repeats"]), time_torch(torch, t_both,
+                                                                        cfg["repeats"])
+        trate = 3 * geom_flops / (tb_ * 1e-3) / 1e9
+        rows.append(("conv_bias_relu", str(x_shape), "PyTorch/cuDNN (TF32 off)", tf, tb_,
+                     f"{trate:.0f} GFLOP/s"))
+
+
+def bench_bn(torch, cfg, rows, copy_bw):
+    rng = np.random.default_rng(1)
+    for shape in cfg["bn"]:
+        C = shape[1]
+        x, z, gy = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
+        gamma, beta = np.ones(C, np.float32), np.zeros(C, np.float32)
+        d = {k: cuda.to_device(v) for k, v in dict(x=x, z=z, gy=gy, gamma=gamma,
+                                                    beta=beta).items()}
+
+        def fwd():
+            return nf.batchnorm_add_relu(d["x"], d["z"], d["gamma"], d["beta"])
+
+        def both():
+            y = fwd()
+            return nf.batchnorm_add_relu_backward(d["gy"], d["x"], d["z"], d["gamma"],
+                                                  d["beta"], y=y)
+        tf, tb = time_device(fwd, cfg["repeats"]), time_device(both, cfg["repeats"])
+        nbytes = x.nbytes
+        bw_f, bw_b = 3 * nbytes / (tf * 1e-3) / 1e9, 8 * nbytes / (tb * 1e-3) / 1e9
+        rows.append(("batchnorm_add_relu", str(shape), "numbafuse", tf, tb,
+                     f"{bw_f:.0f} / {bw_b:.0f} GB/s ({bw_f / copy_bw:.0%} / "
+                     f"{bw_b / copy_bw:.0%} of copy)"))
+        if torch is not None:
+            tx, tz = (torch.tensor(a, device="cuda", requires_grad=True) for a in (x, z))
+            tg, tbe = (torch.tensor(a, device="cuda", requires_grad=True) for a in (gamma, beta))
+            tgy = torch.tensor(gy, device="cuda")
+            F = torch.nn.functional
+
+            def t_fwd():
+                return F.relu(F.batch_norm(tx, None, None, tg, tbe, training=True) + tz)
+
+            def t_both():
+                t_fwd().backward(tgy)
+            rows.append(("batchnorm_add_relu", str(shape), "PyTorch CUDA eager",
+                         time_torch(torch, t_fwd, cfg["repeats"]),
+                         time_torch(torch, t_both, cfg["repeats"]), ""))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (simulator check)")
+    p.add_argument("--markdown", metavar="FILE")
+    args = p.parse_args(argv)
+    if not cuda.is_available():
+        sys.exit("bench_gpu: no CUDA device (for a smoke run: NUMBA_ENABLE_CUDASIM=1 ... --smoke)")
+    cfg = SMOKE if args.smoke else FULL
+    torch = None if args.smoke else _torch_cuda()
+    copy_bw = copy_ceiling(cfg)
+    matmul = matmul_ceiling(torch, cfg)
+    rows = []
+    bench_conv(torch, cfg, rows, matmul)
+    bench_bn(torch, cfg, rows, copy_bw)
+    command = " ".join(["python", "benchmarks/bench_gpu.py", *sys.argv[1:]])
+    device = cuda.get_current_device()
+    name = getattr(device, "name", b"simulator")
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    lines = [f"Command: `{command}`", "",
+             f"Device: {name}. Ceilings measured in this run: device copy {copy_bw:.0f} GB/s"
+             + (f", FP32 matmul (TF32 off) {matmul:.0f} GFLOP/s" if matmul else "") + ".", "",
+             "| op | shape | implementation | fwd ms | fwd+bwd ms | achieved |",
+             "|---|---|---|---:|---:|---|"]
+    lines += [f"| {op} | {shape} | {impl} | {f:.3f} | {b:.3f} | {extra} |"
+              for op, shape, impl, f, b, extra in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
