@@ -5,6 +5,7 @@ from numba import cuda
 
 import numbafuse as nf
 from numbafuse.kernels.cuda import elementwise as ew
+from numbafuse.ops.arith import mean
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -52,3 +53,26 @@ def test_mixing_host_and_device_is_a_type_error(rng):
     x = rng.standard_normal(3)
     with pytest.raises(TypeError, match="add: cannot mix host and device"):
         nf.add(x, cuda.to_device(x))
+
+
+def test_scaling_and_sums_keep_infinities():
+    # axpby(a, x, 0, x) is how the tape scales (neg, affine, mean): 0*inf must not make a NaN
+    x = np.array([1.0, np.inf, 2.0, -3.0], np.float32)
+    d = cuda.to_device(x)
+    np.testing.assert_array_equal(ew.axpby(2.0, d, 0.0, d).copy_to_host(), 2 * x)
+    assert ew.sum_all(d).copy_to_host() == np.inf
+    assert mean(d).copy_to_host() == np.inf
+    assert np.isnan(mean(cuda.to_device(np.array([1.0, np.nan]))).copy_to_host())
+
+
+@pytest.mark.parametrize("threads", [32, 64])
+def test_sum_with_warp_sized_blocks(threads, monkeypatch, rng):
+    # real-GPU-like block sizes, several blocks, a grid-stride loop whose threads leave at
+    # different iterations (n is not a multiple of blocks * threads)
+    from numbafuse.kernels.cuda import config
+    monkeypatch.setattr(config, "threads", threads)
+    x = rng.standard_normal(3 * threads * 2 + 37)
+    d = cuda.to_device(x)
+    a, b = ew.sum_all(d).copy_to_host(), ew.sum_all(d).copy_to_host()
+    np.testing.assert_allclose(a, x.sum(), rtol=1e-12)
+    assert a.tobytes() == b.tobytes()

@@ -21,9 +21,14 @@ def _fill(out, value):
 
 @cuda.jit(cache=True)
 def _axpby(a, x, b, y, out):
-    # x, y, out: (n,);  out = a*x + b*y
-    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        out[i] = a * x[i] + b * y[i]
+    # x, y, out: (n,);  out = a*x + b*y, and a*x when b == 0 (BLAS rule: y is not read, so an
+    # inf or NaN in y does not turn into 0*inf = NaN; the wrappers scale with axpby(a, x, 0, x))
+    if b == 0:
+        for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+            out[i] = a * x[i]
+    else:
+        for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+            out[i] = a * x[i] + b * y[i]
 
 
 @cuda.jit(cache=True)
@@ -102,7 +107,7 @@ def fill(out, value):
 
 
 def axpby(a, x, b, y):
-    """``a*x + b*y`` for same-shape contiguous device arrays."""
+    """``a*x + b*y`` for same-shape contiguous device arrays; ``b == 0``: ``a*x`` (y unread)."""
     out = cuda.device_array(x.shape, x.dtype)
     if x.size:
         blocks, threads = config.grid_1d(x.size)
