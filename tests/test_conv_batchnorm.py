@@ -225,7 +225,7 @@ BAD = [
     (dict(gamma=np.ones(3, np.float32)), ValueError, "gamma must have shape"),
     (dict(beta=np.ones(5, np.float32)), ValueError, "beta must have shape"),
     (dict(running_mean=np.ones(3, np.float32)), ValueError, "running_mean must have shape"),
-    (dict(running_var=None), ValueError, "both running_mean and running_var"),
+    (dict(running_var=None), ValueError, "only running_mean was given"),
     (dict(gamma=np.ones(4, np.float64)), TypeError, "gamma is float64"),
     (dict(x=np.ones((2, 3, 5, 5), np.int32)), TypeError, "x must be float32 or float64"),
     (dict(kw=dict(layout="NWHC")), ValueError, "layout"),
@@ -236,6 +236,8 @@ BAD = [
     (dict(x=np.ones((1, 3, 3, 3), np.float32)), ValueError, "more than one value per channel"),
     (dict(kw=dict(training=False), running_mean=None, running_var=None), ValueError,
      "inference"),
+    (dict(kw=dict(training="no")), TypeError, "training must be True or False"),
+    (dict(kw=dict(training=0)), TypeError, "training must be True or False"),
 ]
 
 
@@ -263,6 +265,15 @@ def test_fold_batchnorm_bad_input(rng):
     with pytest.raises(TypeError, match="fold_batchnorm: .*float64"):
         nf.fold_batchnorm(a["w"], None, a["gamma"].astype(np.float64), a["beta"],
                           a["running_mean"], a["running_var"])
+
+
+def test_backward_refuses_a_non_boolean_training(rng):
+    a = _good(rng)
+    gy = np.ones((2, 4, 3, 3), np.float32)
+    with pytest.raises(TypeError, match="conv_batchnorm_relu_backward: training must be True"):
+        nf.conv_batchnorm_relu_backward(gy, a["x"], a["w"], a["gamma"], a["beta"],
+                                        running_mean=a["running_mean"],
+                                        running_var=a["running_var"], training="no")
 
 
 def test_backward_bad_gy(rng):

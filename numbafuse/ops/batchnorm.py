@@ -20,6 +20,10 @@ device), already validated and C-contiguous in ``layout``, and do no autograd:
 momentum=0.1, eps=1e-5, layout="NCHW", save="output") -> BatchNormArgs``
     All validation of a batch-norm call (backend, dtypes, shapes, scalars, running-stat pair,
     one value per channel in training); raises a named ValueError/TypeError, writes nothing.
+``check_running_stats(op, C, M, running_mean, running_var, training, momentum, eps)
+-> (momentum, eps)``
+    The batch-norm state part of it (also used by Conv -> BatchNorm): running statistics,
+    ``training`` a real boolean, the scalars, more than one value per channel in training.
 ``bn_stats(x, eps=1e-5, layout="NCHW") -> (mean, var, invstd)``
     Batch statistics, float64 (C,); var is biased; shifted float64 accumulation.
 ``bn_inference_stats(running_mean, running_var, eps=1e-5) -> (mean, invstd)``
@@ -101,31 +105,47 @@ def check_args(op, x, gamma, beta, z=None, running_mean=None, running_var=None, 
     if z is not None:
         _arrays.check_same_shape(op, "z", z, "x", x)
     C = x.shape[_arrays.channel_axis(layout)]
-    for name, v in (("gamma", gamma), ("beta", beta), ("running_mean", running_mean),
-                    ("running_var", running_var)):
-        _arrays.check_vector(op, name, v, C)
+    _arrays.check_vector(op, "gamma", gamma, C)
+    _arrays.check_vector(op, "beta", beta, C)
+    if save not in SAVE_POLICIES:
+        raise ValueError(f"{op}: save must be 'output' or 'mask', got {save!r}")
+    M = int(np.prod(x.shape, dtype=np.int64)) // C
+    momentum, eps = check_running_stats(op, C, M, running_mean, running_var, training,
+                                        momentum, eps)
+    return BatchNormArgs(backend, dtype, layout, C, M, eps, momentum)
+
+
+def check_running_stats(op, C, M, running_mean, running_var, training, momentum, eps):
+    """Validate the batch-norm state of a call: ``(momentum, eps)`` as floats.
+
+    Shared by every op with a batch norm inside (``batchnorm``, ``batchnorm_add_relu``,
+    ``conv_batchnorm_relu``, their NumPy-style backwards): running statistics of shape (C,),
+    given both or neither, required in inference, contiguous when on the device (they are
+    updated in place); ``training`` a real boolean (``"no"`` is not False); ``eps >= 0``,
+    ``momentum`` in [0, 1]; more than one value per channel (``M``) in training. Backend and
+    dtype agreement with the other arrays is the caller's ``backend_of``/``check_float_dtypes``.
+    Raises a named ValueError/TypeError; writes nothing.
+    """
+    _arrays.check_vector(op, "running_mean", running_mean, C)
+    _arrays.check_vector(op, "running_var", running_var, C)
     eps = _arrays.check_scalar(op, "eps", eps, lo=0.0)
     momentum = _arrays.check_scalar(op, "momentum", momentum, lo=0.0, hi=1.0)
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"{op}: training must be True or False, got {training!r}")
-    if save not in SAVE_POLICIES:
-        raise ValueError(f"{op}: save must be 'output' or 'mask', got {save!r}")
     if (running_mean is None) != (running_var is None):
         given = "running_mean" if running_mean is not None else "running_var"
         raise ValueError(f"{op}: running_mean and running_var go together; only {given} "
                          f"was given")
     if not training and running_mean is None:
         raise ValueError(f"{op}: inference (training=False) needs running_mean and running_var")
-    if backend == _arrays.CUDA:
-        for name, v in (("running_mean", running_mean), ("running_var", running_var)):
-            if v is not None and not _arrays.as_device_array(v).is_c_contiguous():
-                raise ValueError(f"{op}: {name} must be contiguous on the device "
-                                 f"(it is updated in place)")
-    M = int(np.prod(x.shape, dtype=np.int64)) // C
+    for name, v in (("running_mean", running_mean), ("running_var", running_var)):
+        if _arrays.is_device_array(v) and not _arrays.as_device_array(v).is_c_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous on the device "
+                             f"(it is updated in place)")
     if training and M < 2:
-        raise ValueError(f"{op}: training needs more than one value per channel "
-                         f"(N*H*W = {M}) for x of shape {tuple(x.shape)}")
-    return BatchNormArgs(backend, dtype, layout, C, M, eps, momentum)
+        raise ValueError(f"{op}: training needs more than one value per channel to "
+                         f"normalise over, got {M}")
+    return momentum, eps
 
 
 # --------------------------------------------------------------------------- array helpers

@@ -51,19 +51,10 @@ def _validate(op, x, w, gamma, beta, running_mean, running_var, training, moment
                                running_mean=running_mean, running_var=running_var)
     geom = _arrays.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding,
                                  dilation, layout)
-    for name, v in (("gamma", gamma), ("beta", beta), ("running_mean", running_mean),
-                    ("running_var", running_var)):
-        _arrays.check_vector(op, name, v, geom.K)
-    if (running_mean is None) != (running_var is None):
-        raise ValueError(f"{op}: pass both running_mean and running_var, or neither")
-    if not training and running_mean is None:
-        raise ValueError(f"{op}: inference (training=False) needs running_mean and "
-                         f"running_var")
-    _arrays.check_scalar(op, "momentum", momentum, lo=0.0, hi=1.0)
-    _arrays.check_scalar(op, "eps", eps, lo=0.0)
-    if training and geom.N * geom.P * geom.Q < 2:
-        raise ValueError(f"{op}: training batch norm needs more than one value per channel, "
-                         f"got N*P*Q = {geom.N * geom.P * geom.Q}")
+    _arrays.check_vector(op, "gamma", gamma, geom.K)
+    _arrays.check_vector(op, "beta", beta, geom.K)
+    _bn.check_running_stats(op, geom.K, geom.N * geom.P * geom.Q, running_mean, running_var,
+                            training, momentum, eps)
     return backend, geom
 
 
@@ -101,7 +92,7 @@ class ConvBatchNormReLU(Function):
                  eps=1e-5, stride=1, padding=0, dilation=1, relu=True, layout="NCHW",
                  recompute=True):
         super().__init__(running_mean=running_mean, running_var=running_var,
-                         training=bool(training), momentum=momentum, eps=eps, stride=stride,
+                         training=training, momentum=momentum, eps=eps, stride=stride,
                          padding=padding, dilation=dilation, relu=bool(relu), layout=layout,
                          recompute=bool(recompute))
 

@@ -111,6 +111,22 @@ def test_mixing_host_and_device_is_a_type_error():
     np.testing.assert_array_equal(rm.copy_to_host(), bn["running_mean"])
 
 
+def test_running_stats_checked_like_batchnorm_and_left_untouched():
+    """Non-contiguous device running stats and a non-boolean training are refused first."""
+    x, w, bn = _problem(np.float64)
+    args = _dev(x, w, bn["gamma"], bn["beta"])
+    strided = cuda.to_device(np.repeat(bn["running_mean"], 2))[::2]   # (3,), stride 2
+    rm, rv = _dev(bn["running_mean"], bn["running_var"])
+    with pytest.raises(ValueError, match="conv_batchnorm_relu: running_mean must be "
+                                         "contiguous on the device"):
+        nf.conv_batchnorm_relu(*args, running_mean=strided, running_var=rv)
+    with pytest.raises(TypeError, match="conv_batchnorm_relu: training must be True or False"):
+        nf.conv_batchnorm_relu(*args, running_mean=rm, running_var=rv, training="no")
+    np.testing.assert_array_equal(strided.copy_to_host(), bn["running_mean"])
+    np.testing.assert_array_equal(rm.copy_to_host(), bn["running_mean"])
+    np.testing.assert_array_equal(rv.copy_to_host(), bn["running_var"])
+
+
 # --------------------------------------------------------------------------- nn / optim on device
 
 def test_sgd_step_on_device_matches_host():
