@@ -43,6 +43,19 @@ def as_device_array(a):
     return _cuda().as_cuda_array(a)
 
 
+def data(a):
+    """A ``Tensor``'s array (its ``.data``); anything else (an array, ``None``) as it is.
+
+    Public functions call it on every array argument that is not a tape input (running
+    statistics, the arrays of NumPy-style backwards, batch-norm folding), so a Tensor is
+    accepted wherever an array is. Tape inputs are left to ``Function.apply``, which unwraps
+    them itself and records the op.
+    """
+    from .autograd import Tensor  # lazily: autograd imports this module
+
+    return a.data if isinstance(a, Tensor) else a
+
+
 def backend_of(op: str, **arrays) -> str:
     """``"cpu"`` or ``"cuda"`` for the arrays of one call (``None`` entries are ignored).
 
@@ -58,8 +71,7 @@ def backend_of(op: str, **arrays) -> str:
             host.append(name)
         else:
             raise TypeError(
-                f"{op}: {name} must be a NumPy array, a CUDA array or a Tensor, "
-                f"got {type(a).__name__}")
+                f"{op}: {name} must be a NumPy array or a CUDA array, got {type(a).__name__}")
     if host and device:
         raise TypeError(
             f"{op}: cannot mix host and device arrays ({', '.join(host)} on the host, "

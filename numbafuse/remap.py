@@ -98,7 +98,7 @@ class Value:
 
     @classmethod
     def of(cls, kind, obj, index=None):
-        data = obj.data if isinstance(obj, Tensor) else obj
+        data = _arrays.data(obj)
         is_array = isinstance(data, np.ndarray) or _arrays.is_device_array(data)
         return cls(kind, index, obj if kind in ("const", "input") else None,
                    tuple(data.shape) if is_array else None,
@@ -163,17 +163,14 @@ class Fold:
 
     def compute(self):
         from .ops.conv_batchnorm import fold_batchnorm  # runs on the arrays' own device
-        src = {k: _data(v.obj if isinstance(v, Value) else v) for k, v in self.sources.items()}
+        src = {k: _arrays.data(v.obj if isinstance(v, Value) else v)
+               for k, v in self.sources.items()}
         return fold_batchnorm(src["w"], src["b"], src["gamma"], src["beta"],
                               src["running_mean"], src["running_var"], eps=self.eps)
 
     def differentiated_sources(self):
         return [k for k, v in self.sources.items()
                 if isinstance(v, Value) and isinstance(v.obj, Tensor) and v.obj.requires_grad]
-
-
-def _data(obj):
-    return obj.data if isinstance(obj, Tensor) else obj
 
 
 class Graph:

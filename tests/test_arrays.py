@@ -87,3 +87,16 @@ def test_contiguous_keeps_zero_d_and_copies_views_once():
     assert c.flags.c_contiguous and np.shares_memory(a, a) and not np.shares_memory(a, c)
     b = np.zeros((2, 2))
     assert _arrays.contiguous(b) is b
+
+
+def test_data_unwraps_a_tensor_and_passes_anything_else():
+    from numbafuse import Tensor
+    a = np.ones(3)
+    assert _arrays.data(Tensor(a)) is a
+    assert _arrays.data(a) is a and _arrays.data(None) is None
+
+
+def test_backend_of_names_what_it_accepts():
+    with pytest.raises(TypeError, match=r"^op: x must be a NumPy array or a CUDA array, "
+                                        r"got list$"):
+        _arrays.backend_of("op", x=[1.0])

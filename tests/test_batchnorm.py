@@ -360,3 +360,26 @@ def test_one_value_per_channel_is_fine_in_inference():
     y_ref = ref.batchnorm_add_relu(p.x, p.z, p.gamma, p.beta, p.running_mean, p.running_var,
                                    training=False)[0]
     np.testing.assert_allclose(y, y_ref, **TOL[np.float64])
+
+
+def test_tensor_arguments_are_accepted_everywhere():
+    """Tensors where arrays go (NumPy-style backward, running statistics): their data is used."""
+    p = _fixed_problem()
+    T = nf.Tensor
+    gy = np.random.default_rng(1).standard_normal(p.x.shape)
+    for training in (True, False):
+        expected = nf.batchnorm_add_relu_backward(gy, p.x, p.z, p.gamma, p.beta, p.running_mean,
+                                                  p.running_var, training)
+        got = nf.batchnorm_add_relu_backward(T(gy), T(p.x), T(p.z), T(p.gamma), T(p.beta),
+                                             T(p.running_mean), T(p.running_var), training)
+        for g, e in zip(got, expected):
+            np.testing.assert_array_equal(g, e)
+    y = nf.batchnorm_add_relu(p.x, p.z, p.gamma, p.beta)
+    got = nf.batchnorm_add_relu_backward(T(gy), T(p.x), None, T(p.gamma), None, y=T(y))
+    expected = nf.batchnorm_add_relu_backward(gy, p.x, None, p.gamma, None, y=y)
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+    rm, rv = T(p.running_mean.copy()), T(p.running_var.copy())
+    nf.batchnorm_add_relu(p.x, p.z, p.gamma, p.beta, running_mean=rm, running_var=rv)
+    nf.batchnorm(p.x, p.gamma, p.beta, running_mean=rm, running_var=rv)
+    assert not np.array_equal(rm.data, p.running_mean)        # updated in place, through .data

@@ -215,6 +215,16 @@ def test_backward_need_flags_return_none():
     assert dx is None and db is None and dw.shape == w.shape
 
 
+def test_backward_accepts_tensors():
+    x, w = np.ones((1, 2, 4, 4)), np.ones((3, 2, 3, 3))
+    y = nf.conv_bias_relu(x, w)
+    gy = gy_like(y)
+    T = nf.Tensor
+    for g, e in zip(nf.conv_bias_relu_backward(T(gy), T(x), T(w), T(y)),
+                    nf.conv_bias_relu_backward(gy, x, w, y)):
+        np.testing.assert_array_equal(g, e)
+
+
 def test_helpers_for_other_families():
     """conv_forward / conv_backward: the array-level API Conv-BatchNorm builds on."""
     rng = np.random.default_rng(2)

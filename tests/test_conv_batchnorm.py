@@ -267,6 +267,32 @@ def test_fold_batchnorm_bad_input(rng):
                           a["running_mean"], a["running_var"])
 
 
+def test_tensor_arguments_are_accepted_everywhere(rng):
+    """Tensors where arrays go (running statistics, NumPy-style backward, folding)."""
+    a = _good(rng, np.float64)
+    T = nf.Tensor
+    args = [a[k] for k in ("x", "w", "gamma", "beta")]
+    rm, rv = T(a["running_mean"].copy()), T(a["running_var"].copy())
+    y = nf.conv_batchnorm_relu(*args, running_mean=rm, running_var=rv)
+    rm_ref, rv_ref = a["running_mean"].copy(), a["running_var"].copy()
+    np.testing.assert_array_equal(y, nf.conv_batchnorm_relu(*args, running_mean=rm_ref,
+                                                            running_var=rv_ref))
+    np.testing.assert_array_equal(rm.data, rm_ref)             # updated in place, via .data
+    np.testing.assert_array_equal(rv.data, rv_ref)
+    stats = dict(running_mean=a["running_mean"], running_var=a["running_var"])
+    gy = np.random.default_rng(0).standard_normal(y.shape)
+    for training in (True, False):
+        expected = nf.conv_batchnorm_relu_backward(gy, *args, training=training, **stats)
+        got = nf.conv_batchnorm_relu_backward(
+            T(gy), *map(T, args), training=training,
+            **{k: T(v) for k, v in stats.items()})
+        for g, e in zip(got, expected):
+            np.testing.assert_array_equal(g, e)
+    fold = (a["w"], np.ones(4), a["gamma"], a["beta"], a["running_mean"], a["running_var"])
+    for g, e in zip(nf.fold_batchnorm(*map(T, fold)), nf.fold_batchnorm(*fold)):
+        np.testing.assert_array_equal(g, e)
+
+
 def test_backward_refuses_a_non_boolean_training(rng):
     a = _good(rng)
     gy = np.ones((2, 4, 3, 3), np.float32)

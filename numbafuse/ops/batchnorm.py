@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _arrays
-from ..autograd import Function, Tensor, is_recording
+from ..autograd import Function, is_recording
 from ..kernels.cpu import batchnorm as cpu_kernels
 
 SAVE_POLICIES = ("output", "mask")
@@ -68,10 +68,6 @@ def _cuda_kernels():
 
 def _kernels(backend):
     return cpu_kernels if backend == _arrays.CPU else _cuda_kernels()
-
-
-def _data(a):
-    return a.data if isinstance(a, Tensor) else a
 
 
 # --------------------------------------------------------------------------- validation
@@ -346,7 +342,8 @@ def batchnorm_add_relu(x, z, gamma, beta, *, running_mean=None, running_var=None
     >>> (y > 0).sum(), rm
     (np.int64(4), array([0.35]))
     """
-    return BatchNormAddReLU(running_mean=_data(running_mean), running_var=_data(running_var),
+    return BatchNormAddReLU(running_mean=_arrays.data(running_mean),
+                            running_var=_arrays.data(running_var),
                             training=training, momentum=momentum, eps=eps, layout=layout,
                             save=save).apply(x, z, gamma, beta)
 
@@ -371,6 +368,8 @@ def batchnorm_add_relu_backward(gy, x, z, gamma, beta, running_mean=None, runnin
     array([4.])
     """
     op = "batchnorm_add_relu_backward"
+    gy, x, z, gamma, beta, running_mean, running_var, y, mask = (
+        _arrays.data(a) for a in (gy, x, z, gamma, beta, running_mean, running_var, y, mask))
     state = mask if mask is not None else y
     if state is None and (z is None or beta is None):
         raise ValueError(f"{op}: without y or mask, z and beta are needed to recompute the "
@@ -417,6 +416,7 @@ def batchnorm(x, gamma, beta, *, running_mean=None, running_var=None, training=T
     >>> np.round(nf.batchnorm(x, np.ones(1), np.zeros(1)).ravel(), 3)
     array([-1.342, -0.447,  0.447,  1.342])
     """
-    return BatchNorm(running_mean=_data(running_mean), running_var=_data(running_var),
+    return BatchNorm(running_mean=_arrays.data(running_mean),
+                            running_var=_arrays.data(running_var),
                      training=training, momentum=momentum, eps=eps,
                      layout=layout).apply(x, gamma, beta)

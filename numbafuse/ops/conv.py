@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _arrays
-from ..autograd import Function, Tensor
+from ..autograd import Function
 from ..kernels.cpu import conv as _cpu_conv  # OMP_WAIT_POLICY: see numbafuse/__init__.py
 
 
@@ -67,10 +67,6 @@ def _validate_conv(op, x, w, b, stride, padding, dilation, layout):
     _arrays.check_vector(op, "b", b, geom.K)
     b = None if b is None else _arrays.contiguous(b)
     return geom, _arrays.contiguous(x), _arrays.contiguous(w), b
-
-
-def _data(a):
-    return a.data if isinstance(a, Tensor) else a
 
 
 # --------------------------------------------------------------------------- conv2d (unfused)
@@ -296,7 +292,7 @@ def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, lay
     array([4.])
     """
     op = "conv_bias_relu_backward"
-    dy, x, w, y = _data(dy), _data(x), _data(w), _data(y)
+    dy, x, w, y = (_arrays.data(a) for a in (dy, x, w, y))
     _arrays.backend_of(op, dy=dy, x=x, w=w, y=y)
     _arrays.check_float_dtypes(op, dy=dy, x=x, w=w, y=y)
     geom = _arrays.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,

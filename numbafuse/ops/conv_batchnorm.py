@@ -198,6 +198,8 @@ def fold_batchnorm(w, b, gamma, beta, running_mean, running_var, eps=1e-5):
     (array([1., 2.]), array([0., 0.]))
     """
     op = "fold_batchnorm"
+    w, b, gamma, beta, running_mean, running_var = (
+        _arrays.data(a) for a in (w, b, gamma, beta, running_mean, running_var))
     backend = _arrays.backend_of(op, w=w, b=b, gamma=gamma, beta=beta,
                                  running_mean=running_mean, running_var=running_var)
     _arrays.check_float_dtypes(op, w=w, b=b, gamma=gamma, beta=beta,
@@ -226,7 +228,7 @@ def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=Non
     x : array or Tensor (N, C, H, W) (or NHWC)
     w : array or Tensor (K, C, R, S)
     gamma, beta : arrays or Tensors (K,)
-    running_mean, running_var : arrays (K,) or None
+    running_mean, running_var : arrays or Tensors (K,), or None
         Updated in place in training (PyTorch's convention, unbiased variance); required in
         inference, where batch norm is folded into the conv.
     training : bool
@@ -250,8 +252,8 @@ def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=Non
     >>> y.shape, bool((y >= 0).all())
     ((2, 4, 5, 5), True)
     """
-    return ConvBatchNormReLU(running_mean=running_mean, running_var=running_var,
-                             training=training, momentum=momentum, eps=eps, stride=stride,
+    return ConvBatchNormReLU(running_mean=_arrays.data(running_mean),
+                             running_var=_arrays.data(running_var), training=training, momentum=momentum, eps=eps, stride=stride,
                              padding=padding, dilation=dilation, relu=relu,
                              layout=layout).apply(x, w, gamma, beta)
 
@@ -278,6 +280,8 @@ def conv_batchnorm_relu_backward(gy, x, w, gamma, beta, *, running_mean=None, ru
     ((2, 3, 5, 5), (4, 3, 3, 3), (4,))
     """
     op = "conv_batchnorm_relu_backward"
+    gy, x, w, gamma, beta, running_mean, running_var = (
+        _arrays.data(a) for a in (gy, x, w, gamma, beta, running_mean, running_var))
     _, geom = _validate(op, x, w, gamma, beta, running_mean, running_var, training, 0.0, eps,
                         stride, padding, dilation, layout)
     _arrays.backend_of(op, gy=gy, x=x)
