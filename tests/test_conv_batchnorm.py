@@ -302,6 +302,14 @@ def test_backward_refuses_a_non_boolean_training(rng):
                                         running_var=a["running_var"], training="no")
 
 
+@pytest.mark.parametrize("need", [(True,), (True, True, True), (True,) * 5, "all"])
+def test_backward_refuses_a_bad_need(rng, need):
+    a = _good(rng)
+    with pytest.raises(ValueError, match="conv_batchnorm_relu_backward: need must be four"):
+        nf.conv_batchnorm_relu_backward(np.ones((2, 4, 3, 3), np.float32), a["x"], a["w"],
+                                        a["gamma"], a["beta"], need=need)
+
+
 def test_backward_bad_gy(rng):
     a = _good(rng)
     with pytest.raises(ValueError, match="conv_batchnorm_relu_backward: gy has shape"):

@@ -288,6 +288,9 @@ def conv_batchnorm_relu_backward(gy, x, w, gamma, beta, *, running_mean=None, ru
     _arrays.check_float_dtypes(op, gy=gy, x=x)
     if tuple(gy.shape) != geom.y_shape:
         raise ValueError(f"{op}: gy has shape {tuple(gy.shape)}, expected {geom.y_shape}")
+    if not isinstance(need, (tuple, list)) or len(need) != 4:
+        raise ValueError(f"{op}: need must be four booleans (gx, gw, ggamma, gbeta), "
+                         f"got {need!r}")
     x, w, gamma, beta, gy = (_arrays.contiguous(a) for a in (x, w, gamma, beta, gy))
     h = _conv.conv_forward(x, w, None, geom, False)                       # the one conv
     if training:
