@@ -1,11 +1,13 @@
 """Layers: a tiny ``torch.nn`` for numbafuse ops.
 
 A :class:`Module` holds parameters (``Tensor`` with ``requires_grad=True``), buffers (plain
-arrays such as batch norm's running statistics, updated in place by the ops) and sub-modules,
-all registered by attribute assignment, in that order. ``m(x)`` calls ``m.forward(x)``;
-``m.train()`` / ``m.eval()`` set the ``training`` flag of the whole tree; ``m.to("cuda")``
-moves every parameter and buffer to the device (numba device arrays), keeping the same
-``Tensor`` objects so an optimizer built before the move still holds them.
+arrays such as batch norm's running statistics, updated in place by the ops) and sub-modules.
+Parameters and sub-modules are registered by attribute assignment, buffers by
+:meth:`Module.register_buffer`; assigning a new array to a buffer's name keeps it a buffer
+(as in PyTorch). ``m(x)`` calls ``m.forward(x)``; ``m.train()`` / ``m.eval()`` set the
+``training`` flag of the whole tree; ``m.to("cuda")`` moves every parameter and buffer to the
+device (numba device arrays), keeping the same ``Tensor`` objects so an optimizer built before
+the move still holds them.
 
 Unfused layers: :class:`Conv2d`, :class:`BatchNorm2d`, :class:`ReLU`, :class:`Linear`,
 :class:`MaxPool2d`, :class:`Flatten`, :class:`GlobalAvgPool2d`.
@@ -102,9 +104,13 @@ class Module:
     def __setattr__(self, name, value):
         if "_parameters" not in self.__dict__:
             raise AttributeError(f"{type(self).__name__}: call Module.__init__() first")
+        is_param = isinstance(value, Tensor) and value.requires_grad
+        if name in self._buffers and not is_param and not isinstance(value, Module):
+            self._buffers[name] = value       # still a buffer: .to() and state_dict see it
+            return
         for registry in (self._parameters, self._buffers, self._modules):
             registry.pop(name, None)
-        if isinstance(value, Tensor) and value.requires_grad:
+        if is_param:
             self.__dict__.pop(name, None)
             self._parameters[name] = value
         elif isinstance(value, Module):

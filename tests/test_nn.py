@@ -89,6 +89,22 @@ def test_state_dict_round_trip():
         a.load_state_dict({"weight": b.weight.numpy()})
 
 
+def test_reassigned_buffer_stays_a_buffer(rng):
+    bn = nn.BatchNorm2d(2, dtype=np.float64)
+    new_mean = np.full(2, 3.0)
+    bn.running_mean = new_mean                          # like PyTorch: still a buffer
+    assert [n for n, _ in bn.named_buffers()] == ["running_mean", "running_var"]
+    assert bn.running_mean is new_mean and "running_mean" not in vars(bn)
+    np.testing.assert_array_equal(bn.state_dict()["running_mean"], 3.0)
+    bn(_x(rng, (2, 2, 3, 3), np.float64))               # the op updates the new array
+    assert not np.array_equal(new_mean, 3.0)
+    bn.load_state_dict({**bn.state_dict(), "running_mean": np.zeros(2)})
+    np.testing.assert_array_equal(bn.running_mean, 0.0)
+    bn.running_mean = nf.Tensor(np.ones(2), requires_grad=True)   # a parameter replaces it
+    assert [n for n, _ in bn.named_buffers()] == ["running_var"]
+    assert "running_mean" in dict(bn.named_parameters())
+
+
 def test_zero_grad():
     lin = nn.Linear(3, 2)
     x = nf.Tensor(np.ones((4, 3), np.float32))

@@ -161,3 +161,12 @@ def test_module_to_cuda_train_step_matches_host():
         train_step(m, optim.SGD(m.parameters(), lr=0.1), xb, yb)
     for (name, a), (_, b) in zip(host.state_dict().items(), dev.state_dict().items()):
         np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_module_to_cuda_moves_a_reassigned_buffer():
+    from numbafuse import nn
+    bn = nn.BatchNorm2d(2, dtype=np.float64)
+    bn.running_mean = np.full(2, 3.0)                  # reassigned: still a buffer
+    bn.to("cuda")
+    assert _arrays.is_device_array(bn.running_mean)
+    np.testing.assert_array_equal(bn.running_mean.copy_to_host(), 3.0)
