@@ -3,7 +3,7 @@
 For each parameter ``p`` with gradient ``g`` (``lr``, momentum ``m``, weight decay ``wd``)::
 
     g  <- g + wd * p                   (weight decay is added to the gradient)
-    b  <- g              on the first step with momentum, then  b <- m * b + g
+    b  <- copy of g      on the first step with momentum, then  b <- m * b + g   (m >= 0)
     p  <- p - lr * b                   (p - lr * g without momentum)
 
 exactly as ``torch.optim.SGD`` (dampening 0, no Nesterov). Host parameters are updated in
@@ -29,7 +29,8 @@ class SGD:
     lr : float
         Learning rate (> 0).
     momentum : float
-        Momentum factor in [0, 1); 0 disables the momentum buffer.
+        Momentum factor, >= 0 like PyTorch (which checks no upper bound either: at 1 or more
+        the buffer sums gradients without decay); 0 disables the momentum buffer.
     weight_decay : float
         L2 penalty (>= 0), added to the gradient as ``weight_decay * p``.
 
@@ -50,7 +51,7 @@ class SGD:
             if not isinstance(p, Tensor):
                 raise TypeError(f"SGD: params[{i}] must be a Tensor, got {type(p).__name__}")
         self.lr = _arrays.check_scalar("SGD", "lr", lr, lo=0.0, lo_open=True)
-        self.momentum = _arrays.check_scalar("SGD", "momentum", momentum, lo=0.0, hi=1.0)
+        self.momentum = _arrays.check_scalar("SGD", "momentum", momentum, lo=0.0)
         self.weight_decay = _arrays.check_scalar("SGD", "weight_decay", weight_decay, lo=0.0)
         self.momentum_buffers = [None] * len(self.params)   # b per parameter, made on first use
 
@@ -91,7 +92,8 @@ class SGD:
             g = ew.axpby(1.0, g, self.weight_decay, w)          # g + wd * p
         if self.momentum:
             b = self.momentum_buffers[i]
-            b = g if b is None else ew.axpby(self.momentum, b, 1.0, g)   # m * b + g
+            # the first buffer is a copy of g (g may be p.grad itself), as on the host
+            b = _arrays.copy(g) if b is None else ew.axpby(self.momentum, b, 1.0, g)  # m*b + g
             self.momentum_buffers[i] = b
             g = b
         p.data = ew.axpby(1.0, w, -self.lr, g)                  # p - lr * g

@@ -210,7 +210,8 @@ def _sgd_by_hand(p0, grads, lr, momentum, wd):
     return p
 
 
-@pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 0.0), (0.0, 0.1), (0.9, 0.01)])
+@pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 0.0), (0.0, 0.1), (0.9, 0.01),
+                                         (1.0, 0.0), (1.5, 0.01)])   # any m >= 0, as PyTorch
 def test_sgd_matches_hand_computation(rng, momentum, wd):
     p0 = rng.standard_normal(5)
     grads = [rng.standard_normal(5) for _ in range(3)]
@@ -223,6 +224,16 @@ def test_sgd_matches_hand_computation(rng, momentum, wd):
         opt.step()
     np.testing.assert_allclose(p.data, _sgd_by_hand(p0, grads, 0.1, momentum, wd),
                                rtol=1e-12, atol=1e-14)
+
+
+def test_sgd_momentum_buffer_is_not_the_gradient():
+    p = nf.Tensor(np.ones(3), requires_grad=True)
+    opt = optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = np.full(3, 2.0)
+    opt.step()
+    assert opt.momentum_buffers[0] is not p.grad
+    p.grad[:] = 100.0                                  # e.g. accumulated into in place
+    np.testing.assert_array_equal(opt.momentum_buffers[0], 2.0)
 
 
 def test_sgd_updates_in_place_and_skips_missing_grads():

@@ -144,6 +144,18 @@ def test_sgd_step_on_device_matches_host():
     np.testing.assert_allclose(dev.data.copy_to_host(), host.data, rtol=1e-12)
 
 
+def test_sgd_device_momentum_buffer_is_a_copy_of_the_gradient():
+    from numbafuse import optim
+    p = nf.Tensor(cuda.to_device(np.ones(3)), requires_grad=True)
+    opt = optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = cuda.to_device(np.full(3, 2.0))
+    opt.step()
+    buf = opt.momentum_buffers[0]
+    assert buf is not p.grad and _arrays.is_device_array(buf)
+    p.grad.copy_to_device(np.full(3, 100.0))           # the gradient changed in place
+    np.testing.assert_array_equal(buf.copy_to_host(), 2.0)
+
+
 def test_module_to_cuda_train_step_matches_host():
     from numbafuse import nn, optim
     from numbafuse.train import train_step
