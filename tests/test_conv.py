@@ -139,18 +139,11 @@ def test_bias_add_matches_reference(p):
     close(b.grad, gb, p.x.dtype)
 
 
-def _relu(t):
-    try:
-        return nf.relu(t)
-    except NotImplementedError:  # ops/basic.py not written yet
-        pytest.skip("numbafuse.relu is not implemented yet")
-
-
 @given(nfs.conv_problems(bias=True))
 def test_unfused_chain_equals_fused(p):
     ts = [nf.Tensor(a, requires_grad=True) for a in (p.x, p.w, p.b)]
     fused = [nf.Tensor(a, requires_grad=True) for a in (p.x, p.w, p.b)]
-    y_chain = _relu(nf.bias_add(nf.conv2d(ts[0], ts[1], **p.kwargs), ts[2], layout=p.layout))
+    y_chain = nf.relu(nf.bias_add(nf.conv2d(ts[0], ts[1], **p.kwargs), ts[2], layout=p.layout))
     y_fused = nf.conv_bias_relu(*fused, **p.kwargs)
     close(y_fused.data, y_chain.data, p.x.dtype)
     gy = gy_like(y_fused)

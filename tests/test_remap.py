@@ -25,20 +25,6 @@ DT = np.float64   # one dtype for the real-op tests: every dtype/layout is a new
 EPS = 1e-5
 
 
-def _ops_available():
-    try:
-        x, w = np.ones((1, 1, 2, 2)), np.ones((1, 1, 1, 1))
-        nf.conv_bias_relu(x, w, np.zeros(1))
-        nf.conv_batchnorm_relu(np.ones((2, 1, 2, 2)), w, np.ones(1), np.zeros(1))
-        nf.batchnorm_add_relu(x, x, np.ones(1), np.zeros(1))
-    except NotImplementedError:
-        return False
-    return True
-
-
-needs_ops = pytest.mark.skipif(not _ops_available(), reason="the fused ops are not there yet")
-
-
 # --------------------------------------------------------------------------- stand-in ops
 
 class FakeConv(Function):
@@ -315,7 +301,6 @@ def _bn_params(rng, C):
     return gamma, beta, rng.standard_normal(C), rng.uniform(0.5, 2.0, C)
 
 
-@needs_ops
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_conv_bias_relu_fires(layout):
     rng = np.random.default_rng(3)
@@ -333,7 +318,6 @@ def test_conv_bias_relu_fires(layout):
     _grads_match(f, g, [x], [w, b])
 
 
-@needs_ops
 def test_conv_relu_fires():
     rng = np.random.default_rng(4)
     w, _ = _conv_params(rng, 2, 3, bias=False)
@@ -347,7 +331,6 @@ def test_conv_relu_fires():
     _grads_match(f, g, [x], [w])
 
 
-@needs_ops
 @pytest.mark.parametrize("order", ["bn_first", "z_first"])
 @pytest.mark.parametrize("training", [True, False])
 def test_batchnorm_add_relu_fires(order, training):
@@ -366,7 +349,6 @@ def test_batchnorm_add_relu_fires(order, training):
     _grads_match(f, g, [x, z], [gamma, beta], stats=[r_mean, r_var])
 
 
-@needs_ops
 @pytest.mark.parametrize("relu", [True, False])
 def test_conv_batchnorm_training_fires(relu):
     rng = np.random.default_rng(6)
@@ -385,7 +367,6 @@ def test_conv_batchnorm_training_fires(relu):
     _grads_match(f, g, [x], [w, gamma, beta], stats=[r_mean, r_var])
 
 
-@needs_ops
 @pytest.mark.parametrize("bias,relu", [(True, True), (False, True), (True, False)])
 def test_inference_batchnorm_is_folded(bias, relu):
     rng = np.random.default_rng(7)
@@ -416,7 +397,6 @@ def test_inference_batchnorm_is_folded(bias, relu):
         _grads_match(f, g, [x], [w, gamma, beta])
 
 
-@needs_ops
 def test_running_stats_updated_in_place_like_unfused():
     rng = np.random.default_rng(8)
     w, _ = _conv_params(rng, 2, 2, bias=False)
@@ -452,7 +432,6 @@ class BiasAdd3d(Function):
         return gy, gy.sum(axis=self.axes)
 
 
-@needs_ops
 @pytest.mark.parametrize("relu", [True, False])
 @pytest.mark.parametrize("layout,x_shape,axis", [("NHWC", (2, 1, 5, 2), 1),
                                                  ("NCHW", (2, 2, 5, 1), 3)])
@@ -484,7 +463,6 @@ def test_refused_squeeze_of_the_batch_axis():
     assert g.log == []
 
 
-@needs_ops
 def test_conv_bias_fires_without_relu():
     rng = np.random.default_rng(11)
     w, b = _conv_params(rng, 2, 3)
@@ -504,7 +482,6 @@ def test_conv_bias_fires_without_relu():
 STEPS = ("conv", "bias", "relu", "bn_train", "bn_infer", "add_z", "add_prev")
 
 
-@needs_ops
 @settings(max_examples=12)
 @given(steps=st.lists(st.sampled_from(STEPS), min_size=1, max_size=6),
        seed=st.integers(0, 2**16), as_output=st.booleans(), N=st.integers(1, 2),
@@ -583,7 +560,6 @@ def test_random_chains_remap_exactly(steps, seed, as_output, N, squeeze_end):
 
 # --------------------------------------------------------------------------- compile
 
-@needs_ops
 def test_compile_a_module_caches_per_signature_and_mode():
     rng = np.random.default_rng(10)
     model = nf.nn.Sequential(nf.nn.Conv2d(2, 3, 3, padding=1, bias=False, dtype=DT),
