@@ -133,10 +133,8 @@ class Tensor:
             grad = _arrays.to_device(grad) if self.device == _arrays.CUDA else grad
         elif isinstance(grad, Tensor):
             grad = grad.data
-        if tuple(grad.shape) != self.shape:
-            raise ValueError(f"backward: grad has shape {tuple(grad.shape)}, tensor has "
-                             f"{self.shape}")
-        grads, handed_out = {id(self): grad}, {id(grad)}
+        _check_grad(self, grad)
+        grads, handed_out = {id(self): grad}, {_memory_key(grad)}
         for t in reversed(_toposort(self)):
             g = grads.pop(id(t), None)
             if g is None:
@@ -144,15 +142,36 @@ class Tensor:
             if t._fn is None:  # a leaf
                 if t.grad is not None:
                     t.grad = _accumulate(t.grad, g)
-                else:  # its own array, never an alias of the caller's grad or another leaf's
-                    t.grad = _arrays.copy(g) if id(g) in handed_out else g
-                    handed_out.add(id(t.grad))
+                else:  # its own memory, never shared with the caller's grad or another leaf's
+                    key = _memory_key(g)
+                    t.grad = _arrays.copy(g) if key is None or key in handed_out else g
+                    handed_out.add(_memory_key(t.grad))
                 continue
             for inp, g_in in zip(t._fn.inputs, t._fn.backward(g)):
                 if inp is None or g_in is None or not inp.requires_grad:
                     continue
                 grads[id(inp)] = g_in if id(inp) not in grads else _accumulate(grads[id(inp)],
                                                                                g_in)
+
+
+def _check_grad(t, grad):
+    if not (isinstance(grad, np.ndarray) or _arrays.is_device_array(grad)):
+        raise TypeError(f"backward: grad must be an array or a Tensor, got {type(grad).__name__}")
+    if tuple(grad.shape) != t.shape:
+        raise ValueError(f"backward: grad has shape {tuple(grad.shape)}, tensor has {t.shape}")
+    device = _arrays.CUDA if _arrays.is_device_array(grad) else _arrays.CPU
+    if device != t.device or np.dtype(grad.dtype) != t.dtype:
+        raise TypeError(f"backward: grad is a {device} {np.dtype(grad.dtype)} array but the "
+                        f"tensor is {t.device} {t.dtype}")
+
+
+def _memory_key(a):
+    """What identifies the memory behind ``a`` (its owner's id, or the device pointer); None
+    where that cannot be told (the simulator's device arrays)."""
+    if isinstance(a, np.ndarray):
+        return id(a if a.base is None else a.base)
+    interface = getattr(a, "__cuda_array_interface__", None)
+    return None if interface is None else interface["data"][0]
 
 
 def _accumulate(a, b):
@@ -209,7 +228,7 @@ class Function:
         """Run forward. Arrays in: an array out. Any Tensor in: a Tensor out, on the tape."""
         any_tensor = any(isinstance(i, Tensor) for i in inputs)
         arrays = [i.data if isinstance(i, Tensor) else i for i in inputs]
-        self.needs_input_grad = tuple(isinstance(i, Tensor) and i.requires_grad
+        self.needs_input_grad = tuple(_recording and isinstance(i, Tensor) and i.requires_grad
                                       for i in inputs)
         out = self.forward(*arrays)
         if any_tensor:

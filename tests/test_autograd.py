@@ -144,8 +144,39 @@ def test_leaves_do_not_share_one_gradient_array():
     # y = x + z: both gradients equal gy, but mutating one (an in-place clip, an optimizer)
     # must not change the other.
     x, z = t(XS), t(ZS)
-    (x + z).backward(GY.copy())
-    assert x.grad is not z.grad
+    G = GY.copy()
+    (x + z).backward(G)
+    assert not np.shares_memory(x.grad, z.grad)
+    assert not np.shares_memory(x.grad, G) and not np.shares_memory(z.grad, G)
+
+
+@pytest.mark.parametrize("view", ["reshape", "flatten"])
+def test_a_gradient_passed_through_a_view_op_is_still_its_own_array(view):
+    # Reshape/flatten backward return views of gy: the leaf must not alias the caller's grad
+    a, b = t(np.arange(6.0).reshape(2, 3)), t(np.arange(6.0).reshape(6) * 0.5)
+    flat = a.reshape(6) if view == "reshape" else nf.flatten(a.reshape(1, 6)).reshape(6)
+    G = np.arange(6.0)
+    (flat + b).backward(G)
+    for leaf in (a, b):
+        assert not np.shares_memory(leaf.grad, G)
+    G[:] = -1.0
+    np.testing.assert_array_equal(a.grad, np.arange(6.0).reshape(2, 3))
+
+
+def test_backward_refuses_a_grad_of_another_dtype():
+    x = Tensor(np.ones(3, np.float32), requires_grad=True)
+    with pytest.raises(TypeError, match="backward: grad is a cpu float64 array but the tensor "
+                                        "is cpu float32"):
+        (x * 2.0).backward(np.ones(3))
+
+
+def test_scalar_arithmetic_refuses_integer_arrays():
+    with pytest.raises(TypeError, match="mul: x must be float32 or float64, got int64"):
+        nf.Tensor(np.arange(3)) * 0.5
+    with pytest.raises(TypeError, match="add: x must be float32 or float64"):
+        nf.add(np.arange(3), 0.5)
+    with pytest.raises(TypeError, match="mean: x must be float32 or float64"):
+        nf.Tensor(np.arange(3)).mean()
 
 
 def test_backward_without_grad_needs_a_one_element_tensor():
@@ -194,6 +225,18 @@ def test_gradcheck_accepts_a_correct_op_and_raises_for_a_wrong_one(mode):
     assert nf.gradcheck(lambda v: Cube(wrong=False).apply(v), [x], mode=mode) is True
     with pytest.raises(GradcheckError, match="gradcheck"):
         nf.gradcheck(lambda v: Cube(wrong=True).apply(v), [x], mode=mode)
+
+
+class SlightlyWrongCube(Cube):
+    def backward(self, gy):
+        return (gy * 3 * self.saved.x ** 2 * (1 + 1e-5),)   # 1e-5 relative error
+
+
+@pytest.mark.parametrize("mode", ["full", "directional"])
+def test_gradcheck_catches_a_relative_error_of_1e_5(mode):
+    x = t(np.array([0.5, -1.0, 2.0]))
+    with pytest.raises(GradcheckError):
+        nf.gradcheck(lambda v: SlightlyWrongCube(wrong=False).apply(v), [x], mode=mode)
 
 
 def test_gradcheck_passes_non_tensor_inputs_through_and_needs_a_differentiated_input():

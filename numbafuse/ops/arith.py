@@ -78,11 +78,16 @@ class Add(Function):
 
 
 class AffineScalar(Function):
-    """``y = a*x + c`` for Python scalars ``a``, ``c``.  bwd :: gy -> a*gy."""
+    """``y = a*x + c`` for Python scalars ``a``, ``c`` (``name``: the op that made it: add,
+    sub or mul with a scalar).
+
+    fwd :: x -> y;  bwd :: gy -> a*gy.
+    """
     name = "affine"
 
     def forward(self, x):
-        _arrays.backend_of("mul", x=x)
+        _arrays.backend_of(self.name, x=x)
+        _arrays.check_float_dtypes(self.name, x=x)
         if isinstance(x, np.ndarray):
             return (x * x.dtype.type(self.a) + x.dtype.type(self.c)).astype(x.dtype, copy=False)
         from ..kernels.cuda import elementwise as ew
@@ -128,8 +133,10 @@ class Sum(Function):
     """
     name = "sum"
 
+    # fwd :: x -> y (0-d);  bwd :: gy -> gy * scale everywhere (nothing saved but the shape)
     def forward(self, x):
-        _arrays.backend_of("sum", x=x)
+        _arrays.backend_of(self.name, x=x)
+        _arrays.check_float_dtypes(self.name, x=x)
         self.x_shape, self.x_dtype = tuple(x.shape), np.dtype(x.dtype)
         if isinstance(x, np.ndarray):
             # float64 accumulation keeps float32 losses accurate
@@ -149,7 +156,8 @@ class Sum(Function):
 
 
 class Reshape(Function):
-    """A view with a new shape.  bwd :: gy -> gy reshaped back."""
+    """A view with a new shape.  fwd :: x -> x viewed as ``shape``;  bwd :: gy -> gy reshaped
+    back (a view: the tape copies a leaf's gradient that shares memory with another's)."""
     name = "reshape"
 
     def forward(self, x):
@@ -162,9 +170,9 @@ class Reshape(Function):
 
 def _apply_binary(x, z, sign, op):
     if _is_scalar(z):
-        return AffineScalar(a=1.0, c=sign * float(z)).apply(x)
+        return AffineScalar(a=1.0, c=sign * float(z), name=op).apply(x)
     if _is_scalar(x):
-        return AffineScalar(a=float(sign), c=float(x)).apply(z)
+        return AffineScalar(a=float(sign), c=float(x), name=op).apply(z)
     return Add(b=sign, name=op).apply(x, z)
 
 
@@ -181,30 +189,55 @@ def add(x, z):
 
 
 def sub(x, z):
-    """Elementwise ``x - z``."""
+    """Elementwise ``x - z`` (either may be a Python scalar).
+
+    >>> import numpy as np, numbafuse.ops.arith as arith
+    >>> arith.sub(np.ones(2), 0.5)
+    array([0.5, 0.5])
+    """
     return _apply_binary(x, z, -1, "sub")
 
 
 def mul(x, z):
-    """Elementwise ``x * z`` (either may be a Python scalar)."""
+    """Elementwise ``x * z`` (either may be a Python scalar).
+
+    >>> import numpy as np, numbafuse.ops.arith as arith
+    >>> arith.mul(np.arange(3.0), np.arange(3.0))
+    array([0., 1., 4.])
+    """
     if _is_scalar(z):
-        return AffineScalar(a=float(z), c=0.0).apply(x)
+        return AffineScalar(a=float(z), c=0.0, name="mul").apply(x)
     if _is_scalar(x):
-        return AffineScalar(a=float(x), c=0.0).apply(z)
+        return AffineScalar(a=float(x), c=0.0, name="mul").apply(z)
     return Mul().apply(x, z)
 
 
 def sum(x):  # noqa: A001 - the NumPy-style name
-    """Sum of all elements, a 0-d array (or Tensor)."""
-    return Sum(scale=1.0).apply(x)
+    """Sum of all elements, a 0-d array (or Tensor); accumulated in float64 on the host.
+
+    >>> import numpy as np, numbafuse as nf
+    >>> nf.Tensor(np.arange(4.0)).sum().item()
+    6.0
+    """
+    return Sum(scale=1.0, name="sum").apply(x)
 
 
 def mean(x):
-    """Mean of all elements, a 0-d array (or Tensor)."""
+    """Mean of all elements, a 0-d array (or Tensor).
+
+    >>> import numpy as np, numbafuse as nf
+    >>> nf.Tensor(np.arange(4.0)).mean().item()
+    1.5
+    """
     size = int(np.prod((x.data if isinstance(x, Tensor) else x).shape, dtype=np.int64))
-    return Sum(scale=1.0 / max(size, 1)).apply(x)
+    return Sum(scale=1.0 / max(size, 1), name="mean").apply(x)
 
 
 def reshape(x, shape):
-    """``x`` with a new shape (one dimension may be -1)."""
+    """``x`` with a new shape (one dimension may be -1).
+
+    >>> import numpy as np, numbafuse as nf
+    >>> nf.Tensor(np.arange(6.0)).reshape(2, -1).shape
+    (2, 3)
+    """
     return Reshape(shape=tuple(shape)).apply(x)

@@ -14,8 +14,8 @@ from ..autograd import Tensor, no_grad
 
 FULL_MAX_ELEMENTS = 64   # "auto" uses the full check up to this many input elements
 EPS = 1e-6               # central-difference step (float64)
-RTOL = 1e-4
-ATOL = 1e-6
+RTOL = 1e-6
+ATOL = 1e-8
 
 
 class GradcheckError(AssertionError):
