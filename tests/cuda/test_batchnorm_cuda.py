@@ -138,3 +138,34 @@ def test_bad_input_leaves_running_stats_untouched():
         nf.batchnorm_add_relu(dx, dz, dg, db, running_mean=drm, running_var=drv, momentum=2.0)
     np.testing.assert_array_equal(drm.copy_to_host(), rm)
     np.testing.assert_array_equal(drv.copy_to_host(), rv)
+
+
+@pytest.mark.parametrize("threads, shuffle, layout", [(32, True, "NCHW"), (64, True, "NHWC"),
+                                                      (64, False, "NCHW")])
+def test_warp_sized_blocks_shuffle_path_and_channel_stride(threads, shuffle, layout, monkeypatch,
+                                                           warp_shuffles):
+    # A real GPU's path: warp-sized blocks and the warp-shuffle reduction (emulated here by the
+    # warp_shuffles fixture); gridDim.y capped below C, so each block loops over channels and
+    # reuses its shared buffers; M = 2*5*7 = 70 values per channel leave the grid-stride loops
+    # uneven (threads of a block leave at different iterations).
+    from numbafuse.kernels.cuda import batchnorm as kernels, config
+    monkeypatch.setattr(config, "threads", threads)
+    monkeypatch.setattr(config, "max_grid_y", 2)
+    monkeypatch.setattr(kernels, "USE_SHUFFLE", shuffle)
+    rng = np.random.default_rng(11)
+    shape = (2, 3, 5, 7) if layout == "NCHW" else (2, 5, 7, 3)
+    x, z, gy = (rng.standard_normal(shape) for _ in range(3))
+    gamma, beta = rng.uniform(0.5, 1.5, 3), rng.standard_normal(3)
+    rm, rv = rng.standard_normal(3), rng.uniform(0.5, 2.0, 3)
+    y_ref, rm_ref, rv_ref = ref.batchnorm_add_relu(x, z, gamma, beta, rm, rv, layout=layout)
+    dx, dz, dgamma, dbeta, drm, drv = _dev(x, z, gamma, beta, rm, rv)
+    y = nf.batchnorm_add_relu(dx, dz, dgamma, dbeta, running_mean=drm, running_var=drv,
+                              layout=layout)
+    np.testing.assert_allclose(y.copy_to_host(), y_ref, **TOL[np.float64])
+    np.testing.assert_allclose(drm.copy_to_host(), rm_ref, **TOL[np.float64])
+    np.testing.assert_allclose(drv.copy_to_host(), rv_ref, **TOL[np.float64])
+    expected = ref.batchnorm_add_relu_backward(gy, x, z, gamma, beta, layout=layout)
+    got = nf.batchnorm_add_relu_backward(cuda.to_device(gy), dx, dz, dgamma, dbeta, y=y,
+                                         layout=layout)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g.copy_to_host(), e, **TOL[np.float64])

@@ -6,8 +6,8 @@ is (M, C, 1); value m of channel c is ``x3[m // B, c, m % B]`` and its flat inde
 ``(m // B * C + c) * B + m % B``. Elementwise kernels use flat (size,) views, channel
 ``(j // B) % C``.
 
-Reductions are deterministic (no float atomics): a 2-d grid (parts, C), each block grid-strides
-over its channel's values, reduces in shared memory (or with warp shuffles on a real GPU) and
+Reductions are deterministic (no float atomics): a 2-d grid (parts, min(C, 65535)), each block
+grid-strides over its channels (blockIdx.y, + gridDim.y, ...) and over each channel's values, reduces in shared memory (or with warp shuffles on a real GPU) and
 writes one partial per (channel, part); a finalize kernel, one thread per channel, sums the
 partials in a fixed order. The result depends on ``config.reduce_blocks``/``config.threads``
 (the partition), never on scheduling.
@@ -55,7 +55,11 @@ _input_grad = cuda_scalar(bm.input_grad)
 
 @cuda.jit(device=True, inline=True)
 def _block_sum2(a, b, buf_a, buf_b):
-    """Sums of ``a`` and ``b`` over the block (valid in thread 0); buf_*: shared (BLOCK,)."""
+    """Sums of ``a`` and ``b`` over the block (valid in thread 0); buf_*: shared (BLOCK,).
+
+    Every thread of the block must call it (it synchronises); it may be called again with the
+    same buffers (it ends with a barrier).
+    """
     t = cuda.threadIdx.x
     if USE_SHUFFLE and cuda.blockDim.x % WARP == 0:
         off = WARP // 2
@@ -78,6 +82,7 @@ def _block_sum2(a, b, buf_a, buf_b):
                 a += cuda.shfl_down_sync(FULL_MASK, a, off)
                 b += cuda.shfl_down_sync(FULL_MASK, b, off)
                 off //= 2
+        cuda.syncthreads()  # warp 0 has read buf_* before a next call overwrites it
         return a, b
     # portable path: shared-memory tree (blockDim.x is a power of two <= BLOCK)
     buf_a[t] = a
@@ -90,7 +95,9 @@ def _block_sum2(a, b, buf_a, buf_b):
             buf_b[t] += buf_b[t + step]
         cuda.syncthreads()  # this level of the tree is complete before the next reads it
         step //= 2
-    return buf_a[0], buf_b[0]
+    a, b = buf_a[0], buf_b[0]
+    cuda.syncthreads()  # everyone has read buf_*[0] before a next call overwrites it
+    return a, b
 
 
 @cuda.jit(device=True, inline=True)
@@ -108,24 +115,25 @@ def _gated(gy, state_kind, ystate, mask, j, g_in):
 @cuda.jit(cache=True)
 def _stats_partials(x3, partials):
     # x3: (A, C, B); partials: (C, parts, 2) float64 <- shifted sums s1, s2 of this block's
-    # share of channel blockIdx.y (shift: the channel's first value)
+    # share of each of its channels (shift: the channel's first value)
     buf_a = cuda.shared.array(BLOCK, float64)
     buf_b = cuda.shared.array(BLOCK, float64)
     A, C, B = x3.shape
-    c = cuda.blockIdx.y
     part = cuda.blockIdx.x
-    shift = float64(x3[0, c, 0])
-    s1 = 0.0
-    s2 = 0.0
-    for m in range(part * cuda.blockDim.x + cuda.threadIdx.x, A * B,
-                   cuda.gridDim.x * cuda.blockDim.x):
-        d = float64(x3[m // B, c, m % B]) - shift
-        s1 += d
-        s2 += d * d
-    s1, s2 = _block_sum2(s1, s2, buf_a, buf_b)
-    if cuda.threadIdx.x == 0:
-        partials[c, part, 0] = s1
-        partials[c, part, 1] = s2
+    # channels: bounds depend on the block only, so all its threads reach every barrier
+    for c in range(cuda.blockIdx.y, C, cuda.gridDim.y):
+        shift = float64(x3[0, c, 0])
+        s1 = 0.0
+        s2 = 0.0
+        for m in range(part * cuda.blockDim.x + cuda.threadIdx.x, A * B,
+                       cuda.gridDim.x * cuda.blockDim.x):
+            d = float64(x3[m // B, c, m % B]) - shift
+            s1 += d
+            s2 += d * d
+        s1, s2 = _block_sum2(s1, s2, buf_a, buf_b)
+        if cuda.threadIdx.x == 0:
+            partials[c, part, 0] = s1
+            partials[c, part, 1] = s2
 
 
 @cuda.jit(cache=True)
@@ -192,33 +200,35 @@ def _apply(x, z, has_z, mean, invstd, gamma, beta, relu, C, B, y, mask, want_mas
 @cuda.jit(cache=True)
 def _bwd_partials(gy3, x3, mean, state_kind, ystate3, mask, partials):
     # gy3, x3, ystate3: (A, C, B); mean: (C,) float64; mask: packed uint8;
-    # partials: (C, parts, 2) float64 <- sums of g and g*(x - mean) of this block's share
+    # partials: (C, parts, 2) float64 <- sums of g and g*(x - mean) of this block's share of
+    # each of its channels
     buf_a = cuda.shared.array(BLOCK, float64)
     buf_b = cuda.shared.array(BLOCK, float64)
     A, C, B = x3.shape
-    c = cuda.blockIdx.y
     part = cuda.blockIdx.x
-    m_c = mean[c]
-    sg = 0.0
-    sgx = 0.0
-    for m in range(part * cuda.blockDim.x + cuda.threadIdx.x, A * B,
-                   cuda.gridDim.x * cuda.blockDim.x):
-        a = m // B
-        b = m % B
-        j = (a * C + c) * B + b  # flat index, for the mask bit
-        g = 0.0
-        if state_kind == STATE_Y:
-            g = _gate(float64(gy3[a, c, b]), ystate3[a, c, b] > 0)
-        elif state_kind == STATE_MASK:
-            g = _gate(float64(gy3[a, c, b]), _mask_bit(mask[j >> 3], j) != 0)
-        else:
-            g = float64(gy3[a, c, b])
-        sg += g
-        sgx += g * (float64(x3[a, c, b]) - m_c)
-    sg, sgx = _block_sum2(sg, sgx, buf_a, buf_b)
-    if cuda.threadIdx.x == 0:
-        partials[c, part, 0] = sg
-        partials[c, part, 1] = sgx
+    # channels: bounds depend on the block only, so all its threads reach every barrier
+    for c in range(cuda.blockIdx.y, C, cuda.gridDim.y):
+        m_c = mean[c]
+        sg = 0.0
+        sgx = 0.0
+        for m in range(part * cuda.blockDim.x + cuda.threadIdx.x, A * B,
+                       cuda.gridDim.x * cuda.blockDim.x):
+            a = m // B
+            b = m % B
+            j = (a * C + c) * B + b  # flat index, for the mask bit
+            g = 0.0
+            if state_kind == STATE_Y:
+                g = _gate(float64(gy3[a, c, b]), ystate3[a, c, b] > 0)
+            elif state_kind == STATE_MASK:
+                g = _gate(float64(gy3[a, c, b]), _mask_bit(mask[j >> 3], j) != 0)
+            else:
+                g = float64(gy3[a, c, b])
+            sg += g
+            sgx += g * (float64(x3[a, c, b]) - m_c)
+        sg, sgx = _block_sum2(sg, sgx, buf_a, buf_b)
+        if cuda.threadIdx.x == 0:
+            partials[c, part, 0] = sg
+            partials[c, part, 1] = sgx
 
 
 @cuda.jit(cache=True)
@@ -275,7 +285,7 @@ def stats(x, layout, eps):
     x3 = x.reshape(A, C, B)                                       # (A, C, B)
     parts = _parts(A * B)
     partials = cuda.device_array((C, parts, 2), np.float64)
-    _stats_partials[(parts, C), config.threads](x3, partials)
+    _stats_partials[(parts, min(C, config.max_grid_y)), config.threads](x3, partials)
     mean, var, invstd = (cuda.device_array(C, np.float64) for _ in range(3))
     blocks, threads = config.grid_1d(C)
     _stats_finalize[blocks, threads](x3, partials, float(eps), mean, var, invstd)
@@ -329,8 +339,8 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     if need_ggamma or need_gbeta or (need_gx and training):
         parts = _parts(A * B)
         partials = cuda.device_array((C, parts, 2), np.float64)
-        _bwd_partials[(parts, C), config.threads](gy3, x3, mean, state_kind, ystate3, mask,
-                                                  partials)
+        _bwd_partials[(parts, min(C, config.max_grid_y)), config.threads](
+            gy3, x3, mean, state_kind, ystate3, mask, partials)
     else:  # inference, dx/dz only: no reduction (the coefficients need none)
         parts = 0
         partials = cuda.device_array((C, 1, 2), np.float64)

@@ -15,6 +15,7 @@ TILE = 16            # square tile edge of 2-d tiled kernels (GEMM-like); TILE*T
 threads = 256        # threads per block for 1-d kernels; power of two, <= BLOCK
 max_blocks = 1024    # grid-stride kernels never launch more blocks than this
 reduce_blocks = 64   # blocks of per-block partials in a two-stage deterministic reduction
+max_grid_y = 65535   # hardware limit of gridDim.y; kernels with a y grid stride over the rest
 
 
 def grid_1d(n: int) -> tuple:
