@@ -15,9 +15,14 @@ from numbafuse import reference as ref
 from numbafuse.ops.conv_batchnorm import ConvBatchNormReLU
 import numbafuse.testing.strategies as nfs  # (the from-import form recurses in testing/__init__)
 
-# Batch norm divides by the batch's standard deviation, which amplifies float32 rounding of
-# the conv output on tiny batches: float32 tolerances are looser than for a plain conv.
-TOL = {np.float32: dict(rtol=2e-3, atol=2e-3), np.float64: dict(rtol=1e-9, atol=1e-10)}
+# The reference computes in float64 from the same float32 inputs. Gradients are compared with
+# atol scaled by max(1, max|expected|) (_assert_grad_close). Measured worst error / that scale
+# over 3000 random examples of problems(dtype=float32): y 3e-7, running stats 1e-7, folded
+# w/b 2e-7, gx 2e-6, ggamma 8e-7, gw 1.2e-5. gw sets the float32 atol: with few values per
+# channel (M = 2: xhat = +-1 whatever h is) gh is ~0 exactly and what is left is float32
+# rounding of the cancelling terms, amplified by invstd, which the size of the result does
+# not bound; 5e-5 leaves a 4x margin over the worst seen.
+TOL = {np.float32: dict(rtol=1e-4, atol=5e-5), np.float64: dict(rtol=1e-9, atol=1e-10)}
 GRADCHECK = dict(mode="directional", directions=2)
 MOMENTUM, EPS = 0.1, 1e-5
 
