@@ -253,9 +253,9 @@ def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=Non
     ((2, 4, 5, 5), True)
     """
     return ConvBatchNormReLU(running_mean=_arrays.data(running_mean),
-                             running_var=_arrays.data(running_var), training=training, momentum=momentum, eps=eps, stride=stride,
-                             padding=padding, dilation=dilation, relu=relu,
-                             layout=layout).apply(x, w, gamma, beta)
+                             running_var=_arrays.data(running_var), training=training,
+                             momentum=momentum, eps=eps, stride=stride, padding=padding,
+                             dilation=dilation, relu=relu, layout=layout).apply(x, w, gamma, beta)
 
 
 def conv_batchnorm_relu_backward(gy, x, w, gamma, beta, *, running_mean=None, running_var=None,
