@@ -125,3 +125,33 @@ def test_mixed_host_and_device_is_refused():
         nf.conv_bias_relu(cuda.to_device(x), w)
     with pytest.raises(TypeError, match="bias_add: cannot mix host and device"):
         nf.bias_add(cuda.to_device(x), np.ones(2))
+
+
+@pytest.mark.parametrize("threads, layout, dtype", [(32, "NCHW", np.float64),
+                                                    (64, "NHWC", np.float32)])
+def test_warp_sized_blocks_over_many_tiles(threads, layout, dtype, monkeypatch):
+    # A GPU's block sizes (32/64 threads own several tile elements each) with more output tiles
+    # than blocks (grid-stride over tiles), K over two tiles, uneven dw/db splits of M = 2*3*4
+    from numbafuse.kernels.cuda import config
+    monkeypatch.setattr(config, "threads", threads)
+    rng = np.random.default_rng(21)
+    shape = (2, 3, 6, 7) if layout == "NCHW" else (2, 6, 7, 3)
+    x, w, b = (rng.standard_normal(s).astype(dtype) for s in (shape, (17, 3, 3, 3), (17,)))
+    kw = dict(stride=2, padding=1, layout=layout)
+    xd, wd, bd = dev(x, w, b)
+    y = nf.conv_bias_relu(xd, wd, bd, **kw)
+    close(y, ref.conv_bias_relu(x, w, b, **kw), dtype)
+    gy = gy_like(y.shape, dtype)
+    got = nf.conv_bias_relu_backward(cuda.to_device(gy), xd, wd, y, **kw)
+    for g, r in zip(got, ref.conv_bias_relu_backward(gy, x, w, b, **kw)):
+        close(g, r, dtype)
+
+
+def test_bias_add_of_an_empty_batch():
+    # channel_sum over zero rows divided by zero on the device; the host gives zeros
+    x = nf.Tensor(cuda.to_device(np.zeros((0, 2, 3, 3))), requires_grad=True)
+    b = nf.Tensor(cuda.to_device(np.ones(2)), requires_grad=True)
+    y = nf.bias_add(x, b)
+    assert y.shape == (0, 2, 3, 3)
+    y.backward(cuda.to_device(np.zeros((0, 2, 3, 3))))
+    np.testing.assert_array_equal(b.grad.copy_to_host(), np.zeros(2))

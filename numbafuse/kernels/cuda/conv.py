@@ -24,6 +24,7 @@ from numba import cuda, float64, types
 from .. import conv_math
 from ..scalar import cuda_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import config
+from .elementwise import fill
 from .reduce import block_sum
 
 TILE = config.TILE
@@ -79,10 +80,16 @@ def _conv_fwd(x, w, b, y, geo, has_bias, relu):
             for e in range(t, TILE * TILE, nt):
                 i = e % TILE                  # m (a_tile) / crs (b_tile): fastest, coalesced
                 j = e // TILE
+                # if/else stores, not "v if cond else 0.0": that would compute in float64
                 off = _cols_offset(m0 + i, c0 + j, geo) if m0 + i < M and c0 + j < CRS else -1
-                a_tile[j, i] = x[off] if off >= 0 else 0.0
-                b_tile[i, j] = w[(k0 + j) * CRS + c0 + i] if k0 + j < K and c0 + i < CRS \
-                    else 0.0
+                if off >= 0:
+                    a_tile[j, i] = x[off]
+                else:
+                    a_tile[j, i] = 0.0
+                if k0 + j < K and c0 + i < CRS:
+                    b_tile[i, j] = w[(k0 + j) * CRS + c0 + i]
+                else:
+                    b_tile[i, j] = 0.0
             cuda.syncthreads()  # both operand tiles are loaded
             _tile_mac(a_tile, b_tile, acc, t, nt)
             cuda.syncthreads()  # every thread is done reading the tiles before they are reloaded
@@ -119,19 +126,21 @@ def _conv_dx(gy, y, w, dx, geo, use_mask):
                 off = -1
                 if m0 + i < MX and r0 + j < RSK:
                     off = _transposed_cols_offset(m0 + i, r0 + j, geo)
-                g = 0.0
-                if off >= 0:
-                    g = _relu_grad(gy[off], y[off]) if use_mask else gy[off]
-                a_tile[j, i] = g
+                # g = relu_grad(gy, y) (gy where y > 0) as typed stores: the helper returns
+                # float64 for float32 arguments (its literal 0.0), a round trip per element
+                if off >= 0 and (not use_mask or y[off] > 0):
+                    a_tile[j, i] = gy[off]
+                else:
+                    a_tile[j, i] = 0.0
                 # W'[(r, s, k), c] = w[k, c, r, s]
                 rsk = r0 + i
-                wv = 0.0
                 if rsk < RSK and c0 + j < C:
                     k = rsk % K
                     s = (rsk // K) % S
                     r = rsk // (K * S)
-                    wv = w[((k * C + c0 + j) * R + r) * S + s]
-                b_tile[i, j] = wv
+                    b_tile[i, j] = w[((k * C + c0 + j) * R + r) * S + s]
+                else:
+                    b_tile[i, j] = 0.0
             cuda.syncthreads()  # both operand tiles are loaded
             _tile_mac(a_tile, b_tile, acc, t, nt)
             cuda.syncthreads()  # every thread is done reading the tiles before they are reloaded
@@ -167,14 +176,18 @@ def _conv_dw_partials(gy, y, x, partials, geo, use_mask, split_len):
             for e in range(t, TILE * TILE, nt):
                 i = e % TILE
                 j = e // TILE
-                g = 0.0
-                if m0 + j < m_end and k0 + i < K:
-                    off = _out_offset(m0 + j, k0 + i, K, PQ, nhwc)
-                    g = _relu_grad(gy[off], y[off]) if use_mask else gy[off]
-                a_tile[j, i] = g
+                off = _out_offset(m0 + j, k0 + i, K, PQ, nhwc) if m0 + j < m_end and k0 + i < K \
+                    else -1
+                if off >= 0 and (not use_mask or y[off] > 0):   # g = relu_grad(gy, y), typed
+                    a_tile[j, i] = gy[off]
+                else:
+                    a_tile[j, i] = 0.0
                 off = _cols_offset(m0 + j, c0 + i, geo) if m0 + j < m_end and c0 + i < CRS \
                     else -1
-                b_tile[j, i] = x[off] if off >= 0 else 0.0
+                if off >= 0:
+                    b_tile[j, i] = x[off]
+                else:
+                    b_tile[j, i] = 0.0
             cuda.syncthreads()  # both operand tiles are loaded
             _tile_mac(b_tile, a_tile, acc, t, nt)     # acc[k, crs] += sum_m g[m, k] cols[m, crs]
             cuda.syncthreads()  # every thread is done reading the tiles before they are reloaded
@@ -234,7 +247,11 @@ def _tile_blocks(n_tiles):
 
 
 def _splits(rows, granule):
-    """(split_len, n_splits): ``rows`` cut into at most ``config.reduce_blocks`` fixed slices."""
+    """(split_len, n_splits): ``rows`` cut into at most ``config.reduce_blocks`` fixed slices.
+
+    ``rows == 0``: one empty split of one granule (its partial is 0).
+    """
+    rows = max(rows, 1)
     n = max(1, min(config.reduce_blocks, -(-rows // granule)))
     split_len = -(-rows // n)
     split_len = -(-split_len // granule) * granule     # a whole number of granules
@@ -307,12 +324,15 @@ def channel_sum(gy, layout):
     nhwc = int(layout == "NHWC")
     C = gy.shape[3] if nhwc else gy.shape[1]
     HW = gy.shape[1] * gy.shape[2] if nhwc else gy.shape[2] * gy.shape[3]
+    out = cuda.device_array(C, gy.dtype)
+    if gy.size == 0:                                    # N, H or W is 0: the sums are 0
+        return fill(out, 0.0)
     split_len, n_splits = _splits(gy.size // C, config.threads)
     partials = cuda.device_array((n_splits, C), np.float64)              # (splits, C)
     g = _flat(gy)
     _channel_sum_partials[_tile_blocks(n_splits * C), config.threads](
         g, g, 0, partials, C, HW, nhwc, split_len)
-    return _reduce_splits(partials, cuda.device_array(C, gy.dtype))
+    return _reduce_splits(partials, out)
 
 
 # Every kernel above with the signatures it is compiled for, as a function of the numba
