@@ -11,6 +11,7 @@ Notation used in shape comments across the package:
 """
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 
@@ -77,6 +78,19 @@ def backend_of(op: str, **arrays) -> str:
             f"{op}: cannot mix host and device arrays ({', '.join(host)} on the host, "
             f"{', '.join(device)} on the device)")
     return CUDA if device else CPU
+
+
+def backend_of_array(a) -> str:
+    """The backend of one array already validated by :func:`backend_of`."""
+    return CPU if isinstance(a, np.ndarray) else CUDA
+
+
+def kernels(family: str, backend: str):
+    """The kernel module of an op family on ``backend``: ``numbafuse.kernels.cpu.<family>``
+    or ``numbafuse.kernels.cuda.<family>`` (the same function names on both; the CUDA one is
+    imported only when a device array comes, so CPU users never need numba-cuda).
+    """
+    return importlib.import_module(f"{__package__}.kernels.{backend}.{family}")
 
 
 def to_host(a) -> np.ndarray:

@@ -12,6 +12,7 @@ sh/sw stride, F_in/F_out linear features, L classes. Gradients: ``gy`` upstream,
 """
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 
@@ -20,24 +21,13 @@ import numpy as np
 from .. import _arrays
 from ..autograd import Function
 
-
-def _kernels(backend):
-    """The kernel module of ``backend``: same function names on the CPU and on the device."""
-    if backend == _arrays.CPU:
-        from ..kernels.cpu import basic
-    else:
-        from ..kernels.cuda import basic
-    return basic
+_kernels = functools.partial(_arrays.kernels, "basic")  # _kernels(backend): the module
 
 
 def _validated(op, **arrays):
     """(backend, dtype) of one call's floating arrays: TypeError on a mix or a non-float."""
     backend = _arrays.backend_of(op, **arrays)
     return backend, _arrays.check_float_dtypes(op, **arrays)
-
-
-def _backend_of_array(a):
-    return _arrays.CPU if isinstance(a, np.ndarray) else _arrays.CUDA
 
 
 # --------------------------------------------------------------------------- relu
@@ -65,7 +55,8 @@ class ReLU(Function):
         if not self.needs_input_grad[0]:
             return (None,)
         y = self.saved.y
-        return (_kernels(_backend_of_array(y)).relu_backward(_arrays.contiguous(gy), y),)
+        return (_kernels(_arrays.backend_of_array(y)).relu_backward(_arrays.contiguous(gy),
+                                                                    y),)
 
 
 # --------------------------------------------------------------------------- linear
@@ -98,8 +89,8 @@ class Linear(Function):
     # bwd :: (residuals=(x, w), gy) -> (gx, gw, gb)
     def backward(self, gy):
         x, w = self.saved.x, self.saved.w
-        return _kernels(_backend_of_array(x)).linear_backward(_arrays.contiguous(gy), x, w,
-                                                              *self.needs_input_grad)
+        return _kernels(_arrays.backend_of_array(x)).linear_backward(
+            _arrays.contiguous(gy), x, w, *self.needs_input_grad)
 
 
 # --------------------------------------------------------------------------- pooling
@@ -207,7 +198,7 @@ class MaxPool2d(Function):
         if not self.needs_input_grad[0]:
             return (None,)
         argmax = self.saved.argmax
-        return (_kernels(_backend_of_array(argmax)).max_pool2d_backward(
+        return (_kernels(_arrays.backend_of_array(argmax)).max_pool2d_backward(
             _arrays.contiguous(gy), argmax, self.geometry, self.dtype),)
 
 
@@ -238,7 +229,7 @@ class GlobalAvgPool2d(Function):
         if not self.needs_input_grad[0]:
             return (None,)
         gy = _arrays.contiguous(gy)                                  # (N, C)
-        return (_kernels(_backend_of_array(gy)).global_avg_pool2d_backward(
+        return (_kernels(_arrays.backend_of_array(gy)).global_avg_pool2d_backward(
             gy, self.geometry, self.dtype),)
 
 
@@ -352,7 +343,7 @@ class CrossEntropy(Function):
         if not self.needs_input_grad[0]:
             return (None, None)
         s = self.saved
-        return (_kernels(_backend_of_array(s.logits)).cross_entropy_backward(
+        return (_kernels(_arrays.backend_of_array(s.logits)).cross_entropy_backward(
             gy, s.logits, s.labels, s.lse), None)
 
 

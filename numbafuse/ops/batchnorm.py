@@ -49,6 +49,7 @@ float32 y, 64x than a float64 one.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,14 +61,7 @@ from ..kernels.cpu import batchnorm as cpu_kernels
 SAVE_POLICIES = ("output", "mask")
 MASK_BITS = 8   # elements per byte of the packed mask
 
-
-def _cuda_kernels():
-    from ..kernels.cuda import batchnorm as cuda_kernels  # lazily: CPU users never need it
-    return cuda_kernels
-
-
-def _kernels(backend):
-    return cpu_kernels if backend == _arrays.CPU else _cuda_kernels()
+_kernels = functools.partial(_arrays.kernels, "batchnorm")   # _kernels(backend): the module
 
 
 # --------------------------------------------------------------------------- validation

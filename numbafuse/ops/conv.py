@@ -27,35 +27,24 @@ size. Activations are NCHW or NHWC (``layout``); weights are always (K, C, R, S)
 """
 from __future__ import annotations
 
-import numpy as np
+import functools
 
 from .. import _arrays
 from ..autograd import Function
-from ..kernels.cpu import conv as _cpu_conv  # OMP_WAIT_POLICY: see numbafuse/__init__.py
 
-
-def _kernels(backend):
-    """The kernel module of ``backend``: the same function names on the CPU and the device."""
-    if backend == _arrays.CPU:
-        return _cpu_conv
-    from ..kernels.cuda import conv
-    return conv
-
-
-def _backend_of_array(a):
-    return _arrays.CPU if isinstance(a, np.ndarray) else _arrays.CUDA
+_kernels = functools.partial(_arrays.kernels, "conv")   # _kernels(backend): the module
 
 
 # --------------------------------------------------------------------------- array helpers
 
 def conv_forward(x, w, b, geom, relu):
     """``relu?(conv(x, w) + b?)`` for validated, contiguous arrays (see the module docstring)."""
-    return _kernels(_backend_of_array(x)).conv_forward(x, w, b, geom, bool(relu))
+    return _kernels(_arrays.backend_of_array(x)).conv_forward(x, w, b, geom, bool(relu))
 
 
 def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     """``(dx, dw, db)`` of a conv [+ bias] [+ ReLU whose output is ``y``] (module docstring)."""
-    return _kernels(_backend_of_array(gy)).conv_backward(gy, x, w, geom, y, tuple(need))
+    return _kernels(_arrays.backend_of_array(gy)).conv_backward(gy, x, w, geom, y, tuple(need))
 
 
 def _validate_conv(op, x, w, b, stride, padding, dilation, layout):
@@ -122,14 +111,15 @@ class BiasAdd(Function):
         _arrays.check_vector(self.name, "b", b, x.shape[_arrays.channel_axis(layout)])
         self.checked_layout = layout
         x, b = _arrays.contiguous(x), _arrays.contiguous(b)
-        return _kernels(_backend_of_array(x)).bias_add(x, b, layout)
+        return _kernels(_arrays.backend_of_array(x)).bias_add(x, b, layout)
 
     # bwd :: gy -> (gx = gy, gb = sum of gy over N, H, W)
     def backward(self, gy):
         gx = gy if self.needs_input_grad[0] else None
         gb = None
         if self.needs_input_grad[1]:
-            gb = _kernels(_backend_of_array(gy)).channel_sum(_arrays.contiguous(gy), self.checked_layout)
+            gb = _kernels(_arrays.backend_of_array(gy)).channel_sum(_arrays.contiguous(gy),
+                                                                    self.checked_layout)
         return gx, gb
 
 
