@@ -177,3 +177,24 @@ def test_bad_input(call, exc, words):
         call()
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize("threads", [32, 64])
+def test_cross_entropy_and_linear_with_warp_sized_blocks(threads, monkeypatch):
+    # GPU-like block sizes: the one-block loss mean strides unevenly over N = 77 rows (its
+    # shared-memory tree over 32/64 threads), linear's tiles grid-stride over 3 blocks
+    from numbafuse.kernels.cuda import config
+    monkeypatch.setattr(config, "threads", threads)
+    logits = seeded((77, 3), np.float64, 3)
+    labels = np.random.default_rng(3).integers(0, 3, 77)
+    t = nf.Tensor(dev(logits), requires_grad=True)
+    y = nf.cross_entropy(t, dev(labels))
+    host_close(y.data, ref.cross_entropy(logits, labels), np.float64)
+    y.backward()
+    host_close(t.grad, ref.cross_entropy_backward(1.0, logits, labels), np.float64)
+    x, w, b = (seeded(s, np.float64, i) for i, s in enumerate([(20, 17), (18, 17), 18]))
+    gy = seeded((20, 18), np.float64, 7)
+    y, grads = run_on_device(nf.linear, [x, w, b], gy)
+    host_close(y, ref.linear(x, w, b), np.float64)
+    for g, r in zip(grads, ref.linear_backward(gy, x, w)):
+        host_close(g, r, np.float64)

@@ -7,9 +7,10 @@ is (M, C, 1); value m of channel c is ``x3[m // B, c, m % B]`` and its flat inde
 ``(j // B) % C``.
 
 Reductions are deterministic (no float atomics): a 2-d grid (parts, min(C, 65535)), each block
-grid-strides over its channels (blockIdx.y, + gridDim.y, ...) and over each channel's values, reduces in shared memory (or with warp shuffles on a real GPU) and
-writes one partial per (channel, part); a finalize kernel, one thread per channel, sums the
-partials in a fixed order. The result depends on ``config.reduce_blocks``/``config.threads``
+grid-strides over its channels (blockIdx.y, + gridDim.y, ...) and over each channel's values,
+reduces in shared memory (or with warp shuffles on a real GPU) and writes one partial per
+(channel, part); a finalize kernel, one thread per channel, sums the partials in a fixed
+order. The result depends on ``config.reduce_blocks``/``config.threads``
 (the partition), never on scheduling.
 
 Relu state codes for the backward are those of the CPU module: ``STATE_NONE``, ``STATE_Y``
