@@ -183,6 +183,13 @@ def check_scalar(op: str, name: str, value, lo=None, hi=None, lo_open=False) -> 
     return v
 
 
+def check_flag(op: str, name: str, value) -> bool:
+    """A True/False argument (a string such as "no" is refused, not read as True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 # --------------------------------------------------------------------------- contiguity
 
 def contiguous(a):

@@ -343,3 +343,10 @@ def test_no_recompute_policy_same_gradients_and_keeps_h_and_mask(problem, relu, 
         assert saved.relu_state.size == -(-saved.h.size // 8)      # 1 bit per element
     else:
         assert saved.relu_state is None
+
+
+def test_relu_flag_must_be_a_bool():
+    x = np.ones((1, 1, 3, 3))
+    w = np.ones((1, 1, 1, 1))
+    with pytest.raises(TypeError, match="conv_batchnorm_relu: relu must be True or False"):
+        nf.conv_batchnorm_relu(x, w, np.ones(1), np.zeros(1), relu="no")

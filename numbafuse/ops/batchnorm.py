@@ -120,8 +120,7 @@ def check_running_stats(op, C, M, running_mean, running_var, training, momentum,
     _arrays.check_vector(op, "running_var", running_var, C)
     eps = _arrays.check_scalar(op, "eps", eps, lo=0.0)
     momentum = _arrays.check_scalar(op, "momentum", momentum, lo=0.0, hi=1.0)
-    if not isinstance(training, (bool, np.bool_)):
-        raise TypeError(f"{op}: training must be True or False, got {training!r}")
+    _arrays.check_flag(op, "training", training)
     if (running_mean is None) != (running_var is None):
         given = "running_mean" if running_mean is not None else "running_var"
         raise ValueError(f"{op}: running_mean and running_var go together; only {given} "

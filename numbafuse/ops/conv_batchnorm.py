@@ -93,8 +93,9 @@ class ConvBatchNormReLU(Function):
                  recompute=True):
         super().__init__(running_mean=running_mean, running_var=running_var,
                          training=training, momentum=momentum, eps=eps, stride=stride,
-                         padding=padding, dilation=dilation, relu=bool(relu), layout=layout,
-                         recompute=bool(recompute))
+                         padding=padding, dilation=dilation,
+                         relu=_arrays.check_flag(OP, "relu", relu), layout=layout,
+                         recompute=_arrays.check_flag(OP, "recompute", recompute))
 
     # fwd :: (x, w, gamma, beta) -> (y, residuals=(x, w, gamma, [beta], mean, invstd))
     #        recompute=False, training: residuals=(x, w, gamma, h, relu_state, mean, invstd)
