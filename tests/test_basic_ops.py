@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import numbafuse as nf
 from numbafuse import reference as ref
 from numbafuse.ops import basic
-import numbafuse.testing.strategies as nfs  # see test_autograd: the from-import recurses
+import numbafuse.testing.strategies as nfs
 
 TOL = {np.float32: dict(rtol=1e-4, atol=1e-5), np.float64: dict(rtol=1e-10, atol=1e-12)}
 GRADCHECK_EXAMPLES = 5      # gradcheck evaluates the op twice per input element: keep few

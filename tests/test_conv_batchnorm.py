@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import numbafuse as nf
 from numbafuse import reference as ref
 from numbafuse.ops.conv_batchnorm import ConvBatchNormReLU
-import numbafuse.testing.strategies as nfs  # (the from-import form recurses in testing/__init__)
+import numbafuse.testing.strategies as nfs
 
 # The reference computes in float64 from the same float32 inputs. Gradients are compared with
 # atol scaled by max(1, max|expected|) (_assert_grad_close). Measured worst error / that scale

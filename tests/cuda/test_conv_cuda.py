@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from numba import cuda
 
 import numbafuse as nf
-import numbafuse.testing.strategies as nfs  # the from-import form recurses (testing/__init__)
+import numbafuse.testing.strategies as nfs
 from numbafuse import _arrays
 from numbafuse import reference as ref
 
