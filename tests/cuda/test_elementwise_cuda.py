@@ -76,3 +76,11 @@ def test_sum_with_warp_sized_blocks(threads, monkeypatch, rng):
     a, b = ew.sum_all(d).copy_to_host(), ew.sum_all(d).copy_to_host()
     np.testing.assert_allclose(a, x.sum(), rtol=1e-12)
     assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("bad", [0, 96, 512])
+def test_block_size_must_be_a_power_of_two_within_block(bad, monkeypatch):
+    from numbafuse.kernels.cuda import config
+    monkeypatch.setattr(config, "threads", bad)
+    with pytest.raises(ValueError, match="threads must be a power of two"):
+        ew.sum_all(cuda.to_device(np.ones(4)))

@@ -309,7 +309,7 @@ def cross_entropy_forward(logits, labels):
     blocks, threads = config.grid_1d(N)
     _xent_rows[blocks, threads](logits, labels, nll, lse)
     loss = cuda.device_array(1, logits.dtype)
-    _mean_one_block[1, config.threads](nll, 1.0 / N, loss)
+    _mean_one_block[1, config.block_threads()](nll, 1.0 / N, loss)
     return loss.reshape(()), lse
 
 

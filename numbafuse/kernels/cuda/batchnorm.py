@@ -277,7 +277,7 @@ def _dims(shape, layout):
 
 
 def _parts(M):
-    return max(1, min(config.reduce_blocks, -(-M // config.threads)))
+    return max(1, min(config.reduce_blocks, -(-M // config.block_threads())))
 
 
 def stats(x, layout, eps):
@@ -286,7 +286,7 @@ def stats(x, layout, eps):
     x3 = x.reshape(A, C, B)                                       # (A, C, B)
     parts = _parts(A * B)
     partials = cuda.device_array((C, parts, 2), np.float64)
-    _stats_partials[(parts, min(C, config.max_grid_y)), config.threads](x3, partials)
+    _stats_partials[(parts, min(C, config.max_grid_y)), config.block_threads()](x3, partials)
     mean, var, invstd = (cuda.device_array(C, np.float64) for _ in range(3))
     blocks, threads = config.grid_1d(C)
     _stats_finalize[blocks, threads](x3, partials, float(eps), mean, var, invstd)
@@ -340,7 +340,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     if need_ggamma or need_gbeta or (need_gx and training):
         parts = _parts(A * B)
         partials = cuda.device_array((C, parts, 2), np.float64)
-        _bwd_partials[(parts, min(C, config.max_grid_y)), config.threads](
+        _bwd_partials[(parts, min(C, config.max_grid_y)), config.block_threads()](
             gy3, x3, mean, state_kind, ystate3, mask, partials)
     else:  # inference, dx/dz only: no reduction (the coefficients need none)
         parts = 0

@@ -18,7 +18,15 @@ reduce_blocks = 64   # blocks of per-block partials in a two-stage deterministic
 max_grid_y = 65535   # hardware limit of gridDim.y; kernels with a y grid stride over the rest
 
 
+def block_threads() -> int:
+    """``threads``, checked: the block reductions need a power of two no larger than BLOCK."""
+    if threads < 1 or threads > BLOCK or threads & (threads - 1):
+        raise ValueError(f"kernels.cuda.config: threads must be a power of two <= {BLOCK}, "
+                         f"got {threads}")
+    return threads
+
+
 def grid_1d(n: int) -> tuple:
     """(blocks, threads) for a grid-stride loop over ``n`` items."""
-    blocks = max(1, min(max_blocks, -(-n // threads)))
-    return blocks, threads
+    t = block_threads()
+    return max(1, min(max_blocks, -(-n // t))), t

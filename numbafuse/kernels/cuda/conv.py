@@ -271,7 +271,7 @@ def conv_forward(x, w, b, geom, relu):
     M = geom.N * geom.P * geom.Q
     n_tiles = -(-M // TILE) * -(-geom.K // TILE)
     has_bias = b is not None
-    _conv_fwd[_tile_blocks(n_tiles), config.threads](
+    _conv_fwd[_tile_blocks(n_tiles), config.block_threads()](
         _flat(x), _flat(w), _flat(b if has_bias else w), _flat(y), geo, int(has_bias),
         int(bool(relu)))
     return y
@@ -290,19 +290,19 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     if need_dx:
         dx = cuda.device_array(geom.x_shape, gy.dtype)
         n_tiles = -(-(N * geom.H * geom.W) // TILE) * -(-C // TILE)
-        _conv_dx[_tile_blocks(n_tiles), config.threads](gy_f, y_f, _flat(w), _flat(dx), geo,
+        _conv_dx[_tile_blocks(n_tiles), config.block_threads()](gy_f, y_f, _flat(w), _flat(dx), geo,
                                                          use_mask)
     if need_dw:
         split_len, n_splits = _splits(M, TILE)
         partials = cuda.device_array((n_splits, K * CRS), np.float64)   # (splits, K*C*R*S)
         n_jobs = n_splits * -(-K // TILE) * -(-CRS // TILE)
-        _conv_dw_partials[_tile_blocks(n_jobs), config.threads](
+        _conv_dw_partials[_tile_blocks(n_jobs), config.block_threads()](
             gy_f, y_f, _flat(x), partials, geo, use_mask, split_len)
         dw = _reduce_splits(partials, cuda.device_array(geom.w_shape, gy.dtype))
     if need_db:
-        split_len, n_splits = _splits(M, config.threads)
+        split_len, n_splits = _splits(M, config.block_threads())
         partials = cuda.device_array((n_splits, K), np.float64)          # (splits, K)
-        _channel_sum_partials[_tile_blocks(n_splits * K), config.threads](
+        _channel_sum_partials[_tile_blocks(n_splits * K), config.block_threads()](
             gy_f, y_f, use_mask, partials, K, PQ, int(geom.layout == "NHWC"), split_len)
         db = _reduce_splits(partials, cuda.device_array(K, gy.dtype))
     return dx, dw, db
@@ -327,10 +327,10 @@ def channel_sum(gy, layout):
     out = cuda.device_array(C, gy.dtype)
     if gy.size == 0:                                    # N, H or W is 0: the sums are 0
         return fill(out, 0.0)
-    split_len, n_splits = _splits(gy.size // C, config.threads)
+    split_len, n_splits = _splits(gy.size // C, config.block_threads())
     partials = cuda.device_array((n_splits, C), np.float64)              # (splits, C)
     g = _flat(gy)
-    _channel_sum_partials[_tile_blocks(n_splits * C), config.threads](
+    _channel_sum_partials[_tile_blocks(n_splits * C), config.block_threads()](
         g, g, 0, partials, C, HW, nhwc, split_len)
     return _reduce_splits(partials, out)
 

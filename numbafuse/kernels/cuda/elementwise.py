@@ -148,11 +148,11 @@ def contiguous_copy(src):
 def sum_all(x):
     """Sum of every element, as a 0-d device array; deterministic (fixed partial order)."""
     flat = x.reshape(x.size)
-    nblocks = max(1, min(config.reduce_blocks, -(-flat.size // config.threads)))
+    nblocks = max(1, min(config.reduce_blocks, -(-flat.size // config.block_threads())))
     partials = cuda.device_array(nblocks, np.float64)
-    _sum_partials[nblocks, config.threads](flat, partials)
+    _sum_partials[nblocks, config.block_threads()](flat, partials)
     total = cuda.device_array(1, np.float64)
-    _sum_partials[1, config.threads](partials, total)
+    _sum_partials[1, config.block_threads()](partials, total)
     out = cuda.device_array(1, x.dtype)
     blocks, threads = config.grid_1d(1)
     _axpby[blocks, threads](1.0, total, 0.0, total, out)
