@@ -304,7 +304,7 @@ class Conv2d(Module):
         self.in_channels, self.out_channels, self.kernel_size = (in_channels, out_channels,
                                                                  kernel_size)
         self.stride, self.padding, self.dilation = stride, padding, dilation
-        self.layout = _arrays.check_layout("Conv2d", layout)
+        self.layout = _arrays.check_layout(type(self).__name__, layout)
         w, fan_in = _conv_weight(in_channels, out_channels, kernel_size, dtype, rng)
         self.weight = _param(w)
         self.bias = _param(init.bias_uniform(out_channels, fan_in, dtype, rng)) if bias else None
@@ -399,26 +399,12 @@ class GlobalAvgPool2d(Module):
 
 # --------------------------------------------------------------------------- fused layers
 
-class Conv2dBiasReLU(Module):
-    """Fused ``relu(conv2d(x, w) + b)``; same parameters and init as ``Conv2d``."""
-
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
-                 dilation=1, bias=True, layout="NCHW", *, dtype=DEFAULT_DTYPE, rng=None):
-        super().__init__()
-        self.in_channels, self.out_channels, self.kernel_size = (in_channels, out_channels,
-                                                                 kernel_size)
-        self.stride, self.padding, self.dilation = stride, padding, dilation
-        self.layout = _arrays.check_layout("Conv2dBiasReLU", layout)
-        w, fan_in = _conv_weight(in_channels, out_channels, kernel_size, dtype, rng)
-        self.weight = _param(w)
-        self.bias = _param(init.bias_uniform(out_channels, fan_in, dtype, rng)) if bias else None
+class Conv2dBiasReLU(Conv2d):
+    """Fused ``relu(conv2d(x, w) + b)``; the parameters, init and arguments of ``Conv2d``."""
 
     def forward(self, x):
         return conv_bias_relu(x, self.weight, self.bias, stride=self.stride,
                               padding=self.padding, dilation=self.dilation, layout=self.layout)
-
-    def extra_repr(self):
-        return _geometry_repr(self) + f", bias={self.bias is not None}"
 
 
 class BatchNormAddReLU(Module):
