@@ -27,6 +27,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _report
+import _report  # noqa: E402
 from numba import cuda  # noqa: E402
 
 import numbafuse as nf  # noqa: E402
@@ -184,22 +187,17 @@ def main(argv=None):
     rows = []
     bench_conv(torch, cfg, rows, matmul)
     bench_bn(torch, cfg, rows, copy_bw)
-    command = " ".join(["python", "benchmarks/bench_gpu.py", *sys.argv[1:]])
     device = cuda.get_current_device()
     name = getattr(device, "name", b"simulator")
     name = name.decode() if isinstance(name, bytes) else str(name)
-    lines = [f"Command: `{command}`", "",
+    lines = [f"Command: `{_report.command('bench_gpu.py')}`", "",
              f"Device: {name}. Ceilings measured in this run: device copy {copy_bw:.0f} GB/s"
              + (f", FP32 matmul (TF32 off) {matmul:.0f} GFLOP/s" if matmul else "") + ".", "",
              "| op | shape | implementation | fwd ms | fwd+bwd ms | achieved |",
              "|---|---|---|---:|---:|---|"]
     lines += [f"| {op} | {shape} | {impl} | {f:.3f} | {b:.3f} | {extra} |"
               for op, shape, impl, f, b, extra in rows]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
+    _report.emit(lines, args.markdown)
 
 
 if __name__ == "__main__":

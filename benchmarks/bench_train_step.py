@@ -20,6 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _report
+import _report  # noqa: E402
+
 from numbafuse import data, optim, train  # noqa: E402
 
 WARMUP_STEPS = 5
@@ -61,8 +64,7 @@ def main(argv=None):
                 times[name].append(time.perf_counter() - t0)
 
     base = statistics.median(times["unfused"])
-    command = " ".join(["python", "benchmarks/bench_train_step.py", *sys.argv[1:]])
-    lines = [f"Command: `{command}`",
+    lines = [f"Command: `{_report.command('bench_train_step.py')}`",
              "",
              f"Digits ResNet (train.DEFAULTS: width {train.DEFAULTS['width']}, "
              f"{train.DEFAULTS['blocks']} blocks), batch {args.batch_size}, {args.layout}, "
@@ -77,11 +79,7 @@ def main(argv=None):
         med = statistics.median(ts)
         lines.append(f"| {name} | {med * 1e3:.2f} | {min(ts) * 1e3:.2f} | {med / base:.2f} | "
                      f"{held[name] / 1024:.1f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
+    _report.emit(lines, args.markdown)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _report
+import _report  # noqa: E402
+
 import numbafuse as nf  # noqa: E402
 from numbafuse import Tensor  # noqa: E402
 
@@ -72,18 +75,13 @@ def main(argv=None):
             t0 = time.perf_counter()
             fwd_bwd(build)
             times[name].append(time.perf_counter() - t0)
-    command = " ".join(["python", "benchmarks/bench_training_ops.py", *sys.argv[1:]])
-    lines = [f"Command: `{command}`", "",
+    lines = [f"Command: `{_report.command('bench_training_ops.py')}`", "",
              f"Forward + backward on the tape, x {SHAPE} {LAYOUT} float32, 3x3 convs, padding 1; "
              f"median and best of {args.rounds} round-robin rounds.", "",
              "| case | median ms | best ms |", "|---|---:|---:|"]
     for name, ts in times.items():
         lines.append(f"| {name} | {statistics.median(ts) * 1e3:.3f} | {min(ts) * 1e3:.3f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
+    _report.emit(lines, args.markdown)
 
 
 if __name__ == "__main__":
