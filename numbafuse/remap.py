@@ -31,6 +31,7 @@ Notation in shape comments: K output channels, C input channels, R, S filter siz
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import itertools
@@ -541,20 +542,33 @@ def _is_training(bn):
 
 # Each pattern takes (matcher, root) and returns a _Rewrite, a _Refusal or None (no match).
 
-def _conv_bias_relu(m, relu):
-    badd = m.source(relu.arg("x"), "bias_add")
-    conv = badd and m.source(badd.arg("x"), "conv2d")
+def _conv_bias_chain(m, root, with_relu, with_squeeze):
+    """conv2d [-> squeeze] -> bias_add [-> relu] ending at ``root``: one conv with the bias
+    (and the ReLU) in its epilogue, then the squeeze (Grappler's Conv2D+Squeeze+BiasAdd)."""
+    badd = m.source(root.arg("x"), "bias_add") if with_relu else root
+    squeeze = badd and m.source(badd.arg("x"), "squeeze") if with_squeeze else None
+    below = squeeze if with_squeeze else badd
+    conv = below and m.source(below.arg("x"), "conv2d")
     if conv is None:
         return None
-    chain, b = [conv, badd, relu], badd.arg("b")
-    reason = (m.intermediate_reason(chain) or _layouts(conv, badd)
-              or _agree([("conv2d output", conv.output), ("b", b), ("relu output", relu.output)])
-              or _bias_reason(b, _out_channels(conv)))
+    chain = [n for n in (conv, squeeze, badd) if n is not None] + ([root] if with_relu else [])
+    b = badd.arg("b")
+    values = [("conv2d output", conv.output), ("b", b)] + (
+        [("relu output", root.output)] if with_relu else [])
+    reason = (m.intermediate_reason(chain) or _layouts(conv, badd) or _agree(values)
+              or _bias_reason(b, _out_channels(conv))
+              or (_squeeze_channel_reason(conv, squeeze, badd) if with_squeeze else None))
     if reason:
         return _Refusal(chain, reason)
-    fused = _public("conv_bias_relu", relu.output, x=conv.arg("x"), w=conv.arg("w"), b=b,
-                    **_conv_kwargs(conv))
-    return _Rewrite(FUSE_CONV_BIAS_RELU, chain, [fused])
+    op = "conv_bias_relu" if with_relu else "conv_bias"
+    title = {(True, False): FUSE_CONV_BIAS_RELU, (False, False): FUSE_CONV_BIAS,
+             (True, True): FUSE_CONV_SQUEEZE_BIAS_RELU,
+             (False, True): FUSE_CONV_SQUEEZE_BIAS}[with_relu, with_squeeze]
+    y = _new_value(conv.output) if with_squeeze else root.output
+    fused = [_public(op, y, x=conv.arg("x"), w=conv.arg("w"), b=b, **_conv_kwargs(conv))]
+    if with_squeeze:
+        fused.append(_public("squeeze", root.output, x=y, axis=squeeze.arg("axis")))
+    return _Rewrite(title, chain, fused)
 
 
 def _conv_relu(m, relu):
@@ -590,60 +604,6 @@ def _squeeze_channel_reason(conv, squeeze, badd):
         return (f"after the squeeze, bias_add ({badd.arg('layout', 'NCHW')}) adds along axis "
                 f"{expected}, the conv's channels are axis {after}")
     return None
-
-
-def _conv_squeeze_bias_relu(m, relu):
-    badd = m.source(relu.arg("x"), "bias_add")
-    squeeze = badd and m.source(badd.arg("x"), "squeeze")
-    conv = squeeze and m.source(squeeze.arg("x"), "conv2d")
-    if conv is None:
-        return None
-    chain, b = [conv, squeeze, badd, relu], badd.arg("b")
-    reason = (m.intermediate_reason(chain) or _layouts(conv, badd)
-              or _agree([("conv2d output", conv.output), ("b", b), ("relu output", relu.output)])
-              or _bias_reason(b, _out_channels(conv))
-              or _squeeze_channel_reason(conv, squeeze, badd))
-    if reason:
-        return _Refusal(chain, reason)
-    y = _new_value(conv.output)
-    fused = _public("conv_bias_relu", y, x=conv.arg("x"), w=conv.arg("w"), b=b,
-                    **_conv_kwargs(conv))
-    squeezed = _public("squeeze", relu.output, x=y, axis=squeeze.arg("axis"))
-    return _Rewrite(FUSE_CONV_SQUEEZE_BIAS_RELU, chain, [fused, squeezed])
-
-
-def _conv_bias(m, badd):
-    conv = m.source(badd.arg("x"), "conv2d")
-    if conv is None:
-        return None
-    chain, b = [conv, badd], badd.arg("b")
-    reason = (m.intermediate_reason(chain) or _layouts(conv, badd)
-              or _agree([("conv2d output", conv.output), ("b", b)])
-              or _bias_reason(b, _out_channels(conv)))
-    if reason:
-        return _Refusal(chain, reason)
-    fused = _public("conv_bias", badd.output, x=conv.arg("x"), w=conv.arg("w"), b=b,
-                    **_conv_kwargs(conv))
-    return _Rewrite(FUSE_CONV_BIAS, chain, [fused])
-
-
-def _conv_squeeze_bias(m, badd):
-    squeeze = m.source(badd.arg("x"), "squeeze")
-    conv = squeeze and m.source(squeeze.arg("x"), "conv2d")
-    if conv is None:
-        return None
-    chain, b = [conv, squeeze, badd], badd.arg("b")
-    reason = (m.intermediate_reason(chain) or _layouts(conv, badd)
-              or _agree([("conv2d output", conv.output), ("b", b)])
-              or _bias_reason(b, _out_channels(conv))
-              or _squeeze_channel_reason(conv, squeeze, badd))
-    if reason:
-        return _Refusal(chain, reason)
-    y = _new_value(conv.output)
-    fused = _public("conv_bias", y, x=conv.arg("x"), w=conv.arg("w"), b=b,
-                    **_conv_kwargs(conv))
-    squeezed = _public("squeeze", badd.output, x=y, axis=squeeze.arg("axis"))
-    return _Rewrite(FUSE_CONV_SQUEEZE_BIAS, chain, [fused, squeezed])
 
 
 def _bn_add_relu(m, relu):
@@ -754,9 +714,12 @@ def _fold(conv, b, bn, root, chain, with_relu):
 
 # patterns tried at a root, by the root's op, longest first
 _PATTERNS = {
-    "relu": (_conv_bias_relu, _conv_squeeze_bias_relu, _bn_add_relu, _conv_bn, _conv_relu),
+    "relu": (functools.partial(_conv_bias_chain, with_relu=True, with_squeeze=False),
+             functools.partial(_conv_bias_chain, with_relu=True, with_squeeze=True),
+             _bn_add_relu, _conv_bn, _conv_relu),
     "batchnorm": (_conv_bn,),
-    "bias_add": (_conv_squeeze_bias, _conv_bias),
+    "bias_add": (functools.partial(_conv_bias_chain, with_relu=False, with_squeeze=True),
+                 functools.partial(_conv_bias_chain, with_relu=False, with_squeeze=False)),
 }
 
 
