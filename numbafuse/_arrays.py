@@ -159,6 +159,18 @@ def channel_axis(layout: str) -> int:
     return 1 if layout == "NCHW" else 3
 
 
+def activation_shape(layout: str, N: int, C: int, H: int, W: int) -> tuple:
+    """The shape of an (N, C, H, W) activation stored in ``layout``."""
+    return (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+
+
+def activation_dims(op: str, x, layout: str) -> tuple:
+    """(N, C, H, W) of the 4-d activation ``x`` stored in ``layout``."""
+    check_ndim(op, "x", x, 4, layout)
+    N, A, B, D = x.shape
+    return (N, A, B, D) if layout == "NCHW" else (N, D, A, B)
+
+
 def spatial_reduce_axes(layout: str) -> tuple:
     """Axes a per-channel reduction runs over: N, H, W."""
     return (0, 2, 3) if layout == "NCHW" else (0, 1, 2)
@@ -249,13 +261,11 @@ class ConvGeometry:
 
     @property
     def x_shape(self):
-        return (self.N, self.C, self.H, self.W) if self.layout == "NCHW" else (
-            self.N, self.H, self.W, self.C)
+        return activation_shape(self.layout, self.N, self.C, self.H, self.W)
 
     @property
     def y_shape(self):
-        return (self.N, self.K, self.P, self.Q) if self.layout == "NCHW" else (
-            self.N, self.P, self.Q, self.K)
+        return activation_shape(self.layout, self.N, self.K, self.P, self.Q)
 
     @property
     def w_shape(self):

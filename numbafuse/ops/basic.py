@@ -119,13 +119,11 @@ class PoolGeometry:
 
     @property
     def x_shape(self):
-        return (self.N, self.C, self.H, self.W) if self.layout == "NCHW" else (
-            self.N, self.H, self.W, self.C)
+        return _arrays.activation_shape(self.layout, self.N, self.C, self.H, self.W)
 
     @property
     def y_shape(self):
-        return (self.N, self.C, self.P, self.Q) if self.layout == "NCHW" else (
-            self.N, self.P, self.Q, self.C)
+        return _arrays.activation_shape(self.layout, self.N, self.C, self.P, self.Q)
 
     @property
     def argmax_dtype(self):
@@ -142,20 +140,10 @@ class PoolGeometry:
         return self._strides(self.layout, self.C, self.P, self.Q)
 
 
-def _activation_dims(op, x, layout):
-    """(N, C, H, W) of a 4-d activation in ``layout``."""
-    _arrays.check_ndim(op, "x", x, 4, layout)
-    if layout == "NCHW":
-        N, C, H, W = x.shape
-    else:
-        N, H, W, C = x.shape
-    return N, C, H, W
-
-
 def pool_geometry(op, x, k, stride, layout):
     """Validate a max-pool call and compute its :class:`PoolGeometry`."""
     layout = _arrays.check_layout(op, layout)
-    N, C, H, W = _activation_dims(op, x, layout)
+    N, C, H, W = _arrays.activation_dims(op, x, layout)
     kh, kw = _arrays.pair(op, "k", k, 1)
     sh, sw = (kh, kw) if stride is None else _arrays.pair(op, "stride", stride, 1)
     if kh > H or kw > W:
@@ -218,7 +206,7 @@ class GlobalAvgPool2d(Function):
         op = self.name
         backend, self.dtype = _validated(op, x=x)
         layout = _arrays.check_layout(op, self.layout)
-        N, C, H, W = _activation_dims(op, x, layout)
+        N, C, H, W = _arrays.activation_dims(op, x, layout)
         if H < 1 or W < 1:
             raise ValueError(f"{op}: x has an empty spatial dimension, shape {tuple(x.shape)}")
         self.geometry = PoolGeometry(N, C, H, W, 1, 1, H, W, H, W, layout)
