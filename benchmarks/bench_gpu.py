@@ -41,20 +41,25 @@ SMOKE = dict(conv=((1, 2, 4, 4), (2, 2, 3, 3)), bn=[(1, 2, 3, 3)], copy_mib=0.01
 WARMUP = 3
 
 
-def time_device(fn, repeats):
-    """Median milliseconds of ``fn()`` by CUDA events, after a warm-up."""
+def _time_events(fn, repeats, new_event, synchronize):
+    """Median milliseconds of ``fn()`` between two device events, after a warm-up."""
     for _ in range(WARMUP):
         fn()
-    cuda.synchronize()
+    synchronize()
     times = []
     for _ in range(repeats):
-        start, stop = cuda.event(), cuda.event()
+        start, stop = new_event(), new_event()
         start.record()
         fn()
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)
+
+
+def time_device(fn, repeats):
+    """numbafuse's work, timed with numba.cuda events."""
+    return _time_events(fn, repeats, cuda.event, cuda.synchronize)
 
 
 def _torch_cuda():
@@ -70,18 +75,9 @@ def _torch_cuda():
 
 
 def time_torch(torch, fn, repeats):
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    """PyTorch's work, timed with its own events (on its current stream)."""
+    return _time_events(fn, repeats, lambda: torch.cuda.Event(enable_timing=True),
+                        torch.cuda.synchronize)
 
 
 def copy_ceiling(cfg):
