@@ -171,16 +171,6 @@ def activation_dims(op: str, x, layout: str) -> tuple:
     return (N, A, B, D) if layout == "NCHW" else (N, D, A, B)
 
 
-def spatial_reduce_axes(layout: str) -> tuple:
-    """Axes a per-channel reduction runs over: N, H, W."""
-    return (0, 2, 3) if layout == "NCHW" else (0, 1, 2)
-
-
-def channel_shape(layout: str) -> tuple:
-    """Shape that broadcasts a per-channel vector against a 4-d activation."""
-    return (1, -1, 1, 1) if layout == "NCHW" else (1, 1, 1, -1)
-
-
 def check_scalar(op: str, name: str, value, lo=None, hi=None, lo_open=False) -> float:
     try:
         v = float(value)
