@@ -32,7 +32,7 @@ def is_device_array(a) -> bool:
 
 
 def _cuda():
-    from numba import cuda  # imported lazily: the CPU path never needs numba-cuda
+    from . import cuda  # the CUDA backend, imported lazily: the CPU path never needs numba-cuda
 
     return cuda
 
@@ -41,7 +41,7 @@ def as_device_array(a):
     """A numba device array viewing ``a`` (zero-copy for ``__cuda_array_interface__`` objects)."""
     if getattr(a, "__cuda_ndarray__", False):
         return a
-    return _cuda().as_cuda_array(a)
+    return _cuda().as_device_array(a)
 
 
 def data(a):
@@ -96,7 +96,7 @@ def kernels(family: str, backend: str):
 def to_host(a) -> np.ndarray:
     if isinstance(a, np.ndarray):
         return a
-    return as_device_array(a).copy_to_host()
+    return _cuda().to_host(a)
 
 
 def to_device(a):
@@ -330,7 +330,7 @@ def copy(a):
     if isinstance(a, np.ndarray):
         return a.copy()
     out = _cuda().device_array(a.shape, a.dtype)
-    out.copy_to_device(a)
+    out.copy_to_device(as_device_array(a))
     return out
 
 

@@ -438,9 +438,9 @@ def plot(path, results):
 def _cuda_problem():
     """None if a CUDA device (or the simulator) is usable, else a one-line reason."""
     try:
-        from numba import cuda
-    except ImportError:
-        return "numba-cuda is needed for --device cuda: pip install 'numbafuse[cuda]'"
+        from . import cuda
+    except (ImportError, RuntimeError) as exc:   # no numba-cuda, or an incompatible NumPy
+        return str(exc)
     if not cuda.is_available():
         return "--device cuda: no CUDA device found (numba.cuda.is_available() is False)"
     return None

@@ -1,7 +1,8 @@
 """Test configuration: Hypothesis profiles and the CUDA marker.
 
-Profiles (choose with HYPOTHESIS_PROFILE=dev|ci|thorough; default "dev"):
-``dev`` is quick, ``ci`` is what .ci/run uses, ``thorough`` is for a long local run.
+Profiles (choose with HYPOTHESIS_PROFILE=dev|quick|ci|thorough; default "dev"):
+``dev`` is for editing, ``ci`` is what .ci/run uses on the newest Python and ``quick`` on the
+oldest (both derandomized), ``thorough`` is for a long local run.
 CUDA tests live in tests/cuda/ and run in their own process under NUMBA_ENABLE_CUDASIM=1
 (the simulator is chosen when numba is first imported, so never in the same process).
 """
@@ -15,6 +16,7 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                      HealthCheck.data_too_large],
                print_blob=True)
 settings.register_profile("dev", max_examples=10, **_common)
+settings.register_profile("quick", max_examples=15, derandomize=True, **_common)
 settings.register_profile("ci", max_examples=50, derandomize=True, **_common)
 settings.register_profile("thorough", max_examples=300, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

@@ -24,5 +24,5 @@ def cpu_scalar(f):
 
 
 def cuda_scalar(f):
-    from numba import cuda
-    return cuda.jit(device=True, inline=True)(f)
+    from ..cuda import numba_cuda
+    return numba_cuda.jit(device=True, inline=True)(f)

@@ -15,7 +15,9 @@ Notation: N batch, C channels, H/W input height/width, P/Q pooled height/width,
 kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 """
 import numpy as np
-from numba import cuda, float64, int32, int64, uint8
+from numba import float64, int32, int64, uint8
+
+from ...cuda import numba_cuda as cuda
 
 from .. import basic_math, scalar
 from . import config

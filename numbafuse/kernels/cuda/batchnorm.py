@@ -19,11 +19,11 @@ Relu state codes for the backward are those of the CPU module: ``STATE_NONE``, `
 Host-level entry points (same as ``kernels/cpu/batchnorm.py``): :func:`stats`,
 :func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`.
 """
-import numba
 import numpy as np
-from numba import boolean, cuda, float64, int64, uint8
+from numba import boolean, float64, int64, uint8
 
 from ... import _arrays
+from ...cuda import SIMULATOR, numba_cuda as cuda
 from .. import batchnorm_math as bm
 from .. import scalar
 from ..scalar import cuda_scalar
@@ -35,7 +35,7 @@ FULL_MASK = 0xFFFFFFFF
 BITS = 8                 # mask bits per byte
 STATE_NONE, STATE_Y, STATE_MASK = 0, 1, 2
 # Warp shuffles on a real GPU only; the simulator takes the shared-memory tree.
-USE_SHUFFLE = not numba.config.ENABLE_CUDASIM
+USE_SHUFFLE = not SIMULATOR
 
 _relu = cuda_scalar(scalar.relu)
 _finalize_mean = cuda_scalar(bm.finalize_mean)

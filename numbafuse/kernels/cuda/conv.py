@@ -19,7 +19,9 @@ shared tile. dw and db are deterministic: each (tile, split) writes its own floa
 and ``_sum_rows`` adds the partials in split order. No float atomics anywhere.
 """
 import numpy as np
-from numba import cuda, float64, types
+from numba import float64, types
+
+from ...cuda import numba_cuda as cuda
 
 from .. import conv_math
 from ..scalar import cuda_scalar, relu as _relu_math, relu_grad as _relu_grad_math

@@ -4,7 +4,9 @@ All work on flat (1-d, C-contiguous) views; the wrappers reshape. The sum is det
 fixed per-block partials (a shared-memory tree), then one block reduces the partials.
 """
 import numpy as np
-from numba import cuda, float64
+from numba import float64
+
+from ...cuda import numba_cuda as cuda
 
 from . import config
 from .reduce import block_sum
