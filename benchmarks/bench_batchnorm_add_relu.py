@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numbafuse as nf                                      # noqa: E402
 from numbafuse import reference as ref                      # noqa: E402
-from numbafuse.kernels.cpu import batchnorm as cpu_bn       # noqa: E402
+from numbafuse.kernels.batchnorm import cpu as cpu_bn       # noqa: E402
 
 SHAPES = [(32, 64, 32, 32), (64, 256, 56, 56)]   # (N, C, H, W)
 DTYPE = np.float32

@@ -115,7 +115,7 @@ def run(quick):
         x = rng.standard_normal(x_shape).astype(DTYPE)
         w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(DTYPE)
         b = rng.standard_normal(w_shape[0]).astype(DTYPE)
-        geom = _arrays.conv_geometry("bench", x_shape, w_shape, **kw)
+        geom = validate.conv_geometry("bench", x_shape, w_shape, **kw)
         gy = rng.standard_normal(geom.y_shape).astype(DTYPE)
         impls = implementations(x, w, b, gy, kw)
         fns = {}

@@ -24,7 +24,10 @@ from .ops.batchnorm import batchnorm, batchnorm_add_relu, batchnorm_add_relu_bac
 from .ops.conv import bias_add, conv2d, conv_bias_relu, conv_bias_relu_backward  # noqa: E402
 from .ops.conv_batchnorm import (conv_batchnorm_relu, conv_batchnorm_relu_backward,
                                  fold_batchnorm)
-from .remap import Graph, compile, remap, trace  # noqa: E402
+from .fusion.compile import compile  # noqa: E402
+from .fusion.ir import Graph  # noqa: E402
+from .fusion.remap import remap  # noqa: E402
+from .fusion.trace import trace  # noqa: E402
 from .testing.gradcheck import gradcheck  # noqa: E402
 
 __version__ = "0.1.0"

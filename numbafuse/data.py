@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _arrays
+from . import validate
 
 INSTALL_HINT = "scikit-learn is needed for the digits data: pip install 'numbafuse[data]'"
 PIXEL_MAX = 16.0         # load_digits pixels are integers 0..16
@@ -89,7 +89,7 @@ def load_digits(layout="NCHW", dtype=np.float32, test_fraction=TEST_FRACTION,
     seed : int
         Seed of the split (the same seed always gives the same split).
     """
-    layout = _arrays.check_layout("load_digits", layout)
+    layout = validate.check_layout("load_digits", layout)
     images, labels = _sklearn_digits()
     x = images.astype(np.float64) / PIXEL_MAX               # [0, 1], (N, 8, 8)
     train_idx, test_idx = stratified_split(labels, test_fraction, seed)

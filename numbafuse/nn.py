@@ -40,7 +40,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import _arrays
+from . import backend, validate
 from .autograd import Tensor
 from .ops.arith import add
 from .ops.basic import flatten, global_avg_pool2d, linear, max_pool2d, relu
@@ -186,7 +186,7 @@ class Module:
     def state_dict(self):
         """Host copies of every parameter and buffer, by dotted name."""
         state = OrderedDict((n, p.numpy().copy()) for n, p in self.named_parameters())
-        state.update((n, _arrays.to_host(b).copy()) for n, b in self.named_buffers())
+        state.update((n, backend.to_host(b).copy()) for n, b in self.named_buffers())
         return state
 
     def load_state_dict(self, state):
@@ -212,9 +212,9 @@ class Module:
     # -- device
     def to(self, device):
         """Move parameters and buffers to ``"cpu"`` or ``"cuda"`` (in place; returns self)."""
-        if device not in (_arrays.CPU, _arrays.CUDA):
+        if device not in (backend.CPU, backend.CUDA):
             raise ValueError(f"Module.to: device must be 'cpu' or 'cuda', got {device!r}")
-        move = _arrays.to_device if device == _arrays.CUDA else _arrays.to_host
+        move = backend.to_device if device == backend.CUDA else backend.to_host
         for p in self.parameters():
             p.data = move(p.data)
             p.grad = None
@@ -226,7 +226,7 @@ class Module:
     @property
     def device(self):
         p = next(iter(self.parameters()), None)
-        return _arrays.CPU if p is None else p.device
+        return backend.CPU if p is None else p.device
 
     # -- printing
     def extra_repr(self):
@@ -244,7 +244,7 @@ def _like(old, new_host, name):
     if tuple(np.shape(old)) != new_host.shape:
         raise ValueError(f"load_state_dict: {name} has shape {new_host.shape}, "
                          f"expected {tuple(np.shape(old))}")
-    return _arrays.to_device(new_host) if _arrays.is_device_array(old) else new_host.copy()
+    return backend.to_device(new_host) if backend.is_device_array(old) else new_host.copy()
 
 
 class Sequential(Module):
@@ -304,7 +304,7 @@ class Conv2d(Module):
         self.in_channels, self.out_channels, self.kernel_size = (in_channels, out_channels,
                                                                  kernel_size)
         self.stride, self.padding, self.dilation = stride, padding, dilation
-        self.layout = _arrays.check_layout(type(self).__name__, layout)
+        self.layout = validate.check_layout(type(self).__name__, layout)
         w, fan_in = _conv_weight(in_channels, out_channels, kernel_size, dtype, rng)
         self.weight = _param(w)
         self.bias = _param(init.bias_uniform(out_channels, fan_in, dtype, rng)) if bias else None
@@ -325,7 +325,7 @@ class BatchNorm2d(Module):
                  dtype=DEFAULT_DTYPE):
         super().__init__()
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
-        self.layout = _arrays.check_layout("BatchNorm2d", layout)
+        self.layout = validate.check_layout("BatchNorm2d", layout)
         _batchnorm_state(self, num_features, dtype)
 
     def forward(self, x):
@@ -366,7 +366,7 @@ class MaxPool2d(Module):
     def __init__(self, kernel_size, stride=None, layout="NCHW"):
         super().__init__()
         self.kernel_size, self.stride = kernel_size, stride
-        self.layout = _arrays.check_layout("MaxPool2d", layout)
+        self.layout = validate.check_layout("MaxPool2d", layout)
 
     def forward(self, x):
         if self.layout == "NCHW":
@@ -389,7 +389,7 @@ class GlobalAvgPool2d(Module):
 
     def __init__(self, layout="NCHW"):
         super().__init__()
-        self.layout = _arrays.check_layout("GlobalAvgPool2d", layout)
+        self.layout = validate.check_layout("GlobalAvgPool2d", layout)
 
     def forward(self, x):
         if self.layout == "NCHW":
@@ -414,7 +414,7 @@ class BatchNormAddReLU(Module):
                  dtype=DEFAULT_DTYPE):
         super().__init__()
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
-        self.layout = _arrays.check_layout("BatchNormAddReLU", layout)
+        self.layout = validate.check_layout("BatchNormAddReLU", layout)
         _batchnorm_state(self, num_features, dtype)
 
     def forward(self, x, z):
@@ -445,7 +445,7 @@ class ConvBatchNormReLU(Module):
         self.stride, self.padding, self.dilation = stride, padding, dilation
         self.relu, self.eps, self.momentum = bool(relu), eps, momentum
         self.recompute = bool(recompute)
-        self.layout = _arrays.check_layout("ConvBatchNormReLU", layout)
+        self.layout = validate.check_layout("ConvBatchNormReLU", layout)
         self.weight = _param(_conv_weight(in_channels, out_channels, kernel_size, dtype, rng)[0])
         _batchnorm_state(self, out_channels, dtype)
 

@@ -8,14 +8,14 @@ For each parameter ``p`` with gradient ``g`` (``lr``, momentum ``m``, weight dec
 
 exactly as ``torch.optim.SGD`` (dampening 0, no Nesterov). Host parameters are updated in
 place with NumPy; device parameters with the device ``a*x + b*y`` kernel
-(``numbafuse.kernels.cuda.elementwise.axpby``), which returns a new device array that replaces
+(``numbafuse.kernels.elementwise.cuda.axpby``), which returns a new device array that replaces
 ``p.data`` (the ``Tensor`` object stays the same, so modules keep seeing it).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays
+from . import backend, kernels, validate
 from .autograd import Tensor
 
 
@@ -50,9 +50,9 @@ class SGD:
         for i, p in enumerate(self.params):
             if not isinstance(p, Tensor):
                 raise TypeError(f"SGD: params[{i}] must be a Tensor, got {type(p).__name__}")
-        self.lr = _arrays.check_scalar("SGD", "lr", lr, lo=0.0, lo_open=True)
-        self.momentum = _arrays.check_scalar("SGD", "momentum", momentum, lo=0.0)
-        self.weight_decay = _arrays.check_scalar("SGD", "weight_decay", weight_decay, lo=0.0)
+        self.lr = validate.check_scalar("SGD", "lr", lr, lo=0.0, lo_open=True)
+        self.momentum = validate.check_scalar("SGD", "momentum", momentum, lo=0.0)
+        self.weight_decay = validate.check_scalar("SGD", "weight_decay", weight_decay, lo=0.0)
         self.momentum_buffers = [None] * len(self.params)   # b per parameter, made on first use
 
     def zero_grad(self):
@@ -86,14 +86,14 @@ class SGD:
         p.data -= dtype(self.lr) * g                            # in place
 
     def _step_device(self, i, p):
-        from .kernels.cuda import elementwise as ew
-        w, g = _arrays.contiguous(p.data), _arrays.contiguous(p.grad)
+        ew = kernels.module("elementwise", backend.CUDA)
+        w, g = kernels.contiguous(p.data), kernels.contiguous(p.grad)
         if self.weight_decay:
             g = ew.axpby(1.0, g, self.weight_decay, w)          # g + wd * p
         if self.momentum:
             b = self.momentum_buffers[i]
             # the first buffer is a copy of g (g may be p.grad itself), as on the host
-            b = _arrays.copy(g) if b is None else ew.axpby(self.momentum, b, 1.0, g)  # m*b + g
+            b = backend.copy(g) if b is None else ew.axpby(self.momentum, b, 1.0, g)  # m*b + g
             self.momentum_buffers[i] = b
             g = b
         p.data = ew.axpby(1.0, w, -self.lr, g)                  # p - lr * g

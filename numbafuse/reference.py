@@ -17,38 +17,38 @@ N batch, C input channels, H, W input height and width, K output channels (filte
 R, S filter height and width, P, Q output height and width, M = N*H*W (the number of values
 per channel that batch norm reduces over). Internally everything is NCHW; ``layout="NHWC"``
 transposes in and out. Conv weights are always (K, C, R, S). Gradients are named after what they
-are the gradient of: ``gy`` (upstream), ``gx``, ``gw``, ``gb``, ``ggamma``, ``gbeta``, ``gz``.
+are the gradient of: ``dy`` (upstream), ``dx``, ``dw``, ``db``, ``dgamma``, ``dbeta``, ``dz``.
 
 The math, in short
 ------------------
-conv2d (cross-correlation, like PyTorch and TensorFlow), with stride (sh, sw), dilation (dh, dw)
+conv2d (cross-correlation, like PyTorch and TensorFlow), with stride (sh, sw), dilation (dil_h, dil_w)
 and x_pad the zero-padded input::
 
-    y[n,k,p,q] = sum_{c,r,s} x_pad[n, c, p*sh + r*dh, q*sw + s*dw] * w[k,c,r,s]
-    P = (H + pad_top + pad_bottom - dh*(R-1) - 1) // sh + 1        (Q likewise)
-    gw[k,c,r,s] = sum_{n,p,q} gy[n,k,p,q] * x_pad[n, c, p*sh + r*dh, q*sw + s*dw]
-    gx_pad[n, c, p*sh + r*dh, q*sw + s*dw] += sum_k gy[n,k,p,q] * w[k,c,r,s];  gx = crop(gx_pad)
+    y[n,k,p,q] = sum_{c,r,s} x_pad[n, c, p*sh + r*dil_h, q*sw + s*dil_w] * w[k,c,r,s]
+    P = (H + pad_top + pad_bottom - dil_h*(R-1) - 1) // sh + 1        (Q likewise)
+    dw[k,c,r,s] = sum_{n,p,q} dy[n,k,p,q] * x_pad[n, c, p*sh + r*dil_h, q*sw + s*dil_w]
+    dx_pad[n, c, p*sh + r*dil_h, q*sw + s*dil_w] += sum_k dy[n,k,p,q] * w[k,c,r,s];  dx = crop(dx_pad)
 
 Padding: an int is symmetric; "valid" is none; "same" follows TensorFlow: per spatial dim
 out = ceil(size/stride), total = max((out-1)*stride + dilation*(k-1) + 1 - size, 0),
 begin = total//2, end = total - begin (the odd one goes to the bottom/right).
 
-bias_add: y = x + b[c];  gx = gy, gb[c] = sum_{n,h,w} gy.
-relu: y = max(x, 0);  gx = gy * (x > 0)  (gradient 0 at x == 0).
-add: y = x + z;  gx = gz = gy.
+bias_add: y = x + b[c];  dx = dy, db[c] = sum_{n,h,w} dy.
+relu: y = max(x, 0);  dx = dy * (x > 0)  (gradient 0 at x == 0).
+add: y = x + z;  dx = dz = dy.
 batchnorm, training: mean, var (biased) per channel over N, H, W; invstd = 1/sqrt(var + eps);
-xhat = (x - mean)*invstd; y = gamma*xhat + beta.  Backward, with g = gy:
-gbeta = sum g, ggamma = sum g*xhat, gx = gamma*invstd/M * (M*g - gbeta - xhat*ggamma).
+xhat = (x - mean)*invstd; y = gamma*xhat + beta.  Backward, with g = dy:
+dbeta = sum g, dgamma = sum g*xhat, dx = gamma*invstd/M * (M*g - dbeta - xhat*dgamma).
 Running stats (PyTorch): r_mean <- (1-m) r_mean + m mean, r_var <- (1-m) r_var + m var*M/(M-1).
 batchnorm, inference: as above with running_mean, running_var in place of the batch statistics,
-which are then constants: gx = gamma*invstd*g, ggamma = sum g*xhat, gbeta = sum g.
-linear: y = x @ w.T + b with w (out_features, in_features);  gx = gy @ w, gw = gy.T @ x,
-gb = sum_n gy.
+which are then constants: dx = gamma*invstd*g, dgamma = sum g*xhat, dbeta = sum g.
+linear: y = x @ w.T + b with w (out_features, in_features);  dx = dy @ w, dw = dy.T @ x,
+db = sum_n dy.
 max_pool2d: y = max over each k x k window (stride defaults to k, no padding, floor);
 the gradient goes to the FIRST maximum of its window in row-major order, like PyTorch.
-global_avg_pool2d: y[n,c] = mean_{h,w} x;  gx = gy[n,c] / (H*W) everywhere.
+global_avg_pool2d: y[n,c] = mean_{h,w} x;  dx = dy[n,c] / (H*W) everywhere.
 cross_entropy: L = mean_n (logsumexp(logits[n]) - logits[n, label[n]]);
-glogits = gy * (softmax(logits) - onehot(labels)) / N.
+dlogits = dy * (softmax(logits) - onehot(labels)) / N.
 fold_batchnorm: scale = gamma/sqrt(running_var + eps); w' = w*scale[k], b' = (b - running_mean)*
 scale + beta, so that conv2d(x, w') + b' == batchnorm_infer(conv2d(x, w) + b).
 
@@ -152,7 +152,7 @@ def conv_output_size(size, k, stride=1, padding=0, dilation=1):
 
 
 def _conv_geometry(op, x_nchw, w, stride, padding, dilation):
-    """((sh, sw), (dh, dw), ((top, bottom), (left, right)), (P, Q)) of a convolution."""
+    """((sh, sw), (dil_h, dil_w), ((top, bottom), (left, right)), (P, Q)) of a convolution."""
     _check_4d(op, "x", x_nchw)
     _check_4d(op, "w", w)
     C, (K, Cw, R, S) = x_nchw.shape[1], w.shape
@@ -160,17 +160,17 @@ def _conv_geometry(op, x_nchw, w, stride, padding, dilation):
         raise ValueError(f"{op}: w has {Cw} input channels, x has {C}")
     H, W = x_nchw.shape[2:]
     sh, sw = _pair(op, "stride", stride)
-    dh, dw = _pair(op, "dilation", dilation)
+    dil_h, dil_w = _pair(op, "dilation", dilation)
     ph, pw = _pair(op, "padding", padding)
-    if min(sh, sw, dh, dw) < 1:
+    if min(sh, sw, dil_h, dil_w) < 1:
         raise ValueError(f"{op}: stride and dilation must be >= 1, got {stride!r}, {dilation!r}")
-    pad_h = resolve_padding(H, R, sh, dh, ph)
-    pad_w = resolve_padding(W, S, sw, dw, pw)
-    P = (H + sum(pad_h) - dh * (R - 1) - 1) // sh + 1
-    Q = (W + sum(pad_w) - dw * (S - 1) - 1) // sw + 1
+    pad_h = resolve_padding(H, R, sh, dil_h, ph)
+    pad_w = resolve_padding(W, S, sw, dil_w, pw)
+    P = (H + sum(pad_h) - dil_h * (R - 1) - 1) // sh + 1
+    Q = (W + sum(pad_w) - dil_w * (S - 1) - 1) // sw + 1
     if P < 1 or Q < 1:
         raise ValueError(f"{op}: output size would be {P}x{Q} (< 1)")
-    return (sh, sw), (dh, dw), (pad_h, pad_w), (P, Q)
+    return (sh, sw), (dil_h, dil_w), (pad_h, pad_w), (P, Q)
 
 
 # --------------------------------------------------------------------------- conv2d
@@ -180,12 +180,12 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, layout="NCHW"):
     _check_layout("conv2d", layout)
     dtype = _result_dtype(x, w)
     x, w = _to_nchw(_f64(x), layout), _f64(w)                      # x: (N, C, H, W)
-    (sh, sw), (dh, dw), pads, (P, Q) = _conv_geometry("conv2d", x, w, stride, padding, dilation)
+    (sh, sw), (dil_h, dil_w), pads, (P, Q) = _conv_geometry("conv2d", x, w, stride, padding, dilation)
     x_pad = np.pad(x, ((0, 0), (0, 0)) + pads)                     # (N, C, H+pt+pb, W+pl+pr)
     N, (K, C, R, S) = x.shape[0], w.shape
     y = np.zeros((N, P, Q, K))                                     # (N, P, Q, K)
-    for r, rows in enumerate(_taps(R, dh, sh, P)):
-        for s, cols in enumerate(_taps(S, dw, sw, Q)):
+    for r, rows in enumerate(_taps(R, dil_h, sh, P)):
+        for s, cols in enumerate(_taps(S, dil_w, sw, Q)):
             x_tap = x_pad[:, :, rows, cols]                        # (N, C, P, Q)
             # einsum("ncpq,kc->npqk", x_tap, w[:, :, r, s])
             y += np.tensordot(x_tap, w[:, :, r, s], axes=([1], [1]))   # (N, P, Q, K)
@@ -193,31 +193,31 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, layout="NCHW"):
     return _cast(_from_nchw(y, layout), dtype)
 
 
-def conv2d_backward(gy, x, w, stride=1, padding=0, dilation=1, layout="NCHW"):
-    """(gx, gw) of conv2d: each tap scatters gy*w back into gx, and correlates x with gy into gw."""
+def conv2d_backward(dy, x, w, stride=1, padding=0, dilation=1, layout="NCHW"):
+    """(dx, dw) of conv2d: each tap scatters dy*w back into dx, and correlates x with dy into dw."""
     _check_layout("conv2d_backward", layout)
-    dtype = _result_dtype(gy, x, w)
-    gy, x, w = _to_nchw(_f64(gy), layout), _to_nchw(_f64(x), layout), _f64(w)
-    (sh, sw), (dh, dw), pads, (P, Q) = _conv_geometry(
+    dtype = _result_dtype(dy, x, w)
+    dy, x, w = _to_nchw(_f64(dy), layout), _to_nchw(_f64(x), layout), _f64(w)
+    (sh, sw), (dil_h, dil_w), pads, (P, Q) = _conv_geometry(
         "conv2d_backward", x, w, stride, padding, dilation)
     N, C, H, W = x.shape
     K, _, R, S = w.shape
-    if gy.shape != (N, K, P, Q):
-        raise ValueError(f"conv2d_backward: gy has shape {gy.shape}, expected {(N, K, P, Q)}")
+    if dy.shape != (N, K, P, Q):
+        raise ValueError(f"conv2d_backward: dy has shape {dy.shape}, expected {(N, K, P, Q)}")
     (pt, _), (pl, _) = pads
     x_pad = np.pad(x, ((0, 0), (0, 0)) + pads)                     # (N, C, Hp, Wp)
-    gx_pad = np.zeros_like(x_pad)                                  # (N, C, Hp, Wp)
-    gw = np.zeros_like(w)                                          # (K, C, R, S)
-    for r, rows in enumerate(_taps(R, dh, sh, P)):
-        for s, cols in enumerate(_taps(S, dw, sw, Q)):
-            # einsum("nkpq,ncpq->kc", gy, x_tap)
-            gw[:, :, r, s] = np.tensordot(gy, x_pad[:, :, rows, cols],
+    dx_pad = np.zeros_like(x_pad)                                  # (N, C, Hp, Wp)
+    dw = np.zeros_like(w)                                          # (K, C, R, S)
+    for r, rows in enumerate(_taps(R, dil_h, sh, P)):
+        for s, cols in enumerate(_taps(S, dil_w, sw, Q)):
+            # einsum("nkpq,ncpq->kc", dy, x_tap)
+            dw[:, :, r, s] = np.tensordot(dy, x_pad[:, :, rows, cols],
                                           axes=([0, 2, 3], [0, 2, 3]))     # (K, C)
-            # einsum("nkpq,kc->ncpq", gy, w[:, :, r, s])
-            g_tap = np.tensordot(gy, w[:, :, r, s], axes=([1], [0]))       # (N, P, Q, C)
-            gx_pad[:, :, rows, cols] += g_tap.transpose(0, 3, 1, 2)        # (N, C, P, Q)
-    gx = gx_pad[:, :, pt:pt + H, pl:pl + W]                        # crop the padding away
-    return _cast(_from_nchw(gx, layout), dtype), _cast(gw, dtype)
+            # einsum("nkpq,kc->ncpq", dy, w[:, :, r, s])
+            g_tap = np.tensordot(dy, w[:, :, r, s], axes=([1], [0]))       # (N, P, Q, C)
+            dx_pad[:, :, rows, cols] += g_tap.transpose(0, 3, 1, 2)        # (N, C, P, Q)
+    dx = dx_pad[:, :, pt:pt + H, pl:pl + W]                        # crop the padding away
+    return _cast(_from_nchw(dx, layout), dtype), _cast(dw, dtype)
 
 
 # --------------------------------------------------------------------------- elementwise
@@ -230,12 +230,12 @@ def bias_add(x, b, layout="NCHW"):
     return _cast(_from_nchw(y, layout), dtype)
 
 
-def bias_add_backward(gy, layout="NCHW"):
-    """(gx, gb): gx = gy, gb[c] = sum of gy over N, H, W."""
+def bias_add_backward(dy, layout="NCHW"):
+    """(dx, db): dx = dy, db[c] = sum of dy over N, H, W."""
     _check_layout("bias_add_backward", layout)
-    dtype = _result_dtype(gy)
-    gb = _to_nchw(_f64(gy), layout).sum(axis=(0, 2, 3))           # (C,)
-    return np.array(gy, dtype=dtype), _cast(gb, dtype)
+    dtype = _result_dtype(dy)
+    db = _to_nchw(_f64(dy), layout).sum(axis=(0, 2, 3))           # (C,)
+    return np.array(dy, dtype=dtype), _cast(db, dtype)
 
 
 def relu(x):
@@ -247,10 +247,10 @@ def relu(x):
 _relu = relu    # conv_batchnorm_relu's ``relu`` flag shadows the function inside it
 
 
-def relu_backward(gy, x):
-    """gx = gy * (x > 0): the gradient at x == 0 is 0."""
-    dtype = _result_dtype(gy, x)
-    return _cast(_f64(gy) * (_f64(x) > 0), dtype)
+def relu_backward(dy, x):
+    """dx = dy * (x > 0): the gradient at x == 0 is 0."""
+    dtype = _result_dtype(dy, x)
+    return _cast(_f64(dy) * (_f64(x) > 0), dtype)
 
 
 def add(x, z):
@@ -259,10 +259,10 @@ def add(x, z):
     return _cast(_f64(x) + _f64(z), dtype)
 
 
-def add_backward(gy):
-    """(gx, gz) = (gy, gy), as two new arrays."""
-    dtype = _result_dtype(gy)
-    return np.array(gy, dtype=dtype), np.array(gy, dtype=dtype)
+def add_backward(dy):
+    """(dx, dz) = (dy, dy), as two new arrays."""
+    dtype = _result_dtype(dy)
+    return np.array(dy, dtype=dtype), np.array(dy, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- batch norm
@@ -292,24 +292,24 @@ def batchnorm_train(x, gamma, beta, eps=1e-5, layout="NCHW"):
     return _cast(_from_nchw(y, layout), dtype), _cast(mean, dtype), _cast(var, dtype)
 
 
-def batchnorm_backward(gy, x, gamma, eps=1e-5, layout="NCHW"):
-    """(gx, ggamma, gbeta) of training batch norm; the batch statistics are recomputed from x."""
+def batchnorm_backward(dy, x, gamma, eps=1e-5, layout="NCHW"):
+    """(dx, dgamma, dbeta) of training batch norm; the batch statistics are recomputed from x."""
     op = "batchnorm_backward"
     _check_layout(op, layout)
     _check_4d(op, "x", x)
-    dtype = _result_dtype(gy, x, gamma)
-    g, x = _to_nchw(_f64(gy), layout), _to_nchw(_f64(x), layout)  # (N, C, H, W)
+    dtype = _result_dtype(dy, x, gamma)
+    g, x = _to_nchw(_f64(dy), layout), _to_nchw(_f64(x), layout)  # (N, C, H, W)
     _check_vectors(op, x.shape[1], gamma=gamma)
     N, C, H, W = x.shape
     M = N * H * W
     mean, var = _batch_stats(x)
     invstd = 1.0 / np.sqrt(var + eps)                              # (C,)
     xhat = (x - _channel(mean)) * _channel(invstd)
-    gbeta = g.sum(axis=(0, 2, 3))                                  # (C,)
-    ggamma = (g * xhat).sum(axis=(0, 2, 3))                        # (C,)
-    gx = _channel(_f64(gamma) * invstd / M) * (
-        M * g - _channel(gbeta) - xhat * _channel(ggamma))
-    return _cast(_from_nchw(gx, layout), dtype), _cast(ggamma, dtype), _cast(gbeta, dtype)
+    dbeta = g.sum(axis=(0, 2, 3))                                  # (C,)
+    dgamma = (g * xhat).sum(axis=(0, 2, 3))                        # (C,)
+    dx = _channel(_f64(gamma) * invstd / M) * (
+        M * g - _channel(dbeta) - xhat * _channel(dgamma))
+    return _cast(_from_nchw(dx, layout), dtype), _cast(dgamma, dtype), _cast(dbeta, dtype)
 
 
 def batchnorm_infer(x, gamma, beta, running_mean, running_var, eps=1e-5, layout="NCHW"):
@@ -327,29 +327,29 @@ def batchnorm_infer(x, gamma, beta, running_mean, running_var, eps=1e-5, layout=
     return _cast(_from_nchw(y, layout), dtype)
 
 
-def batchnorm_infer_backward(gy, x, gamma, running_var, eps=1e-5, layout="NCHW", *,
+def batchnorm_infer_backward(dy, x, gamma, running_var, eps=1e-5, layout="NCHW", *,
                              running_mean=None):
-    """(gx, ggamma, gbeta) of inference batch norm; the running statistics are constants.
+    """(dx, dgamma, dbeta) of inference batch norm; the running statistics are constants.
 
-    gx = gamma*invstd*gy needs only ``running_var``; ggamma = sum gy*xhat needs xhat =
+    dx = gamma*invstd*dy needs only ``running_var``; dgamma = sum dy*xhat needs xhat =
     (x - running_mean)*invstd, so ``running_mean`` (keyword) is required.
     """
     op = "batchnorm_infer_backward"
     _check_layout(op, layout)
     _check_4d(op, "x", x)
     if running_mean is None:
-        raise ValueError(f"{op}: running_mean is required (ggamma = sum gy * xhat, "
+        raise ValueError(f"{op}: running_mean is required (dgamma = sum dy * xhat, "
                          f"xhat = (x - running_mean) * invstd); pass running_mean=...")
-    dtype = _result_dtype(gy, x, gamma, running_var, running_mean)
-    g, x = _to_nchw(_f64(gy), layout), _to_nchw(_f64(x), layout)  # (N, C, H, W)
+    dtype = _result_dtype(dy, x, gamma, running_var, running_mean)
+    g, x = _to_nchw(_f64(dy), layout), _to_nchw(_f64(x), layout)  # (N, C, H, W)
     _check_vectors(op, x.shape[1], gamma=gamma, running_var=running_var,
                    running_mean=running_mean)
     invstd = 1.0 / np.sqrt(_f64(running_var) + eps)                # (C,)
     xhat = (x - _channel(_f64(running_mean))) * _channel(invstd)
-    gbeta = g.sum(axis=(0, 2, 3))                                  # (C,)
-    ggamma = (g * xhat).sum(axis=(0, 2, 3))                        # (C,)
-    gx = g * _channel(_f64(gamma) * invstd)
-    return _cast(_from_nchw(gx, layout), dtype), _cast(ggamma, dtype), _cast(gbeta, dtype)
+    dbeta = g.sum(axis=(0, 2, 3))                                  # (C,)
+    dgamma = (g * xhat).sum(axis=(0, 2, 3))                        # (C,)
+    dx = g * _channel(_f64(gamma) * invstd)
+    return _cast(_from_nchw(dx, layout), dtype), _cast(dgamma, dtype), _cast(dbeta, dtype)
 
 
 def update_running_stats(running_mean, running_var, mean, var, count, momentum):
@@ -378,11 +378,11 @@ def linear(x, w, b=None):
     return _cast(y, dtype)
 
 
-def linear_backward(gy, x, w):
-    """(gx, gw, gb): gx = gy @ w, gw = gy.T @ x, gb = sum_n gy."""
-    dtype = _result_dtype(gy, x, w)
-    gy, x, w = _f64(gy), _f64(x), _f64(w)
-    return _cast(gy @ w, dtype), _cast(gy.T @ x, dtype), _cast(gy.sum(axis=0), dtype)
+def linear_backward(dy, x, w):
+    """(dx, dw, db): dx = dy @ w, dw = dy.T @ x, db = sum_n dy."""
+    dtype = _result_dtype(dy, x, w)
+    dy, x, w = _f64(dy), _f64(x), _f64(w)
+    return _cast(dy @ w, dtype), _cast(dy.T @ x, dtype), _cast(dy.sum(axis=0), dtype)
 
 
 def _pool_windows(x_nchw, k, stride):
@@ -408,18 +408,18 @@ def max_pool2d(x, k, stride=None, layout="NCHW"):
     return _cast(_from_nchw(windows.max(axis=0), layout), dtype)
 
 
-def max_pool2d_backward(gy, x, k, stride=None, layout="NCHW"):
-    """gx: each gy goes to the FIRST maximum (row-major) of its window; overlaps accumulate."""
+def max_pool2d_backward(dy, x, k, stride=None, layout="NCHW"):
+    """dx: each dy goes to the FIRST maximum (row-major) of its window; overlaps accumulate."""
     _check_layout("max_pool2d_backward", layout)
     _check_4d("max_pool2d_backward", "x", x)
-    dtype = _result_dtype(gy, x)
-    x, gy = _to_nchw(_f64(x), layout), _to_nchw(_f64(gy), layout)
+    dtype = _result_dtype(dy, x)
+    x, dy = _to_nchw(_f64(x), layout), _to_nchw(_f64(dy), layout)
     windows, slices = _pool_windows(x, k, stride)                  # (kh*kw, N, C, P, Q)
     first_max = windows.argmax(axis=0)                             # (N, C, P, Q); argmax: first
-    gx = np.zeros_like(x)                                          # (N, C, H, W)
+    dx = np.zeros_like(x)                                          # (N, C, H, W)
     for t, (rows, cols) in enumerate(slices):
-        gx[:, :, rows, cols] += gy * (first_max == t)
-    return _cast(_from_nchw(gx, layout), dtype)
+        dx[:, :, rows, cols] += dy * (first_max == t)
+    return _cast(_from_nchw(dx, layout), dtype)
 
 
 def global_avg_pool2d(x, layout="NCHW"):
@@ -430,16 +430,16 @@ def global_avg_pool2d(x, layout="NCHW"):
     return _cast(_to_nchw(_f64(x), layout).mean(axis=(2, 3)), dtype)
 
 
-def global_avg_pool2d_backward(gy, x_shape, layout="NCHW"):
-    """gx of shape x_shape (in layout): gy[n, c] / (H*W) at every pixel."""
+def global_avg_pool2d_backward(dy, x_shape, layout="NCHW"):
+    """dx of shape x_shape (in layout): dy[n, c] / (H*W) at every pixel."""
     _check_layout("global_avg_pool2d_backward", layout)
-    dtype = _result_dtype(gy)
+    dtype = _result_dtype(dy)
     if layout == "NCHW":
         N, C, H, W = x_shape
     else:
         N, H, W, C = x_shape
-    gx = np.broadcast_to(_f64(gy).reshape(N, C, 1, 1) / (H * W), (N, C, H, W))
-    return _cast(_from_nchw(gx, layout), dtype).copy()
+    dx = np.broadcast_to(_f64(dy).reshape(N, C, 1, 1) / (H * W), (N, C, H, W))
+    return _cast(_from_nchw(dx, layout), dtype).copy()
 
 
 def _log_softmax(logits):
@@ -467,15 +467,15 @@ def cross_entropy(logits, labels):
     return np.asarray(nll.mean(), dtype=dtype)
 
 
-def cross_entropy_backward(gy, logits, labels):
-    """glogits = gy * (softmax(logits) - onehot(labels)) / N; gy is the scalar upstream grad."""
+def cross_entropy_backward(dy, logits, labels):
+    """dlogits = dy * (softmax(logits) - onehot(labels)) / N; dy is the scalar upstream grad."""
     dtype = _result_dtype(logits)
     logits = _f64(logits)                                          # (N, classes)
     labels = _check_labels("cross_entropy_backward", logits, labels)
     N = logits.shape[0]
-    glogits = np.exp(_log_softmax(logits))                         # softmax, (N, classes)
-    glogits[np.arange(N), labels] -= 1.0
-    return _cast(float(np.asarray(gy, dtype=np.float64)) * glogits / N, dtype)
+    dlogits = np.exp(_log_softmax(logits))                         # softmax, (N, classes)
+    dlogits[np.arange(N), labels] -= 1.0
+    return _cast(float(np.asarray(dy, dtype=np.float64)) * dlogits / N, dtype)
 
 
 # --------------------------------------------------------------------------- composites
@@ -492,20 +492,20 @@ def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, layout="NCHW")
     return _cast(relu(h), dtype)
 
 
-def conv_bias_relu_backward(gy, x, w, b=None, stride=1, padding=0, dilation=1, layout="NCHW"):
-    """(gx, gw, gb) of conv_bias_relu, gb None when b is None; recomputes the pre-activation."""
-    dtype = _result_dtype(gy, x, w, b)
-    gy, x, w, b = _f64(gy), _f64(x), _f64(w), _f64(b)
+def conv_bias_relu_backward(dy, x, w, b=None, stride=1, padding=0, dilation=1, layout="NCHW"):
+    """(dx, dw, db) of conv_bias_relu, db None when b is None; recomputes the pre-activation."""
+    dtype = _result_dtype(dy, x, w, b)
+    dy, x, w, b = _f64(dy), _f64(x), _f64(w), _f64(b)
     geometry = dict(stride=stride, padding=padding, dilation=dilation, layout=layout)
     h = conv2d(x, w, **geometry)                                   # pre-bias
     if b is not None:
         h = bias_add(h, b, layout=layout)                          # pre-activation
-    g = relu_backward(gy, h)
-    gb = None
+    g = relu_backward(dy, h)
+    db = None
     if b is not None:
-        g, gb = bias_add_backward(g, layout=layout)
-    gx, gw = conv2d_backward(g, x, w, **geometry)
-    return _cast(gx, dtype), _cast(gw, dtype), _cast(gb, dtype)
+        g, db = bias_add_backward(g, layout=layout)
+    dx, dw = conv2d_backward(g, x, w, **geometry)
+    return _cast(dx, dtype), _cast(dw, dtype), _cast(db, dtype)
 
 
 def _running_pair(op, running_mean, running_var, training):
@@ -532,7 +532,7 @@ def _batchnorm_forward(op, x, gamma, beta, running_mean, running_var, training, 
 
 
 def _batchnorm_backward(g, x, gamma, running_mean, running_var, training, eps, layout):
-    """(gx, ggamma, gbeta) of batch norm, training or inference."""
+    """(dx, dgamma, dbeta) of batch norm, training or inference."""
     if training:
         return batchnorm_backward(g, x, gamma, eps=eps, layout=layout)
     return batchnorm_infer_backward(g, x, gamma, running_var, eps=eps, layout=layout,
@@ -556,20 +556,21 @@ def batchnorm_add_relu(x, z, gamma, beta, running_mean=None, running_var=None, t
     return _cast(y, dtype), _cast(new_mean, stats_dtype), _cast(new_var, stats_dtype)
 
 
-def batchnorm_add_relu_backward(gy, x, z, gamma, beta, running_mean=None, running_var=None,
+def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, running_var=None,
                                 training=True, eps=1e-5, layout="NCHW"):
-    """(gx, ggamma, gbeta, gz) of batchnorm_add_relu; recomputes the pre-activation."""
+    """(dx, dz, dgamma, dbeta) of batchnorm_add_relu (the forward's argument order);
+    recomputes the pre-activation."""
     op = "batchnorm_add_relu_backward"
-    dtype = _result_dtype(gy, x, z, gamma, beta)
-    gy, x, z, gamma, beta = _f64(gy), _f64(x), _f64(z), _f64(gamma), _f64(beta)
+    dtype = _result_dtype(dy, x, z, gamma, beta)
+    dy, x, z, gamma, beta = _f64(dy), _f64(x), _f64(z), _f64(gamma), _f64(beta)
     running_mean, running_var = _f64(running_mean), _f64(running_var)
     h, _, _ = _batchnorm_forward(op, x, gamma, beta, running_mean, running_var, training,
                                  0.0, eps, layout)
-    g = relu_backward(gy, add(h, z))                               # mask of the pre-activation
-    gh, gz = add_backward(g)
-    gx, ggamma, gbeta = _batchnorm_backward(gh, x, gamma, running_mean, running_var, training,
+    g = relu_backward(dy, add(h, z))                               # mask of the pre-activation
+    dh, dz = add_backward(g)
+    dx, dgamma, dbeta = _batchnorm_backward(dh, x, gamma, running_mean, running_var, training,
                                             eps, layout)
-    return _cast(gx, dtype), _cast(ggamma, dtype), _cast(gbeta, dtype), _cast(gz, dtype)
+    return _cast(dx, dtype), _cast(dz, dtype), _cast(dgamma, dtype), _cast(dbeta, dtype)
 
 
 def conv_batchnorm_relu(x, w, gamma, beta, running_mean=None, running_var=None, training=True,
@@ -592,25 +593,25 @@ def conv_batchnorm_relu(x, w, gamma, beta, running_mean=None, running_var=None, 
     return _cast(y, dtype), _cast(new_mean, stats_dtype), _cast(new_var, stats_dtype)
 
 
-def conv_batchnorm_relu_backward(gy, x, w, gamma, beta, running_mean=None, running_var=None,
+def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, running_mean=None, running_var=None,
                                  training=True, eps=1e-5, stride=1, padding=0, dilation=1,
                                  relu=True, layout="NCHW"):
-    """(gx, gw, ggamma, gbeta) of conv_batchnorm_relu; recomputes the conv (and batch norm)."""
+    """(dx, dw, dgamma, dbeta) of conv_batchnorm_relu; recomputes the conv (and batch norm)."""
     op = "conv_batchnorm_relu_backward"
-    dtype = _result_dtype(gy, x, w, gamma, beta)
-    gy, x, w, gamma, beta = _f64(gy), _f64(x), _f64(w), _f64(gamma), _f64(beta)
+    dtype = _result_dtype(dy, x, w, gamma, beta)
+    dy, x, w, gamma, beta = _f64(dy), _f64(x), _f64(w), _f64(gamma), _f64(beta)
     running_mean, running_var = _f64(running_mean), _f64(running_var)
     geometry = dict(stride=stride, padding=padding, dilation=dilation, layout=layout)
     h = conv2d(x, w, **geometry)                                   # batch-norm input
-    g = gy
+    g = dy
     if relu:
         pre, _, _ = _batchnorm_forward(op, h, gamma, beta, running_mean, running_var, training,
                                        0.0, eps, layout)
-        g = relu_backward(gy, pre)
-    gh, ggamma, gbeta = _batchnorm_backward(g, h, gamma, running_mean, running_var, training,
+        g = relu_backward(dy, pre)
+    dh, dgamma, dbeta = _batchnorm_backward(g, h, gamma, running_mean, running_var, training,
                                             eps, layout)
-    gx, gw = conv2d_backward(gh, x, w, **geometry)
-    return _cast(gx, dtype), _cast(gw, dtype), _cast(ggamma, dtype), _cast(gbeta, dtype)
+    dx, dw = conv2d_backward(dh, x, w, **geometry)
+    return _cast(dx, dtype), _cast(dw, dtype), _cast(dgamma, dtype), _cast(dbeta, dtype)
 
 
 def fold_batchnorm(w, b, gamma, beta, running_mean, running_var, eps=1e-5):

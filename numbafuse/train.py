@@ -17,7 +17,7 @@ The model (``width`` C channels throughout, images stay 8x8)::
 
 ``--unfused`` builds the same architecture from unfused ops (conv2d, bias_add, relu,
 batchnorm, add) with identical initial weights for the same seed; ``--fuse remap`` builds the
-fused model by remapping the unfused one with :func:`numbafuse.remap.compile`.
+fused model by remapping the unfused one with :func:`numbafuse.compile`.
 
 :func:`fit` is the Python entry: it trains a model on a :class:`numbafuse.data.Digits` split
 and returns the history (loss curve, per-epoch loss and accuracy, test accuracy, timing and
@@ -34,7 +34,7 @@ import tracemalloc
 
 import numpy as np
 
-from . import _arrays, nn, optim
+from . import backend, nn, optim
 from .autograd import Tensor, no_grad, saved_bytes
 from .ops.arith import add
 from .ops.basic import cross_entropy, relu
@@ -103,7 +103,7 @@ def build_model(fused=True, width=DEFAULTS["width"], blocks=DEFAULTS["blocks"], 
 
 
 class Remapped(nn.Module):
-    """An unfused model run through :func:`numbafuse.remap.compile` (trace + remap + cache).
+    """An unfused model run through :func:`numbafuse.compile` (trace + remap + cache).
 
     The compiled callable keys its cache on the input signature and on the module's training
     flags, so train and eval mode each get their own remapped graph (training: conv ->
@@ -113,7 +113,7 @@ class Remapped(nn.Module):
 
     def __init__(self, unfused):
         super().__init__()
-        from .remap import compile as remap_compile
+        from .fusion.compile import compile as remap_compile
         self.model = unfused
         self.compiled = remap_compile(unfused)
 
@@ -140,11 +140,11 @@ def make_model(kind, layout="NCHW", seed=DEFAULTS["seed"], width=DEFAULTS["width
 # --------------------------------------------------------------------------- training
 
 def _to(device, a):
-    return _arrays.to_device(a) if device == _arrays.CUDA else a
+    return backend.to_device(a) if device == backend.CUDA else a
 
 
 def _accuracy(logits, labels):
-    return float(np.mean(np.argmax(_arrays.to_host(logits), axis=1) == _arrays.to_host(labels)))
+    return float(np.mean(np.argmax(backend.to_host(logits), axis=1) == backend.to_host(labels)))
 
 
 def evaluate(model, x, y, device="cpu", batch_size=EVAL_BATCH):
@@ -225,7 +225,7 @@ def fit(model, data, epochs=DEFAULTS["epochs"], batch_size=DEFAULTS["batch_size"
     ['epoch_accuracy', 'epoch_loss', 'loss_curve']
     """
     say = log or (lambda *a, **k: None)
-    if device == _arrays.CUDA:
+    if device == backend.CUDA:
         model.to(device)
     opt = optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     rng = np.random.default_rng(seed)
@@ -286,7 +286,7 @@ def peak_step_bytes(model, data, batch_size, device="cpu"):
 
     Runs on a copy of the parameters' values: the model's state is restored afterwards.
     """
-    if device != _arrays.CPU:
+    if device != backend.CPU:
         return None
     state = model.state_dict()
     opt = optim.SGD(model.parameters(), lr=DEFAULTS["lr"])

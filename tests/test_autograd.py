@@ -5,6 +5,7 @@ differences.
 
 Run: python -m pytest tests/test_autograd.py -q -p no:cacheprovider
 """
+import dataclasses
 import subprocess
 import sys
 
@@ -210,13 +211,17 @@ class Cube(Function):
     """y = x**3, with a correct or a deliberately wrong backward."""
     name = "cube"
 
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        wrong: bool
+
     def forward(self, x):
         self.save_for_backward(x=x)
         return x ** 3
 
     def backward(self, gy):
         x = self.saved.x
-        return (gy * (2 if self.wrong else 3) * x ** 2,)
+        return (gy * (2 if self.params.wrong else 3) * x ** 2,)
 
 
 @pytest.mark.parametrize("mode", ["full", "directional"])

@@ -392,5 +392,5 @@ def test_remapper_can_rebuild_each_op_from_its_params():
     t = nf.Tensor(seeded((1, 4, 4, 2), np.float64, 0), requires_grad=True)
     y = nf.max_pool2d(t, (2, 1), (1, 2), layout="NHWC")
     fn = y._fn
-    rebuilt = type(fn)(**fn.params).apply(t.data)
+    rebuilt = type(fn)(**fn.param_dict()).apply(t.data)
     np.testing.assert_array_equal(rebuilt, y.data)

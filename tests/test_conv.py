@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 
 import numbafuse as nf
-from numbafuse import _arrays
+from numbafuse import backend, validate
 from numbafuse import reference as ref
-from numbafuse.kernels.cpu import conv as cpu_conv
+from numbafuse.kernels.conv import cpu as cpu_conv
 from numbafuse.ops import conv as conv_ops
 import numbafuse.testing.strategies as nfs
 
@@ -91,7 +91,7 @@ def test_batch_chunks(layout, geometry, images_per_chunk, monkeypatch):
     b = rng.standard_normal(K)
     kw = dict(stride=geometry["stride"], padding=geometry["padding"],
               dilation=geometry["dilation"], layout=layout)
-    geom = _arrays.conv_geometry("test", x.shape, w.shape, kw["stride"], kw["padding"],
+    geom = validate.conv_geometry("test", x.shape, w.shape, kw["stride"], kw["padding"],
                                  kw["dilation"], layout)
     per_image = C * geom.R * geom.S * geom.P * geom.Q * x.itemsize   # one image's cols bytes
     monkeypatch.setattr(cpu_conv, "CHUNK_BYTES", images_per_chunk * per_image)
@@ -127,7 +127,7 @@ def test_conv2d_matches_reference(p):
 @given(nfs.conv_problems(bias=True))
 def test_bias_add_matches_reference(p):
     layout = p.layout
-    C = p.x.shape[_arrays.channel_axis(layout)]
+    C = p.x.shape[validate.channel_axis(layout)]
     x = nf.Tensor(p.x, requires_grad=True)
     b = nf.Tensor(np.linspace(-1, 1, C).astype(p.x.dtype), requires_grad=True)
     y = nf.bias_add(x, b, layout=layout)
@@ -222,7 +222,7 @@ def test_helpers_for_other_families():
     """conv_forward / conv_backward: the array-level API Conv-BatchNorm builds on."""
     rng = np.random.default_rng(2)
     x, w = rng.standard_normal((2, 5, 5, 3)), rng.standard_normal((4, 3, 3, 3))
-    geom = _arrays.conv_geometry("t", x.shape, w.shape, 1, "same", 1, "NHWC")
+    geom = validate.conv_geometry("t", x.shape, w.shape, 1, "same", 1, "NHWC")
     h = conv_ops.conv_forward(x, w, None, geom, False)
     close(h, ref.conv2d(x, w, padding="same", layout="NHWC"), np.float64)
     gy = gy_like(h)

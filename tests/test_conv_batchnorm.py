@@ -317,7 +317,7 @@ def test_backward_refuses_a_bad_need(rng, need):
 
 def test_backward_bad_gy(rng):
     a = _good(rng)
-    with pytest.raises(ValueError, match="conv_batchnorm_relu_backward: gy has shape"):
+    with pytest.raises(ValueError, match="conv_batchnorm_relu_backward: dy has shape"):
         nf.conv_batchnorm_relu_backward(np.ones((2, 4, 5, 5), np.float32), a["x"], a["w"],
                                         a["gamma"], a["beta"])
 
@@ -329,7 +329,9 @@ def test_no_recompute_policy_same_gradients_and_keeps_h_and_mask(problem, relu, 
     out = {}
     for recompute in (True, False):
         ts = [nf.Tensor(a, requires_grad=True) for a in (p.x, p.w, bn["gamma"], bn["beta"])]
-        fn = ConvBatchNormReLU(relu=relu, recompute=recompute, **p.kwargs)
+        fn = ConvBatchNormReLU(running_mean=None, running_var=None, training=True,
+                               momentum=0.1, eps=1e-5, relu=relu, recompute=recompute,
+                               **p.kwargs)
         y = fn.apply(*ts)
         y.backward(np.random.default_rng(seed).standard_normal(y.shape).astype(p.x.dtype))
         out[recompute] = (y, [t.grad for t in ts], fn)

@@ -1,4 +1,4 @@
-"""Parallel CPU kernels run serially on small inputs (kernels/cpu/_launch.py).
+"""Parallel CPU kernels run serially on small inputs (kernels/parallel.py).
 
 Property tests draw small shapes, which take the serial build; here the same ops run with the
 threshold at 0 (every kernel parallel) and at infinity (every kernel serial), and must agree
@@ -9,7 +9,7 @@ import pytest
 
 import numbafuse as nf
 from numbafuse import reference
-from numbafuse.kernels.cpu import _launch
+from numbafuse.kernels import parallel as _launch
 
 
 def _run_all(x, w, b, z, gamma, beta, layout):

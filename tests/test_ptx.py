@@ -4,7 +4,8 @@ The CUDA simulator does no type checking and ignores shared-memory shape rules, 
 what proves the kernels compile for a GPU. It needs NVVM (numba-cuda[cu13]) but no GPU, and
 must run outside the simulator: it is skipped there and runs in the CPU test process.
 
-Each module under numbafuse/kernels/cuda lists its kernels in ``PTX_SIGNATURES`` as
+Each CUDA kernel module (``numbafuse/kernels/<family>/cuda.py``, ``cuda_reduce.py``) lists its
+kernels in ``PTX_SIGNATURES`` as
 ``(kernel, lambda f: signature)`` with ``f`` the numba float type; a kernel missing from that
 list fails ``test_every_kernel_is_listed``.
 """
@@ -22,9 +23,9 @@ CC = (9, 0)
 
 
 def _cuda_modules():
-    import numbafuse.kernels.cuda as pkg
-    names = [m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "config"]
-    return [importlib.import_module(f"numbafuse.kernels.cuda.{n}") for n in sorted(names)]
+    import numbafuse.kernels as pkg
+    families = [m.name for m in pkgutil.iter_modules(pkg.__path__) if m.ispkg]
+    return [importlib.import_module(f"numbafuse.kernels.{f}.cuda") for f in sorted(families)]
 
 
 def _kernels(module):
@@ -39,7 +40,7 @@ def _cases():
     for module in _cuda_modules():
         for kernel, signature in getattr(module, "PTX_SIGNATURES", []):
             cases.append(pytest.param(kernel, signature,
-                                      id=f"{module.__name__.rsplit('.', 1)[1]}.{kernel.__name__}"))
+                                      id=f"{module.__name__.split('.')[-2]}.{kernel.__name__}"))
     return cases
 
 
@@ -47,7 +48,7 @@ def test_there_are_kernels():
     assert len(_cases()) >= 6
 
 
-@pytest.mark.parametrize("module", _cuda_modules(), ids=lambda m: m.__name__.rsplit(".", 1)[1])
+@pytest.mark.parametrize("module", _cuda_modules(), ids=lambda m: m.__name__.split(".")[-2])
 def test_every_kernel_is_listed(module):
     listed = {id(k) for k, _ in getattr(module, "PTX_SIGNATURES", [])}
     missing = [name for name, k in _kernels(module).items() if id(k) not in listed]

@@ -18,7 +18,6 @@ from numbafuse import reference as ref
 from numbafuse.autograd import Function, Tensor
 from numbafuse.ops import arith
 
-rm = importlib.import_module("numbafuse.remap")  # ``numbafuse.remap`` is also the function
 
 TOL = {np.float32: dict(rtol=1e-4, atol=1e-5), np.float64: dict(rtol=1e-9, atol=1e-11)}
 DT = np.float64   # one dtype for the real-op tests: every dtype/layout is a new compilation
@@ -29,16 +28,18 @@ EPS = 1e-5
 
 class FakeConv(Function):
     name = "conv2d"
+    Params = nf.ops.conv.Conv2d.Params
 
     def forward(self, x, w):
-        return ref.conv2d(x, w, self.stride, self.padding, self.dilation, self.layout)
+        return ref.conv2d(x, w, *self.params.astuple())
 
 
 class FakeBiasAdd(Function):
     name = "bias_add"
+    Params = nf.ops.conv.BiasAdd.Params
 
     def forward(self, x, b):
-        return ref.bias_add(x, b, self.layout)
+        return ref.bias_add(x, b, self.params.layout)
 
 
 class FakeReLU(Function):
@@ -50,12 +51,14 @@ class FakeReLU(Function):
 
 class FakeBatchNorm(Function):
     name = "batchnorm"
+    Params = nf.ops.batchnorm.BatchNorm.Params
 
     def forward(self, x, gamma, beta):
-        if self.training:
-            return ref.batchnorm_train(x, gamma, beta, self.eps, self.layout)[0]
-        return ref.batchnorm_infer(x, gamma, beta, self.running_mean, self.running_var,
-                                   self.eps, self.layout)
+        p = self.params
+        if p.training:
+            return ref.batchnorm_train(x, gamma, beta, p.eps, p.layout)[0]
+        return ref.batchnorm_infer(x, gamma, beta, p.running_mean, p.running_var, p.eps,
+                                   p.layout)
 
 
 def fconv(x, w, layout="NCHW"):
@@ -81,7 +84,7 @@ B = np.random.default_rng(2).standard_normal(3)
 
 
 def _remap(fn, *inputs):
-    return rm.remap(rm.trace(fn, *inputs))
+    return nf.remap(nf.trace(fn, *inputs))
 
 
 def _only_line(graph, start):
@@ -99,7 +102,7 @@ def test_trace_records_inputs_constants_ops_and_outputs():
         y = nf.add(x, c)
         return arith.mul(y, z), y
 
-    g = rm.trace(f, np.ones(3), np.full(3, 2.0))
+    g = nf.trace(f, np.ones(3), np.full(3, 2.0))
     assert g.ops == ["add", "mul"]
     assert [v.kind for v in g.inputs] == ["input", "input"]
     assert g.nodes[0].args["z"].kind == "const" and g.nodes[0].args["z"].obj is c
@@ -112,14 +115,14 @@ def test_trace_records_inputs_constants_ops_and_outputs():
 
 def test_constants_are_captured_by_reference():
     c = np.zeros(2)
-    g = rm.trace(lambda x: nf.add(x, c), np.ones(2))
+    g = nf.trace(lambda x: nf.add(x, c), np.ones(2))
     c[:] = 5.0
     np.testing.assert_array_equal(g(np.ones(2)), [6.0, 6.0])
 
 
 def test_graph_runs_tensors_on_the_tape():
     c = Tensor(np.array([1.0, 2.0]), requires_grad=True)
-    g = rm.trace(lambda x: arith.mul(x, c).sum(), np.ones(2))     # traced with arrays
+    g = nf.trace(lambda x: arith.mul(x, c).sum(), np.ones(2))     # traced with arrays
     x = Tensor(np.array([3.0, 4.0]), requires_grad=True)
     g(x).backward()
     np.testing.assert_array_equal(x.grad, [1.0, 2.0])
@@ -127,7 +130,7 @@ def test_graph_runs_tensors_on_the_tape():
 
 
 def test_graph_refuses_unlike_inputs():
-    g = rm.trace(lambda x: nf.add(x, x), np.ones(2))
+    g = nf.trace(lambda x: nf.add(x, x), np.ones(2))
     with pytest.raises(ValueError, match="input 0"):
         g(np.ones(2, np.float32))
     with pytest.raises(TypeError, match="takes 1 inputs"):
@@ -136,11 +139,11 @@ def test_graph_refuses_unlike_inputs():
 
 def test_trace_refuses_bad_functions_and_inputs():
     with pytest.raises(ValueError, match="trace: fn returned None"):
-        rm.trace(lambda x: None, np.ones(2))
+        nf.trace(lambda x: None, np.ones(2))
     x = np.ones(2)
     with pytest.raises(ValueError, match="trace: example inputs 0 and 1 are the same object"):
-        rm.trace(nf.add, x, x)
-    g = rm.trace(lambda x, k: arith.mul(x, k), np.ones(2), 3.0)     # plain values: baked in
+        nf.trace(nf.add, x, x)
+    g = nf.trace(lambda x, k: arith.mul(x, k), np.ones(2), 3.0)     # plain values: baked in
     np.testing.assert_array_equal(g(np.ones(2), 3.0), [3.0, 3.0])
     with pytest.raises(ValueError, match="input 1 was traced as 3.0, got 4.0"):
         g(np.ones(2), 4.0)
@@ -153,14 +156,14 @@ def test_nested_ops_are_not_recorded():
         def forward(self, x):
             return nf.add(x, x)                     # an op inside an op: part of it
 
-    g = rm.trace(lambda x: Outer().apply(x), np.ones(2))
+    g = nf.trace(lambda x: Outer().apply(x), np.ones(2))
     assert g.ops == ["outer"]
 
 
 def test_remap_leaves_the_input_graph_untouched():
-    g = rm.trace(lambda x: frelu(fbias(fconv(x, W), B)), X)
+    g = nf.trace(lambda x: frelu(fbias(fconv(x, W), B)), X)
     before = (list(g.nodes), [n.name for n in g.nodes])
-    r = rm.remap(g)
+    r = nf.remap(g)
     assert r.ops == ["conv_bias_relu"] and g.ops == ["conv2d", "bias_add", "relu"]
     assert (g.nodes, [n.name for n in g.nodes]) == before and g.log == []
     assert r.log == ["Fuse Conv2D with BiasAdd and Relu: conv2d_0, bias_add_1, relu_2 -> "
@@ -245,7 +248,7 @@ def test_refused_add_that_broadcasts():
 
 def test_log_env_prints_lines(monkeypatch, capsys, caplog):
     monkeypatch.setenv("NUMBAFUSE_LOG", "remap")
-    with caplog.at_level(logging.INFO, logger="numbafuse.remap"):
+    with caplog.at_level(logging.INFO, logger="numbafuse.fusion"):
         g = _remap(lambda x: frelu(fbias(fconv(x, W), B)), X)
     err = capsys.readouterr().err
     assert "numbafuse.remap: Fuse Conv2D with BiasAdd and Relu" in err
@@ -422,9 +425,10 @@ def test_running_stats_updated_in_place_like_unfused():
 class BiasAdd3d(Function):
     """A bias_add that also takes the 3-d output of a squeeze (the real one is 4-d only)."""
     name = "bias_add"
+    Params = nf.ops.conv.BiasAdd.Params
 
     def forward(self, x, b):
-        axis = 1 if self.layout == "NCHW" else x.ndim - 1
+        axis = 1 if self.params.layout == "NCHW" else x.ndim - 1
         self.axes = tuple(a for a in range(x.ndim) if a != axis)
         return x + np.expand_dims(b, self.axes)
 
@@ -542,7 +546,7 @@ def test_random_chains_remap_exactly(steps, seed, as_output, N, squeeze_end):
     assert all(line.startswith(("refused ", "Fuse ", "Fold ")) for line in g.log), g.log
     for s, s0 in zip(stats, saved):
         s[...] = s0
-    g_first = rm.Graph(g.inputs, g.nodes, g.outputs[:1], folds=g.folds, recording=g.recording)
+    g_first = nf.Graph(g.inputs, g.nodes, g.outputs[:1], folds=g.folds, recording=g.recording)
     _grads_match(first, g_first, [x, z], params, stats=stats)
     with nf.no_grad():                          # arrays: folding may fire
         for s, s0 in zip(stats, saved):
@@ -564,7 +568,7 @@ def test_compile_a_module_caches_per_signature_and_mode():
     rng = np.random.default_rng(10)
     model = nf.nn.Sequential(nf.nn.Conv2d(2, 3, 3, padding=1, bias=False, dtype=DT),
                              nf.nn.BatchNorm2d(3, dtype=DT), nf.nn.ReLU())
-    compiled = rm.compile(model)
+    compiled = nf.compile(model)
     x = rng.standard_normal((2, 2, 4, 4))
     compiled(Tensor(x))                                  # traces (the unfused run)
     assert compiled.graph.ops == ["conv_batchnorm_relu"]

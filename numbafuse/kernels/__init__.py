@@ -1,1 +1,41 @@
-"""Numba kernels: ``cpu/`` (``@njit``, ``prange``) and ``cuda/`` (``numba.cuda``)."""
+"""Numba kernels, one package per op family.
+
+Each family (``conv``, ``batchnorm``, ``basic``, ``elementwise``) has ``math.py`` (plain-Python
+scalar math shared by both backends, where it has any), ``cpu.py`` (``@njit``/``prange``
+kernels) and ``cuda.py`` (``numba.cuda`` kernels), and the two backend modules expose the same
+host-level functions, so an op picks one with :func:`module` and calls it. Shared pieces:
+``scalar.py`` (ReLU math), ``parallel.py`` (CPU kernels built parallel and serial),
+``cuda_config.py`` (every CUDA launch size), ``cuda_reduce.py`` (block reductions).
+
+The CUDA modules are imported only when a device array comes, so CPU users never need
+numba-cuda. This package knows nothing of Tensors or ops.
+"""
+import importlib
+
+import numpy as np
+
+from .. import backend
+
+FAMILIES = ("conv", "batchnorm", "basic", "elementwise")
+
+
+def module(family: str, which: str):
+    """The kernel module of op family ``family`` on backend ``which`` ("cpu" or "cuda")."""
+    return importlib.import_module(f"{__name__}.{family}.{which}")
+
+
+def contiguous(a):
+    """``a`` as a C-contiguous array on its own device (one copy at most)."""
+    if isinstance(a, np.ndarray):
+        return backend.host_contiguous(a)
+    d = backend.as_device_array(a)
+    if d.is_c_contiguous():
+        return d
+    return module("elementwise", backend.CUDA).contiguous_copy(d)
+
+
+def zeros(which: str, shape, dtype):
+    """A zero-filled array on backend ``which``."""
+    if which == backend.CPU:
+        return np.zeros(shape, dtype)
+    return module("elementwise", which).fill(backend.empty(which, shape, dtype), 0.0)

@@ -1,27 +1,30 @@
 """Elementwise arithmetic on the tape: add, sub, mul, sum, mean, reshape.
 
-These are what losses and residual connections need. ``add(x, z)`` is also the unfused
-``Add`` of the BatchNorm -> Add -> ReLU chain. Operands are same-shape arrays or Python scalars
-(on the host, NumPy broadcasting is allowed too and the gradient is summed back to shape).
+These are what losses and residual connections need; ``add(x, z)`` is also the unfused ``Add``
+of the BatchNorm -> Add -> ReLU chain. Operands are same-shape arrays or Python scalars (on the
+host NumPy broadcasting is allowed too, and the gradient is summed back to each shape). The
+work is done by the ``elementwise`` kernels of the arrays' backend. This module also gives
+``Tensor`` its operators (``autograd.define_operators``), so the tape imports no op.
 """
+from __future__ import annotations
+
+import dataclasses
 import numbers
 
 import numpy as np
 
-from .. import _arrays
-from ..autograd import Function, Tensor
+from .. import autograd, backend, kernels, reference, validate
+from ..autograd import Function
+from .spec import OpSpec
 
 
 def _is_scalar(v):
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-def add_arrays(a, b):
-    """``a + b`` for two same-backend arrays (used for gradient accumulation)."""
-    if isinstance(a, np.ndarray):
-        return a + b
-    from ..kernels.cuda import elementwise as ew
-    return ew.axpby(1.0, _arrays.contiguous(a), 1.0, _arrays.contiguous(b))
+def _elementwise(a):
+    """The elementwise kernel module of ``a``'s backend."""
+    return kernels.module("elementwise", backend.backend_of_array(a))
 
 
 def _sum_to_shape(g, shape):
@@ -34,146 +37,176 @@ def _sum_to_shape(g, shape):
 
 
 def _check_pair(op, x, z):
-    backend = _arrays.backend_of(op, x=x, z=z)
-    _arrays.check_float_dtypes(op, x=x, z=z)
-    if backend == _arrays.CUDA and tuple(x.shape) != tuple(z.shape):
+    which = backend.backend_of(op, x=x, z=z)
+    validate.check_float_dtypes(op, x=x, z=z)
+    if which == backend.CUDA and tuple(x.shape) != tuple(z.shape):
         raise ValueError(f"{op}: on the device, x and z must have the same shape, got "
                          f"{tuple(x.shape)} and {tuple(z.shape)}")
-    if backend == _arrays.CPU:
+    if which == backend.CPU:
         try:
             np.broadcast_shapes(x.shape, z.shape)
         except ValueError:
             raise ValueError(f"{op}: x of shape {x.shape} and z of shape {z.shape} do not "
                              f"broadcast") from None
-    return backend
+    return which
 
+
+def _check_one(op, x):
+    backend.backend_of(op, x=x)
+    validate.check_float_dtypes(op, x=x)
+    return kernels.contiguous(x)
+
+
+# --------------------------------------------------------------------------- add / sub
 
 class Add(Function):
-    """``y = a*x + b*z`` (``a``, ``b`` in {1, -1}): add and sub share one rule.
+    """``y = x + sign * z`` (``sign`` 1 or -1): add and sub share one rule.
 
-    fwd :: (x, z) -> y;  bwd :: gy -> (a*gy, b*gy), summed back to each input's shape.
+    fwd :: (x, z) -> y;  bwd :: dy -> (dy, sign * dy), summed back to each input's shape.
     """
-    name = "add"
+
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        sign: int                 # 1: add, -1: sub
+
+    @property
+    def name(self):
+        return "add" if self.params.sign == 1 else "sub"
 
     def forward(self, x, z):
-        backend = _check_pair(self.name, x, z)
+        _check_pair(self.name, x, z)
         self.x_shape, self.z_shape = tuple(x.shape), tuple(z.shape)
-        if backend == _arrays.CPU:
-            return x + z if self.b == 1 else x - z
-        from ..kernels.cuda import elementwise as ew
-        return ew.axpby(1.0, _arrays.contiguous(x), float(self.b), _arrays.contiguous(z))
+        x, z = kernels.contiguous(x), kernels.contiguous(z)
+        return _elementwise(x).axpby(1.0, x, float(self.params.sign), z)
 
-    def backward(self, gy):
-        gx = gz = None
-        if isinstance(gy, np.ndarray):
-            if self.needs_input_grad[0]:
-                gx = _sum_to_shape(gy, self.x_shape)
-            if self.needs_input_grad[1]:
-                gz = _sum_to_shape(gy if self.b == 1 else -gy, self.z_shape)
-            return gx, gz
-        from ..kernels.cuda import elementwise as ew
-        return (gy if self.needs_input_grad[0] else None,
-                (gy if self.b == 1 else ew.axpby(-1.0, gy, 0.0, gy))
-                if self.needs_input_grad[1] else None)
+    def backward(self, dy):
+        need_x, need_z = self.needs_input_grad
+        dx = dz = None
+        if need_x:
+            dx = _sum_to_shape(dy, self.x_shape) if isinstance(dy, np.ndarray) else dy
+        if need_z:
+            dz = dy if self.params.sign == 1 else _elementwise(dy).axpby(-1.0, dy, 0.0, dy)
+            dz = _sum_to_shape(dz, self.z_shape) if isinstance(dz, np.ndarray) else dz
+        return dx, dz
 
 
 class AffineScalar(Function):
-    """``y = a*x + c`` for Python scalars ``a``, ``c`` (``name``: the op that made it: add,
-    sub or mul with a scalar).
+    """``y = a*x + c`` for Python scalars ``a``, ``c``; ``op`` names the call that made it
+    (add, sub or mul with a scalar), and is the node's name in a trace.
 
-    fwd :: x -> y;  bwd :: gy -> a*gy.
+    fwd :: x -> y;  bwd :: dy -> a*dy.
     """
-    name = "affine"
+
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        a: float
+        c: float
+        op: str
+
+    @property
+    def name(self):
+        return self.params.op
 
     def forward(self, x):
-        _arrays.backend_of(self.name, x=x)
-        _arrays.check_float_dtypes(self.name, x=x)
-        if isinstance(x, np.ndarray):
-            return (x * x.dtype.type(self.a) + x.dtype.type(self.c)).astype(x.dtype, copy=False)
-        from ..kernels.cuda import elementwise as ew
-        x = _arrays.contiguous(x)
-        if self.c == 0.0:
-            return ew.axpby(self.a, x, 0.0, x)
-        ones = ew.fill(_arrays.empty_like_backend(_arrays.CUDA, x.shape, x.dtype), self.c)
-        return ew.axpby(self.a, x, 1.0, ones)
+        x = _check_one(self.name, x)
+        ew = _elementwise(x)
+        if self.params.c == 0.0:
+            return ew.axpby(self.params.a, x, 0.0, x)
+        shift = ew.fill(backend.empty(backend.backend_of_array(x), x.shape, x.dtype),
+                        self.params.c)
+        return ew.axpby(self.params.a, x, 1.0, shift)
 
-    def backward(self, gy):
-        if isinstance(gy, np.ndarray):
-            return (gy * gy.dtype.type(self.a),)
-        from ..kernels.cuda import elementwise as ew
-        return (ew.axpby(self.a, gy, 0.0, gy),)
+    def backward(self, dy):
+        return (_elementwise(dy).axpby(self.params.a, dy, 0.0, dy),)
 
+
+# --------------------------------------------------------------------------- mul
 
 class Mul(Function):
-    """``y = x * z`` elementwise.  fwd :: (x, z) -> (y, residuals=(x, z));  bwd :: gy -> (gy*z, gy*x)."""
+    """``y = x * z`` elementwise.
+
+    fwd :: (x, z) -> (y, residuals=(x, z));  bwd :: dy -> (dy * z, dy * x).
+    """
     name = "mul"
 
     def forward(self, x, z):
-        backend = _check_pair("mul", x, z)
+        _check_pair(self.name, x, z)
+        x, z = kernels.contiguous(x), kernels.contiguous(z)
         self.save_for_backward(x=x, z=z)
-        if backend == _arrays.CPU:
-            return x * z
-        from ..kernels.cuda import elementwise as ew
-        return ew.mul(_arrays.contiguous(x), _arrays.contiguous(z))
+        return _elementwise(x).mul(x, z)
 
-    def backward(self, gy):
+    def backward(self, dy):
         x, z = self.saved.x, self.saved.z
-        if isinstance(gy, np.ndarray):
-            return (_sum_to_shape(gy * z, x.shape) if self.needs_input_grad[0] else None,
-                    _sum_to_shape(gy * x, z.shape) if self.needs_input_grad[1] else None)
-        from ..kernels.cuda import elementwise as ew
-        return (ew.mul(gy, z) if self.needs_input_grad[0] else None,
-                ew.mul(gy, x) if self.needs_input_grad[1] else None)
+        ew = _elementwise(dy)
+        need_x, need_z = self.needs_input_grad
+        dx = ew.mul(dy, z) if need_x else None
+        dz = ew.mul(dy, x) if need_z else None
+        if isinstance(dy, np.ndarray):
+            dx = None if dx is None else _sum_to_shape(dx, x.shape)
+            dz = None if dz is None else _sum_to_shape(dz, z.shape)
+        return dx, dz
 
+
+# --------------------------------------------------------------------------- sum / mean
 
 class Sum(Function):
-    """``y = scale * sum(x)`` (a 0-d array); ``scale`` is 1 for sum, 1/size for mean.
+    """``y = scale * sum(x)``, a 0-d array (accumulated in float64); ``scale`` is 1 for sum,
+    1/size for mean, ``op`` names which.
 
-    bwd :: gy -> scale * gy broadcast to x's shape.
+    fwd :: x -> y (nothing saved but the shape);  bwd :: dy -> scale * dy everywhere.
     """
-    name = "sum"
 
-    # fwd :: x -> y (0-d);  bwd :: gy -> gy * scale everywhere (nothing saved but the shape)
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        scale: float
+        op: str
+
+    @property
+    def name(self):
+        return self.params.op
+
     def forward(self, x):
-        _arrays.backend_of(self.name, x=x)
-        _arrays.check_float_dtypes(self.name, x=x)
+        x = _check_one(self.name, x)
         self.x_shape, self.x_dtype = tuple(x.shape), np.dtype(x.dtype)
-        if isinstance(x, np.ndarray):
-            # float64 accumulation keeps float32 losses accurate
-            return np.asarray(x.sum(dtype=np.float64) * self.scale, dtype=x.dtype)
-        from ..kernels.cuda import elementwise as ew
-        total = ew.sum_all(_arrays.contiguous(x))
-        return total if self.scale == 1.0 else ew.axpby(self.scale, total.reshape(1), 0.0,
-                                                        total.reshape(1)).reshape(())
+        return _elementwise(x).sum_all(x, self.params.scale)          # 0-d
 
-    def backward(self, gy):
-        if isinstance(gy, np.ndarray):
-            return (np.full(self.x_shape, gy.reshape(()) * self.scale, dtype=self.x_dtype),)
-        from ..kernels.cuda import elementwise as ew
-        ones = ew.fill(_arrays.empty_like_backend(_arrays.CUDA, self.x_shape, self.x_dtype),
-                       self.scale)
-        return (ew.scale_by_device_scalar(gy.reshape(1), ones),)
+    def backward(self, dy):
+        ew = _elementwise(dy)
+        which = backend.backend_of_array(dy)
+        scale = ew.fill(backend.empty(which, self.x_shape, self.x_dtype), self.params.scale)
+        return (ew.scale_by_device_scalar(kernels.contiguous(dy).reshape(1), scale),)
 
+
+# --------------------------------------------------------------------------- reshape
 
 class Reshape(Function):
-    """A view with a new shape.  fwd :: x -> x viewed as ``shape``;  bwd :: gy -> gy reshaped
-    back (a view: the tape copies a leaf's gradient that shares memory with another's)."""
+    """A view with a new shape.
+
+    fwd :: x -> x viewed as ``shape``;  bwd :: dy -> dy viewed back (the tape copies a leaf's
+    gradient that shares memory with another's).
+    """
     name = "reshape"
+
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        shape: tuple
 
     def forward(self, x):
         self.x_shape = tuple(x.shape)
-        return _arrays.contiguous(x).reshape(self.shape)
+        return kernels.contiguous(x).reshape(self.params.shape)
 
-    def backward(self, gy):
-        return (_arrays.contiguous(gy).reshape(self.x_shape),)
+    def backward(self, dy):
+        return (kernels.contiguous(dy).reshape(self.x_shape),)
 
+
+# --------------------------------------------------------------------------- public functions
 
 def _apply_binary(x, z, sign, op):
     if _is_scalar(z):
-        return AffineScalar(a=1.0, c=sign * float(z), name=op).apply(x)
+        return AffineScalar(a=1.0, c=sign * float(z), op=op).apply(x)
     if _is_scalar(x):
-        return AffineScalar(a=float(sign), c=float(x), name=op).apply(z)
-    return Add(b=sign, name=op).apply(x, z)
+        return AffineScalar(a=float(sign), c=float(x), op=op).apply(z)
+    return Add(sign=sign).apply(x, z)
 
 
 def add(x, z):
@@ -206,20 +239,20 @@ def mul(x, z):
     array([0., 1., 4.])
     """
     if _is_scalar(z):
-        return AffineScalar(a=float(z), c=0.0, name="mul").apply(x)
+        return AffineScalar(a=float(z), c=0.0, op="mul").apply(x)
     if _is_scalar(x):
-        return AffineScalar(a=float(x), c=0.0, name="mul").apply(z)
+        return AffineScalar(a=float(x), c=0.0, op="mul").apply(z)
     return Mul().apply(x, z)
 
 
 def sum(x):  # noqa: A001 - the NumPy-style name
-    """Sum of all elements, a 0-d array (or Tensor); accumulated in float64 on the host.
+    """Sum of all elements, a 0-d array (or Tensor); accumulated in float64.
 
     >>> import numpy as np, numbafuse as nf
     >>> nf.Tensor(np.arange(4.0)).sum().item()
     6.0
     """
-    return Sum(scale=1.0, name="sum").apply(x)
+    return Sum(scale=1.0, op="sum").apply(x)
 
 
 def mean(x):
@@ -229,8 +262,8 @@ def mean(x):
     >>> nf.Tensor(np.arange(4.0)).mean().item()
     1.5
     """
-    size = int(np.prod((x.data if isinstance(x, Tensor) else x).shape, dtype=np.int64))
-    return Sum(scale=1.0 / max(size, 1), name="mean").apply(x)
+    size = int(np.prod(autograd.unwrap(x).shape, dtype=np.int64))
+    return Sum(scale=1.0 / max(size, 1), op="mean").apply(x)
 
 
 def reshape(x, shape):
@@ -241,3 +274,15 @@ def reshape(x, shape):
     (2, 3)
     """
     return Reshape(shape=tuple(shape)).apply(x)
+
+
+autograd.define_operators(add=add, sub=sub, mul=mul, sum=sum, mean=mean, reshape=reshape)
+
+SPECS = (
+    OpSpec("add", add, Add, reference=reference.add),
+    OpSpec("sub", sub, Add),
+    OpSpec("mul", mul, Mul),
+    OpSpec("sum", sum, Sum),
+    OpSpec("mean", mean, Sum),
+    OpSpec("reshape", reshape, Reshape),
+)

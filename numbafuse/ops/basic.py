@@ -2,32 +2,34 @@ r"""The unfused ops a network needs around the fused layers: relu, linear, max_p
 global_avg_pool2d, flatten, squeeze and cross_entropy.
 
 One :class:`~numbafuse.autograd.Function` per op, its forward and backward side by side, and
-the public snake_case function at the bottom. ``forward`` validates (``_arrays``) before
+the public snake_case function at the bottom. ``forward`` validates (``numbafuse.validate``) before
 anything is allocated, normalises to C-contiguous arrays of one dtype, and hands them to the
-kernel module of the backend: ``kernels/cpu/basic.py`` for NumPy arrays,
-``kernels/cuda/basic.py`` for device arrays (both expose the same functions).
+kernel module of the backend: ``kernels/basic/cpu.py`` for NumPy arrays,
+``kernels/basic/cuda.py`` for device arrays (both expose the same functions).
 
 Notation: N batch, C channels, H/W height/width, P/Q pooled height/width, kh/kw window,
-sh/sw stride, F_in/F_out linear features, L classes. Gradients: ``gy`` upstream, ``gx``...
+sh/sw stride, F_in/F_out linear features, L classes. Gradients: ``dy`` upstream, ``dx``...
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
-from dataclasses import dataclass
 
 import numpy as np
 
-from .. import _arrays
+from .. import backend, kernels, reference, validate
 from ..autograd import Function
+from ..validate import PoolGeometry, pool_geometry
+from .spec import OpSpec
 
-_kernels = functools.partial(_arrays.kernels, "basic")  # _kernels(backend): the module
+_kernels = functools.partial(kernels.module, "basic")  # _kernels(backend): the module
 
 
 def _validated(op, **arrays):
     """(backend, dtype) of one call's floating arrays: TypeError on a mix or a non-float."""
-    backend = _arrays.backend_of(op, **arrays)
-    return backend, _arrays.check_float_dtypes(op, **arrays)
+    which = backend.backend_of(op, **arrays)
+    return which, validate.check_float_dtypes(op, **arrays)
 
 
 # --------------------------------------------------------------------------- relu
@@ -36,7 +38,7 @@ class ReLU(Function):
     r"""Rectified linear unit.
 
     .. math::
-        y = \max(x, 0), \qquad gx = gy \cdot [y > 0]
+        y = \max(x, 0), \qquad dx = dy \cdot [y > 0]
 
     The mask is read from the output ``y`` (saved), never from ``x``: the next layer usually
     keeps ``y`` anyway, so the residual is free. A NaN input stays NaN.
@@ -45,17 +47,17 @@ class ReLU(Function):
 
     # fwd :: x -> (y, residuals=(y,))
     def forward(self, x):
-        backend, _ = _validated(self.name, x=x)
-        y = _kernels(backend).relu_forward(_arrays.contiguous(x))
+        which, _ = _validated(self.name, x=x)
+        y = _kernels(which).relu_forward(kernels.contiguous(x))
         self.save_for_backward(y=y)
         return y
 
-    # bwd :: (residuals=(y,), gy) -> (gx,)
-    def backward(self, gy):
+    # bwd :: (residuals=(y,), dy) -> (dx,)
+    def backward(self, dy):
         if not self.needs_input_grad[0]:
             return (None,)
         y = self.saved.y
-        return (_kernels(_arrays.backend_of_array(y)).relu_backward(_arrays.contiguous(gy),
+        return (_kernels(backend.backend_of_array(y)).relu_backward(kernels.contiguous(dy),
                                                                     y),)
 
 
@@ -65,92 +67,35 @@ class Linear(Function):
     r"""Fully connected layer, PyTorch's convention: ``w`` is (F_out, F_in).
 
     .. math::
-        y = x w^T + b, \qquad gx = gy\, w, \qquad gw = gy^T x, \qquad gb = \sum_n gy_{n,:}
+        y = x w^T + b, \qquad dx = dy\, w, \qquad dw = dy^T x, \qquad db = \sum_n dy_{n,:}
 
     CPU: BLAS (``@``); device: a shared-memory tiled matmul (``config.TILE``) and a
-    deterministic column sum for ``gb``.
+    deterministic column sum for ``db``.
     """
     name = "linear"
 
     # fwd :: (x, w, b) -> (y, residuals=(x, w))
     def forward(self, x, w, b):
         op = self.name
-        backend, _ = _validated(op, x=x, w=w, b=b)
-        _arrays.check_ndim(op, "x", x, 2, "N, in_features")
-        _arrays.check_ndim(op, "w", w, 2, "out_features, in_features")
+        which, _ = _validated(op, x=x, w=w, b=b)
+        validate.check_ndim(op, "x", x, 2, "N, in_features")
+        validate.check_ndim(op, "w", w, 2, "out_features, in_features")
         if w.shape[1] != x.shape[1]:
             raise ValueError(f"{op}: w has {w.shape[1]} input features, x has {x.shape[1]}")
-        _arrays.check_vector(op, "b", b, w.shape[0])
-        x, w = _arrays.contiguous(x), _arrays.contiguous(w)
-        b = None if b is None else _arrays.contiguous(b)
+        validate.check_vector(op, "b", b, w.shape[0])
+        x, w = kernels.contiguous(x), kernels.contiguous(w)
+        b = None if b is None else kernels.contiguous(b)
         self.save_for_backward(x=x, w=w)
-        return _kernels(backend).linear_forward(x, w, b)             # (N, F_out)
+        return _kernels(which).linear_forward(x, w, b)             # (N, F_out)
 
-    # bwd :: (residuals=(x, w), gy) -> (gx, gw, gb)
-    def backward(self, gy):
+    # bwd :: (residuals=(x, w), dy) -> (dx, dw, db)
+    def backward(self, dy):
         x, w = self.saved.x, self.saved.w
-        return _kernels(_arrays.backend_of_array(x)).linear_backward(
-            _arrays.contiguous(gy), x, w, *self.needs_input_grad)
+        return _kernels(backend.backend_of_array(x)).linear_backward(
+            kernels.contiguous(dy), x, w, *self.needs_input_grad)
 
 
 # --------------------------------------------------------------------------- pooling
-
-@dataclass(frozen=True)
-class PoolGeometry:
-    """Shapes of a pooling call, and the element strides kernels address both layouts with."""
-    N: int
-    C: int
-    H: int
-    W: int
-    P: int
-    Q: int
-    kh: int
-    kw: int
-    sh: int
-    sw: int
-    layout: str
-
-    @staticmethod
-    def _strides(layout, C, H, W):
-        # element strides (sN, sC, sH, sW) of a C-contiguous activation in ``layout``
-        if layout == "NCHW":
-            return (C * H * W, H * W, W, 1)
-        return (H * W * C, 1, W * C, C)
-
-    @property
-    def x_shape(self):
-        return _arrays.activation_shape(self.layout, self.N, self.C, self.H, self.W)
-
-    @property
-    def y_shape(self):
-        return _arrays.activation_shape(self.layout, self.N, self.C, self.P, self.Q)
-
-    @property
-    def argmax_dtype(self):
-        """Smallest unsigned dtype of a window tap ``r * kw + s`` in ``[0, kh*kw)``: uint8 up
-        to 256 taps (16x16), then uint16, uint32."""
-        return np.min_scalar_type(self.kh * self.kw - 1)
-
-    @property
-    def x_strides(self):
-        return self._strides(self.layout, self.C, self.H, self.W)
-
-    @property
-    def y_strides(self):
-        return self._strides(self.layout, self.C, self.P, self.Q)
-
-
-def pool_geometry(op, x, k, stride, layout):
-    """Validate a max-pool call and compute its :class:`PoolGeometry`."""
-    layout = _arrays.check_layout(op, layout)
-    N, C, H, W = _arrays.activation_dims(op, x, layout)
-    kh, kw = _arrays.pair(op, "k", k, 1)
-    sh, sw = (kh, kw) if stride is None else _arrays.pair(op, "stride", stride, 1)
-    if kh > H or kw > W:
-        raise ValueError(f"{op}: k: the {kh}x{kw} window is larger than the {H}x{W} input")
-    P, Q = (H - kh) // sh + 1, (W - kw) // sw + 1                    # floor, no padding
-    return PoolGeometry(N, C, H, W, P, Q, kh, kw, sh, sw, layout)
-
 
 class MaxPool2d(Function):
     r"""Max pooling over ``k`` windows (stride defaults to ``k``), no padding, floor size.
@@ -160,7 +105,7 @@ class MaxPool2d(Function):
         \ (\text{first, row-major: } t = r k_w + s), \qquad
         y_{n,c,p,q} = x_{n,c,p s_h + r_t,\,q s_w + s_t}
 
-        gx_{n,c,h,w} = \sum_{(p,q):\ (p s_h + r_t,\, q s_w + s_t) = (h,w)} gy_{n,c,p,q}
+        dx_{n,c,h,w} = \sum_{(p,q):\ (p s_h + r_t,\, q s_w + s_t) = (h,w)} dy_{n,c,p,q}
 
     The gradient goes to the FIRST maximum (row-major) of each window, like PyTorch;
     overlapping windows (stride < k) accumulate. Forward writes ``y`` and the window argmax
@@ -173,21 +118,27 @@ class MaxPool2d(Function):
     """
     name = "max_pool2d"
 
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        k: object
+        stride: object
+        layout: str
+
     # fwd :: x -> (y, residuals=(argmax,))
     def forward(self, x):
-        backend, self.dtype = _validated(self.name, x=x)
-        self.geometry = pool_geometry(self.name, x, self.k, self.stride, self.layout)
-        y, argmax = _kernels(backend).max_pool2d_forward(_arrays.contiguous(x), self.geometry)
+        which, self.dtype = _validated(self.name, x=x)
+        self.geometry = pool_geometry(self.name, x, *dataclasses.astuple(self.params))
+        y, argmax = _kernels(which).max_pool2d_forward(kernels.contiguous(x), self.geometry)
         self.save_for_backward(argmax=argmax)       # shapes: self.geometry (plain attributes)
         return y
 
-    # bwd :: (residuals=(argmax,), gy) -> (gx,)
-    def backward(self, gy):
+    # bwd :: (residuals=(argmax,), dy) -> (dx,)
+    def backward(self, dy):
         if not self.needs_input_grad[0]:
             return (None,)
         argmax = self.saved.argmax
-        return (_kernels(_arrays.backend_of_array(argmax)).max_pool2d_backward(
-            _arrays.contiguous(gy), argmax, self.geometry, self.dtype),)
+        return (_kernels(backend.backend_of_array(argmax)).max_pool2d_backward(
+            kernels.contiguous(dy), argmax, self.geometry, self.dtype),)
 
 
 class GlobalAvgPool2d(Function):
@@ -195,30 +146,34 @@ class GlobalAvgPool2d(Function):
 
     .. math::
         y_{n,c} = \frac{1}{HW} \sum_{h,w} x_{n,c,h,w}, \qquad
-        gx_{n,c,h,w} = \frac{gy_{n,c}}{HW}
+        dx_{n,c,h,w} = \frac{dy_{n,c}}{HW}
 
     Nothing is saved but the input's shape.
     """
     name = "global_avg_pool2d"
 
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        layout: str
+
     # fwd :: x -> (y, residuals=())
     def forward(self, x):
         op = self.name
-        backend, self.dtype = _validated(op, x=x)
-        layout = _arrays.check_layout(op, self.layout)
-        N, C, H, W = _arrays.activation_dims(op, x, layout)
+        which, self.dtype = _validated(op, x=x)
+        layout = validate.check_layout(op, self.params.layout)
+        N, C, H, W = validate.activation_dims(op, x, layout)
         if H < 1 or W < 1:
             raise ValueError(f"{op}: x has an empty spatial dimension, shape {tuple(x.shape)}")
         self.geometry = PoolGeometry(N, C, H, W, 1, 1, H, W, H, W, layout)
-        return _kernels(backend).global_avg_pool2d_forward(_arrays.contiguous(x), self.geometry)
+        return _kernels(which).global_avg_pool2d_forward(kernels.contiguous(x), self.geometry)
 
-    # bwd :: (residuals=(), gy) -> (gx,)
-    def backward(self, gy):
+    # bwd :: (residuals=(), dy) -> (dx,)
+    def backward(self, dy):
         if not self.needs_input_grad[0]:
             return (None,)
-        gy = _arrays.contiguous(gy)                                  # (N, C)
-        return (_kernels(_arrays.backend_of_array(gy)).global_avg_pool2d_backward(
-            gy, self.geometry, self.dtype),)
+        dy = kernels.contiguous(dy)                                  # (N, C)
+        return (_kernels(backend.backend_of_array(dy)).global_avg_pool2d_backward(
+            dy, self.geometry, self.dtype),)
 
 
 # --------------------------------------------------------------------------- shape ops
@@ -226,7 +181,7 @@ class GlobalAvgPool2d(Function):
 class Flatten(Function):
     r"""(N, d1, d2, ...) -> (N, d1*d2*...): a view of the contiguous input.
 
-    .. math:: y = \operatorname{reshape}(x), \qquad gx = \operatorname{reshape}^{-1}(gy)
+    .. math:: y = \operatorname{reshape}(x), \qquad dx = \operatorname{reshape}^{-1}(dy)
     """
     name = "flatten"
 
@@ -237,27 +192,31 @@ class Flatten(Function):
             raise ValueError(f"{self.name}: x must have a batch dimension, got a 0-d array")
         self.x_shape = tuple(x.shape)
         rest = int(np.prod(self.x_shape[1:], dtype=np.int64))
-        return _arrays.contiguous(x).reshape((self.x_shape[0], rest))     # (N, prod(rest))
+        return kernels.contiguous(x).reshape((self.x_shape[0], rest))     # (N, prod(rest))
 
-    # bwd :: (residuals=(), gy) -> (gx,)
-    def backward(self, gy):
+    # bwd :: (residuals=(), dy) -> (dx,)
+    def backward(self, dy):
         if not self.needs_input_grad[0]:
             return (None,)
-        return (_arrays.contiguous(gy).reshape(self.x_shape),)
+        return (kernels.contiguous(dy).reshape(self.x_shape),)
 
 
 class Squeeze(Function):
     r"""Drop the size-1 dimension ``axis``.
 
-    .. math:: y = \operatorname{reshape}(x), \qquad gx = \operatorname{reshape}^{-1}(gy)
+    .. math:: y = \operatorname{reshape}(x), \qquad dx = \operatorname{reshape}^{-1}(dy)
     """
     name = "squeeze"
+
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        axis: object
 
     # fwd :: x -> (y, residuals=())
     def forward(self, x):
         op = self.name
         _validated(op, x=x)
-        axis = self.axis
+        axis = self.params.axis
         if not isinstance(axis, numbers.Integral) or isinstance(axis, bool):
             raise TypeError(f"{op}: axis must be an int, got {axis!r}")
         ndim = len(x.shape)
@@ -270,13 +229,13 @@ class Squeeze(Function):
                              f"(shape {tuple(x.shape)})")
         self.x_shape = tuple(x.shape)
         y_shape = self.x_shape[:axis] + self.x_shape[axis + 1:]
-        return _arrays.contiguous(x).reshape(y_shape)
+        return kernels.contiguous(x).reshape(y_shape)
 
-    # bwd :: (residuals=(), gy) -> (gx,)
-    def backward(self, gy):
+    # bwd :: (residuals=(), dy) -> (dx,)
+    def backward(self, dy):
         if not self.needs_input_grad[0]:
             return (None,)
-        return (_arrays.contiguous(gy).reshape(self.x_shape),)
+        return (kernels.contiguous(dy).reshape(self.x_shape),)
 
 
 # --------------------------------------------------------------------------- loss
@@ -289,7 +248,7 @@ class CrossEntropy(Function):
         \mathrm{lse}_n = m_n + \log \sum_j e^{z_{n,j} - m_n},\ m_n = \max_j z_{n,j}, \qquad
         y = \frac{1}{N} \sum_n (\mathrm{lse}_n - z_{n,\mathrm{label}_n})
 
-        gz_{n,j} = \frac{gy}{N} \left(e^{z_{n,j} - \mathrm{lse}_n} - [j = \mathrm{label}_n]\right)
+        dz_{n,j} = \frac{dy}{N} \left(e^{z_{n,j} - \mathrm{lse}_n} - [j = \mathrm{label}_n]\right)
 
     Saved: ``logits``, ``labels`` and the row log-sum-exps ``lse`` (N,) in float64. ``labels``
     (int32/int64, host or device, like ``logits``) are not differentiable.
@@ -299,9 +258,9 @@ class CrossEntropy(Function):
     # fwd :: (logits, labels) -> (y, residuals=(logits, labels, lse))
     def forward(self, logits, labels):
         op = self.name
-        backend = _arrays.backend_of(op, logits=logits, labels=labels)
-        _arrays.check_float_dtypes(op, logits=logits)
-        _arrays.check_ndim(op, "logits", logits, 2, "N, classes")
+        which = backend.backend_of(op, logits=logits, labels=labels)
+        validate.check_float_dtypes(op, logits=logits)
+        validate.check_ndim(op, "logits", logits, 2, "N, classes")
         if labels is None:
             raise TypeError(f"{op}: labels must be an integer array, got None")
         label_dtype = np.dtype(labels.dtype)
@@ -314,25 +273,25 @@ class CrossEntropy(Function):
         if N < 1 or L < 1:
             raise ValueError(f"{op}: logits must have at least one row and one class, "
                              f"got shape {tuple(logits.shape)}")
-        kernels = _kernels(backend)
-        if backend == _arrays.CPU:
+        impl = _kernels(which)
+        if which == backend.CPU:
             labels = np.ascontiguousarray(labels, dtype=np.int64)
         else:
-            labels = _arrays.contiguous(labels)
-        if kernels.count_bad_labels(labels, L):
+            labels = kernels.contiguous(labels)
+        if impl.count_bad_labels(labels, L):
             raise ValueError(f"{op}: labels must lie in [0, {L}) for {L} classes")
-        logits = _arrays.contiguous(logits)
-        loss, lse = kernels.cross_entropy_forward(logits, labels)
+        logits = kernels.contiguous(logits)
+        loss, lse = impl.cross_entropy_forward(logits, labels)
         self.save_for_backward(logits=logits, labels=labels, lse=lse)
         return loss
 
-    # bwd :: (residuals=(logits, labels, lse), gy) -> (glogits, None)
-    def backward(self, gy):
+    # bwd :: (residuals=(logits, labels, lse), dy) -> (dlogits, None)
+    def backward(self, dy):
         if not self.needs_input_grad[0]:
             return (None, None)
         s = self.saved
-        return (_kernels(_arrays.backend_of_array(s.logits)).cross_entropy_backward(
-            gy, s.logits, s.labels, s.lse), None)
+        return (_kernels(backend.backend_of_array(s.logits)).cross_entropy_backward(
+            dy, s.logits, s.labels, s.lse), None)
 
 
 # --------------------------------------------------------------------------- public functions
@@ -446,3 +405,15 @@ def cross_entropy(logits, labels):
     1.3862943611198906
     """
     return CrossEntropy().apply(logits, labels)
+
+
+SPECS = (
+    OpSpec("relu", relu, ReLU, reference=reference.relu),
+    OpSpec("linear", linear, Linear, reference=reference.linear),
+    OpSpec("max_pool2d", max_pool2d, MaxPool2d, reference=reference.max_pool2d),
+    OpSpec("global_avg_pool2d", global_avg_pool2d, GlobalAvgPool2d,
+           reference=reference.global_avg_pool2d),
+    OpSpec("flatten", flatten, Flatten),
+    OpSpec("squeeze", squeeze, Squeeze),
+    OpSpec("cross_entropy", cross_entropy, CrossEntropy, reference=reference.cross_entropy),
+)

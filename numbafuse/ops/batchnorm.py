@@ -16,14 +16,8 @@ Array-level helpers (for other fused ops, e.g. Conv -> BatchNorm with recompute)
 They take NumPy arrays (CPU kernels) or CUDA device arrays (CUDA kernels; results stay on the
 device), already validated and C-contiguous in ``layout``, and do no autograd:
 
-``check_args(op, x, gamma, beta, z=None, running_mean=None, running_var=None, training=True,
-momentum=0.1, eps=1e-5, layout="NCHW", save="output") -> BatchNormArgs``
-    All validation of a batch-norm call (backend, dtypes, shapes, scalars, running-stat pair,
-    one value per channel in training); raises a named ValueError/TypeError, writes nothing.
-``check_running_stats(op, C, M, running_mean, running_var, training, momentum, eps)
--> (momentum, eps)``
-    The batch-norm state part of it (also used by Conv -> BatchNorm): running statistics,
-    ``training`` a real boolean, the scalars, more than one value per channel in training.
+(Validation is ``validate.batchnorm_args`` and ``validate.running_stats``.)
+
 ``bn_stats(x, eps=1e-5, layout="NCHW") -> (mean, var, invstd)``
     Batch statistics, float64 (C,); var is biased; shifted float64 accumulation.
 ``bn_inference_stats(running_mean, running_var, eps=1e-5) -> (mean, invstd)``
@@ -31,13 +25,13 @@ momentum=0.1, eps=1e-5, layout="NCHW", save="output") -> BatchNormArgs``
 ``bn_apply(x, mean, invstd, gamma, beta, z=None, relu=True, layout="NCHW", with_mask=False)``
     ``y = [relu](gamma * (x - mean) * invstd + beta [+ z])`` in one pass writing y once;
     returns y, or ``(y, mask)`` with ``with_mask`` (mask: packed bits of y > 0, see below).
-``bn_backward(gy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(True,)*4,
-training=True) -> (gx, ggamma, gbeta, gz)``
-    Two passes: reduce ``gbeta = sum g``, ``ggamma = sum g*xhat`` with ``g = gy * (relu open)``,
-    then write ``gx`` and ``gz = g``. ``relu_state`` is y (same shape/dtype as x), a packed mask
-    (uint8, from ``bn_apply(..., with_mask=True)``) or None (no ReLU: ``g = gy``). ``need``
-    says which of (gx, ggamma, gbeta, gz) to compute (the others are None). ``training=False``:
-    mean/invstd are constants (``gx = gamma * invstd * g``).
+``bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(True,)*4,
+training=True) -> (dx, dgamma, dbeta, dz)``
+    Two passes: reduce ``dbeta = sum g``, ``dgamma = sum g*xhat`` with ``g = dy * (relu open)``,
+    then write ``dx`` and ``dz = g``. ``relu_state`` is y (same shape/dtype as x), a packed mask
+    (uint8, from ``bn_apply(..., with_mask=True)``) or None (no ReLU: ``g = dy``). ``need``
+    says which of (dx, dgamma, dbeta, dz) to compute (the others are None). ``training=False``:
+    mean/invstd are constants (``dx = gamma * invstd * g``).
 ``update_running(running_mean, running_var, mean, var, count, momentum)``
     In place, PyTorch's rule: ``r_mean = (1-m) r_mean + m mean``,
     ``r_var = (1-m) r_var + m var * count / (count - 1)``.
@@ -49,141 +43,79 @@ float32 y, 64x than a float64 one.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 
-from .. import _arrays
+from .. import autograd, backend, kernels, reference, validate
 from ..autograd import Function, is_recording
-from ..kernels.cpu import batchnorm as cpu_kernels
+from ..kernels.batchnorm import math as bn_math
+from .spec import OpSpec
 
-SAVE_POLICIES = ("output", "mask")
-MASK_BITS = 8   # elements per byte of the packed mask
-
-_kernels = functools.partial(_arrays.kernels, "batchnorm")   # _kernels(backend): the module
+_kernels = functools.partial(kernels.module, "batchnorm")   # _kernels(which): the module
+mask_nbytes = bn_math.mask_nbytes   # bytes of the packed ReLU mask of ``size`` elements
 
 
-# --------------------------------------------------------------------------- validation
-
-@dataclass(frozen=True)
-class BatchNormArgs:
-    """What :func:`check_args` established about one call."""
-    backend: str
-    dtype: np.dtype
-    layout: str
-    C: int
-    M: int           # values per channel, N*H*W
-    eps: float
+@dataclasses.dataclass(frozen=True)
+class BatchNormParams:
+    """The non-array arguments of a batch norm (see :func:`batchnorm`); the running
+    statistics are arrays updated in place, not tape inputs."""
+    running_mean: object
+    running_var: object
+    training: bool
     momentum: float
+    eps: float
+    layout: str
 
 
-def check_args(op, x, gamma, beta, z=None, running_mean=None, running_var=None, training=True,
-               momentum=0.1, eps=1e-5, layout="NCHW", save="output") -> BatchNormArgs:
-    """Validate a batch-norm(-add-relu) call; a named ValueError/TypeError, nothing written."""
-    if x is None or gamma is None or beta is None:
-        missing = [n for n, a in (("x", x), ("gamma", gamma), ("beta", beta)) if a is None]
-        raise TypeError(f"{op}: {', '.join(missing)} must be an array, got None")
-    backend = _arrays.backend_of(op, x=x, z=z, gamma=gamma, beta=beta,
-                                 running_mean=running_mean, running_var=running_var)
-    dtype = _arrays.check_float_dtypes(op, x=x, z=z, gamma=gamma, beta=beta,
-                                       running_mean=running_mean, running_var=running_var)
-    layout = _arrays.check_layout(op, layout)
-    _arrays.check_ndim(op, "x", x, 4, layout)
-    if min(x.shape) < 1:
-        raise ValueError(f"{op}: x must have no empty dimension, got shape {tuple(x.shape)}")
-    if z is not None:
-        _arrays.check_same_shape(op, "z", z, "x", x)
-    C = x.shape[_arrays.channel_axis(layout)]
-    _arrays.check_vector(op, "gamma", gamma, C)
-    _arrays.check_vector(op, "beta", beta, C)
-    if save not in SAVE_POLICIES:
-        raise ValueError(f"{op}: save must be 'output' or 'mask', got {save!r}")
-    M = int(np.prod(x.shape, dtype=np.int64)) // C
-    momentum, eps = check_running_stats(op, C, M, running_mean, running_var, training,
-                                        momentum, eps)
-    return BatchNormArgs(backend, dtype, layout, C, M, eps, momentum)
-
-
-def check_running_stats(op, C, M, running_mean, running_var, training, momentum, eps):
-    """Validate the batch-norm state of a call: ``(momentum, eps)`` as floats.
-
-    Shared by every op with a batch norm inside (``batchnorm``, ``batchnorm_add_relu``,
-    ``conv_batchnorm_relu``, their NumPy-style backwards): running statistics of shape (C,),
-    given both or neither, required in inference, contiguous when on the device (they are
-    updated in place); ``training`` a real boolean (``"no"`` is not False); ``eps >= 0``,
-    ``momentum`` in [0, 1]; more than one value per channel (``M``) in training. Backend and
-    dtype agreement with the other arrays is the caller's ``backend_of``/``check_float_dtypes``.
-    Raises a named ValueError/TypeError; writes nothing.
-    """
-    _arrays.check_vector(op, "running_mean", running_mean, C)
-    _arrays.check_vector(op, "running_var", running_var, C)
-    eps = _arrays.check_scalar(op, "eps", eps, lo=0.0)
-    momentum = _arrays.check_scalar(op, "momentum", momentum, lo=0.0, hi=1.0)
-    _arrays.check_flag(op, "training", training)
-    if (running_mean is None) != (running_var is None):
-        given = "running_mean" if running_mean is not None else "running_var"
-        raise ValueError(f"{op}: running_mean and running_var go together; only {given} "
-                         f"was given")
-    if not training and running_mean is None:
-        raise ValueError(f"{op}: inference (training=False) needs running_mean and running_var")
-    for name, v in (("running_mean", running_mean), ("running_var", running_var)):
-        if _arrays.is_device_array(v) and not _arrays.as_device_array(v).is_c_contiguous():
-            raise ValueError(f"{op}: {name} must be contiguous on the device "
-                             f"(it is updated in place)")
-    if training and M < 2:
-        raise ValueError(f"{op}: training needs more than one value per channel to "
-                         f"normalise over, got {M}")
-    return momentum, eps
+@dataclasses.dataclass(frozen=True)
+class BatchNormAddReLUParams(BatchNormParams):
+    save: str                   # the ReLU state kept for backward: "output" (y) or "mask"
 
 
 # --------------------------------------------------------------------------- array helpers
 
 def bn_stats(x, eps=1e-5, layout="NCHW"):
     """(mean, var, invstd) of C-contiguous ``x``: float64 (C,), var biased, on x's backend."""
-    return _kernels(_arrays.backend_of("bn_stats", x=x)).stats(x, layout, eps)
+    return _kernels(backend.backend_of("bn_stats", x=x)).stats(x, layout, eps)
 
 
 def bn_inference_stats(running_mean, running_var, eps=1e-5):
     """(mean, invstd) float64 (C,) from the running statistics, on their backend."""
-    backend = _arrays.backend_of("bn_inference_stats", running_mean=running_mean,
+    which = backend.backend_of("bn_inference_stats", running_mean=running_mean,
                                  running_var=running_var)
-    return _kernels(backend).inference_stats(running_mean, running_var, eps)
+    return _kernels(which).inference_stats(running_mean, running_var, eps)
 
 
 def bn_apply(x, mean, invstd, gamma, beta, z=None, relu=True, layout="NCHW", with_mask=False):
     """``y = [relu](gamma*(x - mean)*invstd + beta [+ z])``, and the packed mask if asked."""
-    backend = _arrays.backend_of("bn_apply", x=x, z=z, gamma=gamma, beta=beta)
-    y, mask = _kernels(backend).apply(x, mean, invstd, gamma, beta, z, relu, layout,
+    which = backend.backend_of("bn_apply", x=x, z=z, gamma=gamma, beta=beta)
+    y, mask = _kernels(which).apply(x, mean, invstd, gamma, beta, z, relu, layout,
                                       with_mask)
     return (y, mask) if with_mask else y
 
 
 def _state_kind(relu_state):
     if relu_state is None:
-        return cpu_kernels.STATE_NONE
-    return cpu_kernels.STATE_MASK if np.dtype(relu_state.dtype) == np.uint8 else \
-        cpu_kernels.STATE_Y
+        return bn_math.STATE_NONE
+    return bn_math.STATE_MASK if np.dtype(relu_state.dtype) == np.uint8 else \
+        bn_math.STATE_Y
 
 
-def bn_backward(gy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(True,) * 4,
+def bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(True,) * 4,
                 training=True):
-    """(gx, ggamma, gbeta, gz) of ``[relu](batchnorm(x) [+ z])``; unneeded ones are None."""
-    backend = _arrays.backend_of("bn_backward", gy=gy, x=x, gamma=gamma)
-    return _kernels(backend).backward(gy, x, mean, invstd, gamma, _state_kind(relu_state),
+    """(dx, dgamma, dbeta, dz) of ``[relu](batchnorm(x) [+ z])``; unneeded ones are None."""
+    which = backend.backend_of("bn_backward", dy=dy, x=x, gamma=gamma)
+    return _kernels(which).backward(dy, x, mean, invstd, gamma, _state_kind(relu_state),
                                       relu_state, layout, bool(training), tuple(need))
 
 
 def update_running(running_mean, running_var, mean, var, count, momentum):
     """Update the running statistics in place (PyTorch's momentum rule, unbiased var)."""
-    backend = _arrays.backend_of("update_running", running_mean=running_mean,
+    which = backend.backend_of("update_running", running_mean=running_mean,
                                  running_var=running_var)
-    _kernels(backend).update_running(running_mean, running_var, mean, var, count, momentum)
-
-
-def mask_nbytes(size):
-    """Bytes of the packed ReLU mask of ``size`` elements."""
-    return -(-int(size) // MASK_BITS)
+    _kernels(which).update_running(running_mean, running_var, mean, var, count, momentum)
 
 
 def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentum, eps,
@@ -192,20 +124,20 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
 
     Returns (y, mask, x, mean, invstd, args) with x the C-contiguous array the kernels read.
     """
-    args = check_args(op, x, gamma, beta, z=z, running_mean=running_mean,
-                      running_var=running_var, training=training, momentum=momentum, eps=eps,
-                      layout=layout, save=save)
-    x, gamma, beta = _arrays.contiguous(x), _arrays.contiguous(gamma), _arrays.contiguous(beta)
-    z = None if z is None else _arrays.contiguous(z)
-    kernels = _kernels(args.backend)
+    args = validate.batchnorm_args(op, x, gamma, beta, z=z, running_mean=running_mean,
+                                   running_var=running_var, training=training,
+                                   momentum=momentum, eps=eps, layout=layout, save=save)
+    x, gamma, beta = kernels.contiguous(x), kernels.contiguous(gamma), kernels.contiguous(beta)
+    z = None if z is None else kernels.contiguous(z)
+    impl = _kernels(args.backend)
     if training:
-        mean, var, invstd = kernels.stats(x, args.layout, args.eps)
+        mean, var, invstd = impl.stats(x, args.layout, args.eps)
         if running_mean is not None:
-            kernels.update_running(running_mean, running_var, mean, var, args.M,
+            impl.update_running(running_mean, running_var, mean, var, args.M,
                                    args.momentum)
     else:
-        mean, invstd = kernels.inference_stats(running_mean, running_var, args.eps)
-    y, mask = kernels.apply(x, mean, invstd, gamma, beta, z, relu, args.layout, with_mask)
+        mean, invstd = impl.inference_stats(running_mean, running_var, args.eps)
+    y, mask = impl.apply(x, mean, invstd, gamma, beta, z, relu, args.layout, with_mask)
     return y, mask, x, mean, invstd, args
 
 
@@ -240,30 +172,31 @@ class BatchNormAddReLU(Function):
     not tape inputs.
     """
     name = "batchnorm_add_relu"
+    Params = BatchNormAddReLUParams
 
     # fwd :: (x, z, gamma, beta) -> (y, residuals=(x, mean, invstd, gamma, y | mask))
     def forward(self, x, z, gamma, beta):
+        p = self.params
         needs_grad = any(self.needs_input_grad) and is_recording()
-        with_mask = needs_grad and self.save == "mask"
+        with_mask = needs_grad and p.save == "mask"
         y, mask, x, mean, invstd, args = _forward(
-            self.name, x, z, gamma, beta, self.running_mean, self.running_var, self.training,
-            self.momentum, self.eps, self.layout, relu=True, with_mask=with_mask,
-            save=self.save)
-        self.layout_ = args.layout
-        relu_state = mask if self.save == "mask" else y
-        self.save_for_backward(x=x, mean=mean, invstd=invstd, gamma=_arrays.contiguous(gamma),
-                               **{"mask" if self.save == "mask" else "y": relu_state})
+            self.name, x, z, gamma, beta, p.running_mean, p.running_var, p.training,
+            p.momentum, p.eps, p.layout, relu=True, with_mask=with_mask, save=p.save)
+        self.layout = args.layout
+        relu_state = mask if p.save == "mask" else y
+        self.save_for_backward(x=x, mean=mean, invstd=invstd, gamma=kernels.contiguous(gamma),
+                               **{"mask" if p.save == "mask" else "y": relu_state})
         return y
 
-    # bwd :: (residuals, gy) -> (gx, gz, ggamma, gbeta)
-    def backward(self, gy):
+    # bwd :: (residuals, dy) -> (dx, dz, dgamma, dbeta)
+    def backward(self, dy):
         s = self.saved
-        relu_state = s.mask if self.save == "mask" else s.y
+        relu_state = s.mask if self.params.save == "mask" else s.y
         need_x, need_z, need_gamma, need_beta = self.needs_input_grad
-        gx, ggamma, gbeta, gz = bn_backward(
-            _arrays.contiguous(gy), s.x, s.mean, s.invstd, s.gamma, relu_state, self.layout_,
-            need=(need_x, need_gamma, need_beta, need_z), training=self.training)
-        return gx, gz, ggamma, gbeta
+        dx, dgamma, dbeta, dz = bn_backward(
+            kernels.contiguous(dy), s.x, s.mean, s.invstd, s.gamma, relu_state, self.layout,
+            need=(need_x, need_gamma, need_beta, need_z), training=self.params.training)
+        return dx, dz, dgamma, dbeta
 
 
 class BatchNorm(Function):
@@ -279,24 +212,26 @@ class BatchNorm(Function):
     :class:`BatchNormAddReLU`. Saved: x, mean, invstd, gamma.
     """
     name = "batchnorm"
+    Params = BatchNormParams
 
     # fwd :: (x, gamma, beta) -> (y, residuals=(x, mean, invstd, gamma))
     def forward(self, x, gamma, beta):
+        p = self.params
         y, _, x, mean, invstd, args = _forward(
-            self.name, x, None, gamma, beta, self.running_mean, self.running_var, self.training,
-            self.momentum, self.eps, self.layout, relu=False, with_mask=False)
-        self.layout_ = args.layout
-        self.save_for_backward(x=x, mean=mean, invstd=invstd, gamma=_arrays.contiguous(gamma))
+            self.name, x, None, gamma, beta, p.running_mean, p.running_var, p.training,
+            p.momentum, p.eps, p.layout, relu=False, with_mask=False)
+        self.layout = args.layout
+        self.save_for_backward(x=x, mean=mean, invstd=invstd, gamma=kernels.contiguous(gamma))
         return y
 
-    # bwd :: (residuals, gy) -> (gx, ggamma, gbeta)
-    def backward(self, gy):
+    # bwd :: (residuals, dy) -> (dx, dgamma, dbeta)
+    def backward(self, dy):
         s = self.saved
         need_x, need_gamma, need_beta = self.needs_input_grad
-        gx, ggamma, gbeta, _ = bn_backward(
-            _arrays.contiguous(gy), s.x, s.mean, s.invstd, s.gamma, None, self.layout_,
-            need=(need_x, need_gamma, need_beta, False), training=self.training)
-        return gx, ggamma, gbeta
+        dx, dgamma, dbeta, _ = bn_backward(
+            kernels.contiguous(dy), s.x, s.mean, s.invstd, s.gamma, None, self.layout,
+            need=(need_x, need_gamma, need_beta, False), training=self.params.training)
+        return dx, dgamma, dbeta
 
 
 # --------------------------------------------------------------------------- public functions
@@ -335,15 +270,16 @@ def batchnorm_add_relu(x, z, gamma, beta, *, running_mean=None, running_var=None
     >>> (y > 0).sum(), rm
     (np.int64(4), array([0.35]))
     """
-    return BatchNormAddReLU(running_mean=_arrays.data(running_mean),
-                            running_var=_arrays.data(running_var),
+    return BatchNormAddReLU(running_mean=autograd.unwrap(running_mean),
+                            running_var=autograd.unwrap(running_var),
                             training=training, momentum=momentum, eps=eps, layout=layout,
                             save=save).apply(x, z, gamma, beta)
 
 
-def batchnorm_add_relu_backward(gy, x, z, gamma, beta, running_mean=None, running_var=None,
+def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, running_var=None,
                                 training=True, eps=1e-5, layout="NCHW", *, y=None, mask=None):
-    """(gx, ggamma, gbeta, gz) of :func:`batchnorm_add_relu`, NumPy style (no tape).
+    """(dx, dz, dgamma, dbeta) of :func:`batchnorm_add_relu`, NumPy style (no tape): the
+    gradients in the order of the forward's array arguments (x, z, gamma, beta).
 
     The positional arguments are those of ``numbafuse.reference.batchnorm_add_relu_backward``.
     The batch statistics are recomputed from x (training) or taken from the running statistics
@@ -356,42 +292,44 @@ def batchnorm_add_relu_backward(gy, x, z, gamma, beta, running_mean=None, runnin
     >>> import numpy as np, numbafuse as nf
     >>> x = np.arange(8.0).reshape(2, 1, 2, 2); z = np.zeros_like(x)
     >>> g, b = np.ones(1), np.zeros(1)
-    >>> gx, ggamma, gbeta, gz = nf.batchnorm_add_relu_backward(np.ones_like(x), x, z, g, b)
-    >>> gbeta
+    >>> dx, dz, dgamma, dbeta = nf.batchnorm_add_relu_backward(np.ones_like(x), x, z, g, b)
+    >>> dbeta
     array([4.])
     """
     op = "batchnorm_add_relu_backward"
-    gy, x, z, gamma, beta, running_mean, running_var, y, mask = (
-        _arrays.data(a) for a in (gy, x, z, gamma, beta, running_mean, running_var, y, mask))
+    dy, x, z, gamma, beta, running_mean, running_var, y, mask = (
+        autograd.unwrap(a) for a in (dy, x, z, gamma, beta, running_mean, running_var, y, mask))
     state = mask if mask is not None else y
     if state is None and (z is None or beta is None):
         raise ValueError(f"{op}: without y or mask, z and beta are needed to recompute the "
                          f"ReLU state")
     beta_check = beta if beta is not None else gamma
-    args = check_args(op, x, gamma, beta_check, z=z, running_mean=running_mean,
-                      running_var=running_var, training=training, momentum=0.0, eps=eps,
-                      layout=layout)
-    _arrays.backend_of(op, gy=gy, x=x, y=y, mask=mask)
-    _arrays.check_float_dtypes(op, gy=gy, x=x, y=y)
-    _arrays.check_same_shape(op, "gy", gy, "x", x)
+    args = validate.batchnorm_args(op, x, gamma, beta_check, z=z, running_mean=running_mean,
+                                   running_var=running_var, training=training, momentum=0.0,
+                                   eps=eps, layout=layout)
+    backend.backend_of(op, dy=dy, x=x, y=y, mask=mask)
+    validate.check_float_dtypes(op, dy=dy, x=x, y=y)
+    validate.check_same_shape(op, "dy", dy, "x", x)
     if y is not None:
-        _arrays.check_same_shape(op, "y", y, "x", x)
+        validate.check_same_shape(op, "y", y, "x", x)
     if mask is not None and (np.dtype(mask.dtype) != np.uint8 or tuple(mask.shape) != (
             mask_nbytes(int(np.prod(x.shape))),)):
         raise ValueError(f"{op}: mask must be uint8 of shape "
                          f"({mask_nbytes(int(np.prod(x.shape)))},), got {mask.dtype} "
                          f"{tuple(mask.shape)}")
-    kernels = _kernels(args.backend)
-    x, gamma = _arrays.contiguous(x), _arrays.contiguous(gamma)
+    impl = _kernels(args.backend)
+    x, gamma = kernels.contiguous(x), kernels.contiguous(gamma)
     if training:
-        mean, _, invstd = kernels.stats(x, args.layout, args.eps)
+        mean, _, invstd = impl.stats(x, args.layout, args.eps)
     else:
-        mean, invstd = kernels.inference_stats(running_mean, running_var, args.eps)
+        mean, invstd = impl.inference_stats(running_mean, running_var, args.eps)
     if state is None:
-        state = kernels.apply(x, mean, invstd, gamma, _arrays.contiguous(beta),
-                              _arrays.contiguous(z), True, args.layout, True)[1]
-    return bn_backward(_arrays.contiguous(gy), x, mean, invstd, gamma,
-                       _arrays.contiguous(state), args.layout, training=training)
+        state = impl.apply(x, mean, invstd, gamma, kernels.contiguous(beta),
+                              kernels.contiguous(z), True, args.layout, True)[1]
+    dx, dgamma, dbeta, dz = bn_backward(kernels.contiguous(dy), x, mean, invstd, gamma,
+                                        kernels.contiguous(state), args.layout,
+                                        training=training)
+    return dx, dz, dgamma, dbeta
 
 
 def batchnorm(x, gamma, beta, *, running_mean=None, running_var=None, training=True,
@@ -409,7 +347,15 @@ def batchnorm(x, gamma, beta, *, running_mean=None, running_var=None, training=T
     >>> np.round(nf.batchnorm(x, np.ones(1), np.zeros(1)).ravel(), 3)
     array([-1.342, -0.447,  0.447,  1.342])
     """
-    return BatchNorm(running_mean=_arrays.data(running_mean),
-                            running_var=_arrays.data(running_var),
+    return BatchNorm(running_mean=autograd.unwrap(running_mean),
+                     running_var=autograd.unwrap(running_var),
                      training=training, momentum=momentum, eps=eps,
                      layout=layout).apply(x, gamma, beta)
+
+
+SPECS = (
+    OpSpec("batchnorm", batchnorm, BatchNorm, reference=reference.batchnorm_train),
+    OpSpec("batchnorm_add_relu", batchnorm_add_relu, BatchNormAddReLU,
+           reference=reference.batchnorm_add_relu, backward=batchnorm_add_relu_backward,
+           fuses=("batchnorm", "add", "relu")),
+)

@@ -10,52 +10,66 @@ Public functions (arrays in: an array out; a Tensor in: a Tensor out, on the tap
 
 Array-level helpers for other op families (Conv-BatchNorm recompute, batch-norm folding). They
 take arrays that are already validated, C-contiguous and of one dtype, and a
-``_arrays.ConvGeometry``; NumPy arrays run the Numba CPU kernels (``kernels/cpu/conv.py``),
-device arrays the numba.cuda kernels (``kernels/cuda/conv.py``), and results stay on the
+``validate.ConvGeometry``; NumPy arrays run the Numba CPU kernels (``kernels/conv/cpu.py``),
+device arrays the numba.cuda kernels (``kernels/conv/cuda.py``), and results stay on the
 arrays' device::
 
-    conv_forward(x, w, b, geom, relu) -> y
+    conv_forward(x, w, b, geometry, relu) -> y
         y = relu(conv(x, w) + b); b may be None (no bias); relu a bool.
-    conv_backward(gy, x, w, geom, y=None, need=(True, True, True)) -> (dx, dw, db)
+    conv_backward(dy, x, w, geometry, y=None, need=(True, True, True)) -> (dx, dw, db)
         Gradients of that conv. If y (the forward output) is given, its sign is the ReLU mask:
-        g = gy * (y > 0); otherwise g = gy. db = sum of g over N, P, Q. Only the gradients
+        g = dy * (y > 0); otherwise g = dy. db = sum of g over N, P, Q. Only the gradients
         flagged in need = (dx, dw, db) are computed; the others are None.
 
 Notation: N batch, C input channels, H/W input size, K filters, R/S filter size, P/Q output
 size. Activations are NCHW or NHWC (``layout``); weights are always (K, C, R, S). Gradients:
-``gy`` upstream, ``gx``, ``gw``, ``gb``.
+``dy`` upstream, ``dx``, ``dw``, ``db``.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
-from .. import _arrays
+from .. import autograd, backend, kernels, reference, validate
 from ..autograd import Function
+from .spec import OpSpec
 
-_kernels = functools.partial(_arrays.kernels, "conv")   # _kernels(backend): the module
+_kernels = functools.partial(kernels.module, "conv")   # _kernels(backend): the module
 
 
 # --------------------------------------------------------------------------- array helpers
 
-def conv_forward(x, w, b, geom, relu):
+def conv_forward(x, w, b, geometry, relu):
     """``relu?(conv(x, w) + b?)`` for validated, contiguous arrays (see the module docstring)."""
-    return _kernels(_arrays.backend_of_array(x)).conv_forward(x, w, b, geom, bool(relu))
+    return _kernels(backend.backend_of_array(x)).conv_forward(x, w, b, geometry, bool(relu))
 
 
-def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
+def conv_backward(dy, x, w, geometry, y=None, need=(True, True, True)):
     """``(dx, dw, db)`` of a conv [+ bias] [+ ReLU whose output is ``y``] (module docstring)."""
-    return _kernels(_arrays.backend_of_array(gy)).conv_backward(gy, x, w, geom, y, tuple(need))
+    return _kernels(backend.backend_of_array(dy)).conv_backward(dy, x, w, geometry, y, tuple(need))
 
 
 def _validate_conv(op, x, w, b, stride, padding, dilation, layout):
-    """(geom, x, w, b): everything checked before anything is allocated, then made contiguous."""
-    _arrays.backend_of(op, x=x, w=w, b=b)
-    _arrays.check_float_dtypes(op, x=x, w=w, b=b)
-    geom = _arrays.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
+    """(geometry, x, w, b): everything checked before anything is allocated, then made contiguous."""
+    backend.backend_of(op, x=x, w=w, b=b)
+    validate.check_float_dtypes(op, x=x, w=w, b=b)
+    geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
                                  layout)
-    _arrays.check_vector(op, "b", b, geom.K)
-    b = None if b is None else _arrays.contiguous(b)
-    return geom, _arrays.contiguous(x), _arrays.contiguous(w), b
+    validate.check_vector(op, "b", b, geometry.K)
+    b = None if b is None else kernels.contiguous(b)
+    return geometry, kernels.contiguous(x), kernels.contiguous(w), b
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvParams:
+    """The non-array arguments of a convolution (see :func:`conv2d`)."""
+    stride: object
+    padding: object
+    dilation: object
+    layout: str
+
+    def astuple(self):
+        return (self.stride, self.padding, self.dilation, self.layout)
 
 
 # --------------------------------------------------------------------------- conv2d (unfused)
@@ -66,27 +80,24 @@ class Conv2d(Function):
     .. math::
         y_{nkpq} = \sum_{c,r,s} x_{n,c,p s_h + r d_h - p_h, q s_w + s d_w - p_w}\, w_{kcrs}
 
-        gx = \mathrm{conv\_transpose}(gy, w), \qquad gw = \mathrm{correlate}(x, gy)
+        dx = \mathrm{conv\_transpose}(dy, w), \qquad dw = \mathrm{correlate}(x, dy)
     """
     name = "conv2d"
-
-    def __init__(self, stride=1, padding=0, dilation=1, layout="NCHW"):
-        super().__init__(stride=stride, padding=padding, dilation=dilation, layout=layout)
+    Params = ConvParams
 
     # fwd :: (x, w) -> (y, residuals=(x, w))
     def forward(self, x, w):
-        geom, x, w, _ = _validate_conv(self.name, x, w, None, self.stride, self.padding,
-                                       self.dilation, self.layout)
-        self.geom = geom
+        geometry, x, w, _ = _validate_conv(self.name, x, w, None, *self.params.astuple())
+        self.geometry = geometry
         self.save_for_backward(x=x, w=w)
-        return conv_forward(x, w, None, geom, False)
+        return conv_forward(x, w, None, geometry, False)
 
-    # bwd :: (residuals=(x, w), gy) -> (gx, gw)
-    def backward(self, gy):
+    # bwd :: (residuals=(x, w), dy) -> (dx, dw)
+    def backward(self, dy):
         need_x, need_w = self.needs_input_grad
-        gx, gw, _ = conv_backward(_arrays.contiguous(gy), self.saved.x, self.saved.w, self.geom,
+        dx, dw, _ = conv_backward(kernels.contiguous(dy), self.saved.x, self.saved.w, self.geometry,
                                   None, (need_x, need_w, False))
-        return gx, gw
+        return dx, dw
 
 
 # --------------------------------------------------------------------------- bias_add (unfused)
@@ -95,32 +106,33 @@ class BiasAdd(Function):
     r"""Add a per-channel bias (the unfused baseline).
 
     .. math::
-        y_{nchw} = x_{nchw} + b_c, \qquad gx = gy, \qquad gb_c = \sum_{n,h,w} gy_{nchw}
+        y_{nchw} = x_{nchw} + b_c, \qquad dx = dy, \qquad db_c = \sum_{n,h,w} dy_{nchw}
     """
     name = "bias_add"
 
-    def __init__(self, layout="NCHW"):
-        super().__init__(layout=layout)
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        layout: str
 
     # fwd :: (x, b) -> (y, residuals=())
     def forward(self, x, b):
-        _arrays.backend_of(self.name, x=x, b=b)
-        _arrays.check_float_dtypes(self.name, x=x, b=b)
-        layout = _arrays.check_layout(self.name, self.layout)
-        _arrays.check_ndim(self.name, "x", x, 4, layout)
-        _arrays.check_vector(self.name, "b", b, x.shape[_arrays.channel_axis(layout)])
+        backend.backend_of(self.name, x=x, b=b)
+        validate.check_float_dtypes(self.name, x=x, b=b)
+        layout = validate.check_layout(self.name, self.params.layout)
+        validate.check_ndim(self.name, "x", x, 4, layout)
+        validate.check_vector(self.name, "b", b, x.shape[validate.channel_axis(layout)])
         self.checked_layout = layout
-        x, b = _arrays.contiguous(x), _arrays.contiguous(b)
-        return _kernels(_arrays.backend_of_array(x)).bias_add(x, b, layout)
+        x, b = kernels.contiguous(x), kernels.contiguous(b)
+        return _kernels(backend.backend_of_array(x)).bias_add(x, b, layout)
 
-    # bwd :: gy -> (gx = gy, gb = sum of gy over N, H, W)
-    def backward(self, gy):
-        gx = gy if self.needs_input_grad[0] else None
-        gb = None
+    # bwd :: dy -> (dx = dy, db = sum of dy over N, H, W)
+    def backward(self, dy):
+        dx = dy if self.needs_input_grad[0] else None
+        db = None
         if self.needs_input_grad[1]:
-            gb = _kernels(_arrays.backend_of_array(gy)).channel_sum(_arrays.contiguous(gy),
+            db = _kernels(backend.backend_of_array(dy)).channel_sum(kernels.contiguous(dy),
                                                                     self.checked_layout)
-        return gx, gb
+        return dx, db
 
 
 # --------------------------------------------------------------------------- conv_bias_relu
@@ -133,41 +145,38 @@ class ConvBiasReLU(Function):
     .. math::
         y = \max(\mathrm{conv}(x, w) + b,\ 0)
 
-    Backward, from :math:`gy`, with the ReLU mask read from the *output* y (the
+    Backward, from :math:`dy`, with the ReLU mask read from the *output* y (the
     pre-activation is never stored: :math:`y > 0 \iff \mathrm{conv}(x,w) + b > 0`):
 
     .. math::
-        g = gy \cdot [y > 0], \qquad gb_k = \sum_{n,p,q} g_{nkpq}, \qquad
-        gw = \mathrm{correlate}(x, g), \qquad gx = \mathrm{conv\_transpose}(g, w)
+        g = dy \cdot [y > 0], \qquad db_k = \sum_{n,p,q} g_{nkpq}, \qquad
+        dw = \mathrm{correlate}(x, g), \qquad dx = \mathrm{conv\_transpose}(g, w)
 
-    The mask is applied while g is formed from gy, and gb is summed in that same pass.
+    The mask is applied while g is formed from dy, and db is summed in that same pass.
     Residuals: x, w and y only.
     """
     name = "conv_bias_relu"
+    Params = ConvParams
     relu = True
-
-    def __init__(self, stride=1, padding=0, dilation=1, layout="NCHW"):
-        super().__init__(stride=stride, padding=padding, dilation=dilation, layout=layout)
 
     # fwd :: (x, w, b) -> (y, residuals=(x, w, y))
     def forward(self, x, w, b=None):
-        geom, x, w, b = _validate_conv(self.name, x, w, b, self.stride, self.padding,
-                                       self.dilation, self.layout)
-        self.geom = geom
-        y = conv_forward(x, w, b, geom, self.relu)
+        geometry, x, w, b = _validate_conv(self.name, x, w, b, *self.params.astuple())
+        self.geometry = geometry
+        y = conv_forward(x, w, b, geometry, self.relu)
         self.save_for_backward(x=x, w=w, y=y if self.relu else None)   # y: the ReLU mask
         return y
 
-    # bwd :: (residuals=(x, w, y), gy) -> (gx, gw, gb)
-    def backward(self, gy):
+    # bwd :: (residuals=(x, w, y), dy) -> (dx, dw, db)
+    def backward(self, dy):
         s = self.saved
-        return conv_backward(_arrays.contiguous(gy), s.x, s.w, self.geom, s.y,
+        return conv_backward(kernels.contiguous(dy), s.x, s.w, self.geometry, s.y,
                              self.needs_input_grad)                   # (need x, w, b)
 
 
 class ConvBias(ConvBiasReLU):
     r"""Conv2D -> BiasAdd in one pass, no activation (the remapper's rewrite of
-    conv2d -> bias_add): :math:`y = \mathrm{conv}(x, w) + b`, :math:`g = gy`. Residuals: x, w.
+    conv2d -> bias_add): :math:`y = \mathrm{conv}(x, w) + b`, :math:`g = dy`. Residuals: x, w.
     """
     name = "conv_bias"
     relu = False
@@ -282,16 +291,25 @@ def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, lay
     array([4.])
     """
     op = "conv_bias_relu_backward"
-    dy, x, w, y = (_arrays.data(a) for a in (dy, x, w, y))
-    _arrays.backend_of(op, dy=dy, x=x, w=w, y=y)
-    _arrays.check_float_dtypes(op, dy=dy, x=x, w=w, y=y)
-    geom = _arrays.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
+    dy, x, w, y = (autograd.unwrap(a) for a in (dy, x, w, y))
+    backend.backend_of(op, dy=dy, x=x, w=w, y=y)
+    validate.check_float_dtypes(op, dy=dy, x=x, w=w, y=y)
+    geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
                                  layout)
-    if tuple(y.shape) != geom.y_shape:
+    if tuple(y.shape) != geometry.y_shape:
         raise ValueError(f"{op}: y has shape {tuple(y.shape)}, the conv's output has "
-                         f"{geom.y_shape}")
-    _arrays.check_same_shape(op, "dy", dy, "y", y)
+                         f"{geometry.y_shape}")
+    validate.check_same_shape(op, "dy", dy, "y", y)
     if len(tuple(need)) != 3:
         raise ValueError(f"{op}: need must be three booleans (dx, dw, db), got {need!r}")
-    c = _arrays.contiguous
-    return conv_backward(c(dy), c(x), c(w), geom, c(y), tuple(bool(v) for v in need))
+    c = kernels.contiguous
+    return conv_backward(c(dy), c(x), c(w), geometry, c(y), tuple(bool(v) for v in need))
+
+
+SPECS = (
+    OpSpec("conv2d", conv2d, Conv2d, reference=reference.conv2d),
+    OpSpec("bias_add", bias_add, BiasAdd, reference=reference.bias_add),
+    OpSpec("conv_bias_relu", conv_bias_relu, ConvBiasReLU, reference=reference.conv_bias_relu,
+           backward=conv_bias_relu_backward, fuses=("conv2d", "bias_add", "relu")),
+    OpSpec("conv_bias", conv_bias, ConvBias, fuses=("conv2d", "bias_add")),
+)

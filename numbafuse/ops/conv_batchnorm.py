@@ -11,7 +11,7 @@ Training (``training=True``)::
     saved     x, w, gamma, mean, invstd   (+ beta when relu: the mask is the sign of
               gamma*xhat + beta)          -- NOT h, NOT y: O(K) besides the inputs
     backward  h = conv(x, w) again; y = [relu](gamma*xhat + beta) again (its sign is the mask);
-              (gh, ggamma, gbeta) = batch-norm backward;  (gx, gw) = conv backward of gh
+              (dconv, dgamma, dbeta) = batch-norm backward;  (dx, dw) = conv backward of dconv
 
 ``beta`` (K values) is kept only with the ReLU: the mask is the sign of gamma*xhat + beta, so it
 cannot be rebuilt without it. The Function (not the public function, whose signature is fixed)
@@ -32,30 +32,35 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _arrays
+import dataclasses
+
+from .. import autograd, backend, kernels, reference, validate
 from ..autograd import Function
 from . import batchnorm as _bn
 from . import conv as _conv
+from .batchnorm import BatchNormParams
+from .spec import OpSpec
 
 OP = "conv_batchnorm_relu"
 
 
 # --------------------------------------------------------------------------- validation
 
-def _validate(op, x, w, gamma, beta, running_mean, running_var, training, momentum, eps,
-              stride, padding, dilation, layout):
-    """Everything checked before anything is computed or written; returns (backend, geom)."""
-    backend = _arrays.backend_of(op, x=x, w=w, gamma=gamma, beta=beta,
-                                 running_mean=running_mean, running_var=running_var)
-    _arrays.check_float_dtypes(op, x=x, w=w, gamma=gamma, beta=beta,
-                               running_mean=running_mean, running_var=running_var)
-    geom = _arrays.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding,
-                                 dilation, layout)
-    _arrays.check_vector(op, "gamma", gamma, geom.K)
-    _arrays.check_vector(op, "beta", beta, geom.K)
-    _bn.check_running_stats(op, geom.K, geom.N * geom.P * geom.Q, running_mean, running_var,
-                            training, momentum, eps)
-    return backend, geom
+def _validate(op, x, w, gamma, beta, p):
+    """Everything checked before anything is computed or written: (backend, geometry)."""
+    which = backend.backend_of(op, x=x, w=w, gamma=gamma, beta=beta,
+                               running_mean=p.running_mean, running_var=p.running_var)
+    validate.check_float_dtypes(op, x=x, w=w, gamma=gamma, beta=beta,
+                                running_mean=p.running_mean, running_var=p.running_var)
+    geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), p.stride, p.padding,
+                                      p.dilation, p.layout)
+    validate.check_vector(op, "gamma", gamma, geometry.K)
+    validate.check_vector(op, "beta", beta, geometry.K)
+    validate.check_flag(op, "relu", p.relu)
+    validate.check_flag(op, "recompute", p.recompute)
+    validate.running_stats(op, geometry.K, geometry.N * geometry.P * geometry.Q,
+                           p.running_mean, p.running_var, p.training, p.momentum, p.eps)
+    return which, geometry
 
 
 # --------------------------------------------------------------------------- the Function
@@ -88,76 +93,76 @@ class ConvBatchNormReLU(Function):
 
     name = OP
 
-    def __init__(self, *, running_mean=None, running_var=None, training=True, momentum=0.1,
-                 eps=1e-5, stride=1, padding=0, dilation=1, relu=True, layout="NCHW",
-                 recompute=True):
-        super().__init__(running_mean=running_mean, running_var=running_var,
-                         training=training, momentum=momentum, eps=eps, stride=stride,
-                         padding=padding, dilation=dilation,
-                         relu=_arrays.check_flag(OP, "relu", relu), layout=layout,
-                         recompute=_arrays.check_flag(OP, "recompute", recompute))
+    @dataclasses.dataclass(frozen=True)
+    class Params(BatchNormParams):
+        stride: object
+        padding: object
+        dilation: object
+        relu: bool
+        recompute: bool          # False: keep h and a 1-bit mask instead of recomputing
 
     # fwd :: (x, w, gamma, beta) -> (y, residuals=(x, w, gamma, [beta], mean, invstd))
     #        recompute=False, training: residuals=(x, w, gamma, h, relu_state, mean, invstd)
     #        (relu_state: the packed 1-bit mask of y > 0, or None without ReLU)
     def forward(self, x, w, gamma, beta):
-        backend, geom = _validate(self.name, x, w, gamma, beta, self.running_mean,
-                                  self.running_var, self.training, self.momentum, self.eps,
-                                  self.stride, self.padding, self.dilation, self.layout)
-        x, w, gamma, beta = (_arrays.contiguous(a) for a in (x, w, gamma, beta))
-        self.geom = geom
-        if self.training:
-            h = _conv.conv_forward(x, w, None, geom, False)               # (N,K,P,Q) | NHWC
-            mean, var, invstd = _bn.bn_stats(h, eps=self.eps, layout=geom.layout)  # (K,)
-            keep_h = not self.recompute
-            y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=self.relu, layout=geom.layout,
-                             with_mask=keep_h and self.relu)
-            if self.running_mean is not None:
-                _bn.update_running(self.running_mean, self.running_var, mean, var,
-                                   geom.N * geom.P * geom.Q, self.momentum)
+        p = self.params
+        which, geometry = _validate(self.name, x, w, gamma, beta, p)
+        x, w, gamma, beta = (kernels.contiguous(a) for a in (x, w, gamma, beta))
+        self.geometry = geometry
+        if p.training:
+            h = _conv.conv_forward(x, w, None, geometry, False)           # (N,K,P,Q) | NHWC
+            mean, var, invstd = _bn.bn_stats(h, eps=p.eps, layout=geometry.layout)  # (K,)
+            keep_h = not p.recompute
+            y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu,
+                             layout=geometry.layout, with_mask=keep_h and p.relu)
+            if p.running_mean is not None:
+                _bn.update_running(p.running_mean, p.running_var, mean, var,
+                                   geometry.N * geometry.P * geometry.Q, p.momentum)
             if keep_h:   # trade memory for speed: keep h and a 1-bit ReLU mask, no recompute
-                y, mask = y if self.relu else (y, None)
+                y, mask = y if p.relu else (y, None)
                 self.save_for_backward(x=x, w=w, gamma=gamma, h=h, relu_state=mask, mean=mean,
                                        invstd=invstd)
                 return y
             del h                                                         # never kept
         else:
-            mean, invstd = _bn.bn_inference_stats(_arrays.contiguous(self.running_mean),
-                                                  _arrays.contiguous(self.running_var),
-                                                  eps=self.eps)           # (K,) float64
-            w_folded, b_folded = _fold(backend, w, None, gamma, beta, mean, invstd)
-            y = _conv.conv_forward(x, w_folded, b_folded, geom, self.relu)
-        if self.relu:
+            mean, invstd = _bn.bn_inference_stats(kernels.contiguous(p.running_mean),
+                                                  kernels.contiguous(p.running_var),
+                                                  eps=p.eps)              # (K,) float64
+            w_folded, b_folded = _fold(which, w, None, gamma, beta, mean, invstd)
+            y = _conv.conv_forward(x, w_folded, b_folded, geometry, p.relu)
+        if p.relu:
             self.save_for_backward(x=x, w=w, gamma=gamma, beta=beta, mean=mean, invstd=invstd)
         else:
             self.save_for_backward(x=x, w=w, gamma=gamma, mean=mean, invstd=invstd)
         return y
 
-    # bwd :: (residuals, gy) -> (gx, gw, ggamma, gbeta)
-    def backward(self, gy):
-        s, geom = self.saved, self.geom
+    # bwd :: (residuals, dy) -> (dx, dw, dgamma, dbeta)
+    def backward(self, dy):
+        s, geometry = self.saved, self.geometry
         need_x, need_w, need_gamma, need_beta = self.needs_input_grad
-        gy = _arrays.contiguous(gy)
+        dy = kernels.contiguous(dy)
         if hasattr(s, "h"):                                               # recompute=False
             h, relu_state = s.h, s.relu_state
         else:
-            h = _conv.conv_forward(s.x, s.w, None, geom, False)           # recompute
+            h = _conv.conv_forward(s.x, s.w, None, geometry, False)       # recompute
             relu_state = (_bn.bn_apply(h, s.mean, s.invstd, s.gamma, s.beta, relu=True,
-                                       layout=geom.layout)
-                          if self.relu else None)                         # its sign: the mask
-        gh, ggamma, gbeta, _ = _bn.bn_backward(
-            gy, h, s.mean, s.invstd, s.gamma, relu_state, layout=geom.layout,
-            need=(need_x or need_w, need_gamma, need_beta, False), training=self.training)
+                                       layout=geometry.layout)
+                          if self.params.relu else None)                  # its sign: the mask
+        dconv, dgamma, dbeta, _ = _bn.bn_backward(
+            dy, h, s.mean, s.invstd, s.gamma, relu_state, layout=geometry.layout,
+            need=(need_x or need_w, need_gamma, need_beta, False),
+            training=self.params.training)
         del h, relu_state
-        gx = gw = None
+        dx = dw = None
         if need_x or need_w:
-            gx, gw, _ = _conv.conv_backward(gh, s.x, s.w, geom, None, (need_x, need_w, False))
-        return gx, gw, ggamma, gbeta
+            dx, dw, _ = _conv.conv_backward(dconv, s.x, s.w, geometry, None,
+                                            (need_x, need_w, False))
+        return dx, dw, dgamma, dbeta
 
 
 # --------------------------------------------------------------------------- folding
 
-def _fold(backend, w, b, gamma, beta, mean, invstd):
+def _fold(which, w, b, gamma, beta, mean, invstd):
     """(w', b') with s = gamma*invstd: w' = w*s[k], b' = (b - mean)*s + beta (b may be None).
 
     Batch norm's own apply kernel does both per-channel affine maps, on either backend:
@@ -165,11 +170,11 @@ def _fold(backend, w, b, gamma, beta, mean, invstd):
     """
     K = w.shape[0]
     CRS = int(np.prod(w.shape[1:]))
-    zero_mean = _arrays.zeros(backend, (K,), np.float64)                   # (K,)
-    zero_shift = _arrays.zeros(backend, (K,), w.dtype)                     # (K,)
+    zero_mean = kernels.zeros(which, (K,), np.float64)                   # (K,)
+    zero_shift = kernels.zeros(which, (K,), w.dtype)                     # (K,)
     w_folded = _bn.bn_apply(w.reshape(1, K, CRS, 1), zero_mean, invstd, gamma, zero_shift,
                             relu=False, layout="NCHW").reshape(w.shape)    # gamma*invstd*w
-    bias = _arrays.zeros(backend, (1, K, 1, 1), w.dtype) if b is None else b.reshape(1, K, 1, 1)
+    bias = kernels.zeros(which, (1, K, 1, 1), w.dtype) if b is None else b.reshape(1, K, 1, 1)
     b_folded = _bn.bn_apply(bias, mean, invstd, gamma, beta, relu=False,
                             layout="NCHW").reshape(K)                      # (b-mean)*s + beta
     return w_folded, b_folded
@@ -200,21 +205,21 @@ def fold_batchnorm(w, b, gamma, beta, running_mean, running_var, eps=1e-5):
     """
     op = "fold_batchnorm"
     w, b, gamma, beta, running_mean, running_var = (
-        _arrays.data(a) for a in (w, b, gamma, beta, running_mean, running_var))
-    backend = _arrays.backend_of(op, w=w, b=b, gamma=gamma, beta=beta,
+        autograd.unwrap(a) for a in (w, b, gamma, beta, running_mean, running_var))
+    which = backend.backend_of(op, w=w, b=b, gamma=gamma, beta=beta,
                                  running_mean=running_mean, running_var=running_var)
-    _arrays.check_float_dtypes(op, w=w, b=b, gamma=gamma, beta=beta,
+    validate.check_float_dtypes(op, w=w, b=b, gamma=gamma, beta=beta,
                                running_mean=running_mean, running_var=running_var)
-    _arrays.check_ndim(op, "w", w, 4, "K, C, R, S")
+    validate.check_ndim(op, "w", w, 4, "K, C, R, S")
     K = w.shape[0]
     for name, v in (("b", b), ("gamma", gamma), ("beta", beta), ("running_mean", running_mean),
                     ("running_var", running_var)):
-        _arrays.check_vector(op, name, v, K)
-    _arrays.check_scalar(op, "eps", eps, lo=0.0)
-    w, b, gamma, beta = (None if a is None else _arrays.contiguous(a) for a in (w, b, gamma, beta))
-    mean, invstd = _bn.bn_inference_stats(_arrays.contiguous(running_mean),
-                                          _arrays.contiguous(running_var), eps=eps)
-    return _fold(backend, w, b, gamma, beta, mean, invstd)
+        validate.check_vector(op, name, v, K)
+    validate.check_scalar(op, "eps", eps, lo=0.0)
+    w, b, gamma, beta = (None if a is None else kernels.contiguous(a) for a in (w, b, gamma, beta))
+    mean, invstd = _bn.bn_inference_stats(kernels.contiguous(running_mean),
+                                          kernels.contiguous(running_var), eps=eps)
+    return _fold(which, w, b, gamma, beta, mean, invstd)
 
 
 # --------------------------------------------------------------------------- public functions
@@ -253,16 +258,17 @@ def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=Non
     >>> y.shape, bool((y >= 0).all())
     ((2, 4, 5, 5), True)
     """
-    return ConvBatchNormReLU(running_mean=_arrays.data(running_mean),
-                             running_var=_arrays.data(running_var), training=training,
+    return ConvBatchNormReLU(running_mean=autograd.unwrap(running_mean),
+                             running_var=autograd.unwrap(running_var), training=training,
                              momentum=momentum, eps=eps, stride=stride, padding=padding,
-                             dilation=dilation, relu=relu, layout=layout).apply(x, w, gamma, beta)
+                             dilation=dilation, relu=relu, layout=layout,
+                             recompute=True).apply(x, w, gamma, beta)
 
 
-def conv_batchnorm_relu_backward(gy, x, w, gamma, beta, *, running_mean=None, running_var=None,
+def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, running_var=None,
                                  training=True, eps=1e-5, stride=1, padding=0, dilation=1,
                                  relu=True, layout="NCHW", need=(True, True, True, True)):
-    """``(gx, gw, ggamma, gbeta)`` of :func:`conv_batchnorm_relu`, NumPy style (no tape).
+    """``(dx, dw, dgamma, dbeta)`` of :func:`conv_batchnorm_relu`, NumPy style (no tape).
 
     Recomputes the conv and the batch statistics from ``x`` (training) or uses the running
     statistics (inference), exactly as the tape's backward does. Nothing is written to the
@@ -274,37 +280,45 @@ def conv_batchnorm_relu_backward(gy, x, w, gamma, beta, *, running_mean=None, ru
     >>> import numpy as np, numbafuse as nf
     >>> rng = np.random.default_rng(0)
     >>> x = rng.standard_normal((2, 3, 5, 5)); w = rng.standard_normal((4, 3, 3, 3))
-    >>> gy = np.ones((2, 4, 3, 3))
-    >>> gx, gw, ggamma, gbeta = nf.conv_batchnorm_relu_backward(gy, x, w, np.ones(4),
+    >>> dy = np.ones((2, 4, 3, 3))
+    >>> dx, dw, dgamma, dbeta = nf.conv_batchnorm_relu_backward(dy, x, w, np.ones(4),
     ...                                                         np.zeros(4))
-    >>> gx.shape, gw.shape, ggamma.shape
+    >>> dx.shape, dw.shape, dgamma.shape
     ((2, 3, 5, 5), (4, 3, 3, 3), (4,))
     """
     op = "conv_batchnorm_relu_backward"
-    gy, x, w, gamma, beta, running_mean, running_var = (
-        _arrays.data(a) for a in (gy, x, w, gamma, beta, running_mean, running_var))
-    _, geom = _validate(op, x, w, gamma, beta, running_mean, running_var, training, 0.0, eps,
-                        stride, padding, dilation, layout)
-    _arrays.backend_of(op, gy=gy, x=x)
-    _arrays.check_float_dtypes(op, gy=gy, x=x)
-    if tuple(gy.shape) != geom.y_shape:
-        raise ValueError(f"{op}: gy has shape {tuple(gy.shape)}, expected {geom.y_shape}")
+    dy, x, w, gamma, beta, running_mean, running_var = (
+        autograd.unwrap(a) for a in (dy, x, w, gamma, beta, running_mean, running_var))
+    # the tape's Function, fed the residuals below (the recompute=False form: h is at hand)
+    fn = ConvBatchNormReLU(running_mean=running_mean, running_var=running_var,
+                           training=training, momentum=0.0, eps=eps, stride=stride,
+                           padding=padding, dilation=dilation, relu=relu, layout=layout,
+                           recompute=False)
+    _, geometry = _validate(op, x, w, gamma, beta, fn.params)
+    backend.backend_of(op, dy=dy, x=x)
+    validate.check_float_dtypes(op, dy=dy, x=x)
+    if tuple(dy.shape) != geometry.y_shape:
+        raise ValueError(f"{op}: dy has shape {tuple(dy.shape)}, expected {geometry.y_shape}")
     if not isinstance(need, (tuple, list)) or len(need) != 4:
-        raise ValueError(f"{op}: need must be four booleans (gx, gw, ggamma, gbeta), "
+        raise ValueError(f"{op}: need must be four booleans (dx, dw, dgamma, dbeta), "
                          f"got {need!r}")
-    x, w, gamma, beta, gy = (_arrays.contiguous(a) for a in (x, w, gamma, beta, gy))
-    h = _conv.conv_forward(x, w, None, geom, False)                       # the one conv
+    x, w, gamma, beta, dy = (kernels.contiguous(a) for a in (x, w, gamma, beta, dy))
+    h = _conv.conv_forward(x, w, None, geometry, False)                       # the one conv
     if training:
-        mean, _, invstd = _bn.bn_stats(h, eps=eps, layout=geom.layout)    # (K,) float64
+        mean, _, invstd = _bn.bn_stats(h, eps=eps, layout=geometry.layout)    # (K,) float64
     else:
-        mean, invstd = _bn.bn_inference_stats(_arrays.contiguous(running_mean),
-                                              _arrays.contiguous(running_var), eps=eps)
-    relu_state = (_bn.bn_apply(h, mean, invstd, gamma, beta, relu=True, layout=geom.layout)
+        mean, invstd = _bn.bn_inference_stats(kernels.contiguous(running_mean),
+                                              kernels.contiguous(running_var), eps=eps)
+    relu_state = (_bn.bn_apply(h, mean, invstd, gamma, beta, relu=True, layout=geometry.layout)
                   if relu else None)                                      # y: its sign, the mask
-    # the tape's backward, fed these residuals (the recompute=False form: h is at hand)
-    fn = ConvBatchNormReLU(training=training, eps=eps, stride=stride, padding=padding,
-                           dilation=dilation, relu=relu, layout=layout, recompute=False)
-    fn.geom, fn.needs_input_grad = geom, tuple(bool(n) for n in need)
+    fn.geometry, fn.needs_input_grad = geometry, tuple(bool(n) for n in need)
     fn.save_for_backward(x=x, w=w, gamma=gamma, h=h, relu_state=relu_state, mean=mean,
                          invstd=invstd)
-    return fn.backward(gy)
+    return fn.backward(dy)
+
+
+SPECS = (
+    OpSpec("conv_batchnorm_relu", conv_batchnorm_relu, ConvBatchNormReLU,
+           reference=reference.conv_batchnorm_relu, backward=conv_batchnorm_relu_backward,
+           fuses=("conv2d", "batchnorm", "relu")),
+)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _arrays
+from .. import backend
 from ..autograd import Tensor, no_grad
 
 FULL_MAX_ELEMENTS = 64   # "auto" uses the full check up to this many input elements
@@ -23,7 +23,7 @@ class GradcheckError(AssertionError):
 
 
 def _to_backend(a, device):
-    return _arrays.to_device(a) if device == _arrays.CUDA else a
+    return backend.to_device(a) if device == backend.CUDA else a
 
 
 def _evaluate(fn, values, devices, mask):
@@ -31,7 +31,7 @@ def _evaluate(fn, values, devices, mask):
     args = [Tensor(_to_backend(v, d)) if m else v for v, d, m in zip(values, devices, mask)]
     with no_grad():
         out = fn(*args)
-    return _arrays.to_host(out.data if isinstance(out, Tensor) else out).astype(np.float64)
+    return backend.to_host(out.data if isinstance(out, Tensor) else out).astype(np.float64)
 
 
 def gradcheck(fn, inputs, *, eps=EPS, rtol=RTOL, atol=ATOL, mode="auto", directions=3, seed=0):
@@ -74,7 +74,7 @@ def gradcheck(fn, inputs, *, eps=EPS, rtol=RTOL, atol=ATOL, mode="auto", directi
         if not isinstance(out, Tensor):
             raise TypeError("gradcheck: fn must return a Tensor")
         out.backward(_to_backend(u.astype(out.dtype), out.device))
-        return [(_arrays.to_host(t.grad) if t.grad is not None else np.zeros(t.shape))
+        return [(backend.to_host(t.grad) if t.grad is not None else np.zeros(t.shape))
                 if m else None for t, m in zip(leaves, mask)]
 
     y0 = _evaluate(fn, values, devices, mask)

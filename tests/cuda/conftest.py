@@ -31,7 +31,7 @@ def _cuda_available():
 def small_launches(monkeypatch):
     """Shrink launch sizes (simulator only) so several blocks run on tiny inputs."""
     if SIMULATOR:
-        from numbafuse.kernels.cuda import config
+        from numbafuse.kernels import cuda_config as config
         monkeypatch.setattr(config, "threads", 8)
         monkeypatch.setattr(config, "max_blocks", 3)
         monkeypatch.setattr(config, "reduce_blocks", 3)

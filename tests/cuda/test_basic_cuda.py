@@ -183,7 +183,7 @@ def test_bad_input(call, exc, words):
 def test_cross_entropy_and_linear_with_warp_sized_blocks(threads, monkeypatch):
     # GPU-like block sizes: the one-block loss mean strides unevenly over N = 77 rows (its
     # shared-memory tree over 32/64 threads), linear's tiles grid-stride over 3 blocks
-    from numbafuse.kernels.cuda import config
+    from numbafuse.kernels import cuda_config as config
     monkeypatch.setattr(config, "threads", threads)
     logits = seeded((77, 3), np.float64, 3)
     labels = np.random.default_rng(3).integers(0, 3, 77)

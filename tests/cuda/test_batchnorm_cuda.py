@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from numba import cuda
 
 import numbafuse as nf
+from numbafuse import backend
 from numbafuse import reference as ref
 from numbafuse.ops import batchnorm as bn
 import numbafuse.testing.strategies as nfs
@@ -33,7 +34,7 @@ def test_forward_backward_training_matches_reference(p, dtype):
     dx, dz, dgamma, dbeta, drm, drv = _dev(x, z, gamma, beta, rm, rv)
     y = nf.batchnorm_add_relu(dx, dz, dgamma, dbeta, running_mean=drm, running_var=drv,
                               layout=p.layout)
-    assert nf._arrays.is_device_array(y)
+    assert backend.is_device_array(y)
     np.testing.assert_allclose(y.copy_to_host(), y_ref, **_tol(dtype))
     np.testing.assert_allclose(drm.copy_to_host(), rm_ref, **_tol(dtype))
     np.testing.assert_allclose(drv.copy_to_host(), rv_ref, **_tol(dtype))
@@ -148,7 +149,8 @@ def test_warp_sized_blocks_shuffle_path_and_channel_stride(threads, shuffle, lay
     # warp_shuffles fixture); gridDim.y capped below C, so each block loops over channels and
     # reuses its shared buffers; M = 2*5*7 = 70 values per channel leave the grid-stride loops
     # uneven (threads of a block leave at different iterations).
-    from numbafuse.kernels.cuda import batchnorm as kernels, config
+    from numbafuse.kernels import cuda_config as config
+    from numbafuse.kernels.batchnorm import cuda as kernels
     monkeypatch.setattr(config, "threads", threads)
     monkeypatch.setattr(config, "max_grid_y", 2)
     monkeypatch.setattr(kernels, "USE_SHUFFLE", shuffle)

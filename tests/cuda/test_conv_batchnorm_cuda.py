@@ -10,7 +10,7 @@ import pytest
 from numba import cuda
 
 import numbafuse as nf
-from numbafuse import _arrays
+from numbafuse import backend, validate
 from numbafuse import reference as ref
 
 TOL = {np.float32: dict(rtol=2e-3, atol=2e-3), np.float64: dict(rtol=1e-9, atol=1e-10)}
@@ -39,7 +39,7 @@ def test_training_forward_and_running_stats(dtype, layout, relu):
     rm, rv = _dev(bn["running_mean"], bn["running_var"])
     y = nf.conv_batchnorm_relu(*_dev(x, w, bn["gamma"], bn["beta"]), running_mean=rm,
                                running_var=rv, relu=relu, layout=layout, **GEOMETRY)
-    assert _arrays.is_device_array(y)
+    assert backend.is_device_array(y)
     y_ref, rm_ref, rv_ref = ref.conv_batchnorm_relu(
         x, w, bn["gamma"], bn["beta"], bn["running_mean"], bn["running_var"], True,
         relu=relu, layout=layout, **GEOMETRY)
@@ -68,7 +68,7 @@ def test_tape_backward_on_device():
     y.backward(cuda.to_device(gy))
     expected = ref.conv_batchnorm_relu_backward(gy, *host, **GEOMETRY)
     for t, e in zip(ts, expected):
-        assert _arrays.is_device_array(t.grad)
+        assert backend.is_device_array(t.grad)
         np.testing.assert_allclose(t.grad.copy_to_host(), e, **TOL[np.float64])
     assert nf.saved_bytes(y) == sum(a.nbytes for a in host) + 2 * 3 * 8   # + mean, invstd
 
@@ -140,7 +140,7 @@ def test_sgd_step_on_device_matches_host():
         host.grad, dev.grad = g.copy(), cuda.to_device(g)
         for opt in opts:
             opt.step()
-    assert _arrays.is_device_array(dev.data)
+    assert backend.is_device_array(dev.data)
     np.testing.assert_allclose(dev.data.copy_to_host(), host.data, rtol=1e-12)
 
 
@@ -151,7 +151,7 @@ def test_sgd_device_momentum_buffer_is_a_copy_of_the_gradient():
     p.grad = cuda.to_device(np.full(3, 2.0))
     opt.step()
     buf = opt.momentum_buffers[0]
-    assert buf is not p.grad and _arrays.is_device_array(buf)
+    assert buf is not p.grad and backend.is_device_array(buf)
     p.grad.copy_to_device(np.full(3, 100.0))           # the gradient changed in place
     np.testing.assert_array_equal(buf.copy_to_host(), 2.0)
 
@@ -168,7 +168,7 @@ def test_module_to_cuda_train_step_matches_host():
     rng = np.random.default_rng(4)
     x, y = rng.standard_normal((2, 1, 4, 4)), np.array([0, 2])
     host, dev = model(), model().to("cuda")
-    assert dev.device == "cuda" and _arrays.is_device_array(dev[0].running_mean)
+    assert dev.device == "cuda" and backend.is_device_array(dev[0].running_mean)
     for m, xb, yb in ((host, x, y), (dev, cuda.to_device(x), cuda.to_device(y))):
         train_step(m, optim.SGD(m.parameters(), lr=0.1), xb, yb)
     for (name, a), (_, b) in zip(host.state_dict().items(), dev.state_dict().items()):
@@ -180,5 +180,5 @@ def test_module_to_cuda_moves_a_reassigned_buffer():
     bn = nn.BatchNorm2d(2, dtype=np.float64)
     bn.running_mean = np.full(2, 3.0)                  # reassigned: still a buffer
     bn.to("cuda")
-    assert _arrays.is_device_array(bn.running_mean)
+    assert backend.is_device_array(bn.running_mean)
     np.testing.assert_array_equal(bn.running_mean.copy_to_host(), 3.0)

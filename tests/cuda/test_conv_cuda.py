@@ -11,7 +11,7 @@ from numba import cuda
 
 import numbafuse as nf
 import numbafuse.testing.strategies as nfs
-from numbafuse import _arrays
+from numbafuse import backend, validate
 from numbafuse import reference as ref
 
 TOL = {np.float32: dict(rtol=1e-4, atol=1e-4), np.float64: dict(rtol=1e-10, atol=1e-12)}
@@ -20,7 +20,7 @@ TINY = dict(max_batch=2, max_channels=3, max_size=5, max_kernel=3)
 
 
 def close(actual, expected, dtype):
-    assert _arrays.is_device_array(actual), "the result left the device"
+    assert backend.is_device_array(actual), "the result left the device"
     np.testing.assert_allclose(actual.copy_to_host(), expected, **TOL[np.dtype(dtype).type])
 
 
@@ -132,7 +132,7 @@ def test_mixed_host_and_device_is_refused():
 def test_warp_sized_blocks_over_many_tiles(threads, layout, dtype, monkeypatch):
     # A GPU's block sizes (32/64 threads own several tile elements each) with more output tiles
     # than blocks (grid-stride over tiles), K over two tiles, uneven dw/db splits of M = 2*3*4
-    from numbafuse.kernels.cuda import config
+    from numbafuse.kernels import cuda_config as config
     monkeypatch.setattr(config, "threads", threads)
     rng = np.random.default_rng(21)
     shape = (2, 3, 6, 7) if layout == "NCHW" else (2, 6, 7, 3)

@@ -1,10 +1,10 @@
-"""Validation, dispatch and conv geometry (numbafuse/_arrays.py)."""
+"""Validation, dispatch and conv geometry (numbafuse/validate.py)."""
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from numbafuse import _arrays, reference
+from numbafuse import backend, kernels, reference, validate
 
 
 @given(size=st.integers(1, 20), k=st.integers(1, 5), stride=st.integers(1, 3),
@@ -15,10 +15,10 @@ def test_geometry_matches_the_reference_padding_rule(size, k, stride, dilation, 
     out = (size + begin + end - dilation * (k - 1) - 1) // stride + 1
     if out < 1:
         with pytest.raises(ValueError, match="output size"):
-            _arrays.conv_geometry("op", (1, 1, size, size), (1, 1, k, k), stride, padding,
+            validate.conv_geometry("op", (1, 1, size, size), (1, 1, k, k), stride, padding,
                                   dilation)
         return
-    g = _arrays.conv_geometry("op", (1, 1, size, size), (1, 1, k, k), stride, padding, dilation)
+    g = validate.conv_geometry("op", (1, 1, size, size), (1, 1, k, k), stride, padding, dilation)
     assert (g.ph, g.ph_end, g.pw, g.pw_end) == (begin, end, begin, end)
     assert (g.P, g.Q) == (out, out)
     if padding == "same":
@@ -26,7 +26,7 @@ def test_geometry_matches_the_reference_padding_rule(size, k, stride, dilation, 
 
 
 def test_geometry_layouts_and_shapes():
-    g = _arrays.conv_geometry("op", (2, 5, 6, 3), (4, 3, 3, 1), 1, (1, 0), 1, "NHWC")
+    g = validate.conv_geometry("op", (2, 5, 6, 3), (4, 3, 3, 1), 1, (1, 0), 1, "NHWC")
     assert (g.N, g.C, g.H, g.W, g.K, g.R, g.S, g.P, g.Q) == (2, 3, 5, 6, 4, 3, 1, 5, 6)
     assert g.x_shape == (2, 5, 6, 3) and g.y_shape == (2, 5, 6, 4) and g.w_shape == (4, 3, 3, 1)
     assert g.flops == 2 * 2 * 4 * 5 * 6 * 3 * 3 * 1
@@ -49,54 +49,54 @@ def test_geometry_errors_name_the_op_and_argument(kwargs, exc, match):
                 layout="NCHW")
     args.update(kwargs)
     with pytest.raises(exc, match=match) as info:
-        _arrays.conv_geometry("conv2d", args.pop("x_shape"), args.pop("w_shape"), **args)
+        validate.conv_geometry("conv2d", args.pop("x_shape"), args.pop("w_shape"), **args)
     assert str(info.value).startswith("conv2d: ")
 
 
 def test_dtypes():
     f32, f64 = np.zeros(2, np.float32), np.zeros(2, np.float64)
-    assert _arrays.check_float_dtypes("op", a=f32, b=None, c=f32) == np.float32
+    assert validate.check_float_dtypes("op", a=f32, b=None, c=f32) == np.float32
     with pytest.raises(TypeError, match="op: b is float64 but a is float32"):
-        _arrays.check_float_dtypes("op", a=f32, b=f64)
+        validate.check_float_dtypes("op", a=f32, b=f64)
     with pytest.raises(TypeError, match="op: a must be float32 or float64, got int64"):
-        _arrays.check_float_dtypes("op", a=np.zeros(2, np.int64))
+        validate.check_float_dtypes("op", a=np.zeros(2, np.int64))
 
 
 def test_backend_of():
-    assert _arrays.backend_of("op", x=np.zeros(1), b=None) == "cpu"
+    assert backend.backend_of("op", x=np.zeros(1), b=None) == "cpu"
     with pytest.raises(TypeError, match="op: x must be a NumPy array"):
-        _arrays.backend_of("op", x=[1.0, 2.0])
+        backend.backend_of("op", x=[1.0, 2.0])
 
 
 def test_scalars_and_vectors():
-    assert _arrays.check_scalar("bn", "momentum", 0.5, 0, 1) == 0.5
+    assert validate.check_scalar("bn", "momentum", 0.5, 0, 1) == 0.5
     with pytest.raises(ValueError, match=r"bn: momentum must lie in \[0, 1\]"):
-        _arrays.check_scalar("bn", "momentum", 1.5, 0, 1)
+        validate.check_scalar("bn", "momentum", 1.5, 0, 1)
     with pytest.raises(ValueError, match="bn: eps must lie in"):
-        _arrays.check_scalar("bn", "eps", float("nan"), 0)
+        validate.check_scalar("bn", "eps", float("nan"), 0)
     with pytest.raises(TypeError, match="bn: eps must be a real number"):
-        _arrays.check_scalar("bn", "eps", "small", 0)
+        validate.check_scalar("bn", "eps", "small", 0)
     with pytest.raises(ValueError, match=r"bn: gamma must have shape \(3,\)"):
-        _arrays.check_vector("bn", "gamma", np.zeros(4), 3)
+        validate.check_vector("bn", "gamma", np.zeros(4), 3)
 
 
 def test_contiguous_keeps_zero_d_and_copies_views_once():
-    assert _arrays.contiguous(np.array(1.0)).shape == ()
+    assert kernels.contiguous(np.array(1.0)).shape == ()
     a = np.zeros((4, 3)).T
-    c = _arrays.contiguous(a)
+    c = kernels.contiguous(a)
     assert c.flags.c_contiguous and np.shares_memory(a, a) and not np.shares_memory(a, c)
     b = np.zeros((2, 2))
-    assert _arrays.contiguous(b) is b
+    assert kernels.contiguous(b) is b
 
 
-def test_data_unwraps_a_tensor_and_passes_anything_else():
-    from numbafuse import Tensor
+def test_unwrap_takes_a_tensors_array_and_passes_anything_else():
+    from numbafuse import Tensor, autograd
     a = np.ones(3)
-    assert _arrays.data(Tensor(a)) is a
-    assert _arrays.data(a) is a and _arrays.data(None) is None
+    assert autograd.unwrap(Tensor(a)) is a
+    assert autograd.unwrap(a) is a and autograd.unwrap(None) is None
 
 
 def test_backend_of_names_what_it_accepts():
     with pytest.raises(TypeError, match=r"^op: x must be a NumPy array or a CUDA array, "
                                         r"got list$"):
-        _arrays.backend_of("op", x=[1.0])
+        backend.backend_of("op", x=[1.0])

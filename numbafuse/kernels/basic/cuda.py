@@ -2,7 +2,7 @@
 cross_entropy.
 
 The host-side functions at the bottom have the same names and arguments as those of
-``kernels/cpu/basic.py``; they take C-contiguous device arrays of one float dtype and return
+``kernels/basic/cpu.py``; they take C-contiguous device arrays of one float dtype and return
 device arrays (no host round trip, except the one-integer label check of cross_entropy).
 
 Activations are flat ``(n,)`` buffers addressed through element strides ``(sN, sC, sH, sW)``,
@@ -19,9 +19,10 @@ from numba import float64, int32, int64, uint8
 
 from ...cuda import numba_cuda as cuda
 
-from .. import basic_math, scalar
-from . import config
-from .reduce import block_sum
+from .. import cuda_config as config
+from .. import scalar
+from ..cuda_reduce import block_sum
+from . import math as basic_math
 
 BLOCK = config.BLOCK
 TILE = config.TILE

@@ -13,27 +13,27 @@ reduces in shared memory (or with warp shuffles on a real GPU) and writes one pa
 order. The result depends on ``config.reduce_blocks``/``config.threads``
 (the partition), never on scheduling.
 
-Relu state codes for the backward are those of the CPU module: ``STATE_NONE``, ``STATE_Y``
+Relu state codes for the backward (``math.py``, shared with the CPU kernels): ``STATE_NONE``, ``STATE_Y``
 (open where y > 0), ``STATE_MASK`` (packed bits, bit ``j % 8`` of byte ``j // 8``).
 
-Host-level entry points (same as ``kernels/cpu/batchnorm.py``): :func:`stats`,
+Host-level entry points (same as ``kernels/batchnorm/cpu.py``): :func:`stats`,
 :func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`.
 """
 import numpy as np
 from numba import boolean, float64, int64, uint8
 
-from ... import _arrays
+from ... import backend
+from ... import kernels
 from ...cuda import SIMULATOR, numba_cuda as cuda
-from .. import batchnorm_math as bm
+from . import math as bm
+from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from .. import scalar
 from ..scalar import cuda_scalar
-from . import config
+from .. import cuda_config as config
 
 BLOCK = config.BLOCK
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
-BITS = 8                 # mask bits per byte
-STATE_NONE, STATE_Y, STATE_MASK = 0, 1, 2
 # Warp shuffles on a real GPU only; the simulator takes the shared-memory tree.
 USE_SHUFFLE = not SIMULATOR
 
@@ -297,8 +297,8 @@ def inference_stats(running_mean, running_var, eps):
     C = running_mean.shape[0]
     mean, invstd = cuda.device_array(C, np.float64), cuda.device_array(C, np.float64)
     blocks, threads = config.grid_1d(C)
-    _inference_stats[blocks, threads](_arrays.contiguous(running_mean),
-                                      _arrays.contiguous(running_var), float(eps),
+    _inference_stats[blocks, threads](kernels.contiguous(running_mean),
+                                      kernels.contiguous(running_var), float(eps),
                                       mean, invstd)
     return mean, invstd
 
@@ -306,13 +306,9 @@ def inference_stats(running_mean, running_var, eps):
 def update_running(running_mean, running_var, mean, var, count, momentum):
     """In place on the device (contiguous running statistics)."""
     blocks, threads = config.grid_1d(mean.shape[0])
-    _update_running[blocks, threads](_arrays.as_device_array(running_mean),
-                                     _arrays.as_device_array(running_var), mean, var,
+    _update_running[blocks, threads](backend.as_device_array(running_mean),
+                                     backend.as_device_array(running_var), mean, var,
                                      float(count), float(momentum))
-
-
-def mask_nbytes(size):
-    return -(-size // BITS)
 
 
 def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):

@@ -1,7 +1,7 @@
 """CPU kernels of the unfused ops: relu, linear, max_pool2d, global_avg_pool2d, cross_entropy.
 
 Every function here takes C-contiguous arrays of one float dtype (``ops/basic.py`` validates and
-normalises) and returns new arrays. ``kernels/cuda/basic.py`` has the same functions, with the
+normalises) and returns new arrays. ``kernels/basic/cuda.py`` has the same functions, with the
 same names and arguments, for device arrays: ``ops/basic.py`` picks one module per call.
 
 Activations are handled as flat ``(n,)`` buffers addressed through *element strides*
@@ -9,7 +9,7 @@ Activations are handled as flat ``(n,)`` buffers addressed through *element stri
 
 Scalar math shared with the CUDA kernels is written once, as plain Python, in
 ``kernels/basic_math.py`` and wrapped per target (``scalar.cpu_scalar`` here,
-``scalar.cuda_scalar`` in ``kernels/cuda/basic.py``).
+``scalar.cuda_scalar`` in ``kernels/basic/cuda.py``).
 
 Notation: N batch, C channels, H/W input height/width, P/Q pooled height/width,
 kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
@@ -17,8 +17,9 @@ kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 import numpy as np
 from numba import prange
 
-from .. import basic_math, scalar
-from ._launch import parallel_kernel
+from .. import scalar
+from ..parallel import parallel_kernel
+from . import math as basic_math
 
 _relu = scalar.cpu_scalar(scalar.relu)
 _relu_grad = scalar.cpu_scalar(scalar.relu_grad)

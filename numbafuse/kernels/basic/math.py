@@ -1,7 +1,7 @@
 """Scalar math of the unfused basic ops, shared by the CPU and the CUDA kernels.
 
-Plain Python (no decorators): ``kernels/cpu/basic.py`` wraps these with
-``scalar.cpu_scalar``, ``kernels/cuda/basic.py`` with ``scalar.cuda_scalar``.
+Plain Python (no decorators): ``kernels/basic/cpu.py`` wraps these with
+``scalar.cpu_scalar``, ``kernels/basic/cuda.py`` with ``scalar.cuda_scalar``.
 """
 import math
 

@@ -23,11 +23,11 @@ from numba import float64, types
 
 from ...cuda import numba_cuda as cuda
 
-from .. import conv_math
+from . import math as conv_math
 from ..scalar import cuda_scalar, relu as _relu_math, relu_grad as _relu_grad_math
-from . import config
-from .elementwise import fill
-from .reduce import block_sum
+from .. import cuda_config as config
+from ..cuda_reduce import block_sum
+from ..elementwise.cuda import fill
 
 TILE = config.TILE
 BLOCK = config.BLOCK

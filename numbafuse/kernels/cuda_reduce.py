@@ -5,7 +5,7 @@ order of additions depends only on the block size, never on timing, so a result 
 for bit. It is the portable path; the batch-norm kernels also have a warp-shuffle path for
 real GPUs.
 """
-from ...cuda import numba_cuda as cuda
+from ..cuda import numba_cuda as cuda
 
 
 @cuda.jit(device=True, inline=True)

@@ -37,19 +37,18 @@ import tracemalloc
 import numpy as np
 from numba import njit, prange
 
-from .. import batchnorm_math as bm
-from ._launch import parallel_kernel
+from ..parallel import parallel_kernel
+from . import math as bm
+from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from .. import scalar
 from ..scalar import cpu_scalar
 
 CHUNK = 1 << 14          # elements per parallel task of the elementwise passes; multiple of 8
 REDUCE_CHUNK = 1 << 15   # elements per parallel task of the NHWC reductions (rows = this // C)
-BITS = 8                 # mask bits per byte
 # Reductions may be reassociated (vectorised): the compiled order is fixed, so still
 # deterministic; NaN/Inf semantics are kept (no 'nnan'/'ninf').
 REDUCE_FASTMATH = {"reassoc", "contract"}
 
-STATE_NONE, STATE_Y, STATE_MASK = 0, 1, 2
 
 _relu = cpu_scalar(scalar.relu)
 _finalize_mean = cpu_scalar(bm.finalize_mean)
@@ -530,11 +529,6 @@ class OutputCache:
 
 
 output_cache = OutputCache()
-
-
-def mask_nbytes(size):
-    """Bytes of the packed ReLU mask of ``size`` elements."""
-    return -(-size // BITS)
 
 
 def _rows(x, layout):

@@ -21,7 +21,7 @@ max_grid_y = 65535   # hardware limit of gridDim.y; kernels with a y grid stride
 def block_threads() -> int:
     """``threads``, checked: the block reductions need a power of two no larger than BLOCK."""
     if threads < 1 or threads > BLOCK or threads & (threads - 1):
-        raise ValueError(f"kernels.cuda.config: threads must be a power of two <= {BLOCK}, "
+        raise ValueError(f"kernels.cuda_config: threads must be a power of two <= {BLOCK}, "
                          f"got {threads}")
     return threads
 

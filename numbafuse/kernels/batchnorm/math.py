@@ -1,7 +1,7 @@
 r"""Scalar math of batch norm (-> add -> ReLU), shared by the CPU and the CUDA kernels.
 
-Plain Python, no decorators: ``kernels/cpu/batchnorm.py`` wraps these with
-:func:`numbafuse.kernels.scalar.cpu_scalar`, ``kernels/cuda/batchnorm.py`` with
+Plain Python, no decorators: ``kernels/batchnorm/cpu.py`` wraps these with
+:func:`numbafuse.kernels.scalar.cpu_scalar`, ``kernels/batchnorm/cuda.py`` with
 :func:`~numbafuse.kernels.scalar.cuda_scalar`. Every per-channel quantity (mean, invstd, the
 backward coefficients) is float64. The CUDA kernels evaluate the per-element formulas in
 float64 too, rounding once on the store (``x - mean`` is where a float32 computation would lose
@@ -16,6 +16,17 @@ Statistics are accumulated *shifted*: with ``shift`` one value of the channel,
 variance ``(s2 - s1**2/M)/M`` does not cancel catastrophically when ``|mean| >> std``.
 """
 import math
+
+# The ReLU state a backward reads (``state_kind``), shared by the CPU and CUDA kernels and the
+# ops layer: none (plain batch norm), the forward output y (open where y > 0), or the packed
+# 1-bit mask (bit ``j % 8`` of byte ``j // 8`` is set where the flat element j of y is > 0).
+STATE_NONE, STATE_Y, STATE_MASK = 0, 1, 2
+BITS = 8                 # mask bits per byte
+
+
+def mask_nbytes(size):
+    """Bytes of the packed ReLU mask of ``size`` elements: ceil(size / 8)."""
+    return -(-int(size) // BITS)
 
 
 def finalize_mean(s1, shift, count):

@@ -1,8 +1,8 @@
-"""Host/device dispatch, dtype and layout validation, and convolution geometry.
+"""Argument checks and geometry: pure functions, each error naming the op and the argument.
 
-Every public op calls into this module before any kernel runs, so that bad input is refused
-with a message naming the op and the argument, *before* anything is written (running
-statistics included).
+Every public op calls into this module before any kernel runs, so bad input is refused with a
+message such as ``conv_bias_relu: w has 5 input channels, x has 3`` *before* anything is
+written (running statistics included).
 
 Notation used in shape comments across the package:
 
@@ -11,106 +11,18 @@ Notation used in shape comments across the package:
 """
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import backend
+
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 LAYOUTS = ("NCHW", "NHWC")
 
-CPU = "cpu"
-CUDA = "cuda"
 
-
-# --------------------------------------------------------------------------- host / device
-
-def is_device_array(a) -> bool:
-    """True for numba device arrays (real or simulated) and ``__cuda_array_interface__`` objects."""
-    return bool(getattr(a, "__cuda_ndarray__", False)) or hasattr(a, "__cuda_array_interface__")
-
-
-def _cuda():
-    from . import cuda  # the CUDA backend, imported lazily: the CPU path never needs numba-cuda
-
-    return cuda
-
-
-def as_device_array(a):
-    """A numba device array viewing ``a`` (zero-copy for ``__cuda_array_interface__`` objects)."""
-    if getattr(a, "__cuda_ndarray__", False):
-        return a
-    return _cuda().as_device_array(a)
-
-
-def data(a):
-    """A ``Tensor``'s array (its ``.data``); anything else (an array, ``None``) as it is.
-
-    Public functions call it on every array argument that is not a tape input (running
-    statistics, the arrays of NumPy-style backwards, batch-norm folding), so a Tensor is
-    accepted wherever an array is. Tape inputs are left to ``Function.apply``, which unwraps
-    them itself and records the op.
-    """
-    from .autograd import Tensor  # lazily: autograd imports this module
-
-    return a.data if isinstance(a, Tensor) else a
-
-
-def backend_of(op: str, **arrays) -> str:
-    """``"cpu"`` or ``"cuda"`` for the arrays of one call (``None`` entries are ignored).
-
-    Raises ``TypeError`` when host and device arrays are mixed or an argument is not an array.
-    """
-    host, device = [], []
-    for name, a in arrays.items():
-        if a is None:
-            continue
-        if is_device_array(a):
-            device.append(name)
-        elif isinstance(a, np.ndarray):
-            host.append(name)
-        else:
-            raise TypeError(
-                f"{op}: {name} must be a NumPy array or a CUDA array, got {type(a).__name__}")
-    if host and device:
-        raise TypeError(
-            f"{op}: cannot mix host and device arrays ({', '.join(host)} on the host, "
-            f"{', '.join(device)} on the device)")
-    return CUDA if device else CPU
-
-
-def backend_of_array(a) -> str:
-    """The backend of one array already validated by :func:`backend_of`."""
-    return CPU if isinstance(a, np.ndarray) else CUDA
-
-
-def kernels(family: str, backend: str):
-    """The kernel module of an op family on ``backend``: ``numbafuse.kernels.cpu.<family>``
-    or ``numbafuse.kernels.cuda.<family>`` (the same function names on both; the CUDA one is
-    imported only when a device array comes, so CPU users never need numba-cuda).
-    """
-    return importlib.import_module(f"{__package__}.kernels.{backend}.{family}")
-
-
-def to_host(a) -> np.ndarray:
-    if isinstance(a, np.ndarray):
-        return a
-    return _cuda().to_host(a)
-
-
-def to_device(a):
-    if is_device_array(a):
-        return as_device_array(a)
-    return _cuda().to_device(_host_contiguous(np.asarray(a)))
-
-
-def _host_contiguous(a: np.ndarray) -> np.ndarray:
-    # np.ascontiguousarray would turn a 0-d array into a 1-d one
-    return a if a.flags.c_contiguous else np.array(a, order="C")
-
-
-# --------------------------------------------------------------------------- dtype / rank
+# --------------------------------------------------------------------------- dtype / rank / values
 
 def check_float_dtypes(op: str, **arrays) -> np.dtype:
     """The one floating dtype (float32 or float64) shared by all non-``None`` arrays."""
@@ -192,21 +104,20 @@ def check_flag(op: str, name: str, value) -> bool:
     return bool(value)
 
 
-# --------------------------------------------------------------------------- contiguity
-
-def contiguous(a):
-    """``a`` as a C-contiguous array on its own device (one copy at most)."""
-    if isinstance(a, np.ndarray):
-        return _host_contiguous(a)
-    d = as_device_array(a)
-    if d.is_c_contiguous():
-        return d
-    from .kernels.cuda.elementwise import contiguous_copy
-
-    return contiguous_copy(d)
+def check_writable(op: str, name: str, a) -> None:
+    """A host array the op updates in place must be writable."""
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        raise ValueError(f"{op}: {name} is read-only, but it is updated in place")
 
 
-# --------------------------------------------------------------------------- geometry
+def check_device_contiguous(op: str, name: str, a) -> None:
+    """A device array the op updates in place must be C-contiguous (a host one is copied
+    back through its view)."""
+    if backend.is_device_array(a) and not backend.as_device_array(a).is_c_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous on the device "
+                         f"(it is updated in place)")
+
+# --------------------------------------------------------------------------- convolution geometry
 
 def pair(op: str, name: str, value, minimum: int) -> tuple:
     """``value`` (an int or an ``(h, w)`` pair) as a pair of ints ``>= minimum``."""
@@ -323,28 +234,136 @@ def conv_geometry(op: str, x_shape, w_shape, stride=1, padding=0, dilation=1,
                         layout)
 
 
-# --------------------------------------------------------------------------- allocation
+# --------------------------------------------------------------------------- batch norm
 
-def copy(a):
-    """A fresh copy of ``a`` on its own device."""
-    if isinstance(a, np.ndarray):
-        return a.copy()
-    out = _cuda().device_array(a.shape, a.dtype)
-    out.copy_to_device(as_device_array(a))
-    return out
-
-
-def empty_like_backend(backend: str, shape, dtype):
-    if backend == CPU:
-        return np.empty(shape, dtype)
-    return _cuda().device_array(shape, dtype)
+@dataclass(frozen=True)
+class BatchNormArgs:
+    """What :func:`batchnorm_args` established about one call."""
+    backend: str
+    dtype: np.dtype
+    layout: str
+    C: int
+    M: int           # values per channel, N*H*W
+    eps: float
+    momentum: float
 
 
-def zeros(backend: str, shape, dtype):
-    if backend == CPU:
-        return np.zeros(shape, dtype)
-    from .kernels.cuda.elementwise import fill
+SAVE_POLICIES = ("output", "mask")
 
-    out = _cuda().device_array(shape, dtype)
-    fill(out, 0.0)
-    return out
+
+def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=None,
+                   training=True, momentum=0.1, eps=1e-5, layout="NCHW", save="output"
+                   ) -> BatchNormArgs:
+    """Validate a batch-norm(-add-relu) call; a named ValueError/TypeError, nothing written."""
+    if x is None or gamma is None or beta is None:
+        missing = [n for n, a in (("x", x), ("gamma", gamma), ("beta", beta)) if a is None]
+        raise TypeError(f"{op}: {', '.join(missing)} must be an array, got None")
+    which = backend.backend_of(op, x=x, z=z, gamma=gamma, beta=beta,
+                               running_mean=running_mean, running_var=running_var)
+    dtype = check_float_dtypes(op, x=x, z=z, gamma=gamma, beta=beta,
+                               running_mean=running_mean, running_var=running_var)
+    layout = check_layout(op, layout)
+    check_ndim(op, "x", x, 4, layout)
+    if min(x.shape) < 1:
+        raise ValueError(f"{op}: x must have no empty dimension, got shape {tuple(x.shape)}")
+    if z is not None:
+        check_same_shape(op, "z", z, "x", x)
+    C = x.shape[channel_axis(layout)]
+    check_vector(op, "gamma", gamma, C)
+    check_vector(op, "beta", beta, C)
+    if save not in SAVE_POLICIES:
+        raise ValueError(f"{op}: save must be 'output' or 'mask', got {save!r}")
+    M = int(np.prod(x.shape, dtype=np.int64)) // C
+    momentum, eps = running_stats(op, C, M, running_mean, running_var, training, momentum, eps)
+    return BatchNormArgs(which, dtype, layout, C, M, eps, momentum)
+
+
+def running_stats(op, C, M, running_mean, running_var, training, momentum, eps):
+    """Validate the batch-norm state of a call: ``(momentum, eps)`` as floats.
+
+    Shared by every op with a batch norm inside (``batchnorm``, ``batchnorm_add_relu``,
+    ``conv_batchnorm_relu``, their NumPy-style backwards): running statistics of shape (C,),
+    given both or neither, required in inference, writable (and contiguous when on the device:
+    they are updated in place); ``training`` a real boolean (``"no"`` is not False);
+    ``eps >= 0``, ``momentum`` in [0, 1]; more than one value per channel (``M``) in training.
+    Backend and dtype agreement with the other arrays is the caller's ``backend_of`` /
+    ``check_float_dtypes``. Raises a named ValueError/TypeError; writes nothing.
+    """
+    check_vector(op, "running_mean", running_mean, C)
+    check_vector(op, "running_var", running_var, C)
+    eps = check_scalar(op, "eps", eps, lo=0.0)
+    momentum = check_scalar(op, "momentum", momentum, lo=0.0, hi=1.0)
+    check_flag(op, "training", training)
+    if (running_mean is None) != (running_var is None):
+        given = "running_mean" if running_mean is not None else "running_var"
+        raise ValueError(f"{op}: running_mean and running_var go together; only {given} "
+                         f"was given")
+    if not training and running_mean is None:
+        raise ValueError(f"{op}: inference (training=False) needs running_mean and running_var")
+    for name, v in (("running_mean", running_mean), ("running_var", running_var)):
+        check_device_contiguous(op, name, v)
+        if training:
+            check_writable(op, name, v)
+    if training and M < 2:
+        raise ValueError(f"{op}: training needs more than one value per channel to "
+                         f"normalise over, got {M}")
+    return momentum, eps
+
+
+# --------------------------------------------------------------------------- pooling
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Shapes of a pooling call, and the element strides kernels address both layouts with."""
+    N: int
+    C: int
+    H: int
+    W: int
+    P: int
+    Q: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    layout: str
+
+    @staticmethod
+    def _strides(layout, C, H, W):
+        # element strides (sN, sC, sH, sW) of a C-contiguous activation in ``layout``
+        if layout == "NCHW":
+            return (C * H * W, H * W, W, 1)
+        return (H * W * C, 1, W * C, C)
+
+    @property
+    def x_shape(self):
+        return activation_shape(self.layout, self.N, self.C, self.H, self.W)
+
+    @property
+    def y_shape(self):
+        return activation_shape(self.layout, self.N, self.C, self.P, self.Q)
+
+    @property
+    def argmax_dtype(self):
+        """Smallest unsigned dtype of a window tap ``r * kw + s`` in ``[0, kh*kw)``: uint8 up
+        to 256 taps (16x16), then uint16, uint32."""
+        return np.min_scalar_type(self.kh * self.kw - 1)
+
+    @property
+    def x_strides(self):
+        return self._strides(self.layout, self.C, self.H, self.W)
+
+    @property
+    def y_strides(self):
+        return self._strides(self.layout, self.C, self.P, self.Q)
+
+
+def pool_geometry(op, x, k, stride, layout) -> PoolGeometry:
+    """Validate a max-pool call and compute its :class:`PoolGeometry`."""
+    layout = check_layout(op, layout)
+    N, C, H, W = activation_dims(op, x, layout)
+    kh, kw = pair(op, "k", k, 1)
+    sh, sw = (kh, kw) if stride is None else pair(op, "stride", stride, 1)
+    if kh > H or kw > W:
+        raise ValueError(f"{op}: k: the {kh}x{kw} window is larger than the {H}x{W} input")
+    P, Q = (H - kh) // sh + 1, (W - kw) // sw + 1                    # floor, no padding
+    return PoolGeometry(N, C, H, W, P, Q, kh, kw, sh, sw, layout)

@@ -1,5 +1,7 @@
 """Small numba.cuda kernels the tape needs on the device: fill, copy, a*x + b*y, x*y, sum.
 
+The same functions for host arrays are in ``cpu.py``.
+
 All work on flat (1-d, C-contiguous) views; the wrappers reshape. The sum is deterministic:
 fixed per-block partials (a shared-memory tree), then one block reduces the partials.
 """
@@ -8,8 +10,8 @@ from numba import float64
 
 from ...cuda import numba_cuda as cuda
 
-from . import config
-from .reduce import block_sum
+from .. import cuda_config as config
+from ..cuda_reduce import block_sum
 
 BLOCK = config.BLOCK
 
@@ -108,9 +110,13 @@ def fill(out, value):
     return out
 
 
-def axpby(a, x, b, y):
-    """``a*x + b*y`` for same-shape contiguous device arrays; ``b == 0``: ``a*x`` (y unread)."""
-    out = cuda.device_array(x.shape, x.dtype)
+def axpby(a, x, b, y, out=None):
+    """``a*x + b*y`` for same-shape contiguous device arrays; ``b == 0``: ``a*x`` (y unread).
+
+    Into ``out`` when given (it may be ``x`` or ``y``: each element is read before it is
+    written), else into a new array.
+    """
+    out = cuda.device_array(x.shape, x.dtype) if out is None else out
     if x.size:
         blocks, threads = config.grid_1d(x.size)
         _axpby[blocks, threads](a, x.reshape(x.size), b, y.reshape(y.size), out.reshape(out.size))
@@ -147,8 +153,9 @@ def contiguous_copy(src):
     return dst
 
 
-def sum_all(x):
-    """Sum of every element, as a 0-d device array; deterministic (fixed partial order)."""
+def sum_all(x, scale=1.0):
+    """``scale`` times the sum of every element (both in float64), as a 0-d device array;
+    deterministic (fixed partial order)."""
     flat = x.reshape(x.size)
     nblocks = max(1, min(config.reduce_blocks, -(-flat.size // config.block_threads())))
     partials = cuda.device_array(nblocks, np.float64)
@@ -157,7 +164,7 @@ def sum_all(x):
     _sum_partials[1, config.block_threads()](partials, total)
     out = cuda.device_array(1, x.dtype)
     blocks, threads = config.grid_1d(1)
-    _axpby[blocks, threads](1.0, total, 0.0, total, out)
+    _axpby[blocks, threads](scale, total, 0.0, total, out)
     return out.reshape(())
 
 

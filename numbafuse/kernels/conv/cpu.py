@@ -34,8 +34,8 @@ inside (on 1-3 d views taken at the top of the body); the GEMMs run outside any 
 import numpy as np
 from numba import njit, prange
 
-from .. import conv_math
-from ._launch import parallel_kernel
+from ..parallel import parallel_kernel
+from . import math as conv_math
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 
 _relu = cpu_scalar(_relu_math)

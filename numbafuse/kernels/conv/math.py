@@ -1,7 +1,7 @@
 """Index math of a convolution, shared by the CPU and the CUDA conv kernels.
 
-Plain Python (no decorators): ``kernels/cpu/conv.py`` wraps these with ``cpu_scalar`` and
-``kernels/cuda/conv.py`` with ``cuda_scalar``, so both backends agree on every index by
+Plain Python (no decorators): ``kernels/conv/cpu.py`` wraps these with ``cpu_scalar`` and
+``kernels/conv/cuda.py`` with ``cuda_scalar``, so both backends agree on every index by
 construction. A helper here cannot call another (the plain function is not compilable from a
 kernel), so the composite offsets below spell the one-line formulas out again, each marked
 with the helper it repeats.

@@ -1,1 +1,0 @@
-"""Numba CPU kernels (``@njit``, ``prange``). Importing this package compiles nothing."""
