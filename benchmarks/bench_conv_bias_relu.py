@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # repo root
 
 import numbafuse as nf  # noqa: E402
-from numbafuse import _arrays  # noqa: E402
+from numbafuse import validate  # noqa: E402
 from numbafuse import reference as ref  # noqa: E402
 
 SHAPES = [  # name, x shape (NCHW), w shape, conv kwargs

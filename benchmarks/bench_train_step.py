@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _report
 import _report  # noqa: E402
 
-from numbafuse import data, optim, train  # noqa: E402
+from numbafuse import data, models, optim, train  # noqa: E402
 
 WARMUP_STEPS = 5
 
@@ -32,7 +32,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40, help="timed steps per model per round")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--layout", default=train.DEFAULTS["layout"])
+    p.add_argument("--layout", default=models.DEFAULTS["layout"])
     p.add_argument("--batch-size", type=int, default=train.DEFAULTS["batch_size"])
     p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args(argv)
@@ -41,24 +41,24 @@ def main(argv=None):
     batches = [(np.ascontiguousarray(xb), yb) for xb, yb in
                data.batches(digits.x_train, digits.y_train, args.batch_size, seed=0,
                             drop_last=True)]
-    models = {
-        "fused (recompute)": train.make_model("fused", layout=args.layout, recompute=True),
-        "fused (keep conv output)": train.make_model("fused", layout=args.layout,
+    nets = {
+        "fused (recompute)": models.make_model("fused", layout=args.layout, recompute=True),
+        "fused (keep conv output)": models.make_model("fused", layout=args.layout,
                                                      recompute=False),
-        "unfused": train.make_model("unfused", layout=args.layout),
-        "remapped unfused": train.make_model("remap", layout=args.layout),
+        "unfused": models.make_model("unfused", layout=args.layout),
+        "remapped unfused": models.make_model("remap", layout=args.layout),
     }
     opts = {k: optim.SGD(list(m.parameters()), lr=0.01, momentum=0.9)
-            for k, m in models.items()}
-    times = {k: [] for k in models}
+            for k, m in nets.items()}
+    times = {k: [] for k in nets}
     held = {}
-    for name, model in models.items():               # compile and warm up, untimed
+    for name, model in nets.items():               # compile and warm up, untimed
         for xb, yb in batches[:WARMUP_STEPS]:
             _, _, held[name] = train.train_step(model, opts[name], xb, yb)
     for r in range(args.rounds):
         for i in range(args.steps):
             xb, yb = batches[(r * args.steps + i) % len(batches)]
-            for name, model in models.items():
+            for name, model in nets.items():
                 t0 = time.perf_counter()
                 train.train_step(model, opts[name], xb, yb)
                 times[name].append(time.perf_counter() - t0)
@@ -66,8 +66,8 @@ def main(argv=None):
     base = statistics.median(times["unfused"])
     lines = [f"Command: `{_report.command('bench_train_step.py')}`",
              "",
-             f"Digits ResNet (train.DEFAULTS: width {train.DEFAULTS['width']}, "
-             f"{train.DEFAULTS['blocks']} blocks), batch {args.batch_size}, {args.layout}, "
+             f"Digits ResNet (models.DEFAULTS: width {models.DEFAULTS['width']}, "
+             f"{models.DEFAULTS['blocks']} blocks), batch {args.batch_size}, {args.layout}, "
              f"float32; {args.rounds} rounds x {args.steps} interleaved steps per model "
              f"after {WARMUP_STEPS} warm-up steps; a step = forward, saved_bytes, backward, "
              f"SGD update.",

@@ -1,6 +1,6 @@
 """``python -m numbafuse``: the training demo (same as ``python -m numbafuse.train``)."""
 import sys
 
-from .train import main
+from .cli import main
 
 sys.exit(main())

@@ -42,7 +42,6 @@ import numpy as np
 
 from . import backend, validate
 from .autograd import Tensor
-from .ops.arith import add
 from .ops.basic import flatten, global_avg_pool2d, linear, max_pool2d, relu
 from .ops.batchnorm import batchnorm, batchnorm_add_relu
 from .ops.conv import bias_add, conv2d, conv_bias_relu

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 
 import numbafuse as nf
-from numbafuse import backend, validate
+from numbafuse import validate
 from numbafuse import reference as ref
 from numbafuse.kernels.conv import cpu as cpu_conv
 from numbafuse.ops import conv as conv_ops

@@ -5,7 +5,6 @@ Refusals are checked on tiny stand-in Functions (named like the real ops, comput
 reference) where the real ops would refuse the input themselves (a dtype mismatch cannot be
 traced through real ops); everything that runs a remapped graph uses the real ops.
 """
-import importlib
 import logging
 
 import numpy as np

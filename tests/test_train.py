@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from numbafuse import data, train
+from numbafuse import cli, data, models, train
 
 QUICK = dict(width=8, blocks=1)                  # a tiny model: this file must stay fast
 SUBSET = dict(n_train=96, n_test=48)
@@ -63,7 +63,7 @@ def test_random_shift_moves_pixels_and_keeps_shapes():
 # --------------------------------------------------------------------------- fit
 
 def test_loss_decreases_and_history_fields(digits):
-    h = train.fit(train.make_model("fused", "NHWC", **QUICK), digits, epochs=4, lr=0.1,
+    h = train.fit(models.make_model("fused", "NHWC", **QUICK), digits, epochs=4, lr=0.1,
                   batch_size=32, progress=False, log=None)
     assert h["epoch_loss"][-1] < h["epoch_loss"][0]
     assert len(h["loss_curve"]) == h["steps"] == 4 * 3
@@ -74,15 +74,15 @@ def test_loss_decreases_and_history_fields(digits):
 def test_same_seed_same_curve_and_fused_equals_unfused(digits):
     curves = {}
     for kind in ("fused", "fused", "unfused"):
-        h = train.fit(train.make_model(kind, "NHWC", seed=5, **QUICK), digits, seed=5, **FIT)
+        h = train.fit(models.make_model(kind, "NHWC", seed=5, **QUICK), digits, seed=5, **FIT)
         curves.setdefault(kind, []).append(np.array(h["loss_curve"]))
     np.testing.assert_array_equal(curves["fused"][0], curves["fused"][1])    # reproducible
     np.testing.assert_allclose(curves["fused"][0], curves["unfused"][0], **CURVE_TOL)
 
 
 def test_identical_initial_weights():
-    fused = train.make_model("fused", "NCHW", seed=3, **QUICK)
-    unfused = train.make_model("unfused", "NCHW", seed=3, **QUICK)
+    fused = models.make_model("fused", "NCHW", seed=3, **QUICK)
+    unfused = models.make_model("unfused", "NCHW", seed=3, **QUICK)
     fp = [p.numpy() for p in fused.parameters()]
     up = [p.numpy() for p in unfused.parameters()]
     assert [a.shape for a in fp] == [a.shape for a in up]
@@ -91,15 +91,15 @@ def test_identical_initial_weights():
 
 
 def test_fused_saves_less_than_unfused(digits):
-    held = {kind: train.fit(train.make_model(kind, "NHWC", **QUICK), digits, epochs=1,
+    held = {kind: train.fit(models.make_model(kind, "NHWC", **QUICK), digits, epochs=1,
                             batch_size=32, progress=False, log=None)["saved_bytes"]
             for kind in ("fused", "unfused")}
     assert held["fused"] < held["unfused"]
 
 
 def test_remapped_model_follows_the_fused_curve(digits):
-    fused = train.fit(train.make_model("fused", "NHWC", **QUICK), digits, **FIT)
-    remapped_model = train.make_model("remap", "NHWC", **QUICK)
+    fused = train.fit(models.make_model("fused", "NHWC", **QUICK), digits, **FIT)
+    remapped_model = models.make_model("remap", "NHWC", **QUICK)
     remapped = train.fit(remapped_model, digits, **FIT)
     np.testing.assert_allclose(remapped["loss_curve"], fused["loss_curve"], **CURVE_TOL)
     log = "\n".join(remapped_model.remap_log())
@@ -110,20 +110,20 @@ def test_remapped_model_follows_the_fused_curve(digits):
 # --------------------------------------------------------------------------- CLI
 
 def test_cli_parse_defaults_and_errors():
-    args = train.parse_args([])
+    args = cli.parse_args([])
     assert args.epochs == train.DEFAULTS["epochs"] and args.device == "cpu"
     assert not args.unfused and args.fuse == "modules"
-    args = train.parse_args(["--unfused", "--device", "cuda", "--layout", "NCHW", "--lr",
+    args = cli.parse_args(["--unfused", "--device", "cuda", "--layout", "NCHW", "--lr",
                              "0.2", "--fuse", "remap", "--compare"])
     assert args.unfused and args.device == "cuda" and args.lr == 0.2 and args.compare
     for bad in (["--device", "tpu"], ["--epochs", "0"], ["--fuse", "magic"]):
         with pytest.raises(SystemExit):
-            train.parse_args(bad)
+            cli.parse_args(bad)
 
 
 def test_cli_report_unfused(tmp_path, capsys):
     report = tmp_path / "r.json"
-    assert train.main(CLI_QUICK + ["--unfused", "--report", str(report)]) == 0
+    assert cli.main(CLI_QUICK + ["--unfused", "--report", str(report)]) == 0
     r = json.loads(report.read_text())
     for field in ("test_accuracy", "train_seconds", "ms_per_step", "saved_bytes",
                   "loss_curve", "epoch_loss", "epoch_accuracy"):
@@ -135,7 +135,7 @@ def test_cli_report_unfused(tmp_path, capsys):
 def test_cli_compare_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     report, plot = tmp_path / "c.json", tmp_path / "c.png"
-    assert train.main(CLI_QUICK + ["--compare", "--report", str(report), "--plot",
+    assert cli.main(CLI_QUICK + ["--compare", "--report", str(report), "--plot",
                                    str(plot)]) == 0
     out = capsys.readouterr().out
     assert "| ms / step (median) |" in out and "saved for backward" in out
@@ -149,6 +149,6 @@ def test_missing_scikit_learn_gives_a_one_line_hint(monkeypatch, capsys):
     import sys
     monkeypatch.setitem(sys.modules, "sklearn", None)          # import sklearn -> ImportError
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
-    assert train.main(CLI_QUICK) == 1
+    assert cli.main(CLI_QUICK) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "pip install 'numbafuse[data]'" in err

@@ -10,7 +10,7 @@ import pytest
 from numba import cuda
 
 import numbafuse as nf
-from numbafuse import backend, validate
+from numbafuse import backend
 from numbafuse import reference as ref
 
 TOL = {np.float32: dict(rtol=2e-3, atol=2e-3), np.float64: dict(rtol=1e-9, atol=1e-10)}

@@ -11,7 +11,7 @@ from numba import cuda
 
 import numbafuse as nf
 import numbafuse.testing.strategies as nfs
-from numbafuse import backend, validate
+from numbafuse import backend
 from numbafuse import reference as ref
 
 TOL = {np.float32: dict(rtol=1e-4, atol=1e-4), np.float64: dict(rtol=1e-10, atol=1e-12)}

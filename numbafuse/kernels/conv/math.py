@@ -18,7 +18,7 @@ GEO_LEN = len(GEO_FIELDS)
 
 
 def geo_tuple(geom):
-    """The ``GEO_FIELDS`` tuple of a ``_arrays.ConvGeometry`` (host side)."""
+    """The ``GEO_FIELDS`` tuple of a ``validate.ConvGeometry`` (host side)."""
     return tuple(int(geom.layout == "NHWC") if f == "nhwc" else int(getattr(geom, f))
                  for f in GEO_FIELDS)
 

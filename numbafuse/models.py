@@ -1,0 +1,111 @@
+"""The digits ResNets the training loop and the benchmarks use, fused and unfused.
+
+The model (``width`` C channels throughout, images stay 8x8)::
+
+    stem      Conv2dBiasReLU(1 -> C, 3x3, pad 1)
+    block x B ConvBatchNormReLU(C -> C, 3x3, pad 1)            h = relu(bn1(conv1(x)))
+              Conv2d(C -> C, 3x3, pad 1, no bias)
+              BatchNormAddReLU(C) with the block input as z    y = relu(bn2(conv2(h)) + x)
+    head      GlobalAvgPool2d -> Linear(C -> 10)
+
+The unfused model is the same architecture from unfused ops (conv2d, bias_add, relu,
+batchnorm, add) with identical initial weights for the same seed; :class:`Remapped` runs the
+unfused one through :func:`numbafuse.compile` (the remapper fuses it).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import nn
+from .fusion.compile import compile as remap_compile
+from .ops.arith import add
+from .ops.basic import relu
+
+# The model's defaults, defined here only (the trainer and its command line read them).
+# NHWC: the conv GEMMs write straight into y (docs/bench_conv_bias_relu.md).
+DEFAULTS = dict(width=24, blocks=2, layout="NHWC", recompute=True, seed=0)
+KINDS = ("fused", "unfused", "remap")
+
+
+class ResidualBlock(nn.Module):
+    """Fused block: ConvBatchNormReLU -> Conv2d (no bias) -> BatchNormAddReLU(., x)."""
+
+    def __init__(self, C, layout=DEFAULTS["layout"], dtype=np.float32,
+                 recompute=DEFAULTS["recompute"]):
+        super().__init__()
+        self.conv_bn_relu = nn.ConvBatchNormReLU(C, C, 3, padding=1, layout=layout, dtype=dtype,
+                                                 recompute=recompute)
+        self.conv = nn.Conv2d(C, C, 3, padding=1, bias=False, layout=layout, dtype=dtype)
+        self.bn_add_relu = nn.BatchNormAddReLU(C, layout=layout, dtype=dtype)
+
+    def forward(self, x):
+        return self.bn_add_relu(self.conv(self.conv_bn_relu(x)), x)
+
+
+class UnfusedResidualBlock(nn.Module):
+    """The same block from unfused ops: conv, bn, relu, conv, bn, add, relu."""
+
+    def __init__(self, C, layout=DEFAULTS["layout"], dtype=np.float32, recompute=None):
+        super().__init__()
+        self.conv1 = nn.Conv2d(C, C, 3, padding=1, bias=False, layout=layout, dtype=dtype)
+        self.bn1 = nn.BatchNorm2d(C, layout=layout, dtype=dtype)
+        self.conv2 = nn.Conv2d(C, C, 3, padding=1, bias=False, layout=layout, dtype=dtype)
+        self.bn2 = nn.BatchNorm2d(C, layout=layout, dtype=dtype)
+
+    def forward(self, x):
+        h = relu(self.bn1(self.conv1(x)))
+        return relu(add(self.bn2(self.conv2(h)), x))
+
+
+def build_model(fused=True, width=DEFAULTS["width"], blocks=DEFAULTS["blocks"],
+                layout=DEFAULTS["layout"], seed=DEFAULTS["seed"], num_classes=10, in_channels=1,
+                dtype=np.float32, recompute=DEFAULTS["recompute"]):
+    """The digits ResNet, fused or unfused; the same seed gives the same initial weights.
+
+    ``recompute`` (fused only): ConvBatchNormReLU recomputes its conv in backward (least
+    memory) or keeps the conv output and a 1-bit mask (faster).
+    """
+    nn.init.seed(seed)
+    if fused:
+        stem = nn.Conv2dBiasReLU(in_channels, width, 3, padding=1, layout=layout, dtype=dtype)
+    else:
+        stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, layout=layout,
+                                       dtype=dtype), nn.ReLU())
+    block = ResidualBlock if fused else UnfusedResidualBlock
+    body = [block(width, layout, dtype, recompute) for _ in range(blocks)]
+    return nn.Sequential(stem, *body, nn.GlobalAvgPool2d(layout),
+                         nn.Linear(width, num_classes, dtype=dtype))
+
+
+class Remapped(nn.Module):
+    """An unfused model run through :func:`numbafuse.compile` (trace + remap + cache).
+
+    The compiled callable keys its cache on the input signature and on the module's training
+    flags, so train and eval mode each get their own remapped graph (training: conv ->
+    batchnorm -> relu becomes conv_batchnorm_relu; eval: batch norm folded into the conv).
+    Weights and running statistics are read by reference at every run.
+    """
+
+    def __init__(self, unfused):
+        super().__init__()
+        self.model = unfused
+        self.compiled = remap_compile(unfused)
+
+    def forward(self, x):
+        return self.compiled(x)
+
+    def remap_log(self):
+        """The remapper's log lines of every cached graph (train, eval, batch sizes), deduped."""
+        lines = []
+        for graph in self.compiled.graphs.values():
+            lines += [line for line in graph.log if line not in lines]
+        return lines
+
+
+def make_model(kind, layout=DEFAULTS["layout"], seed=DEFAULTS["seed"], width=DEFAULTS["width"],
+               blocks=DEFAULTS["blocks"], recompute=DEFAULTS["recompute"]):
+    """``kind``: "fused" (fused modules), "unfused", or "remap" (the unfused one remapped)."""
+    if kind not in KINDS:
+        raise ValueError(f"make_model: kind must be 'fused', 'unfused' or 'remap', got {kind!r}")
+    model = build_model(kind == "fused", width, blocks, layout, seed, recompute=recompute)
+    return Remapped(model) if kind == "remap" else model
