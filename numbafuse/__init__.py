@@ -28,9 +28,20 @@ from .fusion.compile import compile  # noqa: E402
 from .fusion.ir import Graph  # noqa: E402
 from .fusion.remap import remap  # noqa: E402
 from .fusion.trace import trace  # noqa: E402
-from .testing.gradcheck import gradcheck  # noqa: E402
+from .testing.finite_diff import gradcheck  # noqa: E402
 
 __version__ = "0.1.0"
+
+# Submodules with optional dependencies, imported on first use: ``numbafuse.cuda`` needs
+# numba-cuda. (``import numbafuse.cuda`` works too; both give the same module.)
+_LAZY_SUBMODULES = ("cuda",)
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Tensor", "no_grad", "saved_bytes", "gradcheck",

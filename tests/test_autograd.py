@@ -1,4 +1,4 @@
-"""The tape itself (autograd.py, ops/arith.py, testing/gradcheck.py): Tensor basics, arithmetic
+"""The tape itself (autograd.py, ops/arith.py, testing/finite_diff.py): Tensor basics, arithmetic
 and its gradients, accumulation, no_grad, saved_bytes, gradcheck, the foundation's bad-input
 rules, and the unfused Conv -> BiasAdd -> ReLU -> BatchNorm -> Add -> ReLU chain vs finite
 differences.

@@ -5,7 +5,7 @@ when asked for.
 """
 import importlib
 
-from .gradcheck import GradcheckError, gradcheck
+from .finite_diff import GradcheckError, gradcheck
 
 __all__ = ["gradcheck", "GradcheckError", "strategies"]
 

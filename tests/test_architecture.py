@@ -1,0 +1,90 @@
+"""The house: layers without cycles (tools/check_architecture.py), modules and public names
+that never disagree, the public API of DESIGN.md, and ops described once (numbafuse.ops.OPS)."""
+import importlib
+import pathlib
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import numbafuse as nf
+from numbafuse.ops import OPS
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import check_architecture  # noqa: E402
+
+# The names DESIGN.md's public API promises at the top level.
+PUBLIC = ["conv_bias_relu", "batchnorm_add_relu", "conv_batchnorm_relu", "conv2d", "bias_add",
+          "relu", "add", "batchnorm", "linear", "max_pool2d", "global_avg_pool2d", "flatten",
+          "squeeze", "cross_entropy", "conv_bias_relu_backward", "batchnorm_add_relu_backward",
+          "Tensor", "no_grad", "gradcheck", "saved_bytes", "trace", "remap", "compile", "nn",
+          "optim"]
+
+
+def test_no_upward_import_no_cycle_no_module_over_650_lines():
+    assert check_architecture.violations() == []
+
+
+def test_the_checker_finds_a_cycle():
+    assert check_architecture.cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        ["a", "b", "c"]]
+    assert check_architecture.cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _submodules():
+    return [m.name for m in pkgutil.walk_packages(nf.__path__, "numbafuse.")
+            if not m.name.endswith("__main__")]
+
+
+@pytest.mark.parametrize("name", _submodules())
+def test_a_module_and_its_attribute_never_disagree(name):
+    module = importlib.import_module(name)
+    parent, _, leaf = name.rpartition(".")
+    assert getattr(importlib.import_module(parent), leaf) is module
+
+
+def test_fusion_is_a_module_and_the_remapper_functions_are_top_level():
+    import numbafuse.fusion
+    assert type(numbafuse.fusion).__name__ == "module"
+    assert callable(nf.remap) and callable(nf.trace) and callable(nf.compile)
+    assert nf.remap.__module__ == "numbafuse.fusion.remap"
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_design_public_api_is_exported(name):
+    assert hasattr(nf, name)
+
+
+def test_importing_numbafuse_does_not_import_numba_cuda_or_torch():
+    code = ("import sys, numbafuse; bad = [m for m in ('numba.cuda', 'torch', 'numbafuse.cuda')"
+            " if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_each_op_is_described_once_and_consistently(name):
+    spec = OPS[name]
+    assert spec.function.__name__ == name
+    assert spec.arrays, f"{name}: no array arguments"
+    assert not set(spec.arrays) & set(spec.keywords), f"{name}: an argument is both"
+    for param in spec.params:    # every Function parameter is a keyword of the function
+        assert param in spec.keywords or param in ("sign", "op", "scale", "shape", "recompute"), \
+            f"{name}: Function parameter {param!r} is not an argument of {name}()"
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(OPS) if OPS[n].backward])
+def test_numpy_style_backwards_return_gradients_in_forward_argument_order(name):
+    spec = OPS[name]
+    doc = spec.backward.__doc__
+    expected = "(" + ", ".join("d" + a for a in spec.arrays) + ")"
+    assert expected in doc.replace("\n", " "), f"{spec.backward.__name__}: {expected} not in " \
+                                               f"its docstring"
+
+
+def test_docs_ops_table_is_generated_from_ops():
+    from numbafuse.ops.__main__ import table
+    assert (ROOT / "docs" / "ops.md").read_text() == table(), \
+        "docs/ops.md is stale: python -m numbafuse.ops > docs/ops.md"

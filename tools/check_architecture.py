@@ -1,0 +1,165 @@
+"""Check numbafuse's layering: no import cycle, no upward import, no module over 650 lines.
+
+    python tools/check_architecture.py        # prints the layers and exits 1 on a violation
+
+Every ``import`` and ``from ... import`` in the package is read from the source (the ones
+inside functions too) and resolved to a module of the package. The layers below go from the
+bottom up; a module may import modules of lower layers and modules of its own package or
+module (``numbafuse.kernels.conv.cpu`` may import ``numbafuse.kernels.conv.math`` and
+``numbafuse.kernels``), never a module of a higher layer, and the whole import graph must be
+free of cycles. ``numbafuse/__init__.py`` is the top: it re-exports the public names.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+
+PACKAGE = "numbafuse"
+ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
+MAX_LINES = 650
+
+# Bottom first. A name stands for that module and everything under it.
+LAYERS = [
+    ["numbafuse.cuda"],                      # the one import of numba.cuda
+    ["numbafuse.backend"],                   # host/device, allocation, copies
+    ["numbafuse.validate"],                  # argument checks and geometry
+    ["numbafuse.kernels"],                   # Numba CPU and CUDA kernels per op family
+    ["numbafuse.reference"],                 # plain NumPy/SciPy: the specification
+    ["numbafuse.autograd"],                  # Tensor, Function, the backward pass
+    ["numbafuse.ops"],                       # Functions and public functions per op family
+    ["numbafuse.nn", "numbafuse.optim", "numbafuse.data", "numbafuse.testing",
+     "numbafuse.distributed"],
+    ["numbafuse.fusion", "numbafuse.torch"],  # the remapper; PyTorch interoperation
+    ["numbafuse.models"],                    # the digits ResNets
+    ["numbafuse.train"],                     # fit / evaluate
+    ["numbafuse.cli"],                       # the command line
+    ["numbafuse.__main__", "numbafuse.train.__main__"],   # python -m entry points
+]
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict:
+    """{module name: path} of every module of the package."""
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _resolve(current: str, is_package: bool, node, known) -> list:
+    """The package modules an import statement depends on (relative imports resolved):
+    ``from p import m`` depends on the module ``p.m`` when there is one, else on ``p``
+    (the parent packages Python imports on the way are not dependencies of the design)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = current if is_package else current.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        base = base.rpartition(".")[0]
+    target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+    return [f"{target}.{a.name}" if f"{target}.{a.name}" in known else target
+            for a in node.names]
+
+
+def imports(known: dict) -> dict:
+    """{module: set of package modules it imports, anywhere in its source}."""
+    graph = {}
+    for name, path in known.items():
+        is_package = path.name == "__init__.py"
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _resolve(name, is_package, node, known):
+                    if target in known and target != name:
+                        found.add(target)
+        graph[name] = found
+    return graph
+
+
+def layer_of(name: str):
+    """(layer index, the LAYERS entry it falls under): the longest matching entry wins."""
+    best = (None, None)
+    for i, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if (name == prefix or name.startswith(prefix + ".")) and (
+                    best[1] is None or len(prefix) > len(best[1])):
+                best = (i, prefix)
+    return best
+
+
+def cycles(graph: dict) -> list:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    sys.setrecursionlimit(10000)
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def violations() -> list:
+    """Every problem found, one line each (empty when the house is in order)."""
+    known = modules()
+    graph = imports(known)
+    problems = []
+    for name, path in known.items():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            problems.append(f"{name}: {lines} lines (> {MAX_LINES})")
+        if name == PACKAGE:
+            continue
+        layer, home = layer_of(name)
+        if layer is None:
+            problems.append(f"{name}: in no layer (add it to LAYERS)")
+            continue
+        for target in sorted(graph[name]):
+            if target == PACKAGE:
+                problems.append(f"{name} imports the top-level package")
+                continue
+            t_layer, t_home = layer_of(target)
+            if t_home == home:
+                continue                 # within its own package or module
+            if t_layer is None or t_layer >= layer:
+                problems.append(f"{name} (layer {layer}) imports {target} "
+                                f"(layer {t_layer}): not a lower layer")
+    for component in cycles(graph):
+        problems.append("import cycle: " + " -> ".join(component))
+    return problems
+
+
+def main() -> int:
+    for i, layer in enumerate(LAYERS):
+        print(f"  {i:2d}  {', '.join(m.removeprefix(PACKAGE + '.') for m in layer)}")
+    problems = violations()
+    for line in problems:
+        print("VIOLATION", line)
+    print(f"{len(modules())} modules, {len(problems)} violations")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
