@@ -1,0 +1,44 @@
+"""Run the MPI tests (tests/mpi) under ``mpiexec -n 2`` and ``-n 3`` (an uneven split), and
+check what a failing rank does to the others. Skipped without mpi4py / mpiexec."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("mpi4py", reason="mpi4py is needed: pip install 'numbafuse[distributed]'")
+MPIEXEC = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not os.path.exists(MPIEXEC),
+                                                  reason="mpiexec not found")]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 600          # a hang fails the test instead of blocking CI forever
+
+
+def _mpiexec(n, args, timeout=TIMEOUT, env=None):
+    cmd = [MPIEXEC, "-n", str(n), sys.executable] + args
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_mpi_suite(ranks):
+    run = _mpiexec(ranks, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/mpi"])
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and " skipped" not in run.stdout.split("\n")[-2]
+
+
+def test_a_rank_that_raises_ends_the_job_instead_of_hanging(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np
+        from numbafuse import distributed
+        comm = distributed.init()
+        if comm.rank == 1:
+            raise RuntimeError("rank 1 breaks")
+        comm.allreduce_sum(np.ones(3))      # rank 0 waits here for a rank that is gone
+    """))
+    run = _mpiexec(2, [str(script)], timeout=60)
+    assert run.returncode != 0
+    assert "rank 1 breaks" in run.stderr and "aborting all 2 ranks" in run.stderr
