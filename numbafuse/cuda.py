@@ -102,14 +102,150 @@ def as_device_array(a):
 
 
 def device_array(shape, dtype):
-    """An uninitialised device array."""
-    return numba_cuda.device_array(shape, dtype)
+    """An uninitialised device array (from numbafuse's pool: see :func:`empty`)."""
+    return empty(shape, dtype)
 
 
 def to_device(a: np.ndarray):
-    """A device copy of the C-contiguous host array ``a``."""
-    return numba_cuda.to_device(a)
+    """A device copy of the C-contiguous host array ``a`` (in pool memory)."""
+    out = empty(a.shape, a.dtype)
+    out.copy_to_device(a)
+    return out
 
 
 def to_host(a) -> np.ndarray:
     return as_device_array(a).copy_to_host()
+
+
+# --------------------------------------------------------------------------- the memory pool
+
+class _Stats:
+    def __init__(self):
+        self.requests = 0          # device arrays asked for
+        self.allocations = 0       # new device memory reserved by the pool (not reused)
+        self.bytes_reserved = 0
+        self.bytes_in_use = 0
+        self.peak_bytes_in_use = 0
+
+    def as_dict(self):
+        return dict(allocations=self.allocations, requests=self.requests,
+                    bytes_reserved=self.bytes_reserved, bytes_in_use=self.bytes_in_use,
+                    peak_bytes_in_use=self.peak_bytes_in_use)
+
+
+class _CudaPool:
+    """numbafuse's own stream-ordered pool (``cudaMallocAsync``) through ``cuda.core``.
+
+    A pool of its own, not the device's default one, so the user's other numba allocations
+    are untouched. Its release threshold is raised so that freed memory stays reserved for
+    reuse instead of going back to the driver at every synchronization. A buffer goes back to
+    the pool, in the order of numba's default stream (where numbafuse launches), when the
+    last device array viewing it dies (numba's ``MemoryPointer`` finalizer).
+    """
+
+    def __init__(self):
+        from cuda.core import LEGACY_DEFAULT_STREAM, Device, DeviceMemoryResource, \
+            DeviceMemoryResourceOptions
+        device = Device(numba_cuda.get_current_device().id)
+        device.set_current()
+        self.stream = LEGACY_DEFAULT_STREAM
+        self.resource = DeviceMemoryResource(device, DeviceMemoryResourceOptions())
+        self._keep_reserved()
+        self.stats = _Stats()
+
+    def _keep_reserved(self):
+        from cuda.bindings import driver
+        attribute = driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
+        handle = driver.CUmemoryPool(int(self.resource.handle))
+        driver.cuMemPoolSetAttribute(handle, attribute, driver.cuuint64_t(2 ** 63 - 1))
+
+    def empty(self, shape, dtype):
+        from numba.cuda.cudadrv import driver
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+        dtype = np.dtype(dtype)
+        shape = tuple(int(n) for n in (shape if isinstance(shape, tuple) else (shape,)))
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.stats.requests += 1
+        if nbytes == 0:
+            return numba_cuda.device_array(shape, dtype)
+        reserved = self.resource.attributes.reserved_mem_current
+        buffer = self.resource.allocate(nbytes, stream=self.stream)
+        attributes = self.resource.attributes
+        self.stats.allocations += attributes.reserved_mem_current > reserved
+        self.stats.bytes_reserved = attributes.reserved_mem_current
+        self.stats.bytes_in_use = attributes.used_mem_current
+        self.stats.peak_bytes_in_use = max(self.stats.peak_bytes_in_use,
+                                           attributes.used_mem_current)
+        stream = self.stream
+        memory = driver.MemoryPointer(numba_cuda.current_context(),
+                                      driver.binding.CUdeviceptr(int(buffer.handle)), nbytes,
+                                      finalizer=lambda: buffer.close(stream))
+        return DeviceNDArray(shape, _c_strides(shape, dtype.itemsize), dtype, gpu_data=memory)
+
+
+def _c_strides(shape, itemsize):
+    """Byte strides of a C-contiguous array of ``shape``."""
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+class _SimulatedPool:
+    """The pool under the CUDA simulator, backed by ``cuda.device_array``: it keeps the
+    accounting CUDA's pool would (a freed block of a size is reused by the next request of that
+    size, so ``allocations`` counts only new reservations); the simulator's memory is host
+    memory, so each array still gets storage of its own. A block is freed when the last view of
+    its storage dies (a ``weakref.finalize`` on it), never while an array uses it."""
+
+    def __init__(self):
+        self.free = {}             # nbytes -> number of reserved, unused blocks
+        self.stats = _Stats()
+
+    def empty(self, shape, dtype):
+        import weakref
+        array = numba_cuda.device_array(shape, dtype)
+        nbytes = int(array.size) * np.dtype(dtype).itemsize
+        self.stats.requests += 1
+        if self.free.get(nbytes, 0):
+            self.free[nbytes] -= 1
+        else:
+            self.stats.allocations += 1
+            self.stats.bytes_reserved += nbytes
+        self.stats.bytes_in_use += nbytes
+        self.stats.peak_bytes_in_use = max(self.stats.peak_bytes_in_use,
+                                           self.stats.bytes_in_use)
+        weakref.finalize(array._ary, self._release, nbytes)
+        return array
+
+    def _release(self, nbytes):
+        self.free[nbytes] = self.free.get(nbytes, 0) + 1
+        self.stats.bytes_in_use -= nbytes
+
+
+_pool = None
+
+
+def _the_pool():
+    global _pool
+    if _pool is None:
+        _pool = _SimulatedPool() if SIMULATOR else _CudaPool()
+    return _pool
+
+
+def empty(shape, dtype):
+    """An uninitialised device array from numbafuse's memory pool (outputs, workspaces,
+    partials). Its memory returns to the pool when the last array viewing it is gone."""
+    return _the_pool().empty(shape, dtype)
+
+
+def memory_stats() -> dict:
+    """Counters of numbafuse's device memory pool, in the spirit of ``torch.cuda.memory_stats``:
+
+    ``allocations``: device memory reservations made so far (a request served from memory the
+    pool already holds does not count); ``requests``: device arrays asked for;
+    ``bytes_reserved``: memory the pool holds; ``bytes_in_use``: memory of live arrays;
+    ``peak_bytes_in_use``. All zero before the first device array.
+    """
+    return (_pool.stats if _pool is not None else _Stats()).as_dict()
