@@ -1,4 +1,4 @@
-"""Launch sizes for every numba.cuda kernel, in one place.
+"""Launch sizes and GEMM tilings for every numba.cuda kernel, in one place.
 
 Shared-memory shapes must be compile-time constants, so they are the ``*_TILE``/``BLOCK``
 constants below and never change. Launch sizes (``threads``, ``max_blocks``...) are read at
@@ -6,6 +6,67 @@ launch time, so tests can shrink them (``monkeypatch.setattr(config, "max_blocks
 force tiny inputs across several blocks. A kernel never assumes more threads per block than
 ``BLOCK``.
 """
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """A GEMM tiling (``kernels/cuda_gemm.py``): block tile BM x BN outputs, K-step BK,
+    micro-tile TM x TN per thread ((BM/TM) * (BN/TN) threads), shared fragments read VEC
+    elements at a time (16 bytes: 4 float32, 2 float64); ``max_registers``: ptxas's cap.
+    """
+    BM: int
+    BN: int
+    BK: int
+    TM: int
+    TN: int
+    VEC: int = 4
+    max_registers: int | None = None
+
+    @property
+    def threads(self) -> int:
+        return (self.BM // self.TM) * (self.BN // self.TN)
+
+    def check(self):
+        TX, TY = self.BM // self.TM, self.BN // self.TN
+        ok = (self.BM % self.TM == 0 and self.BN % self.TN == 0 and self.TM % self.VEC == 0
+              and self.TN % self.VEC == 0 and self.threads <= 1024
+              and TX & (TX - 1) == 0 and TY & (TY - 1) == 0)
+        if not ok:
+            raise ValueError(f"kernels.cuda_config: tile {self} does not divide into "
+                             f"{self.VEC}-wide groups over a power-of-two thread grid")
+        return self
+
+
+# Conv GEMM tilings per (pass, dtype); compile-time (each is its own compiled kernel).
+# float32: 128 x 128 outputs per 256-thread block, 8 x 8 per thread (64 FFMA per 4 vector
+# shared loads per k); dw's output (CRS x K) is narrow in K, so 128 x 64.
+# float64: half the registers per value and half the FMA rate: 64 x 64, 4 x 4 per thread.
+CONV_TILES = {
+    ("fwd", "float32"): Tile(128, 128, 8, 8, 8, 4),
+    ("dx", "float32"): Tile(128, 128, 8, 8, 8, 4),
+    ("dw", "float32"): Tile(128, 64, 8, 8, 4, 4),
+    ("fwd", "float64"): Tile(64, 64, 8, 4, 4, 2),
+    ("dx", "float64"): Tile(64, 64, 8, 4, 4, 2),
+    ("dw", "float64"): Tile(64, 64, 8, 4, 4, 2),
+}
+# Tests shrink every conv tiling to this one (the simulator runs each thread in Python).
+TINY_TILE = Tile(8, 8, 4, 2, 2, 2)
+tile_override = None     # a Tile used for every conv pass and dtype when set (tests)
+
+dw_target_blocks = 512   # dw: (tile, split) blocks to aim for (fills a GPU a few times)
+dw_max_splits = 256      # dw: at most this many splits of M (partials memory: splits*K*CRS)
+
+
+def conv_tile(kind: str, dtype) -> Tile:
+    """The tiling of conv pass ``kind`` ("fwd", "dx", "dw") at ``dtype``."""
+    if tile_override is not None:
+        return tile_override.check()
+    return CONV_TILES[(kind, np.dtype(dtype).name)].check()
+
 
 # Compile-time constants (shared-array shapes).
 BLOCK = 256          # threads per block of 1-d kernels and of reductions; power of two
@@ -27,6 +88,10 @@ def block_threads() -> int:
 
 
 def grid_1d(n: int) -> tuple:
-    """(blocks, threads) for a grid-stride loop over ``n`` items."""
+    """(blocks, threads) for a grid-stride loop over ``n`` items (n < 2**32: the kernels'
+    per-element index math is unsigned 32-bit)."""
+    if n >= 2**32:
+        raise ValueError(f"kernels.cuda: {n} elements in one launch; at most 2**32 - 1 are "
+                         f"supported on the device")
     t = block_threads()
     return max(1, min(max_blocks, -(-n // t))), t

@@ -1,11 +1,50 @@
-"""Block-level reductions shared by the numba.cuda kernels (device functions only).
+r"""Deterministic reductions shared by the numba.cuda kernels: block sums and per-channel sums.
 
-``block_sum`` is the shared-memory tree every deterministic reduction here ends with: the
-order of additions depends only on the block size, never on timing, so a result repeats bit
-for bit. It is the portable path; the batch-norm kernels also have a warp-shuffle path for
-real GPUs.
+Every reduction here adds in an order fixed by the launch shape (``config``), never by
+timing, so a result repeats bit for bit; no float atomics. Partials are float64.
+
+**Per-channel sums** (batch-norm statistics and backward, conv's bias gradient) view an
+activation as (A, C, B): NCHW is (N, C, H*W), NHWC is (N*H*W, C, 1); value (a, c, b) sits at
+flat offset ``(a*C + c)*B + b``. One launch writes ``partials[c, part, 0:2]``, the sums of two
+per-element quantities over a fixed share (``part``) of channel c's M = A*B values; a
+per-channel finalize adds the parts in order.
+
+- NCHW: a block per (part, channel): its threads walk the channel's values ``j`` (a slice of
+  each (n, c) plane, planes one after another), lane-contiguous, U independent loads in flight
+  per thread; the offset and the plane position advance by adds and compares (no division).
+- NHWC: a block per (part, group of CW = 32 channels): lane l reads channel ``c0 + l`` of a
+  row, so a warp reads 32 consecutive values (128 bytes of float32); the block's row groups
+  take rows ``rg, rg + RG, ...``, combined in shared memory in row-group order.
+
+The element quantities (``ELEM_*``): statistics ``(x - shift, (x - shift)**2)`` with shift the
+channel's first value; backward ``(g, g*(x - mean))`` with ``g = gy`` gated by the ReLU state;
+bias gradient ``(g, 0)``. Element math runs in x's dtype, sums in float64.
 """
-from ..cuda import numba_cuda as cuda
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import float32, float64, int32, uint32
+
+from ..cuda import SIMULATOR, numba_cuda as cuda
+
+from . import cuda_config as config
+from .batchnorm import math as bm
+from .batchnorm.math import STATE_MASK, STATE_NONE, STATE_Y  # noqa: F401
+from .scalar import cuda_scalar
+
+BLOCK = config.BLOCK
+WARP = 32
+FULL_MASK = 0xFFFFFFFF
+U = 4                    # independent loads in flight per thread in a channel walk
+ELEM_STATS, ELEM_BWD, ELEM_GRAD = 0, 1, 2
+ELEM_NAMES = ("stats", "bwd", "grad")
+# Warp shuffles on a real GPU only; the simulator takes the shared-memory tree (tests patch
+# this flag together with an emulated shfl_down_sync, so the GPU path runs there too).
+USE_SHUFFLE = not SIMULATOR
+
+_mask_bit = cuda_scalar(bm.mask_bit)
 
 
 @cuda.jit(device=True, inline=True)
@@ -27,3 +66,287 @@ def block_sum(buf, value):
     total = buf[0]
     cuda.syncthreads()  # everyone has read buf[0] before buf is reused
     return total
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum2(a, b, buf_a, buf_b):
+    """Sums of ``a`` and ``b`` over the block (valid in thread 0); buf_*: shared (BLOCK,)
+    float64. Every thread of the block must call it (it synchronises); it may be called again
+    with the same buffers (it ends with a barrier). Fixed order: deterministic."""
+    t = cuda.threadIdx.x
+    if USE_SHUFFLE and cuda.blockDim.x % WARP == 0:
+        off = WARP // 2
+        while off > 0:  # within each warp, fixed order
+            a += cuda.shfl_down_sync(FULL_MASK, a, off)
+            b += cuda.shfl_down_sync(FULL_MASK, b, off)
+            off //= 2
+        lane = t % WARP
+        warp = t // WARP
+        if lane == 0:
+            buf_a[warp] = a
+            buf_b[warp] = b
+        cuda.syncthreads()  # every warp's sum is in buf_*
+        nwarps = cuda.blockDim.x // WARP
+        if warp == 0:
+            a = buf_a[lane] if lane < nwarps else 0.0
+            b = buf_b[lane] if lane < nwarps else 0.0
+            off = WARP // 2
+            while off > 0:
+                a += cuda.shfl_down_sync(FULL_MASK, a, off)
+                b += cuda.shfl_down_sync(FULL_MASK, b, off)
+                off //= 2
+        cuda.syncthreads()  # warp 0 has read buf_* before a next call overwrites it
+        return a, b
+    # portable path: shared-memory tree (blockDim.x is a power of two <= BLOCK)
+    buf_a[t] = a
+    buf_b[t] = b
+    cuda.syncthreads()  # every thread's values are in buf_*
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if t < step:
+            buf_a[t] += buf_a[t + step]
+            buf_b[t] += buf_b[t + step]
+        cuda.syncthreads()  # this level of the tree is complete before the next reads it
+        step //= 2
+    a, b = buf_a[0], buf_b[0]
+    cuda.syncthreads()  # everyone has read buf_*[0] before a next call overwrites it
+    return a, b
+
+
+@cuda.jit(device=True, inline=True)
+def relu(v):
+    """``scalar.relu`` in v's own dtype (its literal 0.0 would turn float32 into float64)."""
+    return v if v > 0 or v != v else float32(0.0)
+
+
+@cuda.jit(device=True, inline=True)
+def gate(g, state_kind, aux, mask, off):
+    """g where the forward's ReLU was open at flat offset ``off`` (y > 0 or its mask bit),
+    else 0; STATE_NONE: g. ``g`` keeps its dtype (typed stores, no float64 round trip)."""
+    if state_kind == STATE_Y:
+        return g if aux[off] > 0 else float32(0.0)
+    if state_kind == STATE_MASK:
+        return g if _mask_bit(mask[off >> 3], off) != 0 else float32(0.0)
+    return g
+
+
+@cuda.jit(device=True, inline=True)
+def _elem(kind, a, b, aux, mask, state_kind, off, p0, p1):
+    """The two float64 quantities summed for the value at flat offset ``off``."""
+    if kind == ELEM_STATS:                 # shifted sums: p0 is the shift
+        d = float64(a[off] - p0)
+        return d, d * d
+    g = gate(a[off], state_kind, aux, mask, off)
+    if kind == ELEM_BWD:                   # p0 + p1 is the mean, split: x - p0 is exact
+        return float64(g), float64(g) * float64((b[off] - p0) - p1)
+    return float64(g), 0.0
+
+
+@cuda.jit(device=True, inline=True)
+def _channel_params(kind, a, mean, c, B, cvt):
+    """(p0, p1) of channel c in a's dtype: the shift (its first value) for statistics; the
+    mean split hi + lo for the backward (``cvt``: a (2,) local array of a's dtype)."""
+    if kind != ELEM_BWD:                   # the gradient sum reads neither
+        return a[c * B], a[c * B]
+    cvt[0] = mean[c]
+    cvt[1] = mean[c] - float64(cvt[0])
+    return cvt[0], cvt[1]
+
+
+@functools.lru_cache(maxsize=None)
+def channel_partials_kernel(kind, nhwc):
+    """``kernel(a, b, aux, mask, mean, state_kind, partials)``: partials (C, parts, 2) float64
+    of the ``kind`` quantities; a, b, aux: (A, C, B) flat ((A*C*B,)); mask: packed uint8;
+    mean: (C,) float64. Launch: grid (parts, min(channel blocks, max_grid_y)), threads a
+    power of two; NCHW one channel per block row, NHWC CW channels per block row."""
+    if not nhwc:
+        @cuda.jit
+        def nchw(a, b, aux, mask, mean, state_kind, C, B, partials):
+            # (A, C, B) with A*C*B = a.size; block (part, c): its chunk of channel c's values
+            buf_a = cuda.shared.array(BLOCK, float64)
+            buf_b = cuda.shared.array(BLOCK, float64)
+            cvt = cuda.local.array(2, a.dtype)
+            offs = cuda.local.array(U, int32)
+            t = int32(cuda.threadIdx.x)
+            T = int32(cuda.blockDim.x)
+            CB = int32(C * B)
+            M = int32(a.size // C)                       # values per channel, A*B
+            parts = int32(cuda.gridDim.x)
+            chunk = int32((M + parts - 1) // parts)
+            lo = int32(cuda.blockIdx.x * chunk)
+            hi = int32(min(M, lo + chunk))
+            da = int32(uint32(T) // uint32(B))          # a step of T values: da planes ...
+            db = int32(T - da * B)                       # ... and db positions
+            for c in range(cuda.blockIdx.y, C, cuda.gridDim.y):   # block-uniform bounds
+                p0, p1 = _channel_params(kind, a, mean, c, B, cvt)
+                s1 = float64(0.0)
+                s2 = float64(0.0)
+                j = int32(lo + t)
+                pa = int32(uint32(j) // uint32(B))      # once per channel, outside the walk
+                pb = int32(j - pa * B)
+                off = int32((pa * C + c) * B + pb)
+                while j < hi:
+                    for u in range(U):                   # U loads in flight
+                        offs[u] = off if j + u * T < hi else int32(-1)
+                        pb = int32(pb + db)
+                        off = int32(off + da * CB + db)
+                        if pb >= B:
+                            pb = int32(pb - B)
+                            off = int32(off + CB - B)
+                    for u in range(U):
+                        if offs[u] >= 0:
+                            v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(offs[u]),
+                                           p0, p1)
+                            s1 += v1
+                            s2 += v2
+                    j = int32(j + U * T)
+                s1, s2 = block_sum2(s1, s2, buf_a, buf_b)
+                if t == 0:
+                    partials[c, cuda.blockIdx.x, 0] = s1
+                    partials[c, cuda.blockIdx.x, 1] = s2
+        nchw.__name__ = f"channel_partials_{ELEM_NAMES[kind]}_nchw"
+        return nchw
+
+    @cuda.jit
+    def nhwc_kernel(a, b, aux, mask, mean, state_kind, C, B, partials):
+        # (M, C, 1): block (part, channel group): lanes on channels, row groups on rows
+        buf_a = cuda.shared.array(BLOCK, float64)
+        buf_b = cuda.shared.array(BLOCK, float64)
+        cvt = cuda.local.array(2, a.dtype)
+        t = int32(cuda.threadIdx.x)
+        T = int32(cuda.blockDim.x)
+        CW = int32(min(WARP, T))
+        RG = int32(T // CW)
+        lane = int32(t % CW)
+        rg = int32(t // CW)
+        M = int32(a.size // C)
+        parts = int32(cuda.gridDim.x)
+        chunk = int32((M + parts - 1) // parts)
+        lo = int32(cuda.blockIdx.x * chunk)
+        hi = int32(min(M, lo + chunk))
+        n_groups = int32((C + CW - 1) // CW)
+        for grp in range(cuda.blockIdx.y, n_groups, cuda.gridDim.y):   # block-uniform
+            c = int32(grp * CW + lane)
+            s1 = float64(0.0)
+            s2 = float64(0.0)
+            if c < C:
+                p0, p1 = _channel_params(kind, a, mean, c, 1, cvt)
+                m = int32(lo + rg)
+                off = int32(m * C + c)
+                step = int32(RG * C)
+                while m < hi:
+                    v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(off), p0, p1)
+                    s1 += v1
+                    s2 += v2
+                    m = int32(m + RG)
+                    off = int32(off + step)
+            buf_a[t] = s1
+            buf_b[t] = s2
+            cuda.syncthreads()  # every row group's sums are in buf_*
+            if rg == 0 and c < C:
+                for r in range(1, RG):           # row groups in order: deterministic
+                    s1 += buf_a[r * CW + lane]
+                    s2 += buf_b[r * CW + lane]
+                partials[c, cuda.blockIdx.x, 0] = s1
+                partials[c, cuda.blockIdx.x, 1] = s2
+            cuda.syncthreads()  # buf_* read before the next channel group overwrites it
+    nhwc_kernel.__name__ = f"channel_partials_{ELEM_NAMES[kind]}_nhwc"
+    return nhwc_kernel
+
+
+def view(shape, layout):
+    """(A, C, B) of the reduction view: NCHW (N, C, H*W), NHWC (N*H*W, C, 1)."""
+    if layout == "NCHW":
+        N, C, H, W = shape
+        return N, C, H * W
+    N, H, W, C = shape
+    return N * H * W, C, 1
+
+
+def channel_partials(kind, a, b, aux, mask, mean, state_kind, layout, empty):
+    """(partials (C, parts, 2) float64, parts) of the ``kind`` sums of 4-d device arrays.
+
+    ``b``/``aux``/``mask``/``mean`` may be placeholders of the right type where ``kind`` and
+    ``state_kind`` do not read them. ``empty(shape, dtype)`` allocates (the caller's helper).
+    """
+    A, C, B = view(a.shape, layout)
+    nhwc = layout == "NHWC"
+    threads = config.block_threads()
+    per_block = threads * (1 if nhwc else U)
+    parts = max(1, min(config.reduce_blocks, -(-(A * B) // per_block)))
+    partials = empty((C, parts, 2), np.float64)
+    rows = -(-C // min(WARP, threads)) if nhwc else C
+    channel_partials_kernel(kind, nhwc)[(parts, min(rows, config.max_grid_y)), threads](
+        a.reshape(a.size), b.reshape(b.size), aux.reshape(aux.size), mask, mean, state_kind,
+        C, B, partials)
+    return partials, parts
+
+
+@cuda.jit(cache=True)
+def _finalize_sums(partials, out):
+    # partials: (C, parts, 2) float64; out: (C,) = sum over parts of [:, :, 0], in order
+    for c in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        acc = float64(0.0)
+        for p in range(partials.shape[1]):
+            acc += partials[c, p, 0]
+        out[c] = acc
+
+
+def channel_sums(gy, y, layout, empty=None):
+    """Per-channel sum over N, H, W of ``g = gy * (y > 0)`` (``y`` None: of gy), shape (C,),
+    gy's dtype; deterministic (fixed parts, fixed order)."""
+    empty = empty or cuda.device_array
+    C = gy.shape[3] if layout == "NHWC" else gy.shape[1]
+    out = empty(C, gy.dtype)
+    if C == 0:
+        return out
+    if gy.size == 0:                                    # N, H or W is 0: the sums are 0
+        zeros = empty((C, 1, 2), np.float64)
+        _zero3[config.grid_1d(C)](zeros)
+        partials = zeros
+    else:
+        state = STATE_Y if y is not None else STATE_NONE
+        aux = y if y is not None else gy
+        partials, _ = channel_partials(ELEM_GRAD, gy, gy, aux, _NO_MASK(), _NO_MEAN(),
+                                       state, layout, empty)
+    _finalize_sums[config.grid_1d(C)](partials, out)
+    return out
+
+
+@cuda.jit(cache=True)
+def _zero3(a):
+    # a: (C, parts, 2) float64 set to 0
+    for c in range(cuda.grid(1), a.shape[0], cuda.gridsize(1)):
+        for p in range(a.shape[1]):
+            a[c, p, 0] = 0.0
+            a[c, p, 1] = 0.0
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(dtype):
+    return cuda.device_array(1, dtype)
+
+
+def _NO_MASK():
+    """A one-byte mask array for kernels that do not read the mask."""
+    return _placeholder(np.uint8)
+
+
+def _NO_MEAN():
+    """A one-element float64 array for kernels that do not read the mean."""
+    return _placeholder(np.float64)
+
+
+def _partials_signature(f, nhwc):
+    from numba import types
+    return (f[::1], f[::1], f[::1], types.uint8[::1], float64[::1], types.int64, types.int64,
+            types.int64, float64[:, :, ::1])
+
+
+PTX_SIGNATURES = [
+    (channel_partials_kernel(kind, nhwc), (lambda n: lambda f: _partials_signature(f, n))(nhwc))
+    for kind in (ELEM_STATS, ELEM_BWD, ELEM_GRAD) for nhwc in (False, True)
+] + [
+    (_finalize_sums, lambda f: (float64[:, :, ::1], f[::1])),
+    (_zero3, lambda f: (float64[:, :, ::1],)),
+]

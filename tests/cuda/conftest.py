@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
@@ -35,6 +36,11 @@ def small_launches(monkeypatch):
         monkeypatch.setattr(config, "threads", 8)
         monkeypatch.setattr(config, "max_blocks", 3)
         monkeypatch.setattr(config, "reduce_blocks", 3)
+        # conv GEMMs: an 8 x 8 tile of 16 threads, K-steps of 4, and a few dw splits, so
+        # tiny convolutions cross every tile boundary (the production tilings are compiled
+        # to sm_90 and checked in tests/test_ptx.py and tests/test_sass.py)
+        monkeypatch.setattr(config, "tile_override", config.TINY_TILE)
+        monkeypatch.setattr(config, "dw_target_blocks", 24)
     yield
 
 
@@ -79,8 +85,9 @@ def uniform_barriers(monkeypatch):
 
 @pytest.fixture
 def warp_shuffles(monkeypatch):
-    """Simulator only: ``cuda.shfl_down_sync`` for full warps, so that the shuffle paths real
-    GPUs take (behind ``not ENABLE_CUDASIM``; patch the module's flag too) can run here.
+    """Simulator only: ``cuda.shfl_down_sync`` and ``cuda.ballot_sync`` for full warps, so that
+    the shuffle and vote paths real GPUs take (behind ``not ENABLE_CUDASIM``; patch the
+    module's flag too) can run here.
 
     Only ``FULL_MASK`` over blocks of whole warps is modelled; every lane of the warp must call
     it (a lane that does not makes the others time out with ``BrokenBarrierError``, where a
@@ -107,6 +114,24 @@ def warp_shuffles(monkeypatch):
         barrier.wait()         # every lane has read before the next shuffle overwrites
         return out
 
+    def ballot_sync(self, mask, predicate):
+        assert mask == 0xFFFFFFFF, f"only full-warp votes are modelled, mask {mask:#x}"
+        thread = threading.current_thread()
+        assert math.prod(thread._manager._block_dim) % 32 == 0, "a partial warp votes"
+        b = thread.blockIdx
+        key = (thread._manager, (b.x, b.y, b.z), thread.thread_id // 32, "ballot")
+        with lock:
+            if key not in warps:
+                warps[key] = ([None] * 32, threading.Barrier(32, timeout=30))
+        values, barrier = warps[key]
+        lane = thread.thread_id % 32
+        values[lane] = bool(predicate)
+        barrier.wait()         # every lane's predicate is published
+        word = np.uint32(sum(1 << i for i, v in enumerate(values) if v))   # a uint32 on a GPU
+        barrier.wait()         # every lane has read before the next vote overwrites
+        return word
+
     monkeypatch.setattr(kernelapi.FakeCUDAModule, "shfl_down_sync", shfl_down_sync,
                         raising=False)
+    monkeypatch.setattr(kernelapi.FakeCUDAModule, "ballot_sync", ballot_sync, raising=False)
     yield

@@ -150,7 +150,7 @@ def test_warp_sized_blocks_shuffle_path_and_channel_stride(threads, shuffle, lay
     # reuses its shared buffers; M = 2*5*7 = 70 values per channel leave the grid-stride loops
     # uneven (threads of a block leave at different iterations).
     from numbafuse.kernels import cuda_config as config
-    from numbafuse.kernels.batchnorm import cuda as kernels
+    from numbafuse.kernels import cuda_reduce as kernels
     monkeypatch.setattr(config, "threads", threads)
     monkeypatch.setattr(config, "max_grid_y", 2)
     monkeypatch.setattr(kernels, "USE_SHUFFLE", shuffle)

@@ -2,7 +2,7 @@
 cross_entropy.
 
 The host-side functions at the bottom have the same names and arguments as those of
-``kernels/basic/cpu.py``; they take C-contiguous device arrays of one float dtype and return
+``kernels/cpu/basic.py``; they take C-contiguous device arrays of one float dtype and return
 device arrays (no host round trip, except the one-integer label check of cross_entropy).
 
 Activations are flat ``(n,)`` buffers addressed through element strides ``(sN, sC, sH, sW)``,
@@ -15,7 +15,7 @@ Notation: N batch, C channels, H/W input height/width, P/Q pooled height/width,
 kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 """
 import numpy as np
-from numba import float64, int32, int64, uint8
+from numba import float64, int32, int64, uint8, uint32
 
 from ...cuda import numba_cuda as cuda
 
@@ -26,6 +26,19 @@ from . import math as basic_math
 
 BLOCK = config.BLOCK
 TILE = config.TILE
+
+
+@cuda.jit(device=True, inline=True)
+def _div(a, b):
+    """a // b for 0 <= a, b < 2**32 as an inline unsigned 32-bit division (Python-semantics
+    int64 ``//`` is a subroutine call per element; ``config.grid_1d`` refuses 2**32 items)."""
+    return int64(uint32(a) // uint32(b))
+
+
+@cuda.jit(device=True, inline=True)
+def _mod(a, b):
+    """a % b for 0 <= a, b < 2**32 (see ``_div``)."""
+    return int64(uint32(a) % uint32(b))
 
 _relu = scalar.cuda_scalar(scalar.relu)
 _relu_grad = scalar.cuda_scalar(scalar.relu_grad)
@@ -144,8 +157,9 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
 def _coords(e, C, H, W, channels_last):
     """(n, c, h, w) of element ``e`` of a C-contiguous (N, C, H, W) / (N, H, W, C) array."""
     if channels_last:
-        return e // (H * W * C), e % C, (e // (W * C)) % H, (e // C) % W
-    return e // (C * H * W), (e // (H * W)) % C, (e // W) % H, e % W
+        return (_div(e, H * W * C), _mod(e, C), _mod(_div(e, W * C), H),
+                _mod(_div(e, C), W))
+    return _div(e, C * H * W), _mod(_div(e, H * W), C), _mod(_div(e, W), H), _mod(e, W)
 
 
 @cuda.jit(cache=True)
@@ -157,7 +171,7 @@ def _max_pool_fwd(x, y, argmax, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
         n, c, p, q = _coords(o, C, P, Q, channels_last)
         start = n * xs_n + c * xs_c + p * sh * xs_h + q * sw * xs_w
         t = _first_max_tap(x, start, kh, kw, xs_h, xs_w)
-        y[o] = x[start + (t // kw) * xs_h + (t % kw) * xs_w]
+        y[o] = x[start + _div(t, kw) * xs_h + _mod(t, kw) * xs_w]
         argmax[o] = t
 
 
@@ -169,10 +183,10 @@ def _max_pool_bwd(gy, argmax, gx, C, H, W, P, Q, kh, kw, sh, sw, ys_n, ys_c, ys_
     # those whose argmax tap is e's own. No atomics; overlapping windows add in a fixed order.
     for e in range(cuda.grid(1), gx.size, cuda.gridsize(1)):
         n, c, h, w = _coords(e, C, H, W, channels_last)
-        p_lo = 0 if h < kh else (h - kh + sh) // sh                 # first window row covering h
-        q_lo = 0 if w < kw else (w - kw + sw) // sw
-        p_hi = min(P - 1, h // sh)
-        q_hi = min(Q - 1, w // sw)
+        p_lo = 0 if h < kh else _div(h - kh + sh, sh)                # first window row covering h
+        q_lo = 0 if w < kw else _div(w - kw + sw, sw)
+        p_hi = min(P - 1, _div(h, sh))
+        q_hi = min(Q - 1, _div(w, sw))
         acc = 0.0
         for p in range(p_lo, p_hi + 1):
             for q in range(q_lo, q_hi + 1):
@@ -213,7 +227,7 @@ def _gap_fwd(x, y, C, H, W, xs_n, xs_c, xs_h, xs_w):
     # H*W values in a fixed order (float64)
     inv = 1.0 / (H * W)
     for nc in range(cuda.grid(1), y.size, cuda.gridsize(1)):
-        x0 = (nc // C) * xs_n + (nc % C) * xs_c
+        x0 = _div(nc, C) * xs_n + _mod(nc, C) * xs_c
         acc = 0.0
         for h in range(H):
             for w in range(W):
@@ -226,10 +240,10 @@ def _gap_bwd(gy, gx, C, H, W, xs_n, xs_c, xs_h, xs_w):
     # gy: (N*C,), gx: (N*C*H*W,) flat in its layout; one thread per gx element
     inv = 1.0 / (H * W)
     for e in range(cuda.grid(1), gx.size, cuda.gridsize(1)):
-        w = e % W
-        h = (e // W) % H
-        c = (e // (H * W)) % C
-        n = e // (C * H * W)
+        w = _mod(e, W)
+        h = _mod(_div(e, W), H)
+        c = _mod(_div(e, H * W), C)
+        n = _div(e, C * H * W)
         gx[n * xs_n + c * xs_c + h * xs_h + w * xs_w] = gy[n * C + c] * inv
 
 
@@ -282,7 +296,7 @@ def _xent_bwd(logits, labels, lse, gy, scale, glogits):
     # glogits = gy * scale * (softmax - onehot), scale = 1/N; one thread per element
     N, L = logits.shape
     for e in range(cuda.grid(1), N * L, cuda.gridsize(1)):
-        n, j = e // L, e % L
+        n, j = _div(e, L), _mod(e, L)
         glogits[n, j] = _xent_grad(logits[n, j], lse[n], j == labels[n], gy[0] * scale)
 
 

@@ -1,154 +1,116 @@
 r"""numba.cuda kernels of batch norm -> add -> ReLU: statistics, fused apply, two-pass backward.
 
-Notation: N batch, C channels, M = N*H*W values per channel, ``size`` = N*C*H*W. For the
-per-channel reductions an activation is viewed as ``x3`` (A, C, B): NCHW is (N, C, H*W), NHWC
-is (M, C, 1); value m of channel c is ``x3[m // B, c, m % B]`` and its flat index is
-``(m // B * C + c) * B + m % B``. Elementwise kernels use flat (size,) views, channel
-``(j // B) % C``.
+Notation: N batch, C channels, M = N*H*W values per channel, ``size`` = N*C*H*W. An
+activation is viewed as (A, C, B): NCHW (N, C, H*W), NHWC (N*H*W, C, 1); flat element j has
+channel ``(j // B) % C``.
 
-Reductions are deterministic (no float atomics): a 2-d grid (parts, min(C, 65535)), each block
-grid-strides over its channels (blockIdx.y, + gridDim.y, ...) and over each channel's values,
-reduces in shared memory (or with warp shuffles on a real GPU) and writes one partial per
-(channel, part); a finalize kernel, one thread per channel, sums the partials in a fixed
-order. The result depends on ``config.reduce_blocks``/``config.threads``
-(the partition), never on scheduling.
+Reductions (statistics, the backward's two sums) are ``reduce.channel_partials``: a channel
+per block row (NCHW: lane-contiguous slices of its (n, c) planes; NHWC: 32 channels across a
+warp's lanes), float64 partials per (channel, part) summed in a fixed order by one thread per
+channel: deterministic, no atomics. The statistics are shifted sums (``batchnorm_math``).
 
-Relu state codes for the backward (``math.py``, shared with the CPU kernels): ``STATE_NONE``, ``STATE_Y``
+Elementwise passes (``_apply``, ``_bwd_apply``) walk the flat array in *groups* of 32
+lane-contiguous elements (a warp reads 128 bytes of float32 per load), U groups per warp in
+flight; each lane tracks its elements' channel with counters (adds and compares, no
+division) and keeps that channel's parameters in registers, reloading them only when the
+channel changes. Element math runs in x's dtype: the float64 mean is split into
+``hi + lo`` (both in x's dtype) so ``(x - hi) - lo`` keeps the digits a large mean would
+cost. The 1-bit mask of the forward is one ``ballot_sync`` per group on a GPU (four bytes
+written by lanes 0-3); under the simulator, which has no warp votes, the block assembles
+the bytes in shared memory (``USE_BALLOT``; tests emulate ``ballot_sync`` to run the GPU
+path too).
+
+Relu state codes for the backward are those of the CPU module: ``STATE_NONE``, ``STATE_Y``
 (open where y > 0), ``STATE_MASK`` (packed bits, bit ``j % 8`` of byte ``j // 8``).
 
-Host-level entry points (same as ``kernels/batchnorm/cpu.py``): :func:`stats`,
+Host-level entry points (same as ``kernels/cpu/batchnorm.py``): :func:`stats`,
 :func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`.
 """
-import numpy as np
-from numba import boolean, float64, int64, uint8
+import math
 
-from ... import backend
-from ... import kernels
+import numpy as np
+from numba import boolean, float64, int32, int64, uint8
+
+from ... import backend, kernels
 from ...cuda import SIMULATOR, numba_cuda as cuda
 from . import math as bm
 from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
-from .. import scalar
 from ..scalar import cuda_scalar
 from .. import cuda_config as config
+from .. import cuda_reduce as reduce
 
 BLOCK = config.BLOCK
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
-# Warp shuffles on a real GPU only; the simulator takes the shared-memory tree.
-USE_SHUFFLE = not SIMULATOR
+U = 4                    # groups of 32 elements in flight per warp
+# Warp votes on a real GPU only; the simulator assembles mask bytes in shared memory.
+USE_BALLOT = not SIMULATOR
 
-_relu = cuda_scalar(scalar.relu)
 _finalize_mean = cuda_scalar(bm.finalize_mean)
 _finalize_var = cuda_scalar(bm.finalize_var)
 _invstd_of = cuda_scalar(bm.invstd_of)
 _unbiased_var = cuda_scalar(bm.unbiased_var)
 _running_update = cuda_scalar(bm.running_update)
-_normalize_affine = cuda_scalar(bm.normalize_affine)
-_mask_bit = cuda_scalar(bm.mask_bit)
-_gate = cuda_scalar(bm.gate)
 _coef_g = cuda_scalar(bm.coef_g)
 _coef_x = cuda_scalar(bm.coef_x)
 _coef_0 = cuda_scalar(bm.coef_0)
-_input_grad = cuda_scalar(bm.input_grad)
 
 
-# --------------------------------------------------------------------------- device helpers
+# --------------------------------------------------------------------------- flat walks
 
 @cuda.jit(device=True, inline=True)
-def _block_sum2(a, b, buf_a, buf_b):
-    """Sums of ``a`` and ``b`` over the block (valid in thread 0); buf_*: shared (BLOCK,).
+def _walk_start(C, B, U_, lanes):
+    """The flat walk of this thread: (j, jstride, rounds, pos, c, dpos, dc, gpos, gc).
 
-    Every thread of the block must call it (it synchronises); it may be called again with the
-    same buffers (it ends with a barrier).
+    A warp takes U_ consecutive groups of ``lanes`` elements per round; j is this lane's
+    first element, jstride the advance per round; (pos, c) = (j % B, (j // B) % C) and
+    (dpos, dc), (gpos, gc) the same decomposition of jstride and of one group (``lanes``).
+    Divisions here, once per thread; the loop only adds.
     """
-    t = cuda.threadIdx.x
-    if USE_SHUFFLE and cuda.blockDim.x % WARP == 0:
-        off = WARP // 2
-        while off > 0:  # within each warp, fixed order
-            a += cuda.shfl_down_sync(FULL_MASK, a, off)
-            b += cuda.shfl_down_sync(FULL_MASK, b, off)
-            off //= 2
-        lane = t % WARP
-        warp = t // WARP
-        if lane == 0:
-            buf_a[warp] = a
-            buf_b[warp] = b
-        cuda.syncthreads()  # every warp's sum is in buf_*
-        nwarps = cuda.blockDim.x // WARP
-        if warp == 0:
-            a = buf_a[lane] if lane < nwarps else 0.0
-            b = buf_b[lane] if lane < nwarps else 0.0
-            off = WARP // 2
-            while off > 0:
-                a += cuda.shfl_down_sync(FULL_MASK, a, off)
-                b += cuda.shfl_down_sync(FULL_MASK, b, off)
-                off //= 2
-        cuda.syncthreads()  # warp 0 has read buf_* before a next call overwrites it
-        return a, b
-    # portable path: shared-memory tree (blockDim.x is a power of two <= BLOCK)
-    buf_a[t] = a
-    buf_b[t] = b
-    cuda.syncthreads()  # every thread's values are in buf_*
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if t < step:
-            buf_a[t] += buf_a[t + step]
-            buf_b[t] += buf_b[t + step]
-        cuda.syncthreads()  # this level of the tree is complete before the next reads it
-        step //= 2
-    a, b = buf_a[0], buf_b[0]
-    cuda.syncthreads()  # everyone has read buf_*[0] before a next call overwrites it
-    return a, b
+    t = int32(cuda.threadIdx.x)
+    wpb = int32(cuda.blockDim.x // lanes)
+    warp = int32(t // lanes)
+    lane = int32(t - warp * lanes)
+    j = int64((cuda.blockIdx.x * wpb + warp) * U_ * lanes + lane)
+    jstride = int64(cuda.gridDim.x * wpb * U_ * lanes)
+    return j, jstride, lane, warp
 
 
 @cuda.jit(device=True, inline=True)
-def _gated(gy, state_kind, ystate, mask, j, g_in):
-    # g = gy * (relu open at flat index j); g_in = gy at j
-    if state_kind == STATE_Y:
-        return _gate(g_in, ystate[j] > 0)
-    if state_kind == STATE_MASK:
-        return _gate(g_in, _mask_bit(mask[j >> 3], j) != 0)
-    return g_in + 0.0
+def _split(j, C, B):
+    """(j % B, (j // B) % C) for j >= 0 (once per thread: a division)."""
+    q = j // B
+    return int32(j - q * B), int32(q % C)
+
+
+@cuda.jit(device=True, inline=True)
+def _step(pos, c, dpos, dc, C, B):
+    """Channel counters advanced by a stride whose split is (dpos, dc): adds and compares."""
+    pos = int32(pos + dpos)
+    c = int32(c + dc)
+    if pos >= B:
+        pos = int32(pos - B)
+        c = int32(c + 1)
+    if c >= C:
+        c = int32(c - C)
+    return pos, c
 
 
 # --------------------------------------------------------------------------- statistics
 
 @cuda.jit(cache=True)
-def _stats_partials(x3, partials):
-    # x3: (A, C, B); partials: (C, parts, 2) float64 <- shifted sums s1, s2 of this block's
-    # share of each of its channels (shift: the channel's first value)
-    buf_a = cuda.shared.array(BLOCK, float64)
-    buf_b = cuda.shared.array(BLOCK, float64)
-    A, C, B = x3.shape
-    part = cuda.blockIdx.x
-    # channels: bounds depend on the block only, so all its threads reach every barrier
-    for c in range(cuda.blockIdx.y, C, cuda.gridDim.y):
-        shift = float64(x3[0, c, 0])
-        s1 = 0.0
-        s2 = 0.0
-        for m in range(part * cuda.blockDim.x + cuda.threadIdx.x, A * B,
-                       cuda.gridDim.x * cuda.blockDim.x):
-            d = float64(x3[m // B, c, m % B]) - shift
-            s1 += d
-            s2 += d * d
-        s1, s2 = _block_sum2(s1, s2, buf_a, buf_b)
-        if cuda.threadIdx.x == 0:
-            partials[c, part, 0] = s1
-            partials[c, part, 1] = s2
-
-
-@cuda.jit(cache=True)
-def _stats_finalize(x3, partials, eps, mean, var, invstd):
-    # partials: (C, parts, 2); mean, var, invstd: (C,) float64; one thread per channel
-    A, C, B = x3.shape
-    count = float64(A * B)
+def _stats_finalize(x, B, partials, eps, mean, var, invstd):
+    # x: (A*C*B,) flat; partials: (C, parts, 2); mean, var, invstd: (C,) float64;
+    # one thread per channel, parts in a fixed order
+    C = mean.shape[0]
+    count = float64(x.size // C)
     for c in range(cuda.grid(1), C, cuda.gridsize(1)):
         s1 = 0.0
         s2 = 0.0
-        for p in range(partials.shape[1]):  # fixed order: deterministic
+        for p in range(partials.shape[1]):
             s1 += partials[c, p, 0]
             s2 += partials[c, p, 1]
-        mean[c] = _finalize_mean(s1, float64(x3[0, c, 0]), count)
+        mean[c] = _finalize_mean(s1, float64(x[c * B]), count)   # shift: channel's first
         var[c] = _finalize_var(s1, s2, count)
         invstd[c] = _invstd_of(var[c], eps)
 
@@ -172,65 +134,72 @@ def _update_running(running_mean, running_var, mean, var, count, momentum):
 
 # --------------------------------------------------------------------------- fused forward
 
-@cuda.jit(cache=True)
+@cuda.jit
 def _apply(x, z, has_z, mean, invstd, gamma, beta, relu, C, B, y, mask, want_mask):
     # x, z, y: (size,) flat; mean, invstd: (C,) float64; gamma, beta: (C,);
-    # mask: (ceil(size/8),) uint8. Thread q owns elements 8q .. 8q+7 (one mask byte).
-    size = x.shape[0]
-    for q in range(cuda.grid(1), (size + BITS - 1) // BITS, cuda.gridsize(1)):
-        byte = 0
-        for t in range(BITS):
-            j = q * BITS + t
-            if j < size:
-                c = (j // B) % C
-                v = _normalize_affine(float64(x[j]), mean[c], gamma[c] * invstd[c],
-                                      float64(beta[c]))
+    # mask: (ceil(size/8),) uint8, bit j%8 of byte j//8 set where y[j] > 0
+    bits = cuda.shared.array(BLOCK, int32)          # portable mask assembly
+    prm = cuda.local.array((U, 4), x.dtype)         # per group: m_hi, m_lo, scale, beta
+    chan = cuda.local.array(U, int32)               # ... of this channel (-1: none yet)
+    xv = cuda.local.array(U, x.dtype)
+    zv = cuda.local.array(U, x.dtype)
+    size = x.size
+    nbytes = mask.size
+    lanes = int32(min(WARP, cuda.blockDim.x))
+    j, jstride, lane, warp = _walk_start(C, B, U, lanes)
+    pos, c = _split(j, C, B)
+    dpos, dc = _split(jstride, C, B)
+    gpos, gc = _split(int64(lanes), C, B)
+    rounds = (size + jstride - 1) // jstride         # block-uniform: every barrier is met
+    for u in range(U):
+        chan[u] = -1
+    for _ in range(rounds):
+        for u in range(U):                           # U loads of x (and z) in flight
+            ju = j + u * lanes
+            if ju < size:
+                xv[u] = x[ju]
                 if has_z:
-                    v += z[j]
+                    zv[u] = z[ju]
+        upos, uc = pos, c
+        for u in range(U):
+            ju = j + u * lanes
+            v = xv[u]
+            if ju < size:
+                if chan[u] != uc:                    # channel parameters, in registers
+                    chan[u] = uc
+                    prm[u, 0] = mean[uc]
+                    prm[u, 1] = mean[uc] - float64(prm[u, 0])
+                    prm[u, 2] = gamma[uc] * invstd[uc]
+                    prm[u, 3] = beta[uc]
+                v = (v - prm[u, 0] - prm[u, 1]) * prm[u, 2] + prm[u, 3]
+                if has_z:
+                    v += zv[u]
                 if relu:
-                    v = _relu(v)
-                y[j] = v
-                if y[j] > 0:
-                    byte |= 1 << t
-        if want_mask:
-            mask[q] = byte
+                    v = reduce.relu(v)
+                y[ju] = v
+            if want_mask:
+                open_ = ju < size and v > 0
+                g0 = (j + u * lanes - lane) >> 3         # first mask byte of the group
+                if USE_BALLOT and lanes == WARP:
+                    word = cuda.ballot_sync(FULL_MASK, open_)
+                    if lane < 4 and g0 + lane < nbytes:
+                        mask[g0 + lane] = (word >> (8 * lane)) & 0xFF
+                else:
+                    t = cuda.threadIdx.x
+                    bits[t] = 1 if open_ else 0
+                    cuda.syncthreads()  # every lane's bit of this group is in bits
+                    if lane < lanes // BITS and g0 + lane < nbytes:
+                        byte = 0
+                        for i in range(BITS):
+                            byte |= bits[warp * lanes + lane * BITS + i] << i
+                        mask[g0 + lane] = byte
+                    cuda.syncthreads()  # bits read before the next group overwrites them
+            upos, uc = _step(upos, uc, gpos, gc, C, B)
+        j += jstride
+        pos, c = _step(pos, c, dpos, dc, C, B)
 
 
 # --------------------------------------------------------------------------- fused backward
-
-@cuda.jit(cache=True)
-def _bwd_partials(gy3, x3, mean, state_kind, ystate3, mask, partials):
-    # gy3, x3, ystate3: (A, C, B); mean: (C,) float64; mask: packed uint8;
-    # partials: (C, parts, 2) float64 <- sums of g and g*(x - mean) of this block's share of
-    # each of its channels
-    buf_a = cuda.shared.array(BLOCK, float64)
-    buf_b = cuda.shared.array(BLOCK, float64)
-    A, C, B = x3.shape
-    part = cuda.blockIdx.x
-    # channels: bounds depend on the block only, so all its threads reach every barrier
-    for c in range(cuda.blockIdx.y, C, cuda.gridDim.y):
-        m_c = mean[c]
-        sg = 0.0
-        sgx = 0.0
-        for m in range(part * cuda.blockDim.x + cuda.threadIdx.x, A * B,
-                       cuda.gridDim.x * cuda.blockDim.x):
-            a = m // B
-            b = m % B
-            j = (a * C + c) * B + b  # flat index, for the mask bit
-            g = 0.0
-            if state_kind == STATE_Y:
-                g = _gate(float64(gy3[a, c, b]), ystate3[a, c, b] > 0)
-            elif state_kind == STATE_MASK:
-                g = _gate(float64(gy3[a, c, b]), _mask_bit(mask[j >> 3], j) != 0)
-            else:
-                g = float64(gy3[a, c, b])
-            sg += g
-            sgx += g * (float64(x3[a, c, b]) - m_c)
-        sg, sgx = _block_sum2(sg, sgx, buf_a, buf_b)
-        if cuda.threadIdx.x == 0:
-            partials[c, part, 0] = sg
-            partials[c, part, 1] = sgx
-
 
 @cuda.jit(cache=True)
 def _bwd_finalize(partials, nparts, gamma, invstd, count, training, ggamma, gbeta, cg, cx,
@@ -252,127 +221,152 @@ def _bwd_finalize(partials, nparts, gamma, invstd, count, training, ggamma, gbet
         c0[c] = _coef_0(gam, invstd[c], sg, count, training)
 
 
-@cuda.jit(cache=True)
+@cuda.jit
 def _bwd_apply(gy, x, mean, cg, cx, c0, state_kind, ystate, mask, C, B, gx, want_gx, gz,
                want_gz):
-    # gy, x, ystate, gx, gz: (size,) flat; per-channel float64 coefficients (C,)
-    for j in range(cuda.grid(1), gy.shape[0], cuda.gridsize(1)):
-        c = (j // B) % C
-        g = _gated(gy, state_kind, ystate, mask, j, float64(gy[j]))
-        if want_gz:
-            gz[j] = g
-        if want_gx:
-            gx[j] = _input_grad(g, float64(x[j]), mean[c], cg[c], cx[c], c0[c])
+    # gy, x, ystate, gx, gz: (size,) flat; per-channel float64 mean and coefficients (C,)
+    prm = cuda.local.array((U, 5), x.dtype)         # per group: m_hi, m_lo, cg, cx, c0
+    chan = cuda.local.array(U, int32)
+    gv = cuda.local.array(U, x.dtype)
+    xv = cuda.local.array(U, x.dtype)
+    size = x.size
+    lanes = int32(min(WARP, cuda.blockDim.x))
+    j, jstride, lane, warp = _walk_start(C, B, U, lanes)
+    pos, c = _split(j, C, B)
+    dpos, dc = _split(jstride, C, B)
+    gpos, gc = _split(int64(lanes), C, B)
+    for u in range(U):
+        chan[u] = -1
+    while j < size:
+        for u in range(U):                           # U loads in flight
+            ju = j + u * lanes
+            if ju < size:
+                gv[u] = reduce.gate(gy[ju], state_kind, ystate, mask, ju)
+                if want_gx:
+                    xv[u] = x[ju]
+        upos, uc = pos, c
+        for u in range(U):
+            ju = j + u * lanes
+            if ju < size:
+                if want_gz:
+                    gz[ju] = gv[u]
+                if want_gx:
+                    if chan[u] != uc:
+                        chan[u] = uc
+                        prm[u, 0] = mean[uc]
+                        prm[u, 1] = mean[uc] - float64(prm[u, 0])
+                        prm[u, 2] = cg[uc]
+                        prm[u, 3] = cx[uc]
+                        prm[u, 4] = c0[uc]
+                    gx[ju] = (prm[u, 2] * gv[u] + prm[u, 3] * (xv[u] - prm[u, 0] - prm[u, 1])
+                              + prm[u, 4])
+            upos, uc = _step(upos, uc, gpos, gc, C, B)
+        j += jstride
+        pos, c = _step(pos, c, dpos, dc, C, B)
 
 
 # --------------------------------------------------------------------------- host entry points
 
-def _dims(shape, layout):
-    """(A, C, B) of the reduction view: NCHW (N, C, H*W), NHWC (N*H*W, C, 1)."""
-    if layout == "NCHW":
-        N, C, H, W = shape
-        return N, C, H * W
-    N, H, W, C = shape
-    return N * H * W, C, 1
+def _empty(shape, dtype):
+    """Every device buffer of this module comes from here (one place to swap in a pool)."""
+    return cuda.device_array(shape, dtype)
 
 
-def _parts(M):
-    return max(1, min(config.reduce_blocks, -(-M // config.block_threads())))
+def _flat_grid(size, C, B):
+    """(blocks, threads) of a flat walk; for NHWC (B == 1) the round stride is made a
+    multiple of C where that is cheap, so each lane keeps one channel (no reloads)."""
+    threads = config.block_threads()
+    per_block = threads * U
+    blocks = max(1, min(config.max_blocks, -(-size // per_block)))
+    if B == 1 and C > 1:
+        unit = C // math.gcd(C, per_block)            # blocks must be a multiple of this
+        if unit <= config.max_blocks:
+            blocks = max(unit, blocks // unit * unit)
+    return blocks, threads
 
 
 def stats(x, layout, eps):
     """(mean, var, invstd) float64 (C,) device arrays of a C-contiguous device ``x``."""
-    A, C, B = _dims(x.shape, layout)
-    x3 = x.reshape(A, C, B)                                       # (A, C, B)
-    parts = _parts(A * B)
-    partials = cuda.device_array((C, parts, 2), np.float64)
-    _stats_partials[(parts, min(C, config.max_grid_y)), config.block_threads()](x3, partials)
-    mean, var, invstd = (cuda.device_array(C, np.float64) for _ in range(3))
-    blocks, threads = config.grid_1d(C)
-    _stats_finalize[blocks, threads](x3, partials, float(eps), mean, var, invstd)
+    A, C, B = reduce.view(x.shape, layout)
+    partials, _ = reduce.channel_partials(reduce.ELEM_STATS, x, x, x, reduce._NO_MASK(),
+                                          reduce._NO_MEAN(), STATE_NONE, layout, _empty)
+    mean, var, invstd = (_empty(C, np.float64) for _ in range(3))
+    _stats_finalize[config.grid_1d(C)](x.reshape(x.size), B, partials, float(eps), mean, var,
+                                        invstd)
     return mean, var, invstd
 
 
 def inference_stats(running_mean, running_var, eps):
     C = running_mean.shape[0]
-    mean, invstd = cuda.device_array(C, np.float64), cuda.device_array(C, np.float64)
-    blocks, threads = config.grid_1d(C)
-    _inference_stats[blocks, threads](kernels.contiguous(running_mean),
-                                      kernels.contiguous(running_var), float(eps),
-                                      mean, invstd)
+    mean, invstd = _empty(C, np.float64), _empty(C, np.float64)
+    _inference_stats[config.grid_1d(C)](kernels.contiguous(running_mean),
+                                        kernels.contiguous(running_var), float(eps),
+                                        mean, invstd)
     return mean, invstd
 
 
 def update_running(running_mean, running_var, mean, var, count, momentum):
     """In place on the device (contiguous running statistics)."""
-    blocks, threads = config.grid_1d(mean.shape[0])
-    _update_running[blocks, threads](backend.as_device_array(running_mean),
-                                     backend.as_device_array(running_var), mean, var,
-                                     float(count), float(momentum))
+    _update_running[config.grid_1d(mean.shape[0])](
+        backend.as_device_array(running_mean), backend.as_device_array(running_var), mean, var,
+        float(count), float(momentum))
 
 
 def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     """(y, mask or None) on the device; see the CPU module."""
-    A, C, B = _dims(x.shape, layout)
-    y = cuda.device_array(x.shape, x.dtype)
-    nbytes = mask_nbytes(x.size)
-    mask = cuda.device_array(nbytes if want_mask else 1, np.uint8)
-    flat = x.reshape(x.size)                                      # (size,)
-    zf = flat if z is None else z.reshape(z.size)                 # x stands in for "no z"
-    blocks, threads = config.grid_1d(nbytes)
-    _apply[blocks, threads](flat, zf, z is not None, mean, invstd, gamma, beta, bool(relu), C,
-                            B, y.reshape(y.size), mask, bool(want_mask))
+    A, C, B = reduce.view(x.shape, layout)
+    y = _empty(x.shape, x.dtype)
+    mask = _empty(mask_nbytes(x.size), np.uint8) if want_mask else reduce._NO_MASK()
+    if x.size:
+        flat = x.reshape(x.size)                                  # (size,)
+        zf = flat if z is None else z.reshape(z.size)             # x stands in for "no z"
+        _apply[_flat_grid(x.size, C, B)](flat, zf, z is not None, mean, invstd, gamma, beta,
+                                         bool(relu), C, B, y.reshape(y.size), mask,
+                                         bool(want_mask))
     return y, (mask if want_mask else None)
 
 
 def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, need):
     """(gx, ggamma, gbeta, gz) on the device, each None unless asked for in ``need``."""
     need_gx, need_ggamma, need_gbeta, need_gz = need
-    A, C, B = _dims(x.shape, layout)
+    A, C, B = reduce.view(x.shape, layout)
     dtype = x.dtype
-    x3, gy3 = x.reshape(A, C, B), gy.reshape(A, C, B)             # (A, C, B)
-    ystate3 = state.reshape(A, C, B) if state_kind == STATE_Y else x3
-    mask = state if state_kind == STATE_MASK else cuda.device_array(1, np.uint8)
-    if need_ggamma or need_gbeta or (need_gx and training):
-        parts = _parts(A * B)
-        partials = cuda.device_array((C, parts, 2), np.float64)
-        _bwd_partials[(parts, min(C, config.max_grid_y)), config.block_threads()](
-            gy3, x3, mean, state_kind, ystate3, mask, partials)
-    else:  # inference, dx/dz only: no reduction (the coefficients need none)
+    ystate = state if state_kind == STATE_Y else x
+    mask = state if state_kind == STATE_MASK else reduce._NO_MASK()
+    if (need_ggamma or need_gbeta or (need_gx and training)) and x.size:
+        partials, parts = reduce.channel_partials(reduce.ELEM_BWD, gy, x, ystate, mask, mean,
+                                                  state_kind, layout, _empty)
+    else:  # inference dx/dz only (the coefficients need no sums), or nothing to sum
         parts = 0
-        partials = cuda.device_array((C, 1, 2), np.float64)
-    ggamma, gbeta = cuda.device_array(C, dtype), cuda.device_array(C, dtype)
-    cg, cx, c0 = (cuda.device_array(C, np.float64) for _ in range(3))
-    blocks, threads = config.grid_1d(C)
-    _bwd_finalize[blocks, threads](partials, parts, gamma, invstd, float(A * B),
-                                   bool(training), ggamma, gbeta, cg, cx, c0)
+        partials = _empty((C, 1, 2), np.float64)
+    ggamma, gbeta = _empty(C, dtype), _empty(C, dtype)
+    cg, cx, c0 = (_empty(C, np.float64) for _ in range(3))
+    _bwd_finalize[config.grid_1d(C)](partials, parts, gamma, invstd, float(A * B),
+                                     bool(training), ggamma, gbeta, cg, cx, c0)
     gx = gz = None
     if need_gx or need_gz:
-        gx = cuda.device_array(x.shape if need_gx else 1, dtype)
-        gz = cuda.device_array(x.shape if need_gz else 1, dtype)
-        blocks, threads = config.grid_1d(x.size)
-        _bwd_apply[blocks, threads](gy.reshape(gy.size), x.reshape(x.size), mean, cg, cx, c0,
-                                    state_kind, ystate3.reshape(x.size), mask, C, B,
-                                    gx.reshape(gx.size), bool(need_gx), gz.reshape(gz.size),
-                                    bool(need_gz))
+        gx = _empty(x.shape if need_gx else 1, dtype)
+        gz = _empty(x.shape if need_gz else 1, dtype)
+        if x.size:
+            _bwd_apply[_flat_grid(x.size, C, B)](
+                gy.reshape(gy.size), x.reshape(x.size), mean, cg, cx, c0, state_kind,
+                ystate.reshape(ystate.size), mask, C, B, gx.reshape(gx.size), bool(need_gx),
+                gz.reshape(gz.size), bool(need_gz))
         gx = gx if need_gx else None
         gz = gz if need_gz else None
     return (gx, ggamma if need_ggamma else None, gbeta if need_gbeta else None, gz)
 
 
 # Every kernel above with its signature as a function of the numba float type f; compiled to
-# PTX for a real target by tests/test_ptx.py.
+# PTX for a real target by tests/test_ptx.py and read as SASS by tests/test_sass.py.
 PTX_SIGNATURES = [
-    (_stats_partials, lambda f: (f[:, :, ::1], float64[:, :, ::1])),
-    (_stats_finalize, lambda f: (f[:, :, ::1], float64[:, :, ::1], float64, float64[::1],
+    (_stats_finalize, lambda f: (f[::1], int64, float64[:, :, ::1], float64, float64[::1],
                                  float64[::1], float64[::1])),
     (_inference_stats, lambda f: (f[::1], f[::1], float64, float64[::1], float64[::1])),
     (_update_running, lambda f: (f[::1], f[::1], float64[::1], float64[::1], float64,
                                  float64)),
     (_apply, lambda f: (f[::1], f[::1], boolean, float64[::1], float64[::1], f[::1], f[::1],
                         boolean, int64, int64, f[::1], uint8[::1], boolean)),
-    (_bwd_partials, lambda f: (f[:, :, ::1], f[:, :, ::1], float64[::1], int64,
-                               f[:, :, ::1], uint8[::1], float64[:, :, ::1])),
     (_bwd_finalize, lambda f: (float64[:, :, ::1], int64, f[::1], float64[::1], float64,
                                boolean, f[::1], f[::1], float64[::1], float64[::1],
                                float64[::1])),

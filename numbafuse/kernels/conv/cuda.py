@@ -1,318 +1,470 @@
-"""numba.cuda convolution kernels: tiled implicit GEMMs with fused epilogues and masks.
+r"""numba.cuda convolution kernels: register-blocked implicit GEMMs with fused epilogues.
 
 Notation: N batch, C input channels, H/W input size, K filters, R/S filter size, P/Q output
-size, M = N*P*Q output pixels, CRS = C*R*S. Every array is passed flat (1-d, C-contiguous);
-``conv_math`` turns (row, column) of the implicit matrices into flat offsets for either layout.
-The geometry travels as one tuple ``geo`` (``conv_math.GEO_FIELDS``).
+size, M = N*P*Q output pixels, CRS = C*R*S, sh/sw stride, ph/pw top/left padding, dh/dw
+dilation. Arrays travel flat (1-d, C-contiguous) in either layout; strides are element
+strides ``(n, c, h, w)`` of the layout.
 
-Three implicit GEMMs, none of which materialises its im2col matrix:
+Three implicit GEMMs on the one skeleton of ``gemm.py``, none materialising its matrix:
 
-    forward  y (M, K)        = cols (M, CRS) @ w^T (CRS, K);  epilogue relu(. + b), one store
-    dx       dx (N*H*W, C)   = G (N*H*W, R*S*K) @ W' (R*S*K, C);  G reads g = gy*(y > 0)
-    dw       dw (K, CRS)     = g^T (K, M) @ cols (M, CRS);  M cut into fixed splits
-    db       db (K,)         = sum over M of g;             M cut into fixed splits
+    forward  y (M, K)          = cols (M, CRS) @ w^T (CRS, K);  relu(. + b), one store
+    dx       dx[phase] (Mph, C) = G_ph (Mph, T_ph*K) @ W'_ph (T_ph*K, C)   per output phase
+    dw       dw[split] (CRS, K) = cols^T (CRS, M_split) @ g (M_split, K)    per split of M
+    db       db (K,)            = sum over M of g          (reduce.channel_sums)
 
-A block computes one TILE x TILE output tile at a time (grid-stride over tiles), staging
-TILE x TILE operand tiles in shared memory; it has ``config.threads`` threads (any power of
-two <= BLOCK), each owning the tile elements ``e = t, t + threads, ...``, and accumulates in a
-shared tile. dw and db are deterministic: each (tile, split) writes its own float64 partial,
-and ``_sum_rows`` adds the partials in split order. No float atomics anywhere.
+with g = gy * (y > 0) applied as gy is loaded. The reduction index k of forward and dw runs
+over the taps in the order best for the layout's memory: (c, r, s) for NCHW (consecutive q
+are contiguous), (r, s, c) for NHWC (consecutive c are). A host-built **tap table** (T, 4)
+int32 per geometry gives for each k ``(toff, th, tw, woff)``: the tap's offset in the
+source, its row and column displacement (for the padding test) and its offset in w; padded
+with taps that read nothing (``th = PAD_TAP``) to whole K-steps and tiles.
+
+**dx by output phase.** Input row h is reached from output row p through tap r iff
+``h + ph - r*dh = p*sh``. Split the input rows by phase ``ha = h % sh`` (and columns by
+``wb = w % sw``): in phase (ha, wb), h = ha + sh*i and only the taps with
+``(ha + ph - r*dh) % sh == 0`` contribute, each from output row ``p = i + poff[r]``. So each
+phase is a dense implicit GEMM over its own taps, like a forward with stride 1: strided
+convolutions iterate only the taps that hit (a phase with none writes zeros). The phases are
+slices z of one launch (gridDim.z = sh*sw); ``geo[z]`` holds each one's sizes and offsets.
+
+**dw and db are deterministic**: M is cut into fixed splits, each (tile, split) writes its
+own partial, and ``_sum_splits`` adds the partials in split order in float64. No atomics.
 """
+from __future__ import annotations
+
+import functools
+
 import numpy as np
-from numba import float64, types
+from numba import float64, int32, types, uint32
 
 from ...cuda import numba_cuda as cuda
 
-from . import math as conv_math
-from ..scalar import cuda_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .. import cuda_config as config
-from ..cuda_reduce import block_sum
+from .. import cuda_gemm as gemm
+from .. import cuda_reduce as reduce
 from ..elementwise.cuda import fill
+from .plans import (FIELDS, PAD_TAP, dw_plan, dx_plan, forward_plan,  # noqa: F401
+                    splits)
 
-TILE = config.TILE
-BLOCK = config.BLOCK
+device = gemm.device
 
-_relu = cuda_scalar(_relu_math)
-_relu_grad = cuda_scalar(_relu_grad_math)
-_cols_offset = cuda_scalar(conv_math.cols_offset)
-_transposed_cols_offset = cuda_scalar(conv_math.transposed_cols_offset)
-_out_offset = cuda_scalar(conv_math.out_offset)
-_act_offset = cuda_scalar(conv_math.act_offset)
-
-
-@cuda.jit(device=True, inline=True)
-def _tile_zero(acc, t, nt):
-    # acc: (TILE, TILE), the elements this thread owns set to 0
-    for e in range(t, TILE * TILE, nt):
-        acc[e // TILE, e % TILE] = 0.0
+(F_ROWS, F_COLS, F_K_LO, F_K_HI, F_PM, F_QM, F_MUL_H, F_ADD_H, F_MUL_W, F_ADD_W,
+ F_SRC_NS, F_SRC_HS, F_SRC_WS, F_SRC_H, F_SRC_W, F_USE_MASK, F_LDW,
+ F_OUT_BASE, F_OUT_NS, F_OUT_HS, F_OUT_WS, F_OUT_CS, F_OUT_ZS, F_E0, F_E1,
+ F_G_NS, F_G_HS, F_G_WS, F_G_KS, F_M, F_SPLIT_LEN, F_DQ, F_DP, F_DN) = range(len(FIELDS))
 
 
-@cuda.jit(device=True, inline=True)
-def _tile_mac(a_tile, b_tile, acc, t, nt):
-    # acc[j, i] += sum_kk a_tile[kk, i] * b_tile[kk, j]  (i fastest across threads: no bank
-    # conflicts on a_tile and acc, a broadcast on b_tile)
-    for e in range(t, TILE * TILE, nt):
-        i = e % TILE
-        j = e // TILE
-        s = acc[j, i]
-        for kk in range(TILE):
-            s += a_tile[kk, i] * b_tile[kk, j]
-        acc[j, i] = s
+# --------------------------------------------------------------------------- operand loaders
+# Each factory returns a gemm.Operand for a thread mapping (LK, LR, NK, NR) (gemm.mapping).
+
+@device
+def _pixel(m, Q, PQ):
+    """(n, p, q) of pixel m = (n*P + p)*Q + q (m >= 0). Unsigned 32-bit divisions (inline,
+    no call): for prep and the epilogue, never the K-loop."""
+    n = int32(uint32(m) // uint32(PQ))
+    pq = int32(m - n * PQ)
+    p = int32(uint32(pq) // uint32(Q))
+    return n, p, int32(pq - p * Q)
 
 
-# --------------------------------------------------------------------------- forward
+@functools.lru_cache(maxsize=None)
+def gather_rows(LK, LR, NK, NR, k_fastest):
+    """Rows fixed per tile, k from the tap table: forward's cols (x), dx's G (gy masked by y).
+
+    st: [SRC_H, SRC_W, USE_MASK] + per own row jr: [base, hh, ww] (hh = PAD_TAP past the
+    last row). Element (k, row) = src[base + toff[k]] where 0 <= hh + th[k] < SRC_H and
+    0 <= ww + tw[k] < SRC_W, times (aux > 0) under USE_MASK.
+    """
+    @device
+    def prep(src, aux, geo, table, z, r0, k_lo, k_hi, lr, lk, st):
+        st[0] = geo[z, F_SRC_H]
+        st[1] = geo[z, F_SRC_W]
+        st[2] = geo[z, F_USE_MASK]
+        rows, PM, QM = geo[z, F_ROWS], geo[z, F_PM], geo[z, F_QM]
+        for jr in range(NR):
+            m = int32(r0 + lr + LR * jr)
+            n, p, q = _pixel(m, QM, int32(PM * QM))        # once per tile, not in the K-loop
+            hh = int32(p * geo[z, F_MUL_H] + geo[z, F_ADD_H])
+            ww = int32(q * geo[z, F_MUL_W] + geo[z, F_ADD_W])
+            st[3 + 3 * jr] = int32(n * geo[z, F_SRC_NS] + hh * geo[z, F_SRC_HS]
+                                   + ww * geo[z, F_SRC_WS])
+            st[4 + 3 * jr] = hh if m < rows else int32(PAD_TAP)
+            st[5 + 3 * jr] = ww
+
+    @device
+    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs):
+        H, W, use_mask = st[0], st[1], st[2]
+        for jk in range(NK):
+            k = int32(k0 + lk + LK * jk)
+            toff, th, tw = table[k, 0], table[k, 1], table[k, 2]
+            for jr in range(NR):
+                h = int32(st[4 + 3 * jr] + th)
+                w = int32(st[5 + 3 * jr] + tw)
+                regs[jk, jr] = 0.0
+                if 0 <= h and h < H and 0 <= w and w < W:
+                    off = uint32(st[3 + 3 * jr] + toff)
+                    if use_mask == 0 or aux[off] > 0:
+                        regs[jk, jr] = src[off]
+
+    return gemm.Operand(prep, fetch, 3 + 3 * NR, k_fastest)
+
+
+@functools.lru_cache(maxsize=None)
+def weights(LK, LR, NK, NR, k_fastest):
+    """Element (k, col) = w[col*LDW + woff[k]] (forward: w^T; dx: W'); 0 where woff < 0.
+
+    st: per own column jr: col*LDW, or -1 past the last column.
+    """
+    @device
+    def prep(src, aux, geo, table, z, c0, k_lo, k_hi, lr, lk, st):
+        for jr in range(NR):
+            col = int32(c0 + lr + LR * jr)
+            st[jr] = int32(col * geo[z, F_LDW]) if col < geo[z, F_COLS] else int32(-1)
+
+    @device
+    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs):
+        for jk in range(NK):
+            woff = table[int32(k0 + lk + LK * jk), 3]
+            for jr in range(NR):
+                regs[jk, jr] = 0.0
+                if st[jr] >= 0 and woff >= 0:
+                    regs[jk, jr] = src[uint32(st[jr] + woff)]
+
+    return gemm.Operand(prep, fetch, NR, k_fastest)
+
+
+@device
+def _advance(n, p, q, DN, DP, DQ, P, Q):
+    """(n, p, q) of the pixel BK = (DN*P + DP)*Q + DQ further on: adds and compares only."""
+    q = int32(q + DQ)
+    p = int32(p + DP)
+    n = int32(n + DN)
+    if q >= Q:
+        q = int32(q - Q)
+        p = int32(p + 1)
+    if p >= P:
+        p = int32(p - P)
+        n = int32(n + 1)
+    return n, p, q
+
+
+# dw loaders: the reduction runs over pixels m, k = m; both track their pixels (n, p, q) with
+# counters, one set per jk, advanced by BK after each fetch.
+# st layout shared by both: per jk [n, p, q, m] at 4*jk; then loader-specific entries.
+
+@device
+def _dw_counters_prep(geo, k_lo, lk, LK, jk, st):
+    m = int32(k_lo + lk + LK * jk)
+    n, p, q = _pixel(m, geo[0, F_QM], int32(geo[0, F_PM] * geo[0, F_QM]))
+    st[4 * jk] = n
+    st[4 * jk + 1] = p
+    st[4 * jk + 2] = q
+    st[4 * jk + 3] = m
+
+
+@functools.lru_cache(maxsize=None)
+def dw_cols(LK, LR, NK, NR, k_fastest):
+    """dw's A: element (m, row k) = x[n*NS + hh*HS + ww*WS + toff[k]] (im2col transposed),
+    hh = p*sh - ph + th[k], ww = q*sw - pw + tw[k]; rows k fixed per tile (table in st).
+
+    st: counters (4*NK), then per jr [toff, th, tw] (3*NR), then [k_hi, H, W, P, Q, DN, DP,
+    DQ, sh, ph, sw, pw, NS, HS, WS] (15).
+    """
+    S0 = 4 * NK
+    C0 = S0 + 3 * NR
+
+    @device
+    def prep(src, aux, geo, table, z, r0, k_lo, k_hi, lr, lk, st):
+        for jk in range(NK):
+            _dw_counters_prep(geo, k_lo, lk, LK, jk, st)
+        for jr in range(NR):
+            k = int32(r0 + lr + LR * jr)        # the table is padded to whole row tiles
+            st[S0 + 3 * jr] = table[k, 0]
+            st[S0 + 3 * jr + 1] = table[k, 1]
+            st[S0 + 3 * jr + 2] = table[k, 2]
+        st[C0] = k_hi
+        st[C0 + 1] = geo[0, F_SRC_H]
+        st[C0 + 2] = geo[0, F_SRC_W]
+        st[C0 + 3] = geo[0, F_PM]
+        st[C0 + 4] = geo[0, F_QM]
+        st[C0 + 5] = geo[0, F_DN]
+        st[C0 + 6] = geo[0, F_DP]
+        st[C0 + 7] = geo[0, F_DQ]
+        st[C0 + 8] = geo[0, F_MUL_H]
+        st[C0 + 9] = geo[0, F_ADD_H]
+        st[C0 + 10] = geo[0, F_MUL_W]
+        st[C0 + 11] = geo[0, F_ADD_W]
+        st[C0 + 12] = geo[0, F_SRC_NS]
+        st[C0 + 13] = geo[0, F_SRC_HS]
+        st[C0 + 14] = geo[0, F_SRC_WS]
+
+    @device
+    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs):
+        k_hi, H, W = st[C0], st[C0 + 1], st[C0 + 2]
+        for jk in range(NK):
+            n, p, q, m = st[4 * jk], st[4 * jk + 1], st[4 * jk + 2], st[4 * jk + 3]
+            hh = int32(p * st[C0 + 8] + st[C0 + 9])
+            ww = int32(q * st[C0 + 10] + st[C0 + 11])
+            base = int32(n * st[C0 + 12] + hh * st[C0 + 13] + ww * st[C0 + 14])
+            for jr in range(NR):
+                h = int32(hh + st[S0 + 3 * jr + 1])
+                w = int32(ww + st[S0 + 3 * jr + 2])
+                regs[jk, jr] = 0.0
+                if m < k_hi and 0 <= h and h < H and 0 <= w and w < W:
+                    regs[jk, jr] = src[uint32(base + st[S0 + 3 * jr])]
+            n, p, q = _advance(n, p, q, st[C0 + 5], st[C0 + 6], st[C0 + 7], st[C0 + 3],
+                               st[C0 + 4])
+            st[4 * jk] = n
+            st[4 * jk + 1] = p
+            st[4 * jk + 2] = q
+            st[4 * jk + 3] = int32(m + LK * NK)
+
+    return gemm.Operand(prep, fetch, C0 + 15, k_fastest)
+
+
+@functools.lru_cache(maxsize=None)
+def dw_grads(LK, LR, NK, NR, k_fastest):
+    """dw's B: element (m, col kout) = g = gy[n*G_NS + p*G_HS + q*G_WS + kout*G_KS], times
+    (y > 0) under USE_MASK.
+
+    st: counters (4*NK), then per jr kout*G_KS or -1 (NR), then [k_hi, P, Q, DN, DP, DQ,
+    G_NS, G_HS, G_WS, USE_MASK] (10).
+    """
+    S0 = 4 * NK
+    C0 = S0 + NR
+
+    @device
+    def prep(src, aux, geo, table, z, c0, k_lo, k_hi, lr, lk, st):
+        for jk in range(NK):
+            _dw_counters_prep(geo, k_lo, lk, LK, jk, st)
+        for jr in range(NR):
+            col = int32(c0 + lr + LR * jr)
+            st[S0 + jr] = int32(col * geo[0, F_G_KS]) if col < geo[0, F_COLS] else int32(-1)
+        st[C0] = k_hi
+        st[C0 + 1] = geo[0, F_PM]
+        st[C0 + 2] = geo[0, F_QM]
+        st[C0 + 3] = geo[0, F_DN]
+        st[C0 + 4] = geo[0, F_DP]
+        st[C0 + 5] = geo[0, F_DQ]
+        st[C0 + 6] = geo[0, F_G_NS]
+        st[C0 + 7] = geo[0, F_G_HS]
+        st[C0 + 8] = geo[0, F_G_WS]
+        st[C0 + 9] = geo[0, F_USE_MASK]
+
+    @device
+    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs):
+        k_hi, use_mask = st[C0], st[C0 + 9]
+        for jk in range(NK):
+            n, p, q, m = st[4 * jk], st[4 * jk + 1], st[4 * jk + 2], st[4 * jk + 3]
+            base = int32(n * st[C0 + 6] + p * st[C0 + 7] + q * st[C0 + 8])
+            for jr in range(NR):
+                regs[jk, jr] = 0.0
+                if m < k_hi and st[S0 + jr] >= 0:
+                    off = uint32(base + st[S0 + jr])
+                    if use_mask == 0 or aux[off] > 0:
+                        regs[jk, jr] = src[off]
+            n, p, q = _advance(n, p, q, st[C0 + 3], st[C0 + 4], st[C0 + 5], st[C0 + 1],
+                               st[C0 + 2])
+            st[4 * jk] = n
+            st[4 * jk + 1] = p
+            st[4 * jk + 2] = q
+            st[4 * jk + 3] = int32(m + LK * NK)
+
+    return gemm.Operand(prep, fetch, C0 + 10, k_fastest)
+
+
+# --------------------------------------------------------------------------- problems, epilogues
+
+@device
+def _problem_slices(geo, z):
+    # forward (z = 0) and the dx phases: everything per slice in geo[z]
+    return (geo[z, F_ROWS], geo[z, F_COLS], geo[z, F_K_LO], geo[z, F_K_HI], geo[z, F_E0],
+            geo[z, F_E1])
+
+
+@device
+def _problem_split(geo, z):
+    # dw: slice z is split z of the output pixels
+    k_lo = int32(z * geo[0, F_SPLIT_LEN])
+    return (geo[0, F_ROWS], geo[0, F_COLS], k_lo,
+            min(geo[0, F_M], int32(k_lo + geo[0, F_SPLIT_LEN])), 0, 0)
+
+
+@device
+def _pixel_row_base(geo, table, z, row):
+    # forward / dx: row (n, p, q) of the slice's pixel grid
+    n, p, q = _pixel(row, geo[z, F_QM], int32(geo[z, F_PM] * geo[z, F_QM]))
+    return int32(geo[z, F_OUT_BASE] + n * geo[z, F_OUT_NS] + p * geo[z, F_OUT_HS]
+                 + q * geo[z, F_OUT_WS])
+
+
+@device
+def _tap_row_base(geo, table, z, row):
+    # dw: row k is the tap whose w offset is woff[k]; split z's partial block
+    return int32(z * geo[0, F_OUT_ZS] + table[row, 3])
+
+
+@device
+def _col_offset(geo, z, col):
+    return int32(col * geo[z, F_OUT_CS])
+
+
+@device
+def _col_offset_0(geo, z, col):
+    return int32(col * geo[0, F_OUT_CS])
+
+
+@device
+def _store_bias_relu(out, bias, off, col, v, has_bias, relu):
+    # forward: relu?(v + b?) before the single store
+    if has_bias:
+        v += bias[col]
+    if relu:
+        v = reduce.relu(v)
+    out[off] = v
+
+
+@device
+def _store(out, bias, off, col, v, e0, e1):
+    out[off] = v
+
+
+# --------------------------------------------------------------------------- kernels
+
+KINDS = ("fwd", "dx", "dw")
+
+
+def loader_kinds(kind, layout):
+    """(A loader factory, its k_fastest, B loader factory, its k_fastest) of a GEMM."""
+    nhwc = layout == "NHWC"
+    if kind == "fwd":      # A: x (NCHW: consecutive q contiguous; NHWC: consecutive c)
+        return gather_rows, nhwc, weights, True
+    if kind == "dx":       # A: gy (NCHW: consecutive q; NHWC: consecutive k)
+        return gather_rows, nhwc, weights, True
+    return dw_cols, not nhwc, dw_grads, not nhwc   # dw: k = pixels (NCHW contiguous)
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_kernel(kind, layout, tile):
+    """The compiled-on-first-launch GEMM kernel of one conv pass, layout and tiling."""
+    a_fac, a_kf, b_fac, b_kf = loader_kinds(kind, layout)
+    threads = tile.threads
+    a = a_fac(*gemm.mapping(tile.BM, tile.BK, threads, a_kf), a_kf)
+    b = b_fac(*gemm.mapping(tile.BN, tile.BK, threads, b_kf), b_kf)
+    if kind == "dw":
+        return gemm.build(tile, a, b, _problem_split, _tap_row_base, _col_offset_0, _store)
+    store = _store_bias_relu if kind == "fwd" else _store
+    return gemm.build(tile, a, b, _problem_slices, _pixel_row_base, _col_offset, store)
+
 
 @cuda.jit(cache=True)
-def _conv_fwd(x, w, b, y, geo, has_bias, relu):
-    # x: (N*C*H*W,) in layout;  w: (K*CRS,) = (K, CRS);  b: (K,);  y: (N*K*P*Q,) in layout
-    # y (M, K) = cols (M, CRS) @ w^T (CRS, K), then relu(. + b) before the single store
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    a_tile = cuda.shared.array((TILE, TILE), x.dtype)     # [crs, m]: cols^T tile
-    b_tile = cuda.shared.array((TILE, TILE), x.dtype)     # [crs, k]: w^T tile
-    acc = cuda.shared.array((TILE, TILE), x.dtype)        # [k, m]
-    t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    M, CRS = N * P * Q, C * R * S
-    m_tiles = (M + TILE - 1) // TILE
-    n_tiles = m_tiles * ((K + TILE - 1) // TILE)
-    for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-        m0 = (tile % m_tiles) * TILE
-        k0 = (tile // m_tiles) * TILE
-        _tile_zero(acc, t, nt)
-        for c0 in range(0, CRS, TILE):
-            for e in range(t, TILE * TILE, nt):
-                i = e % TILE                  # m (a_tile) / crs (b_tile): fastest, coalesced
-                j = e // TILE
-                # if/else stores, not "v if cond else 0.0": that would compute in float64
-                off = _cols_offset(m0 + i, c0 + j, geo) if m0 + i < M and c0 + j < CRS else -1
-                if off >= 0:
-                    a_tile[j, i] = x[off]
-                else:
-                    a_tile[j, i] = 0.0
-                if k0 + j < K and c0 + i < CRS:
-                    b_tile[i, j] = w[(k0 + j) * CRS + c0 + i]
-                else:
-                    b_tile[i, j] = 0.0
-            cuda.syncthreads()  # both operand tiles are loaded
-            _tile_mac(a_tile, b_tile, acc, t, nt)
-            cuda.syncthreads()  # every thread is done reading the tiles before they are reloaded
-        for e in range(t, TILE * TILE, nt):
-            i = e % TILE
-            j = e // TILE
-            if m0 + i < M and k0 + j < K:
-                v = acc[j, i] + (b[k0 + j] if has_bias else 0.0)
-                y[_out_offset(m0 + i, k0 + j, K, P * Q, nhwc)] = _relu(v) if relu else v
-
-
-# --------------------------------------------------------------------------- backward
-
-@cuda.jit(cache=True)
-def _conv_dx(gy, y, w, dx, geo, use_mask):
-    # gy, y: (N*K*P*Q,) in layout;  w: (K*C*R*S,);  dx: (N*C*H*W,) in layout, written once
-    # dx (N*H*W, C) = G (N*H*W, R*S*K) @ W' (R*S*K, C), G's entries g = gy*(y > 0) masked on load
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    a_tile = cuda.shared.array((TILE, TILE), gy.dtype)    # [rsk, mx]: G^T tile
-    b_tile = cuda.shared.array((TILE, TILE), gy.dtype)    # [rsk, c]: W' tile
-    acc = cuda.shared.array((TILE, TILE), gy.dtype)       # [c, mx]
-    t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    MX, RSK = N * H * W, R * S * K
-    m_tiles = (MX + TILE - 1) // TILE
-    n_tiles = m_tiles * ((C + TILE - 1) // TILE)
-    for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-        m0 = (tile % m_tiles) * TILE
-        c0 = (tile // m_tiles) * TILE
-        _tile_zero(acc, t, nt)
-        for r0 in range(0, RSK, TILE):
-            for e in range(t, TILE * TILE, nt):
-                i = e % TILE
-                j = e // TILE
-                off = -1
-                if m0 + i < MX and r0 + j < RSK:
-                    off = _transposed_cols_offset(m0 + i, r0 + j, geo)
-                # g = relu_grad(gy, y) (gy where y > 0) as typed stores: the helper returns
-                # float64 for float32 arguments (its literal 0.0), a round trip per element
-                if off >= 0 and (not use_mask or y[off] > 0):
-                    a_tile[j, i] = gy[off]
-                else:
-                    a_tile[j, i] = 0.0
-                # W'[(r, s, k), c] = w[k, c, r, s]
-                rsk = r0 + i
-                if rsk < RSK and c0 + j < C:
-                    k = rsk % K
-                    s = (rsk // K) % S
-                    r = rsk // (K * S)
-                    b_tile[i, j] = w[((k * C + c0 + j) * R + r) * S + s]
-                else:
-                    b_tile[i, j] = 0.0
-            cuda.syncthreads()  # both operand tiles are loaded
-            _tile_mac(a_tile, b_tile, acc, t, nt)
-            cuda.syncthreads()  # every thread is done reading the tiles before they are reloaded
-        for e in range(t, TILE * TILE, nt):
-            i = e % TILE
-            j = e // TILE
-            mx = m0 + i
-            if mx < MX and c0 + j < C:
-                dx[_act_offset(mx // (H * W), c0 + j, (mx // W) % H, mx % W, C, H, W, nhwc)] = \
-                    acc[j, i]
-
-
-@cuda.jit(cache=True)
-def _conv_dw_partials(gy, y, x, partials, geo, use_mask, split_len):
-    # gy, y: (N*K*P*Q,);  x: (N*C*H*W,);  partials: (n_splits, K*CRS) float64
-    # partials[s] = g^T (K, rows of split s) @ cols (rows of split s, CRS), g masked on load
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    a_tile = cuda.shared.array((TILE, TILE), x.dtype)     # [m, k]: g tile
-    b_tile = cuda.shared.array((TILE, TILE), x.dtype)     # [m, crs]: cols tile
-    acc = cuda.shared.array((TILE, TILE), x.dtype)        # [k, crs]
-    t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    M, CRS, PQ = N * P * Q, C * R * S, P * Q
-    n_splits = partials.shape[0]
-    c_tiles = (CRS + TILE - 1) // TILE
-    out_tiles = c_tiles * ((K + TILE - 1) // TILE)
-    for job in range(cuda.blockIdx.x, out_tiles * n_splits, cuda.gridDim.x):
-        split = job // out_tiles
-        c0 = (job % c_tiles) * TILE
-        k0 = ((job % out_tiles) // c_tiles) * TILE
-        m_end = min(M, (split + 1) * split_len)
-        _tile_zero(acc, t, nt)
-        for m0 in range(split * split_len, m_end, TILE):
-            for e in range(t, TILE * TILE, nt):
-                i = e % TILE
-                j = e // TILE
-                off = _out_offset(m0 + j, k0 + i, K, PQ, nhwc) if m0 + j < m_end and k0 + i < K \
-                    else -1
-                if off >= 0 and (not use_mask or y[off] > 0):   # g = relu_grad(gy, y), typed
-                    a_tile[j, i] = gy[off]
-                else:
-                    a_tile[j, i] = 0.0
-                off = _cols_offset(m0 + j, c0 + i, geo) if m0 + j < m_end and c0 + i < CRS \
-                    else -1
-                if off >= 0:
-                    b_tile[j, i] = x[off]
-                else:
-                    b_tile[j, i] = 0.0
-            cuda.syncthreads()  # both operand tiles are loaded
-            _tile_mac(b_tile, a_tile, acc, t, nt)     # acc[k, crs] += sum_m g[m, k] cols[m, crs]
-            cuda.syncthreads()  # every thread is done reading the tiles before they are reloaded
-        for e in range(t, TILE * TILE, nt):
-            i = e % TILE
-            j = e // TILE
-            if c0 + i < CRS and k0 + j < K:
-                partials[split, (k0 + j) * CRS + c0 + i] = acc[j, i]
-
-
-@cuda.jit(cache=True)
-def _channel_sum_partials(gy, y, use_mask, partials, K, PQ, nhwc, split_len):
-    # gy, y: (N*K*P*Q,) in layout;  partials: (n_splits, K) float64, the sum over the output
-    # pixels m of split s of g[m, k] = gy*(y > 0) (or gy), a shared-memory tree per (s, k)
-    buf = cuda.shared.array(BLOCK, float64)
-    t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    n_splits = partials.shape[0]
-    M = gy.size // K
-    for job in range(cuda.blockIdx.x, n_splits * K, cuda.gridDim.x):
-        split = job // K
-        k = job % K
-        acc = 0.0
-        for m in range(split * split_len + t, min(M, (split + 1) * split_len), nt):
-            off = _out_offset(m, k, K, PQ, nhwc)
-            acc += _relu_grad(gy[off], y[off]) if use_mask else gy[off]
-        total = block_sum(buf, acc)
-        if t == 0:
-            partials[split, k] = total
-
-
-@cuda.jit(cache=True)
-def _sum_rows(partials, out):
-    # partials: (n_splits, n) float64;  out: (n,) = sum over splits, in split order
-    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        acc = 0.0
-        for s in range(partials.shape[0]):
-            acc += partials[s, i]
+def _sum_splits(partials, n_splits, out):
+    # partials: (n_splits * n,) in x's dtype, split-major;  out: (n,) = their sum over the
+    # splits in split order, in float64 (deterministic)
+    n = out.size
+    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+        acc = float64(0.0)
+        for s in range(n_splits):
+            acc += partials[s * n + i]
         out[i] = acc
 
 
 @cuda.jit(cache=True)
 def _bias_add(x, b, out, C, HW, nhwc):
-    # x, out: (N*C*H*W,) in layout;  b: (C,)
-    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        c = i % C if nhwc else (i // HW) % C
+    # x, out: (N*C*H*W,) in layout;  b: (C,). Channel of element i: i % C (NHWC) or
+    # (i // HW) % C (NCHW), tracked with counters: the loop adds and compares, never divides.
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    if nhwc:
+        c, dc = start % C, stride % C
+        pos, dpos = 0, 0
+        HW = 1
+    else:
+        pos, dpos = start % HW, stride % HW
+        c, dc = (start // HW) % C, (stride // HW) % C
+    for i in range(start, out.size, stride):
         out[i] = x[i] + b[c]
+        pos += dpos
+        c += dc
+        if pos >= HW:
+            pos -= HW
+            c += 1
+        if c >= C:
+            c -= C
 
 
-# --------------------------------------------------------------------------- wrappers
+# --------------------------------------------------------------------------- host entry points
 
 def _flat(a):
     return a.reshape(a.size)
 
 
-def _tile_blocks(n_tiles):
-    return max(1, min(config.max_blocks, n_tiles))
+def _empty(shape, dtype):
+    """Every device buffer of this module comes from here (one place to swap in a pool)."""
+    return cuda.device_array(shape, dtype)
 
 
-def _splits(rows, granule):
-    """(split_len, n_splits): ``rows`` cut into at most ``config.reduce_blocks`` fixed slices.
-
-    ``rows == 0``: one empty split of one granule (its partial is 0).
-    """
-    rows = max(rows, 1)
-    n = max(1, min(config.reduce_blocks, -(-rows // granule)))
-    split_len = -(-rows // n)
-    split_len = -(-split_len // granule) * granule     # a whole number of granules
-    return split_len, -(-rows // split_len)
+def _tile(kind, dtype):
+    return config.conv_tile(kind, np.dtype(dtype))
 
 
-def _reduce_splits(partials, out):
-    blocks, threads = config.grid_1d(out.size)
-    _sum_rows[blocks, threads](partials, _flat(out))
-    return out
+def _geometry_key(geom):
+    return geom   # ConvGeometry is a frozen dataclass: hashable, the cache key
 
 
 def conv_forward(x, w, b, geom, relu):
     """``relu?(conv(x, w) + b?)`` for contiguous device arrays; y stays on the device."""
-    geo = conv_math.geo_tuple(geom)
-    y = cuda.device_array(geom.y_shape, x.dtype)
-    M = geom.N * geom.P * geom.Q
-    n_tiles = -(-M // TILE) * -(-geom.K // TILE)
+    y = _empty(geom.y_shape, x.dtype)
+    if y.size == 0:
+        return y
+    tile = _tile("fwd", x.dtype)
     has_bias = b is not None
-    _conv_fwd[_tile_blocks(n_tiles), config.block_threads()](
-        _flat(x), _flat(w), _flat(b if has_bias else w), _flat(y), geo, int(has_bias),
-        int(bool(relu)))
+    geo, table, grid = forward_plan(_geometry_key(geom), tile, has_bias, bool(relu))
+    kern = gemm_kernel("fwd", geom.layout, tile)
+    kern[grid, tile.threads](_flat(x), _flat(w), _flat(x), _flat(y),
+                             _flat(b) if has_bias else _flat(w), geo, table)
     return y
 
 
 def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     """``(dx, dw, db)`` on the device; ``y`` given: g = gy * (y > 0). Only ``need`` computed."""
     need_dx, need_dw, need_db = (bool(v) for v in need)
-    geo = conv_math.geo_tuple(geom)
-    use_mask = int(y is not None)
+    use_mask = y is not None
     gy_f = _flat(gy)
     y_f = _flat(y) if use_mask else gy_f
-    N, C, K, PQ = geom.N, geom.C, geom.K, geom.P * geom.Q
-    CRS, M = C * geom.R * geom.S, N * PQ
     dx = dw = db = None
     if need_dx:
-        dx = cuda.device_array(geom.x_shape, gy.dtype)
-        n_tiles = -(-(N * geom.H * geom.W) // TILE) * -(-C // TILE)
-        _conv_dx[_tile_blocks(n_tiles), config.block_threads()](gy_f, y_f, _flat(w), _flat(dx), geo,
-                                                         use_mask)
+        dx = _empty(geom.x_shape, gy.dtype)
+        if dx.size and gy.size:
+            tile = _tile("dx", gy.dtype)
+            geo, table, grid = dx_plan(_geometry_key(geom), tile, use_mask)
+            gemm_kernel("dx", geom.layout, tile)[grid, tile.threads](
+                gy_f, _flat(w), y_f, _flat(dx), gy_f, geo, table)
+        elif dx.size:
+            fill(dx, 0.0)
     if need_dw:
-        split_len, n_splits = _splits(M, TILE)
-        partials = cuda.device_array((n_splits, K * CRS), np.float64)   # (splits, K*C*R*S)
-        n_jobs = n_splits * -(-K // TILE) * -(-CRS // TILE)
-        _conv_dw_partials[_tile_blocks(n_jobs), config.block_threads()](
-            gy_f, y_f, _flat(x), partials, geo, use_mask, split_len)
-        dw = _reduce_splits(partials, cuda.device_array(geom.w_shape, gy.dtype))
+        dw = _empty(geom.w_shape, gy.dtype)
+        if gy.size and x.size:
+            tile = _tile("dw", gy.dtype)
+            geo, table, grid, n_splits = dw_plan(_geometry_key(geom), tile, use_mask,
+                                                 config.dw_max_splits)
+            partials = _empty(n_splits * dw.size, gy.dtype)       # (splits, K*C*R*S)
+            gemm_kernel("dw", geom.layout, tile)[grid, tile.threads](
+                _flat(x), gy_f, y_f, partials, gy_f, geo, table)
+            blocks, threads = config.grid_1d(dw.size)
+            _sum_splits[blocks, threads](partials, n_splits, _flat(dw))
+        elif dw.size:
+            fill(dw, 0.0)
     if need_db:
-        split_len, n_splits = _splits(M, config.block_threads())
-        partials = cuda.device_array((n_splits, K), np.float64)          # (splits, K)
-        _channel_sum_partials[_tile_blocks(n_splits * K), config.block_threads()](
-            gy_f, y_f, use_mask, partials, K, PQ, int(geom.layout == "NHWC"), split_len)
-        db = _reduce_splits(partials, cuda.device_array(K, gy.dtype))
+        db = reduce.channel_sums(gy, y, geom.layout)
     return dx, dw, db
 
 
 def bias_add(x, b, layout):
     """``x + b[c]`` for a contiguous 4-d device ``x`` in ``layout``."""
-    out = cuda.device_array(x.shape, x.dtype)
+    out = _empty(x.shape, x.dtype)
+    if out.size == 0:
+        return out
     nhwc = int(layout == "NHWC")
     C = x.shape[3] if nhwc else x.shape[1]
     HW = x.shape[1] * x.shape[2] if nhwc else x.shape[2] * x.shape[3]
@@ -323,29 +475,32 @@ def bias_add(x, b, layout):
 
 def channel_sum(gy, layout):
     """Per-channel sum of a 4-d device ``gy`` over N, H, W; deterministic; shape (C,)."""
-    nhwc = int(layout == "NHWC")
-    C = gy.shape[3] if nhwc else gy.shape[1]
-    HW = gy.shape[1] * gy.shape[2] if nhwc else gy.shape[2] * gy.shape[3]
-    out = cuda.device_array(C, gy.dtype)
-    if gy.size == 0:                                    # N, H or W is 0: the sums are 0
-        return fill(out, 0.0)
-    split_len, n_splits = _splits(gy.size // C, config.block_threads())
-    partials = cuda.device_array((n_splits, C), np.float64)              # (splits, C)
-    g = _flat(gy)
-    _channel_sum_partials[_tile_blocks(n_splits * C), config.block_threads()](
-        g, g, 0, partials, C, HW, nhwc, split_len)
-    return _reduce_splits(partials, out)
+    return reduce.channel_sums(gy, None, layout)
 
 
-# Every kernel above with the signatures it is compiled for, as a function of the numba
-# scalar type f (float32, float64); tests/test_ptx.py compiles each to PTX.
-_GEO = types.UniTuple(types.int64, conv_math.GEO_LEN)
-_I = types.int64
-PTX_SIGNATURES = [
-    (_conv_fwd, lambda f: (f[::1], f[::1], f[::1], f[::1], _GEO, _I, _I)),
-    (_conv_dx, lambda f: (f[::1], f[::1], f[::1], f[::1], _GEO, _I)),
-    (_conv_dw_partials, lambda f: (f[::1], f[::1], f[::1], float64[:, ::1], _GEO, _I, _I)),
-    (_channel_sum_partials, lambda f: (f[::1], f[::1], _I, float64[:, ::1], _I, _I, _I, _I)),
-    (_sum_rows, lambda f: (float64[:, ::1], f[::1])),
-    (_bias_add, lambda f: (f[::1], f[::1], f[::1], _I, _I, _I)),
+# --------------------------------------------------------------------------- compiled kernels
+
+def _production_gemms():
+    """Every production GEMM kernel (kind x layout) at the float32 and float64 tilings."""
+    out = []
+    for kind in KINDS:
+        for layout in ("NCHW", "NHWC"):
+            for dt in ("float32", "float64"):
+                out.append((kind, layout, dt, gemm_kernel(kind, layout,
+                                                          _tile(kind, np.dtype(dt)))))
+    return out
+
+
+_GEO = types.int32[:, ::1]
+_TAB = types.int32[:, ::1]
+GEMM_KERNELS = []
+PTX_SIGNATURES = []
+for _kind, _layout, _dt, _k in _production_gemms():
+    _k.__name__ = f"gemm_{_kind}_{_layout.lower()}_{_dt[-2:]}"
+    GEMM_KERNELS.append(_k)
+    # each tiling is compiled only for its own dtype: the other is a "wrong" dtype entry
+    PTX_SIGNATURES.append((_k, (lambda dt: lambda f: (f[::1],) * 5 + (_GEO, _TAB) if str(f) == dt else None)(_dt)))
+PTX_SIGNATURES += [
+    (_sum_splits, lambda f: (f[::1], types.int64, f[::1])),
+    (_bias_add, lambda f: (f[::1], f[::1], f[::1], types.int64, types.int64, types.int64)),
 ]

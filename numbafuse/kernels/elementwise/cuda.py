@@ -1,12 +1,10 @@
 """Small numba.cuda kernels the tape needs on the device: fill, copy, a*x + b*y, x*y, sum.
 
-The same functions for host arrays are in ``cpu.py``.
-
 All work on flat (1-d, C-contiguous) views; the wrappers reshape. The sum is deterministic:
 fixed per-block partials (a shared-memory tree), then one block reduces the partials.
 """
 import numpy as np
-from numba import float64
+from numba import float64, int64, uint32
 
 from ...cuda import numba_cuda as cuda
 
@@ -14,6 +12,19 @@ from .. import cuda_config as config
 from ..cuda_reduce import block_sum
 
 BLOCK = config.BLOCK
+
+
+@cuda.jit(device=True, inline=True)
+def _div(a, b):
+    """a // b for 0 <= a, b < 2**32 as an inline unsigned 32-bit division (Python-semantics
+    int64 ``//`` is a subroutine call per element; ``config.grid_1d`` refuses 2**32 items)."""
+    return int64(uint32(a) // uint32(b))
+
+
+@cuda.jit(device=True, inline=True)
+def _mod(a, b):
+    """a % b for 0 <= a, b < 2**32 (see ``_div``)."""
+    return int64(uint32(a) % uint32(b))
 
 
 @cuda.jit(cache=True)
@@ -61,7 +72,8 @@ def _copy_strided2(src, dst):
     # src: any-strided (A, B); dst: C-contiguous (A, B)
     B = src.shape[1]
     for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
-        dst[i // B, i % B] = src[i // B, i % B]
+        a, b = _div(i, B), _mod(i, B)
+        dst[a, b] = src[a, b]
 
 
 @cuda.jit(cache=True)
@@ -69,9 +81,9 @@ def _copy_strided3(src, dst):
     # src: any-strided (A, B, C); dst: C-contiguous (A, B, C)
     B, C = src.shape[1], src.shape[2]
     for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
-        c = i % C
-        b = (i // C) % B
-        a = i // (B * C)
+        c = _mod(i, C)
+        b = _mod(_div(i, C), B)
+        a = _div(i, B * C)
         dst[a, b, c] = src[a, b, c]
 
 
@@ -80,10 +92,10 @@ def _copy_strided4(src, dst):
     # src: any-strided (A, B, C, D); dst: C-contiguous (A, B, C, D)
     B, C, D = src.shape[1], src.shape[2], src.shape[3]
     for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
-        d = i % D
-        c = (i // D) % C
-        b = (i // (C * D)) % B
-        a = i // (B * C * D)
+        d = _mod(i, D)
+        c = _mod(_div(i, D), C)
+        b = _mod(_div(i, C * D), B)
+        a = _div(i, B * C * D)
         dst[a, b, c, d] = src[a, b, c, d]
 
 

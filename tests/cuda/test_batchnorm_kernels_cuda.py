@@ -1,0 +1,127 @@
+"""Batch-norm kernels (kernels/cuda/batchnorm.py, reduce.py) called directly, against the
+reference and against the CPU kernels' packed mask, at shapes that span several reduction
+parts, several grid-stride rounds and partial groups; the GPU paths (warp shuffles,
+ballot_sync) through the conftest emulation.
+
+Run: NUMBA_ENABLE_CUDASIM=1 python -m pytest -q tests/cuda/test_batchnorm_kernels_cuda.py
+"""
+import numpy as np
+import pytest
+from numba import cuda
+
+from numbafuse import reference as ref
+from numbafuse.kernels.batchnorm import cpu
+from numbafuse.kernels import cuda_config as config
+from numbafuse.kernels import cuda_reduce as reduce
+from numbafuse.kernels.batchnorm import cuda as bn
+
+TOL = {np.float32: dict(rtol=1e-4, atol=1e-5), np.float64: dict(rtol=1e-10, atol=1e-12)}
+SHAPES = {"NCHW": (3, 2, 5, 7), "NHWC": (3, 5, 7, 37)}   # NHWC: C over one 32-lane group
+
+
+def _axes(layout):
+    return (0, 2, 3) if layout == "NCHW" else (0, 1, 2)
+
+
+def _chan(a, layout):
+    return a.reshape(1, -1, 1, 1) if layout == "NCHW" else a.reshape(1, 1, 1, -1)
+
+
+def _data(layout, dtype, seed=0, offset=0.0):
+    rng = np.random.default_rng(seed)
+    shape = SHAPES[layout]
+    C = shape[1] if layout == "NCHW" else shape[3]
+    x = (rng.standard_normal(shape) + offset).astype(dtype)
+    z, gy = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    gamma, beta = rng.uniform(0.5, 1.5, C).astype(dtype), rng.standard_normal(C).astype(dtype)
+    return x, z, gy, gamma, beta
+
+
+def _full_pass(layout, dtype, x, z, gy, gamma, beta, want_mask=True):
+    d = [cuda.to_device(a) for a in (x, z, gy, gamma, beta)]
+    mean, var, invstd = bn.stats(d[0], layout, 1e-5)
+    y, mask = bn.apply(d[0], mean, invstd, d[3], d[4], d[1], True, layout, want_mask)
+    state_kind, state = (bn.STATE_MASK, mask) if want_mask else (bn.STATE_Y, y)
+    grads = bn.backward(d[2], d[0], mean, invstd, d[3], state_kind, state, layout, True,
+                        (True, True, True, True))
+    return mean, var, y, mask, grads
+
+
+def _garbage_outputs(monkeypatch):
+    """Outputs start as garbage (NaN, 0xA5 bytes): an element a kernel forgets is seen."""
+    def empty(shape, dtype):
+        fill = 0xA5 if np.dtype(dtype) == np.uint8 else np.nan
+        return cuda.to_device(np.full(shape, fill, dtype))
+    monkeypatch.setattr(bn, "_empty", empty)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype,threads", [(np.float32, 16), (np.float64, 64)])
+def test_stats_apply_backward_match_reference(layout, dtype, threads, monkeypatch):
+    # 16 threads: several rounds and parts per channel; 64: NHWC blocks of 2 row groups
+    monkeypatch.setattr(config, "threads", threads)
+    _garbage_outputs(monkeypatch)
+    x, z, gy, gamma, beta = _data(layout, dtype)
+    mean, var, y, mask, grads = _full_pass(layout, dtype, x, z, gy, gamma, beta)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(mean.copy_to_host(), x64.mean(axis=_axes(layout)), rtol=1e-6,
+                               atol=1e-6 if dtype == np.float32 else 1e-12)
+    np.testing.assert_allclose(var.copy_to_host(), x64.var(axis=_axes(layout)), rtol=1e-5)
+    y_ref, _, _ = ref.batchnorm_add_relu(x, z, gamma, beta, layout=layout)
+    np.testing.assert_allclose(y.copy_to_host(), y_ref, **TOL[dtype])
+    dx, dz, dgamma, dbeta = ref.batchnorm_add_relu_backward(gy, x, z, gamma, beta,
+                                                            layout=layout)
+    for g, e in zip(grads, (dx, dgamma, dbeta, dz)):     # the kernel's (dx, dgamma, dbeta, dz)
+        np.testing.assert_allclose(g.copy_to_host(), e, **TOL[dtype])
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("ballot", [False, True])
+def test_mask_is_the_cpu_format(layout, ballot, monkeypatch, warp_shuffles):
+    # warp-sized blocks: the ballot path (emulated) and the shared-memory path build the same
+    # bytes as the CPU kernels, including a partial last byte (size not a multiple of 8)
+    monkeypatch.setattr(config, "threads", 32)
+    monkeypatch.setattr(bn, "USE_BALLOT", ballot)
+    monkeypatch.setattr(reduce, "USE_SHUFFLE", ballot)
+    _garbage_outputs(monkeypatch)
+    x, z, gy, gamma, beta = _data(layout, np.float64, seed=2)
+    x = x[:, :, :, :-1].copy() if layout == "NCHW" else x[:, :, :-1, :].copy()
+    z = np.zeros_like(x)
+    mean, var, invstd = bn.stats(cuda.to_device(x), layout, 1e-5)
+    y, mask = bn.apply(cuda.to_device(x), mean, invstd, cuda.to_device(gamma),
+                       cuda.to_device(beta), cuda.to_device(z), True, layout, True)
+    y_cpu, mask_cpu = cpu.apply(x, mean.copy_to_host(), invstd.copy_to_host(), gamma, beta, z,
+                                True, layout, True)
+    assert x.size % 8 != 0
+    np.testing.assert_allclose(y.copy_to_host(), y_cpu, **TOL[np.float64])
+    np.testing.assert_array_equal(mask.copy_to_host(), mask_cpu)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_large_means_keep_their_digits_in_float32(layout):
+    x, z, gy, gamma, beta = _data(layout, np.float32, seed=3, offset=1e4)
+    mean, var, y, mask, grads = _full_pass(layout, np.float32, x, z, gy, gamma, beta)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(var.copy_to_host(), x64.var(axis=_axes(layout)), rtol=1e-5)
+    y_ref, _, _ = ref.batchnorm_add_relu(x64, z, gamma, beta, layout=layout)
+    np.testing.assert_allclose(y.copy_to_host(), y_ref, **TOL[np.float32])
+    gx_ref = ref.batchnorm_add_relu_backward(gy, x64, z, gamma, beta, layout=layout)[0]
+    np.testing.assert_allclose(grads[0].copy_to_host(), gx_ref, rtol=1e-3, atol=1e-4)
+
+
+def test_reruns_are_bit_identical(monkeypatch):
+    monkeypatch.setattr(config, "threads", 16)
+    data = _data("NHWC", np.float32, seed=4)
+    runs = []
+    for _ in range(2):
+        mean, var, y, mask, grads = _full_pass("NHWC", np.float32, *data)
+        runs.append([a.copy_to_host() for a in (mean, var, y, mask) + tuple(grads)])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_channel_sums_masked(layout):
+    x, z, gy, gamma, beta = _data(layout, np.float64, seed=5)
+    got = reduce.channel_sums(cuda.to_device(gy), cuda.to_device(x), layout).copy_to_host()
+    np.testing.assert_allclose(got, (gy * (x > 0)).sum(axis=_axes(layout)), **TOL[np.float64])

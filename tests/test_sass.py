@@ -1,0 +1,135 @@
+"""Static check of every numba.cuda kernel as sm_90 machine code (no GPU needed).
+
+Each kernel listed in a ``numbafuse/kernels/cuda`` module's ``PTX_SIGNATURES`` is compiled
+by numba to PTX, assembled by ``ptxas -arch=sm_90 -O3`` and disassembled by ``cuobjdump``
+(``kernels/cuda/sass.py``). Checks:
+
+- every kernel: no register spills, no stack frame, no local-memory traffic (a
+  ``cuda.local.array`` that did not become registers);
+- every non-GEMM kernel (batch norm, reductions, elementwise, ...): no 64-bit integer
+  division call inside a loop (Python-semantics ``//``/``%`` on int64 is a subroutine);
+- every GEMM kernel (``GEMM_KERNELS``): its multiply-add loop (the loop with the most
+  FFMA/DFMA) is at least ``MIN_FMA_SHARE`` FMA, does at least ``MIN_FMA_PER_LDS`` FMA per
+  shared-memory load (register blocking), and divides nothing.
+
+Skipped, saying why, when NVIDIA's tool wheels are absent (``pip install -e '.[test]'``
+installs them). The table of these numbers: ``python benchmarks/gpu_static.py``.
+"""
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.ptx, pytest.mark.skipif(
+    os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1",
+    reason="compiling for sm_90 needs the real numba.cuda, not the simulator")]
+
+MIN_FMA_SHARE = 0.30
+MIN_FMA_PER_LDS = 2.0
+
+
+def _sass():
+    from numbafuse.kernels import cuda_sass as sass
+    missing = sass.missing_tools()
+    if missing:
+        pytest.skip(f"NVIDIA tools {missing} not installed (pip install nvidia-cuda-nvcc "
+                    f"nvidia-cuda-cuobjdump, or the 'sass' extra)")
+    return sass
+
+
+def _cases():
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
+        return []
+    from numbafuse.kernels import cuda_sass as sass
+    return [pytest.param(k, s, g, id=n) for n, k, s, g in sass.cases()]
+
+
+_REPORTS = {}
+
+
+def _report(kernel, signature):
+    key = (id(kernel), str(signature))
+    if key not in _REPORTS:
+        sass = _sass()
+        _REPORTS[key] = sass.analyse(kernel, signature, getattr(kernel, "__name__", "?"))
+    return _REPORTS[key]
+
+
+def check(report, is_gemm):
+    """The list of problems of one kernel's report (empty: it passes)."""
+    problems = []
+    if report.spills or report.stack or report.local_memory_ops:
+        problems.append(f"spills {report.spill_stores}+{report.spill_loads} B, stack "
+                        f"{report.stack} B, {report.local_memory_ops} LDL/STL")
+    if is_gemm:
+        loop = report.hot_loop()
+        if loop is None:
+            problems.append("no multiply-add loop found")
+        else:
+            if loop.fma_share < MIN_FMA_SHARE:
+                problems.append(f"multiply-add loop is {loop.fma_share:.0%} FMA "
+                                f"({loop.fma} of {len(loop.insns)})")
+            if loop.fma_per_lds < MIN_FMA_PER_LDS:
+                problems.append(f"{loop.fma_per_lds:.1f} FMA per shared load")
+            if report.divisions_in(loop):
+                problems.append("the multiply-add loop divides")
+    else:
+        calls = report.integer_division_calls_in_loops()
+        if calls:
+            problems.append(f"{len(calls)} 64-bit integer division calls inside loops "
+                            f"(at {', '.join(hex(c.addr) for c in calls[:4])})")
+    return problems
+
+
+def test_tools_and_kernels_are_there():
+    sass = _sass()
+    cases = sass.cases()
+    assert sum(1 for c in cases if c[3]) >= 12          # 3 passes x 2 layouts x 2 dtypes
+    assert len(cases) >= 40
+
+
+@pytest.mark.parametrize("kernel,signature,is_gemm", _cases())
+def test_kernel_machine_code(kernel, signature, is_gemm):
+    problems = check(_report(kernel, signature), is_gemm)
+    assert not problems, "; ".join(problems)
+
+
+def test_the_check_fails_on_planted_regressions():
+    """A division in a K-loop-like loop, a spill, and an int64 division in an elementwise
+    loop are each caught (the check can fail)."""
+    sass = _sass()
+    import numba
+    from numbafuse.cuda import numba_cuda as cuda
+
+    @cuda.jit
+    def spills(a, n):
+        # a local array indexed by a runtime value stays in local memory
+        buf = cuda.local.array(512, numba.float32)
+        for i in range(512):
+            buf[i] = a[i]
+        a[0] = buf[n % 512]
+
+    @cuda.jit
+    def divides(a, n):
+        # an elementwise loop with a Python-semantics int64 division per element
+        for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+            a[i] = a[i // n]
+
+    @cuda.jit
+    def slow_gemm(a, b, c, n):
+        # a multiply-add loop with an int64 division and a shared load per FMA
+        sh = cuda.shared.array(256, numba.float32)
+        sh[cuda.threadIdx.x] = a[cuda.threadIdx.x]
+        cuda.syncthreads()  # sh is loaded
+        acc = numba.float32(0.0)
+        for k in range(n):
+            acc += sh[k % 256] * b[k // n]
+        c[cuda.threadIdx.x] = acc
+
+    f = numba.float32[::1]
+    r = sass.analyse(spills, (f, numba.int64), "spills")
+    assert any("spills" in p for p in check(r, False))
+    r = sass.analyse(divides, (f, numba.int64), "divides")
+    assert any("division" in p for p in check(r, False))
+    r = sass.analyse(slow_gemm, (f, f, f, numba.int64), "slow_gemm")
+    problems = " ".join(check(r, True))
+    assert "FMA" in problems and "divides" in problems
