@@ -1,175 +1,164 @@
-"""Benchmark Conv2D -> BiasAdd -> ReLU, forward and forward + backward, float32 on the CPU.
+"""Conv2D -> BiasAdd -> ReLU on the CPU, forward and forward + backward: numbafuse vs PyTorch.
 
-Compares, in ONE process, on the same arrays, at three shapes (ResNet 3x3, small, stride 2):
+    python benchmarks/bench_conv_bias_relu.py [--rounds 5] [--repeats 5] [--quick]
+                                              [--mode separate|import-order|neighbours]
+                                              [--markdown FILE]
 
-    numbafuse fused        conv_bias_relu + conv_bias_relu_backward (NCHW, and NHWC)
-    numbafuse unfused      conv2d -> bias_add -> relu on the tape (forward, then .backward)
-    NumPy reference        numbafuse.reference (plain NumPy/SciPy, float64 inside)
-    PyTorch CPU            torch conv2d + bias + relu with autograd (if torch is importable)
+float32, at the shapes of ``SHAPES``, in both layouts (PyTorch's NHWC is a channels_last
+tensor). Every mode runs through ``_runner.py`` (each side in its own processes, alternating,
+best of each):
 
-Every implementation is warmed up first (Numba compiles, allocators and thread pools start).
-The timed runs go round-robin over the implementations (so a burst of load from elsewhere
-hits all of them alike) and the best run of each is kept. GFLOP/s counts the forward conv's
-2*N*K*P*Q*C*R*S flops times 3 (forward, dx, dw) over the fwd+bwd time.
+* ``separate`` (default): numbafuse fused, numbafuse unfused (conv2d -> bias_add -> relu on
+  the tape) and PyTorch eager (conv2d + bias + relu with autograd), each library alone;
+* ``import-order``: numbafuse alone vs numbafuse in a process where torch was imported and
+  ran a conv first (the ratio should be ~1);
+* ``neighbours``: numbafuse and PyTorch alone vs the two interleaved call by call in one process.
 
-    python benchmarks/bench_conv_bias_relu.py [--quick] [--markdown FILE]
+Forward + backward starts from cleared gradients on both sides (fresh leaves each call).
+GFLOP/s counts the forward conv's 2*N*K*P*Q*C*R*S flops, times 3 for forward + backward.
 """
 import argparse
-import os
 import sys
-import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # repo root
+import _report
+import _runner
 
-import numbafuse as nf  # noqa: E402
-from numbafuse import validate  # noqa: E402
-from numbafuse import reference as ref  # noqa: E402
-
-SHAPES = [  # name, x shape (NCHW), w shape, conv kwargs
-    ("resnet 3x3", (32, 64, 32, 32), (64, 64, 3, 3), dict(stride=1, padding=1)),
-    ("small", (8, 16, 16, 16), (32, 16, 3, 3), dict(stride=1, padding=1)),
-    ("stride 2", (32, 64, 32, 32), (128, 64, 3, 3), dict(stride=2, padding=1)),
-]
-REPEATS = {"full": 7, "quick": 2}
-SLOW_REPEATS = 2          # the NumPy reference takes seconds: fewer timed runs
+SHAPES = {  # name: (x shape NCHW, w shape, stride, padding)
+    "resnet 3x3": ((32, 64, 32, 32), (64, 64, 3, 3), 1, 1),
+    "stride 2": ((32, 64, 32, 32), (128, 64, 3, 3), 2, 1),
+    "1x1": ((32, 64, 32, 32), (128, 64, 1, 1), 1, 0),
+    "small": ((8, 16, 16, 16), (32, 16, 3, 3), 1, 1),
+}
+LAYOUTS = ("NCHW", "NHWC")
 DTYPE = np.float32
 FWD_BWD_PASSES = 3        # forward, dx and dw each cost one conv's flops
-FUSED = "numbafuse fused"
 
 
-def to_nhwc(a):
-    return np.ascontiguousarray(a.transpose(0, 2, 3, 1))      # (N, C, H, W) -> (N, H, W, C)
-
-
-def implementations(x, w, b, gy, kw):
-    """name -> (forward only, forward + backward) callables; the fused NCHW one first."""
-    impls = {}
-
-    def fused_fwd(layout="NCHW", xx=x):
-        return nf.conv_bias_relu(xx, w, b, layout=layout, **kw)
-
-    def fused_both(layout="NCHW", xx=x, g=gy):
-        y = fused_fwd(layout, xx)
-        return nf.conv_bias_relu_backward(g, xx, w, y, layout=layout, **kw)
-
-    impls[FUSED] = (fused_fwd, fused_both)
-    x_nhwc, gy_nhwc = to_nhwc(x), to_nhwc(gy)
-    impls["numbafuse fused NHWC"] = (lambda: fused_fwd("NHWC", x_nhwc),
-                                     lambda: fused_both("NHWC", x_nhwc, gy_nhwc))
-
-    def unfused(backward):
-        tx, tw, tb = (nf.Tensor(a, requires_grad=backward) for a in (x, w, b))
-        y = nf.relu(nf.bias_add(nf.conv2d(tx, tw, **kw), tb))
-        if backward:
-            y.backward(gy)
-
-    impls["numbafuse unfused"] = (lambda: unfused(False), lambda: unfused(True))
-
-    def reference(backward):
-        ref.conv_bias_relu(x, w, b, **kw)
-        if backward:
-            ref.conv_bias_relu_backward(gy, x, w, b, **kw)
-
-    impls["NumPy reference"] = (lambda: reference(False), lambda: reference(True))
-    try:
-        import torch
-    except ImportError:
-        return impls
-    tgy = torch.from_numpy(gy)
-
-    def torch_run(backward):
-        # from_numpy shares memory (no copy); fresh leaves so grads do not accumulate
-        tx, tw, tb = (torch.from_numpy(a).requires_grad_(backward) for a in (x, w, b))
-        with torch.set_grad_enabled(backward):
-            y = torch.relu(torch.nn.functional.conv2d(tx, tw, tb, stride=kw["stride"],
-                                                      padding=kw["padding"]))
-        if backward:
-            y.backward(tgy)
-
-    impls[f"PyTorch {torch.__version__} CPU ({torch.get_num_threads()} threads)"] = (
-        lambda: torch_run(False), lambda: torch_run(True))
-    return impls
-
-
-def time_round_robin(fns, repeats):
-    """Best wall time of each callable in ``fns`` (name -> (fn, repeats)), runs interleaved."""
-    for fn, _ in fns.values():
-        fn()                                                   # warm-up
-    best = {name: float("inf") for name in fns}
-    for i in range(max(r for _, r in fns.values())):
-        for name, (fn, reps) in fns.items():
-            if i < reps:
-                t0 = time.perf_counter()
-                fn()
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
-
-
-def run(quick):
-    repeats = REPEATS["quick" if quick else "full"]
+def problem(name):
+    """x, w, b, gy (NCHW) of a shape, the same arrays in every process (seeded)."""
+    x_shape, w_shape, stride, pad = SHAPES[name]
     rng = np.random.default_rng(0)
-    rows = []
-    for name, x_shape, w_shape, kw in SHAPES:
-        x = rng.standard_normal(x_shape).astype(DTYPE)
-        w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(DTYPE)
-        b = rng.standard_normal(w_shape[0]).astype(DTYPE)
-        geom = validate.conv_geometry("bench", x_shape, w_shape, **kw)
-        gy = rng.standard_normal(geom.y_shape).astype(DTYPE)
-        impls = implementations(x, w, b, gy, kw)
-        fns = {}
-        for impl, (fwd, both) in impls.items():
-            reps = min(repeats, SLOW_REPEATS) if impl == "NumPy reference" else repeats
-            fns[(impl, "fwd")] = (fwd, reps)
-            fns[(impl, "both")] = (both, reps)
-        best = time_round_robin(fns, repeats)
-        fused_both = best[(FUSED, "both")]
-        for impl in impls:
-            t_fwd, t_both = best[(impl, "fwd")], best[(impl, "both")]
-            rows.append((name, impl, t_fwd * 1e3, t_both * 1e3,
-                         FWD_BWD_PASSES * geom.flops / t_both / 1e9, t_both / fused_both))
-            print(f"{name:12s} {impl:36s} fwd {t_fwd * 1e3:9.1f} ms   fwd+bwd "
-                  f"{t_both * 1e3:9.1f} ms", flush=True)
-    return rows
+    x = rng.standard_normal(x_shape).astype(DTYPE)
+    w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(DTYPE)
+    b = rng.standard_normal(w_shape[0]).astype(DTYPE)
+    N, _, H, W = x_shape
+    K, _, R, S = w_shape
+    P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
+    gy = rng.standard_normal((N, K, P, Q)).astype(DTYPE)
+    flops = 2 * N * K * P * Q * w_shape[1] * R * S
+    return x, w, b, gy, dict(stride=stride, padding=pad), flops
 
 
-def shape_line(name, x_shape, w_shape, kw):
-    return f"- {name}: x {x_shape}, w {w_shape}, {kw}"
+def nhwc(a):
+    return np.ascontiguousarray(a.transpose(0, 2, 3, 1))     # (N, C, H, W) -> (N, H, W, C)
 
 
-def nf_threads():
-    import numba
-    return numba.get_num_threads()
+def _numbafuse_cases(name, layout, unfused):
+    import numbafuse as nf
+    x, w, b, gy, kw, _ = problem(name)
+    if layout == "NHWC":
+        x, gy = nhwc(x), nhwc(gy)
+    kw = dict(kw, layout=layout)
+
+    def fwd():
+        return nf.conv_bias_relu(x, w, b, **kw)
+
+    def both():
+        nf.conv_bias_relu_backward(gy, x, w, fwd(), **kw)
+
+    cases = {f"{name} {layout} fwd": fwd, f"{name} {layout} fwd+bwd": both}
+    if unfused:
+        def chain(backward):
+            tx, tw, tb = (nf.Tensor(a, requires_grad=backward) for a in (x, w, b))
+            y = nf.relu(nf.bias_add(nf.conv2d(tx, tw, **kw), tb, layout=layout))
+            if backward:
+                y.backward(gy)
+        cases[f"{name} {layout} unfused fwd+bwd"] = lambda: chain(True)
+    return cases
 
 
-def markdown(rows, command):
-    threads = (f"Numba threads {nf_threads()}, OMP_WAIT_POLICY="
-               f"{os.environ.get('OMP_WAIT_POLICY', '')}, {os.cpu_count()} CPUs visible")
-    lines = [f"Command: `{command}`", "",
-             f"float32, NCHW unless marked; {threads}. Best of several interleaved runs after "
-             "a warm-up. GFLOP/s = 3 x forward conv flops / (fwd+bwd time). "
-             "Ratio = fwd+bwd time / fused NCHW fwd+bwd time (lower is faster).", "",
-             *[shape_line(*s) for s in SHAPES], "",
-             "| shape | implementation | fwd ms | fwd+bwd ms | GFLOP/s | ratio vs fused |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
-    for name, impl, fwd, both, gflops, ratio in rows:
-        lines.append(f"| {name} | {impl} | {fwd:.1f} | {both:.1f} | {gflops:.1f} | {ratio:.2f} |")
-    return "\n".join(lines) + "\n"
+def _torch_cases(name, layout):
+    import torch
+    x, w, b, gy, kw, _ = problem(name)
+    fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+    tx = torch.from_numpy(x).contiguous(memory_format=fmt)
+    tgy = torch.from_numpy(gy).contiguous(memory_format=fmt)
+    tw = torch.from_numpy(w).contiguous(memory_format=fmt)
+    tb = torch.from_numpy(b)
+    leaves = [t.clone().requires_grad_(True) for t in (tx, tw, tb)]
+
+    def fwd():
+        with torch.no_grad():
+            return torch.relu(torch.nn.functional.conv2d(tx, tw, tb, **kw))
+
+    def both():
+        for leaf in leaves:
+            leaf.grad = None                       # cleared gradients, as a training step
+        y = torch.relu(torch.nn.functional.conv2d(*leaves, **kw))
+        y.backward(tgy)
+
+    return {f"{name} {layout} fwd": fwd, f"{name} {layout} fwd+bwd": both}
+
+
+def cases(side, options):
+    out = {}
+    for name in options["shapes"]:
+        for layout in options["layouts"]:
+            if side == "torch":
+                out.update(_torch_cases(name, layout))
+            else:
+                out.update(_numbafuse_cases(name, layout, options.get("unfused", False)))
+    return out
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer timed repeats")
-    parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
-    args = parser.parse_args(argv)
-    rows = run(args.quick)
-    table = markdown(rows, "python " + " ".join(sys.argv))
-    print()
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("# Conv2D -> BiasAdd -> ReLU benchmark\n\n" + table)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per case and process")
+    p.add_argument("--quick", action="store_true", help="2 rounds of 2, ResNet shape only")
+    p.add_argument("--mode", default="separate", choices=("separate", "import-order",
+                                                          "neighbours"))
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    p.add_argument("--markdown", metavar="FILE")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.repeats, args.shapes = 2, 2, ["resnet 3x3"]
+    opts = dict(shapes=args.shapes, layouts=args.layouts, unfused=args.mode == "separate")
+    sides = {"separate": ["numbafuse", "torch"],
+             "import-order": ["numbafuse", "numbafuse-after-torch"],
+             "neighbours": ["numbafuse", "torch", "neighbours"]}[args.mode]
+    best, info = _runner.compare("bench_conv_bias_relu", sides, args.rounds, args.repeats, opts,
+                                 log=lambda s: print(s, file=sys.stderr, flush=True))
+    lines = _runner.header(info, _report.command("bench_conv_bias_relu.py"))
+    lines += [f"- {n}: x {SHAPES[n][0]} (NCHW shape), w {SHAPES[n][1]}, stride {SHAPES[n][2]}, "
+              f"padding {SHAPES[n][3]}" for n in args.shapes] + [""]
+    if args.mode == "separate":
+        lines += ["| shape | layout | pass | numbafuse ms | PyTorch ms | numbafuse speed-up | "
+                  "numbafuse GFLOP/s | numbafuse unfused ms |", "|---|---|---|---:|---:|---:|---:|---:|"]
+        for name in args.shapes:
+            flops = problem(name)[-1]
+            for layout in args.layouts:
+                for ps, mult in (("fwd", 1), ("fwd+bwd", FWD_BWD_PASSES)):
+                    key = f"{name} {layout} {ps}"
+                    a, t = best["numbafuse"][key], best["torch"][key]
+                    unf = best["numbafuse"].get(f"{name} {layout} unfused {ps}")
+                    lines.append(f"| {name} | {layout} | {ps} | {a * 1e3:.2f} | {t * 1e3:.2f} | "
+                                 f"{t / a:.2f}x | {mult * flops / a / 1e9:.0f} | "
+                                 + (f"{unf * 1e3:.2f} |" if unf else "- |"))
+    else:
+        other = "numbafuse-after-torch" if args.mode == "import-order" else "neighbours"
+        lines += ["| case | alone ms | " + ("after torch ms" if args.mode == "import-order"
+                                           else "interleaved in one process ms")
+                  + " | alone / there |", "|---|---:|---:|---:|"]
+        for side in (["numbafuse"] if args.mode == "import-order" else ["numbafuse", "torch"]):
+            for key, a in best[side].items():
+                there = best[other][key if args.mode == "import-order" else f"{side}:{key}"]
+                lines.append(f"| {side} {key} | {a * 1e3:.2f} | {there * 1e3:.2f} | "
+                             f"{a / there:.2f} |")
+    _report.emit(lines, args.markdown)
 
 
 if __name__ == "__main__":

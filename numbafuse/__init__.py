@@ -7,28 +7,20 @@ small tape autograd, layers, a training loop and a Grappler-style remapper.
 NumPy arrays in run the Numba CPU kernels; CUDA arrays in run the numba.cuda kernels; Tensors
 in are recorded on the tape. See README.md and docs/.
 """
-import os
-
-# Numba's OpenMP workers and OpenBLAS's workers take turns on the same cores (im2col, GEMM,
-# epilogue, GEMM...). Spinning OpenMP workers then steal the cores from the GEMM: on 2 cores a
-# conv forward ran up to 10x slower. Passive waiting must be chosen before Numba starts its
-# thread pool (its first parallel launch), so it is set here, first; a user's setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from . import nn, optim  # noqa: E402
-from .autograd import Tensor, no_grad, saved_bytes  # noqa: E402
-from .ops.arith import add  # noqa: E402
+from . import nn, optim
+from .autograd import Tensor, no_grad, saved_bytes
+from .ops.arith import add
 from .ops.basic import (cross_entropy, flatten, global_avg_pool2d, linear, max_pool2d, relu,
                         squeeze)
-from .ops.batchnorm import batchnorm, batchnorm_add_relu, batchnorm_add_relu_backward  # noqa: E402
-from .ops.conv import bias_add, conv2d, conv_bias_relu, conv_bias_relu_backward  # noqa: E402
+from .ops.batchnorm import batchnorm, batchnorm_add_relu, batchnorm_add_relu_backward
+from .ops.conv import bias_add, conv2d, conv_bias_relu, conv_bias_relu_backward
 from .ops.conv_batchnorm import (conv_batchnorm_relu, conv_batchnorm_relu_backward,
                                  fold_batchnorm)
-from .fusion.compile import compile  # noqa: E402
-from .fusion.ir import Graph  # noqa: E402
-from .fusion.remap import remap  # noqa: E402
-from .fusion.trace import trace  # noqa: E402
-from .testing.finite_diff import gradcheck  # noqa: E402
+from .fusion.compile import compile
+from .fusion.ir import Graph
+from .fusion.remap import remap
+from .fusion.trace import trace
+from .testing.finite_diff import gradcheck
 
 __version__ = "0.1.0"
 

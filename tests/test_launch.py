@@ -1,15 +1,15 @@
-"""Parallel CPU kernels run serially on small inputs (kernels/parallel.py).
+"""CPU kernels run on the calling thread alone for small inputs (kernels/cpu_launch.py).
 
-Property tests draw small shapes, which take the serial build; here the same ops run with the
-threshold at 0 (every kernel parallel) and at infinity (every kernel serial), and must agree
-bit for bit with each other and with the reference.
+Property tests draw small shapes, which run on the calling thread; here the same ops run with
+the threshold at 0 (every kernel on the pool) and at infinity (every kernel on the calling
+thread), and must agree bit for bit with each other and with the reference.
 """
 import numpy as np
 import pytest
 
 import numbafuse as nf
 from numbafuse import reference
-from numbafuse.kernels import parallel as _launch
+from numbafuse.kernels import cpu_launch as _launch
 
 
 def _run_all(x, w, b, z, gamma, beta, layout):
@@ -42,12 +42,20 @@ def test_parallel_and_serial_builds_agree(layout, monkeypatch, rng):
     np.testing.assert_allclose(parallel[0], ref, rtol=1e-4, atol=1e-5)
 
 
-def test_threshold_picks_the_build(monkeypatch):
+def test_threshold_picks_the_threads(monkeypatch):
+    """Below PARALLEL_MIN_ELEMENTS a launch is one call on the calling thread."""
+    import threading
+
     calls = []
-    kernel = _launch.ParallelKernel(lambda a: None)
-    monkeypatch.setattr(kernel, "parallel", lambda a: calls.append("parallel"))
-    monkeypatch.setattr(kernel, "serial", lambda a: calls.append("serial"))
+
+    def kernel(t0, t1):
+        calls.append((t0, t1, threading.get_ident()))
+
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 10)
-    kernel(np.zeros(9))
-    kernel(np.zeros(10))
-    assert calls == ["serial", "parallel"]
+    _launch.launch(kernel, 8, work=9)
+    assert calls == [(0, 8, threading.get_ident())]
+    calls.clear()
+    _launch.launch(kernel, 8, work=10)
+    assert sorted(t for c in calls for t in range(c[0], c[1])) == list(range(8))
+    if _launch.num_threads() > 1:
+        assert len(calls) > 1                          # ranges handed out, not one call

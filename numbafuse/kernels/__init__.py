@@ -4,8 +4,9 @@ Each family (``conv``, ``batchnorm``, ``basic``, ``elementwise``) has ``math.py`
 scalar math shared by both backends, where it has any), ``cpu.py`` (``@njit``/``prange``
 kernels) and ``cuda.py`` (``numba.cuda`` kernels), and the two backend modules expose the same
 host-level functions, so an op picks one with :func:`module` and calls it. Shared pieces:
-``scalar.py`` (ReLU math), ``parallel.py`` (CPU kernels built parallel and serial),
-``cuda_config.py`` (every CUDA launch size), ``cuda_reduce.py`` (block reductions).
+``scalar.py`` (ReLU math), ``cpu_launch.py`` (the CPU thread pool) and ``cpu_blas.py`` (its
+private one-thread BLAS), ``cuda_config.py`` (every CUDA launch size), ``cuda_reduce.py``
+(reductions), ``cuda_gemm.py`` (the GEMM skeleton), ``cuda_sass.py`` (the sm_90 static check).
 
 The CUDA modules are imported only when a device array comes, so CPU users never need
 numba-cuda. This package knows nothing of Tensors or ops.

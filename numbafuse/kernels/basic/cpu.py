@@ -1,7 +1,7 @@
 """CPU kernels of the unfused ops: relu, linear, max_pool2d, global_avg_pool2d, cross_entropy.
 
 Every function here takes C-contiguous arrays of one float dtype (``ops/basic.py`` validates and
-normalises) and returns new arrays. ``kernels/basic/cuda.py`` has the same functions, with the
+normalises) and returns new arrays. ``kernels/cuda/basic.py`` has the same functions, with the
 same names and arguments, for device arrays: ``ops/basic.py`` picks one module per call.
 
 Activations are handled as flat ``(n,)`` buffers addressed through *element strides*
@@ -9,16 +9,15 @@ Activations are handled as flat ``(n,)`` buffers addressed through *element stri
 
 Scalar math shared with the CUDA kernels is written once, as plain Python, in
 ``kernels/basic_math.py`` and wrapped per target (``scalar.cpu_scalar`` here,
-``scalar.cuda_scalar`` in ``kernels/basic/cuda.py``).
+``scalar.cuda_scalar`` in ``kernels/cuda/basic.py``).
 
 Notation: N batch, C channels, H/W input height/width, P/Q pooled height/width,
 kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 """
 import numpy as np
-from numba import prange
 
 from .. import scalar
-from ..parallel import parallel_kernel
+from ..cpu_launch import blocks, launch, task_kernel
 from . import math as basic_math
 
 _relu = scalar.cpu_scalar(scalar.relu)
@@ -27,34 +26,38 @@ _first_max_tap = scalar.cpu_scalar(basic_math.first_max_tap)
 _row_logsumexp = scalar.cpu_scalar(basic_math.row_logsumexp)
 _xent_grad = scalar.cpu_scalar(basic_math.xent_grad)
 
+ELEMENT_BLOCK = 1 << 14   # elements per task of the elementwise kernels
+
 
 # --------------------------------------------------------------------------- relu
 
-@parallel_kernel
-def _relu_fwd(x, y):
+@task_kernel
+def _relu_fwd(t0, t1, x, y):
     # x, y: (n,)
-    for i in prange(x.size):
+    for i in range(t0 * ELEMENT_BLOCK, min(x.size, t1 * ELEMENT_BLOCK)):
         y[i] = _relu(x[i])
 
 
-@parallel_kernel
-def _relu_bwd(gy, y, gx):
+@task_kernel
+def _relu_bwd(t0, t1, gy, y, gx):
     # gy, y, gx: (n,); the mask comes from the output y
-    for i in prange(gy.size):
+    for i in range(t0 * ELEMENT_BLOCK, min(gy.size, t1 * ELEMENT_BLOCK)):
         gx[i] = _relu_grad(gy[i], y[i])
 
 
 # fwd :: x -> y
 def relu_forward(x):
     y = np.empty_like(x)
-    _relu_fwd(x.reshape(-1), y.reshape(-1))                         # (n,) views
+    launch(_relu_fwd, blocks(x.size, ELEMENT_BLOCK), x.reshape(-1), y.reshape(-1),
+           work=x.size)                                              # (n,) views
     return y
 
 
 # bwd :: (y, gy) -> gx
 def relu_backward(gy, y):
     gx = np.empty_like(y)
-    _relu_bwd(gy.reshape(-1), y.reshape(-1), gx.reshape(-1))         # (n,) views
+    launch(_relu_bwd, blocks(gy.size, ELEMENT_BLOCK), gy.reshape(-1), y.reshape(-1),
+           gx.reshape(-1), work=gy.size)                             # (n,) views
     return gx
 
 
@@ -84,12 +87,12 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
 # 16x16 windows; ``PoolGeometry.argmax_dtype``). Backward reads only the argmax, never x: for
 # k == stride == 2 that is 1/16 of a float32 x's bytes (a quarter of the elements, 1 byte each).
 
-@parallel_kernel
-def _max_pool_fwd(x, y, argmax, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
+@task_kernel
+def _max_pool_fwd(t0, t1, x, y, argmax, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
                   ys_n, ys_c, ys_h, ys_w):
     # x: (N*C*H*W,), y, argmax: (N*C*P*Q,), all flat in their layout; xs_*/ys_*: element
     # strides (y and argmax share theirs)
-    for nc in prange(N * C):
+    for nc in range(t0, t1):
         n, c = nc // C, nc % C
         x0, y0 = n * xs_n + c * xs_c, n * ys_n + c * ys_c
         for p in range(P):
@@ -101,12 +104,12 @@ def _max_pool_fwd(x, y, argmax, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs
                 argmax[o] = t
 
 
-@parallel_kernel
-def _max_pool_bwd(gy, argmax, gx, N, C, P, Q, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
+@task_kernel
+def _max_pool_bwd(t0, t1, gy, argmax, gx, N, C, P, Q, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
                   ys_n, ys_c, ys_h, ys_w):
     # gy, argmax: (N*C*P*Q,), gx: (N*C*H*W,) flat, gx zeroed. One (n, c) plane per iteration:
     # the planes are disjoint, so overlapping windows (stride < k) scatter without races.
-    for nc in prange(N * C):
+    for nc in range(t0, t1):
         n, c = nc // C, nc % C
         x0, y0 = n * xs_n + c * xs_c, n * ys_n + c * ys_c
         for p in range(P):
@@ -124,26 +127,26 @@ def _strides(g):
 def max_pool2d_forward(x, g):
     y = np.empty(g.y_shape, x.dtype)
     argmax = np.empty(g.y_shape, g.argmax_dtype)
-    _max_pool_fwd(x.reshape(-1), y.reshape(-1), argmax.reshape(-1), g.N, g.C, g.P, g.Q, g.kh,
-                  g.kw, g.sh, g.sw, *_strides(g))
+    launch(_max_pool_fwd, g.N * g.C, x.reshape(-1), y.reshape(-1), argmax.reshape(-1), g.N,
+           g.C, g.P, g.Q, g.kh, g.kw, g.sh, g.sw, *_strides(g), work=x.size)
     return y, argmax
 
 
 # bwd :: (argmax, gy, geometry) -> gx
 def max_pool2d_backward(gy, argmax, g, dtype):
     gx = np.zeros(g.x_shape, dtype)
-    _max_pool_bwd(gy.reshape(-1), argmax.reshape(-1), gx.reshape(-1), g.N, g.C, g.P, g.Q, g.kw,
-                  g.sh, g.sw, *_strides(g))
+    launch(_max_pool_bwd, g.N * g.C, gy.reshape(-1), argmax.reshape(-1), gx.reshape(-1), g.N,
+           g.C, g.P, g.Q, g.kw, g.sh, g.sw, *_strides(g), work=gx.size)
     return gx
 
 
 # --------------------------------------------------------------------------- global_avg_pool2d
 
-@parallel_kernel
-def _gap_fwd(x, y, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
+@task_kernel
+def _gap_fwd(t0, t1, x, y, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
     # x: (N*C*H*W,) flat in its layout, y: (N*C,) = (N, C) row-major
     inv = 1.0 / (H * W)
-    for nc in prange(N * C):
+    for nc in range(t0, t1):
         x0 = (nc // C) * xs_n + (nc % C) * xs_c
         acc = 0.0                                                    # float64 accumulator
         for h in range(H):
@@ -152,11 +155,11 @@ def _gap_fwd(x, y, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
         y[nc] = acc * inv
 
 
-@parallel_kernel
-def _gap_bwd(gy, gx, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
+@task_kernel
+def _gap_bwd(t0, t1, gy, gx, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
     # gy: (N*C,), gx: (N*C*H*W,) flat in its layout
     inv = 1.0 / (H * W)
-    for nc in prange(N * C):
+    for nc in range(t0, t1):
         x0 = (nc // C) * xs_n + (nc % C) * xs_c
         g = gy[nc] * inv
         for h in range(H):
@@ -167,33 +170,35 @@ def _gap_bwd(gy, gx, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
 # fwd :: (x, geometry) -> y (N, C)
 def global_avg_pool2d_forward(x, g):
     y = np.empty((g.N, g.C), x.dtype)
-    _gap_fwd(x.reshape(-1), y.reshape(-1), g.N, g.C, g.H, g.W, *g.x_strides)
+    launch(_gap_fwd, g.N * g.C, x.reshape(-1), y.reshape(-1), g.N, g.C, g.H, g.W,
+           *g.x_strides, work=x.size)
     return y
 
 
 # bwd :: (gy (N, C), geometry) -> gx
 def global_avg_pool2d_backward(gy, g, dtype):
     gx = np.empty(g.x_shape, dtype)
-    _gap_bwd(gy.reshape(-1), gx.reshape(-1), g.N, g.C, g.H, g.W, *g.x_strides)
+    launch(_gap_bwd, g.N * g.C, gy.reshape(-1), gx.reshape(-1), g.N, g.C, g.H, g.W,
+           *g.x_strides, work=gx.size)
     return gx
 
 
 # --------------------------------------------------------------------------- cross_entropy
 
-@parallel_kernel
-def _xent_fwd(logits, labels, nll, lse):
+@task_kernel
+def _xent_fwd(t0, t1, logits, labels, nll, lse):
     # logits: (N, L), labels: (N,) int, nll, lse: (N,) float64
     N, L = logits.shape
-    for n in prange(N):
+    for n in range(t0, t1):
         lse[n] = _row_logsumexp(logits, n, L)
         nll[n] = lse[n] - logits[n, labels[n]]
 
 
-@parallel_kernel
-def _xent_bwd(logits, labels, lse, scale, glogits):
+@task_kernel
+def _xent_bwd(t0, t1, logits, labels, lse, scale, glogits):
     # logits, glogits: (N, L), labels: (N,) int, lse: (N,) float64; scale = gy / N
     N, L = logits.shape
-    for n in prange(N):
+    for n in range(t0, t1):
         for j in range(L):
             glogits[n, j] = _xent_grad(logits[n, j], lse[n], j == labels[n], scale)
 
@@ -208,12 +213,13 @@ def cross_entropy_forward(logits, labels):
     """0-d mean over rows of lse - logit[label], and the row log-sum-exps (N,) float64."""
     N = logits.shape[0]
     nll, lse = np.empty(N), np.empty(N)                              # (N,) float64
-    _xent_fwd(logits, labels, nll, lse)
+    launch(_xent_fwd, N, logits, labels, nll, lse, work=logits.size)
     return np.asarray(nll.sum() / N, dtype=logits.dtype), lse
 
 
 # bwd :: (logits, labels, lse, gy) -> glogits
 def cross_entropy_backward(gy, logits, labels, lse):
     glogits = np.empty_like(logits)                                  # (N, L)
-    _xent_bwd(logits, labels, lse, float(gy) / logits.shape[0], glogits)
+    launch(_xent_bwd, logits.shape[0], logits, labels, lse, float(gy) / logits.shape[0],
+           glogits, work=logits.size)
     return glogits

@@ -35,9 +35,9 @@ import threading
 import tracemalloc
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-from ..parallel import parallel_kernel
+from ..cpu_launch import launch, task_kernel
 from . import math as bm
 from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from .. import scalar
@@ -67,11 +67,11 @@ _input_grad = cpu_scalar(bm.input_grad)
 
 # --------------------------------------------------------------------------- statistics
 
-@parallel_kernel(fastmath=REDUCE_FASTMATH)
-def _stats_nchw(x3, shift, partials):
+@task_kernel(fastmath=REDUCE_FASTMATH)
+def _stats_nchw(t0, t1, x3, shift, partials):
     # x3: (N, C, HW); shift: (C,) float64; partials: (N, 2, C) float64 <- shifted sums s1, s2
     N, C, HW = x3.shape
-    for r in prange(N * C):
+    for r in range(t0, t1):
         n = r // C
         c = r - n * C
         s = shift[c]
@@ -85,13 +85,13 @@ def _stats_nchw(x3, shift, partials):
         partials[n, 1, c] = s2
 
 
-@parallel_kernel(fastmath=REDUCE_FASTMATH)
-def _stats_nhwc(x2, shift, rows_per_task, partials):
+@task_kernel(fastmath=REDUCE_FASTMATH)
+def _stats_nhwc(t0, t1, x2, shift, rows_per_task, partials):
     # x2: (M, C); shift: (C,) float64; partials: (P, 2, C) float64; task p owns rows
     # [p*rows_per_task, (p+1)*rows_per_task)
     M, C = x2.shape
     P = partials.shape[0]
-    for p in prange(P):
+    for p in range(t0, t1):
         # task-local sums vectorise (accumulating into partials rows was 1.4x slower)
         s1, s2 = np.zeros(C), np.zeros(C)                         # (C,) each
         for row in range(p * rows_per_task, min(M, (p + 1) * rows_per_task)):
@@ -177,8 +177,8 @@ def _pack_mask(yt, mt):
         mt[full] = byte
 
 
-@parallel_kernel
-def _apply_nchw(x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, want_mask, C,
+@task_kernel
+def _apply_nchw(t0, t1, x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, want_mask, C,
                 rows_per_task):
     # x2, z2, y2: (N*C, HW), row r is channel r % C; mean_hi, mean_lo, scale (= gamma*invstd),
     # beta: (C,) in x's dtype; mask: (ceil(size/8),) uint8, written when want_mask. y is
@@ -186,7 +186,7 @@ def _apply_nchw(x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, wa
     R, L = x2.shape
     yflat = y2.reshape(R * L)                                     # (size,)
     zero = _zero_of(x2)
-    for p in prange((R + rows_per_task - 1) // rows_per_task):
+    for p in range(t0, t1):
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         for r in range(r0, r1):
@@ -204,14 +204,14 @@ def _apply_nchw(x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, wa
             _pack_mask(yflat[r0 * L:r1 * L], mask[r0 * L // BITS:-(-r1 * L // BITS)])
 
 
-@parallel_kernel
-def _apply_nhwc(x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, want_mask,
+@task_kernel
+def _apply_nhwc(t0, t1, x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, want_mask,
                 rows_per_task):
     # as _apply_nchw for x2, z2, y2: (M, C), element (r, k) is channel k
     R, L = x2.shape
     yflat = y2.reshape(R * L)                                     # (size,)
     zero = _zero_of(x2)
-    for p in prange((R + rows_per_task - 1) // rows_per_task):
+    for p in range(t0, t1):
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         for r in range(r0, r1):
@@ -280,14 +280,14 @@ def _task_mask(state_kind, mask, r0, r1, L):
     return np.empty(0, np.uint8)
 
 
-@parallel_kernel(fastmath=REDUCE_FASTMATH)
-def _bwd_reduce_nchw(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C, rows_per_task, gz2,
+@task_kernel(fastmath=REDUCE_FASTMATH)
+def _bwd_reduce_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C, rows_per_task, gz2,
                      want_gz, partials):
     # gy2, x2, y2, gz2: (N*C, HW), row r is channel r % C; mask: packed (ceil(size/8),) uint8;
     # partials: (N, 2, C) float64 <- sum g, sum g*(x - mean) of each (n, c) row; gz2 <- g
     # when want_gz (pass 2 then reads g from it instead of gating again)
     R, L = x2.shape
-    for p in prange((R + rows_per_task - 1) // rows_per_task):
+    for p in range(t0, t1):
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         e = _task_mask(state_kind, mask, r0, r1, L)               # (>= (r1-r0)*L,) or (0,)
@@ -309,13 +309,13 @@ def _bwd_reduce_nchw(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C, rows_pe
             partials[n, 1, c] = sgx
 
 
-@parallel_kernel(fastmath=REDUCE_FASTMATH)
-def _bwd_reduce_nhwc(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, rows_per_task, gz2,
+@task_kernel(fastmath=REDUCE_FASTMATH)
+def _bwd_reduce_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, rows_per_task, gz2,
                      want_gz, partials):
     # gy2, x2, y2, gz2: (M, C); partials: (P, 2, C) float64 <- per-task sums; task p owns a block of
     # rows starting on a mask byte
     R, L = x2.shape
-    for p in prange(partials.shape[0]):
+    for p in range(t0, t1):
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         e = _task_mask(state_kind, mask, r0, r1, L)
@@ -351,14 +351,14 @@ def _finalize_backward(partials, gamma, invstd, count, training, ggamma, gbeta, 
         c0[c] = _coef_0(gam, invstd[c], gbeta[c], count, training)
 
 
-@parallel_kernel
-def _bwd_apply_nchw(gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y2, mask, C,
+@task_kernel
+def _bwd_apply_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y2, mask, C,
                     rows_per_task, gx2, want_gx, gz2, want_gz):
     # gy2, x2, y2, gx2, gz2: (N*C, HW) (gx2/gz2 written when wanted); per-channel coefficients
     # in x's dtype: dx = cg*g + cx*(x - mean) + c0, dz = g. With STATE_NONE, gy2 may be the g
     # that pass 1 wrote to gz.
     R, L = x2.shape
-    for p in prange((R + rows_per_task - 1) // rows_per_task):
+    for p in range(t0, t1):
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         e = _task_mask(state_kind, mask, r0, r1, L)
@@ -380,12 +380,12 @@ def _bwd_apply_nchw(gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y2, mask,
                         gxr[k] = _input_grad(g[k], xr[k] - mh, ml, a, b, d)
 
 
-@parallel_kernel
-def _bwd_apply_nhwc(gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y2, mask,
+@task_kernel
+def _bwd_apply_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y2, mask,
                     rows_per_task, gx2, want_gx, gz2, want_gz):
     # as _bwd_apply_nchw for (M, C) rows, element (r, k) is channel k
     R, L = x2.shape
-    for p in prange((R + rows_per_task - 1) // rows_per_task):
+    for p in range(t0, t1):
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         e = _task_mask(state_kind, mask, r0, r1, L)
@@ -436,11 +436,12 @@ def stats(x, layout, eps):
     shift = _shift(x, layout, C)
     if layout == "NCHW":
         partials = np.empty((N, 2, C))
-        _stats_nchw(x.reshape(N, C, HW), shift, partials)                     # (N, C, HW)
+        launch(_stats_nchw, N * C, x.reshape(N, C, HW), shift, partials, work=x.size)                     # (N, C, HW)
     else:
         rows = _rows_per_task(C)
         partials = np.empty((-(-N * HW // rows), 2, C))
-        _stats_nhwc(x.reshape(N * HW, C), shift, rows, partials)              # (M, C)
+        launch(_stats_nhwc, partials.shape[0], x.reshape(N * HW, C), shift, rows, partials,
+               work=x.size)              # (M, C)
     mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
     _finalize_stats(partials, shift, float(N * HW), float(eps), mean, var, invstd)
     return mean, var, invstd
@@ -560,12 +561,13 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     scale = (invstd * gamma).astype(x.dtype)                      # (C,)
     beta_t = beta.astype(x.dtype)                                 # (C,)
     rows = _byte_rows_per_task(x2.shape[1], CHUNK)
+    tasks = -(-x2.shape[0] // rows)
     if layout == "NCHW":
-        _apply_nchw(x2, z2, z is not None, mean_hi, mean_lo, scale, beta_t, bool(relu), y2,
-                    mask, bool(want_mask), mean.shape[0], rows)
+        launch(_apply_nchw, tasks, x2, z2, z is not None, mean_hi, mean_lo, scale, beta_t,
+               bool(relu), y2, mask, bool(want_mask), mean.shape[0], rows, work=x.size)
     else:
-        _apply_nhwc(x2, z2, z is not None, mean_hi, mean_lo, scale, beta_t, bool(relu), y2,
-                    mask, bool(want_mask), rows)
+        launch(_apply_nhwc, tasks, x2, z2, z is not None, mean_hi, mean_lo, scale, beta_t,
+               bool(relu), y2, mask, bool(want_mask), rows, work=x.size)
     return y, (mask if want_mask else None)
 
 
@@ -585,6 +587,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     y2 = _rows(state, layout) if state_kind == STATE_Y else x2    # x stands in for "no y"
     mask = state if state_kind == STATE_MASK else _NO_MASK
     rows = _byte_rows_per_task(L, REDUCE_CHUNK)                   # rows of L = HW or C
+    tasks = -(-x2.shape[0] // rows)                               # row blocks of pass 1 and 2
     mean_hi, mean_lo = _split_mean(mean, dtype)                   # (C,) each
     unused = np.empty((1, L), dtype)                              # stands in for a skipped output
     gz = output_cache.empty(x.shape, dtype) if need_gz else None
@@ -596,12 +599,12 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         # pass 1: gbeta = sum g, ggamma = sum g*xhat (and the dx coefficients); gz = g
         if layout == "NCHW":
             partials = np.empty((N, 2, C))
-            _bwd_reduce_nchw(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C, rows, gz2,
-                             bool(need_gz), partials)
+            launch(_bwd_reduce_nchw, tasks, gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C,
+                   rows, gz2, bool(need_gz), partials, work=x.size)
         else:
-            partials = np.empty((-(-N * HW // rows), 2, C))
-            _bwd_reduce_nhwc(gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, rows, gz2,
-                             bool(need_gz), partials)
+            partials = np.empty((tasks, 2, C))
+            launch(_bwd_reduce_nhwc, tasks, gy2, x2, mean_hi, mean_lo, state_kind, y2, mask,
+                   rows, gz2, bool(need_gz), partials, work=x.size)
         g_written = need_gz
     else:  # inference, gx/gz only: the coefficients need no reduction
         partials = np.zeros((1, 2, C))
@@ -618,10 +621,10 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
             g_in, kind, y_in, mask_in, want_gz = gy2, state_kind, y2, mask, bool(need_gz)
         coefs = [v.astype(dtype) for v in (cg, cx, c0)]           # (C,) each
         if layout == "NCHW":
-            _bwd_apply_nchw(g_in, x2, mean_hi, mean_lo, *coefs, kind, y_in, mask_in, C, rows,
-                            gx2, bool(need_gx), gz2, want_gz)
+            launch(_bwd_apply_nchw, tasks, g_in, x2, mean_hi, mean_lo, *coefs, kind, y_in,
+                   mask_in, C, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
         else:
-            _bwd_apply_nhwc(g_in, x2, mean_hi, mean_lo, *coefs, kind, y_in, mask_in, rows,
-                            gx2, bool(need_gx), gz2, want_gz)
+            launch(_bwd_apply_nhwc, tasks, g_in, x2, mean_hi, mean_lo, *coefs, kind, y_in,
+                   mask_in, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
     return (gx, ggamma64.astype(dtype) if need_ggamma else None,
             gbeta64.astype(dtype) if need_gbeta else None, gz)

@@ -1,0 +1,137 @@
+"""Each library in its own process: the shared runner of every benchmark against PyTorch.
+
+A benchmark module (``benchmarks/bench_*.py``) defines ``cases(side, options) -> {name: fn}``
+for each side it measures and imports numbafuse or torch only inside it, so this parent process
+imports neither and passes no setting of one to the other. :func:`compare` starts one worker
+process per side and round, alternating the order of the sides from round to round; a worker
+imports its library with the environment the parent was started with (nothing added), builds
+its cases, warms each up (compiles, starts thread pools), times ``repeats`` round-robin runs
+of every case and prints the best time of each as JSON. The table keeps the best of each case
+over the rounds.
+
+Sides:
+
+* ``numbafuse``, ``torch``: one library per process (the honest comparison);
+* ``numbafuse-after-torch``: torch imported first and one torch conv forward + backward run
+  before numbafuse is imported (its OpenMP pool started) - the *import order* mode;
+* ``neighbours``: both libraries in one process, their cases interleaved call by call (a
+  PyTorch model with numbafuse layers) - the *same-process neighbour* mode; the names come
+  back prefixed ``numbafuse:`` and ``torch:``.
+
+    python benchmarks/_runner.py --worker MODULE SIDE REPEATS OPTIONS_JSON   (internal)
+"""
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WARMUP_CALLS = 2
+
+
+def _machine():
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return f"{model}, {usable} cores usable ({os.cpu_count()} visible)"
+
+
+def _library_info(side):
+    info = {"python": platform.python_version()}
+    if side != "torch":
+        import numba
+        import numpy
+        from numbafuse.kernels import cpu_blas as _blas, cpu_launch as _launch
+        info.update(numbafuse=f"numba {numba.__version__}, numpy {numpy.__version__}, "
+                    f"{_launch.num_threads()} threads, private BLAS {_blas.PRIVATE}")
+    if side != "numbafuse":
+        import torch
+        info.update(torch=f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    return info
+
+
+def _torch_first():
+    import torch
+    x = torch.randn(8, 16, 16, 16, requires_grad=True)
+    w = torch.randn(16, 16, 3, 3, requires_grad=True)
+    torch.nn.functional.conv2d(x, w, padding=1).relu().sum().backward()
+
+
+def worker(module, side, repeats, options):
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.dirname(HERE))
+    mod = __import__(module)
+    if side == "numbafuse-after-torch":
+        _torch_first()
+        todo = mod.cases("numbafuse", options)
+    elif side == "neighbours":
+        nf, th = mod.cases("numbafuse", options), mod.cases("torch", options)
+        todo = {}
+        for (a, fa), (b, fb) in zip(nf.items(), th.items()):   # interleaved, call by call
+            todo["numbafuse:" + a], todo["torch:" + b] = fa, fb
+    else:
+        todo = mod.cases(side, options)
+    for fn in todo.values():
+        for _ in range(WARMUP_CALLS):
+            fn()
+    best = {name: float("inf") for name in todo}
+    for _ in range(repeats):
+        for name, fn in todo.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    print(json.dumps({"best": best, "info": _library_info(side)}))
+
+
+def compare(module, sides, rounds, repeats, options=None, log=print):
+    """{side: {case: best seconds}}, info: each side in its own processes, alternating."""
+    options = options or {}
+    best = {side: {} for side in sides}
+    info = {"machine": _machine(), "load": [os.getloadavg()[0]]}
+    for r in range(rounds):
+        order = sides if r % 2 == 0 else list(reversed(sides))
+        for side in order:
+            out = subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--worker", module, side,
+                 str(repeats), json.dumps(options)],
+                capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                raise RuntimeError(f"{module} {side} worker failed:\n{out.stderr[-3000:]}")
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            for name, t in res["best"].items():
+                best[side][name] = min(best[side].get(name, float("inf")), t)
+            info.setdefault("libraries", {}).update(res["info"])
+            log(f"round {r + 1}/{rounds} {side}: " + ", ".join(
+                f"{k} {v * 1e3:.2f} ms" for k, v in res["best"].items()))
+    info["load"].append(os.getloadavg()[0])
+    return best, info
+
+
+def header(info, command):
+    """The lines naming the command, machine, versions and load of a table."""
+    libs = info.get("libraries", {})
+    return [f"Command: `{command}`", "",
+            f"Machine: {info['machine']}; Python {libs.get('python', '?')}; "
+            + "; ".join(libs[k] for k in ("numbafuse", "torch") if k in libs)
+            + f"; load average {info['load'][0]:.2f} at the start, {info['load'][1]:.2f} at "
+            "the end. Each library in its own process with its own defaults, the processes "
+            "alternating round by round; best of each.", ""]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), json.loads(sys.argv[5]))
+    else:
+        sys.exit(__doc__)

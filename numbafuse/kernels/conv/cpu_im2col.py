@@ -1,0 +1,456 @@
+"""CPU convolution tasks over im2col chunks: chunking, the gathers (im2col, masked
+gradients), the forward and dW/db tasks, and dX by output phase. See ``cpu.py``."""
+import numpy as np
+from numba import njit
+
+from .. import cpu_blas as _blas
+from ..cpu_launch import blocks, task_kernel
+from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
+from . import math as conv_math
+
+_relu = cpu_scalar(_relu_math)
+_relu_grad = cpu_scalar(_relu_grad_math)
+_input_coord = cpu_scalar(conv_math.input_coord)
+_valid_range = cpu_scalar(conv_math.valid_range)
+
+
+# --------------------------------------------------------------------------- chunking
+
+@njit(inline="always")
+def _chunk(t, N, rows, ipc, rpc):
+    """Chunk t: images [n0, n1), rows [r0, r1) of each."""
+    if ipc > 1:
+        n0 = t * ipc
+        return n0, min(N, n0 + ipc), 0, rows
+    nblk = (rows + rpc - 1) // rpc
+    n0 = t // nblk
+    r0 = (t - n0 * nblk) * rpc
+    return n0, n0 + 1, r0, min(rows, r0 + rpc)
+
+
+def _nchunks(N, rows, ipc, rpc):
+    return blocks(N, ipc) if ipc > 1 else N * blocks(rows, rpc)
+
+
+# --------------------------------------------------------------------------- gathers
+
+@njit(inline="always")
+def _shifted_rows(src, src0, mask, use_mask, rows, width, shift, dst):
+    # dst (rows*width,) <- rows of ``width`` read from the flat plane ``src`` starting at src0
+    # (rows ``width`` apart in src as in dst), each shifted by ``shift`` columns; what falls
+    # outside the plane or across a row's edge is 0. One long copy, then the edge columns:
+    # the stride-1 "same" case, where a chunk's rows are contiguous in x and in cols. With
+    # use_mask, dst = src where mask > 0 (the ReLU gate read from y).
+    L = rows * width
+    first = src0 + shift
+    lo = min(L, max(0, -first))
+    hi = max(lo, min(L, src.shape[0] - first))
+    for i in range(lo):
+        dst[i] = 0
+    # 0-based loops over views: Numba then knows the indices are non-negative and LLVM
+    # vectorises the copy (an index like first + i keeps a wraparound check per element)
+    d = dst[lo:hi]
+    sv = src[first + lo:first + hi]
+    if use_mask:
+        mv = mask[first + lo:first + hi]
+        for i in range(hi - lo):
+            d[i] = _relu_grad(sv[i], mv[i])
+    else:
+        for i in range(hi - lo):
+            d[i] = sv[i]
+    for i in range(hi, L):
+        dst[i] = 0
+    if shift < 0:
+        for row in range(rows):
+            for q in range(min(-shift, width)):
+                dst[row * width + q] = 0
+    elif shift > 0:
+        for row in range(rows):
+            for q in range(max(0, width - shift), width):
+                dst[row * width + q] = 0
+
+
+@njit(inline="always")
+def _im2col_chw(x, n, p0, p1, geo, cols, col0):
+    # x: (N, C, H, W); cols: (C*R*S, ld), rows (c, r, s); output pixels (p, q) of image n,
+    # p0 <= p < p1, go to columns col0 + (p - p0)*Q + q
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    fast = sh == 1 and sw == 1 and Q == W                      # rows contiguous in x and cols
+    for c in range(C):
+        plane = x[n, c]                                           # (H, W)
+        flat = plane.reshape(H * W)                               # (H*W,)
+        for r in range(R):
+            plo, phi = _valid_range(r, sh, ph, dh, H, P)          # rows inside the image
+            plo, phi = max(plo, p0), max(min(phi, p1), max(plo, p0))
+            for s in range(S):
+                row = cols[(c * R + r) * S + s]                   # (ld,)
+                blk = row[col0:col0 + (p1 - p0) * Q]              # ((p1-p0)*Q,)
+                for i in range(0, (plo - p0) * Q):                # rows in the padding
+                    blk[i] = 0
+                for i in range((phi - p0) * Q, (p1 - p0) * Q):
+                    blk[i] = 0
+                if phi <= plo:
+                    continue
+                if fast:
+                    h0 = _input_coord(plo, r, sh, ph, dh)
+                    _shifted_rows(flat, h0 * W, flat, False, phi - plo, Q, s * dw - pw,
+                                  blk[(plo - p0) * Q:(phi - p0) * Q])
+                    continue
+                lo, hi = _valid_range(s, sw, pw, dw, W, Q)
+                lo, hi = min(lo, Q), max(min(hi, Q), min(lo, Q))
+                off = s * dw - pw
+                for p in range(plo, phi):
+                    src = plane[_input_coord(p, r, sh, ph, dh)]   # (W,)
+                    dst = blk[(p - p0) * Q:(p - p0 + 1) * Q]      # (Q,)
+                    for q in range(lo):
+                        dst[q] = 0
+                    for q in range(lo, hi):
+                        dst[q] = src[q * sw + off]
+                    for q in range(hi, Q):
+                        dst[q] = 0
+
+
+@njit(inline="always")
+def _im2col_hwc(x, n, p0, p1, geo, cols, row0):
+    # x: (N, H, W, C); cols: (rows, R*S*C), columns (r, s, c); output pixel (p, q) of image
+    # n, p0 <= p < p1, goes to row row0 + (p - p0)*Q + q
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    for p in range(p0, p1):
+        for q in range(Q):
+            dst = cols[row0 + (p - p0) * Q + q]                   # (R*S*C,)
+            for r in range(R):
+                h = _input_coord(p, r, sh, ph, dh)
+                for s in range(S):
+                    wi = _input_coord(q, s, sw, pw, dw)
+                    c0 = (r * S + s) * C
+                    if h < 0 or h >= H or wi < 0 or wi >= W:
+                        for c in range(C):
+                            dst[c0 + c] = 0
+                    else:
+                        src = x[n, h, wi]                         # (C,)
+                        for c in range(C):
+                            dst[c0 + c] = src[c]
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _sum64(a):
+    # float64 sum of a 1-d array, vectorised (reassociated in a fixed, compiled order: the same
+    # result on every call, whatever the thread count)
+    s = 0.0
+    for i in range(a.shape[0]):
+        s += a[i]
+    return s
+
+
+@njit(inline="always")
+def _g_chw(gy, y, use_mask, n, p0, p1, PQ, Q, g, col0, db):
+    # gy, y: (N, K, PQ); g: (K, ld) <- gy * (y > 0) of pixels [p0*Q, p1*Q) at col0; db: (K,)
+    # float64 += the sums (_sum64 per row, a fixed order)
+    K = g.shape[0]
+    a, b = p0 * Q, p1 * Q
+    L = b - a
+    for k in range(K):
+        gyr = gy[n, k, a:b]                                       # (L,)
+        yr = y[n, k, a:b]
+        dst = g[k, col0:col0 + L]
+        for i in range(L):
+            dst[i] = _relu_grad(gyr[i], yr[i]) if use_mask else gyr[i]
+        db[k] += _sum64(dst)
+
+
+@njit(inline="always")
+def _g_hwc(gy2, y2, use_mask, m0, m1, g, row0, db):
+    # gy2, y2: (N*PQ, K); g: (rows, K) <- gy * (y > 0) of rows [m0, m1) at row0; db: (K,)
+    # float64 += the column sums, row by row (a fixed order)
+    K = g.shape[1]
+    for m in range(m0, m1):
+        gyr, yr, dst = gy2[m], y2[m], g[row0 + m - m0]            # (K,) each
+        for k in range(K):
+            v = _relu_grad(gyr[k], yr[k]) if use_mask else gyr[k]
+            dst[k] = v
+            db[k] += v
+
+
+# --------------------------------------------------------------------------- forward
+
+@task_kernel
+def _forward_tasks(t0, t1, x, wmat, b, has_bias, relu, geo, ipc, rpc, pointwise, blas, y):
+    # x: (N, C, H, W) | (N, H, W, C); wmat: (K, C*R*S) | (K, R*S*C); b: (K,)
+    # y: (N, K, PQ) | (N, PQ, K): the chunks [t0, t1) of the output
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    RSC = R * S * C
+    PQ = P * Q
+    mmax = ipc * PQ if ipc > 1 else rpc * Q
+    cols = np.empty(mmax * RSC, x.dtype)                          # reused by every chunk
+    ybuf = np.empty(mmax * K, x.dtype)
+    for t in range(t0, t1):
+        n0, n1, p0, p1 = _chunk(t, N, P, ipc, rpc)
+        per = (p1 - p0) * Q                                       # pixels per image
+        m = (n1 - n0) * per
+        if nhwc:
+            yb = ybuf[:m * K].reshape((m, K))                     # (m, K)
+            if pointwise:                                         # x's rows are the cols
+                xr = x.reshape((N * PQ, C))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]
+                _blas.gemm(blas, False, True, m, K, C, 1.0, xr, C, wmat, C, 0.0, yb, K)
+            else:
+                c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
+                for n in range(n0, n1):
+                    _im2col_hwc(x, n, p0, p1, geo, c2, (n - n0) * per)
+                _blas.gemm(blas, False, True, m, K, RSC, 1.0, c2, RSC, wmat, RSC, 0.0, yb, K)
+            y2 = y.reshape((N * PQ, K))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]   # (m, K)
+            for i in range(m):
+                src, dst = yb[i], y2[i]                           # (K,) each
+                for k in range(K):
+                    v = src[k] + (b[k] if has_bias else 0)
+                    dst[k] = _relu(v) if relu else v
+        else:
+            yb = ybuf[:K * m].reshape((K, m))                     # (K, m)
+            if pointwise and n1 - n0 == 1:                        # x[n] (C, HW) is the cols
+                xs = x[n0].reshape((C, PQ))[:, p0 * Q:]           # (C, m), ld PQ
+                _blas.gemm(blas, False, False, K, m, C, 1.0, wmat, C, xs, PQ, 0.0, yb, m)
+            else:
+                c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
+                for n in range(n0, n1):
+                    _im2col_chw(x, n, p0, p1, geo, c2, (n - n0) * per)
+                _blas.gemm(blas, False, False, K, m, RSC, 1.0, wmat, RSC, c2, m, 0.0, yb, m)
+            for n in range(n0, n1):
+                for k in range(K):
+                    src = yb[k, (n - n0) * per:(n - n0 + 1) * per]   # (per,)
+                    dst = y[n, k, p0 * Q:p1 * Q]
+                    bias = b[k] if has_bias else 0
+                    for i in range(per):
+                        v = src[i] + bias
+                        dst[i] = _relu(v) if relu else v
+
+
+# --------------------------------------------------------------------------- backward: dW, db
+
+@task_kernel
+def _dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, pointwise,
+              need_dw, blas, dw_parts, db_parts):
+    # x as in the forward; gy, y: (N, K, PQ) | (N, PQ, K); dw_parts: (groups, K, RSC) <- each
+    # group's dW (columns in the cols order); db_parts: (groups, K) float64 <- its sum of g
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    RSC = R * S * C
+    PQ = P * Q
+    mmax = ipc * PQ if ipc > 1 else rpc * Q
+    cols = np.empty(mmax * RSC if need_dw else 0, x.dtype)
+    gbuf = np.empty(mmax * K, x.dtype)
+    for grp in range(t0, t1):
+        dbp = db_parts[grp]                                       # (K,)
+        dbp[:] = 0.0
+        dwp = dw_parts[grp]                                       # (K, RSC)
+        first = True
+        for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
+            n0, n1, p0, p1 = _chunk(t, N, P, ipc, rpc)
+            per = (p1 - p0) * Q
+            m = (n1 - n0) * per
+            beta = 0.0 if first else 1.0
+            first = False
+            if nhwc:
+                g = gbuf[:m * K].reshape((m, K))                  # (m, K)
+                m0 = n0 * PQ + p0 * Q
+                _g_hwc(gy.reshape((N * PQ, K)), y.reshape((N * PQ, K)), use_mask, m0, m0 + m,
+                       g, 0, dbp)                                 # rows of gy
+                if not need_dw:
+                    continue
+                if pointwise:
+                    c2 = x.reshape((N * PQ, C))[m0:m0 + m]        # (m, C)
+                else:
+                    c2 = cols[:m * RSC].reshape((m, RSC))         # (m, R*S*C)
+                    for n in range(n0, n1):
+                        _im2col_hwc(x, n, p0, p1, geo, c2, (n - n0) * per)
+                # dW (K, RSC) += g^T (K, m) @ cols (m, RSC)
+                _blas.gemm(blas, True, False, K, RSC, m, 1.0, g, K, c2, RSC, beta, dwp, RSC)
+            else:
+                g = gbuf[:K * m].reshape((K, m))                  # (K, m)
+                for n in range(n0, n1):
+                    _g_chw(gy, y, use_mask, n, p0, p1, PQ, Q, g, (n - n0) * per, dbp)
+                if not need_dw:
+                    continue
+                c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
+                for n in range(n0, n1):
+                    _im2col_chw(x, n, p0, p1, geo, c2, (n - n0) * per)
+                # dW (K, RSC) += g (K, m) @ cols^T (m, RSC)
+                _blas.gemm(blas, False, True, K, RSC, m, 1.0, g, m, c2, m, beta, dwp, RSC)
+
+
+# --------------------------------------------------------------------------- backward: dX
+
+@njit(inline="always")
+def _gcols_chw(gy, y, use_mask, n, i0, i1, Wb, taps_r, off_r, taps_s, off_s, P, Q, gc, col0):
+    # gy, y: (N, K, P, Q); gc: (K*T, ld), rows (k, r, s) over the phase's taps; input pixels
+    # (i, j) of the phase, i0 <= i < i1, j < Wb, go to columns col0 + (i - i0)*Wb + j;
+    # gc = g at output pixel (i + off_r, j + off_s), 0 outside, gated by y > 0
+    K = gy.shape[1]
+    nr, ns = taps_r.shape[0], taps_s.shape[0]
+    fast = Wb == Q                                                # rows contiguous in g and gc
+    for k in range(K):
+        gyf = gy[n, k].reshape(P * Q)                             # (P*Q,)
+        yf = y[n, k].reshape(P * Q)
+        for a in range(nr):
+            ilo = min(max(i0, -off_r[a]), i1)                     # rows i with 0 <= i+off < P
+            ihi = max(min(i1, P - off_r[a]), ilo)
+            for bb in range(ns):
+                blk = gc[(k * nr + a) * ns + bb, col0:col0 + (i1 - i0) * Wb]   # ((i1-i0)*Wb,)
+                for t in range(0, (ilo - i0) * Wb):
+                    blk[t] = 0
+                for t in range((ihi - i0) * Wb, (i1 - i0) * Wb):
+                    blk[t] = 0
+                if ihi <= ilo:
+                    continue
+                os_ = off_s[bb]
+                if fast:
+                    _shifted_rows(gyf, (ilo + off_r[a]) * Q, yf, use_mask, ihi - ilo, Wb, os_,
+                                  blk[(ilo - i0) * Wb:(ihi - i0) * Wb])
+                    continue
+                lo = min(max(0, -os_), Wb)                        # j with 0 <= j + os_ < Q
+                hi = max(min(Wb, Q - os_), lo)
+                for i in range(ilo, ihi):
+                    p = i + off_r[a]
+                    dst = blk[(i - i0) * Wb:(i - i0 + 1) * Wb]    # (Wb,)
+                    gyr, yr = gy[n, k, p], y[n, k, p]             # (Q,) each
+                    for j in range(lo):
+                        dst[j] = 0
+                    if use_mask:
+                        for j in range(lo, hi):
+                            dst[j] = _relu_grad(gyr[j + os_], yr[j + os_])
+                    else:
+                        for j in range(lo, hi):
+                            dst[j] = gyr[j + os_]
+                    for j in range(hi, Wb):
+                        dst[j] = 0
+
+
+@njit(inline="always")
+def _gcols_hwc(gy, y, use_mask, n, i0, i1, Wb, taps_r, off_r, taps_s, off_s, P, Q, gc, row0):
+    # gy, y: (N, P, Q, K); gc: (rows, T*K), columns (r, s, k); input pixel (i, j) of the phase
+    # goes to row row0 + (i - i0)*Wb + j
+    K = gy.shape[3]
+    nr, ns = taps_r.shape[0], taps_s.shape[0]
+    for i in range(i0, i1):
+        for j in range(Wb):
+            dst = gc[row0 + (i - i0) * Wb + j]                    # (T*K,)
+            for a in range(nr):
+                p = i + off_r[a]
+                for bb in range(ns):
+                    q = j + off_s[bb]
+                    c0 = (a * ns + bb) * K
+                    if p < 0 or p >= P or q < 0 or q >= Q:
+                        for k in range(K):
+                            dst[c0 + k] = 0
+                    else:
+                        gyr, yr = gy[n, p, q], y[n, p, q]         # (K,) each
+                        for k in range(K):
+                            dst[c0 + k] = _relu_grad(gyr[k], yr[k]) if use_mask else gyr[k]
+
+
+@task_kernel
+def _dx_tasks(t0, t1, gy, y, use_mask, geo, ipc, rpc, chunks_per_phase, rows_max, taps_r,
+              off_r, nr, taps_s, off_s, ns, wphase, woff, blas, dx):
+    # gy, y: (N, K, P, Q) | (N, P, Q, K); task t = (phase, chunk of that phase's input rows);
+    # taps_r/off_r: (sh, R) the row taps of each row phase and their output-row offsets (nr[a]
+    # valid), likewise taps_s/off_s/ns for columns; wphase: flat, phase f's w' at woff[f]
+    # (NCHW (C, T*K), NHWC (T*K, C)); dx: (N, C, H, W) | (N, H, W, C), every element written once
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    mmax = ipc * rows_max * ((W + sw - 1) // sw) if ipc > 1 else \
+        rpc * ((W + sw - 1) // sw)
+    gcol = np.empty(mmax * R * S * K, dx.dtype)
+    dbuf = np.empty(mmax * C, dx.dtype)
+    for t in range(t0, t1):
+        f = t // chunks_per_phase                                 # phase (a, bph)
+        a = f // sw
+        bph = f - a * sw
+        Ha = (H - a + sh - 1) // sh                               # input rows of the phase
+        Wb = (W - bph + sw - 1) // sw
+        if Ha <= 0 or Wb <= 0:
+            continue
+        tc = t - f * chunks_per_phase
+        if ipc > 1:
+            if tc * ipc >= N:
+                continue
+        elif tc >= N * ((Ha + rpc - 1) // rpc):
+            continue
+        n0, n1, i0, i1 = _chunk(tc, N, Ha, ipc, rpc)
+        per = (i1 - i0) * Wb
+        m = (n1 - n0) * per
+        T = nr[a] * ns[bph]
+        tr, orr = taps_r[a, :nr[a]], off_r[a, :nr[a]]
+        ts, os_ = taps_s[bph, :ns[bph]], off_s[bph, :ns[bph]]
+        if nhwc:
+            d = dbuf[:m * C].reshape((m, C))                      # (m, C)
+            if T == 0:
+                d[:] = 0
+            else:
+                gc = gcol[:m * T * K].reshape((m, T * K))         # (m, T*K)
+                for n in range(n0, n1):
+                    _gcols_hwc(gy, y, use_mask, n, i0, i1, Wb, tr, orr, ts, os_, P, Q, gc,
+                               (n - n0) * per)
+                wp = wphase[woff[f]:woff[f] + T * K * C]          # (T*K, C) flat
+                _blas.gemm(blas, False, False, m, C, T * K, 1.0, gc, T * K, wp, C, 0.0, d, C)
+            for n in range(n0, n1):
+                for i in range(i0, i1):
+                    h = a + i * sh
+                    for j in range(Wb):
+                        src = d[(n - n0) * per + (i - i0) * Wb + j]   # (C,)
+                        dst = dx[n, h, bph + j * sw]
+                        for c in range(C):
+                            dst[c] = src[c]
+        else:
+            d = dbuf[:C * m].reshape((C, m))                      # (C, m)
+            if T == 0:
+                d[:] = 0
+            else:
+                gc = gcol[:T * K * m].reshape((T * K, m))         # (K*T, m)
+                for n in range(n0, n1):
+                    _gcols_chw(gy, y, use_mask, n, i0, i1, Wb, tr, orr, ts, os_, P, Q, gc,
+                               (n - n0) * per)
+                wp = wphase[woff[f]:woff[f] + C * T * K]          # (C, K*T) flat
+                _blas.gemm(blas, False, False, C, m, T * K, 1.0, wp, T * K, gc, m, 0.0, d, m)
+            for n in range(n0, n1):
+                for c in range(C):
+                    src = d[c, (n - n0) * per:(n - n0 + 1) * per]  # (per,)
+                    plane = dx[n, c]                              # (H, W)
+                    for i in range(i0, i1):
+                        dst = plane[a + i * sh]                   # (W,)
+                        s = src[(i - i0) * Wb:(i - i0 + 1) * Wb]
+                        if sw == 1:
+                            for j in range(Wb):
+                                dst[j] = s[j]
+                        else:
+                            for j in range(Wb):
+                                dst[bph + j * sw] = s[j]
+
+
+def _phases(size_in, taps, stride, pad, dilation):
+    """Per input phase a < stride: its taps t with (a + pad - t*dilation) % stride == 0 and
+    their output offsets (a + pad - t*dilation) // stride, as (stride, taps) arrays + counts."""
+    tap = np.zeros((stride, taps), np.int64)
+    off = np.zeros((stride, taps), np.int64)
+    cnt = np.zeros(stride, np.int64)
+    for a in range(stride):
+        for t in range(taps):
+            v = a + pad - t * dilation
+            if v % stride == 0:
+                tap[a, cnt[a]], off[a, cnt[a]] = t, v // stride
+                cnt[a] += 1
+    return tap, off, cnt
+
+
+def _phase_weights(w, tr, nr, ts, ns, nhwc):
+    """w' of each phase, flat, and the offsets: NCHW (C, K*T) rows c, columns (k, r, s);
+    NHWC (T*K, C), rows (r, s, k)."""
+    K, C = w.shape[:2]
+    mats = []
+    for a in range(tr.shape[0]):
+        for b in range(ts.shape[0]):
+            sub = w[:, :, tr[a, :nr[a]]][:, :, :, ts[b, :ns[b]]]      # (K, C, nr, ns)
+            if nhwc:
+                mats.append(sub.transpose(2, 3, 0, 1).reshape(-1))    # (nr, ns, K, C)
+            else:
+                mats.append(sub.transpose(1, 0, 2, 3).reshape(-1))    # (C, K, nr, ns)
+    offs = np.cumsum([0] + [m.size for m in mats[:-1]]).astype(np.int64)
+    flat = np.concatenate(mats) if mats else np.zeros(0, w.dtype)
+    return np.ascontiguousarray(flat, dtype=w.dtype), offs
+
+

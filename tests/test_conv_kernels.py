@@ -1,0 +1,75 @@
+"""The CPU convolution kernels at shapes that cross every chunk, group and phase boundary.
+
+``kernels/conv/cpu.py`` cuts the work into chunks of output rows (``CHUNK_BYTES``), sums dW and
+db over ``DW_GROUPS`` fixed groups of chunks, runs stride-1 convolutions as shifted GEMMs over a
+padded chunk and other strides by im2col (forward, dW) and by phases (dX). Here those constants
+are shrunk so that small drawn shapes span many chunks (one output row each, a last partial
+chunk, groups of uneven sizes), and every result is compared with the reference
+(``numbafuse.reference``, SciPy correlate) and must be bitwise the same on 1 and 3 threads.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import numbafuse as nf
+import numbafuse.testing.strategies as nfs
+from numbafuse import reference as ref
+from numbafuse.kernels import cpu_launch as _launch
+from numbafuse.kernels.conv import cpu as cpu_conv
+
+TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-12)}
+# CHUNK_BYTES values: 1 byte = one output row per chunk; a few rows; the default
+CHUNKS = st.sampled_from([1, 700, 3000, cpu_conv.CHUNK_BYTES])
+
+
+def _run(p, gy, threads):
+    _launch.set_num_threads(threads)
+    y = nf.conv_bias_relu(p.x, p.w, p.b, **p.kwargs)
+    return (y, *nf.conv_bias_relu_backward(gy, p.x, p.w, y, **p.kwargs))
+
+
+def _check(p, chunk_bytes, groups):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
+        mp.setattr(cpu_conv, "DW_GROUPS", groups)
+        mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
+        threads = _launch.num_threads()
+        try:
+            y0 = nf.conv_bias_relu(p.x, p.w, p.b, **p.kwargs)
+            gy = np.random.default_rng(5).standard_normal(y0.shape).astype(y0.dtype)
+            one = _run(p, gy, 1)
+            three = _run(p, gy, 3)
+        finally:
+            _launch.set_num_threads(threads)
+    for a, b in zip(one, three):
+        assert a.tobytes() == b.tobytes()                     # no dependence on threads
+    b = p.b if p.b is not None else np.zeros(p.w.shape[0], p.x.dtype)
+    tol = TOL[p.x.dtype.type]
+    np.testing.assert_allclose(one[0], ref.conv_bias_relu(p.x, p.w, p.b, **p.kwargs), **tol)
+    for got, want in zip(one[1:], ref.conv_bias_relu_backward(gy, p.x, p.w, b, **p.kwargs)):
+        np.testing.assert_allclose(got, want, **tol)
+
+
+@given(nfs.conv_problems(max_batch=3, max_size=18, max_channels=3), CHUNKS,
+       st.integers(1, 5))
+def test_chunked_kernels_match_reference(p, chunk_bytes, groups):
+    _check(p, chunk_bytes, groups)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("size, kernel, stride, padding, dilation", [
+    (9, 3, 1, 1, 1), (17, 3, 1, 1, 1), (33, 3, 1, 1, 1),      # past row blocks, "same"
+    (17, 3, 2, 1, 1), (33, 3, 2, 1, 1), (9, 1, 2, 0, 1),      # stride 2: im2col + phases
+    (17, 3, 1, "valid", 2), (9, 2, 3, 2, 1), (17, 1, 1, 0, 1),  # dilated, stride 3, 1x1
+])
+@pytest.mark.parametrize("chunk_bytes", [1, 3000])
+def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_bytes):
+    rng = np.random.default_rng(size + kernel + stride)
+    N, C, K = 3, 3, 5                                         # 3 images over uneven groups
+    shape = (N, C, size, size + 2) if layout == "NCHW" else (N, size, size + 2, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, kernel, kernel)) / 3).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    p = nfs.ConvProblem(x, w, b, dict(stride=stride, padding=padding, dilation=dilation,
+                                      layout=layout))
+    _check(p, chunk_bytes, groups=4)

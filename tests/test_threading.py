@@ -1,0 +1,185 @@
+"""numbafuse's CPU threading: thread-count independence, concurrent callers, fork, neighbours.
+
+The CPU kernels run on numbafuse's own pool (``kernels/cpu_launch.py``) with GEMMs on a
+private one-thread OpenBLAS (``kernels/cpu_blas.py``). Checked here:
+
+* results are bitwise the same on 1, 2, 3 and 5 threads (fixed task partitions, per-task
+  partials summed in a fixed order);
+* several Python threads calling at once get the results a lone caller gets;
+* a child ``fork``ed after numbafuse ran (its pool threads alive) computes the same results;
+* numbafuse starts no Numba threading layer (no OpenMP in the process), sets no environment
+  variable, and leaves NumPy's and SciPy's BLAS thread counts as they were.
+
+The speed side of "neighbours" (PyTorch in the same process, torch imported first) is measured
+by ``benchmarks/bench_conv_bias_relu.py --mode neighbours`` and ``--mode import-order``.
+"""
+import multiprocessing
+import os
+import queue as queue_module
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import numbafuse as nf
+from numbafuse.kernels import cpu_launch as _launch
+from numbafuse.kernels.batchnorm import cpu as cpu_bn
+from numbafuse.kernels.conv import cpu as cpu_conv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THREAD_COUNTS = (1, 2, 3, 5)
+CALLERS = 4                 # Python threads calling at once
+CALLS_PER_CALLER = 3
+FORK_TIMEOUT_S = 300
+
+
+def _inputs(layout, seed):
+    rng = np.random.default_rng(seed)
+    shape = (3, 5, 9, 11) if layout == "NCHW" else (3, 9, 11, 5)
+    x = rng.standard_normal(shape).astype(np.float32)
+    z = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((5, 5, 3, 3)) / 5).astype(np.float32)
+    w2 = (rng.standard_normal((5, 5, 3, 3)) / 5).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    gamma = rng.uniform(0.5, 1.5, 5).astype(np.float32)
+    beta = rng.standard_normal(5).astype(np.float32)
+    return x, z, w, w2, b, gamma, beta
+
+
+def _work(layout, seed=0):
+    """Conv (stride 1 and 2) and BatchNorm-Add-ReLU, forward and backward: a list of arrays."""
+    x, z, w, w2, b, gamma, beta = _inputs(layout, seed)
+    out = []
+    for stride in (1, 2):
+        kw = dict(padding=1, stride=stride, layout=layout)
+        y = nf.conv_bias_relu(x, w, b, **kw)
+        gy = np.cos(np.arange(y.size, dtype=np.float32)).reshape(y.shape)
+        out += [y, *nf.conv_bias_relu_backward(gy, x, w, y, **kw)]
+    h = nf.conv_bias_relu(x, w2, b, padding=1, layout=layout)
+    rm, rv = np.zeros(5, np.float32), np.ones(5, np.float32)
+    o = nf.batchnorm_add_relu(h, z, gamma, beta, running_mean=rm, running_var=rv,
+                              layout=layout)
+    go = np.sin(np.arange(o.size, dtype=np.float32)).reshape(o.shape)
+    out += [o, rm, rv, *nf.batchnorm_add_relu_backward(go, h, z, gamma, beta, layout=layout,
+                                                        y=o)]
+    return [np.array(a, copy=True) for a in out]
+
+
+@pytest.fixture
+def small_tasks(monkeypatch):
+    """Every kernel on the pool, in many small tasks."""
+    monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_conv, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(cpu_conv, "DW_GROUPS", 3)
+    monkeypatch.setattr(cpu_bn, "CHUNK", 64)
+    monkeypatch.setattr(cpu_bn, "REDUCE_CHUNK", 64)
+    threads = _launch.num_threads()
+    yield
+    _launch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_results_do_not_depend_on_thread_count(layout, small_tasks):
+    results = {}
+    for n in THREAD_COUNTS:
+        _launch.set_num_threads(n)
+        results[n] = _work(layout)
+    for n in THREAD_COUNTS[1:]:
+        for a, b in zip(results[THREAD_COUNTS[0]], results[n]):
+            assert a.tobytes() == b.tobytes(), n
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_concurrent_calls_from_python_threads(layout, small_tasks):
+    _launch.set_num_threads(2)
+    expected = {i: _work(layout, seed=i) for i in range(CALLERS)}
+    got, errors = {}, []
+    start = threading.Barrier(CALLERS)
+
+    def caller(i):
+        try:
+            start.wait()
+            for _ in range(CALLS_PER_CALLER):
+                got[i] = _work(layout, seed=i)
+                for a, b in zip(expected[i], got[i]):
+                    assert a.tobytes() == b.tobytes()
+        except BaseException as e:   # reported below, on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(CALLERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(got) == list(range(CALLERS))
+
+
+def _child(layout, queue):
+    queue.put([a.tobytes() for a in _work(layout)])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_forked_child_keeps_working(layout, small_tasks):
+    _launch.set_num_threads(2)
+    parent = _work(layout)                          # the pool's helper threads are alive now
+    assert any(t.name.startswith("numbafuse-") for t in threading.enumerate())
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child, args=(layout, queue))
+    child.start()
+    result = None
+    for _ in range(FORK_TIMEOUT_S):          # until the child answers, dies or times out
+        try:
+            result = queue.get(timeout=1)
+            break
+        except queue_module.Empty:
+            if not child.is_alive():
+                break
+    child.join(FORK_TIMEOUT_S)
+    assert child.exitcode == 0, f"the forked child died (exit code {child.exitcode})"
+    assert result == [a.tobytes() for a in parent]
+
+
+def test_no_process_wide_side_effects():
+    """In a fresh process: no Numba threading layer started (no OpenMP, so fork stays safe),
+    no environment variable set, NumPy's and SciPy's BLAS thread counts untouched."""
+    code = """
+import os, json
+from threadpoolctl import threadpool_info   # sets KMP_DUPLICATE_LIB_OK itself: env after it
+import numpy, scipy.linalg
+env = dict(os.environ)
+def blas():
+    return sorted((d["filepath"], d["num_threads"]) for d in threadpool_info()
+                  if "numbafuse" not in d["filepath"] and "scipy_openblas32" not in d["filepath"])
+before = blas()
+import numbafuse as nf
+from numbafuse.kernels import cpu_launch as _launch
+_launch.PARALLEL_MIN_ELEMENTS = 0
+x = numpy.random.default_rng(0).standard_normal((4, 8, 16, 16)).astype(numpy.float32)
+w = numpy.ones((8, 8, 3, 3), numpy.float32)
+y = nf.conv_bias_relu(x, w, None, padding=1)
+nf.conv_bias_relu_backward(y, x, w, y, padding=1)
+nf.batchnorm_add_relu(x, x, numpy.ones(8, numpy.float32), numpy.zeros(8, numpy.float32))
+import numba.np.ufunc.parallel as numba_parallel
+print(json.dumps(dict(numba_layer_started=bool(numba_parallel._is_initialized),
+                      env_changed=sorted(set(os.environ.items()) ^ set(env.items())),
+                      blas_before=before, blas_after=blas())))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True)
+    import json
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["numba_layer_started"] is False
+    assert res["env_changed"] == []
+    assert res["blas_before"] == res["blas_after"]
+
+
+def test_set_num_threads_refuses_zero():
+    with pytest.raises(ValueError, match="set_num_threads"):
+        _launch.set_num_threads(0)
