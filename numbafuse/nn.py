@@ -454,7 +454,7 @@ class ConvBatchNormReLU(Module):
             running_mean=self.running_mean, running_var=self.running_var,
             training=self.training, momentum=self.momentum, eps=self.eps, stride=self.stride,
             padding=self.padding, dilation=self.dilation, relu=self.relu, layout=self.layout,
-            recompute=self.recompute)
+            recompute=self.recompute, comm=None)
         return fn.apply(x, self.weight, self.gamma, self.beta)
 
     def extra_repr(self):

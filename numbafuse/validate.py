@@ -252,9 +252,14 @@ SAVE_POLICIES = ("output", "mask")
 
 
 def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=None,
-                   training=True, momentum=0.1, eps=1e-5, layout="NCHW", save="output"
-                   ) -> BatchNormArgs:
-    """Validate a batch-norm(-add-relu) call; a named ValueError/TypeError, nothing written."""
+                   training=True, momentum=0.1, eps=1e-5, layout="NCHW", save="output",
+                   synced=False) -> BatchNormArgs:
+    """Validate a batch-norm(-add-relu) call; a named ValueError/TypeError, nothing written.
+
+    ``synced``: the statistics are those of a batch spread over several processes
+    (synchronized batch norm), so this process may hold no sample (N = 0) and the "more than
+    one value per channel" rule is the caller's, on the global count.
+    """
     if x is None or gamma is None or beta is None:
         missing = [n for n, a in (("x", x), ("gamma", gamma), ("beta", beta)) if a is None]
         raise TypeError(f"{op}: {', '.join(missing)} must be an array, got None")
@@ -264,7 +269,7 @@ def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=No
                                running_mean=running_mean, running_var=running_var)
     layout = check_layout(op, layout)
     check_ndim(op, "x", x, 4, layout)
-    if min(x.shape) < 1:
+    if min(x.shape[1:] if synced else x.shape) < 1:
         raise ValueError(f"{op}: x must have no empty dimension, got shape {tuple(x.shape)}")
     if z is not None:
         check_same_shape(op, "z", z, "x", x)
@@ -274,18 +279,20 @@ def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=No
     if save not in SAVE_POLICIES:
         raise ValueError(f"{op}: save must be 'output' or 'mask', got {save!r}")
     M = int(np.prod(x.shape, dtype=np.int64)) // C
-    momentum, eps = running_stats(op, C, M, running_mean, running_var, training, momentum, eps)
+    momentum, eps = running_stats(op, C, M, running_mean, running_var, training, momentum, eps,
+                                  synced=synced)
     return BatchNormArgs(which, dtype, layout, C, M, eps, momentum)
 
 
-def running_stats(op, C, M, running_mean, running_var, training, momentum, eps):
+def running_stats(op, C, M, running_mean, running_var, training, momentum, eps, synced=False):
     """Validate the batch-norm state of a call: ``(momentum, eps)`` as floats.
 
     Shared by every op with a batch norm inside (``batchnorm``, ``batchnorm_add_relu``,
     ``conv_batchnorm_relu``, their NumPy-style backwards): running statistics of shape (C,),
     given both or neither, required in inference, writable (and contiguous when on the device:
     they are updated in place); ``training`` a real boolean (``"no"`` is not False);
-    ``eps >= 0``, ``momentum`` in [0, 1]; more than one value per channel (``M``) in training.
+    ``eps >= 0``, ``momentum`` in [0, 1]; more than one value per channel (``M``) in training
+    (unless ``synced``: then the caller checks the global count).
     Backend and dtype agreement with the other arrays is the caller's ``backend_of`` /
     ``check_float_dtypes``. Raises a named ValueError/TypeError; writes nothing.
     """
@@ -304,7 +311,7 @@ def running_stats(op, C, M, running_mean, running_var, training, momentum, eps):
         check_device_contiguous(op, name, v)
         if training:
             check_writable(op, name, v)
-    if training and M < 2:
+    if training and M < 2 and not synced:
         raise ValueError(f"{op}: training needs more than one value per channel to "
                          f"normalise over, got {M}")
     return momentum, eps

@@ -330,7 +330,7 @@ def test_no_recompute_policy_same_gradients_and_keeps_h_and_mask(problem, relu, 
     for recompute in (True, False):
         ts = [nf.Tensor(a, requires_grad=True) for a in (p.x, p.w, bn["gamma"], bn["beta"])]
         fn = ConvBatchNormReLU(running_mean=None, running_var=None, training=True,
-                               momentum=0.1, eps=1e-5, relu=relu, recompute=recompute,
+                               momentum=0.1, eps=1e-5, relu=relu, recompute=recompute, comm=None,
                                **p.kwargs)
         y = fn.apply(*ts)
         y.backward(np.random.default_rng(seed).standard_normal(y.shape).astype(p.x.dtype))

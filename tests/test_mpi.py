@@ -13,7 +13,7 @@ MPIEXEC = shutil.which("mpiexec") or os.path.join(os.path.dirname(sys.executable
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not os.path.exists(MPIEXEC),
                                                   reason="mpiexec not found")]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMEOUT = 600          # a hang fails the test instead of blocking CI forever
+TIMEOUT = 240          # a hang fails the test instead of blocking CI forever
 
 
 def _mpiexec(n, args, timeout=TIMEOUT, env=None):

@@ -67,6 +67,7 @@ class BatchNormParams:
     momentum: float
     eps: float
     layout: str
+    comm: object                # a distributed.Communicator: synchronized batch norm, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +92,12 @@ def bn_inference_stats(running_mean, running_var, eps=1e-5):
 def bn_apply(x, mean, invstd, gamma, beta, z=None, relu=True, layout="NCHW", with_mask=False):
     """``y = [relu](gamma*(x - mean)*invstd + beta [+ z])``, and the packed mask if asked."""
     which = backend.backend_of("bn_apply", x=x, z=z, gamma=gamma, beta=beta)
-    y, mask = _kernels(which).apply(x, mean, invstd, gamma, beta, z, relu, layout,
-                                      with_mask)
+    if x.size == 0:                               # a rank without samples (synchronized)
+        y = backend.empty(which, x.shape, x.dtype)
+        mask = backend.empty(which, (0,), np.uint8)
+    else:
+        y, mask = _kernels(which).apply(x, mean, invstd, gamma, beta, z, relu, layout,
+                                        with_mask)
     return (y, mask) if with_mask else y
 
 
@@ -104,11 +109,59 @@ def _state_kind(relu_state):
 
 
 def bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(True,) * 4,
-                training=True):
-    """(dx, dgamma, dbeta, dz) of ``[relu](batchnorm(x) [+ z])``; unneeded ones are None."""
+                training=True, comm=None, count=None):
+    """(dx, dgamma, dbeta, dz) of ``[relu](batchnorm(x) [+ z])``; unneeded ones are None.
+
+    With ``comm`` (synchronized batch norm, training) the two per-channel sums of the backward
+    are all-reduced over the ranks and dx uses them with the global ``count``; dgamma and
+    dbeta stay this rank's own contribution (their sum over ranks is the global gradient).
+    """
     which = backend.backend_of("bn_backward", dy=dy, x=x, gamma=gamma)
+    sync = None
+    if comm is not None and training:
+        def sync(sums):                                   # (2, C) float64, host
+            return comm.allreduce_sum(sums), count
     return _kernels(which).backward(dy, x, mean, invstd, gamma, _state_kind(relu_state),
-                                      relu_state, layout, bool(training), tuple(need))
+                                    relu_state, layout, bool(training), tuple(need), sync=sync)
+
+
+def synced_stats(op, impl, x, layout, eps, C, comm):
+    r"""(mean, var, invstd, count) of the batch spread over ``comm``'s ranks, this rank's part
+    being ``x`` (it may be empty): every rank's count, mean and M2 = var * count are all-gathered
+    and merged with Chan's parallel formula, rank by rank in rank order, in float64.
+
+    .. math::
+        n = n_a + n_b, \quad \delta = \bar x_b - \bar x_a, \quad
+        \bar x = \bar x_a + \delta\, n_b / n, \quad
+        M_2 = M_{2,a} + M_{2,b} + \delta^2\, n_a n_b / n
+
+    Raises ``ValueError`` on every rank when the global batch has fewer than two values per
+    channel. The results are on ``x``'s backend.
+    """
+    n = x.size // C if C else 0
+    if n:
+        mean, var, _ = impl.stats(x, layout, eps)
+        mean, var = backend.to_host(mean), backend.to_host(var)
+    else:
+        mean = var = np.zeros(C)
+    everyone = comm.allgather(np.concatenate([[float(n)], mean, var * n]))  # (P, 1 + 2C)
+    count, g_mean, g_m2 = 0.0, np.zeros(C), np.zeros(C)
+    for row in everyone:
+        n_b = row[0]
+        if n_b == 0:
+            continue
+        total = count + n_b
+        delta = row[1:1 + C] - g_mean
+        g_mean = g_mean + delta * (n_b / total)
+        g_m2 = g_m2 + row[1 + C:] + delta * delta * (count * n_b / total)
+        count = total
+    if count < 2:
+        raise ValueError(f"{op}: training needs more than one value per channel to normalise "
+                         f"over, got {int(count)} in the batch of all {comm.size} ranks")
+    var = g_m2 / count
+    invstd = 1.0 / np.sqrt(var + eps)
+    to = functools.partial(backend.to_backend, backend.backend_of_array(x))
+    return to(g_mean), to(var), to(invstd), count
 
 
 def update_running(running_mean, running_var, mean, var, count, momentum):
@@ -118,27 +171,48 @@ def update_running(running_mean, running_var, mean, var, count, momentum):
     _kernels(which).update_running(running_mean, running_var, mean, var, count, momentum)
 
 
+def check_comm(op, comm, x, C, layout, training, eps, momentum, has_running, relu):
+    """Every rank must make the same call (bar the batch size): else a ValueError on every
+    rank, before any collective that would hang on it."""
+    if comm is not None and comm.size > 1:
+        comm.check_same(op, (C, tuple(x.shape[2:] if layout == "NCHW" else x.shape[1:3]),
+                             str(np.dtype(x.dtype)), layout, bool(training), float(eps),
+                             float(momentum), bool(has_running), bool(relu)))
+
+
 def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentum, eps,
-             layout, relu, with_mask, save="output"):
+             layout, relu, with_mask, save="output", comm=None):
     """Validate, compute the statistics, update the running ones, apply: shared by the ops.
 
-    Returns (y, mask, x, mean, invstd, args) with x the C-contiguous array the kernels read.
+    Returns (y, mask, x, mean, invstd, args, count) with x the C-contiguous array the kernels
+    read and count the values per channel the statistics are over (all ranks' with ``comm``).
     """
+    synced = comm is not None and training
     args = validate.batchnorm_args(op, x, gamma, beta, z=z, running_mean=running_mean,
                                    running_var=running_var, training=training,
-                                   momentum=momentum, eps=eps, layout=layout, save=save)
+                                   momentum=momentum, eps=eps, layout=layout, save=save,
+                                   synced=synced)
+    check_comm(op, comm, x, args.C, args.layout, training, args.eps, args.momentum,
+               running_mean is not None, relu)
     x, gamma, beta = kernels.contiguous(x), kernels.contiguous(gamma), kernels.contiguous(beta)
     z = None if z is None else kernels.contiguous(z)
     impl = _kernels(args.backend)
-    if training:
+    count = args.M
+    if synced:
+        mean, var, invstd, count = synced_stats(op, impl, x, args.layout, args.eps, args.C,
+                                                comm)
+    elif training:
         mean, var, invstd = impl.stats(x, args.layout, args.eps)
-        if running_mean is not None:
-            impl.update_running(running_mean, running_var, mean, var, args.M,
-                                   args.momentum)
     else:
         mean, invstd = impl.inference_stats(running_mean, running_var, args.eps)
-    y, mask = impl.apply(x, mean, invstd, gamma, beta, z, relu, args.layout, with_mask)
-    return y, mask, x, mean, invstd, args
+    if training and running_mean is not None:
+        impl.update_running(running_mean, running_var, mean, var, count, args.momentum)
+    if x.size:
+        y, mask = impl.apply(x, mean, invstd, gamma, beta, z, relu, args.layout, with_mask)
+    else:                                             # a rank without samples
+        y = backend.empty(args.backend, x.shape, x.dtype)
+        mask = backend.empty(args.backend, (0,), np.uint8) if with_mask else None
+    return y, mask, x, mean, invstd, args, count
 
 
 # --------------------------------------------------------------------------- fused op
@@ -179,9 +253,10 @@ class BatchNormAddReLU(Function):
         p = self.params
         needs_grad = any(self.needs_input_grad) and is_recording()
         with_mask = needs_grad and p.save == "mask"
-        y, mask, x, mean, invstd, args = _forward(
+        y, mask, x, mean, invstd, args, self.count = _forward(
             self.name, x, z, gamma, beta, p.running_mean, p.running_var, p.training,
-            p.momentum, p.eps, p.layout, relu=True, with_mask=with_mask, save=p.save)
+            p.momentum, p.eps, p.layout, relu=True, with_mask=with_mask, save=p.save,
+            comm=p.comm)
         self.layout = args.layout
         relu_state = mask if p.save == "mask" else y
         self.save_for_backward(x=x, mean=mean, invstd=invstd, gamma=kernels.contiguous(gamma),
@@ -195,7 +270,8 @@ class BatchNormAddReLU(Function):
         need_x, need_z, need_gamma, need_beta = self.needs_input_grad
         dx, dgamma, dbeta, dz = bn_backward(
             kernels.contiguous(dy), s.x, s.mean, s.invstd, s.gamma, relu_state, self.layout,
-            need=(need_x, need_gamma, need_beta, need_z), training=self.params.training)
+            need=(need_x, need_gamma, need_beta, need_z), training=self.params.training,
+            comm=self.params.comm, count=self.count)
         return dx, dz, dgamma, dbeta
 
 
@@ -217,9 +293,9 @@ class BatchNorm(Function):
     # fwd :: (x, gamma, beta) -> (y, residuals=(x, mean, invstd, gamma))
     def forward(self, x, gamma, beta):
         p = self.params
-        y, _, x, mean, invstd, args = _forward(
+        y, _, x, mean, invstd, args, self.count = _forward(
             self.name, x, None, gamma, beta, p.running_mean, p.running_var, p.training,
-            p.momentum, p.eps, p.layout, relu=False, with_mask=False)
+            p.momentum, p.eps, p.layout, relu=False, with_mask=False, comm=p.comm)
         self.layout = args.layout
         self.save_for_backward(x=x, mean=mean, invstd=invstd, gamma=kernels.contiguous(gamma))
         return y
@@ -230,14 +306,15 @@ class BatchNorm(Function):
         need_x, need_gamma, need_beta = self.needs_input_grad
         dx, dgamma, dbeta, _ = bn_backward(
             kernels.contiguous(dy), s.x, s.mean, s.invstd, s.gamma, None, self.layout,
-            need=(need_x, need_gamma, need_beta, False), training=self.params.training)
+            need=(need_x, need_gamma, need_beta, False), training=self.params.training,
+            comm=self.params.comm, count=self.count)
         return dx, dgamma, dbeta
 
 
 # --------------------------------------------------------------------------- public functions
 
 def batchnorm_add_relu(x, z, gamma, beta, *, running_mean=None, running_var=None, training=True,
-                       momentum=0.1, eps=1e-5, layout="NCHW", save="output"):
+                       momentum=0.1, eps=1e-5, layout="NCHW", save="output", comm=None):
     """Fused ``relu(batchnorm(x) + z)``: the tail of a ResNet block, in one pass.
 
     Parameters
@@ -255,6 +332,11 @@ def batchnorm_add_relu(x, z, gamma, beta, *, running_mean=None, running_var=None
     save : {"output", "mask"}
         ReLU state kept for backward: y itself, or a packed 1-bit mask (32x smaller than a
         float32 y).
+    comm : numbafuse.distributed.Communicator, optional
+        Synchronized batch norm (training): the statistics are those of the batch of all
+        ranks (this rank's x may have any batch size, even 0); the backward all-reduces its
+        two per-channel sums, so dx and dz are this rank's rows of the gradient of the whole
+        batch, and dgamma, dbeta this rank's contribution (docs/distributed.md).
 
     Returns
     -------
@@ -273,7 +355,7 @@ def batchnorm_add_relu(x, z, gamma, beta, *, running_mean=None, running_var=None
     return BatchNormAddReLU(running_mean=autograd.unwrap(running_mean),
                             running_var=autograd.unwrap(running_var),
                             training=training, momentum=momentum, eps=eps, layout=layout,
-                            save=save).apply(x, z, gamma, beta)
+                            save=save, comm=comm).apply(x, z, gamma, beta)
 
 
 def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, running_var=None,
@@ -333,11 +415,11 @@ def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, runnin
 
 
 def batchnorm(x, gamma, beta, *, running_mean=None, running_var=None, training=True,
-              momentum=0.1, eps=1e-5, layout="NCHW"):
+              momentum=0.1, eps=1e-5, layout="NCHW", comm=None):
     """Batch normalization ``gamma * (x - mean) / sqrt(var + eps) + beta`` (unfused op).
 
-    Same arguments and running-statistics semantics as :func:`batchnorm_add_relu` (no z, no
-    ReLU, no save policy). The unfused chain ``relu(add(batchnorm(x, ...), z))`` computes what
+    Same arguments, running-statistics and ``comm`` semantics as :func:`batchnorm_add_relu`
+    (no z, no ReLU, no save policy). The unfused chain ``relu(add(batchnorm(x, ...), z))`` computes what
     :func:`batchnorm_add_relu` fuses.
 
     Examples
@@ -349,8 +431,8 @@ def batchnorm(x, gamma, beta, *, running_mean=None, running_var=None, training=T
     """
     return BatchNorm(running_mean=autograd.unwrap(running_mean),
                      running_var=autograd.unwrap(running_var),
-                     training=training, momentum=momentum, eps=eps,
-                     layout=layout).apply(x, gamma, beta)
+                     training=training, momentum=momentum, eps=eps, layout=layout,
+                     comm=comm).apply(x, gamma, beta)
 
 
 SPECS = (

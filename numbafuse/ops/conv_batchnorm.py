@@ -52,15 +52,37 @@ def _validate(op, x, w, gamma, beta, p):
                                running_mean=p.running_mean, running_var=p.running_var)
     validate.check_float_dtypes(op, x=x, w=w, gamma=gamma, beta=beta,
                                 running_mean=p.running_mean, running_var=p.running_var)
-    geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), p.stride, p.padding,
+    synced = p.comm is not None and p.training
+    empty = synced and len(x.shape) == 4 and x.shape[0] == 0    # a rank without samples
+    shape = (1,) + tuple(x.shape[1:]) if empty else tuple(x.shape)
+    geometry = validate.conv_geometry(op, shape, tuple(w.shape), p.stride, p.padding,
                                       p.dilation, p.layout)
+    geometry = dataclasses.replace(geometry, N=0) if empty else geometry
     validate.check_vector(op, "gamma", gamma, geometry.K)
     validate.check_vector(op, "beta", beta, geometry.K)
     validate.check_flag(op, "relu", p.relu)
     validate.check_flag(op, "recompute", p.recompute)
     validate.running_stats(op, geometry.K, geometry.N * geometry.P * geometry.Q,
-                           p.running_mean, p.running_var, p.training, p.momentum, p.eps)
+                           p.running_mean, p.running_var, p.training, p.momentum, p.eps,
+                           synced=synced)
+    _bn.check_comm(op, p.comm, x, geometry.K, geometry.layout, p.training, p.eps, p.momentum,
+                   p.running_mean is not None, p.relu)
     return which, geometry
+
+
+def _conv_forward(which, x, w, b, geometry, relu):
+    """The conv, or an empty output for a rank without samples."""
+    if geometry.N == 0:
+        return backend.empty(which, geometry.y_shape, x.dtype)
+    return _conv.conv_forward(x, w, b, geometry, relu)
+
+
+def _conv_backward(which, dconv, x, w, geometry, need):
+    """(dx, dw) of the conv; a rank without samples contributes dw = 0."""
+    if geometry.N == 0:
+        return (backend.empty(which, geometry.x_shape, x.dtype) if need[0] else None,
+                kernels.zeros(which, geometry.w_shape, w.dtype) if need[1] else None)
+    return _conv.conv_backward(dconv, x, w, geometry, None, (need[0], need[1], False))[:2]
 
 
 # --------------------------------------------------------------------------- the Function
@@ -109,15 +131,21 @@ class ConvBatchNormReLU(Function):
         which, geometry = _validate(self.name, x, w, gamma, beta, p)
         x, w, gamma, beta = (kernels.contiguous(a) for a in (x, w, gamma, beta))
         self.geometry = geometry
+        self.count = geometry.N * geometry.P * geometry.Q
         if p.training:
-            h = _conv.conv_forward(x, w, None, geometry, False)           # (N,K,P,Q) | NHWC
-            mean, var, invstd = _bn.bn_stats(h, eps=p.eps, layout=geometry.layout)  # (K,)
+            h = _conv_forward(which, x, w, None, geometry, False)         # (N,K,P,Q) | NHWC
+            if p.comm is not None:          # synchronized: the statistics of all ranks' h
+                mean, var, invstd, self.count = _bn.synced_stats(
+                    self.name, _bn._kernels(which), h, geometry.layout, p.eps, geometry.K,
+                    p.comm)
+            else:
+                mean, var, invstd = _bn.bn_stats(h, eps=p.eps, layout=geometry.layout)  # (K,)
             keep_h = not p.recompute
             y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu,
                              layout=geometry.layout, with_mask=keep_h and p.relu)
             if p.running_mean is not None:
-                _bn.update_running(p.running_mean, p.running_var, mean, var,
-                                   geometry.N * geometry.P * geometry.Q, p.momentum)
+                _bn.update_running(p.running_mean, p.running_var, mean, var, self.count,
+                                   p.momentum)
             if keep_h:   # trade memory for speed: keep h and a 1-bit ReLU mask, no recompute
                 y, mask = y if p.relu else (y, None)
                 self.save_for_backward(x=x, w=w, gamma=gamma, h=h, relu_state=mask, mean=mean,
@@ -129,7 +157,7 @@ class ConvBatchNormReLU(Function):
                                                   kernels.contiguous(p.running_var),
                                                   eps=p.eps)              # (K,) float64
             w_folded, b_folded = _fold(which, w, None, gamma, beta, mean, invstd)
-            y = _conv.conv_forward(x, w_folded, b_folded, geometry, p.relu)
+            y = _conv_forward(which, x, w_folded, b_folded, geometry, p.relu)
         if p.relu:
             self.save_for_backward(x=x, w=w, gamma=gamma, beta=beta, mean=mean, invstd=invstd)
         else:
@@ -141,22 +169,22 @@ class ConvBatchNormReLU(Function):
         s, geometry = self.saved, self.geometry
         need_x, need_w, need_gamma, need_beta = self.needs_input_grad
         dy = kernels.contiguous(dy)
+        which = backend.backend_of_array(dy)
         if hasattr(s, "h"):                                               # recompute=False
             h, relu_state = s.h, s.relu_state
         else:
-            h = _conv.conv_forward(s.x, s.w, None, geometry, False)       # recompute
+            h = _conv_forward(which, s.x, s.w, None, geometry, False)     # recompute
             relu_state = (_bn.bn_apply(h, s.mean, s.invstd, s.gamma, s.beta, relu=True,
                                        layout=geometry.layout)
                           if self.params.relu else None)                  # its sign: the mask
         dconv, dgamma, dbeta, _ = _bn.bn_backward(
             dy, h, s.mean, s.invstd, s.gamma, relu_state, layout=geometry.layout,
             need=(need_x or need_w, need_gamma, need_beta, False),
-            training=self.params.training)
+            training=self.params.training, comm=self.params.comm, count=self.count)
         del h, relu_state
         dx = dw = None
         if need_x or need_w:
-            dx, dw, _ = _conv.conv_backward(dconv, s.x, s.w, geometry, None,
-                                            (need_x, need_w, False))
+            dx, dw = _conv_backward(which, dconv, s.x, s.w, geometry, (need_x, need_w))
         return dx, dw, dgamma, dbeta
 
 
@@ -226,7 +254,7 @@ def fold_batchnorm(w, b, gamma, beta, running_mean, running_var, eps=1e-5):
 
 def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=None,
                         training=True, momentum=0.1, eps=1e-5, stride=1, padding=0,
-                        dilation=1, relu=True, layout="NCHW"):
+                        dilation=1, relu=True, layout="NCHW", comm=None):
     """``relu(batchnorm(conv2d(x, w)))`` fused; trained with recompute, folded in inference.
 
     Parameters
@@ -243,6 +271,9 @@ def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=Non
     relu : bool
         ``False`` leaves the ReLU out (a conv -> batch norm pair).
     layout : {"NCHW", "NHWC"}
+
+    comm : numbafuse.distributed.Communicator, optional
+        Synchronized batch norm in training (as :func:`batchnorm_add_relu`).
 
     Returns
     -------
@@ -261,8 +292,8 @@ def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=Non
     return ConvBatchNormReLU(running_mean=autograd.unwrap(running_mean),
                              running_var=autograd.unwrap(running_var), training=training,
                              momentum=momentum, eps=eps, stride=stride, padding=padding,
-                             dilation=dilation, relu=relu, layout=layout,
-                             recompute=True).apply(x, w, gamma, beta)
+                             dilation=dilation, relu=relu, layout=layout, recompute=True,
+                             comm=comm).apply(x, w, gamma, beta)
 
 
 def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, running_var=None,
@@ -293,7 +324,7 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
     fn = ConvBatchNormReLU(running_mean=running_mean, running_var=running_var,
                            training=training, momentum=0.0, eps=eps, stride=stride,
                            padding=padding, dilation=dilation, relu=relu, layout=layout,
-                           recompute=False)
+                           recompute=False, comm=None)
     _, geometry = _validate(op, x, w, gamma, beta, fn.params)
     backend.backend_of(op, dy=dy, x=x)
     validate.check_float_dtypes(op, dy=dy, x=x)
@@ -312,6 +343,7 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
     relu_state = (_bn.bn_apply(h, mean, invstd, gamma, beta, relu=True, layout=geometry.layout)
                   if relu else None)                                      # y: its sign, the mask
     fn.geometry, fn.needs_input_grad = geometry, tuple(bool(n) for n in need)
+    fn.count = geometry.N * geometry.P * geometry.Q
     fn.save_for_backward(x=x, w=w, gamma=gamma, h=h, relu_state=relu_state, mean=mean,
                          invstd=invstd)
     return fn.backward(dy)

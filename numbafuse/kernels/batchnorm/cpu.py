@@ -571,12 +571,18 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     return y, (mask if want_mask else None)
 
 
-def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, need):
+def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, need,
+             sync=None):
     """(gx, ggamma, gbeta, gz), each None unless asked for in ``need`` (4 booleans).
 
     ``state`` is y (``STATE_Y``), the packed mask (``STATE_MASK``) or None (``STATE_NONE``).
     Pass 1 reduces the two sums and, when gz is wanted, writes gz = g; pass 2 then reads g
     back from gz (no second gating, no second read of y or the mask) and writes gx.
+
+    ``sync`` (synchronized batch norm): a callable taking this call's per-channel sums, a
+    float64 (2, C) array (sum g, sum g*(x - mean)), and returning the global sums and the
+    global count; gx then uses those, while ggamma and gbeta stay this call's own. With
+    ``sync`` the reduction always runs (every rank must take part), also on an empty ``x``.
     """
     need_gx, need_ggamma, need_gbeta, need_gz = need
     N, C, HW = _dims(x.shape, layout)
@@ -595,7 +601,9 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     ggamma64, gbeta64 = np.zeros(C), np.zeros(C)
     cg, cx, c0 = np.empty(C), np.empty(C), np.empty(C)
     g_written = False
-    if need_ggamma or need_gbeta or (need_gx and training):
+    if sync is not None and x.size == 0:                          # an empty rank: zero sums
+        partials = np.zeros((1, 2, C))
+    elif need_ggamma or need_gbeta or (need_gx and training) or sync is not None:
         # pass 1: gbeta = sum g, ggamma = sum g*xhat (and the dx coefficients); gz = g
         if layout == "NCHW":
             partials = np.empty((N, 2, C))
@@ -608,10 +616,16 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         g_written = need_gz
     else:  # inference, gx/gz only: the coefficients need no reduction
         partials = np.zeros((1, 2, C))
-    _finalize_backward(partials, gamma, invstd, count, bool(training), ggamma64, gbeta64,
+    # (an empty rank's count is 0: its own coefficients are replaced below, and ggamma,
+    # gbeta do not depend on the count)
+    _finalize_backward(partials, gamma, invstd, count or 1.0, bool(training), ggamma64, gbeta64,
                        cg, cx, c0)
+    if sync is not None:            # the dx coefficients from the global sums and count
+        total, count = sync(partials.sum(axis=0))                 # (2, C) float64
+        _finalize_backward(total[None], gamma, invstd, float(count), bool(training),
+                           np.empty(C), np.empty(C), cg, cx, c0)
     gx = None
-    if need_gx or (need_gz and not g_written):
+    if (need_gx or (need_gz and not g_written)) and x.size:
         # pass 2: dx = cg*g + cx*(x - mean) + c0 (and dz = g if pass 1 did not write it)
         gx = output_cache.empty(x.shape, dtype) if need_gx else None
         gx2 = _rows(gx, layout) if need_gx else unused
@@ -626,5 +640,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         else:
             launch(_bwd_apply_nhwc, tasks, g_in, x2, mean_hi, mean_lo, *coefs, kind, y_in,
                    mask_in, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
+    if gx is None and need_gx:                                    # an empty rank
+        gx = np.empty(x.shape, dtype)
     return (gx, ggamma64.astype(dtype) if need_ggamma else None,
             gbeta64.astype(dtype) if need_gbeta else None, gz)
