@@ -8,6 +8,8 @@ computes; bad input is refused by name. Skipped where torch is not installed (CI
 it in its torch leg: ``.ci/run``).
 """
 import doctest
+import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -536,3 +538,11 @@ def test_cuda_tensors_take_the_cuda_array_interface_branch(monkeypatch):
 def test_module_docstring_examples():
     assert doctest.testmod(nft, raise_on_error=False).failed == 0
 
+
+
+def test_the_example_of_docs_pytorch_md_runs(capsys):
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "pytorch.md").read_text()
+    code = re.search(r"```python\n(.+?)\n```", text, re.S).group(1)
+    exec(compile(code, "docs/pytorch.md", "exec"), {"__name__": "docs_example"})
+    out = capsys.readouterr().out
+    assert "num_batches_tracked 3" in out and "torch.Size([2, 16, 12, 12])" in out
