@@ -27,7 +27,6 @@ diagnostic run, e.g. ``OPENBLAS_NUM_THREADS=1``; the table says so).
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys

@@ -535,6 +535,11 @@ class ConvBatchNormReLU(Module):
             layout=self.layout, recompute=self.recompute)
         return fn.apply(x, self.weight, bn.weight, bn.bias)
 
+    # the batch norm's running statistics, read through the conv layer too (``self.bn`` owns
+    # them: the state_dict lists them once, as bn.running_mean / bn.running_var)
+    running_mean = property(lambda self: self.bn.running_mean)
+    running_var = property(lambda self: self.bn.running_var)
+
     def extra_repr(self):
         return _geometry_repr(self) + f", relu={self.relu}, recompute={self.recompute}"
 

@@ -18,7 +18,6 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
                                             "'numbafuse[torch]'); .ci/run's torch leg has it")
 F = torch.nn.functional
 
-import numbafuse as nf  # noqa: E402
 import numbafuse.torch as nft  # noqa: E402
 from numbafuse import models, nn  # noqa: E402
 from numbafuse.ops.batchnorm import mask_nbytes  # noqa: E402
