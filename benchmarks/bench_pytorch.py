@@ -1,7 +1,8 @@
 """A residual block in PyTorch with and without numbafuse's layers (numbafuse.torch), CPU.
 
     python benchmarks/bench_pytorch.py [--quick] [--rounds R] [--steps S] [--markdown FILE]
-                                       [--numbafuse-env NAME=VALUE ...] [--memory]
+                                       [--shape N,C,H,W] [--numbafuse-env NAME=VALUE ...]
+                                       [--memory]
 
 The block (float32, NCHW, C channels, 3x3 convs, padding 1)::
 
@@ -194,9 +195,11 @@ def main():
     p.add_argument("--numbafuse-env", nargs="*", default=[], metavar="NAME=VALUE",
                    help="environment of the numbafuse process only (diagnostics)")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
-    p.add_argument("--shape", help=argparse.SUPPRESS)
+    p.add_argument("--shape", metavar="N,C,H,W", help="this block shape only")
     args = p.parse_args()
     shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shape and not args.worker:
+        shapes = [tuple(int(v) for v in args.shape.split(","))]
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     if args.worker:
         return worker(args.worker, tuple(int(v) for v in args.shape.split(",")), steps)
