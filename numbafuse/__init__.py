@@ -25,8 +25,9 @@ from .testing.finite_diff import gradcheck
 __version__ = "0.1.0"
 
 # Submodules with optional dependencies, imported on first use: ``numbafuse.cuda`` needs
-# numba-cuda. (``import numbafuse.cuda`` works too; both give the same module.)
-_LAZY_SUBMODULES = ("cuda",)
+# numba-cuda, ``numbafuse.torch`` PyTorch. (``import numbafuse.cuda`` works too; both give the
+# same module.) ``import numbafuse`` imports neither.
+_LAZY_SUBMODULES = ("cuda", "torch")
 
 
 def __getattr__(name):

@@ -6,11 +6,19 @@
                               [--report FILE.json] [--plot FILE.png] [--width C]
                               [--blocks B] [--schedule cosine|constant] [--augment PIXELS]
                               [--recompute on|off] [--train-subset N] [--no-progress]
+                              [--save FILE.npz] [--load FILE.npz]
 
 ``--unfused`` trains the unfused model (same architecture and initial weights); ``--fuse
 remap`` builds the fused model by remapping the unfused one with :func:`numbafuse.compile`;
 ``--compare`` trains fused and unfused and prints a table. The loop is
 :func:`numbafuse.train.fit`, the models :mod:`numbafuse.models`.
+
+Checkpoints: ``--save FILE.npz`` writes the trained model's ``state_dict()`` with
+``numpy.savez`` (one array per key, PyTorch's names; no torch needed to read or write it);
+``--load FILE.npz`` loads one before training (renamed for the model being built by
+:func:`numbafuse.models.state_dict_for`, so a fused, unfused or remapped model's checkpoint, or
+the same network's PyTorch ``state_dict()`` saved the same way, fits any kind); with
+``--epochs 0`` the loaded model is only evaluated.
 """
 from __future__ import annotations
 
@@ -21,8 +29,8 @@ import sys
 import numpy as np
 
 from . import models
-from .models import make_model
-from .train import DEFAULTS, MIB, SCHEDULES, fit, peak_step_bytes
+from .models import make_model, state_dict_for
+from .train import DEFAULTS, MIB, SCHEDULES, evaluate, fit, peak_step_bytes
 
 PLOT_HINT = "matplotlib is needed for --plot: pip install 'numbafuse[data]'"
 MODEL = models.DEFAULTS
@@ -61,11 +69,34 @@ def parse_args(argv=None):
                    help="train on the first N training examples only (quick runs)")
     p.add_argument("--test-subset", type=int, default=None, metavar="N")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--save", metavar="FILE.npz",
+                   help="write the trained model's state_dict (numpy.savez) to FILE.npz")
+    p.add_argument("--load", metavar="FILE.npz",
+                   help="start from this checkpoint (--epochs 0: evaluate it only)")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "width", "blocks"):
+    for name in ("batch_size", "width", "blocks"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.epochs < (0 if args.load else 1):
+        p.error("--epochs must be >= 1 (0 only with --load: evaluate the checkpoint)")
+    if args.epochs == 0 and (args.compare or args.plot):
+        p.error("--epochs 0 only evaluates: no --compare or --plot")
+    if args.save and args.compare:
+        p.error("--save takes one model; --compare trains two")
     return args
+
+
+def save_checkpoint(path, model):
+    """``model.state_dict()`` to ``path`` with ``numpy.savez`` (keys as they are)."""
+    with open(path, "wb") as f:             # a file object: savez adds no ".npz" to the name
+        np.savez(f, **model.state_dict())
+
+
+def load_checkpoint(path, model, kind):
+    """Load the ``numpy.savez`` checkpoint at ``path`` into ``model`` (of ``kind``)."""
+    with np.load(path) as saved:
+        state = {k: saved[k] for k in saved.files}
+    model.load_state_dict(state_dict_for(kind, state))
 
 
 def _kinds(args):
@@ -84,10 +115,22 @@ def run(args, log=print):
         log(f"== {kind} model ({args.layout}, {args.device})")
         model = make_model(kind, args.layout, args.seed, args.width, args.blocks,
                            recompute=args.recompute == "on")
+        if args.load:
+            load_checkpoint(args.load, model, kind)
+            log(f"loaded {args.load}")
+        if args.epochs == 0:
+            history = dict(test_accuracy=evaluate(model.to(args.device), data.x_test,
+                                                  data.y_test, args.device))
+            log(f"test accuracy {history['test_accuracy']:.4f} (no training)")
+            results[kind] = history
+            continue
         history = fit(model, data, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                       momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
                       device=args.device, schedule=args.schedule, augment=args.augment,
                       progress=not args.no_progress, log=log)
+        if args.save:
+            save_checkpoint(args.save, model)
+            log(f"saved {args.save}")
         if args.compare:
             history["peak_bytes"] = peak_step_bytes(model, data, args.batch_size, args.device)
         if kind == "remap":

@@ -94,6 +94,11 @@ def is_available() -> bool:
     return bool(numba_cuda.is_available())
 
 
+def current_device_id() -> int:
+    """The id of numba's current CUDA device: where numbafuse's kernels run."""
+    return int(numba_cuda.get_current_device().id)
+
+
 def as_device_array(a):
     """A numba device array viewing ``a`` (zero-copy for ``__cuda_array_interface__`` objects)."""
     if getattr(a, "__cuda_ndarray__", False):

@@ -11,8 +11,17 @@ The model (``width`` C channels throughout, images stay 8x8)::
 The unfused model is the same architecture from unfused ops (conv2d, bias_add, relu,
 batchnorm, add) with identical initial weights for the same seed; :class:`Remapped` runs the
 unfused one through :func:`numbafuse.compile` (the remapper fuses it).
+
+State dicts use PyTorch's names. The unfused model's keys are those of the same network written
+with ``torch.nn`` layers in torchvision's style (``0.0.weight``, ``1.conv1.weight``,
+``1.bn1.running_mean``, ``1.bn1.num_batches_tracked``, ``1.conv2.weight``, ``1.bn2.weight``...,
+``4.weight``); the fused model keeps the same tensors under its own module names
+(``1.conv_bn_relu.bn.running_mean``...); :func:`state_dict_for` renames a checkpoint of
+any kind for a model of any kind.
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -83,16 +92,30 @@ class Remapped(nn.Module):
     The compiled callable keys its cache on the input signature and on the module's training
     flags, so train and eval mode each get their own remapped graph (training: conv ->
     batchnorm -> relu becomes conv_batchnorm_relu; eval: batch norm folded into the conv).
-    Weights and running statistics are read by reference at every run.
+    Weights and running statistics are read by reference at every run. A cached graph runs the
+    ops, not the modules, so in training this counts each batch norm's ``num_batches_tracked``
+    as the modules' forward would; ``momentum=None`` (whose factor changes every batch, while
+    the graph keeps the traced one) is refused.
     """
 
     def __init__(self, unfused):
         super().__init__()
+        cumulative = [name for name, m in unfused.named_modules()
+                      if hasattr(m, "step_momentum") and m.momentum is None]
+        if cumulative:
+            raise ValueError(f"Remapped: {cumulative} use momentum=None (a cumulative average); "
+                             f"a remapped graph keeps the momentum of the traced call")
         self.model = unfused
         self.compiled = remap_compile(unfused)
 
     def forward(self, x):
-        return self.compiled(x)
+        graphs = len(self.compiled.graphs)
+        y = self.compiled(x)
+        if self.training and len(self.compiled.graphs) == graphs:   # a cached graph ran
+            for m in self.model.modules():
+                if hasattr(m, "step_momentum"):
+                    m.step_momentum()                                # num_batches_tracked += 1
+        return y
 
     def remap_log(self):
         """The remapper's log lines of every cached graph (train, eval, batch sizes), deduped."""
@@ -109,3 +132,52 @@ def make_model(kind, layout=DEFAULTS["layout"], seed=DEFAULTS["seed"], width=DEF
         raise ValueError(f"make_model: kind must be 'fused', 'unfused' or 'remap', got {kind!r}")
     model = build_model(kind == "fused", width, blocks, layout, seed, recompute=recompute)
     return Remapped(model) if kind == "remap" else model
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+# fused module names -> unfused (torchvision-style) names, one rule per layer; and back
+_FUSED_TO_UNFUSED = ((r"^0\.(weight|bias)$", r"0.0.\1"),
+                     (r"^(\d+)\.conv_bn_relu\.weight$", r"\1.conv1.weight"),
+                     (r"^(\d+)\.conv_bn_relu\.bn\.(\w+)$", r"\1.bn1.\2"),
+                     (r"^(\d+)\.conv\.weight$", r"\1.conv2.weight"),
+                     (r"^(\d+)\.bn_add_relu\.(\w+)$", r"\1.bn2.\2"))
+_UNFUSED_TO_FUSED = ((r"^0\.0\.(weight|bias)$", r"0.\1"),
+                     (r"^(\d+)\.conv1\.weight$", r"\1.conv_bn_relu.weight"),
+                     (r"^(\d+)\.bn1\.(\w+)$", r"\1.conv_bn_relu.bn.\2"),
+                     (r"^(\d+)\.conv2\.weight$", r"\1.conv.weight"),
+                     (r"^(\d+)\.bn2\.(\w+)$", r"\1.bn_add_relu.\2"))
+REMAP_PREFIX = "model."          # Remapped keeps the unfused model as its ``model``
+
+
+def _rename(key, rules):
+    for pattern, replacement in rules:
+        new, n = re.subn(pattern, replacement, key)
+        if n:
+            return new
+    return key
+
+
+def state_dict_for(kind, state):
+    """``state``, a checkpoint of a digits ResNet of any kind (fused, unfused, remap, or the
+    unfused network written in PyTorch), with its keys renamed for a model of ``kind``.
+
+    Values are passed through (arrays or torch tensors); keys that no rule knows are kept, so
+    ``load_state_dict`` still names what does not fit.
+
+    Examples
+    --------
+    >>> from numbafuse import models
+    >>> fused = models.make_model("fused", width=4, blocks=1)
+    >>> sorted(models.state_dict_for("unfused", fused.state_dict()))[:3]
+    ['0.0.bias', '0.0.weight', '1.bn1.bias']
+    """
+    if kind not in KINDS:
+        raise ValueError(f"state_dict_for: kind must be one of {KINDS}, got {kind!r}")
+    unfused = {_rename(k.removeprefix(REMAP_PREFIX), _FUSED_TO_UNFUSED): v
+               for k, v in state.items()}
+    if kind == "fused":
+        return {_rename(k, _UNFUSED_TO_FUSED): v for k, v in unfused.items()}
+    if kind == "remap":
+        return {REMAP_PREFIX + k: v for k, v in unfused.items()}
+    return unfused

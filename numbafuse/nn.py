@@ -16,9 +16,16 @@ Fused layers: :class:`Conv2dBiasReLU` (conv -> bias -> relu), :class:`BatchNormA
 :class:`ConvBatchNormReLU` (conv -> batch norm [-> relu] trained with recompute; in ``eval()``
 the batch norm is folded into the conv's weights and bias).
 
-Initialisation follows PyTorch's defaults: conv and linear weights are
-``kaiming_uniform(a=sqrt(5))``, i.e. ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, and so are biases;
-batch norm starts at ``gamma=1, beta=0, running_mean=0, running_var=1``. Draws come from the
+Names, state and initialisation are PyTorch's. Parameters are ``weight`` and ``bias``;
+batch norm's buffers are ``running_mean``, ``running_var`` and ``num_batches_tracked`` (a 0-d
+int64 counter of training batches, kept on the host), so :meth:`Module.state_dict` has the keys,
+shapes and dtypes of the ``torch.nn`` layer's, and :meth:`Module.load_state_dict` takes a PyTorch
+``state_dict()`` as it is (torch tensors, NumPy or CUDA arrays; without ``num_batches_tracked``,
+as PyTorch accepts). :class:`ConvBatchNormReLU` keeps its batch norm in a ``bn`` sub-module, as
+PyTorch's ``torch.ao.nn.intrinsic.qat.ConvBnReLU2d`` does (keys ``weight``, ``bn.weight``,
+``bn.bias``, ``bn.running_mean``...). Conv and linear weights are ``kaiming_uniform(a=sqrt(5))``,
+i.e. ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, and so are biases; batch norm starts at
+``weight=1, bias=0, running_mean=0, running_var=1``. Draws come from the
 ``rng`` argument (a ``numpy.random.Generator``) or from the module-level generator that
 :func:`init.seed` resets, so the same seed builds the same weights, and a fused model and its
 unfused twin built with the same seed draw the same weights in the same order.
@@ -98,6 +105,7 @@ class Module:
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_host_buffers", set())   # buffer names that .to() leaves
         object.__setattr__(self, "training", True)
 
     def __setattr__(self, name, value):
@@ -125,11 +133,14 @@ class Module:
                 return d[name]
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
-    def register_buffer(self, name, array):
-        """A non-trainable array (e.g. running statistics), moved by :meth:`to`."""
+    def register_buffer(self, name, array, host=False):
+        """A non-trainable array (e.g. running statistics), moved by :meth:`to`; with
+        ``host=True`` it stays on the host (a counter such as ``num_batches_tracked``)."""
         self._parameters.pop(name, None)
         self.__dict__.pop(name, None)
         self._buffers[name] = array
+        if host:
+            self._host_buffers.add(name)
 
     # -- calling
     def forward(self, *inputs):
@@ -182,30 +193,52 @@ class Module:
             p.grad = None
 
     # -- state
+    def _state_entries(self):
+        """``(dotted name, module, registry, key)`` of every parameter and buffer, module by
+        module (each module's parameters, then its buffers), in PyTorch's ``state_dict`` order."""
+        for m_name, m in self.named_modules():
+            for registry in ("_parameters", "_buffers"):
+                for key in getattr(m, registry):
+                    yield (f"{m_name}.{key}" if m_name else key), m, registry, key
+
     def state_dict(self):
-        """Host copies of every parameter and buffer, by dotted name."""
-        state = OrderedDict((n, p.numpy().copy()) for n, p in self.named_parameters())
-        state.update((n, backend.to_host(b).copy()) for n, b in self.named_buffers())
+        """Host copies of every parameter and buffer, by dotted name, in PyTorch's order and
+        with PyTorch's names (``num_batches_tracked`` a 0-d int64 array)."""
+        state = OrderedDict()
+        for name, m, registry, key in self._state_entries():
+            value = getattr(m, registry)[key]
+            state[name] = (value.numpy() if isinstance(value, Tensor)
+                           else backend.to_host(value)).copy()
         return state
 
     def load_state_dict(self, state):
-        """Copy arrays from ``state`` into this module's parameters and buffers (same names)."""
-        own = dict(self.named_parameters())
-        buffers = {}  # dotted name -> (owning module, buffer name)
-        for m_name, m in self.named_modules():
-            for b in m._buffers:
-                buffers[f"{m_name}.{b}" if m_name else b] = (m, b)
-        missing = (set(own) | set(buffers)) - set(state)
-        unexpected = set(state) - (set(own) | set(buffers))
+        """Copy the arrays of ``state`` into this module's parameters and buffers.
+
+        ``state`` maps dotted names to NumPy arrays, CUDA arrays or torch tensors (a PyTorch
+        ``state_dict()`` as it is: tensors are read through ``.detach().cpu().numpy()``, so
+        numbafuse never imports torch). Values are cast to each parameter's dtype. Missing or
+        unexpected keys raise ``KeyError`` and a wrong shape ``ValueError``, before anything is
+        written; a missing ``num_batches_tracked`` keeps the module's count, as PyTorch does.
+        """
+        entries = {name: (m, registry, key) for name, m, registry, key in self._state_entries()}
+        missing = [n for n in entries if n not in state and not _optional_key(n)]
+        unexpected = [n for n in state if n not in entries]
         if missing or unexpected:
             raise KeyError(f"load_state_dict: missing {sorted(missing)}, "
                            f"unexpected {sorted(unexpected)}")
-        for name, p in own.items():
-            p.data = _like(p.data, np.asarray(state[name], dtype=p.dtype), name)
-            p.grad = None
-        for name, (m, bname) in buffers.items():
-            old = m._buffers[bname]
-            m._buffers[bname] = _like(old, np.asarray(state[name], dtype=old.dtype), name)
+        updates = []
+        for name, (m, registry, key) in entries.items():
+            if name not in state:
+                continue
+            old = getattr(m, registry)[key]
+            old_data = old.data if isinstance(old, Tensor) else old
+            updates.append((m, registry, key, _like(old_data, _host_array(state[name]), name)))
+        for m, registry, key, new in updates:          # every value checked: now write
+            if registry == "_parameters":
+                m._parameters[key].data = new
+                m._parameters[key].grad = None
+            else:
+                m._buffers[key] = new
         return self
 
     # -- device
@@ -219,7 +252,8 @@ class Module:
             p.grad = None
         for m in self.modules():
             for name in list(m._buffers):
-                m._buffers[name] = move(m._buffers[name])
+                if name not in m._host_buffers:
+                    m._buffers[name] = move(m._buffers[name])
         return self
 
     @property
@@ -234,16 +268,38 @@ class Module:
     def __repr__(self):
         if not self._modules:
             return f"{type(self).__name__}({self.extra_repr()})"
-        lines = [f"  ({name}): " + repr(m).replace("\n", "\n  ")
-                 for name, m in self._modules.items()]
+        lines = [f"  {self.extra_repr()}"] if self.extra_repr() else []
+        lines += [f"  ({name}): " + repr(m).replace("\n", "\n  ")
+                  for name, m in self._modules.items()]
         return f"{type(self).__name__}(\n" + "\n".join(lines) + "\n)"
 
 
+OPTIONAL_STATE = ("num_batches_tracked",)   # keys a state dict may lack (PyTorch's rule)
+
+
+def _optional_key(name):
+    return name.rpartition(".")[2] in OPTIONAL_STATE
+
+
+def _host_array(value):
+    """A state-dict value as a host NumPy array: NumPy and CUDA arrays, and torch tensors
+    (duck-typed by ``detach``/``cpu``/``numpy``: this module never imports torch)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if all(hasattr(value, a) for a in ("detach", "cpu", "numpy")):
+        return value.detach().cpu().numpy()
+    if backend.is_device_array(value):
+        return backend.to_host(value)
+    return np.asarray(value)
+
+
 def _like(old, new_host, name):
+    """``new_host`` cast to ``old``'s dtype, on ``old``'s device, after a shape check."""
     if tuple(np.shape(old)) != new_host.shape:
         raise ValueError(f"load_state_dict: {name} has shape {new_host.shape}, "
                          f"expected {tuple(np.shape(old))}")
-    return backend.to_device(new_host) if backend.is_device_array(old) else new_host.copy()
+    new_host = np.array(new_host, dtype=old.dtype, order="C")          # a copy of its own
+    return backend.to_device(new_host) if backend.is_device_array(old) else new_host
 
 
 class Sequential(Module):
@@ -278,12 +334,39 @@ def _conv_weight(in_channels, out_channels, k, dtype, rng):
     return init.kaiming_uniform((out_channels, in_channels, R, S), fan_in, dtype, rng), fan_in
 
 
-def _batchnorm_state(module, C, dtype):
-    """gamma = 1, beta = 0 (parameters); running_mean = 0, running_var = 1 (buffers)."""
-    module.gamma = _param(np.ones(C, dtype))
-    module.beta = _param(np.zeros(C, dtype))
-    module.register_buffer("running_mean", np.zeros(C, dtype))
-    module.register_buffer("running_var", np.ones(C, dtype))
+class _BatchNormState(Module):
+    """The state of ``torch.nn.BatchNorm2d``, names and order included: parameters
+    ``weight = 1``, ``bias = 0``; buffers ``running_mean = 0``, ``running_var = 1`` and
+    ``num_batches_tracked = 0`` (0-d int64, on the host).
+
+    ``momentum=None`` is PyTorch's cumulative moving average: each training batch is weighted
+    ``1 / num_batches_tracked``.
+    """
+
+    def __init__(self, num_features, eps, momentum, layout, dtype):
+        super().__init__()
+        if momentum is not None:
+            validate.check_scalar(type(self).__name__, "momentum", momentum, lo=0.0, hi=1.0)
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.layout = validate.check_layout(type(self).__name__, layout)
+        self.weight = _param(np.ones(num_features, dtype))
+        self.bias = _param(np.zeros(num_features, dtype))
+        self.register_buffer("running_mean", np.zeros(num_features, dtype))
+        self.register_buffer("running_var", np.ones(num_features, dtype))
+        self.register_buffer("num_batches_tracked", np.zeros((), np.int64), host=True)
+
+    def step_momentum(self):
+        """The running-statistics factor of this call; in training, first counts the batch
+        (``num_batches_tracked += 1``, in place), as ``torch.nn.BatchNorm2d.forward`` does."""
+        if not self.training:
+            return 0.0 if self.momentum is None else self.momentum    # unused in inference
+        self.num_batches_tracked[...] += 1
+        if self.momentum is None:                                      # cumulative average
+            return 1.0 / float(self.num_batches_tracked)
+        return self.momentum
+
+    def extra_repr(self):
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
 
 
 def _geometry_repr(m):
@@ -317,23 +400,18 @@ class Conv2d(Module):
         return _geometry_repr(self) + f", bias={self.bias is not None}"
 
 
-class BatchNorm2d(Module):
-    """Batch norm over ``N, H, W`` per channel (unfused); running stats are buffers."""
+class BatchNorm2d(_BatchNormState):
+    """Batch norm over ``N, H, W`` per channel (unfused); the state of ``torch.nn.BatchNorm2d``."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, layout="NCHW", *,
                  dtype=DEFAULT_DTYPE):
-        super().__init__()
-        self.num_features, self.eps, self.momentum = num_features, eps, momentum
-        self.layout = validate.check_layout("BatchNorm2d", layout)
-        _batchnorm_state(self, num_features, dtype)
+        super().__init__(num_features, eps, momentum, layout, dtype)
 
     def forward(self, x):
-        return batchnorm(x, self.gamma, self.beta, running_mean=self.running_mean,
+        momentum = self.step_momentum()
+        return batchnorm(x, self.weight, self.bias, running_mean=self.running_mean,
                          running_var=self.running_var, training=self.training,
-                         momentum=self.momentum, eps=self.eps, layout=self.layout)
-
-    def extra_repr(self):
-        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+                         momentum=momentum, eps=self.eps, layout=self.layout)
 
 
 class ReLU(Module):
@@ -406,23 +484,19 @@ class Conv2dBiasReLU(Conv2d):
                               padding=self.padding, dilation=self.dilation, layout=self.layout)
 
 
-class BatchNormAddReLU(Module):
-    """Fused ``relu(batchnorm(x) + z)``, called as ``m(x, z)``; same state as ``BatchNorm2d``."""
+class BatchNormAddReLU(_BatchNormState):
+    """Fused ``relu(batchnorm(x) + z)``, called as ``m(x, z)``; the state of ``BatchNorm2d``
+    (and so of ``torch.nn.BatchNorm2d``)."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, layout="NCHW", *,
                  dtype=DEFAULT_DTYPE):
-        super().__init__()
-        self.num_features, self.eps, self.momentum = num_features, eps, momentum
-        self.layout = validate.check_layout("BatchNormAddReLU", layout)
-        _batchnorm_state(self, num_features, dtype)
+        super().__init__(num_features, eps, momentum, layout, dtype)
 
     def forward(self, x, z):
-        return batchnorm_add_relu(x, z, self.gamma, self.beta, running_mean=self.running_mean,
+        momentum = self.step_momentum()
+        return batchnorm_add_relu(x, z, self.weight, self.bias, running_mean=self.running_mean,
                                   running_var=self.running_var, training=self.training,
-                                  momentum=self.momentum, eps=self.eps, layout=self.layout)
-
-    def extra_repr(self):
-        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+                                  momentum=momentum, eps=self.eps, layout=self.layout)
 
 
 class ConvBatchNormReLU(Module):
@@ -431,8 +505,11 @@ class ConvBatchNormReLU(Module):
     Training saves only the conv input (the conv is recomputed in backward); ``eval()``
     folds the batch norm into the conv's weights and bias. ``recompute=False`` trades memory
     for speed: the conv output and a 1-bit ReLU mask are kept instead (still less than the
-    unfused chain keeps). Parameters: ``weight`` (as ``Conv2d(bias=False)``), ``gamma``,
-    ``beta``; buffers ``running_mean``, ``running_var``.
+    unfused chain keeps). State: the conv's ``weight`` (as ``Conv2d(bias=False)``) and the
+    batch norm's in the sub-module ``bn`` (a :class:`BatchNorm2d`: ``bn.weight``, ``bn.bias``,
+    ``bn.running_mean``, ``bn.running_var``, ``bn.num_batches_tracked``), the keys of
+    PyTorch's ``torch.ao.nn.intrinsic.qat.ConvBnReLU2d``. A PyTorch ``Conv2d`` + ``BatchNorm2d``
+    pair loads as ``{"weight": conv["weight"], **{"bn." + k: v for k, v in bn.items()}}``.
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
@@ -442,20 +519,26 @@ class ConvBatchNormReLU(Module):
         self.in_channels, self.out_channels, self.kernel_size = (in_channels, out_channels,
                                                                  kernel_size)
         self.stride, self.padding, self.dilation = stride, padding, dilation
-        self.relu, self.eps, self.momentum = bool(relu), eps, momentum
+        self.relu = bool(relu)
         self.recompute = bool(recompute)
         self.layout = validate.check_layout("ConvBatchNormReLU", layout)
         self.weight = _param(_conv_weight(in_channels, out_channels, kernel_size, dtype, rng)[0])
-        _batchnorm_state(self, out_channels, dtype)
+        self.bn = BatchNorm2d(out_channels, eps, momentum, layout, dtype=dtype)
 
     def forward(self, x):
         # conv_batchnorm_relu(...) with the recompute policy (not in the public signature)
+        bn = self.bn
         fn = _ConvBatchNormReLUFn(
-            running_mean=self.running_mean, running_var=self.running_var,
-            training=self.training, momentum=self.momentum, eps=self.eps, stride=self.stride,
-            padding=self.padding, dilation=self.dilation, relu=self.relu, layout=self.layout,
-            recompute=self.recompute, comm=None)
-        return fn.apply(x, self.weight, self.gamma, self.beta)
+            running_mean=bn.running_mean, running_var=bn.running_var,
+            training=self.training, momentum=bn.step_momentum(), eps=bn.eps,
+            stride=self.stride, padding=self.padding, dilation=self.dilation, relu=self.relu,
+            layout=self.layout, recompute=self.recompute, comm=None)
+        return fn.apply(x, self.weight, bn.weight, bn.bias)
+
+    # the batch norm's running statistics, read through the conv layer too (``self.bn`` owns
+    # them: the state_dict lists them once, as bn.running_mean / bn.running_var)
+    running_mean = property(lambda self: self.bn.running_mean)
+    running_var = property(lambda self: self.bn.running_var)
 
     def extra_repr(self):
         return _geometry_repr(self) + f", relu={self.relu}, recompute={self.recompute}"

@@ -27,3 +27,7 @@ SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+# tests/mpi runs under mpiexec (tests/test_mpi.py launches it); elsewhere it is not collected.
+UNDER_MPI = any(v in os.environ for v in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE"))
+collect_ignore = [] if UNDER_MPI else ["mpi"]

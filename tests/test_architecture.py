@@ -38,8 +38,14 @@ def _submodules():
             if not m.name.endswith("__main__")]
 
 
-@pytest.mark.parametrize("name", _submodules())
+# Submodules with an optional dependency: (module, the distribution it needs)
+OPTIONAL = {"numbafuse.torch": "torch"}
+
+
+@pytest.mark.parametrize("name", sorted(set(_submodules()) | set(OPTIONAL)))
 def test_a_module_and_its_attribute_never_disagree(name):
+    if name in OPTIONAL:
+        pytest.importorskip(OPTIONAL[name], reason=f"{name} needs {OPTIONAL[name]}")
     module = importlib.import_module(name)
     parent, _, leaf = name.rpartition(".")
     assert getattr(importlib.import_module(parent), leaf) is module
@@ -88,3 +94,10 @@ def test_docs_ops_table_is_generated_from_ops():
     from numbafuse.ops.__main__ import table
     assert (ROOT / "docs" / "ops.md").read_text() == table(), \
         "docs/ops.md is stale: python -m numbafuse.ops > docs/ops.md"
+
+
+def test_numbafuse_torch_without_torch_says_how_to_install_it():
+    code = ("import sys; sys.modules['torch'] = None\n"      # import torch -> ImportError
+            "try:\n    import numbafuse.torch\nexcept ImportError as e:\n    print(e)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "pip install 'numbafuse[torch]'" in run.stdout, run.stdout + run.stderr

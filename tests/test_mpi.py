@@ -24,9 +24,17 @@ def _mpiexec(n, args, timeout=TIMEOUT, env=None):
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_mpi_suite(ranks):
-    run = _mpiexec(ranks, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/mpi"])
+    run = _mpiexec(ranks, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/mpi", "-k",
+                           "not device"])         # the device tests: under the simulator below
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout.split("\n")[-2]
+
+
+def test_mpi_device_tests_under_the_cuda_simulator():
+    run = _mpiexec(2, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/mpi", "-k",
+                       "device"], env={"NUMBA_ENABLE_CUDASIM": "1"})
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.split("\n")[-2]
 
 
 def test_a_rank_that_raises_ends_the_job_instead_of_hanging(tmp_path):

@@ -40,12 +40,14 @@ def test_kaiming_uniform_matches_pytorch_default():
 
 def test_batchnorm_init_and_buffers():
     bn = nn.BatchNorm2d(3)
-    np.testing.assert_array_equal(bn.gamma.numpy(), np.ones(3))
-    np.testing.assert_array_equal(bn.beta.numpy(), np.zeros(3))
+    np.testing.assert_array_equal(bn.weight.numpy(), np.ones(3))
+    np.testing.assert_array_equal(bn.bias.numpy(), np.zeros(3))
     np.testing.assert_array_equal(bn.running_mean, np.zeros(3))
     np.testing.assert_array_equal(bn.running_var, np.ones(3))
-    assert [n for n, _ in bn.named_parameters()] == ["gamma", "beta"]
-    assert [n for n, _ in bn.named_buffers()] == ["running_mean", "running_var"]
+    assert bn.num_batches_tracked.shape == () and bn.num_batches_tracked.dtype == np.int64
+    assert [n for n, _ in bn.named_parameters()] == ["weight", "bias"]
+    assert [n for n, _ in bn.named_buffers()] == ["running_mean", "running_var",
+                                                  "num_batches_tracked"]
 
 
 def test_seed_reproducible_and_rng_argument():
@@ -63,7 +65,7 @@ def test_seed_reproducible_and_rng_argument():
 def test_registration_parameters_and_modes():
     m = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.ReLU(), nn.Flatten())
     names = [n for n, _ in m.named_parameters()]
-    assert names == ["0.weight", "0.bias", "1.gamma", "1.beta"]
+    assert names == ["0.weight", "0.bias", "1.weight", "1.bias"]
     assert all(p.requires_grad for p in m.parameters())
     assert len(m) == 4 and isinstance(m[1], nn.BatchNorm2d)
     assert m.training and all(c.training for c in m)
@@ -79,12 +81,17 @@ def test_state_dict_round_trip():
     a = nn.ConvBatchNormReLU(2, 3, 3)
     nn.init.seed(2)
     b = nn.ConvBatchNormReLU(2, 3, 3)
-    b.running_mean[:] = 5.0
+    b.bn.running_mean[:] = 5.0
+    b.bn.num_batches_tracked[...] = 7
     a.load_state_dict(b.state_dict())
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert na == nb
         np.testing.assert_array_equal(pa.numpy(), pb.numpy())
-    np.testing.assert_array_equal(a.running_mean, 5.0)
+    np.testing.assert_array_equal(a.bn.running_mean, 5.0)
+    assert a.bn.num_batches_tracked == 7 and a.bn.num_batches_tracked.dtype == np.int64
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and va.dtype == vb.dtype
+        np.testing.assert_array_equal(va, vb)
     with pytest.raises(KeyError):
         a.load_state_dict({"weight": b.weight.numpy()})
 
@@ -93,7 +100,8 @@ def test_reassigned_buffer_stays_a_buffer(rng):
     bn = nn.BatchNorm2d(2, dtype=np.float64)
     new_mean = np.full(2, 3.0)
     bn.running_mean = new_mean                          # like PyTorch: still a buffer
-    assert [n for n, _ in bn.named_buffers()] == ["running_mean", "running_var"]
+    assert [n for n, _ in bn.named_buffers()] == ["running_mean", "running_var",
+                                                  "num_batches_tracked"]
     assert bn.running_mean is new_mean and "running_mean" not in vars(bn)
     np.testing.assert_array_equal(bn.state_dict()["running_mean"], 3.0)
     bn(_x(rng, (2, 2, 3, 3), np.float64))               # the op updates the new array
@@ -101,8 +109,83 @@ def test_reassigned_buffer_stays_a_buffer(rng):
     bn.load_state_dict({**bn.state_dict(), "running_mean": np.zeros(2)})
     np.testing.assert_array_equal(bn.running_mean, 0.0)
     bn.running_mean = nf.Tensor(np.ones(2), requires_grad=True)   # a parameter replaces it
-    assert [n for n, _ in bn.named_buffers()] == ["running_var"]
+    assert [n for n, _ in bn.named_buffers()] == ["running_var", "num_batches_tracked"]
     assert "running_mean" in dict(bn.named_parameters())
+
+
+class _TorchLike:
+    """Stands for a torch tensor in a state dict: read through .detach().cpu().numpy()."""
+
+    def __init__(self, array):
+        self.array, self.calls = array, []
+
+    def detach(self):
+        self.calls.append("detach")
+        return self
+
+    def cpu(self):
+        self.calls.append("cpu")
+        return self
+
+    def numpy(self):
+        self.calls.append("numpy")
+        return self.array
+
+
+def test_num_batches_tracked_counts_training_batches_only(rng):
+    x = _x(rng, (4, 3, 5, 5), np.float64)
+    for m, call in ((nn.BatchNorm2d(3, dtype=np.float64), lambda m: m(x)),
+                    (nn.BatchNormAddReLU(3, dtype=np.float64), lambda m: m(x, x)),
+                    (nn.ConvBatchNormReLU(3, 3, 3, padding=1, dtype=np.float64),
+                     lambda m: m(x))):
+        bn = m.bn if isinstance(m, nn.ConvBatchNormReLU) else m
+        counter = bn.num_batches_tracked
+        call(m)
+        call(m)
+        m.eval()
+        call(m)
+        assert bn.num_batches_tracked == 2 and bn.num_batches_tracked is counter   # in place
+
+
+def test_momentum_none_is_the_cumulative_average(rng):
+    bn = nn.BatchNorm2d(2, momentum=None, dtype=np.float64)
+    batches = [_x(rng, (3, 2, 4, 4), np.float64) + i for i in range(4)]
+    for xb in batches:
+        bn(xb)
+    means = [xb.mean(axis=(0, 2, 3)) for xb in batches]
+    variances = [xb.var(axis=(0, 2, 3), ddof=1) for xb in batches]
+    # PyTorch's rule: factor 1/n at the n-th batch, so the n-th update starts from the average
+    # of the first n-1 batches (and from the initial 0 / 1, weighted 0, at n = 1)
+    np.testing.assert_allclose(bn.running_mean, np.mean(means, axis=0), rtol=1e-12)
+    np.testing.assert_allclose(bn.running_var, np.mean(variances, axis=0), rtol=1e-12)
+    with pytest.raises(ValueError, match="BatchNorm2d: momentum"):
+        nn.BatchNorm2d(2, momentum=1.5)
+
+
+def test_load_state_dict_takes_torch_like_tensors_and_pytorch_keys():
+    bn = nn.BatchNormAddReLU(3)
+    state = {"weight": _TorchLike(np.full(3, 2.0)), "bias": _TorchLike(np.full(3, -1.0)),
+             "running_mean": np.full(3, 0.5), "running_var": np.full(3, 4.0),
+             "num_batches_tracked": _TorchLike(np.array(12))}
+    bn.load_state_dict(state)
+    assert state["weight"].calls == ["detach", "cpu", "numpy"]
+    assert bn.weight.dtype == np.float32 and bn.weight.numpy().tolist() == [2.0] * 3
+    assert bn.num_batches_tracked == 12 and bn.num_batches_tracked.dtype == np.int64
+    del state["num_batches_tracked"]                   # PyTorch accepts its absence
+    bn.load_state_dict(state)
+    assert bn.num_batches_tracked == 12
+
+
+def test_load_state_dict_refuses_bad_keys_and_shapes_before_writing():
+    bn = nn.BatchNorm2d(3)
+    good = bn.state_dict()
+    with pytest.raises(KeyError, match=r"missing \['running_var'\], unexpected \['gamma'\]"):
+        bn.load_state_dict({**{k: v for k, v in good.items() if k != "running_var"},
+                            "gamma": np.ones(3)})
+    bad = {**good, "weight": np.full(3, 9.0), "running_mean": np.zeros(4)}
+    with pytest.raises(ValueError, match=r"running_mean has shape \(4,\), expected \(3,\)"):
+        bn.load_state_dict(bad)
+    np.testing.assert_array_equal(bn.weight.numpy(), 1.0)     # nothing was written
 
 
 def test_zero_grad():
@@ -167,27 +250,30 @@ def test_fused_layers_equal_unfused_twins(rng):
         (yu * z).sum().backward()
         np.testing.assert_allclose(xf.grad, xu.grad, **TOL[np.float64])
         np.testing.assert_allclose(fused.weight.grad, conv.weight.grad, **TOL[np.float64])
-        np.testing.assert_allclose(fused.gamma.grad, bn.gamma.grad, **TOL[np.float64])
-        for p in (fused.weight, fused.gamma, fused.beta, conv.weight, bn.gamma, bn.beta):
+        np.testing.assert_allclose(fused.bn.weight.grad, bn.weight.grad, **TOL[np.float64])
+        np.testing.assert_allclose(fused.bn.bias.grad, bn.bias.grad, **TOL[np.float64])
+        for p in (fused.weight, fused.bn.weight, fused.bn.bias, conv.weight, bn.weight,
+                  bn.bias):
             p.grad = None
-        np.testing.assert_allclose(fused.running_mean, bn.running_mean, **TOL[np.float64])
-        np.testing.assert_allclose(fused.running_var, bn.running_var, **TOL[np.float64])
+        np.testing.assert_allclose(fused.bn.running_mean, bn.running_mean, **TOL[np.float64])
+        np.testing.assert_allclose(fused.bn.running_var, bn.running_var, **TOL[np.float64])
+        assert fused.bn.num_batches_tracked == bn.num_batches_tracked
 
 
 def test_folded_eval_equals_unfused_eval(rng):
     nn.init.seed(4)
     fused = nn.ConvBatchNormReLU(3, 4, 3, padding=1, relu=False)
-    fused.running_mean[:] = rng.standard_normal(4)
-    fused.running_var[:] = rng.uniform(0.5, 2.0, 4)
-    fused.gamma.data[:] = rng.uniform(0.5, 1.5, 4)
-    fused.beta.data[:] = rng.standard_normal(4)
+    fused.bn.running_mean[:] = rng.standard_normal(4)
+    fused.bn.running_var[:] = rng.uniform(0.5, 2.0, 4)
+    fused.bn.weight.data[:] = rng.uniform(0.5, 1.5, 4)
+    fused.bn.bias.data[:] = rng.standard_normal(4)
     fused.eval()
     x = _x(rng, (2, 3, 7, 7))
     y = fused(x).numpy()
     h = nf.conv2d(x, fused.weight.data, padding=1)
-    expected = nf.batchnorm(h, fused.gamma.data, fused.beta.data,
-                            running_mean=fused.running_mean, running_var=fused.running_var,
-                            training=False)
+    expected = nf.batchnorm(h, fused.bn.weight.data, fused.bn.bias.data,
+                            running_mean=fused.bn.running_mean,
+                            running_var=fused.bn.running_var, training=False)
     np.testing.assert_allclose(y, expected, **TOL[np.float32])
 
 

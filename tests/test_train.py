@@ -145,6 +145,42 @@ def test_cli_compare_and_plot(tmp_path, capsys):
     assert plot.stat().st_size > 0
 
 
+def test_cli_save_then_load_and_evaluate_gives_the_same_accuracy(tmp_path, capsys):
+    checkpoint = tmp_path / "digits.npz"
+    trained, loaded = tmp_path / "trained.json", tmp_path / "loaded.json"
+    assert cli.main(CLI_QUICK + ["--save", str(checkpoint), "--report", str(trained)]) == 0
+    with np.load(checkpoint) as saved:
+        assert "1.conv_bn_relu.bn.num_batches_tracked" in saved.files
+        assert int(saved["1.conv_bn_relu.bn.num_batches_tracked"]) == 2     # 64 / 32 batches
+    assert cli.main(CLI_QUICK + ["--load", str(checkpoint), "--epochs", "0", "--report",
+                                 str(loaded)]) == 0
+    before = json.loads(trained.read_text())["test_accuracy"]
+    assert json.loads(loaded.read_text())["test_accuracy"] == before
+    # the same checkpoint, renamed, in the unfused and the remapped model: the same logits
+    data_ = data.load_digits(layout="NHWC").subset(32, 64)
+    fused = models.make_model("fused", width=8, blocks=1)
+    cli.load_checkpoint(checkpoint, fused, "fused")
+    for kind in ("unfused", "remap"):
+        other = models.make_model(kind, width=8, blocks=1)
+        cli.load_checkpoint(checkpoint, other, kind)
+        assert train.evaluate(other, data_.x_test, data_.y_test) == pytest.approx(
+            train.evaluate(fused, data_.x_test, data_.y_test), abs=1 / 64)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--epochs", "0"])                     # evaluating needs --load
+    with pytest.raises(KeyError, match="missing"):
+        cli.load_checkpoint(checkpoint, models.make_model("fused", width=8, blocks=2), "fused")
+
+
+def test_remapped_model_counts_batches_like_the_fused_one(digits):
+    counts = {}
+    for kind in ("fused", "remap"):
+        model = models.make_model(kind, "NHWC", **QUICK)
+        train.fit(model, digits, **FIT)
+        counts[kind] = [int(v) for k, v in models.state_dict_for("unfused", model.state_dict())
+                        .items() if k.endswith("num_batches_tracked")]
+    assert counts["fused"] == counts["remap"] == [6, 6]            # 2 epochs x 3 batches
+
+
 def test_missing_scikit_learn_gives_a_one_line_hint(monkeypatch, capsys):
     import sys
     monkeypatch.setitem(sys.modules, "sklearn", None)          # import sklearn -> ImportError

@@ -130,3 +130,35 @@ def test_a_global_batch_of_one_value_per_channel_is_refused_everywhere(comm):
         nf.batchnorm_add_relu(np.ones((n, 2, 1, 1)), np.ones((n, 2, 1, 1)), np.ones(2),
                               np.zeros(2), running_mean=rm, running_var=np.ones(2), comm=comm)
     np.testing.assert_array_equal(rm, 0.0)                                 # nothing written
+
+
+def _device_or_skip():
+    import os
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        from numbafuse import cuda
+        if not cuda.is_available():
+            pytest.skip("no GPU, and NUMBA_ENABLE_CUDASIM is not set")
+    from numbafuse import backend
+    return backend.to_device
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_on_the_device(comm, layout):
+    to_device = _device_or_skip()
+    x, z, dy, gamma, beta = _batch(comm, layout, np.float64, C=2, H=2, W=3, seed=4)
+    rm, rv = to_device(np.zeros(2)), to_device(np.ones(2))
+    leaves = [nf.Tensor(to_device(a), requires_grad=True)
+              for a in (_slice(comm, x), _slice(comm, z), gamma, beta)]
+    y = nf.batchnorm_add_relu(*leaves, running_mean=rm, running_var=rv, layout=layout,
+                              comm=comm)
+    y.backward(to_device(_slice(comm, dy)))
+    y_ref, rm_ref, _ = ref.batchnorm_add_relu(x, z, gamma, beta, np.zeros(2), np.ones(2),
+                                              layout=layout)
+    dx, dz, dgamma, _ = ref.batchnorm_add_relu_backward(dy, x, z, gamma, beta, layout=layout)
+    tol = TOL[np.float64]
+    np.testing.assert_allclose(y.numpy(), _slice(comm, y_ref), **tol)
+    np.testing.assert_allclose(rm.copy_to_host(), rm_ref, **tol)
+    np.testing.assert_allclose(leaves[0].grad.copy_to_host(), _slice(comm, dx), **tol)
+    np.testing.assert_allclose(leaves[1].grad.copy_to_host(), _slice(comm, dz), **tol)
+    np.testing.assert_allclose(_sum_over_ranks(comm, leaves[2].grad.copy_to_host()), dgamma,
+                               **tol)

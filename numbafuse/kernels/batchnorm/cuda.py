@@ -326,14 +326,20 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     return y, (mask if want_mask else None)
 
 
-def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, need):
-    """(gx, ggamma, gbeta, gz) on the device, each None unless asked for in ``need``."""
+def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, need,
+             sync=None):
+    """(gx, ggamma, gbeta, gz) on the device, each None unless asked for in ``need``.
+
+    ``sync``: as in the CPU module (synchronized batch norm): called with this call's (2, C)
+    float64 host sums (sum g, sum g*(x - mean)), it returns the global sums and count, from
+    which the dx coefficients are made; ggamma and gbeta stay this call's own.
+    """
     need_gx, need_ggamma, need_gbeta, need_gz = need
     A, C, B = reduce.view(x.shape, layout)
     dtype = x.dtype
     ystate = state if state_kind == STATE_Y else x
     mask = state if state_kind == STATE_MASK else reduce._NO_MASK()
-    if (need_ggamma or need_gbeta or (need_gx and training)) and x.size:
+    if (need_ggamma or need_gbeta or (need_gx and training) or sync is not None) and x.size:
         partials, parts = reduce.channel_partials(reduce.ELEM_BWD, gy, x, ystate, mask, mean,
                                                   state_kind, layout, _empty)
     else:  # inference dx/dz only (the coefficients need no sums), or nothing to sum
@@ -341,8 +347,17 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         partials = _empty((C, 1, 2), np.float64)
     ggamma, gbeta = _empty(C, dtype), _empty(C, dtype)
     cg, cx, c0 = (_empty(C, np.float64) for _ in range(3))
-    _bwd_finalize[config.grid_1d(C)](partials, parts, gamma, invstd, float(A * B),
+    # (an empty rank's count is 0: with sync its coefficients are replaced below)
+    _bwd_finalize[config.grid_1d(C)](partials, parts, gamma, invstd, float(A * B) or 1.0,
                                      bool(training), ggamma, gbeta, cg, cx, c0)
+    if sync is not None:
+        local = (partials.copy_to_host()[:, :parts].sum(axis=1) if parts
+                 else np.zeros((C, 2)))                           # (C, 2) float64
+        total, count = sync(np.ascontiguousarray(local.T))        # (2, C): sum g, sum g*(x-m)
+        total = np.ascontiguousarray(np.asarray(total).T.reshape(C, 1, 2))
+        _bwd_finalize[config.grid_1d(C)](backend.to_device(total), 1, gamma, invstd,
+                                         float(count), bool(training), _empty(C, dtype),
+                                         _empty(C, dtype), cg, cx, c0)
     gx = gz = None
     if need_gx or need_gz:
         gx = _empty(x.shape if need_gx else 1, dtype)

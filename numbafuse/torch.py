@@ -1,0 +1,473 @@
+r"""PyTorch interoperation: numbafuse's fused layers inside PyTorch models (extra ``torch``).
+
+    conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1)
+    batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None,
+                       training=True, momentum=0.1, eps=1e-5)
+    ConvBiasReLU2d(in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                   bias=True)                        # the state_dict of torch.nn.Conv2d
+    BatchNormAddReLU2d(num_features, eps=1e-5, momentum=0.1)   # m(x, z); the state_dict of
+                                                               # torch.nn.BatchNorm2d
+
+torch tensors in (CPU or CUDA, NCHW-contiguous, float32 or float64, all of one dtype and on
+one device), torch tensors out, differentiable by ``torch.autograd``: each function is a
+``torch.autograd.Function`` whose forward and backward are numbafuse's fused kernels.
+
+Zero-copy both ways. A CPU tensor is read as the NumPy view ``t.detach().numpy()`` and an output
+comes back as ``torch.from_numpy(array)``, which keeps numbafuse's array alive; a CUDA tensor is
+read through ``__cuda_array_interface__`` as a numba device array and an output comes back as
+``torch.as_tensor(device_array, device=...)`` (``__cuda_array_interface__`` again; the tensor
+keeps the device array alive). Running statistics are updated in place in the torch buffers.
+
+CUDA streams. numbafuse launches on numba's default stream, the legacy default stream (stream
+0), which is also PyTorch's default stream, so on the default stream nothing needs a
+synchronization. Neither side's ``__cuda_array_interface__`` carries a stream that the other
+waits on (torch's is version 2, without one; torch ignores numba's), so when the current torch
+stream is another one, :func:`launch_order` orders the work on the device: the default stream
+waits for the current stream before numbafuse's kernels, and the current stream waits for the
+default stream after them (``Stream.wait_stream``; no host synchronization). numbafuse's kernels
+run on numba's current device; tensors on another CUDA device are refused. **The CUDA path is
+untested on a GPU** (this was written where no GPU was available: only its dispatch is tested,
+with fakes); the CPU path is tested against torch's own layers.
+
+What backward keeps (the numbafuse ops' residuals, not the pre-activations):
+
+* conv_bias_relu: x, w and y; the ReLU mask is read from y (``g = dy * (y > 0)``), and y is
+  often kept anyway by the next layer (torch shares one saved tensor).
+* batchnorm_add_relu: x, weight, the per-channel float64 mean and invstd, and the ReLU state as
+  a packed 1-bit mask (``numbafuse.ops.batchnorm.mask_nbytes``: 1/32 of a float32 y), not y.
+
+Examples
+--------
+>>> import torch
+>>> from numbafuse.torch import ConvBiasReLU2d, BatchNormAddReLU2d
+>>> conv, bn = ConvBiasReLU2d(3, 3, 3, padding=1), BatchNormAddReLU2d(3)
+>>> x = torch.randn(2, 3, 8, 8, requires_grad=True)
+>>> y = bn(conv(x), x)                # relu(bn(relu(conv(x) + b)) + x)
+>>> y.sum().backward()
+>>> x.grad.shape, int(bn.num_batches_tracked)
+(torch.Size([2, 3, 8, 8]), 1)
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError("numbafuse.torch needs PyTorch: pip install 'numbafuse[torch]' (the CPU "
+                      "build: pip install torch --index-url "
+                      "https://download.pytorch.org/whl/cpu)") from exc
+from torch.autograd.function import once_differentiable
+
+from . import backend, validate
+from .ops import batchnorm as _bn
+from .ops import conv as _conv
+
+FLOAT_DTYPES = (torch.float32, torch.float64)
+DEVICE_TYPES = ("cpu", "cuda")
+LAYOUT = "NCHW"                    # torch's layout; channels_last tensors are refused
+
+
+# --------------------------------------------------------------------------- the bridge
+
+def check_tensors(op, **tensors):
+    """The one ``torch.device`` of the non-``None`` ``tensors``, after checking each is a
+    floating torch tensor of the first one's dtype, on a CPU or CUDA device shared by all, and
+    NCHW-contiguous. Raises ``TypeError``/``ValueError`` naming ``op`` and the argument."""
+    device = dtype = first = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: {name} must be float32 or float64, got {t.dtype}")
+        if t.device.type not in DEVICE_TYPES:
+            raise ValueError(f"{op}: {name} is on {t.device}; numbafuse runs on CPU and CUDA "
+                             f"tensors")
+        if device is None:
+            device, dtype, first = t.device, t.dtype, name
+        elif t.device != device:
+            # host and device mixed: TypeError (numbafuse's rule); two GPUs: ValueError
+            error = TypeError if t.device.type != device.type else ValueError
+            raise error(f"{op}: {name} is on {t.device} but {first} is on {device}; all "
+                        f"tensors of one call must be on one device")
+        elif t.dtype != dtype:
+            raise TypeError(f"{op}: {name} is {t.dtype} but {first} is {dtype}; all tensors "
+                            f"of one call must share one dtype")
+        if not t.is_contiguous():
+            if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+                raise ValueError(f"{op}: {name} is channels_last; numbafuse.torch takes "
+                                 f"NCHW-contiguous tensors (call {name}.contiguous())")
+            raise ValueError(f"{op}: {name} is not contiguous (strides {tuple(t.stride())}); "
+                             f"call {name}.contiguous()")
+    if device is not None and device.type == "cuda":
+        _check_cuda_device(op, device)
+    return device
+
+
+def _check_cuda_device(op, device):
+    from . import cuda   # numba-cuda, imported only for CUDA tensors
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index != cuda.current_device_id():
+        raise ValueError(f"{op}: the tensors are on {device} but numbafuse's kernels run on "
+                         f"numba's current device cuda:{cuda.current_device_id()} (select it "
+                         f"with numba.cuda.select_device)")
+
+
+def as_array(t):
+    """The numbafuse array viewing tensor ``t`` (no copy): ``t.detach().numpy()`` on the CPU,
+    a numba device array through ``__cuda_array_interface__`` on CUDA; ``None`` stays None."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.device.type == "cuda":
+        return backend.as_device_array(t)
+    return t.numpy()
+
+
+def as_tensor(a, device):
+    """The torch tensor viewing numbafuse's array ``a`` (no copy), on ``device``."""
+    if a is None:
+        return None
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(a)
+    return torch.as_tensor(a, device=device)
+
+
+@contextlib.contextmanager
+def launch_order(device):
+    """Order numbafuse's kernels (on the legacy default stream) after the work queued on
+    torch's current CUDA stream, and that stream's later work after them (device-side waits,
+    no host synchronization). Nothing to do on the CPU or on the default stream."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    current, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
+    if current.cuda_stream == default.cuda_stream:
+        yield
+        return
+    default.wait_stream(current)        # numbafuse's kernels start after the queued torch work
+    try:
+        yield
+    finally:
+        current.wait_stream(default)    # later torch work starts after numbafuse's kernels
+
+
+def _updated_in_place(*tensors):
+    """Tell autograd that ``tensors`` changed (bump their version counters), as torch's own
+    in-place batch norm does, where this torch can."""
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    for t in tensors:
+        if bump is not None and t is not None and not t.is_inference():
+            bump(t)
+
+
+def _needs_grad(*tensors):
+    """Will autograd record this call? (Inside ``Function.forward`` grad mode is off.)"""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# --------------------------------------------------------------------------- conv_bias_relu
+
+class ConvBiasReLUFunction(torch.autograd.Function):
+    r"""Fused ``y = relu(conv2d(x, w) + b)`` on torch tensors (numbafuse's kernels).
+
+    .. math::
+        y = \max(\mathrm{conv}(x, w) + b,\ 0), \qquad g = dy \cdot [y > 0], \\
+        db_k = \sum_{n,p,q} g_{nkpq}, \quad dw = \mathrm{correlate}(x, g), \quad
+        dx = \mathrm{conv\_transpose}(g, w)
+
+    Residuals: x, w and y (its sign is the ReLU mask; the pre-activation is never kept).
+    """
+
+    # fwd :: (x, w, b) -> (y, residuals=(x, w, y))
+    @staticmethod
+    def forward(ctx, x, w, b, geometry, device):
+        with launch_order(device):
+            y = _conv.conv_forward(as_array(x), as_array(w), as_array(b), geometry, True)
+        y = as_tensor(y, device)
+        ctx.geometry, ctx.device, ctx.has_bias = geometry, device, b is not None
+        ctx.save_for_backward(x, w, y)
+        return y
+
+    # bwd :: (residuals=(x, w, y), dy) -> (dx, dw, db)
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, w, y = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        with launch_order(ctx.device):
+            dx, dw, db = _conv.conv_backward(
+                as_array(dy.contiguous()), as_array(x), as_array(w), ctx.geometry, as_array(y),
+                (need_x, need_w, need_b and ctx.has_bias))
+        return (as_tensor(dx, ctx.device), as_tensor(dw, ctx.device),
+                as_tensor(db, ctx.device), None, None)
+
+
+def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1):
+    """Fused ``relu(conv2d(x, w) + b)`` on torch tensors, differentiable by torch.autograd.
+
+    Parameters
+    ----------
+    x : torch.Tensor (N, C, H, W), NCHW-contiguous, float32 or float64, CPU or CUDA
+    w : torch.Tensor (K, C, R, S);  b : torch.Tensor (K,) or None
+    stride, dilation : int or (int, int)
+    padding : int, (int, int), "valid" or "same" ("same" with stride 1 only, as torch)
+
+    Returns
+    -------
+    y : torch.Tensor (N, K, P, Q) on x's device; ``torch.nn.functional.conv2d(x, w, b, stride,
+    padding, dilation).relu()`` up to rounding.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from numbafuse.torch import conv_bias_relu
+    >>> x = torch.arange(9.0).reshape(1, 1, 3, 3)
+    >>> conv_bias_relu(x, torch.ones(1, 1, 2, 2), torch.tensor([-10.0])).flatten()
+    tensor([ 0.,  2., 10., 14.])
+    """
+    op = "numbafuse.torch.conv_bias_relu"
+    device = check_tensors(op, x=x, w=w, b=b)
+    for name, t in (("x", x), ("w", w)):
+        if t is None:
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got None")
+    if isinstance(padding, str) and padding == "same" and validate.pair(
+            op, "stride", stride, 1) != (1, 1):
+        raise ValueError(f"{op}: padding='same' needs stride 1 (as torch), got {stride!r}")
+    geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding,
+                                      dilation, LAYOUT)
+    validate.check_vector(op, "b", b, geometry.K)
+    return ConvBiasReLUFunction.apply(x, w, b, geometry, device)
+
+
+# --------------------------------------------------------------------------- batchnorm_add_relu
+
+class BatchNormAddReLUFunction(torch.autograd.Function):
+    r"""Fused ``y = relu(weight * xhat + bias + z)`` on torch tensors (numbafuse's kernels).
+
+    .. math::
+        \hat x = (x - \mu_c)\,\mathrm{invstd}_c, \quad y = \max(w_c \hat x + b_c + z,\ 0),
+        \quad g = dy \cdot [y > 0], \\
+        dz = g, \quad db_c = \sum g, \quad dw_c = \sum g \hat x, \quad
+        dx = \frac{w_c\,\mathrm{invstd}_c}{M}\,(M g - db_c - \hat x\,dw_c)
+
+    (training: batch statistics, M = N*H*W; inference: the running ones, ``dx = w invstd g``).
+    Residuals: x, weight, mean, invstd (float64, C each) and the packed 1-bit ReLU mask.
+    """
+
+    # fwd :: (x, z, weight, bias) -> (y, residuals=(x, weight, mean, invstd, mask))
+    @staticmethod
+    def forward(ctx, x, z, weight, bias, running_mean, running_var, training, momentum, eps,
+                keep_mask, device):
+        x_a = as_array(x)
+        with launch_order(device):
+            if training:
+                mean, var, invstd = _bn.bn_stats(x_a, eps, LAYOUT)             # (C,) float64
+                if running_mean is not None:
+                    count = x.numel() // x.shape[1]                           # M = N*H*W
+                    _bn.update_running(as_array(running_mean), as_array(running_var), mean,
+                                       var, count, momentum)
+            else:
+                mean, invstd = _bn.bn_inference_stats(as_array(running_mean),
+                                                      as_array(running_var), eps)
+            applied = _bn.bn_apply(x_a, mean, invstd, as_array(weight), as_array(bias),
+                                   as_array(z), relu=True, layout=LAYOUT, with_mask=keep_mask)
+        if training and running_mean is not None:
+            _updated_in_place(running_mean, running_var)
+        y, mask = applied if keep_mask else (applied, None)
+        ctx.device, ctx.training = device, training
+        if keep_mask:
+            ctx.save_for_backward(x, weight, as_tensor(mean, device), as_tensor(invstd, device),
+                                  as_tensor(mask, device))
+        return as_tensor(y, device)
+
+    # bwd :: (residuals=(x, weight, mean, invstd, mask), dy) -> (dx, dz, dweight, dbias)
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, invstd, mask = ctx.saved_tensors
+        need_x, need_z, need_weight, need_bias = ctx.needs_input_grad[:4]
+        with launch_order(ctx.device):
+            dx, dweight, dbias, dz = _bn.bn_backward(
+                as_array(dy.contiguous()), as_array(x), as_array(mean), as_array(invstd),
+                as_array(weight), as_array(mask), LAYOUT,
+                need=(need_x, need_weight, need_bias, need_z), training=ctx.training)
+        grads = (dx, dz, dweight, dbias)
+        return tuple(as_tensor(g, ctx.device) for g in grads) + (None,) * 7
+
+
+def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, training=True,
+                       momentum=0.1, eps=1e-5):
+    """Fused ``relu(batch_norm(x) + z)`` on torch tensors, differentiable by torch.autograd.
+
+    Computes ``torch.relu(torch.nn.functional.batch_norm(x, running_mean, running_var, weight,
+    bias, training, momentum, eps) + z)`` in one pass (and one backward pass).
+
+    Parameters
+    ----------
+    x, z : torch.Tensor (N, C, H, W), NCHW-contiguous, float32 or float64, CPU or CUDA
+    weight, bias : torch.Tensor (C,)
+    running_mean, running_var : torch.Tensor (C,) or None (both or neither; not requiring
+        grad). Training: updated in place, ``r = (1 - momentum) r + momentum * batch`` with the
+        unbiased variance (torch's rule). Inference (``training=False``): required and read.
+    training : bool;  momentum : float in [0, 1];  eps : float >= 0
+
+    Returns
+    -------
+    y : torch.Tensor, x's shape, on x's device.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from numbafuse.torch import batchnorm_add_relu
+    >>> x = torch.arange(8.0).reshape(2, 1, 2, 2); rm, rv = torch.zeros(1), torch.ones(1)
+    >>> y = batchnorm_add_relu(x, torch.zeros_like(x), torch.ones(1), torch.zeros(1), rm, rv)
+    >>> int((y > 0).sum()), rm
+    (4, tensor([0.3500]))
+    """
+    op = "numbafuse.torch.batchnorm_add_relu"
+    device = check_tensors(op, x=x, z=z, weight=weight, bias=bias, running_mean=running_mean,
+                           running_var=running_var)
+    for name, t in (("x", x), ("z", z), ("weight", weight), ("bias", bias)):
+        if t is None:
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got None")
+    validate.check_ndim(op, "x", x, 4, LAYOUT)
+    if min(x.shape) < 1:
+        raise ValueError(f"{op}: x must have no empty dimension, got shape {tuple(x.shape)}")
+    validate.check_same_shape(op, "z", z, "x", x)
+    C = x.shape[1]
+    validate.check_vector(op, "weight", weight, C)
+    validate.check_vector(op, "bias", bias, C)
+    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{op}: {name} requires grad; running statistics are buffers "
+                             f"updated in place (pass {name}.detach() or a buffer)")
+    momentum, eps = validate.running_stats(op, C, x.numel() // C, running_mean, running_var,
+                                           training, momentum, eps)
+    keep_mask = _needs_grad(x, z, weight, bias)
+    return BatchNormAddReLUFunction.apply(x, z, weight, bias, running_mean, running_var,
+                                          bool(training), momentum, eps, keep_mask, device)
+
+
+# --------------------------------------------------------------------------- modules
+
+def _pair(name, value):
+    """An int or pair as a pair (torch.nn.Conv2d keeps pairs); a padding string as it is."""
+    return value if isinstance(value, str) else validate.pair("ConvBiasReLU2d", name, value, 0)
+
+
+class ConvBiasReLU2d(torch.nn.Module):
+    """``relu(conv2d(x, weight) + bias)`` fused, with the parameters, ``state_dict`` and default
+    initialisation of ``torch.nn.Conv2d(in_channels, out_channels, kernel_size, stride,
+    padding, dilation, bias=bias)`` (``groups=1``, zero padding): a ``Conv2d`` followed by a
+    ``ReLU`` can be swapped for it and load the ``Conv2d``'s checkpoint as it is.
+
+    It is not a subclass of ``torch.nn.Conv2d``, so tools that rewrite ``Conv2d`` modules
+    (conv-bn folding, quantization fusers) do not mistake it for one without its ReLU.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 bias=True):
+        super().__init__()
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size = _pair("kernel_size", kernel_size)
+        self.stride, self.padding = _pair("stride", stride), _pair("padding", padding)
+        self.dilation = _pair("dilation", dilation)
+        self.weight = torch.nn.Parameter(torch.empty(out_channels, in_channels,
+                                                     *self.kernel_size))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(out_channels))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """torch.nn.Conv2d's: ``kaiming_uniform_(a=sqrt(5))`` weight, ``U(+-1/sqrt(fan_in))``
+        bias, drawn in that order (the same seed gives the same values as ``Conv2d``)."""
+        torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            fan_in = self.weight[0].numel()
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x):
+        return conv_bias_relu(x, self.weight, self.bias, self.stride, self.padding,
+                              self.dilation)
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
+                f"bias={self.bias is not None}")
+
+
+class BatchNormAddReLU2d(torch.nn.Module):
+    """``relu(batch_norm(x) + z)`` fused, called as ``m(x, z)``, with the parameters,
+    buffers, ``state_dict`` (version 2 metadata included) and initialisation of
+    ``torch.nn.BatchNorm2d(num_features, eps, momentum)`` (affine, tracking running stats):
+    ``weight = 1``, ``bias = 0``, ``running_mean = 0``, ``running_var = 1``,
+    ``num_batches_tracked = 0`` (int64).
+
+    As ``BatchNorm2d.forward``: in training, ``num_batches_tracked += 1`` and the running
+    statistics move by ``momentum`` (``momentum=None``: the cumulative average, factor
+    ``1 / num_batches_tracked``); in ``eval()`` the running statistics are used. The tail of a
+    torchvision-style residual block, ``relu(bn2(out) + identity)``, becomes
+    ``bn_add_relu(out, identity)`` with ``bn2``'s checkpoint loaded as it is.
+
+    Not a subclass of ``torch.nn.BatchNorm2d``: ``SyncBatchNorm.convert_sync_batchnorm`` and
+    conv-bn fusers would otherwise replace it by a module without the add and the ReLU.
+    """
+
+    _version = 2    # torch.nn.BatchNorm2d's state-dict version (with num_batches_tracked)
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1):
+        super().__init__()
+        if momentum is not None:
+            validate.check_scalar("BatchNormAddReLU2d", "momentum", momentum, lo=0.0, hi=1.0)
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.weight = torch.nn.Parameter(torch.empty(num_features))
+        self.bias = torch.nn.Parameter(torch.empty(num_features))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        self.reset_parameters()
+
+    def reset_running_stats(self):
+        self.running_mean.zero_()
+        self.running_var.fill_(1)
+        self.num_batches_tracked.zero_()
+
+    def reset_parameters(self):
+        self.reset_running_stats()
+        torch.nn.init.ones_(self.weight)
+        torch.nn.init.zeros_(self.bias)
+
+    def forward(self, x, z):
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:                   # cumulative moving average
+                momentum = 1.0 / float(self.num_batches_tracked)
+        return batchnorm_add_relu(x, z, self.weight, self.bias, self.running_mean,
+                                  self.running_var, self.training, momentum, self.eps)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # as torch's _BatchNorm: a checkpoint older than version 2 has no num_batches_tracked
+        version = local_metadata.get("version", None)
+        key = prefix + "num_batches_tracked"
+        if (version is None or version < 2) and key not in state_dict:
+            state_dict[key] = self.num_batches_tracked.clone()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def extra_repr(self):
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+
+
+__all__ = ["conv_bias_relu", "batchnorm_add_relu", "ConvBiasReLU2d", "BatchNormAddReLU2d",
+           "ConvBiasReLUFunction", "BatchNormAddReLUFunction"]
