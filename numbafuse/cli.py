@@ -28,7 +28,7 @@ import sys
 
 import numpy as np
 
-from . import models
+from . import distributed, models
 from .models import make_model, state_dict_for
 from .train import DEFAULTS, MIB, SCHEDULES, evaluate, fit, peak_step_bytes
 
@@ -69,6 +69,10 @@ def parse_args(argv=None):
                    help="train on the first N training examples only (quick runs)")
     p.add_argument("--test-subset", type=int, default=None, metavar="N")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--distributed", action="store_true",
+                   help="data-parallel training on MPI: run under mpiexec -n P; every global "
+                        "batch is split across the ranks, batch norm is synchronized and "
+                        "gradients averaged; rank 0 reports (docs/distributed.md)")
     p.add_argument("--save", metavar="FILE.npz",
                    help="write the trained model's state_dict (numpy.savez) to FILE.npz")
     p.add_argument("--load", metavar="FILE.npz",
@@ -106,36 +110,44 @@ def _kinds(args):
     return ["unfused" if args.unfused else fused]
 
 
-def run(args, log=print):
-    """Train the model(s) ``args`` asks for; returns ``{kind: history}``."""
+def run(args, log=print, comm=None):
+    """Train the model(s) ``args`` asks for; returns ``{kind: history}``. With ``comm`` (of
+    more than one rank) the training is data-parallel (``--distributed``)."""
     from .data import load_digits
+    say = log or (lambda *a, **k: None)
     data = load_digits(layout=args.layout).subset(args.train_subset, args.test_subset)
     results = {}
+    distributed_run = comm is not None and comm.size > 1
     for kind in _kinds(args):
-        log(f"== {kind} model ({args.layout}, {args.device})")
+        where = f", {comm.size} ranks" if distributed_run else ""
+        say(f"== {kind} model ({args.layout}, {args.device}{where})")
         model = make_model(kind, args.layout, args.seed, args.width, args.blocks,
-                           recompute=args.recompute == "on")
+                           recompute=args.recompute == "on",
+                           comm=comm if distributed_run else None)
+        if distributed_run:
+            distributed.broadcast_parameters(model, comm)
         if args.load:
             load_checkpoint(args.load, model, kind)
-            log(f"loaded {args.load}")
+            say(f"loaded {args.load}")
         if args.epochs == 0:
             history = dict(test_accuracy=evaluate(model.to(args.device), data.x_test,
                                                   data.y_test, args.device))
-            log(f"test accuracy {history['test_accuracy']:.4f} (no training)")
+            say(f"test accuracy {history['test_accuracy']:.4f} (no training)")
             results[kind] = history
             continue
         history = fit(model, data, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                       momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
                       device=args.device, schedule=args.schedule, augment=args.augment,
-                      progress=not args.no_progress, log=log)
-        if args.save:
+                      progress=not args.no_progress and log is not None, log=log,
+                      comm=comm if distributed_run else None)
+        if args.save and (comm is None or comm.rank == 0):
             save_checkpoint(args.save, model)
-            log(f"saved {args.save}")
+            say(f"saved {args.save}")
         if args.compare:
             history["peak_bytes"] = peak_step_bytes(model, data, args.batch_size, args.device)
         if kind == "remap":
             history["remap_log"] = model.remap_log()
-            log("remap log (all graphs):\n  " + "\n  ".join(history["remap_log"]))
+            say("remap log (all graphs):\n  " + "\n  ".join(history["remap_log"]))
         results[kind] = history
     return results
 
@@ -217,11 +229,20 @@ def main(argv=None):
     if problem:
         print(f"numbafuse-train: {problem}", file=sys.stderr)
         return 1
+    comm = None
+    if args.distributed:
+        comm = distributed.init()
+        if comm.mpi_comm is None:
+            print(f"numbafuse-train: --distributed: {distributed.INSTALL_HINT}", file=sys.stderr)
+            return 1
+    lead = comm is None or comm.rank == 0
     try:
-        results = run(args)
+        results = run(args, log=print if lead else None, comm=comm)
     except ImportError as e:  # an optional dependency, with its one-line hint
         print(f"numbafuse-train: {e}", file=sys.stderr)
         return 1
+    if not lead:                                   # rank 0 reports, writes and plots
+        return 0
     if args.compare:
         print(comparison_table(results))
     if args.report:

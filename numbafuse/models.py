@@ -40,12 +40,12 @@ class ResidualBlock(nn.Module):
     """Fused block: ConvBatchNormReLU -> Conv2d (no bias) -> BatchNormAddReLU(., x)."""
 
     def __init__(self, C, layout=DEFAULTS["layout"], dtype=np.float32,
-                 recompute=DEFAULTS["recompute"]):
+                 recompute=DEFAULTS["recompute"], comm=None):
         super().__init__()
         self.conv_bn_relu = nn.ConvBatchNormReLU(C, C, 3, padding=1, layout=layout, dtype=dtype,
-                                                 recompute=recompute)
+                                                 recompute=recompute, comm=comm)
         self.conv = nn.Conv2d(C, C, 3, padding=1, bias=False, layout=layout, dtype=dtype)
-        self.bn_add_relu = nn.BatchNormAddReLU(C, layout=layout, dtype=dtype)
+        self.bn_add_relu = nn.BatchNormAddReLU(C, layout=layout, dtype=dtype, comm=comm)
 
     def forward(self, x):
         return self.bn_add_relu(self.conv(self.conv_bn_relu(x)), x)
@@ -54,12 +54,13 @@ class ResidualBlock(nn.Module):
 class UnfusedResidualBlock(nn.Module):
     """The same block from unfused ops: conv, bn, relu, conv, bn, add, relu."""
 
-    def __init__(self, C, layout=DEFAULTS["layout"], dtype=np.float32, recompute=None):
+    def __init__(self, C, layout=DEFAULTS["layout"], dtype=np.float32, recompute=None,
+                 comm=None):
         super().__init__()
         self.conv1 = nn.Conv2d(C, C, 3, padding=1, bias=False, layout=layout, dtype=dtype)
-        self.bn1 = nn.BatchNorm2d(C, layout=layout, dtype=dtype)
+        self.bn1 = nn.BatchNorm2d(C, layout=layout, dtype=dtype, comm=comm)
         self.conv2 = nn.Conv2d(C, C, 3, padding=1, bias=False, layout=layout, dtype=dtype)
-        self.bn2 = nn.BatchNorm2d(C, layout=layout, dtype=dtype)
+        self.bn2 = nn.BatchNorm2d(C, layout=layout, dtype=dtype, comm=comm)
 
     def forward(self, x):
         h = relu(self.bn1(self.conv1(x)))
@@ -68,11 +69,12 @@ class UnfusedResidualBlock(nn.Module):
 
 def build_model(fused=True, width=DEFAULTS["width"], blocks=DEFAULTS["blocks"],
                 layout=DEFAULTS["layout"], seed=DEFAULTS["seed"], num_classes=10, in_channels=1,
-                dtype=np.float32, recompute=DEFAULTS["recompute"]):
+                dtype=np.float32, recompute=DEFAULTS["recompute"], comm=None):
     """The digits ResNet, fused or unfused; the same seed gives the same initial weights.
 
     ``recompute`` (fused only): ConvBatchNormReLU recomputes its conv in backward (least
-    memory) or keeps the conv output and a 1-bit mask (faster).
+    memory) or keeps the conv output and a 1-bit mask (faster). ``comm``: synchronized batch
+    norm over its ranks (data-parallel training, ``numbafuse.distributed``).
     """
     nn.init.seed(seed)
     if fused:
@@ -81,7 +83,7 @@ def build_model(fused=True, width=DEFAULTS["width"], blocks=DEFAULTS["blocks"],
         stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, layout=layout,
                                        dtype=dtype), nn.ReLU())
     block = ResidualBlock if fused else UnfusedResidualBlock
-    body = [block(width, layout, dtype, recompute) for _ in range(blocks)]
+    body = [block(width, layout, dtype, recompute, comm) for _ in range(blocks)]
     return nn.Sequential(stem, *body, nn.GlobalAvgPool2d(layout),
                          nn.Linear(width, num_classes, dtype=dtype))
 
@@ -126,11 +128,13 @@ class Remapped(nn.Module):
 
 
 def make_model(kind, layout=DEFAULTS["layout"], seed=DEFAULTS["seed"], width=DEFAULTS["width"],
-               blocks=DEFAULTS["blocks"], recompute=DEFAULTS["recompute"]):
-    """``kind``: "fused" (fused modules), "unfused", or "remap" (the unfused one remapped)."""
+               blocks=DEFAULTS["blocks"], recompute=DEFAULTS["recompute"], comm=None):
+    """``kind``: "fused" (fused modules), "unfused", or "remap" (the unfused one remapped);
+    ``comm``: synchronized batch norm (see :func:`build_model`)."""
     if kind not in KINDS:
         raise ValueError(f"make_model: kind must be 'fused', 'unfused' or 'remap', got {kind!r}")
-    model = build_model(kind == "fused", width, blocks, layout, seed, recompute=recompute)
+    model = build_model(kind == "fused", width, blocks, layout, seed, recompute=recompute,
+                        comm=comm)
     return Remapped(model) if kind == "remap" else model
 
 

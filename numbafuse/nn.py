@@ -340,11 +340,13 @@ class _BatchNormState(Module):
     ``num_batches_tracked = 0`` (0-d int64, on the host).
 
     ``momentum=None`` is PyTorch's cumulative moving average: each training batch is weighted
-    ``1 / num_batches_tracked``.
+    ``1 / num_batches_tracked``. ``comm`` (a ``numbafuse.distributed.Communicator``):
+    synchronized batch norm in training, the statistics of the batch of all ranks.
     """
 
-    def __init__(self, num_features, eps, momentum, layout, dtype):
+    def __init__(self, num_features, eps, momentum, layout, dtype, comm=None):
         super().__init__()
+        self.comm = comm
         if momentum is not None:
             validate.check_scalar(type(self).__name__, "momentum", momentum, lo=0.0, hi=1.0)
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
@@ -404,14 +406,15 @@ class BatchNorm2d(_BatchNormState):
     """Batch norm over ``N, H, W`` per channel (unfused); the state of ``torch.nn.BatchNorm2d``."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, layout="NCHW", *,
-                 dtype=DEFAULT_DTYPE):
-        super().__init__(num_features, eps, momentum, layout, dtype)
+                 dtype=DEFAULT_DTYPE, comm=None):
+        super().__init__(num_features, eps, momentum, layout, dtype, comm)
 
     def forward(self, x):
         momentum = self.step_momentum()
         return batchnorm(x, self.weight, self.bias, running_mean=self.running_mean,
                          running_var=self.running_var, training=self.training,
-                         momentum=momentum, eps=self.eps, layout=self.layout)
+                         momentum=momentum, eps=self.eps, layout=self.layout,
+                         comm=self.comm)
 
 
 class ReLU(Module):
@@ -489,14 +492,15 @@ class BatchNormAddReLU(_BatchNormState):
     (and so of ``torch.nn.BatchNorm2d``)."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, layout="NCHW", *,
-                 dtype=DEFAULT_DTYPE):
-        super().__init__(num_features, eps, momentum, layout, dtype)
+                 dtype=DEFAULT_DTYPE, comm=None):
+        super().__init__(num_features, eps, momentum, layout, dtype, comm)
 
     def forward(self, x, z):
         momentum = self.step_momentum()
         return batchnorm_add_relu(x, z, self.weight, self.bias, running_mean=self.running_mean,
                                   running_var=self.running_var, training=self.training,
-                                  momentum=momentum, eps=self.eps, layout=self.layout)
+                                  momentum=momentum, eps=self.eps, layout=self.layout,
+                                  comm=self.comm)
 
 
 class ConvBatchNormReLU(Module):
@@ -514,7 +518,7 @@ class ConvBatchNormReLU(Module):
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  dilation=1, relu=True, eps=1e-5, momentum=0.1, layout="NCHW", *,
-                 recompute=True, dtype=DEFAULT_DTYPE, rng=None):
+                 recompute=True, dtype=DEFAULT_DTYPE, rng=None, comm=None):
         super().__init__()
         self.in_channels, self.out_channels, self.kernel_size = (in_channels, out_channels,
                                                                  kernel_size)
@@ -523,7 +527,7 @@ class ConvBatchNormReLU(Module):
         self.recompute = bool(recompute)
         self.layout = validate.check_layout("ConvBatchNormReLU", layout)
         self.weight = _param(_conv_weight(in_channels, out_channels, kernel_size, dtype, rng)[0])
-        self.bn = BatchNorm2d(out_channels, eps, momentum, layout, dtype=dtype)
+        self.bn = BatchNorm2d(out_channels, eps, momentum, layout, dtype=dtype, comm=comm)
 
     def forward(self, x):
         # conv_batchnorm_relu(...) with the recompute policy (not in the public signature)
@@ -532,7 +536,7 @@ class ConvBatchNormReLU(Module):
             running_mean=bn.running_mean, running_var=bn.running_var,
             training=self.training, momentum=bn.step_momentum(), eps=bn.eps,
             stride=self.stride, padding=self.padding, dilation=self.dilation, relu=self.relu,
-            layout=self.layout, recompute=self.recompute, comm=None)
+            layout=self.layout, recompute=self.recompute, comm=bn.comm)
         return fn.apply(x, self.weight, bn.weight, bn.bias)
 
     # the batch norm's running statistics, read through the conv layer too (``self.bn`` owns

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
+
 import pytest
 
 pytest.importorskip("mpi4py", reason="mpi4py is needed: pip install 'numbafuse[distributed]'")
@@ -50,3 +52,22 @@ def test_a_rank_that_raises_ends_the_job_instead_of_hanging(tmp_path):
     run = _mpiexec(2, [str(script)], timeout=60)
     assert run.returncode != 0
     assert "rank 1 breaks" in run.stderr and "aborting all 2 ranks" in run.stderr
+
+
+def test_distributed_training_follows_the_one_process_loss_curve(tmp_path):
+    import json
+    args = ["-m", "numbafuse.train", "--epochs", "1", "--train-subset", "160",
+            "--test-subset", "64", "--batch-size", "32", "--no-progress"]
+    one = subprocess.run([sys.executable] + args + ["--report", str(tmp_path / "one.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    for ranks in (2, 3):                                      # 3: shards of 11 and 10 rows
+        report = tmp_path / f"ranks{ranks}.json"
+        run = _mpiexec(ranks, args + ["--distributed", "--report", str(report)])
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        a = json.loads((tmp_path / "one.json").read_text())
+        b = json.loads(report.read_text())
+        assert len(a["loss_curve"]) == len(b["loss_curve"]) == 5
+        np.testing.assert_allclose(b["loss_curve"], a["loss_curve"], rtol=1e-5)
+        assert b["test_accuracy"] == a["test_accuracy"]
+        assert run.stdout.count("test accuracy") == 1            # rank 0 reports alone

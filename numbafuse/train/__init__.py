@@ -13,7 +13,7 @@ import tracemalloc
 
 import numpy as np
 
-from .. import backend, models, optim
+from .. import backend, distributed, models, optim
 from ..autograd import Tensor, no_grad, saved_bytes
 from ..ops.basic import cross_entropy
 
@@ -52,15 +52,43 @@ def evaluate(model, x, y, device="cpu", batch_size=EVAL_BATCH):
     return correct / max(len(x), 1)
 
 
-def train_step(model, opt, xb, yb):
-    """One SGD step; returns (loss Tensor, logits Tensor, bytes saved for backward)."""
+def train_step(model, opt, xb, yb, comm=None, global_size=None):
+    """One SGD step; returns (loss Tensor, logits Tensor, bytes saved for backward).
+
+    Data parallel (``comm`` of more than one rank): ``xb, yb`` are this rank's rows of a
+    global batch of ``global_size``. The local mean loss is scaled by ``len(yb) * P /
+    global_size`` before backward, so that the mean of the ranks' gradients
+    (:func:`numbafuse.distributed.average_gradients`) is the gradient of the global mean loss,
+    for uneven shards too; the loss returned is the local (unscaled) one.
+    """
     opt.zero_grad()
     logits = model(Tensor(xb))
     loss = cross_entropy(logits, yb)
     held = saved_bytes(loss)
-    loss.backward()
+    if comm is None or comm.size == 1:
+        loss.backward()
+    else:
+        (loss * (len(yb) * comm.size / global_size)).backward()
+        distributed.average_gradients(model, comm)
     opt.step()
     return loss, logits, held
+
+
+def _shard(n, comm):
+    """Rows [lo, hi) of a global batch of n that this rank trains on (as even as possible)."""
+    if comm is None or comm.size == 1:
+        return 0, n
+    if n < comm.size:
+        raise ValueError(f"fit: a global batch of {n} cannot give each of {comm.size} ranks "
+                         f"a sample; use a larger batch size or fewer ranks")
+    base, extra = divmod(n, comm.size)
+    lo = comm.rank * base + min(comm.rank, extra)
+    return lo, lo + base + (comm.rank < extra)
+
+
+def _global_sum(comm, *values):
+    """Each value summed over the ranks."""
+    return tuple(comm.allreduce_sum(np.array(values, np.float64)).tolist())
 
 
 def _progress(total, desc, enabled):
@@ -76,7 +104,8 @@ def _progress(total, desc, enabled):
 def fit(model, data, epochs=DEFAULTS["epochs"], batch_size=DEFAULTS["batch_size"],
         lr=DEFAULTS["lr"], momentum=DEFAULTS["momentum"],
         weight_decay=DEFAULTS["weight_decay"], seed=DEFAULTS["seed"], device="cpu",
-        schedule=DEFAULTS["schedule"], augment=DEFAULTS["augment"], progress=True, log=print):
+        schedule=DEFAULTS["schedule"], augment=DEFAULTS["augment"], progress=True, log=print,
+        comm=None):
     """Train ``model`` on ``data`` (a :class:`numbafuse.data.Digits`) with SGD.
 
     Parameters
@@ -97,6 +126,12 @@ def fit(model, data, epochs=DEFAULTS["epochs"], batch_size=DEFAULTS["batch_size"
         A tqdm bar per epoch (plain per-epoch lines when tqdm is missing).
     log : callable or None
         Where per-epoch lines go (``None``: silent).
+    comm : numbafuse.distributed.Communicator, optional
+        Data-parallel training: every rank draws the same global batches (same seed, same
+        augmentation) and trains on its own rows of each (:func:`train_step`); build the model
+        with the same ``comm`` for synchronized batch norm. The loss curve and accuracies
+        reported are those of the global batches; with the same seed they match a
+        one-process run up to the order of floating-point sums.
 
     Returns
     -------
@@ -141,15 +176,23 @@ def fit(model, data, epochs=DEFAULTS["epochs"], batch_size=DEFAULTS["batch_size"
                 step = len(history["step_ms"])
                 opt.lr = lr * 0.5 * (1.0 + math.cos(math.pi * step / total_steps))
             xb = random_shift(xb, rng, augment, data.layout)
+            n_global = len(yb)
+            lo, hi = _shard(n_global, comm)
+            xb, yb = np.ascontiguousarray(xb[lo:hi]), np.ascontiguousarray(yb[lo:hi])
             t0 = time.perf_counter()
-            loss, logits, held_now = train_step(model, opt, _to(device, xb), _to(device, yb))
+            loss, logits, held_now = train_step(model, opt, _to(device, xb), _to(device, yb),
+                                                comm, n_global)
             loss_value = loss.item()                       # syncs the device
             history["step_ms"].append((time.perf_counter() - t0) * 1e3)
-            if len(yb) == batch_size:
+            if n_global == batch_size:
                 held = held_now
+            right = _accuracy(logits.data, yb) * len(yb)
+            if comm is not None and comm.size > 1:         # the global batch's loss, accuracy
+                loss_sum, right = _global_sum(comm, loss_value * len(yb), right)
+                loss_value = loss_sum / n_global
             losses.append(loss_value)
-            correct += _accuracy(logits.data, yb) * len(yb)
-            seen += len(yb)
+            correct += right
+            seen += n_global
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_value:.4f}", acc=f"{correct / seen:.3f}")
