@@ -26,11 +26,13 @@ alone; ``python -m mpi4py script.py`` does the same job).
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 
 import numpy as np
 
 from . import backend
+from .kernels import cpu_launch
 
 INSTALL_HINT = "mpi4py is needed for distributed training: pip install 'numbafuse[distributed]'"
 
@@ -119,17 +121,24 @@ class Communicator:
             self.mpi_comm.Abort(code)
 
 
-def init(abort_on_exception: bool = True) -> Communicator:
+def init(abort_on_exception: bool = True, share_cores: bool = True) -> Communicator:
     """The MPI world (``MPI.COMM_WORLD``), or a one-process communicator when mpi4py is not
     installed. Under ``mpiexec`` with more than one process, an uncaught exception on any rank
-    then aborts the whole job with its traceback (see the module docstring)."""
+    then aborts the whole job with its traceback (see the module docstring), and with
+    ``share_cores`` numbafuse's CPU thread pool on each rank gets its share of the node's cores
+    (cores / ranks on the node, at least 1) unless ``NUMBAFUSE_NUM_THREADS`` says otherwise:
+    P ranks each running a pool as wide as the machine would oversubscribe it P times."""
     try:
         from mpi4py import MPI
     except ImportError:
         return Communicator(None)
     comm = Communicator(MPI.COMM_WORLD)
-    if abort_on_exception and comm.size > 1:
-        _install_abort_hook(comm)
+    if comm.size > 1:
+        if abort_on_exception:
+            _install_abort_hook(comm)
+        if share_cores and "NUMBAFUSE_NUM_THREADS" not in os.environ:
+            local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+            cpu_launch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     return comm
 
 
