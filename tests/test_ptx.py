@@ -15,7 +15,9 @@ import pytest
 
 pytestmark = [pytest.mark.ptx, pytest.mark.skipif(
     os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1",
-    reason="PTX compilation needs the real numba.cuda, not the simulator")]
+    reason="PTX compilation needs the real numba.cuda, not the simulator"), pytest.mark.skipif(
+    os.environ.get("NUMBAFUSE_TEST_SM90", "1") == "0",
+    reason="NUMBAFUSE_TEST_SM90=0: CI compiles for sm_90 in its newest-Python leg only")]
 
 CC = (9, 0)
 
