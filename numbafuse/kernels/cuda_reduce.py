@@ -27,7 +27,7 @@ import functools
 import numpy as np
 from numba import float32, float64, int32, uint32
 
-from ..cuda import SIMULATOR, numba_cuda as cuda
+from ..cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
 
 from . import cuda_config as config
 from .batchnorm import math as bm
@@ -295,7 +295,7 @@ def _finalize_sums(partials, out):
 def channel_sums(gy, y, layout, empty=None):
     """Per-channel sum over N, H, W of ``g = gy * (y > 0)`` (``y`` None: of gy), shape (C,),
     gy's dtype; deterministic (fixed parts, fixed order)."""
-    empty = empty or cuda.device_array
+    empty = empty or pool_empty
     C = gy.shape[3] if layout == "NHWC" else gy.shape[1]
     out = empty(C, gy.dtype)
     if C == 0:
@@ -324,7 +324,7 @@ def _zero3(a):
 
 @functools.lru_cache(maxsize=None)
 def _placeholder(dtype):
-    return cuda.device_array(1, dtype)
+    return pool_empty(1, dtype)          # kept for the process: allocated once
 
 
 def _NO_MASK():

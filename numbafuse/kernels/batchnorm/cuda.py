@@ -32,7 +32,7 @@ import numpy as np
 from numba import boolean, float64, int32, int64, uint8
 
 from ... import backend, kernels
-from ...cuda import SIMULATOR, numba_cuda as cuda
+from ...cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
 from . import math as bm
 from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from ..scalar import cuda_scalar
@@ -268,8 +268,8 @@ def _bwd_apply(gy, x, mean, cg, cx, c0, state_kind, ystate, mask, C, B, gx, want
 # --------------------------------------------------------------------------- host entry points
 
 def _empty(shape, dtype):
-    """Every device buffer of this module comes from here (one place to swap in a pool)."""
-    return cuda.device_array(shape, dtype)
+    """Every device buffer of this module comes from here: numbafuse's memory pool."""
+    return pool_empty(shape, dtype)
 
 
 def _flat_grid(size, C, B):

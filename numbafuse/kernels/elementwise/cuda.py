@@ -6,7 +6,7 @@ fixed per-block partials (a shared-memory tree), then one block reduces the part
 import numpy as np
 from numba import float64, int64, uint32
 
-from ...cuda import numba_cuda as cuda
+from ...cuda import empty, numba_cuda as cuda
 
 from .. import cuda_config as config
 from ..cuda_reduce import block_sum
@@ -128,7 +128,7 @@ def axpby(a, x, b, y, out=None):
     Into ``out`` when given (it may be ``x`` or ``y``: each element is read before it is
     written), else into a new array.
     """
-    out = cuda.device_array(x.shape, x.dtype) if out is None else out
+    out = empty(x.shape, x.dtype) if out is None else out
     if x.size:
         blocks, threads = config.grid_1d(x.size)
         _axpby[blocks, threads](a, x.reshape(x.size), b, y.reshape(y.size), out.reshape(out.size))
@@ -136,7 +136,7 @@ def axpby(a, x, b, y, out=None):
 
 
 def mul(x, y):
-    out = cuda.device_array(x.shape, x.dtype)
+    out = empty(x.shape, x.dtype)
     if x.size:
         blocks, threads = config.grid_1d(x.size)
         _mul[blocks, threads](x.reshape(x.size), y.reshape(y.size), out.reshape(out.size))
@@ -145,7 +145,7 @@ def mul(x, y):
 
 def scale_by_device_scalar(scale, x):
     """``scale[0] * x`` where ``scale`` is a one-element device array (no host round trip)."""
-    out = cuda.device_array(x.shape, x.dtype)
+    out = empty(x.shape, x.dtype)
     if x.size:
         blocks, threads = config.grid_1d(x.size)
         _scale_broadcast[blocks, threads](scale.reshape(1), x.reshape(x.size),
@@ -158,7 +158,7 @@ def contiguous_copy(src):
     rank = len(src.shape)
     if rank not in _COPY_BY_RANK:
         raise ValueError(f"contiguous_copy: rank {rank} is not supported on the device (1 to 4)")
-    dst = cuda.device_array(src.shape, src.dtype)
+    dst = empty(src.shape, src.dtype)
     if dst.size:
         blocks, threads = config.grid_1d(dst.size)
         _COPY_BY_RANK[rank][blocks, threads](src, dst)
@@ -170,11 +170,11 @@ def sum_all(x, scale=1.0):
     deterministic (fixed partial order)."""
     flat = x.reshape(x.size)
     nblocks = max(1, min(config.reduce_blocks, -(-flat.size // config.block_threads())))
-    partials = cuda.device_array(nblocks, np.float64)
+    partials = empty(nblocks, np.float64)
     _sum_partials[nblocks, config.block_threads()](flat, partials)
-    total = cuda.device_array(1, np.float64)
+    total = empty(1, np.float64)
     _sum_partials[1, config.block_threads()](partials, total)
-    out = cuda.device_array(1, x.dtype)
+    out = empty(1, x.dtype)
     blocks, threads = config.grid_1d(1)
     _axpby[blocks, threads](scale, total, 0.0, total, out)
     return out.reshape(())
