@@ -111,6 +111,19 @@ def bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(Tru
                                       relu_state, layout, bool(training), tuple(need))
 
 
+def stats_and_update(impl, x, layout, eps, running_mean, running_var, count, momentum):
+    """(mean, var, invstd) of ``x`` with the running statistics (if given) updated in place:
+    one launch where the backend's kernel module fuses the two (``stats_update``), else its
+    ``stats`` then ``update_running``."""
+    fused = getattr(impl, "stats_update", None)
+    if fused is not None:
+        return fused(x, layout, eps, running_mean, running_var, momentum)
+    mean, var, invstd = impl.stats(x, layout, eps)
+    if running_mean is not None:
+        impl.update_running(running_mean, running_var, mean, var, count, momentum)
+    return mean, var, invstd
+
+
 def update_running(running_mean, running_var, mean, var, count, momentum):
     """Update the running statistics in place (PyTorch's momentum rule, unbiased var)."""
     which = backend.backend_of("update_running", running_mean=running_mean,
@@ -131,10 +144,8 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
     z = None if z is None else kernels.contiguous(z)
     impl = _kernels(args.backend)
     if training:
-        mean, var, invstd = impl.stats(x, args.layout, args.eps)
-        if running_mean is not None:
-            impl.update_running(running_mean, running_var, mean, var, args.M,
-                                   args.momentum)
+        mean, var, invstd = stats_and_update(impl, x, args.layout, args.eps, running_mean,
+                                             running_var, args.M, args.momentum)
     else:
         mean, invstd = impl.inference_stats(running_mean, running_var, args.eps)
     y, mask = impl.apply(x, mean, invstd, gamma, beta, z, relu, args.layout, with_mask)

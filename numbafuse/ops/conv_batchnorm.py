@@ -111,13 +111,13 @@ class ConvBatchNormReLU(Function):
         self.geometry = geometry
         if p.training:
             h = _conv.conv_forward(x, w, None, geometry, False)           # (N,K,P,Q) | NHWC
-            mean, var, invstd = _bn.bn_stats(h, eps=p.eps, layout=geometry.layout)  # (K,)
+            mean, var, invstd = _bn.stats_and_update(                     # (K,) each
+                kernels.module("batchnorm", which), h, geometry.layout, p.eps,
+                p.running_mean, p.running_var, geometry.N * geometry.P * geometry.Q,
+                p.momentum)
             keep_h = not p.recompute
             y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu,
                              layout=geometry.layout, with_mask=keep_h and p.relu)
-            if p.running_mean is not None:
-                _bn.update_running(p.running_mean, p.running_var, mean, var,
-                                   geometry.N * geometry.P * geometry.Q, p.momentum)
             if keep_h:   # trade memory for speed: keep h and a 1-bit ReLU mask, no recompute
                 y, mask = y if p.relu else (y, None)
                 self.save_for_backward(x=x, w=w, gamma=gamma, h=h, relu_state=mask, mean=mean,

@@ -65,7 +65,8 @@ def recording():
 
         def call(self, *args):
             if not (self._device or sim._kernel_context):
-                rec.launches.append((_name(self.fn), sum(raw_values(a) for a in args)))
+                name = self.__dict__.get("__name__") or _name(self.fn)   # factories rename
+                rec.launches.append((name, sum(raw_values(a) for a in args)))
             return real(self, *args)
 
         sim.FakeCUDAKernel.__call__ = call
@@ -82,7 +83,8 @@ def recording():
 
     def dispatch(self, args, launch_config):
         if depth[0] == 0:        # a dispatcher may hand the call on to another one
-            rec.launches.append((_name(self.py_func), sum(raw_values(a) for a in args)))
+            name = self.__dict__.get("__name__") or _name(self.py_func)  # factories rename
+            rec.launches.append((name, sum(raw_values(a) for a in args)))
         depth[0] += 1
         try:
             return real_call(self, args, launch_config)

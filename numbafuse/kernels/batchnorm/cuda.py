@@ -29,7 +29,7 @@ Host-level entry points (same as ``kernels/cpu/batchnorm.py``): :func:`stats`,
 import math
 
 import numpy as np
-from numba import boolean, float64, int32, int64, uint8
+from numba import boolean, float64, int32, int64, types, uint8
 
 from ... import backend, kernels
 from ...cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
@@ -98,21 +98,22 @@ def _step(pos, c, dpos, dc, C, B):
 
 # --------------------------------------------------------------------------- statistics
 
-@cuda.jit(cache=True)
-def _stats_finalize(x, B, partials, eps, mean, var, invstd):
-    # x: (A*C*B,) flat; partials: (C, parts, 2); mean, var, invstd: (C,) float64;
-    # one thread per channel, parts in a fixed order
-    C = mean.shape[0]
-    count = float64(x.size // C)
-    for c in range(cuda.grid(1), C, cuda.gridsize(1)):
-        s1 = 0.0
-        s2 = 0.0
-        for p in range(partials.shape[1]):
-            s1 += partials[c, p, 0]
-            s2 += partials[c, p, 1]
-        mean[c] = _finalize_mean(s1, float64(x[c * B]), count)   # shift: channel's first
-        var[c] = _finalize_var(s1, s2, count)
-        invstd[c] = _invstd_of(var[c], eps)
+@cuda.jit(device=True, inline=True)
+def _finish_stats(c, x, B, partials, parts, fin):
+    # run by channel c's last reduction block: x (A*C*B,) flat; fin = (stats (3, C) float64
+    # rows mean, var (biased), invstd; running_mean, running_var (C,) x's dtype, updated in
+    # place when ``update``; eps, count (M), momentum, update)
+    stats, running_mean, running_var, eps, count, momentum, update = fin
+    s1, s2 = reduce.part_sums(partials, c, parts)              # parts in order
+    mean = _finalize_mean(s1, float64(x[c * B]), count)        # shift: channel's first
+    var = _finalize_var(s1, s2, count)
+    stats[0, c] = mean
+    stats[1, c] = var
+    stats[2, c] = _invstd_of(var, eps)
+    if update:
+        running_mean[c] = _running_update(float64(running_mean[c]), mean, momentum)
+        running_var[c] = _running_update(float64(running_var[c]), _unbiased_var(var, count),
+                                         momentum)
 
 
 @cuda.jit(cache=True)
@@ -201,6 +202,22 @@ def _apply(x, z, has_z, mean, invstd, gamma, beta, relu, C, B, y, mask, want_mas
 
 # --------------------------------------------------------------------------- fused backward
 
+@cuda.jit(device=True, inline=True)
+def _finish_bwd(c, x, B, partials, parts, fin):
+    # run by channel c's last reduction block: fin = (gamma (C,), invstd (C,) float64, count,
+    # training, ggamma, gbeta (C,) x's dtype, coefs (3, C) float64 rows cg, cx, c0) with
+    # dx = cg*g + cx*(x - mean) + c0
+    gamma, invstd, count, training, ggamma, gbeta, coefs = fin
+    sg, sgx = reduce.part_sums(partials, c, parts)             # parts in order
+    dgamma = sgx * invstd[c]
+    gbeta[c] = sg
+    ggamma[c] = dgamma
+    gam = float64(gamma[c])
+    coefs[0, c] = _coef_g(gam, invstd[c])
+    coefs[1, c] = _coef_x(gam, invstd[c], dgamma, count, training)
+    coefs[2, c] = _coef_0(gam, invstd[c], sg, count, training)
+
+
 @cuda.jit(cache=True)
 def _bwd_finalize(partials, nparts, gamma, invstd, count, training, ggamma, gbeta, cg, cx,
                   c0):
@@ -287,13 +304,24 @@ def _flat_grid(size, C, B):
 
 def stats(x, layout, eps):
     """(mean, var, invstd) float64 (C,) device arrays of a C-contiguous device ``x``."""
+    return stats_update(x, layout, eps, None, None, 0.0)
+
+
+def stats_update(x, layout, eps, running_mean, running_var, momentum):
+    """:func:`stats`, and the running statistics (contiguous, x's dtype; None: none) updated
+    in place with PyTorch's rule, all in one launch: each channel's last reduction block
+    finishes it (``reduce.channel_partials`` with ``_finish_stats``)."""
     A, C, B = reduce.view(x.shape, layout)
-    partials, _ = reduce.channel_partials(reduce.ELEM_STATS, x, x, x, reduce._NO_MASK(),
-                                          reduce._NO_MEAN(), STATE_NONE, layout, _empty)
-    mean, var, invstd = (_empty(C, np.float64) for _ in range(3))
-    _stats_finalize[config.grid_1d(C)](x.reshape(x.size), B, partials, float(eps), mean, var,
-                                        invstd)
-    return mean, var, invstd
+    out = _empty((3, C), np.float64)                 # rows: mean, var, invstd
+    update = running_mean is not None
+    if update:
+        rm, rv = backend.as_device_array(running_mean), backend.as_device_array(running_var)
+    else:
+        rm = rv = reduce._placeholder(np.dtype(x.dtype))
+    reduce.channel_partials(reduce.ELEM_STATS, x, x, x, reduce._NO_MASK(), reduce._NO_MEAN(),
+                            STATE_NONE, layout, _empty, _finish_stats,
+                            (out, rm, rv, float(eps), float(A * B), float(momentum), update))
+    return out[0], out[1], out[2]
 
 
 def inference_stats(running_mean, running_var, eps):
@@ -333,16 +361,19 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     dtype = x.dtype
     ystate = state if state_kind == STATE_Y else x
     mask = state if state_kind == STATE_MASK else reduce._NO_MASK()
-    if (need_ggamma or need_gbeta or (need_gx and training)) and x.size:
-        partials, parts = reduce.channel_partials(reduce.ELEM_BWD, gy, x, ystate, mask, mean,
-                                                  state_kind, layout, _empty)
-    else:  # inference dx/dz only (the coefficients need no sums), or nothing to sum
-        parts = 0
-        partials = _empty((C, 1, 2), np.float64)
     ggamma, gbeta = _empty(C, dtype), _empty(C, dtype)
-    cg, cx, c0 = (_empty(C, np.float64) for _ in range(3))
-    _bwd_finalize[config.grid_1d(C)](partials, parts, gamma, invstd, float(A * B),
-                                     bool(training), ggamma, gbeta, cg, cx, c0)
+    coefs = _empty((3, C), np.float64)               # rows: cg, cx, c0
+    cg, cx, c0 = coefs[0], coefs[1], coefs[2]
+    if (need_ggamma or need_gbeta or (need_gx and training)) and x.size:
+        # the sums and, by each channel's last block, the coefficients: one launch
+        reduce.channel_partials(reduce.ELEM_BWD, gy, x, ystate, mask, mean, state_kind,
+                                layout, _empty, _finish_bwd,
+                                (gamma, invstd, float(A * B), bool(training), ggamma, gbeta,
+                                 coefs))
+    else:  # inference dx/dz only (the coefficients need no sums), or nothing to sum
+        partials = _empty((C, 1, 2), np.float64)
+        _bwd_finalize[config.grid_1d(C)](partials, 0, gamma, invstd, float(A * B),
+                                         bool(training), ggamma, gbeta, cg, cx, c0)
     gx = gz = None
     if need_gx or need_gz:
         gx = _empty(x.shape if need_gx else 1, dtype)
@@ -359,9 +390,12 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
 
 # Every kernel above with its signature as a function of the numba float type f; compiled to
 # PTX for a real target by tests/test_ptx.py and read as SASS by tests/test_sass.py.
-PTX_SIGNATURES = [
-    (_stats_finalize, lambda f: (f[::1], int64, float64[:, :, ::1], float64, float64[::1],
-                                 float64[::1], float64[::1])),
+_STATS_FIN = lambda f: types.Tuple((float64[:, ::1], f[::1], f[::1], float64, float64,  # noqa
+                                      float64, boolean))
+_BWD_FIN = lambda f: types.Tuple((f[::1], float64[::1], float64, boolean, f[::1], f[::1],  # noqa
+                                    float64[:, ::1]))
+PTX_SIGNATURES = reduce.ptx_signatures([(reduce.ELEM_STATS, _finish_stats, _STATS_FIN),
+                                        (reduce.ELEM_BWD, _finish_bwd, _BWD_FIN)]) + [
     (_inference_stats, lambda f: (f[::1], f[::1], float64, float64[::1], float64[::1])),
     (_update_running, lambda f: (f[::1], f[::1], float64[::1], float64[::1], float64,
                                  float64)),
