@@ -146,6 +146,11 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
     if training:
         mean, var, invstd = stats_and_update(impl, x, args.layout, args.eps, running_mean,
                                              running_var, args.M, args.momentum)
+    elif getattr(impl, "apply_running", None) is not None:     # statistics + apply: one pass
+        y, mask, mean, invstd = impl.apply_running(x, running_mean, running_var, args.eps,
+                                                   gamma, beta, z, relu, args.layout,
+                                                   with_mask)
+        return y, mask, x, mean, invstd, args
     else:
         mean, invstd = impl.inference_stats(running_mean, running_var, args.eps)
     y, mask = impl.apply(x, mean, invstd, gamma, beta, z, relu, args.layout, with_mask)

@@ -139,6 +139,28 @@ def _update_running(running_mean, running_var, mean, var, count, momentum):
 def _apply(x, z, has_z, mean, invstd, gamma, beta, relu, C, B, y, mask, want_mask):
     # x, z, y: (size,) flat; mean, invstd: (C,) float64; gamma, beta: (C,);
     # mask: (ceil(size/8),) uint8, bit j%8 of byte j//8 set where y[j] > 0
+    _apply_walk(x, z, has_z, mean, invstd, False, 0.0, gamma, beta, relu, C, B, y, mask,
+                want_mask)
+
+
+@cuda.jit
+def _apply_running(x, z, has_z, running_mean, running_var, eps, gamma, beta, relu, C, B, y,
+                   mask, want_mask, mean, invstd):
+    # inference: ``_apply`` with each channel's mean and invstd taken from the running
+    # statistics (C,) as the walk meets it, and also written to mean, invstd (C,) float64
+    # (saved for backward) by the first C threads of the grid: no statistics kernel
+    for c in range(cuda.grid(1), C, cuda.gridsize(1)):
+        mean[c] = running_mean[c]
+        invstd[c] = _invstd_of(float64(running_var[c]), eps)
+    _apply_walk(x, z, has_z, running_mean, running_var, True, eps, gamma, beta, relu, C, B,
+                y, mask, want_mask)
+
+
+@cuda.jit(device=True, inline=True)
+def _apply_walk(x, z, has_z, src_m, src_v, from_running, eps, gamma, beta, relu, C, B, y,
+                mask, want_mask):
+    # the flat walk of the apply kernels; channel c's (mean, invstd) is (src_m[c], src_v[c])
+    # or, ``from_running``, (running_mean[c], invstd_of(running_var[c], eps))
     bits = cuda.shared.array(BLOCK, int32)          # portable mask assembly
     prm = cuda.local.array((U, 4), x.dtype)         # per group: m_hi, m_lo, scale, beta
     chan = cuda.local.array(U, int32)               # ... of this channel (-1: none yet)
@@ -168,9 +190,14 @@ def _apply(x, z, has_z, mean, invstd, gamma, beta, relu, C, B, y, mask, want_mas
             if ju < size:
                 if chan[u] != uc:                    # channel parameters, in registers
                     chan[u] = uc
-                    prm[u, 0] = mean[uc]
-                    prm[u, 1] = mean[uc] - float64(prm[u, 0])
-                    prm[u, 2] = gamma[uc] * invstd[uc]
+                    m = float64(src_m[uc])
+                    if from_running:
+                        s = float64(_invstd_of(float64(src_v[uc]), eps))
+                    else:
+                        s = float64(src_v[uc])
+                    prm[u, 0] = m
+                    prm[u, 1] = m - float64(prm[u, 0])
+                    prm[u, 2] = gamma[uc] * s
                     prm[u, 3] = beta[uc]
                 v = (v - prm[u, 0] - prm[u, 1]) * prm[u, 2] + prm[u, 3]
                 if has_z:
@@ -354,6 +381,24 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     return y, (mask if want_mask else None)
 
 
+def apply_running(x, running_mean, running_var, eps, gamma, beta, z, relu, layout, want_mask):
+    """Inference: :func:`inference_stats` and :func:`apply` in one launch; returns
+    (y, mask or None, mean, invstd)."""
+    A, C, B = reduce.view(x.shape, layout)
+    y = _empty(x.shape, x.dtype)
+    mask = _empty(mask_nbytes(x.size), np.uint8) if want_mask else reduce._NO_MASK()
+    mean, invstd = _empty(C, np.float64), _empty(C, np.float64)
+    flat = x.reshape(x.size)                                      # (size,)
+    zf = flat if z is None else z.reshape(z.size)                 # x stands in for "no z"
+    blocks, threads = _flat_grid(x.size, C, B)
+    blocks = max(blocks, -(-C // threads))                         # and C threads for the stats
+    _apply_running[blocks, threads](
+        flat, zf, z is not None, kernels.contiguous(running_mean),
+        kernels.contiguous(running_var), float(eps), gamma, beta, bool(relu), C, B,
+        y.reshape(y.size), mask, bool(want_mask), mean, invstd)
+    return y, (mask if want_mask else None), mean, invstd
+
+
 def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, need):
     """(gx, ggamma, gbeta, gz) on the device, each None unless asked for in ``need``."""
     need_gx, need_ggamma, need_gbeta, need_gz = need
@@ -401,6 +446,9 @@ PTX_SIGNATURES = reduce.ptx_signatures([(reduce.ELEM_STATS, _finish_stats, _STAT
                                  float64)),
     (_apply, lambda f: (f[::1], f[::1], boolean, float64[::1], float64[::1], f[::1], f[::1],
                         boolean, int64, int64, f[::1], uint8[::1], boolean)),
+    (_apply_running, lambda f: (f[::1], f[::1], boolean, f[::1], f[::1], float64, f[::1],
+                                f[::1], boolean, int64, int64, f[::1], uint8[::1], boolean,
+                                float64[::1], float64[::1])),
     (_bwd_finalize, lambda f: (float64[:, :, ::1], int64, f[::1], float64[::1], float64,
                                boolean, f[::1], f[::1], float64[::1], float64[::1],
                                float64[::1])),
