@@ -7,7 +7,10 @@ timing, so a result repeats bit for bit; no float atomics. Partials are float64.
 activation as (A, C, B): NCHW is (N, C, H*W), NHWC is (N*H*W, C, 1); value (a, c, b) sits at
 flat offset ``(a*C + c)*B + b``. One launch writes ``partials[c, part, 0:2]``, the sums of two
 per-element quantities over a fixed share (``part``) of channel c's M = A*B values; a
-per-channel finalize adds the parts in order.
+per-channel finish adds the parts in order. With a ``finish`` the finish runs in the same
+launch: each block's writers fence, thread 0 counts the block on its row's int32 counter, and
+the row's last block reads the parts through L2 and finishes it (:func:`last_block`; integer
+atomics only, the sums stay in a fixed order).
 
 - NCHW: a block per (part, channel): its threads walk the channel's values ``j`` (a slice of
   each (n, c) plane, planes one after another), lane-contiguous, U independent loads in flight

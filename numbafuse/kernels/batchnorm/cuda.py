@@ -24,7 +24,12 @@ Relu state codes for the backward are those of the CPU module: ``STATE_NONE``, `
 (open where y > 0), ``STATE_MASK`` (packed bits, bit ``j % 8`` of byte ``j // 8``).
 
 Host-level entry points (same as ``kernels/cpu/batchnorm.py``): :func:`stats`,
-:func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`.
+:func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`; and two
+that fold launches, used by the ops layer where a backend module has them:
+:func:`stats_update` (statistics and the running-statistics update, finished by each
+channel's last reduction block) and :func:`apply_running` (inference: the statistics read
+from the running ones inside the apply). The backward's sums and coefficients are one launch
+the same way (``_finish_bwd``).
 """
 import math
 
