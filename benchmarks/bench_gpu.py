@@ -1,58 +1,80 @@
-"""GPU benchmark: the fused CUDA kernels vs PyTorch CUDA (TF32 off) and the measured ceilings.
+"""GPU benchmark: numbafuse's CUDA path against PyTorch CUDA, each library in its own process.
 
-    PYTHONPATH=. python benchmarks/bench_gpu.py [--markdown FILE]      # on a machine with a GPU
-    NUMBA_ENABLE_CUDASIM=1 python benchmarks/bench_gpu.py --smoke       # tiny shapes, simulator
+    PYTHONPATH=. python benchmarks/bench_gpu.py [--rounds 3] [--markdown docs/bench_gpu.md]
+    NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=. python benchmarks/bench_gpu.py --smoke   # simulator
 
-For a session that is lent a GPU (none was while this was written: its figures are still to be
-taken). It measures, in one process:
+The driver imports neither library: it runs ``bench_gpu.py --worker numbafuse`` and
+``--worker torch`` as separate processes, alternating for ``--rounds`` rounds, keeps the best
+(smallest) time of each measurement, and prints the tables (DESIGN.md, "How speed is
+measured"). The torch worker gets an environment without numbafuse's and numba's settings
+(``NUMBA_*``, ``OMP_WAIT_POLICY``); numbafuse never sees torch.
 
-- the two ceilings: device-to-device copy bandwidth (bytes read + written / time) and, when
-  PyTorch CUDA is there, an FP32 matrix product's rate with TF32 off;
-- Conv-Bias-ReLU at the four shapes of issue 16 (NCHW, float32): numbafuse's fused forward
-  and forward+backward (GFLOP/s, fraction of the matmul ceiling) and cuDNN's through
-  PyTorch, with TF32 off (``allow_tf32 = False``: the same FP32 arithmetic) and with
-  PyTorch's default (TF32 on for cuDNN convolutions);
-- BatchNorm-Add-ReLU at the four shapes of issue 16 (three NCHW, one NHWC): fused forward and
-  forward+backward, achieved bandwidth (minimum bytes moved / time) against the copy ceiling,
-  and PyTorch CUDA eager (F.batch_norm + add + relu, autograd; NHWC as channels_last).
+Tables:
 
-GPU figures for the kernels of issue 16 are pending: no GPU was lent to the session that
-wrote them (their static sm_90 analysis is docs/bench_gpu_static.md).
+1. **Per call, host overhead** (issue 17): wall time per call at the digits shape x (32, 24,
+   8, 8) float32, w (24, 24, 3, 3), synchronized once per ``CALLS`` (200) calls, best of the
+   repeats: conv_bias_relu forward, batchnorm_add_relu forward (training, running
+   statistics), an empty kernel launch (numba.cuda: one array argument), against PyTorch's
+   conv2d + bias + relu, batch_norm + add + relu and a one-element op.
+2. **Training step** of the digits ResNet (width 24, 2 blocks, batch 32, SGD with momentum and
+   weight decay, gradients cleared at each step): numbafuse fused and unfused (NHWC, the
+   model's default) and PyTorch eager (Conv2d, BatchNorm2d, SGD; its default NCHW), ms per
+   step over ``STEPS`` steps with one synchronization at the end.
+3. **Kernels at the shapes of issue 16**: conv_bias_relu and batchnorm_add_relu forward and
+   forward+backward timed with CUDA events (median of repeats), numbafuse against cuDNN (TF32
+   off and PyTorch's default) and PyTorch eager, with the copy and matmul ceilings each
+   process measures for itself.
 
-Device work is timed with CUDA events around many repeats after a warm-up (median of the
-repeats). ``--smoke`` shrinks every shape so the script itself can be checked under the
-simulator; its times mean nothing.
+``--smoke`` shrinks everything so the script runs under the CUDA simulator (the torch worker
+is skipped there: PyTorch has no CUDA device); its times mean nothing.
 """
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _report
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
+sys.path.insert(0, HERE)  # for _report
 import _report  # noqa: E402
-from numba import cuda  # noqa: E402
 
-import numbafuse as nf  # noqa: E402
-
+DIGITS = dict(x=(32, 24, 8, 8), w=(24, 24, 3, 3), batch=32)
 FULL = dict(conv=[((32, 64, 56, 56), (64, 64, 3, 3), dict(padding=1)),
                   ((32, 64, 32, 32), (64, 64, 3, 3), dict(padding=1)),
                   ((32, 256, 56, 56), (64, 256, 1, 1), dict()),
                   ((32, 128, 56, 56), (128, 128, 3, 3), dict(stride=2, padding=1))],
             bn=[((64, 256, 56, 56), "NCHW"), ((64, 56, 56, 256), "NHWC"),
                 ((256, 2048, 7, 7), "NCHW"), ((32, 64, 32, 32), "NCHW")],
-            copy_mib=512, matmul=8192, repeats=50)
-SMOKE = dict(conv=[((1, 2, 4, 4), (2, 2, 3, 3), dict(padding=1)),
-                   ((1, 2, 5, 5), (3, 2, 3, 3), dict(stride=2, padding=1))],
+            copy_mib=512, matmul=8192, repeats=50, calls=200, call_repeats=10,
+            steps=50, digits=DIGITS, model=dict(width=24, blocks=2))
+SMOKE = dict(conv=[((1, 2, 4, 4), (2, 2, 3, 3), dict(padding=1))],
              bn=[((1, 2, 3, 3), "NCHW"), ((1, 3, 3, 2), "NHWC")], copy_mib=0.01, matmul=0,
-             repeats=1)
-WARMUP = 3
+             repeats=1, calls=2, call_repeats=1, steps=1,
+             digits=dict(x=(2, 3, 4, 4), w=(3, 3, 3, 3), batch=2), model=dict(width=2, blocks=1),
+             launch=dict(threads=8, max_blocks=3, reduce_blocks=3, dw_target_blocks=1))
+WARMUP = 3          # calls before timing (1 with --smoke)
 
 
-def _time_events(fn, repeats, new_event, synchronize):
+def best_per_call(fn, calls, repeats, synchronize):
+    """Best wall seconds per call of ``fn`` over ``repeats`` runs of ``calls`` calls, each run
+    synchronized once at its end (after ``WARMUP`` calls)."""
+    for _ in range(WARMUP):
+        fn()
+    synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def median_events(fn, repeats, new_event, synchronize):
     """Median milliseconds of ``fn()`` between two device events, after a warm-up."""
     for _ in range(WARMUP):
         fn()
@@ -68,165 +90,289 @@ def _time_events(fn, repeats, new_event, synchronize):
     return statistics.median(times)
 
 
-def time_device(fn, repeats):
-    """numbafuse's work, timed with numba.cuda events."""
-    return _time_events(fn, repeats, cuda.event, cuda.synchronize)
+# --------------------------------------------------------------------------- numbafuse worker
+
+def numbafuse_worker(cfg):
+    sys.path.insert(0, ROOT)
+    import numpy as np
+    import numbafuse as nf
+    from numbafuse import cuda as nfcuda, models, optim
+    from numbafuse.train import train_step
+    from numbafuse.kernels import cuda_config
+    for name, value in cfg.get("launch", {}).items():     # --smoke: simulator-sized launches
+        setattr(cuda_config, name, value)
+    if "launch" in cfg:
+        cuda_config.tile_override = cuda_config.Tile(64, 8, 8, 8, 8, 4)
+    cuda = nfcuda.numba_cuda
+    out = dict(device=_numba_device_name(cuda), calls={}, steps={}, kernels={})
+    sync = cuda.synchronize
+    rng = np.random.default_rng(0)
+    dev = nfcuda.to_device
+
+    # per call, at the digits shape
+    d = cfg["digits"]
+    C = d["x"][1]
+    x = dev(rng.standard_normal(d["x"]).astype(np.float32))
+    z = dev(rng.standard_normal(d["x"]).astype(np.float32))
+    w = dev((rng.standard_normal(d["w"]) / np.sqrt(np.prod(d["w"][1:]))).astype(np.float32))
+    b, gamma, beta = (dev(v.astype(np.float32)) for v in (rng.standard_normal(C),
+                                                           np.ones(C), np.zeros(C)))
+    rm, rv = dev(np.zeros(C, np.float32)), dev(np.ones(C, np.float32))
+    one = dev(np.zeros(1, np.float32))
+
+    @cuda.jit
+    def empty_kernel(a):
+        pass
+
+    n, reps = cfg["calls"], cfg["call_repeats"]
+    out["calls"]["conv_bias_relu forward"] = best_per_call(
+        lambda: nf.conv_bias_relu(x, w, b, padding=1), n, reps, sync)
+    out["calls"]["batchnorm_add_relu forward (training)"] = best_per_call(
+        lambda: nf.batchnorm_add_relu(x, z, gamma, beta, running_mean=rm, running_var=rv),
+        n, reps, sync)
+    out["calls"]["an empty kernel launch"] = best_per_call(
+        lambda: empty_kernel[1, 1](one), n, reps, sync)
+
+    # training step of the digits ResNet
+    xb = dev(rng.standard_normal((d["batch"], 8, 8, 1)).astype(np.float32))
+    yb = dev(rng.integers(0, 10, d["batch"]))
+    for kind in ("fused", "unfused"):
+        model = models.make_model(kind, **cfg["model"]).to("cuda")
+        opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        out["steps"][f"numbafuse {kind}"] = best_per_call(
+            lambda: train_step(model, opt, xb, yb), cfg["steps"], 1, sync)
+    out["memory"] = nfcuda.memory_stats()
+
+    # kernels at the shapes of issue 16
+    def events(fn):
+        return median_events(fn, cfg["repeats"], cuda.event, sync)
+    n_copy = max(1, int(cfg["copy_mib"] * 2**20 // 4))
+    src, dst = dev(np.ones(n_copy, np.float32)), nfcuda.empty(n_copy, np.float32)
+    out["copy_gbs"] = 2 * src.nbytes / (events(lambda: dst.copy_to_device(src)) * 1e-3) / 1e9
+    for x_shape, w_shape, kw in cfg["conv"]:
+        xs = dev(rng.standard_normal(x_shape).astype(np.float32))
+        ws = dev((rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:])))
+                 .astype(np.float32))
+        bs = dev(rng.standard_normal(w_shape[0]).astype(np.float32))
+        y = nf.conv_bias_relu(xs, ws, bs, **kw)
+        gy = dev(rng.standard_normal(y.shape).astype(np.float32))
+        out["kernels"][_conv_key(x_shape, w_shape, kw)] = (
+            events(lambda: nf.conv_bias_relu(xs, ws, bs, **kw)),
+            events(lambda: nf.conv_bias_relu_backward(
+                gy, xs, ws, nf.conv_bias_relu(xs, ws, bs, **kw), **kw)))
+    for shape, layout in cfg["bn"]:
+        Cb = shape[1] if layout == "NCHW" else shape[3]
+        xs, zs, gy = (dev(rng.standard_normal(shape).astype(np.float32)) for _ in range(3))
+        g1, b0 = dev(np.ones(Cb, np.float32)), dev(np.zeros(Cb, np.float32))
+
+        def fwd():
+            return nf.batchnorm_add_relu(xs, zs, g1, b0, layout=layout)
+        out["kernels"][_bn_key(shape, layout)] = (
+            events(fwd), events(lambda: nf.batchnorm_add_relu_backward(
+                gy, xs, zs, g1, b0, y=fwd(), layout=layout)))
+    return out
 
 
-def _torch_cuda():
+def _numba_device_name(cuda):
+    name = getattr(cuda.get_current_device(), "name", b"simulator")
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _conv_key(x_shape, w_shape, kw):
+    return f"conv_bias_relu | x {x_shape}, w {w_shape}" + (f", {kw}" if kw else "")
+
+
+def _bn_key(shape, layout):
+    return f"batchnorm_add_relu | {shape} {layout}"
+
+
+# --------------------------------------------------------------------------- torch worker
+
+def torch_worker(cfg):
     try:
         import torch
     except ImportError:
-        return None
+        return dict(skipped="PyTorch is not installed")
     if not torch.cuda.is_available():
-        return None
+        return dict(skipped="PyTorch has no CUDA device")
+    F = torch.nn.functional
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return torch
+    dev = dict(device="cuda")
+    out = dict(device=torch.cuda.get_device_name(), calls={}, steps={}, kernels={})
+    sync = torch.cuda.synchronize
+    torch.manual_seed(0)
 
+    d = cfg["digits"]
+    C = d["x"][1]
+    x, z = torch.randn(d["x"], **dev), torch.randn(d["x"], **dev)
+    w = torch.randn(d["w"], **dev) / float(torch.tensor(d["w"][1:]).prod()) ** 0.5
+    b, gamma, beta = torch.randn(C, **dev), torch.ones(C, **dev), torch.zeros(C, **dev)
+    rm, rv = torch.zeros(C, **dev), torch.ones(C, **dev)
+    one = torch.zeros(1, **dev)
+    n, reps = cfg["calls"], cfg["call_repeats"]
+    out["calls"]["conv_bias_relu forward"] = best_per_call(
+        lambda: F.relu(F.conv2d(x, w, b, padding=1)), n, reps, sync)
+    out["calls"]["batchnorm_add_relu forward (training)"] = best_per_call(
+        lambda: F.relu(F.batch_norm(x, rm, rv, gamma, beta, training=True) + z), n, reps,
+        sync)
+    out["calls"]["an empty kernel launch"] = best_per_call(lambda: one.add_(1), n, reps, sync)
 
-def time_torch(torch, fn, repeats):
-    """PyTorch's work, timed with its own events (on its current stream)."""
-    return _time_events(fn, repeats, lambda: torch.cuda.Event(enable_timing=True),
-                        torch.cuda.synchronize)
+    nn = torch.nn
 
+    class Block(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+            self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
 
-def copy_ceiling(cfg):
-    n = max(1, int(cfg["copy_mib"] * 2**20 // 4))
-    src = cuda.to_device(np.ones(n, np.float32))
-    dst = cuda.device_array(n, np.float32)
-    ms = time_device(lambda: dst.copy_to_device(src), cfg["repeats"])
-    return 2 * src.nbytes / (ms * 1e-3) / 1e9          # GB/s, read + write
+        def forward(self, h):
+            return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(h))))) + h)
 
+    width = cfg["model"]["width"]
+    model = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(),
+                          *[Block(width) for _ in range(cfg["model"]["blocks"])],
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(width, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    xb = torch.randn(d["batch"], 1, 8, 8, **dev)
+    yb = torch.randint(0, 10, (d["batch"],), **dev)
 
-def matmul_ceiling(torch, cfg):
-    n = cfg["matmul"]
-    if torch is None or n == 0:
-        return None
-    a = torch.randn(n, n, device="cuda")
-    b = torch.randn(n, n, device="cuda")
-    ms = time_torch(torch, lambda: a @ b, max(5, cfg["repeats"] // 5))
-    return 2 * n ** 3 / (ms * 1e-3) / 1e9              # GFLOP/s
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    out["steps"]["PyTorch eager"] = best_per_call(step, cfg["steps"], 1, sync)
 
-
-def bench_conv(torch, cfg, rows, matmul):
+    def events(fn):
+        return median_events(fn, cfg["repeats"], lambda: torch.cuda.Event(enable_timing=True),
+                             sync)
+    n_copy = max(1, int(cfg["copy_mib"] * 2**20 // 4))
+    src, dst = torch.ones(n_copy, **dev), torch.empty(n_copy, **dev)
+    out["copy_gbs"] = 2 * src.nbytes / (events(lambda: dst.copy_(src)) * 1e-3) / 1e9
+    if cfg["matmul"]:
+        a = torch.randn(cfg["matmul"], cfg["matmul"], **dev)
+        out["matmul_gflops"] = 2 * cfg["matmul"] ** 3 / (events(lambda: a @ a) * 1e-3) / 1e9
     for x_shape, w_shape, kw in cfg["conv"]:
-        _bench_conv_one(torch, cfg, rows, matmul, x_shape, w_shape, kw)
-
-
-def _bench_conv_one(torch, cfg, rows, matmul, x_shape, w_shape, kw):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal(x_shape).astype(np.float32)
-    w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
-    b = rng.standard_normal(w_shape[0]).astype(np.float32)
-    dx, dw, db = (cuda.to_device(a) for a in (x, w, b))
-    y = nf.conv_bias_relu(dx, dw, db, **kw)
-    gy = cuda.to_device(rng.standard_normal(y.shape).astype(np.float32))
-    geom_flops = 2 * np.prod(y.shape) * np.prod(w_shape[1:])
-    fwd = time_device(lambda: nf.conv_bias_relu(dx, dw, db, **kw), cfg["repeats"])
-    both = time_device(lambda: nf.conv_bias_relu_backward(
-        gy, dx, dw, nf.conv_bias_relu(dx, dw, db, **kw), **kw), cfg["repeats"])
-    rate = 3 * geom_flops / (both * 1e-3) / 1e9
-    frate = geom_flops / (fwd * 1e-3) / 1e9
-    label = f"x {x_shape}, w {w_shape}" + (f", {kw}" if kw else "")
-    rows.append(("conv_bias_relu", label, "numbafuse", fwd, both,
-                 f"fwd {frate:.0f}, fwd+bwd {rate:.0f} GFLOP/s"
-                 + (f" ({rate / matmul:.0%} of matmul)" if matmul else "")))
-    if torch is not None:
-        tx, tw, tb = (torch.tensor(a, device="cuda", requires_grad=True) for a in (x, w, b))
-        tgy = torch.tensor(gy.copy_to_host(), device="cuda")
-        F = torch.nn.functional
-
-        def t_fwd():
-            return F.relu(F.conv2d(tx, tw, tb, **kw))
-
-        def t_both():
-            t_fwd().backward(tgy)
+        tx = torch.randn(x_shape, **dev, requires_grad=True)
+        tw = (torch.randn(w_shape, **dev) / float(torch.tensor(w_shape[1:]).prod()) ** 0.5
+              ).requires_grad_(True)
+        tb = torch.randn(w_shape[0], **dev, requires_grad=True)
+        tgy = torch.randn_like(F.conv2d(tx, tw, tb, **kw))
         for tf32 in (False, True):
             torch.backends.cudnn.allow_tf32 = tf32
-            tf, tb_ = time_torch(torch, t_fwd, cfg["repeats"]), time_torch(torch, t_both,
-                                                                            cfg["repeats"])
-            trate = 3 * geom_flops / (tb_ * 1e-3) / 1e9
-            rows.append(("conv_bias_relu", label,
-                         "cuDNN " + ("TF32 (PyTorch default)" if tf32 else "FP32 (TF32 off)"),
-                         tf, tb_, f"fwd+bwd {trate:.0f} GFLOP/s; numbafuse / this: "
-                         f"{tb_ / both:.2f}x"))
+
+            def fwd():
+                return F.relu(F.conv2d(tx, tw, tb, **kw))
+            key = _conv_key(x_shape, w_shape, kw) + (" | cuDNN TF32 (PyTorch default)" if tf32
+                                                     else " | cuDNN FP32 (TF32 off)")
+            out["kernels"][key] = (events(fwd), events(lambda: fwd().backward(tgy)))
         torch.backends.cudnn.allow_tf32 = False
-
-
-def bench_bn(torch, cfg, rows, copy_bw):
-    rng = np.random.default_rng(1)
     for shape, layout in cfg["bn"]:
-        C = shape[1] if layout == "NCHW" else shape[3]
-        x, z, gy = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
-        gamma, beta = np.ones(C, np.float32), np.zeros(C, np.float32)
-        d = {k: cuda.to_device(v) for k, v in dict(x=x, z=z, gy=gy, gamma=gamma,
-                                                    beta=beta).items()}
+        fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+        nchw = shape if layout == "NCHW" else (shape[0], shape[3], shape[1], shape[2])
+        tx, tz, tgy = (torch.randn(nchw, **dev).contiguous(memory_format=fmt)
+                       for _ in range(3))
+        tx.requires_grad_(True)
+        tz.requires_grad_(True)
+        tg = torch.ones(nchw[1], **dev, requires_grad=True)
+        tbe = torch.zeros(nchw[1], **dev, requires_grad=True)
 
-        def fwd():
-            return nf.batchnorm_add_relu(d["x"], d["z"], d["gamma"], d["beta"], layout=layout)
+        def bn_fwd():
+            return F.relu(F.batch_norm(tx, None, None, tg, tbe, training=True) + tz)
+        out["kernels"][_bn_key(shape, layout) + " | PyTorch eager"] = (
+            events(bn_fwd), events(lambda: bn_fwd().backward(tgy)))
+    return out
 
-        def both():
-            y = fwd()
-            return nf.batchnorm_add_relu_backward(d["gy"], d["x"], d["z"], d["gamma"],
-                                                  d["beta"], y=y, layout=layout)
-        tf, tb = time_device(fwd, cfg["repeats"]), time_device(both, cfg["repeats"])
-        nbytes = x.nbytes
-        # minimum traffic: fwd reads x twice (stats, apply) and z, writes y; bwd reads gy, y,
-        # x twice, writes gx, gz
-        bw_f, bw_b = 4 * nbytes / (tf * 1e-3) / 1e9, 10 * nbytes / (tb * 1e-3) / 1e9
-        label = f"{shape} {layout}"
-        rows.append(("batchnorm_add_relu", label, "numbafuse", tf, tb,
-                     f"{bw_f:.0f} / {bw_b:.0f} GB/s ({bw_f / copy_bw:.0%} / "
-                     f"{bw_b / copy_bw:.0%} of copy)"))
-        if torch is not None:
-            fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
 
-            def nchw(a):
-                t = torch.tensor(a, device="cuda")
-                if layout == "NHWC":
-                    t = t.permute(0, 3, 1, 2)
-                return t.contiguous(memory_format=fmt).requires_grad_(True)
-            tx, tz, tgy = nchw(x), nchw(z), nchw(gy).detach()
-            tg, tbe = (torch.tensor(a, device="cuda", requires_grad=True) for a in (gamma, beta))
-            F = torch.nn.functional
+# --------------------------------------------------------------------------- the driver
 
-            def t_fwd():
-                return F.relu(F.batch_norm(tx, None, None, tg, tbe, training=True) + tz)
+WORKERS = dict(numbafuse=numbafuse_worker, torch=torch_worker)
 
-            def t_both():
-                t_fwd().backward(tgy)
-            ttf, ttb = time_torch(torch, t_fwd, cfg["repeats"]), time_torch(torch, t_both,
-                                                                             cfg["repeats"])
-            rows.append(("batchnorm_add_relu", label, "PyTorch CUDA eager", ttf, ttb,
-                         f"numbafuse / this, fwd+bwd: {ttb / tb:.2f}x"))
+
+def _torch_env():
+    """The environment without numba's and numbafuse's settings."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("NUMBA_") and k != "OMP_WAIT_POLICY"}
+
+
+def run_worker(name, smoke):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name] + (
+        ["--smoke"] if smoke else [])
+    env = dict(os.environ) if name == "numbafuse" else _torch_env()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_gpu: the {name} worker failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _best(acc, new):
+    """Keep the smallest of each time (tuples elementwise), the largest of each rate."""
+    for key, value in new.items():
+        if key not in acc or key == "memory":
+            acc[key] = value
+        elif isinstance(value, dict):
+            _best(acc[key], value)
+        elif isinstance(value, list):
+            acc[key] = [min(a, b) for a, b in zip(acc[key], value)]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            acc[key] = max(acc[key], value) if key.endswith(("_gbs", "_gflops")) else \
+                min(acc[key], value)
+    return acc
+
+
+def tables(nf, pt, command, cfg):
+    us = 1e6
+    lines = [f"Command: `{command}`", "",
+             f"numbafuse device: {nf['device']}; PyTorch: " +
+             (pt.get("skipped") or pt["device"]) + ".", "",
+             f"Per call (wall time, synchronized once per {cfg['calls']} calls, best of "
+             f"{cfg['call_repeats']} repeats), at x {cfg['digits']['x']} float32, w "
+             f"{cfg['digits']['w']}:", "",
+             "| call | numbafuse us | PyTorch us | numbafuse / PyTorch |", "|---|---:|---:|---:|"]
+    for key, t in nf["calls"].items():
+        p = pt.get("calls", {}).get(key)
+        lines.append(f"| {key} | {t * us:.1f} | " + (f"{p * us:.1f} | {t / p:.2f}x |"
+                                                     if p else "n/a | |"))
+    lines += ["", f"Training step of the digits ResNet ({cfg['model']}, batch "
+              f"{cfg['digits']['batch']}, SGD momentum 0.9, weight decay 5e-4), ms per step "
+              f"over {cfg['steps']} steps:", "", "| implementation | ms/step |", "|---|---:|"]
+    for key, t in list(nf["steps"].items()) + list(pt.get("steps", {}).items()):
+        lines.append(f"| {key} | {t * 1e3:.3f} |")
+    lines += ["", f"numbafuse's pool after the run: {nf['memory']}", "",
+              f"Kernels (CUDA events, median). Copy ceiling: numbafuse process "
+              f"{nf['copy_gbs']:.0f} GB/s" + (f", PyTorch process {pt['copy_gbs']:.0f} GB/s"
+                                              if "copy_gbs" in pt else "")
+              + (f"; FP32 matmul (TF32 off) {pt['matmul_gflops']:.0f} GFLOP/s"
+                 if "matmul_gflops" in pt else "") + ".", "",
+              "| op | shape | implementation | fwd ms | fwd+bwd ms |", "|---|---|---|---:|---:|"]
+    rows = [(k + " | numbafuse", v) for k, v in nf["kernels"].items()]
+    rows += list(pt.get("kernels", {}).items())
+    for key, (f, b) in sorted(rows, key=lambda kv: kv[0]):
+        lines.append(f"| {key} | {f:.3f} | {b:.3f} |")
+    return lines
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes (simulator check)")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3; "
+                   "1 with --smoke)")
     p.add_argument("--markdown", metavar="FILE")
+    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if not cuda.is_available():
-        sys.exit("bench_gpu: no CUDA device (for a smoke run: NUMBA_ENABLE_CUDASIM=1 ... --smoke)")
     cfg = SMOKE if args.smoke else FULL
-    torch = None if args.smoke else _torch_cuda()
-    copy_bw = copy_ceiling(cfg)
-    matmul = matmul_ceiling(torch, cfg)
-    rows = []
-    bench_conv(torch, cfg, rows, matmul)
-    bench_bn(torch, cfg, rows, copy_bw)
-    device = cuda.get_current_device()
-    name = getattr(device, "name", b"simulator")
-    name = name.decode() if isinstance(name, bytes) else str(name)
-    lines = [f"Command: `{_report.command('bench_gpu.py')}`", "",
-             f"Device: {name}. Ceilings measured in this run: device copy {copy_bw:.0f} GB/s"
-             + (f", FP32 matmul (TF32 off) {matmul:.0f} GFLOP/s" if matmul else "") + ".", "",
-             "| op | shape | implementation | fwd ms | fwd+bwd ms | achieved |",
-             "|---|---|---|---:|---:|---|"]
-    lines += [f"| {op} | {shape} | {impl} | {f:.3f} | {b:.3f} | {extra} |"
-              for op, shape, impl, f, b, extra in rows]
-    _report.emit(lines, args.markdown)
+    if args.worker:
+        global WARMUP
+        WARMUP = 1 if args.smoke else WARMUP
+        print(json.dumps(WORKERS[args.worker](cfg)))
+        return
+    nf, pt = {}, {}
+    for _ in range(args.rounds or (1 if args.smoke else 3)):
+        _best(nf, run_worker("numbafuse", args.smoke))
+        if not pt.get("skipped"):
+            _best(pt, run_worker("torch", args.smoke))
+    _report.emit(tables(nf, pt, _report.command("bench_gpu.py"), cfg), args.markdown)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,14 @@ class _CudaPool:
     reuse instead of going back to the driver at every synchronization. A buffer goes back to
     the pool, in the order of numba's default stream (where numbafuse launches), when the
     last device array viewing it dies (numba's ``MemoryPointer`` finalizer).
+
+    Accounting: ``bytes_in_use`` is the requested bytes of live arrays (kept here, no driver
+    call); ``bytes_reserved`` the pool's ``reserved_mem_current`` (one driver query per
+    allocation), and an allocation counts as new when it raised that figure. The release
+    threshold keeps the pool from trimming itself, so the figure only grows.
+
+    Written for a GPU and checked only by reading (no GPU was lent to the sessions that wrote
+    and reviewed it): ``tests/cuda/test_memory_pool_cuda.py`` runs it on a GPU.
     """
 
     def __init__(self):
@@ -153,16 +161,20 @@ class _CudaPool:
             DeviceMemoryResourceOptions
         device = Device(numba_cuda.get_current_device().id)
         device.set_current()
-        self.stream = LEGACY_DEFAULT_STREAM
+        self.stream = LEGACY_DEFAULT_STREAM       # numba's default stream: where kernels run
         self.resource = DeviceMemoryResource(device, DeviceMemoryResourceOptions())
         self._keep_reserved()
+        self._attributes = self.resource.attributes
         self.stats = _Stats()
 
     def _keep_reserved(self):
         from cuda.bindings import driver
         attribute = driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
         handle = driver.CUmemoryPool(int(self.resource.handle))
-        driver.cuMemPoolSetAttribute(handle, attribute, driver.cuuint64_t(2 ** 63 - 1))
+        err, = driver.cuMemPoolSetAttribute(handle, attribute, driver.cuuint64_t(2 ** 63 - 1))
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"numbafuse.cuda: cannot set the pool's release threshold: "
+                               f"{err}")
 
     def empty(self, shape, dtype):
         from numba.cuda.cudadrv import driver
@@ -170,22 +182,34 @@ class _CudaPool:
         dtype = np.dtype(dtype)
         shape = tuple(int(n) for n in (shape if isinstance(shape, tuple) else (shape,)))
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        self.stats.requests += 1
+        stats = self.stats
+        stats.requests += 1
         if nbytes == 0:
             return numba_cuda.device_array(shape, dtype)
-        reserved = self.resource.attributes.reserved_mem_current
         buffer = self.resource.allocate(nbytes, stream=self.stream)
-        attributes = self.resource.attributes
-        self.stats.allocations += attributes.reserved_mem_current > reserved
-        self.stats.bytes_reserved = attributes.reserved_mem_current
-        self.stats.bytes_in_use = attributes.used_mem_current
-        self.stats.peak_bytes_in_use = max(self.stats.peak_bytes_in_use,
-                                           attributes.used_mem_current)
-        stream = self.stream
+        reserved = self._attributes.reserved_mem_current
+        stats.allocations += reserved > stats.bytes_reserved
+        stats.bytes_reserved = reserved
+        stats.bytes_in_use += nbytes
+        stats.peak_bytes_in_use = max(stats.peak_bytes_in_use, stats.bytes_in_use)
         memory = driver.MemoryPointer(numba_cuda.current_context(),
                                       driver.binding.CUdeviceptr(int(buffer.handle)), nbytes,
-                                      finalizer=lambda: buffer.close(stream))
+                                      finalizer=_release_buffer(buffer, self.stream, stats,
+                                                                nbytes))
         return DeviceNDArray(shape, _c_strides(shape, dtype.itemsize), dtype, gpu_data=memory)
+
+
+def _release_buffer(buffer, stream, stats, nbytes):
+    """The finalizer of a pool array's memory: back to the pool in stream order."""
+    def release():
+        stats.bytes_in_use -= nbytes
+        try:
+            buffer.close(stream)
+        except Exception:   # at interpreter exit the driver may be gone before the arrays
+            import sys
+            if not sys.is_finalizing():
+                raise
+    return release
 
 
 def _c_strides(shape, itemsize):

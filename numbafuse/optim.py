@@ -7,9 +7,15 @@ For each parameter ``p`` with gradient ``g`` (``lr``, momentum ``m``, weight dec
     p  <- p - lr * b                   (p - lr * g without momentum)
 
 exactly as ``torch.optim.SGD`` (dampening 0, no Nesterov). Host parameters are updated in
-place with NumPy; device parameters with the device ``a*x + b*y`` kernel
-(``numbafuse.kernels.elementwise.cuda.axpby``), which returns a new device array that replaces
-``p.data`` (the ``Tensor`` object stays the same, so modules keep seeing it).
+place with NumPy.
+
+Device parameters take one fused step per dtype, as PyTorch's fused/foreach SGD: the
+parameters of one dtype live in one flat pool buffer (each ``p.data`` becomes a view of its
+slice, made on the first step and remade when ``p.data`` is reassigned, e.g. by
+``load_state_dict`` or ``Module.to``), their momentum buffers in another, and one kernel
+launch (``kernels.elementwise.cuda.sgd_step``; one per 32 parameters with a gradient) updates
+them all in place from the tuple of gradients. The arithmetic is that of the per-parameter
+``a*x + b*y`` steps it replaces, bit for bit (``tests/cuda/test_sgd_cuda.py``).
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ class SGD:
         self.momentum = validate.check_scalar("SGD", "momentum", momentum, lo=0.0)
         self.weight_decay = validate.check_scalar("SGD", "weight_decay", weight_decay, lo=0.0)
         self.momentum_buffers = [None] * len(self.params)   # b per parameter, made on first use
+        self._groups = {}         # dtype -> _FlatGroup of the device parameters of that dtype
 
     def zero_grad(self):
         """Drop every parameter's gradient (the tape accumulates into ``.grad``)."""
@@ -62,13 +69,16 @@ class SGD:
 
     def step(self):
         """One update of every parameter that has a gradient."""
+        on_device = {}                                  # dtype -> indices of device params
         for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
             if isinstance(p.data, np.ndarray):
-                self._step_host(i, p)
+                if p.grad is not None:
+                    self._step_host(i, p)
             else:
-                self._step_device(i, p)
+                on_device.setdefault(np.dtype(p.data.dtype), []).append(i)
+        for dtype, indices in on_device.items():
+            if any(self.params[i].grad is not None for i in indices):
+                self._step_device(dtype, indices)
 
     def _step_host(self, i, p):
         dtype = p.data.dtype.type
@@ -85,15 +95,81 @@ class SGD:
             g = b
         p.data -= dtype(self.lr) * g                            # in place
 
-    def _step_device(self, i, p):
+    def _step_device(self, dtype, indices):
+        """The fused step of the device parameters ``indices`` of one dtype."""
+        group = self._groups.get(dtype)
+        if group is None or not group.holds(self.params, indices):
+            group = _FlatGroup(self.params, indices, dtype, self.momentum_buffers)
+            self._groups[dtype] = group
+        group.repack(self.params)
         ew = kernels.module("elementwise", backend.CUDA)
-        w, g = kernels.contiguous(p.data), kernels.contiguous(p.grad)
-        if self.weight_decay:
-            g = ew.axpby(1.0, g, self.weight_decay, w)          # g + wd * p
+        with_grad = [i for i in indices if self.params[i].grad is not None]
+        for start in range(0, len(with_grad), ew.SGD_BUCKETS[-1]):
+            part = with_grad[start:start + ew.SGD_BUCKETS[-1]]
+            grads = [_flat(kernels.contiguous(self.params[i].grad)) for i in part]
+            table = group.table(part, bool(self.momentum))
+            ew.sgd_step(group.values, group.buffers if self.momentum else group.values,
+                        grads, table, self.lr, self.momentum, self.weight_decay)
         if self.momentum:
-            b = self.momentum_buffers[i]
-            # the first buffer is a copy of g (g may be p.grad itself), as on the host
-            b = backend.copy(g) if b is None else ew.axpby(self.momentum, b, 1.0, g)  # m*b + g
-            self.momentum_buffers[i] = b
-            g = b
-        p.data = ew.axpby(1.0, w, -self.lr, g)                  # p - lr * g
+            for i in with_grad:
+                group.started.add(i)
+                self.momentum_buffers[i] = group.buffer_view(i)
+
+
+def _flat(a):
+    return a.reshape(a.size)
+
+
+class _FlatGroup:
+    """The device parameters of one dtype in one flat pool buffer (``values``, each
+    ``p.data`` a view of its slice) and their momentum buffers in another (``buffers``),
+    with the fused step's chunk tables (device arrays, one per set of parameters stepped)."""
+
+    def __init__(self, params, indices, dtype, momentum_buffers):
+        self.indices = tuple(indices)
+        self.shapes = {i: tuple(params[i].data.shape) for i in indices}
+        self.sizes, self.offsets, total = {}, {}, 0
+        for i in indices:
+            self.sizes[i] = int(np.prod(self.shapes[i], dtype=np.int64))
+            self.offsets[i] = total
+            total += self.sizes[i]
+        self.values = backend.empty(backend.CUDA, max(total, 1), dtype)    # (total,)
+        self.buffers = backend.empty(backend.CUDA, max(total, 1), dtype)   # (total,)
+        self.views = {i: None for i in indices}
+        self.started = set()          # parameters whose momentum buffer holds a value
+        self._tables = {}
+        for i in indices:             # momentum carried over from a previous layout
+            b = momentum_buffers[i]
+            if b is not None and tuple(b.shape) == self.shapes[i] and \
+                    backend.is_device_array(b):
+                self.buffer_view(i).copy_to_device(kernels.contiguous(b))
+                self.started.add(i)
+
+    def holds(self, params, indices):
+        return self.indices == tuple(indices) and all(
+            tuple(params[i].data.shape) == self.shapes[i] for i in indices)
+
+    def _slice(self, flat, i):
+        return flat[self.offsets[i]:self.offsets[i] + self.sizes[i]].reshape(self.shapes[i])
+
+    def buffer_view(self, i):
+        return self._slice(self.buffers, i)
+
+    def repack(self, params):
+        """Make every ``p.data`` the view of its slice (copying in what was assigned)."""
+        for i in self.indices:
+            p = params[i]
+            if p.data is not self.views[i]:
+                view = self._slice(self.values, i)
+                view.copy_to_device(kernels.contiguous(p.data))
+                p.data = self.views[i] = view
+
+    def table(self, part, momentum):
+        """The device chunk table of the parameters ``part`` (in tuple order)."""
+        firsts = {i: momentum and i not in self.started for i in part}
+        key = (tuple(part), tuple(firsts[i] for i in part))
+        if key not in self._tables:
+            ew = kernels.module("elementwise", backend.CUDA)
+            host = ew.sgd_chunks(self.sizes, self.offsets, firsts, part)
+            self._tables[key] = backend.to_device(host)
+        return self._tables[key]

@@ -11,7 +11,9 @@ Notation used in shape comments across the package:
 """
 from __future__ import annotations
 
+import functools
 import math
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,8 +197,38 @@ def conv_geometry(op: str, x_shape, w_shape, stride=1, padding=0, dilation=1,
                   layout="NCHW") -> ConvGeometry:
     """Validate conv arguments and compute the output geometry.
 
-    ``x_shape`` is 4-d in ``layout``; ``w_shape`` is ``(K, C, R, S)``.
+    ``x_shape`` is 4-d in ``layout``; ``w_shape`` is ``(K, C, R, S)``. Cached per argument
+    signature (:func:`typed_key`: ``True`` and ``1.0`` are not ``1``), so a repeated call costs a
+    dictionary look-up; a bad one raises again every time (errors are never cached).
     """
+    key = typed_key(op, tuple(x_shape), tuple(w_shape), stride, padding, dilation, layout)
+    if key is None:
+        return _conv_geometry(op, x_shape, w_shape, stride, padding, dilation, layout)
+    return _conv_geometry_cached(key, op, tuple(x_shape), tuple(w_shape), stride, padding,
+                                 dilation, layout)
+
+
+def typed_key(*args):
+    """A hashable key of call arguments that tells apart values that are equal but not the
+    same argument (each with its type: ``1``, ``True``, ``1.0`` and ``np.int64(1)`` differ;
+    a tuple by its elements' types), or None when one is unhashable (a list): then the caller
+    validates without its cache. Array shapes (tuples of ints) are keyed as they are. A value
+    nested deeper than a pair is never valid, so it never reaches the cache."""
+    key = tuple((v, tuple(map(type, v))) if type(v) is tuple else (v, type(v)) for v in args)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+@functools.lru_cache(maxsize=1024)
+def _conv_geometry_cached(key, *args):
+    return _conv_geometry(*args)
+
+
+def _conv_geometry(op: str, x_shape, w_shape, stride=1, padding=0, dilation=1,
+                   layout="NCHW") -> ConvGeometry:
     layout = check_layout(op, layout)
     if len(x_shape) != 4:
         raise ValueError(f"{op}: x must have 4 dimensions ({layout}), got shape {tuple(x_shape)}")
@@ -259,6 +291,11 @@ def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=No
     ``synced``: the statistics are those of a batch spread over several processes
     (synchronized batch norm), so this process may hold no sample (N = 0) and the "more than
     one value per channel" rule is the caller's, on the global count.
+
+    Per call: which backend, the dtypes, and that running statistics updated in place are
+    writable (contiguous on the device). Everything that depends only on shapes and on the
+    non-array arguments is checked by :func:`_batchnorm_static`, cached per signature
+    (errors are raised again each time, never cached), in the same order as before.
     """
     if x is None or gamma is None or beta is None:
         missing = [n for n, a in (("x", x), ("gamma", gamma), ("beta", beta)) if a is None]
@@ -267,6 +304,32 @@ def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=No
                                running_mean=running_mean, running_var=running_var)
     dtype = check_float_dtypes(op, x=x, z=z, gamma=gamma, beta=beta,
                                running_mean=running_mean, running_var=running_var)
+    shapes = tuple(None if a is None else tuple(a.shape)
+                   for a in (x, z, gamma, beta, running_mean, running_var))
+    args = (op, shapes, layout, save, training, momentum, eps, bool(synced))
+    key = typed_key(*args)
+    static = _batchnorm_static_cached(key, *args) if key is not None else \
+        _batchnorm_static(*args)
+    layout, C, M, momentum, eps = static
+    _running_stats_arrays(op, running_mean, running_var, training)
+    _check_values_per_channel(op, M, training and not synced)
+    return BatchNormArgs(which, dtype, layout, C, M, eps, momentum)
+
+
+def _shaped(shape):
+    """What the shape checks read of an array: its shape (None for an absent array)."""
+    return None if shape is None else types.SimpleNamespace(shape=shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _batchnorm_static_cached(key, *args):
+    return _batchnorm_static(*args)
+
+
+def _batchnorm_static(op, shapes, layout, save, training, momentum, eps, synced):
+    """(layout, C, M, momentum, eps): the checks of a batch-norm call that read only shapes
+    and non-array arguments (``shapes``: of x, z, gamma, beta, running_mean, running_var)."""
+    x, z, gamma, beta, running_mean, running_var = (_shaped(s) for s in shapes)
     layout = check_layout(op, layout)
     check_ndim(op, "x", x, 4, layout)
     if min(x.shape[1:] if synced else x.shape) < 1:
@@ -279,9 +342,9 @@ def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=No
     if save not in SAVE_POLICIES:
         raise ValueError(f"{op}: save must be 'output' or 'mask', got {save!r}")
     M = int(np.prod(x.shape, dtype=np.int64)) // C
-    momentum, eps = running_stats(op, C, M, running_mean, running_var, training, momentum, eps,
-                                  synced=synced)
-    return BatchNormArgs(which, dtype, layout, C, M, eps, momentum)
+    momentum, eps = _running_stats_static(op, C, running_mean, running_var, training,
+                                          momentum, eps)
+    return layout, C, M, momentum, eps
 
 
 def running_stats(op, C, M, running_mean, running_var, training, momentum, eps, synced=False):
@@ -296,6 +359,15 @@ def running_stats(op, C, M, running_mean, running_var, training, momentum, eps, 
     Backend and dtype agreement with the other arrays is the caller's ``backend_of`` /
     ``check_float_dtypes``. Raises a named ValueError/TypeError; writes nothing.
     """
+    momentum, eps = _running_stats_static(op, C, running_mean, running_var, training,
+                                          momentum, eps)
+    _running_stats_arrays(op, running_mean, running_var, training)
+    _check_values_per_channel(op, M, training and not synced)
+    return momentum, eps
+
+
+def _running_stats_static(op, C, running_mean, running_var, training, momentum, eps):
+    # the checks of running_stats that read shapes and scalars only (in its order)
     check_vector(op, "running_mean", running_mean, C)
     check_vector(op, "running_var", running_var, C)
     eps = check_scalar(op, "eps", eps, lo=0.0)
@@ -307,14 +379,21 @@ def running_stats(op, C, M, running_mean, running_var, training, momentum, eps, 
                          f"was given")
     if not training and running_mean is None:
         raise ValueError(f"{op}: inference (training=False) needs running_mean and running_var")
+    return momentum, eps
+
+
+def _running_stats_arrays(op, running_mean, running_var, training):
+    # running statistics updated in place: contiguous on the device, writable on the host
     for name, v in (("running_mean", running_mean), ("running_var", running_var)):
         check_device_contiguous(op, name, v)
         if training:
             check_writable(op, name, v)
-    if training and M < 2 and not synced:
+
+
+def _check_values_per_channel(op, M, training):
+    if training and M < 2:
         raise ValueError(f"{op}: training needs more than one value per channel to "
                          f"normalise over, got {M}")
-    return momentum, eps
 
 
 # --------------------------------------------------------------------------- pooling

@@ -77,6 +77,7 @@ threads = 256        # threads per block for 1-d kernels; power of two, <= BLOCK
 max_blocks = 1024    # grid-stride kernels never launch more blocks than this
 reduce_blocks = 64   # blocks of per-block partials in a two-stage deterministic reduction
 max_grid_y = 65535   # hardware limit of gridDim.y; kernels with a y grid stride over the rest
+sgd_chunk = 8192     # elements of one parameter per block row of the fused SGD step
 
 
 def block_threads() -> int:

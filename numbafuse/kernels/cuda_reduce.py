@@ -7,7 +7,10 @@ timing, so a result repeats bit for bit; no float atomics. Partials are float64.
 activation as (A, C, B): NCHW is (N, C, H*W), NHWC is (N*H*W, C, 1); value (a, c, b) sits at
 flat offset ``(a*C + c)*B + b``. One launch writes ``partials[c, part, 0:2]``, the sums of two
 per-element quantities over a fixed share (``part``) of channel c's M = A*B values; a
-per-channel finalize adds the parts in order.
+per-channel finish adds the parts in order. With a ``finish`` the finish runs in the same
+launch: each block's writers fence, thread 0 counts the block on its row's int32 counter, and
+the row's last block reads the parts through L2 and finishes it (:func:`last_block`; integer
+atomics only, the sums stay in a fixed order).
 
 - NCHW: a block per (part, channel): its threads walk the channel's values ``j`` (a slice of
   each (n, c) plane, planes one after another), lane-contiguous, U independent loads in flight
@@ -25,9 +28,9 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import float32, float64, int32, uint32
+from numba import boolean, float32, float64, int32, int64, types, uint32
 
-from ..cuda import SIMULATOR, numba_cuda as cuda
+from ..cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
 
 from . import cuda_config as config
 from .batchnorm import math as bm
@@ -154,76 +157,167 @@ def _channel_params(kind, a, mean, c, B, cvt):
 
 
 @functools.lru_cache(maxsize=None)
-def channel_partials_kernel(kind, nhwc):
-    """``kernel(a, b, aux, mask, mean, state_kind, partials)``: partials (C, parts, 2) float64
-    of the ``kind`` quantities; a, b, aux: (A, C, B) flat ((A*C*B,)); mask: packed uint8;
-    mean: (C,) float64. Launch: grid (parts, min(channel blocks, max_grid_y)), threads a
-    power of two; NCHW one channel per block row, NHWC CW channels per block row."""
+def nchw_walk(kind):
+    """``walk(a, b, aux, mask, mean, state_kind, C, B, c, lo, hi, p0, p1, offs)``: this
+    thread's two sums of the ``kind`` quantities over values [lo, hi) of channel c (of M =
+    A*B), lane-contiguous, U loads in flight; ``offs``: a (U,) int32 local array."""
+    @cuda.jit(device=True, inline=True)
+    def walk(a, b, aux, mask, mean, state_kind, C, B, c, lo, hi, p0, p1, offs):
+        t = int32(cuda.threadIdx.x)
+        T = int32(cuda.blockDim.x)
+        CB = int32(C * B)
+        da = int32(uint32(T) // uint32(B))          # a step of T values: da planes ...
+        db = int32(T - da * B)                       # ... and db positions
+        s1 = float64(0.0)
+        s2 = float64(0.0)
+        j = int32(lo + t)
+        pa = int32(uint32(j) // uint32(B))          # once per channel, outside the walk
+        pb = int32(j - pa * B)
+        off = int32((pa * C + c) * B + pb)
+        while j < hi:
+            for u in range(U):                       # U loads in flight
+                offs[u] = off if j + u * T < hi else int32(-1)
+                pb = int32(pb + db)
+                off = int32(off + da * CB + db)
+                if pb >= B:
+                    pb = int32(pb - B)
+                    off = int32(off + CB - B)
+            for u in range(U):
+                if offs[u] >= 0:
+                    v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(offs[u]), p0, p1)
+                    s1 += v1
+                    s2 += v2
+            j = int32(j + U * T)
+        return s1, s2
+    return walk
+
+
+@functools.lru_cache(maxsize=None)
+def nhwc_walk(kind):
+    """``walk(a, b, aux, mask, mean, state_kind, C, c, lo, hi, p0, p1, rg, RG)``: this
+    thread's two sums over rows rg, rg + RG, ... of [lo, hi) of channel c (lane = channel)."""
+    @cuda.jit(device=True, inline=True)
+    def walk(a, b, aux, mask, mean, state_kind, C, c, lo, hi, p0, p1, rg, RG):
+        s1 = float64(0.0)
+        s2 = float64(0.0)
+        m = int32(lo + rg)
+        off = int32(m * C + c)
+        step = int32(RG * C)
+        while m < hi:
+            v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(off), p0, p1)
+            s1 += v1
+            s2 += v2
+            m = int32(m + RG)
+            off = int32(off + step)
+        return s1, s2
+    return walk
+
+
+@cuda.jit(device=True, inline=True)
+def part_range(M, part, parts):
+    """[lo, hi) of part ``part`` of ``parts`` fixed shares of M values."""
+    chunk = int32((M + parts - 1) // parts)
+    lo = int32(part * chunk)
+    return lo, int32(min(M, lo + chunk))
+
+
+if SIMULATOR:   # the simulator has no cache-hinted loads; its memory is coherent anyway
+    @cuda.jit(device=True, inline=True)
+    def load_l2(a, i):
+        """a[i] read through L2 (``ld.global.cg``): values other blocks of this launch wrote."""
+        return a[i]
+else:
+    @cuda.jit(device=True, inline=True)
+    def load_l2(a, i):
+        """a[i] read through L2 (``ld.global.cg``): values other blocks of this launch wrote."""
+        return cuda.ldcg(a, i)
+
+
+@cuda.jit(device=True, inline=True)
+def part_sums(partials, c, parts):
+    """The sums over parts 0..parts-1 of partials[c, :, 0:2], in order (deterministic)."""
+    s1 = float64(0.0)
+    s2 = float64(0.0)
+    for p in range(parts):
+        s1 += load_l2(partials, (int64(c), int64(p), int64(0)))
+        s2 += load_l2(partials, (int64(c), int64(p), int64(1)))
+    return s1, s2
+
+
+@cuda.jit(device=True, inline=True)
+def last_block(counters, row, parts, flag):
+    """Thread 0 counts this block's partials of ``row`` as done (after a fence that makes
+    them visible device-wide) and ``flag[0]`` tells the whole block whether it was the last of
+    the row's ``parts`` blocks; that block then finishes the row and resets its counter.
+    Every thread of the block must call it (it synchronises), after fencing its own writes."""
+    if cuda.threadIdx.x == 0:
+        cuda.threadfence()  # this block's partials are visible before it is counted
+        flag[0] = cuda.atomic.add(counters, row, 1) == parts - 1
+    cuda.syncthreads()  # flag[0] is set
+    last = flag[0]
+    if last:
+        cuda.threadfence()  # every other block's partials are seen after the count
+    return last
+
+
+@functools.lru_cache(maxsize=None)
+def channel_partials_kernel(kind, nhwc, finish=None):
+    """``kernel(a, b, aux, mask, mean, state_kind, C, B, partials, counters, fin)``: partials
+    (C, parts, 2) float64 of the ``kind`` quantities; a, b, aux: (A, C, B) flat ((A*C*B,));
+    mask: packed uint8; mean: (C,) float64. Launch: grid (parts, min(channel blocks,
+    max_grid_y)), threads a power of two; NCHW one channel per block row, NHWC CW channels.
+
+    ``finish`` (a device function ``finish(c, a, B, partials, parts, fin)``, or None): the
+    last block of each channel (``counters``: int32 zeros, one per block row, left zero)
+    finishes it in the same launch, reading the parts in order, so no second kernel is
+    launched; ``fin`` is the tuple of its arrays and scalars.
+    """
     if not nhwc:
+        walk = nchw_walk(kind)
+
         @cuda.jit
-        def nchw(a, b, aux, mask, mean, state_kind, C, B, partials):
+        def nchw(a, b, aux, mask, mean, state_kind, C, B, partials, counters, fin):
             # (A, C, B) with A*C*B = a.size; block (part, c): its chunk of channel c's values
             buf_a = cuda.shared.array(BLOCK, float64)
             buf_b = cuda.shared.array(BLOCK, float64)
+            flag = cuda.shared.array(1, boolean)
             cvt = cuda.local.array(2, a.dtype)
             offs = cuda.local.array(U, int32)
-            t = int32(cuda.threadIdx.x)
-            T = int32(cuda.blockDim.x)
-            CB = int32(C * B)
-            M = int32(a.size // C)                       # values per channel, A*B
             parts = int32(cuda.gridDim.x)
-            chunk = int32((M + parts - 1) // parts)
-            lo = int32(cuda.blockIdx.x * chunk)
-            hi = int32(min(M, lo + chunk))
-            da = int32(uint32(T) // uint32(B))          # a step of T values: da planes ...
-            db = int32(T - da * B)                       # ... and db positions
+            lo, hi = part_range(int32(a.size // C), int32(cuda.blockIdx.x), parts)
             for c in range(cuda.blockIdx.y, C, cuda.gridDim.y):   # block-uniform bounds
                 p0, p1 = _channel_params(kind, a, mean, c, B, cvt)
-                s1 = float64(0.0)
-                s2 = float64(0.0)
-                j = int32(lo + t)
-                pa = int32(uint32(j) // uint32(B))      # once per channel, outside the walk
-                pb = int32(j - pa * B)
-                off = int32((pa * C + c) * B + pb)
-                while j < hi:
-                    for u in range(U):                   # U loads in flight
-                        offs[u] = off if j + u * T < hi else int32(-1)
-                        pb = int32(pb + db)
-                        off = int32(off + da * CB + db)
-                        if pb >= B:
-                            pb = int32(pb - B)
-                            off = int32(off + CB - B)
-                    for u in range(U):
-                        if offs[u] >= 0:
-                            v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(offs[u]),
-                                           p0, p1)
-                            s1 += v1
-                            s2 += v2
-                    j = int32(j + U * T)
+                s1, s2 = walk(a, b, aux, mask, mean, state_kind, C, B, c, lo, hi, p0, p1,
+                              offs)
                 s1, s2 = block_sum2(s1, s2, buf_a, buf_b)
-                if t == 0:
+                if cuda.threadIdx.x == 0:
                     partials[c, cuda.blockIdx.x, 0] = s1
                     partials[c, cuda.blockIdx.x, 1] = s2
-        nchw.__name__ = f"channel_partials_{ELEM_NAMES[kind]}_nchw"
+                if finish is not None:
+                    if last_block(counters, c, parts, flag):
+                        if cuda.threadIdx.x == 0:
+                            finish(c, a, B, partials, parts, fin)
+                            counters[c] = 0            # ready for the next launch
+                    cuda.syncthreads()  # flag read by all before the next channel sets it
+        nchw.__name__ = f"channel_{'reduce' if finish else 'partials'}_{ELEM_NAMES[kind]}_nchw"
         return nchw
 
+    walk = nhwc_walk(kind)
+
     @cuda.jit
-    def nhwc_kernel(a, b, aux, mask, mean, state_kind, C, B, partials):
+    def nhwc_kernel(a, b, aux, mask, mean, state_kind, C, B, partials, counters, fin):
         # (M, C, 1): block (part, channel group): lanes on channels, row groups on rows
         buf_a = cuda.shared.array(BLOCK, float64)
         buf_b = cuda.shared.array(BLOCK, float64)
+        flag = cuda.shared.array(1, boolean)
         cvt = cuda.local.array(2, a.dtype)
         t = int32(cuda.threadIdx.x)
-        T = int32(cuda.blockDim.x)
-        CW = int32(min(WARP, T))
-        RG = int32(T // CW)
+        CW = int32(min(WARP, int32(cuda.blockDim.x)))
+        RG = int32(cuda.blockDim.x // CW)
         lane = int32(t % CW)
         rg = int32(t // CW)
-        M = int32(a.size // C)
         parts = int32(cuda.gridDim.x)
-        chunk = int32((M + parts - 1) // parts)
-        lo = int32(cuda.blockIdx.x * chunk)
-        hi = int32(min(M, lo + chunk))
+        lo, hi = part_range(int32(a.size // C), int32(cuda.blockIdx.x), parts)
         n_groups = int32((C + CW - 1) // CW)
         for grp in range(cuda.blockIdx.y, n_groups, cuda.gridDim.y):   # block-uniform
             c = int32(grp * CW + lane)
@@ -231,15 +325,7 @@ def channel_partials_kernel(kind, nhwc):
             s2 = float64(0.0)
             if c < C:
                 p0, p1 = _channel_params(kind, a, mean, c, 1, cvt)
-                m = int32(lo + rg)
-                off = int32(m * C + c)
-                step = int32(RG * C)
-                while m < hi:
-                    v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(off), p0, p1)
-                    s1 += v1
-                    s2 += v2
-                    m = int32(m + RG)
-                    off = int32(off + step)
+                s1, s2 = walk(a, b, aux, mask, mean, state_kind, C, c, lo, hi, p0, p1, rg, RG)
             buf_a[t] = s1
             buf_b[t] = s2
             cuda.syncthreads()  # every row group's sums are in buf_*
@@ -249,8 +335,17 @@ def channel_partials_kernel(kind, nhwc):
                     s2 += buf_b[r * CW + lane]
                 partials[c, cuda.blockIdx.x, 0] = s1
                 partials[c, cuda.blockIdx.x, 1] = s2
-            cuda.syncthreads()  # buf_* read before the next channel group overwrites it
-    nhwc_kernel.__name__ = f"channel_partials_{ELEM_NAMES[kind]}_nhwc"
+            if finish is not None:
+                if rg == 0 and c < C:
+                    cuda.threadfence()  # this lane's partials are visible before the count
+                cuda.syncthreads()  # every lane has written and fenced
+                if last_block(counters, grp, parts, flag):
+                    if rg == 0 and c < C:
+                        finish(c, a, 1, partials, parts, fin)
+                    if t == 0:
+                        counters[grp] = 0              # ready for the next launch
+            cuda.syncthreads()  # buf_* and flag read before the next channel group
+    nhwc_kernel.__name__ = f"channel_{'reduce' if finish else 'partials'}_{ELEM_NAMES[kind]}_nhwc"
     return nhwc_kernel
 
 
@@ -263,11 +358,14 @@ def view(shape, layout):
     return N * H * W, C, 1
 
 
-def channel_partials(kind, a, b, aux, mask, mean, state_kind, layout, empty):
+def channel_partials(kind, a, b, aux, mask, mean, state_kind, layout, empty, finish=None,
+                     fin=()):
     """(partials (C, parts, 2) float64, parts) of the ``kind`` sums of 4-d device arrays.
 
     ``b``/``aux``/``mask``/``mean`` may be placeholders of the right type where ``kind`` and
     ``state_kind`` do not read them. ``empty(shape, dtype)`` allocates (the caller's helper).
+    ``finish``/``fin``: the per-channel finish done by each channel's last block in the same
+    launch (see :func:`channel_partials_kernel`).
     """
     A, C, B = view(a.shape, layout)
     nhwc = layout == "NHWC"
@@ -276,10 +374,39 @@ def channel_partials(kind, a, b, aux, mask, mean, state_kind, layout, empty):
     parts = max(1, min(config.reduce_blocks, -(-(A * B) // per_block)))
     partials = empty((C, parts, 2), np.float64)
     rows = -(-C // min(WARP, threads)) if nhwc else C
-    channel_partials_kernel(kind, nhwc)[(parts, min(rows, config.max_grid_y)), threads](
+    channel_partials_kernel(kind, nhwc, finish)[(parts, min(rows, config.max_grid_y)), threads](
         a.reshape(a.size), b.reshape(b.size), aux.reshape(aux.size), mask, mean, state_kind,
-        C, B, partials)
+        C, B, partials, counters(rows), fin)
     return partials, parts
+
+
+_COUNTERS = []      # the one zeroed int32 counter array, grown as needed
+
+
+def counters(n):
+    """An int32 device array of at least ``n`` zeros for the last-block counts (each launch
+    leaves it zero again; kernels run in stream order, so launches do not share counts)."""
+    if not _COUNTERS or _COUNTERS[0].size < n:
+        size = 1 << max(4, (max(n, 1) - 1).bit_length())
+        array = pool_empty(size, np.int32)
+        _zero_int[config.grid_1d(size)](array)
+        _COUNTERS[:] = [array]
+    return _COUNTERS[0]
+
+
+@cuda.jit(cache=True)
+def _zero_int(a):
+    # a: (n,) int32 set to 0
+    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+        a[i] = 0
+
+
+@cuda.jit(device=True, inline=True)
+def _finish_sums(c, a, B, partials, parts, fin):
+    # fin = (out,): out[c] = the sum over the parts of partials[c, :, 0], in order
+    s1, _ = part_sums(partials, c, parts)
+    out = fin[0]
+    out[c] = s1
 
 
 @cuda.jit(cache=True)
@@ -295,7 +422,7 @@ def _finalize_sums(partials, out):
 def channel_sums(gy, y, layout, empty=None):
     """Per-channel sum over N, H, W of ``g = gy * (y > 0)`` (``y`` None: of gy), shape (C,),
     gy's dtype; deterministic (fixed parts, fixed order)."""
-    empty = empty or cuda.device_array
+    empty = empty or pool_empty
     C = gy.shape[3] if layout == "NHWC" else gy.shape[1]
     out = empty(C, gy.dtype)
     if C == 0:
@@ -307,8 +434,9 @@ def channel_sums(gy, y, layout, empty=None):
     else:
         state = STATE_Y if y is not None else STATE_NONE
         aux = y if y is not None else gy
-        partials, _ = channel_partials(ELEM_GRAD, gy, gy, aux, _NO_MASK(), _NO_MEAN(),
-                                       state, layout, empty)
+        channel_partials(ELEM_GRAD, gy, gy, aux, _NO_MASK(), _NO_MEAN(), state, layout,
+                         empty, _finish_sums, (out,))    # finished in the same launch
+        return out
     _finalize_sums[config.grid_1d(C)](partials, out)
     return out
 
@@ -324,7 +452,7 @@ def _zero3(a):
 
 @functools.lru_cache(maxsize=None)
 def _placeholder(dtype):
-    return cuda.device_array(1, dtype)
+    return pool_empty(1, dtype)          # kept for the process: allocated once
 
 
 def _NO_MASK():
@@ -337,16 +465,28 @@ def _NO_MEAN():
     return _placeholder(np.float64)
 
 
-def _partials_signature(f, nhwc):
-    from numba import types
+def _partials_signature(f, fin):
     return (f[::1], f[::1], f[::1], types.uint8[::1], float64[::1], types.int64, types.int64,
-            types.int64, float64[:, :, ::1])
+            types.int64, float64[:, :, ::1], types.int32[::1], fin)
 
 
-PTX_SIGNATURES = [
-    (channel_partials_kernel(kind, nhwc), (lambda n: lambda f: _partials_signature(f, n))(nhwc))
-    for kind in (ELEM_STATS, ELEM_BWD, ELEM_GRAD) for nhwc in (False, True)
-] + [
+def _sig(fin_of):
+    return lambda f: _partials_signature(f, fin_of(f))
+
+
+# (kind, finish, fin tuple type as a function of f): every reduction kernel that is launched
+# (the batch-norm ones are listed by kernels/batchnorm/cuda.py, with their finishes)
+REDUCTIONS = [(ELEM_GRAD, _finish_sums, lambda f: types.Tuple((f[::1],)))]
+
+
+def ptx_signatures(reductions):
+    """PTX_SIGNATURES entries of ``(kind, finish, fin type)`` reductions, both layouts."""
+    return [(channel_partials_kernel(kind, nhwc, finish), _sig(fin))
+            for kind, finish, fin in reductions for nhwc in (False, True)]
+
+
+PTX_SIGNATURES = ptx_signatures(REDUCTIONS) + [
     (_finalize_sums, lambda f: (float64[:, :, ::1], f[::1])),
     (_zero3, lambda f: (float64[:, :, ::1],)),
+    (_zero_int, lambda f: (types.int32[::1],)),
 ]

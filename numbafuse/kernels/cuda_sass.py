@@ -1,8 +1,9 @@
 """Static analysis of the package's numba.cuda kernels as sm_90 machine code (no GPU needed).
 
 A kernel is compiled by numba to PTX, assembled by ``ptxas -arch=sm_90 -O3 -v`` and
-disassembled by ``cuobjdump -sass``; both tools come from NVIDIA's pip wheels
-(``nvidia-cuda-nvcc``, ``nvidia-cuda-cuobjdump``: the ``sass`` extra, also in ``test``).
+disassembled by ``cuobjdump -sass`` (which runs ``nvdisasm``); the tools come from NVIDIA's pip
+wheels (``nvidia-cuda-nvcc``, ``nvidia-cuda-cuobjdump``, ``nvidia-cuda-nvdisasm``: the ``sass``
+extra, also in ``test``).
 What is read from them:
 
 - ``ptxas -v``: registers per thread, stack frame bytes, spill store/load bytes, shared memory;
@@ -58,7 +59,7 @@ def tool(name: str) -> str | None:
 
 def missing_tools() -> list:
     """The tools this module needs that are not installed (empty: it can run)."""
-    return [t for t in ("ptxas", "cuobjdump") if tool(t) is None]
+    return [t for t in ("ptxas", "cuobjdump", "nvdisasm") if tool(t) is None]
 
 
 @dataclasses.dataclass
@@ -179,6 +180,15 @@ def parse_sass(text: str) -> tuple:
     return insns, loops
 
 
+def _run(cmd):
+    """A tool's CompletedProcess; a RuntimeError with its own message when it fails."""
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"sass: {' '.join(cmd)} failed ({done.returncode}): "
+                           f"{(done.stderr or done.stdout).strip()[-2000:]}")
+    return done
+
+
 def _ptxas_info(text: str) -> dict:
     out = {}
     for key, rx in _PTXAS_V.items():
@@ -190,9 +200,9 @@ def _ptxas_info(text: str) -> dict:
 def assemble(ptx: str, max_registers: int | None = None) -> tuple:
     """(ptxas -v text, SASS text) of one PTX module, for sm_90."""
     ptxas, cuobjdump = tool("ptxas"), tool("cuobjdump")
-    if ptxas is None or cuobjdump is None:
-        raise RuntimeError("sass: ptxas/cuobjdump not found: pip install 'numbafuse[sass]' "
-                           "(nvidia-cuda-nvcc, nvidia-cuda-cuobjdump)")
+    if ptxas is None or cuobjdump is None or tool("nvdisasm") is None:
+        raise RuntimeError("sass: ptxas/cuobjdump/nvdisasm not found: pip install "
+                           "'numbafuse[sass]' (nvidia-cuda-nvcc, -cuobjdump, -nvdisasm)")
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
@@ -200,9 +210,8 @@ def assemble(ptx: str, max_registers: int | None = None) -> tuple:
         cmd = [ptxas, f"-arch={ARCH}", "-O3", "-v", src, "-o", cubin]
         if max_registers:
             cmd[1:1] = [f"-maxrregcount={max_registers}"]
-        info = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
-                              check=True)
+        info = _run(cmd)
+        sass = _run([cuobjdump, "-sass", cubin])
     return info.stdout + info.stderr, sass.stdout
 
 

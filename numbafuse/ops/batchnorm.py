@@ -164,6 +164,19 @@ def synced_stats(op, impl, x, layout, eps, C, comm):
     return to(g_mean), to(var), to(invstd), count
 
 
+def stats_and_update(impl, x, layout, eps, running_mean, running_var, count, momentum):
+    """(mean, var, invstd) of ``x`` with the running statistics (if given) updated in place:
+    one launch where the backend's kernel module fuses the two (``stats_update``), else its
+    ``stats`` then ``update_running``."""
+    fused = getattr(impl, "stats_update", None)
+    if fused is not None:
+        return fused(x, layout, eps, running_mean, running_var, momentum)
+    mean, var, invstd = impl.stats(x, layout, eps)
+    if running_mean is not None:
+        impl.update_running(running_mean, running_var, mean, var, count, momentum)
+    return mean, var, invstd
+
+
 def update_running(running_mean, running_var, mean, var, count, momentum):
     """Update the running statistics in place (PyTorch's momentum rule, unbiased var)."""
     which = backend.backend_of("update_running", running_mean=running_mean,
@@ -198,15 +211,21 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
     z = None if z is None else kernels.contiguous(z)
     impl = _kernels(args.backend)
     count = args.M
-    if synced:
+    if synced:                      # the statistics of all ranks' batch (Chan's merge)
         mean, var, invstd, count = synced_stats(op, impl, x, args.layout, args.eps, args.C,
                                                 comm)
+        if running_mean is not None:
+            impl.update_running(running_mean, running_var, mean, var, count, args.momentum)
     elif training:
-        mean, var, invstd = impl.stats(x, args.layout, args.eps)
+        mean, var, invstd = stats_and_update(impl, x, args.layout, args.eps, running_mean,
+                                             running_var, args.M, args.momentum)
+    elif getattr(impl, "apply_running", None) is not None:     # statistics + apply: one pass
+        y, mask, mean, invstd = impl.apply_running(x, running_mean, running_var, args.eps,
+                                                   gamma, beta, z, relu, args.layout,
+                                                   with_mask)
+        return y, mask, x, mean, invstd, args, count
     else:
         mean, invstd = impl.inference_stats(running_mean, running_var, args.eps)
-    if training and running_mean is not None:
-        impl.update_running(running_mean, running_var, mean, var, count, args.momentum)
     if x.size:
         y, mask = impl.apply(x, mean, invstd, gamma, beta, z, relu, args.layout, with_mask)
     else:                                             # a rank without samples

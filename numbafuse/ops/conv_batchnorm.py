@@ -136,16 +136,18 @@ class ConvBatchNormReLU(Function):
             h = _conv_forward(which, x, w, None, geometry, False)         # (N,K,P,Q) | NHWC
             if p.comm is not None:          # synchronized: the statistics of all ranks' h
                 mean, var, invstd, self.count = _bn.synced_stats(
-                    self.name, _bn._kernels(which), h, geometry.layout, p.eps, geometry.K,
-                    p.comm)
+                    self.name, kernels.module("batchnorm", which), h, geometry.layout, p.eps,
+                    geometry.K, p.comm)
+                if p.running_mean is not None:
+                    _bn.update_running(p.running_mean, p.running_var, mean, var, self.count,
+                                       p.momentum)
             else:
-                mean, var, invstd = _bn.bn_stats(h, eps=p.eps, layout=geometry.layout)  # (K,)
+                mean, var, invstd = _bn.stats_and_update(                 # (K,) each
+                    kernels.module("batchnorm", which), h, geometry.layout, p.eps,
+                    p.running_mean, p.running_var, self.count, p.momentum)
             keep_h = not p.recompute
             y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu,
                              layout=geometry.layout, with_mask=keep_h and p.relu)
-            if p.running_mean is not None:
-                _bn.update_running(p.running_mean, p.running_var, mean, var, self.count,
-                                   p.momentum)
             if keep_h:   # trade memory for speed: keep h and a 1-bit ReLU mask, no recompute
                 y, mask = y if p.relu else (y, None)
                 self.save_for_backward(x=x, w=w, gamma=gamma, h=h, relu_state=mask, mean=mean,

@@ -1,5 +1,6 @@
 """benchmarks/bench_gpu.py runs end to end (tiny shapes; under the simulator its times mean
-nothing, but the script a GPU session will run is kept working)."""
+nothing, but the script a GPU session will run is kept working). Its measurements run in
+worker processes, one per library (the torch worker reports itself skipped here)."""
 import importlib.util
 import os
 
@@ -14,3 +15,6 @@ def test_bench_gpu_smoke(capsys):
     bench.main(["--smoke"])
     out = capsys.readouterr().out
     assert "| conv_bias_relu |" in out and "| batchnorm_add_relu |" in out
+    for row in ("conv_bias_relu forward", "batchnorm_add_relu forward (training)",
+                "an empty kernel launch", "numbafuse fused", "numbafuse unfused"):
+        assert f"| {row} |" in out, row

@@ -17,7 +17,7 @@ kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 import numpy as np
 from numba import float64, int32, int64, uint8, uint32
 
-from ...cuda import numba_cuda as cuda
+from ...cuda import empty, numba_cuda as cuda, to_device
 
 from .. import cuda_config as config
 from .. import scalar
@@ -116,7 +116,7 @@ def _column_sums(g, out):
 
 def _matmul(a, b, bias, trans_a, trans_b, shape):
     """``op(a) @ op(b) (+ bias)`` into a new (M, Nc) device array."""
-    out = cuda.device_array(shape, a.dtype)
+    out = empty(shape, a.dtype)
     if out.size == 0:
         return out
     n_tiles = -(-shape[0] // TILE) * -(-shape[1] // TILE)
@@ -141,7 +141,7 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
     gw = _matmul(gy, x, None, True, False, (w.shape[0], w.shape[1])) if need_gw else None
     gb = None
     if need_gb:
-        gb = cuda.device_array(w.shape[0], gy.dtype)
+        gb = empty(w.shape[0], gy.dtype)
         blocks, threads = config.grid_1d(w.shape[0])
         _column_sums[blocks, threads](gy, gb)
     return gx, gw, gb
@@ -198,8 +198,8 @@ def _max_pool_bwd(gy, argmax, gx, C, H, W, P, Q, kh, kw, sh, sw, ys_n, ys_c, ys_
 
 # fwd :: (x, geometry) -> (y, argmax)
 def max_pool2d_forward(x, g):
-    y = cuda.device_array(g.y_shape, x.dtype)
-    argmax = cuda.device_array(g.y_shape, g.argmax_dtype)
+    y = empty(g.y_shape, x.dtype)
+    argmax = empty(g.y_shape, g.argmax_dtype)
     if y.size:
         blocks, threads = config.grid_1d(y.size)
         _max_pool_fwd[blocks, threads](x.reshape(x.size), y.reshape(y.size),
@@ -210,7 +210,7 @@ def max_pool2d_forward(x, g):
 
 # bwd :: (argmax, gy, geometry) -> gx
 def max_pool2d_backward(gy, argmax, g, dtype):
-    gx = cuda.device_array(g.x_shape, dtype)
+    gx = empty(g.x_shape, dtype)
     if gx.size:
         blocks, threads = config.grid_1d(gx.size)
         _max_pool_bwd[blocks, threads](gy.reshape(gy.size), argmax.reshape(argmax.size),
@@ -249,7 +249,7 @@ def _gap_bwd(gy, gx, C, H, W, xs_n, xs_c, xs_h, xs_w):
 
 # fwd :: (x, geometry) -> y (N, C)
 def global_avg_pool2d_forward(x, g):
-    y = cuda.device_array((g.N, g.C), x.dtype)
+    y = empty((g.N, g.C), x.dtype)
     blocks, threads = config.grid_1d(y.size)
     _gap_fwd[blocks, threads](x.reshape(x.size), y.reshape(y.size), g.C, g.H, g.W,
                               *g.x_strides)
@@ -258,7 +258,7 @@ def global_avg_pool2d_forward(x, g):
 
 # bwd :: (gy (N, C), geometry) -> gx
 def global_avg_pool2d_backward(gy, g, dtype):
-    gx = cuda.device_array(g.x_shape, dtype)
+    gx = empty(g.x_shape, dtype)
     blocks, threads = config.grid_1d(gx.size)
     _gap_bwd[blocks, threads](gy.reshape(gy.size), gx.reshape(gx.size), g.C, g.H, g.W,
                               *g.x_strides)
@@ -312,7 +312,7 @@ def _flag_bad_labels(labels, L, flag):
 def count_bad_labels(labels, L):
     """1 if a label falls outside [0, L), else 0: the one integer read back to the host, since
     refusing bad labels with a ValueError needs a host-side answer."""
-    flag = cuda.to_device(np.zeros(1, np.int32))
+    flag = to_device(np.zeros(1, np.int32))
     blocks, threads = config.grid_1d(labels.size)
     _flag_bad_labels[blocks, threads](labels, L, flag)
     return int(flag.copy_to_host()[0])
@@ -322,17 +322,17 @@ def count_bad_labels(labels, L):
 def cross_entropy_forward(logits, labels):
     """0-d mean over rows of lse - logit[label], and the row log-sum-exps (N,) float64."""
     N = logits.shape[0]
-    nll, lse = cuda.device_array(N, np.float64), cuda.device_array(N, np.float64)
+    nll, lse = empty(N, np.float64), empty(N, np.float64)
     blocks, threads = config.grid_1d(N)
     _xent_rows[blocks, threads](logits, labels, nll, lse)
-    loss = cuda.device_array(1, logits.dtype)
+    loss = empty(1, logits.dtype)
     _mean_one_block[1, config.block_threads()](nll, 1.0 / N, loss)
     return loss.reshape(()), lse
 
 
 # bwd :: (logits, labels, lse, gy) -> glogits
 def cross_entropy_backward(gy, logits, labels, lse):
-    glogits = cuda.device_array(logits.shape, logits.dtype)         # (N, L)
+    glogits = empty(logits.shape, logits.dtype)         # (N, L)
     blocks, threads = config.grid_1d(glogits.size)
     _xent_bwd[blocks, threads](logits, labels, lse, gy.reshape(1), 1.0 / logits.shape[0],
                                glogits)
@@ -341,7 +341,7 @@ def cross_entropy_backward(gy, logits, labels, lse):
 
 # fwd :: x -> y
 def relu_forward(x):
-    y = cuda.device_array(x.shape, x.dtype)
+    y = empty(x.shape, x.dtype)
     if y.size:
         blocks, threads = config.grid_1d(y.size)
         _relu_fwd[blocks, threads](x.reshape(x.size), y.reshape(y.size))   # (n,) views
@@ -350,7 +350,7 @@ def relu_forward(x):
 
 # bwd :: (y, gy) -> gx
 def relu_backward(gy, y):
-    gx = cuda.device_array(y.shape, y.dtype)
+    gx = empty(y.shape, y.dtype)
     if gx.size:
         blocks, threads = config.grid_1d(gx.size)
         _relu_bwd[blocks, threads](gy.reshape(gy.size), y.reshape(y.size), gx.reshape(gx.size))

@@ -24,15 +24,20 @@ Relu state codes for the backward are those of the CPU module: ``STATE_NONE``, `
 (open where y > 0), ``STATE_MASK`` (packed bits, bit ``j % 8`` of byte ``j // 8``).
 
 Host-level entry points (same as ``kernels/cpu/batchnorm.py``): :func:`stats`,
-:func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`.
+:func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`; and two
+that fold launches, used by the ops layer where a backend module has them:
+:func:`stats_update` (statistics and the running-statistics update, finished by each
+channel's last reduction block) and :func:`apply_running` (inference: the statistics read
+from the running ones inside the apply). The backward's sums and coefficients are one launch
+the same way (``_finish_bwd``).
 """
 import math
 
 import numpy as np
-from numba import boolean, float64, int32, int64, uint8
+from numba import boolean, float64, int32, int64, types, uint8
 
 from ... import backend, kernels
-from ...cuda import SIMULATOR, numba_cuda as cuda
+from ...cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
 from . import math as bm
 from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from ..scalar import cuda_scalar
@@ -98,21 +103,22 @@ def _step(pos, c, dpos, dc, C, B):
 
 # --------------------------------------------------------------------------- statistics
 
-@cuda.jit(cache=True)
-def _stats_finalize(x, B, partials, eps, mean, var, invstd):
-    # x: (A*C*B,) flat; partials: (C, parts, 2); mean, var, invstd: (C,) float64;
-    # one thread per channel, parts in a fixed order
-    C = mean.shape[0]
-    count = float64(x.size // C)
-    for c in range(cuda.grid(1), C, cuda.gridsize(1)):
-        s1 = 0.0
-        s2 = 0.0
-        for p in range(partials.shape[1]):
-            s1 += partials[c, p, 0]
-            s2 += partials[c, p, 1]
-        mean[c] = _finalize_mean(s1, float64(x[c * B]), count)   # shift: channel's first
-        var[c] = _finalize_var(s1, s2, count)
-        invstd[c] = _invstd_of(var[c], eps)
+@cuda.jit(device=True, inline=True)
+def _finish_stats(c, x, B, partials, parts, fin):
+    # run by channel c's last reduction block: x (A*C*B,) flat; fin = (stats (3, C) float64
+    # rows mean, var (biased), invstd; running_mean, running_var (C,) x's dtype, updated in
+    # place when ``update``; eps, count (M), momentum, update)
+    stats, running_mean, running_var, eps, count, momentum, update = fin
+    s1, s2 = reduce.part_sums(partials, c, parts)              # parts in order
+    mean = _finalize_mean(s1, float64(x[c * B]), count)        # shift: channel's first
+    var = _finalize_var(s1, s2, count)
+    stats[0, c] = mean
+    stats[1, c] = var
+    stats[2, c] = _invstd_of(var, eps)
+    if update:
+        running_mean[c] = _running_update(float64(running_mean[c]), mean, momentum)
+        running_var[c] = _running_update(float64(running_var[c]), _unbiased_var(var, count),
+                                         momentum)
 
 
 @cuda.jit(cache=True)
@@ -138,6 +144,28 @@ def _update_running(running_mean, running_var, mean, var, count, momentum):
 def _apply(x, z, has_z, mean, invstd, gamma, beta, relu, C, B, y, mask, want_mask):
     # x, z, y: (size,) flat; mean, invstd: (C,) float64; gamma, beta: (C,);
     # mask: (ceil(size/8),) uint8, bit j%8 of byte j//8 set where y[j] > 0
+    _apply_walk(x, z, has_z, mean, invstd, False, 0.0, gamma, beta, relu, C, B, y, mask,
+                want_mask)
+
+
+@cuda.jit
+def _apply_running(x, z, has_z, running_mean, running_var, eps, gamma, beta, relu, C, B, y,
+                   mask, want_mask, mean, invstd):
+    # inference: ``_apply`` with each channel's mean and invstd taken from the running
+    # statistics (C,) as the walk meets it, and also written to mean, invstd (C,) float64
+    # (saved for backward) by the first C threads of the grid: no statistics kernel
+    for c in range(cuda.grid(1), C, cuda.gridsize(1)):
+        mean[c] = running_mean[c]
+        invstd[c] = _invstd_of(float64(running_var[c]), eps)
+    _apply_walk(x, z, has_z, running_mean, running_var, True, eps, gamma, beta, relu, C, B,
+                y, mask, want_mask)
+
+
+@cuda.jit(device=True, inline=True)
+def _apply_walk(x, z, has_z, src_m, src_v, from_running, eps, gamma, beta, relu, C, B, y,
+                mask, want_mask):
+    # the flat walk of the apply kernels; channel c's (mean, invstd) is (src_m[c], src_v[c])
+    # or, ``from_running``, (running_mean[c], invstd_of(running_var[c], eps))
     bits = cuda.shared.array(BLOCK, int32)          # portable mask assembly
     prm = cuda.local.array((U, 4), x.dtype)         # per group: m_hi, m_lo, scale, beta
     chan = cuda.local.array(U, int32)               # ... of this channel (-1: none yet)
@@ -167,9 +195,14 @@ def _apply(x, z, has_z, mean, invstd, gamma, beta, relu, C, B, y, mask, want_mas
             if ju < size:
                 if chan[u] != uc:                    # channel parameters, in registers
                     chan[u] = uc
-                    prm[u, 0] = mean[uc]
-                    prm[u, 1] = mean[uc] - float64(prm[u, 0])
-                    prm[u, 2] = gamma[uc] * invstd[uc]
+                    m = float64(src_m[uc])
+                    if from_running:
+                        s = float64(_invstd_of(float64(src_v[uc]), eps))
+                    else:
+                        s = float64(src_v[uc])
+                    prm[u, 0] = m
+                    prm[u, 1] = m - float64(prm[u, 0])
+                    prm[u, 2] = gamma[uc] * s
                     prm[u, 3] = beta[uc]
                 v = (v - prm[u, 0] - prm[u, 1]) * prm[u, 2] + prm[u, 3]
                 if has_z:
@@ -200,6 +233,22 @@ def _apply(x, z, has_z, mean, invstd, gamma, beta, relu, C, B, y, mask, want_mas
 
 
 # --------------------------------------------------------------------------- fused backward
+
+@cuda.jit(device=True, inline=True)
+def _finish_bwd(c, x, B, partials, parts, fin):
+    # run by channel c's last reduction block: fin = (gamma (C,), invstd (C,) float64, count,
+    # training, ggamma, gbeta (C,) x's dtype, coefs (3, C) float64 rows cg, cx, c0) with
+    # dx = cg*g + cx*(x - mean) + c0
+    gamma, invstd, count, training, ggamma, gbeta, coefs = fin
+    sg, sgx = reduce.part_sums(partials, c, parts)             # parts in order
+    dgamma = sgx * invstd[c]
+    gbeta[c] = sg
+    ggamma[c] = dgamma
+    gam = float64(gamma[c])
+    coefs[0, c] = _coef_g(gam, invstd[c])
+    coefs[1, c] = _coef_x(gam, invstd[c], dgamma, count, training)
+    coefs[2, c] = _coef_0(gam, invstd[c], sg, count, training)
+
 
 @cuda.jit(cache=True)
 def _bwd_finalize(partials, nparts, gamma, invstd, count, training, ggamma, gbeta, cg, cx,
@@ -268,8 +317,8 @@ def _bwd_apply(gy, x, mean, cg, cx, c0, state_kind, ystate, mask, C, B, gx, want
 # --------------------------------------------------------------------------- host entry points
 
 def _empty(shape, dtype):
-    """Every device buffer of this module comes from here (one place to swap in a pool)."""
-    return cuda.device_array(shape, dtype)
+    """Every device buffer of this module comes from here: numbafuse's memory pool."""
+    return pool_empty(shape, dtype)
 
 
 def _flat_grid(size, C, B):
@@ -287,13 +336,24 @@ def _flat_grid(size, C, B):
 
 def stats(x, layout, eps):
     """(mean, var, invstd) float64 (C,) device arrays of a C-contiguous device ``x``."""
+    return stats_update(x, layout, eps, None, None, 0.0)
+
+
+def stats_update(x, layout, eps, running_mean, running_var, momentum):
+    """:func:`stats`, and the running statistics (contiguous, x's dtype; None: none) updated
+    in place with PyTorch's rule, all in one launch: each channel's last reduction block
+    finishes it (``reduce.channel_partials`` with ``_finish_stats``)."""
     A, C, B = reduce.view(x.shape, layout)
-    partials, _ = reduce.channel_partials(reduce.ELEM_STATS, x, x, x, reduce._NO_MASK(),
-                                          reduce._NO_MEAN(), STATE_NONE, layout, _empty)
-    mean, var, invstd = (_empty(C, np.float64) for _ in range(3))
-    _stats_finalize[config.grid_1d(C)](x.reshape(x.size), B, partials, float(eps), mean, var,
-                                        invstd)
-    return mean, var, invstd
+    out = _empty((3, C), np.float64)                 # rows: mean, var, invstd
+    update = running_mean is not None
+    if update:
+        rm, rv = backend.as_device_array(running_mean), backend.as_device_array(running_var)
+    else:
+        rm = rv = reduce._placeholder(np.dtype(x.dtype))
+    reduce.channel_partials(reduce.ELEM_STATS, x, x, x, reduce._NO_MASK(), reduce._NO_MEAN(),
+                            STATE_NONE, layout, _empty, _finish_stats,
+                            (out, rm, rv, float(eps), float(A * B), float(momentum), update))
+    return out[0], out[1], out[2]
 
 
 def inference_stats(running_mean, running_var, eps):
@@ -326,6 +386,24 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     return y, (mask if want_mask else None)
 
 
+def apply_running(x, running_mean, running_var, eps, gamma, beta, z, relu, layout, want_mask):
+    """Inference: :func:`inference_stats` and :func:`apply` in one launch; returns
+    (y, mask or None, mean, invstd)."""
+    A, C, B = reduce.view(x.shape, layout)
+    y = _empty(x.shape, x.dtype)
+    mask = _empty(mask_nbytes(x.size), np.uint8) if want_mask else reduce._NO_MASK()
+    mean, invstd = _empty(C, np.float64), _empty(C, np.float64)
+    flat = x.reshape(x.size)                                      # (size,)
+    zf = flat if z is None else z.reshape(z.size)                 # x stands in for "no z"
+    blocks, threads = _flat_grid(x.size, C, B)
+    blocks = max(blocks, -(-C // threads))                         # and C threads for the stats
+    _apply_running[blocks, threads](
+        flat, zf, z is not None, kernels.contiguous(running_mean),
+        kernels.contiguous(running_var), float(eps), gamma, beta, bool(relu), C, B,
+        y.reshape(y.size), mask, bool(want_mask), mean, invstd)
+    return y, (mask if want_mask else None), mean, invstd
+
+
 def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, need,
              sync=None):
     """(gx, ggamma, gbeta, gz) on the device, each None unless asked for in ``need``.
@@ -339,24 +417,28 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     dtype = x.dtype
     ystate = state if state_kind == STATE_Y else x
     mask = state if state_kind == STATE_MASK else reduce._NO_MASK()
-    if (need_ggamma or need_gbeta or (need_gx and training) or sync is not None) and x.size:
-        partials, parts = reduce.channel_partials(reduce.ELEM_BWD, gy, x, ystate, mask, mean,
-                                                  state_kind, layout, _empty)
-    else:  # inference dx/dz only (the coefficients need no sums), or nothing to sum
-        parts = 0
-        partials = _empty((C, 1, 2), np.float64)
     ggamma, gbeta = _empty(C, dtype), _empty(C, dtype)
-    cg, cx, c0 = (_empty(C, np.float64) for _ in range(3))
+    coefs = _empty((3, C), np.float64)               # rows: cg, cx, c0
+    cg, cx, c0 = coefs[0], coefs[1], coefs[2]
+    parts = 0
     # (an empty rank's count is 0: with sync its coefficients are replaced below)
-    _bwd_finalize[config.grid_1d(C)](partials, parts, gamma, invstd, float(A * B) or 1.0,
-                                     bool(training), ggamma, gbeta, cg, cx, c0)
-    if sync is not None:
+    count = float(A * B) or 1.0
+    if (need_ggamma or need_gbeta or (need_gx and training) or sync is not None) and x.size:
+        # the sums and, by each channel's last block, the coefficients: one launch
+        partials, parts = reduce.channel_partials(
+            reduce.ELEM_BWD, gy, x, ystate, mask, mean, state_kind, layout, _empty,
+            _finish_bwd, (gamma, invstd, count, bool(training), ggamma, gbeta, coefs))
+    else:  # inference dx/dz only (the coefficients need no sums), or nothing to sum
+        partials = _empty((C, 1, 2), np.float64)
+        _bwd_finalize[config.grid_1d(C)](partials, 0, gamma, invstd, count,
+                                         bool(training), ggamma, gbeta, cg, cx, c0)
+    if sync is not None:           # synchronized: the dx coefficients from the global sums
         local = (partials.copy_to_host()[:, :parts].sum(axis=1) if parts
                  else np.zeros((C, 2)))                           # (C, 2) float64
-        total, count = sync(np.ascontiguousarray(local.T))        # (2, C): sum g, sum g*(x-m)
+        total, global_count = sync(np.ascontiguousarray(local.T))  # (2, C): sum g, g*(x-m)
         total = np.ascontiguousarray(np.asarray(total).T.reshape(C, 1, 2))
         _bwd_finalize[config.grid_1d(C)](backend.to_device(total), 1, gamma, invstd,
-                                         float(count), bool(training), _empty(C, dtype),
+                                         float(global_count), bool(training), _empty(C, dtype),
                                          _empty(C, dtype), cg, cx, c0)
     gx = gz = None
     if need_gx or need_gz:
@@ -374,14 +456,20 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
 
 # Every kernel above with its signature as a function of the numba float type f; compiled to
 # PTX for a real target by tests/test_ptx.py and read as SASS by tests/test_sass.py.
-PTX_SIGNATURES = [
-    (_stats_finalize, lambda f: (f[::1], int64, float64[:, :, ::1], float64, float64[::1],
-                                 float64[::1], float64[::1])),
+_STATS_FIN = lambda f: types.Tuple((float64[:, ::1], f[::1], f[::1], float64, float64,  # noqa
+                                      float64, boolean))
+_BWD_FIN = lambda f: types.Tuple((f[::1], float64[::1], float64, boolean, f[::1], f[::1],  # noqa
+                                    float64[:, ::1]))
+PTX_SIGNATURES = reduce.ptx_signatures([(reduce.ELEM_STATS, _finish_stats, _STATS_FIN),
+                                        (reduce.ELEM_BWD, _finish_bwd, _BWD_FIN)]) + [
     (_inference_stats, lambda f: (f[::1], f[::1], float64, float64[::1], float64[::1])),
     (_update_running, lambda f: (f[::1], f[::1], float64[::1], float64[::1], float64,
                                  float64)),
     (_apply, lambda f: (f[::1], f[::1], boolean, float64[::1], float64[::1], f[::1], f[::1],
                         boolean, int64, int64, f[::1], uint8[::1], boolean)),
+    (_apply_running, lambda f: (f[::1], f[::1], boolean, f[::1], f[::1], float64, f[::1],
+                                f[::1], boolean, int64, int64, f[::1], uint8[::1], boolean,
+                                float64[::1], float64[::1])),
     (_bwd_finalize, lambda f: (float64[:, :, ::1], int64, f[::1], float64[::1], float64,
                                boolean, f[::1], f[::1], float64[::1], float64[::1],
                                float64[::1])),

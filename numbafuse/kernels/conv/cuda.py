@@ -37,7 +37,7 @@ import functools
 import numpy as np
 from numba import float64, int32, types, uint32
 
-from ...cuda import numba_cuda as cuda
+from ...cuda import empty as pool_empty, numba_cuda as cuda
 
 from .. import cuda_config as config
 from .. import cuda_gemm as gemm
@@ -400,8 +400,8 @@ def _flat(a):
 
 
 def _empty(shape, dtype):
-    """Every device buffer of this module comes from here (one place to swap in a pool)."""
-    return cuda.device_array(shape, dtype)
+    """Every device buffer of this module comes from here: numbafuse's memory pool."""
+    return pool_empty(shape, dtype)
 
 
 def _tile(kind, dtype):

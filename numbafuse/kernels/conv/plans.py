@@ -10,7 +10,7 @@ import functools
 
 import numpy as np
 
-from ...cuda import numba_cuda as cuda
+from ...cuda import to_device
 from .. import cuda_config as config
 
 PAD_TAP = -(1 << 28)     # th/tw of a padding tap: every row/column test fails, it reads zero
@@ -82,7 +82,7 @@ def _check_int32(op, *values):
 def _device_tables(rows, table):
     geo = np.stack(rows).astype(np.int32)                          # (slices, FIELDS)
     tab = np.asarray(table, np.int64).reshape(-1, 4).astype(np.int32)   # (T, 4)
-    return cuda.to_device(geo), cuda.to_device(tab)
+    return to_device(geo), to_device(tab)
 
 
 @functools.lru_cache(maxsize=256)

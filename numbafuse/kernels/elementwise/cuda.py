@@ -4,9 +4,9 @@ All work on flat (1-d, C-contiguous) views; the wrappers reshape. The sum is det
 fixed per-block partials (a shared-memory tree), then one block reduces the partials.
 """
 import numpy as np
-from numba import float64, int64, uint32
+from numba import float64, int64, types, uint32
 
-from ...cuda import numba_cuda as cuda
+from ...cuda import empty, numba_cuda as cuda
 
 from .. import cuda_config as config
 from ..cuda_reduce import block_sum
@@ -34,6 +34,14 @@ def _fill(out, value):
         out[i] = value
 
 
+@cuda.jit(device=True, inline=True)
+def _axpby_value(a, x, b, y):
+    """``a*x + b*y``: one expression shared by ``_axpby`` and ``_sgd``, so both compile to the
+    same arithmetic (the same FMA contraction) and the fused SGD step gives the bits of the
+    per-parameter one."""
+    return a * x + b * y
+
+
 @cuda.jit(cache=True)
 def _axpby(a, x, b, y, out):
     # x, y, out: (n,);  out = a*x + b*y, and a*x when b == 0 (BLAS rule: y is not read, so an
@@ -43,7 +51,41 @@ def _axpby(a, x, b, y, out):
             out[i] = a * x[i]
     else:
         for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-            out[i] = a * x[i] + b * y[i]
+            out[i] = _axpby_value(a, x[i], b, y[i])
+
+
+# SGD table columns: the gradient's index in the tuple, its elements [lo, hi) taken by this
+# row, the offset of the parameter in the flat buffers, 1 on the parameter's first momentum step
+SGD_T, SGD_LO, SGD_HI, SGD_OFF, SGD_FIRST = range(5)
+
+
+@cuda.jit
+def _sgd(p, buf, grads, table, lr, momentum, wd, one):
+    # p, buf: (n,) flat parameters and momentum buffers of one dtype, updated in place;
+    # grads: a tuple of (n_t,) gradients; table: (rows, 5) int64, one row per chunk of a
+    # parameter (columns SGD_*); a block per row (grid-stride), threads over its elements.
+    # Per element, in the order of the per-parameter path (each step rounded to p's dtype):
+    #   g <- 1*g + wd*p;  b <- g (first step) or m*b + 1*g;  p <- 1*p + (-lr)*b
+    # ``one`` is 1.0 passed at run time: a literal 1.0 would be folded away and change the
+    # FMA contraction of _axpby_value, so the bits would differ from the per-parameter path.
+    g = cuda.local.array(1, p.dtype)            # the gradient as the update uses it
+    for r in range(cuda.blockIdx.x, table.shape[0], cuda.gridDim.x):
+        grad = grads[table[r, SGD_T]]
+        off = table[r, SGD_OFF]
+        first = table[r, SGD_FIRST]
+        hi = table[r, SGD_HI]
+        k = table[r, SGD_LO] + cuda.threadIdx.x
+        while k < hi:                              # (a range() here would divide per row)
+            j = off + k
+            g[0] = grad[k]
+            if wd != 0.0:
+                g[0] = _axpby_value(one, g[0], wd, p[j])
+            if momentum != 0.0:
+                if first == 0:
+                    g[0] = _axpby_value(momentum, buf[j], one, g[0])
+                buf[j] = g[0]
+            p[j] = _axpby_value(one, p[j], -lr, g[0])
+            k += cuda.blockDim.x
 
 
 @cuda.jit(cache=True)
@@ -128,7 +170,7 @@ def axpby(a, x, b, y, out=None):
     Into ``out`` when given (it may be ``x`` or ``y``: each element is read before it is
     written), else into a new array.
     """
-    out = cuda.device_array(x.shape, x.dtype) if out is None else out
+    out = empty(x.shape, x.dtype) if out is None else out
     if x.size:
         blocks, threads = config.grid_1d(x.size)
         _axpby[blocks, threads](a, x.reshape(x.size), b, y.reshape(y.size), out.reshape(out.size))
@@ -136,7 +178,7 @@ def axpby(a, x, b, y, out=None):
 
 
 def mul(x, y):
-    out = cuda.device_array(x.shape, x.dtype)
+    out = empty(x.shape, x.dtype)
     if x.size:
         blocks, threads = config.grid_1d(x.size)
         _mul[blocks, threads](x.reshape(x.size), y.reshape(y.size), out.reshape(out.size))
@@ -145,7 +187,7 @@ def mul(x, y):
 
 def scale_by_device_scalar(scale, x):
     """``scale[0] * x`` where ``scale`` is a one-element device array (no host round trip)."""
-    out = cuda.device_array(x.shape, x.dtype)
+    out = empty(x.shape, x.dtype)
     if x.size:
         blocks, threads = config.grid_1d(x.size)
         _scale_broadcast[blocks, threads](scale.reshape(1), x.reshape(x.size),
@@ -158,7 +200,7 @@ def contiguous_copy(src):
     rank = len(src.shape)
     if rank not in _COPY_BY_RANK:
         raise ValueError(f"contiguous_copy: rank {rank} is not supported on the device (1 to 4)")
-    dst = cuda.device_array(src.shape, src.dtype)
+    dst = empty(src.shape, src.dtype)
     if dst.size:
         blocks, threads = config.grid_1d(dst.size)
         _COPY_BY_RANK[rank][blocks, threads](src, dst)
@@ -170,14 +212,48 @@ def sum_all(x, scale=1.0):
     deterministic (fixed partial order)."""
     flat = x.reshape(x.size)
     nblocks = max(1, min(config.reduce_blocks, -(-flat.size // config.block_threads())))
-    partials = cuda.device_array(nblocks, np.float64)
+    partials = empty(nblocks, np.float64)
     _sum_partials[nblocks, config.block_threads()](flat, partials)
-    total = cuda.device_array(1, np.float64)
+    total = empty(1, np.float64)
     _sum_partials[1, config.block_threads()](partials, total)
-    out = cuda.device_array(1, x.dtype)
+    out = empty(1, x.dtype)
     blocks, threads = config.grid_1d(1)
     _axpby[blocks, threads](scale, total, 0.0, total, out)
     return out.reshape(())
+
+
+SGD_BUCKETS = (1, 2, 4, 8, 16, 32)   # gradients per launch: the tuple's size is compiled in
+
+
+def sgd_chunks(sizes, offsets, firsts, indices):
+    """The (rows, 5) int64 host table of :func:`sgd_step`: parameter ``indices[t]`` (size,
+    offset, first-step flag from the lists) cut into chunks of ``config.sgd_chunk`` elements,
+    ``t`` its place in the gradient tuple."""
+    chunk = max(1, int(config.sgd_chunk))
+    rows = []
+    for t, i in enumerate(indices):
+        for lo in range(0, sizes[i], chunk):
+            rows.append((t, lo, min(sizes[i], lo + chunk), offsets[i], int(firsts[i])))
+    return np.asarray(rows, np.int64).reshape(-1, 5)
+
+
+def sgd_step(p, buf, grads, table, lr, momentum, weight_decay):
+    """One SGD step (PyTorch semantics) of every parameter in ``table`` in one launch.
+
+    ``p``, ``buf``: flat (n,) device buffers holding the parameters and their momentum
+    buffers (``buf`` may be ``p`` itself when ``momentum == 0``: never read or written then);
+    ``grads``: at most ``SGD_BUCKETS[-1]`` flat contiguous gradients of p's dtype, padded here
+    to the next bucket size (so a handful of signatures is compiled); ``table``: a device
+    array from :func:`sgd_chunks`.
+    """
+    n = len(grads)
+    if n == 0 or table.shape[0] == 0:
+        return
+    size = next(b for b in SGD_BUCKETS if b >= n)
+    grads = tuple(grads) + (grads[0],) * (size - n)        # padding: never in the table
+    blocks = max(1, min(config.max_blocks, table.shape[0]))
+    _sgd[blocks, config.block_threads()](p, buf, grads, table, float(lr), float(momentum),
+                                         float(weight_decay), 1.0)
 
 
 # Every kernel above with the signatures it is compiled for, as a function of the numba
@@ -193,4 +269,8 @@ PTX_SIGNATURES = [
     (_copy_strided3, lambda f: (f[:, :, :], f[:, :, ::1])),
     (_copy_strided4, lambda f: (f[:, :, :, :], f[:, :, :, ::1])),
     (_sum_partials, lambda f: (f[::1], float64[::1])),
+    (_sgd, lambda f: (f[::1], f[::1], types.UniTuple(f[::1], 16), int64[:, ::1], float64,
+                      float64, float64, float64)),
+    (_sgd, lambda f: (f[::1], f[::1], types.UniTuple(f[::1], SGD_BUCKETS[-1]), int64[:, ::1],
+                      float64, float64, float64, float64)),
 ]
