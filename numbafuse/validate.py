@@ -252,8 +252,8 @@ SAVE_POLICIES = ("output", "mask")
 
 
 def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=None,
-                   training=True, momentum=0.1, eps=1e-5, layout="NCHW", save="output"
-                   ) -> BatchNormArgs:
+                   training=True, momentum=0.1, eps=1e-5, layout="NCHW", save="output",
+                   updates=True) -> BatchNormArgs:
     """Validate a batch-norm(-add-relu) call; a named ValueError/TypeError, nothing written."""
     if x is None or gamma is None or beta is None:
         missing = [n for n, a in (("x", x), ("gamma", gamma), ("beta", beta)) if a is None]
@@ -274,17 +274,19 @@ def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=No
     if save not in SAVE_POLICIES:
         raise ValueError(f"{op}: save must be 'output' or 'mask', got {save!r}")
     M = int(np.prod(x.shape, dtype=np.int64)) // C
-    momentum, eps = running_stats(op, C, M, running_mean, running_var, training, momentum, eps)
+    momentum, eps = running_stats(op, C, M, running_mean, running_var, training, momentum, eps,
+                                  updates=updates)
     return BatchNormArgs(which, dtype, layout, C, M, eps, momentum)
 
 
-def running_stats(op, C, M, running_mean, running_var, training, momentum, eps):
+def running_stats(op, C, M, running_mean, running_var, training, momentum, eps, updates=True):
     """Validate the batch-norm state of a call: ``(momentum, eps)`` as floats.
 
     Shared by every op with a batch norm inside (``batchnorm``, ``batchnorm_add_relu``,
     ``conv_batchnorm_relu``, their NumPy-style backwards): running statistics of shape (C,),
-    given both or neither, required in inference, writable (and contiguous when on the device:
-    they are updated in place); ``training`` a real boolean (``"no"`` is not False);
+    given both or neither, required in inference, writable when the call updates them
+    (``updates`` and training; the NumPy-style backwards update nothing) and contiguous when
+    on the device; ``training`` a real boolean (``"no"`` is not False);
     ``eps >= 0``, ``momentum`` in [0, 1]; more than one value per channel (``M``) in training.
     Backend and dtype agreement with the other arrays is the caller's ``backend_of`` /
     ``check_float_dtypes``. Raises a named ValueError/TypeError; writes nothing.
@@ -302,7 +304,7 @@ def running_stats(op, C, M, running_mean, running_var, training, momentum, eps):
         raise ValueError(f"{op}: inference (training=False) needs running_mean and running_var")
     for name, v in (("running_mean", running_mean), ("running_var", running_var)):
         check_device_contiguous(op, name, v)
-        if training:
+        if training and updates:
             check_writable(op, name, v)
     if training and M < 2:
         raise ValueError(f"{op}: training needs more than one value per channel to "
