@@ -17,6 +17,7 @@ import pytest
 
 import numbafuse as nf
 from numbafuse import kernels
+from numbafuse.ops import OPS
 
 from .harness import BACKENDS, host_copy
 
@@ -45,16 +46,22 @@ def _host(a):
     return a.a if isinstance(a, Foreign) else a
 
 
+# Kernels that validation may run: they read and write nothing of the caller's (the label
+# range check of cross_entropy needs the labels, which may be on the device).
+VALIDATION_KERNELS = {"count_bad_labels"}
+
+
 @contextlib.contextmanager
 def no_kernel_runs(backend):
-    """Every host-level entry point of the backend's kernel modules replaced by a spy; the
-    block fails if any was called."""
+    """Every host-level entry point of the backend's kernel modules (but the validation
+    kernels) replaced by a spy; the block fails if any was called."""
     calls = []
     with pytest.MonkeyPatch.context() as mp:
         for family in kernels.FAMILIES:
             module = kernels.module(family, backend.name)
             for name, fn in list(vars(module).items()):
-                if inspect.isfunction(fn) and fn.__module__ == module.__name__:
+                if inspect.isfunction(fn) and fn.__module__ == module.__name__ \
+                        and name not in VALIDATION_KERNELS:
                     mp.setattr(module, name,
                                lambda *a, _name=name, **k: calls.append(_name))
         yield
@@ -429,3 +436,90 @@ def test_numpy_style_backwards_take_read_only_running_stats(op, call, problem, t
         v.flags.writeable = False
     for got, expected in zip(call(p, training=training, **stats), writable):
         np.testing.assert_array_equal(got, expected)
+
+
+# =========================================================================== the unfused ops
+
+def _basic_calls():
+    F64, F32, LOGITS = np.zeros((2, 3, 4, 4)), np.zeros((2, 3, 4, 4), np.float32), np.zeros((3, 4))
+    i012 = np.array([0, 1, 2])
+    return [
+        # (call, op, args, keywords, exception, argument, pattern)
+        (nf.relu, "relu", ([1.0, 2.0],), {}, TypeError, "x", "NumPy array or a CUDA array"),
+        (nf.relu, "relu", (np.arange(3),), {}, TypeError, "x", "float32 or float64"),
+        (nf.linear, "linear", (np.zeros((2, 3)), np.zeros((4, 5))), {}, ValueError, "w",
+         "input features"),
+        (nf.linear, "linear", (np.zeros(3), np.zeros((4, 3))), {}, ValueError, "x", "2 dim"),
+        (nf.linear, "linear", (np.zeros((2, 3)), np.zeros((4, 3, 1))), {}, ValueError, "w",
+         "2 dim"),
+        (nf.linear, "linear", (np.zeros((2, 3)), np.zeros((4, 3)), np.zeros(5)), {},
+         ValueError, "b", r"\(4,\)"),
+        (nf.linear, "linear", (np.zeros((2, 3), np.float32), np.zeros((4, 3))), {}, TypeError,
+         "w", "float32"),
+        (nf.linear, "linear", (np.zeros((2, 3)), Foreign(np.zeros((4, 3)))), {}, TypeError,
+         "w", "cannot mix host and device"),
+        (nf.max_pool2d, "max_pool2d", (np.zeros((2, 3, 4)), 2), {}, ValueError, "x", "4 dim"),
+        (nf.max_pool2d, "max_pool2d", (F64, 5), {}, ValueError, "k", "larger"),
+        (nf.max_pool2d, "max_pool2d", (F64, 0), {}, ValueError, "k", ""),
+        (nf.max_pool2d, "max_pool2d", (F64, 2.5), {}, TypeError, "k", ""),
+        (nf.max_pool2d, "max_pool2d", (F64, 2, 0), {}, ValueError, "stride", ""),
+        (nf.max_pool2d, "max_pool2d", (F64, 2), dict(layout="NWHC"), ValueError, "layout", ""),
+        (nf.max_pool2d, "max_pool2d", (F32.astype(np.int32), 2), {}, TypeError, "x", ""),
+        (nf.global_avg_pool2d, "global_avg_pool2d", (np.zeros((2, 3)),), {}, ValueError, "x",
+         "4 dim"),
+        (nf.global_avg_pool2d, "global_avg_pool2d", (F64,), dict(layout="CHWN"), ValueError,
+         "layout", ""),
+        (nf.global_avg_pool2d, "global_avg_pool2d", (np.zeros((2, 3, 0, 4)),), {}, ValueError,
+         "x", "empty"),
+        (nf.flatten, "flatten", (np.zeros(()),), {}, ValueError, "x", ""),
+        (nf.flatten, "flatten", (np.zeros(3, np.int64),), {}, TypeError, "x", ""),
+        (nf.squeeze, "squeeze", (F64, 1), {}, ValueError, "axis", "size 3"),
+        (nf.squeeze, "squeeze", (F64, 4), {}, ValueError, "axis", "out of range"),
+        (nf.squeeze, "squeeze", (F64, "1"), {}, TypeError, "axis", ""),
+        (nf.cross_entropy, "cross_entropy", (LOGITS, np.array([0, 1, 4])), {}, ValueError,
+         "labels", r"\[0, 4\)"),
+        (nf.cross_entropy, "cross_entropy", (LOGITS, np.array([0, -1, 2], np.int32)), {},
+         ValueError, "labels", ""),
+        (nf.cross_entropy, "cross_entropy", (LOGITS, np.array([0.0, 1.0, 2.0])), {}, TypeError,
+         "labels", "integers"),
+        (nf.cross_entropy, "cross_entropy", (LOGITS, np.array([0, 1])), {}, ValueError,
+         "labels", r"\(3,\)"),
+        (nf.cross_entropy, "cross_entropy", (np.zeros(4), np.array([0])), {}, ValueError,
+         "logits", "2 dim"),
+        (nf.cross_entropy, "cross_entropy", (LOGITS.astype(np.int64), i012), {}, TypeError,
+         "logits", ""),
+        (nf.cross_entropy, "cross_entropy", (LOGITS, [0, 1, 2]), {}, TypeError, "labels", ""),
+        (nf.cross_entropy, "cross_entropy", (LOGITS, Foreign(i012)), {}, TypeError, "labels",
+         "cannot mix host and device"),
+        (nf.add, "add", (np.zeros((2, 3)), Foreign(np.zeros((2, 3)))), {}, TypeError, "z",
+         "cannot mix host and device"),
+        (nf.add, "add", (np.zeros((2, 3)), np.zeros((3, 2))), {}, ValueError, "z", ""),
+        (nf.add, "add", (np.zeros(3), np.zeros(3, np.float32)), {}, TypeError, "z", "float32"),
+        (OPS["mul"].function, "mul", (np.zeros(3), np.zeros(3, np.int64)), {}, TypeError, "z",
+         "int64"),
+    ]
+
+
+BASIC_CALLS = _basic_calls()
+
+
+@pytest.mark.parametrize("index", range(len(BASIC_CALLS)),
+                         ids=[f"{c[1]}-{i}-{c[5]}" for i, c in enumerate(BASIC_CALLS)])
+def test_unfused_ops_refuse_bad_input(index, backend):
+    call, op, args, kwargs, exc, argument, pattern = BASIC_CALLS[index]
+    assert_refused(backend, call, list(args), kwargs, exc, op, argument, pattern)
+
+
+@pytest.mark.cuda
+def test_strided_device_running_stats_are_refused():
+    """Device running statistics must be contiguous (they are updated in place)."""
+    cuda = BACKENDS["cuda"]
+    p = _conv_bn_problem()
+    args = [cuda.put(p[k]) for k in ("x", "w", "gamma", "beta")]
+    strided = cuda.put(np.repeat(p["running_mean"], 2))[::2]          # (4,), stride 2
+    rv = cuda.put(p["running_var"])
+    with no_kernel_runs(cuda), pytest.raises(ValueError, match="conv_batchnorm_relu: "
+                                             "running_mean must be contiguous on the device"):
+        nf.conv_batchnorm_relu(*args, running_mean=strided, running_var=rv)
+    np.testing.assert_array_equal(cuda.get(strided), p["running_mean"])
+    np.testing.assert_array_equal(cuda.get(rv), p["running_var"])
