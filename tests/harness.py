@@ -247,7 +247,7 @@ class CPU(Backend):
 class CUDA(Backend):
     name = nfb.CUDA
     small = SIMULATOR
-    cost = 10 if SIMULATOR else 2
+    cost = 5 if SIMULATOR else 2
     directions = 1
 
     def put(self, a):
@@ -436,6 +436,7 @@ def _tape_run(case, ex, backend, dy):
     inputs = _tape_inputs(case, ex, backend)
     y = case.spec.function(*inputs, **call_keywords(ex, backend))
     assert isinstance(y, nf.Tensor) and y.device == backend.name, f"{case.name}: {y!r}"
+    assert y._fn.name == case.name, f"{case.name} recorded as {y._fn.name!r} on the tape"
     y.backward(backend.put(dy))
     return backend.get(y.data), [backend.get(t.grad) if isinstance(t, nf.Tensor) else None
                                  for t in inputs]

@@ -300,6 +300,7 @@ class ReLU(OpCase):
 
 class Linear(OpCase):
     name, family = "linear", "basic"
+    cost = 3           # the device matmul's blocks are TILE x TILE threads: dear on the simulator
 
     def draw(self, draw, backend, dtype=None, **limits):
         p = draw(nfs.linear_problems(dtype=dtype, max_size=4 if backend.small else 6,

@@ -22,8 +22,8 @@ TOL = CASES["conv_batchnorm_relu"].tol
 EPS = 1e-5
 
 
-def _arrays(rng, dtype=np.float32):
-    x = rng.standard_normal((2, 3, 5, 5)).astype(dtype)
+def _arrays(rng, dtype=np.float32, small=False):
+    x = rng.standard_normal((1, 3, 4, 4) if small else (2, 3, 5, 5)).astype(dtype)
     w = rng.standard_normal((4, 3, 3, 3)).astype(dtype)
     return dict(x=x, w=w, gamma=np.ones(4, dtype), beta=np.zeros(4, dtype),
                 running_mean=np.zeros(4, dtype), running_var=np.ones(4, dtype))
@@ -31,16 +31,17 @@ def _arrays(rng, dtype=np.float32):
 
 @pytest.mark.parametrize("relu", [True, False])
 def test_saved_bytes_only_inputs_and_statistics(backend, rng, relu):
-    x = backend.put(rng.standard_normal((2, 4, 6, 6)).astype(np.float32))
-    w = backend.put((rng.standard_normal((8, 4, 3, 3)) * 0.1).astype(np.float32))
-    gamma, beta = backend.put(np.ones(8, np.float32)), backend.put(np.zeros(8, np.float32))
+    N, C, H, K = (1, 2, 5, 4) if backend.small else (2, 4, 6, 8)
+    x = backend.put(rng.standard_normal((N, C, H, H)).astype(np.float32))
+    w = backend.put((rng.standard_normal((K, C, 3, 3)) * 0.1).astype(np.float32))
+    gamma, beta = backend.put(np.ones(K, np.float32)), backend.put(np.zeros(K, np.float32))
     ts = [nf.Tensor(a, requires_grad=True) for a in (x, w, gamma, beta)]
     y = nf.conv_batchnorm_relu(*ts, padding=1, relu=relu)
     saved = y._fn.saved
     assert set(vars(saved)) == ({"x", "w", "gamma", "mean", "invstd"}
                                 | ({"beta"} if relu else set()))
     assert saved.x is x and saved.w is w                   # the inputs themselves, not copies
-    expected = x.nbytes + w.nbytes + gamma.nbytes + 2 * 8 * 8 + (beta.nbytes if relu else 0)
+    expected = x.nbytes + w.nbytes + gamma.nbytes + 2 * K * 8 + (beta.nbytes if relu else 0)
     assert nf.saved_bytes(y) == expected                   # + mean, invstd: float64 (K,)
     # the unfused chain keeps the conv output and the batch-norm output as well
     unfused = nf.batchnorm(nf.conv2d(ts[0], ts[1], padding=1), ts[2], ts[3])
@@ -49,7 +50,7 @@ def test_saved_bytes_only_inputs_and_statistics(backend, rng, relu):
 
 
 def test_only_needed_gradients(backend, rng):
-    a = {k: backend.put(v) for k, v in _arrays(rng, np.float64).items()}
+    a = {k: backend.put(v) for k, v in _arrays(rng, np.float64, backend.small).items()}
     xt = nf.Tensor(a["x"])                                 # no gradient wanted for x
     wt, gt, bt = (nf.Tensor(a[k], requires_grad=True) for k in ("w", "gamma", "beta"))
     y = nf.conv_batchnorm_relu(xt, wt, gt, bt)
@@ -124,7 +125,7 @@ def test_fold_batchnorm_bad_input(backend, rng):
 
 def test_tensor_arguments_are_accepted_everywhere(backend, rng):
     """Tensors where arrays go (running statistics, NumPy-style backward, folding)."""
-    host = _arrays(rng, np.float64)
+    host = _arrays(rng, np.float64, backend.small)
     a = {k: backend.put(v) for k, v in host.items()}
     T = nf.Tensor
     args = [a[k] for k in ("x", "w", "gamma", "beta")]
