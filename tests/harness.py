@@ -57,7 +57,8 @@ SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 #   patch    {"<module>.<NAME>": value}, module relative to numbafuse.kernels. A value is a
 #            constant, a tuple of alternatives (one drawn per example), or a function of the
 #            drawn example's dims (e.g. bytes of two images' im2col matrix).
-#   shapes   () -> keyword arguments of the op case's strategy (``dims`` strategies, limits)
+#   shapes   () -> keyword arguments of the op case's draw (``dims`` strategies, limits;
+#            ``training``: batch norm in training, where the statistics are reduced)
 #   crosses  (dims, knob) -> True when the drawn example crosses every boundary listed in
 #            ``why``; asserted on each example (with the knobs patched), so a table that no
 #            longer reaches its boundaries fails instead of passing quietly.
@@ -131,7 +132,8 @@ BOUNDARIES = {
         ops=("batchnorm_add_relu", "batchnorm"),
         patch={"batchnorm.cpu.CHUNK": (8, 16), "batchnorm.cpu.REDUCE_CHUNK": (1, 8),
                "parallel.PARALLEL_MIN_ELEMENTS": 0},
-        shapes=lambda: dict(dims=dict(N=_ints(3, 4), C=_ints(3, 5), H=_ints(2, 4),
+        shapes=lambda: dict(training=st.just(True),
+                            dims=dict(N=_ints(3, 4), C=_ints(3, 5), H=_ints(2, 4),
                                       W=_ints(2, 4))),
         crosses=lambda d, k: min(_bn_tasks(d, k("batchnorm.cpu.CHUNK")),
                                  _bn_tasks(d, k("batchnorm.cpu.REDUCE_CHUNK"))) >= 2),
@@ -165,7 +167,8 @@ BOUNDARIES = {
         ops=("batchnorm_add_relu", "batchnorm"),
         patch={"cuda_config.threads": 8, "cuda_config.reduce_blocks": 2,
                "cuda_config.max_blocks": 2, "cuda_config.max_grid_y": 2},
-        shapes=lambda: dict(dims=dict(N=_one_of(2), C=_ints(3, 4), H=_ints(3, 4),
+        shapes=lambda: dict(training=st.just(True),
+                            dims=dict(N=_one_of(2), C=_ints(3, 4), H=_ints(3, 4),
                                       W=_ints(3, 5))),
         crosses=lambda d, k: (d["M"] > k("cuda_config.threads") * k("cuda_config.reduce_blocks")
                               and d["C"] > k("cuda_config.max_grid_y"))),

@@ -142,9 +142,10 @@ class ConvBias(ConvBiasReLU):
 
 # =========================================================================== batch norm family
 
-def _bn_keywords(draw, p, C, layout_kw):
-    """Running statistics (maybe none in training), training, momentum, eps."""
-    training = draw(st.booleans())
+def _bn_keywords(draw, p, C, layout_kw, training=None):
+    """Running statistics (maybe none in training), training (drawn unless given: a strategy),
+    momentum, eps."""
+    training = draw(st.booleans() if training is None else training)
     with_stats = draw(st.booleans()) if training else True
     return dict(running_mean=p.running_mean if with_stats else None,
                 running_var=p.running_var if with_stats else None, training=training,
@@ -157,9 +158,10 @@ class BatchNorm(OpCase):
     state = ("running_mean", "running_var")
 
     def draw(self, draw, backend, dtype=None, **limits):
+        training = limits.pop("training", None)     # a strategy, or None: drawn
         p = draw(nfs.batchnorm_problems(dtype=dtype,
                                         **_limits(backend, BN_SMALL, BN_NORMAL, limits)))
-        kw = _bn_keywords(draw, p, p.gamma.size, dict(layout=p.layout))
+        kw = _bn_keywords(draw, p, p.gamma.size, dict(layout=p.layout), training)
         return Example(dict(x=p.x, gamma=p.gamma, beta=p.beta), kw,
                        _activation_dims(p.x, p.layout))
 
@@ -195,10 +197,12 @@ class BatchNormAddReLU(OpCase):
     state = ("running_mean", "running_var")
 
     def draw(self, draw, backend, dtype=None, **limits):
+        training = limits.pop("training", None)     # a strategy, or None: drawn
         p = draw(nfs.batchnorm_problems(dtype=dtype,
                                         **_limits(backend, BN_SMALL, BN_NORMAL, limits)))
         kw = _bn_keywords(draw, p, p.gamma.size,
-                          dict(layout=p.layout, save=draw(st.sampled_from(SAVE_POLICIES))))
+                          dict(layout=p.layout, save=draw(st.sampled_from(SAVE_POLICIES))),
+                          training)
         return Example(dict(x=p.x, z=p.z, gamma=p.gamma, beta=p.beta), kw,
                        _activation_dims(p.x, p.layout))
 
@@ -236,10 +240,12 @@ class ConvBatchNormReLU(OpCase):
            np.dtype(np.float64): dict(rtol=1e-9, atol=1e-10)}
 
     def draw(self, draw, backend, dtype=None, **limits):
+        training = limits.pop("training", None)     # a strategy, or None: drawn
         small = dict(max_batch=2, max_channels=2, max_size=4, max_kernel=2)
         p = draw(nfs.conv_batchnorm_problems(dtype=dtype,
                                              **_limits(backend, small, {}, limits)))
-        kw = _bn_keywords(draw, p, p.gamma.size, dict(p.kwargs, relu=draw(st.booleans())))
+        kw = _bn_keywords(draw, p, p.gamma.size, dict(p.kwargs, relu=draw(st.booleans())),
+                          training)
         return Example(dict(x=p.x, w=p.w, gamma=p.gamma, beta=p.beta), kw,
                        _conv_dims(p.x, p.w, p.kwargs, p.x.dtype))
 
