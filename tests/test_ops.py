@@ -7,6 +7,8 @@ Run one op: ``python -m pytest tests/test_ops.py -k conv_bias_relu``.
 import numpy as np
 import pytest
 
+from numbafuse import kernels
+
 from .harness import CHECKS, OpCase, run_property
 from .op_cases import CASES
 from numbafuse.ops import OPS
@@ -68,3 +70,22 @@ def test_fused_equals_unfused_chain(op, backend):
 @pytest.mark.parametrize("op", _ops("deterministic"))
 def test_deterministic(op, backend):
     _run("deterministic", op, backend)
+
+
+@pytest.mark.parametrize("kernel", ["conv_forward", "conv_backward"])
+def test_the_checks_fail_on_a_wrong_kernel(kernel, backend):
+    """A check that cannot fail is a defect: results of the conv kernels scaled by 1.001 fail
+    the forward (conv_forward) and the tape's backward (conv_backward) checks."""
+    module = kernels.module("conv", backend.name)
+    elementwise = kernels.module("elementwise", backend.name)
+    real = getattr(module, kernel)
+
+    def wrong(*args):
+        out = real(*args)
+        scale = lambda a: None if a is None else elementwise.axpby(1.001, a, 0.0, a)  # noqa
+        return tuple(map(scale, out)) if isinstance(out, tuple) else scale(out)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, kernel, wrong)
+        with pytest.raises(AssertionError):
+            _run("forward" if kernel == "conv_forward" else "tape", "conv2d", backend)
