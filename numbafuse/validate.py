@@ -285,12 +285,13 @@ SAVE_POLICIES = ("output", "mask")
 
 def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=None,
                    training=True, momentum=0.1, eps=1e-5, layout="NCHW", save="output",
-                   synced=False) -> BatchNormArgs:
+                   synced=False, updates=True) -> BatchNormArgs:
     """Validate a batch-norm(-add-relu) call; a named ValueError/TypeError, nothing written.
 
     ``synced``: the statistics are those of a batch spread over several processes
     (synchronized batch norm), so this process may hold no sample (N = 0) and the "more than
-    one value per channel" rule is the caller's, on the global count.
+    one value per channel" rule is the caller's, on the global count. ``updates=False``: the
+    call writes no running statistics (the NumPy-style backwards), so they may be read-only.
 
     Per call: which backend, the dtypes, and that running statistics updated in place are
     writable (contiguous on the device). Everything that depends only on shapes and on the
@@ -311,7 +312,7 @@ def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=No
     static = _batchnorm_static_cached(key, *args) if key is not None else \
         _batchnorm_static(*args)
     layout, C, M, momentum, eps = static
-    _running_stats_arrays(op, running_mean, running_var, training)
+    _running_stats_arrays(op, running_mean, running_var, training and updates)
     _check_values_per_channel(op, M, training and not synced)
     return BatchNormArgs(which, dtype, layout, C, M, eps, momentum)
 
@@ -347,13 +348,15 @@ def _batchnorm_static(op, shapes, layout, save, training, momentum, eps, synced)
     return layout, C, M, momentum, eps
 
 
-def running_stats(op, C, M, running_mean, running_var, training, momentum, eps, synced=False):
+def running_stats(op, C, M, running_mean, running_var, training, momentum, eps, synced=False,
+                  updates=True):
     """Validate the batch-norm state of a call: ``(momentum, eps)`` as floats.
 
     Shared by every op with a batch norm inside (``batchnorm``, ``batchnorm_add_relu``,
     ``conv_batchnorm_relu``, their NumPy-style backwards): running statistics of shape (C,),
-    given both or neither, required in inference, writable (and contiguous when on the device:
-    they are updated in place); ``training`` a real boolean (``"no"`` is not False);
+    given both or neither, required in inference, writable when the call updates them
+    (``updates`` and training; the NumPy-style backwards update nothing) and contiguous when
+    on the device; ``training`` a real boolean (``"no"`` is not False);
     ``eps >= 0``, ``momentum`` in [0, 1]; more than one value per channel (``M``) in training
     (unless ``synced``: then the caller checks the global count).
     Backend and dtype agreement with the other arrays is the caller's ``backend_of`` /
@@ -361,7 +364,7 @@ def running_stats(op, C, M, running_mean, running_var, training, momentum, eps, 
     """
     momentum, eps = _running_stats_static(op, C, running_mean, running_var, training,
                                           momentum, eps)
-    _running_stats_arrays(op, running_mean, running_var, training)
+    _running_stats_arrays(op, running_mean, running_var, training and updates)
     _check_values_per_channel(op, M, training and not synced)
     return momentum, eps
 

@@ -1,12 +1,23 @@
-"""Test configuration: Hypothesis profiles and the CUDA marker.
+"""Test configuration: Hypothesis profiles, the injected ``backend`` and the CUDA fixtures.
 
 Profiles (choose with HYPOTHESIS_PROFILE=dev|quick|ci|thorough; default "dev"):
 ``dev`` is for editing, ``ci`` is what .ci/run uses on the newest Python and ``quick`` on the
-oldest (both derandomized), ``thorough`` is for a long local run.
-CUDA tests live in tests/cuda/ and run in their own process under NUMBA_ENABLE_CUDASIM=1
-(the simulator is chosen when numba is first imported, so never in the same process).
+oldest (both derandomized), ``thorough`` is for a long local run. Expensive property tests
+(gradcheck, the simulator) scale their example counts from the profile
+(``tests/harness.py``: ``budget``), so every profile deepens every test; none pins a count.
+
+Backends: a test with a ``backend`` argument runs once per backend of ``tests/harness.py``
+(``BACKENDS``): the CPU kernels, and the CUDA kernels under the ``cuda`` marker. Tests in
+``tests/cuda/`` (CUDA-only: device arithmetic, modules on the device, the GPU benchmark) are
+marked ``cuda`` too. CUDA tests run in their own process, under NUMBA_ENABLE_CUDASIM=1 or on a
+GPU (the simulator is chosen when numba is first imported, so never in the CPU process):
+``python -m pytest -m "not cuda"`` then ``NUMBA_ENABLE_CUDASIM=1 python -m pytest -m cuda``.
+The fixtures below apply to every ``cuda``-marked test, wherever it lives.
 """
+import math
 import os
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -22,11 +33,147 @@ settings.register_profile("thorough", max_examples=300, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+CUDA_ONLY_DIR = os.path.join(os.path.dirname(__file__), "cuda")
+
+
+def pytest_generate_tests(metafunc):
+    """Inject the backends: ``def test_x(backend)`` runs on the CPU and on CUDA."""
+    if "backend" in metafunc.fixturenames:
+        from .harness import backend_params
+        metafunc.parametrize("backend", backend_params())
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if str(item.fspath).startswith(CUDA_ONLY_DIR):
+            item.add_marker(pytest.mark.cuda)
 
 
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def _is_cuda(request):
+    return request.node.get_closest_marker("cuda") is not None
+
+
+@pytest.fixture(autouse=True)
+def _cuda_available(request):
+    if _is_cuda(request) and not SIMULATOR:
+        from numba import cuda
+        if not cuda.is_available():
+            pytest.skip("no GPU and NUMBA_ENABLE_CUDASIM is not set")
+
+
+@pytest.fixture(autouse=True)
+def small_launches(request, monkeypatch):
+    """Shrink launch sizes (simulator only) so several blocks run on tiny inputs."""
+    if _is_cuda(request) and SIMULATOR:
+        from numbafuse.kernels import cuda_config as config
+        monkeypatch.setattr(config, "threads", 8)
+        monkeypatch.setattr(config, "max_blocks", 3)
+        monkeypatch.setattr(config, "reduce_blocks", 3)
+        # conv GEMMs: an 8 x 8 tile of 16 threads, K-steps of 4, and a few dw splits, so
+        # tiny convolutions cross every tile boundary (the production tilings are compiled
+        # to sm_90 and checked in tests/test_ptx.py and tests/test_sass.py)
+        monkeypatch.setattr(config, "tile_override", config.TINY_TILE)
+        monkeypatch.setattr(config, "dw_target_blocks", 24)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def uniform_barriers(request, monkeypatch):
+    """Simulator only: fail a test whose kernel lets part of a block skip a ``syncthreads()``
+    or reach a different one (a deadlock or undefined behaviour on a GPU).
+
+    The simulator releases a barrier once every *live* thread waits at *some* barrier, so a
+    thread that left a grid-stride loop early, or a barrier inside a branch, goes unnoticed
+    there. This records, per block, the sequence of barrier call sites of every thread and
+    checks after the test that all the block's threads went through the same sequence.
+    """
+    if not (_is_cuda(request) and SIMULATOR):
+        yield
+        return
+    from numba.cuda.simulator import kernelapi
+    logs = {}                  # (block manager, blockIdx) -> {thread_id: [call sites]}
+    lock = threading.Lock()
+    real = kernelapi.FakeCUDAModule.syncthreads
+
+    def syncthreads(self):
+        thread = threading.current_thread()
+        caller = sys._getframe(1)
+        site = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        b = thread.blockIdx
+        with lock:
+            logs.setdefault((thread._manager, (b.x, b.y, b.z)), {}) \
+                .setdefault(thread.thread_id, []).append(site)
+        real(self)
+
+    monkeypatch.setattr(kernelapi.FakeCUDAModule, "syncthreads", syncthreads)
+    yield
+    for (manager, block), per_thread in logs.items():
+        size = math.prod(manager._block_dim)
+        sequences = {tuple(sites) for sites in per_thread.values()}
+        assert len(per_thread) == size and len(sequences) == 1, (
+            f"block {block}: {size - len(per_thread)} of {size} threads never reached a "
+            f"syncthreads() and {len(sequences)} different barrier sequences were taken: "
+            f"{sorted(sequences, key=len)[:2]}")
+
+
+@pytest.fixture
+def warp_shuffles(monkeypatch):
+    """Simulator only: ``cuda.shfl_down_sync`` and ``cuda.ballot_sync`` for full warps, so that
+    the shuffle and vote paths real GPUs take (behind ``not ENABLE_CUDASIM``; patch the
+    module's flag too) can run here.
+
+    Only ``FULL_MASK`` over blocks of whole warps is modelled; every lane of the warp must call
+    it (a lane that does not makes the others time out with ``BrokenBarrierError``, where a
+    GPU would hang or read garbage).
+    """
+    from numba.cuda.simulator import kernelapi
+    warps = {}                 # (block manager, blockIdx, warp) -> (values, barrier)
+    lock = threading.Lock()
+
+    def shfl_down_sync(self, mask, value, delta):
+        assert mask == 0xFFFFFFFF, f"only full-warp shuffles are modelled, mask {mask:#x}"
+        thread = threading.current_thread()
+        assert math.prod(thread._manager._block_dim) % 32 == 0, "a partial warp shuffles"
+        b = thread.blockIdx
+        key = (thread._manager, (b.x, b.y, b.z), thread.thread_id // 32)
+        with lock:
+            if key not in warps:
+                warps[key] = ([None] * 32, threading.Barrier(32, timeout=30))
+        values, barrier = warps[key]
+        lane = thread.thread_id % 32
+        values[lane] = value
+        barrier.wait()         # every lane's value is published
+        out = values[lane + delta] if lane + delta < 32 else value
+        barrier.wait()         # every lane has read before the next shuffle overwrites
+        return out
+
+    def ballot_sync(self, mask, predicate):
+        assert mask == 0xFFFFFFFF, f"only full-warp votes are modelled, mask {mask:#x}"
+        thread = threading.current_thread()
+        assert math.prod(thread._manager._block_dim) % 32 == 0, "a partial warp votes"
+        b = thread.blockIdx
+        key = (thread._manager, (b.x, b.y, b.z), thread.thread_id // 32, "ballot")
+        with lock:
+            if key not in warps:
+                warps[key] = ([None] * 32, threading.Barrier(32, timeout=30))
+        values, barrier = warps[key]
+        lane = thread.thread_id % 32
+        values[lane] = bool(predicate)
+        barrier.wait()         # every lane's predicate is published
+        word = np.uint32(sum(1 << i for i, v in enumerate(values) if v))   # a uint32 on a GPU
+        barrier.wait()         # every lane has read before the next vote overwrites
+        return word
+
+    monkeypatch.setattr(kernelapi.FakeCUDAModule, "shfl_down_sync", shfl_down_sync,
+                        raising=False)
+    monkeypatch.setattr(kernelapi.FakeCUDAModule, "ballot_sync", ballot_sync, raising=False)
+    yield
+
 
 # tests/mpi runs under mpiexec (tests/test_mpi.py launches it); elsewhere it is not collected.
 UNDER_MPI = any(v in os.environ for v in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE"))

@@ -407,7 +407,7 @@ def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, runnin
     beta_check = beta if beta is not None else gamma
     args = validate.batchnorm_args(op, x, gamma, beta_check, z=z, running_mean=running_mean,
                                    running_var=running_var, training=training, momentum=0.0,
-                                   eps=eps, layout=layout)
+                                   eps=eps, layout=layout, updates=False)
     backend.backend_of(op, dy=dy, x=x, y=y, mask=mask)
     validate.check_float_dtypes(op, dy=dy, x=x, y=y)
     validate.check_same_shape(op, "dy", dy, "x", x)

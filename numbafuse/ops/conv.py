@@ -300,7 +300,7 @@ def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, lay
         raise ValueError(f"{op}: y has shape {tuple(y.shape)}, the conv's output has "
                          f"{geometry.y_shape}")
     validate.check_same_shape(op, "dy", dy, "y", y)
-    if len(tuple(need)) != 3:
+    if not isinstance(need, (tuple, list)) or len(need) != 3:
         raise ValueError(f"{op}: need must be three booleans (dx, dw, db), got {need!r}")
     c = kernels.contiguous
     return conv_backward(c(dy), c(x), c(w), geometry, c(y), tuple(bool(v) for v in need))

@@ -46,7 +46,7 @@ OP = "conv_batchnorm_relu"
 
 # --------------------------------------------------------------------------- validation
 
-def _validate(op, x, w, gamma, beta, p):
+def _validate(op, x, w, gamma, beta, p, updates=True):
     """Everything checked before anything is computed or written: (backend, geometry)."""
     which = backend.backend_of(op, x=x, w=w, gamma=gamma, beta=beta,
                                running_mean=p.running_mean, running_var=p.running_var)
@@ -64,7 +64,7 @@ def _validate(op, x, w, gamma, beta, p):
     validate.check_flag(op, "recompute", p.recompute)
     validate.running_stats(op, geometry.K, geometry.N * geometry.P * geometry.Q,
                            p.running_mean, p.running_var, p.training, p.momentum, p.eps,
-                           synced=synced)
+                           synced=synced, updates=updates)
     _bn.check_comm(op, p.comm, x, geometry.K, geometry.layout, p.training, p.eps, p.momentum,
                    p.running_mean is not None, p.relu)
     return which, geometry
@@ -327,7 +327,7 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
                            training=training, momentum=0.0, eps=eps, stride=stride,
                            padding=padding, dilation=dilation, relu=relu, layout=layout,
                            recompute=False, comm=None)
-    _, geometry = _validate(op, x, w, gamma, beta, fn.params)
+    _, geometry = _validate(op, x, w, gamma, beta, fn.params, updates=False)
     backend.backend_of(op, dy=dy, x=x)
     validate.check_float_dtypes(op, dy=dy, x=x)
     if tuple(dy.shape) != geometry.y_shape:
