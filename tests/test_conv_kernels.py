@@ -1,9 +1,11 @@
 """The CPU convolution kernels at shapes that cross every chunk, group and phase boundary.
 
-``kernels/conv/cpu.py`` cuts the work into chunks of output rows (``CHUNK_BYTES``), sums dW and
-db over ``DW_GROUPS`` fixed groups of chunks, runs stride-1 convolutions as shifted GEMMs over a
-padded chunk and other strides by im2col (forward, dW) and by phases (dX). Here those constants
-are shrunk so that small drawn shapes span many chunks (one output row each, a last partial
+``kernels/conv/cpu.py`` cuts the work into chunks of output rows (``CHUNK_BYTES``) or of 2x2
+Winograd tiles (``WINOGRAD_TILES``: rows of tiles of one image, or several whole images), sums
+dW and db over ``DW_GROUPS`` fixed groups of chunks, runs 3x3 stride-1 convolutions by Winograd
+F(2x2, 3x3) (forward, dX and dW), other stride-1 ones as shifted GEMMs over a padded chunk and
+other strides by im2col (forward, dW) and by phases (dX). Here those constants are shrunk so
+that small drawn shapes span many chunks (one output row or one tile row each, a last partial
 chunk, groups of uneven sizes), and every result is compared with the reference
 (``numbafuse.reference``, SciPy correlate) and must be bitwise the same on 1 and 3 threads.
 """
@@ -20,6 +22,9 @@ from numbafuse.kernels.conv import cpu as cpu_conv
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-12)}
 # CHUNK_BYTES values: 1 byte = one output row per chunk; a few rows; the default
 CHUNKS = st.sampled_from([1, 700, 3000, cpu_conv.CHUNK_BYTES])
+# WINOGRAD_TILES values: 1 = one tile row per chunk; 7 = a few rows, or whole images of small
+# outputs; the default = several whole images per chunk at the drawn sizes
+TILES = st.sampled_from([1, 7, cpu_conv.WINOGRAD_TILES])
 
 
 def _run(p, gy, threads):
@@ -28,9 +33,11 @@ def _run(p, gy, threads):
     return (y, *nf.conv_bias_relu_backward(gy, p.x, p.w, y, **p.kwargs))
 
 
-def _check(p, chunk_bytes, groups):
+def _check(p, chunk_bytes, groups, tiles=None):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
+        if tiles is not None:
+            mp.setattr(cpu_conv, "WINOGRAD_TILES", tiles)
         mp.setattr(cpu_conv, "DW_GROUPS", groups)
         mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
         threads = _launch.num_threads()
@@ -51,9 +58,9 @@ def _check(p, chunk_bytes, groups):
 
 
 @given(nfs.conv_problems(max_batch=3, max_size=18, max_channels=3), CHUNKS,
-       st.integers(1, 5))
-def test_chunked_kernels_match_reference(p, chunk_bytes, groups):
-    _check(p, chunk_bytes, groups)
+       st.integers(1, 5), TILES)
+def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles):
+    _check(p, chunk_bytes, groups, tiles)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -61,9 +68,10 @@ def test_chunked_kernels_match_reference(p, chunk_bytes, groups):
     (9, 3, 1, 1, 1), (17, 3, 1, 1, 1), (33, 3, 1, 1, 1),      # past row blocks, "same"
     (17, 3, 2, 1, 1), (33, 3, 2, 1, 1), (9, 1, 2, 0, 1),      # stride 2: im2col + phases
     (17, 3, 1, "valid", 2), (9, 2, 3, 2, 1), (17, 1, 1, 0, 1),  # dilated, stride 3, 1x1
+    (8, 3, 1, 1, 1), (10, 3, 1, 0, 1), (7, 3, 1, 3, 1),      # Winograd: even, valid, pad > 2
 ])
-@pytest.mark.parametrize("chunk_bytes", [1, 3000])
-def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_bytes):
+@pytest.mark.parametrize("chunk_bytes, tiles", [(1, 1), (3000, 7), (3000, 200)])
+def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_bytes, tiles):
     rng = np.random.default_rng(size + kernel + stride)
     N, C, K = 3, 3, 5                                         # 3 images over uneven groups
     shape = (N, C, size, size + 2) if layout == "NCHW" else (N, size, size + 2, C)
@@ -72,4 +80,4 @@ def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_
     b = rng.standard_normal(K).astype(np.float32)
     p = nfs.ConvProblem(x, w, b, dict(stride=stride, padding=padding, dilation=dilation,
                                       layout=layout))
-    _check(p, chunk_bytes, groups=4)
+    _check(p, chunk_bytes, groups=4, tiles=tiles)

@@ -61,8 +61,8 @@ WINOGRAD_TILES = 128      # 2x2 output tiles per Winograd chunk (the GEMMs' n)
 
 geo_tuple = conv_math.geo_tuple
 
-from .cpu_direct import (_shifted_dw_tasks, _shifted_tasks, _winograd_taps,  # noqa: E402
-                         _winograd_tasks)
+from . import cpu_winograd as _wino  # noqa: E402
+from .cpu_direct import _shifted_dw_tasks, _shifted_tasks  # noqa: E402
 from .cpu_im2col import (_dw_tasks, _dx_tasks, _forward_tasks, _nchunks,  # noqa: E402
                          _phase_weights, _phases)
 
@@ -101,9 +101,31 @@ def _winograd(geom):
             and geom.dh == geom.dw == 1)
 
 
-def _winograd_tile_rows(ci, co, tiles_per_row):
-    """Rows of tiles per chunk: ~WINOGRAD_TILES tiles."""
-    return max(1, WINOGRAD_TILES // max(1, tiles_per_row))
+def _winograd_chunks(N, Ho, Wo, nhwc):
+    """(images per chunk, tile rows per chunk, chunks, most tiles of a chunk) of a Winograd
+    pass over an Ho x Wo output: ~WINOGRAD_TILES tiles (NCHW rows of tiles carry one junk
+    tile each), whole images when an image has fewer."""
+    TY, TX = (Ho + 1) // 2, (Wo + 1) // 2
+    per_row = TX if nhwc else TX + 1
+    if TY * per_row <= WINOGRAD_TILES:
+        ipc, tyb = max(1, WINOGRAD_TILES // (TY * per_row)), TY
+    else:
+        ipc, tyb = 1, max(1, WINOGRAD_TILES // per_row)
+    most = (ipc * TY if ipc > 1 else tyb) * per_row
+    return ipc, tyb, _nchunks(N, TY, ipc, tyb), most
+
+
+def _winograd_run(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, blas, out, work):
+    """out = relu?(Winograd 3x3 correlation of src (gated) zero-padded by top/left + bias);
+    taps w (K, C, 3, 3), flipped and transposed for dX (``flip``)."""
+    Ci, Co = (w.shape[0], w.shape[1]) if flip else (w.shape[1], w.shape[0])
+    N, Ho, Wo = out.shape[0], *(out.shape[1:3] if nhwc else out.shape[2:4])
+    U = np.empty((16, Ci, Co) if nhwc else (16, Co, Ci), src.dtype)   # the GEMMs' orientation
+    _wino.winograd_taps(w, flip, nhwc, U)
+    ipc, tyb, nchunks, most = _winograd_chunks(N, Ho, Wo, nhwc)
+    launch(_wino._winograd_tasks, nchunks, src, gate, use_gate, U, top, left, ipc, tyb,
+           _wino.estride(Ci * most, src.itemsize), _wino.estride(Co * most, src.itemsize),
+           bias, relu, nhwc, blas, out, work=work, grain=1)
 
 
 def _shifted(geom):
@@ -125,11 +147,8 @@ def conv_forward(x, w, b, geom, relu):
     b = b if has_bias else np.zeros(K, x.dtype)
     blas = _blas.blas_for(x.dtype)
     if _winograd(geom):
-        U = _winograd_taps(w.transpose(2, 3, 0, 1))                       # (16, K, C)
-        tyb = _winograd_tile_rows(C, K, (Q + 1) // 2)
-        launch(_winograd_tasks, N * blocks((P + 1) // 2, tyb), x, x, False, U, geom.ph,
-               geom.pw, tyb, b, has_bias, bool(relu), nhwc, blas, y, work=x.size + y.size,
-               grain=1)
+        _winograd_run(x, x, False, w, False, geom.ph, geom.pw, b, bool(relu), nhwc, blas, y,
+                      x.size + y.size)
         return y
     if _shifted(geom):
         wt = np.ascontiguousarray(w.transpose(2, 3, 0, 1)).reshape(R * S, K, C)  # wt[r,s] (K, C)
@@ -162,7 +181,20 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     work = x.size + 2 * gy.size
     shifted = _shifted(geom)
     dx = dw = db = None
-    if need_dw or need_db:
+    if (need_dw or need_db) and _winograd(geom):
+        ipc, tyb, nchunks, most = _winograd_chunks(N, P, Q, nhwc)
+        groups = min(nchunks, DW_GROUPS)
+        D_parts = np.empty((groups if need_dw else 1, 16, K, C), x.dtype)  # D[e] (K, C)
+        db_parts = np.empty((groups, K))                                 # float64
+        launch(_wino._winograd_dw_tasks, groups, x, gy, y, use_mask, geom.ph, geom.pw, ipc,
+               tyb, _wino.estride(C * most, x.itemsize), _wino.estride(K * most, x.itemsize),
+               nchunks, groups, need_dw, nhwc, blas, D_parts, db_parts, work=work, grain=1)
+        if need_db:
+            db = np.add.reduce(db_parts, axis=0).astype(gy.dtype)     # group order
+        if need_dw:
+            dw = np.empty((K, C, 3, 3), x.dtype)
+            _wino.winograd_dw(np.add.reduce(D_parts, axis=0, dtype=np.float64), dw)
+    elif need_dw or need_db:
         if shifted:
             rpc = _shifted_rows_per_chunk(C, K, Q + (S - 1) * geom.dw, x.itemsize)
             nchunks = N * blocks(P, rpc)
@@ -196,11 +228,8 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
         dx = np.empty(geom.x_shape, gy.dtype)
         if _winograd(geom):
             # dx = 3x3 correlation of g padded by 2 - ph, taps w[:, :, 2-r, 2-s]^T (C, K)
-            U = _winograd_taps(w[:, :, ::-1, ::-1].transpose(2, 3, 1, 0))  # (16, C, K)
-            tyb = _winograd_tile_rows(K, C, (W + 1) // 2)
-            launch(_winograd_tasks, N * blocks((H + 1) // 2, tyb), gy, y, use_mask, U,
-                   2 - geom.ph, 2 - geom.pw, tyb, np.zeros(C, gy.dtype), False, False, nhwc,
-                   blas, dx, work=work, grain=1)
+            _winograd_run(gy, y, use_mask, w, True, 2 - geom.ph, 2 - geom.pw,
+                          np.zeros(C, gy.dtype), False, nhwc, blas, dx, work)
             return dx, dw, db
         if shifted:
             # dx = stride-1 conv of g, padded by (R-1)*dh - ph rows on top (likewise columns),
