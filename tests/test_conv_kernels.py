@@ -33,11 +33,16 @@ def _run(p, gy, threads):
     return (y, *nf.conv_bias_relu_backward(gy, p.x, p.w, y, **p.kwargs))
 
 
-def _check(p, chunk_bytes, groups, tiles=None):
+def _check(p, chunk_bytes, groups, tiles=None, min_channels=1):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
         if tiles is not None:
             mp.setattr(cpu_conv, "WINOGRAD_TILES", tiles)
+        # the drawn channel counts are small: 1 sends them down the GEMM paths (Winograd,
+        # phase planes), the default down im2col; NCHW Winograd at every width
+        mp.setattr(cpu_conv, "MIN_GEMM_CHANNELS", min_channels)
+        mp.setattr(cpu_conv, "WINOGRAD_NCHW_MIN_WIDTH", 1)
+        mp.setattr(cpu_conv, "STRIDED_NHWC_IM2COL", min_channels > 1)
         mp.setattr(cpu_conv, "DW_GROUPS", groups)
         mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
         threads = _launch.num_threads()
@@ -58,9 +63,9 @@ def _check(p, chunk_bytes, groups, tiles=None):
 
 
 @given(nfs.conv_problems(max_batch=3, max_size=18, max_channels=3), CHUNKS,
-       st.integers(1, 5), TILES)
-def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles):
-    _check(p, chunk_bytes, groups, tiles)
+       st.integers(1, 5), TILES, st.sampled_from([1, cpu_conv.MIN_GEMM_CHANNELS]))
+def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles, min_channels):
+    _check(p, chunk_bytes, groups, tiles, min_channels)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -69,9 +74,14 @@ def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles):
     (17, 3, 2, 1, 1), (33, 3, 2, 1, 1), (9, 1, 2, 0, 1),      # stride 2: im2col + phases
     (17, 3, 1, "valid", 2), (9, 2, 3, 2, 1), (17, 1, 1, 0, 1),  # dilated, stride 3, 1x1
     (8, 3, 1, 1, 1), (10, 3, 1, 0, 1), (7, 3, 1, 3, 1),      # Winograd: even, valid, pad > 2
-])
-@pytest.mark.parametrize("chunk_bytes, tiles", [(1, 1), (3000, 7), (3000, 200)])
-def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_bytes, tiles):
+    (12, 3, 2, 2, 2), (11, 4, 3, 1, 1), (9, 3, 2, 0, 1),     # phase planes: dilated, stride 3
+    (10, 1, 1, 1, 1),                                         # 1x1 with padding: not pointwise
+    (1, 3, 1, "same", 2),           # taps whose valid rows start past a chunk (im2col: the
+])                                  # zeroing once ran into the next image's columns)
+@pytest.mark.parametrize("chunk_bytes, tiles, min_channels", [
+    (1, 1, 1), (3000, 7, 1), (3000, 200, 1), (3000, 7, cpu_conv.MIN_GEMM_CHANNELS)])
+def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_bytes, tiles,
+                         min_channels):
     rng = np.random.default_rng(size + kernel + stride)
     N, C, K = 3, 3, 5                                         # 3 images over uneven groups
     shape = (N, C, size, size + 2) if layout == "NCHW" else (N, size, size + 2, C)
@@ -80,4 +90,4 @@ def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_
     b = rng.standard_normal(K).astype(np.float32)
     p = nfs.ConvProblem(x, w, b, dict(stride=stride, padding=padding, dilation=dilation,
                                       layout=layout))
-    _check(p, chunk_bytes, groups=4, tiles=tiles)
+    _check(p, chunk_bytes, groups=4, tiles=tiles, min_channels=min_channels)
