@@ -22,8 +22,8 @@ from numbafuse.kernels.conv import cpu as cpu_conv
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-12)}
 # CHUNK_BYTES values: 1 byte = one output row per chunk; a few rows; the default
 CHUNKS = st.sampled_from([1, 700, 3000, cpu_conv.CHUNK_BYTES])
-# WINOGRAD_TILES values: 1 = one tile row per chunk; 7 = a few rows, or whole images of small
-# outputs; the default = several whole images per chunk at the drawn sizes
+# WINOGRAD_TILES values (NCHW dW: twice as many): 1 = one tile row per chunk; 7 = a few rows,
+# or whole images of small outputs; the default = several whole images per chunk
 TILES = st.sampled_from([1, 7, cpu_conv.WINOGRAD_TILES])
 
 
@@ -38,6 +38,7 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1):
         mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
         if tiles is not None:
             mp.setattr(cpu_conv, "WINOGRAD_TILES", tiles)
+            mp.setattr(cpu_conv, "WINOGRAD_DW_NCHW_TILES", 2 * tiles)
         # the drawn channel counts are small: 1 sends them down the GEMM paths (Winograd,
         # phase planes), the default down im2col; NCHW Winograd at every width
         mp.setattr(cpu_conv, "MIN_GEMM_CHANNELS", min_channels)

@@ -34,7 +34,9 @@ from . import math as conv_math
 CHUNK_BYTES = 384 << 10   # target bytes of a chunk's gathered input + output (L2-sized)
 DW_GROUPS = 16            # fixed groups of chunks, each with its own dW and db partial
 WINOGRAD = True           # 3x3 stride-1 convolutions by Winograd F(2x2, 3x3)
-WINOGRAD_TILES = 128      # 2x2 output tiles per Winograd chunk (the GEMMs' n)
+WINOGRAD_TILES = 160      # 2x2 output tiles per Winograd chunk (the GEMMs' n)
+WINOGRAD_DW_NCHW_TILES = 320   # ... of an NCHW dW chunk (its NT GEMMs and short transform
+                               # loops gain from longer chunks; measured in docs)
 WINOGRAD_NCHW_MIN_WIDTH = 16   # narrower NCHW outputs: phase planes (short tile rows lose)
 MIN_GEMM_CHANNELS = 16    # fewer input or output channels: im2col (GEMMs with k = C*R*S)
 STRIDED_NHWC_IM2COL = True     # strided NHWC forward and dW by im2col (else phase planes)
@@ -108,16 +110,17 @@ def _taps(w, k_rows):
 
 # --------------------------------------------------------------------------- Winograd
 
-def _winograd_chunks(N, Ho, Wo, nhwc):
+def _winograd_chunks(N, Ho, Wo, nhwc, tiles=None):
     """(images per chunk, tile rows per chunk, chunks, most tiles of a chunk) of a Winograd
-    pass over an Ho x Wo output: ~WINOGRAD_TILES tiles (NCHW rows of tiles carry one junk
-    tile each), whole images when an image has fewer."""
+    pass over an Ho x Wo output: ~``tiles`` (WINOGRAD_TILES) tiles (NCHW rows of tiles carry
+    one junk tile each), whole images when an image has fewer."""
+    tiles = WINOGRAD_TILES if tiles is None else tiles
     TY, TX = (Ho + 1) // 2, (Wo + 1) // 2
     per_row = TX if nhwc else TX + 1
-    if TY * per_row <= WINOGRAD_TILES:
-        ipc, tyb = max(1, WINOGRAD_TILES // (TY * per_row)), TY
+    if TY * per_row <= tiles:
+        ipc, tyb = _balanced(N, tiles // (TY * per_row)), TY
     else:
-        ipc, tyb = 1, _balanced(TY, WINOGRAD_TILES // per_row)
+        ipc, tyb = 1, _balanced(TY, tiles // per_row)
     most = (ipc * TY if ipc > 1 else tyb) * per_row
     return ipc, tyb, _nchunks(N, TY, ipc, tyb), most
 
@@ -139,7 +142,8 @@ def _winograd_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     """(dw or None, db_parts) of a 3x3 stride-1 conv by Winograd."""
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     nhwc = geom.layout == "NHWC"
-    ipc, tyb, nchunks, most = _winograd_chunks(N, P, Q, nhwc)
+    ipc, tyb, nchunks, most = _winograd_chunks(N, P, Q, nhwc,
+                                               None if nhwc else WINOGRAD_DW_NCHW_TILES)
     groups = min(nchunks, DW_GROUPS)
     D_parts = np.empty((groups if need_dw else 1, 16, K, C), x.dtype)   # D[e] (K, C)
     db_parts = np.empty((groups, K))                                   # float64
