@@ -73,28 +73,41 @@ def winograd_taps(w, flip, nhwc, out):
 
     w: (K, C, 3, 3). Forward (flip False): g[k, c] = w[k, c]; dX (flip True): g[c, k] =
     w[k, c, ::-1, ::-1], the flipped, transposed taps. NCHW out[e] is (Co, Ci), NHWC (Ci, Co).
+    Formed in float64 (vectorised over c, G's rows are adds and halves), stored in out's dtype.
     """
     K, C = w.shape[0], w.shape[1]
-    t = np.empty((4, 3))                                          # G g, one pair
+    t = np.empty((4, 3, C))                                       # G g over c, one k
+    u = np.empty((16, C))                                         # G g G^T over c
     for k in range(K):
-        for c in range(C):
-            for x in range(4):
-                for s in range(3):
-                    acc = 0.0
-                    for r in range(3):
-                        if flip:
-                            acc += _G[x, r] * w[k, c, 2 - r, 2 - s]
-                        else:
-                            acc += _G[x, r] * w[k, c, r, s]
-                    t[x, s] = acc
-            # (co, ci) = (k, c) forward, (c, k) dX; NCHW stores [co, ci], NHWC [ci, co]
-            i0, i1 = (c, k) if flip else (k, c)
-            if nhwc:
-                i0, i1 = i1, i0
-            for x in range(4):
-                for y in range(4):
-                    out[4 * x + y, i0, i1] = (t[x, 0] * _G[y, 0] + t[x, 1] * _G[y, 1]
-                                              + t[x, 2] * _G[y, 2])
+        for s in range(3):
+            sc = 2 - s if flip else s
+            a, b, c = w[k, :, 2 if flip else 0, sc], w[k, :, 1, sc], w[k, :, 0 if flip else 2, sc]
+            t0, t1, t2, t3 = t[0, s], t[1, s], t[2, s], t[3, s]   # (C,) each: rows of G g
+            for i in range(C):
+                ai, bi, ci = np.float64(a[i]), np.float64(b[i]), np.float64(c[i])
+                t0[i] = ai
+                t1[i] = 0.5 * (ai + bi + ci)
+                t2[i] = 0.5 * (ai - bi + ci)
+                t3[i] = ci
+        for x in range(4):
+            a, b, c = t[x, 0], t[x, 1], t[x, 2]
+            u0, u1, u2, u3 = u[4 * x], u[4 * x + 1], u[4 * x + 2], u[4 * x + 3]
+            for i in range(C):
+                u0[i] = a[i]
+                u1[i] = 0.5 * (a[i] + b[i] + c[i])
+                u2[i] = 0.5 * (a[i] - b[i] + c[i])
+                u3[i] = c[i]
+        # (co, ci) = (k, c) forward, (c, k) dX; NCHW stores [co, ci], NHWC [ci, co]
+        if flip == nhwc:                                          # out[e, k, :]
+            for e in range(16):
+                dst, src = out[e, k], u[e]
+                for i in range(C):
+                    dst[i] = src[i]
+        else:                                                     # out[e, :, k]
+            for e in range(16):
+                src = u[e]
+                for i in range(C):
+                    out[e, i, k] = src[i]
 
 
 @njit(cache=True)
