@@ -6,7 +6,8 @@ dW and db over ``DW_GROUPS`` fixed groups of chunks, runs 3x3 stride-1 convoluti
 F(2x2, 3x3) (forward, dX and dW), other stride-1 ones as shifted GEMMs over a padded chunk and
 other strides by im2col (forward, dW) and by phases (dX). Here those constants are shrunk so
 that small drawn shapes span many chunks (one output row or one tile row each, a last partial
-chunk, groups of uneven sizes), and every result is compared with the reference
+chunk, groups of uneven sizes, the sums of the groups' partials in blocks of 7 values), and
+every result is compared with the reference
 (``numbafuse.reference``, SciPy correlate) and must be bitwise the same on 1 and 3 threads.
 """
 import numpy as np
@@ -17,7 +18,7 @@ import numbafuse as nf
 import numbafuse.testing.strategies as nfs
 from numbafuse import reference as ref
 from numbafuse.kernels import cpu_launch as _launch
-from numbafuse.kernels.conv import cpu as cpu_conv
+from numbafuse.kernels.conv import cpu as cpu_conv, cpu_im2col
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-12)}
 # CHUNK_BYTES values: 1 byte = one output row per chunk; a few rows; the default
@@ -45,6 +46,7 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1):
         mp.setattr(cpu_conv, "WINOGRAD_NCHW_MIN_WIDTH", 1)
         mp.setattr(cpu_conv, "STRIDED_NHWC_IM2COL", min_channels > 1)
         mp.setattr(cpu_conv, "DW_GROUPS", groups)
+        mp.setattr(cpu_im2col, "SUM_BLOCK", 7)                 # the group sums: many tasks
         mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
         threads = _launch.num_threads()
         try:

@@ -47,7 +47,7 @@ from . import cpu_winograd as _wino  # noqa: E402
 from .cpu_direct import (_phase_dw_tasks, _phase_dx_tasks, _phase_tasks,  # noqa: E402
                          _pointwise_dw_tasks, _pointwise_tasks)
 from .cpu_im2col import (_dw_tasks, _dx_tasks, _forward_tasks, _nchunks,  # noqa: E402
-                         _phase_weights, _phases)
+                         _phase_weights, _phases, sum_groups)
 
 
 def _balanced(rows, most):
@@ -153,7 +153,7 @@ def _winograd_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     if not need_dw:
         return None, db_parts
     dw = np.empty((K, C, 3, 3), x.dtype)
-    _wino.winograd_dw(np.add.reduce(D_parts, axis=0, dtype=np.float64), dw)   # group order
+    _wino.winograd_dw(sum_groups(D_parts, np.float64), dw)       # group order
     return dw, db_parts
 
 
@@ -219,7 +219,7 @@ def _phase_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
            dw_parts, db_parts, work=work, grain=1)
     if not need_dw:
         return None, db_parts
-    dwm = np.add.reduce(dw_parts, axis=0)                              # group order
+    dwm = sum_groups(dw_parts)                                         # group order
     return np.ascontiguousarray(dwm.reshape(R, S, K, C).transpose(2, 3, 0, 1)), db_parts
 
 
@@ -252,7 +252,7 @@ def _pointwise_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
            dw_parts, db_parts, work=work, grain=1)
     if not need_dw:
         return None, db_parts
-    return np.add.reduce(dw_parts, axis=0).reshape(K, C, 1, 1), db_parts   # group order
+    return sum_groups(dw_parts).reshape(K, C, 1, 1), db_parts         # group order
 
 
 # --------------------------------------------------------------------------- im2col
@@ -273,7 +273,7 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
            work=work, grain=1)
     if not need_dw:
         return None, db_parts
-    dwm = np.add.reduce(dw_parts, axis=0)                              # group order
+    dwm = sum_groups(dw_parts)                                         # group order
     if nhwc:                                                           # (K, R, S, C)
         return np.ascontiguousarray(dwm.reshape(K, R, S, C).transpose(0, 3, 1, 2)), db_parts
     return dwm.reshape(K, C, R, S), db_parts

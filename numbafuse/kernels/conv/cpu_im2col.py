@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit
 
 from .. import cpu_blas as _blas
-from ..cpu_launch import blocks, task_kernel
+from ..cpu_launch import blocks, launch, task_kernel
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
 
@@ -154,6 +154,37 @@ def _im2col_hwc(x, n, p0, p1, geo, cols, row0):
                         src = x[n, h, wi]                         # (C,)
                         for c in range(C):
                             dst[c0 + c] = src[c]
+
+
+SUM_BLOCK = 1 << 14        # values per task of _sum_groups_tasks (read on the host: a
+                           # global read inside a kernel is frozen into its cached code)
+
+
+@task_kernel
+def _sum_groups_tasks(t0, t1, parts, block, out):
+    # parts: (G, n) -> out (n,) = parts[0] + parts[1] + ... in group order, per value (the
+    # same order on any thread count); task t: values [t*block, (t+1)*block)
+    G, n = parts.shape
+    for t in range(t0, t1):
+        i0, i1 = t * block, min(n, (t + 1) * block)
+        dst = out[i0:i1]
+        src = parts[0, i0:i1]
+        for i in range(i1 - i0):
+            dst[i] = src[i]
+        for g in range(1, G):
+            src = parts[g, i0:i1]
+            for i in range(i1 - i0):
+                dst[i] += src[i]
+
+
+def sum_groups(parts, dtype=None):
+    """``parts`` (G, ...) summed over its first axis in group order, on the pool: an array of
+    shape ``parts.shape[1:]`` in ``dtype`` (default: parts' dtype)."""
+    flat = parts.reshape(parts.shape[0], -1)                      # (G, n)
+    out = np.empty(flat.shape[1], dtype or parts.dtype)
+    launch(_sum_groups_tasks, blocks(flat.shape[1], SUM_BLOCK), flat, SUM_BLOCK, out,
+           work=flat.size, grain=1)
+    return out.reshape(parts.shape[1:])
 
 
 @njit(cache=True, fastmath={"reassoc"})
