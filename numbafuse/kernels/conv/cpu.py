@@ -31,7 +31,7 @@ from .. import cpu_blas as _blas
 from ..cpu_launch import blocks, launch
 from . import math as conv_math
 
-CHUNK_BYTES = 384 << 10   # target bytes of a chunk's gathered input + output (L2-sized)
+CHUNK_BYTES = 768 << 10   # target bytes of a chunk's gathered input + output (L2: 1 MiB)
 DW_GROUPS = 16            # fixed groups of chunks, each with its own dW and db partial
 WINOGRAD = True           # 3x3 stride-1 convolutions by Winograd F(2x2, 3x3)
 WINOGRAD_TILES = 160      # 2x2 output tiles per Winograd chunk (the GEMMs' n)
