@@ -280,6 +280,7 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
 
 
 def _im2col_dx(gy, y, use_mask, w, geom, blas, dx, work):
+    """dx (written in place) by phases over im2col chunks of the gated gradient."""
     N, C, H, W, K, R, S = geom.N, geom.C, geom.H, geom.W, geom.K, geom.R, geom.S
     nhwc = geom.layout == "NHWC"
     tr, orr, nr = _phases(H, R, geom.sh, geom.ph, geom.dh)

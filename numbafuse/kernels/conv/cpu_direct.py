@@ -341,7 +341,8 @@ def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, has_bias, relu,
                      out):
     # 1x1, stride 1, unpadded: out = relu?(wm-product of src (gated) + bias?). NCHW: src (N, Ci,
     # HW), wm (Co, Ci), out (N, Co, HW), chunk t = pixels [c0, c1) of one image; NHWC: src
-    # (M, Ci), wm (Ci, Co), out (M, Co), chunk t = rows [c0, c1) of M = N*HW. The forward runs
+    # (1, M, Ci), wm (Ci, Co), out (1, M, Co), chunk t = rows [c0, c1) of M = N*HW (rank 3 in
+    # both layouts: Numba types both branches). The forward runs
     # it on x with wm = w (NCHW) | w^T (NHWC); dX on gy gated by y with wm = w^T | w
     if nhwc:
         M, Ci = src.shape[1], src.shape[2]
