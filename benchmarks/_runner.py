@@ -9,6 +9,13 @@ its cases, warms each up (compiles, starts thread pools), times ``repeats`` roun
 of every case and prints the best time of each as JSON. The table keeps the best of each case
 over the rounds.
 
+``options["threads"]`` (the benchmarks' ``--threads N``), when given, sets each library's thread
+count through its own API in its worker (``numbafuse.kernels.cpu_launch.set_num_threads``,
+``torch.set_num_threads``): with 1 thread each, the comparison is of single-core speed, which a
+loaded shared machine disturbs far less than a 2-thread race (PyTorch's OpenMP threads spin and
+wait for each other; a descheduled one stalls the call). Workers report the best wall time and
+the best CPU time (``time.process_time``, all threads of the process) of each case.
+
 Sides:
 
 * ``numbafuse``, ``torch``: one library per process (the honest comparison);
@@ -69,10 +76,21 @@ def _torch_first():
     torch.nn.functional.conv2d(x, w, padding=1).relu().sum().backward()
 
 
+def _set_threads(side, n):
+    if side != "torch":
+        from numbafuse.kernels import cpu_launch
+        cpu_launch.set_num_threads(n)
+    if side not in ("numbafuse",):
+        import torch
+        torch.set_num_threads(n)
+
+
 def worker(module, side, repeats, options):
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.dirname(HERE))
     mod = __import__(module)
+    if options.get("threads"):
+        _set_threads(side, int(options["threads"]))
     if side == "numbafuse-after-torch":
         _torch_first()
         todo = mod.cases("numbafuse", options)
@@ -87,18 +105,23 @@ def worker(module, side, repeats, options):
         for _ in range(WARMUP_CALLS):
             fn()
     best = {name: float("inf") for name in todo}
+    best_cpu = dict(best)
     for _ in range(repeats):
         for name, fn in todo.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    print(json.dumps({"best": best, "info": _library_info(side)}))
+            t1, c1 = time.perf_counter(), time.process_time()
+            best[name] = min(best[name], t1 - t0)
+            best_cpu[name] = min(best_cpu[name], c1 - c0)
+    print(json.dumps({"best": best, "best_cpu": best_cpu, "info": _library_info(side)}))
 
 
 def compare(module, sides, rounds, repeats, options=None, log=print):
-    """{side: {case: best seconds}}, info: each side in its own processes, alternating."""
+    """{side: {case: best seconds}}, info: each side in its own processes, alternating.
+    ``info["cpu"]``: {side: {case: best CPU seconds}}."""
     options = options or {}
     best = {side: {} for side in sides}
+    cpu = {side: {} for side in sides}
     info = {"machine": _machine(), "load": [os.getloadavg()[0]]}
     for r in range(rounds):
         order = sides if r % 2 == 0 else list(reversed(sides))
@@ -112,10 +135,13 @@ def compare(module, sides, rounds, repeats, options=None, log=print):
             res = json.loads(out.stdout.strip().splitlines()[-1])
             for name, t in res["best"].items():
                 best[side][name] = min(best[side].get(name, float("inf")), t)
+            for name, t in res["best_cpu"].items():
+                cpu[side][name] = min(cpu[side].get(name, float("inf")), t)
             info.setdefault("libraries", {}).update(res["info"])
             log(f"round {r + 1}/{rounds} {side}: " + ", ".join(
                 f"{k} {v * 1e3:.2f} ms" for k, v in res["best"].items()))
     info["load"].append(os.getloadavg()[0])
+    info["cpu"] = cpu
     return best, info
 
 

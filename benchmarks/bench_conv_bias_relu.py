@@ -2,7 +2,7 @@
 
     python benchmarks/bench_conv_bias_relu.py [--rounds 5] [--repeats 5] [--quick]
                                               [--mode separate|import-order|neighbours]
-                                              [--markdown FILE]
+                                              [--threads N] [--markdown FILE]
 
 float32, at the shapes of ``SHAPES``, in both layouts (PyTorch's NHWC is a channels_last
 tensor). Every mode runs through ``_runner.py`` (each side in its own processes, alternating,
@@ -14,7 +14,9 @@ best of each):
   ran a conv first (the ratio should be ~1);
 * ``neighbours``: numbafuse and PyTorch alone vs the two interleaved call by call in one process.
 
-Forward + backward starts from cleared gradients on both sides (fresh leaves each call).
+``--threads N`` sets both libraries to N threads (each through its own API); without it each
+runs with its defaults. Forward + backward starts from cleared gradients on both sides (fresh
+leaves each call). The CPU ms columns are the best process CPU time of a call (all threads).
 GFLOP/s counts the forward conv's 2*N*K*P*Q*C*R*S flops, times 3 for forward + backward.
 """
 import argparse
@@ -122,11 +124,13 @@ def main(argv=None):
                                                           "neighbours"))
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    p.add_argument("--threads", type=int, help="threads of both libraries (default: theirs)")
     p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.repeats, args.shapes = 2, 2, ["resnet 3x3"]
-    opts = dict(shapes=args.shapes, layouts=args.layouts, unfused=args.mode == "separate")
+    opts = dict(shapes=args.shapes, layouts=args.layouts, unfused=args.mode == "separate",
+                threads=args.threads)
     sides = {"separate": ["numbafuse", "torch"],
              "import-order": ["numbafuse", "numbafuse-after-torch"],
              "neighbours": ["numbafuse", "torch", "neighbours"]}[args.mode]
@@ -136,8 +140,10 @@ def main(argv=None):
     lines += [f"- {n}: x {SHAPES[n][0]} (NCHW shape), w {SHAPES[n][1]}, stride {SHAPES[n][2]}, "
               f"padding {SHAPES[n][3]}" for n in args.shapes] + [""]
     if args.mode == "separate":
+        cpu = info["cpu"]
         lines += ["| shape | layout | pass | numbafuse ms | PyTorch ms | numbafuse speed-up | "
-                  "numbafuse GFLOP/s | numbafuse unfused ms |", "|---|---|---|---:|---:|---:|---:|---:|"]
+                  "numbafuse GFLOP/s | numbafuse CPU ms | PyTorch CPU ms | numbafuse unfused ms |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for name in args.shapes:
             flops = problem(name)[-1]
             for layout in args.layouts:
@@ -147,6 +153,7 @@ def main(argv=None):
                     unf = best["numbafuse"].get(f"{name} {layout} unfused {ps}")
                     lines.append(f"| {name} | {layout} | {ps} | {a * 1e3:.2f} | {t * 1e3:.2f} | "
                                  f"{t / a:.2f}x | {mult * flops / a / 1e9:.0f} | "
+                                 f"{cpu['numbafuse'][key] * 1e3:.2f} | {cpu['torch'][key] * 1e3:.2f} | "
                                  + (f"{unf * 1e3:.2f} |" if unf else "- |"))
     else:
         other = "numbafuse-after-torch" if args.mode == "import-order" else "neighbours"

@@ -1,7 +1,7 @@
 """ms per training step of the digits ResNet: numbafuse fused / unfused / remapped vs PyTorch.
 
     python benchmarks/bench_train_step.py [--rounds 5] [--repeats 40] [--layout NHWC]
-                                          [--markdown FILE]
+                                          [--threads N] [--markdown FILE]
 
 The network of ``numbafuse.models.build_model`` (stem Conv2dBiasReLU 1->24 3x3 pad 1, two
 residual blocks [ConvBatchNormReLU, Conv2d no bias, BatchNormAddReLU with the block input],
@@ -115,20 +115,23 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=40, help="timed steps per model and process")
     p.add_argument("--layout", default="NHWC", choices=("NCHW", "NHWC"))
+    p.add_argument("--threads", type=int, help="threads of both libraries (default: theirs)")
     p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args(argv)
     best, info = _runner.compare("bench_train_step", ["numbafuse", "torch"], args.rounds,
-                                 args.repeats, dict(layout=args.layout),
+                                 args.repeats, dict(layout=args.layout, threads=args.threads),
                                  log=lambda s: print(s, file=sys.stderr, flush=True))
     times = {**best["numbafuse"], **best["torch"]}
+    cpu = {**info["cpu"]["numbafuse"], **info["cpu"]["torch"]}
     base = times["numbafuse unfused"]
     lines = _runner.header(info, _report.command("bench_train_step.py"))
     lines += [f"Digits ResNet (width {WIDTH}, {BLOCKS} blocks), batch {BATCH} of {SIZE}x{SIZE}, "
               f"{args.layout}, float32; best step of {args.rounds} processes x {args.repeats} "
               "steps per model after 2 warm-up steps.", "",
-              "| model | best ms/step | / numbafuse unfused |", "|---|---:|---:|"]
+              "| model | best ms/step | / numbafuse unfused | best CPU ms/step |",
+              "|---|---:|---:|---:|"]
     for name, t in times.items():
-        lines.append(f"| {name} | {t * 1e3:.2f} | {t / base:.2f} |")
+        lines.append(f"| {name} | {t * 1e3:.2f} | {t / base:.2f} | {cpu[name] * 1e3:.2f} |")
     _report.emit(lines, args.markdown)
 
 

@@ -1,10 +1,13 @@
 """The CPU convolution kernels at shapes that cross every chunk, group and phase boundary.
 
-``kernels/conv/cpu.py`` cuts the work into chunks of output rows (``CHUNK_BYTES``), sums dW and
-db over ``DW_GROUPS`` fixed groups of chunks, runs stride-1 convolutions as shifted GEMMs over a
-padded chunk and other strides by im2col (forward, dW) and by phases (dX). Here those constants
-are shrunk so that small drawn shapes span many chunks (one output row each, a last partial
-chunk, groups of uneven sizes), and every result is compared with the reference
+``kernels/conv/cpu.py`` cuts the work into chunks of output rows (``CHUNK_BYTES``) or of 2x2
+Winograd tiles (``WINOGRAD_TILES``: rows of tiles of one image, or several whole images), sums
+dW and db over ``DW_GROUPS`` fixed groups of chunks, runs 3x3 stride-1 convolutions by Winograd
+F(2x2, 3x3) (forward, dX and dW), other stride-1 ones as shifted GEMMs over a padded chunk and
+other strides by im2col (forward, dW) and by phases (dX). Here those constants are shrunk so
+that small drawn shapes span many chunks (one output row or one tile row each, a last partial
+chunk, groups of uneven sizes, the sums of the groups' partials in blocks of 7 values), and
+every result is compared with the reference
 (``numbafuse.reference``, SciPy correlate) and must be bitwise the same on 1 and 3 threads.
 """
 import numpy as np
@@ -15,11 +18,14 @@ import numbafuse as nf
 import numbafuse.testing.strategies as nfs
 from numbafuse import reference as ref
 from numbafuse.kernels import cpu_launch as _launch
-from numbafuse.kernels.conv import cpu as cpu_conv
+from numbafuse.kernels.conv import cpu as cpu_conv, cpu_im2col
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-12)}
 # CHUNK_BYTES values: 1 byte = one output row per chunk; a few rows; the default
 CHUNKS = st.sampled_from([1, 700, 3000, cpu_conv.CHUNK_BYTES])
+# WINOGRAD_TILES values (NCHW dW: twice as many): 1 = one tile row per chunk; 7 = a few rows,
+# or whole images of small outputs; the default = several whole images per chunk
+TILES = st.sampled_from([1, 7, cpu_conv.WINOGRAD_TILES])
 
 
 def _run(p, gy, threads):
@@ -28,10 +34,19 @@ def _run(p, gy, threads):
     return (y, *nf.conv_bias_relu_backward(gy, p.x, p.w, y, **p.kwargs))
 
 
-def _check(p, chunk_bytes, groups):
+def _check(p, chunk_bytes, groups, tiles=None, min_channels=1):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
+        if tiles is not None:
+            mp.setattr(cpu_conv, "WINOGRAD_TILES", tiles)
+            mp.setattr(cpu_conv, "WINOGRAD_DW_NCHW_TILES", 2 * tiles)
+        # the drawn channel counts are small: 1 sends them down the GEMM paths (Winograd,
+        # phase planes), the default down im2col; NCHW Winograd at every width
+        mp.setattr(cpu_conv, "MIN_GEMM_CHANNELS", min_channels)
+        mp.setattr(cpu_conv, "WINOGRAD_NCHW_MIN_WIDTH", 1)
+        mp.setattr(cpu_conv, "STRIDED_NHWC_IM2COL", min_channels > 1)
         mp.setattr(cpu_conv, "DW_GROUPS", groups)
+        mp.setattr(cpu_im2col, "SUM_BLOCK", 7)                 # the group sums: many tasks
         mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
         threads = _launch.num_threads()
         try:
@@ -51,9 +66,9 @@ def _check(p, chunk_bytes, groups):
 
 
 @given(nfs.conv_problems(max_batch=3, max_size=18, max_channels=3), CHUNKS,
-       st.integers(1, 5))
-def test_chunked_kernels_match_reference(p, chunk_bytes, groups):
-    _check(p, chunk_bytes, groups)
+       st.integers(1, 5), TILES, st.sampled_from([1, cpu_conv.MIN_GEMM_CHANNELS]))
+def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles, min_channels):
+    _check(p, chunk_bytes, groups, tiles, min_channels)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -61,9 +76,15 @@ def test_chunked_kernels_match_reference(p, chunk_bytes, groups):
     (9, 3, 1, 1, 1), (17, 3, 1, 1, 1), (33, 3, 1, 1, 1),      # past row blocks, "same"
     (17, 3, 2, 1, 1), (33, 3, 2, 1, 1), (9, 1, 2, 0, 1),      # stride 2: im2col + phases
     (17, 3, 1, "valid", 2), (9, 2, 3, 2, 1), (17, 1, 1, 0, 1),  # dilated, stride 3, 1x1
-])
-@pytest.mark.parametrize("chunk_bytes", [1, 3000])
-def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_bytes):
+    (8, 3, 1, 1, 1), (10, 3, 1, 0, 1), (7, 3, 1, 3, 1),      # Winograd: even, valid, pad > 2
+    (12, 3, 2, 2, 2), (11, 4, 3, 1, 1), (9, 3, 2, 0, 1),     # phase planes: dilated, stride 3
+    (10, 1, 1, 1, 1),                                         # 1x1 with padding: not pointwise
+    (1, 3, 1, "same", 2),           # taps whose valid rows start past a chunk (im2col: the
+])                                  # zeroing once ran into the next image's columns)
+@pytest.mark.parametrize("chunk_bytes, tiles, min_channels", [
+    (1, 1, 1), (3000, 7, 1), (3000, 200, 1), (3000, 7, cpu_conv.MIN_GEMM_CHANNELS)])
+def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_bytes, tiles,
+                         min_channels):
     rng = np.random.default_rng(size + kernel + stride)
     N, C, K = 3, 3, 5                                         # 3 images over uneven groups
     shape = (N, C, size, size + 2) if layout == "NCHW" else (N, size, size + 2, C)
@@ -72,4 +93,4 @@ def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_
     b = rng.standard_normal(K).astype(np.float32)
     p = nfs.ConvProblem(x, w, b, dict(stride=stride, padding=padding, dilation=dilation,
                                       layout=layout))
-    _check(p, chunk_bytes, groups=4)
+    _check(p, chunk_bytes, groups=4, tiles=tiles, min_channels=min_channels)

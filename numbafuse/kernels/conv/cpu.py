@@ -1,70 +1,60 @@
 r"""CPU convolution kernels: per-chunk gather + single-threaded GEMMs + epilogue, one task each.
 
-Three algorithms (each section below says more; docs/conv_bias_relu.md has the measurements):
-3x3 stride-1 forward and dX by Winograd F(2x2, 3x3); other stride-1 passes and every stride-1
-dW by *shifted GEMMs* over a zero-padded chunk (no im2col); strided convolutions by im2col
-(forward, dW) and by phases (dX), described here first.
+Work is cut into *chunks* (blocks of output rows of one image, or several small images) sized
+to stay in one core's L2. Each chunk is one task of numbafuse's thread pool (``cpu_launch.py``):
+the thread that takes it gathers the chunk's input, runs its GEMMs on numbafuse's private
+single-threaded BLAS (``cpu_blas.py``) and applies the epilogue (bias, ReLU) while the result is
+still in its cache. No thread pool hands a chunk to another one.
 
-Notation: N batch, C input channels, H/W input size, K filters, R/S filter size, P/Q output
-size, PQ = P*Q, RSC = R*S*C, m = pixels of one chunk.
+Which kernels run (``algorithm``; docs/conv_bias_relu.md has the measurements):
 
-Work is cut into *chunks* of output pixels: a block of output rows of one image, or several
-whole images when an image is small (``_chunking``), so that a chunk's im2col matrix is about
-``CHUNK_BYTES`` (it stays in one core's L2 while its GEMM reads it). Each chunk is one task of
-the thread pool (``_launch.py``): the thread that takes it builds the chunk's cols, runs one
-GEMM on numbafuse's private single-threaded BLAS (``_blas.py``) and applies the epilogue while
-the result is still in its cache. No thread pool hands a chunk to another one, and no step is
-serial in N (the only serial step, the sum of the dW partials, is fixed in size).
-
-The GEMM orientation follows the layout, so that y, g and dx need no transposes:
-
-    NCHW  cols (RSC, m), rows (c, r, s)      ybuf (K, m)  = w (K, C*R*S) @ cols
-    NHWC  cols (m, RSC), columns (r, s, c)   ybuf (m, K)  = cols @ wm^T,  wm (K, R*S*C)
+    pointwise  1x1, stride 1, unpadded      GEMMs straight on x, y, dx   (cpu_direct.py)
+    im2col     fewer than MIN_GEMM_CHANNELS input or output channels, and the forward and
+               dW of strided NHWC convolutions                          (cpu_im2col.py)
+    winograd   3x3, stride 1, no dilation (NCHW: outputs at least WINOGRAD_NCHW_MIN_WIDTH wide):
+               F(2x2, 3x3) forward, dX and dW                          (cpu_winograd.py)
+    phase      everything else: shifted GEMMs over phase planes (forward, dW), dX by input
+               phase over one padded copy of the gradient              (cpu_direct.py)
 
 Backward, from ``gy`` and (fused op) the output ``y``, whose sign is the ReLU mask:
+g = gy * (y > 0), formed while the kernels read gy. dW and db: chunks go into ``DW_GROUPS``
+fixed groups (a function of the shape only), one task each with its own partial (db in
+float64), summed in group order afterwards: results do not depend on the thread count. dX:
+every dx element is written by exactly one task.
 
-    dW and db: chunks go into DW_GROUPS fixed groups (a function of the shape only); a group is
-        one task, which for each of its chunks gathers g = gy * (y > 0) (db += sum g, float64)
-        and accumulates dW_group += g @ cols (beta = 1 GEMMs). The groups' partials are summed
-        in group order afterwards: the result does not depend on the thread count.
-    dX: a transposed convolution computed as a convolution of g, gated on the fly, split by
-        *phase* for strides > 1 (input rows h = a + sh*i, columns w = b + sw*j): the taps r with
-        (a + ph - r*dh) % sh == 0 read output row p = i + (a + ph - r*dh) // sh, so each phase
-        is a dense GEMM over its own taps only (no zero-stuffed columns; stride 1 is one phase):
-
-    NCHW  gcols (T*K, m) rows (k, r, s)   dxbuf (C, m) = w'_phase (C, T*K) @ gcols
-    NHWC  gcols (m, T*K) cols (r, s, k)   dxbuf (m, C) = gcols @ w'_phase (T*K, C)
-
-    where T = taps of the phase and w'[c, (k, r, s)] = w[k, c, r, s]. Every dx element is
-    written by exactly one task (no races, no atomics).
-
-Both layouts run the same task kernels: the layout is a flag tested once per chunk, and the
-per-layout loop nests are the small gather/scatter helpers below (``_im2col_*``, ``_g_*``,
-``_gcols_*``, ``_scatter_*``), so the tasks, chunking, GEMM calls and reductions are written once.
+Both layouts run the same task kernels: the layout is a flag tested once per chunk, and only
+the small gather/scatter helpers have per-layout loop nests.
 """
 import numpy as np
 
 from .. import cpu_blas as _blas
 from ..cpu_launch import blocks, launch
-from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
 
-_relu = cpu_scalar(_relu_math)
-_relu_grad = cpu_scalar(_relu_grad_math)
-_input_coord = cpu_scalar(conv_math.input_coord)
-_valid_range = cpu_scalar(conv_math.valid_range)
-
-CHUNK_BYTES = 384 << 10   # target bytes of one chunk's im2col matrix (L2-sized; see docs)
+CHUNK_BYTES = 768 << 10   # target bytes of a chunk's gathered input + output (L2: 1 MiB)
 DW_GROUPS = 16            # fixed groups of chunks, each with its own dW and db partial
-WINOGRAD = True           # 3x3 stride-1 forward and dX by Winograd F(2x2, 3x3)
-WINOGRAD_TILES = 128      # 2x2 output tiles per Winograd chunk (the GEMMs' n)
+WINOGRAD = True           # 3x3 stride-1 convolutions by Winograd F(2x2, 3x3)
+WINOGRAD_TILES = 160      # 2x2 output tiles per Winograd chunk (the GEMMs' n)
+WINOGRAD_DW_NCHW_TILES = 320   # ... of an NCHW dW chunk (its NT GEMMs and short transform
+                               # loops gain from longer chunks; measured in docs)
+WINOGRAD_NCHW_MIN_WIDTH = 16   # narrower NCHW outputs: phase planes (short tile rows lose)
+MIN_GEMM_CHANNELS = 16    # fewer input or output channels: im2col (GEMMs with k = C*R*S)
+STRIDED_NHWC_IM2COL = True     # strided NHWC forward and dW by im2col (else phase planes)
 
 geo_tuple = conv_math.geo_tuple
 
-from .cpu_direct import (_shifted_dw_tasks, _shifted_tasks, _winograd_taps,  # noqa: E402
-                         _winograd_tasks)
+from . import cpu_winograd as _wino  # noqa: E402
+from .cpu_direct import (_phase_dw_tasks, _phase_dx_tasks, _phase_tasks,  # noqa: E402
+                         _pointwise_dw_tasks, _pointwise_tasks)
 from .cpu_im2col import (_dw_tasks, _dx_tasks, _forward_tasks, _nchunks,  # noqa: E402
-                         _phase_weights, _phases)
+                         _phase_weights, _phases, sum_groups)
+
+
+def _balanced(rows, most):
+    """Rows per block: at most ``most``, the blocks of ``rows`` as even as can be (blocks of
+    7, 7 and 2 rows become 6, 6 and 4: a tiny last block runs its GEMMs slowly)."""
+    most = max(1, min(int(most), rows))
+    return -(-rows // -(-rows // most))
 
 
 def _chunking(pixels_per_image, rows, row_pixels, row_bytes):
@@ -73,18 +63,33 @@ def _chunking(pixels_per_image, rows, row_pixels, row_bytes):
     target = max(1, CHUNK_BYTES // max(row_bytes, 1))          # pixels of one chunk
     if pixels_per_image <= target:
         return max(1, target // max(pixels_per_image, 1)), rows
-    return 1, max(1, target // max(row_pixels, 1))
+    return 1, _balanced(rows, target // max(row_pixels, 1))
 
 
-
-
-
-# --------------------------------------------------------------------------- drivers
+# --------------------------------------------------------------------------- which kernels
 
 def _is_pointwise(geom):
     """1x1, stride 1, unpadded: the cols matrix is x itself."""
     return (geom.R == geom.S == geom.sh == geom.sw == geom.dh == geom.dw == 1
             and geom.ph == geom.pw == 0 and geom.ph_end == geom.pw_end == 0)
+
+
+def algorithm(geom, pass_="forward"):
+    """Which kernels run a convolution's ``pass_`` ("forward", "dx" or "dw"): "pointwise",
+    "im2col", "winograd" or "phase"."""
+    if _is_pointwise(geom):
+        return "pointwise"
+    if min(geom.C, geom.K) < MIN_GEMM_CHANNELS:
+        return "im2col"
+    nhwc = geom.layout == "NHWC"
+    if geom.sh == geom.sw == 1:
+        if (WINOGRAD and geom.R == geom.S == 3 and geom.dh == geom.dw == 1
+                and (nhwc or min(geom.Q, geom.W) >= WINOGRAD_NCHW_MIN_WIDTH)):
+            return "winograd"
+        return "phase"
+    # strided NHWC forward and dW: one GEMM with k = R*S*C beat R*S GEMMs with k = C
+    # (measured, docs/conv_bias_relu.md); its NHWC gather copies whole channel vectors
+    return "im2col" if nhwc and pass_ != "dx" and STRIDED_NHWC_IM2COL else "phase"
 
 
 def _weight_matrix(w, nhwc):
@@ -95,55 +100,240 @@ def _weight_matrix(w, nhwc):
     return np.ascontiguousarray(w.transpose(0, 2, 3, 1)).reshape(K, R * S * C)
 
 
-def _winograd(geom):
-    """3x3, stride 1, no dilation: Winograd F(2x2, 3x3) for the forward and dX."""
-    return (WINOGRAD and geom.R == geom.S == 3 and geom.sh == geom.sw == 1
-            and geom.dh == geom.dw == 1)
+def _taps(w, k_rows):
+    """The taps w_rs as (R*S, K, C) (``k_rows``) or (R*S, C, K), contiguous."""
+    K, C, R, S = w.shape
+    order = (2, 3, 0, 1) if k_rows else (2, 3, 1, 0)
+    return np.ascontiguousarray(w.transpose(order)).reshape(R * S, *((K, C) if k_rows else
+                                                                      (C, K)))
 
 
-def _winograd_tile_rows(ci, co, tiles_per_row):
-    """Rows of tiles per chunk: ~WINOGRAD_TILES tiles."""
-    return max(1, WINOGRAD_TILES // max(1, tiles_per_row))
+# --------------------------------------------------------------------------- Winograd
+
+def _winograd_chunks(N, Ho, Wo, nhwc, tiles=None):
+    """(images per chunk, tile rows per chunk, chunks, most tiles of a chunk) of a Winograd
+    pass over an Ho x Wo output: ~``tiles`` (WINOGRAD_TILES) tiles (NCHW rows of tiles carry
+    one junk tile each), whole images when an image has fewer."""
+    tiles = WINOGRAD_TILES if tiles is None else tiles
+    TY, TX = (Ho + 1) // 2, (Wo + 1) // 2
+    per_row = TX if nhwc else TX + 1
+    if TY * per_row <= tiles:
+        ipc, tyb = _balanced(N, tiles // (TY * per_row)), TY
+    else:
+        ipc, tyb = 1, _balanced(TY, tiles // per_row)
+    most = (ipc * TY if ipc > 1 else tyb) * per_row
+    return ipc, tyb, _nchunks(N, TY, ipc, tyb), most
 
 
-def _shifted(geom):
-    """Stride 1: the shifted-GEMM kernels (no im2col)."""
-    return geom.sh == 1 and geom.sw == 1
+def _winograd_run(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, blas, out, work):
+    """out = relu?(Winograd 3x3 correlation of src (gated) zero-padded by top/left + bias);
+    taps w (K, C, 3, 3), flipped and transposed for dX (``flip``)."""
+    Ci, Co = (w.shape[0], w.shape[1]) if flip else (w.shape[1], w.shape[0])
+    N, Ho, Wo = out.shape[0], *(out.shape[1:3] if nhwc else out.shape[2:4])
+    U = np.empty((16, Ci, Co) if nhwc else (16, Co, Ci), src.dtype)   # the GEMMs' orientation
+    _wino.winograd_taps(w, flip, nhwc, U)
+    ipc, tyb, nchunks, most = _winograd_chunks(N, Ho, Wo, nhwc)
+    launch(_wino._winograd_tasks, nchunks, src, gate, use_gate, U, top, left, ipc, tyb,
+           _wino.estride(Ci * most, src.itemsize), _wino.estride(Co * most, src.itemsize),
+           bias, relu, nhwc, blas, out, work=work, grain=1)
 
 
-def _shifted_rows_per_chunk(ci, co, padded_width, itemsize):
-    """Output rows per chunk: the padded input block and the output buffer ~CHUNK_BYTES."""
-    return max(1, CHUNK_BYTES // max(1, (ci + co) * padded_width * itemsize))
+def _winograd_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
+    """(dw or None, db_parts) of a 3x3 stride-1 conv by Winograd."""
+    N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
+    nhwc = geom.layout == "NHWC"
+    ipc, tyb, nchunks, most = _winograd_chunks(N, P, Q, nhwc,
+                                               None if nhwc else WINOGRAD_DW_NCHW_TILES)
+    groups = min(nchunks, DW_GROUPS)
+    D_parts = np.empty((groups if need_dw else 1, 16, K, C), x.dtype)   # D[e] (K, C)
+    db_parts = np.empty((groups, K))                                   # float64
+    launch(_wino._winograd_dw_tasks, groups, x, gy, y, use_mask, geom.ph, geom.pw, ipc, tyb,
+           _wino.estride(C * most, x.itemsize), _wino.estride(K * most, x.itemsize), nchunks,
+           groups, need_dw, nhwc, blas, D_parts, db_parts, work=work, grain=1)
+    if not need_dw:
+        return None, db_parts
+    dw = np.empty((K, C, 3, 3), x.dtype)
+    _wino.winograd_dw(sum_groups(D_parts, np.float64), dw)       # group order
+    return dw, db_parts
 
+
+# --------------------------------------------------------------------------- phase planes
+
+def _phase_plan(geom):
+    """Forward and dW over phase planes: (tap_plane, tap_off, planes, ext, Wq, slack)."""
+    R, S, sh, sw, dh, dw = geom.R, geom.S, geom.sh, geom.sw, geom.dh, geom.dw
+    orr = [r * dh // sh for r in range(R)]                         # row offset of tap r
+    os_ = [s * dw // sw for s in range(S)]
+    Wq = geom.Q + max(os_)
+    phases = sorted({((r * dh) % sh, (s * dw) % sw) for r in range(R) for s in range(S)})
+    index = {ab: i for i, ab in enumerate(phases)}
+    tap_plane = np.array([index[((r * dh) % sh, (s * dw) % sw)] for r in range(R)
+                          for s in range(S)], np.int64)
+    tap_off = np.array([orr[r] * Wq + os_[s] for r in range(R) for s in range(S)], np.int64)
+    return tap_plane, tap_off, np.array(phases, np.int64), max(orr), Wq, max(os_)
+
+
+def _phase_rows(channels_per_row, width, itemsize):
+    """Output rows per chunk: ``channels_per_row`` rows of ``width`` values ~CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // max(1, channels_per_row * width * itemsize))
+
+
+def _phase_dx_plan(geom):
+    """dX by input phase: (ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack)."""
+    R, S, sh, sw, dh, dw, ph, pw = (geom.R, geom.S, geom.sh, geom.sw, geom.dh, geom.dw,
+                                    geom.ph, geom.pw)
+    rows = [[(r, (a + ph - r * dh) // sh) for r in range(R) if (a + ph - r * dh) % sh == 0]
+            for a in range(sh)]                                    # (tap, output row offset)
+    cols = [[(s, (b + pw - s * dw) // sw) for s in range(S) if (b + pw - s * dw) % sw == 0]
+            for b in range(sw)]
+    roffs = [o for taps in rows for _, o in taps] or [0]
+    coffs = [o for taps in cols for _, o in taps] or [0]
+    gmin, gext, gleft = min(roffs), max(roffs) - min(roffs), max(0, -min(coffs))
+    Wg = -(-geom.W // sw) + max(coffs) + gleft
+    ph_taps, ph_start, ent_tap, ent_off = [], [], [], []
+    for a in range(sh):
+        for b in range(sw):
+            ph_start.append(len(ent_tap))
+            ph_taps.append(len(rows[a]) * len(cols[b]))
+            for r, ro in rows[a]:
+                for s, co in cols[b]:
+                    ent_tap.append(r * S + s)
+                    ent_off.append((ro - gmin) * Wg + co + gleft)
+    as_int = lambda v: np.array(v, np.int64)                       # noqa: E731
+    return (as_int(ph_taps), as_int(ph_start), as_int(ent_tap), as_int(ent_off), gmin, gext,
+            gleft, Wg, max(coffs) + gleft)
+
+
+def _phase_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
+    """(dw or None, db_parts) by shifted GEMMs over phase planes."""
+    N, C, K, R, S, P = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P
+    nhwc = geom.layout == "NHWC"
+    tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
+    rpc = _balanced(P, _phase_rows(len(planes) * C + K, Wq, x.itemsize))
+    nchunks = N * blocks(P, rpc)
+    groups = min(nchunks, DW_GROUPS)
+    dw_parts = np.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
+    db_parts = np.empty((groups, K))                                   # float64
+    launch(_phase_dw_tasks, groups, x, gy, y, use_mask, tap_plane, tap_off, planes, geom.sh,
+           geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc, nchunks, groups, need_dw, nhwc, blas,
+           dw_parts, db_parts, work=work, grain=1)
+    if not need_dw:
+        return None, db_parts
+    dwm = sum_groups(dw_parts)                                         # group order
+    return np.ascontiguousarray(dwm.reshape(R, S, K, C).transpose(2, 3, 0, 1)), db_parts
+
+
+# --------------------------------------------------------------------------- pointwise
+
+def _pointwise_view(a, nhwc):
+    """A 1x1 conv's operand as the pointwise tasks take it: (N, C, HW) | (1, N*HW, C)."""
+    return a.reshape(1, -1, a.shape[3]) if nhwc else a.reshape(a.shape[0], a.shape[1], -1)
+
+
+def _pointwise_chunks(geom, channels, itemsize):
+    """(pixels per chunk, chunks) of a pointwise pass."""
+    HW = geom.P * geom.Q
+    mpc = _balanced(geom.N * HW if geom.layout == "NHWC" else HW,
+                    CHUNK_BYTES // max(1, channels * itemsize))
+    nchunks = blocks(geom.N * HW, mpc) if geom.layout == "NHWC" else geom.N * blocks(HW, mpc)
+    return mpc, nchunks
+
+
+def _pointwise_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
+    """(dw or None, db_parts) of a pointwise conv."""
+    K, C = geom.K, geom.C
+    nhwc = geom.layout == "NHWC"
+    mpc, nchunks = _pointwise_chunks(geom, C + K, x.itemsize)
+    groups = min(nchunks, DW_GROUPS)
+    dw_parts = np.empty((groups if need_dw else 1, K, C), x.dtype)
+    db_parts = np.empty((groups, K))                                   # float64
+    launch(_pointwise_dw_tasks, groups, _pointwise_view(x, nhwc), _pointwise_view(gy, nhwc),
+           _pointwise_view(y, nhwc), use_mask, mpc, nchunks, groups, need_dw, nhwc, blas,
+           dw_parts, db_parts, work=work, grain=1)
+    if not need_dw:
+        return None, db_parts
+    return sum_groups(dw_parts).reshape(K, C, 1, 1), db_parts         # group order
+
+
+# --------------------------------------------------------------------------- im2col
+
+def _im2col_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
+    """(dw or None, db_parts) by im2col chunks."""
+    N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
+    nhwc = geom.layout == "NHWC"
+    ipc, rpc = _chunking(P * Q, P, Q, R * S * C * x.itemsize)
+    nchunks = _nchunks(N, P, ipc, rpc)
+    groups = min(nchunks, DW_GROUPS)
+    dw_parts = np.empty((groups if need_dw else 1, K * R * S * C), x.dtype)
+    db_parts = np.empty((groups, K))                                   # float64
+    gy_k = gy.reshape(N, P * Q, K) if nhwc else gy.reshape(N, K, P * Q)
+    y_k = y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q)
+    launch(_dw_tasks, groups, x, gy_k, y_k, use_mask, geo_tuple(geom), ipc, rpc, nchunks,
+           groups, False, need_dw, blas, dw_parts.reshape(-1, K, R * S * C), db_parts,
+           work=work, grain=1)
+    if not need_dw:
+        return None, db_parts
+    dwm = sum_groups(dw_parts)                                         # group order
+    if nhwc:                                                           # (K, R, S, C)
+        return np.ascontiguousarray(dwm.reshape(K, R, S, C).transpose(0, 3, 1, 2)), db_parts
+    return dwm.reshape(K, C, R, S), db_parts
+
+
+def _im2col_dx(gy, y, use_mask, w, geom, blas, dx, work):
+    """dx (written in place) by phases over im2col chunks of the gated gradient."""
+    N, C, H, W, K, R, S = geom.N, geom.C, geom.H, geom.W, geom.K, geom.R, geom.S
+    nhwc = geom.layout == "NHWC"
+    tr, orr, nr = _phases(H, R, geom.sh, geom.ph, geom.dh)
+    ts, os_, ns = _phases(W, S, geom.sw, geom.pw, geom.dw)
+    wphase, woff = _phase_weights(w, tr, nr, ts, ns, nhwc)
+    rows_max = -(-H // geom.sh)
+    wb_max = -(-W // geom.sw)
+    ipc, rpc = _chunking(rows_max * wb_max, rows_max, wb_max,
+                         int(nr.max()) * int(ns.max()) * K * gy.itemsize)
+    per_phase = _nchunks(N, rows_max, ipc, rpc)
+    launch(_dx_tasks, geom.sh * geom.sw * per_phase, gy.reshape(geom.y_shape),
+           y.reshape(geom.y_shape), use_mask, geo_tuple(geom), ipc, rpc, per_phase, rows_max,
+           tr, orr, nr, ts, os_, ns, wphase, woff, blas, dx, work=work, grain=1)
+
+
+# --------------------------------------------------------------------------- drivers
 
 def conv_forward(x, w, b, geom, relu):
     """``y = relu?(conv(x, w) + b?)`` for contiguous host arrays of one dtype."""
-    N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
+    N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     nhwc = geom.layout == "NHWC"
     y = np.empty(geom.y_shape, x.dtype)
     has_bias = b is not None
     b = b if has_bias else np.zeros(K, x.dtype)
     blas = _blas.blas_for(x.dtype)
-    if _winograd(geom):
-        U = _winograd_taps(w.transpose(2, 3, 0, 1))                       # (16, K, C)
-        tyb = _winograd_tile_rows(C, K, (Q + 1) // 2)
-        launch(_winograd_tasks, N * blocks((P + 1) // 2, tyb), x, x, False, U, geom.ph,
-               geom.pw, tyb, b, has_bias, bool(relu), nhwc, blas, y, work=x.size + y.size,
-               grain=1)
-        return y
-    if _shifted(geom):
-        wt = np.ascontiguousarray(w.transpose(2, 3, 0, 1)).reshape(R * S, K, C)  # wt[r,s] (K, C)
-        rpc = _shifted_rows_per_chunk(C, K, Q + (S - 1) * geom.dw, x.itemsize)
-        launch(_shifted_tasks, N * blocks(P, rpc), x, x, False, wt, R, S, geom.dh, geom.dw,
-               geom.ph, geom.pw, rpc, b, has_bias, bool(relu), nhwc, blas, y,
-               work=x.size + y.size, grain=1)
-        return y
-    ipc, rpc = _chunking(P * Q, P, Q, R * S * C * x.itemsize)
-    y_k = y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q)    # (N, PQ, K) | (N, K, PQ)
-    launch(_forward_tasks, _nchunks(N, P, ipc, rpc), x, _weight_matrix(w, nhwc), b, has_bias,
-           bool(relu), geo_tuple(geom), ipc, rpc, _is_pointwise(geom), blas, y_k,
-           work=x.size + y.size, grain=1)
+    work = x.size + y.size
+    relu = bool(relu)
+    kind = algorithm(geom, "forward")
+    if kind == "winograd":
+        _winograd_run(x, x, False, w, False, geom.ph, geom.pw, b, relu, nhwc, blas, y, work)
+    elif kind == "pointwise":
+        wm = w.reshape(K, C)
+        mpc, nchunks = _pointwise_chunks(geom, C + K, x.itemsize)
+        xv = _pointwise_view(x, nhwc)
+        launch(_pointwise_tasks, nchunks, xv, xv, False,
+               np.ascontiguousarray(wm.T) if nhwc else wm, mpc, b, has_bias, relu, nhwc, blas,
+               _pointwise_view(y, nhwc), work=work, grain=1)
+    elif kind == "phase":
+        tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
+        rpc = _balanced(P, _phase_rows(len(planes) * C + K, Wq, x.itemsize))
+        launch(_phase_tasks, N * blocks(P, rpc), x, _taps(w, not nhwc), tap_plane, tap_off,
+               planes, geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc, b, relu, nhwc,
+               blas, y, work=work, grain=1)
+    else:
+        ipc, rpc = _chunking(P * Q, P, Q, geom.R * geom.S * C * x.itemsize)
+        y_k = y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q)  # (N, PQ, K) | (N, K, PQ)
+        launch(_forward_tasks, _nchunks(N, P, ipc, rpc), x, _weight_matrix(w, nhwc), b,
+               has_bias, relu, geo_tuple(geom), ipc, rpc, False, blas, y_k, work=work, grain=1)
     return y
+
+
+_DW = {"winograd": _winograd_dw, "phase": _phase_dw, "pointwise": _pointwise_dw,
+       "im2col": _im2col_dw}
 
 
 def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
@@ -152,77 +342,40 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     Only the gradients flagged in ``need`` are computed (the others are ``None``).
     """
     need_dx, need_dw, need_db = (bool(v) for v in need)
-    N, C, H, W, K, R, S, P, Q = (geom.N, geom.C, geom.H, geom.W, geom.K, geom.R, geom.S,
-                                 geom.P, geom.Q)
+    N, C, H, W, K = geom.N, geom.C, geom.H, geom.W, geom.K
     nhwc = geom.layout == "NHWC"
     use_mask = y is not None
     y = y if use_mask else gy
-    geo = geo_tuple(geom)
     blas = _blas.blas_for(gy.dtype)
     work = x.size + 2 * gy.size
-    shifted = _shifted(geom)
     dx = dw = db = None
     if need_dw or need_db:
-        if shifted:
-            rpc = _shifted_rows_per_chunk(C, K, Q + (S - 1) * geom.dw, x.itemsize)
-            nchunks = N * blocks(P, rpc)
-        else:
-            ipc, rpc = _chunking(P * Q, P, Q, R * S * C * x.itemsize)
-            nchunks = _nchunks(N, P, ipc, rpc)
-        groups = min(nchunks, DW_GROUPS)
-        dw_parts = np.empty((groups if need_dw else 1, K * R * S * C), x.dtype)
-        db_parts = np.empty((groups, K))                               # float64
-        if shifted:
-            launch(_shifted_dw_tasks, groups, x, gy, y, use_mask, R, S, geom.dh, geom.dw,
-                   geom.ph, geom.pw, rpc, nchunks, groups, need_dw, nhwc, blas,
-                   dw_parts.reshape(-1, R * S, K, C), db_parts, work=work, grain=1)
-        else:
-            gy_k = gy.reshape(N, P * Q, K) if nhwc else gy.reshape(N, K, P * Q)
-            y_k = y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q)
-            launch(_dw_tasks, groups, x, gy_k, y_k, use_mask, geo, ipc, rpc, nchunks, groups,
-                   _is_pointwise(geom), need_dw, blas, dw_parts.reshape(-1, K, R * S * C),
-                   db_parts, work=work, grain=1)
+        dw, db_parts = _DW[algorithm(geom, "dw")](x, gy, y, use_mask, geom, need_dw, blas, work)
         if need_db:
             db = np.add.reduce(db_parts, axis=0).astype(gy.dtype)     # group order
-        if need_dw:
-            dwm = np.add.reduce(dw_parts, axis=0)                      # group order
-            if shifted:                                                # (R, S, K, C)
-                dw = np.ascontiguousarray(dwm.reshape(R, S, K, C).transpose(2, 3, 0, 1))
-            elif nhwc:                                                 # (K, R, S, C)
-                dw = np.ascontiguousarray(dwm.reshape(K, R, S, C).transpose(0, 3, 1, 2))
-            else:                                                      # (K, C, R, S)
-                dw = dwm.reshape(K, C, R, S)
-    if need_dx:
-        dx = np.empty(geom.x_shape, gy.dtype)
-        if _winograd(geom):
-            # dx = 3x3 correlation of g padded by 2 - ph, taps w[:, :, 2-r, 2-s]^T (C, K)
-            U = _winograd_taps(w[:, :, ::-1, ::-1].transpose(2, 3, 1, 0))  # (16, C, K)
-            tyb = _winograd_tile_rows(K, C, (W + 1) // 2)
-            launch(_winograd_tasks, N * blocks((H + 1) // 2, tyb), gy, y, use_mask, U,
-                   2 - geom.ph, 2 - geom.pw, tyb, np.zeros(C, gy.dtype), False, False, nhwc,
-                   blas, dx, work=work, grain=1)
-            return dx, dw, db
-        if shifted:
-            # dx = stride-1 conv of g, padded by (R-1)*dh - ph rows on top (likewise columns),
-            # with the flipped, transposed taps wt[r, s] = w[:, :, R-1-r, S-1-s]^T (C, K)
-            wt = np.ascontiguousarray(w[:, :, ::-1, ::-1].transpose(2, 3, 1, 0)).reshape(
-                R * S, C, K)
-            rpc = _shifted_rows_per_chunk(K, C, W + (S - 1) * geom.dw, x.itemsize)
-            launch(_shifted_tasks, N * blocks(H, rpc), gy, y, use_mask, wt, R, S, geom.dh,
-                   geom.dw, (R - 1) * geom.dh - geom.ph, (S - 1) * geom.dw - geom.pw, rpc,
-                   np.zeros(C, gy.dtype), False, False, nhwc, blas, dx, work=work, grain=1)
-            return dx, dw, db
-        tr, orr, nr = _phases(H, R, geom.sh, geom.ph, geom.dh)
-        ts, os_, ns = _phases(W, S, geom.sw, geom.pw, geom.dw)
-        wphase, woff = _phase_weights(w, tr, nr, ts, ns, nhwc)
-        rows_max = -(-H // geom.sh)
-        wb_max = -(-W // geom.sw)
-        ipc, rpc = _chunking(rows_max * wb_max, rows_max, wb_max,
-                             int(nr.max()) * int(ns.max()) * K * x.itemsize)
-        per_phase = _nchunks(N, rows_max, ipc, rpc)
-        launch(_dx_tasks, geom.sh * geom.sw * per_phase, gy.reshape(geom.y_shape),
-               y.reshape(geom.y_shape), use_mask, geo, ipc, rpc, per_phase, rows_max, tr, orr,
-               nr, ts, os_, ns, wphase, woff, blas, dx, work=work, grain=1)
+    if not need_dx:
+        return dx, dw, db
+    dx = np.empty(geom.x_shape, gy.dtype)
+    kind = algorithm(geom, "dx")
+    if kind == "winograd":
+        # dx = 3x3 correlation of g padded by 2 - ph, taps w[:, :, 2-r, 2-s]^T (C, K)
+        _winograd_run(gy, y, use_mask, w, True, 2 - geom.ph, 2 - geom.pw,
+                      np.zeros(C, gy.dtype), False, nhwc, blas, dx, work)
+    elif kind == "pointwise":
+        wm = w.reshape(K, C)                                           # dx = g @ w | w^T @ g
+        mpc, nchunks = _pointwise_chunks(geom, C + K, gy.itemsize)
+        launch(_pointwise_tasks, nchunks, _pointwise_view(gy, nhwc), _pointwise_view(y, nhwc),
+               use_mask, wm if nhwc else np.ascontiguousarray(wm.T), mpc,
+               np.zeros(C, gy.dtype), False, False, nhwc, blas, _pointwise_view(dx, nhwc),
+               work=work, grain=1)
+    elif kind == "phase":
+        ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack = _phase_dx_plan(geom)
+        rpc = _balanced(-(-H // geom.sh), _phase_rows(K + C, Wg, gy.itemsize))
+        launch(_phase_dx_tasks, N * blocks(-(-H // geom.sh), rpc), gy, y, use_mask,
+               _taps(w, nhwc), ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg,
+               slack, rpc, geom.sh, geom.sw, nhwc, blas, dx, work=work, grain=1)
+    else:
+        _im2col_dx(gy, y, use_mask, w, geom, blas, dx, work)
     return dx, dw, db
 
 

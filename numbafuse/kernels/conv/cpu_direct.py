@@ -1,178 +1,217 @@
-"""CPU convolution tasks without im2col, for stride 1: GEMMs over shifted views of a
-zero-padded chunk, and Winograd F(2x2, 3x3) for 3x3 filters. See ``cpu.py``."""
+r"""CPU convolution tasks without im2col: pointwise GEMMs, and shifted GEMMs over phase planes
+for any stride (3x3 stride-1 filters go to ``cpu_winograd.py``, tiny channel counts to
+``cpu_im2col.py``). See ``cpu.py`` for which runs when.
+
+**Pointwise** (1x1, stride 1, unpadded): x itself is the GEMM operand, so a chunk is one GEMM
+straight into y (then bias and ReLU in place while it is in cache), dX one GEMM of the gated
+gradient straight into dx, dW one GEMM per chunk; nothing is copied but g.
+
+**Phase planes** (forward, dW). Output pixel (p, q) reads, through tap (r, s), the padded
+input at row ``p*sh + r*dh``, column ``q*sw + s*dw``. Split the padded input into the phase
+planes ``plane[a, b][i, j] = pad[i*sh + a, j*sw + b]``: the tap reads plane
+``(r*dh % sh, s*dw % sw)`` at ``(p + r*dh // sh, q + s*dw // sw)``. With a chunk's planes
+flattened over rows of width ``Wq = Q + max_s (s*dw // sw)``, tap (r, s) of all the chunk's
+outputs is one *shifted view* of its plane, at offset ``(r*dh // sh)*Wq + s*dw // sw``, so the
+chunk's output, computed on the width Wq (the junk columns q >= Q are dropped), is a sum of
+R*S GEMMs over views of planes that hold the input once (im2col copies it R*S times):
+
+    NCHW  out (Co, m') += w_rs (Co, Ci) @ plane[:, off : off + m']       (ld of the plane)
+    NHWC  out (m', Co) += plane[off : off + m', :] (m', Ci) @ w_rs^T (Ci, Co)
+    dW    NCHW  dw_rs (K, C) += g' (K, m') @ plane[:, off : off + m']^T
+          NHWC  dw_rs (K, C) += g'^T (K, m') @ plane[off : off + m', :]
+
+with m' = rows * Wq and g' the gated gradient on the width Wq (zeros in the junk columns).
+Stride 1 is one plane. Only the planes some tap reads are built (a 1x1 stride-2 conv: one).
+
+**dX by phases** (any stride). Input rows ``h = a + sh*i`` of phase a are reached by the taps r
+with ``(a + ph - r*dh) % sh == 0``, from output row ``i + (a + ph - r*dh) // sh`` (likewise
+columns): so each input phase (a, b) is a sum of GEMMs over shifted views of *one* zero-padded
+copy of the chunk's gradient g = gy * (y > 0), a copy shared by all phases:
+
+    NCHW  dxph (C, m') += w_rs^T (C, K) @ gpad[:, off : off + m']
+    NHWC  dxph (m', C) += gpad[off : off + m', :] @ w_rs (K, C)
+
+scattered with stride (sh, sw) into dx; every dx element is written by exactly one task (a task
+owns the phase rows [i0, i1) of one image, i.e. the dx rows [sh*i0, sh*i1)). Stride 1 is one
+phase with every tap (a correlation with the flipped taps).
+"""
 import numpy as np
 from numba import njit
 
 from .. import cpu_blas as _blas
 from ..cpu_launch import task_kernel
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
-from . import math as conv_math
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
-_input_coord = cpu_scalar(conv_math.input_coord)
-_valid_range = cpu_scalar(conv_math.valid_range)
 
 from .cpu_im2col import _g_chw, _g_hwc  # noqa: E402
 
 
+@njit(inline="always")
+def _span(left, b, sw, Ws, Wq):
+    # plane columns j < Wq whose source column j*sw + b - left lies in [0, Ws): [jlo, jhi)
+    jlo = min(max(0, -((b - left) // sw)), Wq)                   # ceil((left - b) / sw)
+    jhi = max(jlo, min(Wq, -((b - left - Ws) // sw)))            # ceil((Ws + left - b) / sw)
+    return jlo, jhi
 
-# --------------------------------------------------------------------------- stride 1: shifted GEMMs
-# A stride-1 convolution needs no im2col. With the input zero-padded to width Wp = Wo + (S-1)*dw
-# and flattened over (row, column), output pixel (p, q) reads tap (r, s) at flat offset
-# (p + r*dh)*Wp + q + s*dw: the same matrix as output row p's, shifted by r*dh*Wp + s*dw. So a
-# chunk's output, computed on the padded width (columns q >= Wo are junk, dropped by the
-# epilogue), is a sum of R*S GEMMs over shifted views of one padded copy of the chunk's input:
-#
-#     NCHW  out (Co, m') += wt[r, s] (Co, Ci) @ pad[:, off : off + m']      (ld of pad)
-#     NHWC  out (m', Co) += pad[off : off + m', :] (m', Ci) @ wt[r, s]^T
-#
-# with m' = rows*Wp. Copying the padded chunk moves ~1x the input instead of R*S times (the
-# im2col), and each of the R*S GEMMs (inner dimension Ci) ran at the speed of the one im2col
-# GEMM (measured ~95-100 GFLOP/s per thread at Ci = Co = 64). The forward uses it on x with
-# wt[r, s] = w[:, :, r, s]; dX, a stride-1 transposed convolution, on g = gy * (y > 0) with the
-# flipped taps wt[r, s] = w[:, :, R-1-r, S-1-s]^T; dW = sum over chunks of g' @ shifted pad^T
-# per tap, where g' is g on the padded width with zeros in the junk columns.
 
 @njit(inline="always")
-def _pad_chw(src, gate, use_gate, n, u0, u1, top, left, Wp, dst):
-    # src, gate: (N, C, Hs, Ws); dst: (C, ld) <- rows u0 <= u < u1 of image n zero-padded:
-    # dst[c, (u - u0)*Wp + v] = src[n, c, u - top, v - left] (times gate > 0), 0 outside;
-    # the columns past (u1 - u0)*Wp (the slack read by the last shifted view) are zeroed
+def _plane_chw(src, gate, use_gate, n, u0, nrows, sh, a, sw, b, top, left, Wq, dst):
+    # src, gate: (N, C, Hs, Ws); dst: (C, ld) <- dst[c, i*Wq + j] = pad[(u0 + i)*sh + a,
+    # j*sw + b] for i < nrows, j < Wq, pad = src (times gate > 0) shifted by top rows and left
+    # columns, zero outside; the columns past nrows*Wq (read by the last views) are zeroed
     C, Hs, Ws = src.shape[1], src.shape[2], src.shape[3]
-    L = (u1 - u0) * Wp
-    vlo = min(max(0, left), Wp)
-    vhi = max(vlo, min(Wp, left + Ws))
+    jlo, jhi = _span(left, b, sw, Ws, Wq)
+    w0 = jlo * sw + b - left                                     # source column of jlo
+    cnt = jhi - jlo
     for c in range(C):
         row = dst[c]                                              # (ld,)
-        for u in range(u0, u1):
-            d = row[(u - u0) * Wp:(u - u0 + 1) * Wp]              # (Wp,)
-            h = u - top
-            if h < 0 or h >= Hs:
-                for v in range(Wp):
-                    d[v] = 0
+        for i in range(nrows):
+            d = row[i * Wq:(i + 1) * Wq]                          # (Wq,)
+            h = (u0 + i) * sh + a - top
+            if h < 0 or h >= Hs or cnt == 0:
+                for j in range(Wq):
+                    d[j] = 0
                 continue
-            for v in range(vlo):
-                d[v] = 0
-            for v in range(vhi, Wp):
-                d[v] = 0
-            dv = d[vlo:vhi]
-            sv = src[n, c, h, vlo - left:vhi - left]              # (vhi - vlo,)
+            for j in range(jlo):
+                d[j] = 0
+            for j in range(jhi, Wq):
+                d[j] = 0
+            dv = d[jlo:jhi]
+            sv = src[n, c, h, w0:w0 + (cnt - 1) * sw + 1:sw]      # (cnt,)
             if use_gate:
-                gv = gate[n, c, h, vlo - left:vhi - left]
-                for v in range(vhi - vlo):
-                    dv[v] = _relu_grad(sv[v], gv[v])
+                gv = gate[n, c, h, w0:w0 + (cnt - 1) * sw + 1:sw]
+                for j in range(cnt):
+                    dv[j] = _relu_grad(sv[j], gv[j])
             else:
-                for v in range(vhi - vlo):
-                    dv[v] = sv[v]
-        for i in range(L, row.shape[0]):
+                for j in range(cnt):
+                    dv[j] = sv[j]
+        for i in range(nrows * Wq, row.shape[0]):
             row[i] = 0
 
 
 @njit(inline="always")
-def _pad_hwc(src, gate, use_gate, n, u0, u1, top, left, Wp, dst):
-    # src, gate: (N, Hs, Ws, C); dst: (rows, C) <- dst[(u - u0)*Wp + v] = src[n, u - top,
-    # v - left] (gated), 0 outside; rows past (u1 - u0)*Wp zeroed
+def _plane_hwc(src, gate, use_gate, n, u0, nrows, sh, a, sw, b, top, left, Wq, dst):
+    # src, gate: (N, Hs, Ws, C); dst: (ld, C) <- dst[i*Wq + j] = pad[(u0 + i)*sh + a, j*sw + b]
+    # as in _plane_chw; rows past nrows*Wq zeroed
     Hs, Ws, C = src.shape[1], src.shape[2], src.shape[3]
-    L = (u1 - u0) * Wp
-    vlo = min(max(0, left), Wp)
-    vhi = max(vlo, min(Wp, left + Ws))
+    jlo, jhi = _span(left, b, sw, Ws, Wq)
+    w0 = jlo * sw + b - left
+    cnt = jhi - jlo
     flat = dst.reshape(dst.shape[0] * C)
-    for u in range(u0, u1):
-        d = flat[(u - u0) * Wp * C:(u - u0 + 1) * Wp * C]         # (Wp*C,)
-        h = u - top
-        if h < 0 or h >= Hs:
-            for i in range(Wp * C):
-                d[i] = 0
+    for i in range(nrows):
+        d = flat[i * Wq * C:(i + 1) * Wq * C]                     # (Wq*C,)
+        h = (u0 + i) * sh + a - top
+        if h < 0 or h >= Hs or cnt == 0:
+            for v in range(Wq * C):
+                d[v] = 0
             continue
-        for i in range(vlo * C):
-            d[i] = 0
-        for i in range(vhi * C, Wp * C):
-            d[i] = 0
-        dv = d[vlo * C:vhi * C]
-        sv = src[n, h].reshape(Ws * C)[(vlo - left) * C:(vhi - left) * C]
-        if use_gate:
-            gv = gate[n, h].reshape(Ws * C)[(vlo - left) * C:(vhi - left) * C]
-            for i in range((vhi - vlo) * C):
-                dv[i] = _relu_grad(sv[i], gv[i])
-        else:
-            for i in range((vhi - vlo) * C):
-                dv[i] = sv[i]
-    for i in range(L * C, flat.shape[0]):
-        flat[i] = 0
+        for v in range(jlo * C):
+            d[v] = 0
+        for v in range(jhi * C, Wq * C):
+            d[v] = 0
+        if sw == 1:                                               # one contiguous run
+            dv = d[jlo * C:jhi * C]
+            sv = src[n, h].reshape(Ws * C)[w0 * C:(w0 + cnt) * C]
+            if use_gate:
+                gv = gate[n, h].reshape(Ws * C)[w0 * C:(w0 + cnt) * C]
+                for v in range(cnt * C):
+                    dv[v] = _relu_grad(sv[v], gv[v])
+            else:
+                for v in range(cnt * C):
+                    dv[v] = sv[v]
+            continue
+        for j in range(cnt):
+            dv = d[(jlo + j) * C:(jlo + j + 1) * C]               # (C,)
+            sv = src[n, h, w0 + j * sw]
+            if use_gate:
+                gv = gate[n, h, w0 + j * sw]
+                for c in range(C):
+                    dv[c] = _relu_grad(sv[c], gv[c])
+            else:
+                for c in range(C):
+                    dv[c] = sv[c]
+    for v in range(nrows * Wq * C, flat.shape[0]):
+        flat[v] = 0
 
+
+# --------------------------------------------------------------------------- phase planes
 
 @task_kernel
-def _shifted_tasks(t0, t1, src, gate, use_gate, wt, R, S, dh, dw, top, left, rpc, bias,
-                   has_bias, relu, nhwc, blas, out):
-    # src, gate: (N, Ci, Hs, Ws) | (N, Hs, Ws, Ci); wt: (R*S, Co, Ci); out: (N, Co, Ho, Wo) |
-    # (N, Ho, Wo, Co) = relu?(sum over taps + bias?), chunk t = rows [o0, o1) of one image
+def _phase_tasks(t0, t1, x, wtap, tap_plane, tap_off, planes, sh, sw, ph, pw, ext, Wq, slack,
+                 rpc, bias, relu, nhwc, blas, y):
+    # x: (N, C, H, W) | (N, H, W, C); wtap: (R*S, K, C) | (R*S, C, K) (w_rs, w_rs^T);
+    # tap_plane, tap_off (R*S,): the plane (index into planes (np, 2) of phases (a, b)) and
+    # offset read by each tap; y: (N, K, P, Q) | (N, P, Q, K) = relu?(conv + bias), bias (K,)
+    # zeros for none. Chunk t = output rows [o0, o1) of one image; a plane holds rows
+    # o0 .. o1 + ext of width Wq (+ slack)
     if nhwc:
-        N, Ho, Wo, Co = out.shape
-        Ci = src.shape[3]
+        N, P, Q, K = y.shape
+        C = x.shape[3]
     else:
-        N, Co, Ho, Wo = out.shape
-        Ci = src.shape[1]
-    Wp = Wo + (S - 1) * dw
-    ext = (R - 1) * dh                                            # extra padded rows
-    slack = (S - 1) * dw
-    nblk = (Ho + rpc - 1) // rpc
-    pad = np.empty(Ci * ((rpc + ext) * Wp + slack), src.dtype)
-    obuf = np.empty(Co * rpc * Wp, src.dtype)
+        N, K, P, Q = y.shape
+        C = x.shape[1]
+    npl = planes.shape[0]
+    nblk = (P + rpc - 1) // rpc
+    pbuf = np.empty((npl, C * ((rpc + ext) * Wq + slack)), x.dtype)
+    obuf = np.empty(K * rpc * Wq, x.dtype)
     for t in range(t0, t1):
         n = t // nblk
         o0 = (t - n * nblk) * rpc
-        o1 = min(Ho, o0 + rpc)
-        m = (o1 - o0) * Wp                                        # pixels on the padded width
-        ld = (o1 - o0 + ext) * Wp + slack
+        o1 = min(P, o0 + rpc)
+        m = (o1 - o0) * Wq                                        # outputs on the width Wq
+        ld = (o1 - o0 + ext) * Wq + slack
         if nhwc:
-            pb = pad[:ld * Ci].reshape((ld, Ci))                  # (ld, Ci)
-            _pad_hwc(src, gate, use_gate, n, o0, o1 + ext, top, left, Wp, pb)
-            ob = obuf[:m * Co].reshape((m, Co))                   # (m', Co)
-            for tap in range(R * S):
-                off = (tap // S) * dh * Wp + (tap % S) * dw
-                _blas.gemm(blas, False, True, m, Co, Ci, 1.0, pb[off:], Ci, wt[tap], Ci,
-                           0.0 if tap == 0 else 1.0, ob, Co)
+            for pi in range(npl):
+                _plane_hwc(x, x, False, n, o0, o1 - o0 + ext, sh, planes[pi, 0], sw,
+                           planes[pi, 1], ph, pw, Wq, pbuf[pi, :ld * C].reshape((ld, C)))
+            ob = obuf[:m * K].reshape((m, K))                     # (m', K)
+            for tap in range(wtap.shape[0]):
+                pb = pbuf[tap_plane[tap], :ld * C].reshape((ld, C))
+                _blas.gemm(blas, False, False, m, K, C, 1.0, pb[tap_off[tap]:], C, wtap[tap],
+                           K, 0.0 if tap == 0 else 1.0, ob, K)
             for p in range(o0, o1):
-                for q in range(Wo):
-                    sr, dr = ob[(p - o0) * Wp + q], out[n, p, q]  # (Co,) each
-                    for k in range(Co):
-                        v = sr[k] + (bias[k] if has_bias else 0)
+                for q in range(Q):
+                    sr, dr = ob[(p - o0) * Wq + q], y[n, p, q]    # (K,) each
+                    for k in range(K):
+                        v = sr[k] + bias[k]
                         dr[k] = _relu(v) if relu else v
         else:
-            pb = pad[:Ci * ld].reshape((Ci, ld))                  # (Ci, ld)
-            _pad_chw(src, gate, use_gate, n, o0, o1 + ext, top, left, Wp, pb)
-            ob = obuf[:Co * m].reshape((Co, m))                   # (Co, m')
-            for tap in range(R * S):
-                off = (tap // S) * dh * Wp + (tap % S) * dw
-                _blas.gemm(blas, False, False, Co, m, Ci, 1.0, wt[tap], Ci, pb[:, off:], ld,
-                           0.0 if tap == 0 else 1.0, ob, m)
-            for k in range(Co):
-                bk = bias[k] if has_bias else 0
+            for pi in range(npl):
+                _plane_chw(x, x, False, n, o0, o1 - o0 + ext, sh, planes[pi, 0], sw,
+                           planes[pi, 1], ph, pw, Wq, pbuf[pi, :C * ld].reshape((C, ld)))
+            ob = obuf[:K * m].reshape((K, m))                     # (K, m')
+            for tap in range(wtap.shape[0]):
+                pb = pbuf[tap_plane[tap], :C * ld].reshape((C, ld))
+                _blas.gemm(blas, False, False, K, m, C, 1.0, wtap[tap], C, pb[:, tap_off[tap]:],
+                           ld, 0.0 if tap == 0 else 1.0, ob, m)
+            for k in range(K):
+                bk = bias[k]
                 for p in range(o0, o1):
-                    sr, dr = ob[k, (p - o0) * Wp:(p - o0) * Wp + Wo], out[n, k, p]   # (Wo,)
-                    for q in range(Wo):
+                    sr, dr = ob[k, (p - o0) * Wq:(p - o0) * Wq + Q], y[n, k, p]   # (Q,)
+                    for q in range(Q):
                         v = sr[q] + bk
                         dr[q] = _relu(v) if relu else v
 
 
 @task_kernel
-def _shifted_dw_tasks(t0, t1, x, gy, y, use_mask, R, S, dh, dw, ph, pw, rpc, nchunks, groups,
-                      need_dw, nhwc, blas, dw_parts, db_parts):
+def _phase_dw_tasks(t0, t1, x, gy, y, use_mask, tap_plane, tap_off, planes, sh, sw, ph, pw,
+                    ext, Wq, slack, rpc, nchunks, groups, need_dw, nhwc, blas, dw_parts,
+                    db_parts):
     # x: (N, C, H, W) | (N, H, W, C); gy, y: (N, K, P, Q) | (N, P, Q, K); dw_parts: (groups,
-    # R*S, K, C) <- each group's dW per tap; db_parts: (groups, K) float64 <- its sum of g
+    # R*S, K, C) <- each group's dW per tap; db_parts: (groups, K) float64 <- its sum of g.
+    # Chunks and planes as in _phase_tasks; groups of chunks fixed by the shape
     if nhwc:
         N, P, Q, K = gy.shape
         C = x.shape[3]
     else:
         N, K, P, Q = gy.shape
         C = x.shape[1]
-    Wp = Q + (S - 1) * dw
-    ext = (R - 1) * dh
-    slack = (S - 1) * dw
+    npl = planes.shape[0]
     nblk = (P + rpc - 1) // rpc
-    pad = np.empty(C * ((rpc + ext) * Wp + slack) if need_dw else 0, x.dtype)
-    gbuf = np.empty(K * rpc * Wp, x.dtype)
+    pbuf = np.empty((npl, C * ((rpc + ext) * Wq + slack) if need_dw else 0), x.dtype)
+    gbuf = np.empty(K * rpc * Wq, x.dtype)
     for grp in range(t0, t1):
         dbp = db_parts[grp]                                       # (K,)
         dbp[:] = 0.0
@@ -181,268 +220,222 @@ def _shifted_dw_tasks(t0, t1, x, gy, y, use_mask, R, S, dh, dw, ph, pw, rpc, nch
             n = t // nblk
             p0 = (t - n * nblk) * rpc
             p1 = min(P, p0 + rpc)
-            m = (p1 - p0) * Wp
-            ld = (p1 - p0 + ext) * Wp + slack
+            m = (p1 - p0) * Wq
+            ld = (p1 - p0 + ext) * Wq + slack
             beta = 0.0 if first else 1.0
             first = False
             if nhwc:
                 g = gbuf[:m * K].reshape((m, K))                  # (m', K), junk rows 0
                 gy2, y2 = gy[n].reshape((P * Q, K)), y[n].reshape((P * Q, K))
                 for p in range(p0, p1):
-                    _g_hwc(gy2, y2, use_mask, p * Q, (p + 1) * Q, g, (p - p0) * Wp, dbp)
-                    for q in range(Q, Wp):
-                        g[(p - p0) * Wp + q, :] = 0
+                    _g_hwc(gy2, y2, use_mask, p * Q, (p + 1) * Q, g, (p - p0) * Wq, dbp)
+                    for q in range(Q, Wq):
+                        g[(p - p0) * Wq + q, :] = 0
                 if not need_dw:
                     continue
-                pb = pad[:ld * C].reshape((ld, C))
-                _pad_hwc(x, x, False, n, p0, p1 + ext, ph, pw, Wp, pb)
-                for tap in range(R * S):
-                    off = (tap // S) * dh * Wp + (tap % S) * dw
-                    # dW_rs (K, C) += g'^T (K, m') @ pad[off:off+m'] (m', C)
-                    _blas.gemm(blas, True, False, K, C, m, 1.0, g, K, pb[off:], C, beta,
-                               dw_parts[grp, tap], C)
+                for pi in range(npl):
+                    _plane_hwc(x, x, False, n, p0, p1 - p0 + ext, sh, planes[pi, 0], sw,
+                               planes[pi, 1], ph, pw, Wq, pbuf[pi, :ld * C].reshape((ld, C)))
+                for tap in range(tap_plane.shape[0]):
+                    pb = pbuf[tap_plane[tap], :ld * C].reshape((ld, C))
+                    # dW_rs (K, C) += g'^T (K, m') @ plane[off:off+m'] (m', C)
+                    _blas.gemm(blas, True, False, K, C, m, 1.0, g, K, pb[tap_off[tap]:], C,
+                               beta, dw_parts[grp, tap], C)
             else:
                 g = gbuf[:K * m].reshape((K, m))                  # (K, m'), junk columns 0
-                for p in range(p0, p1):
-                    _g_chw(gy.reshape((N, K, P * Q)), y.reshape((N, K, P * Q)), use_mask, n, p,
-                           p + 1, P * Q, Q, g, (p - p0) * Wp, dbp)
-                    for q in range(Q, Wp):
-                        g[:, (p - p0) * Wp + q] = 0
+                gyf, yf = gy.reshape((N, K, P * Q)), y.reshape((N, K, P * Q))
+                if Wq == Q:                                       # no junk: one block
+                    _g_chw(gyf, yf, use_mask, n, p0, p1, P * Q, Q, g, 0, dbp)
+                else:
+                    for p in range(p0, p1):
+                        _g_chw(gyf, yf, use_mask, n, p, p + 1, P * Q, Q, g, (p - p0) * Wq, dbp)
+                        for q in range(Q, Wq):
+                            g[:, (p - p0) * Wq + q] = 0
                 if not need_dw:
                     continue
-                pb = pad[:C * ld].reshape((C, ld))
-                _pad_chw(x, x, False, n, p0, p1 + ext, ph, pw, Wp, pb)
-                for tap in range(R * S):
-                    off = (tap // S) * dh * Wp + (tap % S) * dw
-                    # dW_rs (K, C) += g' (K, m') @ pad[:, off:off+m']^T (m', C)
-                    _blas.gemm(blas, False, True, K, C, m, 1.0, g, m, pb[:, off:], ld, beta,
-                               dw_parts[grp, tap], C)
-
-
-# --------------------------------------------------------------------------- 3x3, stride 1: Winograd
-# F(2x2, 3x3) (Lavin & Gray 2015): each 2x2 block ("tile") of output pixels comes from the 4x4
-# input patch under it: Y = A^T [ U (.) V ] A, with V = B^T d B the patch transformed,
-# U = G g G^T the 3x3 taps transformed (host side, once per call) and (.) a product per
-# transformed position e = (xi, nu) of the 16, summed over input channels: 16 GEMMs per chunk,
-#
-#     NCHW  M[e] (Co, T) = U[e] (Co, Ci) @ V[e] (Ci, T)     T = tiles of the chunk
-#     NHWC  M[e] (T, Co) = V[e] (T, Ci) @ U[e]^T (Ci, Co)
-#
-# doing 16/36 of the multiply-adds of the shifted GEMMs. The transforms are adds only. The
-# forward runs it on x with g[r, s] = w[:, :, r, s]; dX on g = gy * (y > 0) with the flipped,
-# transposed taps (as the shifted kernel). Chunks: rows of tiles of one image.
-#   B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]   G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1]
-#   A^T = [1 1 1 0; 0 1 -1 -1]
-
-_WINO_G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
-
-
-def _winograd_taps(wt):
-    """U (16, Co, Ci) = G g G^T per (Co, Ci) pair, from the taps wt (3, 3, Co, Ci)."""
-    u = np.einsum("xr,ys,rsoi->xyoi", _WINO_G, _WINO_G, wt.astype(np.float64))
-    return np.ascontiguousarray(u.reshape(16, *wt.shape[2:]), dtype=wt.dtype)
-
-
-@njit(inline="always")
-def _bt_cols(d0, d1, d2, d3, t0, t1, t2, t3):
-    # the B^T combination of four input rows (vectors): t = B^T d down the columns
-    for v in range(d0.shape[0]):
-        a0, a1, a2, a3 = d0[v], d1[v], d2[v], d3[v]
-        t0[v] = a0 - a2
-        t1[v] = a1 + a2
-        t2[v] = a2 - a1
-        t3[v] = a1 - a3
-
-
-@njit(inline="always")
-def _wino_in_chw(src, gate, use_gate, n, ty0, ty1, TX, top, left, d, tb, V):
-    # src, gate: (N, Ci, Hs, Ws); V: (16, Ci, T) <- B^T d B of each tile's 4x4 input patch;
-    # tile (ty, tx) at column (ty - ty0)*TX + tx reads rows 2ty - top + i, columns 2tx - left
-    # + j (0 outside); d, tb: (4, 2*TX + 2) scratch rows
-    Ci, Hs, Ws = src.shape[1], src.shape[2], src.shape[3]
-    Wt = 2 * TX + 2
-    vlo = min(max(0, left), Wt)
-    vhi = max(vlo, min(Wt, left + Ws))
-    for c in range(Ci):
-        for ty in range(ty0, ty1):
-            for i in range(4):
-                h = 2 * ty - top + i
-                row = d[i]                                        # (Wt,)
-                if h < 0 or h >= Hs:
-                    row[:] = 0
-                    continue
-                for v in range(vlo):
-                    row[v] = 0
-                for v in range(vhi, Wt):
-                    row[v] = 0
-                dv = row[vlo:vhi]
-                sv = src[n, c, h, vlo - left:vhi - left]
-                if use_gate:
-                    gv = gate[n, c, h, vlo - left:vhi - left]
-                    for v in range(vhi - vlo):
-                        dv[v] = _relu_grad(sv[v], gv[v])
-                else:
-                    for v in range(vhi - vlo):
-                        dv[v] = sv[v]
-            _bt_cols(d[0], d[1], d[2], d[3], tb[0], tb[1], tb[2], tb[3])
-            col = (ty - ty0) * TX
-            for i in range(4):
-                r = tb[i]                                         # (Wt,)
-                v0 = V[4 * i, c, col:col + TX]                    # (TX,) each
-                v1 = V[4 * i + 1, c, col:col + TX]
-                v2 = V[4 * i + 2, c, col:col + TX]
-                v3 = V[4 * i + 3, c, col:col + TX]
-                for tx in range(TX):
-                    a0, a1, a2, a3 = r[2 * tx], r[2 * tx + 1], r[2 * tx + 2], r[2 * tx + 3]
-                    v0[tx] = a0 - a2
-                    v1[tx] = a1 + a2
-                    v2[tx] = a2 - a1
-                    v3[tx] = a1 - a3
-
-
-@njit(inline="always")
-def _wino_in_hwc(src, gate, use_gate, n, ty0, ty1, TX, top, left, d, tb, V):
-    # src, gate: (N, Hs, Ws, Ci); V: (16, T, Ci); d, tb: (4, 4, Ci) scratch (one patch)
-    Hs, Ws, Ci = src.shape[1], src.shape[2], src.shape[3]
-    for ty in range(ty0, ty1):
-        for tx in range(TX):
-            for i in range(4):
-                h = 2 * ty - top + i
-                for j in range(4):
-                    wi = 2 * tx - left + j
-                    dst = d[i, j]                                 # (Ci,)
-                    if h < 0 or h >= Hs or wi < 0 or wi >= Ws:
-                        dst[:] = 0
-                    elif use_gate:
-                        sv, gv = src[n, h, wi], gate[n, h, wi]
-                        for c in range(Ci):
-                            dst[c] = _relu_grad(sv[c], gv[c])
-                    else:
-                        sv = src[n, h, wi]
-                        for c in range(Ci):
-                            dst[c] = sv[c]
-            for j in range(4):                                    # tb = B^T d
-                _bt_cols(d[0, j], d[1, j], d[2, j], d[3, j], tb[0, j], tb[1, j], tb[2, j],
-                         tb[3, j])
-            t = (ty - ty0) * TX + tx
-            for i in range(4):                                    # V = tb B
-                _bt_cols(tb[i, 0], tb[i, 1], tb[i, 2], tb[i, 3], V[4 * i, t], V[4 * i + 1, t],
-                         V[4 * i + 2, t], V[4 * i + 3, t])
+                for pi in range(npl):
+                    _plane_chw(x, x, False, n, p0, p1 - p0 + ext, sh, planes[pi, 0], sw,
+                               planes[pi, 1], ph, pw, Wq, pbuf[pi, :C * ld].reshape((C, ld)))
+                for tap in range(tap_plane.shape[0]):
+                    pb = pbuf[tap_plane[tap], :C * ld].reshape((C, ld))
+                    # dW_rs (K, C) += g' (K, m') @ plane[:, off:off+m']^T (m', C)
+                    _blas.gemm(blas, False, True, K, C, m, 1.0, g, m, pb[:, tap_off[tap]:], ld,
+                               beta, dw_parts[grp, tap], C)
 
 
 @task_kernel
-def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, tyb, bias, has_bias, relu,
-                    nhwc, blas, out):
-    # src, gate: (N, Ci, Hs, Ws) | (N, Hs, Ws, Ci); U: (16, Co, Ci); out: (N, Co, Ho, Wo) |
-    # (N, Ho, Wo, Co) = relu?(3x3 correlation of src zero-padded by top/left + bias?);
-    # chunk t = tile rows [ty0, ty1) of one image
+def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, ph_taps, ph_start, ent_tap, ent_off, gmin,
+                    gext, gleft, Wg, slack, rpc, sh, sw, nhwc, blas, dx):
+    # gy, y: (N, K, P, Q) | (N, P, Q, K); wtap: (R*S, C, K) | (R*S, K, C) (w_rs^T, w_rs);
+    # input phase f = a*sw + b reads the taps ent_tap[ph_start[f] : + ph_taps[f]] at the
+    # offsets ent_off[...] of the chunk's padded g, which holds g rows i0 + gmin ... of width
+    # Wg (g column v at v + gleft); dx: (N, C, H, W) | (N, H, W, C). Task t = phase rows
+    # [i0, i1) of one image (dx rows [sh*i0, sh*i1)), every phase
     if nhwc:
-        N, Ho, Wo, Co = out.shape
-        Ci = src.shape[3]
+        N, H, W, C = dx.shape
+        K = gy.shape[3]
     else:
-        N, Co, Ho, Wo = out.shape
-        Ci = src.shape[1]
-    TY, TX = (Ho + 1) // 2, (Wo + 1) // 2
-    nblk = (TY + tyb - 1) // tyb
-    vbuf = np.empty(16 * Ci * tyb * TX, src.dtype)
-    mbuf = np.empty(16 * Co * tyb * TX, src.dtype)
-    scratch = 16 * Ci if nhwc else 4 * (2 * TX + 2)               # one patch | four rows
-    d = np.empty(scratch, src.dtype)
-    tb = np.empty(scratch, src.dtype)
-    ob = np.empty((2, TX), src.dtype)                             # NCHW: two output rows
+        N, C, H, W = dx.shape
+        K = gy.shape[1]
+    rows = (H + sh - 1) // sh                                     # phase rows, most
+    nblk = (rows + rpc - 1) // rpc
+    gpad = np.empty(K * ((rpc + gext) * Wg + slack), dx.dtype)
+    dbuf = np.empty(C * rpc * Wg, dx.dtype)
     for t in range(t0, t1):
         n = t // nblk
-        ty0 = (t - n * nblk) * tyb
-        ty1 = min(TY, ty0 + tyb)
-        T = (ty1 - ty0) * TX
+        i0 = (t - n * nblk) * rpc
+        i1 = min(rows, i0 + rpc)
+        ld = (i1 - i0 + gext) * Wg + slack
         if nhwc:
-            V = vbuf[:16 * T * Ci].reshape((16, T, Ci))
-            M = mbuf[:16 * T * Co].reshape((16, T, Co))
-            _wino_in_hwc(src, gate, use_gate, n, ty0, ty1, TX, top, left,
-                         d.reshape((4, 4, Ci)), tb.reshape((4, 4, Ci)), V)
-            for e in range(16):
-                _blas.gemm(blas, False, True, T, Co, Ci, 1.0, V[e], Ci, U[e], Ci, 0.0, M[e],
-                           Co)
-            for ty in range(ty0, ty1):
-                for tx in range(TX):
-                    tt = (ty - ty0) * TX + tx
-                    for a in range(2):
-                        p = 2 * ty + a
-                        if p >= Ho:
-                            continue
-                        for b in range(2):
-                            q = 2 * tx + b
-                            if q >= Wo:
-                                continue
-                            dst = out[n, p, q]                    # (Co,)
-                            for k in range(Co):
-                                # rows: s_nu = m[0,nu] + m[1,nu] + m[2,nu] (a=0) or
-                                # m[1,nu] - m[2,nu] - m[3,nu] (a=1); then the same on nu
-                                if a == 0:
-                                    s0 = M[0, tt, k] + M[4, tt, k] + M[8, tt, k]
-                                    s1 = M[1, tt, k] + M[5, tt, k] + M[9, tt, k]
-                                    s2 = M[2, tt, k] + M[6, tt, k] + M[10, tt, k]
-                                    s3 = M[3, tt, k] + M[7, tt, k] + M[11, tt, k]
-                                else:
-                                    s0 = M[4, tt, k] - M[8, tt, k] - M[12, tt, k]
-                                    s1 = M[5, tt, k] - M[9, tt, k] - M[13, tt, k]
-                                    s2 = M[6, tt, k] - M[10, tt, k] - M[14, tt, k]
-                                    s3 = M[7, tt, k] - M[11, tt, k] - M[15, tt, k]
-                                v = (s0 + s1 + s2) if b == 0 else (s1 - s2 - s3)
-                                v = v + (bias[k] if has_bias else 0)
-                                dst[k] = _relu(v) if relu else v
+            gb = gpad[:ld * K].reshape((ld, K))
+            _plane_hwc(gy, y, use_mask, n, i0 + gmin, i1 - i0 + gext, 1, 0, 1, 0, 0, gleft,
+                       Wg, gb)
         else:
-            V = vbuf[:16 * Ci * T].reshape((16, Ci, T))
-            M = mbuf[:16 * Co * T].reshape((16, Co, T))
-            _wino_in_chw(src, gate, use_gate, n, ty0, ty1, TX, top, left,
-                         d.reshape((4, 2 * TX + 2)), tb.reshape((4, 2 * TX + 2)), V)
-            for e in range(16):
-                _blas.gemm(blas, False, False, Co, T, Ci, 1.0, U[e], Ci, V[e], T, 0.0, M[e], T)
-            for k in range(Co):
-                bk = bias[k] if has_bias else ob[0, 0] * 0       # a zero of the dtype
-                for ty in range(ty0, ty1):
-                    c0 = (ty - ty0) * TX
-                    for a in range(2):
-                        p = 2 * ty + a
-                        if p >= Ho:
-                            continue
-                        # s_nu = A^T over xi (row a), then y = the same over nu, per tile:
-                        # vectorised over the TX tiles into ob (2, TX), then interleaved
-                        o0, o1 = ob[0], ob[1]                     # (TX,) each
-                        # row a of A^T m: a = 0 adds xi = 0, 1, 2; a = 1 takes 1, -2, -3
-                        e0 = 0 if a == 0 else 4
-                        r0, r1, r2, r3 = M[e0, k, c0:c0 + TX], \
-                            M[e0 + 1, k, c0:c0 + TX], M[e0 + 2, k, c0:c0 + TX], \
-                            M[e0 + 3, k, c0:c0 + TX]
-                        q0, q1, q2, q3 = M[e0 + 4, k, c0:c0 + TX], M[e0 + 5, k, c0:c0 + TX], \
-                            M[e0 + 6, k, c0:c0 + TX], M[e0 + 7, k, c0:c0 + TX]
-                        u0, u1, u2, u3 = M[e0 + 8, k, c0:c0 + TX], M[e0 + 9, k, c0:c0 + TX], \
-                            M[e0 + 10, k, c0:c0 + TX], M[e0 + 11, k, c0:c0 + TX]
-                        if a == 0:
-                            for tx in range(TX):
-                                s0 = r0[tx] + q0[tx] + u0[tx]
-                                s1 = r1[tx] + q1[tx] + u1[tx]
-                                s2 = r2[tx] + q2[tx] + u2[tx]
-                                s3 = r3[tx] + q3[tx] + u3[tx]
-                                o0[tx] = s0 + s1 + s2 + bk
-                                o1[tx] = s1 - s2 - s3 + bk
+            gb = gpad[:K * ld].reshape((K, ld))
+            _plane_chw(gy, y, use_mask, n, i0 + gmin, i1 - i0 + gext, 1, 0, 1, 0, 0, gleft,
+                       Wg, gb)
+        for f in range(sh * sw):
+            a, b = f // sw, f % sw
+            r1 = min(i1, (H - a + sh - 1) // sh)                  # this phase's rows
+            Wb = (W - b + sw - 1) // sw
+            if r1 <= i0 or Wb <= 0:
+                continue
+            m = (r1 - i0) * Wg
+            nt = ph_taps[f]
+            if nhwc:
+                d = dbuf[:m * C].reshape((m, C))                  # (m', C)
+                if nt == 0:
+                    d[:] = 0
+                for e in range(ph_start[f], ph_start[f] + nt):
+                    _blas.gemm(blas, False, False, m, C, K, 1.0, gb[ent_off[e]:], K,
+                               wtap[ent_tap[e]], C, 0.0 if e == ph_start[f] else 1.0, d, C)
+                for i in range(i0, r1):
+                    for j in range(Wb):
+                        src, dst = d[(i - i0) * Wg + j], dx[n, a + i * sh, b + j * sw]   # (C,)
+                        for c in range(C):
+                            dst[c] = src[c]
+            else:
+                d = dbuf[:C * m].reshape((C, m))                  # (C, m')
+                if nt == 0:
+                    d[:] = 0
+                for e in range(ph_start[f], ph_start[f] + nt):
+                    _blas.gemm(blas, False, False, C, m, K, 1.0, wtap[ent_tap[e]], K,
+                               gb[:, ent_off[e]:], ld, 0.0 if e == ph_start[f] else 1.0, d, m)
+                for c in range(C):
+                    for i in range(i0, r1):
+                        src = d[c, (i - i0) * Wg:(i - i0) * Wg + Wb]   # (Wb,)
+                        if sw == 1:
+                            dst = dx[n, c, a + i * sh]            # (W,)
+                            for j in range(Wb):
+                                dst[j] = src[j]
                         else:
-                            for tx in range(TX):
-                                s0 = r0[tx] - q0[tx] - u0[tx]
-                                s1 = r1[tx] - q1[tx] - u1[tx]
-                                s2 = r2[tx] - q2[tx] - u2[tx]
-                                s3 = r3[tx] - q3[tx] - u3[tx]
-                                o0[tx] = s0 + s1 + s2 + bk
-                                o1[tx] = s1 - s2 - s3 + bk
-                        if relu:
-                            for tx in range(TX):
-                                o0[tx] = _relu(o0[tx])
-                                o1[tx] = _relu(o1[tx])
-                        row = out[n, k, p]                        # (Wo,)
-                        for tx in range(Wo // 2):
-                            row[2 * tx] = o0[tx]
-                            row[2 * tx + 1] = o1[tx]
-                        if Wo % 2:
-                            row[Wo - 1] = o0[TX - 1]
+                            dst = dx[n, c, a + i * sh, b:b + (Wb - 1) * sw + 1:sw]   # (Wb,)
+                            for j in range(Wb):
+                                dst[j] = src[j]
 
 
+# --------------------------------------------------------------------------- pointwise
+
+@task_kernel
+def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, has_bias, relu, nhwc, blas,
+                     out):
+    # 1x1, stride 1, unpadded: out = relu?(wm-product of src (gated) + bias?). NCHW: src (N, Ci,
+    # HW), wm (Co, Ci), out (N, Co, HW), chunk t = pixels [c0, c1) of one image; NHWC: src
+    # (1, M, Ci), wm (Ci, Co), out (1, M, Co), chunk t = rows [c0, c1) of M = N*HW (rank 3 in
+    # both layouts: Numba types both branches). The forward runs
+    # it on x with wm = w (NCHW) | w^T (NHWC); dX on gy gated by y with wm = w^T | w
+    if nhwc:
+        M, Ci = src.shape[1], src.shape[2]
+        Co = out.shape[2]
+        HW = M
+        nblk = (M + mpc - 1) // mpc
+    else:
+        Ci, HW = src.shape[1], src.shape[2]
+        Co = out.shape[1]
+        nblk = (HW + mpc - 1) // mpc
+    gbuf = np.empty(Ci * mpc if use_gate else 0, src.dtype)
+    for t in range(t0, t1):
+        n = 0 if nhwc else t // nblk
+        c0 = (t - n * nblk) * mpc
+        c1 = min(HW, c0 + mpc)
+        m = c1 - c0
+        if nhwc:
+            a = src[0, c0:c1]                                     # (m, Ci)
+            if use_gate:
+                g = gbuf[:m * Ci].reshape((m, Ci))
+                for i in range(m):
+                    sr, gr, dr = src[0, c0 + i], gate[0, c0 + i], g[i]
+                    for c in range(Ci):
+                        dr[c] = _relu_grad(sr[c], gr[c])
+                a = g
+            o = out[0, c0:c1]                                     # (m, Co)
+            _blas.gemm(blas, False, False, m, Co, Ci, 1.0, a, Ci, wm, Co, 0.0, o, Co)
+            if relu or has_bias:                                  # in place, in cache
+                for i in range(m):
+                    r = o[i]                                      # (Co,)
+                    for k in range(Co):
+                        v = r[k] + bias[k]
+                        r[k] = _relu(v) if relu else v
+        else:
+            b = src[n, :, c0:]                                    # (Ci, m), ld HW
+            ldb = HW
+            if use_gate:
+                g = gbuf[:Ci * m].reshape((Ci, m))
+                for c in range(Ci):
+                    sr, gr, dr = src[n, c, c0:c1], gate[n, c, c0:c1], g[c]
+                    for i in range(m):
+                        dr[i] = _relu_grad(sr[i], gr[i])
+                b = g
+                ldb = m
+            _blas.gemm(blas, False, False, Co, m, Ci, 1.0, wm, Ci, b, ldb, 0.0, out[n, :, c0:],
+                       HW)
+            if relu or has_bias:                                  # in place, in cache
+                for k in range(Co):
+                    r = out[n, k, c0:c1]                          # (m,)
+                    bk = bias[k]
+                    for i in range(m):
+                        v = r[i] + bk
+                        r[i] = _relu(v) if relu else v
+
+
+@task_kernel
+def _pointwise_dw_tasks(t0, t1, x, gy, y, use_mask, mpc, nchunks, groups, need_dw, nhwc, blas,
+                        dw_parts, db_parts):
+    # 1x1, stride 1, unpadded. NCHW: x (N, C, HW), gy, y (N, K, HW); NHWC: x (1, M, C), gy, y
+    # (1, M, K); dw_parts: (groups, K, C) <- each group's dW; db_parts: (groups, K) float64.
+    # Chunks as in _pointwise_tasks
+    if nhwc:
+        M, C = x.shape[1], x.shape[2]
+        K = gy.shape[2]
+        HW = M
+        nblk = (M + mpc - 1) // mpc
+    else:
+        C, HW = x.shape[1], x.shape[2]
+        K = gy.shape[1]
+        nblk = (HW + mpc - 1) // mpc
+    gbuf = np.empty(K * mpc, x.dtype)
+    for grp in range(t0, t1):
+        dbp = db_parts[grp]
+        dbp[:] = 0.0
+        first = True
+        for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
+            n = 0 if nhwc else t // nblk
+            c0 = (t - n * nblk) * mpc
+            c1 = min(HW, c0 + mpc)
+            m = c1 - c0
+            beta = 0.0 if first else 1.0
+            first = False
+            if nhwc:
+                g = gbuf[:m * K].reshape((m, K))                  # (m, K)
+                _g_hwc(gy[0], y[0], use_mask, c0, c1, g, 0, dbp)
+                if need_dw:
+                    # dW (K, C) += g^T (K, m) @ x (m, C)
+                    _blas.gemm(blas, True, False, K, C, m, 1.0, g, K, x[0, c0:c1], C, beta,
+                               dw_parts[grp], C)
+            else:
+                g = gbuf[:K * m].reshape((K, m))                  # (K, m)
+                _g_chw(gy, y, use_mask, n, c0, c1, HW, 1, g, 0, dbp)
+                if need_dw:
+                    # dW (K, C) += g (K, m) @ x[n][:, c0:c1]^T (m, C)
+                    _blas.gemm(blas, False, True, K, C, m, 1.0, g, m, x[n, :, c0:], HW, beta,
+                               dw_parts[grp], C)

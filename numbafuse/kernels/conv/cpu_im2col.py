@@ -1,10 +1,33 @@
-"""CPU convolution tasks over im2col chunks: chunking, the gathers (im2col, masked
-gradients), the forward and dW/db tasks, and dX by output phase. See ``cpu.py``."""
+r"""CPU convolution tasks over im2col chunks (convolutions with few channels, where one GEMM
+with the inner dimension C*R*S beats R*S GEMMs with inner dimension C), and the helpers every
+CPU conv module shares: chunking, masked gradients (``_g_*``), ``_sum64``. See ``cpu.py``.
+
+Notation: PQ = P*Q, RSC = R*S*C, m = pixels of one chunk. A chunk is a block of output rows
+of one image, or several whole images when an image is small (``cpu._chunking``), so that its
+im2col matrix is about ``CHUNK_BYTES`` (it stays in one core's L2 while its GEMM reads it). The
+GEMM orientation follows the layout, so that y, g and dx need no transposes:
+
+    NCHW  cols (RSC, m), rows (c, r, s)      ybuf (K, m)  = w (K, C*R*S) @ cols
+    NHWC  cols (m, RSC), columns (r, s, c)   ybuf (m, K)  = cols @ wm^T,  wm (K, R*S*C)
+
+Backward, from ``gy`` and (fused op) the output ``y``, whose sign is the ReLU mask:
+
+    dW and db: a group of chunks (``DW_GROUPS``) is one task, which for each of its chunks
+        gathers g = gy * (y > 0) (db += sum g, float64) and accumulates dW_group += g @ cols.
+    dX: a convolution of g split by *phase* (input rows h = a + sh*i, columns w = b + sw*j):
+        the taps r with (a + ph - r*dh) % sh == 0 read output row p = i + (a + ph - r*dh) // sh,
+        so each phase is a dense GEMM over its own taps (T of them):
+
+    NCHW  gcols (T*K, m) rows (k, r, s)   dxbuf (C, m) = w'_phase (C, T*K) @ gcols
+    NHWC  gcols (m, T*K) cols (r, s, k)   dxbuf (m, C) = gcols @ w'_phase (T*K, C)
+
+    where w'[c, (k, r, s)] = w[k, c, r, s]. Every dx element is written by exactly one task.
+"""
 import numpy as np
 from numba import njit
 
 from .. import cpu_blas as _blas
-from ..cpu_launch import blocks, task_kernel
+from ..cpu_launch import blocks, launch, task_kernel
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
 
@@ -81,7 +104,8 @@ def _im2col_chw(x, n, p0, p1, geo, cols, col0):
         flat = plane.reshape(H * W)                               # (H*W,)
         for r in range(R):
             plo, phi = _valid_range(r, sh, ph, dh, H, P)          # rows inside the image
-            plo, phi = max(plo, p0), max(min(phi, p1), max(plo, p0))
+            plo = min(max(plo, p0), p1)                           # clamped to the chunk
+            phi = max(min(phi, p1), plo)
             for s in range(S):
                 row = cols[(c * R + r) * S + s]                   # (ld,)
                 blk = row[col0:col0 + (p1 - p0) * Q]              # ((p1-p0)*Q,)
@@ -130,6 +154,37 @@ def _im2col_hwc(x, n, p0, p1, geo, cols, row0):
                         src = x[n, h, wi]                         # (C,)
                         for c in range(C):
                             dst[c0 + c] = src[c]
+
+
+SUM_BLOCK = 1 << 14        # values per task of _sum_groups_tasks (read on the host: a
+                           # global read inside a kernel is frozen into its cached code)
+
+
+@task_kernel
+def _sum_groups_tasks(t0, t1, parts, block, out):
+    # parts: (G, n) -> out (n,) = parts[0] + parts[1] + ... in group order, per value (the
+    # same order on any thread count); task t: values [t*block, (t+1)*block)
+    G, n = parts.shape
+    for t in range(t0, t1):
+        i0, i1 = t * block, min(n, (t + 1) * block)
+        dst = out[i0:i1]
+        src = parts[0, i0:i1]
+        for i in range(i1 - i0):
+            dst[i] = src[i]
+        for g in range(1, G):
+            src = parts[g, i0:i1]
+            for i in range(i1 - i0):
+                dst[i] += src[i]
+
+
+def sum_groups(parts, dtype=None):
+    """``parts`` (G, ...) summed over its first axis in group order, on the pool: an array of
+    shape ``parts.shape[1:]`` in ``dtype`` (default: parts' dtype)."""
+    flat = parts.reshape(parts.shape[0], -1)                      # (G, n)
+    out = np.empty(flat.shape[1], dtype or parts.dtype)
+    launch(_sum_groups_tasks, blocks(flat.shape[1], SUM_BLOCK), flat, SUM_BLOCK, out,
+           work=flat.size, grain=1)
+    return out.reshape(parts.shape[1:])
 
 
 @njit(cache=True, fastmath={"reassoc"})
