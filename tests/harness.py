@@ -160,17 +160,20 @@ BOUNDARIES = {
         crosses=lambda d, k: (min(d["C"], d["K"], d["M"]) > k("cuda_config.TINY_TILE").BN
                               and d["C"] * d["R"] * d["S"] > k("cuda_config.TINY_TILE").BK)),
     ("cuda", "batchnorm"): Boundary(
-        why="reductions on a (parts, channels) grid: threads 8 x reduce_blocks 2 cover 16 "
-            "values per grid-stride step, M = N*H*W is past 16 (the loop runs 2-3 times, "
-            "threads leaving at different steps); max_grid_y 2 < C: blocks loop over "
-            "channels; max_blocks 2: the elementwise kernels grid-stride too",
+        why="reductions on a (parts, channels) grid: reduce_blocks 2 parts of M = N*H*W, "
+            "each walked by threads 8 with U (patched 1; the simulator reads it at run time) "
+            "loads in flight, so a walk step covers 8 values of a part of 9-20: the walk "
+            "loop runs 2-3 times, threads leaving at different steps; max_grid_y 2 < C: "
+            "blocks loop over channels; max_blocks 2: the elementwise kernels grid-stride too",
         ops=("batchnorm_add_relu", "batchnorm"),
         patch={"cuda_config.threads": 8, "cuda_config.reduce_blocks": 2,
-               "cuda_config.max_blocks": 2, "cuda_config.max_grid_y": 2},
+               "cuda_config.max_blocks": 2, "cuda_config.max_grid_y": 2,
+               "cuda_reduce.U": 1, "batchnorm.cuda.U": (1, 2)},
         shapes=lambda: dict(training=st.just(True),
                             dims=dict(N=_one_of(2), C=_ints(3, 4), H=_ints(3, 4),
                                       W=_ints(3, 5))),
-        crosses=lambda d, k: (d["M"] > k("cuda_config.threads") * k("cuda_config.reduce_blocks")
+        crosses=lambda d, k: (-(-d["M"] // k("cuda_config.reduce_blocks"))
+                              > k("cuda_config.threads") * k("cuda_reduce.U")
                               and d["C"] > k("cuda_config.max_grid_y"))),
     ("cuda", "basic"): Boundary(
         why="linear's tiled matmul in TILE x TILE tiles (compile-time): rows, features and "
