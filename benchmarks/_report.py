@@ -1,10 +1,11 @@
 """What every benchmark script prints last: its table, headed by the command that made it."""
+import shlex
 import sys
 
 
 def command(script):
     """The command line that ran ``script`` (``benchmarks/<name>.py``), arguments included."""
-    return " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]])
+    return shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]])
 
 
 def emit(lines, markdown=None):

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import shutil
+import shlex
 import statistics
 import subprocess
 import sys
@@ -105,7 +106,7 @@ def _table(args, results):
     except (OSError, StopIteration):
         pass
     lines = ["# Data-parallel scaling on MPI", "",
-             f"`python benchmarks/bench_distributed.py {' '.join(sys.argv[1:])}`; {cpu}, "
+             f"`python benchmarks/bench_distributed.py {shlex.join(sys.argv[1:])}`; {cpu}, "
              f"{os.cpu_count()} cores, one machine; Python {platform.python_version()}, numba "
              f"{numba.__version__}, mpi4py {mpi4py.__version__}, "
              f"{MPI.Get_library_version().splitlines()[0].strip()}; load average {load:.1f}. "
