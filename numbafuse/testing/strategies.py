@@ -68,6 +68,13 @@ def _dim(draw, dims, name, lo, hi):
     return draw(st.integers(lo, hi))
 
 
+def _nchw(draw, dims, max_batch, max_channels, max_size):
+    """N, C, H, W drawn in that order (each from ``dims`` if given there, else from 1 up to
+    its ``max_*``)."""
+    return (_dim(draw, dims, "N", 1, max_batch), _dim(draw, dims, "C", 1, max_channels),
+            _dim(draw, dims, "H", 1, max_size), _dim(draw, dims, "W", 1, max_size))
+
+
 def _activation_shape(layout, N, C, H, W):
     return (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
 
@@ -192,10 +199,7 @@ def batchnorm_problems(draw, dtype=None, layout=None, max_batch=3, max_channels=
     """
     dtype = draw(dtypes()) if dtype is None else dtype
     layout = draw(layouts()) if layout is None else layout
-    N = _dim(draw, dims, "N", 1, max_batch)
-    C = _dim(draw, dims, "C", 1, max_channels)
-    H = _dim(draw, dims, "H", 1, max_size)
-    W = _dim(draw, dims, "W", 1, max_size)
+    N, C, H, W = _nchw(draw, dims, max_batch, max_channels, max_size)
     assume(N * H * W >= 2)
     shape = _activation_shape(layout, N, C, H, W)
     rng = np.random.default_rng(draw(SEEDS))
@@ -266,10 +270,7 @@ def pool_problems(draw, dtype=None, layout=None, max_batch=2, max_channels=3, ma
     """
     dtype = draw(dtypes()) if dtype is None else dtype
     layout = draw(layouts()) if layout is None else layout
-    N = _dim(draw, dims, "N", 1, max_batch)
-    C = _dim(draw, dims, "C", 1, max_channels)
-    H = _dim(draw, dims, "H", 1, max_size)
-    W = _dim(draw, dims, "W", 1, max_size)
+    N, C, H, W = _nchw(draw, dims, max_batch, max_channels, max_size)
     kh, kw = draw(st.integers(1, H)), draw(st.integers(1, W))
     k = kh if kh == kw and draw(st.booleans()) else (kh, kw)
     stride = draw(st.one_of(st.none(), st.tuples(st.integers(1, 3), st.integers(1, 3))))
