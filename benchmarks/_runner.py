@@ -25,7 +25,9 @@ Sides:
   before numbafuse is imported (its OpenMP pool started) - the *import order* mode;
 * ``neighbours``: both libraries in one process, their cases interleaved call by call (a
   PyTorch model with numbafuse layers) - the *same-process neighbour* mode; the names come
-  back prefixed ``numbafuse:`` and ``torch:``.
+  back prefixed ``numbafuse:`` and ``torch:``;
+* any other name: a probe the benchmark module defines (e.g. ``stream``, the memory-bandwidth
+  probe of bench_batchnorm_add_relu.py), run in its own process like the libraries.
 
     python benchmarks/_runner.py --worker MODULE SIDE REPEATS OPTIONS_JSON   (internal)
 """
@@ -61,6 +63,8 @@ def _machine():
 
 def _library_info(side):
     info = {"python": platform.python_version()}
+    if side not in ("numbafuse", "torch", "numbafuse-after-torch", "neighbours"):
+        return info                              # a probe of the benchmark's own (NumPy only)
     if side != "torch":
         import numba
         import numpy

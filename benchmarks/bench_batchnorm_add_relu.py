@@ -15,9 +15,20 @@ best of each:
 GB/s of ``fused`` counts the minimum bytes a call must move, each tensor once: the forward
 reads x, z and writes y (3 tensors); forward + backward adds gy, x, y read and gx, gz written
 (8 in all).
+
+The memory roofline: a third process (``stream``, NumPy only) times ``c = a + b`` over arrays
+of ``STREAM_BYTES`` each (past the last-level cache), one slice per usable core on Python
+threads (NumPy releases the GIL), and reports GB/s counting the 3 arrays once, as STREAM's
+"add" does. ``roofline ms`` = the minimum bytes above / that rate: the time of an
+implementation that moves each tensor once through memory at that rate, and ``roofline
+speed-up`` = PyTorch's time / roofline ms, what such an implementation would show. Only
+tensors still in the last-level cache from the call before can come faster (the benchmark
+repeats one call, and a tensor of the default shape is 8 MiB).
 """
 import argparse
+import os
 import sys
+import threading
 
 import numpy as np
 
@@ -27,6 +38,7 @@ import _runner
 SHAPES = ["32,64,32,32"]                 # (N, C, H, W); add 64,256,56,56 for a large one
 DTYPE = np.float32
 FWD_TENSORS, FWD_BWD_TENSORS = 3, 8
+STREAM_BYTES = 64 << 20                  # bytes per array of the bandwidth probe (3 arrays)
 
 
 def problem(shape):
@@ -89,7 +101,37 @@ def _torch_cases(name, shape):
     return {f"{name} fwd": fwd, f"{name} fwd+bwd": both}
 
 
+def _stream_cases():
+    """{"stream add": fn}: c = a + b on every usable core, 3 x STREAM_BYTES moved."""
+    n = STREAM_BYTES // 4
+    a, b, c = np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    edges = np.linspace(0, n, cores + 1).astype(int)
+
+    def add(lo, hi):
+        np.add(a[lo:hi], b[lo:hi], out=c[lo:hi])
+
+    def run():
+        threads = [threading.Thread(target=add, args=(lo, hi))
+                   for lo, hi in zip(edges[:-1], edges[1:])]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return {"stream add": run}
+
+
+def stream_gbs(seconds):
+    """GB/s of the probe: 3 arrays of STREAM_BYTES in ``seconds``."""
+    return 3 * STREAM_BYTES / seconds / 1e9
+
+
 def cases(side, options):
+    if side == "stream":
+        return _stream_cases()
     out = {}
     for s in options["shapes"]:
         shape = tuple(int(v) for v in s.split(","))
@@ -104,14 +146,21 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="*", default=SHAPES)
     p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args(argv)
-    best, info = _runner.compare("bench_batchnorm_add_relu", ["numbafuse", "torch"],
+    best, info = _runner.compare("bench_batchnorm_add_relu", ["numbafuse", "torch", "stream"],
                                  args.rounds, args.repeats, dict(shapes=args.shapes),
                                  log=lambda s: print(s, file=sys.stderr, flush=True))
+    bw = stream_gbs(best["stream"]["stream add"])
     lines = _runner.header(info, _report.command("bench_batchnorm_add_relu.py"))
     lines += ["Training mode, float32, NCHW. GB/s: minimum bytes moved (forward 3 tensors, "
-              "forward + backward 8) over the fused time.", "",
+              "forward + backward 8) over the fused time. Roofline: those bytes at the "
+              f"machine's measured memory bandwidth, {bw:.1f} GB/s (NumPy c = a + b on every "
+              f"core over {STREAM_BYTES >> 20} MiB arrays, its own process, best of the "
+              "rounds); roofline speed-up: PyTorch's time over the roofline, what an "
+              "implementation moving each tensor once through memory would show (only what "
+              "stays in the last-level cache between calls comes faster).", "",
               "| shape (N,C,H,W) | pass | numbafuse fused ms | PyTorch ms | speed-up | fused GB/s "
-              "| fused, mask state ms | unfused ms |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| roofline ms | roofline speed-up | fused, mask state ms | unfused ms |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     nf, th = best["numbafuse"], best["torch"]
     for s in args.shapes:
         nbytes = np.prod([int(v) for v in s.split(",")]) * np.dtype(DTYPE).itemsize
@@ -119,8 +168,10 @@ def main(argv=None):
             a, t = nf[f"{s} {ps}"], th[f"{s} {ps}"]
             extra = (f"{nf[f'{s} fwd+bwd mask'] * 1e3:.2f} | {nf[f'{s} fwd+bwd unfused'] * 1e3:.2f}"
                      if ps == "fwd+bwd" else "- | -")
+            roof = tensors * nbytes / (bw * 1e9)
             lines.append(f"| ({s}) | {ps} | {a * 1e3:.2f} | {t * 1e3:.2f} | {t / a:.2f}x | "
-                         f"{tensors * nbytes / a / 1e9:.1f} | {extra} |")
+                         f"{tensors * nbytes / a / 1e9:.1f} | {roof * 1e3:.2f} | "
+                         f"{t / roof:.2f}x | {extra} |")
     _report.emit(lines, args.markdown)
 
 

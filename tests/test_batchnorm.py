@@ -174,20 +174,85 @@ def test_tensor_arguments_are_accepted_everywhere(backend):
     assert not np.array_equal(backend.get(rm.data), p.running_mean)   # updated, via .data
 
 
-def test_result_does_not_depend_on_thread_count():
-    """CPU: the reductions' partials are fixed by the shape, not by the threads."""
-    import numba
-    p = _problem("NHWC", shape=(4, 16, 16, 8))
+@pytest.mark.parametrize("layout, shape", [("NHWC", (4, 32, 32, 24)), ("NCHW", (4, 24, 32, 32))])
+def test_result_does_not_depend_on_thread_count(layout, shape):
+    """CPU: the reductions' partials are fixed by the shape, not by the threads (98304
+    elements: past PARALLEL_MIN_ELEMENTS, several tasks per pass)."""
+    from numbafuse.kernels import cpu_launch
+    p = _problem(layout, shape=shape)
     dy = np.random.default_rng(6).standard_normal(p.x.shape)
     runs = []
-    for threads in (1, numba.config.NUMBA_NUM_THREADS):
-        numba.set_num_threads(threads)
-        runs.append([nf.batchnorm_add_relu(p.x, p.z, p.gamma, p.beta, layout="NHWC"),
-                     *nf.batchnorm_add_relu_backward(dy, p.x, p.z, p.gamma, p.beta,
-                                                     layout="NHWC")])
-    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    before = cpu_launch.num_threads()
+    try:
+        for threads in (1, 3):
+            cpu_launch.set_num_threads(threads)
+            runs.append([nf.batchnorm_add_relu(p.x, p.z, p.gamma, p.beta, layout=layout),
+                         *nf.batchnorm_add_relu_backward(dy, p.x, p.z, p.gamma, p.beta,
+                                                         layout=layout)])
+    finally:
+        cpu_launch.set_num_threads(before)
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+def _near_zero_preactivations(layout, dtype, shape, rng):
+    """(x, mean, invstd, gamma, beta, x0): a quarter of each channel's x at x0 (where
+    gamma*xhat + beta is exactly 0 in the kernels' arithmetic) or a few ulps from it."""
+    C = shape[1] if layout == "NCHW" else shape[3]
+    x = rng.standard_normal(shape).astype(dtype)
+    mean, _, invstd = bn.bn_stats(x, layout=layout)
+    gamma = rng.uniform(0.5, 1.5, C).astype(dtype)
+    x0 = rng.standard_normal(C).astype(dtype)
+    # beta so that normalize_affine(x0 - mean_hi, mean_lo, scale, beta) == 0, as the CPU
+    # kernels round it (mean split into hi + lo, every operation rounded to dtype)
+    hi = mean.astype(dtype)
+    lo = (mean - hi).astype(dtype)
+    scale = (invstd * gamma).astype(dtype)
+    beta = -(((x0 - hi) - lo) * scale)
+    xc = np.moveaxis(x, 1 if layout == "NCHW" else 3, -1)          # (..., C) view of x
+    pick = rng.random(xc.shape[:-1]) < 0.25
+    ulps = rng.integers(-3, 4, xc.shape)                           # -3 .. 3 ulps from x0
+    near = np.broadcast_to(x0, xc.shape).copy()
+    for step in range(1, 4):
+        for sign in (-1, 1):
+            at = ulps * sign >= step
+            near[at] = np.nextafter(near[at], sign * np.inf).astype(dtype)
+    xc[pick] = near[pick]
+    return x, mean, invstd, gamma, beta, x0
+
+
+@pytest.mark.parametrize("layout, shape", [("NCHW", (3, 5, 70, 70)), ("NHWC", (3, 70, 70, 5))])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_affine_gate_decides_as_the_forward(layout, shape, dtype, threads):
+    """CPU: Conv-BatchNorm-ReLU's recompute gates the backward by ``gamma*xhat + beta > 0`` of
+    x itself (STATE_AFFINE): it opens exactly where the forward's y > 0, pre-activations of
+    exactly 0 and 1-3 ulps from it included, so the gradients equal those of the y state bit
+    for bit (with and without dz written by pass 1); 73500 elements, 3 tasks per pass."""
+    from numbafuse.kernels import cpu_launch
+    rng = np.random.default_rng(11)
+    x, mean, invstd, gamma, beta, x0 = _near_zero_preactivations(layout, dtype, shape, rng)
+    y = bn.bn_apply(x, mean, invstd, gamma, beta, relu=True, layout=layout)
+    axis = 1 if layout == "NCHW" else 3
+    at_x0 = np.moveaxis(x, axis, -1) == x0                           # pre-activation exactly 0
+    above = np.moveaxis(x, axis, -1) == np.nextafter(x0, np.inf).astype(dtype)
+    assert at_x0.sum() > 100 and (np.moveaxis(y, axis, -1)[at_x0] == 0).all()
+    assert (np.moveaxis(y, axis, -1)[above] > 0).any()             # the crossing is reached
+    dy = rng.standard_normal(shape).astype(dtype)
+    before = cpu_launch.num_threads()
+    try:
+        cpu_launch.set_num_threads(threads)
+        for need in [(True, True, True, False), (True, True, True, True)]:
+            by_y = bn.bn_backward(dy, x, mean, invstd, gamma, y, layout=layout, need=need)
+            by_affine = bn.bn_backward(dy, x, mean, invstd, gamma, bn.AffineGate(beta),
+                                       layout=layout, need=need)
+            for a, b in zip(by_y, by_affine):
+                if a is None:
+                    assert b is None
+                else:
+                    np.testing.assert_array_equal(a, b)
+    finally:
+        cpu_launch.set_num_threads(before)
 
 
 @pytest.mark.cuda

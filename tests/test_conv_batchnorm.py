@@ -60,7 +60,8 @@ def test_only_needed_gradients(backend, rng):
 
 
 def test_no_recompute_policy_same_gradients_and_keeps_h_and_mask(backend):
-    """recompute=False (speed over memory) keeps h and a 1-bit mask; same values/gradients."""
+    """recompute=False (speed over memory) keeps h and a 1-bit mask; same values/gradients
+    (on the CPU the same bits: the recompute's affine gate decides as the forward did)."""
     def body(draw):
         p = draw(nfs.conv_batchnorm_problems())
         relu = draw(st.booleans())
@@ -79,7 +80,10 @@ def test_no_recompute_policy_same_gradients_and_keeps_h_and_mask(backend):
             out[recompute] = (backend.get(y.data), [backend.get(t.grad) for t in ts], fn)
         np.testing.assert_array_equal(out[True][0], out[False][0])
         for a, b in zip(out[True][1], out[False][1]):
-            close(a, b, p.x.dtype, TOL)
+            if backend.name == "cpu":   # both gate by the forward's decision: same bits
+                np.testing.assert_array_equal(a, b)
+            else:
+                close(a, b, p.x.dtype, TOL)
         saved = out[False][2].saved
         assert saved.h.shape == out[False][0].shape
         if relu:

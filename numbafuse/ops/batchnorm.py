@@ -101,9 +101,27 @@ def bn_apply(x, mean, invstd, gamma, beta, z=None, relu=True, layout="NCHW", wit
     return (y, mask) if with_mask else y
 
 
+class AffineGate:
+    """A ReLU state for :func:`bn_backward`: the ReLU's input was ``gamma*xhat + beta`` of the
+    backward's own ``x`` (no add), with the same mean, invstd, gamma and this ``beta``. The
+    kernels re-derive the gate from x, as the forward decided it, and no y is kept or rebuilt
+    (Conv-BatchNorm-ReLU's recompute). Only where :func:`supports_affine_gate`."""
+    __slots__ = ("beta",)
+
+    def __init__(self, beta):
+        self.beta = beta
+
+
+def supports_affine_gate(which):
+    """Whether backend ``which``'s batch-norm backward takes an :class:`AffineGate` state."""
+    return bool(getattr(_kernels(which), "AFFINE_GATE", False))
+
+
 def _state_kind(relu_state):
     if relu_state is None:
         return bn_math.STATE_NONE
+    if isinstance(relu_state, AffineGate):
+        return bn_math.STATE_AFFINE
     return bn_math.STATE_MASK if np.dtype(relu_state.dtype) == np.uint8 else \
         bn_math.STATE_Y
 
@@ -121,8 +139,10 @@ def bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(Tru
     if comm is not None and training:
         def sync(sums):                                   # (2, C) float64, host
             return comm.allreduce_sum(sums), count
-    return _kernels(which).backward(dy, x, mean, invstd, gamma, _state_kind(relu_state),
-                                    relu_state, layout, bool(training), tuple(need), sync=sync)
+    kind = _state_kind(relu_state)
+    state = relu_state.beta if kind == bn_math.STATE_AFFINE else relu_state
+    return _kernels(which).backward(dy, x, mean, invstd, gamma, kind, state, layout,
+                                    bool(training), tuple(need), sync=sync)
 
 
 def synced_stats(op, impl, x, layout, eps, C, comm):

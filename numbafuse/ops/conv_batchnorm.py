@@ -10,7 +10,9 @@ Training (``training=True``)::
               y = [relu](gamma * xhat + beta);  running stats updated in place
     saved     x, w, gamma, mean, invstd   (+ beta when relu: the mask is the sign of
               gamma*xhat + beta)          -- NOT h, NOT y: O(K) besides the inputs
-    backward  h = conv(x, w) again; y = [relu](gamma*xhat + beta) again (its sign is the mask);
+    backward  h = conv(x, w) again; the ReLU gate is [gamma*xhat + beta > 0] of that h, decided
+              inside the batch-norm backward on the CPU (the same compiled arithmetic as the
+              forward's, so the same bits; no y is built) and from a rebuilt y on CUDA;
               (dconv, dgamma, dbeta) = batch-norm backward;  (dx, dw) = conv backward of dconv
 
 ``beta`` (K values) is kept only with the ReLU: the mask is the sign of gamma*xhat + beta, so it
@@ -176,9 +178,13 @@ class ConvBatchNormReLU(Function):
             h, relu_state = s.h, s.relu_state
         else:
             h = _conv_forward(which, s.x, s.w, None, geometry, False)     # recompute
-            relu_state = (_bn.bn_apply(h, s.mean, s.invstd, s.gamma, s.beta, relu=True,
-                                       layout=geometry.layout)
-                          if self.params.relu else None)                  # its sign: the mask
+            if not self.params.relu:
+                relu_state = None
+            elif _bn.supports_affine_gate(which):   # the gate re-derived from h in the backward
+                relu_state = _bn.AffineGate(s.beta)
+            else:                                   # y rebuilt: its sign is the mask
+                relu_state = _bn.bn_apply(h, s.mean, s.invstd, s.gamma, s.beta, relu=True,
+                                          layout=geometry.layout)
         dconv, dgamma, dbeta, _ = _bn.bn_backward(
             dy, h, s.mean, s.invstd, s.gamma, relu_state, layout=geometry.layout,
             need=(need_x or need_w, need_gamma, need_beta, False),

@@ -16,7 +16,10 @@ row blocks of ``REDUCE_CHUNK`` elements) is a function of the shape only.
 
 Relu state codes (``state_kind``) for the backward: ``STATE_NONE`` (plain batch norm),
 ``STATE_Y`` (the forward output y: open where y > 0), ``STATE_MASK`` (packed bits, bit
-``j % 8`` of byte ``j // 8`` for flat index j, set where y > 0). Every task of the elementwise
+``j % 8`` of byte ``j // 8`` for flat index j, set where y > 0), ``STATE_AFFINE`` (no add:
+open where the forward's ``normalize_affine`` of x itself was > 0, evaluated by the same
+compiled function on the same per-channel values, so the same bits decide; nothing of y is
+kept or rebuilt). Every task of the elementwise
 passes starts on a mask byte; the forward packs its bytes while its y is in cache, the backward
 expands its bytes to one 0/0xFF byte per element with a 256-entry table (so the gate loops
 vectorise).
@@ -24,22 +27,21 @@ vectorise).
 Per-element arithmetic is in x's dtype (see the note above the fused forward); sums are
 float64. The backward's pass 1 writes gz = g while it reduces, and pass 2 reads g back from gz:
 y (or the mask) is read once. Large outputs come from :data:`output_cache`
-(:class:`OutputCache`), which reuses released buffers instead of faulting in fresh pages.
+(:class:`numbafuse.kernels.cpu_buffers.OutputCache`), which reuses released buffers instead
+of faulting in fresh pages.
 
 Host-level entry points (what ``numbafuse.ops.batchnorm`` calls): :func:`stats`,
 :func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`.
 """
 import math
-import sys
-import threading
-import tracemalloc
 
 import numpy as np
 from numba import njit
 
+from ..cpu_buffers import output_cache
 from ..cpu_launch import launch, task_kernel
 from . import math as bm
-from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
+from .math import BITS, STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from .. import scalar
 from ..scalar import cpu_scalar
 
@@ -273,6 +275,25 @@ def _gate_row(gyr, state_kind, yr, er, g):
 
 
 @njit(inline="always")
+def _gate_affine_row(gyr, xr, mh, ml, s, b, g):
+    # STATE_AFFINE, one NCHW row (one channel: scalar mh, ml, s, b): g[k] = gy[k] where the
+    # forward's pre-activation was > 0. _normalize_affine is its own compiled function (not
+    # inlined into the caller's fastmath), so each value rounds as in the forward.
+    zero = _zero_of(g)
+    for k in range(g.shape[0]):
+        g[k] = gyr[k] if _normalize_affine(xr[k] - mh, ml, s, b) > zero else zero
+
+
+@njit(inline="always")
+def _gate_affine_row_nhwc(gyr, xr, mean_hi, mean_lo, scale, beta, g):
+    # as _gate_affine_row for an NHWC row: element k is channel k
+    zero = _zero_of(g)
+    for k in range(g.shape[0]):
+        g[k] = gyr[k] if _normalize_affine(xr[k] - mean_hi[k], mean_lo[k], scale[k],
+                                           beta[k]) > zero else zero
+
+
+@njit(inline="always")
 def _task_mask(state_kind, mask, r0, r1, L):
     # the expanded mask of rows [r0, r1) of length L, or a stand-in
     if state_kind == STATE_MASK:
@@ -281,9 +302,10 @@ def _task_mask(state_kind, mask, r0, r1, L):
 
 
 @task_kernel(fastmath=REDUCE_FASTMATH)
-def _bwd_reduce_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C, rows_per_task, gz2,
-                     want_gz, partials):
+def _bwd_reduce_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, state_kind, y2, mask, C,
+                     rows_per_task, gz2, want_gz, partials):
     # gy2, x2, y2, gz2: (N*C, HW), row r is channel r % C; mask: packed (ceil(size/8),) uint8;
+    # scale, beta: (C,) in x's dtype, read with STATE_AFFINE only;
     # partials: (N, 2, C) float64 <- sum g, sum g*(x - mean) of each (n, c) row; gz2 <- g
     # when want_gz (pass 2 then reads g from it instead of gating again)
     R, L = x2.shape
@@ -298,7 +320,10 @@ def _bwd_reduce_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C,
             mh, ml = mean_hi[c], mean_lo[c]
             xr = x2[r]                                            # (HW,)
             g = gz2[r] if want_gz else buf                        # (HW,)
-            _gate_row(gy2[r], state_kind, y2[r], e[(r - r0) * L:(r - r0 + 1) * L], g)
+            if state_kind == STATE_AFFINE:
+                _gate_affine_row(gy2[r], xr, mh, ml, scale[c], beta[c], g)
+            else:
+                _gate_row(gy2[r], state_kind, y2[r], e[(r - r0) * L:(r - r0 + 1) * L], g)
             sg = 0.0
             sgx = 0.0
             for k in range(L):
@@ -310,8 +335,8 @@ def _bwd_reduce_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C,
 
 
 @task_kernel(fastmath=REDUCE_FASTMATH)
-def _bwd_reduce_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, rows_per_task, gz2,
-                     want_gz, partials):
+def _bwd_reduce_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, state_kind, y2, mask,
+                     rows_per_task, gz2, want_gz, partials):
     # gy2, x2, y2, gz2: (M, C); partials: (P, 2, C) float64 <- per-task sums; task p owns a block of
     # rows starting on a mask byte
     R, L = x2.shape
@@ -324,7 +349,10 @@ def _bwd_reduce_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, ro
         for r in range(r0, r1):
             xr = x2[r]                                            # (C,)
             g = gz2[r] if want_gz else buf                        # (C,)
-            _gate_row(gy2[r], state_kind, y2[r], e[(r - r0) * L:(r - r0 + 1) * L], g)
+            if state_kind == STATE_AFFINE:
+                _gate_affine_row_nhwc(gy2[r], xr, mean_hi, mean_lo, scale, beta, g)
+            else:
+                _gate_row(gy2[r], state_kind, y2[r], e[(r - r0) * L:(r - r0 + 1) * L], g)
             for k in range(L):
                 sg[k] += g[k]
                 sgx[k] += g[k] * ((xr[k] - mean_hi[k]) - mean_lo[k])
@@ -352,8 +380,8 @@ def _finalize_backward(partials, gamma, invstd, count, training, ggamma, gbeta, 
 
 
 @task_kernel
-def _bwd_apply_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y2, mask, C,
-                    rows_per_task, gx2, want_gx, gz2, want_gz):
+def _bwd_apply_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, cg, cx, c0, state_kind, y2,
+                    mask, C, rows_per_task, gx2, want_gx, gz2, want_gz):
     # gy2, x2, y2, gx2, gz2: (N*C, HW) (gx2/gz2 written when wanted); per-channel coefficients
     # in x's dtype: dx = cg*g + cx*(x - mean) + c0, dz = g. With STATE_NONE, gy2 may be the g
     # that pass 1 wrote to gz.
@@ -374,15 +402,18 @@ def _bwd_apply_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y
                         gxr[k] = _input_grad(gy2[r, k], xr[k] - mh, ml, a, b, d)
             else:
                 g = gz2[r] if want_gz else buf                    # (HW,)
-                _gate_row(gy2[r], state_kind, y2[r], e[(r - r0) * L:(r - r0 + 1) * L], g)
+                if state_kind == STATE_AFFINE:
+                    _gate_affine_row(gy2[r], xr, mh, ml, scale[c], beta[c], g)
+                else:
+                    _gate_row(gy2[r], state_kind, y2[r], e[(r - r0) * L:(r - r0 + 1) * L], g)
                 if want_gx:
                     for k in range(L):
                         gxr[k] = _input_grad(g[k], xr[k] - mh, ml, a, b, d)
 
 
 @task_kernel
-def _bwd_apply_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y2, mask,
-                    rows_per_task, gx2, want_gx, gz2, want_gz):
+def _bwd_apply_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, cg, cx, c0, state_kind, y2,
+                    mask, rows_per_task, gx2, want_gx, gz2, want_gz):
     # as _bwd_apply_nchw for (M, C) rows, element (r, k) is channel k
     R, L = x2.shape
     for p in range(t0, t1):
@@ -401,7 +432,10 @@ def _bwd_apply_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, cg, cx, c0, state_kind, y
                                              cx[k], c0[k])
             else:
                 g = gz2[r] if want_gz else buf                    # (C,)
-                _gate_row(gy2[r], state_kind, y2[r], e[(r - r0) * L:(r - r0 + 1) * L], g)
+                if state_kind == STATE_AFFINE:
+                    _gate_affine_row_nhwc(gy2[r], xr, mean_hi, mean_lo, scale, beta, g)
+                else:
+                    _gate_row(gy2[r], state_kind, y2[r], e[(r - r0) * L:(r - r0 + 1) * L], g)
                 if want_gx:
                     for k in range(L):
                         gxr[k] = _input_grad(g[k], xr[k] - mean_hi[k], mean_lo[k], cg[k],
@@ -468,68 +502,9 @@ def update_running(running_mean, running_var, mean, var, count, momentum):
 
 
 _NO_MASK = np.zeros(1, np.uint8)   # stands for "no mask" (kernels keep one signature)
+AFFINE_GATE = True                 # backward takes STATE_AFFINE (ops.batchnorm.AffineGate)
 
 
-# --------------------------------------------------------------------------- output cache
-
-class OutputCache:
-    """Reuses the buffers of large outputs (y, gx, gz, the mask) once nobody references them.
-
-    A fresh large NumPy array is backed by fresh pages that the kernel zeroes on first touch
-    (page faults): ~1.5 ms per 8 MiB and ~13 ms per 205 MB on the benchmark machine, as much as
-    the kernels themselves. The cache owns byte buffers and hands out views of them; a buffer
-    is free again when the cache holds its only reference (``sys.getrefcount``), i.e. when every
-    array viewing it has been released, so a training loop reuses last step's buffers, as
-    PyTorch's CUDA caching allocator does. At most ``max_bytes`` are owned (in use or free;
-    free buffers of other sizes are dropped first to make room). Bypassed for outputs under
-    ``MIN_BYTES`` and while ``tracemalloc`` traces (so peak-memory measurements see every
-    allocation). ``max_bytes = 0`` disables it; :meth:`clear` drops the free buffers.
-    """
-    MIN_BYTES = 1 << 20
-
-    def __init__(self, max_bytes=1 << 30):
-        self.max_bytes = max_bytes
-        self._buffers = []              # uint8 (nbytes,) each, oldest first
-        self._lock = threading.Lock()
-
-    def _free(self, i):
-        # only the list references buffer i (getrefcount counts its own argument too)
-        return sys.getrefcount(self._buffers[i]) == 2
-
-    def empty(self, shape, dtype):
-        """An uninitialised C-contiguous array of ``shape`` and ``dtype``."""
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if nbytes < self.MIN_BYTES or nbytes > self.max_bytes or tracemalloc.is_tracing():
-            return np.empty(shape, dtype)
-        with self._lock:
-            for i in range(len(self._buffers)):
-                if self._buffers[i].nbytes == nbytes and self._free(i):
-                    return self._buffers[i].view(dtype).reshape(shape)
-            held = self.owned_bytes()
-            i = 0
-            while held + nbytes > self.max_bytes and i < len(self._buffers):
-                if self._free(i):                    # the oldest free buffers make room
-                    held -= self._buffers.pop(i).nbytes
-                else:
-                    i += 1
-            if held + nbytes > self.max_bytes:
-                return np.empty(shape, dtype)
-            self._buffers.append(np.empty(nbytes, np.uint8))
-            return self._buffers[-1].view(dtype).reshape(shape)
-
-    def clear(self):
-        """Drop the free buffers (those in use stay owned until released)."""
-        with self._lock:
-            self._buffers = [self._buffers[i] for i in range(len(self._buffers))
-                             if not self._free(i)]
-
-    def owned_bytes(self):
-        """Bytes of the buffers owned, in use or free."""
-        return sum(b.nbytes for b in self._buffers)
-
-
-output_cache = OutputCache()
 
 
 def _rows(x, layout):
@@ -575,7 +550,8 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
              sync=None):
     """(gx, ggamma, gbeta, gz), each None unless asked for in ``need`` (4 booleans).
 
-    ``state`` is y (``STATE_Y``), the packed mask (``STATE_MASK``) or None (``STATE_NONE``).
+    ``state`` is y (``STATE_Y``), the packed mask (``STATE_MASK``), beta (``STATE_AFFINE``:
+    the ReLU's input was ``gamma*xhat + beta`` of this x, no add) or None (``STATE_NONE``).
     Pass 1 reduces the two sums and, when gz is wanted, writes gz = g; pass 2 then reads g
     back from gz (no second gating, no second read of y or the mask) and writes gx.
 
@@ -592,9 +568,13 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     L = x2.shape[1]
     y2 = _rows(state, layout) if state_kind == STATE_Y else x2    # x stands in for "no y"
     mask = state if state_kind == STATE_MASK else _NO_MASK
+    mean_hi, mean_lo = _split_mean(mean, dtype)                   # (C,) each
+    if state_kind == STATE_AFFINE:   # the forward's per-channel values (see apply)
+        scale, beta_t = (invstd * gamma).astype(dtype), state.astype(dtype)
+    else:
+        scale = beta_t = mean_hi                                  # unread stand-ins
     rows = _byte_rows_per_task(L, REDUCE_CHUNK)                   # rows of L = HW or C
     tasks = -(-x2.shape[0] // rows)                               # row blocks of pass 1 and 2
-    mean_hi, mean_lo = _split_mean(mean, dtype)                   # (C,) each
     unused = np.empty((1, L), dtype)                              # stands in for a skipped output
     gz = output_cache.empty(x.shape, dtype) if need_gz else None
     gz2 = _rows(gz, layout) if need_gz else unused
@@ -607,12 +587,12 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         # pass 1: gbeta = sum g, ggamma = sum g*xhat (and the dx coefficients); gz = g
         if layout == "NCHW":
             partials = np.empty((N, 2, C))
-            launch(_bwd_reduce_nchw, tasks, gy2, x2, mean_hi, mean_lo, state_kind, y2, mask, C,
-                   rows, gz2, bool(need_gz), partials, work=x.size)
+            launch(_bwd_reduce_nchw, tasks, gy2, x2, mean_hi, mean_lo, scale, beta_t, state_kind,
+                   y2, mask, C, rows, gz2, bool(need_gz), partials, work=x.size)
         else:
             partials = np.empty((tasks, 2, C))
-            launch(_bwd_reduce_nhwc, tasks, gy2, x2, mean_hi, mean_lo, state_kind, y2, mask,
-                   rows, gz2, bool(need_gz), partials, work=x.size)
+            launch(_bwd_reduce_nhwc, tasks, gy2, x2, mean_hi, mean_lo, scale, beta_t, state_kind,
+                   y2, mask, rows, gz2, bool(need_gz), partials, work=x.size)
         g_written = need_gz
     else:  # inference, gx/gz only: the coefficients need no reduction
         partials = np.zeros((1, 2, C))
@@ -635,11 +615,11 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
             g_in, kind, y_in, mask_in, want_gz = gy2, state_kind, y2, mask, bool(need_gz)
         coefs = [v.astype(dtype) for v in (cg, cx, c0)]           # (C,) each
         if layout == "NCHW":
-            launch(_bwd_apply_nchw, tasks, g_in, x2, mean_hi, mean_lo, *coefs, kind, y_in,
-                   mask_in, C, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
+            launch(_bwd_apply_nchw, tasks, g_in, x2, mean_hi, mean_lo, scale, beta_t, *coefs,
+                   kind, y_in, mask_in, C, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
         else:
-            launch(_bwd_apply_nhwc, tasks, g_in, x2, mean_hi, mean_lo, *coefs, kind, y_in,
-                   mask_in, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
+            launch(_bwd_apply_nhwc, tasks, g_in, x2, mean_hi, mean_lo, scale, beta_t, *coefs,
+                   kind, y_in, mask_in, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
     if gx is None and need_gx:                                    # an empty rank
         gx = np.empty(x.shape, dtype)
     return (gx, ggamma64.astype(dtype) if need_ggamma else None,

@@ -18,9 +18,12 @@ variance ``(s2 - s1**2/M)/M`` does not cancel catastrophically when ``|mean| >> 
 import math
 
 # The ReLU state a backward reads (``state_kind``), shared by the CPU and CUDA kernels and the
-# ops layer: none (plain batch norm), the forward output y (open where y > 0), or the packed
-# 1-bit mask (bit ``j % 8`` of byte ``j // 8`` is set where the flat element j of y is > 0).
-STATE_NONE, STATE_Y, STATE_MASK = 0, 1, 2
+# ops layer: none (plain batch norm), the forward output y (open where y > 0), the packed
+# 1-bit mask (bit ``j % 8`` of byte ``j // 8`` is set where the flat element j of y is > 0),
+# or (CPU kernels only, no add) beta: the gate is re-derived from x itself, open where
+# normalize_affine(x, mean, scale, beta) > 0, computed as the forward computed it (so the
+# same bits decide), and no y is kept or rebuilt (Conv-BatchNorm-ReLU's recompute).
+STATE_NONE, STATE_Y, STATE_MASK, STATE_AFFINE = 0, 1, 2, 3
 BITS = 8                 # mask bits per byte
 
 
