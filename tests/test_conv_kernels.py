@@ -43,6 +43,7 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1):
         # the drawn channel counts are small: 1 sends them down the GEMM paths (Winograd,
         # phase planes), the default down im2col; NCHW Winograd at every width
         mp.setattr(cpu_conv, "MIN_GEMM_CHANNELS", min_channels)
+        mp.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", min_channels)
         mp.setattr(cpu_conv, "WINOGRAD_NCHW_MIN_WIDTH", 1)
         mp.setattr(cpu_conv, "STRIDED_NHWC_IM2COL", min_channels > 1)
         mp.setattr(cpu_conv, "DW_GROUPS", groups)

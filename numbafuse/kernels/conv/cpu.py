@@ -9,8 +9,9 @@ still in its cache. No thread pool hands a chunk to another one.
 Which kernels run (``algorithm``; docs/conv_bias_relu.md has the measurements):
 
     pointwise  1x1, stride 1, unpadded      GEMMs straight on x, y, dx   (cpu_direct.py)
-    im2col     fewer than MIN_GEMM_CHANNELS input or output channels, and the forward and
-               dW of strided NHWC convolutions                          (cpu_im2col.py)
+    im2col     fewer than MIN_GEMM_CHANNELS input or output channels, the NCHW forward and
+               dW with fewer than NCHW_IM2COL_CHANNELS, and the forward and dW of strided
+               NHWC convolutions                                        (cpu_im2col.py)
     winograd   3x3, stride 1, no dilation (NCHW: outputs at least WINOGRAD_NCHW_MIN_WIDTH wide):
                F(2x2, 3x3) forward, dX and dW                          (cpu_winograd.py)
     phase      everything else: shifted GEMMs over phase planes (forward, dW), dX by input
@@ -39,6 +40,8 @@ WINOGRAD_DW_NCHW_TILES = 320   # ... of an NCHW dW chunk (its NT GEMMs and short
                                # loops gain from longer chunks; measured in docs)
 WINOGRAD_NCHW_MIN_WIDTH = 16   # narrower NCHW outputs: phase planes (short tile rows lose)
 MIN_GEMM_CHANNELS = 16    # fewer input or output channels: im2col (GEMMs with k = C*R*S)
+NCHW_IM2COL_CHANNELS = 32  # NCHW forward and dW with fewer: im2col too (Winograd's and the
+                           # phase planes' GEMMs have k = C or K; measured in docs)
 STRIDED_NHWC_IM2COL = True     # strided NHWC forward and dW by im2col (else phase planes)
 
 geo_tuple = conv_math.geo_tuple
@@ -82,6 +85,8 @@ def algorithm(geom, pass_="forward"):
     if min(geom.C, geom.K) < MIN_GEMM_CHANNELS:
         return "im2col"
     nhwc = geom.layout == "NHWC"
+    if not nhwc and pass_ != "dx" and min(geom.C, geom.K) < NCHW_IM2COL_CHANNELS:
+        return "im2col"
     if geom.sh == geom.sw == 1:
         if (WINOGRAD and geom.R == geom.S == 3 and geom.dh == geom.dw == 1
                 and (nhwc or min(geom.Q, geom.W) >= WINOGRAD_NCHW_MIN_WIDTH)):
