@@ -109,13 +109,14 @@ BOUNDARIES = {
             "or 5 leaves a last, partial chunk and H of 5-9 several row blocks; "
             "MIN_GEMM_CHANNELS (and NCHW_IM2COL_CHANNELS) patched to 1 half the time, so the "
             "few channels drawn take the Winograd (3x3 stride 1, any width), phase-plane and "
-            "pointwise paths as well as im2col; Winograd chunks of WINOGRAD_TILES (patched 1 or 3) 2x2 tiles, NCHW "
-            "dW of 2 or 6; dW and db in DW_GROUPS (patched 2 or 3) fixed groups of chunks, "
+            "pointwise paths as well as im2col; Winograd chunks of WINOGRAD_TILES (patched 1 "
+            "or 3) 2x2 tiles, NCHW dW of 2 or 6; dW and db in DW_GROUPS (patched 2 or 3) fixed groups of chunks, "
             "their sums in tasks of SUM_BLOCK 7 values; PARALLEL_MIN_ELEMENTS 0: every call "
             "runs on the thread pool",
         ops=("conv_bias_relu", "conv2d", "conv_batchnorm_relu"),
         patch={"conv.cpu.CHUNK_BYTES": (_images_per_chunk(1), _images_per_chunk(2), 64),
-               "conv.cpu.MIN_GEMM_CHANNELS": (1, 16), "conv.cpu.NCHW_IM2COL_CHANNELS": (1, 32),
+               "conv.cpu.MIN_GEMM_CHANNELS": (1, 16),
+               "conv.cpu.NCHW_IM2COL_CHANNELS": (1, 32),
                "conv.cpu.WINOGRAD_NCHW_MIN_WIDTH": 1,
                "conv.cpu.WINOGRAD_TILES": (1, 3), "conv.cpu.WINOGRAD_DW_NCHW_TILES": (2, 6),
                "conv.cpu.DW_GROUPS": (2, 3), "conv.cpu_im2col.SUM_BLOCK": 7,
