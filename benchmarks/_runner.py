@@ -44,6 +44,14 @@ MIN_TIMED_SECONDS = 0.005     # cases shorter than this are timed over several c
 MAX_CALLS = 50
 
 
+def usable_cores():
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                      # not on Linux
+        return os.cpu_count() or 1
+
+
 def _machine():
     model = platform.processor() or platform.machine()
     try:
@@ -54,11 +62,7 @@ def _machine():
                     break
     except OSError:
         pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    return f"{model}, {usable} cores usable ({os.cpu_count()} visible)"
+    return f"{model}, {usable_cores()} cores usable ({os.cpu_count()} visible)"
 
 
 def _library_info(side):

@@ -26,7 +26,6 @@ tensors still in the last-level cache from the call before can come faster (the 
 repeats one call, and a tensor of the default shape is 8 MiB).
 """
 import argparse
-import os
 import sys
 import threading
 
@@ -105,11 +104,7 @@ def _stream_cases():
     """{"stream add": fn}: c = a + b on every usable core, 3 x STREAM_BYTES moved."""
     n = STREAM_BYTES // 4
     a, b, c = np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    edges = np.linspace(0, n, cores + 1).astype(int)
+    edges = np.linspace(0, n, _runner.usable_cores() + 1).astype(int)
 
     def add(lo, hi):
         np.add(a[lo:hi], b[lo:hi], out=c[lo:hi])

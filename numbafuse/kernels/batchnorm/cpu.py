@@ -520,6 +520,13 @@ def _byte_rows_per_task(L, chunk):
     return -(-max(1, chunk // L) // group) * group
 
 
+def _affine(invstd, gamma, beta, dtype):
+    """(scale, beta) in ``dtype``: scale = gamma*invstd rounded once, beta rounded. The forward
+    (apply) and the STATE_AFFINE backward both take them from here, so the gate's arithmetic
+    sees the forward's very values."""
+    return (invstd * gamma).astype(dtype), beta.astype(dtype)
+
+
 def _split_mean(mean, dtype):
     """mean (float64) as hi + lo in ``dtype``: hi = mean rounded, lo = the rest rounded."""
     hi = mean.astype(dtype)
@@ -533,8 +540,7 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     x2, y2 = _rows(x, layout), _rows(y, layout)                   # (R, L)
     z2 = x2 if z is None else _rows(z, layout)                    # x stands in for "no z"
     mean_hi, mean_lo = _split_mean(mean, x.dtype)                 # (C,) each
-    scale = (invstd * gamma).astype(x.dtype)                      # (C,)
-    beta_t = beta.astype(x.dtype)                                 # (C,)
+    scale, beta_t = _affine(invstd, gamma, beta, x.dtype)         # (C,) each
     rows = _byte_rows_per_task(x2.shape[1], CHUNK)
     tasks = -(-x2.shape[0] // rows)
     if layout == "NCHW":
@@ -570,7 +576,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     mask = state if state_kind == STATE_MASK else _NO_MASK
     mean_hi, mean_lo = _split_mean(mean, dtype)                   # (C,) each
     if state_kind == STATE_AFFINE:   # the forward's per-channel values (see apply)
-        scale, beta_t = (invstd * gamma).astype(dtype), state.astype(dtype)
+        scale, beta_t = _affine(invstd, gamma, state, dtype)
     else:
         scale = beta_t = mean_hi                                  # unread stand-ins
     rows = _byte_rows_per_task(L, REDUCE_CHUNK)                   # rows of L = HW or C
