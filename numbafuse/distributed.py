@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from . import backend
 from .kernels import cpu_launch
 
 INSTALL_HINT = "mpi4py is needed for distributed training: pip install 'numbafuse[distributed]'"
+ABORT_GRACE_S = 0.5      # seconds from a failed rank's traceback to MPI_Abort (_install_abort_hook)
 
 
 class Communicator:
@@ -152,6 +154,10 @@ def _install_abort_hook(comm):
         sys.stderr.write(f"numbafuse.distributed: rank {comm.rank} failed; aborting all "
                          f"{comm.size} ranks\n")
         sys.stderr.flush()
+        # mpiexec forwards each rank's output through its own process: give it a moment to pass
+        # the traceback on before MPI_Abort tears the job down (without it mpich's hydra lost
+        # the whole message in about 1 run of 10 here)
+        time.sleep(ABORT_GRACE_S)
         comm.abort(1)
 
     hook._numbafuse_abort = True
