@@ -17,11 +17,12 @@ is CUDA-aware (:meth:`Communicator.cuda_aware`; the MPICH and Open MPI wheels on
 
 Faults. A rank whose arrays disagree with the others' (shape, dtype) gets a ``ValueError`` on
 every rank, not a hang: :meth:`Communicator.check_same` compares a 16-byte hash of each
-call's signature before the call's collectives. A rank that dies (killed, crashed) makes ``mpiexec`` end the others. A rank that
-raises an exception would otherwise leave the others blocked in a collective while it exits
-through ``MPI_Finalize``: :func:`init` therefore installs an exception hook that prints the
-traceback and calls ``MPI_Abort`` (``abort_on_exception=False`` leaves ``sys.excepthook``
-alone; ``python -m mpi4py script.py`` does the same job).
+call's signature before the call's collectives. A rank that dies (killed, crashed) makes
+``mpiexec`` end the others. A rank that raises an exception would otherwise leave the others
+blocked in a collective while it exits through ``MPI_Finalize``: :func:`init` therefore
+installs an exception hook that prints the traceback and, half a second later (time for
+``mpiexec`` to forward it), calls ``MPI_Abort`` (``abort_on_exception=False`` leaves
+``sys.excepthook`` alone; ``python -m mpi4py script.py`` does the same job).
 """
 from __future__ import annotations
 
