@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import threading
+import zlib
 
 import numpy as np
 import pytest
@@ -47,6 +48,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).startswith(CUDA_ONLY_DIR):
             item.add_marker(pytest.mark.cuda)
+    if SIMULATOR and SIMULATOR_SHARDS is not None and SIMULATOR_SHARDS[0]:
+        keep, drop = [], []
+        for item in items:
+            cuda = item.get_closest_marker("cuda") is not None
+            (drop if cuda and not in_shard(item.nodeid) else keep).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
 
 
 @pytest.fixture
@@ -58,15 +67,39 @@ def _is_cuda(request):
     return request.node.get_closest_marker("cuda") is not None
 
 
-# NUMBAFUSE_TEST_SIMULATOR=0 skips the simulator run's tests: CI runs the simulator in one leg
-# only (the simulated kernels do not depend on the Python version), see .ci/run
-SKIP_SIMULATOR = os.environ.get("NUMBAFUSE_TEST_SIMULATOR", "1") == "0"
+def _simulator_shards(value):
+    """NUMBAFUSE_TEST_SIMULATOR: "1" (default) runs every simulator test, "0" none, "i/n" or
+    "i,j/n" the shards i (and j) of n. The simulated kernels do not depend on the Python
+    version, so .ci/run splits the simulator's tests between its two legs (their time
+    balanced); a test's shard is a hash of its id, the same in every process. Returns None
+    (all), or (set of shards, n)."""
+    if value == "1":
+        return None
+    if value == "0":
+        return set(), 1         # skipped, not deselected: pytest fails a run that selects none
+    try:
+        picked, n = value.split("/")
+        shards, n = {int(i) for i in picked.split(",")}, int(n)
+        if n < 1 or not shards <= set(range(n)):
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"NUMBAFUSE_TEST_SIMULATOR must be 1, 0, 'i/n' or 'i,j/n' "
+                                f"with shards below n, got {value!r}") from None
+    return shards, n
+
+
+SIMULATOR_SHARDS = _simulator_shards(os.environ.get("NUMBAFUSE_TEST_SIMULATOR", "1"))
+
+
+def in_shard(nodeid):
+    shards, n = SIMULATOR_SHARDS
+    return zlib.crc32(nodeid.encode()) % n in shards
 
 
 @pytest.fixture(autouse=True)
 def _cuda_available(request):
-    if _is_cuda(request) and SIMULATOR and SKIP_SIMULATOR:
-        pytest.skip("NUMBAFUSE_TEST_SIMULATOR=0: CI runs the simulator in its oldest-Python leg")
+    if _is_cuda(request) and SIMULATOR and SIMULATOR_SHARDS == (set(), 1):
+        pytest.skip("NUMBAFUSE_TEST_SIMULATOR=0")
     if _is_cuda(request) and not SIMULATOR:
         from numba import cuda
         if not cuda.is_available():
