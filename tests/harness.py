@@ -93,10 +93,13 @@ def _images_per_chunk(images):
     return lambda d: images * d["C"] * d["R"] * d["S"] * d["P"] * d["Q"] * d["itemsize"]
 
 
-def _bn_tasks(d, chunk):
-    """Tasks of a CPU batch-norm pass over rows (R, L): NCHW (N*C, H*W), NHWC (M, C), each
-    task ~chunk elements of whole rows, a multiple of 8/gcd(L, 8) rows (whole mask bytes)."""
+def _bn_tasks(d, chunk, nhwc_row):
+    """Tasks of a CPU batch-norm pass over rows (R, L): NCHW (N*C, H*W), NHWC (M/m, m*C) with
+    m doubled while m*C < nhwc_row and 2m divides M, each task ~chunk elements of
+    whole rows, a multiple of 8/gcd(L, 8) rows (whole mask bytes)."""
     R, L = (d["N"] * d["C"], d["H"] * d["W"]) if d["layout"] == "NCHW" else (d["M"], d["C"])
+    while d["layout"] == "NHWC" and L < nhwc_row and R % 2 == 0:
+        R, L = R // 2, L * 2
     group = 8 // math.gcd(L, 8)
     rows = -(-max(1, chunk // L) // group) * group
     return -(-R // rows)
@@ -130,15 +133,17 @@ BOUNDARIES = {
             "tasks of ~REDUCE_CHUNK elements, both patched tiny (a task holds whole mask "
             "bytes: rows a multiple of 8/gcd(row length, 8)); NHWC statistics in tasks of "
             "REDUCE_CHUNK // C rows: every example spans several tasks of each, the last "
-            "one partial; PARALLEL_MIN_ELEMENTS 0: every call runs on the thread pool",
+            "one partial; NHWC_ROW 1 (one NHWC row a row) or 16 (m of 2 to 8 rows walked as one "
+            "where M is even); PARALLEL_MIN_ELEMENTS 0: every call runs on the thread pool",
         ops=("batchnorm_add_relu", "batchnorm"),
         patch={"batchnorm.cpu.CHUNK": (8, 16), "batchnorm.cpu.REDUCE_CHUNK": (1, 8),
-               "cpu_launch.PARALLEL_MIN_ELEMENTS": 0},
+               "batchnorm.cpu.NHWC_ROW": (1, 16), "cpu_launch.PARALLEL_MIN_ELEMENTS": 0},
         shapes=lambda: dict(training=st.just(True),
                             dims=dict(N=_ints(3, 4), C=_ints(3, 5), H=_ints(2, 4),
                                       W=_ints(2, 4))),
-        crosses=lambda d, k: min(_bn_tasks(d, k("batchnorm.cpu.CHUNK")),
-                                 _bn_tasks(d, k("batchnorm.cpu.REDUCE_CHUNK"))) >= 2),
+        crosses=lambda d, k: min(_bn_tasks(d, k(f"batchnorm.cpu.{chunk}"),
+                                           k("batchnorm.cpu.NHWC_ROW"))
+                                 for chunk in ("CHUNK", "REDUCE_CHUNK")) >= 2),
     ("cpu", "basic"): Boundary(
         why="PARALLEL_MIN_ELEMENTS 0: relu, pooling and the loss run on the thread pool",
         ops=("relu", "max_pool2d", "global_avg_pool2d", "cross_entropy"),
