@@ -20,9 +20,15 @@ from .. import backend
 FAMILIES = ("conv", "batchnorm", "basic", "elementwise")
 
 
+_modules = {}
+
+
 def module(family: str, which: str):
     """The kernel module of op family ``family`` on backend ``which`` ("cpu" or "cuda")."""
-    return importlib.import_module(f"{__name__}.{family}.{which}")
+    found = _modules.get((family, which))
+    if found is None:       # import_module's own lookup costs ~2 us, and ops call this a lot
+        found = _modules[family, which] = importlib.import_module(f"{__name__}.{family}.{which}")
+    return found
 
 
 def contiguous(a):

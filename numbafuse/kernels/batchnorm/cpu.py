@@ -42,6 +42,7 @@ from . import math as bm
 from .math import BITS, STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from .. import scalar
 from ..scalar import cpu_scalar
+from .cpu_running import inference_stats, update_running  # noqa: F401  (host entry points)
 
 CHUNK = 1 << 14          # elements per parallel task of the elementwise passes; multiple of 8
 REDUCE_CHUNK = 1 << 15   # elements per parallel task of the NHWC reductions (rows = this // C)
@@ -58,8 +59,6 @@ _relu = cpu_scalar(scalar.relu)
 _finalize_mean = cpu_scalar(bm.finalize_mean)
 _finalize_var = cpu_scalar(bm.finalize_var)
 _invstd_of = cpu_scalar(bm.invstd_of)
-_unbiased_var = cpu_scalar(bm.unbiased_var)
-_running_update = cpu_scalar(bm.running_update)
 _normalize_affine = cpu_scalar(bm.normalize_affine)
 _mask_bit = cpu_scalar(bm.mask_bit)
 _gate = cpu_scalar(bm.gate)
@@ -120,23 +119,6 @@ def _finalize_stats(partials, shift, count, eps, mean, var, invstd):
         mean[c] = _finalize_mean(s1, shift[c], count)
         var[c] = _finalize_var(s1, s2, count)
         invstd[c] = _invstd_of(var[c], eps)
-
-
-@njit(cache=True)
-def _inference_stats(running_mean, running_var, eps, mean, invstd):
-    # running_*: (C,) any float dtype; mean, invstd: (C,) float64
-    for c in range(running_mean.shape[0]):
-        mean[c] = running_mean[c]
-        invstd[c] = _invstd_of(np.float64(running_var[c]), eps)
-
-
-@njit(cache=True)
-def _update_running(running_mean, running_var, mean, var, count, momentum):
-    # running_*: (C,) updated in place; mean, var: (C,) float64 batch statistics (var biased)
-    for c in range(running_mean.shape[0]):
-        running_mean[c] = _running_update(np.float64(running_mean[c]), mean[c], momentum)
-        running_var[c] = _running_update(np.float64(running_var[c]),
-                                         _unbiased_var(var[c], count), momentum)
 
 
 # --------------------------------------------------------------------------- fused forward
@@ -473,32 +455,12 @@ def stats(x, layout, eps):
         m = _repeat(x.shape, layout)
         rows = max(1, REDUCE_CHUNK // (m * C))                    # ~REDUCE_CHUNK a task
         partials = np.empty((-(-N * HW // (m * rows)), 2, m * C))
-        launch(_stats_nhwc, partials.shape[0], _rows(x, layout, m), np.tile(shift, m), rows,
+        launch(_stats_nhwc, partials.shape[0], _rows(x, layout, m), *_tile(m, shift), rows,
                partials, work=x.size)
         partials = _fold(partials, m)
     mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
     _finalize_stats(partials, shift, float(N * HW), float(eps), mean, var, invstd)
     return mean, var, invstd
-
-
-def inference_stats(running_mean, running_var, eps):
-    """(mean, invstd) float64 (C,) from the running statistics."""
-    C = running_mean.shape[0]
-    mean, invstd = np.empty(C), np.empty(C)
-    _inference_stats(np.ascontiguousarray(running_mean), np.ascontiguousarray(running_var),
-                     float(eps), mean, invstd)
-    return mean, invstd
-
-
-def update_running(running_mean, running_var, mean, var, count, momentum):
-    """In place: r_mean = (1-m) r_mean + m mean, r_var = (1-m) r_var + m var*M/(M-1)."""
-    rm = np.ascontiguousarray(running_mean)
-    rv = np.ascontiguousarray(running_var)
-    _update_running(rm, rv, mean, var, float(count), float(momentum))
-    if rm is not running_mean:   # a strided view: write the values back through it
-        running_mean[...] = rm
-    if rv is not running_var:
-        running_var[...] = rv
 
 
 _NO_MASK = np.zeros(1, np.uint8)   # stands for "no mask" (kernels keep one signature)
@@ -512,6 +474,14 @@ def _repeat(shape, layout):
     while layout == "NHWC" and m * C < NHWC_ROW and (N * HW) % (2 * m) == 0 and C:
         m *= 2
     return m
+
+
+def _tile(m, *arrays):
+    """The (C,) arrays (one dtype) each tiled m times, (m*C,); themselves when m is 1."""
+    if m == 1:
+        return arrays
+    return tuple(np.broadcast_to(np.stack(arrays)[:, None], (len(arrays), m, arrays[0].size))
+                 .reshape(len(arrays), -1))
 
 
 def _fold(partials, m):
@@ -553,8 +523,9 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     m = _repeat(x.shape, layout)
     x2, y2 = _rows(x, layout, m), _rows(y, layout, m)             # (R, L)
     z2 = x2 if z is None else _rows(z, layout, m)                 # x stands in for "no z"
-    mean_hi, mean_lo = _split_mean(np.tile(mean, m), x.dtype)     # (m*C,) each
-    scale, beta_t = _affine(np.tile(invstd, m), np.tile(gamma, m), np.tile(beta, m), x.dtype)
+    mean_hi, mean_lo = _split_mean(mean, x.dtype)                 # (C,) each
+    scale, beta_t = _affine(invstd, gamma, beta, x.dtype)         # (C,) each
+    mean_hi, mean_lo, scale, beta_t = _tile(m, mean_hi, mean_lo, scale, beta_t)   # (m*C,)
     rows = _byte_rows_per_task(x2.shape[1], CHUNK)
     tasks = -(-x2.shape[0] // rows)
     if layout == "NCHW":
@@ -589,11 +560,12 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     L = x2.shape[1]
     y2 = _rows(state, layout, m) if state_kind == STATE_Y else x2  # x stands in for "no y"
     mask = state if state_kind == STATE_MASK else _NO_MASK
-    mean_hi, mean_lo = _split_mean(np.tile(mean, m), dtype)       # (m*C,) each
+    mean_hi, mean_lo = _split_mean(mean, dtype)                   # (C,) each
     if state_kind == STATE_AFFINE:   # the forward's per-channel values (see apply)
-        scale, beta_t = _affine(np.tile(invstd, m), np.tile(gamma, m), np.tile(state, m), dtype)
+        scale, beta_t = _affine(invstd, gamma, state, dtype)
     else:
         scale = beta_t = mean_hi                                  # unread stand-ins
+    mean_hi, mean_lo, scale, beta_t = _tile(m, mean_hi, mean_lo, scale, beta_t)   # (m*C,)
     rows = _byte_rows_per_task(L, REDUCE_CHUNK)                   # rows of L = HW or C
     tasks = -(-x2.shape[0] // rows)                               # row blocks of pass 1 and 2
     unused = np.empty((1, L), dtype)                              # stands in for a skipped output
@@ -635,7 +607,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
             g_in, kind, y_in, mask_in, want_gz = gz2, STATE_NONE, x2, _NO_MASK, False
         else:
             g_in, kind, y_in, mask_in, want_gz = gy2, state_kind, y2, mask, bool(need_gz)
-        coefs = [np.tile(v, m).astype(dtype) for v in (cg, cx, c0)]   # (m*C,) each
+        coefs = _tile(m, *(v.astype(dtype) for v in (cg, cx, c0)))   # (m*C,) each
         if layout == "NCHW":
             launch(_bwd_apply_nchw, tasks, g_in, x2, mean_hi, mean_lo, scale, beta_t, *coefs,
                    kind, y_in, mask_in, C, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
