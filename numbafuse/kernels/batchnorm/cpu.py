@@ -480,8 +480,10 @@ def _tile(m, *arrays):
     """The (C,) arrays (one dtype) each tiled m times, (m*C,); themselves when m is 1."""
     if m == 1:
         return arrays
-    return tuple(np.broadcast_to(np.stack(arrays)[:, None], (len(arrays), m, arrays[0].size))
-                 .reshape(len(arrays), -1))
+    out = np.empty((len(arrays), m, arrays[0].size), arrays[0].dtype)
+    for i, a in enumerate(arrays):
+        out[i] = a                                                # (m, C) <- (C,) broadcast
+    return tuple(out.reshape(len(arrays), -1))
 
 
 def _fold(partials, m):
