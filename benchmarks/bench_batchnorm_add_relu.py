@@ -1,10 +1,12 @@
 """BatchNorm -> Add -> ReLU on the CPU, forward and forward + backward: numbafuse vs PyTorch.
 
     python benchmarks/bench_batchnorm_add_relu.py [--rounds 5] [--repeats 10]
-                                                  [--shapes 32,64,32,32 ...] [--markdown FILE]
+                                                  [--shapes 32,64,32,32 ...] [--layout NHWC]
+                                                  [--markdown FILE]
 
-Training mode, float32, NCHW. Each library in its own processes (``_runner.py``), alternating,
-best of each:
+Training mode, float32, NCHW (``--layout NHWC``: numbafuse's NHWC arrays, PyTorch's
+channels_last tensors; shapes are given as N,C,H,W either way). Each library in its own
+processes (``_runner.py``), alternating, best of each:
 
 * ``fused``       numbafuse.batchnorm_add_relu on the tape (Tensors, y.backward(gy)), the ReLU
                   state kept as y;
@@ -40,19 +42,22 @@ FWD_TENSORS, FWD_BWD_TENSORS = 3, 8
 STREAM_BYTES = 64 << 20                  # bytes per array of the bandwidth probe (3 arrays)
 
 
-def problem(shape):
+def problem(shape, layout="NCHW"):
+    """The arrays of one call; x, z, gy in ``layout`` (NHWC: NCHW's values transposed)."""
     rng = np.random.default_rng(0)
     N, C, H, W = shape
-    return dict(x=rng.standard_normal(shape).astype(DTYPE),
-                z=rng.standard_normal(shape).astype(DTYPE),
-                gy=rng.standard_normal(shape).astype(DTYPE),
-                gamma=rng.uniform(0.5, 1.5, C).astype(DTYPE),
+    out = dict(x=rng.standard_normal(shape).astype(DTYPE),
+               z=rng.standard_normal(shape).astype(DTYPE),
+               gy=rng.standard_normal(shape).astype(DTYPE))
+    if layout == "NHWC":
+        out = {k: np.ascontiguousarray(v.transpose(0, 2, 3, 1)) for k, v in out.items()}
+    return dict(out, gamma=rng.uniform(0.5, 1.5, C).astype(DTYPE),
                 beta=rng.standard_normal(C).astype(DTYPE))
 
 
-def _numbafuse_cases(name, shape):
+def _numbafuse_cases(name, shape, layout):
     import numbafuse as nf
-    p = problem(shape)
+    p = problem(shape, layout)
     C = shape[1]
     rm, rv = np.zeros(C, DTYPE), np.ones(C, DTYPE)
 
@@ -62,16 +67,18 @@ def _numbafuse_cases(name, shape):
     def fused(save):
         def fwd():
             with nf.no_grad():
-                nf.batchnorm_add_relu(*leaves(), running_mean=rm, running_var=rv)
+                nf.batchnorm_add_relu(*leaves(), running_mean=rm, running_var=rv, layout=layout)
 
         def both():
-            y = nf.batchnorm_add_relu(*leaves(), running_mean=rm, running_var=rv, save=save)
+            y = nf.batchnorm_add_relu(*leaves(), running_mean=rm, running_var=rv, save=save,
+                                      layout=layout)
             y.backward(p["gy"])
         return fwd, both
 
     def unfused():
         x, z, gamma, beta = leaves()
-        y = nf.relu(nf.add(nf.batchnorm(x, gamma, beta, running_mean=rm, running_var=rv), z))
+        y = nf.relu(nf.add(nf.batchnorm(x, gamma, beta, running_mean=rm, running_var=rv,
+                                        layout=layout), z))
         y.backward(p["gy"])
 
     fwd, both = fused("output")
@@ -79,10 +86,12 @@ def _numbafuse_cases(name, shape):
             f"{name} fwd+bwd mask": fused("mask")[1], f"{name} fwd+bwd unfused": unfused}
 
 
-def _torch_cases(name, shape):
+def _torch_cases(name, shape, layout):
     import torch
     import torch.nn.functional as F
+    fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
     p = {k: torch.from_numpy(v) for k, v in problem(shape).items()}
+    p.update({k: p[k].contiguous(memory_format=fmt) for k in ("x", "z", "gy")})
     C = shape[1]
     rm, rv = torch.zeros(C), torch.ones(C)
     leaves = [p[k].clone().requires_grad_(True) for k in ("x", "z", "gamma", "beta")]
@@ -130,7 +139,8 @@ def cases(side, options):
     out = {}
     for s in options["shapes"]:
         shape = tuple(int(v) for v in s.split(","))
-        out.update((_torch_cases if side == "torch" else _numbafuse_cases)(s, shape))
+        out.update((_torch_cases if side == "torch" else _numbafuse_cases)(s, shape,
+                                                                           options["layout"]))
     return out
 
 
@@ -139,15 +149,17 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--shapes", nargs="*", default=SHAPES)
+    p.add_argument("--layout", default="NCHW", choices=("NCHW", "NHWC"))
     p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args(argv)
     best, info = _runner.compare("bench_batchnorm_add_relu", ["numbafuse", "torch", "stream"],
-                                 args.rounds, args.repeats, dict(shapes=args.shapes),
+                                 args.rounds, args.repeats,
+                                 dict(shapes=args.shapes, layout=args.layout),
                                  log=lambda s: print(s, file=sys.stderr, flush=True))
     bw = stream_gbs(best["stream"]["stream add"])
     lines = _runner.header(info, _report.command("bench_batchnorm_add_relu.py"))
-    lines += ["Training mode, float32, NCHW. GB/s: minimum bytes moved (forward 3 tensors, "
-              "forward + backward 8) over the fused time. Roofline: those bytes at the "
+    lines += [f"Training mode, float32, {args.layout}. GB/s: minimum bytes moved (forward 3 "
+              "tensors, forward + backward 8) over the fused time. Roofline: those bytes at the "
               f"machine's measured memory bandwidth, {bw:.1f} GB/s (NumPy c = a + b on every "
               f"core over {STREAM_BYTES >> 20} MiB arrays, its own process, best of the "
               "rounds); roofline speed-up: PyTorch's time over the roofline, what an "
