@@ -42,7 +42,7 @@ from . import math as bm
 from .math import BITS, STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from .. import scalar
 from ..scalar import cpu_scalar
-from .cpu_running import inference_stats, update_running  # noqa: F401  (host entry points)
+from .cpu_running import _invstd_of, inference_stats, update_running  # noqa: F401
 
 CHUNK = 1 << 14          # elements per parallel task of the elementwise passes; multiple of 8
 REDUCE_CHUNK = 1 << 15   # elements per parallel task of the NHWC reductions (rows = this // C)
@@ -58,7 +58,6 @@ REDUCE_FASTMATH = {"reassoc", "contract"}
 _relu = cpu_scalar(scalar.relu)
 _finalize_mean = cpu_scalar(bm.finalize_mean)
 _finalize_var = cpu_scalar(bm.finalize_var)
-_invstd_of = cpu_scalar(bm.invstd_of)
 _normalize_affine = cpu_scalar(bm.normalize_affine)
 _mask_bit = cpu_scalar(bm.mask_bit)
 _gate = cpu_scalar(bm.gate)
@@ -90,18 +89,19 @@ def _stats_nchw(t0, t1, x3, shift, partials):
 
 @task_kernel(fastmath=REDUCE_FASTMATH)
 def _stats_nhwc(t0, t1, x2, shift, rows_per_task, partials):
-    # x2: (M, C); shift: (C,) float64; partials: (P, 2, C) float64; task p owns rows
+    # x2: (M/m, L = m*C) rows (NHWC_ROW), element (r, k) of channel k % C; shift: (L,)
+    # float64, tiled; partials: (P, 2, L) float64 (folded by the caller); task p owns rows
     # [p*rows_per_task, (p+1)*rows_per_task)
-    M, C = x2.shape
+    R, L = x2.shape
     for p in range(t0, t1):
         # task-local sums vectorise (accumulating into partials rows was 1.4x slower)
-        s1, s2 = np.zeros(C), np.zeros(C)                         # (C,) each
-        for row in range(p * rows_per_task, min(M, (p + 1) * rows_per_task)):
-            xr = x2[row]                                          # (C,)
-            for c in range(C):
-                d = xr[c] - shift[c]
-                s1[c] += d
-                s2[c] += d * d
+        s1, s2 = np.zeros(L), np.zeros(L)                         # (L,) each
+        for row in range(p * rows_per_task, min(R, (p + 1) * rows_per_task)):
+            xr = x2[row]                                          # (L,)
+            for k in range(L):
+                d = xr[k] - shift[k]
+                s1[k] += d
+                s2[k] += d * d
         partials[p, 0] = s1
         partials[p, 1] = s2
 
@@ -194,7 +194,8 @@ def _apply_nchw(t0, t1, x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, 
 @task_kernel
 def _apply_nhwc(t0, t1, x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, want_mask,
                 rows_per_task):
-    # as _apply_nchw for x2, z2, y2: (M, C), element (r, k) is channel k
+    # as _apply_nchw for x2, z2, y2: (M/m, m*C) rows, element (r, k) of channel k % C; the
+    # per-channel arrays are tiled to (m*C,), so element k's values are at index k
     R, L = x2.shape
     yflat = y2.reshape(R * L)                                     # (size,)
     zero = _zero_of(x2)
@@ -202,7 +203,7 @@ def _apply_nhwc(t0, t1, x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, 
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         for r in range(r0, r1):
-            xr, zr, yr = x2[r], z2[r], y2[r]                      # (C,) each
+            xr, zr, yr = x2[r], z2[r], y2[r]                      # (L,) each
             for k in range(L):
                 v = _normalize_affine(xr[k] - mean_hi[k], mean_lo[k], scale[k], beta[k])
                 if has_z:
@@ -271,7 +272,7 @@ def _gate_affine_row(gyr, xr, mh, ml, s, b, g):
 
 @njit(inline="always")
 def _gate_affine_row_nhwc(gyr, xr, mean_hi, mean_lo, scale, beta, g):
-    # as _gate_affine_row for an NHWC row: element k is channel k
+    # as _gate_affine_row for an NHWC row: element k's values at index k (tiled arrays)
     zero = _zero_of(g)
     for k in range(g.shape[0]):
         g[k] = gyr[k] if _normalize_affine(xr[k] - mean_hi[k], mean_lo[k], scale[k],
@@ -322,18 +323,19 @@ def _bwd_reduce_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, state_kind,
 @task_kernel(fastmath=REDUCE_FASTMATH)
 def _bwd_reduce_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, state_kind, y2, mask,
                      rows_per_task, gz2, want_gz, partials):
-    # gy2, x2, y2, gz2: (M, C); partials: (P, 2, C) float64 <- per-task sums; task p owns a block of
-    # rows starting on a mask byte
+    # gy2, x2, y2, gz2: (M/m, m*C) rows, per-channel arrays tiled (as _apply_nhwc);
+    # partials: (P, 2, m*C) float64 <- per-task sums (folded by the caller); task p owns a
+    # block of rows starting on a mask byte
     R, L = x2.shape
     for p in range(t0, t1):
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         e = _task_mask(state_kind, mask, r0, r1, L)
-        buf = np.empty(L, x2.dtype)                               # (C,)
-        sg, sgx = np.zeros(L), np.zeros(L)                        # (C,) each, task-local
+        buf = np.empty(L, x2.dtype)                               # (L,)
+        sg, sgx = np.zeros(L), np.zeros(L)                        # (L,) each, task-local
         for r in range(r0, r1):
-            xr = x2[r]                                            # (C,)
-            g = gz2[r] if want_gz else buf                        # (C,)
+            xr = x2[r]                                            # (L,)
+            g = gz2[r] if want_gz else buf                        # (L,)
             if state_kind == STATE_AFFINE:
                 _gate_affine_row_nhwc(gy2[r], xr, mean_hi, mean_lo, scale, beta, g)
             else:
@@ -399,24 +401,24 @@ def _bwd_apply_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, cg, cx, c0, 
 @task_kernel
 def _bwd_apply_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, cg, cx, c0, state_kind, y2,
                     mask, rows_per_task, gx2, want_gx, gz2, want_gz):
-    # as _bwd_apply_nchw for (M, C) rows, element (r, k) is channel k
+    # as _bwd_apply_nchw for (M/m, m*C) rows, per-channel arrays tiled (as _apply_nhwc)
     R, L = x2.shape
     for p in range(t0, t1):
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         e = _task_mask(state_kind, mask, r0, r1, L)
-        buf = np.empty(L, x2.dtype)                               # (C,)
+        buf = np.empty(L, x2.dtype)                               # (L,)
         for r in range(r0, r1):
-            xr = x2[r]                                            # (C,)
-            gxr = gx2[r] if want_gx else gx2[0]                   # (C,)
+            xr = x2[r]                                            # (L,)
+            gxr = gx2[r] if want_gx else gx2[0]                   # (L,)
             if state_kind == STATE_NONE and not want_gz:          # g is gy
                 if want_gx:
-                    gyr = gy2[r]                                  # (C,)
+                    gyr = gy2[r]                                  # (L,)
                     for k in range(L):
                         gxr[k] = _input_grad(gyr[k], xr[k] - mean_hi[k], mean_lo[k], cg[k],
                                              cx[k], c0[k])
             else:
-                g = gz2[r] if want_gz else buf                    # (C,)
+                g = gz2[r] if want_gz else buf                    # (L,)
                 if state_kind == STATE_AFFINE:
                     _gate_affine_row_nhwc(gy2[r], xr, mean_hi, mean_lo, scale, beta, g)
                 else:
@@ -562,12 +564,11 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     L = x2.shape[1]
     y2 = _rows(state, layout, m) if state_kind == STATE_Y else x2  # x stands in for "no y"
     mask = state if state_kind == STATE_MASK else _NO_MASK
-    mean_hi, mean_lo = _split_mean(mean, dtype)                   # (C,) each
+    mean_hi, mean_lo = _tile(m, *_split_mean(mean, dtype))        # (m*C,) each
     if state_kind == STATE_AFFINE:   # the forward's per-channel values (see apply)
-        scale, beta_t = _affine(invstd, gamma, state, dtype)
+        scale, beta_t = _tile(m, *_affine(invstd, gamma, state, dtype))
     else:
         scale = beta_t = mean_hi                                  # unread stand-ins
-    mean_hi, mean_lo, scale, beta_t = _tile(m, mean_hi, mean_lo, scale, beta_t)   # (m*C,)
     rows = _byte_rows_per_task(L, REDUCE_CHUNK)                   # rows of L = HW or C
     tasks = -(-x2.shape[0] // rows)                               # row blocks of pass 1 and 2
     unused = np.empty((1, L), dtype)                              # stands in for a skipped output
