@@ -112,7 +112,8 @@ BOUNDARIES = {
             "or 5 leaves a last, partial chunk and H of 5-9 several row blocks; "
             "MIN_GEMM_CHANNELS (and NCHW_IM2COL_CHANNELS) patched to 1 half the time, so the "
             "few channels drawn take the Winograd (3x3 stride 1, any width), phase-plane and "
-            "pointwise paths as well as im2col; Winograd chunks of WINOGRAD_TILES (patched 1 "
+            "pointwise paths as well as im2col (strided NCHW: over NHWC slabs of a chunk's "
+            "input rows, or phase planes: STRIDED_NCHW_SLAB both ways); Winograd chunks of WINOGRAD_TILES (patched 1 "
             "or 3) 2x2 tiles, NCHW dW of 2 or 6; dW and db in DW_GROUPS (patched 2 or 3) "
             "fixed groups of chunks, their sums in tasks of SUM_BLOCK 7 values; "
             "PARALLEL_MIN_ELEMENTS 0: every call runs on the thread pool",
@@ -123,6 +124,7 @@ BOUNDARIES = {
                "conv.cpu.WINOGRAD_NCHW_MIN_WIDTH": 1,
                "conv.cpu.WINOGRAD_TILES": (1, 3), "conv.cpu.WINOGRAD_DW_NCHW_TILES": (2, 6),
                "conv.cpu.DW_GROUPS": (2, 3), "conv.cpu_im2col.SUM_BLOCK": 7,
+               "conv.cpu.STRIDED_NCHW_SLAB": (True, False),
                "cpu_launch.PARALLEL_MIN_ELEMENTS": 0},
         shapes=lambda: dict(max_channels=3, max_kernel=3, paddings=("int", "same"),
                             max_stride=2, max_dilation=1,

@@ -4,7 +4,8 @@
 Winograd tiles (``WINOGRAD_TILES``: rows of tiles of one image, or several whole images), sums
 dW and db over ``DW_GROUPS`` fixed groups of chunks, runs 3x3 stride-1 convolutions by Winograd
 F(2x2, 3x3) (forward, dX and dW), other stride-1 ones as shifted GEMMs over a padded chunk and
-other strides by im2col (forward, dW) and by phases (dX). Here those constants are shrunk so
+other strides by im2col (forward, dW; NCHW over NHWC slabs of a chunk's input rows, or by
+phase planes) and by phases (dX). Here those constants are shrunk so
 that small drawn shapes span many chunks (one output row or one tile row each, a last partial
 chunk, groups of uneven sizes, the sums of the groups' partials in blocks of 7 values), and
 every result is compared with the reference
@@ -34,7 +35,7 @@ def _run(p, gy, threads):
     return (y, *nf.conv_bias_relu_backward(gy, p.x, p.w, y, **p.kwargs))
 
 
-def _check(p, chunk_bytes, groups, tiles=None, min_channels=1):
+def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
         if tiles is not None:
@@ -46,6 +47,8 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1):
         mp.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", min_channels)
         mp.setattr(cpu_conv, "WINOGRAD_NCHW_MIN_WIDTH", 1)
         mp.setattr(cpu_conv, "STRIDED_NHWC_IM2COL", min_channels > 1)
+        # strided NCHW forward and dW: im2col over NHWC slabs, or phase planes
+        mp.setattr(cpu_conv, "STRIDED_NCHW_SLAB", slab)
         mp.setattr(cpu_conv, "DW_GROUPS", groups)
         mp.setattr(cpu_im2col, "SUM_BLOCK", 7)                 # the group sums: many tasks
         mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
@@ -67,9 +70,10 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1):
 
 
 @given(nfs.conv_problems(max_batch=3, max_size=18, max_channels=3), CHUNKS,
-       st.integers(1, 5), TILES, st.sampled_from([1, cpu_conv.MIN_GEMM_CHANNELS]))
-def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles, min_channels):
-    _check(p, chunk_bytes, groups, tiles, min_channels)
+       st.integers(1, 5), TILES, st.sampled_from([1, cpu_conv.MIN_GEMM_CHANNELS]),
+       st.booleans())
+def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles, min_channels, slab):
+    _check(p, chunk_bytes, groups, tiles, min_channels, slab)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -85,7 +89,7 @@ def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles, min_chan
 @pytest.mark.parametrize("chunk_bytes, tiles, min_channels", [
     (1, 1, 1), (3000, 7, 1), (3000, 200, 1), (3000, 7, cpu_conv.MIN_GEMM_CHANNELS)])
 def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_bytes, tiles,
-                         min_channels):
+                         min_channels, slab=True):
     rng = np.random.default_rng(size + kernel + stride)
     N, C, K = 3, 3, 5                                         # 3 images over uneven groups
     shape = (N, C, size, size + 2) if layout == "NCHW" else (N, size, size + 2, C)
@@ -94,4 +98,13 @@ def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_
     b = rng.standard_normal(K).astype(np.float32)
     p = nfs.ConvProblem(x, w, b, dict(stride=stride, padding=padding, dilation=dilation,
                                       layout=layout))
-    _check(p, chunk_bytes, groups=4, tiles=tiles, min_channels=min_channels)
+    _check(p, chunk_bytes, groups=4, tiles=tiles, min_channels=min_channels, slab=slab)
+
+
+@pytest.mark.parametrize("size, kernel, stride, padding, dilation", [
+    (17, 3, 2, 1, 1), (9, 2, 3, 2, 1), (12, 3, 2, 2, 2), (11, 4, 3, 1, 1), (9, 3, 2, 0, 1)])
+@pytest.mark.parametrize("chunk_bytes", [1, 3000])
+def test_strided_nchw_by_phase_planes(size, kernel, stride, padding, dilation, chunk_bytes):
+    # STRIDED_NCHW_SLAB off: the phase planes that ran these before the slabs (and still can)
+    test_boundary_shapes("NCHW", size, kernel, stride, padding, dilation, chunk_bytes, 7, 1,
+                         slab=False)

@@ -43,6 +43,7 @@ MIN_GEMM_CHANNELS = 16    # fewer input or output channels: im2col (GEMMs with k
 NCHW_IM2COL_CHANNELS = 32  # NCHW forward and dW with fewer: im2col too (Winograd's and the
                            # phase planes' GEMMs have k = C or K; measured in docs)
 STRIDED_NHWC_IM2COL = True     # strided NHWC forward and dW by im2col (else phase planes)
+STRIDED_NCHW_SLAB = True       # strided NCHW forward and dW by im2col over NHWC slabs
 
 geo_tuple = conv_math.geo_tuple
 
@@ -92,9 +93,21 @@ def algorithm(geom, pass_="forward"):
                 and (nhwc or min(geom.Q, geom.W) >= WINOGRAD_NCHW_MIN_WIDTH)):
             return "winograd"
         return "phase"
+    if pass_ != "dx" and _slab(geom):
+        return "im2col"
     # strided NHWC forward and dW: one GEMM with k = R*S*C beat R*S GEMMs with k = C
     # (measured, docs/conv_bias_relu.md); its NHWC gather copies whole channel vectors
     return "im2col" if nhwc and pass_ != "dx" and STRIDED_NHWC_IM2COL else "phase"
+
+
+def _slab(geom):
+    """Whether forward and dW run as im2col over NHWC slabs (``cpu_im2col._forward_tasks``,
+    ``_dw_tasks``): a strided NCHW convolution with NCHW_IM2COL_CHANNELS or more channels
+    each side. Each chunk's input rows are transposed to (rows, W, C) in cache and gathered as
+    whole channel vectors: that beat the phase planes' R*S GEMMs with k = C, where the NCHW
+    gather of single strided values did not (docs/conv_bias_relu.md)."""
+    return (STRIDED_NCHW_SLAB and geom.layout == "NCHW" and (geom.sh > 1 or geom.sw > 1)
+            and min(geom.C, geom.K) >= NCHW_IM2COL_CHANNELS and not _is_pointwise(geom))
 
 
 def _weight_matrix(w, nhwc):
@@ -273,13 +286,14 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     db_parts = np.empty((groups, K))                                   # float64
     gy_k = gy.reshape(N, P * Q, K) if nhwc else gy.reshape(N, K, P * Q)
     y_k = y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q)
+    slab = _slab(geom)
     launch(_dw_tasks, groups, x, gy_k, y_k, use_mask, geo_tuple(geom), ipc, rpc, nchunks,
-           groups, False, need_dw, blas, dw_parts.reshape(-1, K, R * S * C), db_parts,
+           groups, False, slab, need_dw, blas, dw_parts.reshape(-1, K, R * S * C), db_parts,
            work=work, grain=1)
     if not need_dw:
         return None, db_parts
     dwm = sum_groups(dw_parts)                                         # group order
-    if nhwc:                                                           # (K, R, S, C)
+    if nhwc or slab:                                                   # (K, R, S, C)
         return np.ascontiguousarray(dwm.reshape(K, R, S, C).transpose(0, 3, 1, 2)), db_parts
     return dwm.reshape(K, C, R, S), db_parts
 
@@ -332,8 +346,10 @@ def conv_forward(x, w, b, geom, relu):
     else:
         ipc, rpc = _chunking(P * Q, P, Q, geom.R * geom.S * C * x.itemsize)
         y_k = y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q)  # (N, PQ, K) | (N, K, PQ)
-        launch(_forward_tasks, _nchunks(N, P, ipc, rpc), x, _weight_matrix(w, nhwc), b,
-               has_bias, relu, geo_tuple(geom), ipc, rpc, False, blas, y_k, work=work, grain=1)
+        slab = _slab(geom)
+        launch(_forward_tasks, _nchunks(N, P, ipc, rpc), x, _weight_matrix(w, nhwc or slab), b,
+               has_bias, relu, geo_tuple(geom), ipc, rpc, False, slab, blas, y_k, work=work,
+               grain=1)
     return y
 
 

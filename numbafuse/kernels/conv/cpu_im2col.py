@@ -228,16 +228,62 @@ def _g_hwc(gy2, y2, use_mask, m0, m1, g, row0, db):
 
 # --------------------------------------------------------------------------- forward
 
+@njit(inline="always")
+def _slab_rows(p0, p1, geo):
+    # [h0, h1): the input rows that output rows [p0, p1) read (clipped to the image)
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    return max(0, p0 * sh - ph), min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1)
+
+
+@njit(inline="always")
+def _slab_hwc(x, n, h0, h1, slab):
+    # slab (h1 - h0, W, C) <- rows [h0, h1) of x[n] (C, H, W), transposed: an NCHW chunk's
+    # input in NHWC order, so the gather copies whole channel vectors (it stays in cache)
+    C = x.shape[1]
+    for h in range(h0, h1):
+        dst = slab[h - h0]                                        # (W, C)
+        for c in range(C):
+            src = x[n, c, h]                                      # (W,)
+            for w in range(src.shape[0]):
+                dst[w, c] = src[w]
+
+
+@njit(inline="always")
+def _slab_buffer(x, geo, ipc, rpc, slab):
+    # the (rows, W, C) slab of one image's input rows that a chunk reads (empty without slab)
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    rows = min(H, ((P if ipc > 1 else rpc) - 1) * sh + (R - 1) * dh + 1)
+    return np.empty(rows * W * C if slab else 0, x.dtype)
+
+
+@njit(inline="always")
+def _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, cols, per):
+    # cols (m, R*S*C), columns (r, s, c) as _im2col_hwc's, of NCHW x's images [n0, n1),
+    # output rows [p0, p1): each image's input rows go through the slab first
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    h0, h1 = _slab_rows(p0, p1, geo)
+    rows = max(0, h1 - h0)
+    sv = sbuf[:rows * W * C].reshape((1, rows, W, C))             # (1, rows, W, C)
+    # the slab's geometry: one NHWC image of `rows` rows whose row 0 is input row h0
+    geo_s = (1, C, rows, W, K, R, S, P, Q, sh, sw, ph + h0, pw, dh, dw, 1)
+    for n in range(n0, n1):
+        _slab_hwc(x, n, h0, max(h0, h1), sv[0])
+        _im2col_hwc(sv, 0, p0, p1, geo_s, cols, (n - n0) * per)
+
+
 @task_kernel
-def _forward_tasks(t0, t1, x, wmat, b, has_bias, relu, geo, ipc, rpc, pointwise, blas, y):
-    # x: (N, C, H, W) | (N, H, W, C); wmat: (K, C*R*S) | (K, R*S*C); b: (K,)
-    # y: (N, K, PQ) | (N, PQ, K): the chunks [t0, t1) of the output
+def _forward_tasks(t0, t1, x, wmat, b, has_bias, relu, geo, ipc, rpc, pointwise, slab, blas, y):
+    # x: (N, C, H, W) | (N, H, W, C); wmat: (K, C*R*S) | (K, R*S*C) (NHWC, or NCHW with slab);
+    # b: (K,); y: (N, K, PQ) | (N, PQ, K): the chunks [t0, t1) of the output. slab (NCHW): each
+    # image's input rows of the chunk are transposed to (rows, W, C) first and the cols built
+    # as NHWC's, (m, R*S*C): a strided NCHW gather reads single values, this one vectors.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
     mmax = ipc * PQ if ipc > 1 else rpc * Q
     cols = np.empty(mmax * RSC, x.dtype)                          # reused by every chunk
     ybuf = np.empty(mmax * K, x.dtype)
+    sbuf = _slab_buffer(x, geo, ipc, rpc, slab)
     for t in range(t0, t1):
         n0, n1, p0, p1 = _chunk(t, N, P, ipc, rpc)
         per = (p1 - p0) * Q                                       # pixels per image
@@ -263,6 +309,10 @@ def _forward_tasks(t0, t1, x, wmat, b, has_bias, relu, geo, ipc, rpc, pointwise,
             if pointwise and n1 - n0 == 1:                        # x[n] (C, HW) is the cols
                 xs = x[n0].reshape((C, PQ))[:, p0 * Q:]           # (C, m), ld PQ
                 _blas.gemm(blas, False, False, K, m, C, 1.0, wmat, C, xs, PQ, 0.0, yb, m)
+            elif slab:
+                c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
+                _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, c2, per)
+                _blas.gemm(blas, False, True, K, m, RSC, 1.0, wmat, RSC, c2, RSC, 0.0, yb, m)
             else:
                 c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
                 for n in range(n0, n1):
@@ -281,16 +331,18 @@ def _forward_tasks(t0, t1, x, wmat, b, has_bias, relu, geo, ipc, rpc, pointwise,
 # --------------------------------------------------------------------------- backward: dW, db
 
 @task_kernel
-def _dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, pointwise,
+def _dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, pointwise, slab,
               need_dw, blas, dw_parts, db_parts):
-    # x as in the forward; gy, y: (N, K, PQ) | (N, PQ, K); dw_parts: (groups, K, RSC) <- each
-    # group's dW (columns in the cols order); db_parts: (groups, K) float64 <- its sum of g
+    # x as in the forward (slab too); gy, y: (N, K, PQ) | (N, PQ, K); dw_parts: (groups, K,
+    # RSC) <- each group's dW (columns in the cols order: (r, s, c) with slab);
+    # db_parts: (groups, K) float64 <- its sum of g
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
     mmax = ipc * PQ if ipc > 1 else rpc * Q
     cols = np.empty(mmax * RSC if need_dw else 0, x.dtype)
     gbuf = np.empty(mmax * K, x.dtype)
+    sbuf = _slab_buffer(x, geo, ipc, rpc, slab and need_dw)
     for grp in range(t0, t1):
         dbp = db_parts[grp]                                       # (K,)
         dbp[:] = 0.0
@@ -322,6 +374,13 @@ def _dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, pointw
                 for n in range(n0, n1):
                     _g_chw(gy, y, use_mask, n, p0, p1, PQ, Q, g, (n - n0) * per, dbp)
                 if not need_dw:
+                    continue
+                if slab:
+                    c2 = cols[:m * RSC].reshape((m, RSC))         # (m, R*S*C)
+                    _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, c2, per)
+                    # dW (K, RSC) += g (K, m) @ cols (m, RSC)
+                    _blas.gemm(blas, False, False, K, RSC, m, 1.0, g, m, c2, RSC, beta, dwp,
+                               RSC)
                     continue
                 c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
                 for n in range(n0, n1):
