@@ -59,3 +59,67 @@ def test_threshold_picks_the_threads(monkeypatch):
     assert sorted(t for c in calls for t in range(c[0], c[1])) == list(range(8))
     if _launch.num_threads() > 1:
         assert len(calls) > 1                          # ranges handed out, not one call
+
+
+def test_concurrently_runs_each_call_whole_on_one_thread(monkeypatch):
+    """cpu_launch.concurrently: the calls' results in order, every launch inside a call on
+    that call's thread (the helpers are taken), both calls at once when there are helpers, and
+    a call's error raised on the caller."""
+    import threading
+
+    monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
+    threads = _launch.num_threads()
+    _launch.set_num_threads(2)
+    barrier = threading.Barrier(2, timeout=10)   # both calls must run at the same time
+
+    def call(tag):
+        def run():
+            me = threading.get_ident()
+            barrier.wait()
+            seen = []
+            _launch.launch(lambda t0, t1: seen.append((t0, t1, threading.get_ident())), 6,
+                           work=10**9)
+            assert {t for _, _, t in seen} == {me}          # inline, on this thread
+            assert sorted(t for t0, t1, _ in seen for t in range(t0, t1)) == list(range(6))
+            return tag, me
+        return run
+
+    def fails():
+        raise KeyError("from a concurrent call")
+
+    try:
+        (a, ta), (b, tb) = _launch.concurrently(call("a"), call("b"), work=10**9)
+        assert (a, b) == ("a", "b") and ta != tb
+        with pytest.raises(KeyError, match="from a concurrent call"):
+            _launch.concurrently(lambda: None, fails, work=10**9)
+    finally:
+        _launch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_conv_backward_concurrent_and_in_turn_agree(layout, monkeypatch, rng):
+    """dX and dW at once (conv.cpu.CONCURRENT_MAX_ELEMENTS) or one after the other, each split
+    over the pool: bit for bit the same gradients."""
+    from numbafuse.kernels.conv import cpu as conv_cpu
+
+    shape = (5, 4, 7, 9) if layout == "NCHW" else (5, 7, 9, 4)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((3, 4, 3, 3)) * 0.3).astype(np.float32)
+    y = nf.conv_bias_relu(x, w, None, padding=1, layout=layout)
+    gy = rng.standard_normal(y.shape).astype(np.float32)
+    monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
+    threads = _launch.num_threads()
+    _launch.set_num_threads(2)
+    try:
+        out = {}
+        for limit in (0, 2**62):
+            monkeypatch.setattr(conv_cpu, "CONCURRENT_MAX_ELEMENTS", limit)
+            out[limit] = nf.conv_bias_relu_backward(gy, x, w, y, padding=1, layout=layout)
+    finally:
+        _launch.set_num_threads(threads)
+    for a, b in zip(out[0], out[2**62]):
+        assert a.tobytes() == b.tobytes()
+    want = reference.conv_bias_relu_backward(gy, x, w, np.zeros(3, np.float32), padding=1,
+                                             layout=layout)
+    for got, ref_ in zip(out[0], want):
+        np.testing.assert_allclose(got, ref_, rtol=1e-4, atol=1e-4)

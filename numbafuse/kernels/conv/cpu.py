@@ -29,7 +29,7 @@ the small gather/scatter helpers have per-layout loop nests.
 import numpy as np
 
 from .. import cpu_blas as _blas
-from ..cpu_launch import blocks, launch
+from ..cpu_launch import blocks, concurrently, launch
 from . import math as conv_math
 
 CHUNK_BYTES = 768 << 10   # target bytes of a chunk's gathered input + output (L2: 1 MiB)
@@ -44,6 +44,10 @@ NCHW_IM2COL_CHANNELS = 32  # NCHW forward and dW with fewer: im2col too (Winogra
                            # phase planes' GEMMs have k = C or K; measured in docs)
 STRIDED_NHWC_IM2COL = True     # strided NHWC forward and dW by im2col (else phase planes)
 STRIDED_NCHW_SLAB = True       # strided NCHW forward and dW by im2col over NHWC slabs
+# A backward touching fewer elements (x, gy twice) runs dX and dW at once, each on one thread
+# (cpu_launch.concurrently), instead of one after the other, each split over the threads: at
+# the digits shapes (8x8, 24 channels) a split pass gains what waking a helper costs
+CONCURRENT_MAX_ELEMENTS = 1 << 20
 
 geo_tuple = conv_math.geo_tuple
 
@@ -363,19 +367,32 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     Only the gradients flagged in ``need`` are computed (the others are ``None``).
     """
     need_dx, need_dw, need_db = (bool(v) for v in need)
-    N, C, H, W, K = geom.N, geom.C, geom.H, geom.W, geom.K
-    nhwc = geom.layout == "NHWC"
     use_mask = y is not None
     y = y if use_mask else gy
     blas = _blas.blas_for(gy.dtype)
     work = x.size + 2 * gy.size
-    dx = dw = db = None
-    if need_dw or need_db:
+
+    def weights():
+        if not (need_dw or need_db):
+            return None, None
         dw, db_parts = _DW[algorithm(geom, "dw")](x, gy, y, use_mask, geom, need_dw, blas, work)
-        if need_db:
-            db = np.add.reduce(db_parts, axis=0).astype(gy.dtype)     # group order
-    if not need_dx:
-        return dx, dw, db
+        db = np.add.reduce(db_parts, axis=0).astype(gy.dtype) if need_db else None  # group order
+        return dw, db
+
+    def inputs():
+        return _conv_dx(gy, y, use_mask, w, geom, blas, work) if need_dx else None
+
+    if need_dx and (need_dw or need_db) and work < CONCURRENT_MAX_ELEMENTS:
+        dx, (dw, db) = concurrently(inputs, weights, work=work)
+    else:
+        (dw, db), dx = weights(), inputs()
+    return dx, dw, db
+
+
+def _conv_dx(gy, y, use_mask, w, geom, blas, work):
+    """dx of a convolution from gy (gated by y > 0 when ``use_mask``)."""
+    N, C, H, W, K = geom.N, geom.C, geom.H, geom.W, geom.K
+    nhwc = geom.layout == "NHWC"
     dx = np.empty(geom.x_shape, gy.dtype)
     kind = algorithm(geom, "dx")
     if kind == "winograd":
@@ -397,7 +414,7 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
                slack, rpc, geom.sh, geom.sw, nhwc, blas, dx, work=work, grain=1)
     else:
         _im2col_dx(gy, y, use_mask, w, geom, blas, dx, work)
-    return dx, dw, db
+    return dx
 
 
 # --------------------------------------------------------------------------- unfused bias_add
