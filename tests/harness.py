@@ -114,8 +114,9 @@ BOUNDARIES = {
             "few channels drawn take the Winograd (3x3 stride 1, any width), phase-plane and "
             "pointwise paths as well as im2col (strided NCHW: over NHWC slabs of a chunk's "
             "input rows, or phase planes: STRIDED_NCHW_SLAB both ways); Winograd chunks of "
-            "WINOGRAD_TILES (patched 1 or 3) 2x2 tiles, NCHW dW of 2 or 6; dW and db in DW_GROUPS (patched 2 or 3) "
-            "fixed groups of chunks, their sums in tasks of SUM_BLOCK 7 values; "
+            "WINOGRAD_TILES (patched 1 or 3) 2x2 tiles, NCHW dW of 2 or 6; dW and db in "
+            "DW_GROUPS (patched 2 or 3) fixed groups of chunks, their sums in tasks of "
+            "SUM_BLOCK 7 values; "
             "PARALLEL_MIN_ELEMENTS 0: every call runs on the thread pool",
         ops=("conv_bias_relu", "conv2d", "conv_batchnorm_relu"),
         patch={"conv.cpu.CHUNK_BYTES": (_images_per_chunk(1), _images_per_chunk(2), 64),
