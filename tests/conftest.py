@@ -29,7 +29,7 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
                print_blob=True)
 settings.register_profile("dev", max_examples=10, **_common)
 settings.register_profile("quick", max_examples=15, derandomize=True, **_common)
-settings.register_profile("ci", max_examples=50, derandomize=True, **_common)
+settings.register_profile("ci", max_examples=30, derandomize=True, **_common)
 settings.register_profile("thorough", max_examples=300, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
@@ -69,7 +69,7 @@ def _is_cuda(request):
 
 def _simulator_shards(value):
     """NUMBAFUSE_TEST_SIMULATOR: "1" (default) runs every simulator test, "0" none, "i/n" or
-    "i,j/n" the shards i (and j) of n. The simulated kernels do not depend on the Python
+    "i,j,.../n" the shards i (and j, ...) of n. The simulated kernels do not depend on the Python
     version, so .ci/run splits the simulator's tests between its two legs (their time
     balanced); a test's shard is a hash of its id, the same in every process. Returns None
     (all), or (set of shards, n)."""
