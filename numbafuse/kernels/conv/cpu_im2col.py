@@ -267,7 +267,7 @@ def _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, cols, per):
     # the slab's geometry: one NHWC image of `rows` rows whose row 0 is input row h0
     geo_s = (1, C, rows, W, K, R, S, P, Q, sh, sw, ph + h0, pw, dh, dw, 1)
     for n in range(n0, n1):
-        _slab_hwc(x, n, h0, max(h0, h1), sv[0])
+        _slab_hwc(x, n, h0, h0 + rows, sv[0])
         _im2col_hwc(sv, 0, p0, p1, geo_s, cols, (n - n0) * per)
 
 
