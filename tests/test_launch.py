@@ -123,3 +123,80 @@ def test_conv_backward_concurrent_and_in_turn_agree(layout, monkeypatch, rng):
                                              layout=layout)
     for got, ref_ in zip(out[0], want):
         np.testing.assert_allclose(got, ref_, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- parking
+
+needs_clock = pytest.mark.skipif(not _launch._CLOCK, reason="parking needs clock_gettime")
+
+
+@needs_clock
+def test_park_sees_another_threads_store_and_times_out():
+    """_park: returns True once another thread publishes a new generation (its load is not
+    hoisted out of the loop), after writing its slot; False after ``ns`` without one.
+    _await_parked: True once every slot reached the generation, False on its timeout."""
+    import threading
+    import time
+
+    slot = _launch._SLOT
+    flag = np.zeros(2 * slot, np.int64)
+    flag[slot] = -1
+    publisher = threading.Timer(0.02, _launch._publish, (flag, 5))
+    publisher.start()
+    t = time.perf_counter()
+    assert _launch._park(flag, 0, slot, _launch._CLOCK, 10**10, 0)          # up to 10 s
+    assert time.perf_counter() - t < 5 and flag[0] == 5 and flag[slot] == 0
+    publisher.join()
+    t = time.perf_counter()
+    assert not _launch._park(flag, 5, slot, _launch._CLOCK, 20_000_000, 0)  # 20 ms
+    assert time.perf_counter() - t >= 0.02 and flag[slot] == 5
+    slots = np.array([slot], np.int64)
+    assert _launch._await_parked(flag, slots, 5, _launch._CLOCK, 10**10)
+    t = time.perf_counter()
+    assert not _launch._await_parked(flag, slots, 6, _launch._CLOCK, 20_000_000)
+    assert time.perf_counter() - t >= 0.02
+
+
+@pytest.mark.parametrize("spin_ns", [0, 1_000, 200_000])
+def test_a_call_returns_after_its_helpers_whatever_the_parking(spin_ns, monkeypatch):
+    """A launch returns only once the helper's range is done, also when the helper takes
+    longer than the caller watches for it (then the caller sleeps on the job's condition), and
+    consecutive calls find the helper, parked or asleep."""
+    import threading
+    import time
+
+    monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(_launch, "SPIN_NS", spin_ns)
+    threads = _launch.num_threads()
+    _launch.set_num_threads(2)
+    try:
+        for call in range(3):
+            barrier = threading.Barrier(2, timeout=10)   # both ranges run at once
+            done = []
+            caller = threading.get_ident()
+
+            def kernel(t0, t1):
+                barrier.wait()
+                if threading.get_ident() != caller:      # the helper's range: slow
+                    time.sleep(0.05)
+                done.append(t0)
+
+            _launch.launch(kernel, 2, grain=1)
+            assert sorted(done) == [0, 1], (call, done)
+    finally:
+        _launch.set_num_threads(threads)
+
+
+def test_set_num_threads_ends_parked_helpers():
+    """A pool replaced by set_num_threads ends its helper threads (parked or asleep)."""
+    threads = _launch.num_threads()
+    _launch.set_num_threads(3)
+    try:
+        _launch.launch(lambda t0, t1: None, 6, grain=1)
+        old = _launch._get_pool().threads
+        _launch.set_num_threads(2)
+        for t in old:
+            t.join(timeout=10)
+            assert not t.is_alive()
+    finally:
+        _launch.set_num_threads(threads)

@@ -14,10 +14,25 @@ first two arguments are a task range ``t0, t1``: it does tasks ``t0 <= t < t1`` 
 partition (a function of the shapes only). :func:`launch` runs the tasks of one call on the
 calling thread and ``num_threads() - 1`` helper threads, which take ranges of tasks from a
 shared counter (dynamic scheduling, so a core taken by another process does not stall the
-call) and sleep on a condition variable between calls (no spinning: the neighbours keep their
-cores). Reductions write one partial per task (or per fixed group of tasks) and sum them in a
+call). Reductions write one partial per task (or per fixed group of tasks) and sum them in a
 fixed order afterwards, so results do not depend on the thread count or on which thread ran
 which task. GEMMs inside tasks call numbafuse's private single-threaded BLAS (``_blas.py``).
+
+Between calls a helper first *parks*: for ``SPIN_NS`` (200 us) it watches an atomic
+generation counter in compiled code, GIL released, then it sleeps on a condition variable
+(no core is held longer: the neighbours keep theirs). The launching thread likewise watches
+the helpers' park slots at the end of a call before it sleeps on the job's condition. Why:
+on the 2-core VM a sleeping thread woken by a futex (a condition variable, or the GIL) starts
+~70-90 us later, which is a fifth of a 0.4 ms pass and happened twice per launch; the launches
+of a forward or backward come ~10-100 us apart. Parked, a helper starts ~30-40 us after the
+launch (it waits ``LATE_NS`` after the counter changes before it takes the GIL, which the
+launching thread holds until it enters its own first range: asking earlier puts the helper to
+sleep on the GIL), and the caller returns ~10 us after the last range instead of ~30-60.
+Measured with ``benchmarks/bench_batchnorm_add_relu.py``, fwd+bwd of (32,64,32,32): 2.62-3.58
+ms against 3.80-4.40 before, and the digits training step ~25% faster (docs/threading.md).
+The cost: up to SPIN_NS of one core's time after each call (CPU time per training step
+~10% higher). ``NUMBAFUSE_SPIN_US=0`` turns parking off (every wait sleeps at once); without
+``clock_gettime`` (not Linux) it is off.
 
 Fork: the helpers do not exist in a forked child; an ``os.register_at_fork`` hook forgets the
 pool there and the child starts its own on its first parallel call. Threads: calls from several
@@ -27,19 +42,34 @@ on its own thread (the same tasks, so the same results).
 Threads used: ``NUMBAFUSE_NUM_THREADS`` if set, else the CPUs this process may run on;
 :func:`set_num_threads` changes it at run time.
 """
+import ctypes
 import os
+import sys
 import threading
 
-from numba import njit
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 # Below this many elements touched, a call runs on the calling thread only: waking a helper
 # costs ~20-60 us, more than a small pass takes.
 PARALLEL_MIN_ELEMENTS = 1 << 16
 # Task ranges handed out per thread and call: more ranges balance better (a core taken by
-# another process delays only a small range), but each range costs a dispatch (~5-20 us).
-RANGES_PER_THREAD = 16
+# another process delays only a small range), but each range costs a dispatch from Python
+# (~4 us measured: 64 ranges of a 56 us task took 2.31 ms, 2 ranges 2.07) and each return to
+# Python may wait for the GIL. 16 ranges a thread and 64 Ki elements at least cost batch
+# norm's fwd+bwd ~15% (0.4-0.7 ms of 3.5-4.5); 4 and 256 Ki: a late core delays 1/8 of a pass.
+RANGES_PER_THREAD = 4
 # ... and no range smaller than this many elements touched (when the caller says how many).
-MIN_RANGE_ELEMENTS = 1 << 16
+MIN_RANGE_ELEMENTS = 1 << 18
+# How long a helper parks (watches for the next call, compiled, GIL released) before it sleeps,
+# and the launching thread watches for the helpers at the end of a call; 0: never (module
+# docstring). NUMBAFUSE_SPIN_US sets it in microseconds.
+SPIN_NS = int(float(os.environ.get("NUMBAFUSE_SPIN_US", "200")) * 1000)
+# A parked helper's wait from seeing a call to asking for the GIL (module docstring).
+LATE_NS = 10_000
 
 
 def _default_threads():
@@ -80,6 +110,138 @@ def task_kernel(fn=None, **options):
     return njit(nogil=True, cache=True, **options)(fn)
 
 
+# --------------------------------------------------------------------------- spinning
+
+def _clock_address():
+    """Address of the C library's clock_gettime on Linux (whose CLOCK_MONOTONIC id and 64-bit
+    timespec :func:`_monotonic_ns` assumes), else 0: then nothing parks."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        return ctypes.cast(ctypes.CDLL(None).clock_gettime, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError, TypeError):
+        return 0
+
+
+_CLOCK = _clock_address()
+_CLOCK_MONOTONIC = 1          # Linux's clock id
+
+
+def _x86(builder):
+    return builder.module.triple.startswith(("x86_64", "amd64"))
+
+
+@intrinsic
+def _monotonic_ns(typingctx, fptr):
+    """CLOCK_MONOTONIC in ns by clock_gettime at address ``fptr`` (a 64-bit timespec)."""
+    sig = types.int64(types.intp)
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        ts = cgutils.alloca_once(builder, ir.ArrayType(i64, 2))
+        fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32), ir.IntType(8).as_pointer()])
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()),
+                     [ir.Constant(ir.IntType(32), _CLOCK_MONOTONIC),
+                      builder.bitcast(ts, ir.IntType(8).as_pointer())])
+        zero, one = ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 1)
+        sec = builder.load(builder.gep(ts, [zero, zero]))
+        nsec = builder.load(builder.gep(ts, [zero, one]))
+        return builder.add(builder.mul(sec, ir.Constant(i64, 10 ** 9)), nsec)
+    return sig, codegen
+
+
+@intrinsic
+def _load_acquire(typingctx, flag):
+    """flag[0] (an int64 array) by an atomic acquire load: a spin loop sees other threads'
+    stores (a plain load may be hoisted out of the loop)."""
+    sig = types.int64(flag)
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.load_atomic(ary.data, "acquire", 8)
+    return sig, codegen
+
+
+@intrinsic
+def _store_release(typingctx, flag, value):
+    """flag[0] = value by an atomic release store."""
+    sig = types.void(flag, types.int64)
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        builder.store_atomic(args[1], ary.data, "release", 8)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _cpu_relax(typingctx):
+    """x86 ``pause`` (a spin loop's hint to the core); nothing elsewhere."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        if _x86(builder):
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def _park(flag, seen, slot, clock, ns, late_ns):
+    """A helper done with generation ``seen``: says so in flag[slot] (the caller's thread is
+    then in compiled code, GIL released), then waits while flag[0] == seen, at most ``ns``, and
+    ``late_ns`` more once it changed (the launching thread holds the GIL a few microseconds
+    after it publishes; asking for the GIL then puts this thread to sleep on it). Returns
+    whether flag[0] changed."""
+    _store_release(flag[slot:], seen)
+    end = _monotonic_ns(clock) + ns
+    while _load_acquire(flag) == seen:
+        for _ in range(64):
+            _cpu_relax()
+        if _monotonic_ns(clock) >= end:
+            return False
+    end = _monotonic_ns(clock) + late_ns
+    while _monotonic_ns(clock) < end:
+        _cpu_relax()
+    return True
+
+
+@njit(nogil=True, cache=True)
+def _await_parked(flag, slots, gen, clock, ns):
+    """The launching thread: wait, GIL released, at most ``ns`` until flag[s] >= gen for every
+    s in ``slots``; whether they all did."""
+    end = _monotonic_ns(clock) + ns
+    while True:
+        done = True
+        for s in slots:
+            if _load_acquire(flag[s:]) < gen:
+                done = False
+                break
+        if done:
+            return True
+        for _ in range(64):
+            _cpu_relax()
+        if _monotonic_ns(clock) >= end:
+            return False
+
+
+@njit(nogil=True, cache=True)
+def _publish(flag, value):
+    _store_release(flag, value)
+
+
+def _spinning():
+    """Whether threads park before they sleep (SPIN_NS > 0 and a clock)."""
+    return SPIN_NS > 0 and _CLOCK != 0
+
+
+# --------------------------------------------------------------------------- jobs and pool
+
+_SLOT = 8                  # int64s per flag slot: one cache line each
+
+
 class _Job:
     """One call's tasks [0, ntasks), handed out in ranges of ``grain`` tasks."""
 
@@ -87,6 +249,7 @@ class _Job:
         self.kernel, self.ntasks, self.grain, self.args = kernel, ntasks, grain, args
         self.next = 0
         self.active = 0                          # helpers working on this job
+        self.joined = []                         # their flag slots
         self.error = None
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
@@ -113,11 +276,12 @@ class _Job:
                         self.error = e
                 return
 
-    def join_as_helper(self):
+    def join_as_helper(self, slot):
         with self.lock:
-            if self.next >= self.ntasks:
+            if self.next >= self.ntasks:         # (final once the caller's work() is done)
                 return False
             self.active += 1
+            self.joined.append(slot)
         try:
             self.work()
         finally:
@@ -141,34 +305,47 @@ class _Pool:
         self.job = None
         self.generation = 0
         self.closed = False
-        self.threads = [threading.Thread(target=self._helper, name=f"numbafuse-{i}",
-                                         daemon=True) for i in range(helpers)]
+        # flag[0]: the generation (for spinning helpers); flag[(i + 1) * _SLOT]: the last
+        # generation helper i finished and is parked after
+        self.flag = np.zeros((helpers + 1) * _SLOT, np.int64)
+        self.threads = [threading.Thread(target=self._helper, args=((i + 1) * _SLOT,),
+                                         name=f"numbafuse-{i}", daemon=True)
+                        for i in range(helpers)]
         for t in self.threads:
             t.start()
 
-    def _helper(self):
+    def _helper(self, slot):
         seen = 0
         while True:
+            if _spinning():                      # the next job often comes within microseconds
+                _park(self.flag, seen, slot, _CLOCK, SPIN_NS, LATE_NS)
             with self.cv:
                 while self.generation == seen and not self.closed:
                     self.cv.wait()
                 if self.closed:
                     return
                 seen, job = self.generation, self.job
-            job.join_as_helper()
+            job.join_as_helper(slot)
 
     def run(self, job):
         with self.cv:
             self.job = job
             self.generation += 1
             self.cv.notify_all()
+            gen = self.generation
+        _publish(self.flag, gen)
         job.work()
+        if job.joined and _spinning():          # helpers park within microseconds of the end
+            _await_parked(self.flag, np.array(job.joined, np.int64), gen, _CLOCK, SPIN_NS)
         job.wait_helpers()
 
     def shutdown(self):
         with self.cv:
             self.closed = True
+            self.generation += 1
+            _publish(self.flag, self.generation)
             self.cv.notify_all()
+
 
 
 _pool = None
