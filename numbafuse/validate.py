@@ -342,7 +342,7 @@ def _batchnorm_static(op, shapes, layout, save, training, momentum, eps, synced)
     check_vector(op, "beta", beta, C)
     if save not in SAVE_POLICIES:
         raise ValueError(f"{op}: save must be 'output' or 'mask', got {save!r}")
-    M = int(np.prod(x.shape, dtype=np.int64)) // C
+    M = math.prod(int(n) for n in x.shape) // C
     momentum, eps = _running_stats_static(op, C, running_mean, running_var, training,
                                           momentum, eps)
     return layout, C, M, momentum, eps

@@ -1,4 +1,5 @@
 """Reused CPU output buffers: large outputs without fresh page faults on every call."""
+import math
 import sys
 import threading
 import tracemalloc
@@ -33,7 +34,8 @@ class OutputCache:
     def empty(self, shape, dtype):
         """An uninitialised C-contiguous array of ``shape`` and ``dtype``."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(shape)
+        nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
         if nbytes < self.MIN_BYTES or nbytes > self.max_bytes or tracemalloc.is_tracing():
             return np.empty(shape, dtype)
         with self._lock:
