@@ -34,7 +34,7 @@ class OutputCache:
     def empty(self, shape, dtype):
         """An uninitialised C-contiguous array of ``shape`` and ``dtype``."""
         dtype = np.dtype(dtype)
-        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(shape)
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
         nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
         if nbytes < self.MIN_BYTES or nbytes > self.max_bytes or tracemalloc.is_tracing():
             return np.empty(shape, dtype)

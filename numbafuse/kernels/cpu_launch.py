@@ -252,7 +252,7 @@ class _Job:
         self.joined = []                         # their flag slots
         self.error = None
         self.lock = threading.Lock()
-        self.idle = threading.Condition(self.lock)
+        self.idle = None                         # a Condition, made once someone sleeps on it
 
     def _grab(self):
         with self.lock:
@@ -262,10 +262,14 @@ class _Job:
             self.next = min(self.ntasks, t0 + self.grain)
             return t0, self.next
 
-    def work(self):
-        """Run ranges until none is left; the first error stops the job."""
+    def work(self, before_first=None):
+        """Run ranges until none is left; the first error stops the job. ``before_first()``
+        runs right before the first range (or the return, when there is none)."""
         while True:
             r = self._grab()
+            if before_first is not None:
+                before_first()
+                before_first = None
             if r is None:
                 return
             try:
@@ -287,12 +291,14 @@ class _Job:
         finally:
             with self.lock:
                 self.active -= 1
-                if self.active == 0:
+                if self.active == 0 and self.idle is not None:
                     self.idle.notify_all()
         return True
 
     def wait_helpers(self):
         with self.lock:
+            if self.active and self.idle is None:
+                self.idle = threading.Condition(self.lock)
             while self.active:
                 self.idle.wait()
 
@@ -333,8 +339,9 @@ class _Pool:
             self.generation += 1
             self.cv.notify_all()
             gen = self.generation
-        _publish(self.flag, gen)
-        job.work()
+        # parked helpers see the job once this thread is about to release the GIL (entering
+        # its first range), so that they seldom ask for the GIL while it is held
+        job.work(before_first=lambda: _publish(self.flag, gen))
         if job.joined and _spinning():          # helpers park within microseconds of the end
             _await_parked(self.flag, np.array(job.joined, np.int64), gen, _CLOCK, SPIN_NS)
         job.wait_helpers()

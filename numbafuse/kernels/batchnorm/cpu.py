@@ -106,16 +106,27 @@ def _stats_nhwc(t0, t1, x2, shift, rows_per_task, partials):
         partials[p, 1] = s2
 
 
+@njit(inline="always")
+def _folded(partials, p, i, c, m, C):
+    # the sum of partials[p, i] over the m tiles of channel c, in tile order (as _fold)
+    f = partials[p, i, c]
+    for j in range(1, m):
+        f += partials[p, i, j * C + c]
+    return f
+
+
 @njit(cache=True)
-def _finalize_stats(partials, shift, count, eps, mean, var, invstd):
-    # partials: (P, 2, C) shifted sums; shift, mean, var, invstd: (C,) float64
-    P, _, C = partials.shape
+def _finalize_stats(partials, m, shift, count, eps, mean, var, invstd):
+    # partials: (P, 2, m*C) shifted sums, the m tiles of each channel (NHWC_ROW) folded here;
+    # shift, mean, var, invstd: (C,) float64
+    P = partials.shape[0]
+    C = shift.shape[0]
     for c in range(C):
         s1 = 0.0
         s2 = 0.0
         for p in range(P):
-            s1 += partials[p, 0, c]
-            s2 += partials[p, 1, c]
+            s1 += _folded(partials, p, 0, c, m, C)
+            s2 += _folded(partials, p, 1, c, m, C)
         mean[c] = _finalize_mean(s1, shift[c], count)
         var[c] = _finalize_var(s1, s2, count)
         invstd[c] = _invstd_of(var[c], eps)
@@ -348,22 +359,52 @@ def _bwd_reduce_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, state_kind,
 
 
 @njit(cache=True)
-def _finalize_backward(partials, gamma, invstd, count, training, ggamma, gbeta, cg, cx, c0):
-    # partials: (P, 2, C) sums of g and g*(x - mean); all others (C,) float64:
-    # ggamma = invstd * sum g*(x - mean), gbeta = sum g, and dx = cg*g + cx*(x - mean) + c0
-    P, _, C = partials.shape
+def _finalize_backward(partials, pm, gamma, invstd, count, training, ggamma, gbeta, coefs, m):
+    # partials: (P, 2, pm*C) sums of g and g*(x - mean), the pm tiles of each channel folded
+    # here; gamma, invstd: (C,); ggamma = invstd * sum g*(x - mean), gbeta = sum g: (C,), their
+    # dtype; coefs: (3, m*C) in x's dtype <- cg, cx, c0 of dx = cg*g + cx*(x - mean) + c0, each
+    # rounded once from float64 and tiled m times
+    P = partials.shape[0]
+    C = invstd.shape[0]
     for c in range(C):
         sg = 0.0
         sgx = 0.0
         for p in range(P):
-            sg += partials[p, 0, c]
-            sgx += partials[p, 1, c]
+            sg += _folded(partials, p, 0, c, pm, C)
+            sgx += _folded(partials, p, 1, c, pm, C)
+        gg = sgx * invstd[c]                                      # float64
         gbeta[c] = sg
-        ggamma[c] = sgx * invstd[c]
+        ggamma[c] = gg
         gam = np.float64(gamma[c])
-        cg[c] = _coef_g(gam, invstd[c])
-        cx[c] = _coef_x(gam, invstd[c], ggamma[c], count, training)
-        c0[c] = _coef_0(gam, invstd[c], gbeta[c], count, training)
+        coefs[0, c] = _coef_g(gam, invstd[c])
+        coefs[1, c] = _coef_x(gam, invstd[c], gg, count, training)
+        coefs[2, c] = _coef_0(gam, invstd[c], sg, count, training)
+    _tile_in_place(coefs, m, C)
+
+
+@njit(inline="always")
+def _tile_in_place(rows, m, C):
+    # rows: (k, m*C): copy columns [0, C) to the other m - 1 tiles
+    for j in range(1, m):
+        for i in range(rows.shape[0]):
+            for c in range(C):
+                rows[i, j * C + c] = rows[i, c]
+
+
+@njit(cache=True)
+def _channel_values(mean, invstd, gamma, beta, m, out):
+    # out: (4, m*C) in x's dtype <- the per-channel values of the elementwise kernels, each
+    # tiled m times: mean_hi = mean rounded, mean_lo = (mean - mean_hi) rounded (so that
+    # (x - mean_hi) - mean_lo is x - mean to a rounding of the result), scale = gamma*invstd
+    # rounded once, beta rounded. The forward and the STATE_AFFINE backward both take them
+    # from here, so the gate's arithmetic sees the forward's very values.
+    C = mean.shape[0]
+    for c in range(C):
+        out[0, c] = mean[c]
+        out[1, c] = mean[c] - out[0, c]
+        out[2, c] = invstd[c] * gamma[c]
+        out[3, c] = beta[c]
+    _tile_in_place(out, m, C)
 
 
 @task_kernel
@@ -459,10 +500,11 @@ def stats(x, layout, eps):
         partials = np.empty((-(-N * HW // (m * rows)), 2, m * C))
         launch(_stats_nhwc, partials.shape[0], _rows(x, layout, m), *_tile(m, shift), rows,
                partials, work=x.size)
-        partials = _fold(partials, m)
-    mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
-    _finalize_stats(partials, shift, float(N * HW), float(eps), mean, var, invstd)
-    return mean, var, invstd
+    if layout == "NCHW":
+        m = 1
+    out = np.empty((3, C))                                        # mean, var, invstd
+    _finalize_stats(partials, m, shift, float(N * HW), float(eps), out[0], out[1], out[2])
+    return out[0], out[1], out[2]
 
 
 _NO_MASK = np.zeros(1, np.uint8)   # stands for "no mask" (kernels keep one signature)
@@ -507,17 +549,11 @@ def _byte_rows_per_task(L, chunk):
     return -(-max(1, chunk // L) // group) * group
 
 
-def _affine(invstd, gamma, beta, dtype):
-    """(scale, beta) in ``dtype``: scale = gamma*invstd rounded once, beta rounded. The forward
-    (apply) and the STATE_AFFINE backward both take them from here, so the gate's arithmetic
-    sees the forward's very values."""
-    return (invstd * gamma).astype(dtype), beta.astype(dtype)
-
-
-def _split_mean(mean, dtype):
-    """mean (float64) as hi + lo in ``dtype``: hi = mean rounded, lo = the rest rounded."""
-    hi = mean.astype(dtype)
-    return hi, (mean - hi).astype(dtype)
+def _values(mean, invstd, gamma, beta, m, dtype):
+    """(mean_hi, mean_lo, scale, beta) in ``dtype``, each (m*C,): see _channel_values."""
+    out = np.empty((4, m * mean.shape[0]), dtype)
+    _channel_values(mean, invstd, gamma, beta, m, out)
+    return out[0], out[1], out[2], out[3]
 
 
 def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
@@ -527,9 +563,7 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     m = _repeat(x.shape, layout)
     x2, y2 = _rows(x, layout, m), _rows(y, layout, m)             # (R, L)
     z2 = x2 if z is None else _rows(z, layout, m)                 # x stands in for "no z"
-    mean_hi, mean_lo = _split_mean(mean, x.dtype)                 # (C,) each
-    scale, beta_t = _affine(invstd, gamma, beta, x.dtype)         # (C,) each
-    mean_hi, mean_lo, scale, beta_t = _tile(m, mean_hi, mean_lo, scale, beta_t)   # (m*C,)
+    mean_hi, mean_lo, scale, beta_t = _values(mean, invstd, gamma, beta, m, x.dtype)  # (m*C,)
     rows = _byte_rows_per_task(x2.shape[1], CHUNK)
     tasks = -(-x2.shape[0] // rows)
     if layout == "NCHW":
@@ -564,19 +598,18 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     L = x2.shape[1]
     y2 = _rows(state, layout, m) if state_kind == STATE_Y else x2  # x stands in for "no y"
     mask = state if state_kind == STATE_MASK else _NO_MASK
-    mean_hi, mean_lo = _tile(m, *_split_mean(mean, dtype))        # (m*C,) each
-    if state_kind == STATE_AFFINE:   # the forward's per-channel values (see apply)
-        scale, beta_t = _tile(m, *_affine(invstd, gamma, state, dtype))
-    else:
-        scale = beta_t = mean_hi                                  # unread stand-ins
+    state_beta = state if state_kind == STATE_AFFINE else gamma   # (unread unless AFFINE)
+    # the forward's per-channel values (see apply); scale and beta read with STATE_AFFINE only
+    mean_hi, mean_lo, scale, beta_t = _values(mean, invstd, gamma, state_beta, m, dtype)
     rows = _byte_rows_per_task(L, REDUCE_CHUNK)                   # rows of L = HW or C
     tasks = -(-x2.shape[0] // rows)                               # row blocks of pass 1 and 2
     unused = np.empty((1, L), dtype)                              # stands in for a skipped output
     gz = output_cache.empty(x.shape, dtype) if need_gz else None
     gz2 = _rows(gz, layout, m) if need_gz else unused
-    ggamma64, gbeta64 = np.zeros(C), np.zeros(C)
-    cg, cx, c0 = np.empty(C), np.empty(C), np.empty(C)
+    grads = np.empty((2, C), dtype)                               # ggamma, gbeta
+    coefs = np.empty((3, m * C), dtype)                           # cg, cx, c0, tiled
     g_written = False
+    pm = 1                                                        # tiles in the partials
     if sync is not None and x.size == 0:                          # an empty rank: zero sums
         partials = np.zeros((1, 2, C))
     elif need_ggamma or need_gbeta or (need_gx and training) or sync is not None:
@@ -589,18 +622,18 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
             partials = np.empty((tasks, 2, L))
             launch(_bwd_reduce_nhwc, tasks, gy2, x2, mean_hi, mean_lo, scale, beta_t, state_kind,
                    y2, mask, rows, gz2, bool(need_gz), partials, work=x.size)
-            partials = _fold(partials, m)
+            pm = m
         g_written = need_gz
     else:  # inference, gx/gz only: the coefficients need no reduction
         partials = np.zeros((1, 2, C))
     # (an empty rank's count is 0: its own coefficients are replaced below, and ggamma,
     # gbeta do not depend on the count)
-    _finalize_backward(partials, gamma, invstd, count or 1.0, bool(training), ggamma64, gbeta64,
-                       cg, cx, c0)
+    _finalize_backward(partials, pm, gamma, invstd, count or 1.0, bool(training), grads[0],
+                       grads[1], coefs, m)
     if sync is not None:            # the dx coefficients from the global sums and count
-        total, count = sync(partials.sum(axis=0))                 # (2, C) float64
-        _finalize_backward(total[None], gamma, invstd, float(count), bool(training),
-                           np.empty(C), np.empty(C), cg, cx, c0)
+        total, count = sync(_fold(partials, pm).sum(axis=0))      # (2, C) float64
+        _finalize_backward(total[None], 1, gamma, invstd, float(count), bool(training),
+                           np.empty(C, dtype), np.empty(C, dtype), coefs, m)
     gx = None
     if (need_gx or (need_gz and not g_written)) and x.size:
         # pass 2: dx = cg*g + cx*(x - mean) + c0 (and dz = g if pass 1 did not write it)
@@ -610,7 +643,6 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
             g_in, kind, y_in, mask_in, want_gz = gz2, STATE_NONE, x2, _NO_MASK, False
         else:
             g_in, kind, y_in, mask_in, want_gz = gy2, state_kind, y2, mask, bool(need_gz)
-        coefs = _tile(m, *(v.astype(dtype) for v in (cg, cx, c0)))   # (m*C,) each
         if layout == "NCHW":
             launch(_bwd_apply_nchw, tasks, g_in, x2, mean_hi, mean_lo, scale, beta_t, *coefs,
                    kind, y_in, mask_in, C, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
@@ -619,5 +651,4 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
                    kind, y_in, mask_in, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
     if gx is None and need_gx:                                    # an empty rank
         gx = np.empty(x.shape, dtype)
-    return (gx, ggamma64.astype(dtype) if need_ggamma else None,
-            gbeta64.astype(dtype) if need_gbeta else None, gz)
+    return (gx, grads[0] if need_ggamma else None, grads[1] if need_gbeta else None, gz)
