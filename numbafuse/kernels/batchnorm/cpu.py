@@ -9,9 +9,9 @@ Activations arrive C-contiguous in their layout and the kernels see them as
   times (``NHWC_ROW``), cut into fixed blocks of rows, each block keeping its own partials.
 
 Every task of the elementwise passes starts on a mask byte (``_byte_rows_per_task``). Every
-reduction writes per-task partials ``(P, 2, C)`` (float64; NHWC's m tiles folded in a fixed
-order) that :func:`_finalize_*` sums over P in a fixed order: results do not depend on the
-number of threads. The partition is a function of the shape only.
+reduction writes per-task partials ``(P, 2, C)`` (float64; NHWC: ``(P, 2, m*C)``, the m tiles
+folded in a fixed order) that ``cpu_channels._finalize_*`` sums over P in a fixed order: results
+do not depend on the number of threads. The partition is a function of the shape only.
 
 Relu state codes (``state_kind``) for the backward: ``STATE_NONE`` (plain batch norm),
 ``STATE_Y`` (the forward output y: open where y > 0), ``STATE_MASK`` (packed bits, bit
@@ -42,7 +42,8 @@ from . import math as bm
 from .math import BITS, STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from .. import scalar
 from ..scalar import cpu_scalar
-from .cpu_running import _invstd_of, inference_stats, update_running  # noqa: F401
+from .cpu_running import inference_stats, update_running  # noqa: F401
+from .cpu_channels import _channel_values, _finalize_backward, _finalize_stats
 
 CHUNK = 1 << 14          # elements per parallel task of the elementwise passes; multiple of 8
 REDUCE_CHUNK = 1 << 15   # elements per parallel task of the NHWC reductions (rows = this // C)
@@ -56,14 +57,9 @@ REDUCE_FASTMATH = {"reassoc", "contract"}
 
 
 _relu = cpu_scalar(scalar.relu)
-_finalize_mean = cpu_scalar(bm.finalize_mean)
-_finalize_var = cpu_scalar(bm.finalize_var)
 _normalize_affine = cpu_scalar(bm.normalize_affine)
 _mask_bit = cpu_scalar(bm.mask_bit)
 _gate = cpu_scalar(bm.gate)
-_coef_g = cpu_scalar(bm.coef_g)
-_coef_x = cpu_scalar(bm.coef_x)
-_coef_0 = cpu_scalar(bm.coef_0)
 _input_grad = cpu_scalar(bm.input_grad)
 
 
@@ -104,32 +100,6 @@ def _stats_nhwc(t0, t1, x2, shift, rows_per_task, partials):
                 s2[k] += d * d
         partials[p, 0] = s1
         partials[p, 1] = s2
-
-
-@njit(inline="always")
-def _folded(partials, p, i, c, m, C):
-    # the sum of partials[p, i] over the m tiles of channel c, in tile order (as _fold)
-    f = partials[p, i, c]
-    for j in range(1, m):
-        f += partials[p, i, j * C + c]
-    return f
-
-
-@njit(cache=True)
-def _finalize_stats(partials, m, shift, count, eps, mean, var, invstd):
-    # partials: (P, 2, m*C) shifted sums, the m tiles of each channel (NHWC_ROW) folded here;
-    # shift, mean, var, invstd: (C,) float64
-    P = partials.shape[0]
-    C = shift.shape[0]
-    for c in range(C):
-        s1 = 0.0
-        s2 = 0.0
-        for p in range(P):
-            s1 += _folded(partials, p, 0, c, m, C)
-            s2 += _folded(partials, p, 1, c, m, C)
-        mean[c] = _finalize_mean(s1, shift[c], count)
-        var[c] = _finalize_var(s1, s2, count)
-        invstd[c] = _invstd_of(var[c], eps)
 
 
 # --------------------------------------------------------------------------- fused forward
@@ -356,55 +326,6 @@ def _bwd_reduce_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, state_kind,
                 sgx[k] += g[k] * ((xr[k] - mean_hi[k]) - mean_lo[k])
         partials[p, 0] = sg
         partials[p, 1] = sgx
-
-
-@njit(cache=True)
-def _finalize_backward(partials, pm, gamma, invstd, count, training, ggamma, gbeta, coefs, m):
-    # partials: (P, 2, pm*C) sums of g and g*(x - mean), the pm tiles of each channel folded
-    # here; gamma, invstd: (C,); ggamma = invstd * sum g*(x - mean), gbeta = sum g: (C,), their
-    # dtype; coefs: (3, m*C) in x's dtype <- cg, cx, c0 of dx = cg*g + cx*(x - mean) + c0, each
-    # rounded once from float64 and tiled m times
-    P = partials.shape[0]
-    C = invstd.shape[0]
-    for c in range(C):
-        sg = 0.0
-        sgx = 0.0
-        for p in range(P):
-            sg += _folded(partials, p, 0, c, pm, C)
-            sgx += _folded(partials, p, 1, c, pm, C)
-        gg = sgx * invstd[c]                                      # float64
-        gbeta[c] = sg
-        ggamma[c] = gg
-        gam = np.float64(gamma[c])
-        coefs[0, c] = _coef_g(gam, invstd[c])
-        coefs[1, c] = _coef_x(gam, invstd[c], gg, count, training)
-        coefs[2, c] = _coef_0(gam, invstd[c], sg, count, training)
-    _tile_in_place(coefs, m, C)
-
-
-@njit(inline="always")
-def _tile_in_place(rows, m, C):
-    # rows: (k, m*C): copy columns [0, C) to the other m - 1 tiles
-    for j in range(1, m):
-        for i in range(rows.shape[0]):
-            for c in range(C):
-                rows[i, j * C + c] = rows[i, c]
-
-
-@njit(cache=True)
-def _channel_values(mean, invstd, gamma, beta, m, out):
-    # out: (4, m*C) in x's dtype <- the per-channel values of the elementwise kernels, each
-    # tiled m times: mean_hi = mean rounded, mean_lo = (mean - mean_hi) rounded (so that
-    # (x - mean_hi) - mean_lo is x - mean to a rounding of the result), scale = gamma*invstd
-    # rounded once, beta rounded. The forward and the STATE_AFFINE backward both take them
-    # from here, so the gate's arithmetic sees the forward's very values.
-    C = mean.shape[0]
-    for c in range(C):
-        out[0, c] = mean[c]
-        out[1, c] = mean[c] - out[0, c]
-        out[2, c] = invstd[c] * gamma[c]
-        out[3, c] = beta[c]
-    _tile_in_place(out, m, C)
 
 
 @task_kernel
