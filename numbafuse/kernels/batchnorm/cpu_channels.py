@@ -17,26 +17,29 @@ _coef_0 = cpu_scalar(bm.coef_0)
 
 
 @njit(inline="always")
-def _folded(partials, p, i, c, m, C):
-    # the sum of partials[p, i] over the m tiles of channel c, in tile order (as _fold)
-    f = partials[p, i, c]
-    for j in range(1, m):
-        f += partials[p, i, j * C + c]
-    return f
+def _channel_sums(partials, c, m, C):
+    # (sum over p of partials[p, 0], the same of partials[p, 1]) for channel c: the m tiles of
+    # each task's sums folded first, in tile order (as cpu._fold), then the tasks in order
+    s0 = 0.0
+    s1 = 0.0
+    for p in range(partials.shape[0]):
+        f0 = partials[p, 0, c]
+        f1 = partials[p, 1, c]
+        for j in range(1, m):
+            f0 += partials[p, 0, j * C + c]
+            f1 += partials[p, 1, j * C + c]
+        s0 += f0
+        s1 += f1
+    return s0, s1
 
 
 @njit(cache=True)
 def _finalize_stats(partials, m, shift, count, eps, mean, var, invstd):
     # partials: (P, 2, m*C) shifted sums, the m tiles of each channel (NHWC_ROW) folded here;
     # shift, mean, var, invstd: (C,) float64
-    P = partials.shape[0]
     C = shift.shape[0]
     for c in range(C):
-        s1 = 0.0
-        s2 = 0.0
-        for p in range(P):
-            s1 += _folded(partials, p, 0, c, m, C)
-            s2 += _folded(partials, p, 1, c, m, C)
+        s1, s2 = _channel_sums(partials, c, m, C)
         mean[c] = _finalize_mean(s1, shift[c], count)
         var[c] = _finalize_var(s1, s2, count)
         invstd[c] = _invstd_of(var[c], eps)
@@ -48,14 +51,9 @@ def _finalize_backward(partials, pm, gamma, invstd, count, training, ggamma, gbe
     # here; gamma, invstd: (C,); ggamma = invstd * sum g*(x - mean), gbeta = sum g: (C,), their
     # dtype; coefs: (3, m*C) in x's dtype <- cg, cx, c0 of dx = cg*g + cx*(x - mean) + c0, each
     # rounded once from float64 and tiled m times
-    P = partials.shape[0]
     C = invstd.shape[0]
     for c in range(C):
-        sg = 0.0
-        sgx = 0.0
-        for p in range(P):
-            sg += _folded(partials, p, 0, c, pm, C)
-            sgx += _folded(partials, p, 1, c, pm, C)
+        sg, sgx = _channel_sums(partials, c, pm, C)
         gg = sgx * invstd[c]                                      # float64
         gbeta[c] = sg
         ggamma[c] = gg
