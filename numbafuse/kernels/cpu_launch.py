@@ -24,10 +24,11 @@ generation counter in compiled code, GIL released, then it sleeps on a condition
 the helpers' park slots at the end of a call before it sleeps on the job's condition. Why:
 on the 2-core VM a sleeping thread woken by a futex (a condition variable, or the GIL) starts
 ~70-90 us later, which is a fifth of a 0.4 ms pass and happened twice per launch; the launches
-of a forward or backward come ~10-100 us apart. Parked, a helper starts ~30-40 us after the
-launch (it waits ``LATE_NS`` after the counter changes before it takes the GIL, which the
-launching thread holds until it enters its own first range: asking earlier puts the helper to
-sleep on the GIL), and the caller returns ~10 us after the last range instead of ~30-60.
+of a forward or backward come ~60-200 us apart. Parked, a helper starts ~15-25 us after the
+launch (the caller publishes the call right before it enters its own first range, where it
+releases the GIL, and the helper waits ``LATE_NS`` after it sees the call before it takes the
+GIL: asking while the caller holds it puts the helper to sleep on the GIL), and the caller
+returns ~10-20 us after the last range instead of up to ~60.
 Measured with ``benchmarks/bench_batchnorm_add_relu.py``, fwd+bwd of (32,64,32,32): 2.62-3.58
 ms against 3.80-4.40 before, and the digits training step ~25% faster (docs/threading.md).
 The cost: up to SPIN_NS of one core's time after each call (CPU time per training step
@@ -352,7 +353,6 @@ class _Pool:
             self.generation += 1
             _publish(self.flag, self.generation)
             self.cv.notify_all()
-
 
 
 _pool = None
