@@ -200,3 +200,17 @@ def test_set_num_threads_ends_parked_helpers():
             assert not t.is_alive()
     finally:
         _launch.set_num_threads(threads)
+
+
+def test_no_parking_with_more_threads_than_cpus(monkeypatch):
+    """Oversubscribed, a parked thread would take another pool thread's CPU: none parks."""
+    monkeypatch.setattr(_launch, "SPIN_NS", 200_000)
+    monkeypatch.setattr(_launch, "_CLOCK", 1)
+    monkeypatch.setattr(_launch, "_num_threads", 3)
+    monkeypatch.setattr(_launch, "_CPUS", 3)
+    assert _launch._spinning()
+    monkeypatch.setattr(_launch, "_CPUS", 2)
+    assert not _launch._spinning()
+    monkeypatch.setattr(_launch, "_CPUS", 3)
+    monkeypatch.setattr(_launch, "SPIN_NS", 0)
+    assert not _launch._spinning()
