@@ -80,12 +80,14 @@ def _usable_cpus():
         return max(1, os.cpu_count() or 1)
 
 
+_CPUS = _usable_cpus()
+
+
 def _default_threads():
     env = os.environ.get("NUMBAFUSE_NUM_THREADS")
-    return max(1, int(env)) if env else _usable_cpus()
+    return max(1, int(env)) if env else _CPUS
 
 
-_CPUS = _usable_cpus()
 _num_threads = _default_threads()
 
 

@@ -43,7 +43,7 @@ from .math import BITS, STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y, mask_nbyt
 from .. import scalar
 from ..scalar import cpu_scalar
 from .cpu_running import inference_stats, update_running  # noqa: F401
-from .cpu_channels import _channel_values, _finalize_backward, _finalize_stats
+from .cpu_channels import _channel_totals, _channel_values, _finalize_backward, _finalize_stats
 
 CHUNK = 1 << 14          # elements per parallel task of the elementwise passes; multiple of 8
 REDUCE_CHUNK = 1 << 15   # elements per parallel task of the NHWC reductions (rows = this // C)
@@ -412,17 +412,15 @@ def stats(x, layout, eps):
     """(mean, var, invstd) float64 (C,) of a C-contiguous 4-d ``x``; var is biased."""
     N, C, HW = _dims(x.shape, layout)
     shift = _shift(x, layout, C)
+    m = _repeat(x.shape, layout)                                  # NCHW: 1
     if layout == "NCHW":
         partials = np.empty((N, 2, C))
         launch(_stats_nchw, N * C, x.reshape(N, C, HW), shift, partials, work=x.size)
     else:
-        m = _repeat(x.shape, layout)
         rows = max(1, REDUCE_CHUNK // (m * C))                    # ~REDUCE_CHUNK a task
         partials = np.empty((-(-N * HW // (m * rows)), 2, m * C))
         launch(_stats_nhwc, partials.shape[0], _rows(x, layout, m), *_tile(m, shift), rows,
                partials, work=x.size)
-    if layout == "NCHW":
-        m = 1
     out = np.empty((3, C))                                        # mean, var, invstd
     _finalize_stats(partials, m, shift, float(N * HW), float(eps), out[0], out[1], out[2])
     return out[0], out[1], out[2]
@@ -449,12 +447,6 @@ def _tile(m, *arrays):
     for i, a in enumerate(arrays):
         out[i] = a                                                # (m, C) <- (C,) broadcast
     return tuple(out.reshape(len(arrays), -1))
-
-
-def _fold(partials, m):
-    """(P, 2, m*C) per-task sums of the tiled channels -> (P, 2, C), a fixed order."""
-    P, _, L = partials.shape
-    return partials.reshape(P, 2, m, L // m).sum(axis=2) if m > 1 else partials
 
 
 def _rows(x, layout, m=1):
@@ -552,7 +544,9 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     _finalize_backward(partials, pm, gamma, invstd, count or 1.0, bool(training), grads[0],
                        grads[1], coefs, m)
     if sync is not None:            # the dx coefficients from the global sums and count
-        total, count = sync(_fold(partials, pm).sum(axis=0))      # (2, C) float64
+        local = np.empty((2, C))
+        _channel_totals(partials, pm, local)
+        total, count = sync(local)                                # (2, C) float64
         _finalize_backward(total[None], 1, gamma, invstd, float(count), bool(training),
                            np.empty(C, dtype), np.empty(C, dtype), coefs, m)
     gx = None

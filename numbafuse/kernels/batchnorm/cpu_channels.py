@@ -19,7 +19,7 @@ _coef_0 = cpu_scalar(bm.coef_0)
 @njit(inline="always")
 def _channel_sums(partials, c, m, C):
     # (sum over p of partials[p, 0], the same of partials[p, 1]) for channel c: the m tiles of
-    # each task's sums folded first, in tile order (as cpu._fold), then the tasks in order
+    # each task's sums folded first, in tile order, then the tasks in order
     s0 = 0.0
     s1 = 0.0
     for p in range(partials.shape[0]):
@@ -31,6 +31,15 @@ def _channel_sums(partials, c, m, C):
         s0 += f0
         s1 += f1
     return s0, s1
+
+
+@njit(cache=True)
+def _channel_totals(partials, m, out):
+    # out: (2, C) float64 <- the two sums of every channel over the tasks (_channel_sums):
+    # a rank's own sums, which synchronized batch norm all-reduces
+    C = out.shape[1]
+    for c in range(C):
+        out[0, c], out[1, c] = _channel_sums(partials, c, m, C)
 
 
 @njit(cache=True)
