@@ -30,10 +30,11 @@ releases the GIL, and the helper waits ``LATE_NS`` after it sees the call before
 GIL: asking while the caller holds it puts the helper to sleep on the GIL), and the caller
 returns ~10-20 us after the last range instead of up to ~60.
 Measured with ``benchmarks/bench_batchnorm_add_relu.py``, fwd+bwd of (32,64,32,32): 2.62-3.58
-ms against 3.80-4.40 before, and the digits training step ~25% faster (docs/threading.md).
-The cost: up to SPIN_NS of one core's time after each call (CPU time per training step
-~10% higher). ``NUMBAFUSE_SPIN_US=0`` turns parking off (every wait sleeps at once); without
-``clock_gettime`` (not Linux), or with more threads than CPUs, it is off.
+ms against 3.80-4.40 before, and the fused digits training step 26-27% faster
+(docs/threading.md). The cost: up to SPIN_NS of one core's time after each call (CPU time per
+fused training step 3% and 14% higher in two A/B runs). ``NUMBAFUSE_SPIN_US=0`` turns
+parking off (every wait sleeps at once); without ``clock_gettime`` (not Linux), or with more
+threads than CPUs, it is off.
 
 Fork: the helpers do not exist in a forked child; an ``os.register_at_fork`` hook forgets the
 pool there and the child starts its own on its first parallel call. Threads: calls from several
