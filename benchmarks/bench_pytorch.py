@@ -12,9 +12,8 @@ The block (float32, NCHW, C channels, 3x3 convs, padding 1)::
                                                conv2 the same torch.nn.Conv2d
 
 Each side runs in **its own process with its own defaults** (DESIGN.md, "How speed is
-measured"): the torch process never imports numbafuse (so never sees the OMP_WAIT_POLICY that
-``import numbafuse`` sets); the numbafuse process imports torch, then numbafuse.torch, as a user
-would. The driver (this script without ``--worker``) imports neither; it alternates the two
+measured"): the torch process never imports numbafuse; the numbafuse process imports torch,
+then numbafuse.torch, as a user would. The driver (this script without ``--worker``) imports neither; it alternates the two
 processes for ``--rounds`` rounds and keeps each side's best. In a process: build the block
 (seeded), warm up (Numba compiles), then time ``--steps`` training steps, each from cleared
 gradients (``zero_grad(set_to_none=True)``, forward, ``(y * t).sum()``, backward, SGD step),
@@ -50,12 +49,16 @@ SIDES = ("torch", "numbafuse")
 
 # --------------------------------------------------------------------------- the blocks
 
-def build(side, C):
-    """The block of ``side`` ("torch" or "numbafuse"); same seed, same initial weights."""
+def blocks():
+    """(TorchBlock, FusedBlock): the two blocks as classes of ``C``; numbafuse.torch is imported
+    only when FusedBlock is built. tests/test_torch.py trains both and checks they agree, so
+    the benchmark compares the same network."""
     import torch
 
     class TorchBlock(torch.nn.Module):
-        def __init__(self):
+        """relu(bn2(conv2(relu(conv1(x) + b))) + x) in torch.nn layers."""
+
+        def __init__(self, C):
             super().__init__()
             self.conv1 = torch.nn.Conv2d(C, C, 3, padding=1)
             self.conv2 = torch.nn.Conv2d(C, C, 3, padding=1, bias=False)
@@ -64,14 +67,12 @@ def build(side, C):
         def forward(self, x):
             return torch.relu(self.bn2(self.conv2(torch.relu(self.conv1(x)))) + x)
 
-    torch.manual_seed(SEED)
-    if side == "torch":
-        return TorchBlock()
-    import numbafuse.torch as nft
-
     class FusedBlock(torch.nn.Module):
-        def __init__(self):
+        """The same block with numbafuse's layers swapped in (same attribute names)."""
+
+        def __init__(self, C):
             super().__init__()
+            import numbafuse.torch as nft
             self.conv1 = nft.ConvBiasReLU2d(C, C, 3, padding=1)
             self.conv2 = torch.nn.Conv2d(C, C, 3, padding=1, bias=False)
             self.bn2 = nft.BatchNormAddReLU2d(C)
@@ -79,7 +80,15 @@ def build(side, C):
         def forward(self, x):
             return self.bn2(self.conv2(self.conv1(x)), x)
 
-    return FusedBlock()
+    return TorchBlock, FusedBlock
+
+
+def build(side, C):
+    """The block of ``side`` ("torch" or "numbafuse"); same seed, same initial weights."""
+    import torch
+    torch_block, fused_block = blocks()
+    torch.manual_seed(SEED)
+    return torch_block(C) if side == "torch" else fused_block(C)
 
 
 def worker(side, shape, steps):

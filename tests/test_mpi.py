@@ -54,6 +54,47 @@ def test_a_rank_that_raises_ends_the_job_instead_of_hanging(tmp_path):
     assert "rank 1 breaks" in run.stderr and "aborting all 2 ranks" in run.stderr
 
 
+def test_a_failing_mpi_test_ends_the_job_instead_of_hanging(tmp_path):
+    # rank 1 fails an assertion while rank 0 goes on to a collective of the same test: without
+    # tests/mpi/conftest.py's abort the job would hang until TIMEOUT
+    shutil.copy(os.path.join(ROOT, "tests", "mpi", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_fails_mpi.py").write_text(textwrap.dedent("""
+        import numpy as np
+
+        def test_one_rank_fails(comm):
+            assert comm.rank != 1, "rank 1 disagrees"
+            comm.allreduce_sum(np.ones(3))
+
+        def test_after(comm):
+            comm.allreduce_sum(np.ones(3))
+    """))
+    run = _mpiexec(2, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
+                       str(tmp_path), str(tmp_path)], timeout=90)
+    assert run.returncode != 0
+    out = run.stdout + run.stderr
+    assert "rank 1 disagrees" in out and "[rank 1] " in out and "aborting all 2 ranks" in out
+
+
+def test_an_mpi_test_that_hangs_without_failing_ends_the_job(tmp_path):
+    # rank 0 waits for a message that never comes, rank 1 in a barrier that rank 0 never
+    # reaches: no failure to abort on, the watchdog ends the job
+    shutil.copy(os.path.join(ROOT, "tests", "mpi", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_hangs_mpi.py").write_text(textwrap.dedent("""
+        from mpi4py import MPI
+
+        def test_rank_0_waits_alone(comm):
+            if comm.rank == 0:
+                MPI.COMM_WORLD.recv(source=1, tag=7)
+            else:
+                MPI.COMM_WORLD.Barrier()
+    """))
+    run = _mpiexec(2, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
+                       str(tmp_path), str(tmp_path)], timeout=90,
+                   env={"NUMBAFUSE_MPI_TEST_TIMEOUT": "5"})
+    assert run.returncode != 0
+    assert "Timeout" in run.stderr and "test_rank_0_waits_alone" in run.stderr
+
+
 def test_distributed_training_follows_the_one_process_loss_curve(tmp_path):
     import json
     args = ["-m", "numbafuse.train", "--epochs", "1", "--train-subset", "160",

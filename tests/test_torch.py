@@ -10,6 +10,7 @@ it in its torch leg: ``.ci/run``).
 import doctest
 import pathlib
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -240,30 +241,10 @@ def test_batchnorm_module_counts_batches_like_torch(rng, momentum):
     assert int(ours.num_batches_tracked) == 3
 
 
-class TorchBlock(torch.nn.Module):
-    """A residual block from torch.nn layers: relu(bn2(conv2(relu(conv1(x) + b))) + x)."""
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_pytorch  # noqa: E402  (the blocks benchmarks/bench_pytorch.py times)
 
-    def __init__(self, C):
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(C, C, 3, padding=1)
-        self.conv2 = torch.nn.Conv2d(C, C, 3, padding=1, bias=False)
-        self.bn2 = torch.nn.BatchNorm2d(C)
-
-    def forward(self, x):
-        return (self.bn2(self.conv2(torch.relu(self.conv1(x)))) + x).relu()
-
-
-class FusedBlock(torch.nn.Module):
-    """The same block with numbafuse's layers swapped in (same attribute names)."""
-
-    def __init__(self, C):
-        super().__init__()
-        self.conv1 = nft.ConvBiasReLU2d(C, C, 3, padding=1)
-        self.conv2 = torch.nn.Conv2d(C, C, 3, padding=1, bias=False)
-        self.bn2 = nft.BatchNormAddReLU2d(C)
-
-    def forward(self, x):
-        return self.bn2(self.conv2(self.conv1(x)), x)
+TorchBlock, FusedBlock = bench_pytorch.blocks()
 
 
 class BasicBlock(torch.nn.Module):
