@@ -8,8 +8,9 @@ A failure on one rank ends the whole job at once: the ranks would otherwise drif
 failing rank goes on to the next test while the others wait in a collective of this one, and
 the job hangs until test_mpi.py's timeout). So a failed test report on any rank prints the
 failure to stderr with the rank and calls ``MPI_Abort``; and a test that runs longer than
-``MPI_TEST_TIMEOUT`` s (``NUMBAFUSE_MPI_TEST_TIMEOUT``; a hang without a failure: a rank in a collective the others never
-reach) dumps every thread's traceback and exits that rank, which ends the job as well.
+``MPI_TEST_TIMEOUT`` s (``NUMBAFUSE_MPI_TEST_TIMEOUT``; a hang without a failure: a rank in
+a collective the others never reach) dumps every thread's traceback and exits that rank,
+which ends the job as well.
 """
 import faulthandler
 import os
