@@ -14,8 +14,8 @@ The block (float32, NCHW, C channels, 3x3 convs, padding 1)::
 Each side runs in **its own process with its own defaults** (DESIGN.md, "How speed is
 measured"): the torch process never imports numbafuse; the numbafuse process imports torch,
 then numbafuse.torch, as a user would. The driver (this script without ``--worker``) imports
-neither; it alternates the two processes for ``--rounds`` rounds and keeps each side's best. In a process: build the block
-(seeded), warm up (Numba compiles), then time ``--steps`` training steps, each from cleared
+neither; it alternates the two processes for ``--rounds`` rounds and keeps each side's best.
+In a process: build the block (seeded), warm up (Numba compiles), then time ``--steps`` training steps, each from cleared
 gradients (``zero_grad(set_to_none=True)``, forward, ``(y * t).sum()``, backward, SGD step),
 and as many inference calls (``eval()``, ``torch.no_grad()``); a process reports the median
 of its steps. ``--memory`` prints instead the bytes autograd saves for backward (every tensor
