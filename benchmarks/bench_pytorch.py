@@ -15,9 +15,10 @@ Each side runs in **its own process with its own defaults** (DESIGN.md, "How spe
 measured"): the torch process never imports numbafuse; the numbafuse process imports torch,
 then numbafuse.torch, as a user would. The driver (this script without ``--worker``) imports
 neither; it alternates the two processes for ``--rounds`` rounds and keeps each side's best.
-In a process: build the block (seeded), warm up (Numba compiles), then time ``--steps`` training steps, each from cleared
-gradients (``zero_grad(set_to_none=True)``, forward, ``(y * t).sum()``, backward, SGD step),
-and as many inference calls (``eval()``, ``torch.no_grad()``); a process reports the median
+In a process: build the block (seeded), warm up (Numba compiles), then time ``--steps``
+training steps, each from cleared gradients (``zero_grad(set_to_none=True)``, forward,
+``(y * t).sum()``, backward, SGD step), and as many inference calls (``eval()``,
+``torch.no_grad()``); a process reports the median
 of its steps. ``--memory`` prints instead the bytes autograd saves for backward (every tensor
 passed to a pack hook of ``torch.autograd.graph.saved_tensors_hooks``, each storage once) for
 the unfused torch ops and the numbafuse Functions, and for the two blocks.
