@@ -7,7 +7,9 @@ For each parameter ``p`` with gradient ``g`` (``lr``, momentum ``m``, weight dec
     p  <- p - lr * b                   (p - lr * g without momentum)
 
 exactly as ``torch.optim.SGD`` (dampening 0, no Nesterov). Host parameters are updated in
-place with NumPy.
+place, one compiled pass each (``kernels.elementwise.cpu.sgd_param_step``: the arithmetic of
+the NumPy steps above, bit for bit; NumPy itself for a parameter or gradient that is not a
+C-contiguous array of the parameter's float dtype).
 
 Device parameters take one fused step per dtype, as PyTorch's fused/foreach SGD: the
 parameters of one dtype live in one flat pool buffer (each ``p.data`` becomes a view of its
@@ -70,24 +72,42 @@ class SGD:
     def step(self):
         """One update of every parameter that has a gradient."""
         on_device = {}                                  # dtype -> indices of device params
+        scalars = {}                                    # dtype -> the host step's scalars
         for i, p in enumerate(self.params):
             if isinstance(p.data, np.ndarray):
                 if p.grad is not None:
-                    self._step_host(i, p)
+                    self._step_host(i, p, scalars)
             else:
                 on_device.setdefault(np.dtype(p.data.dtype), []).append(i)
         for dtype, indices in on_device.items():
             if any(self.params[i].grad is not None for i in indices):
                 self._step_device(dtype, indices)
 
-    def _step_host(self, i, p):
+    def _step_host(self, i, p, scalars):
+        data, g, b = p.data, p.grad, self.momentum_buffers[i]
+        first = b is None
+        if self.momentum and first:
+            b = self.momentum_buffers[i] = np.empty_like(data)
+        if not (_compiled_step(data, g) and (not self.momentum or _compiled_step(data, b))):
+            self._step_host_numpy(i, p, first)
+            return
+        ew = kernels.module("elementwise", backend.CPU)
+        s = scalars.get(data.dtype)
+        if s is None:
+            s = scalars[data.dtype] = ew.sgd_scalars(self.lr, self.momentum, self.weight_decay,
+                                                     data.dtype)
+        ew.sgd_param_step(data, g, data if b is None else b, s, self.weight_decay != 0,
+                    self.momentum != 0, first)
+
+    def _step_host_numpy(self, i, p, first):
+        # the same step in NumPy calls, for arrays the compiled step does not take
         dtype = p.data.dtype.type
         g = p.grad
         if self.weight_decay:
             g = g + dtype(self.weight_decay) * p.data           # new array: .grad is untouched
         if self.momentum:
             b = self.momentum_buffers[i]
-            if b is None:
+            if first:
                 b = self.momentum_buffers[i] = np.array(g, dtype=p.data.dtype)
             else:
                 b *= dtype(self.momentum)
@@ -114,6 +134,17 @@ class SGD:
             for i in with_grad:
                 group.started.add(i)
                 self.momentum_buffers[i] = group.buffer_view(i)
+
+
+def _compiled_step(data, other):
+    """Whether the compiled host step takes ``other`` (a gradient or momentum buffer) with
+    the parameter ``data``: C-contiguous arrays of one float dtype and one shape."""
+    return (isinstance(other, np.ndarray) and data.flags.c_contiguous
+            and other.flags.c_contiguous and other.dtype == data.dtype
+            and other.shape == data.shape and data.dtype in _STEP_DTYPES)
+
+
+_STEP_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _flat(a):

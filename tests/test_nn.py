@@ -334,6 +334,63 @@ def test_sgd_updates_in_place_and_skips_missing_grads():
     np.testing.assert_array_equal(q.data, 1.0)
 
 
+def _numpy_steps(p0, grads, lr, momentum, wd):
+    """The NumPy step the compiled host step replaces (optim.SGD._step_host_numpy), written
+    out: g + wd*p; b = g, then b*m + g; p - lr*b, every operation in p's dtype."""
+    dt = p0.dtype.type
+    p, b = p0.copy(), None
+    for g in grads:
+        if wd:
+            g = g + dt(wd) * p
+        if momentum:
+            if b is None:
+                b = np.array(g)
+            else:
+                b *= dt(momentum)
+                b += g
+            g = b
+        p -= dt(lr) * g
+    return p
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("momentum,wd", [(0.0, 0.0), (0.9, 0.0), (0.0, 5e-4), (0.9, 5e-4)])
+def test_sgd_host_step_is_the_numpy_step_bit_for_bit(rng, dtype, momentum, wd):
+    shape = (24, 24, 3, 3)
+    p0 = rng.standard_normal(shape).astype(dtype)
+    grads = [rng.standard_normal(shape).astype(dtype) for _ in range(4)]
+    p = nf.Tensor(p0.copy(), requires_grad=True)
+    data = p.data
+    opt = optim.SGD([p], lr=0.05, momentum=momentum, weight_decay=wd)
+    for g in grads:
+        p.grad = g.copy()
+        opt.step()
+        np.testing.assert_array_equal(p.grad, g)                  # the gradient is untouched
+    assert p.data is data and p.data.dtype == dtype
+    np.testing.assert_array_equal(p.data, _numpy_steps(p0, grads, 0.05, momentum, wd))
+    if momentum:
+        assert opt.momentum_buffers[0].dtype == dtype
+
+
+@pytest.mark.parametrize("layout", ["strided param", "strided grad", "float64 grad"])
+def test_sgd_host_step_takes_any_array_layout(rng, layout):
+    base = rng.standard_normal((6, 8)).astype(np.float32)
+    g0 = [rng.standard_normal((6, 4)).astype(np.float32) for _ in range(3)]
+    p0 = np.ascontiguousarray(base[:, ::2])
+    p = nf.Tensor(base[:, ::2] if layout == "strided param" else p0.copy(), requires_grad=True)
+    data = p.data
+    opt = optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01)
+    for g in g0:
+        p.grad = (np.asfortranarray(g) if layout == "strided grad" else
+                  g.astype(np.float64) if layout == "float64 grad" else g)
+        opt.step()
+    assert p.data is data                                          # still in place
+    want = _numpy_steps(p0, [np.asarray(g, np.float32) for g in g0], 0.1, 0.9, 0.01)
+    np.testing.assert_allclose(p.data, want, rtol=1e-6, atol=1e-6)
+    if layout == "strided param":
+        np.testing.assert_array_equal(base[:, ::2], p.data)       # the caller's view moved
+
+
 @pytest.mark.parametrize("kwargs,match", [(dict(lr=0.0), "lr"), (dict(lr=0.1, momentum=-1),
                                                                   "momentum"),
                                           (dict(lr=0.1, weight_decay=-1), "weight_decay")])
