@@ -10,11 +10,11 @@ it is opened ``RTLD_LOCAL``: a library instance of its own, not the one inside N
 SciPy's wheel) and sets *that* instance to one thread. Measured in the wave's second session
 on a 2-core AMD EPYC with AVX-512: SGEMM (m, 576) @ (576, 64) at ~100 GFLOP/s per calling
 thread for m = 256..2048, two threads calling at once ~200 GFLOP/s together. On the seventh
-session's 2-core EPYC (AVX2, OpenBLAS picks its Haswell kernels), one thread: 84-88 GFLOP/s
-at (1024, 576) @ (576, 64), 47-60 at (128, 24) @ (24, 24) (a Winograd GEMM of the digits
-net); two threads of one process calling at once got less than twice that (1024: 96-122
-together, 128: 42-77), two processes 80-96 at 128: per-call state shared inside the library
-instance costs concurrent small GEMMs (not pinned down; that VM is noisy).
+session's 2-core EPYC (AVX2, OpenBLAS picks its Haswell kernels), one thread: 69-89 GFLOP/s
+at (1024, 576) @ (576, 64), 45-59 at (128, 24) @ (24, 24) (a Winograd GEMM of the digits
+net); two threads at once, each pinned to its own CPU: up to 86 + 88 and 56 + 56, with the
+same VM giving 34-60 a thread in other minutes (host load, not the library: it moved the
+same way for one thread alone).
 
 Without the wheel (or with NUMBAFUSE_PRIVATE_BLAS=0), the GEMMs fall back to SciPy's BLAS (``scipy.linalg.cython_blas``, the
 one Numba's ``np.dot`` uses): correct, but its own threads then compete with the pool's
