@@ -108,3 +108,36 @@ def test_strided_nchw_by_phase_planes(size, kernel, stride, padding, dilation, c
     # STRIDED_NCHW_SLAB off: the phase planes that ran these before the slabs (and still can)
     test_boundary_shapes("NCHW", size, kernel, stride, padding, dilation, chunk_bytes, 7, 1,
                          slab=False)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows, cols", [(8, 8), (19, 21), (64, 32), (3, 5), (16, 7), (7, 16),
+                                        (0, 4), (9, 0)])
+def test_transpose_tiles_and_edges(dtype, rows, cols):
+    # cpu_transpose.transpose: 8x8 shuffle tiles inside, one value at a time at the edges; both
+    # sides strided rows (views into wider arrays), whose margins stay untouched
+    from numba import njit
+    from numbafuse.kernels.cpu_transpose import transpose
+
+    @njit
+    def run(src, dst):
+        transpose(src, dst)
+    rng = np.random.default_rng(rows * 100 + cols)
+    src = rng.standard_normal((rows, cols + 6)).astype(dtype)[:, 2:2 + cols]
+    wide = np.full((cols, rows + 3), -7.0, dtype)
+    run(src, wide[:, 1:1 + rows])
+    np.testing.assert_array_equal(wide[:, 1:1 + rows], src.T)
+    assert (wide[:, 0] == -7).all() and (wide[:, 1 + rows:] == -7).all()
+
+
+@pytest.mark.parametrize("C, W", [(8, 8), (19, 21), (16, 9)])
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, cpu_conv.CHUNK_BYTES])
+def test_strided_nchw_slabs_of_whole_tiles(C, W, chunk_bytes):
+    # channel counts and widths of 8 and more: the slabs' transposes run their 8x8 tiles, with
+    # edge rows and columns (19, 21) or none (8, 8)
+    rng = np.random.default_rng(C + W)
+    x = rng.standard_normal((2, C, 11, W)).astype(np.float32)
+    w = (rng.standard_normal((9, C, 3, 3)) / C).astype(np.float32)
+    b = rng.standard_normal(9).astype(np.float32)
+    p = nfs.ConvProblem(x, w, b, dict(stride=2, padding=1, dilation=1, layout="NCHW"))
+    _check(p, chunk_bytes, groups=3, min_channels=8)

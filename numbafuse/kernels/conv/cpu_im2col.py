@@ -28,6 +28,7 @@ from numba import njit
 
 from .. import cpu_blas as _blas
 from ..cpu_launch import blocks, launch, task_kernel
+from ..cpu_transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
 
@@ -239,13 +240,8 @@ def _slab_rows(p0, p1, geo):
 def _slab_hwc(x, n, h0, h1, slab):
     # slab (h1 - h0, W, C) <- rows [h0, h1) of x[n] (C, H, W), transposed: an NCHW chunk's
     # input in NHWC order, so the gather copies whole channel vectors (it stays in cache)
-    C = x.shape[1]
     for h in range(h0, h1):
-        dst = slab[h - h0]                                        # (W, C)
-        for c in range(C):
-            src = x[n, c, h]                                      # (W,)
-            for w in range(src.shape[0]):
-                dst[w, c] = src[w]
+        transpose(x[n, :, h], slab[h - h0])                       # (C, W) -> (W, C)
 
 
 @njit(inline="always")
