@@ -35,7 +35,7 @@ def _run(p, gy, threads):
     return (y, *nf.conv_bias_relu_backward(gy, p.x, p.w, y, **p.kwargs))
 
 
-def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True):
+def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, wino_slabs=True):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
         if tiles is not None:
@@ -49,6 +49,8 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True):
         mp.setattr(cpu_conv, "STRIDED_NHWC_IM2COL", min_channels > 1)
         # strided NCHW forward and dW: im2col over NHWC slabs, or phase planes
         mp.setattr(cpu_conv, "STRIDED_NCHW_SLAB", slab)
+        # NCHW Winograd: through HWC slabs, or the NCHW transforms
+        mp.setattr(cpu_conv, "WINOGRAD_NCHW_SLABS", wino_slabs)
         mp.setattr(cpu_conv, "DW_GROUPS", groups)
         mp.setattr(cpu_im2col, "SUM_BLOCK", 7)                 # the group sums: many tasks
         mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
@@ -71,9 +73,10 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True):
 
 @given(nfs.conv_problems(max_batch=3, max_size=18, max_channels=3), CHUNKS,
        st.integers(1, 5), TILES, st.sampled_from([1, cpu_conv.MIN_GEMM_CHANNELS]),
-       st.booleans())
-def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles, min_channels, slab):
-    _check(p, chunk_bytes, groups, tiles, min_channels, slab)
+       st.booleans(), st.booleans())
+def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles, min_channels, slab,
+                                         wino_slabs):
+    _check(p, chunk_bytes, groups, tiles, min_channels, slab, wino_slabs)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -141,3 +144,19 @@ def test_strided_nchw_slabs_of_whole_tiles(C, W, chunk_bytes):
     b = rng.standard_normal(9).astype(np.float32)
     p = nfs.ConvProblem(x, w, b, dict(stride=2, padding=1, dilation=1, layout="NCHW"))
     _check(p, chunk_bytes, groups=3, min_channels=8)
+
+
+@pytest.mark.parametrize("wino_slabs", [True, False])
+@pytest.mark.parametrize("C, H, W", [(8, 8, 8), (19, 13, 21), (16, 9, 17)])
+@pytest.mark.parametrize("chunk_bytes, tiles", [(1, 1), (3000, 7), (cpu_conv.CHUNK_BYTES,
+                                                                     cpu_conv.WINOGRAD_TILES)])
+def test_nchw_winograd_through_hwc_slabs(wino_slabs, C, H, W, chunk_bytes, tiles):
+    # 8 and more channels and columns: the slabs' transposes run 8x8 tiles and edges, in the
+    # forward (x in, y out), dX (gy gated by y in, dx out) and dW (x, gy, y in); one tile row
+    # a chunk, a few, whole images; odd output sizes (the last tile's second row and column)
+    rng = np.random.default_rng(C * H + W)
+    x = rng.standard_normal((3, C, H, W)).astype(np.float32)
+    w = (rng.standard_normal((11, C, 3, 3)) / C).astype(np.float32)
+    b = rng.standard_normal(11).astype(np.float32)
+    p = nfs.ConvProblem(x, w, b, dict(stride=1, padding=1, dilation=1, layout="NCHW"))
+    _check(p, chunk_bytes, groups=2, tiles=tiles, min_channels=8, wino_slabs=wino_slabs)

@@ -12,7 +12,8 @@ Which kernels run (``algorithm``; docs/conv_bias_relu.md has the measurements):
     im2col     fewer than MIN_GEMM_CHANNELS input or output channels, the NCHW forward and
                dW with fewer than NCHW_IM2COL_CHANNELS, and the forward and dW of strided
                NHWC convolutions                                        (cpu_im2col.py)
-    winograd   3x3, stride 1, no dilation (NCHW: outputs at least WINOGRAD_NCHW_MIN_WIDTH wide):
+    winograd   3x3, stride 1, no dilation (NCHW: outputs at least WINOGRAD_NCHW_MIN_WIDTH wide,
+               run through NHWC's transforms on HWC slabs of each chunk's rows):
                F(2x2, 3x3) forward, dX and dW                          (cpu_winograd.py)
     phase      everything else: shifted GEMMs over phase planes (forward, dW), dX by input
                phase over one padded copy of the gradient              (cpu_direct.py)
@@ -39,6 +40,9 @@ WINOGRAD_TILES = 160      # 2x2 output tiles per Winograd chunk (the GEMMs' n)
 WINOGRAD_DW_NCHW_TILES = 320   # ... of an NCHW dW chunk (its NT GEMMs and short transform
                                # loops gain from longer chunks; measured in docs)
 WINOGRAD_NCHW_MIN_WIDTH = 16   # narrower NCHW outputs: phase planes (short tile rows lose)
+# NCHW Winograd through NHWC's transforms and GEMMs: each chunk's rows transposed to HWC in
+# cache (8x8 tiles, cpu_transpose.py) and its output rows back (else the NCHW transforms)
+WINOGRAD_NCHW_SLABS = True
 MIN_GEMM_CHANNELS = 16    # fewer input or output channels: im2col (GEMMs with k = C*R*S)
 NCHW_IM2COL_CHANNELS = 32  # NCHW forward and dW with fewer: im2col too (Winograd's and the
                            # phase planes' GEMMs have k = C or K; measured in docs)
@@ -152,26 +156,30 @@ def _winograd_run(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, bla
     taps w (K, C, 3, 3), flipped and transposed for dX (``flip``)."""
     Ci, Co = (w.shape[0], w.shape[1]) if flip else (w.shape[1], w.shape[0])
     N, Ho, Wo = out.shape[0], *(out.shape[1:3] if nhwc else out.shape[2:4])
-    U = np.empty((16, Ci, Co) if nhwc else (16, Co, Ci), src.dtype)   # the GEMMs' orientation
-    _wino.winograd_taps(w, flip, nhwc, U)
-    ipc, tyb, nchunks, most = _winograd_chunks(N, Ho, Wo, nhwc)
+    slabs = not nhwc and WINOGRAD_NCHW_SLABS
+    hwc = nhwc or slabs                               # NHWC's transforms and GEMMs
+    U = np.empty((16, Ci, Co) if hwc else (16, Co, Ci), src.dtype)    # the GEMMs' orientation
+    _wino.winograd_taps(w, flip, hwc, U)
+    ipc, tyb, nchunks, most = _winograd_chunks(N, Ho, Wo, hwc)
     launch(_wino._winograd_tasks, nchunks, src, gate, use_gate, U, top, left, ipc, tyb,
            _wino.estride(Ci * most, src.itemsize), _wino.estride(Co * most, src.itemsize),
-           bias, relu, nhwc, blas, out, work=work, grain=1)
+           bias, relu, nhwc, slabs, blas, out, work=work, grain=1)
 
 
 def _winograd_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     """(dw or None, db_parts) of a 3x3 stride-1 conv by Winograd."""
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     nhwc = geom.layout == "NHWC"
-    ipc, tyb, nchunks, most = _winograd_chunks(N, P, Q, nhwc,
-                                               None if nhwc else WINOGRAD_DW_NCHW_TILES)
+    slabs = not nhwc and WINOGRAD_NCHW_SLABS
+    hwc = nhwc or slabs
+    ipc, tyb, nchunks, most = _winograd_chunks(N, P, Q, hwc,
+                                               None if hwc else WINOGRAD_DW_NCHW_TILES)
     groups = min(nchunks, DW_GROUPS)
     D_parts = np.empty((groups if need_dw else 1, 16, K, C), x.dtype)   # D[e] (K, C)
     db_parts = np.empty((groups, K))                                   # float64
     launch(_wino._winograd_dw_tasks, groups, x, gy, y, use_mask, geom.ph, geom.pw, ipc, tyb,
            _wino.estride(C * most, x.itemsize), _wino.estride(K * most, x.itemsize), nchunks,
-           groups, need_dw, nhwc, blas, D_parts, db_parts, work=work, grain=1)
+           groups, need_dw, nhwc, slabs, blas, D_parts, db_parts, work=work, grain=1)
     if not need_dw:
         return None, db_parts
     dw = np.empty((K, C, 3, 3), x.dtype)

@@ -34,6 +34,12 @@ output stream, which is what made the transforms 3x cheaper than patch by patch)
 * NHWC: V[e] (T, Ci), tiles without junk; the padded rows are split by pixel parity into
   ``R[u, b][j] = pad[u, 2j + b]`` (L pixels of Ci), so a tile row's transform is loops over
   ``TX * Ci`` contiguous values (``_rows_hwc``, ``_in_hwc``).
+* NCHW through slabs (``WINOGRAD_NCHW_SLABS``, the default): a chunk's input rows of each
+  image are transposed to (rows, W, Ci) in cache (8x8 tiles, ``cpu_transpose.py``;
+  ``_hwc_slab``) and run through the NHWC transforms and GEMMs; the output rows come out as
+  (rows, Wo, Co) and are transposed into the NCHW output (dW: x's, gy's and y's rows). The
+  NCHW transforms above vectorise along a tile row of TX + 1 values and took ~1.6x the
+  NHWC ones' time next to the same GEMMs (perf, one thread, ResNet layer).
 
 The 16 transformed matrices of a chunk lie ``_estride`` elements apart, a multiple of 4 KB plus
 one cache line: matrices exactly a power of two apart put all 16 write streams of a transform
@@ -48,6 +54,7 @@ from numba import njit
 from .. import cpu_blas as _blas
 from ..cpu_launch import task_kernel
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
+from ..cpu_transpose import transpose
 from .cpu_im2col import _chunk, _sum64
 
 _relu = cpu_scalar(_relu_math)
@@ -414,23 +421,27 @@ def _grad_hwc(gy, y, use_mask, n, p0, TX, G, tmp, dM, t0, db):
 
 @task_kernel
 def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, ipc, tyb, vs, ms, bias, relu,
-                    nhwc, blas, out):
+                    nhwc, slabs, blas, out):
     # src, gate: (N, Ci, Hs, Ws) | (N, Hs, Ws, Ci); U: (16, Co, Ci) | (16, Ci, Co) from
-    # winograd_taps; out: (N, Co, Ho, Wo) | (N, Ho, Wo, Co) = relu?(3x3 correlation of src
-    # zero-padded by top/left + bias), bias (Co,) zeros for none. Chunk t: images [n0, n1) (ipc > 1) or tile rows
-    # [ty0, ty1) of one image (_chunk); vs, ms: estride of V and M
+    # winograd_taps (NHWC's orientation with slabs); out: (N, Co, Ho, Wo) | (N, Ho, Wo, Co) =
+    # relu?(3x3 correlation of src zero-padded by top/left + bias), bias (Co,) zeros for none.
+    # Chunk t: images [n0, n1) (ipc > 1) or tile rows [ty0, ty1) of one image (_chunk); vs,
+    # ms: estride of V and M. slabs (NCHW): each image's input rows of the chunk are
+    # transposed to (rows, Ws, Ci) and its output rows computed as (rows, Wo, Co), then
+    # transposed into out: the NHWC transforms and GEMMs run on NCHW tensors
     if nhwc:
         N, Ho, Wo, Co = out.shape
-        Ci = src.shape[3]
+        Hs, Ws, Ci = src.shape[1], src.shape[2], src.shape[3]
     else:
         N, Co, Ho, Wo = out.shape
-        Ci = src.shape[1]
+        Ci, Hs, Ws = src.shape[1], src.shape[2], src.shape[3]
+    hwc = nhwc or slabs
     TY, TX = (Ho + 1) // 2, (Wo + 1) // 2
     L = TX + 1
     rows = TY if ipc > 1 else tyb                                 # tile rows per image, max
     V = np.empty((16, vs), src.dtype)                             # V[e]: (Ci, T) | (T, Ci)
     M = np.empty((16, ms), src.dtype)                             # M[e]: (Co, T) | (T, Co)
-    if nhwc:
+    if hwc:
         R = np.empty((2 * rows + 2, 2, L * Ci), src.dtype)        # padded rows by parity
         tv = np.empty((8, L * Ci), src.dtype)
         s = np.empty((8, TX * Co), src.dtype)
@@ -444,22 +455,39 @@ def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, ipc, tyb, vs, ms,
         P = np.empty((4, (rows + 1) * L + 1), src.dtype)          # phase planes
         d = np.empty(2 * L, src.dtype)
         o = np.empty((2, rows * L), src.dtype)
+    xs = np.empty((2 * rows + 2) * Ws * Ci if slabs else 0, src.dtype)   # input rows, HWC
+    gs = np.empty((2 * rows + 2) * Ws * Ci if slabs and use_gate else 0, src.dtype)
+    ys = np.empty(2 * rows * Wo * Co if slabs else 0, src.dtype)         # output rows, HWC
     for t in range(t0, t1):
         n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
-        if nhwc:
+        if hwc:
             T = (n1 - n0) * nr * TX
             for n in range(n0, n1):
-                _rows_hwc(src, gate, use_gate, n, 2 * ty0 - top, 2 * nr + 2, left, L, R)
+                if slabs:
+                    u0 = 2 * ty0 - top
+                    sv, gv = _hwc_slab(src, gate, use_gate, n, u0, 2 * nr + 2, xs, gs)
+                    _rows_hwc(sv, gv, use_gate, 0, u0 - max(0, u0), 2 * nr + 2, left, L, R)
+                else:
+                    _rows_hwc(src, gate, use_gate, n, 2 * ty0 - top, 2 * nr + 2, left, L, R)
                 for r in range(nr):
                     _in_hwc(R, 2 * r, TX, Ci, tv, V, ((n - n0) * nr + r) * TX)
             for e in range(16):
                 _blas.gemm(blas, False, False, T, Co, Ci, 1.0, V[e], Ci, U[e], Co, 0.0, M[e],
                            Co)
             for n in range(n0, n1):
-                for r in range(nr):
-                    _out_hwc(M, ((n - n0) * nr + r) * TX, TX, 2 * (ty0 + r), bias, relu, s,
-                             out[n])
+                if slabs:
+                    p0 = 2 * ty0
+                    np_ = min(Ho, p0 + 2 * nr) - p0
+                    yv = ys[:np_ * Wo * Co].reshape((np_, Wo, Co))
+                    for r in range(nr):
+                        _out_hwc(M, ((n - n0) * nr + r) * TX, TX, 2 * r, bias, relu, s, yv)
+                    transpose(yv.reshape((np_ * Wo, Co)),
+                              out[n].reshape((Co, Ho * Wo))[:, p0 * Wo:(p0 + np_) * Wo])
+                else:
+                    for r in range(nr):
+                        _out_hwc(M, ((n - n0) * nr + r) * TX, TX, 2 * (ty0 + r), bias, relu,
+                                 s, out[n])
         else:
             T = (n1 - n0) * nr * L
             for n in range(n0, n1):
@@ -474,25 +502,46 @@ def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, ipc, tyb, vs, ms,
                              out[n, k])
 
 
+@njit(inline="always")
+def _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs):
+    # rows [max(0, u0), min(Hs, u0 + nu)) of image n of NCHW src (and gate) transposed to
+    # (1, rows, Ws, C) views of the buffers xs, gs: what _rows_hwc reads as an NHWC image whose
+    # row 0 is input row max(0, u0) (rows past it are the zero padding, as in the image)
+    C, Hs, Ws = src.shape[1], src.shape[2], src.shape[3]
+    h0, h1 = max(0, u0), min(Hs, u0 + nu)
+    nh = max(0, h1 - h0)
+    sv = xs[:nh * Ws * C].reshape((1, nh, Ws, C))
+    gv = sv
+    if use_gate:
+        gv = gs[:nh * Ws * C].reshape((1, nh, Ws, C))
+    for h in range(h0, h1):
+        transpose(src[n, :, h], sv[0, h - h0])                    # (C, Ws) -> (Ws, C)
+        if use_gate:
+            transpose(gate[n, :, h], gv[0, h - h0])
+    return sv, gv
+
+
 @task_kernel
 def _winograd_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, ms, nchunks,
-                       groups, need_dw, nhwc, blas, D_parts, db_parts):
+                       groups, need_dw, nhwc, slabs, blas, D_parts, db_parts):
     # x: (N, C, H, W) | (N, H, W, C); gy, y: (N, K, P, Q) | (N, P, Q, K); D_parts: (groups, 16,
     # K, C) <- each group's D = sum over its chunks of dM[e] V[e]; db_parts: (groups, K)
     # float64 <- its sum of g. Chunks as in _winograd_tasks (over the output's tiles); vs,
-    # ms: estride of V and dM
+    # ms: estride of V and dM. slabs (NCHW): the chunk's rows of x, gy and y transposed to
+    # HWC first (_hwc_slab), then NHWC's transforms and GEMMs
     if nhwc:
         N, P, Q, K = gy.shape
-        C = x.shape[3]
+        C, Hx, Wx = x.shape[3], x.shape[1], x.shape[2]
     else:
         N, K, P, Q = gy.shape
-        C = x.shape[1]
+        C, Hx, Wx = x.shape[1], x.shape[2], x.shape[3]
+    hwc = nhwc or slabs
     TY, TX = (P + 1) // 2, (Q + 1) // 2
     L = TX + 1
     rows = TY if ipc > 1 else tyb
     V = np.empty((16, vs if need_dw else 1), x.dtype)             # V[e]: (C, T) | (T, C)
     dM = np.empty((16, ms), x.dtype)                             # dM[e]: (K, T) | (T, K)
-    if nhwc:
+    if hwc:
         R = np.empty((2 * rows + 2, 2, L * C), x.dtype)
         tv = np.empty((8, L * C), x.dtype)
         G = np.empty((4, TX * K), x.dtype)
@@ -506,6 +555,9 @@ def _winograd_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, ms, 
         tmp = np.empty((2, rows * L), x.dtype)
         Pl = np.empty((4, (rows + 1) * L + 1), x.dtype)
         d = np.empty(2 * L, x.dtype)
+    xs = np.empty((2 * rows + 2) * Wx * C if slabs and need_dw else 0, x.dtype)
+    gs = np.empty(2 * rows * Q * K if slabs else 0, x.dtype)      # gy's and y's rows, HWC
+    ysb = np.empty(2 * rows * Q * K if slabs and use_mask else 0, x.dtype)
     for grp in range(t0, t1):
         dbp = db_parts[grp]                                       # (K,)
         dbp[:] = 0.0
@@ -513,16 +565,27 @@ def _winograd_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, ms, 
         for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
             n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
             nr = ty1 - ty0
-            if nhwc:
+            if hwc:
                 T = (n1 - n0) * nr * TX
                 for n in range(n0, n1):
-                    for r in range(nr):
-                        _grad_hwc(gy, y, use_mask, n, 2 * (ty0 + r), TX, G, tmp, dM,
-                                  ((n - n0) * nr + r) * TX, dbp)
+                    if slabs:
+                        gv, yv = _hwc_slab(gy, y, use_mask, n, 2 * ty0, 2 * nr, gs, ysb)
+                        for r in range(nr):
+                            _grad_hwc(gv, yv, use_mask, 0, 2 * r, TX, G, tmp, dM,
+                                      ((n - n0) * nr + r) * TX, dbp)
+                    else:
+                        for r in range(nr):
+                            _grad_hwc(gy, y, use_mask, n, 2 * (ty0 + r), TX, G, tmp, dM,
+                                      ((n - n0) * nr + r) * TX, dbp)
                 if not need_dw:
                     continue
                 for n in range(n0, n1):
-                    _rows_hwc(x, x, False, n, 2 * ty0 - top, 2 * nr + 2, left, L, R)
+                    if slabs:
+                        u0 = 2 * ty0 - top
+                        sv, _ = _hwc_slab(x, x, False, n, u0, 2 * nr + 2, xs, xs)
+                        _rows_hwc(sv, sv, False, 0, u0 - max(0, u0), 2 * nr + 2, left, L, R)
+                    else:
+                        _rows_hwc(x, x, False, n, 2 * ty0 - top, 2 * nr + 2, left, L, R)
                     for r in range(nr):
                         _in_hwc(R, 2 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
                 for e in range(16):
