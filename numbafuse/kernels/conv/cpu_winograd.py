@@ -431,10 +431,10 @@ def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, ipc, tyb, vs, ms,
     # transposed into out: the NHWC transforms and GEMMs run on NCHW tensors
     if nhwc:
         N, Ho, Wo, Co = out.shape
-        Hs, Ws, Ci = src.shape[1], src.shape[2], src.shape[3]
+        Ws, Ci = src.shape[2], src.shape[3]
     else:
         N, Co, Ho, Wo = out.shape
-        Ci, Hs, Ws = src.shape[1], src.shape[2], src.shape[3]
+        Ci, Ws = src.shape[1], src.shape[3]
     hwc = nhwc or slabs
     TY, TX = (Ho + 1) // 2, (Wo + 1) // 2
     L = TX + 1
@@ -531,10 +531,10 @@ def _winograd_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, ms, 
     # HWC first (_hwc_slab), then NHWC's transforms and GEMMs
     if nhwc:
         N, P, Q, K = gy.shape
-        C, Hx, Wx = x.shape[3], x.shape[1], x.shape[2]
+        C, Wx = x.shape[3], x.shape[2]
     else:
         N, K, P, Q = gy.shape
-        C, Hx, Wx = x.shape[1], x.shape[2], x.shape[3]
+        C, Wx = x.shape[1], x.shape[3]
     hwc = nhwc or slabs
     TY, TX = (P + 1) // 2, (Q + 1) // 2
     L = TX + 1
