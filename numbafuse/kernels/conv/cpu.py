@@ -10,11 +10,13 @@ Which kernels run (``algorithm``; docs/conv_bias_relu.md has the measurements):
 
     pointwise  1x1, stride 1, unpadded      GEMMs straight on x, y, dx   (cpu_direct.py)
     im2col     fewer than MIN_GEMM_CHANNELS input or output channels, the NCHW forward and
-               dW with fewer than NCHW_IM2COL_CHANNELS, and the forward and dW of strided
-               NHWC convolutions                                        (cpu_im2col.py)
-    winograd   3x3, stride 1, no dilation (NCHW: outputs at least WINOGRAD_NCHW_MIN_WIDTH wide,
-               run through NHWC's transforms on HWC slabs of each chunk's rows):
-               F(2x2, 3x3) forward, dX and dW                          (cpu_winograd.py)
+               dW with fewer than NCHW_IM2COL_CHANNELS (not by Winograd), and the forward
+               and dW of strided convolutions                           (cpu_im2col.py)
+    winograd   3x3, stride 1, no dilation: F(2x2, 3x3) forward, dX and dW, NCHW through
+               NHWC's transforms on HWC slabs of each chunk's rows (WINOGRAD_NCHW_SLABS;
+               without them, NCHW's own transforms, for outputs at least
+               WINOGRAD_NCHW_MIN_WIDTH wide and NCHW_IM2COL_CHANNELS channels)
+                                                                       (cpu_winograd.py)
     phase      everything else: shifted GEMMs over phase planes (forward, dW), dX by input
                phase over one padded copy of the gradient              (cpu_direct.py)
 
@@ -94,11 +96,16 @@ def algorithm(geom, pass_="forward"):
     if min(geom.C, geom.K) < MIN_GEMM_CHANNELS:
         return "im2col"
     nhwc = geom.layout == "NHWC"
+    winograd = (WINOGRAD and geom.R == geom.S == 3 and geom.sh == geom.sw == 1
+                and geom.dh == geom.dw == 1)
+    if winograd and (nhwc or WINOGRAD_NCHW_SLABS):
+        # NHWC's transforms, for NCHW too (on HWC slabs): they won at every width and channel
+        # count measured from 16 up, NCHW's im2col and phase planes included
+        return "winograd"
     if not nhwc and pass_ != "dx" and min(geom.C, geom.K) < NCHW_IM2COL_CHANNELS:
         return "im2col"
     if geom.sh == geom.sw == 1:
-        if (WINOGRAD and geom.R == geom.S == 3 and geom.dh == geom.dw == 1
-                and (nhwc or min(geom.Q, geom.W) >= WINOGRAD_NCHW_MIN_WIDTH)):
+        if winograd and min(geom.Q, geom.W) >= WINOGRAD_NCHW_MIN_WIDTH:
             return "winograd"
         return "phase"
     if pass_ != "dx" and _slab(geom):
