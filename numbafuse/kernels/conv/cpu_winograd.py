@@ -464,12 +464,8 @@ def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, ipc, tyb, vs, ms,
         if hwc:
             T = (n1 - n0) * nr * TX
             for n in range(n0, n1):
-                if slabs:
-                    u0 = 2 * ty0 - top
-                    sv, gv = _hwc_slab(src, gate, use_gate, n, u0, 2 * nr + 2, xs, gs)
-                    _rows_hwc(sv, gv, use_gate, 0, u0 - max(0, u0), 2 * nr + 2, left, L, R)
-                else:
-                    _rows_hwc(src, gate, use_gate, n, 2 * ty0 - top, 2 * nr + 2, left, L, R)
+                _padded_rows(src, gate, use_gate, n, 2 * ty0 - top, 2 * nr + 2, left, L, R,
+                             slabs, xs, gs)
                 for r in range(nr):
                     _in_hwc(R, 2 * r, TX, Ci, tv, V, ((n - n0) * nr + r) * TX)
             for e in range(16):
@@ -519,6 +515,17 @@ def _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs):
         if use_gate:
             transpose(gate[n, :, h], gv[0, h - h0])
     return sv, gv
+
+
+@njit(inline="always")
+def _padded_rows(src, gate, use_gate, n, u0, nu, left, L, R, slabs, xs, gs):
+    # R <- the padded input rows [u0, u0 + nu) of image n by pixel parity (_rows_hwc); slabs:
+    # of an NCHW src (and gate), through its HWC slab in xs (gs)
+    if slabs:
+        sv, gv = _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
+        _rows_hwc(sv, gv, use_gate, 0, u0 - max(0, u0), nu, left, L, R)
+    else:
+        _rows_hwc(src, gate, use_gate, n, u0, nu, left, L, R)
 
 
 @task_kernel
@@ -580,12 +587,8 @@ def _winograd_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, ms, 
                 if not need_dw:
                     continue
                 for n in range(n0, n1):
-                    if slabs:
-                        u0 = 2 * ty0 - top
-                        sv, _ = _hwc_slab(x, x, False, n, u0, 2 * nr + 2, xs, xs)
-                        _rows_hwc(sv, sv, False, 0, u0 - max(0, u0), 2 * nr + 2, left, L, R)
-                    else:
-                        _rows_hwc(x, x, False, n, 2 * ty0 - top, 2 * nr + 2, left, L, R)
+                    _padded_rows(x, x, False, n, 2 * ty0 - top, 2 * nr + 2, left, L, R, slabs,
+                                 xs, xs)
                     for r in range(nr):
                         _in_hwc(R, 2 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
                 for e in range(16):
