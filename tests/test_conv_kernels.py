@@ -168,3 +168,24 @@ def test_nchw_winograd_through_hwc_slabs(wino_slabs, C, H, W, chunk_bytes, tiles
     b = rng.standard_normal(11).astype(np.float32)
     p = nfs.ConvProblem(x, w, b, dict(stride=1, padding=1, dilation=1, layout="NCHW"))
     _check(p, chunk_bytes, groups=2, tiles=tiles, min_channels=8, wino_slabs=wino_slabs)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("kernel, stride, padding, dilation", [
+    (3, 1, 1, 1), (1, 1, 0, 1), (3, 1, 2, 2), (3, 2, 1, 1)])  # Winograd, 1x1, phase, strided
+@pytest.mark.parametrize("C, K, chunk_bytes, tiles", [
+    (16, 24, 1, 1), (8, 40, cpu_conv.CHUNK_BYTES, cpu_conv.WINOGRAD_TILES)])
+def test_channel_counts_of_the_small_gemm(layout, kernel, stride, padding, dilation, C, K,
+                                          chunk_bytes, tiles):
+    # channel counts that are multiples of 8 send the float32 GEMMs of the forward (n = K) and
+    # dX (n = C) to the register-tiled kernel (cpu_gemm.py): panels of 24 and 16 columns (K =
+    # 24, 40) and of 16 and 8 (C = 16, 8), chunks of one row or tile row (m % 4 != 0) and the
+    # default ones; the phase planes' GEMMs accumulate (beta = 1)
+    rng = np.random.default_rng(C + K + kernel + stride)
+    shape = (3, C, 9, 10) if layout == "NCHW" else (3, 9, 10, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, kernel, kernel)) / C).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    p = nfs.ConvProblem(x, w, b, dict(stride=stride, padding=padding, dilation=dilation,
+                                      layout=layout))
+    _check(p, chunk_bytes, groups=3, tiles=tiles, min_channels=8)

@@ -34,6 +34,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from . import cpu_gemm as _small
+
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 
@@ -90,17 +92,26 @@ PRIVATE = _private is not None
 _ADDRESSES = _private if PRIVATE else _scipy_fortran()
 
 
+# float32 products that fit go to numbafuse's register-tiled kernel (cpu_gemm.py) instead of
+# the BLAS; read at each call (blas_for), so it can be switched without recompiling
+SMALL_GEMM = True
+
+
 def blas_for(dtype):
-    """What the kernels' ``gemm`` takes as ``blas``: (function address, 1 if CBLAS else 0)."""
-    return (_ADDRESSES[0 if np.dtype(dtype) == np.float32 else 1], 1 if PRIVATE else 0)
+    """What the kernels' ``gemm`` takes as ``blas``: (function address, 1 if CBLAS else 0,
+    1 if small float32 products go to cpu_gemm)."""
+    return (_ADDRESSES[0 if np.dtype(dtype) == np.float32 else 1], 1 if PRIVATE else 0,
+            1 if SMALL_GEMM else 0)
 
 
 @njit(nogil=True, cache=True, inline="always")
 def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """c (m, n) = alpha op(a) @ op(b) + beta c, row-major; ``blas`` from :func:`blas_for`."""
     i = np.int32
-    fptr, cblas = blas
-    if cblas:
+    fptr, cblas, small = blas
+    if small and _small.fits(ta, tb, alpha, beta, n, k, c.itemsize):
+        _small.gemm_nn(m, n, k, a, lda, b, ldb, beta, c, ldc)
+    elif cblas:
         opa = _TRANS if ta else _NO_TRANS
         opb = _TRANS if tb else _NO_TRANS
         if c.itemsize == 4:

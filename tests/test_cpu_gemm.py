@@ -1,0 +1,84 @@
+"""The register-tiled float32 GEMM (``kernels/cpu_gemm.py``) and ``cpu_blas.gemm``'s dispatch.
+
+Every block of the tiling is reached: column panels of 24, 16 and 8 (n = 8 ... 64), the 4-row
+tiles and the 1-row remainder (m % 4 = 0 ... 3, m < 4), k = 0, 1 and SMALL_K, beta 0 and 1,
+row strides wider than the rows. Guard values around c's block must be left as they were.
+The reference is a float64 NumPy product.
+"""
+import numpy as np
+import pytest
+from numba import njit
+
+from numbafuse.kernels import cpu_blas, cpu_gemm
+
+GUARD = np.float32(-777.0)
+
+
+@njit(nogil=True)
+def _via_blas(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    cpu_blas.gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+
+
+def _case(rng, m, n, k, pad=3):
+    """a (m, k), b (k, n), c (m, n) as views into wider rows filled with guard values."""
+    a = np.full((m, k + pad), GUARD)
+    b = np.full((k, n + pad), GUARD)
+    c = np.full((m + 1, n + pad), GUARD)
+    a[:, :k] = rng.standard_normal((m, k))
+    b[:, :n] = rng.standard_normal((k, n))
+    c[:m, :n] = rng.standard_normal((m, n))
+    return a.astype(np.float32), b.astype(np.float32), c.astype(np.float32)
+
+
+def _expected(a, b, c, m, n, k, beta):
+    out = c.astype(np.float64)
+    out[:m, :n] = a[:, :k].astype(np.float64) @ b[:, :n].astype(np.float64) \
+        + beta * c[:m, :n].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("n", [8, 16, 24, 32, 40, 48, 56, 64])
+@pytest.mark.parametrize("m", [0, 1, 3, 4, 5, 6, 7, 13])
+def test_gemm_nn_every_panel_and_row_remainder(n, m, rng):
+    for k in (0, 1, 24, cpu_gemm.SMALL_K):
+        for beta in (0.0, 1.0):
+            a, b, c = _case(rng, m, n, k)
+            want = _expected(a, b, c, m, n, k, beta)
+            cpu_gemm.gemm_nn(m, n, k, a, a.shape[1], b, b.shape[1], beta, c, c.shape[1])
+            np.testing.assert_allclose(c, want, rtol=2e-5, atol=2e-5 * max(k, 1) ** 0.5,
+                                       err_msg=f"m={m} n={n} k={k} beta={beta}")
+            assert (c[:m, n:] == GUARD).all() and (c[m] == GUARD).all(), "wrote outside c"
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_blas_gemm_dispatch_gives_the_product(small, monkeypatch, rng):
+    """cpu_blas.gemm with the small kernel on and off, on products that fit and that do not
+    (n not a multiple of 8, n or k too large, transposed, alpha != 1, beta 0.5, float64)."""
+    monkeypatch.setattr(cpu_blas, "SMALL_GEMM", small)
+    cases = [(13, 24, 24, False, False, 1.0, 0.0), (13, 24, 24, False, False, 1.0, 1.0),
+             (9, 20, 24, False, False, 1.0, 0.0), (9, 72, 16, False, False, 1.0, 0.0),
+             (9, 16, cpu_gemm.SMALL_K + 1, False, False, 1.0, 0.0),
+             (9, 16, 24, True, False, 1.0, 0.0), (9, 16, 24, False, True, 1.0, 1.0),
+             (9, 16, 24, False, False, 2.0, 0.0), (9, 16, 24, False, False, 1.0, 0.5)]
+    for dtype in (np.float32, np.float64):
+        blas = cpu_blas.blas_for(dtype)
+        for m, n, k, ta, tb, alpha, beta in cases:
+            a = rng.standard_normal((k, m) if ta else (m, k)).astype(dtype)
+            b = rng.standard_normal((n, k) if tb else (k, n)).astype(dtype)
+            c = rng.standard_normal((m, n)).astype(dtype)
+            want = alpha * ((a.T if ta else a).astype(np.float64)
+                            @ (b.T if tb else b).astype(np.float64)) + beta * c
+            _via_blas(blas, ta, tb, m, n, k, alpha, a, a.shape[1], b, b.shape[1], beta, c, n)
+            tol = 1e-5 if dtype == np.float32 else 1e-12
+            np.testing.assert_allclose(c, want, rtol=tol, atol=tol * 10,
+                                       err_msg=f"{dtype.__name__} {(m, n, k, ta, tb, alpha, beta)}")
+
+
+def test_fits_is_the_documented_rule():
+    f = cpu_gemm.fits
+    assert f(False, False, 1.0, 0.0, 24, 24, 4) and f(False, False, 1.0, 1.0, 64, 128, 4)
+    assert not f(False, False, 1.0, 0.0, 24, 24, 8)                    # float64
+    assert not f(True, False, 1.0, 0.0, 24, 24, 4) and not f(False, True, 1.0, 0.0, 24, 24, 4)
+    assert not f(False, False, 2.0, 0.0, 24, 24, 4) and not f(False, False, 1.0, 0.5, 24, 24, 4)
+    assert not f(False, False, 1.0, 0.0, 20, 24, 4) and not f(False, False, 1.0, 0.0, 72, 24, 4)
+    assert not f(False, False, 1.0, 0.0, 24, 129, 4) and not f(False, False, 1.0, 0.0, 0, 24, 4)
