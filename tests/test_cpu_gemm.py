@@ -2,7 +2,7 @@
 
 Every block of the tiling is reached: column panels of 24, 16 and 8 (n = 8 ... 64), the 4-row
 tiles and the 1-row remainder (m % 4 = 0 ... 3, m < 4), k = 0, 1 and SMALL_K, beta 0 and 1,
-row strides wider than the rows. Guard values around c's block must be left as they were.
+a stored as is and transposed, row strides wider than the rows. Guard values around c's block must be left as they were.
 The reference is a float64 NumPy product.
 """
 import numpy as np
@@ -39,15 +39,23 @@ def _expected(a, b, c, m, n, k, beta):
 
 @pytest.mark.parametrize("n", [8, 16, 24, 32, 40, 48, 56, 64])
 @pytest.mark.parametrize("m", [0, 1, 3, 4, 5, 6, 7, 13])
-def test_gemm_nn_every_panel_and_row_remainder(n, m, rng):
+def test_gemm_small_every_panel_and_row_remainder(n, m, rng):
     for k in (0, 1, 24, cpu_gemm.SMALL_K):
-        for beta in (0.0, 1.0):
-            a, b, c = _case(rng, m, n, k)
-            want = _expected(a, b, c, m, n, k, beta)
-            cpu_gemm.gemm_nn(m, n, k, a, a.shape[1], b, b.shape[1], beta, c, c.shape[1])
-            np.testing.assert_allclose(c, want, rtol=2e-5, atol=2e-5 * max(k, 1) ** 0.5,
-                                       err_msg=f"m={m} n={n} k={k} beta={beta}")
-            assert (c[:m, n:] == GUARD).all() and (c[m] == GUARD).all(), "wrote outside c"
+        for beta in (0, 1):
+            for ta in (0, 1):
+                a, b, c = _case(rng, m, n, k)
+                want = _expected(a, b, c, m, n, k, beta)
+                if ta:                                 # the same a, stored transposed (k, m)
+                    at = np.full((k, m + 2), GUARD, np.float32)
+                    at[:, :m] = a[:, :k].T
+                    pa, lda = at.ctypes.data, at.shape[1]
+                else:
+                    pa, lda = a.ctypes.data, a.shape[1]
+                cpu_gemm.gemm_small(ta, m, n, k, pa, lda, b.ctypes.data, b.shape[1], beta,
+                                    c.ctypes.data, c.shape[1])
+                np.testing.assert_allclose(c, want, rtol=2e-5, atol=2e-5 * max(k, 1) ** 0.5,
+                                           err_msg=f"m={m} n={n} k={k} beta={beta} ta={ta}")
+                assert (c[:m, n:] == GUARD).all() and (c[m] == GUARD).all(), "wrote outside c"
 
 
 @pytest.mark.parametrize("small", [True, False])
@@ -76,9 +84,16 @@ def test_blas_gemm_dispatch_gives_the_product(small, monkeypatch, rng):
 
 def test_fits_is_the_documented_rule():
     f = cpu_gemm.fits
-    assert f(False, False, 1.0, 0.0, 24, 24, 4) and f(False, False, 1.0, 1.0, 64, 128, 4)
-    assert not f(False, False, 1.0, 0.0, 24, 24, 8)                    # float64
-    assert not f(True, False, 1.0, 0.0, 24, 24, 4) and not f(False, True, 1.0, 0.0, 24, 24, 4)
-    assert not f(False, False, 2.0, 0.0, 24, 24, 4) and not f(False, False, 1.0, 0.5, 24, 24, 4)
-    assert not f(False, False, 1.0, 0.0, 20, 24, 4) and not f(False, False, 1.0, 0.0, 72, 24, 4)
-    assert not f(False, False, 1.0, 0.0, 24, 129, 4) and not f(False, False, 1.0, 0.0, 0, 24, 4)
+    assert f(False, False, 1.0, 0.0, 16, 24, 24, 4)
+    assert f(False, False, 1.0, 1.0, 300, 64, 128, 4)
+    assert f(True, False, 1.0, 0.0, 16, 24, 24, 4)                     # a transposed ...
+    assert f(True, False, 1.0, 0.0, 32, 24, 128, 4)                    # ... in half of L1
+    assert not f(True, False, 1.0, 0.0, 64, 24, 128, 4)
+    assert not f(False, False, 1.0, 0.0, 16, 24, 24, 8)                # float64
+    assert not f(False, True, 1.0, 0.0, 16, 24, 24, 4)                 # b transposed
+    assert not f(False, False, 2.0, 0.0, 16, 24, 24, 4)                # alpha, beta
+    assert not f(False, False, 1.0, 0.5, 16, 24, 24, 4)
+    assert not f(False, False, 1.0, 0.0, 16, 20, 24, 4)                # n
+    assert not f(False, False, 1.0, 0.0, 16, 72, 24, 4)
+    assert not f(False, False, 1.0, 0.0, 16, 0, 24, 4)
+    assert not f(False, False, 1.0, 0.0, 16, 24, 129, 4)               # k

@@ -109,8 +109,11 @@ def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """c (m, n) = alpha op(a) @ op(b) + beta c, row-major; ``blas`` from :func:`blas_for`."""
     i = np.int32
     fptr, cblas, small = blas
-    if small and _small.fits(ta, tb, alpha, beta, n, k, c.itemsize):
-        _small.gemm_nn(m, n, k, a, lda, b, ldb, beta, c, ldc)
+    if small and _small.fits(ta, tb, alpha, beta, m, n, k, c.itemsize):
+        q = np.int64
+        _small.gemm_small(q(1 if ta else 0), q(m), q(n), q(k), q(a.ctypes.data), q(lda),
+                          q(b.ctypes.data), q(ldb), q(1 if beta != 0.0 else 0),
+                          q(c.ctypes.data), q(ldc))
     elif cblas:
         opa = _TRANS if ta else _NO_TRANS
         opb = _TRANS if tb else _NO_TRANS

@@ -1,15 +1,19 @@
 """Register-tiled float32 GEMM for the small products of the convolution's chunks.
 
-``gemm_nn(m, n, k, a, lda, b, ldb, beta, c, ldc)``: ``c (m, n) = a (m, k) @ b (k, n) + beta *
-c`` (row-major, ``beta`` 0 or 1), for ``n`` a multiple of 8. :func:`cpu_blas.gemm` sends the
-products that fit (:func:`fits`: float32, no transposes, alpha 1, ``n`` <= SMALL_N, ``k`` <=
-SMALL_K) here instead of OpenBLAS.
+``gemm_small(ta, m, n, k, pa, lda, pb, ldb, beta, pc, ldc)``: ``c (m, n) = op(a) (m, k) @ b
+(k, n) + beta * c`` (row-major, addresses and strides of float32 matrices, ``a`` transposed
+when ``ta``, ``beta`` 0 or 1), for ``n`` a multiple of 8. :func:`cpu_blas.gemm` sends the products that fit (:func:`fits`: float32, ``b`` not
+transposed, alpha 1, ``n`` <= SMALL_N, ``k`` <= SMALL_K, a transposed ``a`` of at most
+SMALL_TA_ELEMENTS) here instead of OpenBLAS.
 
 Why: the Winograd GEMMs of the digits net are (128, 24) @ (24, 24), 16 a chunk, and OpenBLAS
 spends a third of each in packing and set-up: 50-60 GFLOP/s on one thread of the 2-core AMD
 EPYC (AVX2), against ~80 here; at (160, 64) @ (64, 64) (the ResNet layer's Winograd GEMM, the
 1x1 conv's) 64-78 against 81-94. With 128 columns OpenBLAS wins (85 against 72): these tiles
-re-read ``a`` once per 24 columns, so wider products stay with it.
+re-read ``a`` once per 24 columns, so wider products stay with it. A transposed ``a`` (the
+Winograd dW's dM^T (K, T) @ V (T, C)) is read down its columns: at (24, 128) @ (128, 24) 98
+against 69 GFLOP/s, at (64, 64) @ (64, 64) 88 against 78, but at (64, 128) @ (128, 64), 32 KB of
+``a``, 70 against 78, so only an ``a`` of up to 16 KB comes here.
 
 The micro-kernel computes a (rows, 8 * nv) block of ``c`` in rows * nv vector registers (4 x 3
 of 8 floats: 12 accumulators, 3 loads of ``b``'s row and one broadcast of ``a`` per step of k;
@@ -26,6 +30,7 @@ from numba.extending import intrinsic
 
 SMALL_N = 64     # widest c computed here (OpenBLAS is faster at 128 columns)
 SMALL_K = 128    # deepest product: b's 24-column panel (k x 24 floats) stays in L1
+SMALL_TA_ELEMENTS = 4096   # a transposed: at most this many elements (16 KB, half of L1)
 ROWS = 4         # rows of c per micro-tile (x 3 vectors of 8: 12 accumulators)
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
@@ -35,12 +40,13 @@ def _tile(rows, nv):
     """The micro-kernel intrinsic for a (rows, 8 * nv) block of c."""
 
     @intrinsic
-    def tile(typingctx, k, a, lda, b, ldb, beta, c, ldc):
-        """c[r, :8nv] = a[r, :k] @ b[:k, :8nv] + beta * c[r, :8nv] for r < rows; a, b, c
-        addresses of float32 (integers), lda, ldb, ldc row strides in elements, beta 0 or 1
-        (int64)."""
+    def tile(typingctx, k, a, sa, sk, b, ldb, beta, c, ldc):
+        """c[r, :8nv] = sum over p < k of a[r*sa + p*sk] * b[p, :8nv] (+ c[r, :8nv] if beta)
+        for r < rows: a, b, c addresses of float32 (integers); sa, sk the strides of a's rows
+        and columns (lda, 1; or 1, lda for a transposed), ldb, ldc row strides, in elements;
+        beta 0 or 1 (all int64)."""
         def codegen(context, builder, signature, args):
-            k, a, lda, b, ldb, beta, c, ldc = args
+            k, a, sa, sk, b, ldb, beta, c, ldc = args
             el = ir.FloatType()
             vec = ir.VectorType(el, 8)
             fma = cgutils.get_or_insert_function(
@@ -64,7 +70,7 @@ def _tile(rows, nv):
                 p = loop.index
                 bv = [builder.load(vptr(b, p, ldb, v), align=4) for v in range(nv)]
                 for r in range(rows):
-                    off = builder.add(builder.mul(ir.Constant(_I64, r), lda), p)
+                    off = builder.add(builder.mul(ir.Constant(_I64, r), sa), builder.mul(p, sk))
                     s = builder.load(builder.gep(a, [off]), align=4)
                     s = builder.insert_element(ir.Constant(vec, ir.Undefined), s,
                                                ir.Constant(_I32, 0))
@@ -78,8 +84,7 @@ def _tile(rows, nv):
                                   align=4)
             return context.get_dummy_value()
 
-        return types.void(types.int64, types.int64, types.int64, types.int64, types.int64,
-                          types.int64, types.int64, types.int64), codegen
+        return types.void(*([types.int64] * 9)), codegen
 
     return tile
 
@@ -89,40 +94,40 @@ _t13, _t12, _t11 = _tile(1, 3), _tile(1, 2), _tile(1, 1)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def fits(ta, tb, alpha, beta, n, k, itemsize):
-    """Whether :func:`gemm_nn` computes this product (see the module docstring)."""
-    return (not ta and not tb and itemsize == 4 and alpha == 1.0
-            and (beta == 0.0 or beta == 1.0) and n % 8 == 0 and 0 < n <= SMALL_N
-            and k <= SMALL_K)
+def fits(ta, tb, alpha, beta, m, n, k, itemsize):
+    """Whether :func:`gemm_small` computes this product (see the module docstring)."""
+    return (not tb and itemsize == 4 and alpha == 1.0 and (beta == 0.0 or beta == 1.0)
+            and n % 8 == 0 and 0 < n <= SMALL_N and k <= SMALL_K
+            and (not ta or m * k <= SMALL_TA_ELEMENTS))
 
 
 @njit(nogil=True, cache=True)
-def gemm_nn(m, n, k, a, lda, b, ldb, beta, c, ldc):
-    """c (m, n) = a (m, k) @ b (k, n) + beta c; float32 arrays (or views) whose first element
-    starts the matrix, n a multiple of 8, beta 0 or 1."""
-    pa, pb, pc = a.ctypes.data, b.ctypes.data, c.ctypes.data
-    k, lda, ldb, ldc, bet = int(k), int(lda), int(ldb), int(ldc), 1 if beta != 0.0 else 0
+def gemm_small(ta, m, n, k, pa, lda, pb, ldb, beta, pc, ldc):
+    """c (m, n) = op(a) (m, k) @ b (k, n) + beta c, op transposing when ``ta`` (1 or 0); pa,
+    pb, pc: addresses of float32 matrices; n a multiple of 8, beta 0 or 1 (all int64: one
+    compilation)."""
+    sa, sk = (1, lda) if ta else (lda, 1)                # a's row and column strides
     j = 0
     while j < n:                                   # column panels of 24, then 16 or 8
         nv = min(3, (n - j) // 8)
         pbj = pb + 4 * j
         i = 0
         while i < m:
-            pai, pcij = pa + 4 * i * lda, pc + 4 * (i * ldc + j)
+            pai, pcij = pa + 4 * i * sa, pc + 4 * (i * ldc + j)
             if i + ROWS <= m:
                 if nv == 3:
-                    _t43(k, pai, lda, pbj, ldb, bet, pcij, ldc)
+                    _t43(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
                 elif nv == 2:
-                    _t42(k, pai, lda, pbj, ldb, bet, pcij, ldc)
+                    _t42(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
                 else:
-                    _t41(k, pai, lda, pbj, ldb, bet, pcij, ldc)
+                    _t41(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
                 i += ROWS
             else:
                 if nv == 3:
-                    _t13(k, pai, lda, pbj, ldb, bet, pcij, ldc)
+                    _t13(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
                 elif nv == 2:
-                    _t12(k, pai, lda, pbj, ldb, bet, pcij, ldc)
+                    _t12(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
                 else:
-                    _t11(k, pai, lda, pbj, ldb, bet, pcij, ldc)
+                    _t11(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
                 i += 1
         j += 8 * nv
