@@ -2,8 +2,8 @@
 
 Every block of the tiling is reached: column panels of 24, 16 and 8 (n = 8 ... 64), the 4-row
 tiles and the 1-row remainder (m % 4 = 0 ... 3, m < 4), k = 0, 1 and SMALL_K, beta 0 and 1,
-a stored as is and transposed, row strides wider than the rows. Guard values around c's block must be left as they were.
-The reference is a float64 NumPy product.
+a stored as is and transposed, row strides wider than the rows. Guard values around c's block
+must be left as they were. The reference is a float64 NumPy product.
 """
 import numpy as np
 import pytest

@@ -16,9 +16,11 @@ net); two threads at once, each pinned to its own CPU: up to 86 + 88 and 56 + 56
 same VM giving 34-60 a thread in other minutes (host load, not the library: it moved the
 same way for one thread alone).
 
-Without the wheel (or with NUMBAFUSE_PRIVATE_BLAS=0), the GEMMs fall back to SciPy's BLAS (``scipy.linalg.cython_blas``, the
-one Numba's ``np.dot`` uses): correct, but its own threads then compete with the pool's
-(``PRIVATE`` tells which one is in use).
+Without the wheel (or with NUMBAFUSE_PRIVATE_BLAS=0), the GEMMs fall back to SciPy's BLAS
+(``scipy.linalg.cython_blas``, the one Numba's ``np.dot`` uses): correct, but its own threads
+then compete with the pool's (``PRIVATE`` tells which one is in use). Small float32 products
+(n <= 64 columns, k <= 128) go to numbafuse's own register-tiled kernel instead
+(``cpu_gemm.py``, ``SMALL_GEMM``), which is faster than OpenBLAS there.
 
 ``gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)`` (``blas`` from
 :func:`blas_for`, the function's address: compiled kernels stay cacheable) is row-major CBLAS:

@@ -2,9 +2,9 @@
 
 ``gemm_small(ta, m, n, k, pa, lda, pb, ldb, beta, pc, ldc)``: ``c (m, n) = op(a) (m, k) @ b
 (k, n) + beta * c`` (row-major, addresses and strides of float32 matrices, ``a`` transposed
-when ``ta``, ``beta`` 0 or 1), for ``n`` a multiple of 8. :func:`cpu_blas.gemm` sends the products that fit (:func:`fits`: float32, ``b`` not
-transposed, alpha 1, ``n`` <= SMALL_N, ``k`` <= SMALL_K, a transposed ``a`` of at most
-SMALL_TA_ELEMENTS) here instead of OpenBLAS.
+when ``ta``, ``beta`` 0 or 1), for ``n`` a multiple of 8. :func:`cpu_blas.gemm` sends the
+products that fit (:func:`fits`: float32, ``b`` not transposed, alpha 1, ``n`` <= SMALL_N,
+``k`` <= SMALL_K, a transposed ``a`` of at most SMALL_TA_ELEMENTS) here instead of OpenBLAS.
 
 Why: the Winograd GEMMs of the digits net are (128, 24) @ (24, 24), 16 a chunk, and OpenBLAS
 spends a third of each in packing and set-up: 50-60 GFLOP/s on one thread of the 2-core AMD
