@@ -52,10 +52,38 @@ def test_gemm_small_every_panel_and_row_remainder(n, m, rng):
                 else:
                     pa, lda = a.ctypes.data, a.shape[1]
                 cpu_gemm.gemm_small(ta, m, n, k, pa, lda, b.ctypes.data, b.shape[1], beta,
-                                    c.ctypes.data, c.shape[1])
+                                    c.ctypes.data, c.shape[1], 0, 0)
                 np.testing.assert_allclose(c, want, rtol=2e-5, atol=2e-5 * max(k, 1) ** 0.5,
                                            err_msg=f"m={m} n={n} k={k} beta={beta} ta={ta}")
                 assert (c[:m, n:] == GUARD).all() and (c[m] == GUARD).all(), "wrote outside c"
+
+
+@njit(nogil=True)
+def _bias_relu(blas, m, n, k, a, b, c, bias, relu):
+    cpu_blas.gemm_bias_relu(blas, m, n, k, a, a.shape[1], b, b.shape[1], c[:m, :n], bias, relu)
+
+
+@pytest.mark.parametrize("small", [True, False])
+@pytest.mark.parametrize("n", [8, 24, 40, 128, 256, 264])
+def test_gemm_bias_relu_epilogue(small, n, monkeypatch, rng):
+    """relu?(a @ b + bias) with the epilogue in registers (n <= SMALL_EPILOGUE_N) or as a pass
+    after the BLAS (small off, n = 264): the reference's values, a NaN kept by the ReLU, c's
+    guard columns untouched."""
+    monkeypatch.setattr(cpu_blas, "SMALL_GEMM", small)
+    blas = cpu_blas.blas_for(np.float32)
+    for m, k, relu in ((13, 24, True), (6, 64, False), (9, cpu_gemm.SMALL_K, True)):
+        a, b, c = _case(rng, m, n, k)
+        a[2, 1] = np.nan                                           # row 2 of c all NaN
+        bias = rng.standard_normal(n).astype(np.float32)
+        want = a[:, :k].astype(np.float64) @ b[:, :n].astype(np.float64) + bias
+        want = np.where(want > 0, want, 0.0) if relu else want
+        want[2] = np.nan
+        _bias_relu(blas, m, n, k, a, b, c, bias, relu)
+        np.testing.assert_allclose(c[:m, :n], want, rtol=2e-5, atol=2e-5 * k ** 0.5,
+                                   err_msg=f"small={small} m={m} n={n} k={k} relu={relu}")
+        if relu:
+            assert (c[:m, :n] >= 0).sum() + n == m * n            # all but the NaN row
+        assert (c[:m, n:] == GUARD).all() and (c[m] == GUARD).all(), "wrote outside c"
 
 
 @pytest.mark.parametrize("small", [True, False])
@@ -97,3 +125,5 @@ def test_fits_is_the_documented_rule():
     assert not f(False, False, 1.0, 0.0, 16, 72, 24, 4)
     assert not f(False, False, 1.0, 0.0, 16, 0, 24, 4)
     assert not f(False, False, 1.0, 0.0, 16, 24, 129, 4)               # k
+    e = cpu_gemm.fits_epilogue                                 # with a bias and ReLU: wider
+    assert e(256, 128, 4) and not e(264, 128, 4) and not e(256, 129, 4) and not e(256, 64, 8)

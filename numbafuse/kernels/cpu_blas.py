@@ -37,6 +37,9 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from . import cpu_gemm as _small
+from .scalar import cpu_scalar, relu as _relu_math
+
+_relu = cpu_scalar(_relu_math)
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
@@ -115,7 +118,7 @@ def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         q = np.int64
         _small.gemm_small(q(1 if ta else 0), q(m), q(n), q(k), q(a.ctypes.data), q(lda),
                           q(b.ctypes.data), q(ldb), q(1 if beta != 0.0 else 0),
-                          q(c.ctypes.data), q(ldc))
+                          q(c.ctypes.data), q(ldc), q(0), q(0))
     elif cblas:
         opa = _TRANS if ta else _NO_TRANS
         opb = _TRANS if tb else _NO_TRANS
@@ -141,3 +144,23 @@ def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         _call13(fptr, flags.ctypes.data, flags.ctypes.data + 1, p, p + 4, p + 8,
               scal.ctypes.data, b.ctypes.data, p + 12, a.ctypes.data, p + 16,
               scal.ctypes.data + c.itemsize, c.ctypes.data, p + 20)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def gemm_bias_relu(blas, m, n, k, a, lda, b, ldb, c, bias, relu):
+    """c (m, n) = relu?(a (m, k) @ b (k, n) + bias (n,)), row-major, c a 2-d view; the bias and
+    ReLU in registers (cpu_gemm) when the product fits, else one pass over c after the GEMM,
+    while it is in cache. The same arithmetic either way: the float32 sum, + bias, ReLU."""
+    fptr, cblas, small = blas
+    if small and _small.fits_epilogue(n, k, c.itemsize):
+        q = np.int64
+        _small.gemm_small(q(0), q(m), q(n), q(k), q(a.ctypes.data), q(lda), q(b.ctypes.data),
+                          q(ldb), q(0), q(c.ctypes.data), q(c.strides[0] // c.itemsize),
+                          q(bias.ctypes.data), q(1 if relu else 0))
+    else:
+        gemm(blas, False, False, m, n, k, 1.0, a, lda, b, ldb, 0.0, c, c.strides[0] // c.itemsize)
+        for i in range(m):
+            r = c[i]                                              # (n,)
+            for j in range(n):
+                v = r[j] + bias[j]
+                r[j] = _relu(v) if relu else v

@@ -29,6 +29,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 SMALL_N = 64     # widest c computed here (OpenBLAS is faster at 128 columns)
+SMALL_EPILOGUE_N = 256   # ... with a bias and ReLU epilogue (it saves a pass over c)
 SMALL_K = 128    # deepest product: b's 24-column panel (k x 24 floats) stays in L1
 SMALL_TA_ELEMENTS = 4096   # a transposed: at most this many elements (16 KB, half of L1)
 ROWS = 4         # rows of c per micro-tile (x 3 vectors of 8: 12 accumulators)
@@ -40,13 +41,15 @@ def _tile(rows, nv):
     """The micro-kernel intrinsic for a (rows, 8 * nv) block of c."""
 
     @intrinsic
-    def tile(typingctx, k, a, sa, sk, b, ldb, beta, c, ldc):
-        """c[r, :8nv] = sum over p < k of a[r*sa + p*sk] * b[p, :8nv] (+ c[r, :8nv] if beta)
-        for r < rows: a, b, c addresses of float32 (integers); sa, sk the strides of a's rows
-        and columns (lda, 1; or 1, lda for a transposed), ldb, ldc row strides, in elements;
-        beta 0 or 1 (all int64)."""
+    def tile(typingctx, k, a, sa, sk, b, ldb, beta, c, ldc, bias, relu):
+        """c[r, :8nv] = relu?(sum over p < k of a[r*sa + p*sk] * b[p, :8nv] (+ c[r, :8nv] if
+        beta) (+ bias[:8nv] if bias)) for r < rows: a, b, c, bias addresses of float32
+        (integers; bias 0 for none); sa, sk the strides of a's rows and columns (lda, 1; or 1,
+        lda for a transposed), ldb, ldc row strides, in elements; beta, relu 0 or 1 (all
+        int64). The epilogue is the scalar one's (the sum rounded to float32, + bias, then
+        relu keeping NaN): the same bits as a bias + ReLU pass over the stored product."""
         def codegen(context, builder, signature, args):
-            k, a, sa, sk, b, ldb, beta, c, ldc = args
+            k, a, sa, sk, b, ldb, beta, c, ldc, bias, relu = args
             el = ir.FloatType()
             vec = ir.VectorType(el, 8)
             fma = cgutils.get_or_insert_function(
@@ -78,13 +81,26 @@ def _tile(rows, nv):
                     for v in range(nv):
                         builder.store(builder.call(fma, [s, bv[v], builder.load(acc[r][v])]),
                                       acc[r][v])
+            with builder.if_then(builder.icmp_signed("!=", bias, ir.Constant(_I64, 0))):
+                bias = builder.inttoptr(bias, el.as_pointer())
+                bv = [builder.load(vptr(bias, ir.Constant(_I64, 0), ir.Constant(_I64, 0), v),
+                                   align=4) for v in range(nv)]
+                for r in range(rows):
+                    for v in range(nv):
+                        builder.store(builder.fadd(builder.load(acc[r][v]), bv[v]), acc[r][v])
+            with builder.if_then(builder.icmp_signed("!=", relu, ir.Constant(_I64, 0))):
+                for r in range(rows):               # v > 0 or NaN (unordered): v, else 0
+                    for v in range(nv):
+                        x = builder.load(acc[r][v])
+                        builder.store(builder.select(builder.fcmp_unordered(">", x, zero), x,
+                                                     zero), acc[r][v])
             for r in range(rows):
                 for v in range(nv):
                     builder.store(builder.load(acc[r][v]), vptr(c, ir.Constant(_I64, r), ldc, v),
                                   align=4)
             return context.get_dummy_value()
 
-        return types.void(*([types.int64] * 9)), codegen
+        return types.void(*([types.int64] * 11)), codegen
 
     return tile
 
@@ -101,33 +117,41 @@ def fits(ta, tb, alpha, beta, m, n, k, itemsize):
             and (not ta or m * k <= SMALL_TA_ELEMENTS))
 
 
+@njit(nogil=True, cache=True, inline="always")
+def fits_epilogue(n, k, itemsize):
+    """Whether :func:`gemm_small` computes a product with a bias and ReLU epilogue (wider n
+    than plain products: the epilogue in registers saves a pass over c)."""
+    return itemsize == 4 and n % 8 == 0 and 0 < n <= SMALL_EPILOGUE_N and k <= SMALL_K
+
+
 @njit(nogil=True, cache=True)
-def gemm_small(ta, m, n, k, pa, lda, pb, ldb, beta, pc, ldc):
-    """c (m, n) = op(a) (m, k) @ b (k, n) + beta c, op transposing when ``ta`` (1 or 0); pa,
-    pb, pc: addresses of float32 matrices; n a multiple of 8, beta 0 or 1 (all int64: one
-    compilation)."""
+def gemm_small(ta, m, n, k, pa, lda, pb, ldb, beta, pc, ldc, pbias, relu):
+    """c (m, n) = relu?(op(a) (m, k) @ b (k, n) + beta c + bias?), op transposing when ``ta``
+    (1 or 0); pa, pb, pc, pbias: addresses of float32 matrices and of the (n,) bias (0: none);
+    n a multiple of 8, beta and relu 0 or 1 (all int64: one compilation)."""
     sa, sk = (1, lda) if ta else (lda, 1)                # a's row and column strides
     j = 0
     while j < n:                                   # column panels of 24, then 16 or 8
         nv = min(3, (n - j) // 8)
         pbj = pb + 4 * j
+        pbiasj = pbias + 4 * j if pbias != 0 else 0
         i = 0
         while i < m:
             pai, pcij = pa + 4 * i * sa, pc + 4 * (i * ldc + j)
             if i + ROWS <= m:
                 if nv == 3:
-                    _t43(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
+                    _t43(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc, pbiasj, relu)
                 elif nv == 2:
-                    _t42(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
+                    _t42(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc, pbiasj, relu)
                 else:
-                    _t41(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
+                    _t41(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc, pbiasj, relu)
                 i += ROWS
             else:
                 if nv == 3:
-                    _t13(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
+                    _t13(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc, pbiasj, relu)
                 elif nv == 2:
-                    _t12(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
+                    _t12(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc, pbiasj, relu)
                 else:
-                    _t11(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc)
+                    _t11(k, pai, sa, sk, pbj, ldb, beta, pcij, ldc, pbiasj, relu)
                 i += 1
         j += 8 * nv

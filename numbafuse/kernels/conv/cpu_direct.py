@@ -369,13 +369,10 @@ def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, has_bias, relu,
                         dr[c] = _relu_grad(sr[c], gr[c])
                 a = g
             o = out[0, c0:c1]                                     # (m, Co)
-            _blas.gemm(blas, False, False, m, Co, Ci, 1.0, a, Ci, wm, Co, 0.0, o, Co)
-            if relu or has_bias:                                  # in place, in cache
-                for i in range(m):
-                    r = o[i]                                      # (Co,)
-                    for k in range(Co):
-                        v = r[k] + bias[k]
-                        r[k] = _relu(v) if relu else v
+            if relu or has_bias:                                  # the epilogue in cache
+                _blas.gemm_bias_relu(blas, m, Co, Ci, a, Ci, wm, Co, o, bias, relu)
+            else:
+                _blas.gemm(blas, False, False, m, Co, Ci, 1.0, a, Ci, wm, Co, 0.0, o, Co)
         else:
             b = src[n, :, c0:]                                    # (Ci, m), ld HW
             ldb = HW
