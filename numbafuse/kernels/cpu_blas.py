@@ -110,15 +110,22 @@ def blas_for(dtype):
 
 
 @njit(nogil=True, cache=True, inline="always")
+def _gemm_small(ta, m, n, k, a, lda, b, ldb, beta, c, ldc, pbias, relu):
+    # cpu_gemm.gemm_small on arrays: their addresses, every argument as int64 (the kernel's one
+    # compiled signature, whatever integer and flag types the calling kernel has)
+    q = np.int64
+    _small.gemm_small(q(1 if ta else 0), q(m), q(n), q(k), q(a.ctypes.data), q(lda),
+                      q(b.ctypes.data), q(ldb), q(1 if beta else 0), q(c.ctypes.data), q(ldc),
+                      q(pbias), q(1 if relu else 0))
+
+
+@njit(nogil=True, cache=True, inline="always")
 def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """c (m, n) = alpha op(a) @ op(b) + beta c, row-major; ``blas`` from :func:`blas_for`."""
     i = np.int32
     fptr, cblas, small = blas
     if small and _small.fits(ta, tb, alpha, beta, m, n, k, c.itemsize):
-        q = np.int64
-        _small.gemm_small(q(1 if ta else 0), q(m), q(n), q(k), q(a.ctypes.data), q(lda),
-                          q(b.ctypes.data), q(ldb), q(1 if beta != 0.0 else 0),
-                          q(c.ctypes.data), q(ldc), q(0), q(0))
+        _gemm_small(ta, m, n, k, a, lda, b, ldb, beta != 0.0, c, ldc, 0, False)
     elif cblas:
         opa = _TRANS if ta else _NO_TRANS
         opb = _TRANS if tb else _NO_TRANS
@@ -153,10 +160,8 @@ def gemm_bias_relu(blas, m, n, k, a, lda, b, ldb, c, bias, relu):
     while it is in cache. The same arithmetic either way: the float32 sum, + bias, ReLU."""
     fptr, cblas, small = blas
     if small and _small.fits_epilogue(n, k, c.itemsize):
-        q = np.int64
-        _small.gemm_small(q(0), q(m), q(n), q(k), q(a.ctypes.data), q(lda), q(b.ctypes.data),
-                          q(ldb), q(0), q(c.ctypes.data), q(c.strides[0] // c.itemsize),
-                          q(bias.ctypes.data), q(1 if relu else 0))
+        _gemm_small(False, m, n, k, a, lda, b, ldb, False, c, c.strides[0] // c.itemsize,
+                    bias.ctypes.data, relu)
     else:
         gemm(blas, False, False, m, n, k, 1.0, a, lda, b, ldb, 0.0, c, c.strides[0] // c.itemsize)
         for i in range(m):
