@@ -127,12 +127,14 @@ def _state_kind(relu_state):
 
 
 def bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(True,) * 4,
-                training=True, comm=None, count=None):
+                training=True, comm=None, count=None, sums=None):
     """(dx, dgamma, dbeta, dz) of ``[relu](batchnorm(x) [+ z])``; unneeded ones are None.
 
     With ``comm`` (synchronized batch norm, training) the two per-channel sums of the backward
     are all-reduced over the ranks and dx uses them with the global ``count``; dgamma and
     dbeta stay this rank's own contribution (their sum over ranks is the global gradient).
+    ``sums``: the backward's first pass made elsewhere (CPU, no ``comm``: the partials of
+    ``kernels/conv/cpu.forward_bn_sums``).
     """
     which = backend.backend_of("bn_backward", dy=dy, x=x, gamma=gamma)
     sync = None
@@ -141,6 +143,9 @@ def bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(Tru
             return comm.allreduce_sum(sums), count
     kind = _state_kind(relu_state)
     state = relu_state.beta if kind == bn_math.STATE_AFFINE else relu_state
+    if sums is not None:
+        return _kernels(which).backward(dy, x, mean, invstd, gamma, kind, state, layout,
+                                        bool(training), tuple(need), sums=sums)
     return _kernels(which).backward(dy, x, mean, invstd, gamma, kind, state, layout,
                                     bool(training), tuple(need), sync=sync)
 

@@ -35,6 +35,7 @@ from ..autograd import Function
 from .spec import OpSpec
 
 _kernels = functools.partial(kernels.module, "conv")   # _kernels(backend): the module
+kernels_of = _kernels
 
 
 # --------------------------------------------------------------------------- array helpers

@@ -79,6 +79,23 @@ def _conv_forward(which, x, w, b, geometry, relu):
     return _conv.conv_forward(x, w, b, geometry, relu)
 
 
+def _conv_and_stats(which, x, w, geometry, eps):
+    """(h, mean, var, invstd) with the statistics made by the conv's own chunks, where the
+    backend's conv has that epilogue for this geometry (``forward_stats``), else None."""
+    fused = getattr(_conv.kernels_of(which), "forward_stats", None)
+    return None if fused is None else fused(x, w, geometry, eps)
+
+
+def _recompute_and_sums(which, dy, s, geometry, relu):
+    """(h, g, sums): the conv recomputed with the batch-norm backward's first pass made by its
+    chunks (``forward_bn_sums``: g = dy gated by the ReLU, the two sums), or None where the
+    backend's conv has no such epilogue."""
+    fused = getattr(_conv.kernels_of(which), "forward_bn_sums", None)
+    if fused is None:
+        return None
+    return fused(s.x, s.w, geometry, dy, s.mean, s.invstd, s.gamma, s.beta if relu else None)
+
+
 def _conv_backward(which, dconv, x, w, geometry, need):
     """(dx, dw) of the conv; a rank without samples contributes dw = 0."""
     if geometry.N == 0:
@@ -134,7 +151,15 @@ class ConvBatchNormReLU(Function):
         x, w, gamma, beta = (kernels.contiguous(a) for a in (x, w, gamma, beta))
         self.geometry = geometry
         self.count = geometry.N * geometry.P * geometry.Q
-        if p.training:
+        fused = None
+        if p.training and p.comm is None:   # the statistics from the conv's own chunks
+            fused = _conv_and_stats(which, x, w, geometry, p.eps)
+        if fused is not None:
+            h, mean, var, invstd = fused
+            if p.running_mean is not None:
+                _bn.update_running(p.running_mean, p.running_var, mean, var, self.count,
+                                   p.momentum)
+        elif p.training:
             h = _conv_forward(which, x, w, None, geometry, False)         # (N,K,P,Q) | NHWC
             if p.comm is not None:          # synchronized: the statistics of all ranks' h
                 mean, var, invstd, self.count = _bn.synced_stats(
@@ -147,6 +172,7 @@ class ConvBatchNormReLU(Function):
                 mean, var, invstd = _bn.stats_and_update(                 # (K,) each
                     kernels.module("batchnorm", which), h, geometry.layout, p.eps,
                     p.running_mean, p.running_var, self.count, p.momentum)
+        if p.training:
             keep_h = not p.recompute
             y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu,
                              layout=geometry.layout, with_mask=keep_h and p.relu)
@@ -174,7 +200,13 @@ class ConvBatchNormReLU(Function):
         need_x, need_w, need_gamma, need_beta = self.needs_input_grad
         dy = kernels.contiguous(dy)
         which = backend.backend_of_array(dy)
-        if hasattr(s, "h"):                                               # recompute=False
+        sums = fused = None
+        if not hasattr(s, "h") and self.params.training and self.params.comm is None:
+            fused = _recompute_and_sums(which, dy, s, geometry, self.params.relu)
+        if fused is not None:           # recomputed, with the batch norm's first pass
+            h, dy, sums = fused             # dy: gated by the ReLU already
+            relu_state = None
+        elif hasattr(s, "h"):                                             # recompute=False
             h, relu_state = s.h, s.relu_state
         else:
             h = _conv_forward(which, s.x, s.w, None, geometry, False)     # recompute
@@ -188,7 +220,7 @@ class ConvBatchNormReLU(Function):
         dconv, dgamma, dbeta, _ = _bn.bn_backward(
             dy, h, s.mean, s.invstd, s.gamma, relu_state, layout=geometry.layout,
             need=(need_x or need_w, need_gamma, need_beta, False),
-            training=self.params.training, comm=self.params.comm, count=self.count)
+            training=self.params.training, comm=self.params.comm, count=self.count, sums=sums)
         del h, relu_state
         dx = dw = None
         if need_x or need_w:

@@ -489,7 +489,7 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
 
 
 def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, need,
-             sync=None):
+             sync=None, sums=None):
     """(gx, ggamma, gbeta, gz), each None unless asked for in ``need`` (4 booleans).
 
     ``state`` is y (``STATE_Y``), the packed mask (``STATE_MASK``), beta (``STATE_AFFINE``:
@@ -501,6 +501,9 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     float64 (2, C) array (sum g, sum g*(x - mean)), and returning the global sums and the
     global count; gx then uses those, while ggamma and gbeta stay this call's own. With
     ``sync`` the reduction always runs (every rank must take part), also on an empty ``x``.
+
+    ``sums``: pass 1's sums made elsewhere, a (P, 2, C) float64 array of partials added in
+    order (the conv epilogue of ``kernels/conv/cpu_epilogue``); pass 1 is then skipped.
     """
     need_gx, need_ggamma, need_gbeta, need_gz = need
     N, C, HW = _dims(x.shape, layout)
@@ -523,7 +526,9 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     coefs = np.empty((3, m * C), dtype)                           # cg, cx, c0, tiled
     g_written = False
     pm = 1                                                        # tiles in the partials
-    if sync is not None and x.size == 0:                          # an empty rank: zero sums
+    if sums is not None:                                          # pass 1 made elsewhere
+        partials = sums
+    elif sync is not None and x.size == 0:                        # an empty rank: zero sums
         partials = np.zeros((1, 2, C))
     elif need_ggamma or need_gbeta or (need_gx and training) or sync is not None:
         # pass 1: gbeta = sum g, ggamma = sum g*xhat (and the dx coefficients); gz = g

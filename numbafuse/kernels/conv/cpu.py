@@ -54,9 +54,15 @@ STRIDED_NCHW_SLAB = True       # strided NCHW forward and dW by im2col over NHWC
 # (cpu_launch.concurrently), instead of one after the other, each split over the threads: at
 # the digits shapes (8x8, 24 channels) a split pass gains what waking a helper costs
 CONCURRENT_MAX_ELEMENTS = 1 << 20
+# Conv-BatchNorm(-ReLU): the batch statistics (forward) and the batch-norm backward's first
+# pass (recompute) made by the Winograd forward's chunks (cpu_epilogue.py); False: separate
+# batch-norm passes over the conv's output
+BN_EPILOGUE = True
 
 geo_tuple = conv_math.geo_tuple
 
+from . import cpu_epilogue as _epi  # noqa: E402
+from ..batchnorm import cpu as _bn_cpu  # noqa: E402
 from . import cpu_winograd as _wino  # noqa: E402
 from .cpu_direct import (_phase_dw_tasks, _phase_dx_tasks, _phase_tasks,  # noqa: E402
                          _pointwise_dw_tasks, _pointwise_tasks)
@@ -158,9 +164,11 @@ def _winograd_chunks(N, Ho, Wo, nhwc, tiles=None):
     return ipc, tyb, _nchunks(N, TY, ipc, tyb), most
 
 
-def _winograd_run(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, blas, out, work):
+def _winograd_run(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, blas, out, work,
+                  epi=_epi.EPI_NONE, dy=None, gz=None, ev=None, affine=False):
     """out = relu?(Winograd 3x3 correlation of src (gated) zero-padded by top/left + bias);
-    taps w (K, C, 3, 3), flipped and transposed for dX (``flip``)."""
+    taps w (K, C, 3, 3), flipped and transposed for dX (``flip``). With a batch-norm epilogue
+    (``epi``, HWC passes only; :mod:`cpu_epilogue`) returns each chunk's (parts, counts)."""
     Ci, Co = (w.shape[0], w.shape[1]) if flip else (w.shape[1], w.shape[0])
     N, Ho, Wo = out.shape[0], *(out.shape[1:3] if nhwc else out.shape[2:4])
     slabs = not nhwc and WINOGRAD_NCHW_SLABS
@@ -168,9 +176,70 @@ def _winograd_run(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, bla
     U = np.empty((16, Ci, Co) if hwc else (16, Co, Ci), src.dtype)    # the GEMMs' orientation
     _wino.winograd_taps(w, flip, hwc, U)
     ipc, tyb, nchunks, most = _winograd_chunks(N, Ho, Wo, hwc)
+    if epi == _epi.EPI_NONE:                          # stand-ins: one compiled signature
+        dy, gz, ev, parts, counts = out, out, _NO_VALUES, _NO_PARTS, _NO_COUNTS
+    else:
+        parts, counts = np.empty((nchunks, 3, Co)), np.empty(nchunks)
+        dy, gz = (out, out) if dy is None else (dy, gz)
+        ev = np.zeros((4, _epi.tiles(Co) * Co), src.dtype) if ev is None else ev
     launch(_wino._winograd_tasks, nchunks, src, gate, use_gate, U, top, left, ipc, tyb,
            _wino.estride(Ci * most, src.itemsize), _wino.estride(Co * most, src.itemsize),
-           bias, relu, nhwc, slabs, blas, out, work=work, grain=1)
+           bias, relu, nhwc, slabs, blas, out, epi, bool(affine), dy, gz,
+           ev.astype(src.dtype, copy=False),
+           parts, counts, work=work, grain=1)
+    return parts, counts
+
+
+_NO_PARTS, _NO_COUNTS = np.zeros((1, 3, 1)), np.zeros(1)
+_NO_VALUES = np.zeros((4, 0))
+
+
+def _bn_epilogue_ok(geom, nhwc_only):
+    """Whether the forward is the Winograd pass over HWC rows, which has the epilogue."""
+    nhwc = geom.layout == "NHWC"
+    return (BN_EPILOGUE and algorithm(geom, "forward") == "winograd"
+            and (nhwc or WINOGRAD_NCHW_SLABS)
+            and (nhwc or not nhwc_only) and geom.N > 0)
+
+
+def _forward_epilogue(x, w, geom, epi, dy=None, gz=None, ev=None, affine=False):
+    h = np.empty(geom.y_shape, x.dtype)
+    parts, counts = _winograd_run(x, x, False, w, False, geom.ph, geom.pw,
+                                  np.zeros(geom.K, x.dtype), False, geom.layout == "NHWC",
+                                  _blas.blas_for(x.dtype), h, x.size + h.size, epi, dy, gz,
+                                  ev, affine)
+    return h, parts, counts
+
+
+def forward_stats(x, w, geom, eps):
+    """``(h, mean, var, invstd)`` of a bias-free conv: its output h and h's batch statistics
+    (float64 (K,), var biased) from the conv's chunks (:mod:`cpu_epilogue`, EPI_STATS), or
+    None where the forward is not the Winograd pass over HWC rows (the caller then makes the
+    statistics pass)."""
+    if not _bn_epilogue_ok(geom, False):
+        return None
+    h, parts, counts = _forward_epilogue(x, w, geom, _epi.EPI_STATS)
+    mean, var, invstd = np.empty((3, geom.K))
+    _epi.merge_stats(parts, counts, float(eps), mean, var, invstd)
+    return h, mean, var, invstd
+
+
+def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
+    """``(h, g, sums)``: a bias-free conv's output h (recomputed) with pass 1 of the batch-norm
+    backward of ``[relu](batchnorm(h))`` made by its chunks (EPI_BN_SUMS): ``g = dy`` gated
+    where ``gamma*xhat + beta > 0`` (``beta`` None: no ReLU, g = dy) and sums (chunks, 2, K)
+    float64 of g and g*(h - mean), for ``kernels/batchnorm/cpu.backward(g, ..., STATE_NONE,
+    sums=sums)``. NHWC only (``dy`` shaped as h); None where the forward is not the Winograd
+    pass."""
+    if not _bn_epilogue_ok(geom, True):
+        return None
+    values = np.empty((4, _epi.tiles(geom.K) * geom.K), x.dtype)   # batch norm's, tiled
+    _bn_cpu._channel_values(mean, invstd, gamma, gamma if beta is None else beta,
+                            _epi.tiles(geom.K), values)
+    g = np.empty(geom.y_shape, x.dtype)
+    h, parts, _ = _forward_epilogue(x, w, geom, _epi.EPI_BN_SUMS, dy, g, values,
+                                    beta is not None)
+    return h, g, np.ascontiguousarray(parts[:, :2])
 
 
 def _winograd_dw(x, gy, y, use_mask, geom, need_dw, blas, work):

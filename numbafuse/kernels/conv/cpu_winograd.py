@@ -56,6 +56,7 @@ from ..cpu_launch import task_kernel
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from ..cpu_transpose import transpose
 from .cpu_im2col import _chunk, _sum64
+from . import cpu_epilogue as _epi
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -421,14 +422,17 @@ def _grad_hwc(gy, y, use_mask, n, p0, TX, G, tmp, dM, t0, db):
 
 @task_kernel
 def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, ipc, tyb, vs, ms, bias, relu,
-                    nhwc, slabs, blas, out):
+                    nhwc, slabs, blas, out, epi, affine, dy, gz, ev, parts, counts):
     # src, gate: (N, Ci, Hs, Ws) | (N, Hs, Ws, Ci); U: (16, Co, Ci) | (16, Ci, Co) from
     # winograd_taps (NHWC's orientation with slabs); out: (N, Co, Ho, Wo) | (N, Ho, Wo, Co) =
     # relu?(3x3 correlation of src zero-padded by top/left + bias), bias (Co,) zeros for none.
     # Chunk t: images [n0, n1) (ipc > 1) or tile rows [ty0, ty1) of one image (_chunk); vs,
     # ms: estride of V and M. slabs (NCHW): each image's input rows of the chunk are
     # transposed to (rows, Ws, Ci) and its output rows computed as (rows, Wo, Co), then
-    # transposed into out: the NHWC transforms and GEMMs run on NCHW tensors
+    # transposed into out: the NHWC transforms and GEMMs run on NCHW tensors.
+    # epi (cpu_epilogue, HWC only): each chunk's batch-norm sums of the rows it wrote into
+    # parts[t], counts[t]: EPI_STATS, or EPI_BN_SUMS with dy (shaped as out, NHWC) and gz <- g,
+    # ev (4, mt*Co) the batch-norm values, affine (the ReLU gate); else dy, gz, ev, ... unused
     if nhwc:
         N, Ho, Wo, Co = out.shape
         Ws, Ci = src.shape[2], src.shape[3]
@@ -458,9 +462,13 @@ def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, ipc, tyb, vs, ms,
     xs = np.empty((2 * rows + 2) * Ws * Ci if slabs else 0, src.dtype)   # input rows, HWC
     gs = np.empty((2 * rows + 2) * Ws * Ci if slabs and use_gate else 0, src.dtype)
     ys = np.empty(2 * rows * Wo * Co if slabs else 0, src.dtype)         # output rows, HWC
+    acc = np.empty((2, ev.shape[1]))                              # epilogue sums, tiled
+    shift = np.empty(ev.shape[1])
     for t in range(t0, t1):
         n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
+        if epi != _epi.EPI_NONE:
+            _epi.start_chunk(acc, counts, t)
         if hwc:
             T = (n1 - n0) * nr * TX
             for n in range(n0, n1):
@@ -471,19 +479,31 @@ def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, ipc, tyb, vs, ms,
             for e in range(16):
                 _blas.gemm(blas, False, False, T, Co, Ci, 1.0, V[e], Ci, U[e], Co, 0.0, M[e],
                            Co)
+            p0 = 2 * ty0
+            np_ = min(Ho, p0 + 2 * nr) - p0                       # output rows of the chunk
             for n in range(n0, n1):
                 if slabs:
-                    p0 = 2 * ty0
-                    np_ = min(Ho, p0 + 2 * nr) - p0
                     yv = ys[:np_ * Wo * Co].reshape((np_, Wo, Co))
                     for r in range(nr):
                         _out_hwc(M, ((n - n0) * nr + r) * TX, TX, 2 * r, bias, relu, s, yv)
-                    transpose(yv.reshape((np_ * Wo, Co)),
-                              out[n].reshape((Co, Ho * Wo))[:, p0 * Wo:(p0 + np_) * Wo])
+                    flat = ys[:np_ * Wo * Co]
                 else:
                     for r in range(nr):
                         _out_hwc(M, ((n - n0) * nr + r) * TX, TX, 2 * (ty0 + r), bias, relu,
                                  s, out[n])
+                    flat = out[n].reshape(Ho * Wo * Co)[p0 * Wo * Co:(p0 + np_) * Wo * Co]
+                if epi != _epi.EPI_NONE:          # the rows just written, still in cache
+                    dflat = gflat = flat
+                    if epi == _epi.EPI_BN_SUMS:
+                        dflat = dy[n].reshape(Ho * Wo * Co)[p0 * Wo * Co:(p0 + np_) * Wo * Co]
+                        gflat = gz[n].reshape(Ho * Wo * Co)[p0 * Wo * Co:(p0 + np_) * Wo * Co]
+                    _epi.block(flat, dflat, gflat, Co, n == n0, epi, affine, ev, shift, acc,
+                               counts, t)
+                if slabs:
+                    transpose(ys[:np_ * Wo * Co].reshape((np_ * Wo, Co)),
+                              out[n].reshape((Co, Ho * Wo))[:, p0 * Wo:(p0 + np_) * Wo])
+            if epi != _epi.EPI_NONE:
+                _epi.end_chunk(epi, shift, acc, parts, t)
         else:
             T = (n1 - n0) * nr * L
             for n in range(n0, n1):
