@@ -26,6 +26,9 @@ fixed groups (a function of the shape only), one task each with its own partial 
 float64), summed in group order afterwards: results do not depend on the thread count. dX:
 every dx element is written by exactly one task.
 
+Conv-BatchNorm: :func:`forward_stats` and :func:`forward_bn_sums` run the Winograd forward
+with batch norm's per-channel sums in each chunk's epilogue (``cpu_epilogue.py``).
+
 Both layouts run the same task kernels: the layout is a flag tested once per chunk, and only
 the small gather/scatter helpers have per-layout loop nests.
 """
