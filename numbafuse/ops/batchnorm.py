@@ -143,11 +143,9 @@ def bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(Tru
             return comm.allreduce_sum(sums), count
     kind = _state_kind(relu_state)
     state = relu_state.beta if kind == bn_math.STATE_AFFINE else relu_state
-    if sums is not None:
-        return _kernels(which).backward(dy, x, mean, invstd, gamma, kind, state, layout,
-                                        bool(training), tuple(need), sums=sums)
+    first_pass = dict(sync=sync) if sums is None else dict(sums=sums)   # (CUDA: no sums)
     return _kernels(which).backward(dy, x, mean, invstd, gamma, kind, state, layout,
-                                    bool(training), tuple(need), sync=sync)
+                                    bool(training), tuple(need), **first_pass)
 
 
 def synced_stats(op, impl, x, layout, eps, C, comm):

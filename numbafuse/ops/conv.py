@@ -35,7 +35,6 @@ from ..autograd import Function
 from .spec import OpSpec
 
 _kernels = functools.partial(kernels.module, "conv")   # _kernels(backend): the module
-kernels_of = _kernels
 
 
 # --------------------------------------------------------------------------- array helpers

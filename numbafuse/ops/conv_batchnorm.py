@@ -82,7 +82,7 @@ def _conv_forward(which, x, w, b, geometry, relu):
 def _conv_and_stats(which, x, w, geometry, eps):
     """(h, mean, var, invstd) with the statistics made by the conv's own chunks, where the
     backend's conv has that epilogue for this geometry (``forward_stats``), else None."""
-    fused = getattr(_conv.kernels_of(which), "forward_stats", None)
+    fused = getattr(kernels.module("conv", which), "forward_stats", None)
     return None if fused is None else fused(x, w, geometry, eps)
 
 
@@ -90,7 +90,7 @@ def _recompute_and_sums(which, dy, s, geometry, relu):
     """(h, g, sums): the conv recomputed with the batch-norm backward's first pass made by its
     chunks (``forward_bn_sums``: g = dy gated by the ReLU, the two sums), or None where the
     backend's conv has no such epilogue."""
-    fused = getattr(_conv.kernels_of(which), "forward_bn_sums", None)
+    fused = getattr(kernels.module("conv", which), "forward_bn_sums", None)
     if fused is None:
         return None
     return fused(s.x, s.w, geometry, dy, s.mean, s.invstd, s.gamma, s.beta if relu else None)

@@ -236,9 +236,9 @@ def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
     pass."""
     if not _bn_epilogue_ok(geom, True):
         return None
-    values = np.empty((4, _epi.tiles(geom.K) * geom.K), x.dtype)   # batch norm's, tiled
-    _bn_cpu._channel_values(mean, invstd, gamma, gamma if beta is None else beta,
-                            _epi.tiles(geom.K), values)
+    m = _epi.tiles(geom.K)
+    values = np.empty((4, m * geom.K), x.dtype)                   # batch norm's, tiled
+    _bn_cpu._channel_values(mean, invstd, gamma, gamma if beta is None else beta, m, values)
     g = np.empty(geom.y_shape, x.dtype)
     h, parts, _ = _forward_epilogue(x, w, geom, _epi.EPI_BN_SUMS, dy, g, values,
                                     beta is not None)

@@ -500,7 +500,7 @@ def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, ipc, tyb, vs, ms,
                     _epi.block(flat, dflat, gflat, Co, n == n0, epi, affine, ev, shift, acc,
                                counts, t)
                 if slabs:
-                    transpose(ys[:np_ * Wo * Co].reshape((np_ * Wo, Co)),
+                    transpose(flat.reshape((np_ * Wo, Co)),
                               out[n].reshape((Co, Ho * Wo))[:, p0 * Wo:(p0 + np_) * Wo])
             if epi != _epi.EPI_NONE:
                 _epi.end_chunk(epi, shift, acc, parts, t)
