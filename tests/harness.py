@@ -109,7 +109,9 @@ BOUNDARIES = {
     ("cpu", "conv"): Boundary(
         why="each pass runs per chunk (kernels/conv/cpu.py): CHUNK_BYTES (patched) cuts the "
             "batch into chunks of 1 or 2 images, or into blocks of rows of one image: N of 3 "
-            "or 5 leaves a last, partial chunk and H of 5-9 several row blocks; "
+            "or 5 leaves a last, partial chunk and H of 5-9 several row blocks; MIN_CHUNKS "
+            "(whole-image chunks at least) patched 1 half the time (else 4: one image a "
+            "chunk at these N); "
             "MIN_GEMM_CHANNELS (and NCHW_IM2COL_CHANNELS) patched to 1 half the time, so the "
             "few channels drawn take the Winograd (3x3 stride 1, any width), phase-plane and "
             "pointwise paths as well as im2col (strided NCHW: over NHWC slabs of a chunk's "
@@ -121,6 +123,7 @@ BOUNDARIES = {
             "PARALLEL_MIN_ELEMENTS 0: every call runs on the thread pool",
         ops=("conv_bias_relu", "conv2d", "conv_batchnorm_relu"),
         patch={"conv.cpu.CHUNK_BYTES": (_images_per_chunk(1), _images_per_chunk(2), 64),
+               "conv.cpu.MIN_CHUNKS": (1, 4),
                "conv.cpu.MIN_GEMM_CHANNELS": (1, 16),
                "conv.cpu.NCHW_IM2COL_CHANNELS": (1, 32),
                "conv.cpu.WINOGRAD_NCHW_MIN_WIDTH": 1,

@@ -37,9 +37,11 @@ def _run(p, gy, threads):
     return (y, *nf.conv_bias_relu_backward(gy, p.x, p.w, y, **p.kwargs))
 
 
-def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, wino_slabs=True):
+def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, wino_slabs=True,
+           min_chunks=1):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
+        mp.setattr(cpu_conv, "MIN_CHUNKS", min_chunks)   # 1: the chunks CHUNK_BYTES makes
         if tiles is not None:
             mp.setattr(cpu_conv, "WINOGRAD_TILES", tiles)
             mp.setattr(cpu_conv, "WINOGRAD_DW_NCHW_TILES", 2 * tiles)
@@ -104,6 +106,22 @@ def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_
     p = nfs.ConvProblem(x, w, b, dict(stride=stride, padding=padding, dilation=dilation,
                                       layout=layout))
     _check(p, chunk_bytes, groups=4, tiles=tiles, min_channels=min_channels, slab=slab)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("N, stride", [(9, 1), (9, 2), (3, 1)])
+def test_small_batches_split_into_min_chunks(layout, N, stride):
+    # a stem (one input channel): the whole batch's im2col fits one chunk, so MIN_CHUNKS (the
+    # default, 4) splits it: 9 images -> 2 a chunk, the last chunk 1; 3 images -> 1 a chunk
+    rng = np.random.default_rng(N + stride)
+    shape = (N, 1, 8, 7) if layout == "NCHW" else (N, 8, 7, 1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal((5, 1, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    p = nfs.ConvProblem(x, w, b, dict(stride=stride, padding=1, dilation=1, layout=layout))
+    assert cpu_conv._chunking(56, 8, 7, 9 * 4, N)[0] == max(1, N // cpu_conv.MIN_CHUNKS)
+    _check(p, cpu_conv.CHUNK_BYTES, groups=cpu_conv.DW_GROUPS,
+           min_chunks=cpu_conv.MIN_CHUNKS)
 
 
 @pytest.mark.parametrize("size, kernel, stride, padding, dilation", [

@@ -167,9 +167,46 @@ def _gap_bwd(t0, t1, gy, gx, N, C, H, W, xs_n, xs_c, xs_h, xs_w):
                 gx[x0 + h * xs_h + w * xs_w] = g
 
 
+@task_kernel
+def _gap_fwd_hwc(t0, t1, x, y):
+    # x: (N, H*W, C) (NHWC), y: (N, C); task = image. The same float64 sums, in the same
+    # order (h, w), as _gap_fwd's, with the channels innermost: whole rows read, not a stride
+    N, HW, C = x.shape
+    inv = 1.0 / HW
+    acc = np.empty(C)                                            # float64
+    for n in range(t0, t1):
+        acc[:] = 0.0
+        for i in range(HW):
+            row = x[n, i]                                            # (C,)
+            for c in range(C):
+                acc[c] += row[c]
+        dst = y[n]
+        for c in range(C):
+            dst[c] = acc[c] * inv
+
+
+@task_kernel
+def _gap_bwd_hwc(t0, t1, gy, gx):
+    # gy: (N, C), gx: (N, H*W, C) (NHWC); task = image; gx = gy * (1 / (H*W)) as _gap_bwd
+    N, HW, C = gx.shape
+    inv = 1.0 / HW
+    for n in range(t0, t1):
+        g = gx[n, 0]                                                 # (C,): row 0, then copies
+        src = gy[n]
+        for c in range(C):
+            g[c] = src[c] * inv
+        for i in range(1, HW):
+            row = gx[n, i]
+            for c in range(C):
+                row[c] = g[c]
+
+
 # fwd :: (x, geometry) -> y (N, C)
 def global_avg_pool2d_forward(x, g):
     y = np.empty((g.N, g.C), x.dtype)
+    if g.layout == "NHWC":
+        launch(_gap_fwd_hwc, g.N, x.reshape(g.N, g.H * g.W, g.C), y, work=x.size)
+        return y
     launch(_gap_fwd, g.N * g.C, x.reshape(-1), y.reshape(-1), g.N, g.C, g.H, g.W,
            *g.x_strides, work=x.size)
     return y
@@ -178,6 +215,10 @@ def global_avg_pool2d_forward(x, g):
 # bwd :: (gy (N, C), geometry) -> gx
 def global_avg_pool2d_backward(gy, g, dtype):
     gx = np.empty(g.x_shape, dtype)
+    if g.layout == "NHWC":
+        launch(_gap_bwd_hwc, g.N, gy.reshape(g.N, g.C), gx.reshape(g.N, g.H * g.W, g.C),
+               work=gx.size)
+        return gx
     launch(_gap_bwd, g.N * g.C, gy.reshape(-1), gx.reshape(-1), g.N, g.C, g.H, g.W,
            *g.x_strides, work=gx.size)
     return gx

@@ -39,6 +39,7 @@ from ..cpu_launch import blocks, concurrently, launch
 from . import math as conv_math
 
 CHUNK_BYTES = 768 << 10   # target bytes of a chunk's gathered input + output (L2: 1 MiB)
+MIN_CHUNKS = 4            # whole-image im2col chunks of a batch, at least (see _chunking)
 DW_GROUPS = 16            # fixed groups of chunks, each with its own dW and db partial
 WINOGRAD = True           # 3x3 stride-1 convolutions by Winograd F(2x2, 3x3)
 WINOGRAD_TILES = 160      # 2x2 output tiles per Winograd chunk (the GEMMs' n)
@@ -80,12 +81,16 @@ def _balanced(rows, most):
     return -(-rows // -(-rows // most))
 
 
-def _chunking(pixels_per_image, rows, row_pixels, row_bytes):
+def _chunking(pixels_per_image, rows, row_pixels, row_bytes, images):
     """(images per chunk, rows per chunk): whole images if one image's matrix is small, else
-    blocks of rows of one image; ``row_bytes``: the im2col bytes of one output pixel."""
+    blocks of rows of one image; ``row_bytes``: the im2col bytes of one output pixel. Whole
+    images are grouped into at least ``MIN_CHUNKS`` chunks (of the ``images``) where there are
+    that many: a batch whose im2col fits one chunk (the stem's C = 1) still splits over the
+    threads (a fixed count, so the chunks do not depend on the thread count)."""
     target = max(1, CHUNK_BYTES // max(row_bytes, 1))          # pixels of one chunk
     if pixels_per_image <= target:
-        return max(1, target // max(pixels_per_image, 1)), rows
+        ipc = max(1, target // max(pixels_per_image, 1))
+        return max(1, min(ipc, images // MIN_CHUNKS)), rows
     return 1, _balanced(rows, target // max(row_pixels, 1))
 
 
@@ -370,7 +375,7 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     """(dw or None, db_parts) by im2col chunks."""
     N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
     nhwc = geom.layout == "NHWC"
-    ipc, rpc = _chunking(P * Q, P, Q, R * S * C * x.itemsize)
+    ipc, rpc = _chunking(P * Q, P, Q, R * S * C * x.itemsize, N)
     nchunks = _nchunks(N, P, ipc, rpc)
     groups = min(nchunks, DW_GROUPS)
     dw_parts = np.empty((groups if need_dw else 1, K * R * S * C), x.dtype)
@@ -399,7 +404,7 @@ def _im2col_dx(gy, y, use_mask, w, geom, blas, dx, work):
     rows_max = -(-H // geom.sh)
     wb_max = -(-W // geom.sw)
     ipc, rpc = _chunking(rows_max * wb_max, rows_max, wb_max,
-                         int(nr.max()) * int(ns.max()) * K * gy.itemsize)
+                         int(nr.max()) * int(ns.max()) * K * gy.itemsize, N)
     per_phase = _nchunks(N, rows_max, ipc, rpc)
     launch(_dx_tasks, geom.sh * geom.sw * per_phase, gy.reshape(geom.y_shape),
            y.reshape(geom.y_shape), use_mask, geo_tuple(geom), ipc, rpc, per_phase, rows_max,
@@ -416,7 +421,9 @@ def conv_forward(x, w, b, geom, relu):
     has_bias = b is not None
     b = b if has_bias else np.zeros(K, x.dtype)
     blas = _blas.blas_for(x.dtype)
-    work = x.size + y.size
+    # elements touched, plus the multiply-adds counted 8 to an element: a conv with few
+    # channels (the stem's 1 -> 24) touches few elements but is worth splitting
+    work = x.size + y.size + N * P * Q * K * C * geom.R * geom.S // 8
     relu = bool(relu)
     kind = algorithm(geom, "forward")
     if kind == "winograd":
@@ -435,7 +442,7 @@ def conv_forward(x, w, b, geom, relu):
                planes, geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc, b, relu, nhwc,
                blas, y, work=work, grain=1)
     else:
-        ipc, rpc = _chunking(P * Q, P, Q, geom.R * geom.S * C * x.itemsize)
+        ipc, rpc = _chunking(P * Q, P, Q, geom.R * geom.S * C * x.itemsize, N)
         y_k = y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q)  # (N, PQ, K) | (N, K, PQ)
         slab = _slab(geom)
         launch(_forward_tasks, _nchunks(N, P, ipc, rpc), x, _weight_matrix(w, nhwc or slab), b,
