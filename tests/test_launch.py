@@ -96,10 +96,51 @@ def test_concurrently_runs_each_call_whole_on_one_thread(monkeypatch):
         _launch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_conv_backward_concurrent_and_in_turn_agree(layout, monkeypatch, rng):
-    """dX and dW at once (conv.cpu.CONCURRENT_MAX_ELEMENTS) or one after the other, each split
-    over the pool: bit for bit the same gradients."""
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_launch_all_runs_every_task_of_every_launch_once(monkeypatch, threads):
+    """cpu_launch.launch_all: each launch's tasks [0, n) run exactly once, with that launch's
+    arguments and its own task numbers (empty launches skipped); on one thread each launch is
+    one whole call; the first error is raised on the caller."""
+    import threading
+
+    monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
+    saved = _launch.num_threads()
+    _launch.set_num_threads(threads)
+    seen, lock = [], threading.Lock()
+
+    def kernel(t0, t1, tag, scale):
+        with lock:
+            seen.append((tag, t0, t1, scale))
+
+    sizes = {"a": 3, "b": 0, "c": 5, "d": 1}
+    try:
+        _launch.launch_all([(kernel, n, (tag, 10 * n)) for tag, n in sizes.items()],
+                           work=10**9)
+        for tag, n in sizes.items():
+            calls = [c for c in seen if c[0] == tag]
+            assert sorted(t for _, t0, t1, _ in calls for t in range(t0, t1)) == list(range(n))
+            assert all(c[3] == 10 * n for c in calls)
+            if threads == 1 and n:
+                assert [c[1:3] for c in calls] == [(0, n)]     # each launch whole
+        if threads > 1:
+            assert len(seen) == sum(sizes.values())          # ranges of one task
+
+        def fails(t0, t1):
+            raise KeyError("from a shared job")
+        with pytest.raises(KeyError, match="from a shared job"):
+            _launch.launch_all([(kernel, 2, ("e", 0)), (fails, 2, ())], work=10**9)
+    finally:
+        _launch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("layout, slabs", [("NCHW", True), ("NCHW", False), ("NHWC", True)])
+@pytest.mark.parametrize("winograd", [False, True])
+def test_conv_backward_concurrent_shared_and_in_turn_agree(layout, slabs, winograd,
+                                                           monkeypatch, rng):
+    """dX and dW one pass a thread (conv.cpu.CONCURRENT_MAX_ELEMENTS, im2col here), their
+    tasks in one shared job (SHARED_BACKWARD, the Winograd passes: MIN_GEMM_CHANNELS patched
+    to 1), or one after the other, each split over the pool: bit for bit the same gradients,
+    on 1 and 3 threads, and the reference's."""
     from numbafuse.kernels.conv import cpu as conv_cpu
 
     shape = (5, 4, 7, 9) if layout == "NCHW" else (5, 7, 9, 4)
@@ -108,20 +149,35 @@ def test_conv_backward_concurrent_and_in_turn_agree(layout, monkeypatch, rng):
     y = nf.conv_bias_relu(x, w, None, padding=1, layout=layout)
     gy = rng.standard_normal(y.shape).astype(np.float32)
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(conv_cpu, "WINOGRAD_NCHW_SLABS", slabs)
+    monkeypatch.setattr(conv_cpu, "WINOGRAD_NCHW_MIN_WIDTH", 1)
+    monkeypatch.setattr(conv_cpu, "WINOGRAD_TILES", 3)          # several chunks, uneven
+    monkeypatch.setattr(conv_cpu, "WINOGRAD_DW_NCHW_TILES", 6)
+    monkeypatch.setattr(conv_cpu, "DW_GROUPS", 3)
+    if winograd:
+        monkeypatch.setattr(conv_cpu, "MIN_GEMM_CHANNELS", 1)
+        monkeypatch.setattr(conv_cpu, "NCHW_IM2COL_CHANNELS", 1)
+    geom = nf.validate.conv_geometry("t", x.shape, w.shape, 1, 1, 1, layout)
+    assert (conv_cpu.algorithm(geom, "dx") == "winograd") == winograd
     threads = _launch.num_threads()
-    _launch.set_num_threads(2)
+    out = {}
     try:
-        out = {}
-        for limit in (0, 2**62):
-            monkeypatch.setattr(conv_cpu, "CONCURRENT_MAX_ELEMENTS", limit)
-            out[limit] = nf.conv_bias_relu_backward(gy, x, w, y, padding=1, layout=layout)
+        for n in (1, 3):
+            _launch.set_num_threads(n)
+            for mode, limit, shared in (("turn", 0, True), ("concurrently", 2**62, False),
+                                        ("shared", 2**62, True)):
+                monkeypatch.setattr(conv_cpu, "CONCURRENT_MAX_ELEMENTS", limit)
+                monkeypatch.setattr(conv_cpu, "SHARED_BACKWARD", shared)
+                out[n, mode] = nf.conv_bias_relu_backward(gy, x, w, y, padding=1,
+                                                          layout=layout)
     finally:
         _launch.set_num_threads(threads)
-    for a, b in zip(out[0], out[2**62]):
-        assert a.tobytes() == b.tobytes()
+    for key in out:
+        for a, b in zip(out[1, "turn"], out[key]):
+            assert a.tobytes() == b.tobytes(), key
     want = reference.conv_bias_relu_backward(gy, x, w, np.zeros(3, np.float32), padding=1,
                                              layout=layout)
-    for got, ref_ in zip(out[0], want):
+    for got, ref_ in zip(out[3, "shared"], want):
         np.testing.assert_allclose(got, ref_, rtol=1e-4, atol=1e-4)
 
 

@@ -417,6 +417,27 @@ def launch(kernel, ntasks, *args, work=None, grain=None):
         raise job.error
 
 
+def launch_all(launches, work=None):
+    """Run several launches, each ``(kernel, ntasks, args)``, as one job: their tasks in one
+    list (the first launch's, then the next's...), each range handed to whichever thread asks
+    first (ranges of one task on the pool; on one thread, each launch whole). For independent
+    passes that are each too short to split well, such as a small conv backward's dX and dW:
+    both threads share all their tasks, instead of one pass per thread (:func:`concurrently`:
+    the longer pass decides, and each thread's Python between its launches waits for the GIL).
+    The same tasks as separate launches, so the same results. ``work`` as for :func:`launch`."""
+    launches = [(k, int(n), tuple(a)) for k, n, a in launches if int(n) > 0]
+    starts = [0]
+    for _, n, _ in launches:
+        starts.append(starts[-1] + n)
+
+    def kernel(t0, t1):
+        for i, (k, n, args) in enumerate(launches):    # the launches overlapping [t0, t1)
+            lo, hi = max(t0, starts[i]), min(t1, starts[i + 1])
+            if lo < hi:
+                k(lo - starts[i], hi - starts[i], *args)
+    launch(kernel, starts[-1], work=work, grain=1)
+
+
 def concurrently(*calls, work=None):
     """Run the argument-less callables ``calls`` at once, each whole on one thread: one job
     whose tasks are the calls, so each call's own launches find the helpers busy and run on its

@@ -35,7 +35,7 @@ the small gather/scatter helpers have per-layout loop nests.
 import numpy as np
 
 from .. import cpu_blas as _blas
-from ..cpu_launch import blocks, concurrently, launch
+from ..cpu_launch import blocks, concurrently, launch, launch_all
 from . import math as conv_math
 
 CHUNK_BYTES = 768 << 10   # target bytes of a chunk's gathered input + output (L2: 1 MiB)
@@ -58,6 +58,9 @@ STRIDED_NCHW_SLAB = True       # strided NCHW forward and dW by im2col over NHWC
 # (cpu_launch.concurrently), instead of one after the other, each split over the threads: at
 # the digits shapes (8x8, 24 channels) a split pass gains what waking a helper costs
 CONCURRENT_MAX_ELEMENTS = 1 << 20
+# ... and where both are Winograd passes, their tasks in one job that both threads share
+# (cpu_launch.launch_all) rather than one pass per thread; False: one pass per thread
+SHARED_BACKWARD = True
 # Conv-BatchNorm(-ReLU): the batch statistics (forward) and the batch-norm backward's first
 # pass (recompute) made by the Winograd forward's chunks (cpu_epilogue.py); False: separate
 # batch-norm passes over the conv's output
@@ -177,6 +180,15 @@ def _winograd_run(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, bla
     """out = relu?(Winograd 3x3 correlation of src (gated) zero-padded by top/left + bias);
     taps w (K, C, 3, 3), flipped and transposed for dX (``flip``). With a batch-norm epilogue
     (``epi``, HWC passes only; :mod:`cpu_epilogue`) returns each chunk's (parts, counts)."""
+    task, parts, counts = _winograd_launch(src, gate, use_gate, w, flip, top, left, bias, relu,
+                                           nhwc, blas, out, epi, dy, gz, ev, affine)
+    launch(*task[:2], *task[2], work=work, grain=1)
+    return parts, counts
+
+
+def _winograd_launch(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, blas, out,
+                     epi=_epi.EPI_NONE, dy=None, gz=None, ev=None, affine=False):
+    """_winograd_run's launch, not run: ((kernel, ntasks, args), parts, counts)."""
     Ci, Co = (w.shape[0], w.shape[1]) if flip else (w.shape[1], w.shape[0])
     N, Ho, Wo = out.shape[0], *(out.shape[1:3] if nhwc else out.shape[2:4])
     slabs = not nhwc and WINOGRAD_NCHW_SLABS
@@ -190,12 +202,11 @@ def _winograd_run(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, bla
         parts, counts = np.empty((nchunks, 3, Co)), np.empty(nchunks)
         dy, gz = (out, out) if dy is None else (dy, gz)
         ev = np.zeros((4, _epi.tiles(Co) * Co), src.dtype) if ev is None else ev
-    launch(_wino._winograd_tasks, nchunks, src, gate, use_gate, U, top, left, ipc, tyb,
-           _wino.estride(Ci * most, src.itemsize), _wino.estride(Co * most, src.itemsize),
-           bias, relu, nhwc, slabs, blas, out, epi, bool(affine), dy, gz,
-           ev.astype(src.dtype, copy=False),
-           parts, counts, work=work, grain=1)
-    return parts, counts
+    args = (src, gate, use_gate, U, top, left, ipc, tyb,
+            _wino.estride(Ci * most, src.itemsize), _wino.estride(Co * most, src.itemsize),
+            bias, relu, nhwc, slabs, blas, out, epi, bool(affine), dy, gz,
+            ev.astype(src.dtype, copy=False), parts, counts)
+    return (_wino._winograd_tasks, nchunks, args), parts, counts
 
 
 _NO_PARTS, _NO_COUNTS = np.zeros((1, 3, 1)), np.zeros(1)
@@ -252,6 +263,14 @@ def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
 
 def _winograd_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     """(dw or None, db_parts) of a 3x3 stride-1 conv by Winograd."""
+    task, finish = _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, blas)
+    launch(*task[:2], *task[2], work=work, grain=1)
+    return finish()
+
+
+def _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, blas):
+    """_winograd_dw's launch, not run: ((kernel, ntasks, args), finish), where ``finish()``
+    returns (dw or None, db_parts) once the tasks have run."""
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     nhwc = geom.layout == "NHWC"
     slabs = not nhwc and WINOGRAD_NCHW_SLABS
@@ -261,14 +280,17 @@ def _winograd_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     groups = min(nchunks, DW_GROUPS)
     D_parts = np.empty((groups if need_dw else 1, 16, K, C), x.dtype)   # D[e] (K, C)
     db_parts = np.empty((groups, K))                                   # float64
-    launch(_wino._winograd_dw_tasks, groups, x, gy, y, use_mask, geom.ph, geom.pw, ipc, tyb,
-           _wino.estride(C * most, x.itemsize), _wino.estride(K * most, x.itemsize), nchunks,
-           groups, need_dw, nhwc, slabs, blas, D_parts, db_parts, work=work, grain=1)
-    if not need_dw:
-        return None, db_parts
-    dw = np.empty((K, C, 3, 3), x.dtype)
-    _wino.winograd_dw(sum_groups(D_parts, np.float64), dw)       # group order
-    return dw, db_parts
+    args = (x, gy, y, use_mask, geom.ph, geom.pw, ipc, tyb,
+            _wino.estride(C * most, x.itemsize), _wino.estride(K * most, x.itemsize), nchunks,
+            groups, need_dw, nhwc, slabs, blas, D_parts, db_parts)
+
+    def finish():
+        if not need_dw:
+            return None, db_parts
+        dw = np.empty((K, C, 3, 3), x.dtype)
+        _wino.winograd_dw(sum_groups(D_parts, np.float64), dw)   # group order
+        return dw, db_parts
+    return (_wino._winograd_dw_tasks, groups, args), finish
 
 
 # --------------------------------------------------------------------------- phase planes
@@ -476,11 +498,27 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     def inputs():
         return _conv_dx(gy, y, use_mask, w, geom, blas, work) if need_dx else None
 
-    if need_dx and (need_dw or need_db) and work < CONCURRENT_MAX_ELEMENTS:
+    small = need_dx and (need_dw or need_db) and work < CONCURRENT_MAX_ELEMENTS
+    if small and SHARED_BACKWARD and algorithm(geom, "dx") == algorithm(geom, "dw") == "winograd":
+        # one job of dW's groups and dX's chunks, shared by the threads
+        dx = np.empty(geom.x_shape, gy.dtype)
+        dw_task, finish = _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, blas)
+        dx_task = _winograd_launch(*_winograd_dx_args(gy, y, use_mask, w, geom, blas, dx))[0]
+        launch_all([dw_task, dx_task], work=work)
+        dw, db_parts = finish()
+        db = np.add.reduce(db_parts, axis=0).astype(gy.dtype) if need_db else None
+    elif small:
         dx, (dw, db) = concurrently(inputs, weights, work=work)
     else:
         (dw, db), dx = weights(), inputs()
     return dx, dw, db
+
+
+def _winograd_dx_args(gy, y, use_mask, w, geom, blas, dx):
+    """dX by Winograd: dx = 3x3 correlation of g padded by 2 - ph, taps w[:, :, 2-r, 2-s]^T
+    (C, K); _winograd_run's / _winograd_launch's arguments up to ``out`` (dx)."""
+    return (gy, y, use_mask, w, True, 2 - geom.ph, 2 - geom.pw, np.zeros(geom.C, gy.dtype),
+            False, geom.layout == "NHWC", blas, dx)
 
 
 def _conv_dx(gy, y, use_mask, w, geom, blas, work):
@@ -490,9 +528,7 @@ def _conv_dx(gy, y, use_mask, w, geom, blas, work):
     dx = np.empty(geom.x_shape, gy.dtype)
     kind = algorithm(geom, "dx")
     if kind == "winograd":
-        # dx = 3x3 correlation of g padded by 2 - ph, taps w[:, :, 2-r, 2-s]^T (C, K)
-        _winograd_run(gy, y, use_mask, w, True, 2 - geom.ph, 2 - geom.pw,
-                      np.zeros(C, gy.dtype), False, nhwc, blas, dx, work)
+        _winograd_run(*_winograd_dx_args(gy, y, use_mask, w, geom, blas, dx), work)
     elif kind == "pointwise":
         wm = w.reshape(K, C)                                           # dx = g @ w | w^T @ g
         mpc, nchunks = _pointwise_chunks(geom, C + K, gy.itemsize)
