@@ -180,9 +180,10 @@ def _winograd_run(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, bla
     """out = relu?(Winograd 3x3 correlation of src (gated) zero-padded by top/left + bias);
     taps w (K, C, 3, 3), flipped and transposed for dX (``flip``). With a batch-norm epilogue
     (``epi``, HWC passes only; :mod:`cpu_epilogue`) returns each chunk's (parts, counts)."""
-    task, parts, counts = _winograd_launch(src, gate, use_gate, w, flip, top, left, bias, relu,
-                                           nhwc, blas, out, epi, dy, gz, ev, affine)
-    launch(*task[:2], *task[2], work=work, grain=1)
+    (kernel, ntasks, args), parts, counts = _winograd_launch(
+        src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, blas, out, epi, dy, gz, ev,
+        affine)
+    launch(kernel, ntasks, *args, work=work, grain=1)
     return parts, counts
 
 
@@ -263,8 +264,8 @@ def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
 
 def _winograd_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     """(dw or None, db_parts) of a 3x3 stride-1 conv by Winograd."""
-    task, finish = _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, blas)
-    launch(*task[:2], *task[2], work=work, grain=1)
+    (kernel, ntasks, args), finish = _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, blas)
+    launch(kernel, ntasks, *args, work=work, grain=1)
     return finish()
 
 
@@ -488,12 +489,14 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     blas = _blas.blas_for(gy.dtype)
     work = x.size + 2 * gy.size
 
+    def bias_grad(db_parts):
+        return np.add.reduce(db_parts, axis=0).astype(gy.dtype) if need_db else None  # group order
+
     def weights():
         if not (need_dw or need_db):
             return None, None
         dw, db_parts = _DW[algorithm(geom, "dw")](x, gy, y, use_mask, geom, need_dw, blas, work)
-        db = np.add.reduce(db_parts, axis=0).astype(gy.dtype) if need_db else None  # group order
-        return dw, db
+        return dw, bias_grad(db_parts)
 
     def inputs():
         return _conv_dx(gy, y, use_mask, w, geom, blas, work) if need_dx else None
@@ -506,7 +509,7 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
         dx_task = _winograd_launch(*_winograd_dx_args(gy, y, use_mask, w, geom, blas, dx))[0]
         launch_all([dw_task, dx_task], work=work)
         dw, db_parts = finish()
-        db = np.add.reduce(db_parts, axis=0).astype(gy.dtype) if need_db else None
+        db = bias_grad(db_parts)
     elif small:
         dx, (dw, db) = concurrently(inputs, weights, work=work)
     else:
