@@ -183,3 +183,145 @@ print(json.dumps(dict(numba_layer_started=bool(numba_parallel._is_initialized),
 def test_set_num_threads_refuses_zero():
     with pytest.raises(ValueError, match="set_num_threads"):
         _launch.set_num_threads(0)
+
+
+# ------------------------------------------------------------------ on PyTorch's OpenMP team
+
+@pytest.fixture
+def torch_team(small_tasks, monkeypatch):
+    """torch imported (so numbafuse's calls run on its OpenMP team), torch and numbafuse on 2
+    threads; both thread counts restored afterwards."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if _launch.torch_team() is None:
+        pytest.skip("this torch build has no GNU OpenMP runtime (libgomp) loaded")
+    monkeypatch.setattr(_launch, "SHARE_TORCH_TEAM", True)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    _launch.set_num_threads(2)
+    torch.relu(torch.ones(1 << 16))        # a parallel region of torch's own first
+    yield torch
+    torch.set_num_threads(torch_threads)
+
+
+def _spy_team_runs(monkeypatch):
+    runs = []
+    original = _launch._OpenMPTeam.run
+
+    def run(self, job, threads):
+        runs.append(threads)
+        return original(self, job, threads)
+    monkeypatch.setattr(_launch._OpenMPTeam, "run", run)
+    return runs
+
+
+def _sleepy_launch(ntasks):
+    """A launch whose tasks each sleep 2 ms (GIL released): which threads ran which tasks."""
+    import time
+    ran = []
+
+    def kernel(t0, t1):
+        for t in range(t0, t1):
+            time.sleep(0.002)
+            ran.append((t, threading.get_ident()))
+    _launch.launch(kernel, ntasks, work=10**9, grain=1)
+    return ran
+
+
+@pytest.mark.torch
+def test_with_torch_imported_calls_run_on_its_team(torch_team, monkeypatch):
+    runs = _spy_team_runs(monkeypatch)
+    assert _launch.backend() == "torch-openmp"
+    ran = _sleepy_launch(12)
+    assert runs == [2]
+    assert sorted(t for t, _ in ran) == list(range(12))             # every task once
+    workers = {ident for _, ident in ran}
+    assert len(workers) == 2 and threading.get_ident() in workers   # the caller and one more
+    pool_threads = {t.ident for t in threading.enumerate() if t.name.startswith("numbafuse-")}
+    assert not workers & pool_threads                               # not numbafuse's helpers
+
+
+@pytest.mark.torch
+def test_the_team_has_at_most_numbafuses_and_torchs_threads(torch_team, monkeypatch):
+    runs = _spy_team_runs(monkeypatch)
+    torch_team.set_num_threads(3)                       # numbafuse has 2: a team of 2
+    assert len({ident for _, ident in _sleepy_launch(12)}) == 2
+    _launch.set_num_threads(3)                          # both 3
+    assert len({ident for _, ident in _sleepy_launch(12)}) == 3
+    assert runs == [2, 3]
+    torch_team.set_num_threads(1)                       # torch on one thread: own pool
+    assert _launch.backend() == "own-pool"
+    assert sorted(t for t, _ in _sleepy_launch(6)) == list(range(6))
+    assert runs == [2, 3]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_torch_team_and_own_pool_agree_bitwise(layout, torch_team, monkeypatch):
+    runs = _spy_team_runs(monkeypatch)
+    on_team = _work(layout)
+    assert runs, "no call ran on torch's team"
+    monkeypatch.setattr(_launch, "SHARE_TORCH_TEAM", False)
+    assert _launch.backend() == "own-pool"
+    own = _work(layout)
+    _launch.set_num_threads(1)
+    serial = _work(layout)
+    for a, b, c in zip(on_team, own, serial):
+        assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+@pytest.mark.torch
+def test_an_error_on_torchs_team_reaches_the_caller(torch_team):
+    def kernel(t0, t1):
+        if t0 <= 5 < t1:
+            raise KeyError("task 5")
+    with pytest.raises(KeyError, match="task 5"):
+        _launch.launch(kernel, 8, work=10**9, grain=1)
+    assert sorted(t for t, _ in _sleepy_launch(4)) == list(range(4))   # the team still works
+
+
+@pytest.mark.torch
+def test_concurrent_calls_beside_torch(torch_team):
+    expected = {i: _work("NHWC", seed=i) for i in range(CALLERS)}
+    errors = []
+
+    def caller(i):
+        try:
+            for _ in range(CALLS_PER_CALLER):
+                for a, b in zip(expected[i], _work("NHWC", seed=i)):
+                    assert a.tobytes() == b.tobytes()
+        except BaseException as e:   # reported below, on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(CALLERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def _child_backend(queue):
+    queue.put((_launch.backend(), [a.tobytes() for a in _work("NCHW")]))
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+def test_forked_child_of_a_torch_process_uses_its_own_pool(torch_team, monkeypatch):
+    runs = _spy_team_runs(monkeypatch)
+    parent = _work("NCHW")                  # torch's team has run numbafuse's tasks
+    assert runs
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_backend, args=(queue,))
+    child.start()
+    result = None
+    for _ in range(FORK_TIMEOUT_S):
+        try:
+            result = queue.get(timeout=1)
+            break
+        except queue_module.Empty:
+            if not child.is_alive():
+                break
+    child.join(FORK_TIMEOUT_S)
+    assert child.exitcode == 0, f"the forked child died (exit code {child.exitcode})"
+    assert result == ("own-pool", [a.tobytes() for a in parent])

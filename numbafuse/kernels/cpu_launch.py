@@ -41,17 +41,30 @@ pool there and the child starts its own on its first parallel call. Threads: cal
 Python threads are safe; one call at a time uses the helpers, a concurrent call runs its tasks
 on its own thread (the same tasks, so the same results).
 
+Beside PyTorch: once ``torch`` is imported and its GNU OpenMP runtime is loaded, a call runs
+on *PyTorch's* OpenMP team instead (``GOMP_parallel`` of that runtime, each team thread taking
+ranges as a helper does; :class:`_OpenMPTeam`). libgomp's workers spin for some milliseconds
+after every parallel region (PyTorch does not set ``OMP_WAIT_POLICY``; measured here: ~7 ms of
+a core after each torch conv), so with a pool of its own numbafuse's next call shared its cores
+with spinning threads: a numbafuse conv forward called between PyTorch calls took 10.2 ms
+against 8.0 alone. On PyTorch's team those spinning workers are the ones that take the ranges:
+8.2 ms (docs/threading.md). The team has ``min(num_threads(), torch's OpenMP threads)``
+threads; with PyTorch on one thread (no workers to spin) or ``NUMBAFUSE_SHARE_TORCH_TEAM=0``,
+or in a forked child (libgomp's team does not survive ``fork``), numbafuse keeps its own pool.
+The same tasks run either way, so the results are bitwise the same.
+
 Threads used: ``NUMBAFUSE_NUM_THREADS`` if set, else the CPUs this process may run on;
 :func:`set_num_threads` changes it at run time.
 """
 import ctypes
+import glob
 import os
 import sys
 import threading
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -316,7 +329,6 @@ class _Job:
 class _Pool:
     def __init__(self, helpers):
         self.helpers = helpers
-        self.busy = threading.Lock()             # held by the call using the helpers
         self.cv = threading.Condition()
         self.job = None
         self.generation = 0
@@ -364,8 +376,165 @@ class _Pool:
             self.cv.notify_all()
 
 
+# --------------------------------------------------------------------------- PyTorch's team
+
+SHARE_TORCH_TEAM = os.environ.get("NUMBAFUSE_SHARE_TORCH_TEAM", "1") != "0"
+
+
+@intrinsic
+def _call_int(typingctx, fptr):
+    """``int f(void)`` at address ``fptr``."""
+    sig = types.int32(types.intp)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.IntType(32), [])
+        return builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [])
+    return sig, codegen
+
+
+@intrinsic
+def _call_with(typingctx, fptr, data):
+    """``void f(void *data)`` at address ``fptr``."""
+    sig = types.void(types.intp, data)
+
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p])
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()),
+                     [builder.bitcast(args[1], i8p)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+# A team region's data: _ENTRY_* int64 fields, then the caller's "in my first range" flag on
+# its own cache line.
+_ENTRY_BODY, _ENTRY_THREAD_NUM, _ENTRY_CLOCK, _ENTRY_WAIT_NS, _ENTRY_LATE_NS = range(5)
+_ENTRY_FLAG = _SLOT
+
+
+@cfunc(types.void(types.CPointer(types.int64)), nopython=True, cache=True)
+def _team_entry(data):
+    """Every team thread enters here, GIL-free. A worker (thread number > 0) first waits, at
+    most WAIT_NS, until the calling thread is in its first range (it holds the GIL until then:
+    asking for it puts a thread to sleep on it, ~70 us to wake here), and LATE_NS more, like
+    a parked helper; then each thread calls the Python body (which takes the GIL)."""
+    d = carray(data, _ENTRY_FLAG + 1)
+    if _call_int(d[_ENTRY_THREAD_NUM]) != 0:
+        clock = d[_ENTRY_CLOCK]
+        if clock != 0:
+            end = _monotonic_ns(clock) + d[_ENTRY_WAIT_NS]
+            while _load_acquire(d[_ENTRY_FLAG:]) == 0 and _monotonic_ns(clock) < end:
+                for _ in range(64):
+                    _cpu_relax()
+            end = _monotonic_ns(clock) + d[_ENTRY_LATE_NS]
+            while _monotonic_ns(clock) < end:
+                _cpu_relax()
+    _call_with(d[_ENTRY_BODY], data)
+
+
+class _OpenMPTeam:
+    """A loaded GNU OpenMP runtime's team: ``run(job, threads)`` is one ``GOMP_parallel``
+    region whose threads (the caller's included) each call ``job.work()``. They enter through
+    :func:`_team_entry` (compiled, GIL-free), then a ctypes callback takes the GIL; the task
+    kernels release it. A team thread keeps the Python thread state it first got (one per
+    thread, instead of one made and freed per region)."""
+
+    def __init__(self, lib, path):
+        self.path = path
+        self._parallel = lib.GOMP_parallel
+        self._parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
+                                   ctypes.c_uint]
+        self._parallel.restype = None
+        self._max_threads = lib.omp_get_max_threads
+        self._max_threads.argtypes = []
+        self._max_threads.restype = ctypes.c_int
+        self._thread_num = ctypes.cast(lib.omp_get_thread_num, ctypes.c_void_p).value
+        self._callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._body)
+        self._body_address = ctypes.cast(self._callback, ctypes.c_void_p).value
+        self._jobs = {}
+        self._adopted = set()
+        ensure = ctypes.pythonapi.PyGILState_Ensure
+        ensure.restype = ctypes.c_int
+        self._ensure = ensure
+
+    def threads(self):
+        """The team size PyTorch's parallel regions get on this thread."""
+        return int(self._max_threads())
+
+    def _body(self, address):
+        ident = threading.get_ident()
+        if ident not in self._adopted:           # keep this thread's state for next time
+            self._adopted.add(ident)
+            self._ensure()
+        job, flag = self._jobs.get(address, (None, None))
+        if job is None:
+            return
+        if ident == job.caller:
+            job.work(before_first=lambda: _publish(flag, 1))
+        else:
+            job.work()
+
+    def run(self, job, threads):
+        data = np.zeros(_ENTRY_FLAG + _SLOT, np.int64)
+        data[_ENTRY_BODY] = self._body_address
+        data[_ENTRY_THREAD_NUM] = self._thread_num
+        data[_ENTRY_CLOCK] = _CLOCK if SPIN_NS > 0 else 0
+        data[_ENTRY_WAIT_NS] = SPIN_NS
+        data[_ENTRY_LATE_NS] = LATE_NS
+        address = data.ctypes.data
+        job.caller = threading.get_ident()
+        self._jobs[address] = (job, data[_ENTRY_FLAG:])
+        try:
+            self._parallel(_team_entry.address, address, threads, 0)   # GIL released
+        finally:
+            del self._jobs[address]
+
+
+def _find_torch_team(torch):
+    """PyTorch's GNU OpenMP runtime, if this process has loaded it (Linux; never loads one)."""
+    root = os.path.dirname(getattr(torch, "__file__", None) or "")
+    noload = getattr(os, "RTLD_NOLOAD", None)
+    if not root or noload is None:
+        return None
+    candidates = sorted(glob.glob(os.path.join(root, "lib", "libgomp*.so*"))
+                        + glob.glob(os.path.join(os.path.dirname(root), "torch.libs",
+                                                 "libgomp*.so*")))
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path, mode=noload | os.RTLD_LAZY)      # OSError: not loaded
+        except OSError:
+            continue
+        if hasattr(lib, "GOMP_parallel") and hasattr(lib, "omp_get_max_threads"):
+            return _OpenMPTeam(lib, path)
+    return None
+
+
+_team_for = None           # the torch module _team was looked up for
+_team = None
+_forked = False
+
+
+def torch_team():
+    """PyTorch's OpenMP team when numbafuse's calls run on it (module docstring), else None."""
+    global _team_for, _team
+    if not SHARE_TORCH_TEAM or _forked:
+        return None
+    torch = sys.modules.get("torch")
+    if torch is not _team_for:
+        _team_for, _team = torch, (None if torch is None else _find_torch_team(torch))
+    return _team
+
+
+def backend():
+    """Where the next parallel call runs: ``"torch-openmp"`` or ``"own-pool"``."""
+    team = torch_team()
+    return "torch-openmp" if team is not None and min(_num_threads, team.threads()) > 1 \
+        else "own-pool"
+
+
 _pool = None
 _pool_lock = threading.Lock()
+_busy = threading.Lock()   # held by the call using the helpers (or PyTorch's team)
 
 
 def _get_pool():
@@ -379,8 +548,8 @@ def _get_pool():
 def _forget_pool_after_fork():
     # In a forked child the helper threads are gone, and a lock may have been held by a thread
     # of the parent: start afresh.
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
+    global _pool, _pool_lock, _busy, _forked
+    _pool, _pool_lock, _busy, _forked = None, threading.Lock(), threading.Lock(), True
 
 
 if hasattr(os, "register_at_fork"):
@@ -399,20 +568,29 @@ def launch(kernel, ntasks, *args, work=None, grain=None):
     if threads == 1 or ntasks == 1 or (work is not None and work < PARALLEL_MIN_ELEMENTS):
         kernel(0, ntasks, *args)
         return
+    team = torch_team()
+    if team is not None:
+        team_threads = min(threads, team.threads())
+        if team_threads > 1:
+            threads = team_threads
+        else:                                   # PyTorch on one thread: nothing spins
+            team = None
     if grain is None:
         grain = ntasks // (threads * RANGES_PER_THREAD)
         if work is not None:
             grain = max(grain, -(-ntasks * MIN_RANGE_ELEMENTS // max(int(work), 1)))
     grain = max(1, min(int(grain), -(-ntasks // threads)))
     job = _Job(kernel, ntasks, grain, args)
-    pool = _get_pool()
-    if not pool.busy.acquire(blocking=False):   # another thread's call has the helpers
+    if not _busy.acquire(blocking=False):       # another thread's call has the helpers
         job.work()
     else:
         try:
-            pool.run(job)
+            if team is not None:
+                team.run(job, threads)
+            else:
+                _get_pool().run(job)
         finally:
-            pool.busy.release()
+            _busy.release()
     if job.error is not None:
         raise job.error
 
