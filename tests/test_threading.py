@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREAD_COUNTS = (1, 2, 3, 5)
 CALLERS = 4                 # Python threads calling at once
 CALLS_PER_CALLER = 3
-FORK_TIMEOUT_S = 300
+FORK_TIMEOUT_S = 60        # a child computes in seconds (its kernels compiled by the parent)
 
 
 def _inputs(layout, seed):
@@ -121,15 +121,12 @@ def _child(layout, queue):
     queue.put([a.tobytes() for a in _work(layout)])
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
-@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_forked_child_keeps_working(layout, small_tasks):
-    _launch.set_num_threads(2)
-    parent = _work(layout)                          # the pool's helper threads are alive now
-    assert any(t.name.startswith("numbafuse-") for t in threading.enumerate())
+def _in_forked_child(target, *args):
+    """target(*args, queue) in a forked child: what it put on the queue. A child that dies or
+    gives no answer within FORK_TIMEOUT_S (a hang: killed) fails the test."""
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    child = ctx.Process(target=_child, args=(layout, queue))
+    child = ctx.Process(target=target, args=(*args, queue))
     child.start()
     result = None
     for _ in range(FORK_TIMEOUT_S):          # until the child answers, dies or times out
@@ -139,9 +136,22 @@ def test_forked_child_keeps_working(layout, small_tasks):
         except queue_module.Empty:
             if not child.is_alive():
                 break
-    child.join(FORK_TIMEOUT_S)
+    child.join(10)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail(f"the forked child hung (no answer within {FORK_TIMEOUT_S} s)")
     assert child.exitcode == 0, f"the forked child died (exit code {child.exitcode})"
-    assert result == [a.tobytes() for a in parent]
+    return result
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_forked_child_keeps_working(layout, small_tasks):
+    _launch.set_num_threads(2)
+    parent = _work(layout)                          # the pool's helper threads are alive now
+    assert any(t.name.startswith("numbafuse-") for t in threading.enumerate())
+    assert _in_forked_child(_child, layout) == [a.tobytes() for a in parent]
 
 
 def test_no_process_wide_side_effects():
@@ -310,18 +320,4 @@ def test_forked_child_of_a_torch_process_uses_its_own_pool(torch_team, monkeypat
     runs = _spy_team_runs(monkeypatch)
     parent = _work("NCHW")                  # torch's team has run numbafuse's tasks
     assert runs
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_child_backend, args=(queue,))
-    child.start()
-    result = None
-    for _ in range(FORK_TIMEOUT_S):
-        try:
-            result = queue.get(timeout=1)
-            break
-        except queue_module.Empty:
-            if not child.is_alive():
-                break
-    child.join(FORK_TIMEOUT_S)
-    assert child.exitcode == 0, f"the forked child died (exit code {child.exitcode})"
-    assert result == ("own-pool", [a.tobytes() for a in parent])
+    assert _in_forked_child(_child_backend) == ("own-pool", [a.tobytes() for a in parent])
