@@ -25,6 +25,7 @@ import pytest
 
 import numbafuse as nf
 from numbafuse.kernels import cpu_launch as _launch
+from numbafuse.kernels import cpu_team
 from numbafuse.kernels.batchnorm import cpu as cpu_bn
 from numbafuse.kernels.conv import cpu as cpu_conv
 
@@ -168,6 +169,7 @@ def blas():
 before = blas()
 import numbafuse as nf
 from numbafuse.kernels import cpu_launch as _launch
+from numbafuse.kernels import cpu_team
 _launch.PARALLEL_MIN_ELEMENTS = 0
 x = numpy.random.default_rng(0).standard_normal((4, 8, 16, 16)).astype(numpy.float32)
 w = numpy.ones((8, 8, 3, 3), numpy.float32)
@@ -215,12 +217,12 @@ def torch_team(small_tasks, monkeypatch):
 
 def _spy_team_runs(monkeypatch):
     runs = []
-    original = _launch._OpenMPTeam.run
+    original = cpu_team.OpenMPTeam.run
 
-    def run(self, job, threads):
+    def run(self, job, threads, *waits):
         runs.append(threads)
-        return original(self, job, threads)
-    monkeypatch.setattr(_launch._OpenMPTeam, "run", run)
+        return original(self, job, threads, *waits)
+    monkeypatch.setattr(cpu_team.OpenMPTeam, "run", run)
     return runs
 
 

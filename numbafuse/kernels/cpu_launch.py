@@ -42,9 +42,9 @@ Python threads are safe; one call at a time uses the helpers, a concurrent call 
 on its own thread (the same tasks, so the same results).
 
 Beside PyTorch: once ``torch`` is imported and its GNU OpenMP runtime is loaded, a call runs
-on *PyTorch's* OpenMP team instead (``GOMP_parallel`` of that runtime, each team thread taking
-ranges as a helper does; :class:`_OpenMPTeam`). libgomp's workers spin for some milliseconds
-after every parallel region (PyTorch does not set ``OMP_WAIT_POLICY``; measured here: ~7 ms of
+on *PyTorch's* OpenMP team instead (``GOMP_parallel`` of that runtime, each team thread
+taking ranges as a helper does; ``cpu_team.OpenMPTeam``). libgomp's workers spin for some
+milliseconds after every parallel region (PyTorch does not set ``OMP_WAIT_POLICY``; measured here: ~7 ms of
 a core after each torch conv), so with a pool of its own numbafuse's next call shared its cores
 with spinning threads: a numbafuse conv forward called between PyTorch calls took 10.2 ms
 against 8.0 alone. On PyTorch's team those spinning workers are the ones that take the ranges:
@@ -56,17 +56,19 @@ The same tasks run either way, so the results are bitwise the same.
 Threads used: ``NUMBAFUSE_NUM_THREADS`` if set, else the CPUs this process may run on;
 :func:`set_num_threads` changes it at run time.
 """
-import ctypes
-import glob
 import os
 import sys
 import threading
 
 import numpy as np
-from llvmlite import ir
-from numba import carray, cfunc, njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
+
+from .cpu_sync import CLOCK as _CLOCK
+from .cpu_sync import SLOT as _SLOT
+from .cpu_sync import await_parked as _await_parked
+from .cpu_sync import park as _park
+from .cpu_sync import publish as _publish
+from .cpu_team import find_torch_team
 
 # Below this many elements touched, a call runs on the calling thread only: waking a helper
 # costs ~20-60 us, more than a small pass takes.
@@ -132,126 +134,6 @@ def task_kernel(fn=None, **options):
 
 # --------------------------------------------------------------------------- spinning
 
-def _clock_address():
-    """Address of the C library's clock_gettime on Linux (whose CLOCK_MONOTONIC id and 64-bit
-    timespec :func:`_monotonic_ns` assumes), else 0: then nothing parks."""
-    if not sys.platform.startswith("linux"):
-        return 0
-    try:
-        return ctypes.cast(ctypes.CDLL(None).clock_gettime, ctypes.c_void_p).value or 0
-    except (OSError, AttributeError, TypeError):
-        return 0
-
-
-_CLOCK = _clock_address()
-_CLOCK_MONOTONIC = 1          # Linux's clock id
-
-
-def _x86(builder):
-    return builder.module.triple.startswith(("x86_64", "amd64"))
-
-
-@intrinsic
-def _monotonic_ns(typingctx, fptr):
-    """CLOCK_MONOTONIC in ns by clock_gettime at address ``fptr`` (a 64-bit timespec)."""
-    sig = types.int64(types.intp)
-
-    def codegen(context, builder, sig, args):
-        i64 = ir.IntType(64)
-        ts = cgutils.alloca_once(builder, ir.ArrayType(i64, 2))
-        fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32), ir.IntType(8).as_pointer()])
-        builder.call(builder.inttoptr(args[0], fnty.as_pointer()),
-                     [ir.Constant(ir.IntType(32), _CLOCK_MONOTONIC),
-                      builder.bitcast(ts, ir.IntType(8).as_pointer())])
-        zero, one = ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 1)
-        sec = builder.load(builder.gep(ts, [zero, zero]))
-        nsec = builder.load(builder.gep(ts, [zero, one]))
-        return builder.add(builder.mul(sec, ir.Constant(i64, 10 ** 9)), nsec)
-    return sig, codegen
-
-
-@intrinsic
-def _load_acquire(typingctx, flag):
-    """flag[0] (an int64 array) by an atomic acquire load: a spin loop sees other threads'
-    stores (a plain load may be hoisted out of the loop)."""
-    sig = types.int64(flag)
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        return builder.load_atomic(ary.data, "acquire", 8)
-    return sig, codegen
-
-
-@intrinsic
-def _store_release(typingctx, flag, value):
-    """flag[0] = value by an atomic release store."""
-    sig = types.void(flag, types.int64)
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        builder.store_atomic(args[1], ary.data, "release", 8)
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
-def _cpu_relax(typingctx):
-    """x86 ``pause`` (a spin loop's hint to the core); nothing elsewhere."""
-    sig = types.void()
-
-    def codegen(context, builder, sig, args):
-        if _x86(builder):
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
-            builder.call(fn, [])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@njit(nogil=True, cache=True)
-def _park(flag, seen, slot, clock, ns, late_ns):
-    """A helper done with generation ``seen``: says so in flag[slot] (the caller's thread is
-    then in compiled code, GIL released), then waits while flag[0] == seen, at most ``ns``, and
-    ``late_ns`` more once it changed (the launching thread holds the GIL a few microseconds
-    after it publishes; asking for the GIL then puts this thread to sleep on it). Returns
-    whether flag[0] changed."""
-    _store_release(flag[slot:], seen)
-    end = _monotonic_ns(clock) + ns
-    while _load_acquire(flag) == seen:
-        for _ in range(64):
-            _cpu_relax()
-        if _monotonic_ns(clock) >= end:
-            return False
-    end = _monotonic_ns(clock) + late_ns
-    while _monotonic_ns(clock) < end:
-        _cpu_relax()
-    return True
-
-
-@njit(nogil=True, cache=True)
-def _await_parked(flag, slots, gen, clock, ns):
-    """The launching thread: wait, GIL released, at most ``ns`` until flag[s] >= gen for every
-    s in ``slots``; whether they all did."""
-    end = _monotonic_ns(clock) + ns
-    while True:
-        done = True
-        for s in slots:
-            if _load_acquire(flag[s:]) < gen:
-                done = False
-                break
-        if done:
-            return True
-        for _ in range(64):
-            _cpu_relax()
-        if _monotonic_ns(clock) >= end:
-            return False
-
-
-@njit(nogil=True, cache=True)
-def _publish(flag, value):
-    _store_release(flag, value)
-
-
 def _spinning():
     """Whether threads park before they sleep: SPIN_NS > 0, a clock, and no more threads than
     CPUs this process may run on (oversubscribed, a parked thread takes the CPU that another
@@ -262,9 +144,6 @@ def _spinning():
 
 # --------------------------------------------------------------------------- jobs and pool
 
-_SLOT = 8                  # int64s per flag slot: one cache line each
-
-
 class _Job:
     """One call's tasks [0, ntasks), handed out in ranges of ``grain`` tasks."""
 
@@ -274,6 +153,7 @@ class _Job:
         self.active = 0                          # helpers working on this job
         self.joined = []                         # their flag slots
         self.error = None
+        self.caller = None                       # the launching thread's id (on a team)
         self.lock = threading.Lock()
         self.idle = None                         # a Condition, made once someone sleeps on it
 
@@ -381,134 +261,6 @@ class _Pool:
 SHARE_TORCH_TEAM = os.environ.get("NUMBAFUSE_SHARE_TORCH_TEAM", "1") != "0"
 
 
-@intrinsic
-def _call_int(typingctx, fptr):
-    """``int f(void)`` at address ``fptr``."""
-    sig = types.int32(types.intp)
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.IntType(32), [])
-        return builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [])
-    return sig, codegen
-
-
-@intrinsic
-def _call_with(typingctx, fptr, data):
-    """``void f(void *data)`` at address ``fptr``."""
-    sig = types.void(types.intp, data)
-
-    def codegen(context, builder, sig, args):
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i8p])
-        builder.call(builder.inttoptr(args[0], fnty.as_pointer()),
-                     [builder.bitcast(args[1], i8p)])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-# A team region's data: _ENTRY_* int64 fields, then the caller's "in my first range" flag on
-# its own cache line.
-_ENTRY_BODY, _ENTRY_THREAD_NUM, _ENTRY_CLOCK, _ENTRY_WAIT_NS, _ENTRY_LATE_NS = range(5)
-_ENTRY_FLAG = _SLOT
-
-
-@cfunc(types.void(types.CPointer(types.int64)), nopython=True, cache=True)
-def _team_entry(data):
-    """Every team thread enters here, GIL-free. A worker (thread number > 0) first waits, at
-    most WAIT_NS, until the calling thread is in its first range (it holds the GIL until then:
-    asking for it puts a thread to sleep on it, ~70 us to wake here), and LATE_NS more, like
-    a parked helper; then each thread calls the Python body (which takes the GIL)."""
-    d = carray(data, _ENTRY_FLAG + 1)
-    if _call_int(d[_ENTRY_THREAD_NUM]) != 0:
-        clock = d[_ENTRY_CLOCK]
-        if clock != 0:
-            end = _monotonic_ns(clock) + d[_ENTRY_WAIT_NS]
-            while _load_acquire(d[_ENTRY_FLAG:]) == 0 and _monotonic_ns(clock) < end:
-                for _ in range(64):
-                    _cpu_relax()
-            end = _monotonic_ns(clock) + d[_ENTRY_LATE_NS]
-            while _monotonic_ns(clock) < end:
-                _cpu_relax()
-    _call_with(d[_ENTRY_BODY], data)
-
-
-class _OpenMPTeam:
-    """A loaded GNU OpenMP runtime's team: ``run(job, threads)`` is one ``GOMP_parallel``
-    region whose threads (the caller's included) each call ``job.work()``. They enter through
-    :func:`_team_entry` (compiled, GIL-free), then a ctypes callback takes the GIL; the task
-    kernels release it. A team thread keeps the Python thread state it first got (one per
-    thread, instead of one made and freed per region)."""
-
-    def __init__(self, lib, path):
-        self.path = path
-        self._parallel = lib.GOMP_parallel
-        self._parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
-                                   ctypes.c_uint]
-        self._parallel.restype = None
-        self._max_threads = lib.omp_get_max_threads
-        self._max_threads.argtypes = []
-        self._max_threads.restype = ctypes.c_int
-        self._thread_num = ctypes.cast(lib.omp_get_thread_num, ctypes.c_void_p).value
-        self._callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._body)
-        self._body_address = ctypes.cast(self._callback, ctypes.c_void_p).value
-        self._jobs = {}
-        self._adopted = set()
-        ensure = ctypes.pythonapi.PyGILState_Ensure
-        ensure.restype = ctypes.c_int
-        self._ensure = ensure
-
-    def threads(self):
-        """The team size PyTorch's parallel regions get on this thread."""
-        return int(self._max_threads())
-
-    def _body(self, address):
-        ident = threading.get_ident()
-        if ident not in self._adopted:           # keep this thread's state for next time
-            self._adopted.add(ident)
-            self._ensure()
-        job, flag = self._jobs.get(address, (None, None))
-        if job is None:
-            return
-        if ident == job.caller:
-            job.work(before_first=lambda: _publish(flag, 1))
-        else:
-            job.work()
-
-    def run(self, job, threads):
-        data = np.zeros(_ENTRY_FLAG + _SLOT, np.int64)
-        data[_ENTRY_BODY] = self._body_address
-        data[_ENTRY_THREAD_NUM] = self._thread_num
-        data[_ENTRY_CLOCK] = _CLOCK if SPIN_NS > 0 else 0
-        data[_ENTRY_WAIT_NS] = SPIN_NS
-        data[_ENTRY_LATE_NS] = LATE_NS
-        address = data.ctypes.data
-        job.caller = threading.get_ident()
-        self._jobs[address] = (job, data[_ENTRY_FLAG:])
-        try:
-            self._parallel(_team_entry.address, address, threads, 0)   # GIL released
-        finally:
-            del self._jobs[address]
-
-
-def _find_torch_team(torch):
-    """PyTorch's GNU OpenMP runtime, if this process has loaded it (Linux; never loads one)."""
-    root = os.path.dirname(getattr(torch, "__file__", None) or "")
-    noload = getattr(os, "RTLD_NOLOAD", None)
-    if not root or noload is None:
-        return None
-    candidates = sorted(glob.glob(os.path.join(root, "lib", "libgomp*.so*"))
-                        + glob.glob(os.path.join(os.path.dirname(root), "torch.libs",
-                                                 "libgomp*.so*")))
-    for path in candidates:
-        try:
-            lib = ctypes.CDLL(path, mode=noload | os.RTLD_LAZY)      # OSError: not loaded
-        except OSError:
-            continue
-        if hasattr(lib, "GOMP_parallel") and hasattr(lib, "omp_get_max_threads"):
-            return _OpenMPTeam(lib, path)
-    return None
-
-
 _team_for = None           # the torch module _team was looked up for
 _team = None
 _forked = False
@@ -521,7 +273,7 @@ def torch_team():
         return None
     torch = sys.modules.get("torch")
     if torch is not _team_for:
-        _team_for, _team = torch, (None if torch is None else _find_torch_team(torch))
+        _team_for, _team = torch, (None if torch is None else find_torch_team(torch))
     return _team
 
 
@@ -586,7 +338,7 @@ def launch(kernel, ntasks, *args, work=None, grain=None):
     else:
         try:
             if team is not None:
-                team.run(job, threads)
+                team.run(job, threads, _CLOCK if SPIN_NS > 0 else 0, SPIN_NS, LATE_NS)
             else:
                 _get_pool().run(job)
         finally:

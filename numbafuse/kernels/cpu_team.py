@@ -1,0 +1,163 @@
+"""numbafuse's tasks on a loaded GNU OpenMP runtime's team (PyTorch's): see ``cpu_launch``.
+
+:class:`OpenMPTeam` runs one job as one ``GOMP_parallel`` region of that runtime: every team
+thread (the caller's included) enters :func:`_team_entry`, compiled and GIL-free, and then a
+ctypes callback that takes the GIL and calls ``job.work()``, whose task kernels release it.
+:func:`find_torch_team` finds PyTorch's runtime among the libraries already loaded (it never
+loads one).
+"""
+import ctypes
+import glob
+import os
+import threading
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, cfunc, types
+from numba.extending import intrinsic
+
+from .cpu_sync import SLOT, cpu_relax, load_acquire, monotonic_ns, publish
+
+
+@intrinsic
+def _call_int(typingctx, fptr):
+    """``int f(void)`` at address ``fptr``."""
+    sig = types.int32(types.intp)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.IntType(32), [])
+        return builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [])
+    return sig, codegen
+
+
+@intrinsic
+def _call_with(typingctx, fptr, data):
+    """``void f(void *data)`` at address ``fptr``."""
+    sig = types.void(types.intp, data)
+
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p])
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()),
+                     [builder.bitcast(args[1], i8p)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+# A team region's data: _ENTRY_* int64 fields, then the caller's "in my first range" flag on
+# its own cache line.
+_ENTRY_BODY, _ENTRY_THREAD_NUM, _ENTRY_CLOCK, _ENTRY_WAIT_NS, _ENTRY_LATE_NS = range(5)
+_ENTRY_FLAG = SLOT
+
+
+def _team_entry(data):
+    """Every team thread enters here, GIL-free. A worker (thread number > 0) first waits, at
+    most WAIT_NS, until the calling thread is in its first range (it holds the GIL until then:
+    asking for it puts a thread to sleep on it, ~70 us to wake here), and LATE_NS more, like
+    a parked helper; then each thread calls the Python body (which takes the GIL)."""
+    d = carray(data, _ENTRY_FLAG + 1)
+    if _call_int(d[_ENTRY_THREAD_NUM]) != 0:
+        clock = d[_ENTRY_CLOCK]
+        if clock != 0:
+            end = monotonic_ns(clock) + d[_ENTRY_WAIT_NS]
+            while load_acquire(d[_ENTRY_FLAG:]) == 0 and monotonic_ns(clock) < end:
+                for _ in range(64):
+                    cpu_relax()
+            end = monotonic_ns(clock) + d[_ENTRY_LATE_NS]
+            while monotonic_ns(clock) < end:
+                cpu_relax()
+    _call_with(d[_ENTRY_BODY], data)
+
+
+_team_entry_cfunc = None
+
+
+def _team_entry_address():
+    """Address of the compiled :func:`_team_entry` (compiled on first use: a process without
+    torch does not pay for it at import)."""
+    global _team_entry_cfunc
+    if _team_entry_cfunc is None:
+        _team_entry_cfunc = cfunc(types.void(types.CPointer(types.int64)), nopython=True,
+                                  cache=True)(_team_entry)
+    return _team_entry_cfunc.address
+
+
+class OpenMPTeam:
+    """A loaded GNU OpenMP runtime's team: ``run(job, threads)`` is one ``GOMP_parallel``
+    region whose threads (the caller's included) each call ``job.work()``. They enter through
+    :func:`_team_entry` (compiled, GIL-free), then a ctypes callback takes the GIL; the task
+    kernels release it. A team thread keeps the Python thread state it first got (one per
+    thread, instead of one made and freed per region)."""
+
+    def __init__(self, lib, path):
+        self.path = path
+        self._parallel = lib.GOMP_parallel
+        self._parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
+                                   ctypes.c_uint]
+        self._parallel.restype = None
+        self._max_threads = lib.omp_get_max_threads
+        self._max_threads.argtypes = []
+        self._max_threads.restype = ctypes.c_int
+        self._thread_num = ctypes.cast(lib.omp_get_thread_num, ctypes.c_void_p).value
+        self._callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._body)
+        self._body_address = ctypes.cast(self._callback, ctypes.c_void_p).value
+        self._entry = _team_entry_address()
+        self._jobs = {}
+        self._adopted = set()
+        ensure = ctypes.pythonapi.PyGILState_Ensure
+        ensure.restype = ctypes.c_int
+        self._ensure = ensure
+
+    def threads(self):
+        """The team size PyTorch's parallel regions get on this thread."""
+        return int(self._max_threads())
+
+    def _body(self, address):
+        ident = threading.get_ident()
+        if ident not in self._adopted:           # keep this thread's state for next time
+            self._adopted.add(ident)
+            self._ensure()
+        job, flag = self._jobs.get(address, (None, None))
+        if job is None:
+            return
+        if ident == job.caller:
+            job.work(before_first=lambda: publish(flag, 1))
+        else:
+            job.work()
+
+    def run(self, job, threads, clock, wait_ns, late_ns):
+        """``job.work()`` on ``threads`` team threads; a worker waits for the caller's first
+        range at most ``wait_ns`` by the clock_gettime at ``clock`` (0: it does not wait), and
+        ``late_ns`` more."""
+        data = np.zeros(_ENTRY_FLAG + SLOT, np.int64)
+        data[_ENTRY_BODY] = self._body_address
+        data[_ENTRY_THREAD_NUM] = self._thread_num
+        data[_ENTRY_CLOCK] = clock
+        data[_ENTRY_WAIT_NS] = wait_ns
+        data[_ENTRY_LATE_NS] = late_ns
+        address = data.ctypes.data
+        job.caller = threading.get_ident()
+        self._jobs[address] = (job, data[_ENTRY_FLAG:])
+        try:
+            self._parallel(self._entry, address, threads, 0)   # GIL released
+        finally:
+            del self._jobs[address]
+
+
+def find_torch_team(torch):
+    """PyTorch's GNU OpenMP runtime, if this process has loaded it (Linux; never loads one)."""
+    root = os.path.dirname(getattr(torch, "__file__", None) or "")
+    noload = getattr(os, "RTLD_NOLOAD", None)
+    if not root or noload is None:
+        return None
+    candidates = sorted(glob.glob(os.path.join(root, "lib", "libgomp*.so*"))
+                        + glob.glob(os.path.join(os.path.dirname(root), "torch.libs",
+                                                 "libgomp*.so*")))
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path, mode=noload | os.RTLD_LAZY)      # OSError: not loaded
+        except OSError:
+            continue
+        if hasattr(lib, "GOMP_parallel") and hasattr(lib, "omp_get_max_threads"):
+            return OpenMPTeam(lib, path)
+    return None
