@@ -69,15 +69,16 @@ def _library_info(side):
     info = {"python": platform.python_version()}
     if side not in ("numbafuse", "torch", "numbafuse-after-torch", "neighbours"):
         return info                              # a probe of the benchmark's own (NumPy only)
-    if side != "torch":
+    if side != "numbafuse":
+        import torch
+        info.update(torch=f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if side != "torch":                          # (after torch: the backend depends on it)
         import numba
         import numpy
         from numbafuse.kernels import cpu_blas as _blas, cpu_launch as _launch
         info.update(numbafuse=f"numba {numba.__version__}, numpy {numpy.__version__}, "
-                    f"{_launch.num_threads()} threads, private BLAS {_blas.PRIVATE}")
-    if side != "numbafuse":
-        import torch
-        info.update(torch=f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+                    f"{_launch.num_threads()} threads, private BLAS {_blas.PRIVATE}",
+                    backend=_launch.backend())
     return info
 
 
@@ -160,7 +161,10 @@ def compare(module, sides, rounds, repeats, options=None, log=print):
                 best[side][name] = min(best[side].get(name, float("inf")), t)
             for name, t in res["best_cpu"].items():
                 cpu[side][name] = min(cpu[side].get(name, float("inf")), t)
-            info.setdefault("libraries", {}).update(res["info"])
+            libraries = dict(res["info"])
+            if "backend" in libraries:              # where this side's numbafuse calls ran
+                info.setdefault("backends", {})[side] = libraries.pop("backend")
+            info.setdefault("libraries", {}).update(libraries)
             log(f"round {r + 1}/{rounds} {side}: " + ", ".join(
                 f"{k} {v * 1e3:.2f} ms" for k, v in res["best"].items()))
     info["load"].append(os.getloadavg()[0])
@@ -174,6 +178,8 @@ def header(info, command):
     return [f"Command: `{command}`", "",
             f"Machine: {info['machine']}; Python {libs.get('python', '?')}; "
             + "; ".join(libs[k] for k in ("numbafuse", "torch") if k in libs)
+            + "".join(f"; numbafuse's threads in the {side} processes: {backend}"
+                      for side, backend in info.get("backends", {}).items())
             + f"; load average {info['load'][0]:.2f} at the start, {info['load'][1]:.2f} at "
             "the end. Each library in its own process with its own defaults, the processes "
             "alternating round by round; best of each.", ""]

@@ -148,8 +148,9 @@ def _in_forked_child(target, *args):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_forked_child_keeps_working(layout, small_tasks):
-    _launch.set_num_threads(2)
+def test_forked_child_keeps_working(layout, small_tasks, monkeypatch):
+    monkeypatch.setattr(_launch, "SHARE_TORCH_TEAM", False)    # numbafuse's own pool (torch's
+    _launch.set_num_threads(2)                                  # team: a test below)
     parent = _work(layout)                          # the pool's helper threads are alive now
     assert any(t.name.startswith("numbafuse-") for t in threading.enumerate())
     assert _in_forked_child(_child, layout) == [a.tobytes() for a in parent]
