@@ -200,6 +200,38 @@ def test_set_num_threads_refuses_zero():
 
 # ------------------------------------------------------------------ on PyTorch's OpenMP team
 
+def test_own_pool_unless_torchs_openmp_runtime_is_loaded(monkeypatch, tmp_path):
+    """A ``torch`` module whose libgomp is not loaded in this process (a copy of the system's
+    libgomp where there is one, else an empty file), or one without a file: numbafuse keeps
+    its own pool (and loads no OpenMP runtime itself)."""
+    import glob
+    import shutil
+    import types
+    (tmp_path / "lib").mkdir()
+    system = sorted(glob.glob("/usr/lib*/libgomp.so.1") + glob.glob("/usr/lib*/*/libgomp.so.1"))
+    if system:
+        shutil.copy(system[0], tmp_path / "lib" / "libgomp.so.1")
+    else:
+        (tmp_path / "lib" / "libgomp.so.1").write_bytes(b"")
+    fake = types.ModuleType("torch")
+    fake.__file__ = str(tmp_path / "__init__.py")
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert _launch.torch_team() is None and _launch.backend() == "own-pool"
+    assert str(tmp_path) not in open("/proc/self/maps").read() if os.path.exists(
+        "/proc/self/maps") else True
+    fake.__file__ = None
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    assert _launch.torch_team() is None
+    monkeypatch.delitem(sys.modules, "torch")
+    assert _launch.backend() == "own-pool"
+
+
+@pytest.mark.torch
+def test_sharing_turned_off_keeps_the_own_pool(monkeypatch):
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    monkeypatch.setattr(_launch, "SHARE_TORCH_TEAM", False)
+    assert _launch.torch_team() is None and _launch.backend() == "own-pool"
+
 @pytest.fixture
 def torch_team(small_tasks, monkeypatch):
     """torch imported (so numbafuse's calls run on its OpenMP team), torch and numbafuse on 2

@@ -146,10 +146,11 @@ class OpenMPTeam:
 
 def find_torch_team(torch):
     """PyTorch's GNU OpenMP runtime, if this process has loaded it (Linux; never loads one)."""
-    root = os.path.dirname(getattr(torch, "__file__", None) or "")
+    init = getattr(torch, "__file__", None)
     noload = getattr(os, "RTLD_NOLOAD", None)
-    if not root or noload is None:
+    if not isinstance(init, str) or noload is None:
         return None
+    root = os.path.dirname(init)
     candidates = sorted(glob.glob(os.path.join(root, "lib", "libgomp*.so*"))
                         + glob.glob(os.path.join(os.path.dirname(root), "torch.libs",
                                                  "libgomp*.so*")))
