@@ -171,6 +171,16 @@ def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+class _Unrecorded:
+    """The ``ctx`` of a Function's ``forward`` called directly, where autograd would record
+    nothing (inference, ``torch.no_grad()``, no input requiring grad): it keeps what
+    ``forward`` sets and saves no tensor. ``Function.apply`` costs ~10-15 us a call in
+    PyTorch's own Python (~a quarter of a digits-size batch norm's call)."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+
 # --------------------------------------------------------------------------- conv_bias_relu
 
 class ConvBiasReLUFunction(torch.autograd.Function):
@@ -242,6 +252,8 @@ def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1):
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding,
                                       dilation, LAYOUT)
     validate.check_vector(op, "b", b, geometry.K)
+    if not _needs_grad(x, w, b):
+        return ConvBiasReLUFunction.forward(_Unrecorded(), x, w, b, geometry, device)
     return ConvBiasReLUFunction.apply(x, w, b, geometry, device)
 
 
@@ -349,9 +361,10 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
                              f"updated in place (pass {name}.detach() or a buffer)")
     momentum, eps = validate.running_stats(op, C, x.numel() // C, running_mean, running_var,
                                            training, momentum, eps)
-    keep_mask = _needs_grad(x, z, weight, bias)
-    return BatchNormAddReLUFunction.apply(x, z, weight, bias, running_mean, running_var,
-                                          bool(training), momentum, eps, keep_mask, device)
+    args = (x, z, weight, bias, running_mean, running_var, bool(training), momentum, eps)
+    if not _needs_grad(x, z, weight, bias):
+        return BatchNormAddReLUFunction.forward(_Unrecorded(), *args, False, device)
+    return BatchNormAddReLUFunction.apply(*args, True, device)
 
 
 # --------------------------------------------------------------------------- modules

@@ -201,6 +201,44 @@ def test_no_grad_keeps_nothing_and_computes_the_same(rng):
     torch.testing.assert_close(y, nft.batchnorm_add_relu(x, z, w, b).detach(), **F64)
 
 
+def test_unrecorded_calls_skip_function_apply(rng, monkeypatch):
+    """Where autograd records nothing (no_grad, or no input requiring grad) the Functions'
+    forward runs without ``Function.apply``: the same outputs and running statistics, bit for
+    bit, as through ``apply``; with an input requiring grad, ``apply`` runs."""
+    shape = (2, 3, 5, 5)
+    x, z = _t(rng, shape, requires_grad=False), _t(rng, shape, requires_grad=False)
+    w, b = _t(rng, (3, 3, 3, 3), requires_grad=False), _t(rng, (3,), requires_grad=False)
+    gamma, beta = _t(rng, (3,), requires_grad=False), _t(rng, (3,), requires_grad=False)
+
+    def run():
+        rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+        h = nft.conv_bias_relu(x, w, b, padding=1)
+        y = nft.batchnorm_add_relu(h, z, gamma, beta, rm, rv, training=True)
+        e = nft.batchnorm_add_relu(h, z, gamma, beta, rm, rv, training=False)
+        return [h, y, e, rm, rv]
+
+    monkeypatch.setattr(nft, "_needs_grad", lambda *tensors: True)     # all through apply
+    through_apply = run()
+    monkeypatch.undo()
+    applied = []
+    for fn in (nft.ConvBiasReLUFunction, nft.BatchNormAddReLUFunction):
+        monkeypatch.setattr(fn, "apply", classmethod(
+            lambda cls, *a: applied.append(cls) or pytest.fail("Function.apply ran")))
+    for out in (run(), _no_grad(run)):
+        for a, b_ in zip(out, through_apply):
+            assert not a.requires_grad and torch.equal(a, b_)
+    assert applied == []
+    monkeypatch.undo()
+    x.requires_grad_(True)
+    y = nft.conv_bias_relu(x, w, b, padding=1)
+    assert y.grad_fn is not None
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
 # --------------------------------------------------------------------------- modules
 
 def test_modules_have_exactly_the_torch_state_dict_and_init():
