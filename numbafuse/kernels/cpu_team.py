@@ -113,17 +113,17 @@ class OpenMPTeam:
         return int(self._max_threads())
 
     def _body(self, address):
-        ident = threading.get_ident()
-        if ident not in self._adopted:           # keep this thread's state for next time
-            self._adopted.add(ident)
-            self._ensure()
         job, flag = self._jobs.get(address, (None, None))
         if job is None:
             return
-        if ident == job.caller:
+        ident = threading.get_ident()
+        if ident == job.caller:                  # team thread 0: a Python thread already
             job.work(before_first=lambda: publish(flag, 1))
-        else:
-            job.work()
+            return
+        if ident not in self._adopted:           # a runtime's worker: keep the thread state
+            self._adopted.add(ident)             # ctypes made for this callback
+            self._ensure()
+        job.work()
 
     def run(self, job, threads, clock, wait_ns, late_ns):
         """``job.work()`` on ``threads`` team threads; a worker waits for the caller's first
