@@ -92,9 +92,9 @@ def test_results_do_not_depend_on_thread_count(layout, small_tasks):
             assert a.tobytes() == b.tobytes(), n
 
 
-@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_concurrent_calls_from_python_threads(layout, small_tasks):
-    _launch.set_num_threads(2)
+def _concurrent_callers(layout):
+    """CALLERS Python threads, started together, each calling _work CALLS_PER_CALLER times:
+    each must get what a lone caller gets."""
     expected = {i: _work(layout, seed=i) for i in range(CALLERS)}
     got, errors = {}, []
     start = threading.Barrier(CALLERS)
@@ -116,6 +116,12 @@ def test_concurrent_calls_from_python_threads(layout, small_tasks):
         t.join()
     assert not errors, errors
     assert sorted(got) == list(range(CALLERS))
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_concurrent_calls_from_python_threads(layout, small_tasks):
+    _launch.set_num_threads(2)
+    _concurrent_callers(layout)
 
 
 def _child(layout, queue):
@@ -326,23 +332,7 @@ def test_an_error_on_torchs_team_reaches_the_caller(torch_team):
 
 @pytest.mark.torch
 def test_concurrent_calls_beside_torch(torch_team):
-    expected = {i: _work("NHWC", seed=i) for i in range(CALLERS)}
-    errors = []
-
-    def caller(i):
-        try:
-            for _ in range(CALLS_PER_CALLER):
-                for a, b in zip(expected[i], _work("NHWC", seed=i)):
-                    assert a.tobytes() == b.tobytes()
-        except BaseException as e:   # reported below, on the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(CALLERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    _concurrent_callers("NHWC")
 
 
 def _child_backend(queue):
