@@ -44,9 +44,9 @@ on its own thread (the same tasks, so the same results).
 Beside PyTorch: once ``torch`` is imported and its GNU OpenMP runtime is loaded, a call runs
 on *PyTorch's* OpenMP team instead (``GOMP_parallel`` of that runtime, each team thread
 taking ranges as a helper does; ``cpu_team.OpenMPTeam``). libgomp's workers spin for some
-milliseconds after every parallel region (PyTorch does not set ``OMP_WAIT_POLICY``; measured here: ~7 ms of
-a core after each torch conv), so with a pool of its own numbafuse's next call shared its cores
-with spinning threads: a numbafuse conv forward called between PyTorch calls took 10.2 ms
+milliseconds after every parallel region (PyTorch does not set ``OMP_WAIT_POLICY``; measured
+here: ~7 ms of a core after each torch conv), so with a pool of its own numbafuse's next call
+shared its cores with spinning threads: a numbafuse conv forward called between PyTorch calls took 10.2 ms
 against 8.0 alone. On PyTorch's team those spinning workers are the ones that take the ranges:
 8.2 ms (docs/threading.md). The team has ``min(num_threads(), torch's OpenMP threads)``
 threads; with PyTorch on one thread (no workers to spin) or ``NUMBAFUSE_SHARE_TORCH_TEAM=0``,
@@ -277,11 +277,22 @@ def torch_team():
     return _team
 
 
+def _usable_team(threads):
+    """(PyTorch's team, its size) for a call on ``threads`` threads, or (None, ``threads``)
+    when the call uses numbafuse's own pool: no team, or a team of one (PyTorch on one
+    thread: nothing spins)."""
+    team = torch_team()
+    if team is not None:
+        size = min(threads, team.threads())
+        if size > 1:
+            return team, size
+    return None, threads
+
+
 def backend():
     """Where the next parallel call runs: ``"torch-openmp"`` or ``"own-pool"``."""
-    team = torch_team()
-    return "torch-openmp" if team is not None and min(_num_threads, team.threads()) > 1 \
-        else "own-pool"
+    team, _ = _usable_team(_num_threads)
+    return "own-pool" if team is None else "torch-openmp"
 
 
 _pool = None
@@ -320,13 +331,7 @@ def launch(kernel, ntasks, *args, work=None, grain=None):
     if threads == 1 or ntasks == 1 or (work is not None and work < PARALLEL_MIN_ELEMENTS):
         kernel(0, ntasks, *args)
         return
-    team = torch_team()
-    if team is not None:
-        team_threads = min(threads, team.threads())
-        if team_threads > 1:
-            threads = team_threads
-        else:                                   # PyTorch on one thread: nothing spins
-            team = None
+    team, threads = _usable_team(threads)
     if grain is None:
         grain = ntasks // (threads * RANGES_PER_THREAD)
         if work is not None:

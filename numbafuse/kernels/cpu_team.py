@@ -89,8 +89,7 @@ class OpenMPTeam:
     kernels release it. A team thread keeps the Python thread state it first got (one per
     thread, instead of one made and freed per region)."""
 
-    def __init__(self, lib, path):
-        self.path = path
+    def __init__(self, lib):
         self._parallel = lib.GOMP_parallel
         self._parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint,
                                    ctypes.c_uint]
@@ -160,5 +159,5 @@ def find_torch_team(torch):
         except OSError:
             continue
         if hasattr(lib, "GOMP_parallel") and hasattr(lib, "omp_get_max_threads"):
-            return OpenMPTeam(lib, path)
+            return OpenMPTeam(lib)
     return None
