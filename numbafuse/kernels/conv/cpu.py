@@ -35,6 +35,7 @@ the small gather/scatter helpers have per-layout loop nests.
 import numpy as np
 
 from .. import cpu_blas as _blas
+from .. import cpu_gemm_taps as _gemm_taps
 from ..cpu_launch import blocks, concurrently, launch, launch_all
 from . import math as conv_math
 
@@ -54,6 +55,13 @@ NCHW_IM2COL_CHANNELS = 32  # NCHW forward and dW with fewer: im2col too (Winogra
                            # phase planes' GEMMs have k = C or K; measured in docs)
 STRIDED_NHWC_IM2COL = True     # strided NHWC forward and dW by im2col (else phase planes)
 STRIDED_NCHW_SLAB = True       # strided NCHW forward and dW by im2col over NHWC slabs
+# strided float32 forward (K a multiple of 8) as an implicit GEMM over a zero-padded slab of
+# each chunk's input (cpu_implicit.py) instead of im2col + OpenBLAS; and the NHWC float32 1x1
+# forward and dX by the same tiles (one tap) instead of the BLAS and cpu_gemm. Both on where
+# the tiles have 16-float vectors (AVX-512: cpu_gemm_taps.WIDE): with 8 they measured no
+# faster than the paths they would replace (docs/conv_bias_relu.md)
+IMPLICIT = _gemm_taps.WIDE
+POINTWISE_TAPS = _gemm_taps.WIDE
 # A backward touching fewer elements (x, gy twice) runs dX and dW at once, each on one thread
 # (cpu_launch.concurrently), instead of one after the other, each split over the threads: at
 # the digits shapes (8x8, 24 channels) a split pass gains what waking a helper costs
@@ -70,6 +78,7 @@ geo_tuple = conv_math.geo_tuple
 
 from . import cpu_epilogue as _epi  # noqa: E402
 from ..batchnorm import cpu as _bn_cpu  # noqa: E402
+from . import cpu_implicit as _implicit  # noqa: E402
 from . import cpu_winograd as _wino  # noqa: E402
 from .cpu_direct import (_phase_dw_tasks, _phase_dx_tasks, _phase_tasks,  # noqa: E402
                          _pointwise_dw_tasks, _pointwise_tasks)
@@ -105,9 +114,9 @@ def _is_pointwise(geom):
             and geom.ph == geom.pw == 0 and geom.ph_end == geom.pw_end == 0)
 
 
-def algorithm(geom, pass_="forward"):
-    """Which kernels run a convolution's ``pass_`` ("forward", "dx" or "dw"): "pointwise",
-    "im2col", "winograd" or "phase"."""
+def algorithm(geom, pass_="forward", dtype=np.float32):
+    """Which kernels run a convolution's ``pass_`` ("forward", "dx" or "dw") on inputs of
+    ``dtype``: "pointwise", "im2col", "implicit", "winograd" or "phase"."""
     if _is_pointwise(geom):
         return "pointwise"
     if min(geom.C, geom.K) < MIN_GEMM_CHANNELS:
@@ -125,6 +134,8 @@ def algorithm(geom, pass_="forward"):
         if winograd and min(geom.Q, geom.W) >= WINOGRAD_NCHW_MIN_WIDTH:
             return "winograd"
         return "phase"
+    if pass_ == "forward" and IMPLICIT and _implicit.fits(geom, dtype):
+        return "implicit"
     if pass_ != "dx" and _slab(geom):
         return "im2col"
     # strided NHWC forward and dW: one GEMM with k = R*S*C beat R*S GEMMs with k = C
@@ -376,6 +387,15 @@ def _pointwise_chunks(geom, channels, itemsize):
     return mpc, nchunks
 
 
+def _pointwise_taps(geom, cols, dtype):
+    """The pointwise tasks' ``taps``: 0 (the BLAS), 1 or 2 (cpu_gemm_taps, 16-float vectors)
+    for an NHWC float32 product with ``cols`` (a multiple of 8) columns."""
+    if not (POINTWISE_TAPS and geom.layout == "NHWC" and np.dtype(dtype) == np.float32
+            and cols % 8 == 0):
+        return 0
+    return 2 if _gemm_taps.WIDE else 1
+
+
 def _pointwise_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     """(dw or None, db_parts) of a pointwise conv."""
     K, C = geom.K, geom.C
@@ -448,7 +468,7 @@ def conv_forward(x, w, b, geom, relu):
     # channels (the stem's 1 -> 24) touches few elements but is worth splitting
     work = x.size + y.size + N * P * Q * K * C * geom.R * geom.S // 8
     relu = bool(relu)
-    kind = algorithm(geom, "forward")
+    kind = algorithm(geom, "forward", x.dtype)
     if kind == "winograd":
         _winograd_run(x, x, False, w, False, geom.ph, geom.pw, b, relu, nhwc, blas, y, work)
     elif kind == "pointwise":
@@ -457,13 +477,22 @@ def conv_forward(x, w, b, geom, relu):
         xv = _pointwise_view(x, nhwc)
         launch(_pointwise_tasks, nchunks, xv, xv, False,
                np.ascontiguousarray(wm.T) if nhwc else wm, mpc, b, has_bias, relu, nhwc, blas,
-               _pointwise_view(y, nhwc), work=work, grain=1)
+               _pointwise_taps(geom, K, x.dtype), _pointwise_view(y, nhwc), work=work, grain=1)
     elif kind == "phase":
         tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
         rpc = _balanced(P, _phase_rows(len(planes) * C + K, Wq, x.itemsize))
         launch(_phase_tasks, N * blocks(P, rpc), x, _taps(w, not nhwc), tap_plane, tap_off,
                planes, geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc, b, relu, nhwc,
                blas, y, work=work, grain=1)
+    elif kind == "implicit":
+        # a chunk's slab holds ~sh*sw input pixels an output pixel (plus the halo) and its
+        # output K values: those bytes (not im2col's R*S*C an output pixel) fill CHUNK_BYTES
+        ipc, rpc = _chunking(P * Q, P, Q, (geom.sh * geom.sw * C + K) * x.itemsize, N)
+        Hmax, Ws = _implicit.slab_shape(geom, P if ipc > 1 else rpc)
+        launch(_implicit._implicit_tasks, _nchunks(N, P, ipc, rpc), x, _taps(w, False),
+               _implicit.tap_offsets(geom, Ws), b, has_bias, relu, geo_tuple(geom), ipc, rpc,
+               Hmax, Ws, _gemm_taps.WIDE,
+               y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q), work=work, grain=1)
     else:
         ipc, rpc = _chunking(P * Q, P, Q, geom.R * geom.S * C * x.itemsize, N)
         y_k = y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q)  # (N, PQ, K) | (N, K, PQ)
@@ -537,8 +566,8 @@ def _conv_dx(gy, y, use_mask, w, geom, blas, work):
         mpc, nchunks = _pointwise_chunks(geom, C + K, gy.itemsize)
         launch(_pointwise_tasks, nchunks, _pointwise_view(gy, nhwc), _pointwise_view(y, nhwc),
                use_mask, wm if nhwc else np.ascontiguousarray(wm.T), mpc,
-               np.zeros(C, gy.dtype), False, False, nhwc, blas, _pointwise_view(dx, nhwc),
-               work=work, grain=1)
+               np.zeros(C, gy.dtype), False, False, nhwc, blas, _pointwise_taps(geom, C, gy.dtype),
+               _pointwise_view(dx, nhwc), work=work, grain=1)
     elif kind == "phase":
         ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack = _phase_dx_plan(geom)
         rpc = _balanced(-(-H // geom.sh), _phase_rows(K + C, Wg, gy.itemsize))

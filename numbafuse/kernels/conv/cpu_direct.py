@@ -39,6 +39,7 @@ import numpy as np
 from numba import njit
 
 from .. import cpu_blas as _blas
+from .. import cpu_gemm_taps as _gemm_taps
 from ..cpu_launch import task_kernel
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 
@@ -338,12 +339,14 @@ def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, ph_taps, ph_start, ent_tap, e
 
 @task_kernel
 def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, has_bias, relu, nhwc, blas,
-                     out):
+                     taps, out):
     # 1x1, stride 1, unpadded: out = relu?(wm-product of src (gated) + bias?). NCHW: src (N, Ci,
     # HW), wm (Co, Ci), out (N, Co, HW), chunk t = pixels [c0, c1) of one image; NHWC: src
     # (1, M, Ci), wm (Ci, Co), out (1, M, Co), chunk t = rows [c0, c1) of M = N*HW (rank 3 in
     # both layouts: Numba types both branches). The forward runs
-    # it on x with wm = w (NCHW) | w^T (NHWC); dX on gy gated by y with wm = w^T | w
+    # it on x with wm = w (NCHW) | w^T (NHWC); dX on gy gated by y with wm = w^T | w. taps
+    # (NHWC, float32, Co % 8 == 0): 1 or 2 (16-float vectors) for cpu_gemm_taps's tiles
+    # (one tap, a row address per pixel) instead of the BLAS, 0 for the BLAS
     if nhwc:
         M, Ci = src.shape[1], src.shape[2]
         Co = out.shape[2]
@@ -354,6 +357,8 @@ def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, has_bias, relu,
         Co = out.shape[1]
         nblk = (HW + mpc - 1) // mpc
     gbuf = np.empty(Ci * mpc if use_gate else 0, src.dtype)
+    rows = np.empty(mpc if taps else 0, np.int64)
+    aoff = np.zeros(1, np.int64)
     for t in range(t0, t1):
         n = 0 if nhwc else t // nblk
         c0 = (t - n * nblk) * mpc
@@ -369,7 +374,17 @@ def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, has_bias, relu,
                         dr[c] = _relu_grad(sr[c], gr[c])
                 a = g
             o = out[0, c0:c1]                                     # (m, Co)
-            if relu or has_bias:                                  # the epilogue in cache
+            if taps:
+                pa = np.int64(a.ctypes.data)
+                for i in range(m):
+                    rows[i] = pa + 4 * i * Ci
+                _gemm_taps.gemm_taps(np.int64(m), np.int64(Co), np.int64(Ci), np.int64(1),
+                                     np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data),
+                                     np.int64(wm.ctypes.data), np.int64(Co),
+                                     np.int64(o.ctypes.data), np.int64(Co),
+                                     np.int64(bias.ctypes.data) if has_bias else np.int64(0),
+                                     np.int64(1 if relu else 0), np.int64(taps - 1))
+            elif relu or has_bias:                                  # the epilogue in cache
                 _blas.gemm_bias_relu(blas, m, Co, Ci, a, Ci, wm, Co, o, bias, relu)
             else:
                 _blas.gemm(blas, False, False, m, Co, Ci, 1.0, a, Ci, wm, Co, 0.0, o, Co)
