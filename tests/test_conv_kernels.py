@@ -20,7 +20,7 @@ from hypothesis import given, strategies as st
 import numbafuse as nf
 import numbafuse.testing.strategies as nfs
 from numbafuse import reference as ref
-from numbafuse.kernels import cpu_launch as _launch
+from numbafuse.kernels import cpu_gemm_taps, cpu_launch as _launch
 from numbafuse.kernels.conv import cpu as cpu_conv, cpu_im2col
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-12)}
@@ -131,6 +131,65 @@ def test_strided_nchw_by_phase_planes(size, kernel, stride, padding, dilation, c
     # STRIDED_NCHW_SLAB off: the phase planes that ran these before the slabs (and still can)
     test_boundary_shapes("NCHW", size, kernel, stride, padding, dilation, chunk_bytes, 7, 1,
                          slab=False)
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("size, kernel, stride, padding, dilation, C, K, kind", [
+    (9, 3, 2, 1, 1, 3, 8, "implicit"), (17, 3, 2, 1, 1, 3, 24, "implicit"),
+    (12, 3, 2, 2, 2, 5, 40, "implicit"), (11, 4, 3, 1, 1, 3, 72, "implicit"),  # dilated, s 3
+    (9, 3, 2, 0, 1, 3, 136, "implicit"), (10, 4, 2, "same", 1, 3, 16, "implicit"),  # uneven
+    (9, 1, 2, 0, 1, 3, 8, "implicit"), (7, 3, (1, 2), 1, 1, 2, 8, "implicit"),   # pads
+    (9, 1, 1, 0, 1, 8, 24, "pointwise"), (5, 1, 1, 0, 1, 16, 40, "pointwise")])
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, cpu_conv.CHUNK_BYTES])
+def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, padding, dilation,
+                                       C, K, kind, chunk_bytes, monkeypatch):
+    """The implicit-GEMM forward (cpu_implicit.py: a slab per chunk of one output row, a few
+    rows, or whole images; the slab's padding on every side, uneven "same" padding, dilation,
+    strides 2 and 3, K past every panel) and the NHWC 1x1 forward and dX through the same
+    tiles, at both vector widths whatever the CPU: against the reference, and bitwise the same
+    on 1 and 3 threads. The path is asserted, so a change of the rules cannot skip it."""
+    monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
+    monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
+    monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
+    monkeypatch.setattr(cpu_conv, "MIN_GEMM_CHANNELS", 1)
+    monkeypatch.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", 1)
+    rng = np.random.default_rng(size + K)
+    N = 3
+    shape = (N, C, size, size + 2) if layout == "NCHW" else (N, size, size + 2, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, kernel, kernel)) / 3).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    kwargs = dict(stride=stride, padding=padding, dilation=dilation, layout=layout)
+    geom = nf.validate.conv_geometry("t", x.shape, w.shape, stride, padding, dilation, layout)
+    assert cpu_conv.algorithm(geom, "forward") == kind
+    if kind == "pointwise":
+        taps = cpu_conv._pointwise_taps(geom, C, x.dtype)
+        assert taps == ((2 if wide else 1) if layout == "NHWC" else 0)
+    _check(nfs.ConvProblem(x, w, b, kwargs), chunk_bytes, groups=4, min_channels=1)
+
+
+def test_taps_tiles_only_where_they_fit(monkeypatch):
+    """float64, K not a multiple of 8, NCHW 1x1 and IMPLICIT off keep the other paths."""
+    monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
+    monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
+    g = nf.validate.conv_geometry
+    strided = g("t", (2, 9, 9, 32), (16, 32, 3, 3), 2, 1, 1, "NHWC")
+    assert cpu_conv.algorithm(strided, "forward") == "implicit"
+    assert cpu_conv.algorithm(strided, "forward", np.float64) == "im2col"
+    assert cpu_conv.algorithm(strided, "dw") == "im2col"
+    odd = g("t", (2, 9, 9, 32), (20, 32, 3, 3), 2, 1, 1, "NHWC")
+    assert cpu_conv.algorithm(odd, "forward") == "im2col"
+    pw = g("t", (2, 9, 9, 32), (16, 32, 1, 1), 1, 0, 1, "NHWC")
+    assert cpu_conv._pointwise_taps(pw, 16, np.float32) in (1, 2)
+    assert cpu_conv._pointwise_taps(pw, 20, np.float32) == 0
+    assert cpu_conv._pointwise_taps(pw, 16, np.float64) == 0
+    pw_nchw = g("t", (2, 32, 9, 9), (16, 32, 1, 1), 1, 0, 1, "NCHW")
+    assert cpu_conv._pointwise_taps(pw_nchw, 16, np.float32) == 0
+    monkeypatch.setattr(cpu_conv, "IMPLICIT", False)
+    monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", False)
+    assert cpu_conv.algorithm(strided, "forward") == "im2col"
+    assert cpu_conv._pointwise_taps(pw, 16, np.float32) == 0
 
 
 @functools.lru_cache(maxsize=None)

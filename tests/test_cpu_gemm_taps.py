@@ -1,0 +1,83 @@
+"""The implicit-GEMM micro-kernel (``kernels/cpu_gemm_taps.py``).
+
+Both vector widths on any machine (the IR is target independent; ``wide`` is an argument):
+every column panel of each (64, 32, 16 and 8 columns wide; 24, 16 and 8 narrow: n = 8 ... 72
+and 136), the 4-row blocks and the 1-row remainder (m % 4 = 0 ... 3), k = 0, 1 and 64, one
+and three taps, rows at unrelated addresses (not a strided matrix), tap offsets that
+overlap, with and without the bias and the ReLU. Guard values around c's block must be left
+as they were. The reference is a float64 NumPy sum.
+"""
+import numpy as np
+import pytest
+
+from numbafuse.kernels import cpu_gemm_taps as gt
+
+GUARD = np.float32(-777.0)
+
+
+def _problem(rng, m, n, k, ntaps, pad=3):
+    """source pool, row starts (elements), tap offsets, b (ntaps, k, n + pad), c (m + 1,
+    n + pad) with guards; the rows of tap t read pool[start_i + off_t : ... + k]."""
+    offs = rng.integers(0, 2 * k + 2, ntaps)                   # may overlap each other
+    pool = rng.standard_normal(40 * (k + 1) + 64).astype(np.float32)
+    starts = rng.integers(0, pool.size - (offs.max() + k), m)   # any order, may repeat
+    b = np.full((ntaps, k, n + pad), GUARD, np.float32)
+    b[:, :, :n] = rng.standard_normal((ntaps, k, n))
+    c = np.full((m + 1, n + pad), GUARD, np.float32)
+    return pool, starts.astype(np.int64), offs.astype(np.int64), b, c
+
+
+def _run(pool, starts, offs, b, c, m, n, k, bias, relu, wide):
+    rows = pool.ctypes.data + 4 * starts                      # int64 addresses
+    gt.gemm_taps(m, n, k, offs.size, rows.ctypes.data, offs.ctypes.data, b.ctypes.data,
+                 b.shape[2], c.ctypes.data, c.shape[1],
+                 0 if bias is None else bias.ctypes.data, int(relu), int(wide))
+
+
+def _expected(pool, starts, offs, b, m, n, k, bias, relu):
+    out = np.zeros((m, n))
+    for i in range(m):
+        for t, off in enumerate(offs):
+            a = pool[starts[i] + off:starts[i] + off + k].astype(np.float64)
+            out[i] += a @ b[t, :, :n].astype(np.float64)
+    if bias is not None:
+        out += bias
+    return np.where((out > 0) | np.isnan(out), out, 0.0) if relu else out   # NaN kept
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("n", [8, 16, 24, 32, 40, 48, 56, 64, 72, 136])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 6, 7, 13])
+def test_gemm_taps_every_panel_and_row_remainder(wide, n, m, rng):
+    for k, ntaps in ((0, 1), (1, 3), (64, 1), (5, 3)):
+        for with_bias, relu in ((False, False), (True, True), (True, False)):
+            pool, starts, offs, b, c = _problem(rng, m, n, k, ntaps)
+            bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
+            _run(pool, starts, offs, b, c, m, n, k, bias, relu, wide)
+            want = _expected(pool, starts, offs, b, m, n, k, bias, relu)
+            np.testing.assert_allclose(c[:m, :n], want, rtol=2e-5,
+                                       atol=2e-5 * max(k * ntaps, 1) ** 0.5,
+                                       err_msg=f"m={m} n={n} k={k} taps={ntaps} "
+                                               f"bias={with_bias} relu={relu} wide={wide}")
+            assert (c[:m, n:] == GUARD).all() and (c[m] == GUARD).all(), "wrote outside c"
+
+
+@pytest.mark.parametrize("m, n", [(13, 136), (6, 24), (9, 40)])
+def test_gemm_taps_widths_agree_bitwise_and_keep_nan(m, n, rng):
+    """Each c element is one sum in tap, then p order: the two widths give the same bits;
+    a NaN in a row's input reaches the whole row through the ReLU (the rows whose windows
+    hold it: windows overlap)."""
+    pool, starts, offs, b, c = _problem(rng, m, n, 7, 3)
+    pool[starts[2] + offs[1] + 3] = np.nan                     # row 2's second tap
+    bias = rng.standard_normal(n).astype(np.float32)
+    out = {}
+    for wide in (True, False):
+        cw = c.copy()
+        _run(pool, starts, offs, b, cw, m, n, 7, bias, True, wide)
+        out[wide] = cw
+    assert out[True].tobytes() == out[False].tobytes()
+    want = _expected(pool, starts, offs, b, m, n, 7, bias, True)
+    got = out[True][:m, :n]
+    assert np.isnan(got[2]).all() and 0 < np.isnan(want).all(axis=1).sum() < m
+    assert (np.isnan(got) == np.isnan(want)).all()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-4)        # NaN where NaN
