@@ -140,17 +140,22 @@ def test_strided_nchw_by_phase_planes(size, kernel, stride, padding, dilation, c
     (12, 3, 2, 2, 2, 5, 40, "implicit"), (11, 4, 3, 1, 1, 3, 72, "implicit"),  # dilated, s 3
     (9, 3, 2, 0, 1, 3, 136, "implicit"), (10, 4, 2, "same", 1, 3, 16, "implicit"),  # uneven
     (9, 1, 2, 0, 1, 3, 8, "implicit"), (7, 3, (1, 2), 1, 1, 2, 8, "implicit"),   # pads
-    (9, 1, 1, 0, 1, 8, 24, "pointwise"), (5, 1, 1, 0, 1, 16, 40, "pointwise")])
+    (9, 1, 1, 0, 1, 8, 24, "pointwise"), (5, 1, 1, 0, 1, 16, 40, "pointwise"),
+    # C % 8 == 0: the NHWC dX by input phase through the tiles too (phases of 1, 2 and 4 taps;
+    # stride 3 with a 2x2 kernel: phases without taps, zeros)
+    (9, 3, 2, 1, 1, 8, 8, "implicit"), (12, 3, 2, 2, 2, 16, 24, "implicit"),
+    (11, 4, 3, 1, 1, 8, 16, "implicit"), (9, 2, 3, 0, 1, 8, 8, "implicit")])
 @pytest.mark.parametrize("chunk_bytes", [1, 3000, cpu_conv.CHUNK_BYTES])
 def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, padding, dilation,
                                        C, K, kind, chunk_bytes, monkeypatch):
     """The implicit-GEMM forward (cpu_implicit.py: a slab per chunk of one output row, a few
     rows, or whole images; the slab's padding on every side, uneven "same" padding, dilation,
-    strides 2 and 3, K past every panel) and the NHWC 1x1 forward and dX through the same
-    tiles, at both vector widths whatever the CPU: against the reference, and bitwise the same
+    strides 2 and 3, K past every panel), the NHWC 1x1 forward and dX and the NHWC dX by input
+    phase through the same tiles, at both vector widths whatever the CPU: against the reference, and bitwise the same
     on 1 and 3 threads. The path is asserted, so a change of the rules cannot skip it."""
     monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
     monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
+    monkeypatch.setattr(cpu_conv, "PHASE_DX_TAPS", True)
     monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
     monkeypatch.setattr(cpu_conv, "MIN_GEMM_CHANNELS", 1)
     monkeypatch.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", 1)
@@ -163,9 +168,9 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     kwargs = dict(stride=stride, padding=padding, dilation=dilation, layout=layout)
     geom = nf.validate.conv_geometry("t", x.shape, w.shape, stride, padding, dilation, layout)
     assert cpu_conv.algorithm(geom, "forward") == kind
-    if kind == "pointwise":
-        taps = cpu_conv._pointwise_taps(geom, C, x.dtype)
-        assert taps == ((2 if wide else 1) if layout == "NHWC" else 0)
+    taps = cpu_conv._pointwise_taps(geom, C, x.dtype)                # dX's
+    assert taps == ((2 if wide else 1) if layout == "NHWC" and C % 8 == 0 else 0)
+    assert cpu_conv.algorithm(geom, "dx") == ("pointwise" if kind == "pointwise" else "phase")
     _check(nfs.ConvProblem(x, w, b, kwargs), chunk_bytes, groups=4, min_channels=1)
 
 

@@ -62,6 +62,7 @@ STRIDED_NCHW_SLAB = True       # strided NCHW forward and dW by im2col over NHWC
 # faster than the paths they would replace (docs/conv_bias_relu.md)
 IMPLICIT = _gemm_taps.WIDE
 POINTWISE_TAPS = _gemm_taps.WIDE
+PHASE_DX_TAPS = _gemm_taps.WIDE    # ... and the NHWC dX by input phase (all of a phase's taps)
 # A backward touching fewer elements (x, gy twice) runs dX and dW at once, each on one thread
 # (cpu_launch.concurrently), instead of one after the other, each split over the threads: at
 # the digits shapes (8x8, 24 channels) a split pass gains what waking a helper costs
@@ -387,10 +388,10 @@ def _pointwise_chunks(geom, channels, itemsize):
     return mpc, nchunks
 
 
-def _pointwise_taps(geom, cols, dtype):
-    """The pointwise tasks' ``taps``: 0 (the BLAS), 1 or 2 (cpu_gemm_taps, 16-float vectors)
-    for an NHWC float32 product with ``cols`` (a multiple of 8) columns."""
-    if not (POINTWISE_TAPS and geom.layout == "NHWC" and np.dtype(dtype) == np.float32
+def _pointwise_taps(geom, cols, dtype, flag=None):
+    """The pointwise (and phase dX) tasks' ``taps``: 0 (the BLAS), 1 or 2 (cpu_gemm_taps,
+    16-float vectors) for an NHWC float32 product with ``cols`` (a multiple of 8) columns."""
+    if not ((POINTWISE_TAPS if flag is None else flag) and geom.layout == "NHWC" and np.dtype(dtype) == np.float32
             and cols % 8 == 0):
         return 0
     return 2 if _gemm_taps.WIDE else 1
@@ -571,9 +572,12 @@ def _conv_dx(gy, y, use_mask, w, geom, blas, work):
     elif kind == "phase":
         ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack = _phase_dx_plan(geom)
         rpc = _balanced(-(-H // geom.sh), _phase_rows(K + C, Wg, gy.itemsize))
-        launch(_phase_dx_tasks, N * blocks(-(-H // geom.sh), rpc), gy, y, use_mask,
-               _taps(w, nhwc), ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg,
-               slack, rpc, geom.sh, geom.sw, nhwc, blas, dx, work=work, grain=1)
+        wtap = _taps(w, nhwc)
+        taps = _pointwise_taps(geom, C, gy.dtype, PHASE_DX_TAPS)
+        wph = np.ascontiguousarray(wtap[ent_tap]) if taps else np.empty((0, 1, 1), gy.dtype)
+        launch(_phase_dx_tasks, N * blocks(-(-H // geom.sh), rpc), gy, y, use_mask, wtap,
+               ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack, rpc, geom.sh,
+               geom.sw, nhwc, blas, wph, taps, dx, work=work, grain=1)
     else:
         _im2col_dx(gy, y, use_mask, w, geom, blas, dx, work)
     return dx

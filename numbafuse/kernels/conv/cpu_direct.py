@@ -266,12 +266,15 @@ def _phase_dw_tasks(t0, t1, x, gy, y, use_mask, tap_plane, tap_off, planes, sh, 
 
 @task_kernel
 def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, ph_taps, ph_start, ent_tap, ent_off, gmin,
-                    gext, gleft, Wg, slack, rpc, sh, sw, nhwc, blas, dx):
+                    gext, gleft, Wg, slack, rpc, sh, sw, nhwc, blas, wph, taps, dx):
     # gy, y: (N, K, P, Q) | (N, P, Q, K); wtap: (R*S, C, K) | (R*S, K, C) (w_rs^T, w_rs);
     # input phase f = a*sw + b reads the taps ent_tap[ph_start[f] : + ph_taps[f]] at the
     # offsets ent_off[...] of the chunk's padded g, which holds g rows i0 + gmin ... of width
     # Wg (g column v at v + gleft); dx: (N, C, H, W) | (N, H, W, C). Task t = phase rows
-    # [i0, i1) of one image (dx rows [sh*i0, sh*i1)), every phase
+    # [i0, i1) of one image (dx rows [sh*i0, sh*i1)), every phase. taps (NHWC, float32, C % 8
+    # == 0): 1 or 2 (16-float vectors): each phase's taps summed in the registers of
+    # cpu_gemm_taps's tiles (a row address per g pixel, an offset per tap) from wph = wtap in
+    # entry order, (entries, K, C); 0: a BLAS GEMM per tap
     if nhwc:
         N, H, W, C = dx.shape
         K = gy.shape[3]
@@ -282,6 +285,8 @@ def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, ph_taps, ph_start, ent_tap, e
     nblk = (rows + rpc - 1) // rpc
     gpad = np.empty(K * ((rpc + gext) * Wg + slack), dx.dtype)
     dbuf = np.empty(C * rpc * Wg, dx.dtype)
+    prow = np.empty(rpc * Wg if taps else 0, np.int64)
+    aoff = np.empty(ent_off.size if taps else 0, np.int64)
     for t in range(t0, t1):
         n = t // nblk
         i0 = (t - n * nblk) * rpc
@@ -305,9 +310,20 @@ def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, ph_taps, ph_start, ent_tap, e
             nt = ph_taps[f]
             if nhwc:
                 d = dbuf[:m * C].reshape((m, C))                  # (m', C)
-                if nt == 0:
+                if taps:                                          # every tap at once
+                    pg = np.int64(gb.ctypes.data)
+                    for i in range(m):
+                        prow[i] = pg + 4 * i * K
+                    for e in range(nt):
+                        aoff[e] = ent_off[ph_start[f] + e] * K
+                    _gemm_taps.gemm_taps(np.int64(m), np.int64(C), np.int64(K), np.int64(nt),
+                                         np.int64(prow.ctypes.data), np.int64(aoff.ctypes.data),
+                                         np.int64(wph.ctypes.data) + 4 * ph_start[f] * K * C,
+                                         np.int64(C), np.int64(d.ctypes.data), np.int64(C),
+                                         np.int64(0), np.int64(0), np.int64(taps - 1))
+                elif nt == 0:
                     d[:] = 0
-                for e in range(ph_start[f], ph_start[f] + nt):
+                for e in range(ph_start[f], ph_start[f] + (0 if taps else nt)):
                     _blas.gemm(blas, False, False, m, C, K, 1.0, gb[ent_off[e]:], K,
                                wtap[ent_tap[e]], C, 0.0 if e == ph_start[f] else 1.0, d, C)
                 for i in range(i0, r1):
