@@ -348,6 +348,11 @@ def launch(kernel, ntasks, *args, work=None, grain=None):
                 _get_pool().run(job)
         finally:
             _busy.release()
+    # the pool (and a helper back from it) keep the last job: drop what it references, so
+    # that the arrays of a finished call (its output among them) are released with the
+    # caller's (cpu_buffers.OutputCache reuses a buffer only when nothing views it). A late
+    # helper finds no task left and touches neither.
+    job.kernel = job.args = None
     if job.error is not None:
         raise job.error
 

@@ -29,6 +29,12 @@ every dx element is written by exactly one task.
 Conv-BatchNorm: :func:`forward_stats` and :func:`forward_bn_sums` run the Winograd forward
 with batch norm's per-channel sums in each chunk's epilogue (``cpu_epilogue.py``).
 
+Outputs (y, dx, the Conv-BatchNorm's) and the dW partials come from
+``cpu_buffers.output_cache``: a released buffer is reused instead of fresh pages that fault
+on first touch (in a process alternating conv shapes, glibc returned the freed memory to the
+kernel and every call faulted its output in again: ~525 faults and ~1.2 ms a call at the 1x1
+shape's 16 MiB output).
+
 Both layouts run the same task kernels: the layout is a flag tested once per chunk, and only
 the small gather/scatter helpers have per-layout loop nests.
 """
@@ -36,6 +42,7 @@ import numpy as np
 
 from .. import cpu_blas as _blas
 from .. import cpu_gemm_taps as _gemm_taps
+from ..cpu_buffers import output_cache as _out
 from ..cpu_launch import blocks, concurrently, launch, launch_all
 from . import math as conv_math
 
@@ -235,7 +242,7 @@ def _bn_epilogue_ok(geom, nhwc_only):
 
 
 def _forward_epilogue(x, w, geom, epi, dy=None, gz=None, ev=None, affine=False):
-    h = np.empty(geom.y_shape, x.dtype)
+    h = _out.empty(geom.y_shape, x.dtype)
     parts, counts = _winograd_run(x, x, False, w, False, geom.ph, geom.pw,
                                   np.zeros(geom.K, x.dtype), False, geom.layout == "NHWC",
                                   _blas.blas_for(x.dtype), h, x.size + h.size, epi, dy, gz,
@@ -268,7 +275,7 @@ def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
     m = _epi.tiles(geom.K)
     values = np.empty((4, m * geom.K), x.dtype)                   # batch norm's, tiled
     _bn_cpu._channel_values(mean, invstd, gamma, gamma if beta is None else beta, m, values)
-    g = np.empty(geom.y_shape, x.dtype)
+    g = _out.empty(geom.y_shape, x.dtype)
     h, parts, _ = _forward_epilogue(x, w, geom, _epi.EPI_BN_SUMS, dy, g, values,
                                     beta is not None)
     return h, g, np.ascontiguousarray(parts[:, :2])
@@ -291,7 +298,7 @@ def _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, blas):
     ipc, tyb, nchunks, most = _winograd_chunks(N, P, Q, hwc,
                                                None if hwc else WINOGRAD_DW_NCHW_TILES)
     groups = min(nchunks, DW_GROUPS)
-    D_parts = np.empty((groups if need_dw else 1, 16, K, C), x.dtype)   # D[e] (K, C)
+    D_parts = _out.empty((groups if need_dw else 1, 16, K, C), x.dtype)   # D[e] (K, C)
     db_parts = np.empty((groups, K))                                   # float64
     args = (x, gy, y, use_mask, geom.ph, geom.pw, ipc, tyb,
             _wino.estride(C * most, x.itemsize), _wino.estride(K * most, x.itemsize), nchunks,
@@ -361,7 +368,7 @@ def _phase_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     rpc = _balanced(P, _phase_rows(len(planes) * C + K, Wq, x.itemsize))
     nchunks = N * blocks(P, rpc)
     groups = min(nchunks, DW_GROUPS)
-    dw_parts = np.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
+    dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
     launch(_phase_dw_tasks, groups, x, gy, y, use_mask, tap_plane, tap_off, planes, geom.sh,
            geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc, nchunks, groups, need_dw, nhwc, blas,
@@ -422,7 +429,7 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     ipc, rpc = _chunking(P * Q, P, Q, R * S * C * x.itemsize, N)
     nchunks = _nchunks(N, P, ipc, rpc)
     groups = min(nchunks, DW_GROUPS)
-    dw_parts = np.empty((groups if need_dw else 1, K * R * S * C), x.dtype)
+    dw_parts = _out.empty((groups if need_dw else 1, K * R * S * C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
     gy_k = gy.reshape(N, P * Q, K) if nhwc else gy.reshape(N, K, P * Q)
     y_k = y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q)
@@ -461,7 +468,7 @@ def conv_forward(x, w, b, geom, relu):
     """``y = relu?(conv(x, w) + b?)`` for contiguous host arrays of one dtype."""
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     nhwc = geom.layout == "NHWC"
-    y = np.empty(geom.y_shape, x.dtype)
+    y = _out.empty(geom.y_shape, x.dtype)
     has_bias = b is not None
     b = b if has_bias else np.zeros(K, x.dtype)
     blas = _blas.blas_for(x.dtype)
@@ -534,7 +541,7 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     small = need_dx and (need_dw or need_db) and work < CONCURRENT_MAX_ELEMENTS
     if small and SHARED_BACKWARD and algorithm(geom, "dx") == algorithm(geom, "dw") == "winograd":
         # one job of dW's groups and dX's chunks, shared by the threads
-        dx = np.empty(geom.x_shape, gy.dtype)
+        dx = _out.empty(geom.x_shape, gy.dtype)
         dw_task, finish = _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, blas)
         dx_task = _winograd_launch(*_winograd_dx_args(gy, y, use_mask, w, geom, blas, dx))[0]
         launch_all([dw_task, dx_task], work=work)
@@ -558,7 +565,7 @@ def _conv_dx(gy, y, use_mask, w, geom, blas, work):
     """dx of a convolution from gy (gated by y > 0 when ``use_mask``)."""
     N, C, H, W, K = geom.N, geom.C, geom.H, geom.W, geom.K
     nhwc = geom.layout == "NHWC"
-    dx = np.empty(geom.x_shape, gy.dtype)
+    dx = _out.empty(geom.x_shape, gy.dtype)
     kind = algorithm(geom, "dx")
     if kind == "winograd":
         _winograd_run(*_winograd_dx_args(gy, y, use_mask, w, geom, blas, dx), work)

@@ -1,0 +1,98 @@
+"""The reused output buffers (``kernels/cpu_buffers.py``) and the convolution's use of them.
+
+A buffer may be handed out again only when no array views it: a held output (or a view of
+it) must never be overwritten by a later call; a released one is reused (same address, no new
+bytes owned); the byte cap, the small-output and tracemalloc bypasses hold.
+"""
+import tracemalloc
+
+import numpy as np
+
+import numbafuse as nf
+from numbafuse.kernels.cpu_buffers import OutputCache, output_cache
+
+MIB = 1 << 20
+
+
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_released_buffers_are_reused_held_ones_never():
+    cache = OutputCache(max_bytes=8 * MIB)
+    a = cache.empty((MIB // 4,), np.float32)                     # 1 MiB
+    assert a.shape == (MIB // 4,) and a.dtype == np.float32 and a.flags.c_contiguous
+    view = a[10:20]
+    del a
+    b = cache.empty((512, 512), np.float32)                       # same bytes: a is in use
+    assert not np.shares_memory(view, b) and cache.owned_bytes() == 2 * MIB
+    address = _addr(view) - 10 * 4
+    del view                                                      # a's buffer free again
+    c = cache.empty((1024, 256), np.float32)
+    assert _addr(c) == address and cache.owned_bytes() == 2 * MIB
+    d = cache.empty((MIB // 8,), np.float64)                      # other dtype, same bytes
+    assert not np.shares_memory(d, b) and not np.shares_memory(d, c)
+
+
+def test_the_cap_evicts_free_buffers_then_falls_back_to_numpy():
+    cache = OutputCache(max_bytes=3 * MIB)
+    held = [cache.empty((MIB,), np.uint8) for _ in range(2)]
+    free = cache.empty((MIB,), np.uint8)
+    del free                                                      # 3 MiB owned, 1 free
+    big = cache.empty((2 * MIB,), np.uint8)                       # evicts the free one: 4 > 3
+    assert cache.owned_bytes() == 2 * MIB and big.base is None    # ... still too big: NumPy's
+    del big
+    other = cache.empty((MIB,), np.uint8)
+    assert cache.owned_bytes() == 3 * MIB and other.base is not None
+    cache.clear()                                                 # the held ones stay
+    assert cache.owned_bytes() == 3 * MIB
+    del held, other
+    cache.clear()
+    assert cache.owned_bytes() == 0
+
+
+def test_small_outputs_and_tracemalloc_bypass_the_cache():
+    cache = OutputCache()
+    assert cache.empty((OutputCache.MIN_BYTES // 8,), np.float32).base is None
+    tracemalloc.start()
+    try:
+        assert cache.empty((MIB,), np.float32).base is None
+    finally:
+        tracemalloc.stop()
+    assert cache.owned_bytes() == 0
+
+
+def test_conv_outputs_held_by_the_caller_are_never_overwritten(rng):
+    # outputs of 1 MiB and more (above MIN_BYTES): forward (y) and backward (dx) of the 1x1
+    # and the strided paths
+    for kw, layout in ((dict(stride=1, padding=0), "NHWC"), (dict(stride=2, padding=1), "NCHW")):
+        shape = (8, 32, 64, 64) if layout == "NCHW" else (8, 64, 64, 32)
+        k = 1 if kw["stride"] == 1 else 3
+        w = (rng.standard_normal((32, 32, k, k)) / 8).astype(np.float32)
+        xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+        ys = [nf.conv_bias_relu(x, w, None, layout=layout, **kw) for x in xs]   # all held
+        assert ys[0].nbytes >= OutputCache.MIN_BYTES
+        for i, x in enumerate(xs):
+            np.testing.assert_array_equal(ys[i], nf.conv_bias_relu(x, w, None, layout=layout,
+                                                                   **kw))
+        for i in range(3):
+            for j in range(i):
+                assert not np.shares_memory(ys[i], ys[j])
+        gy = np.ones_like(ys[0])
+        dx0 = nf.conv_bias_relu_backward(gy, xs[0], w, ys[0], layout=layout, **kw)[0]
+        kept = dx0.copy()
+        dx1 = nf.conv_bias_relu_backward(gy, xs[1], w, ys[1], layout=layout, **kw)[0]
+        assert not np.shares_memory(dx0, dx1)
+        np.testing.assert_array_equal(dx0, kept)
+
+
+def test_released_conv_outputs_are_reused(rng):
+    x = rng.standard_normal((4, 64, 64, 32)).astype(np.float32)
+    w = (rng.standard_normal((64, 32, 1, 1)) / 8).astype(np.float32)
+    addresses, owned = set(), set()
+    for _ in range(4):
+        y = nf.conv_bias_relu(x, w, None, layout="NHWC")
+        addresses.add(_addr(y))
+        del y
+        owned.add(output_cache.owned_bytes())
+    assert len(addresses) == 1 and len(owned) == 1
