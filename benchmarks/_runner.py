@@ -76,8 +76,11 @@ def _library_info(side):
         import numba
         import numpy
         from numbafuse.kernels import cpu_blas as _blas, cpu_launch as _launch
+        from numbafuse.kernels import cpu_gemm_taps as _taps
         info.update(numbafuse=f"numba {numba.__version__}, numpy {numpy.__version__}, "
-                    f"{_launch.num_threads()} threads, private BLAS {_blas.PRIVATE}",
+                    f"{_launch.num_threads()} threads, private BLAS {_blas.PRIVATE}, "
+                    f"{'16' if _taps.WIDE else '8'}-float tiles "
+                    f"({'AVX-512' if _taps.WIDE else 'no AVX-512'})",
                     backend=_launch.backend())
     return info
 
