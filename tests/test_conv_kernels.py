@@ -151,8 +151,9 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     """The implicit-GEMM forward (cpu_implicit.py: a slab per chunk of one output row, a few
     rows, or whole images; the slab's padding on every side, uneven "same" padding, dilation,
     strides 2 and 3, K past every panel), the NHWC 1x1 forward and dX and the NHWC dX by input
-    phase through the same tiles, at both vector widths whatever the CPU: against the reference, and bitwise the same
-    on 1 and 3 threads. The path is asserted, so a change of the rules cannot skip it."""
+    phase through the same tiles, at both vector widths whatever the CPU: against the
+    reference, and bitwise the same on 1 and 3 threads. The path is asserted, so a change of
+    the rules cannot skip it."""
     monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
     monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
     monkeypatch.setattr(cpu_conv, "PHASE_DX_TAPS", True)

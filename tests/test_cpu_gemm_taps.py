@@ -81,3 +81,29 @@ def test_gemm_taps_widths_agree_bitwise_and_keep_nan(m, n, rng):
     assert np.isnan(got[2]).all() and 0 < np.isnan(want).all(axis=1).sum() < m
     assert (np.isnan(got) == np.isnan(want)).all()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-4)        # NaN where NaN
+
+
+def test_wide_follows_what_numba_compiles_for(monkeypatch):
+    """16-float tiles where Numba's target has AVX-512: NUMBA_CPU_FEATURES when set, else the
+    host's, unless NUMBA_CPU_NAME names another CPU (then 8: its features are not known)."""
+    from numba.core import config
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+avx512f,+fma")
+    assert gt._has_avx512()
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+fma,-avx512f")
+    assert not gt._has_avx512()
+    monkeypatch.setattr(config, "CPU_FEATURES", None)
+    monkeypatch.setattr(config, "CPU_NAME", "haswell")
+    assert not gt._has_avx512()
+    monkeypatch.setattr(config, "CPU_NAME", None)
+    monkeypatch.setattr(gt._llvm, "get_host_cpu_features", lambda: _Features("+avx512f,+avx2"))
+    assert gt._has_avx512()
+    monkeypatch.setattr(gt._llvm, "get_host_cpu_features", lambda: _Features("+avx2,-avx512f"))
+    assert not gt._has_avx512()
+
+
+class _Features:
+    def __init__(self, s):
+        self.s = s
+
+    def flatten(self):
+        return self.s

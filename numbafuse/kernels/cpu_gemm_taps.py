@@ -37,7 +37,14 @@ _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
 
 def _has_avx512():
-    features = config.CPU_FEATURES or _llvm.get_host_cpu_features().flatten()
+    """Whether Numba compiles for a CPU with AVX-512: NUMBA_CPU_FEATURES if set, else the host's
+    unless NUMBA_CPU_NAME names another CPU (a portable cache's "generic", say): no."""
+    if config.CPU_FEATURES:
+        features = config.CPU_FEATURES
+    elif config.CPU_NAME in (None, "host"):
+        features = _llvm.get_host_cpu_features().flatten()
+    else:
+        return False
     return "+avx512f" in features.split(",")
 
 

@@ -398,8 +398,8 @@ def _pointwise_chunks(geom, channels, itemsize):
 def _pointwise_taps(geom, cols, dtype, flag=None):
     """The pointwise (and phase dX) tasks' ``taps``: 0 (the BLAS), 1 or 2 (cpu_gemm_taps,
     16-float vectors) for an NHWC float32 product with ``cols`` (a multiple of 8) columns."""
-    if not ((POINTWISE_TAPS if flag is None else flag) and geom.layout == "NHWC" and np.dtype(dtype) == np.float32
-            and cols % 8 == 0):
+    on = POINTWISE_TAPS if flag is None else flag
+    if not (on and geom.layout == "NHWC" and np.dtype(dtype) == np.float32 and cols % 8 == 0):
         return 0
     return 2 if _gemm_taps.WIDE else 1
 
