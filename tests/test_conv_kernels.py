@@ -150,13 +150,15 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
                                        C, K, kind, chunk_bytes, monkeypatch):
     """The implicit-GEMM forward (cpu_implicit.py: a slab per chunk of one output row, a few
     rows, or whole images; the slab's padding on every side, uneven "same" padding, dilation,
-    strides 2 and 3, K past every panel), the NHWC 1x1 forward and dX and the NHWC dX by input
+    strides 2 and 3, K past every panel), its dW (C % 8 == 0: the slabs' rows gathered, in
+    groups of chunks; and db alone), the NHWC 1x1 forward and dX and the NHWC dX by input
     phase through the same tiles, at both vector widths whatever the CPU: against the
     reference, and bitwise the same on 1 and 3 threads. The path is asserted, so a change of
     the rules cannot skip it."""
     monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
     monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
     monkeypatch.setattr(cpu_conv, "PHASE_DX_TAPS", True)
+    monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", True)
     monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
     monkeypatch.setattr(cpu_conv, "MIN_GEMM_CHANNELS", 1)
     monkeypatch.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", 1)
@@ -172,20 +174,37 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     taps = cpu_conv._pointwise_taps(geom, C, x.dtype)                # dX's
     assert taps == ((2 if wide else 1) if layout == "NHWC" and C % 8 == 0 else 0)
     assert cpu_conv.algorithm(geom, "dx") == ("pointwise" if kind == "pointwise" else "phase")
+    assert cpu_conv.algorithm(geom, "dw") == (kind if C % 8 == 0 else "im2col")
     _check(nfs.ConvProblem(x, w, b, kwargs), chunk_bytes, groups=4, min_channels=1)
+    if kind == "implicit":                          # db without dW: the same db, no dW
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
+            y = nf.conv_bias_relu(x, w, b, **kwargs)
+            gy = np.random.default_rng(6).standard_normal(y.shape).astype(np.float32)
+            full = cpu_conv.conv_backward(gy, x, w, geom, y)
+            part = cpu_conv.conv_backward(gy, x, w, geom, y, need=(True, False, True))
+        assert part[1] is None
+        assert part[0].tobytes() == full[0].tobytes() and part[2].tobytes() == full[2].tobytes()
 
 
 def test_taps_tiles_only_where_they_fit(monkeypatch):
-    """float64, K not a multiple of 8, NCHW 1x1 and IMPLICIT off keep the other paths."""
+    """float64, K (forward) or C (dW) not a multiple of 8, NCHW 1x1 and the flags off keep the
+    other paths."""
     monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
+    monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", True)
     monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
     g = nf.validate.conv_geometry
     strided = g("t", (2, 9, 9, 32), (16, 32, 3, 3), 2, 1, 1, "NHWC")
-    assert cpu_conv.algorithm(strided, "forward") == "implicit"
-    assert cpu_conv.algorithm(strided, "forward", np.float64) == "im2col"
-    assert cpu_conv.algorithm(strided, "dw") == "im2col"
+    for pass_ in ("forward", "dw"):
+        assert cpu_conv.algorithm(strided, pass_) == "implicit"
+        assert cpu_conv.algorithm(strided, pass_, np.float64) == "im2col"
+    assert cpu_conv.algorithm(strided, "dx") == "phase"
     odd = g("t", (2, 9, 9, 32), (20, 32, 3, 3), 2, 1, 1, "NHWC")
     assert cpu_conv.algorithm(odd, "forward") == "im2col"
+    assert cpu_conv.algorithm(odd, "dw") == "implicit"
+    odd_c = g("t", (2, 9, 9, 36), (16, 36, 3, 3), 2, 1, 1, "NHWC")
+    assert cpu_conv.algorithm(odd_c, "forward") == "implicit"
+    assert cpu_conv.algorithm(odd_c, "dw") == "im2col"
     pw = g("t", (2, 9, 9, 32), (16, 32, 1, 1), 1, 0, 1, "NHWC")
     assert cpu_conv._pointwise_taps(pw, 16, np.float32) in (1, 2)
     assert cpu_conv._pointwise_taps(pw, 20, np.float32) == 0
@@ -193,8 +212,10 @@ def test_taps_tiles_only_where_they_fit(monkeypatch):
     pw_nchw = g("t", (2, 32, 9, 9), (16, 32, 1, 1), 1, 0, 1, "NCHW")
     assert cpu_conv._pointwise_taps(pw_nchw, 16, np.float32) == 0
     monkeypatch.setattr(cpu_conv, "IMPLICIT", False)
+    monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", False)
     monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", False)
     assert cpu_conv.algorithm(strided, "forward") == "im2col"
+    assert cpu_conv.algorithm(strided, "dw") == "im2col"
     assert cpu_conv._pointwise_taps(pw, 16, np.float32) == 0
 
 

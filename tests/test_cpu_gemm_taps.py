@@ -107,3 +107,36 @@ class _Features:
 
     def flatten(self):
         return self.s
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("n", [8, 16, 24, 40, 64, 72, 136])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+def test_gemm_gather_every_panel_row_remainder_and_beta(wide, n, m, rng):
+    """The dW kernel: c (+)= a @ b with b's rows at gathered addresses (any order, repeats);
+    k = 0 (beta 0: zeros), 1, 7 and 40; guards around c untouched; the widths bitwise equal."""
+    for k in (0, 1, 7, 40):
+        for beta in (0, 1):
+            a = np.full((m, k + 3), GUARD, np.float32)
+            a[:, :k] = rng.standard_normal((m, k))
+            pool = rng.standard_normal(20 * n + 64).astype(np.float32)
+            boff = int(rng.integers(0, 5))
+            starts = rng.integers(0, pool.size - n - boff, k).astype(np.int64)
+            rows = pool.ctypes.data + 4 * starts
+            c = np.full((m + 1, n + 3), GUARD, np.float32)
+            c[:m, :n] = rng.standard_normal((m, n))
+            b = np.array([pool[s + boff:s + boff + n] for s in starts]).reshape(k, n)
+            want = a[:, :k].astype(np.float64) @ b.astype(np.float64)
+            if beta:
+                want += c[:m, :n]
+            out = {}
+            for w in (wide, not wide):
+                cw = c.copy()
+                gt.gemm_gather(m, n, k, a.ctypes.data, a.shape[1], rows.ctypes.data, boff,
+                               cw.ctypes.data, cw.shape[1], beta, int(w))
+                out[w] = cw
+            got = out[wide]
+            np.testing.assert_allclose(got[:m, :n], want, rtol=2e-5, atol=2e-5 * max(k, 1) ** 0.5,
+                                       err_msg=f"m={m} n={n} k={k} beta={beta} wide={wide}")
+            assert (got[:m, n:] == GUARD).all() and (got[m] == GUARD).all(), "wrote outside c"
+            assert out[True].tobytes() == out[False].tobytes()

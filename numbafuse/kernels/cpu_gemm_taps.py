@@ -52,6 +52,54 @@ def _has_avx512():
 WIDE = _has_avx512()
 
 
+class _Vec:
+    """LLVM IR helpers for <width x float> code in one intrinsic's builder."""
+
+    def __init__(self, builder, width):
+        self.b, self.width = builder, width
+        self.el = ir.FloatType()
+        self.vec = ir.VectorType(self.el, width)
+        self.zero = ir.Constant(self.vec, [ir.Constant(self.el, 0.0)] * width)
+        self._fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(self.vec, [self.vec] * 3),
+            "llvm.fmuladd.v%df32" % width)
+        self._splat = ir.Constant(ir.VectorType(_I32, width), [ir.Constant(_I32, 0)] * width)
+
+    def floats(self, address):                       # an int64 address as float*
+        return self.b.inttoptr(address, self.el.as_pointer())
+
+    def ptr(self, base, off, v=0):                   # &base[off + width v] as a vector*
+        if v:
+            off = self.b.add(off, ir.Constant(_I64, self.width * v))
+        return self.b.bitcast(self.b.gep(base, [off]), self.vec.as_pointer())
+
+    def load(self, base, off, v=0):
+        return self.b.load(self.ptr(base, off, v), align=4)
+
+    def store(self, value, base, off, v=0):
+        self.b.store(value, self.ptr(base, off, v), align=4)
+
+    def splat(self, scalar_ptr):                     # the float at scalar_ptr in every lane
+        s = self.b.insert_element(ir.Constant(self.vec, ir.Undefined),
+                                  self.b.load(scalar_ptr, align=4), ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(s, ir.Constant(self.vec, ir.Undefined), self._splat)
+
+    def accumulate(self, acc, a, bv):                # acc[r][v] += a[r] * bv[v]
+        for r in range(len(acc)):
+            s = self.splat(a[r])
+            for v in range(len(bv)):
+                self.b.store(self.b.call(self._fma, [s, bv[v], self.b.load(acc[r][v])]),
+                             acc[r][v])
+
+    def accumulators(self, rows, nv):
+        return [[cgutils.alloca_once_value(self.b, self.zero) for _ in range(nv)]
+                for _ in range(rows)]
+
+
+def _row_offset(builder, r, ld):
+    return builder.mul(ir.Constant(_I64, r), ld)
+
+
 def _taps_tile(rows, nv, width):
     """The micro-kernel intrinsic for a (rows, width * nv) block of c."""
 
@@ -63,28 +111,13 @@ def _taps_tile(rows, nv, width):
         The epilogue is the scalar one's: the float32 sum + bias, then ReLU keeping NaN."""
         def codegen(context, builder, signature, args):
             ntaps, k, prow, paoff, b, ldb, c, ldc, bias, relu = args
-            el = ir.FloatType()
-            vec = ir.VectorType(el, width)
-            fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(vec, [vec, vec, vec]),
-                "llvm.fmuladd.v%df32" % width)
+            V = _Vec(builder, width)
             prow = builder.inttoptr(prow, _I64.as_pointer())
             paoff = builder.inttoptr(paoff, _I64.as_pointer())
-            b = builder.inttoptr(b, el.as_pointer())
-            c = builder.inttoptr(c, el.as_pointer())
-            row = [builder.inttoptr(builder.load(builder.gep(prow, [ir.Constant(_I64, r)])),
-                                    el.as_pointer()) for r in range(rows)]
-
-            def vptr(base, off):                 # &base[off] as <width x float>*
-                return builder.bitcast(builder.gep(base, [off]), vec.as_pointer())
-
-            def lane(v):
-                return ir.Constant(_I64, width * v)
-
-            zero = ir.Constant(vec, [ir.Constant(el, 0.0)] * width)
-            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nv)]
-                   for _ in range(rows)]
-            splat = ir.Constant(ir.VectorType(_I32, width), [ir.Constant(_I32, 0)] * width)
+            b, c = V.floats(b), V.floats(c)
+            row = [V.floats(builder.load(builder.gep(prow, [ir.Constant(_I64, r)])))
+                   for r in range(rows)]
+            acc = V.accumulators(rows, nv)
             tap_stride = builder.mul(k, ldb)
             with cgutils.for_range(builder, ntaps) as taps:
                 t = taps.index
@@ -94,19 +127,11 @@ def _taps_tile(rows, nv, width):
                 with cgutils.for_range(builder, k) as loop:
                     p = loop.index
                     bp = builder.mul(p, ldb)
-                    bv = [builder.load(vptr(bt, builder.add(bp, lane(v))), align=4)
-                          for v in range(nv)]
-                    for r in range(rows):
-                        s = builder.load(builder.gep(a[r], [p]), align=4)
-                        s = builder.insert_element(ir.Constant(vec, ir.Undefined), s,
-                                                   ir.Constant(_I32, 0))
-                        s = builder.shuffle_vector(s, ir.Constant(vec, ir.Undefined), splat)
-                        for v in range(nv):
-                            builder.store(builder.call(fma, [s, bv[v], builder.load(acc[r][v])]),
-                                          acc[r][v])
+                    V.accumulate(acc, [builder.gep(ar, [p]) for ar in a],
+                                 [V.load(bt, bp, v) for v in range(nv)])
             with builder.if_then(builder.icmp_signed("!=", bias, ir.Constant(_I64, 0))):
-                bias = builder.inttoptr(bias, el.as_pointer())
-                bv = [builder.load(vptr(bias, lane(v)), align=4) for v in range(nv)]
+                bias = V.floats(bias)
+                bv = [V.load(bias, ir.Constant(_I64, 0), v) for v in range(nv)]
                 for r in range(rows):
                     for v in range(nv):
                         builder.store(builder.fadd(builder.load(acc[r][v]), bv[v]), acc[r][v])
@@ -114,15 +139,48 @@ def _taps_tile(rows, nv, width):
                 for r in range(rows):               # v > 0 or NaN (unordered): v, else 0
                     for v in range(nv):
                         x = builder.load(acc[r][v])
-                        builder.store(builder.select(builder.fcmp_unordered(">", x, zero), x,
-                                                     zero), acc[r][v])
+                        builder.store(builder.select(builder.fcmp_unordered(">", x, V.zero), x,
+                                                     V.zero), acc[r][v])
             for r in range(rows):
                 for v in range(nv):
-                    off = builder.add(builder.mul(ir.Constant(_I64, r), ldc), lane(v))
-                    builder.store(builder.load(acc[r][v]), vptr(c, off), align=4)
+                    V.store(builder.load(acc[r][v]), c, _row_offset(builder, r, ldc), v)
             return context.get_dummy_value()
 
         return types.void(*([types.int64] * 10)), codegen
+
+    return tile
+
+
+def _gather_tile(rows, nv, width):
+    """The dW micro-kernel intrinsic: a (rows, width * nv) block of c, b's rows gathered."""
+
+    @intrinsic
+    def tile(typingctx, k, a, lda, prow, boff, c, ldc, beta):
+        """c[r, :width*nv] (+)= sum over p < k of a[r*lda + p] * b_p[:width*nv] for r < rows,
+        where b_p = row[p] + boff (float32 elements); a, prow (int64 addresses of k rows), c:
+        addresses; lda, ldc row strides in elements; beta 1: add to c, 0: overwrite (int64)."""
+        def codegen(context, builder, signature, args):
+            k, a, lda, prow, boff, c, ldc, beta = args
+            V = _Vec(builder, width)
+            prow = builder.inttoptr(prow, _I64.as_pointer())
+            a, c = V.floats(a), V.floats(c)
+            acc = V.accumulators(rows, nv)
+            with builder.if_then(builder.icmp_signed("!=", beta, ir.Constant(_I64, 0))):
+                for r in range(rows):
+                    for v in range(nv):
+                        builder.store(V.load(c, _row_offset(builder, r, ldc), v), acc[r][v])
+            arow = [builder.gep(a, [_row_offset(builder, r, lda)]) for r in range(rows)]
+            with cgutils.for_range(builder, k) as loop:
+                p = loop.index
+                bp = builder.gep(V.floats(builder.load(builder.gep(prow, [p]))), [boff])
+                V.accumulate(acc, [builder.gep(ar, [p]) for ar in arow],
+                             [V.load(bp, ir.Constant(_I64, 0), v) for v in range(nv)])
+            for r in range(rows):
+                for v in range(nv):
+                    V.store(builder.load(acc[r][v]), c, _row_offset(builder, r, ldc), v)
+            return context.get_dummy_value()
+
+        return types.void(*([types.int64] * 8)), codegen
 
     return tile
 
@@ -182,5 +240,58 @@ def gemm_taps(m, n, k, ntaps, prow, paoff, pb, ldb, pc, ldc, pbias, relu, wide):
                         _n2r(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
                 else:
                     _n1r(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
+                i += 1
+        j += cols
+
+
+# the dW tiles: the same panels, b's rows gathered
+_g4, _g2, _g1 = _gather_tile(ROWS, 4, 16), _gather_tile(ROWS, 2, 16), _gather_tile(ROWS, 1, 16)
+_g4r, _g2r, _g1r = _gather_tile(1, 4, 16), _gather_tile(1, 2, 16), _gather_tile(1, 1, 16)
+_h3, _h2, _h1 = _gather_tile(ROWS, 3, 8), _gather_tile(ROWS, 2, 8), _gather_tile(ROWS, 1, 8)
+_h3r, _h2r, _h1r = _gather_tile(1, 3, 8), _gather_tile(1, 2, 8), _gather_tile(1, 1, 8)
+
+
+@njit(nogil=True, cache=True)
+def gemm_gather(m, n, k, pa, lda, prow, boff, pc, ldc, beta, wide):
+    """c (m, n) = a (m, k) @ b (k, n) (+ c where beta), row p of b at ``row[p] + boff``
+    (``prow``: the address of k int64 addresses); pa, pc addresses of float32 matrices with
+    row strides lda, ldc; n % 8 == 0; every argument int64. Each c element is one sum over p
+    in order (after c's old value), as in gemm_taps."""
+    j = 0
+    while j < n:
+        cols = panel(wide, n - j)
+        bo = boff + j
+        i = 0
+        while i < m:
+            pai, pcij = pa + 4 * i * lda, pc + 4 * (i * ldc + j)
+            if i + ROWS <= m:
+                if cols == 64:
+                    _g4(k, pai, lda, prow, bo, pcij, ldc, beta)
+                elif cols == 32:
+                    _g2(k, pai, lda, prow, bo, pcij, ldc, beta)
+                elif cols == 24:
+                    _h3(k, pai, lda, prow, bo, pcij, ldc, beta)
+                elif cols == 16:
+                    if wide:
+                        _g1(k, pai, lda, prow, bo, pcij, ldc, beta)
+                    else:
+                        _h2(k, pai, lda, prow, bo, pcij, ldc, beta)
+                else:
+                    _h1(k, pai, lda, prow, bo, pcij, ldc, beta)
+                i += ROWS
+            else:
+                if cols == 64:
+                    _g4r(k, pai, lda, prow, bo, pcij, ldc, beta)
+                elif cols == 32:
+                    _g2r(k, pai, lda, prow, bo, pcij, ldc, beta)
+                elif cols == 24:
+                    _h3r(k, pai, lda, prow, bo, pcij, ldc, beta)
+                elif cols == 16:
+                    if wide:
+                        _g1r(k, pai, lda, prow, bo, pcij, ldc, beta)
+                    else:
+                        _h2r(k, pai, lda, prow, bo, pcij, ldc, beta)
+                else:
+                    _h1r(k, pai, lda, prow, bo, pcij, ldc, beta)
                 i += 1
         j += cols

@@ -70,6 +70,7 @@ STRIDED_NCHW_SLAB = True       # strided NCHW forward and dW by im2col over NHWC
 IMPLICIT = _gemm_taps.WIDE
 POINTWISE_TAPS = _gemm_taps.WIDE
 PHASE_DX_TAPS = _gemm_taps.WIDE    # ... and the NHWC dX by input phase (all of a phase's taps)
+IMPLICIT_DW = _gemm_taps.WIDE      # ... and the strided dW (C a multiple of 8) over the slabs
 # A backward touching fewer elements (x, gy twice) runs dX and dW at once, each on one thread
 # (cpu_launch.concurrently), instead of one after the other, each split over the threads: at
 # the digits shapes (8x8, 24 channels) a split pass gains what waking a helper costs
@@ -142,7 +143,8 @@ def algorithm(geom, pass_="forward", dtype=np.float32):
         if winograd and min(geom.Q, geom.W) >= WINOGRAD_NCHW_MIN_WIDTH:
             return "winograd"
         return "phase"
-    if pass_ == "forward" and IMPLICIT and _implicit.fits(geom, dtype):
+    if (IMPLICIT if pass_ == "forward" else IMPLICIT_DW if pass_ == "dw" else False) \
+            and _implicit.fits(geom, dtype, pass_):
         return "implicit"
     if pass_ != "dx" and _slab(geom):
         return "im2col"
@@ -511,8 +513,30 @@ def conv_forward(x, w, b, geom, relu):
     return y
 
 
+def _implicit_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
+    """(dw or None, db_parts) of a strided conv over the forward's padded slabs
+    (cpu_implicit._implicit_dw_tasks), in DW_GROUPS fixed groups of its chunks."""
+    N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
+    nhwc = geom.layout == "NHWC"
+    ipc, rpc = _chunking(P * Q, P, Q, (geom.sh * geom.sw * C + K) * x.itemsize, N)
+    nchunks = _nchunks(N, P, ipc, rpc)
+    groups = min(nchunks, DW_GROUPS)
+    Hmax, Ws = _implicit.slab_shape(geom, P if ipc > 1 else rpc)
+    dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
+    db_parts = np.empty((groups, K))                                   # float64
+    gy_k = gy.reshape(N, P * Q, K) if nhwc else gy.reshape(N, K, P * Q)
+    y_k = y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q)
+    launch(_implicit._implicit_dw_tasks, groups, x, gy_k, y_k, use_mask, geo_tuple(geom), ipc,
+           rpc, nchunks, groups, need_dw, Hmax, Ws, _implicit.tap_offsets(geom, Ws),
+           _gemm_taps.WIDE, dw_parts, db_parts, work=work, grain=1)
+    if not need_dw:
+        return None, db_parts
+    dwm = sum_groups(dw_parts)                                         # group order
+    return np.ascontiguousarray(dwm.reshape(R, S, K, C).transpose(2, 3, 0, 1)), db_parts
+
+
 _DW = {"winograd": _winograd_dw, "phase": _phase_dw, "pointwise": _pointwise_dw,
-       "im2col": _im2col_dw}
+       "im2col": _im2col_dw, "implicit": _implicit_dw}
 
 
 def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
@@ -532,7 +556,8 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     def weights():
         if not (need_dw or need_db):
             return None, None
-        dw, db_parts = _DW[algorithm(geom, "dw")](x, gy, y, use_mask, geom, need_dw, blas, work)
+        dw, db_parts = _DW[algorithm(geom, "dw", x.dtype)](x, gy, y, use_mask, geom, need_dw,
+                                                           blas, work)
         return dw, bias_grad(db_parts)
 
     def inputs():

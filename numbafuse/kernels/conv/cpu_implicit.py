@@ -14,16 +14,18 @@ float32, K a multiple of 8 (``fits``); the rest keeps im2col. Every y element is
 one task; its value is one float32 sum in (r, s, c) order, the same on any thread count.
 """
 import numpy as np
+from numba import njit
 
 from .. import cpu_gemm_taps as _taps
 from ..cpu_launch import task_kernel
 from ..cpu_transpose import transpose
-from .cpu_im2col import _chunk
+from .cpu_im2col import _chunk, _g_chw, _g_hwc
 
 
-def fits(geom, dtype):
-    """Whether this module computes the forward of ``geom`` for inputs of ``dtype``."""
-    return np.dtype(dtype) == np.float32 and geom.K % 8 == 0
+def fits(geom, dtype, pass_="forward"):
+    """Whether this module computes ``pass_`` ("forward" or "dw") of ``geom`` for inputs of
+    ``dtype``: float32, and the product's columns (K forward, C for dW) a multiple of 8."""
+    return np.dtype(dtype) == np.float32 and (geom.K if pass_ == "forward" else geom.C) % 8 == 0
 
 
 def slab_shape(geom, rows):
@@ -39,6 +41,37 @@ def tap_offsets(geom, Ws):
                      for s in range(geom.S)], np.int64)
 
 
+@njit(inline="always")
+def _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows):
+    # slab[i] (Hs, Ws, C) <- image n0 + i's padded input rows of output rows [p0, p1); rows[j]
+    # <- the slab address of output pixel j's corner (pixels of the chunk in y's order)
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    Hs = (p1 - p0 - 1) * sh + (R - 1) * dh + 1
+    wlo = min(pw, Ws)                                 # slab columns [wlo, whi) are input's
+    whi = min(Ws, pw + W)
+    per = (p1 - p0) * Q
+    base = np.int64(slab.ctypes.data)
+    for i in range(n1 - n0):
+        n = n0 + i
+        for u in range(Hs):
+            h = p0 * sh - ph + u
+            d = slab[i, u]                                        # (Ws, C)
+            if h < 0 or h >= H or whi <= wlo:
+                d[:, :] = 0
+                continue
+            d[:wlo, :] = 0
+            d[whi:, :] = 0
+            if nhwc:
+                d[wlo:whi, :] = x[n, h, wlo - pw:whi - pw, :]
+            else:
+                transpose(x[n, :, h, wlo - pw:whi - pw], d[wlo:whi])   # (C, w) -> (w, C)
+        for pp in range(p1 - p0):
+            r0 = i * per + pp * Q
+            a0 = base + 4 * ((i * Hmax + pp * sh) * Ws * C)
+            for q in range(Q):
+                rows[r0 + q] = a0 + 4 * q * sw * C
+
+
 @task_kernel
 def _implicit_tasks(t0, t1, x, wt, aoff, b, has_bias, relu, geo, ipc, rpc, Hmax, Ws, wide, y):
     # x: (N, C, H, W) | (N, H, W, C); wt: (R*S, C, K) float32; aoff: (R*S,) int64 (tap_offsets);
@@ -49,33 +82,11 @@ def _implicit_tasks(t0, t1, x, wt, aoff, b, has_bias, relu, geo, ipc, rpc, Hmax,
     slab = np.empty((ipc, Hmax, Ws, C), np.float32)
     rows = np.empty(mmax, np.int64)                   # each output pixel's slab address
     ybuf = np.empty((0 if nhwc else mmax) * K, np.float32)
-    wlo = min(pw, Ws)                                 # slab columns [wlo, whi) are input's
-    whi = min(Ws, pw + W)
-    base = np.int64(slab.ctypes.data)
     for t in range(t0, t1):
         n0, n1, p0, p1 = _chunk(t, N, P, ipc, rpc)
         per = (p1 - p0) * Q
         m = (n1 - n0) * per
-        Hs = (p1 - p0 - 1) * sh + (R - 1) * dh + 1
-        for i in range(n1 - n0):
-            n = n0 + i
-            for u in range(Hs):
-                h = p0 * sh - ph + u
-                d = slab[i, u]                                    # (Ws, C)
-                if h < 0 or h >= H or whi <= wlo:
-                    d[:, :] = 0
-                    continue
-                d[:wlo, :] = 0
-                d[whi:, :] = 0
-                if nhwc:
-                    d[wlo:whi, :] = x[n, h, wlo - pw:whi - pw, :]
-                else:
-                    transpose(x[n, :, h, wlo - pw:whi - pw], d[wlo:whi])   # (C, w) -> (w, C)
-            for pp in range(p1 - p0):
-                r0 = i * per + pp * Q
-                a0 = base + 4 * ((i * Hmax + pp * sh) * Ws * C)
-                for q in range(Q):
-                    rows[r0 + q] = a0 + 4 * q * sw * C
+        _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows)
         if nhwc:
             yc = y.reshape((N * PQ, K))[n0 * PQ + p0 * Q:]            # m rows from here
             pc = np.int64(yc.ctypes.data)
@@ -90,3 +101,49 @@ def _implicit_tasks(t0, t1, x, wt, aoff, b, has_bias, relu, geo, ipc, rpc, Hmax,
             yb = ybuf[:m * K].reshape((m, K))
             for i in range(n1 - n0):
                 transpose(yb[i * per:(i + 1) * per], y[n0 + i, :, p0 * Q:p1 * Q])
+
+
+@task_kernel
+def _implicit_dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, need_dw,
+                       Hmax, Ws, aoff, wide, dw_parts, db_parts):
+    # gy, y: (N, K, PQ) | (N, PQ, K); dw_parts: (groups, R*S, K, C) <- each group's dW_rs
+    # (K, C) = sum over its chunks of g^T (K, m) @ (the m pixels' tap-rs rows of the slab);
+    # db_parts: (groups, K) float64 <- its sums of g (as cpu_im2col's dW: the same helpers)
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    PQ = P * Q
+    mmax = ipc * PQ if ipc > 1 else rpc * Q
+    slab = np.empty((ipc if need_dw else 0, Hmax, Ws, C), np.float32)
+    rows = np.empty(mmax, np.int64)
+    gbuf = np.empty(mmax * K, np.float32)             # g: (m, K) NHWC | (K, m) NCHW
+    gtbuf = np.empty(mmax * K if nhwc and need_dw else 0, np.float32)   # NHWC's g^T
+    for grp in range(t0, t1):
+        dbp = db_parts[grp]                                       # (K,)
+        dbp[:] = 0.0
+        beta = 0
+        for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
+            n0, n1, p0, p1 = _chunk(t, N, P, ipc, rpc)
+            per = (p1 - p0) * Q
+            m = (n1 - n0) * per
+            if nhwc:
+                g = gbuf[:m * K].reshape((m, K))
+                m0 = n0 * PQ + p0 * Q
+                _g_hwc(gy.reshape((N * PQ, K)), y.reshape((N * PQ, K)), use_mask, m0, m0 + m,
+                       g, 0, dbp)
+                if not need_dw:
+                    continue
+                gt = gtbuf[:K * m].reshape((K, m))
+                transpose(g, gt)
+            else:
+                gt = gbuf[:K * m].reshape((K, m))
+                for n in range(n0, n1):
+                    _g_chw(gy, y, use_mask, n, p0, p1, PQ, Q, gt, (n - n0) * per, dbp)
+                if not need_dw:
+                    continue
+            _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows)
+            for tap in range(R * S):
+                _taps.gemm_gather(np.int64(K), np.int64(C), np.int64(m),
+                                  np.int64(gt.ctypes.data), np.int64(m),
+                                  np.int64(rows.ctypes.data), aoff[tap],
+                                  np.int64(dw_parts[grp, tap].ctypes.data), np.int64(C),
+                                  np.int64(beta), np.int64(1 if wide else 0))
+            beta = 1
