@@ -11,7 +11,13 @@ rows is built: a convolution passes one row per output pixel, the address of its
 field's corner in a zero-padded copy of the input, and one offset per tap (``conv/
 cpu_implicit.py``). That replaced im2col (a (pixels, R*S*C) copy of the input per chunk) and
 OpenBLAS's packing of it: at the stride-2 ResNet shape, (32, 64, 32, 32) -> 128 channels,
-one thread ran 13.7 ms by im2col + OpenBLAS and ~11 by these tiles (docs/conv_bias_relu.md).
+the NHWC forward on one thread took 13.7-14.1 ms by im2col + OpenBLAS and 12.1 by these
+tiles (docs/conv_bias_relu.md).
+
+``gemm_gather(m, n, k, pa, lda, prow, boff, pc, ldc, beta, wide)`` is the dW's kernel, the
+other way round: ``c (m, n) (+)= a (m, k) @ b (k, n)`` with ``a`` a plain matrix (g^T, (K,
+pixels)) and b's row p at ``row[p] + boff`` (pixel p's tap in the slab): dW_rs (K, C) with no
+im2col either.
 
 Each (rows, vectors) block of c is summed in registers over every tap and every p (rows *
 vectors accumulators), then the bias and ReLU, and stored once. Each c element is one sum in

@@ -11,7 +11,11 @@ Which kernels run (``algorithm``; docs/conv_bias_relu.md has the measurements):
     pointwise  1x1, stride 1, unpadded      GEMMs straight on x, y, dx   (cpu_direct.py)
     im2col     fewer than MIN_GEMM_CHANNELS input or output channels, the NCHW forward and
                dW with fewer than NCHW_IM2COL_CHANNELS (not by Winograd), and the forward
-               and dW of strided convolutions                           (cpu_im2col.py)
+               and dW of strided convolutions the implicit path leaves (cpu_im2col.py)
+    implicit   strided float32 forward (K % 8 == 0) and dW (C % 8 == 0) where the CPU has
+               AVX-512: register tiles summing over the taps of a zero-padded slab of each
+               chunk's input, no im2col (cpu_implicit.py, cpu_gemm_taps.py); the NHWC 1x1
+               forward and dX and the NHWC dX by phase run on the same tiles
     winograd   3x3, stride 1, no dilation: F(2x2, 3x3) forward, dX and dW, NCHW through
                NHWC's transforms on HWC slabs of each chunk's rows (WINOGRAD_NCHW_SLABS;
                without them, NCHW's own transforms, for outputs at least

@@ -1,4 +1,4 @@
-r"""The strided convolution's forward as an implicit GEMM over a padded slab of each chunk.
+r"""The strided convolution's forward and dW as implicit GEMMs over a padded slab of each chunk.
 
 A chunk (output rows [p0, p1) of one image, or whole images: ``cpu._chunking``) copies the
 input rows it reads into a zero-padded slab, (images, Hs, Ws, C) with Hs = (rows - 1) * sh +
@@ -10,8 +10,14 @@ bias and ReLU, straight into y (NHWC) or into a (pixels, K) buffer transposed in
 The slab copies each input value about once (an NCHW source is transposed to HWC on the way,
 ``cpu_transpose``); im2col copied it R*S / (sh*sw) times and OpenBLAS packed the copy again.
 
-float32, K a multiple of 8 (``fits``); the rest keeps im2col. Every y element is written by
-one task; its value is one float32 sum in (r, s, c) order, the same on any thread count.
+dW (``_implicit_dw_tasks``) reads the same slabs the other way round: for each tap (r, s),
+dW_rs (K, C) += g^T (K, m) @ (the chunk's m pixel rows at that tap's offset), gathered by
+address (``cpu_gemm_taps.gemm_gather``), per fixed group of chunks as ``cpu_im2col``'s dW
+(whose g and db helpers it shares).
+
+float32; K (forward) or C (dW) a multiple of 8 (``fits``); the rest keeps im2col. Every y
+element is written by one task; its value is one float32 sum in (r, s, c) order, the same on
+any thread count.
 """
 import numpy as np
 from numba import njit
