@@ -4,6 +4,7 @@ A buffer may be handed out again only when no array views it: a held output (or 
 it) must never be overwritten by a later call; a released one is reused (same address, no new
 bytes owned); the byte cap, the small-output and tracemalloc bypasses hold.
 """
+import gc
 import tracemalloc
 
 import numpy as np
@@ -89,6 +90,9 @@ def test_conv_outputs_held_by_the_caller_are_never_overwritten(rng):
 def test_released_conv_outputs_are_reused(rng):
     x = rng.standard_normal((4, 64, 64, 32)).astype(np.float32)
     w = (rng.standard_normal((64, 32, 1, 1)) / 8).astype(np.float32)
+    # an earlier test's array of this size freed by the cyclic collector mid-loop would be
+    # taken instead (the first free buffer of the size): collect first
+    gc.collect()
     addresses, owned = set(), set()
     for _ in range(4):
         y = nf.conv_bias_relu(x, w, None, layout="NHWC")

@@ -37,6 +37,26 @@ ROWS = 4         # rows of c per micro-tile (x 3 vectors of 8: 12 accumulators)
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
 
+def bias_relu(builder, acc, bias, relu, vec):
+    """The micro-kernels' epilogue on accumulators ``acc[r][v]`` (allocas of ``vec``):
+    + bias[width v ...] where the int64 address ``bias`` is not 0, then the ReLU (v > 0 or NaN,
+    unordered: v, else 0) where ``relu`` is not 0; the scalar epilogue's arithmetic."""
+    zero = ir.Constant(vec, [ir.Constant(vec.element, 0.0)] * vec.count)
+    with builder.if_then(builder.icmp_signed("!=", bias, ir.Constant(_I64, 0))):
+        base = builder.inttoptr(bias, vec.element.as_pointer())
+        bv = [builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I64, vec.count * v)]),
+                                           vec.as_pointer()), align=4)
+              for v in range(len(acc[0]))]
+        for row in acc:
+            for v, a in enumerate(row):
+                builder.store(builder.fadd(builder.load(a), bv[v]), a)
+    with builder.if_then(builder.icmp_signed("!=", relu, ir.Constant(_I64, 0))):
+        for row in acc:
+            for a in row:
+                x = builder.load(a)
+                builder.store(builder.select(builder.fcmp_unordered(">", x, zero), x, zero), a)
+
+
 def _tile(rows, nv):
     """The micro-kernel intrinsic for a (rows, 8 * nv) block of c."""
 
@@ -81,19 +101,7 @@ def _tile(rows, nv):
                     for v in range(nv):
                         builder.store(builder.call(fma, [s, bv[v], builder.load(acc[r][v])]),
                                       acc[r][v])
-            with builder.if_then(builder.icmp_signed("!=", bias, ir.Constant(_I64, 0))):
-                bias = builder.inttoptr(bias, el.as_pointer())
-                bv = [builder.load(vptr(bias, ir.Constant(_I64, 0), ir.Constant(_I64, 0), v),
-                                   align=4) for v in range(nv)]
-                for r in range(rows):
-                    for v in range(nv):
-                        builder.store(builder.fadd(builder.load(acc[r][v]), bv[v]), acc[r][v])
-            with builder.if_then(builder.icmp_signed("!=", relu, ir.Constant(_I64, 0))):
-                for r in range(rows):               # v > 0 or NaN (unordered): v, else 0
-                    for v in range(nv):
-                        x = builder.load(acc[r][v])
-                        builder.store(builder.select(builder.fcmp_unordered(">", x, zero), x,
-                                                     zero), acc[r][v])
+            bias_relu(builder, acc, bias, relu, vec)
             for r in range(rows):
                 for v in range(nv):
                     builder.store(builder.load(acc[r][v]), vptr(c, ir.Constant(_I64, r), ldc, v),

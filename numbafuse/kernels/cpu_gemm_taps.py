@@ -37,6 +37,8 @@ from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
+from .cpu_gemm import bias_relu
+
 ROWS = 4          # rows of c per block (1-row blocks finish a chunk's last m % ROWS rows)
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
@@ -135,18 +137,7 @@ def _taps_tile(rows, nv, width):
                     bp = builder.mul(p, ldb)
                     V.accumulate(acc, [builder.gep(ar, [p]) for ar in a],
                                  [V.load(bt, bp, v) for v in range(nv)])
-            with builder.if_then(builder.icmp_signed("!=", bias, ir.Constant(_I64, 0))):
-                bias = V.floats(bias)
-                bv = [V.load(bias, ir.Constant(_I64, 0), v) for v in range(nv)]
-                for r in range(rows):
-                    for v in range(nv):
-                        builder.store(builder.fadd(builder.load(acc[r][v]), bv[v]), acc[r][v])
-            with builder.if_then(builder.icmp_signed("!=", relu, ir.Constant(_I64, 0))):
-                for r in range(rows):               # v > 0 or NaN (unordered): v, else 0
-                    for v in range(nv):
-                        x = builder.load(acc[r][v])
-                        builder.store(builder.select(builder.fcmp_unordered(">", x, V.zero), x,
-                                                     V.zero), acc[r][v])
+            bias_relu(builder, acc, bias, relu, V.vec)
             for r in range(rows):
                 for v in range(nv):
                     V.store(builder.load(acc[r][v]), c, _row_offset(builder, r, ldc), v)
