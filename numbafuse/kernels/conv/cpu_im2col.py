@@ -342,7 +342,7 @@ def _dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, pointw
     for grp in range(t0, t1):
         dbp = db_parts[grp]                                       # (K,)
         dbp[:] = 0.0
-        dwp = dw_parts[grp]                                       # (K, RSC)
+        dwp = dw_parts[grp if need_dw else 0]                     # (K, RSC); (1, ...) without dW
         first = True
         for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
             n0, n1, p0, p1 = _chunk(t, N, P, ipc, rpc)
