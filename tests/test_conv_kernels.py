@@ -171,7 +171,8 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     kwargs = dict(stride=stride, padding=padding, dilation=dilation, layout=layout)
     geom = nf.validate.conv_geometry("t", x.shape, w.shape, stride, padding, dilation, layout)
     assert cpu_conv.algorithm(geom, "forward") == kind
-    taps = cpu_conv._pointwise_taps(geom, C, x.dtype)                # dX's
+    flag = cpu_conv.POINTWISE_TAPS if kind == "pointwise" else cpu_conv.PHASE_DX_TAPS
+    taps = cpu_conv._taps_mode(flag, geom, C, x.dtype)               # dX's
     assert taps == ((2 if wide else 1) if layout == "NHWC" and C % 8 == 0 else 0)
     assert cpu_conv.algorithm(geom, "dx") == ("pointwise" if kind == "pointwise" else "phase")
     assert cpu_conv.algorithm(geom, "dw") == (kind if C % 8 == 0 else "im2col")
@@ -206,17 +207,17 @@ def test_taps_tiles_only_where_they_fit(monkeypatch):
     assert cpu_conv.algorithm(odd_c, "forward") == "implicit"
     assert cpu_conv.algorithm(odd_c, "dw") == "im2col"
     pw = g("t", (2, 9, 9, 32), (16, 32, 1, 1), 1, 0, 1, "NHWC")
-    assert cpu_conv._pointwise_taps(pw, 16, np.float32) in (1, 2)
-    assert cpu_conv._pointwise_taps(pw, 20, np.float32) == 0
-    assert cpu_conv._pointwise_taps(pw, 16, np.float64) == 0
+    assert cpu_conv._taps_mode(cpu_conv.POINTWISE_TAPS, pw, 16, np.float32) in (1, 2)
+    assert cpu_conv._taps_mode(cpu_conv.POINTWISE_TAPS, pw, 20, np.float32) == 0
+    assert cpu_conv._taps_mode(cpu_conv.POINTWISE_TAPS, pw, 16, np.float64) == 0
     pw_nchw = g("t", (2, 32, 9, 9), (16, 32, 1, 1), 1, 0, 1, "NCHW")
-    assert cpu_conv._pointwise_taps(pw_nchw, 16, np.float32) == 0
+    assert cpu_conv._taps_mode(cpu_conv.POINTWISE_TAPS, pw_nchw, 16, np.float32) == 0
     monkeypatch.setattr(cpu_conv, "IMPLICIT", False)
     monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", False)
     monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", False)
     assert cpu_conv.algorithm(strided, "forward") == "im2col"
     assert cpu_conv.algorithm(strided, "dw") == "im2col"
-    assert cpu_conv._pointwise_taps(pw, 16, np.float32) == 0
+    assert cpu_conv._taps_mode(cpu_conv.POINTWISE_TAPS, pw, 16, np.float32) == 0
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,24 +37,81 @@ ROWS = 4         # rows of c per micro-tile (x 3 vectors of 8: 12 accumulators)
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
 
-def bias_relu(builder, acc, bias, relu, vec):
-    """The micro-kernels' epilogue on accumulators ``acc[r][v]`` (allocas of ``vec``):
-    + bias[width v ...] where the int64 address ``bias`` is not 0, then the ReLU (v > 0 or NaN,
-    unordered: v, else 0) where ``relu`` is not 0; the scalar epilogue's arithmetic."""
-    zero = ir.Constant(vec, [ir.Constant(vec.element, 0.0)] * vec.count)
-    with builder.if_then(builder.icmp_signed("!=", bias, ir.Constant(_I64, 0))):
-        base = builder.inttoptr(bias, vec.element.as_pointer())
-        bv = [builder.load(builder.bitcast(builder.gep(base, [ir.Constant(_I64, vec.count * v)]),
-                                           vec.as_pointer()), align=4)
-              for v in range(len(acc[0]))]
-        for row in acc:
+class Vec:
+    """LLVM IR helpers for ``<width x float>`` code in one intrinsic's builder (this module's
+    micro-kernel and ``cpu_gemm_taps``'s)."""
+
+    def __init__(self, builder, width):
+        self.b, self.width = builder, width
+        self.el = ir.FloatType()
+        self.vec = ir.VectorType(self.el, width)
+        self.zero = ir.Constant(self.vec, [ir.Constant(self.el, 0.0)] * width)
+        self._fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(self.vec, [self.vec] * 3),
+            "llvm.fmuladd.v%df32" % width)
+        self._splat = ir.Constant(ir.VectorType(_I32, width), [ir.Constant(_I32, 0)] * width)
+
+    def floats(self, address):                       # an int64 address as float*
+        return self.b.inttoptr(address, self.el.as_pointer())
+
+    def ptr(self, base, off, v=0):                   # &base[off + width v] as a vector*
+        if v:
+            off = self.b.add(off, ir.Constant(_I64, self.width * v))
+        return self.b.bitcast(self.b.gep(base, [off]), self.vec.as_pointer())
+
+    def load(self, base, off, v=0):
+        return self.b.load(self.ptr(base, off, v), align=4)
+
+    def store(self, value, base, off, v=0):
+        self.b.store(value, self.ptr(base, off, v), align=4)
+
+    def splat(self, scalar_ptr):                     # the float at scalar_ptr in every lane
+        s = self.b.insert_element(ir.Constant(self.vec, ir.Undefined),
+                                  self.b.load(scalar_ptr, align=4), ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(s, ir.Constant(self.vec, ir.Undefined), self._splat)
+
+    def accumulators(self, rows, nv):
+        return [[cgutils.alloca_once_value(self.b, self.zero) for _ in range(nv)]
+                for _ in range(rows)]
+
+    def accumulate(self, acc, a, bv):                # acc[r][v] += a[r] * bv[v]
+        for r in range(len(acc)):
+            s = self.splat(a[r])
+            for v in range(len(bv)):
+                self.b.store(self.b.call(self._fma, [s, bv[v], self.b.load(acc[r][v])]),
+                             acc[r][v])
+
+    def load_rows(self, acc, c, ldc):                # acc[r][v] = c[r*ldc + width v ...]
+        for r, row in enumerate(acc):
             for v, a in enumerate(row):
-                builder.store(builder.fadd(builder.load(a), bv[v]), a)
-    with builder.if_then(builder.icmp_signed("!=", relu, ir.Constant(_I64, 0))):
-        for row in acc:
-            for a in row:
-                x = builder.load(a)
-                builder.store(builder.select(builder.fcmp_unordered(">", x, zero), x, zero), a)
+                self.b.store(self.load(c, row_offset(self.b, r, ldc), v), a)
+
+    def store_rows(self, acc, c, ldc):               # c[r*ldc + width v ...] = acc[r][v]
+        for r, row in enumerate(acc):
+            for v, a in enumerate(row):
+                self.store(self.b.load(a), c, row_offset(self.b, r, ldc), v)
+
+    def bias_relu(self, acc, bias, relu):
+        """The micro-kernels' epilogue: + bias[width v ...] where the int64 address ``bias``
+        is not 0, then the ReLU (v > 0 or NaN, unordered: v, else 0) where ``relu`` is not 0;
+        the scalar epilogue's arithmetic."""
+        b = self.b
+        with b.if_then(b.icmp_signed("!=", bias, ir.Constant(_I64, 0))):
+            base = self.floats(bias)
+            bv = [self.load(base, ir.Constant(_I64, 0), v) for v in range(len(acc[0]))]
+            for row in acc:
+                for v, a in enumerate(row):
+                    b.store(b.fadd(b.load(a), bv[v]), a)
+        with b.if_then(b.icmp_signed("!=", relu, ir.Constant(_I64, 0))):
+            for row in acc:
+                for a in row:
+                    x = b.load(a)
+                    b.store(b.select(b.fcmp_unordered(">", x, self.zero), x, self.zero), a)
+
+
+def row_offset(builder, r, ld):
+    """r * ld (int64) for a constant row r."""
+    return builder.mul(ir.Constant(_I64, r), ld)
 
 
 def _tile(rows, nv):
@@ -70,42 +127,20 @@ def _tile(rows, nv):
         relu keeping NaN): the same bits as a bias + ReLU pass over the stored product."""
         def codegen(context, builder, signature, args):
             k, a, sa, sk, b, ldb, beta, c, ldc, bias, relu = args
-            el = ir.FloatType()
-            vec = ir.VectorType(el, 8)
-            fma = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fmuladd.v8f32")
-            a, b, c = (builder.inttoptr(p, el.as_pointer()) for p in (a, b, c))
-
-            def vptr(base, row, stride, v):        # &base[row * stride + 8 v] as <8 x float>*
-                off = builder.add(builder.mul(row, stride), ir.Constant(_I64, 8 * v))
-                return builder.bitcast(builder.gep(base, [off]), vec.as_pointer())
-
-            zero = ir.Constant(vec, [ir.Constant(el, 0.0)] * 8)
-            acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nv)]
-                   for _ in range(rows)]
+            V = Vec(builder, 8)
+            a, b, c = V.floats(a), V.floats(b), V.floats(c)
+            acc = V.accumulators(rows, nv)
             with builder.if_then(builder.icmp_signed("!=", beta, ir.Constant(_I64, 0))):
-                for r in range(rows):
-                    for v in range(nv):
-                        builder.store(builder.load(vptr(c, ir.Constant(_I64, r), ldc, v),
-                                                   align=4), acc[r][v])
-            splat = ir.Constant(ir.VectorType(_I32, 8), [ir.Constant(_I32, 0)] * 8)
+                V.load_rows(acc, c, ldc)
             with cgutils.for_range(builder, k) as loop:
                 p = loop.index
-                bv = [builder.load(vptr(b, p, ldb, v), align=4) for v in range(nv)]
-                for r in range(rows):
-                    off = builder.add(builder.mul(ir.Constant(_I64, r), sa), builder.mul(p, sk))
-                    s = builder.load(builder.gep(a, [off]), align=4)
-                    s = builder.insert_element(ir.Constant(vec, ir.Undefined), s,
-                                               ir.Constant(_I32, 0))
-                    s = builder.shuffle_vector(s, ir.Constant(vec, ir.Undefined), splat)
-                    for v in range(nv):
-                        builder.store(builder.call(fma, [s, bv[v], builder.load(acc[r][v])]),
-                                      acc[r][v])
-            bias_relu(builder, acc, bias, relu, vec)
-            for r in range(rows):
-                for v in range(nv):
-                    builder.store(builder.load(acc[r][v]), vptr(c, ir.Constant(_I64, r), ldc, v),
-                                  align=4)
+                bp = builder.mul(p, ldb)
+                pk = builder.mul(p, sk)
+                V.accumulate(acc, [builder.gep(a, [builder.add(row_offset(builder, r, sa), pk)])
+                                   for r in range(rows)],
+                             [V.load(b, bp, v) for v in range(nv)])
+            V.bias_relu(acc, bias, relu)
+            V.store_rows(acc, c, ldc)
             return context.get_dummy_value()
 
         return types.void(*([types.int64] * 11)), codegen

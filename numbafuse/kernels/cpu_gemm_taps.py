@@ -37,11 +37,11 @@ from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from .cpu_gemm import bias_relu
+from .cpu_gemm import Vec, row_offset
 
 ROWS = 4          # rows of c per block (1-row blocks finish a chunk's last m % ROWS rows)
 
-_I32, _I64 = ir.IntType(32), ir.IntType(64)
+_I64 = ir.IntType(64)
 
 
 def _has_avx512():
@@ -60,54 +60,6 @@ def _has_avx512():
 WIDE = _has_avx512()
 
 
-class _Vec:
-    """LLVM IR helpers for <width x float> code in one intrinsic's builder."""
-
-    def __init__(self, builder, width):
-        self.b, self.width = builder, width
-        self.el = ir.FloatType()
-        self.vec = ir.VectorType(self.el, width)
-        self.zero = ir.Constant(self.vec, [ir.Constant(self.el, 0.0)] * width)
-        self._fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(self.vec, [self.vec] * 3),
-            "llvm.fmuladd.v%df32" % width)
-        self._splat = ir.Constant(ir.VectorType(_I32, width), [ir.Constant(_I32, 0)] * width)
-
-    def floats(self, address):                       # an int64 address as float*
-        return self.b.inttoptr(address, self.el.as_pointer())
-
-    def ptr(self, base, off, v=0):                   # &base[off + width v] as a vector*
-        if v:
-            off = self.b.add(off, ir.Constant(_I64, self.width * v))
-        return self.b.bitcast(self.b.gep(base, [off]), self.vec.as_pointer())
-
-    def load(self, base, off, v=0):
-        return self.b.load(self.ptr(base, off, v), align=4)
-
-    def store(self, value, base, off, v=0):
-        self.b.store(value, self.ptr(base, off, v), align=4)
-
-    def splat(self, scalar_ptr):                     # the float at scalar_ptr in every lane
-        s = self.b.insert_element(ir.Constant(self.vec, ir.Undefined),
-                                  self.b.load(scalar_ptr, align=4), ir.Constant(_I32, 0))
-        return self.b.shuffle_vector(s, ir.Constant(self.vec, ir.Undefined), self._splat)
-
-    def accumulate(self, acc, a, bv):                # acc[r][v] += a[r] * bv[v]
-        for r in range(len(acc)):
-            s = self.splat(a[r])
-            for v in range(len(bv)):
-                self.b.store(self.b.call(self._fma, [s, bv[v], self.b.load(acc[r][v])]),
-                             acc[r][v])
-
-    def accumulators(self, rows, nv):
-        return [[cgutils.alloca_once_value(self.b, self.zero) for _ in range(nv)]
-                for _ in range(rows)]
-
-
-def _row_offset(builder, r, ld):
-    return builder.mul(ir.Constant(_I64, r), ld)
-
-
 def _taps_tile(rows, nv, width):
     """The micro-kernel intrinsic for a (rows, width * nv) block of c."""
 
@@ -119,7 +71,7 @@ def _taps_tile(rows, nv, width):
         The epilogue is the scalar one's: the float32 sum + bias, then ReLU keeping NaN."""
         def codegen(context, builder, signature, args):
             ntaps, k, prow, paoff, b, ldb, c, ldc, bias, relu = args
-            V = _Vec(builder, width)
+            V = Vec(builder, width)
             prow = builder.inttoptr(prow, _I64.as_pointer())
             paoff = builder.inttoptr(paoff, _I64.as_pointer())
             b, c = V.floats(b), V.floats(c)
@@ -137,10 +89,8 @@ def _taps_tile(rows, nv, width):
                     bp = builder.mul(p, ldb)
                     V.accumulate(acc, [builder.gep(ar, [p]) for ar in a],
                                  [V.load(bt, bp, v) for v in range(nv)])
-            bias_relu(builder, acc, bias, relu, V.vec)
-            for r in range(rows):
-                for v in range(nv):
-                    V.store(builder.load(acc[r][v]), c, _row_offset(builder, r, ldc), v)
+            V.bias_relu(acc, bias, relu)
+            V.store_rows(acc, c, ldc)
             return context.get_dummy_value()
 
         return types.void(*([types.int64] * 10)), codegen
@@ -158,23 +108,19 @@ def _gather_tile(rows, nv, width):
         addresses; lda, ldc row strides in elements; beta 1: add to c, 0: overwrite (int64)."""
         def codegen(context, builder, signature, args):
             k, a, lda, prow, boff, c, ldc, beta = args
-            V = _Vec(builder, width)
+            V = Vec(builder, width)
             prow = builder.inttoptr(prow, _I64.as_pointer())
             a, c = V.floats(a), V.floats(c)
             acc = V.accumulators(rows, nv)
             with builder.if_then(builder.icmp_signed("!=", beta, ir.Constant(_I64, 0))):
-                for r in range(rows):
-                    for v in range(nv):
-                        builder.store(V.load(c, _row_offset(builder, r, ldc), v), acc[r][v])
-            arow = [builder.gep(a, [_row_offset(builder, r, lda)]) for r in range(rows)]
+                V.load_rows(acc, c, ldc)
+            arow = [builder.gep(a, [row_offset(builder, r, lda)]) for r in range(rows)]
             with cgutils.for_range(builder, k) as loop:
                 p = loop.index
                 bp = builder.gep(V.floats(builder.load(builder.gep(prow, [p]))), [boff])
                 V.accumulate(acc, [builder.gep(ar, [p]) for ar in arow],
                              [V.load(bp, ir.Constant(_I64, 0), v) for v in range(nv)])
-            for r in range(rows):
-                for v in range(nv):
-                    V.store(builder.load(acc[r][v]), c, _row_offset(builder, r, ldc), v)
+            V.store_rows(acc, c, ldc)
             return context.get_dummy_value()
 
         return types.void(*([types.int64] * 8)), codegen
@@ -195,6 +141,14 @@ def panel(wide, rem):
     if wide:
         return 64 if rem >= 64 else 32 if rem >= 32 else 16 if rem >= 16 else 8
     return 24 if rem >= 24 else 16 if rem >= 16 else 8
+
+
+@njit(nogil=True, cache=True, inline="always")
+def dense_rows(rows, address, m, ld):
+    """rows[i] = the address of row i of a float32 matrix at ``address`` with row stride
+    ``ld`` elements, for i < m (gemm_taps's row table of a plain matrix)."""
+    for i in range(m):
+        rows[i] = address + 4 * i * ld
 
 
 @njit(nogil=True, cache=True)

@@ -401,10 +401,10 @@ def _pointwise_chunks(geom, channels, itemsize):
     return mpc, nchunks
 
 
-def _pointwise_taps(geom, cols, dtype, flag=None):
-    """The pointwise (and phase dX) tasks' ``taps``: 0 (the BLAS), 1 or 2 (cpu_gemm_taps,
-    16-float vectors) for an NHWC float32 product with ``cols`` (a multiple of 8) columns."""
-    on = POINTWISE_TAPS if flag is None else flag
+def _taps_mode(on, geom, cols, dtype):
+    """The pointwise and phase-dX tasks' ``taps``: 0 (the BLAS), 1 or 2 (cpu_gemm_taps,
+    16-float vectors) for an NHWC float32 product with ``cols`` (a multiple of 8) columns,
+    where the flag ``on`` (POINTWISE_TAPS, PHASE_DX_TAPS) is set."""
     if not (on and geom.layout == "NHWC" and np.dtype(dtype) == np.float32 and cols % 8 == 0):
         return 0
     return 2 if _gemm_taps.WIDE else 1
@@ -491,7 +491,8 @@ def conv_forward(x, w, b, geom, relu):
         xv = _pointwise_view(x, nhwc)
         launch(_pointwise_tasks, nchunks, xv, xv, False,
                np.ascontiguousarray(wm.T) if nhwc else wm, mpc, b, has_bias, relu, nhwc, blas,
-               _pointwise_taps(geom, K, x.dtype), _pointwise_view(y, nhwc), work=work, grain=1)
+               _taps_mode(POINTWISE_TAPS, geom, K, x.dtype), _pointwise_view(y, nhwc),
+               work=work, grain=1)
     elif kind == "phase":
         tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
         rpc = _balanced(P, _phase_rows(len(planes) * C + K, Wq, x.itemsize))
@@ -499,13 +500,9 @@ def conv_forward(x, w, b, geom, relu):
                planes, geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc, b, relu, nhwc,
                blas, y, work=work, grain=1)
     elif kind == "implicit":
-        # a chunk's slab holds ~sh*sw input pixels an output pixel (plus the halo) and its
-        # output K values: those bytes (not im2col's R*S*C an output pixel) fill CHUNK_BYTES
-        ipc, rpc = _chunking(P * Q, P, Q, (geom.sh * geom.sw * C + K) * x.itemsize, N)
-        Hmax, Ws = _implicit.slab_shape(geom, P if ipc > 1 else rpc)
-        launch(_implicit._implicit_tasks, _nchunks(N, P, ipc, rpc), x, _taps(w, False),
-               _implicit.tap_offsets(geom, Ws), b, has_bias, relu, geo_tuple(geom), ipc, rpc,
-               Hmax, Ws, _gemm_taps.WIDE,
+        ipc, rpc, nchunks, Hmax, Ws, aoff = _implicit_plan(geom, x.itemsize)
+        launch(_implicit._implicit_tasks, nchunks, x, _taps(w, False), aoff, b, has_bias, relu,
+               geo_tuple(geom), ipc, rpc, Hmax, Ws, _gemm_taps.WIDE,
                y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q), work=work, grain=1)
     else:
         ipc, rpc = _chunking(P * Q, P, Q, geom.R * geom.S * C * x.itemsize, N)
@@ -517,22 +514,31 @@ def conv_forward(x, w, b, geom, relu):
     return y
 
 
+def _implicit_plan(geom, itemsize):
+    """(images per chunk, rows per chunk, chunks, slab rows of the tallest chunk, slab width,
+    tap offsets) of the implicit forward and dW (cpu_implicit.py). A chunk's slab holds ~sh*sw
+    input pixels an output pixel (plus the halo) and its output K values: those bytes, not
+    im2col's R*S*C an output pixel, fill CHUNK_BYTES."""
+    N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
+    ipc, rpc = _chunking(P * Q, P, Q, (geom.sh * geom.sw * C + K) * itemsize, N)
+    Hmax, Ws = _implicit.slab_shape(geom, P if ipc > 1 else rpc)
+    return ipc, rpc, _nchunks(N, P, ipc, rpc), Hmax, Ws, _implicit.tap_offsets(geom, Ws)
+
+
 def _implicit_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     """(dw or None, db_parts) of a strided conv over the forward's padded slabs
     (cpu_implicit._implicit_dw_tasks), in DW_GROUPS fixed groups of its chunks."""
     N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
     nhwc = geom.layout == "NHWC"
-    ipc, rpc = _chunking(P * Q, P, Q, (geom.sh * geom.sw * C + K) * x.itemsize, N)
-    nchunks = _nchunks(N, P, ipc, rpc)
+    ipc, rpc, nchunks, Hmax, Ws, aoff = _implicit_plan(geom, x.itemsize)
     groups = min(nchunks, DW_GROUPS)
-    Hmax, Ws = _implicit.slab_shape(geom, P if ipc > 1 else rpc)
     dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
     gy_k = gy.reshape(N, P * Q, K) if nhwc else gy.reshape(N, K, P * Q)
     y_k = y.reshape(N, P * Q, K) if nhwc else y.reshape(N, K, P * Q)
     launch(_implicit._implicit_dw_tasks, groups, x, gy_k, y_k, use_mask, geo_tuple(geom), ipc,
-           rpc, nchunks, groups, need_dw, Hmax, Ws, _implicit.tap_offsets(geom, Ws),
-           _gemm_taps.WIDE, dw_parts, db_parts, work=work, grain=1)
+           rpc, nchunks, groups, need_dw, Hmax, Ws, aoff, _gemm_taps.WIDE, dw_parts, db_parts,
+           work=work, grain=1)
     if not need_dw:
         return None, db_parts
     dwm = sum_groups(dw_parts)                                         # group order
@@ -603,13 +609,14 @@ def _conv_dx(gy, y, use_mask, w, geom, blas, work):
         mpc, nchunks = _pointwise_chunks(geom, C + K, gy.itemsize)
         launch(_pointwise_tasks, nchunks, _pointwise_view(gy, nhwc), _pointwise_view(y, nhwc),
                use_mask, wm if nhwc else np.ascontiguousarray(wm.T), mpc,
-               np.zeros(C, gy.dtype), False, False, nhwc, blas, _pointwise_taps(geom, C, gy.dtype),
-               _pointwise_view(dx, nhwc), work=work, grain=1)
+               np.zeros(C, gy.dtype), False, False, nhwc, blas,
+               _taps_mode(POINTWISE_TAPS, geom, C, gy.dtype), _pointwise_view(dx, nhwc),
+               work=work, grain=1)
     elif kind == "phase":
         ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack = _phase_dx_plan(geom)
         rpc = _balanced(-(-H // geom.sh), _phase_rows(K + C, Wg, gy.itemsize))
         wtap = _taps(w, nhwc)
-        taps = _pointwise_taps(geom, C, gy.dtype, PHASE_DX_TAPS)
+        taps = _taps_mode(PHASE_DX_TAPS, geom, C, gy.dtype)
         wph = np.ascontiguousarray(wtap[ent_tap]) if taps else np.empty((0, 1, 1), gy.dtype)
         launch(_phase_dx_tasks, N * blocks(-(-H // geom.sh), rpc), gy, y, use_mask, wtap,
                ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack, rpc, geom.sh,

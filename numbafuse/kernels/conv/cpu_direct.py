@@ -311,9 +311,7 @@ def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, ph_taps, ph_start, ent_tap, e
             if nhwc:
                 d = dbuf[:m * C].reshape((m, C))                  # (m', C)
                 if taps:                                          # every tap at once
-                    pg = np.int64(gb.ctypes.data)
-                    for i in range(m):
-                        prow[i] = pg + 4 * i * K
+                    _gemm_taps.dense_rows(prow, np.int64(gb.ctypes.data), m, K)
                     for e in range(nt):
                         aoff[e] = ent_off[ph_start[f] + e] * K
                     _gemm_taps.gemm_taps(np.int64(m), np.int64(C), np.int64(K), np.int64(nt),
@@ -321,11 +319,12 @@ def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, ph_taps, ph_start, ent_tap, e
                                          np.int64(wph.ctypes.data) + 4 * ph_start[f] * K * C,
                                          np.int64(C), np.int64(d.ctypes.data), np.int64(C),
                                          np.int64(0), np.int64(0), np.int64(taps - 1))
-                elif nt == 0:
-                    d[:] = 0
-                for e in range(ph_start[f], ph_start[f] + (0 if taps else nt)):
-                    _blas.gemm(blas, False, False, m, C, K, 1.0, gb[ent_off[e]:], K,
-                               wtap[ent_tap[e]], C, 0.0 if e == ph_start[f] else 1.0, d, C)
+                else:                                             # a BLAS GEMM a tap
+                    if nt == 0:
+                        d[:] = 0
+                    for e in range(ph_start[f], ph_start[f] + nt):
+                        _blas.gemm(blas, False, False, m, C, K, 1.0, gb[ent_off[e]:], K,
+                                   wtap[ent_tap[e]], C, 0.0 if e == ph_start[f] else 1.0, d, C)
                 for i in range(i0, r1):
                     for j in range(Wb):
                         src, dst = d[(i - i0) * Wg + j], dx[n, a + i * sh, b + j * sw]   # (C,)
@@ -391,9 +390,7 @@ def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, has_bias, relu,
                 a = g
             o = out[0, c0:c1]                                     # (m, Co)
             if taps:
-                pa = np.int64(a.ctypes.data)
-                for i in range(m):
-                    rows[i] = pa + 4 * i * Ci
+                _gemm_taps.dense_rows(rows, np.int64(a.ctypes.data), m, Ci)
                 _gemm_taps.gemm_taps(np.int64(m), np.int64(Co), np.int64(Ci), np.int64(1),
                                      np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data),
                                      np.int64(wm.ctypes.data), np.int64(Co),
