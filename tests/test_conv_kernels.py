@@ -45,6 +45,7 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, wino_s
         if tiles is not None:
             mp.setattr(cpu_conv, "WINOGRAD_TILES", tiles)
             mp.setattr(cpu_conv, "WINOGRAD_DW_NCHW_TILES", 2 * tiles)
+            mp.setattr(cpu_conv, "WINOGRAD_S2_TILES", tiles)
         # the drawn channel counts are small: 1 sends them down the GEMM paths (Winograd,
         # phase planes), the default down im2col; NCHW Winograd at every width
         mp.setattr(cpu_conv, "MIN_GEMM_CHANNELS", min_channels)
@@ -156,6 +157,7 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     reference, and bitwise the same on 1 and 3 threads. The path is asserted, so a change of
     the rules cannot skip it."""
     monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
+    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2", False)      # its own test below
     monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
     monkeypatch.setattr(cpu_conv, "PHASE_DX_TAPS", True)
     monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", True)
@@ -188,9 +190,82 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
         assert part[0].tobytes() == full[0].tobytes() and part[2].tobytes() == full[2].tobytes()
 
 
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("H, W, padding, C, K, bias", [
+    (9, 11, 1, 3, 8, True),         # P odd (a last tile row with one output row), Q even
+    (8, 8, 1, 16, 24, True),        # K: a 16- and an 8-float panel (wide), 3 x 8 (narrow)
+    (12, 10, 0, 5, 72, False),      # unpadded; K past a 64-float panel; no bias
+    (7, 13, 2, 2, 136, True),       # padding 2: whole patch rows of zeros; K = 2 x 64 + 8
+    (10, 10, "same", 3, 16, True),  # uneven "same": nothing above, one row below
+    (3, 3, 1, 4, 8, True),          # one tile an image
+    (5, 4, 3, 3, 8, True),          # padding 3: patches wholly outside the input
+    (9, 9, (0, 2), 3, 8, False),    # different padding per axis; Q odd
+])
+@pytest.mark.parametrize("tiles", [1, 7, 64])
+def test_winograd_s2_at_boundary_shapes(wide, layout, H, W, padding, C, K, bias, tiles,
+                                        monkeypatch):
+    """The 3x3 stride-2 forward by Winograd over input phases (cpu_winograd_s2.py): chunks of
+    one tile row, a few rows, or several whole images (``tiles``); output rows and columns odd
+    (half-empty last tiles); padding 0 to 3 on any side; K past every register panel; both
+    vector widths and layouts. Against the reference with and without bias and ReLU, and
+    bitwise the same on 1 and 3 threads (with the backward, by the other paths, in _check)."""
+    monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
+    rng = np.random.default_rng(H * W + K)
+    N = 3
+    shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, 3, 3)) / 3).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32) if bias else None
+    kwargs = dict(stride=2, padding=padding, dilation=1, layout=layout)
+    geom = nf.validate.conv_geometry("t", x.shape, w.shape, 2, padding, 1, layout)
+    monkeypatch.setattr(cpu_conv, "MIN_GEMM_CHANNELS", 1)
+    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_MIN_CHANNELS", 1)
+    assert cpu_conv.algorithm(geom, "forward") == "winograd_s2"
+    _check(nfs.ConvProblem(x, w, b, kwargs), 3000, groups=4, tiles=tiles, min_channels=1)
+    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_TILES", tiles)
+    y = cpu_conv.conv_forward(x, w, b, geom, relu=False)          # no ReLU: negatives kept
+    want = ref.conv2d(x, w, **kwargs)
+    if bias:
+        want = ref.bias_add(want, b, layout)
+    np.testing.assert_allclose(y, want, **TOL[np.float32])
+    assert (y < 0).any()
+
+
+def test_winograd_s2_only_where_it_fits(monkeypatch):
+    """float64, K not a multiple of 8, other strides, kernels or dilations, the backward
+    passes and the flag off keep the other paths; the transformed taps are G g G^T."""
+    g = nf.validate.conv_geometry
+    monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
+    s2 = g("t", (2, 9, 9, 32), (32, 32, 3, 3), 2, 1, 1, "NHWC")
+    assert cpu_conv.algorithm(s2, "forward") == "winograd_s2"
+    assert cpu_conv.algorithm(s2, "forward", np.float64) == "im2col"
+    assert cpu_conv.algorithm(s2, "dw") != "winograd_s2"
+    assert cpu_conv.algorithm(s2, "dx") == "phase"
+    for other in (g("t", (2, 9, 9, 32), (20, 32, 3, 3), 2, 1, 1, "NHWC"),    # K % 8
+                  g("t", (2, 9, 9, 32), (16, 32, 3, 3), 3, 1, 1, "NHWC"),    # stride 3
+                  g("t", (2, 9, 9, 32), (16, 32, 3, 3), (2, 1), 1, 1, "NHWC"),
+                  g("t", (2, 9, 9, 32), (16, 32, 3, 3), 2, 2, 2, "NHWC"),    # dilated
+                  g("t", (2, 9, 9, 32), (16, 32, 5, 5), 2, 1, 1, "NHWC"),
+                  g("t", (2, 9, 9, 24), (32, 24, 3, 3), 2, 1, 1, "NHWC"),    # C < 32
+                  g("t", (2, 9, 9, 128), (96, 128, 3, 3), 2, 1, 1, "NHWC")):  # U > 1 MiB
+        assert cpu_conv.algorithm(other, "forward") != "winograd_s2"
+    assert cpu_conv.algorithm(g("t", (2, 9, 9, 64), (160, 64, 3, 3), 2, 1, 1, "NHWC"),
+                              "forward") == "winograd_s2"                     # U = 1000 KiB
+    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2", False)
+    assert cpu_conv.algorithm(s2, "forward") == "implicit"
+    # U = G g G^T with G = [1 0 0; 1 0 1; 0 0 1; 0 1 0; 0 1 0], rounded once from float64
+    from numbafuse.kernels.conv import cpu_winograd_s2
+    G = np.array([[1, 0, 0], [1, 0, 1], [0, 0, 1], [0, 1, 0], [0, 1, 0]], np.float64)
+    w = np.random.default_rng(2).standard_normal((24, 5, 3, 3)).astype(np.float32)
+    want = np.einsum("ir,kcrs,js->ijck", G, w.astype(np.float64), G).reshape(25, 5, 24)
+    assert cpu_winograd_s2.taps(w).tobytes() == want.astype(np.float32).tobytes()
+
+
 def test_taps_tiles_only_where_they_fit(monkeypatch):
     """float64, K (forward) or C (dW) not a multiple of 8, NCHW 1x1 and the flags off keep the
     other paths."""
+    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2", False)
     monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
     monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", True)
     monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)

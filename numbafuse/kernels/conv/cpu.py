@@ -75,6 +75,16 @@ IMPLICIT = _gemm_taps.WIDE
 POINTWISE_TAPS = _gemm_taps.WIDE
 PHASE_DX_TAPS = _gemm_taps.WIDE    # ... and the NHWC dX by input phase (all of a phase's taps)
 IMPLICIT_DW = _gemm_taps.WIDE      # ... and the strided dW (C a multiple of 8) over the slabs
+# 3x3 stride-2 float32 forward (K a multiple of 8) by Winograd over input phases, 25 products a
+# 2x2 output tile instead of 36 (cpu_winograd_s2.py), on either tile width: it beat the
+# implicit GEMM (AVX-512) and im2col (AVX2 code) at the stride-2 ResNet shape. Only with at
+# least WINOGRAD_S2_MIN_CHANNELS each side (fewer: the transforms outweigh the GEMMs' saving)
+# and transformed taps (25 C K floats, read by every chunk) of at most WINOGRAD_S2_TAPS_BYTES:
+# at 128 -> 256 channels it tied the implicit GEMM, at 256 -> 512 it took 1.3x its time
+WINOGRAD_S2 = True
+WINOGRAD_S2_TILES = 64    # 2x2 output tiles per chunk (the GEMMs' m)
+WINOGRAD_S2_MIN_CHANNELS = 32
+WINOGRAD_S2_TAPS_BYTES = 1 << 20
 # A backward touching fewer elements (x, gy twice) runs dX and dW at once, each on one thread
 # (cpu_launch.concurrently), instead of one after the other, each split over the threads: at
 # the digits shapes (8x8, 24 channels) a split pass gains what waking a helper costs
@@ -93,6 +103,7 @@ from . import cpu_epilogue as _epi  # noqa: E402
 from ..batchnorm import cpu as _bn_cpu  # noqa: E402
 from . import cpu_implicit as _implicit  # noqa: E402
 from . import cpu_winograd as _wino  # noqa: E402
+from . import cpu_winograd_s2 as _wino_s2  # noqa: E402
 from .cpu_direct import (_phase_dw_tasks, _phase_dx_tasks, _phase_tasks,  # noqa: E402
                          _pointwise_dw_tasks, _pointwise_tasks)
 from .cpu_im2col import (_dw_tasks, _dx_tasks, _forward_tasks, _nchunks,  # noqa: E402
@@ -129,7 +140,7 @@ def _is_pointwise(geom):
 
 def algorithm(geom, pass_="forward", dtype=np.float32):
     """Which kernels run a convolution's ``pass_`` ("forward", "dx" or "dw") on inputs of
-    ``dtype``: "pointwise", "im2col", "implicit", "winograd" or "phase"."""
+    ``dtype``: "pointwise", "im2col", "implicit", "winograd", "winograd_s2" or "phase"."""
     if _is_pointwise(geom):
         return "pointwise"
     if min(geom.C, geom.K) < MIN_GEMM_CHANNELS:
@@ -141,6 +152,10 @@ def algorithm(geom, pass_="forward", dtype=np.float32):
         # NHWC's transforms, for NCHW too (on HWC slabs): they won at every width and channel
         # count measured from 16 up, NCHW's im2col and phase planes included
         return "winograd"
+    if (WINOGRAD_S2 and pass_ == "forward" and _wino_s2.fits(geom, dtype)
+            and min(geom.C, geom.K) >= WINOGRAD_S2_MIN_CHANNELS
+            and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= WINOGRAD_S2_TAPS_BYTES):
+        return "winograd_s2"
     if not nhwc and pass_ != "dx" and min(geom.C, geom.K) < NCHW_IM2COL_CHANNELS:
         return "im2col"
     if geom.sh == geom.sw == 1:
@@ -485,6 +500,11 @@ def conv_forward(x, w, b, geom, relu):
     kind = algorithm(geom, "forward", x.dtype)
     if kind == "winograd":
         _winograd_run(x, x, False, w, False, geom.ph, geom.pw, b, relu, nhwc, blas, y, work)
+    elif kind == "winograd_s2":
+        ipc, tyb, nchunks, most = _winograd_chunks(N, P, Q, True, WINOGRAD_S2_TILES)
+        launch(_wino_s2._s2_tasks, nchunks, x, _wino_s2.taps(w), geom.ph, geom.pw, ipc, tyb,
+               _wino.estride(C * most, 4), _wino.estride(K * most, 4), b, relu, nhwc,
+               _gemm_taps.WIDE, y, work=work, grain=1)
     elif kind == "pointwise":
         wm = w.reshape(K, C)
         mpc, nchunks = _pointwise_chunks(geom, C + K, x.itemsize)
