@@ -21,6 +21,9 @@ Which kernels run (``algorithm``; docs/conv_bias_relu.md has the measurements):
                without them, NCHW's own transforms, for outputs at least
                WINOGRAD_NCHW_MIN_WIDTH wide and NCHW_IM2COL_CHANNELS channels)
                                                                        (cpu_winograd.py)
+    winograd_s2  3x3 stride-2 float32 forward, K % 8 == 0, 32 channels or more each side,
+               transformed taps of at most 1 MiB: Winograd over the input's phases, 25
+               products a 2x2 output tile instead of 36             (cpu_winograd_s2.py)
     phase      everything else: shifted GEMMs over phase planes (forward, dW), dX by input
                phase over one padded copy of the gradient              (cpu_direct.py)
 
@@ -106,15 +109,8 @@ from . import cpu_winograd as _wino  # noqa: E402
 from . import cpu_winograd_s2 as _wino_s2  # noqa: E402
 from .cpu_direct import (_phase_dw_tasks, _phase_dx_tasks, _phase_tasks,  # noqa: E402
                          _pointwise_dw_tasks, _pointwise_tasks)
-from .cpu_im2col import (_dw_tasks, _dx_tasks, _forward_tasks, _nchunks,  # noqa: E402
-                         _phase_weights, _phases, sum_groups)
-
-
-def _balanced(rows, most):
-    """Rows per block: at most ``most``, the blocks of ``rows`` as even as can be (blocks of
-    7, 7 and 2 rows become 6, 6 and 4: a tiny last block runs its GEMMs slowly)."""
-    most = max(1, min(int(most), rows))
-    return -(-rows // -(-rows // most))
+from .cpu_im2col import (_balanced, _dw_tasks, _dx_tasks, _forward_tasks,  # noqa: E402
+                         _nchunks, _phase_weights, _phases, sum_groups, tile_chunks)
 
 
 def _chunking(pixels_per_image, rows, row_pixels, row_bytes, images):
@@ -200,21 +196,6 @@ def _taps(w, k_rows):
 
 # --------------------------------------------------------------------------- Winograd
 
-def _winograd_chunks(N, Ho, Wo, nhwc, tiles=None):
-    """(images per chunk, tile rows per chunk, chunks, most tiles of a chunk) of a Winograd
-    pass over an Ho x Wo output: ~``tiles`` (WINOGRAD_TILES) tiles (NCHW rows of tiles carry
-    one junk tile each), whole images when an image has fewer."""
-    tiles = WINOGRAD_TILES if tiles is None else tiles
-    TY, TX = (Ho + 1) // 2, (Wo + 1) // 2
-    per_row = TX if nhwc else TX + 1
-    if TY * per_row <= tiles:
-        ipc, tyb = _balanced(N, tiles // (TY * per_row)), TY
-    else:
-        ipc, tyb = 1, _balanced(TY, tiles // per_row)
-    most = (ipc * TY if ipc > 1 else tyb) * per_row
-    return ipc, tyb, _nchunks(N, TY, ipc, tyb), most
-
-
 def _winograd_run(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, blas, out, work,
                   epi=_epi.EPI_NONE, dy=None, gz=None, ev=None, affine=False):
     """out = relu?(Winograd 3x3 correlation of src (gated) zero-padded by top/left + bias);
@@ -236,7 +217,7 @@ def _winograd_launch(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, 
     hwc = nhwc or slabs                               # NHWC's transforms and GEMMs
     U = np.empty((16, Ci, Co) if hwc else (16, Co, Ci), src.dtype)    # the GEMMs' orientation
     _wino.winograd_taps(w, flip, hwc, U)
-    ipc, tyb, nchunks, most = _winograd_chunks(N, Ho, Wo, hwc)
+    ipc, tyb, nchunks, most = tile_chunks(N, Ho, Wo, hwc, WINOGRAD_TILES)
     if epi == _epi.EPI_NONE:                          # stand-ins: one compiled signature
         dy, gz, ev, parts, counts = out, out, _NO_VALUES, _NO_PARTS, _NO_COUNTS
     else:
@@ -316,8 +297,8 @@ def _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, blas):
     nhwc = geom.layout == "NHWC"
     slabs = not nhwc and WINOGRAD_NCHW_SLABS
     hwc = nhwc or slabs
-    ipc, tyb, nchunks, most = _winograd_chunks(N, P, Q, hwc,
-                                               None if hwc else WINOGRAD_DW_NCHW_TILES)
+    ipc, tyb, nchunks, most = tile_chunks(N, P, Q, hwc,
+                                          WINOGRAD_TILES if hwc else WINOGRAD_DW_NCHW_TILES)
     groups = min(nchunks, DW_GROUPS)
     D_parts = _out.empty((groups if need_dw else 1, 16, K, C), x.dtype)   # D[e] (K, C)
     db_parts = np.empty((groups, K))                                   # float64
@@ -501,7 +482,7 @@ def conv_forward(x, w, b, geom, relu):
     if kind == "winograd":
         _winograd_run(x, x, False, w, False, geom.ph, geom.pw, b, relu, nhwc, blas, y, work)
     elif kind == "winograd_s2":
-        ipc, tyb, nchunks, most = _winograd_chunks(N, P, Q, True, WINOGRAD_S2_TILES)
+        ipc, tyb, nchunks, most = tile_chunks(N, P, Q, True, WINOGRAD_S2_TILES)
         launch(_wino_s2._s2_tasks, nchunks, x, _wino_s2.taps(w), geom.ph, geom.pw, ipc, tyb,
                _wino.estride(C * most, 4), _wino.estride(K * most, 4), b, relu, nhwc,
                _gemm_taps.WIDE, y, work=work, grain=1)

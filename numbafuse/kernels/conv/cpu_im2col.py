@@ -56,6 +56,27 @@ def _nchunks(N, rows, ipc, rpc):
     return blocks(N, ipc) if ipc > 1 else N * blocks(rows, rpc)
 
 
+def _balanced(rows, most):
+    """Rows per block: at most ``most``, the blocks of ``rows`` as even as can be (blocks of
+    7, 7 and 2 rows become 6, 6 and 4: a tiny last block runs its GEMMs slowly)."""
+    most = max(1, min(int(most), rows))
+    return -(-rows // -(-rows // most))
+
+
+def tile_chunks(N, Ho, Wo, nhwc, tiles):
+    """(images per chunk, tile rows per chunk, chunks, most tiles of a chunk) of a Winograd
+    pass over an Ho x Wo output: ~``tiles`` tiles (NCHW rows of tiles carry
+    one junk tile each), whole images when an image has fewer."""
+    TY, TX = (Ho + 1) // 2, (Wo + 1) // 2
+    per_row = TX if nhwc else TX + 1
+    if TY * per_row <= tiles:
+        ipc, tyb = _balanced(N, tiles // (TY * per_row)), TY
+    else:
+        ipc, tyb = 1, _balanced(TY, tiles // per_row)
+    most = (ipc * TY if ipc > 1 else tyb) * per_row
+    return ipc, tyb, _nchunks(N, TY, ipc, tyb), most
+
+
 # --------------------------------------------------------------------------- gathers
 
 @njit(inline="always")
