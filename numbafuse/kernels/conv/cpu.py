@@ -85,6 +85,7 @@ IMPLICIT_DW = _gemm_taps.WIDE      # ... and the strided dW (C a multiple of 8) 
 # and transformed taps (25 C K floats, read by every chunk) of at most WINOGRAD_S2_TAPS_BYTES:
 # at 128 -> 256 channels it tied the implicit GEMM, at 256 -> 512 it took 1.3x its time
 WINOGRAD_S2 = True
+WINOGRAD_S2_DW = True     # ... and its dW (C a multiple of 8), from the same transformed input
 WINOGRAD_S2_TILES = 64    # 2x2 output tiles per chunk (the GEMMs' m)
 WINOGRAD_S2_MIN_CHANNELS = 32
 WINOGRAD_S2_TAPS_BYTES = 1 << 20
@@ -148,7 +149,8 @@ def algorithm(geom, pass_="forward", dtype=np.float32):
         # NHWC's transforms, for NCHW too (on HWC slabs): they won at every width and channel
         # count measured from 16 up, NCHW's im2col and phase planes included
         return "winograd"
-    if (WINOGRAD_S2 and pass_ == "forward" and _wino_s2.fits(geom, dtype)
+    if ((WINOGRAD_S2 if pass_ == "forward" else WINOGRAD_S2_DW if pass_ == "dw" else False)
+            and _wino_s2.fits(geom, dtype, pass_)
             and min(geom.C, geom.K) >= WINOGRAD_S2_MIN_CHANNELS
             and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= WINOGRAD_S2_TAPS_BYTES):
         return "winograd_s2"
@@ -482,10 +484,7 @@ def conv_forward(x, w, b, geom, relu):
     if kind == "winograd":
         _winograd_run(x, x, False, w, False, geom.ph, geom.pw, b, relu, nhwc, blas, y, work)
     elif kind == "winograd_s2":
-        ipc, tyb, nchunks, most = tile_chunks(N, P, Q, True, WINOGRAD_S2_TILES)
-        launch(_wino_s2._s2_tasks, nchunks, x, _wino_s2.taps(w), geom.ph, geom.pw, ipc, tyb,
-               _wino.estride(C * most, 4), _wino.estride(K * most, 4), b, relu, nhwc,
-               _gemm_taps.WIDE, y, work=work, grain=1)
+        _wino_s2.forward(x, w, b, geom, relu, y, WINOGRAD_S2_TILES, _gemm_taps.WIDE, work)
     elif kind == "pointwise":
         wm = w.reshape(K, C)
         mpc, nchunks = _pointwise_chunks(geom, C + K, x.itemsize)
@@ -546,7 +545,12 @@ def _implicit_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
     return np.ascontiguousarray(dwm.reshape(R, S, K, C).transpose(2, 3, 0, 1)), db_parts
 
 
-_DW = {"winograd": _winograd_dw, "phase": _phase_dw, "pointwise": _pointwise_dw,
+def _winograd_s2_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
+    return _wino_s2.dw(x, gy, y, use_mask, geom, need_dw, WINOGRAD_S2_TILES, DW_GROUPS,
+                       _gemm_taps.WIDE, work)
+
+
+_DW = {"winograd": _winograd_dw, "winograd_s2": _winograd_s2_dw, "phase": _phase_dw, "pointwise": _pointwise_dw,
        "im2col": _im2col_dw, "implicit": _implicit_dw}
 
 

@@ -34,22 +34,55 @@ import numpy as np
 from numba import njit
 
 from .. import cpu_gemm_taps as _tiles
-from ..cpu_launch import task_kernel
+from ..cpu_buffers import output_cache as _out
+from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
-from ..scalar import cpu_scalar, relu as _relu_math
-from .cpu_im2col import _chunk
-from .cpu_winograd import _comb, _hwc_slab
+from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
+from .cpu_im2col import _chunk, _sum64, sum_groups, tile_chunks
+from .cpu_winograd import _comb, _hwc_slab, estride
 
 _relu = cpu_scalar(_relu_math)
+_relu_grad = cpu_scalar(_relu_grad_math)
 
 POSITIONS = 25
 
 
-def fits(geom, dtype):
-    """Whether this module computes the forward of ``geom`` on inputs of ``dtype``: 3x3,
-    stride 2, no dilation, float32, K a multiple of 8 (the register tiles' columns)."""
+def fits(geom, dtype, pass_="forward"):
+    """Whether this module computes ``pass_`` ("forward" or "dw") of ``geom`` on inputs of
+    ``dtype``: 3x3, stride 2, no dilation, float32, and the register tiles' columns (K
+    forward, C for dW) a multiple of 8."""
     return (geom.R == geom.S == 3 and geom.sh == geom.sw == 2 and geom.dh == geom.dw == 1
-            and np.dtype(dtype) == np.float32 and geom.K % 8 == 0)
+            and np.dtype(dtype) == np.float32
+            and (geom.K if pass_ == "forward" else geom.C) % 8 == 0)
+
+
+def forward(x, w, b, geom, relu, y, tiles, wide, work):
+    """y <- relu?(conv(x, w) + b) (b: zeros for none) by ``_s2_tasks`` in chunks of
+    ~``tiles`` tiles; ``wide``: 16-float register tiles."""
+    N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
+    ipc, tyb, nchunks, most = tile_chunks(N, P, Q, True, tiles)
+    launch(_s2_tasks, nchunks, x, taps(w), geom.ph, geom.pw, ipc, tyb, estride(C * most, 4),
+           estride(K * most, 4), b, relu, geom.layout == "NHWC", wide, y, work=work, grain=1)
+
+
+def dw(x, gy, y, use_mask, geom, need_dw, tiles, groups, wide, work):
+    """(dw or None, db_parts (groups, K) float64) of g = gy (* (y > 0) where ``use_mask``) by
+    ``_s2_dw_tasks``: chunks of ~``tiles`` tiles in at most ``groups`` fixed groups, each
+    with its own partials, summed in group order (float64), then dw = G^T D G."""
+    N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
+    ipc, tyb, nchunks, most = tile_chunks(N, P, Q, True, tiles)
+    groups = min(nchunks, groups)
+    D_parts = _out.empty((groups if need_dw else 1, POSITIONS, K, C), x.dtype)
+    db_parts = np.empty((groups, K))
+    launch(_s2_dw_tasks, groups, x, gy, y, use_mask, geom.ph, geom.pw, ipc, tyb,
+           estride(C * most, 4), nchunks, groups, need_dw, geom.layout == "NHWC", wide,
+           D_parts, db_parts, work=work, grain=1)
+    if not need_dw:
+        return None, db_parts
+    planes = np.empty((9, K * C))
+    _taps_grad(sum_groups(D_parts, np.float64).reshape(POSITIONS, K * C), planes)
+    return np.ascontiguousarray(planes.reshape(3, 3, K, C).transpose(2, 3, 0, 1),
+                                x.dtype), db_parts
 
 
 # the taps' transform G (5, 3): which rows (columns) of a 3x3 filter each transformed row
@@ -65,6 +98,21 @@ def taps(w):
     _taps(np.ascontiguousarray(w.transpose(2, 3, 1, 0)).reshape(9, C * K),
           out.reshape(POSITIONS, C * K))
     return out
+
+
+@njit(cache=True)
+def _taps_grad(D, out):
+    # out[3r + s] = sum of D[5i + j] over G[i, r] = G[j, s] = 1 (the adjoint of _taps), float64
+    for r in range(3):
+        for s in range(3):
+            o = out[3 * r + s]
+            o[:] = 0.0
+            for i in range(5):
+                for j in range(5):
+                    if _G[i, r] and _G[j, s]:
+                        d = D[5 * i + j]
+                        for q in range(o.shape[0]):
+                            o[q] += d[q]
 
 
 @njit(cache=True)
@@ -231,3 +279,141 @@ def _s2_tasks(t0, t1, x, U, top, left, ipc, tyb, vs, ms, bias, relu, nhwc, wide,
                 transpose(ys[:np_ * Q * K].reshape((np_ * Q, K)),
                           y[n].reshape((K, P * Q))[:, p0 * Q:(p0 + np_) * Q])
 
+
+
+# --------------------------------------------------------------------------- dW
+
+# dM = A dY A^T of a tile's 2x2 gradient dY: along each axis, positions 0 and 3 take dY's
+# first row (column), 2 and 4 its second, 1 their sum; so 9 distinct matrices, one per pair
+# of classes (0: first, 1: sum, 2: second), kept as (K, T) in dm[_CLASS[class_row,
+# class_col]]: 0-3 the gradient's four pixel classes (2a + b), 4-8 their sums
+_AXIS = np.array([0, 1, 2, 0, 2], np.int64)
+_CLASS = np.array([[0, 4, 1], [6, 8, 7], [2, 5, 3]], np.int64)
+
+
+@njit(inline="always")
+def _grad_s2(gy, y, use_mask, n, p0, TX, G4, t0, db):
+    # G4: (4, *) <- G4[2a + b][(t0 + tx)*K + k] = g[n, p0 + a, 2tx + b, k] (0 outside the
+    # output) of the TX tiles of output rows p0, p0 + 1 of image n of g = gy * (y > 0) (HWC);
+    # db (K,) float64 += g, pixel by pixel (a fixed order)
+    P, Q, K = gy.shape[1], gy.shape[2], gy.shape[3]
+    for a in range(2):
+        p = p0 + a
+        for j in range(2 * TX):
+            o = (t0 + j // 2) * K
+            dst = G4[2 * a + j % 2, o:o + K]                      # (K,)
+            if p >= P or j >= Q:
+                for k in range(K):
+                    dst[k] = 0
+                continue
+            gyr, yr = gy[n, p, j], y[n, p, j]                     # (K,) each
+            for k in range(K):
+                v = _relu_grad(gyr[k], yr[k]) if use_mask else gyr[k]
+                dst[k] = v
+                db[k] += v
+
+
+@njit(inline="always")
+def _grad_s2_chw(gy, y, use_mask, n, p0, nr, TX, dm, T, t0, db):
+    # dm: (9, *) <- dm[2a + b][k*T + t0 + r*TX + tx] = g[n, k, p0 + 2r + a, 2tx + b] (0
+    # outside the output) of the nr tile rows from output row p0 of image n of g = gy * (y >
+    # 0) (CHW), straight into the (K, T) layout of the GEMMs; db (K,) float64 += g, per
+    # channel: the sums of its four pixel classes (a fixed order)
+    K, P, Q = gy.shape[1], gy.shape[2], gy.shape[3]
+    m = nr * TX
+    for k in range(K):                # indices, not views: a view per row cost ~1 ms a pass
+        gk, yk = gy[n, k], y[n, k]                                # (P, Q) each
+        base = k * T + t0
+        for pl in range(2 * nr):
+            a, p = pl % 2, p0 + pl
+            o = base + (pl // 2) * TX
+            if p >= P:
+                for tx in range(TX):
+                    dm[2 * a, o + tx] = 0
+                    dm[2 * a + 1, o + tx] = 0
+                continue
+            for tx in range(Q // 2):
+                ve, vo = gk[p, 2 * tx], gk[p, 2 * tx + 1]
+                if use_mask:
+                    ve, vo = _relu_grad(ve, yk[p, 2 * tx]), _relu_grad(vo, yk[p, 2 * tx + 1])
+                dm[2 * a, o + tx] = ve
+                dm[2 * a + 1, o + tx] = vo
+            if Q % 2:
+                v = gk[p, Q - 1]
+                dm[2 * a, o + TX - 1] = _relu_grad(v, yk[p, Q - 1]) if use_mask else v
+                dm[2 * a + 1, o + TX - 1] = 0
+        db[k] += (_sum64(dm[0, base:base + m]) + _sum64(dm[1, base:base + m])
+                  + _sum64(dm[2, base:base + m]) + _sum64(dm[3, base:base + m]))
+
+
+@task_kernel
+def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, nchunks, groups,
+                 need_dw, nhwc, wide, D_parts, db_parts):
+    # x: (N, H, W, C) | (N, C, H, W); gy, y: (N, P, Q, K) | (N, K, P, Q); D_parts: (groups,
+    # 25, K, C) <- each group's D[e] = sum over its chunks of dM[e]^T (K, T) @ V[e] (T, C);
+    # db_parts: (groups, K) float64 <- its sums of g. Chunks as _s2_tasks' (tiles of the
+    # output); vs: estride of V. NCHW: the chunk's rows of x transposed to HWC first, g read
+    # straight into dM's (K, T) layout
+    if nhwc:
+        N, P, Q, K = gy.shape
+        W, C = x.shape[2], x.shape[3]
+    else:
+        N, K, P, Q = gy.shape
+        C, W = x.shape[1], x.shape[3]
+    TY, TX = (P + 1) // 2, (Q + 1) // 2
+    L = TX + 1
+    rows = TY if ipc > 1 else tyb
+    most = ipc * rows * TX                            # tiles of a chunk, at most
+    V = np.empty((25, vs if need_dw else 1), np.float32)
+    R = np.empty((4 * rows + 1 if need_dw else 1, 4, L * C), np.float32)
+    tv = np.empty((2, 4, L * C), np.float32)
+    G4 = np.empty((4, most * K if nhwc else 0), np.float32)   # g by pixel class, (T, K)
+    dm = np.empty((9, K * most), np.float32)          # dM's 9 matrices, (K, T) each
+    vrows = np.empty(most, np.int64)
+    xs = np.empty(0 if nhwc or not need_dw else (4 * rows + 1) * W * C, np.float32)
+    _tiles.dense_rows(vrows, np.int64(V.ctypes.data), most, C)
+    dmp = np.int64(dm.ctypes.data)
+    for grp in range(t0, t1):
+        dbp = db_parts[grp]                                       # (K,)
+        dbp[:] = 0.0
+        beta = 0
+        for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
+            n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
+            nr = ty1 - ty0
+            T = (n1 - n0) * nr * TX
+            for n in range(n0, n1):
+                if nhwc:
+                    for r in range(nr):
+                        _grad_s2(gy, y, use_mask, n, 2 * (ty0 + r), TX, G4,
+                                 ((n - n0) * nr + r) * TX, dbp)
+                else:                                     # straight into dm's (K, T)
+                    _grad_s2_chw(gy, y, use_mask, n, 2 * ty0, nr, TX, dm, T,
+                                 (n - n0) * nr * TX, dbp)
+            if not need_dw:
+                continue
+            if nhwc:
+                for c in range(4):
+                    transpose(G4[c, :T * K].reshape((T, K)), dm[c, :K * T].reshape((K, T)))
+            kt = K * T
+            _comb(dm[0, :kt], dm[1, :kt], 1, dm[4, :kt])
+            _comb(dm[2, :kt], dm[3, :kt], 1, dm[5, :kt])
+            _comb(dm[0, :kt], dm[2, :kt], 1, dm[6, :kt])
+            _comb(dm[1, :kt], dm[3, :kt], 1, dm[7, :kt])
+            _comb(dm[4, :kt], dm[5, :kt], 1, dm[8, :kt])
+            u0 = 4 * ty0 - top
+            for n in range(n0, n1):
+                if nhwc:
+                    _rows_mod4(x, n, u0, 4 * nr + 1, left, L, R)
+                else:
+                    sv, _ = _hwc_slab(x, x, False, n, u0, 4 * nr + 1, xs, xs)
+                    _rows_mod4(sv, 0, u0 - max(0, u0), 4 * nr + 1, left, L, R)
+                for r in range(nr):
+                    _in_s2(R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
+            for e in range(25):
+                cls = _CLASS[_AXIS[e // 5], _AXIS[e % 5]]
+                _tiles.gemm_gather(np.int64(K), np.int64(C), np.int64(T),
+                                   dmp + 4 * cls * dm.shape[1], np.int64(T),
+                                   np.int64(vrows.ctypes.data), np.int64(e) * vs,
+                                   np.int64(D_parts[grp, e].ctypes.data), np.int64(C),
+                                   np.int64(beta), np.int64(1 if wide else 0))
+            beta = 1
