@@ -550,8 +550,8 @@ def _winograd_s2_dw(x, gy, y, use_mask, geom, need_dw, blas, work):
                        _gemm_taps.WIDE, work)
 
 
-_DW = {"winograd": _winograd_dw, "winograd_s2": _winograd_s2_dw, "phase": _phase_dw, "pointwise": _pointwise_dw,
-       "im2col": _im2col_dw, "implicit": _implicit_dw}
+_DW = {"winograd": _winograd_dw, "winograd_s2": _winograd_s2_dw, "phase": _phase_dw,
+       "pointwise": _pointwise_dw, "im2col": _im2col_dw, "implicit": _implicit_dw}
 
 
 def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
