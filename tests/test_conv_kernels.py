@@ -159,6 +159,7 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
     monkeypatch.setattr(cpu_conv, "WINOGRAD_S2", False)      # its own test below
     monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DW", False)
+    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DX", False)
     monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
     monkeypatch.setattr(cpu_conv, "PHASE_DX_TAPS", True)
     monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", True)
@@ -200,19 +201,23 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     (7, 13, 2, 8, 136, True),       # padding 2: whole patch rows of zeros; K = 2 x 64 + 8
     (10, 10, "same", 16, 16, True),  # uneven "same": nothing above, one row below
     (3, 3, 1, 8, 8, True),          # one tile an image
-    (5, 4, 3, 3, 8, True),          # padding 3: patches wholly outside the input
+    (5, 4, 3, 8, 8, True),          # padding 3: patches wholly outside the input
     (9, 9, (0, 2), 24, 8, False),   # different padding per axis; Q odd; dW's C past a panel
-    (6, 7, 1, 72, 8, True),         # dW: C = 64 + 8 (two panels)
+    (6, 7, 1, 72, 8, True),         # dX and dW: C = 64 + 8 (two panels)
+    (11, 9, (2, 1), 16, 16, True),  # dX: padding even above, odd on the left ...
+    (9, 14, (1, 2), 8, 24, True),   # ... and the other way round
 ])
 @pytest.mark.parametrize("tiles", [1, 7, 64])
 def test_winograd_s2_at_boundary_shapes(wide, layout, H, W, padding, C, K, bias, tiles,
                                         monkeypatch):
-    """The 3x3 stride-2 forward and dW by Winograd over input phases (cpu_winograd_s2.py):
-    chunks of one tile row, a few rows, or several whole images (``tiles``) in 4 groups;
-    output rows and columns odd (half-empty last tiles); padding 0 to 3 on any side; K
-    (forward) and C (dW) past every register panel; both vector widths and layouts. Against
-    the reference with and without bias and ReLU (dW and db from g = gy, and db alone), and
-    bitwise the same on 1 and 3 threads (in _check)."""
+    """The 3x3 stride-2 forward, dX and dW by Winograd over input phases
+    (cpu_winograd_s2.py, cpu_winograd_s2dx.py): chunks of one tile (block) row, a few rows,
+    or several whole images (``tiles``), dW's in 4 groups; output rows and columns odd
+    (half-empty last tiles), dx sizes past every 4x4 block boundary; padding 0 to 3, of
+    either parity on each axis (the dX's two block forms); K (forward) and C (dX, dW) past
+    every register panel; both vector widths and layouts. Against the reference with and
+    without bias and ReLU (dX, dW and db from g = gy, and db alone), and bitwise the same on 1
+    and 3 threads (in _check)."""
     monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
     rng = np.random.default_rng(H * W + K)
     N = 3
@@ -226,6 +231,7 @@ def test_winograd_s2_at_boundary_shapes(wide, layout, H, W, padding, C, K, bias,
     monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_MIN_CHANNELS", 1)
     assert cpu_conv.algorithm(geom, "forward") == "winograd_s2"
     assert (cpu_conv.algorithm(geom, "dw") == "winograd_s2") == (C % 8 == 0)
+    assert (cpu_conv.algorithm(geom, "dx") == "winograd_s2") == (C % 8 == 0)
     _check(nfs.ConvProblem(x, w, b, kwargs), 3000, groups=4, tiles=tiles, min_channels=1)
     monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_TILES", tiles)
     monkeypatch.setattr(cpu_conv, "DW_GROUPS", 4)
@@ -238,6 +244,7 @@ def test_winograd_s2_at_boundary_shapes(wide, layout, H, W, padding, C, K, bias,
     gy = rng.standard_normal(y.shape).astype(np.float32)
     dx, dw, db = cpu_conv.conv_backward(gy, x, w, geom)           # no mask: g = gy
     rdx, rdw = ref.conv2d_backward(gy, x, w, **kwargs)
+    np.testing.assert_allclose(dx, rdx, **TOL[np.float32])
     np.testing.assert_allclose(dw, rdw, **TOL[np.float32])
     np.testing.assert_allclose(db, gy.sum(axis=(0, 2, 3) if layout == "NCHW" else (0, 1, 2)),
                                **TOL[np.float32])
@@ -253,12 +260,14 @@ def test_winograd_s2_only_where_it_fits(monkeypatch):
     s2 = g("t", (2, 9, 9, 32), (32, 32, 3, 3), 2, 1, 1, "NHWC")
     assert cpu_conv.algorithm(s2, "forward") == "winograd_s2"
     assert cpu_conv.algorithm(s2, "dw") == "winograd_s2"
+    assert cpu_conv.algorithm(s2, "dx") == "winograd_s2"
     for pass_ in ("forward", "dw"):
         assert cpu_conv.algorithm(s2, pass_, np.float64) == "im2col"
-    assert cpu_conv.algorithm(s2, "dx") == "phase"
+    assert cpu_conv.algorithm(s2, "dx", np.float64) == "phase"
     odd_c = g("t", (2, 9, 9, 36), (32, 36, 3, 3), 2, 1, 1, "NHWC")             # C % 8
     assert cpu_conv.algorithm(odd_c, "forward") == "winograd_s2"
     assert cpu_conv.algorithm(odd_c, "dw") != "winograd_s2"
+    assert cpu_conv.algorithm(odd_c, "dx") != "winograd_s2"
     for other in (g("t", (2, 9, 9, 32), (20, 32, 3, 3), 2, 1, 1, "NHWC"),    # K % 8
                   g("t", (2, 9, 9, 32), (16, 32, 3, 3), 3, 1, 1, "NHWC"),    # stride 3
                   g("t", (2, 9, 9, 32), (16, 32, 3, 3), (2, 1), 1, 1, "NHWC"),
@@ -271,8 +280,10 @@ def test_winograd_s2_only_where_it_fits(monkeypatch):
                               "forward") == "winograd_s2"                     # U = 1000 KiB
     monkeypatch.setattr(cpu_conv, "WINOGRAD_S2", False)
     monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DW", False)
+    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DX", False)
     assert cpu_conv.algorithm(s2, "forward") == "implicit"
     assert cpu_conv.algorithm(s2, "dw") == "implicit"
+    assert cpu_conv.algorithm(s2, "dx") == "phase"
     # U = G g G^T with G = [1 0 0; 1 0 1; 0 0 1; 0 1 0; 0 1 0], rounded once from float64
     from numbafuse.kernels.conv import cpu_winograd_s2
     G = np.array([[1, 0, 0], [1, 0, 1], [0, 0, 1], [0, 1, 0], [0, 1, 0]], np.float64)
@@ -286,6 +297,7 @@ def test_taps_tiles_only_where_they_fit(monkeypatch):
     other paths."""
     monkeypatch.setattr(cpu_conv, "WINOGRAD_S2", False)
     monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DW", False)
+    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DX", False)
     monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
     monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", True)
     monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)

@@ -86,6 +86,7 @@ IMPLICIT_DW = _gemm_taps.WIDE      # ... and the strided dW (C a multiple of 8) 
 # at 128 -> 256 channels it tied the implicit GEMM, at 256 -> 512 it took 1.3x its time
 WINOGRAD_S2 = True
 WINOGRAD_S2_DW = True     # ... and its dW (C a multiple of 8), from the same transformed input
+WINOGRAD_S2_DX = True     # ... and its dX (C a multiple of 8): 4x4 blocks of dx, no overlaps
 WINOGRAD_S2_TILES = 64    # 2x2 output tiles per chunk (the GEMMs' m)
 WINOGRAD_S2_MIN_CHANNELS = 32
 WINOGRAD_S2_TAPS_BYTES = 1 << 20
@@ -108,6 +109,7 @@ from ..batchnorm import cpu as _bn_cpu  # noqa: E402
 from . import cpu_implicit as _implicit  # noqa: E402
 from . import cpu_winograd as _wino  # noqa: E402
 from . import cpu_winograd_s2 as _wino_s2  # noqa: E402
+from . import cpu_winograd_s2dx as _wino_s2dx  # noqa: E402
 from .cpu_direct import (_phase_dw_tasks, _phase_dx_tasks, _phase_tasks,  # noqa: E402
                          _pointwise_dw_tasks, _pointwise_tasks)
 from .cpu_im2col import (_balanced, _dw_tasks, _dx_tasks, _forward_tasks,  # noqa: E402
@@ -149,7 +151,7 @@ def algorithm(geom, pass_="forward", dtype=np.float32):
         # NHWC's transforms, for NCHW too (on HWC slabs): they won at every width and channel
         # count measured from 16 up, NCHW's im2col and phase planes included
         return "winograd"
-    if ((WINOGRAD_S2 if pass_ == "forward" else WINOGRAD_S2_DW if pass_ == "dw" else False)
+    if ({"forward": WINOGRAD_S2, "dx": WINOGRAD_S2_DX, "dw": WINOGRAD_S2_DW}[pass_]
             and _wino_s2.fits(geom, dtype, pass_)
             and min(geom.C, geom.K) >= WINOGRAD_S2_MIN_CHANNELS
             and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= WINOGRAD_S2_TAPS_BYTES):
@@ -609,6 +611,8 @@ def _conv_dx(gy, y, use_mask, w, geom, blas, work):
     kind = algorithm(geom, "dx")
     if kind == "winograd":
         _winograd_run(*_winograd_dx_args(gy, y, use_mask, w, geom, blas, dx), work)
+    elif kind == "winograd_s2":
+        _wino_s2dx.dx(gy, y, use_mask, w, geom, dx, WINOGRAD_S2_TILES, _gemm_taps.WIDE, work)
     elif kind == "pointwise":
         wm = w.reshape(K, C)                                           # dx = g @ w | w^T @ g
         mpc, nchunks = _pointwise_chunks(geom, C + K, gy.itemsize)

@@ -65,10 +65,14 @@ def _balanced(rows, most):
 
 def tile_chunks(N, Ho, Wo, nhwc, tiles):
     """(images per chunk, tile rows per chunk, chunks, most tiles of a chunk) of a Winograd
-    pass over an Ho x Wo output: ~``tiles`` tiles (NCHW rows of tiles carry
+    pass over an Ho x Wo output in 2x2 tiles: ~``tiles`` tiles (NCHW rows of tiles carry
     one junk tile each), whole images when an image has fewer."""
     TY, TX = (Ho + 1) // 2, (Wo + 1) // 2
-    per_row = TX if nhwc else TX + 1
+    return block_chunks(N, TY, TX if nhwc else TX + 1, tiles)
+
+
+def block_chunks(N, TY, per_row, tiles):
+    """tile_chunks of TY rows of ``per_row`` tiles (blocks) an image."""
     if TY * per_row <= tiles:
         ipc, tyb = _balanced(N, tiles // (TY * per_row)), TY
     else:

@@ -48,9 +48,9 @@ POSITIONS = 25
 
 
 def fits(geom, dtype, pass_="forward"):
-    """Whether this module computes ``pass_`` ("forward" or "dw") of ``geom`` on inputs of
-    ``dtype``: 3x3, stride 2, no dilation, float32, and the register tiles' columns (K
-    forward, C for dW) a multiple of 8."""
+    """Whether this module (or ``cpu_winograd_s2dx``) computes ``pass_`` ("forward", "dx" or
+    "dw") of ``geom`` on inputs of ``dtype``: 3x3, stride 2, no dilation, float32, and the
+    register tiles' columns (K forward, C for dX and dW) a multiple of 8."""
     return (geom.R == geom.S == 3 and geom.sh == geom.sw == 2 and geom.dh == geom.dw == 1
             and np.dtype(dtype) == np.float32
             and (geom.K if pass_ == "forward" else geom.C) % 8 == 0)
@@ -90,12 +90,13 @@ def dw(x, gy, y, use_mask, geom, need_dw, tiles, groups, wide, work):
 _G = np.array([[1, 0, 0], [1, 0, 1], [0, 0, 1], [0, 1, 0], [0, 1, 0]], np.int64)
 
 
-def taps(w):
+def taps(w, G=_G):
     """U (25, C, K) float32 = G g G^T of every filter pair g = w[k, c] of w (K, C, 3, 3): each
-    entry a sum of up to four taps, formed in float64 and rounded once."""
+    entry a sum of up to four taps, formed in float64 and rounded once. (The dX passes the
+    transposed taps, w.transpose(1, 0, 2, 3), and its own G.)"""
     K, C = w.shape[0], w.shape[1]
     out = np.empty((POSITIONS, C, K), np.float32)
-    _taps(np.ascontiguousarray(w.transpose(2, 3, 1, 0)).reshape(9, C * K),
+    _taps(np.ascontiguousarray(w.transpose(2, 3, 1, 0)).reshape(9, C * K), G,
           out.reshape(POSITIONS, C * K))
     return out
 
@@ -116,7 +117,7 @@ def _taps_grad(D, out):
 
 
 @njit(cache=True)
-def _taps(planes, out):
+def _taps(planes, G, out):
     # out[5i + j] = sum of planes[3r + s] over G[i, r] = G[j, s] = 1 (planes: w[:, :, r, s].T)
     acc = np.empty(planes.shape[1])
     for i in range(5):
@@ -124,7 +125,7 @@ def _taps(planes, out):
             acc[:] = 0.0
             for r in range(3):
                 for s in range(3):
-                    if _G[i, r] and _G[j, s]:
+                    if G[i, r] and G[j, s]:
                         p = planes[3 * r + s]
                         for q in range(acc.shape[0]):
                             acc[q] += p[q]

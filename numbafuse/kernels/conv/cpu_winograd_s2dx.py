@@ -1,0 +1,218 @@
+r"""Winograd dX of 3x3 stride-2 convolutions: 25 products a 4x4 block of dx instead of 36.
+
+Along one axis, dx at a padded position u reads g through tap r where u = 2p + r: an even u
+two taps (w0 from g[u/2], w2 from g[u/2 - 1]), an odd u one (w1 from g[(u-1)/2]). Four dx
+values from an even u read three g values a, b, c (consecutive) as
+
+    x0 = b w0 + a w2   x1 = b w1   x2 = c w0 + b w2   x3 = c w1
+
+where x0 and x2 are a stride-1 correlation of (a, b, c) with two taps, Winograd F(2, 2):
+
+    m0 = (a - b) w2   m1 = b (w0 + w2)   m2 = (c - b) w0   m3 = b w1   m4 = c w1
+    x0 = m0 + m1      x1 = m3            x2 = m1 + m2      x3 = m4
+
+and four from an odd u the same products with m3 = a w1, m4 = b w1 and the outputs in the
+order (m3, m0 + m1, m4, m1 + m2). 5 products for 4 values instead of 6. The blocks start at
+dx row (column) 0, 4, 8, ... whatever the padding: its parity picks the form, so no block
+is wasted on the padding. In 2-d a 4x4 block of dx comes from the 3x3 patch of g above it
+with a GEMM per position e of the 25, M[e] (T, C) = V[e] (T, K) @ U[e] (K, C). Blocks never
+overlap (their patches do, by a row and a column, read only), so every dx element is written
+by one task, with no sums between chunks. The taps' transform, the same for both forms, is
+the forward's G with rows 0 and 2 swapped (``G_DX``), applied to the transposed taps.
+
+Layout as the forward (``cpu_winograd_s2``): g's rows split by column parity from the first
+column a block reads, ``R[v, 0][j*K + k] = g[v, 2j + c0, k]`` and ``R[v, 1][j*K + k] = g[v,
+2j + c0 + 1, k]`` (a = R0[j], b = R1[j], c = R0[j + 1]), gated by y > 0 on the way; NCHW
+through HWC slabs of the chunk's rows of gy and y, its dx rows transposed back.
+"""
+import numpy as np
+from numba import njit
+
+from .. import cpu_gemm_taps as _tiles
+from ..cpu_launch import launch, task_kernel
+from ..cpu_transpose import transpose
+from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
+from .cpu_im2col import _chunk, block_chunks
+from .cpu_winograd import _comb, _hwc_slab, estride
+from .cpu_winograd_s2 import taps
+
+_relu_grad = cpu_scalar(_relu_grad_math)
+
+# which taps each transformed position sums (per axis): w2, w0 + w2, w0, w1, w1
+G_DX = np.array([[0, 0, 1], [1, 0, 1], [1, 0, 0], [0, 1, 0], [0, 1, 0]], np.int64)
+
+
+def dx(gy, y, use_mask, w, geom, out, tiles, wide, work):
+    """out (dx) <- the dX of g = gy (* (y > 0) where ``use_mask``) by ``_s2_dx_tasks``, in
+    chunks of ~``tiles`` 4x4 blocks; ``wide``: 16-float register tiles."""
+    N, C, K, H, W = geom.N, geom.C, geom.K, geom.H, geom.W
+    ipc, ib, nchunks, most = block_chunks(N, -(-H // 4), -(-W // 4), tiles)
+    launch(_s2_dx_tasks, nchunks, gy, y, use_mask, taps(w.transpose(1, 0, 2, 3), G_DX),
+           geom.ph, geom.pw, ipc, ib, estride(K * most, 4), estride(C * most, 4),
+           geom.layout == "NHWC", wide, out, work=work, grain=1)
+
+
+@njit(inline="always")
+def _rows_g(src, gate, use_gate, n, u0, nu, c0, L, R):
+    # R: (nu, 2, L*K) <- R[v, b][j*K + k] = g[u0 + v, 2j + c0 + b, k] of image n of g = src
+    # (* (gate > 0)) (HWC), zero outside
+    Ps, Qs, K = src.shape[1], src.shape[2], src.shape[3]
+    for v in range(nu):
+        p = u0 + v
+        for j in range(L):
+            for b in range(2):
+                q = 2 * j + c0 + b
+                dst = R[v, b, j * K:(j + 1) * K]                  # (K,)
+                if p < 0 or p >= Ps or q < 0 or q >= Qs:
+                    for k in range(K):
+                        dst[k] = 0
+                elif use_gate:
+                    sv, gv = src[n, p, q], gate[n, p, q]
+                    for k in range(K):
+                        dst[k] = _relu_grad(sv[k], gv[k])
+                else:
+                    sv = src[n, p, q]
+                    for k in range(K):
+                        dst[k] = sv[k]
+
+
+@njit(inline="always")
+def _in_row(S, m, K, odd, V, xi, base):
+    # V[5*xi + nu][base:base + m] <- the column transform of one transformed row S (2, L*K):
+    # a = S[0][j], b = S[1][j], c = S[0][j + 1]; positions 3, 4: (b, c), or (a, b) if odd
+    e = 5 * xi
+    a, b, c = S[0, :m], S[1, :m], S[0, K:K + m]
+    _comb(a, b, -1, V[e, base:base + m])
+    _comb(b, b, 0, V[e + 1, base:base + m])
+    _comb(c, b, -1, V[e + 2, base:base + m])
+    _comb(a if odd else b, b, 0, V[e + 3, base:base + m])
+    _comb(b if odd else c, b, 0, V[e + 4, base:base + m])
+
+
+@njit(inline="always")
+def _in_dx(R, v, IX, K, oddh, oddw, tv, V, t0):
+    # V[e][t0 + j, :] (rows of K) <- the transformed 3x3 patches of the IX blocks of one block
+    # row, whose g rows are R[v], R[v + 1], R[v + 2] (a, b, c); tv: (2, 2, L*K) scratch
+    n = R.shape[2]
+    for cl in range(2):
+        _comb(R[v, cl, :n], R[v + 1, cl, :n], -1, tv[0, cl, :n])
+        _comb(R[v + 2, cl, :n], R[v + 1, cl, :n], -1, tv[1, cl, :n])
+    m = IX * K
+    base = t0 * K
+    _in_row(tv[0], m, K, oddw, V, 0, base)
+    _in_row(R[v + 1], m, K, oddw, V, 1, base)
+    _in_row(tv[1], m, K, oddw, V, 2, base)
+    _in_row(R[v] if oddh else R[v + 1], m, K, oddw, V, 3, base)
+    _in_row(R[v + 1] if oddh else R[v + 2], m, K, oddw, V, 4, base)
+
+
+@njit(inline="always")
+def _out_dx(M, t0, IX, h0, oddh, oddw, s, xn):
+    # xn: (rows, W, C) <- the 4x4 blocks of the IX blocks t0 ... of one block row (rows of C
+    # in M[e]): rows h0 + a (a < 4), columns 4j + b, those inside xn; s: (10, IX*C) scratch,
+    # s[nu] = M[0, nu] + M[1, nu], s[5 + nu] = M[1, nu] + M[2, nu]
+    Hs, W, C = xn.shape
+    m = IX * C
+    base = t0 * C
+    for nu in range(5):
+        m0, m1, m2 = M[nu, base:base + m], M[5 + nu, base:base + m], M[10 + nu, base:base + m]
+        s0, s1 = s[nu, :m], s[5 + nu, :m]
+        for i in range(m):
+            s0[i] = m0[i] + m1[i]
+        for i in range(m):
+            s1[i] = m1[i] + m2[i]
+    for a in range(4):
+        h = h0 + a
+        if h < 0 or h >= Hs:
+            continue
+        # row a of the block: m0 + m1, m3, m1 + m2, m4 (odd: m3, m0 + m1, m4, m1 + m2)
+        pos = a ^ 1 if oddh else a
+        if pos == 0 or pos == 2:
+            r = 0 if pos == 0 else 5
+            q0, q1, q2, q3, q4 = s[r, :m], s[r + 1, :m], s[r + 2, :m], s[r + 3, :m], s[r + 4, :m]
+        else:
+            e = 15 if pos == 1 else 20
+            q0, q1, q2 = M[e, base:base + m], M[e + 1, base:base + m], M[e + 2, base:base + m]
+            q3, q4 = M[e + 3, base:base + m], M[e + 4, base:base + m]
+        for j in range(IX):
+            o = j * C
+            for b in range(4):
+                wq = 4 * j + b
+                if wq >= W:
+                    continue
+                dst = xn[h, wq]                                   # (C,)
+                pb = b ^ 1 if oddw else b
+                if pb == 0:
+                    for c in range(C):
+                        dst[c] = q0[o + c] + q1[o + c]
+                elif pb == 1:
+                    for c in range(C):
+                        dst[c] = q3[o + c]
+                elif pb == 2:
+                    for c in range(C):
+                        dst[c] = q1[o + c] + q2[o + c]
+                else:
+                    for c in range(C):
+                        dst[c] = q4[o + c]
+
+
+@task_kernel
+def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, top, left, ipc, ib, vs, ms, nhwc, wide, dx):
+    # gy, y: (N, P, Q, K) | (N, K, P, Q); U: (25, K, C) float32 (taps(w^T, G_DX)); dx: (N, H,
+    # W, C) | (N, C, H, W). Chunk t: images [n0, n1) (ipc > 1) or block rows [i0, i1) of one
+    # image; block row i: dx rows 4i ... 4i + 3, g rows 2i + c0 ... 2i + c0 + 2 with c0 =
+    # (top - 1) // 2 (columns likewise); vs, ms: estride of V and M. NCHW: the chunk's rows of
+    # gy and y transposed to HWC first, its dx rows computed as (rows, W, C), then transposed
+    # into dx.
+    if nhwc:
+        N, H, W, C = dx.shape
+        Q, K = gy.shape[2], gy.shape[3]
+    else:
+        N, C, H, W = dx.shape
+        K, Q = gy.shape[1], gy.shape[3]
+    IY, IX = (H + 3) // 4, (W + 3) // 4
+    L = IX + 1                                        # g columns of each parity
+    c0h, c0w = (top - 1) // 2, (left - 1) // 2        # first g row (column) of block 0
+    oddh, oddw = top % 2 == 1, left % 2 == 1
+    rows = IY if ipc > 1 else ib                      # block rows per image, most
+    V = np.empty((25, vs), np.float32)                # V[e]: (T, K)
+    M = np.empty((25, ms), np.float32)                # M[e]: (T, C)
+    R = np.empty((2 * rows + 1, 2, L * K), np.float32)
+    tv = np.empty((2, 2, L * K), np.float32)
+    s = np.empty((10, IX * C), np.float32)
+    vrows = np.empty(ipc * rows * IX, np.int64)       # V[0]'s row addresses
+    eoff = np.arange(25) * np.int64(vs)
+    gs = np.empty(0 if nhwc else (2 * rows + 1) * Q * K, np.float32)    # g's rows, HWC
+    ysl = np.empty(0 if nhwc or not use_mask else (2 * rows + 1) * Q * K, np.float32)
+    xs = np.empty(0 if nhwc else 4 * rows * W * C, np.float32)          # dx's rows, HWC
+    _tiles.dense_rows(vrows, np.int64(V.ctypes.data), ipc * rows * IX, K)
+    for t in range(t0, t1):
+        n0, n1, i0, i1 = _chunk(t, N, IY, ipc, ib)
+        nr = i1 - i0
+        T = (n1 - n0) * nr * IX
+        u0 = 2 * i0 + c0h                             # the chunk's first g row
+        for n in range(n0, n1):
+            if nhwc:
+                _rows_g(gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R)
+            else:
+                gv, yv = _hwc_slab(gy, y, use_mask, n, u0, 2 * nr + 1, gs, ysl)
+                _rows_g(gv, yv, use_mask, 0, u0 - max(0, u0), 2 * nr + 1, c0w, L, R)
+            for r in range(nr):
+                _in_dx(R, 2 * r, IX, K, oddh, oddw, tv, V, ((n - n0) * nr + r) * IX)
+        for e in range(25):
+            _tiles.gemm_taps(np.int64(T), np.int64(C), np.int64(K), np.int64(1),
+                             np.int64(vrows.ctypes.data), np.int64(eoff.ctypes.data) + 8 * e,
+                             np.int64(U.ctypes.data) + 4 * e * K * C, np.int64(C),
+                             np.int64(M.ctypes.data) + 4 * e * ms, np.int64(C), np.int64(0),
+                             np.int64(0), np.int64(1 if wide else 0))
+        h0, h1 = 4 * i0, min(H, 4 * i1)               # the chunk's dx rows
+        for n in range(n0, n1):
+            if nhwc:
+                for r in range(nr):
+                    _out_dx(M, ((n - n0) * nr + r) * IX, IX, h0 + 4 * r, oddh, oddw, s, dx[n])
+            else:
+                xv = xs[:(h1 - h0) * W * C].reshape((h1 - h0, W, C))
+                for r in range(nr):
+                    _out_dx(M, ((n - n0) * nr + r) * IX, IX, 4 * r, oddh, oddw, s, xv)
+                transpose(xs[:(h1 - h0) * W * C].reshape(((h1 - h0) * W, C)),
+                          dx[n].reshape((C, H * W))[:, h0 * W:h1 * W])
