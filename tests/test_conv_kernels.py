@@ -228,7 +228,6 @@ def test_winograd_s2_at_boundary_shapes(wide, layout, H, W, padding, C, K, bias,
     kwargs = dict(stride=2, padding=padding, dilation=1, layout=layout)
     geom = nf.validate.conv_geometry("t", x.shape, w.shape, 2, padding, 1, layout)
     monkeypatch.setattr(cpu_conv, "MIN_GEMM_CHANNELS", 1)
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_MIN_CHANNELS", 1)
     assert cpu_conv.algorithm(geom, "forward") == "winograd_s2"
     assert (cpu_conv.algorithm(geom, "dw") == "winograd_s2") == (C % 8 == 0)
     assert (cpu_conv.algorithm(geom, "dx") == "winograd_s2") == (C % 8 == 0)
@@ -268,16 +267,20 @@ def test_winograd_s2_only_where_it_fits(monkeypatch):
     assert cpu_conv.algorithm(odd_c, "forward") == "winograd_s2"
     assert cpu_conv.algorithm(odd_c, "dw") != "winograd_s2"
     assert cpu_conv.algorithm(odd_c, "dx") != "winograd_s2"
-    for other in (g("t", (2, 9, 9, 32), (20, 32, 3, 3), 2, 1, 1, "NHWC"),    # K % 8
-                  g("t", (2, 9, 9, 32), (16, 32, 3, 3), 3, 1, 1, "NHWC"),    # stride 3
+    odd_k = g("t", (2, 9, 9, 32), (20, 32, 3, 3), 2, 1, 1, "NHWC")             # K % 8
+    assert cpu_conv.algorithm(odd_k, "forward") != "winograd_s2"
+    assert cpu_conv.algorithm(odd_k, "dx") == cpu_conv.algorithm(odd_k, "dw") == "winograd_s2"
+    for other in (g("t", (2, 9, 9, 32), (16, 32, 3, 3), 3, 1, 1, "NHWC"),    # stride 3
                   g("t", (2, 9, 9, 32), (16, 32, 3, 3), (2, 1), 1, 1, "NHWC"),
                   g("t", (2, 9, 9, 32), (16, 32, 3, 3), 2, 2, 2, "NHWC"),    # dilated
                   g("t", (2, 9, 9, 32), (16, 32, 5, 5), 2, 1, 1, "NHWC"),
-                  g("t", (2, 9, 9, 24), (32, 24, 3, 3), 2, 1, 1, "NHWC"),    # C < 32
-                  g("t", (2, 9, 9, 128), (96, 128, 3, 3), 2, 1, 1, "NHWC")):  # U > 1 MiB
-        assert cpu_conv.algorithm(other, "forward") != "winograd_s2"
-    assert cpu_conv.algorithm(g("t", (2, 9, 9, 64), (160, 64, 3, 3), 2, 1, 1, "NHWC"),
-                              "forward") == "winograd_s2"                     # U = 1000 KiB
+                  g("t", (2, 9, 9, 8), (32, 8, 3, 3), 2, 1, 1, "NHWC"),      # C < 16
+                  g("t", (2, 9, 9, 128), (168, 128, 3, 3), 2, 1, 1, "NHWC")):  # U > 2 MiB
+        for pass_ in ("forward", "dx", "dw"):
+            assert cpu_conv.algorithm(other, pass_) != "winograd_s2"
+    big = g("t", (2, 9, 9, 128), (160, 128, 3, 3), 2, 1, 1, "NHWC")          # U = 2000 KiB
+    for pass_ in ("forward", "dx", "dw"):
+        assert cpu_conv.algorithm(big, pass_) == "winograd_s2"
     monkeypatch.setattr(cpu_conv, "WINOGRAD_S2", False)
     monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DW", False)
     monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DX", False)

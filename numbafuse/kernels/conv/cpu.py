@@ -21,9 +21,9 @@ Which kernels run (``algorithm``; docs/conv_bias_relu.md has the measurements):
                without them, NCHW's own transforms, for outputs at least
                WINOGRAD_NCHW_MIN_WIDTH wide and NCHW_IM2COL_CHANNELS channels)
                                                                        (cpu_winograd.py)
-    winograd_s2  3x3 stride-2 float32 forward, K % 8 == 0, 32 channels or more each side,
-               transformed taps of at most 1 MiB: Winograd over the input's phases, 25
-               products a 2x2 output tile instead of 36             (cpu_winograd_s2.py)
+    winograd_s2  3x3 stride 2, float32, transformed taps of at most 2 MiB: forward (K % 8
+               == 0), dX and dW (C % 8 == 0) by Winograd over the input's phases, 25
+               products instead of 36              (cpu_winograd_s2.py, cpu_winograd_s2dx.py)
     phase      everything else: shifted GEMMs over phase planes (forward, dW), dX by input
                phase over one padded copy of the gradient              (cpu_direct.py)
 
@@ -78,18 +78,16 @@ IMPLICIT = _gemm_taps.WIDE
 POINTWISE_TAPS = _gemm_taps.WIDE
 PHASE_DX_TAPS = _gemm_taps.WIDE    # ... and the NHWC dX by input phase (all of a phase's taps)
 IMPLICIT_DW = _gemm_taps.WIDE      # ... and the strided dW (C a multiple of 8) over the slabs
-# 3x3 stride-2 float32 forward (K a multiple of 8) by Winograd over input phases, 25 products a
-# 2x2 output tile instead of 36 (cpu_winograd_s2.py), on either tile width: it beat the
-# implicit GEMM (AVX-512) and im2col (AVX2 code) at the stride-2 ResNet shape. Only with at
-# least WINOGRAD_S2_MIN_CHANNELS each side (fewer: the transforms outweigh the GEMMs' saving)
-# and transformed taps (25 C K floats, read by every chunk) of at most WINOGRAD_S2_TAPS_BYTES:
-# at 128 -> 256 channels it tied the implicit GEMM, at 256 -> 512 it took 1.3x its time
+# 3x3 stride-2 float32 forward (K a multiple of 8), dX and dW (C a multiple of 8) by Winograd
+# over input phases, 25 products instead of 36 (cpu_winograd_s2.py, cpu_winograd_s2dx.py), on
+# either tile width: they beat the implicit GEMM and phase dX (AVX-512) and im2col (AVX2 code);
+# only with transformed taps (25 C K floats, read by every chunk) of at most
+# WINOGRAD_S2_TAPS_BYTES: at 256 -> 512 channels fwd+bwd took 1.3x the other paths' time
 WINOGRAD_S2 = True
-WINOGRAD_S2_DW = True     # ... and its dW (C a multiple of 8), from the same transformed input
-WINOGRAD_S2_DX = True     # ... and its dX (C a multiple of 8): 4x4 blocks of dx, no overlaps
-WINOGRAD_S2_TILES = 64    # 2x2 output tiles per chunk (the GEMMs' m)
-WINOGRAD_S2_MIN_CHANNELS = 32
-WINOGRAD_S2_TAPS_BYTES = 1 << 20
+WINOGRAD_S2_DX = True
+WINOGRAD_S2_DW = True
+WINOGRAD_S2_TILES = 64    # 2x2 output tiles (dX: 4x4 blocks of dx) per chunk: the GEMMs' m
+WINOGRAD_S2_TAPS_BYTES = 2 << 20
 # A backward touching fewer elements (x, gy twice) runs dX and dW at once, each on one thread
 # (cpu_launch.concurrently), instead of one after the other, each split over the threads: at
 # the digits shapes (8x8, 24 channels) a split pass gains what waking a helper costs
@@ -153,7 +151,6 @@ def algorithm(geom, pass_="forward", dtype=np.float32):
         return "winograd"
     if ({"forward": WINOGRAD_S2, "dx": WINOGRAD_S2_DX, "dw": WINOGRAD_S2_DW}[pass_]
             and _wino_s2.fits(geom, dtype, pass_)
-            and min(geom.C, geom.K) >= WINOGRAD_S2_MIN_CHANNELS
             and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= WINOGRAD_S2_TAPS_BYTES):
         return "winograd_s2"
     if not nhwc and pass_ != "dx" and min(geom.C, geom.K) < NCHW_IM2COL_CHANNELS:
