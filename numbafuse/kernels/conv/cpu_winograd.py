@@ -33,7 +33,7 @@ output stream, which is what made the transforms 3x cheaper than patch by patch)
   loop over t of a few shifted plane views (``_planes_chw``, ``_in_chw``).
 * NHWC: V[e] (T, Ci), tiles without junk; the padded rows are split by pixel parity into
   ``R[u, b][j] = pad[u, 2j + b]`` (L pixels of Ci), so a tile row's transform is loops over
-  ``TX * Ci`` contiguous values (``_rows_hwc``, ``_in_hwc``).
+  ``TX * Ci`` contiguous values (``_split_rows``, ``_in_hwc``).
 * NCHW through slabs (``WINOGRAD_NCHW_SLABS``, the default): a chunk's input rows of each
   image are transposed to (rows, W, Ci) in cache (8x8 tiles, ``cpu_transpose.py``;
   ``_hwc_slab``) and run through the NHWC transforms and GEMMs; the output rows come out as
@@ -323,26 +323,29 @@ def _grad_chw(gy, y, use_mask, n, k, p0, nr, L, G, tmp, dM, base, db):
 # --------------------------------------------------------------------------- NHWC transforms
 
 @njit(inline="always")
-def _rows_hwc(src, gate, use_gate, n, u0, nu, left, L, R):
-    # R: (nu, 2, L*Ci) <- R[u, b][j*Ci + c] = pad[u0 + u, 2j + b, c] of image n of src (gated),
-    # pad = src shifted by ``left`` columns, zero outside
+def _split_rows(src, gate, use_gate, n, u0, nu, c0, L, R):
+    # R: (nu, m, L*C) <- R[u, b][j*C + c] = g[u0 + u, m*j + b + c0, c] of image n of g = src
+    # (gated), zero outside the image: its rows split by column mod m = R.shape[1] (here m = 2
+    # with c0 = -left, the padded rows by pixel parity; the stride-2 kernels' m = 4 and 2)
     Hs, Ws, Ci = src.shape[1], src.shape[2], src.shape[3]
+    m = R.shape[1]
     for u in range(nu):
         h = u0 + u
-        for j2 in range(2 * L):
-            dst = R[u, j2 % 2, (j2 // 2) * Ci:(j2 // 2 + 1) * Ci]  # (Ci,)
-            wi = j2 - left
-            if h < 0 or h >= Hs or wi < 0 or wi >= Ws:
-                for c in range(Ci):
-                    dst[c] = 0
-            elif use_gate:
-                sv, gv = src[n, h, wi], gate[n, h, wi]            # (Ci,) each
-                for c in range(Ci):
-                    dst[c] = _relu_grad(sv[c], gv[c])
-            else:
-                sv = src[n, h, wi]
-                for c in range(Ci):
-                    dst[c] = sv[c]
+        for j in range(L):
+            for b in range(m):
+                dst = R[u, b, j * Ci:(j + 1) * Ci]                # (Ci,)
+                wi = m * j + b + c0
+                if h < 0 or h >= Hs or wi < 0 or wi >= Ws:
+                    for c in range(Ci):
+                        dst[c] = 0
+                elif use_gate:
+                    sv, gv = src[n, h, wi], gate[n, h, wi]        # (Ci,) each
+                    for c in range(Ci):
+                        dst[c] = _relu_grad(sv[c], gv[c])
+                else:
+                    sv = src[n, h, wi]
+                    for c in range(Ci):
+                        dst[c] = sv[c]
 
 
 @njit(inline="always")
@@ -472,7 +475,7 @@ def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, ipc, tyb, vs, ms,
         if hwc:
             T = (n1 - n0) * nr * TX
             for n in range(n0, n1):
-                _padded_rows(src, gate, use_gate, n, 2 * ty0 - top, 2 * nr + 2, left, L, R,
+                _padded_rows(src, gate, use_gate, n, 2 * ty0 - top, 2 * nr + 2, -left, L, R,
                              slabs, xs, gs)
                 for r in range(nr):
                     _in_hwc(R, 2 * r, TX, Ci, tv, V, ((n - n0) * nr + r) * TX)
@@ -521,7 +524,7 @@ def _winograd_tasks(t0, t1, src, gate, use_gate, U, top, left, ipc, tyb, vs, ms,
 @njit(inline="always")
 def _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs):
     # rows [max(0, u0), min(Hs, u0 + nu)) of image n of NCHW src (and gate) transposed to
-    # (1, rows, Ws, C) views of the buffers xs, gs: what _rows_hwc reads as an NHWC image whose
+    # (1, rows, Ws, C) views of the buffers xs, gs: what _split_rows reads as an NHWC image whose
     # row 0 is input row max(0, u0) (rows past it are the zero padding, as in the image)
     C, Hs, Ws = src.shape[1], src.shape[2], src.shape[3]
     h0, h1 = max(0, u0), min(Hs, u0 + nu)
@@ -538,14 +541,15 @@ def _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs):
 
 
 @njit(inline="always")
-def _padded_rows(src, gate, use_gate, n, u0, nu, left, L, R, slabs, xs, gs):
-    # R <- the padded input rows [u0, u0 + nu) of image n by pixel parity (_rows_hwc); slabs:
-    # of an NCHW src (and gate), through its HWC slab in xs (gs)
+def _padded_rows(src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs):
+    # R <- the rows [u0, u0 + nu) of image n of src (gated) split by column (_split_rows, from
+    # column c0: -left for a padded input); slabs: of an NCHW src (and gate), through its HWC
+    # slab in xs (gs)
     if slabs:
         sv, gv = _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
-        _rows_hwc(sv, gv, use_gate, 0, u0 - max(0, u0), nu, left, L, R)
+        _split_rows(sv, gv, use_gate, 0, u0 - max(0, u0), nu, c0, L, R)
     else:
-        _rows_hwc(src, gate, use_gate, n, u0, nu, left, L, R)
+        _split_rows(src, gate, use_gate, n, u0, nu, c0, L, R)
 
 
 @task_kernel
@@ -607,7 +611,7 @@ def _winograd_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, ms, 
                 if not need_dw:
                     continue
                 for n in range(n0, n1):
-                    _padded_rows(x, x, False, n, 2 * ty0 - top, 2 * nr + 2, left, L, R, slabs,
+                    _padded_rows(x, x, False, n, 2 * ty0 - top, 2 * nr + 2, -left, L, R, slabs,
                                  xs, xs)
                     for r in range(nr):
                         _in_hwc(R, 2 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)

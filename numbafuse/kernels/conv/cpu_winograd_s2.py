@@ -39,7 +39,7 @@ from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_im2col import _chunk, _sum64, sum_groups, tile_chunks
-from .cpu_winograd import _comb, _hwc_slab, estride
+from .cpu_winograd import _comb, _padded_rows, estride
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -137,25 +137,6 @@ def _taps(planes, G, out):
 # --------------------------------------------------------------------------- transforms
 
 @njit(inline="always")
-def _rows_mod4(src, n, u0, nu, left, L, R):
-    # R: (nu, 4, L*C) <- R[u, m][j*C + c] = pad[u0 + u, 4j + m, c] of image n of src (HWC),
-    # pad = src shifted by ``left`` columns, zero outside
-    Hs, Ws, C = src.shape[1], src.shape[2], src.shape[3]
-    for u in range(nu):
-        h = u0 + u
-        for v in range(4 * L):
-            dst = R[u, v % 4, (v // 4) * C:(v // 4 + 1) * C]       # (C,)
-            wi = v - left
-            if h < 0 or h >= Hs or wi < 0 or wi >= Ws:
-                for c in range(C):
-                    dst[c] = 0
-            else:
-                sv = src[n, h, wi]
-                for c in range(C):
-                    dst[c] = sv[c]
-
-
-@njit(inline="always")
 def _in_row(S, m, C, V, xi, base):
     # V[5*xi + nu][base:base + m] <- column transform (B^T along columns) of one transformed
     # row S (4, L*C), classes mod 4: d0 = S[0][tx], d1 = S[1][tx], d2 = S[2][tx], d3 =
@@ -183,6 +164,29 @@ def _in_s2(R, u, TX, C, tv, V, t0):
     _in_row(tv[1], m, C, V, 2, base)
     _in_row(R[u + 1], m, C, V, 3, base)
     _in_row(R[u + 3], m, C, V, 4, base)
+
+
+@njit(inline="always")
+def _chunk_v(x, n0, n1, nr, TX, u0, left, L, slabs, xs, R, tv, V):
+    # V <- the transformed patches of a chunk's tiles: nr tile rows of images [n0, n1), from
+    # padded input row u0; slabs: x NCHW, its rows transposed to HWC in xs first
+    C = R.shape[2] // L
+    for n in range(n0, n1):
+        _padded_rows(x, x, False, n, u0, 4 * nr + 1, -left, L, R, slabs, xs, xs)
+        for r in range(nr):
+            _in_s2(R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
+
+
+@njit(inline="always")
+def gemms(m, n, k, vrows, eoff, U, M, ms, wide):
+    # M[e] (m, n) = V[e] (m, k) @ U[e] (k, n) for the 25 positions: V[e]'s rows at vrows[i] +
+    # eoff[e] elements, M[e] at M[e] (row stride n), on the taps tiles
+    for e in range(25):
+        _tiles.gemm_taps(np.int64(m), np.int64(n), np.int64(k), np.int64(1),
+                         np.int64(vrows.ctypes.data), np.int64(eoff.ctypes.data) + 8 * e,
+                         np.int64(U.ctypes.data) + 4 * e * k * n, np.int64(n),
+                         np.int64(M.ctypes.data) + 4 * e * ms, np.int64(n), np.int64(0),
+                         np.int64(0), np.int64(1 if wide else 0))
 
 
 @njit(inline="always")
@@ -251,21 +255,8 @@ def _s2_tasks(t0, t1, x, U, top, left, ipc, tyb, vs, ms, bias, relu, nhwc, wide,
         n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
         T = (n1 - n0) * nr * TX
-        u0 = 4 * ty0 - top                            # the chunk's first padded input row
-        for n in range(n0, n1):
-            if nhwc:
-                _rows_mod4(x, n, u0, 4 * nr + 1, left, L, R)
-            else:
-                sv, _ = _hwc_slab(x, x, False, n, u0, 4 * nr + 1, xs, xs)
-                _rows_mod4(sv, 0, u0 - max(0, u0), 4 * nr + 1, left, L, R)
-            for r in range(nr):
-                _in_s2(R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
-        for e in range(25):
-            _tiles.gemm_taps(np.int64(T), np.int64(K), np.int64(C), np.int64(1),
-                            np.int64(vrows.ctypes.data), np.int64(eoff.ctypes.data) + 8 * e,
-                            np.int64(U.ctypes.data) + 4 * e * C * K, np.int64(K),
-                            np.int64(M.ctypes.data) + 4 * e * ms, np.int64(K), np.int64(0),
-                            np.int64(0), np.int64(1 if wide else 0))
+        _chunk_v(x, n0, n1, nr, TX, 4 * ty0 - top, left, L, not nhwc, xs, R, tv, V)
+        gemms(T, K, C, vrows, eoff, U, M, ms, wide)
         p0 = 2 * ty0
         np_ = min(P, p0 + 2 * nr) - p0                # output rows of the chunk
         for n in range(n0, n1):
@@ -401,15 +392,7 @@ def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, nchunks, g
             _comb(dm[0, :kt], dm[2, :kt], 1, dm[6, :kt])
             _comb(dm[1, :kt], dm[3, :kt], 1, dm[7, :kt])
             _comb(dm[4, :kt], dm[5, :kt], 1, dm[8, :kt])
-            u0 = 4 * ty0 - top
-            for n in range(n0, n1):
-                if nhwc:
-                    _rows_mod4(x, n, u0, 4 * nr + 1, left, L, R)
-                else:
-                    sv, _ = _hwc_slab(x, x, False, n, u0, 4 * nr + 1, xs, xs)
-                    _rows_mod4(sv, 0, u0 - max(0, u0), 4 * nr + 1, left, L, R)
-                for r in range(nr):
-                    _in_s2(R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
+            _chunk_v(x, n0, n1, nr, TX, 4 * ty0 - top, left, L, not nhwc, xs, R, tv, V)
             for e in range(25):
                 cls = _CLASS[_AXIS[e // 5], _AXIS[e % 5]]
                 _tiles.gemm_gather(np.int64(K), np.int64(C), np.int64(T),

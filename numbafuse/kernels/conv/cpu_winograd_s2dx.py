@@ -31,12 +31,9 @@ from numba import njit
 from .. import cpu_gemm_taps as _tiles
 from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
-from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
 from .cpu_im2col import _chunk, block_chunks
-from .cpu_winograd import _comb, _hwc_slab, estride
-from .cpu_winograd_s2 import taps
-
-_relu_grad = cpu_scalar(_relu_grad_math)
+from .cpu_winograd import _comb, _padded_rows, estride
+from .cpu_winograd_s2 import gemms, taps
 
 # which taps each transformed position sums (per axis): w2, w0 + w2, w0, w1, w1
 G_DX = np.array([[0, 0, 1], [1, 0, 1], [1, 0, 0], [0, 1, 0], [0, 1, 0]], np.int64)
@@ -50,30 +47,6 @@ def dx(gy, y, use_mask, w, geom, out, tiles, wide, work):
     launch(_s2_dx_tasks, nchunks, gy, y, use_mask, taps(w.transpose(1, 0, 2, 3), G_DX),
            geom.ph, geom.pw, ipc, ib, estride(K * most, 4), estride(C * most, 4),
            geom.layout == "NHWC", wide, out, work=work, grain=1)
-
-
-@njit(inline="always")
-def _rows_g(src, gate, use_gate, n, u0, nu, c0, L, R):
-    # R: (nu, 2, L*K) <- R[v, b][j*K + k] = g[u0 + v, 2j + c0 + b, k] of image n of g = src
-    # (* (gate > 0)) (HWC), zero outside
-    Ps, Qs, K = src.shape[1], src.shape[2], src.shape[3]
-    for v in range(nu):
-        p = u0 + v
-        for j in range(L):
-            for b in range(2):
-                q = 2 * j + c0 + b
-                dst = R[v, b, j * K:(j + 1) * K]                  # (K,)
-                if p < 0 or p >= Ps or q < 0 or q >= Qs:
-                    for k in range(K):
-                        dst[k] = 0
-                elif use_gate:
-                    sv, gv = src[n, p, q], gate[n, p, q]
-                    for k in range(K):
-                        dst[k] = _relu_grad(sv[k], gv[k])
-                else:
-                    sv = src[n, p, q]
-                    for k in range(K):
-                        dst[k] = sv[k]
 
 
 @njit(inline="always")
@@ -192,19 +165,11 @@ def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, top, left, ipc, ib, vs, ms, nhwc, w
         T = (n1 - n0) * nr * IX
         u0 = 2 * i0 + c0h                             # the chunk's first g row
         for n in range(n0, n1):
-            if nhwc:
-                _rows_g(gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R)
-            else:
-                gv, yv = _hwc_slab(gy, y, use_mask, n, u0, 2 * nr + 1, gs, ysl)
-                _rows_g(gv, yv, use_mask, 0, u0 - max(0, u0), 2 * nr + 1, c0w, L, R)
+            # g's rows split by column parity from column c0w (gated; NCHW through slabs)
+            _padded_rows(gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, not nhwc, gs, ysl)
             for r in range(nr):
                 _in_dx(R, 2 * r, IX, K, oddh, oddw, tv, V, ((n - n0) * nr + r) * IX)
-        for e in range(25):
-            _tiles.gemm_taps(np.int64(T), np.int64(C), np.int64(K), np.int64(1),
-                             np.int64(vrows.ctypes.data), np.int64(eoff.ctypes.data) + 8 * e,
-                             np.int64(U.ctypes.data) + 4 * e * K * C, np.int64(C),
-                             np.int64(M.ctypes.data) + 4 * e * ms, np.int64(C), np.int64(0),
-                             np.int64(0), np.int64(1 if wide else 0))
+        gemms(T, C, K, vrows, eoff, U, M, ms, wide)
         h0, h1 = 4 * i0, min(H, 4 * i1)               # the chunk's dx rows
         for n in range(n0, n1):
             if nhwc:
