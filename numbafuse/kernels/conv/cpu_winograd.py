@@ -399,15 +399,16 @@ def _out_hwc(M, t0, TX, p0, bias, relu, s, yn):
 
 
 @njit(inline="always")
-def _grad_hwc(gy, y, use_mask, n, p0, TX, G, tmp, dM, t0, db):
-    # dM[e][t0 + tx, :] (rows of K) <- A dY A^T of the TX tiles of output rows p0, p0 + 1 of
-    # image n of g = gy * (y > 0); G: (4, TX*K) scratch, G[2a + b][tx*K + k] = g[n, p0 + a,
-    # 2tx + b, k] (0 outside the output); db (K,) float64 += g, pixel by pixel (a fixed order)
+def gate_tiles(gy, y, use_mask, n, p0, TX, G, t0, db):
+    # G: (4, *) <- G[2a + b][(t0 + tx)*K + k] = g[n, p0 + a, 2tx + b, k] (0 outside the
+    # output) of the TX 2x2 tiles of output rows p0, p0 + 1 of image n of g = gy * (y > 0)
+    # (HWC); db (K,) float64 += g, pixel by pixel (a fixed order)
     P, Q, K = gy.shape[1], gy.shape[2], gy.shape[3]
     for a in range(2):
         p = p0 + a
         for j in range(2 * TX):
-            dst = G[2 * a + j % 2, (j // 2) * K:(j // 2 + 1) * K]  # (K,)
+            o = (t0 + j // 2) * K
+            dst = G[2 * a + j % 2, o:o + K]                       # (K,)
             if p >= P or j >= Q:
                 for k in range(K):
                     dst[k] = 0
@@ -417,8 +418,15 @@ def _grad_hwc(gy, y, use_mask, n, p0, TX, G, tmp, dM, t0, db):
                 v = _relu_grad(gyr[k], yr[k]) if use_mask else gyr[k]
                 dst[k] = v
                 db[k] += v
-    m = TX * K
-    _a_dy_at(G[0, :m], G[1, :m], G[2, :m], G[3, :m], tmp, dM, t0 * K, m)
+
+
+@njit(inline="always")
+def _grad_hwc(gy, y, use_mask, n, p0, TX, G, tmp, dM, t0, db):
+    # dM[e][t0 + tx, :] (rows of K) <- A dY A^T of the TX tiles of output rows p0, p0 + 1 of
+    # image n of g = gy * (y > 0) (gate_tiles into G: (4, TX*K) scratch); db as gate_tiles
+    gate_tiles(gy, y, use_mask, n, p0, TX, G, 0, db)
+    m = TX * gy.shape[3]
+    _a_dy_at(G[0, :m], G[1, :m], G[2, :m], G[3, :m], tmp, dM, t0 * gy.shape[3], m)
 
 
 # --------------------------------------------------------------------------- tasks

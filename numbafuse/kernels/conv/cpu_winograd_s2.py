@@ -39,7 +39,7 @@ from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_im2col import _chunk, _sum64, sum_groups, tile_chunks
-from .cpu_winograd import _comb, _padded_rows, estride
+from .cpu_winograd import _comb, _padded_rows, estride, gate_tiles
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -284,28 +284,6 @@ _CLASS = np.array([[0, 4, 1], [6, 8, 7], [2, 5, 3]], np.int64)
 
 
 @njit(inline="always")
-def _grad_s2(gy, y, use_mask, n, p0, TX, G4, t0, db):
-    # G4: (4, *) <- G4[2a + b][(t0 + tx)*K + k] = g[n, p0 + a, 2tx + b, k] (0 outside the
-    # output) of the TX tiles of output rows p0, p0 + 1 of image n of g = gy * (y > 0) (HWC);
-    # db (K,) float64 += g, pixel by pixel (a fixed order)
-    P, Q, K = gy.shape[1], gy.shape[2], gy.shape[3]
-    for a in range(2):
-        p = p0 + a
-        for j in range(2 * TX):
-            o = (t0 + j // 2) * K
-            dst = G4[2 * a + j % 2, o:o + K]                      # (K,)
-            if p >= P or j >= Q:
-                for k in range(K):
-                    dst[k] = 0
-                continue
-            gyr, yr = gy[n, p, j], y[n, p, j]                     # (K,) each
-            for k in range(K):
-                v = _relu_grad(gyr[k], yr[k]) if use_mask else gyr[k]
-                dst[k] = v
-                db[k] += v
-
-
-@njit(inline="always")
 def _grad_s2_chw(gy, y, use_mask, n, p0, nr, TX, dm, T, t0, db):
     # dm: (9, *) <- dm[2a + b][k*T + t0 + r*TX + tx] = g[n, k, p0 + 2r + a, 2tx + b] (0
     # outside the output) of the nr tile rows from output row p0 of image n of g = gy * (y >
@@ -376,8 +354,8 @@ def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, nchunks, g
             for n in range(n0, n1):
                 if nhwc:
                     for r in range(nr):
-                        _grad_s2(gy, y, use_mask, n, 2 * (ty0 + r), TX, G4,
-                                 ((n - n0) * nr + r) * TX, dbp)
+                        gate_tiles(gy, y, use_mask, n, 2 * (ty0 + r), TX, G4,
+                                   ((n - n0) * nr + r) * TX, dbp)
                 else:                                     # straight into dm's (K, T)
                     _grad_s2_chw(gy, y, use_mask, n, 2 * ty0, nr, TX, dm, T,
                                  (n - n0) * nr * TX, dbp)
