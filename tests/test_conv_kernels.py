@@ -251,6 +251,36 @@ def test_winograd_s2_at_boundary_shapes(wide, layout, H, W, padding, C, K, bias,
     assert part[0] is None and part[1] is None and part[2].tobytes() == db.tobytes()
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_winograd_s2_under_conv_batchnorm(layout):
+    """Conv-BatchNorm-ReLU (recompute) with a stride-2 conv on the stride-2 Winograd passes
+    (the batch-norm sums come from separate passes there, not the stride-1 Winograd's
+    epilogue): forward, running statistics and all four gradients against the reference."""
+    rng = np.random.default_rng(11)
+    N, C, H, W, K = 3, 16, 9, 10, 16
+    shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, 3, 3)) / 6).astype(np.float32)
+    gamma = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    beta = rng.standard_normal(K).astype(np.float32)
+    geom = nf.validate.conv_geometry("t", x.shape, w.shape, 2, 1, 1, layout)
+    for pass_ in ("forward", "dx", "dw"):
+        assert cpu_conv.algorithm(geom, pass_) == "winograd_s2"
+    kw = dict(stride=2, padding=1, layout=layout)
+    rm, rv = np.zeros(K, np.float32), np.ones(K, np.float32)
+    want, want_rm, want_rv = ref.conv_batchnorm_relu(x, w, gamma, beta, running_mean=rm.copy(),
+                                                     running_var=rv.copy(), **kw)
+    y = nf.conv_batchnorm_relu(x, w, gamma, beta, running_mean=rm, running_var=rv, **kw)
+    np.testing.assert_allclose(y, want, **TOL[np.float32])
+    np.testing.assert_allclose(rm, want_rm, **TOL[np.float32])       # updated in place
+    np.testing.assert_allclose(rv, want_rv, **TOL[np.float32])
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    got = nf.conv_batchnorm_relu_backward(dy, x, w, gamma, beta, **kw)
+    ref_grads = ref.conv_batchnorm_relu_backward(dy, x, w, gamma, beta, **kw)
+    for a, b in zip(got, ref_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
+
+
 def test_winograd_s2_only_where_it_fits(monkeypatch):
     """float64, K not a multiple of 8, other strides, kernels or dilations, the backward
     passes and the flag off keep the other paths; the transformed taps are G g G^T."""
