@@ -75,63 +75,50 @@ def dw(x, gy, y, use_mask, geom, need_dw, tiles, groups, wide, work):
     D_parts = _out.empty((groups if need_dw else 1, POSITIONS, K, C), x.dtype)
     db_parts = np.empty((groups, K))
     launch(_s2_dw_tasks, groups, x, gy, y, use_mask, geom.ph, geom.pw, ipc, tyb,
-           estride(C * most, 4), nchunks, groups, need_dw, geom.layout == "NHWC", wide,
+           estride(C * most, 4), nchunks, groups, need_dw, geom.layout == "NHWC", wide, DM_OF,
            D_parts, db_parts, work=work, grain=1)
     if not need_dw:
         return None, db_parts
-    planes = np.empty((9, K * C))
-    _taps_grad(sum_groups(D_parts, np.float64).reshape(POSITIONS, K * C), planes)
+    planes = np.empty((9, K * C))                     # dw = G^T D G: the adjoint of taps
+    _sums(_GG_T, sum_groups(D_parts, np.float64).reshape(POSITIONS, K * C), planes)
     return np.ascontiguousarray(planes.reshape(3, 3, K, C).transpose(2, 3, 0, 1),
                                 x.dtype), db_parts
 
 
 # the taps' transform G (5, 3): which rows (columns) of a 3x3 filter each transformed row
-# (column) sums
+# (column) sums; in 2-d kron(G, G) (25, 9): position 5i + j sums tap 3r + s where G[i, r] =
+# G[j, s] = 1
 _G = np.array([[1, 0, 0], [1, 0, 1], [0, 0, 1], [0, 1, 0], [0, 1, 0]], np.int64)
+_GG = np.kron(_G, _G)
+_GG_T = np.ascontiguousarray(_GG.T)
 
 
-def taps(w, G=_G):
-    """U (25, C, K) float32 = G g G^T of every filter pair g = w[k, c] of w (K, C, 3, 3): each
-    entry a sum of up to four taps, formed in float64 and rounded once. (The dX passes the
-    transposed taps, w.transpose(1, 0, 2, 3), and its own G.)"""
+def taps(w, GG=_GG):
+    """U (25, C, K) float32 = G g G^T of every filter pair g = w[k, c] of w (K, C, 3, 3)
+    (``GG`` = kron(G, G)): each entry a sum of up to four taps, formed in float64 and rounded
+    once. (The dX passes the transposed taps, w.transpose(1, 0, 2, 3), and its own G.)"""
     K, C = w.shape[0], w.shape[1]
     out = np.empty((POSITIONS, C, K), np.float32)
-    _taps(np.ascontiguousarray(w.transpose(2, 3, 1, 0)).reshape(9, C * K), G,
+    _sums(GG, np.ascontiguousarray(w.transpose(2, 3, 1, 0)).reshape(9, C * K),
           out.reshape(POSITIONS, C * K))
     return out
 
 
 @njit(cache=True)
-def _taps_grad(D, out):
-    # out[3r + s] = sum of D[5i + j] over G[i, r] = G[j, s] = 1 (the adjoint of _taps), float64
-    for r in range(3):
-        for s in range(3):
-            o = out[3 * r + s]
-            o[:] = 0.0
-            for i in range(5):
-                for j in range(5):
-                    if _G[i, r] and _G[j, s]:
-                        d = D[5 * i + j]
-                        for q in range(o.shape[0]):
-                            o[q] += d[q]
-
-
-@njit(cache=True)
-def _taps(planes, G, out):
-    # out[5i + j] = sum of planes[3r + s] over G[i, r] = G[j, s] = 1 (planes: w[:, :, r, s].T)
-    acc = np.empty(planes.shape[1])
-    for i in range(5):
-        for j in range(5):
-            acc[:] = 0.0
-            for r in range(3):
-                for s in range(3):
-                    if G[i, r] and G[j, s]:
-                        p = planes[3 * r + s]
-                        for q in range(acc.shape[0]):
-                            acc[q] += p[q]
-            o = out[5 * i + j]
-            for q in range(acc.shape[0]):
-                o[q] = acc[q]
+def _sums(A, src, out):
+    # out[o] = the sum of src[q] over A[o, q] = 1 in q order, in float64, then stored in out's
+    # dtype (A 0/1, (len(out), len(src)); src, out: rows of one length)
+    acc = np.empty(src.shape[1])
+    for o in range(A.shape[0]):
+        acc[:] = 0.0
+        for q in range(A.shape[1]):
+            if A[o, q]:
+                sq = src[q]
+                for i in range(acc.shape[0]):
+                    acc[i] += sq[i]
+        dst = out[o]
+        for i in range(acc.shape[0]):
+            dst[i] = acc[i]
 
 
 # --------------------------------------------------------------------------- transforms
@@ -175,6 +162,17 @@ def _chunk_v(x, n0, n1, nr, TX, u0, left, L, slabs, xs, R, tv, V):
         _padded_rows(x, x, False, n, u0, 4 * nr + 1, -left, L, R, slabs, xs, xs)
         for r in range(nr):
             _in_s2(R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
+
+
+@njit(inline="always")
+def gemm_operands(vs, ms, most, k):
+    # the buffers of gemms: V (25, vs) and M (25, ms) float32, the row addresses of V[0]'s
+    # ``most`` rows of k elements (vrows) and each V[e]'s offset from V[0] (eoff, elements)
+    V = np.empty((25, vs), np.float32)
+    M = np.empty((25, ms), np.float32)
+    vrows = np.empty(most, np.int64)
+    _tiles.dense_rows(vrows, np.int64(V.ctypes.data), most, k)
+    return V, M, vrows, np.arange(25) * np.int64(vs)
 
 
 @njit(inline="always")
@@ -241,16 +239,12 @@ def _s2_tasks(t0, t1, x, U, top, left, ipc, tyb, vs, ms, bias, relu, nhwc, wide,
     TY, TX = (P + 1) // 2, (Q + 1) // 2
     L = TX + 1                                        # padded columns of each class mod 4
     rows = TY if ipc > 1 else tyb                     # tile rows per image, most
-    V = np.empty((25, vs), np.float32)                # V[e]: (T, C)
-    M = np.empty((25, ms), np.float32)                # M[e]: (T, K)
+    V, M, vrows, eoff = gemm_operands(vs, ms, ipc * rows * TX, C)   # V[e] (T, C), M[e] (T, K)
     R = np.empty((4 * rows + 1, 4, L * C), np.float32)
     tv = np.empty((2, 4, L * C), np.float32)
     s = np.empty((10, TX * K), np.float32)
-    vrows = np.empty(ipc * rows * TX, np.int64)       # V[0]'s row addresses
-    eoff = np.arange(25) * np.int64(vs)               # V[e] from V[0], elements
     xs = np.empty(0 if nhwc else (4 * rows + 1) * W * C, np.float32)   # input rows, HWC
     ys = np.empty(0 if nhwc else 2 * rows * Q * K, np.float32)         # output rows, HWC
-    _tiles.dense_rows(vrows, np.int64(V.ctypes.data), ipc * rows * TX, C)
     for t in range(t0, t1):
         n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
@@ -281,6 +275,7 @@ def _s2_tasks(t0, t1, x, U, top, left, ipc, tyb, vs, ms, bias, relu, nhwc, wide,
 # class_col]]: 0-3 the gradient's four pixel classes (2a + b), 4-8 their sums
 _AXIS = np.array([0, 1, 2, 0, 2], np.int64)
 _CLASS = np.array([[0, 4, 1], [6, 8, 7], [2, 5, 3]], np.int64)
+DM_OF = _CLASS[_AXIS[:, None], _AXIS[None, :]].reshape(POSITIONS)   # position e -> dm[...]
 
 
 @njit(inline="always")
@@ -318,12 +313,12 @@ def _grad_s2_chw(gy, y, use_mask, n, p0, nr, TX, dm, T, t0, db):
 
 @task_kernel
 def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, nchunks, groups,
-                 need_dw, nhwc, wide, D_parts, db_parts):
+                 need_dw, nhwc, wide, dm_of, D_parts, db_parts):
     # x: (N, H, W, C) | (N, C, H, W); gy, y: (N, P, Q, K) | (N, K, P, Q); D_parts: (groups,
     # 25, K, C) <- each group's D[e] = sum over its chunks of dM[e]^T (K, T) @ V[e] (T, C);
     # db_parts: (groups, K) float64 <- its sums of g. Chunks as _s2_tasks' (tiles of the
-    # output); vs: estride of V. NCHW: the chunk's rows of x transposed to HWC first, g read
-    # straight into dM's (K, T) layout
+    # output); vs: estride of V; dm_of (25,): DM_OF. NCHW: the chunk's rows of x transposed to
+    # HWC first, g read straight into dM's (K, T) layout
     if nhwc:
         N, P, Q, K = gy.shape
         W, C = x.shape[2], x.shape[3]
@@ -334,14 +329,12 @@ def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, nchunks, g
     L = TX + 1
     rows = TY if ipc > 1 else tyb
     most = ipc * rows * TX                            # tiles of a chunk, at most
-    V = np.empty((25, vs if need_dw else 1), np.float32)
+    V, _, vrows, _ = gemm_operands(vs if need_dw else 1, 0, most, C)  # V[e] (T, C)
     R = np.empty((4 * rows + 1 if need_dw else 1, 4, L * C), np.float32)
     tv = np.empty((2, 4, L * C), np.float32)
     G4 = np.empty((4, most * K if nhwc else 0), np.float32)   # g by pixel class, (T, K)
     dm = np.empty((9, K * most), np.float32)          # dM's 9 matrices, (K, T) each
-    vrows = np.empty(most, np.int64)
     xs = np.empty(0 if nhwc or not need_dw else (4 * rows + 1) * W * C, np.float32)
-    _tiles.dense_rows(vrows, np.int64(V.ctypes.data), most, C)
     dmp = np.int64(dm.ctypes.data)
     for grp in range(t0, t1):
         dbp = db_parts[grp]                                       # (K,)
@@ -372,9 +365,8 @@ def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, nchunks, g
             _comb(dm[4, :kt], dm[5, :kt], 1, dm[8, :kt])
             _chunk_v(x, n0, n1, nr, TX, 4 * ty0 - top, left, L, not nhwc, xs, R, tv, V)
             for e in range(25):
-                cls = _CLASS[_AXIS[e // 5], _AXIS[e % 5]]
                 _tiles.gemm_gather(np.int64(K), np.int64(C), np.int64(T),
-                                   dmp + 4 * cls * dm.shape[1], np.int64(T),
+                                   dmp + 4 * dm_of[e] * dm.shape[1], np.int64(T),
                                    np.int64(vrows.ctypes.data), np.int64(e) * vs,
                                    np.int64(D_parts[grp, e].ctypes.data), np.int64(C),
                                    np.int64(beta), np.int64(1 if wide else 0))

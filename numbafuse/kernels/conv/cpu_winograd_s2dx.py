@@ -28,15 +28,15 @@ through HWC slabs of the chunk's rows of gy and y, its dx rows transposed back.
 import numpy as np
 from numba import njit
 
-from .. import cpu_gemm_taps as _tiles
 from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
 from .cpu_im2col import _chunk, block_chunks
 from .cpu_winograd import _comb, _padded_rows, estride
-from .cpu_winograd_s2 import gemms, taps
+from .cpu_winograd_s2 import gemm_operands, gemms, taps
 
 # which taps each transformed position sums (per axis): w2, w0 + w2, w0, w1, w1
 G_DX = np.array([[0, 0, 1], [1, 0, 1], [1, 0, 0], [0, 1, 0], [0, 1, 0]], np.int64)
+_GG_DX = np.kron(G_DX, G_DX)
 
 
 def dx(gy, y, use_mask, w, geom, out, tiles, wide, work):
@@ -44,7 +44,7 @@ def dx(gy, y, use_mask, w, geom, out, tiles, wide, work):
     chunks of ~``tiles`` 4x4 blocks; ``wide``: 16-float register tiles."""
     N, C, K, H, W = geom.N, geom.C, geom.K, geom.H, geom.W
     ipc, ib, nchunks, most = block_chunks(N, -(-H // 4), -(-W // 4), tiles)
-    launch(_s2_dx_tasks, nchunks, gy, y, use_mask, taps(w.transpose(1, 0, 2, 3), G_DX),
+    launch(_s2_dx_tasks, nchunks, gy, y, use_mask, taps(w.transpose(1, 0, 2, 3), _GG_DX),
            geom.ph, geom.pw, ipc, ib, estride(K * most, 4), estride(C * most, 4),
            geom.layout == "NHWC", wide, out, work=work, grain=1)
 
@@ -148,17 +148,13 @@ def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, top, left, ipc, ib, vs, ms, nhwc, w
     c0h, c0w = (top - 1) // 2, (left - 1) // 2        # first g row (column) of block 0
     oddh, oddw = top % 2 == 1, left % 2 == 1
     rows = IY if ipc > 1 else ib                      # block rows per image, most
-    V = np.empty((25, vs), np.float32)                # V[e]: (T, K)
-    M = np.empty((25, ms), np.float32)                # M[e]: (T, C)
+    V, M, vrows, eoff = gemm_operands(vs, ms, ipc * rows * IX, K)   # V[e] (T, K), M[e] (T, C)
     R = np.empty((2 * rows + 1, 2, L * K), np.float32)
     tv = np.empty((2, 2, L * K), np.float32)
     s = np.empty((10, IX * C), np.float32)
-    vrows = np.empty(ipc * rows * IX, np.int64)       # V[0]'s row addresses
-    eoff = np.arange(25) * np.int64(vs)
     gs = np.empty(0 if nhwc else (2 * rows + 1) * Q * K, np.float32)    # g's rows, HWC
     ysl = np.empty(0 if nhwc or not use_mask else (2 * rows + 1) * Q * K, np.float32)
     xs = np.empty(0 if nhwc else 4 * rows * W * C, np.float32)          # dx's rows, HWC
-    _tiles.dense_rows(vrows, np.int64(V.ctypes.data), ipc * rows * IX, K)
     for t in range(t0, t1):
         n0, n1, i0, i1 = _chunk(t, N, IY, ipc, ib)
         nr = i1 - i0
