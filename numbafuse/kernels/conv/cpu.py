@@ -82,7 +82,7 @@ IMPLICIT_DW = _gemm_taps.WIDE      # ... and the strided dW (C a multiple of 8) 
 # over input phases, 25 products instead of 36 (cpu_winograd_s2.py, cpu_winograd_s2dx.py), on
 # either tile width: they beat the implicit GEMM and phase dX (AVX-512) and im2col (AVX2 code);
 # only with transformed taps (25 C K floats, read by every chunk) of at most
-# WINOGRAD_S2_TAPS_BYTES: at 256 -> 512 channels fwd+bwd took 1.3x the other paths' time
+# WINOGRAD_S2_TAPS_BYTES: at 256 -> 512 channels fwd+bwd took 1.2-1.3x the other paths' time
 WINOGRAD_S2 = True
 WINOGRAD_S2_DX = True
 WINOGRAD_S2_DW = True
