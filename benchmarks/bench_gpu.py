@@ -55,6 +55,8 @@ SMOKE = dict(conv=[((1, 2, 4, 4), (2, 2, 3, 3), dict(padding=1))],
              repeats=1, calls=2, call_repeats=1, steps=1,
              digits=dict(x=(2, 3, 4, 4), w=(3, 3, 3, 3), batch=2), model=dict(width=2, blocks=1),
              launch=dict(threads=8, max_blocks=3, reduce_blocks=3, dw_target_blocks=1))
+# --quick: the figures of one short GPU call (benchmarks/gpu_check.sh): fewer repeats and steps
+QUICK = dict(FULL, repeats=15, call_repeats=3, steps=20, calls=100)
 WARMUP = 3          # calls before timing (1 with --smoke)
 
 
@@ -92,7 +94,35 @@ def median_events(fn, repeats, new_event, synchronize):
 
 # --------------------------------------------------------------------------- numbafuse worker
 
-def numbafuse_worker(cfg):
+class Results(dict):
+    """A worker's results, written to ``path`` (JSON) after each measurement, so that a
+    failure (or a crash that kills the process) loses only the measurement it happened in.
+    ``measure(section, key, fn)`` stores ``fn()`` or the error it raised under ``errors``."""
+
+    def __init__(self, path, **fields):
+        super().__init__(calls={}, steps={}, kernels={}, errors={}, **fields)
+        self.path = path
+        self.save()
+
+    def save(self):
+        if self.path:
+            with open(self.path + ".tmp", "w") as f:
+                json.dump(self, f)
+            os.replace(self.path + ".tmp", self.path)
+
+    def measure(self, section, key, fn):
+        try:
+            value = fn()
+            if section is None:
+                self[key] = value
+            else:
+                self[section][key] = value
+        except Exception as exc:   # kept in the report, never hidden
+            self["errors"][f"{section or ''} {key}".strip()] = f"{type(exc).__name__}: {exc}"[:600]
+        self.save()
+
+
+def numbafuse_worker(cfg, path=None):
     sys.path.insert(0, ROOT)
     import numpy as np
     import numbafuse as nf
@@ -104,7 +134,7 @@ def numbafuse_worker(cfg):
     if "launch" in cfg:
         cuda_config.tile_override = cuda_config.Tile(64, 8, 8, 8, 8, 4)
     cuda = nfcuda.numba_cuda
-    out = dict(device=_numba_device_name(cuda), calls={}, steps={}, kernels={})
+    out = Results(path, device=_numba_device_name(cuda))
     sync = cuda.synchronize
     rng = np.random.default_rng(0)
     dev = nfcuda.to_device
@@ -125,51 +155,57 @@ def numbafuse_worker(cfg):
         pass
 
     n, reps = cfg["calls"], cfg["call_repeats"]
-    out["calls"]["conv_bias_relu forward"] = best_per_call(
-        lambda: nf.conv_bias_relu(x, w, b, padding=1), n, reps, sync)
-    out["calls"]["batchnorm_add_relu forward (training)"] = best_per_call(
+    out.measure("calls", "conv_bias_relu forward", lambda: best_per_call(
+        lambda: nf.conv_bias_relu(x, w, b, padding=1), n, reps, sync))
+    out.measure("calls", "batchnorm_add_relu forward (training)", lambda: best_per_call(
         lambda: nf.batchnorm_add_relu(x, z, gamma, beta, running_mean=rm, running_var=rv),
-        n, reps, sync)
-    out["calls"]["an empty kernel launch"] = best_per_call(
-        lambda: empty_kernel[1, 1](one), n, reps, sync)
+        n, reps, sync))
+    out.measure("calls", "an empty kernel launch", lambda: best_per_call(
+        lambda: empty_kernel[1, 1](one), n, reps, sync))
 
     # training step of the digits ResNet
     xb = dev(rng.standard_normal((d["batch"], 8, 8, 1)).astype(np.float32))
     yb = dev(rng.integers(0, 10, d["batch"]))
     for kind in ("fused", "unfused"):
-        model = models.make_model(kind, **cfg["model"]).to("cuda")
-        opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-        out["steps"][f"numbafuse {kind}"] = best_per_call(
-            lambda: train_step(model, opt, xb, yb), cfg["steps"], 1, sync)
-    out["memory"] = nfcuda.memory_stats()
+        def step_time(kind=kind):
+            model = models.make_model(kind, **cfg["model"]).to("cuda")
+            opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+            return best_per_call(lambda: train_step(model, opt, xb, yb), cfg["steps"], 1, sync)
+        out.measure("steps", f"numbafuse {kind}", step_time)
+    out.measure(None, "memory", nfcuda.memory_stats)
 
     # kernels at the shapes of issue 16
     def events(fn):
         return median_events(fn, cfg["repeats"], cuda.event, sync)
-    n_copy = max(1, int(cfg["copy_mib"] * 2**20 // 4))
-    src, dst = dev(np.ones(n_copy, np.float32)), nfcuda.empty(n_copy, np.float32)
-    out["copy_gbs"] = 2 * src.nbytes / (events(lambda: dst.copy_to_device(src)) * 1e-3) / 1e9
+    def copy_rate():
+        n_copy = max(1, int(cfg["copy_mib"] * 2**20 // 4))
+        src, dst = dev(np.ones(n_copy, np.float32)), nfcuda.empty(n_copy, np.float32)
+        return 2 * src.nbytes / (events(lambda: dst.copy_to_device(src)) * 1e-3) / 1e9
+    out.measure(None, "copy_gbs", copy_rate)
     for x_shape, w_shape, kw in cfg["conv"]:
-        xs = dev(rng.standard_normal(x_shape).astype(np.float32))
-        ws = dev((rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:])))
-                 .astype(np.float32))
-        bs = dev(rng.standard_normal(w_shape[0]).astype(np.float32))
-        y = nf.conv_bias_relu(xs, ws, bs, **kw)
-        gy = dev(rng.standard_normal(y.shape).astype(np.float32))
-        out["kernels"][_conv_key(x_shape, w_shape, kw)] = (
-            events(lambda: nf.conv_bias_relu(xs, ws, bs, **kw)),
-            events(lambda: nf.conv_bias_relu_backward(
-                gy, xs, ws, nf.conv_bias_relu(xs, ws, bs, **kw), **kw)))
+        def conv_times(x_shape=x_shape, w_shape=w_shape, kw=kw):
+            xs = dev(rng.standard_normal(x_shape).astype(np.float32))
+            ws = dev((rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:])))
+                     .astype(np.float32))
+            bs = dev(rng.standard_normal(w_shape[0]).astype(np.float32))
+            y = nf.conv_bias_relu(xs, ws, bs, **kw)
+            gy = dev(rng.standard_normal(y.shape).astype(np.float32))
+            return (events(lambda: nf.conv_bias_relu(xs, ws, bs, **kw)),
+                    events(lambda: nf.conv_bias_relu_backward(
+                        gy, xs, ws, nf.conv_bias_relu(xs, ws, bs, **kw), **kw)))
+        out.measure("kernels", _conv_key(x_shape, w_shape, kw), conv_times)
     for shape, layout in cfg["bn"]:
-        Cb = shape[1] if layout == "NCHW" else shape[3]
-        xs, zs, gy = (dev(rng.standard_normal(shape).astype(np.float32)) for _ in range(3))
-        g1, b0 = dev(np.ones(Cb, np.float32)), dev(np.zeros(Cb, np.float32))
+        def bn_times(shape=shape, layout=layout):
+            Cb = shape[1] if layout == "NCHW" else shape[3]
+            xs, zs, gy = (dev(rng.standard_normal(shape).astype(np.float32)) for _ in range(3))
+            g1 = dev(rng.uniform(0.5, 1.5, Cb).astype(np.float32))
+            b0 = dev(rng.standard_normal(Cb).astype(np.float32))
 
-        def fwd():
-            return nf.batchnorm_add_relu(xs, zs, g1, b0, layout=layout)
-        out["kernels"][_bn_key(shape, layout)] = (
-            events(fwd), events(lambda: nf.batchnorm_add_relu_backward(
+            def fwd():
+                return nf.batchnorm_add_relu(xs, zs, g1, b0, layout=layout)
+            return (events(fwd), events(lambda: nf.batchnorm_add_relu_backward(
                 gy, xs, zs, g1, b0, y=fwd(), layout=layout)))
+        out.measure("kernels", _bn_key(shape, layout), bn_times)
     return out
 
 
@@ -188,7 +224,7 @@ def _bn_key(shape, layout):
 
 # --------------------------------------------------------------------------- torch worker
 
-def torch_worker(cfg):
+def torch_worker(cfg, path=None):
     try:
         import torch
     except ImportError:
@@ -199,7 +235,8 @@ def torch_worker(cfg):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = dict(device="cuda")
-    out = dict(device=torch.cuda.get_device_name(), calls={}, steps={}, kernels={})
+    out = Results(path, device=torch.cuda.get_device_name(),
+                  versions=f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     sync = torch.cuda.synchronize
     torch.manual_seed(0)
 
@@ -211,12 +248,13 @@ def torch_worker(cfg):
     rm, rv = torch.zeros(C, **dev), torch.ones(C, **dev)
     one = torch.zeros(1, **dev)
     n, reps = cfg["calls"], cfg["call_repeats"]
-    out["calls"]["conv_bias_relu forward"] = best_per_call(
-        lambda: F.relu(F.conv2d(x, w, b, padding=1)), n, reps, sync)
-    out["calls"]["batchnorm_add_relu forward (training)"] = best_per_call(
+    out.measure("calls", "conv_bias_relu forward", lambda: best_per_call(
+        lambda: F.relu(F.conv2d(x, w, b, padding=1)), n, reps, sync))
+    out.measure("calls", "batchnorm_add_relu forward (training)", lambda: best_per_call(
         lambda: F.relu(F.batch_norm(x, rm, rv, gamma, beta, training=True) + z), n, reps,
-        sync)
-    out["calls"]["an empty kernel launch"] = best_per_call(lambda: one.add_(1), n, reps, sync)
+        sync))
+    out.measure("calls", "an empty kernel launch", lambda: best_per_call(
+        lambda: one.add_(1), n, reps, sync))
 
     nn = torch.nn
 
@@ -242,17 +280,21 @@ def torch_worker(cfg):
         opt.zero_grad()
         F.cross_entropy(model(xb), yb).backward()
         opt.step()
-    out["steps"]["PyTorch eager"] = best_per_call(step, cfg["steps"], 1, sync)
+    out.measure("steps", "PyTorch eager", lambda: best_per_call(step, cfg["steps"], 1, sync))
 
     def events(fn):
         return median_events(fn, cfg["repeats"], lambda: torch.cuda.Event(enable_timing=True),
                              sync)
-    n_copy = max(1, int(cfg["copy_mib"] * 2**20 // 4))
-    src, dst = torch.ones(n_copy, **dev), torch.empty(n_copy, **dev)
-    out["copy_gbs"] = 2 * src.nbytes / (events(lambda: dst.copy_(src)) * 1e-3) / 1e9
+    def copy_rate():
+        n_copy = max(1, int(cfg["copy_mib"] * 2**20 // 4))
+        src, dst = torch.ones(n_copy, **dev), torch.empty(n_copy, **dev)
+        return 2 * src.nbytes / (events(lambda: dst.copy_(src)) * 1e-3) / 1e9
+    out.measure(None, "copy_gbs", copy_rate)
     if cfg["matmul"]:
-        a = torch.randn(cfg["matmul"], cfg["matmul"], **dev)
-        out["matmul_gflops"] = 2 * cfg["matmul"] ** 3 / (events(lambda: a @ a) * 1e-3) / 1e9
+        def matmul_rate():
+            a = torch.randn(cfg["matmul"], cfg["matmul"], **dev)
+            return 2 * cfg["matmul"] ** 3 / (events(lambda: a @ a) * 1e-3) / 1e9
+        out.measure(None, "matmul_gflops", matmul_rate)
     for x_shape, w_shape, kw in cfg["conv"]:
         tx = torch.randn(x_shape, **dev, requires_grad=True)
         tw = (torch.randn(w_shape, **dev) / float(torch.tensor(w_shape[1:]).prod()) ** 0.5
@@ -260,29 +302,37 @@ def torch_worker(cfg):
         tb = torch.randn(w_shape[0], **dev, requires_grad=True)
         tgy = torch.randn_like(F.conv2d(tx, tw, tb, **kw))
         for tf32 in (False, True):
-            torch.backends.cudnn.allow_tf32 = tf32
-
-            def fwd():
-                return F.relu(F.conv2d(tx, tw, tb, **kw))
-            key = _conv_key(x_shape, w_shape, kw) + (" | cuDNN TF32 (PyTorch default)" if tf32
-                                                     else " | cuDNN FP32 (TF32 off)")
-            out["kernels"][key] = (events(fwd), events(lambda: fwd().backward(tgy)))
-        torch.backends.cudnn.allow_tf32 = False
+            def conv_times(tf32=tf32, kw=kw, tx=tx, tw=tw, tb=tb, tgy=tgy):
+                torch.backends.cudnn.allow_tf32 = tf32
+                try:
+                    def fwd():
+                        return F.relu(F.conv2d(tx, tw, tb, **kw))
+                    return events(fwd), events(lambda: fwd().backward(tgy))
+                finally:
+                    torch.backends.cudnn.allow_tf32 = False
+            out.measure("kernels", _conv_key(x_shape, w_shape, kw) + (TF32 if tf32 else FP32),
+                        conv_times)
     for shape, layout in cfg["bn"]:
-        fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
-        nchw = shape if layout == "NCHW" else (shape[0], shape[3], shape[1], shape[2])
-        tx, tz, tgy = (torch.randn(nchw, **dev).contiguous(memory_format=fmt)
-                       for _ in range(3))
-        tx.requires_grad_(True)
-        tz.requires_grad_(True)
-        tg = torch.ones(nchw[1], **dev, requires_grad=True)
-        tbe = torch.zeros(nchw[1], **dev, requires_grad=True)
+        def bn_times(shape=shape, layout=layout):
+            fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+            nchw = shape if layout == "NCHW" else (shape[0], shape[3], shape[1], shape[2])
+            tx, tz, tgy = (torch.randn(nchw, **dev).contiguous(memory_format=fmt)
+                           for _ in range(3))
+            tx.requires_grad_(True)
+            tz.requires_grad_(True)
+            tg = (torch.rand(nchw[1], **dev) + 0.5).requires_grad_(True)
+            tbe = torch.randn(nchw[1], **dev, requires_grad=True)
 
-        def bn_fwd():
-            return F.relu(F.batch_norm(tx, None, None, tg, tbe, training=True) + tz)
-        out["kernels"][_bn_key(shape, layout) + " | PyTorch eager"] = (
-            events(bn_fwd), events(lambda: bn_fwd().backward(tgy)))
+            def bn_fwd():
+                return F.relu(F.batch_norm(tx, None, None, tg, tbe, training=True) + tz)
+            return events(bn_fwd), events(lambda: bn_fwd().backward(tgy))
+        out.measure("kernels", _bn_key(shape, layout) + EAGER, bn_times)
     return out
+
+
+FP32 = " | cuDNN FP32 (TF32 off)"
+TF32 = " | cuDNN TF32 (PyTorch default)"
+EAGER = " | PyTorch eager"
 
 
 # --------------------------------------------------------------------------- the driver
@@ -296,21 +346,39 @@ def _torch_env():
             if not k.startswith("NUMBA_") and k != "OMP_WAIT_POLICY"}
 
 
-def run_worker(name, smoke):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name] + (
-        ["--smoke"] if smoke else [])
+def run_worker(name, mode, timeout=None):
+    """One worker process's results. A worker that fails or crashes still gives what it
+    measured before (its results file), with the failure under ``errors``."""
+    import tempfile
+    fd, path = tempfile.mkstemp(suffix=f".{name}.json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--results", path]
+    cmd += [f"--{mode}"] if mode != "full" else []
     env = dict(os.environ) if name == "numbafuse" else _torch_env()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench_gpu: the {name} worker failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False,
+                              timeout=timeout)
+        failure = None if done.returncode == 0 else \
+            f"the {name} worker exited {done.returncode}: {done.stderr[-1500:]}"
+    except subprocess.TimeoutExpired:
+        failure = f"the {name} worker ran past {timeout} s"
+    try:
+        with open(path) as f:
+            text = f.read()
+        out = json.loads(text) if text.strip() else {}
+    finally:
+        os.unlink(path)
+    if failure:
+        out.setdefault("errors", {})["worker"] = failure
+        print(f"bench_gpu: {failure}", file=sys.stderr)
+    return out
 
 
 def _best(acc, new):
     """Keep the smallest of each time (tuples elementwise), the largest of each rate."""
     for key, value in new.items():
-        if key not in acc or key == "memory":
-            acc[key] = value
+        if key not in acc or key in ("memory", "errors"):
+            acc[key] = value if key != "errors" else {**acc.get(key, {}), **value}
         elif isinstance(value, dict):
             _best(acc[key], value)
         elif isinstance(value, list):
@@ -321,57 +389,129 @@ def _best(acc, new):
     return acc
 
 
+def conv_flops(x_shape, w_shape, kw):
+    """Multiply-adds x 2 of one forward (NCHW x, (K, C, R, S) w): 2 N K P Q C R S."""
+    N, C, H, W = x_shape
+    K, _, R, S = w_shape
+    st, pad = kw.get("stride", 1), kw.get("padding", 0)
+    P, Q = (H + 2 * pad - R) // st + 1, (W + 2 * pad - S) // st + 1
+    return 2.0 * N * K * P * Q * C * R * S
+
+
+def _ratio(a, b):
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
 def tables(nf, pt, command, cfg):
     us = 1e6
     lines = [f"Command: `{command}`", "",
-             f"numbafuse device: {nf['device']}; PyTorch: " +
-             (pt.get("skipped") or pt["device"]) + ".", "",
+             f"numbafuse device: {nf.get('device', '?')}; PyTorch: " +
+             (pt.get("skipped") or f"{pt.get('device', '?')} ({pt.get('versions', '?')})")
+             + ".", "",
              f"Per call (wall time, synchronized once per {cfg['calls']} calls, best of "
              f"{cfg['call_repeats']} repeats), at x {cfg['digits']['x']} float32, w "
              f"{cfg['digits']['w']}:", "",
              "| call | numbafuse us | PyTorch us | numbafuse / PyTorch |", "|---|---:|---:|---:|"]
-    for key, t in nf["calls"].items():
+    for key, t in nf.get("calls", {}).items():
         p = pt.get("calls", {}).get(key)
         lines.append(f"| {key} | {t * us:.1f} | " + (f"{p * us:.1f} | {t / p:.2f}x |"
                                                      if p else "n/a | |"))
+    eager = pt.get("steps", {}).get("PyTorch eager")
     lines += ["", f"Training step of the digits ResNet ({cfg['model']}, batch "
               f"{cfg['digits']['batch']}, SGD momentum 0.9, weight decay 5e-4), ms per step "
-              f"over {cfg['steps']} steps:", "", "| implementation | ms/step |", "|---|---:|"]
-    for key, t in list(nf["steps"].items()) + list(pt.get("steps", {}).items()):
-        lines.append(f"| {key} | {t * 1e3:.3f} |")
-    lines += ["", f"numbafuse's pool after the run: {nf['memory']}", "",
-              f"Kernels (CUDA events, median). Copy ceiling: numbafuse process "
-              f"{nf['copy_gbs']:.0f} GB/s" + (f", PyTorch process {pt['copy_gbs']:.0f} GB/s"
-                                              if "copy_gbs" in pt else "")
-              + (f"; FP32 matmul (TF32 off) {pt['matmul_gflops']:.0f} GFLOP/s"
-                 if "matmul_gflops" in pt else "") + ".", "",
-              "| op | shape | implementation | fwd ms | fwd+bwd ms |", "|---|---|---|---:|---:|"]
-    rows = [(k + " | numbafuse", v) for k, v in nf["kernels"].items()]
-    rows += list(pt.get("kernels", {}).items())
-    for key, (f, b) in sorted(rows, key=lambda kv: kv[0]):
-        lines.append(f"| {key} | {f:.3f} | {b:.3f} |")
+              f"over {cfg['steps']} steps:", "",
+              "| implementation | ms/step | / PyTorch eager |", "|---|---:|---:|"]
+    for key, t in list(nf.get("steps", {}).items()) + list(pt.get("steps", {}).items()):
+        lines.append(f"| {key} | {t * 1e3:.3f} | {_ratio(t, eager)} |")
+    copy = nf.get("copy_gbs") or pt.get("copy_gbs")
+    lines += ["", f"numbafuse's pool after the run: {nf.get('memory')}", "",
+              "Copy ceiling (bytes read + written): "
+              + ", ".join(f"{who} process {r['copy_gbs']:.0f} GB/s"
+                          for who, r in (("numbafuse", nf), ("PyTorch", pt)) if "copy_gbs" in r)
+              + (f"; FP32 matmul (TF32 off) {pt['matmul_gflops'] / 1e3:.1f} TFLOP/s"
+                 if "matmul_gflops" in pt else "") + ".", ""]
+    # conv: numbafuse against cuDNN, both modes
+    lines += ["Conv-Bias-ReLU, float32 NCHW (CUDA events, median): time and TFLOP/s "
+              "(fwd: 2NKPQCRS; fwd+bwd: 3x that), and cuDNN's time over numbafuse's "
+              "(above 1: numbafuse faster):", "",
+              "| shape | numbafuse fwd ms | fwd+bwd ms | TFLOP/s fwd / fwd+bwd | "
+              "cuDNN FP32 fwd / fwd+bwd ms | vs FP32 fwd / fwd+bwd | "
+              "cuDNN TF32 fwd+bwd ms | vs TF32 fwd+bwd |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    kern, pk = nf.get("kernels", {}), pt.get("kernels", {})
+    for x_shape, w_shape, kw in cfg["conv"]:
+        key = _conv_key(x_shape, w_shape, kw)
+        f = kern.get(key)
+        c32, t32 = pk.get(key + FP32), pk.get(key + TF32)
+        fl = conv_flops(x_shape, w_shape, kw)
+        cell = (f"{f[0]:.3f} | {f[1]:.3f} | {fl / f[0] / 1e9:.1f} / {3 * fl / f[1] / 1e9:.1f}"
+                if f else "failed | | ")
+        lines.append(f"| x {x_shape}, w {w_shape}{', ' + str(kw) if kw else ''} | {cell} | "
+                     + (f"{c32[0]:.3f} / {c32[1]:.3f} | {_ratio(c32[0], f and f[0])} / "
+                        f"{_ratio(c32[1], f and f[1])}" if c32 else "n/a | ")
+                     + (f" | {t32[1]:.3f} | {_ratio(t32[1], f and f[1])} |" if t32
+                        else " | n/a | |"))
+    lines += ["", "BatchNorm-Add-ReLU, float32, training (CUDA events, median); bandwidth "
+              "counts the fewest bytes (fwd reads x, z and writes y: 3 elements; fwd+bwd adds "
+              "reading dy, x, y and writing dx, dz: 8 elements in all), as a share of the copy "
+              "ceiling:", "",
+              "| shape | layout | numbafuse fwd / fwd+bwd ms | PyTorch eager fwd / fwd+bwd ms "
+              "| PyTorch / numbafuse fwd / fwd+bwd | numbafuse % of copy fwd / fwd+bwd |",
+              "|---|---|---:|---:|---:|---:|"]
+    for shape, layout in cfg["bn"]:
+        key = _bn_key(shape, layout)
+        f, p = kern.get(key), pk.get(key + EAGER)
+        size = 1
+        for n in shape:
+            size *= n
+        share = ""
+        if f and copy:
+            share = (f"{100 * 12 * size / (f[0] * 1e-3) / 1e9 / copy:.0f}% / "
+                     f"{100 * 32 * size / (f[1] * 1e-3) / 1e9 / copy:.0f}%")
+        lines.append(f"| {shape} | {layout} | "
+                     + (f"{f[0]:.3f} / {f[1]:.3f}" if f else "failed") + " | "
+                     + (f"{p[0]:.3f} / {p[1]:.3f}" if p else "n/a") + " | "
+                     + (f"{_ratio(p[0], f[0])} / {_ratio(p[1], f[1])}" if f and p else "")
+                     + f" | {share} |")
+    errors = {**{f"numbafuse: {k}": v for k, v in nf.get("errors", {}).items()},
+              **{f"PyTorch: {k}": v for k, v in pt.get("errors", {}).items()}}
+    if errors:
+        lines += ["", "Failed measurements:", ""] + [f"- {k}: `{v}`" for k, v in errors.items()]
     return lines
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny shapes (simulator check)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true", help="tiny shapes (simulator check)")
+    mode.add_argument("--quick", action="store_true", help="fewer repeats (one short GPU call)")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3; "
-                   "1 with --smoke)")
+                   "2 with --quick, 1 with --smoke)")
+    p.add_argument("--worker-timeout", type=float, default=None, metavar="S",
+                   help="give up on a worker process after S seconds (its results so far kept)")
     p.add_argument("--markdown", metavar="FILE")
+    p.add_argument("--json", metavar="FILE", help="write the raw best-of results here")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--results", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    cfg = SMOKE if args.smoke else FULL
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    cfg = dict(smoke=SMOKE, quick=QUICK, full=FULL)[mode]
     if args.worker:
         global WARMUP
         WARMUP = 1 if args.smoke else WARMUP
-        print(json.dumps(WORKERS[args.worker](cfg)))
+        out = WORKERS[args.worker](cfg, args.results)
+        if args.results and not isinstance(out, Results):   # skipped: say why
+            with open(args.results, "w") as f:
+                json.dump(out, f)
         return
     nf, pt = {}, {}
-    for _ in range(args.rounds or (1 if args.smoke else 3)):
-        _best(nf, run_worker("numbafuse", args.smoke))
+    rounds = args.rounds or dict(smoke=1, quick=2, full=3)[mode]
+    for _ in range(rounds):
+        _best(nf, run_worker("numbafuse", mode, args.worker_timeout))
         if not pt.get("skipped"):
-            _best(pt, run_worker("torch", args.smoke))
+            _best(pt, run_worker("torch", mode, args.worker_timeout))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(numbafuse=nf, torch=pt), f, indent=1)
     _report.emit(tables(nf, pt, _report.command("bench_gpu.py"), cfg), args.markdown)
 
 

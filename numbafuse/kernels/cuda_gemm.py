@@ -192,7 +192,7 @@ def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, sto
     store_b = _unrolled_store(B_NK, B_NR, B_LK * SB, B_LR)
     epilogue = _unrolled_epilogue(tile, row_base, col_offset, store)
 
-    @kernel(fastmath=False, launch_bounds=THREADS, max_registers=tile.max_registers)
+    @kernel(fastmath=False, launch_bounds=THREADS, max_registers=tile.max_registers, cache=True)
     def gemm(src_a, src_b, aux, out, bias, geo, table):
         z = int32(cuda.blockIdx.z)
         n_rows, n_cols, k_lo, k_hi, e0, e1 = problem(geo, z)

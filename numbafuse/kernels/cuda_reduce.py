@@ -275,7 +275,7 @@ def channel_partials_kernel(kind, nhwc, finish=None):
     if not nhwc:
         walk = nchw_walk(kind)
 
-        @cuda.jit
+        @cuda.jit(cache=True)
         def nchw(a, b, aux, mask, mean, state_kind, C, B, partials, counters, fin):
             # (A, C, B) with A*C*B = a.size; block (part, c): its chunk of channel c's values
             buf_a = cuda.shared.array(BLOCK, float64)
@@ -304,7 +304,7 @@ def channel_partials_kernel(kind, nhwc, finish=None):
 
     walk = nhwc_walk(kind)
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def nhwc_kernel(a, b, aux, mask, mean, state_kind, C, B, partials, counters, fin):
         # (M, C, 1): block (part, channel group): lanes on channels, row groups on rows
         buf_a = cuda.shared.array(BLOCK, float64)

@@ -140,7 +140,7 @@ def _update_running(running_mean, running_var, mean, var, count, momentum):
 
 # --------------------------------------------------------------------------- fused forward
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _apply(x, z, has_z, mean, invstd, gamma, beta, relu, C, B, y, mask, want_mask):
     # x, z, y: (size,) flat; mean, invstd: (C,) float64; gamma, beta: (C,);
     # mask: (ceil(size/8),) uint8, bit j%8 of byte j//8 set where y[j] > 0
@@ -148,7 +148,7 @@ def _apply(x, z, has_z, mean, invstd, gamma, beta, relu, C, B, y, mask, want_mas
                 want_mask)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _apply_running(x, z, has_z, running_mean, running_var, eps, gamma, beta, relu, C, B, y,
                    mask, want_mask, mean, invstd):
     # inference: ``_apply`` with each channel's mean and invstd taken from the running
@@ -270,7 +270,7 @@ def _bwd_finalize(partials, nparts, gamma, invstd, count, training, ggamma, gbet
         c0[c] = _coef_0(gam, invstd[c], sg, count, training)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _bwd_apply(gy, x, mean, cg, cx, c0, state_kind, ystate, mask, C, B, gx, want_gx, gz,
                want_gz):
     # gy, x, ystate, gx, gz: (size,) flat; per-channel float64 mean and coefficients (C,)

@@ -59,7 +59,7 @@ def _axpby(a, x, b, y, out):
 SGD_T, SGD_LO, SGD_HI, SGD_OFF, SGD_FIRST = range(5)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _sgd(p, buf, grads, table, lr, momentum, wd, one):
     # p, buf: (n,) flat parameters and momentum buffers of one dtype, updated in place;
     # grads: a tuple of (n_t,) gradients; table: (rows, 5) int64, one row per chunk of a

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One call on a lent GPU (an H100 or H200) gives every figure of the CUDA backend:
+#
+#   bash benchmarks/gpu_check.sh            (from the repository root; OUT: where logs go)
+#
+#   env        the card, driver and versions
+#   precompile every CUDA kernel compiled once, in parallel, into NUMBA_CACHE_DIR; then a
+#              second process times a warm start (conv fwd+bwd and batch norm, from the cache)
+#   tests      the CUDA tests for real (pytest -m cuda, several processes)
+#   torch      numbafuse.torch on CUDA tensors against torch's own ops
+#   bench      benchmarks/bench_gpu.py --quick (numbafuse and PyTorch each in its own process)
+#   memcheck   compute-sanitizer memcheck on every fused op and a few training steps
+#   racecheck  compute-sanitizer racecheck and synccheck on every fused op
+#
+# The device image lacks what numba-cuda needs (NumPy < 2.5): carry the wheels in .whl/
+# (see docs/bench_gpu.md) and they are installed into /tmp/site first. Each section runs under
+# its own time limit inside one overall budget (GPU_CHECK_SECONDS, default 540); a failing
+# section loses nothing else. In $OUT: sections.log (every section's output in turn),
+# summary.txt (what is printed last), bench_gpu.md and bench_gpu.json.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+BUDGET=${GPU_CHECK_SECONDS:-540}
+START=$SECONDS
+export PYTHONUNBUFFERED=1
+export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numbafuse-cache}
+JOBS=${GPU_CHECK_JOBS:-$(( $(nproc) > 2 ? $(nproc) - 2 : 1 ))}
+SUMMARY="$OUT/summary.txt"
+LOGS=$(mktemp -d)
+: > "$SUMMARY"
+
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl 2>&1 | tail -n 3
+    export PYTHONPATH=/tmp/site:$(pwd)
+else
+    export PYTHONPATH=$(pwd)
+fi
+
+section() {  # section NAME LIMIT_S COMMAND...: run it, log it, one summary line
+    local name=$1 limit=$2 left rc t0
+    shift 2
+    left=$(( BUDGET - (SECONDS - START) ))
+    if [ "$left" -lt 20 ]; then
+        echo "=== $name: skipped, budget spent" | tee -a "$SUMMARY"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    t0=$SECONDS
+    echo "=== $name (limit $limit s)"
+    timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    rc=$?
+    echo "=== $name: rc $rc in $(( SECONDS - t0 )) s$([ $rc -eq 124 ] && echo ' (TIMED OUT)')" \
+        | tee -a "$SUMMARY"
+    { echo "################ $name (rc $rc)"; cat "$LOGS/$name.log"; } >> "$OUT/sections.log"
+    tail -n "${TAIL:-6}" "$LOGS/$name.log" | cut -c1-400 | sed 's/^/    /' >> "$SUMMARY"
+}
+
+section env 30 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv;
+    python3 -c "import sys, numpy, numba, importlib.metadata as m; print(sys.version.split()[0], \"numpy\", numpy.__version__, \"numba\", numba.__version__, *(p + \" \" + m.version(p) for p in (\"numba-cuda\", \"cuda-core\", \"cuda-bindings\", \"torch\")))";
+    nproc; lscpu | grep "Model name"; which compute-sanitizer'
+
+section precompile 150 python3 -m numbafuse.precompile --cuda -j "$JOBS"
+section warm 60 python3 -c '
+import time; t0 = time.perf_counter()
+import numpy as np, numbafuse as nf
+from numbafuse import cuda as c
+x = c.to_device(np.random.default_rng(0).standard_normal((8, 16, 32, 32)).astype(np.float32))
+w = c.to_device(np.random.default_rng(1).standard_normal((16, 16, 3, 3)).astype(np.float32))
+y = nf.conv_bias_relu(x, w, padding=1); g = nf.conv_bias_relu_backward(y, x, w, y, padding=1)
+y2 = nf.batchnorm_add_relu(x, x, c.to_device(np.ones(16, np.float32)), c.to_device(np.zeros(16, np.float32)))
+c.numba_cuda.synchronize(); print(f"warm import + conv fwd/bwd + batch norm: {time.perf_counter() - t0:.2f} s")'
+
+TAIL=12 section tests 200 python3 -m pytest -m cuda -q -n 8 -p no:cacheprovider \
+    --timeout 120 --maxfail 40 --durations 10 -W ignore::DeprecationWarning
+section torch 60 python3 benchmarks/gpu_sanitize.py torch
+TAIL=70 section bench 220 python3 benchmarks/bench_gpu.py --quick --worker-timeout 100 \
+    --markdown "$OUT/bench_gpu.md" --json "$OUT/bench_gpu.json"
+SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
+    /opt/nvidia/*/compute-sanitizer 2> /dev/null | head -n 1)
+SAN="${SANITIZER:-compute-sanitizer} --error-exitcode 9 --print-limit 20"
+section memcheck 90 bash -c "$SAN --tool memcheck python3 benchmarks/gpu_sanitize.py ops &&
+    $SAN --tool memcheck python3 benchmarks/gpu_sanitize.py train"
+section racecheck 90 bash -c "$SAN --tool racecheck python3 benchmarks/gpu_sanitize.py ops &&
+    $SAN --tool synccheck python3 benchmarks/gpu_sanitize.py ops"
+
+echo "=== gpu_check: $(( SECONDS - START )) s in all" | tee -a "$SUMMARY"
+echo; echo "################ SUMMARY"; cat "$SUMMARY"
