@@ -111,6 +111,8 @@ class Results(dict):
             os.replace(self.path + ".tmp", self.path)
 
     def measure(self, section, key, fn):
+        t0 = time.perf_counter()
+        print(f"bench_gpu: {key} ...", file=sys.stderr, flush=True)   # where a hang is
         try:
             value = fn()
             if section is None:
@@ -119,6 +121,8 @@ class Results(dict):
                 self[section][key] = value
         except Exception as exc:   # kept in the report, never hidden
             self["errors"][f"{section or ''} {key}".strip()] = f"{type(exc).__name__}: {exc}"[:600]
+        print(f"bench_gpu: {key} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+              flush=True)
         self.save()
 
 
@@ -355,13 +359,19 @@ def run_worker(name, mode, timeout=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--results", path]
     cmd += [f"--{mode}"] if mode != "full" else []
     env = dict(os.environ) if name == "numbafuse" else _torch_env()
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False,
-                              timeout=timeout)
-        failure = None if done.returncode == 0 else \
-            f"the {name} worker exited {done.returncode}: {done.stderr[-1500:]}"
-    except subprocess.TimeoutExpired:
-        failure = f"the {name} worker ran past {timeout} s"
+    with tempfile.TemporaryFile("w+") as err:
+        try:
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                  env=env, check=False, timeout=timeout)
+            failure = None if done.returncode == 0 else f"the {name} worker exited " \
+                                                        f"{done.returncode}"
+        except subprocess.TimeoutExpired:
+            failure = f"the {name} worker ran past {timeout} s"
+        if failure:
+            err.seek(0)
+            lines = [ln for ln in err.read().splitlines() if "Warning" not in ln
+                     and "warn(" not in ln]
+            failure += ": " + "\n".join(lines[-12:])
     try:
         with open(path) as f:
             text = f.read()

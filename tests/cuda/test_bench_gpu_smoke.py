@@ -4,9 +4,15 @@ worker processes, one per library (the torch worker reports itself skipped here)
 import importlib.util
 import os
 
+import pytest
+
 HERE = os.path.dirname(__file__)
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="on a GPU the benchmark itself runs "
+                    "(benchmarks/gpu_check.sh); its smoke shapes and tiny tiles would only "
+                    "compile kernels no one uses")
 def test_bench_gpu_smoke(capsys):
     path = os.path.join(HERE, "..", "..", "benchmarks", "bench_gpu.py")
     spec = importlib.util.spec_from_file_location("bench_gpu", path)

@@ -28,13 +28,14 @@ def test_sum_is_deterministic_and_right(rng):
     assert a.tobytes() == b.tobytes()
 
 
-@pytest.mark.parametrize("view", ["2d transpose", "3d strided slice", "4d strided slice"])
+@pytest.mark.parametrize("view", ["2d strided slice", "3d strided slice", "4d strided slice"])
 def test_contiguous_copy_of_a_strided_view(view, rng):
-    # Only views numba-cuda makes on a real device: .T of a 2-d array and strided slices
-    # (.T of a 3/4-d device array works in the simulator alone).
-    if view == "2d transpose":
-        x = rng.standard_normal((5, 3))
-        t, expected = cuda.to_device(x).T, x.T
+    # Only views numba-cuda makes on a real device: strided slices. (.T of a device array is
+    # no view there: numba-cuda copies a 2-d one into a new C-contiguous array, seen on an
+    # H100, and refuses 3/4-d ones, which the simulator alone allows.)
+    if view == "2d strided slice":
+        x = rng.standard_normal((5, 7))
+        t, expected = cuda.to_device(x)[1:, ::3], x[1:, ::3]
     elif view == "3d strided slice":
         x = rng.standard_normal((2, 7, 4))
         t, expected = cuda.to_device(x)[:, ::2, 1:], x[:, ::2, 1:]

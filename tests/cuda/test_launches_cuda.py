@@ -157,17 +157,16 @@ def _allocations_after(steps, model, opt, xb, yb):
 
 
 def steady_state(model, opt, xb, yb, warm=2, more=2):
-    """(allocations after ``warm`` steps, after ``more`` further steps, requests made in
-    those)."""
-    first = _allocations_after(warm, model, opt, xb, yb)
-    later = _allocations_after(more, model, opt, xb, yb)
-    return first["allocations"], later["allocations"], later["requests"] - first["requests"]
+    """(pool counters after ``warm`` steps, after ``more`` further steps)."""
+    return (_allocations_after(warm, model, opt, xb, yb),
+            _allocations_after(more, model, opt, xb, yb))
 
 
 def test_steady_state_training_makes_no_new_allocation(fast_gemms):
-    before, after, requests = steady_state(*_digits_step_setup())
-    assert requests > 50                             # the steps did ask the pool for memory
-    assert after == before
+    before, after = steady_state(*_digits_step_setup())
+    assert after["requests"] - before["requests"] > 50    # the steps did ask the pool
+    assert after["allocations"] == before["allocations"]
+    assert after["bytes_in_use"] == before["bytes_in_use"]   # nothing kept alive
 
 
 def test_a_planted_leak_is_caught(fast_gemms, monkeypatch):
@@ -179,5 +178,7 @@ def test_a_planted_leak_is_caught(fast_gemms, monkeypatch):
         kept.append(a)
         return a
     monkeypatch.setattr(bn_cuda, "_empty", leaky)
-    before, after, _ = steady_state(*_digits_step_setup())
-    assert after > before
+    before, after = steady_state(*_digits_step_setup())
+    # CUDA's pool reserves memory in large chunks, so a small leak need not reserve more
+    # (it did not on an H100); the bytes held by live arrays grow whatever the pool
+    assert after["bytes_in_use"] > before["bytes_in_use"]
