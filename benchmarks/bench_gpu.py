@@ -158,24 +158,30 @@ def numbafuse_worker(cfg, path=None):
     def empty_kernel(a):
         pass
 
+    from numbafuse.kernels.cuda_launch import launch
     n, reps = cfg["calls"], cfg["call_repeats"]
-    out.measure("calls", "conv_bias_relu forward", lambda: best_per_call(
-        lambda: nf.conv_bias_relu(x, w, b, padding=1), n, reps, sync))
-    out.measure("calls", "batchnorm_add_relu forward (training)", lambda: best_per_call(
-        lambda: nf.batchnorm_add_relu(x, z, gamma, beta, running_mean=rm, running_var=rv),
-        n, reps, sync))
-    out.measure("calls", "an empty kernel launch", lambda: best_per_call(
-        lambda: empty_kernel[1, 1](one), n, reps, sync))
-
-    # training step of the digits ResNet
     xb = dev(rng.standard_normal((d["batch"], 8, 8, 1)).astype(np.float32))
     yb = dev(rng.integers(0, 10, d["batch"]))
-    for kind in ("fused", "unfused"):
-        def step_time(kind=kind):
-            model = models.make_model(kind, **cfg["model"]).to("cuda")
-            opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-            return best_per_call(lambda: train_step(model, opt, xb, yb), cfg["steps"], 1, sync)
-        out.measure("steps", f"numbafuse {kind}", step_time)
+    # every per-call and training-step figure with numbafuse's prepared launches, and with
+    # numba's own launch for comparison (the simulator has numba's alone)
+    for mode in (("prepared", "numba") if not nfcuda.SIMULATOR else ("numba",)):
+        cuda_config.launch = mode
+        tag = NUMBA_LAUNCH if mode == "numba" and not nfcuda.SIMULATOR else ""
+        out.measure("calls", "conv_bias_relu forward" + tag, lambda: best_per_call(
+            lambda: nf.conv_bias_relu(x, w, b, padding=1), n, reps, sync))
+        out.measure("calls", "batchnorm_add_relu forward (training)" + tag,
+                    lambda: best_per_call(lambda: nf.batchnorm_add_relu(
+                        x, z, gamma, beta, running_mean=rm, running_var=rv), n, reps, sync))
+        out.measure("calls", "an empty kernel launch" + tag, lambda: best_per_call(
+            lambda: launch(empty_kernel, 1, 1, one), n, reps, sync))
+        for kind in ("fused", "unfused"):
+            def step_time(kind=kind):
+                model = models.make_model(kind, **cfg["model"]).to("cuda")
+                opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+                return best_per_call(lambda: train_step(model, opt, xb, yb), cfg["steps"], 1,
+                                     sync)
+            out.measure("steps", f"numbafuse {kind}" + tag, step_time)
+    cuda_config.launch = "prepared"
     out.measure(None, "memory", nfcuda.memory_stats)
 
     # kernels at the shapes of issue 16
@@ -334,6 +340,7 @@ def torch_worker(cfg, path=None):
     return out
 
 
+NUMBA_LAUNCH = " [numba launch]"
 FP32 = " | cuDNN FP32 (TF32 off)"
 TF32 = " | cuDNN TF32 (PyTorch default)"
 EAGER = " | PyTorch eager"
@@ -423,7 +430,7 @@ def tables(nf, pt, command, cfg):
              f"{cfg['digits']['w']}:", "",
              "| call | numbafuse us | PyTorch us | numbafuse / PyTorch |", "|---|---:|---:|---:|"]
     for key, t in nf.get("calls", {}).items():
-        p = pt.get("calls", {}).get(key)
+        p = pt.get("calls", {}).get(key.replace(NUMBA_LAUNCH, ""))
         lines.append(f"| {key} | {t * us:.1f} | " + (f"{p * us:.1f} | {t / p:.2f}x |"
                                                      if p else "n/a | |"))
     eager = pt.get("steps", {}).get("PyTorch eager")

@@ -8,6 +8,7 @@ force tiny inputs across several blocks. A kernel never assumes more threads per
 """
 
 import dataclasses
+import os
 
 import numpy as np
 
@@ -53,6 +54,14 @@ CONV_TILES = {
     ("dx", "float64"): Tile(64, 64, 8, 4, 4, 2),
     ("dw", "float64"): Tile(64, 64, 8, 4, 4, 2),
 }
+# A GEMM with at most NARROW_COLS columns (forward: K filters; dx: C input channels) takes the
+# narrow float32 tiling: with 64 columns a 128 x 128 tile wastes half its multiply-adds (three
+# of the four benchmark shapes have K = 64).
+NARROW_COLS = 64
+CONV_TILES_NARROW = {
+    ("fwd", "float32"): Tile(128, 64, 8, 8, 4, 4),
+    ("dx", "float32"): Tile(128, 64, 8, 8, 4, 4),
+}
 # Tests shrink every conv tiling to this one (the simulator runs each thread in Python).
 TINY_TILE = Tile(8, 8, 4, 2, 2, 2)
 tile_override = None     # a Tile used for every conv pass and dtype when set (tests)
@@ -61,11 +70,15 @@ dw_target_blocks = 512   # dw: (tile, split) blocks to aim for (fills a GPU a fe
 dw_max_splits = 256      # dw: at most this many splits of M (partials memory: splits*K*CRS)
 
 
-def conv_tile(kind: str, dtype) -> Tile:
-    """The tiling of conv pass ``kind`` ("fwd", "dx", "dw") at ``dtype``."""
+def conv_tile(kind: str, dtype, cols: int | None = None) -> Tile:
+    """The tiling of conv pass ``kind`` ("fwd", "dx", "dw") at ``dtype`` for a GEMM of
+    ``cols`` output columns (None: the wide tiling)."""
     if tile_override is not None:
         return tile_override.check()
-    return CONV_TILES[(kind, np.dtype(dtype).name)].check()
+    key = (kind, np.dtype(dtype).name)
+    if cols is not None and cols <= NARROW_COLS and key in CONV_TILES_NARROW:
+        return CONV_TILES_NARROW[key].check()
+    return CONV_TILES[key].check()
 
 
 # Compile-time constants (shared-array shapes).
@@ -78,6 +91,15 @@ max_blocks = 1024    # grid-stride kernels never launch more blocks than this
 reduce_blocks = 64   # blocks of per-block partials in a two-stage deterministic reduction
 max_grid_y = 65535   # hardware limit of gridDim.y; kernels with a y grid stride over the rest
 sgd_chunk = 8192     # elements of one parameter per block row of the fused SGD step
+
+
+# How kernels are launched (kernels/cuda_launch.py): "prepared" (numbafuse lays out the
+# arguments, cuda.core launches) or "numba" (numba's kernel[grid, block](...)). The simulator
+# always takes numba's path.
+LAUNCHES = ("prepared", "numba")
+launch = os.environ.get("NUMBAFUSE_CUDA_LAUNCH", "prepared")
+if launch not in LAUNCHES:
+    raise ValueError(f"NUMBAFUSE_CUDA_LAUNCH must be one of {LAUNCHES}, got {launch!r}")
 
 
 def block_threads() -> int:

@@ -33,6 +33,7 @@ from numba import boolean, float32, float64, int32, int64, types, uint32
 from ..cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
 
 from . import cuda_config as config
+from .cuda_launch import launch
 from .batchnorm import math as bm
 from .batchnorm.math import STATE_MASK, STATE_NONE, STATE_Y  # noqa: F401
 from .scalar import cuda_scalar
@@ -374,7 +375,8 @@ def channel_partials(kind, a, b, aux, mask, mean, state_kind, layout, empty, fin
     parts = max(1, min(config.reduce_blocks, -(-(A * B) // per_block)))
     partials = empty((C, parts, 2), np.float64)
     rows = -(-C // min(WARP, threads)) if nhwc else C
-    channel_partials_kernel(kind, nhwc, finish)[(parts, min(rows, config.max_grid_y)), threads](
+    launch(channel_partials_kernel(kind, nhwc, finish), (parts, min(rows, config.max_grid_y)),
+           threads,
         a.reshape(a.size), b.reshape(b.size), aux.reshape(aux.size), mask, mean, state_kind,
         C, B, partials, counters(rows), fin)
     return partials, parts
@@ -389,7 +391,7 @@ def counters(n):
     if not _COUNTERS or _COUNTERS[0].size < n:
         size = 1 << max(4, (max(n, 1) - 1).bit_length())
         array = pool_empty(size, np.int32)
-        _zero_int[config.grid_1d(size)](array)
+        launch(_zero_int, *config.grid_1d(size), array)
         _COUNTERS[:] = [array]
     return _COUNTERS[0]
 
@@ -429,7 +431,7 @@ def channel_sums(gy, y, layout, empty=None):
         return out
     if gy.size == 0:                                    # N, H or W is 0: the sums are 0
         zeros = empty((C, 1, 2), np.float64)
-        _zero3[config.grid_1d(C)](zeros)
+        launch(_zero3, *config.grid_1d(C), zeros)
         partials = zeros
     else:
         state = STATE_Y if y is not None else STATE_NONE
@@ -437,7 +439,7 @@ def channel_sums(gy, y, layout, empty=None):
         channel_partials(ELEM_GRAD, gy, gy, aux, _NO_MASK(), _NO_MEAN(), state, layout,
                          empty, _finish_sums, (out,))    # finished in the same launch
         return out
-    _finalize_sums[config.grid_1d(C)](partials, out)
+    launch(_finalize_sums, *config.grid_1d(C), partials, out)
     return out
 
 

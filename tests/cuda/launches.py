@@ -1,9 +1,8 @@
 """Counting kernel launches (and the raw argument values numba prepares for them).
 
-``with recording() as rec: ...`` records every kernel launch made inside: under the simulator
-by wrapping ``FakeCUDAKernel.__call__`` (device-function calls inside kernels are not
-launches and are not recorded), on a GPU by wrapping ``CUDADispatcher.call`` (the one path
-``kernel[grid, block](...)`` takes). ``rec.names`` lists the kernels in launch order,
+``with recording() as rec: ...`` records every kernel launch made inside, through the one
+function every numbafuse launch goes through (``numbafuse.kernels.cuda_launch.launch``, its
+``observe`` hook), under the simulator and on a GPU alike. ``rec.names`` lists the kernels in launch order,
 ``rec.raw_values`` the values numba's argument preparation produces for them: an array is
 its meminfo, parent, size, itemsize, data pointer, shape and strides (5 + 2*ndim values), a
 tuple the sum of its members, a scalar one value. That is the host work numba redoes at every
@@ -57,42 +56,14 @@ def _name(fn):
 @contextlib.contextmanager
 def recording():
     """Record the kernel launches made inside the block (see the module docstring)."""
+    from numbafuse.kernels import cuda_launch
     rec = Recorder()
-    if SIMULATOR:
-        from numba.cuda.simulator import kernel as sim
 
-        real = sim.FakeCUDAKernel.__call__
-
-        def call(self, *args):
-            if not (self._device or sim._kernel_context):
-                name = self.__dict__.get("__name__") or _name(self.fn)   # factories rename
-                rec.launches.append((name, sum(raw_values(a) for a in args)))
-            return real(self, *args)
-
-        sim.FakeCUDAKernel.__call__ = call
-        try:
-            yield rec
-        finally:
-            sim.FakeCUDAKernel.__call__ = real
-        return
-    from numba.cuda.dispatcher import CUDADispatcher
-
-    real_call = CUDADispatcher.call
-
-    depth = [0]
-
-    def dispatch(self, args, launch_config):
-        if depth[0] == 0:        # a dispatcher may hand the call on to another one
-            name = self.__dict__.get("__name__") or _name(self.py_func)  # factories rename
-            rec.launches.append((name, sum(raw_values(a) for a in args)))
-        depth[0] += 1
-        try:
-            return real_call(self, args, launch_config)
-        finally:
-            depth[0] -= 1
-
-    CUDADispatcher.call = dispatch
+    def seen(kernel, args):
+        name = kernel.__dict__.get("__name__") or _name(getattr(kernel, "py_func", kernel))
+        rec.launches.append((name, sum(raw_values(a) for a in args)))
+    stop = cuda_launch.observe(seen)
     try:
         yield rec
     finally:
-        CUDADispatcher.call = real_call
+        stop()

@@ -20,6 +20,7 @@ from numba import float64, int32, int64, uint8, uint32
 from ...cuda import empty, numba_cuda as cuda, to_device
 
 from .. import cuda_config as config
+from ..cuda_launch import launch
 from .. import scalar
 from ..cuda_reduce import block_sum
 from . import math as basic_math
@@ -123,7 +124,7 @@ def _matmul(a, b, bias, trans_a, trans_b, shape):
     blocks = max(1, min(config.max_blocks, n_tiles))
     has_bias = bias is not None
     bias = bias if has_bias else out.reshape(out.size)  # never read: a placeholder of the type
-    _matmul_tiled[blocks, (TILE, TILE)](a, b, bias, out, int(trans_a), int(trans_b),
+    launch(_matmul_tiled, blocks, (TILE, TILE), a, b, bias, out, int(trans_a), int(trans_b),
                                         int(has_bias))
     return out
 
@@ -143,7 +144,7 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
     if need_gb:
         gb = empty(w.shape[0], gy.dtype)
         blocks, threads = config.grid_1d(w.shape[0])
-        _column_sums[blocks, threads](gy, gb)
+        launch(_column_sums, blocks, threads, gy, gb)
     return gx, gw, gb
 
 
@@ -202,7 +203,7 @@ def max_pool2d_forward(x, g):
     argmax = empty(g.y_shape, g.argmax_dtype)
     if y.size:
         blocks, threads = config.grid_1d(y.size)
-        _max_pool_fwd[blocks, threads](x.reshape(x.size), y.reshape(y.size),
+        launch(_max_pool_fwd, blocks, threads, x.reshape(x.size), y.reshape(y.size),
                                        argmax.reshape(argmax.size), g.C, g.P, g.Q, g.kh, g.kw,
                                        g.sh, g.sw, *g.x_strides, int(g.layout == "NHWC"))
     return y, argmax
@@ -213,7 +214,7 @@ def max_pool2d_backward(gy, argmax, g, dtype):
     gx = empty(g.x_shape, dtype)
     if gx.size:
         blocks, threads = config.grid_1d(gx.size)
-        _max_pool_bwd[blocks, threads](gy.reshape(gy.size), argmax.reshape(argmax.size),
+        launch(_max_pool_bwd, blocks, threads, gy.reshape(gy.size), argmax.reshape(argmax.size),
                                        gx.reshape(gx.size), g.C, g.H, g.W, g.P, g.Q, g.kh, g.kw,
                                        g.sh, g.sw, *g.y_strides, int(g.layout == "NHWC"))
     return gx
@@ -251,7 +252,7 @@ def _gap_bwd(gy, gx, C, H, W, xs_n, xs_c, xs_h, xs_w):
 def global_avg_pool2d_forward(x, g):
     y = empty((g.N, g.C), x.dtype)
     blocks, threads = config.grid_1d(y.size)
-    _gap_fwd[blocks, threads](x.reshape(x.size), y.reshape(y.size), g.C, g.H, g.W,
+    launch(_gap_fwd, blocks, threads, x.reshape(x.size), y.reshape(y.size), g.C, g.H, g.W,
                               *g.x_strides)
     return y
 
@@ -260,7 +261,7 @@ def global_avg_pool2d_forward(x, g):
 def global_avg_pool2d_backward(gy, g, dtype):
     gx = empty(g.x_shape, dtype)
     blocks, threads = config.grid_1d(gx.size)
-    _gap_bwd[blocks, threads](gy.reshape(gy.size), gx.reshape(gx.size), g.C, g.H, g.W,
+    launch(_gap_bwd, blocks, threads, gy.reshape(gy.size), gx.reshape(gx.size), g.C, g.H, g.W,
                               *g.x_strides)
     return gx
 
@@ -314,7 +315,7 @@ def count_bad_labels(labels, L):
     refusing bad labels with a ValueError needs a host-side answer."""
     flag = to_device(np.zeros(1, np.int32))
     blocks, threads = config.grid_1d(labels.size)
-    _flag_bad_labels[blocks, threads](labels, L, flag)
+    launch(_flag_bad_labels, blocks, threads, labels, L, flag)
     return int(flag.copy_to_host()[0])
 
 
@@ -324,9 +325,9 @@ def cross_entropy_forward(logits, labels):
     N = logits.shape[0]
     nll, lse = empty(N, np.float64), empty(N, np.float64)
     blocks, threads = config.grid_1d(N)
-    _xent_rows[blocks, threads](logits, labels, nll, lse)
+    launch(_xent_rows, blocks, threads, logits, labels, nll, lse)
     loss = empty(1, logits.dtype)
-    _mean_one_block[1, config.block_threads()](nll, 1.0 / N, loss)
+    launch(_mean_one_block, 1, config.block_threads(), nll, 1.0 / N, loss)
     return loss.reshape(()), lse
 
 
@@ -334,7 +335,7 @@ def cross_entropy_forward(logits, labels):
 def cross_entropy_backward(gy, logits, labels, lse):
     glogits = empty(logits.shape, logits.dtype)         # (N, L)
     blocks, threads = config.grid_1d(glogits.size)
-    _xent_bwd[blocks, threads](logits, labels, lse, gy.reshape(1), 1.0 / logits.shape[0],
+    launch(_xent_bwd, blocks, threads, logits, labels, lse, gy.reshape(1), 1.0 / logits.shape[0],
                                glogits)
     return glogits
 
@@ -344,7 +345,7 @@ def relu_forward(x):
     y = empty(x.shape, x.dtype)
     if y.size:
         blocks, threads = config.grid_1d(y.size)
-        _relu_fwd[blocks, threads](x.reshape(x.size), y.reshape(y.size))   # (n,) views
+        launch(_relu_fwd, blocks, threads, x.reshape(x.size), y.reshape(y.size))   # (n,) views
     return y
 
 
@@ -353,7 +354,8 @@ def relu_backward(gy, y):
     gx = empty(y.shape, y.dtype)
     if gx.size:
         blocks, threads = config.grid_1d(gx.size)
-        _relu_bwd[blocks, threads](gy.reshape(gy.size), y.reshape(y.size), gx.reshape(gx.size))
+        launch(_relu_bwd, blocks, threads, gy.reshape(gy.size), y.reshape(y.size),
+               gx.reshape(gx.size))
     return gx
 
 

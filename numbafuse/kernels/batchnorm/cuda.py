@@ -42,6 +42,7 @@ from . import math as bm
 from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from ..scalar import cuda_scalar
 from .. import cuda_config as config
+from ..cuda_launch import launch
 from .. import cuda_reduce as reduce
 
 BLOCK = config.BLOCK
@@ -359,15 +360,14 @@ def stats_update(x, layout, eps, running_mean, running_var, momentum):
 def inference_stats(running_mean, running_var, eps):
     C = running_mean.shape[0]
     mean, invstd = _empty(C, np.float64), _empty(C, np.float64)
-    _inference_stats[config.grid_1d(C)](kernels.contiguous(running_mean),
-                                        kernels.contiguous(running_var), float(eps),
-                                        mean, invstd)
+    launch(_inference_stats, *config.grid_1d(C), kernels.contiguous(running_mean),
+           kernels.contiguous(running_var), float(eps), mean, invstd)
     return mean, invstd
 
 
 def update_running(running_mean, running_var, mean, var, count, momentum):
     """In place on the device (contiguous running statistics)."""
-    _update_running[config.grid_1d(mean.shape[0])](
+    launch(_update_running, *config.grid_1d(mean.shape[0]),
         backend.as_device_array(running_mean), backend.as_device_array(running_var), mean, var,
         float(count), float(momentum))
 
@@ -380,9 +380,8 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     if x.size:
         flat = x.reshape(x.size)                                  # (size,)
         zf = flat if z is None else z.reshape(z.size)             # x stands in for "no z"
-        _apply[_flat_grid(x.size, C, B)](flat, zf, z is not None, mean, invstd, gamma, beta,
-                                         bool(relu), C, B, y.reshape(y.size), mask,
-                                         bool(want_mask))
+        launch(_apply, *_flat_grid(x.size, C, B), flat, zf, z is not None, mean, invstd, gamma,
+               beta, bool(relu), C, B, y.reshape(y.size), mask, bool(want_mask))
     return y, (mask if want_mask else None)
 
 
@@ -397,7 +396,7 @@ def apply_running(x, running_mean, running_var, eps, gamma, beta, z, relu, layou
     zf = flat if z is None else z.reshape(z.size)                 # x stands in for "no z"
     blocks, threads = _flat_grid(x.size, C, B)
     blocks = max(blocks, -(-C // threads))                         # and C threads for the stats
-    _apply_running[blocks, threads](
+    launch(_apply_running, blocks, threads,
         flat, zf, z is not None, kernels.contiguous(running_mean),
         kernels.contiguous(running_var), float(eps), gamma, beta, bool(relu), C, B,
         y.reshape(y.size), mask, bool(want_mask), mean, invstd)
@@ -430,22 +429,22 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
             _finish_bwd, (gamma, invstd, count, bool(training), ggamma, gbeta, coefs))
     else:  # inference dx/dz only (the coefficients need no sums), or nothing to sum
         partials = _empty((C, 1, 2), np.float64)
-        _bwd_finalize[config.grid_1d(C)](partials, 0, gamma, invstd, count,
-                                         bool(training), ggamma, gbeta, cg, cx, c0)
+        launch(_bwd_finalize, *config.grid_1d(C), partials, 0, gamma, invstd, count,
+               bool(training), ggamma, gbeta, cg, cx, c0)
     if sync is not None:           # synchronized: the dx coefficients from the global sums
         local = (partials.copy_to_host()[:, :parts].sum(axis=1) if parts
                  else np.zeros((C, 2)))                           # (C, 2) float64
         total, global_count = sync(np.ascontiguousarray(local.T))  # (2, C): sum g, g*(x-m)
         total = np.ascontiguousarray(np.asarray(total).T.reshape(C, 1, 2))
-        _bwd_finalize[config.grid_1d(C)](backend.to_device(total), 1, gamma, invstd,
-                                         float(global_count), bool(training), _empty(C, dtype),
-                                         _empty(C, dtype), cg, cx, c0)
+        launch(_bwd_finalize, *config.grid_1d(C), backend.to_device(total), 1, gamma, invstd,
+               float(global_count), bool(training), _empty(C, dtype), _empty(C, dtype), cg, cx,
+               c0)
     gx = gz = None
     if need_gx or need_gz:
         gx = _empty(x.shape if need_gx else 1, dtype)
         gz = _empty(x.shape if need_gz else 1, dtype)
         if x.size:
-            _bwd_apply[_flat_grid(x.size, C, B)](
+            launch(_bwd_apply, *_flat_grid(x.size, C, B),
                 gy.reshape(gy.size), x.reshape(x.size), mean, cg, cx, c0, state_kind,
                 ystate.reshape(ystate.size), mask, C, B, gx.reshape(gx.size), bool(need_gx),
                 gz.reshape(gz.size), bool(need_gz))

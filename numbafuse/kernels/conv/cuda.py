@@ -40,6 +40,7 @@ from numba import float64, int32, types, uint32
 from ...cuda import empty as pool_empty, numba_cuda as cuda
 
 from .. import cuda_config as config
+from ..cuda_launch import launch
 from .. import cuda_gemm as gemm
 from .. import cuda_reduce as reduce
 from ..elementwise.cuda import fill
@@ -404,8 +405,8 @@ def _empty(shape, dtype):
     return pool_empty(shape, dtype)
 
 
-def _tile(kind, dtype):
-    return config.conv_tile(kind, np.dtype(dtype))
+def _tile(kind, dtype, cols=None):
+    return config.conv_tile(kind, np.dtype(dtype), cols)
 
 
 def _geometry_key(geom):
@@ -417,11 +418,11 @@ def conv_forward(x, w, b, geom, relu):
     y = _empty(geom.y_shape, x.dtype)
     if y.size == 0:
         return y
-    tile = _tile("fwd", x.dtype)
+    tile = _tile("fwd", x.dtype, geom.K)
     has_bias = b is not None
     geo, table, grid = forward_plan(_geometry_key(geom), tile, has_bias, bool(relu))
     kern = gemm_kernel("fwd", geom.layout, tile)
-    kern[grid, tile.threads](_flat(x), _flat(w), _flat(x), _flat(y),
+    launch(kern, grid, tile.threads, _flat(x), _flat(w), _flat(x), _flat(y),
                              _flat(b) if has_bias else _flat(w), geo, table)
     return y
 
@@ -436,9 +437,9 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     if need_dx:
         dx = _empty(geom.x_shape, gy.dtype)
         if dx.size and gy.size:
-            tile = _tile("dx", gy.dtype)
+            tile = _tile("dx", gy.dtype, geom.C)
             geo, table, grid = dx_plan(_geometry_key(geom), tile, use_mask)
-            gemm_kernel("dx", geom.layout, tile)[grid, tile.threads](
+            launch(gemm_kernel("dx", geom.layout, tile), grid, tile.threads,
                 gy_f, _flat(w), y_f, _flat(dx), gy_f, geo, table)
         elif dx.size:
             fill(dx, 0.0)
@@ -449,10 +450,10 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
             geo, table, grid, n_splits = dw_plan(_geometry_key(geom), tile, use_mask,
                                                  config.dw_max_splits)
             partials = _empty(n_splits * dw.size, gy.dtype)       # (splits, K*C*R*S)
-            gemm_kernel("dw", geom.layout, tile)[grid, tile.threads](
+            launch(gemm_kernel("dw", geom.layout, tile), grid, tile.threads,
                 _flat(x), gy_f, y_f, partials, gy_f, geo, table)
             blocks, threads = config.grid_1d(dw.size)
-            _sum_splits[blocks, threads](partials, n_splits, _flat(dw))
+            launch(_sum_splits, blocks, threads, partials, n_splits, _flat(dw))
         elif dw.size:
             fill(dw, 0.0)
     if need_db:
@@ -469,7 +470,7 @@ def bias_add(x, b, layout):
     C = x.shape[3] if nhwc else x.shape[1]
     HW = x.shape[1] * x.shape[2] if nhwc else x.shape[2] * x.shape[3]
     blocks, threads = config.grid_1d(x.size)
-    _bias_add[blocks, threads](_flat(x), b, _flat(out), C, HW, nhwc)
+    launch(_bias_add, blocks, threads, _flat(x), b, _flat(out), C, HW, nhwc)
     return out
 
 
@@ -481,13 +482,17 @@ def channel_sum(gy, layout):
 # --------------------------------------------------------------------------- compiled kernels
 
 def _production_gemms():
-    """Every production GEMM kernel (kind x layout) at the float32 and float64 tilings."""
+    """Every production GEMM kernel (kind x layout) at the float32 and float64 tilings, and
+    the narrow float32 ones (tag "n")."""
     out = []
     for kind in KINDS:
         for layout in ("NCHW", "NHWC"):
             for dt in ("float32", "float64"):
-                out.append((kind, layout, dt, gemm_kernel(kind, layout,
-                                                          _tile(kind, np.dtype(dt)))))
+                out.append((kind, layout, dt, "", gemm_kernel(kind, layout,
+                                                              _tile(kind, np.dtype(dt)))))
+                if (kind, dt) in config.CONV_TILES_NARROW:
+                    out.append((kind, layout, dt, "n", gemm_kernel(
+                        kind, layout, _tile(kind, np.dtype(dt), config.NARROW_COLS))))
     return out
 
 
@@ -495,8 +500,8 @@ _GEO = types.int32[:, ::1]
 _TAB = types.int32[:, ::1]
 GEMM_KERNELS = []
 PTX_SIGNATURES = []
-for _kind, _layout, _dt, _k in _production_gemms():
-    _k.__name__ = f"gemm_{_kind}_{_layout.lower()}_{_dt[-2:]}"
+for _kind, _layout, _dt, _tag, _k in _production_gemms():
+    _k.__name__ = f"gemm_{_kind}_{_layout.lower()}_{_dt[-2:]}{_tag}"
     GEMM_KERNELS.append(_k)
     # each tiling is compiled only for its own dtype: the other is a "wrong" dtype entry
     PTX_SIGNATURES.append((_k, (lambda dt: lambda f: (f[::1],) * 5 + (_GEO, _TAB) if str(f) == dt else None)(_dt)))

@@ -9,6 +9,7 @@ from numba import float64, int64, types, uint32
 from ...cuda import empty, numba_cuda as cuda
 
 from .. import cuda_config as config
+from ..cuda_launch import launch
 from ..cuda_reduce import block_sum
 
 BLOCK = config.BLOCK
@@ -161,7 +162,7 @@ def fill(out, value):
     flat = out.reshape(out.size) if len(out.shape) != 1 else out
     if flat.size:
         blocks, threads = config.grid_1d(flat.size)
-        _fill[blocks, threads](flat, value)
+        launch(_fill, blocks, threads, flat, value)
     return out
 
 
@@ -174,7 +175,8 @@ def axpby(a, x, b, y, out=None):
     out = empty(x.shape, x.dtype) if out is None else out
     if x.size:
         blocks, threads = config.grid_1d(x.size)
-        _axpby[blocks, threads](a, x.reshape(x.size), b, y.reshape(y.size), out.reshape(out.size))
+        launch(_axpby, blocks, threads, a, x.reshape(x.size), b, y.reshape(y.size),
+               out.reshape(out.size))
     return out
 
 
@@ -182,7 +184,7 @@ def mul(x, y):
     out = empty(x.shape, x.dtype)
     if x.size:
         blocks, threads = config.grid_1d(x.size)
-        _mul[blocks, threads](x.reshape(x.size), y.reshape(y.size), out.reshape(out.size))
+        launch(_mul, blocks, threads, x.reshape(x.size), y.reshape(y.size), out.reshape(out.size))
     return out
 
 
@@ -191,7 +193,7 @@ def scale_by_device_scalar(scale, x):
     out = empty(x.shape, x.dtype)
     if x.size:
         blocks, threads = config.grid_1d(x.size)
-        _scale_broadcast[blocks, threads](scale.reshape(1), x.reshape(x.size),
+        launch(_scale_broadcast, blocks, threads, scale.reshape(1), x.reshape(x.size),
                                           out.reshape(out.size))
     return out
 
@@ -204,7 +206,7 @@ def contiguous_copy(src):
     dst = empty(src.shape, src.dtype)
     if dst.size:
         blocks, threads = config.grid_1d(dst.size)
-        _COPY_BY_RANK[rank][blocks, threads](src, dst)
+        launch(_COPY_BY_RANK[rank], blocks, threads, src, dst)
     return dst
 
 
@@ -214,12 +216,12 @@ def sum_all(x, scale=1.0):
     flat = x.reshape(x.size)
     nblocks = max(1, min(config.reduce_blocks, -(-flat.size // config.block_threads())))
     partials = empty(nblocks, np.float64)
-    _sum_partials[nblocks, config.block_threads()](flat, partials)
+    launch(_sum_partials, nblocks, config.block_threads(), flat, partials)
     total = empty(1, np.float64)
-    _sum_partials[1, config.block_threads()](partials, total)
+    launch(_sum_partials, 1, config.block_threads(), partials, total)
     out = empty(1, x.dtype)
     blocks, threads = config.grid_1d(1)
-    _axpby[blocks, threads](scale, total, 0.0, total, out)
+    launch(_axpby, blocks, threads, scale, total, 0.0, total, out)
     return out.reshape(())
 
 
@@ -253,7 +255,7 @@ def sgd_step(p, buf, grads, table, lr, momentum, weight_decay):
     size = next(b for b in SGD_BUCKETS if b >= n)
     grads = tuple(grads) + (grads[0],) * (size - n)        # padding: never in the table
     blocks = max(1, min(config.max_blocks, table.shape[0]))
-    _sgd[blocks, config.block_threads()](p, buf, grads, table, float(lr), float(momentum),
+    launch(_sgd, blocks, config.block_threads(), p, buf, grads, table, float(lr), float(momentum),
                                          float(weight_decay), 1.0)
 
 

@@ -1,0 +1,73 @@
+"""Where the host time of a CUDA call goes: cProfile over many calls, the top functions by
+their own time. Run on a GPU (benchmarks/gpu_check.sh runs it):
+
+    python benchmarks/gpu_profile.py [--calls 200] [--top 18]
+
+At the digits shape (x (32, 24, 8, 8) float32), the per-call table's ops and one training
+step of the digits ResNet, each with the launches of ``cuda_config.launch`` (prepared unless
+NUMBAFUSE_CUDA_LAUNCH=numba).
+"""
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--top", type=int, default=18)
+    args = p.parse_args()
+    import numpy as np
+    import numbafuse as nf
+    from numbafuse import cuda as nfcuda, models, optim
+    from numbafuse.kernels import cuda_config
+    from numbafuse.train import train_step
+    rng = np.random.default_rng(0)
+    dev = nfcuda.to_device
+    x, z = (dev(rng.standard_normal((32, 24, 8, 8)).astype(np.float32)) for _ in range(2))
+    w = dev((rng.standard_normal((24, 24, 3, 3)) / 15).astype(np.float32))
+    b, gam, bet = (dev(rng.standard_normal(24).astype(np.float32)) for _ in range(3))
+    rm, rv = dev(np.zeros(24, np.float32)), dev(np.ones(24, np.float32))
+    model = models.make_model("fused").to("cuda")
+    opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    xb = dev(rng.standard_normal((32, 8, 8, 1)).astype(np.float32))
+    yb = dev(rng.integers(0, 10, 32))
+    cases = {
+        "conv_bias_relu forward": lambda: nf.conv_bias_relu(x, w, b, padding=1),
+        "batchnorm_add_relu forward (training)": lambda: nf.batchnorm_add_relu(
+            x, z, gam, bet, running_mean=rm, running_var=rv),
+        "digits training step (fused)": lambda: train_step(model, opt, xb, yb),
+    }
+    sync = nfcuda.numba_cuda.synchronize
+    print(f"launches: {cuda_config.launch}")
+    for name, fn in cases.items():
+        for _ in range(3):
+            fn()
+        sync()
+        n = args.calls if "step" not in name else max(1, args.calls // 10)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        per_call = (time.perf_counter() - t0) / n
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            fn()
+        sync()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
+        body = text.getvalue().split("ncalls", 1)[-1]
+        print(f"\n#### {name}: {per_call * 1e6:.1f} us per call unprofiled; top by own time "
+              f"over {n} calls:\n   ncalls{body.rstrip()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Every numba.cuda kernel launch of numbafuse goes through :func:`launch`.
+
+numba's own launch, ``kernel[grid, block](*args)``, re-types every argument, turns each
+array into a cuda.core ``StridedMemoryView`` through its ``__cuda_array_interface__``
+dictionary, builds ctypes values and a ``LaunchConfig``, and warns about small grids, at
+every call: on an H100, 19 us for one argument and 61-92 us for thirteen, for a few
+microseconds of driver work. A *prepared launch* does that work once per (kernel, argument
+types): it compiles (or loads from the disk cache) numba's kernel for those types, keeps its
+cuda.core ``Kernel`` and one *packer* per argument type, and at each call only lays the
+argument values out in numba's kernel ABI and calls ``cuda.core.launch``.
+
+numba's kernel ABI, as its ``_Kernel._prepare_args`` lays it out (and as
+``tests/test_cuda_launch.py`` checks against that very function):
+
+    array (ndim d)   meminfo 0, parent 0, nitems, itemsize, data pointer, shape[d], strides[d]
+                     (every value an intptr; strides in bytes)
+    integer          a ctypes integer of its width
+    float32/64       ctypes.c_float / ctypes.c_double
+    boolean          the Python bool
+    tuple            its members, flattened in order
+
+The kinds of launch (``cuda_config.launch``):
+
+- ``"prepared"`` (default on a GPU): the above;
+- ``"numba"``: numba's own ``kernel[grid, block](*args)``, for comparison (``NUMBAFUSE_CUDA_
+  LAUNCH=numba`` in the environment). Under the CUDA simulator every launch takes this path
+  (the simulator runs kernels as Python; there is no ABI to prepare).
+
+Observers (``observe``) see every launch, whichever the path: the tests count launches and
+their argument values with them.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from numba import types
+
+from ..cuda import SIMULATOR
+from . import cuda_config as config
+
+_PREPARED = {}          # (kernel, argument type key) -> _Prepared
+_CONFIGS = {}           # (grid, block) -> cuda.core LaunchConfig
+_OBSERVERS = []         # callables (kernel, args), see observe()
+_STREAM = []            # [cuda.core Stream]: numba's default stream, where numba launches
+
+
+def observe(callback):
+    """Call ``callback(kernel, args)`` before every launch; returns a function that stops it."""
+    _OBSERVERS.append(callback)
+    return lambda: _OBSERVERS.remove(callback)
+
+
+def launch(kernel, grid, block, *args):
+    """Launch the numba.cuda ``kernel`` over ``grid`` blocks of ``block`` threads (ints or
+    tuples) on numba's default stream."""
+    for callback in _OBSERVERS:
+        callback(kernel, args)
+    if SIMULATOR or config.launch == "numba":
+        kernel[grid, block](*args)
+        return
+    key = (kernel, tuple(map(_type_key, args)))
+    prepared = _PREPARED.get(key)
+    if prepared is None:
+        prepared = _PREPARED[key] = _Prepared(kernel, args)
+    values = []
+    for pack, value in zip(prepared.packers, args):
+        pack(value, values)
+    conf = _CONFIGS.get((grid, block))
+    if conf is None:
+        conf = _CONFIGS[(grid, block)] = _launch_config(grid, block)
+    _core().launch(_stream(), conf, prepared.kernel, *values)
+
+
+def _type_key(value):
+    """What decides the kernel's compiled signature, cheaply: a device array's numba type
+    (dtype, ndim, layout), a tuple's members' keys, else the value's class."""
+    t = getattr(value, "_numba_type_", None)
+    if t is not None:
+        return t
+    cls = value.__class__
+    if cls is tuple:
+        return tuple(map(_type_key, value))
+    return cls
+
+
+class _Prepared:
+    """numba's kernel compiled for one signature: its cuda.core Kernel and argument packers."""
+    __slots__ = ("kernel", "packers", "argtypes")
+
+    def __init__(self, dispatcher, args):
+        from numba.cuda.typing.typeof import Purpose, typeof     # numba-cuda's, as it types
+        self.argtypes = tuple(typeof(a, Purpose.argument) for a in args)
+        compiled = dispatcher.compile(self.argtypes)       # from numba's disk cache if there
+        self.kernel = compiled._codelibrary.get_cufunc().kernel
+        self.packers = [packer(t) for t in self.argtypes]
+
+
+def packer(ty):
+    """``pack(value, out)``: append ``value``'s kernel parameters for numba type ``ty``."""
+    if isinstance(ty, types.Array):
+        def pack_array(a, out):
+            ptr = a.device_ctypes_pointer.value
+            out += (0, 0, a.size, a.dtype.itemsize, ptr or 0)
+            out += a.shape
+            out += a.strides
+        return pack_array
+    if isinstance(ty, types.BaseTuple):
+        members = [packer(t) for t in ty]
+
+        def pack_tuple(value, out):
+            for pack, v in zip(members, value):
+                pack(v, out)
+        return pack_tuple
+    if ty == types.boolean:
+        return lambda value, out: out.append(value)
+    if isinstance(ty, types.Integer):
+        ctype = getattr(ctypes, f"c_{ty}")
+        return lambda value, out: out.append(ctype(value))
+    if ty == types.float64:
+        return lambda value, out: out.append(ctypes.c_double(value))
+    if ty == types.float32:
+        return lambda value, out: out.append(ctypes.c_float(value))
+    raise TypeError(f"kernels.cuda_launch: no prepared launch for arguments of type {ty}")
+
+
+def _core():
+    import cuda.core
+    return cuda.core
+
+
+def _stream():
+    if not _STREAM:
+        from numba.cuda.cudadrv import driver
+        _STREAM.append(driver._to_core_stream(0))       # numba's default (legacy) stream
+    return _STREAM[0]
+
+
+def _launch_config(grid, block):
+    dims = (lambda d: tuple(int(n) for n in d) if isinstance(d, tuple) else int(d))
+    return _core().LaunchConfig(grid=dims(grid), block=dims(block))
