@@ -360,6 +360,42 @@ def test_taps_tiles_only_where_they_fit(monkeypatch):
     assert cpu_conv._taps_mode(cpu_conv.POINTWISE_TAPS, pw, 16, np.float32) == 0
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("kind, kernel, stride", [
+    ("winograd_s2", 3, 2), ("implicit", 3, 2), ("winograd", 3, 1), ("pointwise", 1, 1)])
+def test_float64_keeps_its_precision_where_float32_has_own_paths(layout, kind, kernel, stride,
+                                                                  monkeypatch):
+    """float64 at shapes whose float32 passes run float32-only kernels (the stride-2 Winograd's
+    forward, dX and dW; the implicit GEMM's forward and dW, the NHWC dX by phase and 1x1
+    through the taps tiles) and the stride-1 Winograd: y, dx, dw and db to float64 precision,
+    not float32's (the dX once chose its kernel without the dtype and ran the stride-2
+    Winograd on float64 data: dx to 2e-7)."""
+    monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
+    monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", True)
+    monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
+    monkeypatch.setattr(cpu_conv, "PHASE_DX_TAPS", True)
+    for flag in ("WINOGRAD_S2", "WINOGRAD_S2_DX", "WINOGRAD_S2_DW"):   # else the implicit's
+        monkeypatch.setattr(cpu_conv, flag, kind == "winograd_s2")
+    rng = np.random.default_rng(34)
+    N, C, K, H, W = 2, 32, 32, 9, 9
+    x = rng.standard_normal((N, C, H, W) if layout == "NCHW" else (N, H, W, C))
+    w = rng.standard_normal((K, C, kernel, kernel)) / C
+    b = rng.standard_normal(K)
+    padding = kernel // 2
+    kwargs = dict(stride=stride, padding=padding, layout=layout)
+    geom = nf.validate.conv_geometry("t", x.shape, w.shape, stride, padding, 1, layout)
+    assert cpu_conv.algorithm(geom, "forward") == cpu_conv.algorithm(geom, "dw") == kind
+    assert cpu_conv.algorithm(geom, "dx") == ("phase" if kind == "implicit" else kind)
+    y = nf.conv_bias_relu(x, w, b, **kwargs)
+    dy = rng.standard_normal(y.shape)
+    got = (y, *nf.conv_bias_relu_backward(dy, x, w, y, **kwargs))
+    want = (ref.conv_bias_relu(x, w, b, **kwargs),
+            *ref.conv_bias_relu_backward(dy, x, w, b, **kwargs))
+    for name, a, r in zip(("y", "dx", "dw", "db"), got, want):
+        assert a.dtype == np.float64
+        assert np.abs(a - r).max() / np.abs(r).max() < 1e-12, name
+
+
 @functools.lru_cache(maxsize=None)
 def _transpose_runner():
     from numba import njit

@@ -99,6 +99,9 @@ def packer(ty):
     """``pack(value, out)``: append ``value``'s kernel parameters for numba type ``ty``."""
     if isinstance(ty, types.Array):
         def pack_array(a, out):
+            if not hasattr(a, "device_ctypes_pointer"):     # a foreign CUDA array
+                from ..cuda import as_device_array
+                a = as_device_array(a)
             ptr = a.device_ctypes_pointer.value
             out += (0, 0, a.size, a.dtype.itemsize, ptr or 0)
             out += a.shape

@@ -578,7 +578,8 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
         return _conv_dx(gy, y, use_mask, w, geom, blas, work) if need_dx else None
 
     small = need_dx and (need_dw or need_db) and work < CONCURRENT_MAX_ELEMENTS
-    if small and SHARED_BACKWARD and algorithm(geom, "dx") == algorithm(geom, "dw") == "winograd":
+    if (small and SHARED_BACKWARD
+            and algorithm(geom, "dx", gy.dtype) == algorithm(geom, "dw", x.dtype) == "winograd"):
         # one job of dW's groups and dX's chunks, shared by the threads
         dx = _out.empty(geom.x_shape, gy.dtype)
         dw_task, finish = _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, blas)
@@ -605,7 +606,7 @@ def _conv_dx(gy, y, use_mask, w, geom, blas, work):
     N, C, H, W, K = geom.N, geom.C, geom.H, geom.W, geom.K
     nhwc = geom.layout == "NHWC"
     dx = _out.empty(geom.x_shape, gy.dtype)
-    kind = algorithm(geom, "dx")
+    kind = algorithm(geom, "dx", gy.dtype)
     if kind == "winograd":
         _winograd_run(*_winograd_dx_args(gy, y, use_mask, w, geom, blas, dx), work)
     elif kind == "winograd_s2":
