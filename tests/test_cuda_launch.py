@@ -100,6 +100,20 @@ def test_a_wrong_layout_would_be_caught():
     assert _comparable(got) != _comparable(_numba_values(a))
 
 
+def test_equal_type_keys_are_equal_numba_types():
+    """The cheap key stands in for numba's type: equal keys, equal types, and the reverse."""
+    from numba.cuda.typing.typeof import Purpose, typeof
+    from numbafuse.kernels.cuda_launch import _type_key
+    arrays = _arrays() + [_device_array((4, 3), np.float32, strides=(4, 16)),     # F order
+                          _device_array((3, 4), np.float32, strides=(0, 4)),      # broadcast
+                          _device_array((1, 5), np.float32)]
+    for a in arrays:
+        for b in arrays:
+            same_key = _type_key(a) == _type_key(b)
+            assert same_key == (typeof(a, Purpose.argument) == typeof(b, Purpose.argument)), \
+                (a.shape, a.strides, b.shape, b.strides)
+
+
 def test_the_type_key_follows_numba_types():
     from numbafuse.kernels.cuda_launch import _type_key
     c1, c2 = _device_array((3, 5), np.float32), _device_array((8, 2), np.float32)

@@ -169,8 +169,13 @@ def _unrolled_epilogue(tile: Tile, row_base, col_offset, store):
                                             store=store))
 
 
-def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, store):
+def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, store,
+          name="gemm"):
     """The GEMM kernel ``kernel(src_a, src_b, aux, out, bias, geo, table)`` of one tiling.
+
+    ``name`` must differ between the kernels built: it is the kernel's qualified name, and
+    Numba keeps one disk-cache index per qualified name, which processes compiling at once
+    (``numbafuse.precompile``) would each rewrite, losing each other's entries.
 
     src_a, src_b, aux, out, bias: (n,) flat arrays (aux: the ReLU output masking an operand,
     read by the loaders); geo: (slices, fields) int32; table: (T, 4) int32 per-k offsets.
@@ -192,7 +197,6 @@ def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, sto
     store_b = _unrolled_store(B_NK, B_NR, B_LK * SB, B_LR)
     epilogue = _unrolled_epilogue(tile, row_base, col_offset, store)
 
-    @kernel(fastmath=False, launch_bounds=THREADS, max_registers=tile.max_registers, cache=True)
     def gemm(src_a, src_b, aux, out, bias, geo, table):
         z = int32(cuda.blockIdx.z)
         n_rows, n_cols, k_lo, k_hi, e0, e1 = problem(geo, z)
@@ -251,4 +255,6 @@ def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, sto
             cuda.syncthreads()
         epilogue(out, bias, geo, table, z, r0, c0, tx, ty, n_rows, n_cols, e0, e1, acc)
 
-    return gemm
+    gemm.__name__ = gemm.__qualname__ = name
+    return kernel(fastmath=False, launch_bounds=THREADS, max_registers=tile.max_registers,
+                  cache=True)(gemm)

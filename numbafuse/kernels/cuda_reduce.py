@@ -276,7 +276,6 @@ def channel_partials_kernel(kind, nhwc, finish=None):
     if not nhwc:
         walk = nchw_walk(kind)
 
-        @cuda.jit(cache=True)
         def nchw(a, b, aux, mask, mean, state_kind, C, B, partials, counters, fin):
             # (A, C, B) with A*C*B = a.size; block (part, c): its chunk of channel c's values
             buf_a = cuda.shared.array(BLOCK, float64)
@@ -300,12 +299,10 @@ def channel_partials_kernel(kind, nhwc, finish=None):
                             finish(c, a, B, partials, parts, fin)
                             counters[c] = 0            # ready for the next launch
                     cuda.syncthreads()  # flag read by all before the next channel sets it
-        nchw.__name__ = f"channel_{'reduce' if finish else 'partials'}_{ELEM_NAMES[kind]}_nchw"
-        return nchw
+        return _named_kernel(nchw, kind, finish, "nchw")
 
     walk = nhwc_walk(kind)
 
-    @cuda.jit(cache=True)
     def nhwc_kernel(a, b, aux, mask, mean, state_kind, C, B, partials, counters, fin):
         # (M, C, 1): block (part, channel group): lanes on channels, row groups on rows
         buf_a = cuda.shared.array(BLOCK, float64)
@@ -346,8 +343,16 @@ def channel_partials_kernel(kind, nhwc, finish=None):
                     if t == 0:
                         counters[grp] = 0              # ready for the next launch
             cuda.syncthreads()  # buf_* and flag read before the next channel group
-    nhwc_kernel.__name__ = f"channel_{'reduce' if finish else 'partials'}_{ELEM_NAMES[kind]}_nhwc"
-    return nhwc_kernel
+    return _named_kernel(nhwc_kernel, kind, finish, "nhwc")
+
+
+def _named_kernel(fn, kind, finish, layout):
+    """The kernel of ``fn`` named for what it reduces: the name is its qualified name too, so
+    each variant has a disk-cache index of its own (Numba keeps one per qualified name, and
+    processes compiling variants at once would overwrite each other's entries)."""
+    fn.__name__ = fn.__qualname__ = \
+        f"channel_{'reduce' if finish else 'partials'}_{ELEM_NAMES[kind]}_{layout}"
+    return cuda.jit(cache=True)(fn)
 
 
 def view(shape, layout):

@@ -352,10 +352,13 @@ def gemm_kernel(kind, layout, tile):
     threads = tile.threads
     a = a_fac(*gemm.mapping(tile.BM, tile.BK, threads, a_kf), a_kf)
     b = b_fac(*gemm.mapping(tile.BN, tile.BK, threads, b_kf), b_kf)
+    name = (f"gemm_{kind}_{layout.lower()}_{tile.BM}x{tile.BN}x{tile.BK}_{tile.TM}x{tile.TN}"
+            f"_v{tile.VEC}_r{tile.max_registers or 0}")      # one disk-cache index each
     if kind == "dw":
-        return gemm.build(tile, a, b, _problem_split, _tap_row_base, _col_offset_0, _store)
+        return gemm.build(tile, a, b, _problem_split, _tap_row_base, _col_offset_0, _store,
+                          name)
     store = _store_bias_relu if kind == "fwd" else _store
-    return gemm.build(tile, a, b, _problem_slices, _pixel_row_base, _col_offset, store)
+    return gemm.build(tile, a, b, _problem_slices, _pixel_row_base, _col_offset, store, name)
 
 
 @cuda.jit(cache=True)
