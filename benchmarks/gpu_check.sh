@@ -6,6 +6,7 @@
 #   env        the card, driver and versions
 #   precompile every CUDA kernel compiled once, in parallel, into NUMBA_CACHE_DIR; then a
 #              second process times a warm start (conv fwd+bwd and batch norm, from the cache)
+#   cache      every fused op in a new process, twice: the second must compile nothing
 #   tests      the CUDA tests for real (pytest -m cuda, several processes)
 #   torch      numbafuse.torch on CUDA tensors against torch's own ops
 #   bench      benchmarks/bench_gpu.py --quick (numbafuse and PyTorch each in its own process)
@@ -78,6 +79,12 @@ y = nf.conv_bias_relu(x, w, padding=1); g = nf.conv_bias_relu_backward(y, x, w, 
 y2 = nf.batchnorm_add_relu(x, x, c.to_device(np.ones(16, np.float32)), c.to_device(np.zeros(16, np.float32)))
 c.numba_cuda.synchronize(); print(f"warm import + conv fwd/bwd + batch norm: {time.perf_counter() - t0:.2f} s")'
 
+# the disk cache: a second process running every fused op must load every kernel (compile
+# none); NUMBA_DEBUG_CACHE prints "[cache] data saved to ..." for each kernel compiled
+section cache 120 bash -c 'for run in first second; do
+    NUMBA_DEBUG_CACHE=1 python3 benchmarks/gpu_sanitize.py ops > /tmp/cache_$run.log 2>&1;
+    echo "$run process: $(grep -c "data saved" /tmp/cache_$run.log) kernels compiled and saved," \
+         "$(grep -c "data loaded" /tmp/cache_$run.log) loaded"; done'
 TAIL=12 section tests 200 python3 -m pytest -m cuda -q -n "${GPU_CHECK_TEST_PROCESSES:-8}" -p no:cacheprovider \
     --timeout 120 --maxfail 40 --durations 10 -W ignore::DeprecationWarning
 section torch 60 python3 benchmarks/gpu_sanitize.py torch

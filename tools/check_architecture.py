@@ -33,7 +33,7 @@ LAYERS = [
     ["numbafuse.fusion", "numbafuse.torch"],  # the remapper; PyTorch interoperation
     ["numbafuse.models"],                    # the digits ResNets
     ["numbafuse.train"],                     # fit / evaluate
-    ["numbafuse.cli"],                       # the command line
+    ["numbafuse.cli", "numbafuse.precompile"],   # the command lines
     ["numbafuse.__main__", "numbafuse.train.__main__"],   # python -m entry points
 ]
 
