@@ -453,7 +453,8 @@ def tables(nf, pt, command, cfg):
               "(above 1: numbafuse faster):", "",
               "| shape | numbafuse fwd ms | fwd+bwd ms | TFLOP/s fwd / fwd+bwd | "
               "cuDNN FP32 fwd / fwd+bwd ms | vs FP32 fwd / fwd+bwd | "
-              "cuDNN TF32 fwd+bwd ms | vs TF32 fwd+bwd |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "cuDNN TF32 fwd+bwd ms | vs TF32 fwd+bwd |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     kern, pk = nf.get("kernels", {}), pt.get("kernels", {})
     for x_shape, w_shape, kw in cfg["conv"]:
         key = _conv_key(x_shape, w_shape, kw)

@@ -3,9 +3,9 @@ their own time. Run on a GPU (benchmarks/gpu_check.sh runs it):
 
     python benchmarks/gpu_profile.py [--calls 200] [--top 18]
 
-At the digits shape (x (32, 24, 8, 8) float32), the per-call table's ops and one training
-step of the digits ResNet, each with the launches of ``cuda_config.launch`` (prepared unless
-NUMBAFUSE_CUDA_LAUNCH=numba).
+At the digits shape (bench_gpu.DIGITS: x (32, 24, 8, 8) float32), the per-call table's ops
+and one training step of the digits ResNet, each with the launches of ``cuda_config.launch``
+(prepared unless NUMBAFUSE_CUDA_LAUNCH=numba).
 """
 import argparse
 import cProfile
@@ -15,7 +15,10 @@ import pstats
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+from bench_gpu import DIGITS  # noqa: E402  (the per-call table's shapes)
 
 
 def main():
@@ -30,14 +33,16 @@ def main():
     from numbafuse.train import train_step
     rng = np.random.default_rng(0)
     dev = nfcuda.to_device
-    x, z = (dev(rng.standard_normal((32, 24, 8, 8)).astype(np.float32)) for _ in range(2))
-    w = dev((rng.standard_normal((24, 24, 3, 3)) / 15).astype(np.float32))
-    b, gam, bet = (dev(rng.standard_normal(24).astype(np.float32)) for _ in range(3))
-    rm, rv = dev(np.zeros(24, np.float32)), dev(np.ones(24, np.float32))
+    C, batch = DIGITS["x"][1], DIGITS["batch"]
+    x, z = (dev(rng.standard_normal(DIGITS["x"]).astype(np.float32)) for _ in range(2))
+    w = dev((rng.standard_normal(DIGITS["w"]) / np.sqrt(np.prod(DIGITS["w"][1:])))
+            .astype(np.float32))
+    b, gam, bet = (dev(rng.standard_normal(C).astype(np.float32)) for _ in range(3))
+    rm, rv = dev(np.zeros(C, np.float32)), dev(np.ones(C, np.float32))
     model = models.make_model("fused").to("cuda")
     opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    xb = dev(rng.standard_normal((32, 8, 8, 1)).astype(np.float32))
-    yb = dev(rng.integers(0, 10, 32))
+    xb = dev(rng.standard_normal((batch, 8, 8, 1)).astype(np.float32))
+    yb = dev(rng.integers(0, 10, batch))
     cases = {
         "conv_bias_relu forward": lambda: nf.conv_bias_relu(x, w, b, padding=1),
         "batchnorm_add_relu forward (training)": lambda: nf.batchnorm_add_relu(

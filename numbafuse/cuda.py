@@ -122,6 +122,18 @@ def to_host(a) -> np.ndarray:
     return as_device_array(a).copy_to_host()
 
 
+def argument_type(value):
+    """The numba type numba-cuda gives ``value`` as a kernel argument (its own ``typeof``)."""
+    from numba.cuda.typing.typeof import Purpose, typeof
+    return typeof(value, Purpose.argument)
+
+
+def default_stream():
+    """numba's default (legacy) stream, where its launches go, as a cuda.core stream."""
+    from numba.cuda.cudadrv import driver
+    return driver._to_core_stream(0)
+
+
 # --------------------------------------------------------------------------- the memory pool
 
 class _Stats:
@@ -166,9 +178,9 @@ class _CudaPool:
         self._keep_reserved()
         self._attributes = self.resource.attributes
         self.stats = _Stats()
-        # numba's context, looked up once: current_context() makes a driver call each time
-        # (two per allocation were 2 of every 5 host microseconds of a pool request, profiled
-        # on an H100 host)
+        # numba's context, looked up once: current_context() asks the driver each time
+        # (context look-ups were about a third of a pool request's host time under cProfile
+        # on an H100 host: docs/gpu_runs/run2_profile.txt)
         self.context = numba_cuda.current_context()
 
     def _keep_reserved(self):

@@ -124,6 +124,17 @@ def test_the_type_key_follows_numba_types():
     assert _type_key((c1, 2.0)) == _type_key((c2, 3.0)) != _type_key((c2, 3))
 
 
+def test_a_host_array_is_refused_not_keyed_by_its_class():
+    """A NumPy array's class says nothing of its dtype or rank: two of them would share one
+    compiled kernel, so the key refuses them (numbafuse moves arrays to the device first)."""
+    from numbafuse.kernels.cuda_launch import _type_key
+    with pytest.raises(TypeError, match="host array"):
+        _type_key(np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="host array"):
+        _type_key((1.0, np.zeros((2, 2))))
+    assert _type_key(np.float32(1.5)) is np.float32       # a NumPy scalar's class is its type
+
+
 def test_unsupported_argument_types_are_refused():
     from numba import types
     from numbafuse.kernels import cuda_launch

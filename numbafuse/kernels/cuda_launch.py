@@ -33,15 +33,16 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 from numba import types
 
-from ..cuda import SIMULATOR
+from ..cuda import SIMULATOR, argument_type, default_stream
 from . import cuda_config as config
 
 _PREPARED = {}          # (kernel, argument type key) -> _Prepared
 _CONFIGS = {}           # (grid, block) -> cuda.core LaunchConfig
 _OBSERVERS = []         # callables (kernel, args), see observe()
-_STREAM = []            # [cuda.core Stream]: numba's default stream, where numba launches
+_CORE = []              # [(cuda.core's launch, numba's default stream)], made on first use
 
 
 def observe(callback):
@@ -68,7 +69,8 @@ def launch(kernel, grid, block, *args):
     conf = _CONFIGS.get((grid, block))
     if conf is None:
         conf = _CONFIGS[(grid, block)] = _launch_config(grid, block)
-    _core().launch(_stream(), conf, prepared.kernel, *values)
+    core_launch, stream = _CORE[0] if _CORE else _core()
+    core_launch(stream, conf, prepared.kernel, *values)
 
 
 def _type_key(value):
@@ -82,6 +84,9 @@ def _type_key(value):
     cls = value.__class__
     if cls is tuple:
         return tuple(map(_type_key, value))
+    if cls is np.ndarray:       # its class would not say its dtype or rank: no key fits it
+        raise TypeError("kernels.cuda_launch: a host array reached a kernel launch; "
+                        "numbafuse moves every array to the device before launching")
     return cls
 
 
@@ -101,8 +106,7 @@ class _Prepared:
     __slots__ = ("kernel", "packers", "argtypes")
 
     def __init__(self, dispatcher, args):
-        from numba.cuda.typing.typeof import Purpose, typeof     # numba-cuda's, as it types
-        self.argtypes = tuple(typeof(a, Purpose.argument) for a in args)
+        self.argtypes = tuple(map(argument_type, args))    # numba-cuda's types, as it types
         compiled = dispatcher.compile(self.argtypes)       # from numba's disk cache if there
         self.kernel = compiled._codelibrary.get_cufunc().kernel
         self.packers = [packer(t) for t in self.argtypes]
@@ -140,17 +144,18 @@ def packer(ty):
 
 
 def _core():
-    import cuda.core
-    return cuda.core
-
-
-def _stream():
-    if not _STREAM:
-        from numba.cuda.cudadrv import driver
-        _STREAM.append(driver._to_core_stream(0))       # numba's default (legacy) stream
-    return _STREAM[0]
+    """(cuda.core's launch, numba's default (legacy) stream), looked up once."""
+    if not _CORE:
+        import cuda.core
+        _CORE.append((cuda.core.launch, default_stream()))
+    return _CORE[0]
 
 
 def _launch_config(grid, block):
-    dims = (lambda d: tuple(int(n) for n in d) if isinstance(d, tuple) else int(d))
-    return _core().LaunchConfig(grid=dims(grid), block=dims(block))
+    from cuda.core import LaunchConfig
+    return LaunchConfig(grid=_dims(grid), block=_dims(block))
+
+
+def _dims(d):
+    """Launch dimensions as Python ints (an int or a tuple of them; NumPy ints accepted)."""
+    return tuple(int(n) for n in d) if isinstance(d, tuple) else int(d)

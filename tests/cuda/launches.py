@@ -2,19 +2,17 @@
 
 ``with recording() as rec: ...`` records every kernel launch made inside, through the one
 function every numbafuse launch goes through (``numbafuse.kernels.cuda_launch.launch``, its
-``observe`` hook), under the simulator and on a GPU alike. ``rec.names`` lists the kernels in launch order,
-``rec.raw_values`` the values numba's argument preparation produces for them: an array is
-its meminfo, parent, size, itemsize, data pointer, shape and strides (5 + 2*ndim values), a
-tuple the sum of its members, a scalar one value. That is the host work numba redoes at every
-launch (issue 17 measured 19-25 us for one argument, 61-92 us for 13 on an H100).
+``observe`` hook), under the simulator and on a GPU alike. ``rec.names`` lists the kernels
+in launch order, ``rec.raw_values`` the values numba's argument preparation produces for
+them: an array is its meminfo, parent, size, itemsize, data pointer, shape and strides
+(5 + 2*ndim values), a tuple the sum of its members, a scalar one value. That is the host
+work numba redoes at every launch (issue 17 measured 19-25 us for one argument, 61-92 us for
+13 on an H100); a prepared launch lays out the same values (kernels/cuda_launch.py).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-
-SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
 
 def raw_values(arg) -> int:

@@ -10,6 +10,8 @@ phases that have different tap sets (or none). A second tiling with 4-wide vecto
 
 Run: NUMBA_ENABLE_CUDASIM=1 python -m pytest -q tests/cuda/test_conv_gemm_cuda.py
 """
+import os
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -19,6 +21,7 @@ from numbafuse import reference as ref
 from numbafuse.kernels import cuda_config as config
 from numbafuse.kernels.conv import cuda as conv
 
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-11)}
 VEC_TILE = config.Tile(16, 16, 4, 4, 4, 4)        # 16 threads, two K-steps of 4 per 8 taps
 
@@ -135,3 +138,35 @@ def test_bias_add_and_channel_sum(layout):
     s = conv.channel_sum(cuda.to_device(x), layout).copy_to_host()
     np.testing.assert_allclose(s, x.sum(axis=(0, 2, 3) if layout == "NCHW" else (0, 1, 2)),
                                **TOL[np.float64])
+
+
+def test_narrow_tiles_take_gemms_of_at_most_narrow_cols_columns(monkeypatch):
+    """fwd (columns: K) and dx (columns: C) of at most NARROW_COLS columns take the narrow
+    float32 tiling; one column more, float64, dw or no column count, the wide one."""
+    monkeypatch.setattr(config, "tile_override", None)
+    f32, n = np.float32, config.NARROW_COLS
+    for kind in ("fwd", "dx"):
+        assert config.conv_tile(kind, f32, n) == config.CONV_TILES_NARROW[(kind, "float32")]
+        assert config.conv_tile(kind, f32, 1) == config.CONV_TILES_NARROW[(kind, "float32")]
+        assert config.conv_tile(kind, f32, n + 1) == config.CONV_TILES[(kind, "float32")]
+        assert config.conv_tile(kind, f32) == config.CONV_TILES[(kind, "float32")]
+        assert config.conv_tile(kind, np.float64, n) == config.CONV_TILES[(kind, "float64")]
+    assert config.conv_tile("dw", f32, n) == config.CONV_TILES[("dw", "float32")]
+
+
+@pytest.mark.skipif(SIMULATOR, reason="production tiles: 256 Python threads a block in the "
+                    "simulator; on a GPU they run")
+@pytest.mark.parametrize("K, C", [(64, 64), (65, 65), (64, 65), (65, 64)])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_on_either_side_of_the_narrow_tiles(K, C, layout):
+    """float32 fwd, dx and dw at the narrow/wide switch (columns 64 and 65)."""
+    x, w, b, kw, geom = _problem(((2, C, 9, 7), (K, C, 3, 3), 1, 1, 1), layout, np.float32)
+    gy = np.random.default_rng(3).standard_normal(geom.y_shape).astype(np.float32)
+    y = conv.conv_forward(cuda.to_device(x), cuda.to_device(w), cuda.to_device(b), geom,
+                          relu=False)
+    _close(y, ref.bias_add(ref.conv2d(x, w, **kw), b, layout=layout), np.float32)
+    gx, gw, _ = conv.conv_backward(cuda.to_device(gy), cuda.to_device(x), cuda.to_device(w),
+                                   geom)
+    ex, ew = ref.conv2d_backward(gy, x, w, **kw)
+    _close(gx, ex, np.float32)
+    _close(gw, ew, np.float32)
