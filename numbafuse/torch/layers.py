@@ -1,4 +1,5 @@
-r"""PyTorch interoperation: numbafuse's fused layers inside PyTorch models (extra ``torch``).
+r"""The bridge between torch tensors and numbafuse's arrays, and the two fused layers of the
+first PyTorch release: Conv-Bias-ReLU and BatchNorm-Add-ReLU (functions and modules).
 
     conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1)
     batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None,
@@ -54,17 +55,12 @@ import math
 
 import numpy as np
 
-try:
-    import torch
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError("numbafuse.torch needs PyTorch: pip install 'numbafuse[torch]' (the CPU "
-                      "build: pip install torch --index-url "
-                      "https://download.pytorch.org/whl/cpu)") from exc
+import torch
 from torch.autograd.function import once_differentiable
 
-from . import backend, validate
-from .ops import batchnorm as _bn
-from .ops import conv as _conv
+from .. import backend, validate
+from ..ops import batchnorm as _bn
+from ..ops import conv as _conv
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
 DEVICE_TYPES = ("cpu", "cuda")
@@ -110,7 +106,7 @@ def check_tensors(op, **tensors):
 
 
 def _check_cuda_device(op, device):
-    from . import cuda   # numba-cuda, imported only for CUDA tensors
+    from .. import cuda   # numba-cuda, imported only for CUDA tensors
     index = torch.cuda.current_device() if device.index is None else device.index
     if index != cuda.current_device_id():
         raise ValueError(f"{op}: the tensors are on {device} but numbafuse's kernels run on "

@@ -1,0 +1,43 @@
+r"""PyTorch interoperation (extra ``torch``): numbafuse's fused ops inside PyTorch models.
+
+    fuse(model, *, leaf_modules=(), copy=True) -> torch.fx.GraphModule      # the remapper
+    conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1)
+    batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None,
+                       training=True, momentum=0.1, eps=1e-5)
+    conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
+                        training=True, momentum=0.1, eps=1e-5, stride=1, padding=0,
+                        dilation=1, relu=True)
+    conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_var=None,
+                            training=True, momentum=0.1, eps=1e-5, stride=1, padding=0,
+                            dilation=1)
+    ConvBiasReLU2d(...)        # the state_dict of torch.nn.Conv2d
+    BatchNormAddReLU2d(...)    # m(x, z); the state_dict of torch.nn.BatchNorm2d
+    resnet18(**kw), resnet50(**kw), ResNet, BasicBlock, Bottleneck   # torchvision's names
+
+Modules of this package: ``layers`` (the tensor/array bridge, Conv-Bias-ReLU, BatchNorm-Add-ReLU),
+``conv_batchnorm`` (Conv-BatchNorm(-ReLU) and Conv-BatchNorm-Add-ReLU with recompute), ``fx``
+(:func:`fuse`), ``resnet`` (torchvision-compatible ResNets, written here). docs/pytorch.md.
+"""
+try:
+    import torch  # noqa: F401  (nft.torch: tests patch torch.cuda through it)
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError("numbafuse.torch needs PyTorch: pip install 'numbafuse[torch]' (the CPU "
+                      "build: pip install torch --index-url "
+                      "https://download.pytorch.org/whl/cpu)") from exc
+
+from .. import backend  # noqa: F401  (tests patch backend.as_device_array through here)
+from .conv_batchnorm import (ConvBatchNormAddReLUFunction, ConvBatchNormReLUFunction,
+                             conv_batchnorm_add_relu, conv_batchnorm_relu)
+from .fx import fuse
+from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50
+from .layers import (  # noqa: F401  (the bridge's names, for tests and benchmarks)
+                     DEVICE_TYPES, FLOAT_DTYPES, LAYOUT, BatchNormAddReLU2d,
+                     BatchNormAddReLUFunction, ConvBiasReLU2d, ConvBiasReLUFunction, as_array,
+                     as_tensor, batchnorm_add_relu, check_tensors, conv_bias_relu,
+                     launch_order)
+
+__all__ = ["fuse", "conv_bias_relu", "batchnorm_add_relu", "conv_batchnorm_relu",
+           "conv_batchnorm_add_relu", "ConvBiasReLU2d", "BatchNormAddReLU2d",
+           "ConvBiasReLUFunction", "BatchNormAddReLUFunction", "ConvBatchNormReLUFunction",
+           "ConvBatchNormAddReLUFunction", "ResNet", "BasicBlock", "Bottleneck", "resnet18",
+           "resnet50"]

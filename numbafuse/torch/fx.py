@@ -1,0 +1,581 @@
+"""``fuse(model)``: numbafuse's remapper for PyTorch models, on ``torch.fx``.
+
+    fuse(model, *, leaf_modules=(), copy=True) -> torch.fx.GraphModule
+
+The model is traced by ``torch.fx`` (``torch.nn`` layers, numbafuse's own modules and the
+``leaf_modules`` given are leaves: called, not traced into), then its graph is visited from the
+output back, as numbafuse's remapper visits its own (:mod:`numbafuse.fusion.remap`); at each
+node the patterns ending there are tried, longest first:
+
+    Conv2d -> BatchNorm2d -> add -> ReLU    conv_batchnorm_add_relu (recompute)
+    BatchNorm2d -> add -> ReLU              batchnorm_add_relu
+    Conv2d -> BatchNorm2d -> ReLU           conv_batchnorm_relu (recompute)
+    Conv2d -> ReLU   (bias or not)          conv_bias_relu
+    Conv2d -> BatchNorm2d                   conv_batchnorm_relu(relu=False) (recompute)
+
+``add`` is ``a + b``, ``a += b``, ``torch.add(a, b)``, ``a.add(b)`` or ``a.add_(b)`` (no
+``alpha``); ReLU is an ``nn.ReLU`` module (in place or not, shared by several call sites or
+not), ``torch.relu``, ``F.relu`` or ``.relu()`` and their in-place forms. A match replaces its
+nodes by one call of a *site function* below, whose arguments are the activations and the
+modules themselves (``get_attr`` nodes): the conv and batch-norm modules stay where they were in
+the module tree, registered once, and the fused op reads their parameters, buffers,
+``training``, ``momentum`` and ``eps`` at each call, updates the running statistics in their
+buffers and counts ``num_batches_tracked`` as ``BatchNorm2d.forward`` does. A site function
+checks its modules and tensors at every call and runs the original modules instead (logging a
+warning once per site) when numbafuse's kernels cannot stand for them: a module replaced or
+given hooks after ``fuse``, a dtype other than float32/float64, a channels_last or
+non-contiguous input, a residual of another shape (broadcast), autocast.
+
+Every match and every refusal (a pattern whose nodes match but a condition does not hold) is
+logged with its reason: to the ``numbafuse.torch`` logger (INFO), to stderr with
+``NUMBAFUSE_LOG=fuse``, and in the returned module's ``fuse_log`` (a list of lines).
+"""
+from __future__ import annotations
+
+import copy as _copy
+import dataclasses
+import logging
+import operator
+import os
+import sys
+
+import torch
+from torch import nn
+
+from .conv_batchnorm import conv_batchnorm_add_relu, conv_batchnorm_relu
+from .layers import (DEVICE_TYPES, FLOAT_DTYPES, BatchNormAddReLU2d, ConvBiasReLU2d,
+                     batchnorm_add_relu, conv_bias_relu)
+
+F = nn.functional
+LOG_ENV = "NUMBAFUSE_LOG"      # NUMBAFUSE_LOG=fuse prints fuse's log to stderr
+LOG_TOPIC = "fuse"
+logger = logging.getLogger("numbafuse.torch")
+
+FUSE_CONV_BN_ADD_RELU = "Fuse Conv2d with BatchNorm2d, add and ReLU"
+FUSE_BN_ADD_RELU = "Fuse BatchNorm2d with add and ReLU"
+FUSE_CONV_BN_RELU = "Fuse Conv2d with BatchNorm2d and ReLU"
+FUSE_CONV_RELU = "Fuse Conv2d with ReLU"
+FUSE_CONV_BN = "Fuse Conv2d with BatchNorm2d"
+
+NUMBAFUSE_MODULES = (ConvBiasReLU2d, BatchNormAddReLU2d)     # leaves: never traced into
+RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu, F.relu_)
+RELU_METHODS = ("relu", "relu_")
+ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
+ADD_METHODS = ("add", "add_")
+INPLACE_FUNCTIONS = (operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                     operator.setitem, torch.relu_, F.relu_)
+
+
+# --------------------------------------------------------------------------- what fits
+
+def _hooked(module):
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None))
+
+
+def conv_refusal(conv, with_bn=False):
+    """Why numbafuse's fused conv cannot stand for ``conv`` (None if it can)."""
+    if type(conv) is not nn.Conv2d:
+        return f"{type(conv).__name__} is not torch.nn.Conv2d (a subclass may compute more)"
+    if conv.groups != 1:
+        return f"groups={conv.groups} (numbafuse's convs have groups=1)"
+    if conv.padding_mode != "zeros":
+        return f"padding_mode={conv.padding_mode!r} (numbafuse pads with zeros)"
+    if with_bn and conv.bias is not None:
+        return ("the conv has a bias (numbafuse's Conv-BatchNorm takes a bias-free conv; the "
+                "bias moves the running mean)")
+    if _hooked(conv):
+        return "the conv has hooks (a fused call would skip them)"
+    return None
+
+
+def bn_refusal(bn):
+    """Why numbafuse's fused batch norm cannot stand for ``bn`` (None if it can)."""
+    if type(bn) is not nn.BatchNorm2d:
+        return f"{type(bn).__name__} is not torch.nn.BatchNorm2d (a subclass may compute more)"
+    if _hooked(bn):
+        return "the batch norm has hooks (a fused call would skip them)"
+    return None
+
+
+def _tensor_refusal(x, *tensors, z_shape=None):
+    """Why these tensors cannot go to numbafuse's kernels now (None if they can): ``x`` the
+    input activation, ``tensors`` the parameters, buffers and residual (None ones skipped)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        return "the input is not a 4-d tensor"
+    for t in (x,) + tensors:
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            return f"an argument is a {type(t).__name__}, not a tensor"
+        if t.dtype not in FLOAT_DTYPES or t.dtype != x.dtype:
+            return f"{t.dtype} and {x.dtype} tensors (numbafuse: float32 or float64, one dtype)"
+        if t.device != x.device or t.device.type not in DEVICE_TYPES:
+            return f"tensors on {t.device} and {x.device}"
+        if not t.is_contiguous():
+            return "a channels_last or non-contiguous tensor"
+    if z_shape is not None and (tensors[-1] is None or tuple(tensors[-1].shape) != z_shape):
+        return "the residual's shape is not the output's (a broadcast add)"
+    if torch.is_autocast_enabled(x.device.type):
+        return "autocast is on"
+    return None
+
+
+def _conv_out_shape(conv, x):
+    """The shape of ``conv(x)``, torch's arithmetic."""
+    N, _, H, W = x.shape
+    if isinstance(conv.padding, str):
+        pad = (0, 0) if conv.padding == "valid" else None
+    else:
+        pad = conv.padding
+    if pad is None:                                        # "same" (stride 1)
+        return (N, conv.out_channels, H, W)
+    size = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, p, d, k, s in
+            zip((H, W), pad, conv.dilation, conv.kernel_size, conv.stride)]
+    return (N, conv.out_channels, *size)
+
+
+_warned = set()
+
+
+def _unfused(site, reason):
+    if (site, reason) not in _warned:
+        _warned.add((site, reason))
+        logger.warning("numbafuse.torch.fuse: %s runs unfused: %s", site, reason)
+
+
+def _bn_state(bn, x):
+    """(weight, bias, running_mean, running_var, training, momentum, eps) as
+    ``BatchNorm2d.forward`` reads them at this call (``num_batches_tracked`` counted; the
+    cumulative average's factor for ``momentum=None``; ``affine=False``: 1 and 0)."""
+    momentum = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        if bn.momentum is None:                     # cumulative moving average
+            momentum = 1.0 / float(bn.num_batches_tracked)
+    training = bn.training or (bn.running_mean is None and bn.running_var is None)
+    use_running = not bn.training or bn.track_running_stats
+    running_mean = bn.running_mean if use_running else None
+    running_var = bn.running_var if use_running else None
+    weight, bias = bn.weight, bn.bias
+    if weight is None:                              # affine=False
+        weight = torch.ones(bn.num_features, dtype=x.dtype, device=x.device)
+    if bias is None:
+        bias = torch.zeros(bn.num_features, dtype=x.dtype, device=x.device)
+    return weight, bias, running_mean, running_var, training, momentum, bn.eps
+
+
+def _conv_args(conv):
+    return dict(stride=conv.stride, padding=conv.padding, dilation=conv.dilation)
+
+
+# --------------------------------------------------------------------------- site functions
+
+def fused_conv_bn_relu(x, conv, bn, relu, site):
+    """``relu(bn(conv(x)))`` (``relu=False``: ``bn(conv(x))``) by numbafuse's Conv-BatchNorm(-ReLU)
+    with recompute, reading ``conv`` and ``bn`` now; the modules themselves where it cannot."""
+    reason = (conv_refusal(conv, with_bn=True) or bn_refusal(bn) or _tensor_refusal(
+        x, conv.weight, bn.weight, bn.bias, bn.running_mean, bn.running_var))
+    if reason is not None:
+        _unfused(site, reason)
+        y = bn(conv(x))
+        return torch.relu(y) if relu else y
+    weight, bias, running_mean, running_var, training, momentum, eps = _bn_state(bn, x)
+    return conv_batchnorm_relu(x, conv.weight, weight, bias, running_mean, running_var,
+                               training, momentum, eps, relu=relu, **_conv_args(conv))
+
+
+def fused_conv_bn_add_relu(x, z, conv, bn, site):
+    """``relu(bn(conv(x)) + z)`` by numbafuse's Conv-BatchNorm-Add-ReLU with recompute."""
+    reason = (conv_refusal(conv, with_bn=True) or bn_refusal(bn) or _tensor_refusal(
+        x, conv.weight, bn.weight, bn.bias, bn.running_mean, bn.running_var, z,
+        z_shape=_conv_out_shape(conv, x) if isinstance(x, torch.Tensor) and x.dim() == 4
+        else None))
+    if reason is not None:
+        _unfused(site, reason)
+        return torch.relu(bn(conv(x)) + z)
+    weight, bias, running_mean, running_var, training, momentum, eps = _bn_state(bn, x)
+    return conv_batchnorm_add_relu(x, conv.weight, z, weight, bias, running_mean, running_var,
+                                   training, momentum, eps, **_conv_args(conv))
+
+
+def fused_bn_add_relu(x, z, bn, site):
+    """``relu(bn(x) + z)`` by numbafuse's BatchNorm-Add-ReLU."""
+    reason = bn_refusal(bn) or _tensor_refusal(
+        x, bn.weight, bn.bias, bn.running_mean, bn.running_var, z,
+        z_shape=tuple(x.shape) if isinstance(x, torch.Tensor) else None)
+    if reason is not None:
+        _unfused(site, reason)
+        return torch.relu(bn(x) + z)
+    weight, bias, running_mean, running_var, training, momentum, eps = _bn_state(bn, x)
+    return batchnorm_add_relu(x, z, weight, bias, running_mean, running_var, training,
+                              momentum, eps)
+
+
+def fused_conv_relu(x, conv, site):
+    """``relu(conv(x))`` by numbafuse's Conv-Bias-ReLU (with the conv's bias, if any)."""
+    reason = conv_refusal(conv) or _tensor_refusal(x, conv.weight, conv.bias)
+    if reason is not None:
+        _unfused(site, reason)
+        return torch.relu(conv(x))
+    return conv_bias_relu(x, conv.weight, conv.bias, **_conv_args(conv))
+
+
+# --------------------------------------------------------------------------- matching
+
+@dataclasses.dataclass
+class Match:
+    """A fusion: ``chain`` (nodes, the root last) becomes one call of ``function``."""
+    title: str
+    chain: list
+    function: object
+    args: tuple                # fx Nodes, constants, and _Module(target) for get_attr nodes
+
+
+@dataclasses.dataclass
+class Refusal:
+    chain: list
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Module:
+    target: str                # the module's qualified name, read by a get_attr node
+
+
+class _Matcher:
+    """The facts every pattern needs about one traced graph."""
+
+    def __init__(self, gm):
+        self.modules = dict(gm.named_modules())
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.fused = set()
+
+    def module(self, node, kind):
+        """The module of ``node`` if it is a live call of a ``kind`` module (else None)."""
+        if not isinstance(node, torch.fx.Node) or node in self.fused:
+            return None
+        if node.op == "call_module" and isinstance(self.modules[node.target], kind):
+            return self.modules[node.target]
+        return None
+
+    def relu_input(self, node):
+        """The input of ``node`` if it is a live ReLU (else None)."""
+        if node in self.fused or not node.args or len(node.args) > 2:
+            return None
+        if node.op == "call_module" and type(self.modules[node.target]) is nn.ReLU:
+            return node.args[0]
+        if node.op == "call_function" and node.target in RELU_FUNCTIONS:
+            return node.args[0]
+        if node.op == "call_method" and node.target in RELU_METHODS and len(node.args) == 1:
+            return node.args[0]
+        return None
+
+    def add_operands(self, node):
+        """(a, b, in_place) if ``node`` is a live ``a + b`` of two graph values (else None)."""
+        if not isinstance(node, torch.fx.Node) or node in self.fused:
+            return None
+        if len(node.args) != 2 or node.kwargs or not all(isinstance(a, torch.fx.Node)
+                                                         for a in node.args):
+            return None
+        if node.op == "call_function" and node.target in ADD_FUNCTIONS:
+            return node.args[0], node.args[1], node.target is operator.iadd
+        if node.op == "call_method" and node.target in ADD_METHODS:
+            return node.args[0], node.args[1], node.target == "add_"
+        return None
+
+    def users_reason(self, chain):
+        """Why the chain's intermediate values cannot disappear (None if they can)."""
+        for node, after in zip(chain, chain[1:]):
+            if list(node.users) != [after]:
+                return f"{name(node)}'s output has {len(node.users)} users"
+        return None
+
+    def writes_into(self, node, value):
+        """Does ``node`` modify ``value`` in place?"""
+        if not node.args or node.args[0] is not value:
+            return False
+        if node.op == "call_method":
+            return node.target.endswith("_")
+        if node.op == "call_function":
+            return node.target in INPLACE_FUNCTIONS or bool(node.kwargs.get("inplace"))
+        if node.op == "call_module":
+            return bool(getattr(self.modules[node.target], "inplace", False))
+        return False
+
+    def mutation_reason(self, value, start, root):
+        """Why ``value``, read at ``start``, cannot be read at ``root`` instead (None if it
+        can): a node between them modifies it in place."""
+        for node in value.users:             # (nodes inserted by fuse write into nothing)
+            if self.order[start] < self.order.get(node, -1) < self.order[root] and \
+                    self.writes_into(node, value):
+                return f"{name(value)} is modified in place by {name(node)} before {name(root)}"
+        return None
+
+
+def name(node):
+    """A node's name in the log: the module's qualified name, else the node's."""
+    return node.target if node.op == "call_module" else node.name
+
+
+def _conv_bn_reason(m, conv_node, bn_node):
+    return (conv_refusal(m.modules[conv_node.target], with_bn=True)
+            or bn_refusal(m.modules[bn_node.target]))
+
+
+def _bn_side(m, root):
+    """(add, bn_node, z, refusal) for ``relu(add(bn(...), z))`` ending at ``root``."""
+    add = m.relu_input(root)
+    operands = m.add_operands(add)
+    if operands is None:
+        return None
+    a, b, in_place = operands
+    if m.module(a, nn.BatchNorm2d) is not None:
+        return add, a, b, None
+    if m.module(b, nn.BatchNorm2d) is not None:
+        if in_place:
+            return add, b, a, (f"{name(add)} adds in place into {name(a)}, not into the batch "
+                               f"norm's output")
+        return add, b, a, None
+    return None
+
+
+def conv_bn_add_relu(m, root):
+    found = _bn_side(m, root)
+    if found is None:
+        return None
+    add, bn_node, z, reason = found
+    conv_node = bn_node.args[0] if len(bn_node.args) == 1 else None
+    if m.module(conv_node, nn.Conv2d) is None or len(conv_node.args) != 1:
+        return None
+    chain = [conv_node, bn_node, add, root]
+    x = conv_node.args[0]
+    reason = (reason or _conv_bn_reason(m, conv_node, bn_node) or m.users_reason(chain)
+              or (z in chain and "the residual is the batch norm's output")
+              or m.mutation_reason(x, conv_node, root) or m.mutation_reason(z, add, root))
+    if reason:
+        return Refusal(chain, reason)
+    return Match(FUSE_CONV_BN_ADD_RELU, chain, fused_conv_bn_add_relu,
+                 (x, z, _Module(conv_node.target), _Module(bn_node.target)))
+
+
+def bn_add_relu(m, root):
+    found = _bn_side(m, root)
+    if found is None:
+        return None
+    add, bn_node, z, reason = found
+    if len(bn_node.args) != 1:
+        return None
+    chain = [bn_node, add, root]
+    x = bn_node.args[0]
+    reason = (reason or bn_refusal(m.modules[bn_node.target]) or m.users_reason(chain)
+              or (z in chain and "the residual is the batch norm's output")
+              or m.mutation_reason(x, bn_node, root) or m.mutation_reason(z, add, root))
+    if reason:
+        return Refusal(chain, reason)
+    return Match(FUSE_BN_ADD_RELU, chain, fused_bn_add_relu, (x, z, _Module(bn_node.target)))
+
+
+def _conv_bn(m, bn_node, root, title, relu):
+    conv_node = bn_node.args[0] if len(bn_node.args) == 1 else None
+    if m.module(conv_node, nn.Conv2d) is None or len(conv_node.args) != 1:
+        return None
+    chain = [conv_node, bn_node] + ([root] if root is not bn_node else [])
+    x = conv_node.args[0]
+    reason = (_conv_bn_reason(m, conv_node, bn_node) or m.users_reason(chain)
+              or m.mutation_reason(x, conv_node, root))
+    if reason:
+        return Refusal(chain, reason)
+    return Match(title, chain, fused_conv_bn_relu,
+                 (x, _Module(conv_node.target), _Module(bn_node.target), relu))
+
+
+def conv_bn_relu(m, root):
+    bn_node = m.relu_input(root)
+    if m.module(bn_node, nn.BatchNorm2d) is None:
+        return None
+    return _conv_bn(m, bn_node, root, FUSE_CONV_BN_RELU, True)
+
+
+def conv_bn(m, root):
+    if m.module(root, nn.BatchNorm2d) is None:
+        return None
+    return _conv_bn(m, root, root, FUSE_CONV_BN, False)
+
+
+def conv_relu(m, root):
+    conv_node = m.relu_input(root)
+    if m.module(conv_node, nn.Conv2d) is None or len(conv_node.args) != 1:
+        return None
+    chain = [conv_node, root]
+    reason = (conv_refusal(m.modules[conv_node.target]) or m.users_reason(chain)
+              or m.mutation_reason(conv_node.args[0], conv_node, root))
+    if reason:
+        return Refusal(chain, reason)
+    return Match(FUSE_CONV_RELU, chain, fused_conv_relu,
+                 (conv_node.args[0], _Module(conv_node.target)))
+
+
+# patterns ending at a ReLU, longest first; then those ending at a batch norm
+PATTERNS = (conv_bn_add_relu, bn_add_relu, conv_bn_relu, conv_relu, conv_bn)
+
+
+# --------------------------------------------------------------------------- fuse
+
+class _Tracer(torch.fx.Tracer):
+    """torch.fx's tracer with numbafuse's modules and the user's leaves kept as leaves."""
+
+    def __init__(self, leaf_modules):
+        super().__init__()
+        self.leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
+        self.leaf_names = {t for t in leaf_modules if isinstance(t, str)}
+        self.user_leaves = {}              # qualified name -> type name, as traced
+
+    def is_leaf_module(self, module, qualified_name):
+        if isinstance(module, self.leaf_types) or qualified_name in self.leaf_names:
+            self.user_leaves[qualified_name] = type(module).__name__
+            return True
+        if isinstance(module, NUMBAFUSE_MODULES):
+            return True
+        return super().is_leaf_module(module, qualified_name)
+
+
+def fuse(model, *, leaf_modules=(), copy=True):
+    """Rewrite ``model``'s Conv/BatchNorm/add/ReLU chains into numbafuse's fused ops.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Traced with ``torch.fx`` (its ``forward`` must be symbolically traceable: no control
+        flow on tensor values; mark a submodule that is not as a leaf).
+    leaf_modules : iterable of module types or qualified names
+        Submodules called as they are, not traced into (nothing inside them is fused).
+    copy : bool
+        True (default): the result owns a deep copy of ``model``'s modules; False: it shares
+        them (parameters, buffers) with ``model``, whose own ``forward`` is left as it is.
+
+    Returns
+    -------
+    torch.fx.GraphModule
+        Computes what ``model`` computes. Its module tree, parameters, buffers and
+        ``state_dict`` keys (in order) are ``model``'s (the conv and BatchNorm2d modules
+        included, so checkpoints load both ways and ``isinstance(m, nn.BatchNorm2d)`` recipes
+        find them); only ``forward`` is the rewritten graph. ``fuse_log``: one line per fusion
+        made or refused, and per user leaf.
+
+    Examples
+    --------
+    >>> import torch, numbafuse.torch as nft
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, bias=False),
+    ...                             torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    >>> fused = nft.fuse(model)
+    >>> fused.fuse_log
+    ['Fuse Conv2d with BatchNorm2d and ReLU: 0, 1, 2 -> fused_0_1_2']
+    >>> list(fused.state_dict()) == list(model.state_dict())
+    True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"numbafuse.torch.fuse: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    root = _copy.deepcopy(model) if copy else model
+    tracer = _Tracer(tuple(leaf_modules))
+    graph = tracer.trace(root)
+    gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    log = [f"kept {qualname} ({kind}) as a leaf: not traced into, nothing inside it fused"
+           for qualname, kind in tracer.user_leaves.items()]
+    log += _rewrite(gm)
+    _adopt_module_tree(gm, root)
+    gm.graph.lint()
+    gm.recompile()
+    gm.fuse_log = log
+    if LOG_TOPIC in os.environ.get(LOG_ENV, "").split(","):
+        for line in log:
+            print(f"numbafuse.torch.fuse: {line}", file=sys.stderr)
+    for line in log:
+        logger.info(line)
+    return gm
+
+
+def _rewrite(gm):
+    """Apply the patterns to ``gm.graph`` in place, visiting it from the output back; the
+    log lines, in the order decided."""
+    m = _Matcher(gm)
+    refusals, log = [], []
+    for root in reversed(list(gm.graph.nodes)):
+        if root in m.fused or root.op not in ("call_module", "call_function", "call_method"):
+            continue
+        for pattern in PATTERNS:
+            result = pattern(m, root)
+            if result is None or _already_refused(result, refusals):
+                continue
+            if isinstance(result, Refusal):
+                refusals.append(result)
+                log.append(f"refused {'->'.join(_kind(m, n) for n in result.chain)}: "
+                           f"{result.reason} [nodes {', '.join(name(n) for n in result.chain)}]")
+                continue
+            chain = ", ".join(name(n) for n in result.chain)     # before the nodes go
+            new = _replace(gm.graph, result)
+            m.fused.update(result.chain)
+            log.append(f"{result.title}: {chain} -> {new.name}")
+            break
+    return log
+
+
+def _already_refused(result, refusals):
+    """A refusal already logged for a longer chain, with the same reason (say it once)."""
+    return isinstance(result, Refusal) and any(
+        r.reason == result.reason and set(result.chain) <= set(r.chain) for r in refusals)
+
+
+def _kind(m, node):
+    """A node's kind in the log: its module's class, ``add`` or ``relu``."""
+    if node.op == "call_module":
+        return type(m.modules[node.target]).__name__
+    return "add" if m.add_operands(node) is not None else "relu"
+
+
+def _replace(graph, match):
+    """Insert the site call before the chain's root, reroute the root's users, erase the
+    chain; the new node."""
+    root = match.chain[-1]
+    site = ", ".join(name(n) for n in match.chain)
+    with graph.inserting_before(root):
+        args = tuple(graph.get_attr(a.target) if isinstance(a, _Module) else a
+                     for a in match.args)
+        short = [name(match.chain[0])] + [name(n).rpartition(".")[2] for n in match.chain[1:]]
+        new = graph.create_node("call_function", match.function, args + (site,),
+                                name="fused_" + "_".join(short).replace(".", "_"))
+    root.replace_all_uses_with(new)
+    for node in reversed(match.chain):
+        graph.erase_node(node)
+    return new
+
+
+def _adopt_module_tree(gm, model):
+    """Give ``gm`` ``model``'s own children, parameters and buffers (in ``model``'s order), in
+    place of the shells ``GraphModule`` builds from the traced paths: the same module objects,
+    the same ``state_dict`` keys in the same order, and the modules no node calls are kept.
+    What the tracer added (tensor constants) stays, after them, out of the state_dict."""
+    extra = ({k: v for k, v in gm._modules.items() if k not in model._modules},
+             {k: v for k, v in gm._parameters.items() if k not in model._parameters},
+             {k: v for k, v in gm._buffers.items() if k not in model._buffers})
+    gm._modules.clear()
+    gm._parameters.clear()
+    gm._buffers.clear()
+    gm._non_persistent_buffers_set.clear()
+    for name_, child in model._modules.items():
+        gm._modules[name_] = child
+    for name_, p in model._parameters.items():
+        gm.register_parameter(name_, p)
+    for name_, b in model._buffers.items():
+        gm.register_buffer(name_, b, persistent=name_ not in model._non_persistent_buffers_set)
+    for name_, child in extra[0].items():
+        gm._modules[name_] = child
+    for name_, p in extra[1].items():
+        gm.register_parameter(name_, p)
+    for name_, b in extra[2].items():
+        gm.register_buffer(name_, b, persistent=False)
+
+
+__all__ = ["fuse", "fused_conv_bn_relu", "fused_conv_bn_add_relu", "fused_bn_add_relu",
+           "fused_conv_relu", "conv_refusal", "bn_refusal", "PATTERNS"]
