@@ -339,8 +339,9 @@ class _BatchNormState(Module):
     ``weight = 1``, ``bias = 0``; buffers ``running_mean = 0``, ``running_var = 1`` and
     ``num_batches_tracked = 0`` (0-d int64, on the host).
 
-    ``momentum=None`` is PyTorch's cumulative moving average: each training batch is weighted
-    ``1 / num_batches_tracked``. ``comm`` (a ``numbafuse.distributed.Communicator``):
+    ``momentum=None`` is PyTorch's cumulative moving average: each training batch (an empty
+    one included) is counted, then weighted ``1 / num_batches_tracked``; an empty batch
+    updates no statistic, and a refused one is not counted (:meth:`counted`). ``comm`` (a ``numbafuse.distributed.Communicator``):
     synchronized batch norm in training, the statistics of the batch of all ranks.
     """
 
@@ -366,6 +367,17 @@ class _BatchNormState(Module):
         if self.momentum is None:                                      # cumulative average
             return 1.0 / float(self.num_batches_tracked)
         return self.momentum
+
+    def counted(self, call):
+        """``call(momentum)`` with this batch's factor (:meth:`step_momentum`); a call that
+        raises (bad input) leaves ``num_batches_tracked`` as it was, so a refused batch
+        changes no state. (PyTorch counts the batch before ``F.batch_norm`` checks it.)"""
+        before = int(self.num_batches_tracked)
+        try:
+            return call(self.step_momentum())
+        except BaseException:
+            self.num_batches_tracked[...] = before
+            raise
 
     def extra_repr(self):
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
@@ -410,11 +422,10 @@ class BatchNorm2d(_BatchNormState):
         super().__init__(num_features, eps, momentum, layout, dtype, comm)
 
     def forward(self, x):
-        momentum = self.step_momentum()
-        return batchnorm(x, self.weight, self.bias, running_mean=self.running_mean,
-                         running_var=self.running_var, training=self.training,
-                         momentum=momentum, eps=self.eps, layout=self.layout,
-                         comm=self.comm)
+        return self.counted(lambda momentum: batchnorm(
+            x, self.weight, self.bias, running_mean=self.running_mean,
+            running_var=self.running_var, training=self.training, momentum=momentum,
+            eps=self.eps, layout=self.layout, comm=self.comm))
 
 
 class ReLU(Module):
@@ -496,11 +507,10 @@ class BatchNormAddReLU(_BatchNormState):
         super().__init__(num_features, eps, momentum, layout, dtype, comm)
 
     def forward(self, x, z):
-        momentum = self.step_momentum()
-        return batchnorm_add_relu(x, z, self.weight, self.bias, running_mean=self.running_mean,
-                                  running_var=self.running_var, training=self.training,
-                                  momentum=momentum, eps=self.eps, layout=self.layout,
-                                  comm=self.comm)
+        return self.counted(lambda momentum: batchnorm_add_relu(
+            x, z, self.weight, self.bias, running_mean=self.running_mean,
+            running_var=self.running_var, training=self.training, momentum=momentum,
+            eps=self.eps, layout=self.layout, comm=self.comm))
 
 
 class ConvBatchNormReLU(Module):
@@ -532,12 +542,12 @@ class ConvBatchNormReLU(Module):
     def forward(self, x):
         # conv_batchnorm_relu(...) with the recompute policy (not in the public signature)
         bn = self.bn
-        fn = _ConvBatchNormReLUFn(
+        return bn.counted(lambda momentum: _ConvBatchNormReLUFn(
             running_mean=bn.running_mean, running_var=bn.running_var,
-            training=self.training, momentum=bn.step_momentum(), eps=bn.eps,
+            training=self.training, momentum=momentum, eps=bn.eps,
             stride=self.stride, padding=self.padding, dilation=self.dilation, relu=self.relu,
-            layout=self.layout, recompute=self.recompute, comm=bn.comm)
-        return fn.apply(x, self.weight, bn.weight, bn.bias)
+            layout=self.layout, recompute=self.recompute, comm=bn.comm).apply(
+                x, self.weight, bn.weight, bn.bias))
 
     # the batch norm's running statistics, read through the conv layer too (``self.bn`` owns
     # them: the state_dict lists them once, as bn.running_mean / bn.running_var)

@@ -31,7 +31,10 @@ and x_pad the zero-padded input::
 
 Padding: an int is symmetric; "valid" is none; "same" follows TensorFlow: per spatial dim
 out = ceil(size/stride), total = max((out-1)*stride + dilation*(k-1) + 1 - size, 0),
-begin = total//2, end = total - begin (the odd one goes to the bottom/right).
+begin = total//2, end = total - begin (the odd one goes to the bottom/right; at stride 1 this
+is PyTorch's "same", even kernels included). A 4-tuple is (left, right, top, bottom), the
+order of torch.nn.functional.pad: x_pad = np.pad(x, ((0, 0), (0, 0), (top, bottom),
+(left, right))).
 
 bias_add: y = x + b[c];  dx = dy, db[c] = sum_{n,h,w} dy.
 relu: y = max(x, 0);  dx = dy * (x > 0)  (gradient 0 at x == 0).
@@ -161,11 +164,17 @@ def _conv_geometry(op, x_nchw, w, stride, padding, dilation):
     H, W = x_nchw.shape[2:]
     sh, sw = _pair(op, "stride", stride)
     dil_h, dil_w = _pair(op, "dilation", dilation)
-    ph, pw = _pair(op, "padding", padding)
     if min(sh, sw, dil_h, dil_w) < 1:
         raise ValueError(f"{op}: stride and dilation must be >= 1, got {stride!r}, {dilation!r}")
-    pad_h = resolve_padding(H, R, sh, dil_h, ph)
-    pad_w = resolve_padding(W, S, sw, dil_w, pw)
+    if not isinstance(padding, str) and np.ndim(padding) == 1 and len(padding) == 4:
+        left, right, top, bottom = (int(p) for p in padding)     # F.pad's order
+        if min(left, right, top, bottom) < 0:
+            raise ValueError(f"{op}: padding must be >= 0, got {padding!r}")
+        pad_h, pad_w = (top, bottom), (left, right)
+    else:
+        ph, pw = _pair(op, "padding", padding)
+        pad_h = resolve_padding(H, R, sh, dil_h, ph)
+        pad_w = resolve_padding(W, S, sw, dil_w, pw)
     P = (H + sum(pad_h) - dil_h * (R - 1) - 1) // sh + 1
     Q = (W + sum(pad_w) - dil_w * (S - 1) - 1) // sw + 1
     if P < 1 or Q < 1:

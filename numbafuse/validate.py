@@ -43,6 +43,14 @@ def check_float_dtypes(op: str, **arrays) -> np.dtype:
     return dtype
 
 
+def check_given(op: str, **arrays) -> None:
+    """Every named argument is given: ``None`` is a ``TypeError`` naming the op and the
+    arguments (instead of an ``AttributeError`` from deep inside the op)."""
+    missing = [name for name, a in arrays.items() if a is None]
+    if missing:
+        raise TypeError(f"{op}: {', '.join(missing)} must be an array, got None")
+
+
 def check_ndim(op: str, name: str, a, ndim: int, what: str = "") -> None:
     if len(a.shape) != ndim:
         hint = f" ({what})" if what else ""
@@ -121,12 +129,37 @@ def check_device_contiguous(op: str, name: str, a) -> None:
 
 # --------------------------------------------------------------------------- convolution geometry
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def padding_quad(op: str, value) -> tuple:
+    """An int, ``(h, w)`` pair or 4-tuple ``padding`` as ``(left, right, top, bottom)``.
+
+    The 4-tuple's order is ``torch.nn.functional.pad``'s for the last two dimensions: the
+    width's (left, right) first, then the height's (top, bottom). So
+    ``conv(x, w, padding=p)`` computes ``conv(F.pad(x, p), w)`` for NCHW ``x``.
+    """
+    if isinstance(value, (tuple, list)) and len(value) == 4:
+        if not all(_is_int(e) for e in value):
+            raise TypeError(f"{op}: padding must be an int, a pair or a 4-tuple of ints "
+                            f"(left, right, top, bottom), got {value!r}")
+        quad = tuple(int(e) for e in value)
+        if min(quad) < 0:
+            raise ValueError(f"{op}: padding must be >= 0, got {value!r}")
+        return quad
+    if isinstance(value, (tuple, list)) and len(value) != 2:
+        raise TypeError(f"{op}: padding must be an int, a pair or a 4-tuple of ints "
+                        f"(left, right, top, bottom), got {value!r}")
+    ph, pw = pair(op, "padding", value, 0)
+    return pw, pw, ph, ph
+
+
 def pair(op: str, name: str, value, minimum: int) -> tuple:
     """``value`` (an int or an ``(h, w)`` pair) as a pair of ints ``>= minimum``."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    if _is_int(value):
         v = (int(value), int(value))
-    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(
-            isinstance(e, (int, np.integer)) and not isinstance(e, bool) for e in value):
+    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(map(_is_int, value)):
         v = (int(value[0]), int(value[1]))
     else:
         raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {value!r}")
@@ -140,8 +173,9 @@ class ConvGeometry:
     """Everything a convolution kernel needs to know about its shapes.
 
     Padding is stored as top/left (``ph``, ``pw``) and bottom/right (``ph_end``, ``pw_end``):
-    "same" padding can be asymmetric. Kernels only need the top/left pad and ``P``, ``Q``;
-    anything read past the bottom/right edge is a zero of the padding.
+    "same" padding and a 4-tuple ``padding`` can be asymmetric. Kernels only need the top/left
+    pad and ``P``, ``Q``; anything read past the bottom/right edge is a zero of the padding.
+    ``N`` may be 0 (an empty batch: the ops return empty outputs, zero weight gradients).
     """
     N: int
     C: int
@@ -186,7 +220,9 @@ def _resolve_padding(op, padding, size, k, stride, dilation):
     if padding == "valid":
         return 0, 0
     if padding == "same":
-        # TensorFlow's rule: output = ceil(size / stride); extra padding goes to the end.
+        # TensorFlow's rule: output = ceil(size / stride); extra padding goes to the end. At
+        # stride 1 that is PyTorch's "same": total = dilation*(k-1), begin = total//2, end =
+        # total - begin (an even kernel's extra row/column at the bottom/right).
         out = -(-size // stride)
         total = max((out - 1) * stride + extent - size, 0)
         return total // 2, total - total // 2
@@ -241,8 +277,9 @@ def _conv_geometry(op: str, x_shape, w_shape, stride=1, padding=0, dilation=1,
     K, Cw, R, S = w_shape
     if Cw != C:
         raise ValueError(f"{op}: w has {Cw} input channels, x has {C}")
-    if min(N, C, H, W) < 1:
-        raise ValueError(f"{op}: x must have no empty dimension, got shape {tuple(x_shape)}")
+    if N < 0 or min(C, H, W) < 1:         # an empty batch (N = 0) is fine, as in PyTorch
+        raise ValueError(f"{op}: x must have no empty dimension but the batch, got shape "
+                         f"{tuple(x_shape)}")
     if min(K, R, S) < 1:
         raise ValueError(f"{op}: w must have no empty dimension, got shape {tuple(w_shape)}")
     sh, sw = pair(op, "stride", stride, 1)
@@ -254,14 +291,14 @@ def _conv_geometry(op: str, x_shape, w_shape, stride=1, padding=0, dilation=1,
         ph, ph_end = _resolve_padding(op, padding, H, R, sh, dh)
         pw, pw_end = _resolve_padding(op, padding, W, S, sw, dw)
     else:
-        ph, pw = pair(op, "padding", padding, 0)
-        ph_end, pw_end = ph, pw
+        pw, pw_end, ph, ph_end = padding_quad(op, padding)
     P = (H + ph + ph_end - dh * (R - 1) - 1) // sh + 1
     Q = (W + pw + pw_end - dw * (S - 1) - 1) // sw + 1
     if P < 1 or Q < 1:
         raise ValueError(
             f"{op}: output size would be {P}x{Q} (< 1): input {H}x{W}, filter {R}x{S}, "
-            f"stride {(sh, sw)}, padding {(ph, pw)}, dilation {(dh, dw)}")
+            f"stride {(sh, sw)}, padding (left, right, top, bottom) "
+            f"{(pw, pw_end, ph, ph_end)}, dilation {(dh, dw)}")
     return ConvGeometry(N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, ph_end, pw_end, dh, dw,
                         layout)
 
@@ -333,8 +370,8 @@ def _batchnorm_static(op, shapes, layout, save, training, momentum, eps, synced)
     x, z, gamma, beta, running_mean, running_var = (_shaped(s) for s in shapes)
     layout = check_layout(op, layout)
     check_ndim(op, "x", x, 4, layout)
-    if min(x.shape[1:] if synced else x.shape) < 1:
-        raise ValueError(f"{op}: x must have no empty dimension, got shape {tuple(x.shape)}")
+    if x.shape[channel_axis(layout)] < 1:      # N*H*W = 0 is an empty batch, as in PyTorch
+        raise ValueError(f"{op}: x must have at least one channel, got shape {tuple(x.shape)}")
     if z is not None:
         check_same_shape(op, "z", z, "x", x)
     C = x.shape[channel_axis(layout)]
@@ -357,8 +394,10 @@ def running_stats(op, C, M, running_mean, running_var, training, momentum, eps, 
     given both or neither, required in inference, writable when the call updates them
     (``updates`` and training; the NumPy-style backwards update nothing) and contiguous when
     on the device; ``training`` a real boolean (``"no"`` is not False);
-    ``eps >= 0``, ``momentum`` in [0, 1]; more than one value per channel (``M``) in training
-    (unless ``synced``: then the caller checks the global count).
+    ``eps >= 0``; ``momentum`` in [0, 1] where it is used (training with running statistics;
+    elsewhere it is not read, so any value passes); not exactly one value per channel (``M``)
+    in training (unless ``synced``: then the caller checks the global count). ``M = 0`` (an
+    empty batch) passes: the ops return empty outputs and update nothing, as PyTorch does.
     Backend and dtype agreement with the other arrays is the caller's ``backend_of`` /
     ``check_float_dtypes``. Raises a named ValueError/TypeError; writes nothing.
     """
@@ -374,7 +413,6 @@ def _running_stats_static(op, C, running_mean, running_var, training, momentum, 
     check_vector(op, "running_mean", running_mean, C)
     check_vector(op, "running_var", running_var, C)
     eps = check_scalar(op, "eps", eps, lo=0.0)
-    momentum = check_scalar(op, "momentum", momentum, lo=0.0, hi=1.0)
     check_flag(op, "training", training)
     if (running_mean is None) != (running_var is None):
         given = "running_mean" if running_mean is not None else "running_var"
@@ -382,7 +420,25 @@ def _running_stats_static(op, C, running_mean, running_var, training, momentum, 
                          f"was given")
     if not training and running_mean is None:
         raise ValueError(f"{op}: inference (training=False) needs running_mean and running_var")
-    return momentum, eps
+    return check_momentum(op, momentum, training and running_mean is not None), eps
+
+
+def check_momentum(op, momentum, used) -> float:
+    """The running-statistics factor as a float in [0, 1] where it is ``used`` (training with
+    running statistics); elsewhere it is never read, so any value passes (as 0.0).
+
+    ``momentum=None`` is PyTorch's cumulative moving average, a layer option: its factor is
+    ``1 / num_batches_tracked``, a count the layers keep (``nn.BatchNorm2d(C, momentum=None)``)
+    and a functional call does not, so there it is refused where it would be used, as
+    ``torch.nn.functional.batch_norm`` refuses it.
+    """
+    if not used:
+        return 0.0
+    if momentum is None:
+        raise TypeError(f"{op}: momentum=None (the cumulative moving average) needs the count "
+                        f"of batches a layer keeps (nn.BatchNorm2d(C, momentum=None)); a "
+                        f"functional call has none: pass momentum=1/n for the n-th batch")
+    return check_scalar(op, "momentum", momentum, lo=0.0, hi=1.0)
 
 
 def _running_stats_arrays(op, running_mean, running_var, training):
@@ -394,7 +450,9 @@ def _running_stats_arrays(op, running_mean, running_var, training):
 
 
 def _check_values_per_channel(op, M, training):
-    if training and M < 2:
+    # one value per channel has no variance to normalise by (PyTorch's "Expected more than 1
+    # value per channel when training"); none (an empty batch) gives an empty output
+    if training and M == 1:
         raise ValueError(f"{op}: training needs more than one value per channel to "
                          f"normalise over, got {M}")
 

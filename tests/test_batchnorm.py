@@ -283,3 +283,35 @@ def test_warp_sized_blocks_shuffle_path_and_channel_stride(threads, shuffle, lay
     got = nf.batchnorm_add_relu_backward(cuda.put(dy), *args, y=y, layout=layout)
     for g, e in zip(got, expected):
         close(cuda.get(g), e, np.float64)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("shape, layout", [((0, 3, 4, 4), "NCHW"), ((2, 3, 0, 4), "NCHW"),
+                                           ((0, 4, 4, 3), "NHWC")])
+def test_an_empty_batch_gives_empty_outputs_and_updates_nothing(backend, shape, layout,
+                                                                 training):
+    """N*H*W = 0, as PyTorch's batch_norm: y (and dx, dz) empty, the running statistics left
+    as they are, dgamma = dbeta = 0 (sums over no values); on the tape and NumPy style."""
+    C = shape[1] if layout == "NCHW" else shape[3]
+    rng = np.random.default_rng(0)
+    rm, rv = rng.standard_normal(C), rng.uniform(0.5, 2.0, C)
+    x, z = np.zeros(shape), np.zeros(shape)
+    gamma, beta = rng.uniform(0.5, 1.5, C), rng.standard_normal(C)
+    stats = dict(running_mean=backend.put(rm), running_var=backend.put(rv))
+    kw = dict(training=training, layout=layout, **stats)
+    for fused in (True, False):
+        ts = [nf.Tensor(backend.put(a), requires_grad=True) for a in (x, z, gamma, beta)]
+        y = nf.batchnorm_add_relu(*ts, **kw) if fused else \
+            nf.batchnorm(ts[0], ts[2], ts[3], **kw)
+        assert backend.get(y.data).shape == shape
+        y.backward(backend.put(np.zeros(shape)))
+        assert backend.get(ts[0].grad).shape == shape
+        for t in ts[2:]:
+            np.testing.assert_array_equal(backend.get(t.grad), np.zeros(C))
+    dx, dz, dgamma, dbeta = nf.batchnorm_add_relu_backward(
+        *map(backend.put, (x, x, z, gamma, beta)), training=training, layout=layout, **stats)
+    assert backend.get(dx).shape == backend.get(dz).shape == shape
+    np.testing.assert_array_equal(backend.get(dgamma), np.zeros(C))
+    np.testing.assert_array_equal(backend.get(dbeta), np.zeros(C))
+    np.testing.assert_array_equal(backend.get(stats["running_mean"]), rm)
+    np.testing.assert_array_equal(backend.get(stats["running_var"]), rv)

@@ -15,7 +15,7 @@ from numbafuse import kernels, validate
 from numbafuse import reference as ref
 from numbafuse.ops import conv as conv_ops
 
-from .harness import close
+from .harness import BACKENDS, close
 
 
 def _seeded(shape, seed=0, dtype=np.float64):
@@ -122,3 +122,115 @@ def test_warp_sized_blocks_over_many_tiles(threads, layout, dtype, monkeypatch):
     got = nf.conv_bias_relu_backward(cuda.put(dy), cuda.put(x), cuda.put(w), y, **kw)
     for g, r in zip(got, ref.conv_bias_relu_backward(dy, x, w, b, **kw)):
         close(cuda.get(g), r, dtype)
+
+
+# =========================================================================== padding, empty batch
+# Reference: x zero-padded by np.pad, then the reference's unpadded conv; dx is the padded
+# input's gradient cropped back. Neither the kernels nor the reference's padding rules.
+
+def _padded_reference(x, w, b, dy, quad, layout, **kw):
+    """(y, dx, dw, db) of relu(conv(pad(x), w) + b) by the reference on the np.pad'ed x,
+    with ``quad`` = (left, right, top, bottom)."""
+    left, right, top, bottom = quad
+    pads = ((0, 0), (0, 0), (top, bottom), (left, right))
+    if layout == "NHWC":
+        pads = ((0, 0), (top, bottom), (left, right), (0, 0))
+    xp = np.pad(x.astype(np.float64), pads)
+    w64, b64 = w.astype(np.float64), b.astype(np.float64)
+    y = ref.conv_bias_relu(xp, w64, b64, padding=0, layout=layout, **kw)
+    dxp, dw, db = ref.conv_bias_relu_backward(dy.astype(np.float64), xp, w64, b64, padding=0,
+                                              layout=layout, **kw)
+    H, W = (x.shape[2], x.shape[3]) if layout == "NCHW" else (x.shape[1], x.shape[2])
+    rows, cols = slice(top, top + H), slice(left, left + W)
+    dx = dxp[:, :, rows, cols] if layout == "NCHW" else dxp[:, rows, cols, :]
+    return y, dx, dw, db
+
+
+def _check_padded(backend, x, w, b, padding, quad, dtype, **kw):
+    y = nf.conv_bias_relu(*map(backend.put, (x, w, b)), padding=padding, **kw)
+    dy = _seeded(backend.get(y).shape, 7, dtype)
+    expected = _padded_reference(x, w, b, dy, quad, **kw)
+    got = (y,) + nf.conv_bias_relu_backward(backend.put(dy), backend.put(x), backend.put(w), y,
+                                            padding=padding, **kw)
+    for g, e in zip(got, expected):
+        close(backend.get(g), e, dtype)
+
+
+# (left, right, top, bottom), stride, dilation, kernel: more padding on either side of each
+# axis, with strides and dilations whose windows end inside the bottom/right padding or not
+ASYMMETRIC = [((0, 2, 1, 0), 1, 1, (3, 3)), ((2, 0, 0, 1), 2, 1, (3, 2)),
+              ((1, 0, 2, 1), (2, 1), (1, 2), (2, 3))]
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("quad, stride, dilation, kernel", ASYMMETRIC)
+def test_asymmetric_padding_is_np_pad_then_an_unpadded_conv(backend, quad, stride, dilation,
+                                                            kernel, layout):
+    """A 4-tuple padding is (left, right, top, bottom), torch.nn.functional.pad's order."""
+    H, W = 5, 6
+    x = _seeded((2, 3, H, W) if layout == "NCHW" else (2, H, W, 3), 1)
+    w, b = _seeded((4, 3) + kernel, 2), _seeded(4, 3)
+    _check_padded(backend, x, w, b, quad, quad, np.float64, stride=stride, dilation=dilation,
+                  layout=layout)
+
+
+@pytest.mark.parametrize("quad, stride, kind", [((0, 1, 2, 0), 1, "winograd"),
+                                                ((1, 2, 0, 1), 2, "winograd_s2"),
+                                                ((2, 0, 1, 2), 2, "implicit")])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_asymmetric_padding_on_every_cpu_algorithm(quad, stride, kind, layout):
+    """The CPU's GEMM paths (16 channels and more), float32: each reads only the top/left
+    padding and P, Q; the bottom/right padding is what lies past the input's edge."""
+    from numbafuse.kernels.conv import cpu as cpu_conv
+    H, W, R = 9, 18, 3 if kind != "implicit" else 1
+    x = _seeded((2, 16, H, W) if layout == "NCHW" else (2, H, W, 16), 1, np.float32)
+    w, b = _seeded((16, 16, R, R), 2, np.float32) / 12, _seeded(16, 3, np.float32)
+    geometry = validate.conv_geometry("t", x.shape, w.shape, stride, quad, 1, layout)
+    assert (geometry.ph, geometry.ph_end, geometry.pw, geometry.pw_end) == (
+        quad[2], quad[3], quad[0], quad[1])
+    if kind != "implicit" or layout == "NHWC":
+        assert cpu_conv.algorithm(geometry, "forward", np.float32) == kind
+    _check_padded(BACKENDS["cpu"], x, w, b, quad, quad, np.float32, stride=stride,
+                  layout=layout)
+
+
+@pytest.mark.parametrize("kernel, dilation", [(2, 1), (4, 1), (2, 2), ((2, 3), 1)])
+def test_same_padding_of_even_kernels_puts_the_extra_at_the_end(backend, kernel, dilation):
+    """padding="same" at stride 1: total = dilation*(k-1), begin = total//2, the rest at the
+    bottom/right (PyTorch's rule), forward and backward."""
+    R, S = (kernel, kernel) if np.ndim(kernel) == 0 else kernel
+    th, tw = dilation * (R - 1), dilation * (S - 1)
+    quad = (tw // 2, tw - tw // 2, th // 2, th - th // 2)
+    x, w, b = _seeded((2, 3, 5, 6), 1), _seeded((4, 3, R, S), 2), _seeded(4, 3)
+    _check_padded(backend, x, w, b, "same", quad, np.float64, dilation=dilation,
+                  layout="NCHW")
+
+
+def test_reference_reads_a_4_tuple_in_f_pad_order():
+    x, w = _seeded((1, 2, 4, 5), 1), _seeded((3, 2, 2, 2), 2)
+    padded = np.pad(x, ((0, 0), (0, 0), (3, 0), (1, 2)))          # top 3, left 1, right 2
+    np.testing.assert_array_equal(ref.conv2d(x, w, padding=(1, 2, 3, 0)),
+                                  ref.conv2d(padded, w, padding=0))
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_an_empty_batch_gives_empty_outputs_and_zero_gradients(backend, layout):
+    """N = 0, as PyTorch: y empty, dx empty, dw and db zero (sums over no pixels), on the tape
+    and NumPy style, for the fused op and conv2d."""
+    x = np.zeros((0, 3, 5, 5) if layout == "NCHW" else (0, 5, 5, 3))
+    w, b = _seeded((4, 3, 3, 3), 1), _seeded(4, 2)
+    kw = dict(stride=2, padding=1, layout=layout)
+    y_shape = (0, 4, 3, 3) if layout == "NCHW" else (0, 3, 3, 4)
+    xt, wt, bt = (nf.Tensor(backend.put(a), requires_grad=True) for a in (x, w, b))
+    for y in (nf.conv_bias_relu(xt, wt, bt, **kw), nf.conv2d(xt, wt, **kw)):
+        assert y.shape == y_shape
+        y.backward(backend.put(np.zeros(y_shape)))
+    assert backend.get(xt.grad).shape == x.shape
+    np.testing.assert_array_equal(backend.get(wt.grad), np.zeros(w.shape))
+    np.testing.assert_array_equal(backend.get(bt.grad), np.zeros(4))
+    y = nf.conv_bias_relu(*map(backend.put, (x, w, b)), **kw)
+    dx, dw, db = nf.conv_bias_relu_backward(backend.put(np.zeros(y_shape)), backend.put(x),
+                                            backend.put(w), y, **kw)
+    assert backend.get(y).shape == y_shape and backend.get(dx).shape == x.shape
+    np.testing.assert_array_equal(backend.get(dw), np.zeros(w.shape))
+    np.testing.assert_array_equal(backend.get(db), np.zeros(4))

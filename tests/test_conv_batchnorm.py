@@ -152,3 +152,29 @@ def test_tensor_arguments_are_accepted_everywhere(backend, rng):
             a["running_var"])
     for g, e in zip(nf.fold_batchnorm(*map(T, fold)), nf.fold_batchnorm(*fold)):
         np.testing.assert_array_equal(backend.get(g), backend.get(e))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_an_empty_batch_gives_empty_outputs_and_updates_nothing(backend, training):
+    """N = 0, as PyTorch's conv2d -> batch_norm: y and dx empty, dw, dgamma, dbeta zero, the
+    running statistics left as they are; on the tape and NumPy style."""
+    rng = np.random.default_rng(0)
+    x, w = np.zeros((0, 3, 5, 5)), rng.standard_normal((4, 3, 3, 3))
+    gamma, beta = rng.uniform(0.5, 1.5, 4), rng.standard_normal(4)
+    rm, rv = rng.standard_normal(4), rng.uniform(0.5, 2.0, 4)
+    stats = dict(running_mean=backend.put(rm), running_var=backend.put(rv))
+    kw = dict(training=training, padding=1, **stats)
+    ts = [nf.Tensor(backend.put(a), requires_grad=True) for a in (x, w, gamma, beta)]
+    y = nf.conv_batchnorm_relu(*ts, **kw)
+    assert backend.get(y.data).shape == (0, 4, 5, 5)
+    y.backward(backend.put(np.zeros((0, 4, 5, 5))))
+    grads = [t.grad for t in ts]
+    grads_np = nf.conv_batchnorm_relu_backward(backend.put(np.zeros((0, 4, 5, 5))),
+                                               *map(backend.put, (x, w, gamma, beta)), **kw)
+    for dx, dw, dgamma, dbeta in (grads, grads_np):
+        assert backend.get(dx).shape == x.shape
+        np.testing.assert_array_equal(backend.get(dw), np.zeros(w.shape))
+        np.testing.assert_array_equal(backend.get(dgamma), np.zeros(4))
+        np.testing.assert_array_equal(backend.get(dbeta), np.zeros(4))
+    np.testing.assert_array_equal(backend.get(stats["running_mean"]), rm)
+    np.testing.assert_array_equal(backend.get(stats["running_var"]), rv)

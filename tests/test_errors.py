@@ -114,6 +114,10 @@ def _conv_bias_relu_backward_cases():
         ("w int", dict(w=p["w"].astype(np.int64)), {}, TypeError, "w", "int64"),
         ("y foreign", dict(y="foreign"), {}, TypeError, "y", "cannot mix host and device"),
         ("dy foreign", dict(dy="foreign"), {}, TypeError, "dy", "cannot mix host and device"),
+        ("dy None", dict(dy=None), {}, TypeError, "dy", "got None"),
+        ("x None", dict(x=None), {}, TypeError, "x", "got None"),
+        ("w None", dict(w=None), {}, TypeError, "w", "got None"),
+        ("y None", dict(y=None), {}, TypeError, "y", "got None"),
     ]
 
 
@@ -158,6 +162,9 @@ def _batchnorm_add_relu_backward_cases():
         ("inference without stats", dict(running_mean=None, running_var=None),
          dict(training=False), ValueError, "running_mean", "inference"),
         ("layout", {}, dict(layout="CHWN"), ValueError, "layout", ""),
+        ("dy None", dict(dy=None), {}, TypeError, "dy", "got None"),
+        ("x None", dict(x=None), {}, TypeError, "x", "got None"),
+        ("gamma None", dict(gamma=None), {}, TypeError, "gamma", "got None"),
     ]
 
 
@@ -192,6 +199,9 @@ def _conv_batchnorm_relu_backward_cases():
          "float32"),
         ("training", {}, dict(training="no"), TypeError, "training", ""),
         ("relu", {}, dict(relu="no"), TypeError, "relu", ""),
+        ("dy None", dict(dy=None), {}, TypeError, "dy", "got None"),
+        ("w None", dict(w=None), {}, TypeError, "w", "got None"),
+        ("beta None", dict(beta=None), {}, TypeError, "beta", "got None"),
     ]
 
 
@@ -259,6 +269,8 @@ def _bn_forward_cases(C):
         (dict(eps=-1e-5), ValueError, "eps", "must lie in"),
         (dict(momentum=1.5), ValueError, "momentum", "must lie in"),
         (dict(momentum=-0.1), ValueError, "momentum", "must lie in"),
+        (dict(momentum=None), TypeError, "momentum", "cumulative moving average"),
+        (dict(momentum="0.1x"), TypeError, "momentum", "real number"),
         (dict(layout="NCWH"), ValueError, "layout", "must be"),
         (dict(save="bits"), ValueError, "save", "'output' or 'mask'"),
         (dict(running_var=None), ValueError, "running_mean", "only running_mean was given"),
@@ -271,6 +283,10 @@ def _bn_forward_cases(C):
         (dict(training="yes"), TypeError, "training", "True or False"),
         (dict(training=False, running_mean=None, running_var=None), ValueError,
          "running_mean", "inference"),
+        (dict(x=None), TypeError, "x", "got None"),
+        (dict(gamma=None), TypeError, "gamma", "got None"),
+        (dict(beta=None), TypeError, "beta", "got None"),
+        (dict(z=None), TypeError, "z", "got None"),
     ]
 
 
@@ -289,6 +305,7 @@ def _conv_bn_forward_cases():
         (dict(stride=0), ValueError, "stride", ""),
         (dict(padding="full"), ValueError, "padding", ""),
         (dict(momentum=1.5), ValueError, "momentum", ""),
+        (dict(momentum=None), TypeError, "momentum", "cumulative moving average"),
         (dict(eps=-1.0), ValueError, "eps", ""),
         (dict(x=np.ones((1, 3, 3, 3))), ValueError, "value", "more than one value per channel"),
         (dict(training=False, running_mean=None, running_var=None), ValueError,
@@ -298,6 +315,10 @@ def _conv_bn_forward_cases():
         (dict(relu="no"), TypeError, "relu", "True or False"),
         (dict(x="foreign"), TypeError, "x", "cannot mix host and device"),
         (dict(running_mean="foreign"), TypeError, "running_mean", "cannot mix host and device"),
+        (dict(x=None), TypeError, "x", "got None"),
+        (dict(w=None), TypeError, "w", "got None"),
+        (dict(gamma=None), TypeError, "gamma", "got None"),
+        (dict(beta=None), TypeError, "beta", "got None"),
     ]
 
 
@@ -360,6 +381,19 @@ def _conv_forward_calls():
          "cannot mix host and device"),
         (conv, "conv_bias_relu", ([[1.0]], W, B), {}, TypeError, "x",
          "must be a NumPy array or a CUDA array"),
+        (conv, "conv_bias_relu", (None, W, B), {}, TypeError, "x", "got None"),
+        (conv, "conv_bias_relu", (X, None, B), {}, TypeError, "w", "got None"),
+        (conv, "conv_bias_relu", (X, W, B), dict(padding=(1, 2, 3)), TypeError, "padding",
+         "4-tuple"),
+        (conv, "conv_bias_relu", (X, W, B), dict(padding=(1, 2, -1, 0)), ValueError,
+         "padding", ">= 0"),
+        (conv, "conv_bias_relu", (X, W, B), dict(padding=(1, 0, 1.0, 0)), TypeError,
+         "padding", "4-tuple"),
+        (conv, "conv_bias_relu", (X, np.zeros((2, 3, 3, 9)), B), dict(padding=(1, 0, 1, 1)),
+         ValueError, "output", r"\(left, right, top, bottom\) \(1, 0, 1, 1\)"),
+        (nf.conv2d, "conv2d", (None, W), {}, TypeError, "x", "got None"),
+        (nf.conv2d, "conv2d", (X, None), {}, TypeError, "w", "got None"),
+        (nf.bias_add, "bias_add", (X, None), {}, TypeError, "b", "got None"),
         (nf.conv2d, "conv2d", (X, np.zeros((2, 5, 3, 3))), {}, ValueError, "w",
          "5 input channels, x has 3"),
         (nf.bias_add, "bias_add", (X, np.zeros(2)), {}, ValueError, "b", r"\(3,\)"),
@@ -523,3 +557,21 @@ def test_strided_device_running_stats_are_refused():
         nf.conv_batchnorm_relu(*args, running_mean=strided, running_var=rv)
     np.testing.assert_array_equal(cuda.get(strided), p["running_mean"])
     np.testing.assert_array_equal(cuda.get(rv), p["running_var"])
+
+
+# =========================================================================== momentum
+
+@pytest.mark.parametrize("momentum", [None, 1.5, -2.0, "unused"])
+@pytest.mark.parametrize("op,call,problem", STATEFUL, ids=[s[0] for s in STATEFUL])
+def test_momentum_is_checked_only_where_it_is_used(backend, op, call, problem, momentum):
+    """Inference reads no momentum, nor does training without running statistics: any value
+    passes there, the result is that of momentum=0.1, nothing is written."""
+    p = problem()
+    arrays = {k: backend.put(v) for k, v in p.items()}
+    stats = {k: arrays[k] for k in ("running_mean", "running_var")}
+    for kw in (dict(training=False, **stats), dict(training=True)):
+        expected = backend.get(call(arrays, momentum=0.1, **kw))
+        np.testing.assert_array_equal(backend.get(call(arrays, momentum=momentum, **kw)),
+                                      expected)
+    for k, v in stats.items():
+        np.testing.assert_array_equal(backend.get(v), p[k])

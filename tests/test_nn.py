@@ -162,6 +162,72 @@ def test_momentum_none_is_the_cumulative_average(rng):
         nn.BatchNorm2d(2, momentum=1.5)
 
 
+def _cumulative_batches(rng):
+    """Training batches (None: an eval call between them), one of them empty."""
+    return [_x(rng, (3, 2, 4, 4), np.float64) * 2 + 1, _x(rng, (2, 2, 4, 4), np.float64) - 3,
+            np.zeros((0, 2, 4, 4)), None, _x(rng, (4, 2, 4, 4), np.float64) * 0.5]
+
+
+@pytest.mark.parametrize("layer", ["BatchNorm2d", "BatchNormAddReLU", "ConvBatchNormReLU"])
+def test_momentum_none_follows_pytorchs_rule_with_an_empty_batch(rng, layer):
+    """Plain NumPy, PyTorch's rule: each training batch counts (num_batches_tracked += 1,
+    an empty one too), then r += (batch statistic - r) / num_batches_tracked, where the batch
+    has values (an empty batch updates nothing); eval changes nothing."""
+    m = {"BatchNorm2d": lambda: nn.BatchNorm2d(2, momentum=None, dtype=np.float64),
+         "BatchNormAddReLU": lambda: nn.BatchNormAddReLU(2, momentum=None, dtype=np.float64),
+         "ConvBatchNormReLU": lambda: nn.ConvBatchNormReLU(2, 2, 1, momentum=None,
+                                                           dtype=np.float64)}[layer]()
+    bn = m.bn if layer == "ConvBatchNormReLU" else m
+    if layer == "ConvBatchNormReLU":
+        m.weight.data[...] = np.eye(2).reshape(2, 2, 1, 1)       # h = x
+    r_mean, r_var, count = np.zeros(2), np.ones(2), 0
+    for xb in _cumulative_batches(rng):
+        m.train(xb is not None)
+        xb = _x(rng, (2, 2, 4, 4), np.float64) if xb is None else xb
+        m(xb, np.zeros_like(xb)) if layer == "BatchNormAddReLU" else m(xb)
+        if m.training:
+            count += 1
+            if xb.size:
+                r_mean = r_mean + (xb.mean(axis=(0, 2, 3)) - r_mean) / count
+                r_var = r_var + (xb.var(axis=(0, 2, 3), ddof=1) - r_var) / count
+        assert int(bn.num_batches_tracked) == count
+        np.testing.assert_allclose(bn.running_mean, r_mean, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(bn.running_var, r_var, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.torch
+def test_momentum_none_matches_torch_batchnorm2d(rng):
+    torch = pytest.importorskip("torch")
+    ours = nn.BatchNorm2d(2, momentum=None, dtype=np.float64)
+    theirs = torch.nn.BatchNorm2d(2, momentum=None, dtype=torch.float64)
+    for xb in _cumulative_batches(rng):
+        for m in (ours, theirs):
+            m.train(xb is not None)
+        xb = _x(rng, (2, 2, 4, 4), np.float64) if xb is None else xb
+        y = nf.Tensor(ours(xb)).numpy()
+        with torch.no_grad():
+            np.testing.assert_allclose(y, theirs(torch.from_numpy(xb)).numpy(), **TOL[np.float64])
+        assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked)
+        np.testing.assert_allclose(ours.running_mean, theirs.running_mean.numpy(), rtol=1e-12)
+        np.testing.assert_allclose(ours.running_var, theirs.running_var.numpy(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("layer", ["BatchNorm2d", "ConvBatchNormReLU"])
+def test_a_refused_batch_is_not_counted(rng, layer):
+    """One value per channel in training is refused before anything is written: the running
+    statistics and num_batches_tracked stay (PyTorch counts the batch before refusing it)."""
+    m = nn.BatchNorm2d(2, dtype=np.float64) if layer == "BatchNorm2d" else \
+        nn.ConvBatchNormReLU(2, 2, 1, dtype=np.float64)
+    bn = m.bn if layer == "ConvBatchNormReLU" else m
+    m(_x(rng, (2, 2, 3, 3), np.float64))
+    state = [np.array(bn.running_mean), np.array(bn.running_var), int(bn.num_batches_tracked)]
+    with pytest.raises(ValueError, match="more than one value per channel"):
+        m(_x(rng, (1, 2, 1, 1), np.float64))
+    np.testing.assert_array_equal(bn.running_mean, state[0])
+    np.testing.assert_array_equal(bn.running_var, state[1])
+    assert int(bn.num_batches_tracked) == state[2]
+
+
 def test_load_state_dict_takes_torch_like_tensors_and_pytorch_keys():
     bn = nn.BatchNormAddReLU(3)
     state = {"weight": _TorchLike(np.full(3, 2.0)), "bias": _TorchLike(np.full(3, -1.0)),

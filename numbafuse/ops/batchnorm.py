@@ -78,7 +78,10 @@ class BatchNormAddReLUParams(BatchNormParams):
 # --------------------------------------------------------------------------- array helpers
 
 def bn_stats(x, eps=1e-5, layout="NCHW"):
-    """(mean, var, invstd) of C-contiguous ``x``: float64 (C,), var biased, on x's backend."""
+    """(mean, var, invstd) of C-contiguous ``x``: float64 (C,), var biased, on x's backend
+    (zeros for an empty batch, see :func:`_no_stats`)."""
+    if x.size == 0:
+        return _no_stats(x, layout)
     return _kernels(backend.backend_of("bn_stats", x=x)).stats(x, layout, eps)
 
 
@@ -141,6 +144,13 @@ def bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(Tru
     if comm is not None and training:
         def sync(sums):                                   # (2, C) float64, host
             return comm.allreduce_sum(sums), count
+    if x.size == 0 and sync is None:            # an empty batch: sums over no values
+        C = gamma.shape[0]
+        need_x, need_gamma, need_beta, need_z = need
+        return (backend.empty(which, x.shape, dy.dtype) if need_x else None,
+                kernels.zeros(which, (C,), dy.dtype) if need_gamma else None,
+                kernels.zeros(which, (C,), dy.dtype) if need_beta else None,
+                backend.empty(which, x.shape, dy.dtype) if need_z else None)
     kind = _state_kind(relu_state)
     state = relu_state.beta if kind == bn_math.STATE_AFFINE else relu_state
     first_pass = dict(sync=sync) if sums is None else dict(sums=sums)   # (CUDA: no sums)
@@ -191,6 +201,8 @@ def stats_and_update(impl, x, layout, eps, running_mean, running_var, count, mom
     """(mean, var, invstd) of ``x`` with the running statistics (if given) updated in place:
     one launch where the backend's kernel module fuses the two (``stats_update``), else its
     ``stats`` then ``update_running``."""
+    if x.size == 0:                     # an empty batch: no statistics, nothing updated
+        return _no_stats(x, layout)
     fused = getattr(impl, "stats_update", None)
     if fused is not None:
         return fused(x, layout, eps, running_mean, running_var, momentum)
@@ -198,6 +210,16 @@ def stats_and_update(impl, x, layout, eps, running_mean, running_var, count, mom
     if running_mean is not None:
         impl.update_running(running_mean, running_var, mean, var, count, momentum)
     return mean, var, invstd
+
+
+def _no_stats(x, layout):
+    """(mean, var, invstd) of a batch without values (M = 0), as PyTorch treats one: no
+    statistics and nothing to normalise, so zeros (float64, (C,), on x's backend); y is
+    empty, the running statistics are left as they are, and the backward's sums over no
+    values are zeros."""
+    C = x.shape[validate.channel_axis(layout)]
+    which = backend.backend_of_array(x)
+    return tuple(kernels.zeros(which, (C,), np.float64) for _ in range(3))
 
 
 def update_running(running_mean, running_var, mean, var, count, momentum):
@@ -242,7 +264,7 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
     elif training:
         mean, var, invstd = stats_and_update(impl, x, args.layout, args.eps, running_mean,
                                              running_var, args.M, args.momentum)
-    elif getattr(impl, "apply_running", None) is not None:     # statistics + apply: one pass
+    elif x.size and getattr(impl, "apply_running", None) is not None:   # stats + apply: one pass
         y, mask, mean, invstd = impl.apply_running(x, running_mean, running_var, args.eps,
                                                    gamma, beta, z, relu, args.layout,
                                                    with_mask)
@@ -293,6 +315,7 @@ class BatchNormAddReLU(Function):
     # fwd :: (x, z, gamma, beta) -> (y, residuals=(x, mean, invstd, gamma, y | mask))
     def forward(self, x, z, gamma, beta):
         p = self.params
+        validate.check_given(self.name, x=x, z=z)
         needs_grad = any(self.needs_input_grad) and is_recording()
         with_mask = needs_grad and p.save == "mask"
         y, mask, x, mean, invstd, args, self.count = _forward(
@@ -370,7 +393,11 @@ def batchnorm_add_relu(x, z, gamma, beta, *, running_mean=None, running_var=None
         variance, PyTorch's rule); required and read (not updated) when ``training=False``.
     training : bool
         Batch statistics (True) or running statistics (False).
-    momentum : float in [0, 1];  eps : float >= 0;  layout : "NCHW" or "NHWC"
+    momentum : float in [0, 1]
+        The running statistics' factor; read only in training with running statistics
+        (elsewhere any value passes). ``None`` (PyTorch's cumulative moving average) needs a
+        layer's batch count: ``nn.BatchNorm2d(C, momentum=None)``; here it is a TypeError.
+    eps : float >= 0;  layout : "NCHW" or "NHWC"
     save : {"output", "mask"}
         ReLU state kept for backward: y itself, or a packed 1-bit mask (32x smaller than a
         float32 y).
@@ -382,7 +409,9 @@ def batchnorm_add_relu(x, z, gamma, beta, *, running_mean=None, running_var=None
 
     Returns
     -------
-    y : array or Tensor, shape and dtype of x (on x's device).
+    y : array or Tensor, shape and dtype of x (on x's device). An empty batch (N*H*W = 0)
+        gives an empty y and leaves the running statistics as they are (PyTorch's rule);
+        exactly one value per channel in training is a ValueError.
 
     Examples
     --------
@@ -423,6 +452,7 @@ def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, runnin
     op = "batchnorm_add_relu_backward"
     dy, x, z, gamma, beta, running_mean, running_var, y, mask = (
         autograd.unwrap(a) for a in (dy, x, z, gamma, beta, running_mean, running_var, y, mask))
+    validate.check_given(op, dy=dy, x=x, gamma=gamma)
     state = mask if mask is not None else y
     if state is None and (z is None or beta is None):
         raise ValueError(f"{op}: without y or mask, z and beta are needed to recompute the "
@@ -444,9 +474,12 @@ def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, runnin
     impl = _kernels(args.backend)
     x, gamma = kernels.contiguous(x), kernels.contiguous(gamma)
     if training:
-        mean, _, invstd = impl.stats(x, args.layout, args.eps)
+        mean, _, invstd = (impl.stats(x, args.layout, args.eps) if x.size else
+                           _no_stats(x, args.layout))
     else:
         mean, invstd = impl.inference_stats(running_mean, running_var, args.eps)
+    if state is None and x.size == 0:
+        state = backend.empty(args.backend, (0,), np.uint8)              # the empty mask
     if state is None:
         state = impl.apply(x, mean, invstd, gamma, kernels.contiguous(beta),
                               kernels.contiguous(z), True, args.layout, True)[1]

@@ -40,17 +40,29 @@ _kernels = functools.partial(kernels.module, "conv")   # _kernels(backend): the 
 # --------------------------------------------------------------------------- array helpers
 
 def conv_forward(x, w, b, geometry, relu):
-    """``relu?(conv(x, w) + b?)`` for validated, contiguous arrays (see the module docstring)."""
-    return _kernels(backend.backend_of_array(x)).conv_forward(x, w, b, geometry, bool(relu))
+    """``relu?(conv(x, w) + b?)`` for validated, contiguous arrays (see the module docstring).
+    An empty batch (N = 0) gives an empty y; no kernel runs."""
+    which = backend.backend_of_array(x)
+    if geometry.N == 0:
+        return backend.empty(which, geometry.y_shape, x.dtype)
+    return _kernels(which).conv_forward(x, w, b, geometry, bool(relu))
 
 
 def conv_backward(dy, x, w, geometry, y=None, need=(True, True, True)):
-    """``(dx, dw, db)`` of a conv [+ bias] [+ ReLU whose output is ``y``] (module docstring)."""
-    return _kernels(backend.backend_of_array(dy)).conv_backward(dy, x, w, geometry, y, tuple(need))
+    """``(dx, dw, db)`` of a conv [+ bias] [+ ReLU whose output is ``y``] (module docstring).
+    An empty batch (N = 0): dx empty, dw and db zero (sums over no pixels); no kernel runs."""
+    which = backend.backend_of_array(dy)
+    if geometry.N == 0:
+        need_x, need_w, need_b = need
+        return (backend.empty(which, geometry.x_shape, dy.dtype) if need_x else None,
+                kernels.zeros(which, geometry.w_shape, dy.dtype) if need_w else None,
+                kernels.zeros(which, (geometry.K,), dy.dtype) if need_b else None)
+    return _kernels(which).conv_backward(dy, x, w, geometry, y, tuple(need))
 
 
 def _validate_conv(op, x, w, b, stride, padding, dilation, layout):
     """(geometry, x, w, b): everything checked before anything is allocated, then made contiguous."""
+    validate.check_given(op, x=x, w=w)
     backend.backend_of(op, x=x, w=w, b=b)
     validate.check_float_dtypes(op, x=x, w=w, b=b)
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
@@ -116,6 +128,7 @@ class BiasAdd(Function):
 
     # fwd :: (x, b) -> (y, residuals=())
     def forward(self, x, b):
+        validate.check_given(self.name, x=x, b=b)
         backend.backend_of(self.name, x=x, b=b)
         validate.check_float_dtypes(self.name, x=x, b=b)
         layout = validate.check_layout(self.name, self.params.layout)
@@ -192,7 +205,11 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, layout="NCHW"):
     x : array or Tensor, (N, C, H, W) for NCHW, (N, H, W, C) for NHWC
     w : array or Tensor, (K, C, R, S)
     stride, dilation : int or (int, int)
-    padding : int, (int, int), "valid" or "same" (TensorFlow's rule, maybe asymmetric)
+    padding : int, (int, int), (int, int, int, int), "valid" or "same"
+        A 4-tuple is ``(left, right, top, bottom)``, ``torch.nn.functional.pad``'s order:
+        the result is that of ``x`` zero-padded so, then convolved unpadded. "same":
+        TensorFlow's rule, output ``ceil(size / stride)``, the odd padding element at the
+        bottom/right (at stride 1, PyTorch's "same", even kernels included).
     layout : "NCHW" or "NHWC"
 
     Returns
@@ -244,13 +261,18 @@ def conv_bias_relu(x, w, b=None, *, stride=1, padding=0, dilation=1, layout="NCH
     w : array or Tensor, (K, C, R, S)
     b : array or Tensor (K,), or None for no bias
     stride, dilation : int or (int, int)
-    padding : int, (int, int), "valid" or "same" (TensorFlow's rule, maybe asymmetric)
+    padding : int, (int, int), (int, int, int, int), "valid" or "same"
+        A 4-tuple is ``(left, right, top, bottom)``, ``torch.nn.functional.pad``'s order:
+        the result is that of ``x`` zero-padded so, then convolved unpadded. "same":
+        TensorFlow's rule, output ``ceil(size / stride)``, the odd padding element at the
+        bottom/right (at stride 1, PyTorch's "same", even kernels included).
     layout : "NCHW" or "NHWC"
 
     Returns
     -------
     y : (N, K, P, Q) or (N, P, Q, K), on x's device; a Tensor (on the tape, keeping x, w and
-    y for backward) if an input is one.
+    y for backward) if an input is one. An empty batch (N = 0) gives an empty y (and zero
+    dw, db), as PyTorch.
 
     Examples
     --------
@@ -292,6 +314,7 @@ def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, lay
     """
     op = "conv_bias_relu_backward"
     dy, x, w, y = (autograd.unwrap(a) for a in (dy, x, w, y))
+    validate.check_given(op, dy=dy, x=x, w=w, y=y)
     backend.backend_of(op, dy=dy, x=x, w=w, y=y)
     validate.check_float_dtypes(op, dy=dy, x=x, w=w, y=y)
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,

@@ -50,32 +50,29 @@ OP = "conv_batchnorm_relu"
 
 def _validate(op, x, w, gamma, beta, p, updates=True):
     """Everything checked before anything is computed or written: (backend, geometry)."""
+    validate.check_given(op, x=x, w=w, gamma=gamma, beta=beta)
     which = backend.backend_of(op, x=x, w=w, gamma=gamma, beta=beta,
                                running_mean=p.running_mean, running_var=p.running_var)
     validate.check_float_dtypes(op, x=x, w=w, gamma=gamma, beta=beta,
                                 running_mean=p.running_mean, running_var=p.running_var)
     synced = p.comm is not None and p.training
-    empty = synced and len(x.shape) == 4 and x.shape[0] == 0    # a rank without samples
-    shape = (1,) + tuple(x.shape[1:]) if empty else tuple(x.shape)
-    geometry = validate.conv_geometry(op, shape, tuple(w.shape), p.stride, p.padding,
+    # N = 0 (an empty batch, or a rank without samples) passes: empty y, nothing updated
+    geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), p.stride, p.padding,
                                       p.dilation, p.layout)
-    geometry = dataclasses.replace(geometry, N=0) if empty else geometry
     validate.check_vector(op, "gamma", gamma, geometry.K)
     validate.check_vector(op, "beta", beta, geometry.K)
     validate.check_flag(op, "relu", p.relu)
     validate.check_flag(op, "recompute", p.recompute)
-    validate.running_stats(op, geometry.K, geometry.N * geometry.P * geometry.Q,
-                           p.running_mean, p.running_var, p.training, p.momentum, p.eps,
-                           synced=synced, updates=updates)
-    _bn.check_comm(op, p.comm, x, geometry.K, geometry.layout, p.training, p.eps, p.momentum,
+    momentum, _ = validate.running_stats(op, geometry.K, geometry.N * geometry.P * geometry.Q,
+                                         p.running_mean, p.running_var, p.training,
+                                         p.momentum, p.eps, synced=synced, updates=updates)
+    _bn.check_comm(op, p.comm, x, geometry.K, geometry.layout, p.training, p.eps, momentum,
                    p.running_mean is not None, p.relu)
-    return which, geometry
+    return which, geometry, momentum
 
 
 def _conv_forward(which, x, w, b, geometry, relu):
-    """The conv, or an empty output for a rank without samples."""
-    if geometry.N == 0:
-        return backend.empty(which, geometry.y_shape, x.dtype)
+    """The conv (an empty output for an empty batch, ``conv_forward``'s rule)."""
     return _conv.conv_forward(x, w, b, geometry, relu)
 
 
@@ -83,7 +80,7 @@ def _conv_and_stats(which, x, w, geometry, eps):
     """(h, mean, var, invstd) with the statistics made by the conv's own chunks, where the
     backend's conv has that epilogue for this geometry (``forward_stats``), else None."""
     fused = getattr(kernels.module("conv", which), "forward_stats", None)
-    return None if fused is None else fused(x, w, geometry, eps)
+    return None if fused is None or geometry.N == 0 else fused(x, w, geometry, eps)
 
 
 def _recompute_and_sums(which, dy, s, geometry, relu):
@@ -91,16 +88,13 @@ def _recompute_and_sums(which, dy, s, geometry, relu):
     chunks (``forward_bn_sums``: g = dy gated by the ReLU, the two sums), or None where the
     backend's conv has no such epilogue."""
     fused = getattr(kernels.module("conv", which), "forward_bn_sums", None)
-    if fused is None:
+    if fused is None or geometry.N == 0:
         return None
     return fused(s.x, s.w, geometry, dy, s.mean, s.invstd, s.gamma, s.beta if relu else None)
 
 
 def _conv_backward(which, dconv, x, w, geometry, need):
-    """(dx, dw) of the conv; a rank without samples contributes dw = 0."""
-    if geometry.N == 0:
-        return (backend.empty(which, geometry.x_shape, x.dtype) if need[0] else None,
-                kernels.zeros(which, geometry.w_shape, w.dtype) if need[1] else None)
+    """(dx, dw) of the conv; an empty batch (or a rank without samples) gives dw = 0."""
     return _conv.conv_backward(dconv, x, w, geometry, None, (need[0], need[1], False))[:2]
 
 
@@ -147,7 +141,7 @@ class ConvBatchNormReLU(Function):
     #        (relu_state: the packed 1-bit mask of y > 0, or None without ReLU)
     def forward(self, x, w, gamma, beta):
         p = self.params
-        which, geometry = _validate(self.name, x, w, gamma, beta, p)
+        which, geometry, momentum = _validate(self.name, x, w, gamma, beta, p)
         x, w, gamma, beta = (kernels.contiguous(a) for a in (x, w, gamma, beta))
         self.geometry = geometry
         self.count = geometry.N * geometry.P * geometry.Q
@@ -158,7 +152,7 @@ class ConvBatchNormReLU(Function):
             h, mean, var, invstd = fused
             if p.running_mean is not None:
                 _bn.update_running(p.running_mean, p.running_var, mean, var, self.count,
-                                   p.momentum)
+                                   momentum)
         elif p.training:
             h = _conv_forward(which, x, w, None, geometry, False)         # (N,K,P,Q) | NHWC
             if p.comm is not None:          # synchronized: the statistics of all ranks' h
@@ -167,11 +161,11 @@ class ConvBatchNormReLU(Function):
                     geometry.K, p.comm)
                 if p.running_mean is not None:
                     _bn.update_running(p.running_mean, p.running_var, mean, var, self.count,
-                                       p.momentum)
+                                       momentum)
             else:
                 mean, var, invstd = _bn.stats_and_update(                 # (K,) each
                     kernels.module("batchnorm", which), h, geometry.layout, p.eps,
-                    p.running_mean, p.running_var, self.count, p.momentum)
+                    p.running_mean, p.running_var, self.count, momentum)
         if p.training:
             keep_h = not p.recompute
             y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu,
@@ -307,7 +301,11 @@ def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=Non
         inference, where batch norm is folded into the conv.
     training : bool
     momentum, eps : float
+        ``momentum`` is read only in training with running statistics (see
+        :func:`~numbafuse.ops.batchnorm.batchnorm_add_relu`; ``None`` is a layer option).
     stride, padding, dilation : int, pair, or ``"same"``/``"valid"`` (padding)
+        ``padding`` may also be a 4-tuple ``(left, right, top, bottom)`` (``F.pad``'s order,
+        see :func:`~numbafuse.ops.conv.conv_bias_relu`).
     relu : bool
         ``False`` leaves the ReLU out (a conv -> batch norm pair).
     layout : {"NCHW", "NHWC"}
@@ -319,6 +317,7 @@ def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=Non
     -------
     y : array or Tensor (N, K, P, Q) (or NHWC). With Tensors the op saves for backward only
         x, w, gamma, (beta), and the per-channel mean and invstd; backward recomputes the conv.
+        An empty batch (N = 0) gives an empty y and updates nothing (PyTorch's rule).
 
     Examples
     --------
@@ -365,7 +364,8 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
                            training=training, momentum=0.0, eps=eps, stride=stride,
                            padding=padding, dilation=dilation, relu=relu, layout=layout,
                            recompute=False, comm=None)
-    _, geometry = _validate(op, x, w, gamma, beta, fn.params, updates=False)
+    validate.check_given(op, dy=dy)
+    _, geometry, _ = _validate(op, x, w, gamma, beta, fn.params, updates=False)
     backend.backend_of(op, dy=dy, x=x)
     validate.check_float_dtypes(op, dy=dy, x=x)
     if tuple(dy.shape) != geometry.y_shape:

@@ -18,7 +18,8 @@ strategy                        draws
 ``dtypes()``, ``layouts()``     float32/float64; "NCHW"/"NHWC"
 ``shapes(...)``                 tuples of small positive ints (any rank)
 ``arrays(shape, dtype)``        seeded standard-normal arrays (fast shrinking)
-``conv_geometries(...)``        dict N, C, H, W, K, R, S, stride, padding, dilation
+``conv_geometries(...)``        dict N, C, H, W, K, R, S, stride, padding (int, pair,
+                                asymmetric 4-tuple, "same", "valid"), dilation
 ``conv_problems(...)``          :class:`ConvProblem` for ``conv_bias_relu(p.x, p.w, p.b, **p.kwargs)``
 ``batchnorm_problems(...)``     :class:`BatchNormProblem` (x, z, gamma, beta, running stats)
 ``conv_batchnorm_problems()``   :class:`ConvBatchNormProblem` for ``conv_batchnorm_relu``
@@ -113,10 +114,13 @@ class ConvProblem:
 
 @st.composite
 def conv_geometries(draw, max_batch=2, max_channels=4, max_size=8, max_kernel=3,
-                    max_stride=2, max_dilation=2, paddings=("int", "pair", "same", "valid"),
-                    dims=None):
+                    max_stride=2, max_dilation=2,
+                    paddings=("int", "pair", "quad", "same", "valid"), dims=None):
     """A dict of valid conv geometry: N, C, H, W, K, R, S, stride, padding, dilation (plus
     the output size P, Q).
+
+    ``paddings``: the kinds drawn from: "int", "pair" (h, w), "quad" (an asymmetric 4-tuple
+    (left, right, top, bottom), ``torch.nn.functional.pad``'s order), "same", "valid".
 
     ``dims``: optional strategies for any of N, C, K, H, W, R, S, replacing the ``max_*``
     ranges of those dimensions (e.g. ``{"C": st.integers(17, 20)}``).
@@ -135,6 +139,9 @@ def conv_geometries(draw, max_batch=2, max_channels=4, max_size=8, max_kernel=3,
     elif kind == "pair":
         ph, pw = draw(st.integers(0, max_kernel - 1)), draw(st.integers(0, max_kernel - 1))
         padding, pads = (ph, pw), ((ph, ph), (pw, pw))
+    elif kind == "quad":
+        left, right, top, bottom = (draw(st.integers(0, max_kernel - 1)) for _ in range(4))
+        padding, pads = (left, right, top, bottom), ((top, bottom), (left, right))
     else:
         padding, pads = kind, None
     H = _dim(draw, dims, "H", 1, max_size)
