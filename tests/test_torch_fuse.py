@@ -1,0 +1,189 @@
+"""numbafuse.torch.fuse: a converted model computes what the model computes.
+
+The reference is the unconverted model itself, in float64: outputs, the gradients of the input
+and of every parameter, and every state_dict entry (running statistics, num_batches_tracked)
+agree to 1e-10 after training steps and in eval. Models: torchvision's ResNet code
+(numbafuse.torch.resnet, tiny widths) and a hand-written one with the patterns in odd places;
+the log lists each match and refusal. Skipped where torch is not installed.
+"""
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install "
+                                            "'numbafuse[torch]'); .ci/run's torch leg has it")
+nn, F = torch.nn, torch.nn.functional
+
+import numbafuse.torch as nft  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+F64 = dict(rtol=1e-10, atol=1e-10)
+
+
+def _step(model, x, target):
+    """One forward and backward of ``(model(x) * target).sum()``: (y, dx, {name: grad})."""
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    (y * target).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads
+
+
+def _assert_same(model, fused, x, steps=2):
+    """``steps`` training steps then one in eval: the same values, gradients and state."""
+    target = torch.randn(model(x).shape, dtype=x.dtype, generator=torch.Generator().manual_seed(1))
+    model.load_state_dict(fused.state_dict())          # undo the probe call's batch count
+    for mode in ["train"] * steps + ["eval"]:
+        model.train(mode == "train")
+        fused.train(mode == "train")
+        (y, dx, grads), (y_f, dx_f, grads_f) = _step(model, x, target), _step(fused, x, target)
+        torch.testing.assert_close(y_f, y, **F64)
+        torch.testing.assert_close(dx_f, dx, **F64)
+        assert grads_f.keys() == grads.keys()
+        for name in grads:
+            torch.testing.assert_close(grads_f[name], grads[name], **F64, msg=name)
+        state, state_f = model.state_dict(), fused.state_dict()
+        assert list(state_f) == list(state)
+        for key in state:
+            torch.testing.assert_close(state_f[key], state[key], **F64, msg=key)
+
+
+@pytest.mark.parametrize("block,width", [(nft.BasicBlock, 4), (nft.Bottleneck, 2)])
+def test_fuse_torchvision_resnet(block, width):
+    torch.manual_seed(0)
+    model = nft.ResNet(block, [1, 1], num_classes=3, width=width).double()
+    for m in model.modules():          # non-trivial batch-norm parameters and statistics
+        if isinstance(m, nn.BatchNorm2d):
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+            m.running_var.data.uniform_(0.5, 2.0)
+    fused = nft.fuse(model)
+    log = fused.fuse_log
+    convs = {n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    bns = {n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    assert not any(line.startswith("refused") for line in log), log
+    fused_names = {n for line in log for n in line.split(": ", 1)[1].split(" -> ")[0].split(", ")}
+    assert convs | bns <= fused_names, "every conv and batch norm is fused"
+    tails = [line for line in log if line.startswith("Fuse Conv2d with BatchNorm2d, add and ReLU")]
+    assert len(tails) == 2                                 # one block tail per stage
+    assert len([line for line in log if line.startswith("Fuse Conv2d with BatchNorm2d:")]) == \
+        (2 if block is nft.Bottleneck else 1)              # the downsample branches
+    # the module tree is the model's: same names, the BatchNorm2d modules themselves
+    assert [n for n, _ in fused.named_modules()][1:] == [n for n, _ in model.named_modules()][1:]
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in fused.modules()) == len(bns)
+    assert type(fused.get_submodule("layer1.0")) is block
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    _assert_same(model, fused, x)
+    # checkpoints load both ways (strict)
+    model.load_state_dict(fused.state_dict())
+    fused.load_state_dict(model.state_dict())
+
+
+class Leaf(nn.Module):
+    """A user leaf: conv -> batch norm inside, not traced into."""
+
+    def __init__(self, C):
+        super().__init__()
+        self.conv = nn.Conv2d(C, C, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(C)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+def _conv(C, bias=False, **kw):
+    return nn.Conv2d(C, C, 3, padding=1, bias=bias, **kw)
+
+
+class Odd(nn.Module):
+    """The patterns in odd places (each line of forward says which)."""
+
+    def __init__(self, C=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, C, 3, padding=1)
+        self.relu = nn.ReLU()                                  # called at two sites
+        self.conv1, self.bn1 = _conv(C), nn.BatchNorm2d(C, momentum=None)
+        self.conv2, self.bn2 = _conv(C, stride=2), nn.BatchNorm2d(C, affine=False)
+        self.down = nn.Sequential(nn.Conv2d(C, C, 1, stride=2, bias=False), nn.BatchNorm2d(C))
+        self.grouped, self.bn3 = _conv(C, groups=2), nn.BatchNorm2d(C)
+        self.leaf = Leaf(C)
+        self.conv4, self.bn4 = _conv(C, bias=True), nn.BatchNorm2d(C, track_running_stats=False)
+        self.conv5, self.bn5 = _conv(C), nn.BatchNorm2d(C)
+        self.conv6, self.bn6 = _conv(C), nn.BatchNorm2d(C)
+
+    def forward(self, x):
+        h = F.relu(self.stem(x))                    # Conv(bias) -> F.relu
+        out = self.relu(self.bn1(self.conv1(h)))    # Conv-BN-ReLU, the shared ReLU's 1st site
+        out = self.bn2(self.conv2(out))             # Conv-BN-Add-ReLU ...
+        out += self.down(h)                         # ... in-place add, downsample: Conv-BN
+        out = self.relu(out)                        # ... the shared ReLU's 2nd site
+        g = self.bn3(self.grouped(out))             # groups=2: Conv-BN refused, then
+        g = torch.relu(out + g)                     # BN-Add-ReLU, bn on the right
+        leaf = torch.relu(self.leaf(g))             # across a user leaf: nothing fused
+        b = self.bn4(self.conv4(leaf))              # conv with a bias: refused with bn4;
+        b = b.add_(leaf).relu_()                    # BN-Add-ReLU by methods, in place
+        d = self.bn5(self.conv5(b))                 # bn5's output has two users: Conv-BN
+        e = self.bn6(self.conv6(b))                 # Conv-BN, whose add below writes into
+        r = F.relu(b.clone().add_(e))               # the residual, not into bn6's output
+        return torch.relu(d) * 0.5 + d + r
+
+
+ODD_LOG = [
+    "refused Conv2d->BatchNorm2d->relu: bn5's output has 2 users [nodes conv5, bn5, relu_6]",
+    "refused Conv2d->BatchNorm2d->add->relu: add__1 adds in place into clone, not into the "
+    "batch norm's output [nodes conv6, bn6, add__1, relu_5]",
+    "Fuse Conv2d with BatchNorm2d: conv6, bn6 -> fused_conv6_bn6",
+    "Fuse Conv2d with BatchNorm2d: conv5, bn5 -> fused_conv5_bn5",
+    "refused Conv2d->BatchNorm2d->add->relu: the conv has a bias (numbafuse's Conv-BatchNorm "
+    "takes a bias-free conv; the bias moves the running mean) [nodes conv4, bn4, add_, relu_]",
+    "Fuse BatchNorm2d with add and ReLU: bn4, add_, relu_ -> fused_bn4_add__relu_",
+    "refused Conv2d->BatchNorm2d->add->relu: groups=2 (numbafuse's convs have groups=1) "
+    "[nodes grouped, bn3, add_1, relu_3]",
+    "Fuse BatchNorm2d with add and ReLU: bn3, add_1, relu_3 -> fused_bn3_add_1_relu_3",
+    "Fuse Conv2d with BatchNorm2d, add and ReLU: conv2, bn2, add, relu -> "
+    "fused_conv2_bn2_add_relu",
+    "Fuse Conv2d with BatchNorm2d: down.0, down.1 -> fused_down_0_1",
+    "Fuse Conv2d with BatchNorm2d and ReLU: conv1, bn1, relu -> fused_conv1_bn1_relu",
+    "Fuse Conv2d with ReLU: stem, relu -> fused_stem_relu",
+]
+
+
+def test_fuse_patterns_in_odd_places(caplog):
+    torch.manual_seed(0)
+    model = Odd().double()
+    with caplog.at_level(logging.INFO, logger="numbafuse.torch"):
+        fused = nft.fuse(model, leaf_modules=[Leaf])
+    assert fused.fuse_log == ["kept leaf (Leaf) as a leaf: not traced into, nothing inside it "
+                              "fused"] + ODD_LOG
+    assert [r.getMessage() for r in caplog.records] == fused.fuse_log
+    assert isinstance(fused.leaf, Leaf) and "leaf.conv" in dict(fused.named_modules())
+    _assert_same(model, fused, torch.randn(2, 3, 8, 8, dtype=torch.float64), steps=3)
+    assert int(fused.bn1.num_batches_tracked) == 3     # momentum=None: 1/n, n counted
+
+
+def test_fused_sites_run_the_modules_where_the_kernels_cannot(caplog):
+    """Changed after fuse (a hook on a batch norm), or an input the kernels refuse
+    (channels_last): the site runs the model's own modules, and says so once per site."""
+    torch.manual_seed(0)
+    model = nft.ResNet(nft.BasicBlock, [1], num_classes=3, width=4).double().eval()
+    fused = nft.fuse(model, copy=False)                      # shares the modules
+    assert fused.conv1 is model.conv1
+    seen = []
+    model.layer1[0].bn1.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="numbafuse.torch"):
+        y_cl = fused(x.to(memory_format=torch.channels_last))
+        y = fused(x)
+    torch.testing.assert_close(y, model(x), **F64)
+    torch.testing.assert_close(y_cl, y, **F64)
+    assert len(seen) == 3                                     # the hook ran at every call
+    warnings = [r.getMessage().removeprefix("numbafuse.torch.fuse: ")
+                for r in caplog.records]
+    assert warnings == [      # once per site; torch's conv keeps channels_last downstream
+        "conv1, bn1, relu runs unfused: a channels_last or non-contiguous tensor",
+        "layer1.0.conv1, layer1.0.bn1, layer1.0.relu runs unfused: the batch norm has hooks "
+        "(a fused call would skip them)",
+        "layer1.0.conv2, layer1.0.bn2, add, layer1.0.relu runs unfused: a channels_last or "
+        "non-contiguous tensor"]
