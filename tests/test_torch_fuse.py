@@ -76,9 +76,12 @@ def test_fuse_torchvision_resnet(block, width):
     assert type(fused.get_submodule("layer1.0")) is block
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     _assert_same(model, fused, x)
-    # checkpoints load both ways (strict)
+    # checkpoints load both ways (strict); unfuse gives the model back; fusing again: nothing
     model.load_state_dict(fused.state_dict())
     fused.load_state_dict(model.state_dict())
+    back = nft.unfuse(fused)
+    assert type(back) is nft.ResNet and back.layer1 is fused.layer1
+    assert nft.fuse(fused).fuse_log == []
 
 
 class Leaf(nn.Module):
@@ -112,6 +115,7 @@ class Odd(nn.Module):
         self.conv4, self.bn4 = _conv(C, bias=True), nn.BatchNorm2d(C, track_running_stats=False)
         self.conv5, self.bn5 = _conv(C), nn.BatchNorm2d(C)
         self.conv6, self.bn6 = _conv(C), nn.BatchNorm2d(C)
+        self.tail = nft.BatchNormAddReLU2d(C)              # numbafuse's own: a leaf
 
     def forward(self, x):
         h = F.relu(self.stem(x))                    # Conv(bias) -> F.relu
@@ -127,7 +131,7 @@ class Odd(nn.Module):
         d = self.bn5(self.conv5(b))                 # bn5's output has two users: Conv-BN
         e = self.bn6(self.conv6(b))                 # Conv-BN, whose add below writes into
         r = F.relu(b.clone().add_(e))               # the residual, not into bn6's output
-        return torch.relu(d) * 0.5 + d + r
+        return self.tail(torch.relu(d) * 0.5 + d, r)
 
 
 ODD_LOG = [
@@ -163,6 +167,38 @@ def test_fuse_patterns_in_odd_places(caplog):
     assert int(fused.bn1.num_batches_tracked) == 3     # momentum=None: 1/n, n counted
 
 
+class Mutating(nn.Module):
+    """The conv's input is modified in place between the conv and the ReLU."""
+
+    def __init__(self, C=4):
+        super().__init__()
+        self.conv, self.bn = _conv(C), nn.BatchNorm2d(C)
+
+    def forward(self, x):
+        h = x + 0
+        y = self.bn(self.conv(h))
+        h.mul_(0.5)
+        return F.relu(y) + h
+
+
+def test_an_input_modified_in_place_is_read_where_the_model_reads_it():
+    """A fused op runs where its chain ends: a chain whose input is modified in place before
+    that is refused (here the ReLU), its shorter part (Conv-BN) fused. Forward only: torch's
+    own backward refuses an input that a conv saved and that was modified since."""
+    torch.manual_seed(0)
+    model = Mutating().double()
+    fused = nft.fuse(model)
+    assert fused.fuse_log == [
+        "refused Conv2d->BatchNorm2d->relu: add is modified in place by mul_ before relu "
+        "[nodes conv, bn, relu]",
+        "Fuse Conv2d with BatchNorm2d: conv, bn -> fused_conv_bn"]
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        for mode in (True, False):
+            torch.testing.assert_close(fused.train(mode)(x), model.train(mode)(x), **F64)
+    torch.testing.assert_close(fused.bn.running_mean, model.bn.running_mean, **F64)
+
+
 def test_fused_sites_run_the_modules_where_the_kernels_cannot(caplog):
     """Changed after fuse (a hook on a batch norm), or an input the kernels refuse
     (channels_last): the site runs the model's own modules, and says so once per site."""
@@ -187,3 +223,25 @@ def test_fused_sites_run_the_modules_where_the_kernels_cannot(caplog):
         "(a fused call would skip them)",
         "layer1.0.conv2, layer1.0.bn2, add, layer1.0.relu runs unfused: a channels_last or "
         "non-contiguous tensor"]
+
+
+def test_recompute_keeps_the_conv_input_not_the_conv_output():
+    """What torch.autograd holds for backward (saved_tensors_hooks): Conv-BN-ReLU keeps x, w,
+    weight, bias and two K-vectors; Conv-BN-Add-ReLU x, w, weight, two K-vectors and the
+    1-bit mask. Neither keeps a tensor of the conv output's size."""
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(2, 4, 8, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.rand(4, dtype=torch.float64, requires_grad=True)
+    bias = torch.rand(4, dtype=torch.float64, requires_grad=True)
+    for fn, args, numels in [
+            (nft.conv_batchnorm_relu, (x, w, weight, bias), [x.numel(), w.numel(), 4, 4, 4, 4]),
+            (nft.conv_batchnorm_add_relu, (x, w, z, weight, bias),
+             [x.numel(), w.numel(), 4, 4, 4, z.numel() // 8])]:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            y = fn(*args, padding=1)
+        assert [t.numel() for t in saved] == numels, fn.__name__
+        assert saved[0] is x and saved[1] is w
+        y.sum().backward()

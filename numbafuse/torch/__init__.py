@@ -1,6 +1,7 @@
 r"""PyTorch interoperation (extra ``torch``): numbafuse's fused ops inside PyTorch models.
 
     fuse(model, *, leaf_modules=(), copy=True) -> torch.fx.GraphModule      # the remapper
+    unfuse(fused) -> the model object (its own forward), sharing fused's modules
     conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1)
     batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None,
                        training=True, momentum=0.1, eps=1e-5)
@@ -28,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 from .. import backend  # noqa: F401  (tests patch backend.as_device_array through here)
 from .conv_batchnorm import (ConvBatchNormAddReLUFunction, ConvBatchNormReLUFunction,
                              conv_batchnorm_add_relu, conv_batchnorm_relu)
-from .fx import fuse
+from .fx import fuse, unfuse
 from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50
 from .layers import (  # noqa: F401  (the bridge's names, for tests and benchmarks)
                      DEVICE_TYPES, FLOAT_DTYPES, LAYOUT, BatchNormAddReLU2d,
@@ -36,7 +37,7 @@ from .layers import (  # noqa: F401  (the bridge's names, for tests and benchmar
                      as_tensor, batchnorm_add_relu, check_tensors, conv_bias_relu,
                      launch_order)
 
-__all__ = ["fuse", "conv_bias_relu", "batchnorm_add_relu", "conv_batchnorm_relu",
+__all__ = ["fuse", "unfuse", "conv_bias_relu", "batchnorm_add_relu", "conv_batchnorm_relu",
            "conv_batchnorm_add_relu", "ConvBiasReLU2d", "BatchNormAddReLU2d",
            "ConvBiasReLUFunction", "BatchNormAddReLUFunction", "ConvBatchNormReLUFunction",
            "ConvBatchNormAddReLUFunction", "ResNet", "BasicBlock", "Bottleneck", "resnet18",

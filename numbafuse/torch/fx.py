@@ -221,6 +221,10 @@ def fused_conv_relu(x, conv, site):
     return conv_bias_relu(x, conv.weight, conv.bias, **_conv_args(conv))
 
 
+# the site functions: recorded as calls (not traced into) when a fused model is traced again
+SITE_FUNCTIONS = (fused_conv_bn_relu, fused_conv_bn_add_relu, fused_bn_add_relu, fused_conv_relu)
+
+
 # --------------------------------------------------------------------------- matching
 
 @dataclasses.dataclass
@@ -423,10 +427,11 @@ PATTERNS = (conv_bn_add_relu, bn_add_relu, conv_bn_relu, conv_relu, conv_bn)
 # --------------------------------------------------------------------------- fuse
 
 class _Tracer(torch.fx.Tracer):
-    """torch.fx's tracer with numbafuse's modules and the user's leaves kept as leaves."""
+    """torch.fx's tracer with numbafuse's modules and the user's leaves kept as leaves, and
+    the site functions of an already fused model kept as calls."""
 
     def __init__(self, leaf_modules):
-        super().__init__()
+        super().__init__(autowrap_functions=SITE_FUNCTIONS)
         self.leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
         self.leaf_names = {t for t in leaf_modules if isinstance(t, str)}
         self.user_leaves = {}              # qualified name -> type name, as traced
@@ -485,15 +490,39 @@ def fuse(model, *, leaf_modules=(), copy=True):
            for qualname, kind in tracer.user_leaves.items()]
     log += _rewrite(gm)
     _adopt_module_tree(gm, root)
+    gm.training = root.training          # the flag only: the modules keep their own modes
     gm.graph.lint()
     gm.recompile()
     gm.fuse_log = log
+    gm.__dict__["_numbafuse_unfused"] = root      # for unfuse; not a submodule (no new keys)
     if LOG_TOPIC in os.environ.get(LOG_ENV, "").split(","):
         for line in log:
             print(f"numbafuse.torch.fuse: {line}", file=sys.stderr)
     for line in log:
         logger.info(line)
     return gm
+
+
+def unfuse(fused):
+    """``fuse``'s inverse: the model object whose modules ``fused`` holds, with its own
+    (unfused) ``forward``: ``model`` itself after ``fuse(model, copy=False)``, else the deep
+    copy ``fuse`` made. It shares every module, parameter and buffer with ``fused``, so what
+    ``fused`` learned is in it (and ``unfuse(fused).state_dict()`` is ``fused``'s).
+
+    Examples
+    --------
+    >>> import torch, numbafuse.torch as nft
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    >>> fused = nft.fuse(model)
+    >>> back = nft.unfuse(fused)
+    >>> type(back).__name__, back[0] is fused.get_submodule("0")
+    ('Sequential', True)
+    """
+    model = getattr(fused, "__dict__", {}).get("_numbafuse_unfused")
+    if model is None:
+        raise TypeError(f"numbafuse.torch.unfuse: {type(fused).__name__} is not a model made "
+                        f"by numbafuse.torch.fuse")
+    return model
 
 
 def _rewrite(gm):
@@ -577,5 +606,5 @@ def _adopt_module_tree(gm, model):
         gm.register_buffer(name_, b, persistent=False)
 
 
-__all__ = ["fuse", "fused_conv_bn_relu", "fused_conv_bn_add_relu", "fused_bn_add_relu",
+__all__ = ["fuse", "unfuse", "fused_conv_bn_relu", "fused_conv_bn_add_relu", "fused_bn_add_relu",
            "fused_conv_relu", "conv_refusal", "bn_refusal", "PATTERNS"]
