@@ -561,7 +561,7 @@ def test_strided_device_running_stats_are_refused():
 
 # =========================================================================== momentum
 
-@pytest.mark.parametrize("momentum", [None, 1.5, -2.0, "unused"])
+@pytest.mark.parametrize("momentum", [None, -2.0])
 @pytest.mark.parametrize("op,call,problem", STATEFUL, ids=[s[0] for s in STATEFUL])
 def test_momentum_is_checked_only_where_it_is_used(backend, op, call, problem, momentum):
     """Inference reads no momentum, nor does training without running statistics: any value
