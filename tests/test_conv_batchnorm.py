@@ -125,6 +125,8 @@ def test_fold_batchnorm_bad_input(backend, rng):
         nf.fold_batchnorm(a["w"], backend.put(np.ones(3, np.float32)), *stats)
     with pytest.raises(TypeError, match="fold_batchnorm: .*float64"):
         nf.fold_batchnorm(a["w"], None, backend.put(np.ones(4)), *stats[1:])
+    with pytest.raises(TypeError, match="fold_batchnorm: running_var must be an array, got None"):
+        nf.fold_batchnorm(a["w"], None, *stats[:3], None)
 
 
 def test_tensor_arguments_are_accepted_everywhere(backend, rng):

@@ -531,6 +531,14 @@ def _basic_calls():
         (nf.add, "add", (np.zeros(3), np.zeros(3, np.float32)), {}, TypeError, "z", "float32"),
         (OPS["mul"].function, "mul", (np.zeros(3), np.zeros(3, np.int64)), {}, TypeError, "z",
          "int64"),
+        # None for a required array: Function.apply names it (forward's arguments without
+        # a default), for every op
+        (nf.relu, "relu", (None,), {}, TypeError, "x", "got None"),
+        (nf.add, "add", (F64, None), {}, TypeError, "z", "got None"),
+        (nf.linear, "linear", (None, np.zeros((4, 3))), {}, TypeError, "x", "got None"),
+        (nf.max_pool2d, "max_pool2d", (None, 2), {}, TypeError, "x", "got None"),
+        (nf.cross_entropy, "cross_entropy", (LOGITS, None), {}, TypeError, "labels",
+         "got None"),
     ]
 
 

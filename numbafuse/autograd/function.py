@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import threading
 import types
 
+from .. import validate
 from .tensor import Tensor
 
 
@@ -94,8 +97,19 @@ class Function:
         """Declare what backward reads: ``self.saved.<name>``; counted by ``saved_bytes``."""
         self.saved = types.SimpleNamespace(**residuals)
 
+    @classmethod
+    @functools.cache
+    def required_inputs(cls) -> tuple:
+        """The names of ``forward``'s arguments without a default: the arrays it requires
+        (an optional one, such as a bias, has the default ``None``)."""
+        return tuple(p.name for p in list(inspect.signature(cls.forward).parameters.values())[1:]
+                     if p.kind == p.POSITIONAL_OR_KEYWORD and p.default is p.empty)
+
     def apply(self, *inputs):
-        """Run forward. Arrays in: an array out. Any Tensor in: a Tensor out, on the tape."""
+        """Run forward. Arrays in: an array out. Any Tensor in: a Tensor out, on the tape.
+        ``None`` for a required array is a TypeError naming the op and the argument."""
+        if any(i is None for i in inputs):
+            validate.check_given(self.name, **dict(zip(self.required_inputs(), inputs)))
         any_tensor = any(isinstance(i, Tensor) for i in inputs)
         arrays = [i.data if isinstance(i, Tensor) else i for i in inputs]
         recording = _state.recording

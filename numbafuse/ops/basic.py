@@ -75,7 +75,7 @@ class Linear(Function):
     name = "linear"
 
     # fwd :: (x, w, b) -> (y, residuals=(x, w))
-    def forward(self, x, w, b):
+    def forward(self, x, w, b=None):
         op = self.name
         which, _ = _validated(op, x=x, w=w, b=b)
         validate.check_ndim(op, "x", x, 2, "N, in_features")

@@ -268,6 +268,8 @@ def fold_batchnorm(w, b, gamma, beta, running_mean, running_var, eps=1e-5):
     op = "fold_batchnorm"
     w, b, gamma, beta, running_mean, running_var = (
         autograd.unwrap(a) for a in (w, b, gamma, beta, running_mean, running_var))
+    validate.check_given(op, w=w, gamma=gamma, beta=beta, running_mean=running_mean,
+                         running_var=running_var)
     which = backend.backend_of(op, w=w, b=b, gamma=gamma, beta=beta,
                                  running_mean=running_mean, running_var=running_var)
     validate.check_float_dtypes(op, w=w, b=b, gamma=gamma, beta=beta,
