@@ -140,19 +140,17 @@ def padding_quad(op: str, value) -> tuple:
     width's (left, right) first, then the height's (top, bottom). So
     ``conv(x, w, padding=p)`` computes ``conv(F.pad(x, p), w)`` for NCHW ``x``.
     """
-    if isinstance(value, (tuple, list)) and len(value) == 4:
-        if not all(_is_int(e) for e in value):
-            raise TypeError(f"{op}: padding must be an int, a pair or a 4-tuple of ints "
-                            f"(left, right, top, bottom), got {value!r}")
-        quad = tuple(int(e) for e in value)
-        if min(quad) < 0:
-            raise ValueError(f"{op}: padding must be >= 0, got {value!r}")
-        return quad
-    if isinstance(value, (tuple, list)) and len(value) != 2:
-        raise TypeError(f"{op}: padding must be an int, a pair or a 4-tuple of ints "
-                        f"(left, right, top, bottom), got {value!r}")
-    ph, pw = pair(op, "padding", value, 0)
-    return pw, pw, ph, ph
+    pads = (value, value) if _is_int(value) else value
+    if not (isinstance(pads, (tuple, list)) and len(pads) in (2, 4)
+            and all(map(_is_int, pads))):
+        raise TypeError(f"{op}: padding must be an int, an (h, w) pair, a 4-tuple of ints "
+                        f"(left, right, top, bottom), 'valid' or 'same', got {value!r}")
+    if min(pads) < 0:
+        raise ValueError(f"{op}: padding must be >= 0, got {value!r}")
+    if len(pads) == 2:
+        ph, pw = (int(v) for v in pads)
+        return pw, pw, ph, ph
+    return tuple(int(v) for v in pads)
 
 
 def pair(op: str, name: str, value, minimum: int) -> tuple:
