@@ -116,8 +116,7 @@ BOUNDARIES = {
             "few channels drawn take the Winograd (3x3 stride 1, any width), phase-plane and "
             "pointwise paths as well as im2col (strided NCHW: over NHWC slabs of a chunk's "
             "input rows, or phase planes: STRIDED_NCHW_SLAB both ways); Winograd chunks of "
-            "WINOGRAD_TILES (patched 1 or 3) 2x2 tiles, NCHW dW of 2 or 6, NCHW through "
-            "HWC slabs or the NCHW transforms (WINOGRAD_NCHW_SLABS both ways); dW and db in "
+            "WINOGRAD_TILES (patched 1 or 3) 2x2 tiles, NCHW through HWC slabs; dW and db in "
             "DW_GROUPS (patched 2 or 3) fixed groups of chunks, their sums in tasks of "
             "SUM_BLOCK 7 values; "
             "PARALLEL_MIN_ELEMENTS 0: every call runs on the thread pool",
@@ -126,11 +125,9 @@ BOUNDARIES = {
                "conv.cpu.MIN_CHUNKS": (1, 4),
                "conv.cpu.MIN_GEMM_CHANNELS": (1, 16),
                "conv.cpu.NCHW_IM2COL_CHANNELS": (1, 32),
-               "conv.cpu.WINOGRAD_NCHW_MIN_WIDTH": 1,
-               "conv.cpu.WINOGRAD_TILES": (1, 3), "conv.cpu.WINOGRAD_DW_NCHW_TILES": (2, 6),
+               "conv.cpu.WINOGRAD_TILES": (1, 3),
                "conv.cpu.DW_GROUPS": (2, 3), "conv.cpu_im2col.SUM_BLOCK": 7,
                "conv.cpu.STRIDED_NCHW_SLAB": (True, False),
-               "conv.cpu.WINOGRAD_NCHW_SLABS": (True, False),
                "cpu_launch.PARALLEL_MIN_ELEMENTS": 0},
         shapes=lambda: dict(max_channels=3, max_kernel=3, paddings=("int", "same"),
                             max_stride=2, max_dilation=1,

@@ -57,7 +57,6 @@ def winograd_everywhere(monkeypatch):
     WINOGRAD_TILES."""
     monkeypatch.setattr(cpu_conv, "MIN_GEMM_CHANNELS", 1)
     monkeypatch.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", 1)
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_NCHW_MIN_WIDTH", 1)
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
     return lambda tiles: monkeypatch.setattr(cpu_conv, "WINOGRAD_TILES", tiles)
 

@@ -37,25 +37,20 @@ def _run(p, gy, threads):
     return (y, *nf.conv_bias_relu_backward(gy, p.x, p.w, y, **p.kwargs))
 
 
-def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, wino_slabs=True,
-           min_chunks=1):
+def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, min_chunks=1):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
         mp.setattr(cpu_conv, "MIN_CHUNKS", min_chunks)   # 1: the chunks CHUNK_BYTES makes
         if tiles is not None:
             mp.setattr(cpu_conv, "WINOGRAD_TILES", tiles)
-            mp.setattr(cpu_conv, "WINOGRAD_DW_NCHW_TILES", 2 * tiles)
             mp.setattr(cpu_conv, "WINOGRAD_S2_TILES", tiles)
         # the drawn channel counts are small: 1 sends them down the GEMM paths (Winograd,
         # phase planes), the default down im2col; NCHW Winograd at every width
         mp.setattr(cpu_conv, "MIN_GEMM_CHANNELS", min_channels)
         mp.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", min_channels)
-        mp.setattr(cpu_conv, "WINOGRAD_NCHW_MIN_WIDTH", 1)
         mp.setattr(cpu_conv, "STRIDED_NHWC_IM2COL", min_channels > 1)
         # strided NCHW forward and dW: im2col over NHWC slabs, or phase planes
         mp.setattr(cpu_conv, "STRIDED_NCHW_SLAB", slab)
-        # NCHW Winograd: through HWC slabs, or the NCHW transforms
-        mp.setattr(cpu_conv, "WINOGRAD_NCHW_SLABS", wino_slabs)
         mp.setattr(cpu_conv, "DW_GROUPS", groups)
         mp.setattr(cpu_im2col, "SUM_BLOCK", 7)                 # the group sums: many tasks
         mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
@@ -78,10 +73,9 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, wino_s
 
 @given(nfs.conv_problems(max_batch=3, max_size=18, max_channels=3), CHUNKS,
        st.integers(1, 5), TILES, st.sampled_from([1, cpu_conv.MIN_GEMM_CHANNELS]),
-       st.booleans(), st.booleans())
-def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles, min_channels, slab,
-                                         wino_slabs):
-    _check(p, chunk_bytes, groups, tiles, min_channels, slab, wino_slabs)
+       st.booleans())
+def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles, min_channels, slab):
+    _check(p, chunk_bytes, groups, tiles, min_channels, slab)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -435,11 +429,10 @@ def test_strided_nchw_slabs_of_whole_tiles(C, W, chunk_bytes):
     _check(p, chunk_bytes, groups=3, min_channels=8)
 
 
-@pytest.mark.parametrize("wino_slabs", [True])       # (False: the property tests, harness)
 @pytest.mark.parametrize("C, H, W", [(8, 8, 8), (19, 13, 21), (16, 9, 17)])
 @pytest.mark.parametrize("chunk_bytes, tiles", [(1, 1), (3000, 7), (cpu_conv.CHUNK_BYTES,
                                                                      cpu_conv.WINOGRAD_TILES)])
-def test_nchw_winograd_through_hwc_slabs(wino_slabs, C, H, W, chunk_bytes, tiles):
+def test_nchw_winograd_through_hwc_slabs(C, H, W, chunk_bytes, tiles):
     # 8 and more channels and columns: the slabs' transposes run 8x8 tiles and edges, in the
     # forward (x in, y out), dX (gy gated by y in, dx out) and dW (x, gy, y in); one tile row
     # a chunk, a few, whole images; odd output sizes (the last tile's second row and column)
@@ -448,7 +441,7 @@ def test_nchw_winograd_through_hwc_slabs(wino_slabs, C, H, W, chunk_bytes, tiles
     w = (rng.standard_normal((11, C, 3, 3)) / C).astype(np.float32)
     b = rng.standard_normal(11).astype(np.float32)
     p = nfs.ConvProblem(x, w, b, dict(stride=1, padding=1, dilation=1, layout="NCHW"))
-    _check(p, chunk_bytes, groups=2, tiles=tiles, min_channels=8, wino_slabs=wino_slabs)
+    _check(p, chunk_bytes, groups=2, tiles=tiles, min_channels=8)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])

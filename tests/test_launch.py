@@ -133,10 +133,9 @@ def test_launch_all_runs_every_task_of_every_launch_once(monkeypatch, threads):
         _launch.set_num_threads(saved)
 
 
-@pytest.mark.parametrize("layout, slabs", [("NCHW", True), ("NCHW", False), ("NHWC", True)])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("winograd", [False, True])
-def test_conv_backward_concurrent_shared_and_in_turn_agree(layout, slabs, winograd,
-                                                           monkeypatch, rng):
+def test_conv_backward_concurrent_shared_and_in_turn_agree(layout, winograd, monkeypatch, rng):
     """dX and dW one pass a thread (conv.cpu.CONCURRENT_MAX_ELEMENTS, im2col here), their
     tasks in one shared job (SHARED_BACKWARD, the Winograd passes: MIN_GEMM_CHANNELS patched
     to 1), or one after the other, each split over the pool: bit for bit the same gradients,
@@ -149,10 +148,7 @@ def test_conv_backward_concurrent_shared_and_in_turn_agree(layout, slabs, winogr
     y = nf.conv_bias_relu(x, w, None, padding=1, layout=layout)
     gy = rng.standard_normal(y.shape).astype(np.float32)
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(conv_cpu, "WINOGRAD_NCHW_SLABS", slabs)
-    monkeypatch.setattr(conv_cpu, "WINOGRAD_NCHW_MIN_WIDTH", 1)
     monkeypatch.setattr(conv_cpu, "WINOGRAD_TILES", 3)          # several chunks, uneven
-    monkeypatch.setattr(conv_cpu, "WINOGRAD_DW_NCHW_TILES", 6)
     monkeypatch.setattr(conv_cpu, "DW_GROUPS", 3)
     if winograd:
         monkeypatch.setattr(conv_cpu, "MIN_GEMM_CHANNELS", 1)

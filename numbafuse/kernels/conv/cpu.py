@@ -17,10 +17,7 @@ Which kernels run (``algorithm``; docs/conv_bias_relu.md has the measurements):
                chunk's input, no im2col (cpu_implicit.py, cpu_gemm_taps.py); the NHWC 1x1
                forward and dX and the NHWC dX by phase run on the same tiles
     winograd   3x3, stride 1, no dilation: F(2x2, 3x3) forward, dX and dW, NCHW through
-               NHWC's transforms on HWC slabs of each chunk's rows (WINOGRAD_NCHW_SLABS;
-               without them, NCHW's own transforms, for outputs at least
-               WINOGRAD_NCHW_MIN_WIDTH wide and NCHW_IM2COL_CHANNELS channels)
-                                                                       (cpu_winograd.py)
+               NHWC's transforms on HWC slabs of each chunk's rows     (cpu_winograd.py)
     winograd_s2  3x3 stride 2, float32, transformed taps of at most 2 MiB: forward (K % 8
                == 0), dX and dW (C % 8 == 0) by Winograd over the input's phases, 25
                products instead of 36              (cpu_winograd_s2.py, cpu_winograd_s2dx.py)
@@ -58,12 +55,6 @@ MIN_CHUNKS = 4            # whole-image im2col chunks of a batch, at least (see 
 DW_GROUPS = 16            # fixed groups of chunks, each with its own dW and db partial
 WINOGRAD = True           # 3x3 stride-1 convolutions by Winograd F(2x2, 3x3)
 WINOGRAD_TILES = 160      # 2x2 output tiles per Winograd chunk (the GEMMs' n)
-WINOGRAD_DW_NCHW_TILES = 320   # ... of an NCHW dW chunk (its NT GEMMs and short transform
-                               # loops gain from longer chunks; measured in docs)
-WINOGRAD_NCHW_MIN_WIDTH = 16   # narrower NCHW outputs: phase planes (short tile rows lose)
-# NCHW Winograd through NHWC's transforms and GEMMs: each chunk's rows transposed to HWC in
-# cache (8x8 tiles, cpu_transpose.py) and its output rows back (else the NCHW transforms)
-WINOGRAD_NCHW_SLABS = True
 MIN_GEMM_CHANNELS = 16    # fewer input or output channels: im2col (GEMMs with k = C*R*S)
 NCHW_IM2COL_CHANNELS = 32  # NCHW forward and dW with fewer: im2col too (Winograd's and the
                            # phase planes' GEMMs have k = C or K; measured in docs)
@@ -145,7 +136,7 @@ def algorithm(geom, pass_="forward", dtype=np.float32):
     nhwc = geom.layout == "NHWC"
     winograd = (WINOGRAD and geom.R == geom.S == 3 and geom.sh == geom.sw == 1
                 and geom.dh == geom.dw == 1)
-    if winograd and (nhwc or WINOGRAD_NCHW_SLABS):
+    if winograd:
         # NHWC's transforms, for NCHW too (on HWC slabs): they won at every width and channel
         # count measured from 16 up, NCHW's im2col and phase planes included
         return "winograd"
@@ -156,8 +147,6 @@ def algorithm(geom, pass_="forward", dtype=np.float32):
     if not nhwc and pass_ != "dx" and min(geom.C, geom.K) < NCHW_IM2COL_CHANNELS:
         return "im2col"
     if geom.sh == geom.sw == 1:
-        if winograd and min(geom.Q, geom.W) >= WINOGRAD_NCHW_MIN_WIDTH:
-            return "winograd"
         return "phase"
     if (IMPLICIT if pass_ == "forward" else IMPLICIT_DW if pass_ == "dw" else False) \
             and _implicit.fits(geom, dtype, pass_):
@@ -214,33 +203,26 @@ def _winograd_launch(src, gate, use_gate, w, flip, top, left, bias, relu, nhwc, 
     """_winograd_run's launch, not run: ((kernel, ntasks, args), parts, counts)."""
     Ci, Co = (w.shape[0], w.shape[1]) if flip else (w.shape[1], w.shape[0])
     N, Ho, Wo = out.shape[0], *(out.shape[1:3] if nhwc else out.shape[2:4])
-    slabs = not nhwc and WINOGRAD_NCHW_SLABS
-    hwc = nhwc or slabs                               # NHWC's transforms and GEMMs
-    U = np.empty((16, Ci, Co) if hwc else (16, Co, Ci), src.dtype)    # the GEMMs' orientation
-    _wino.winograd_taps(w, flip, hwc, U)
-    ipc, tyb, nchunks, most = tile_chunks(N, Ho, Wo, hwc, WINOGRAD_TILES)
-    if epi == _epi.EPI_NONE:                          # stand-ins: one compiled signature
-        dy, gz, ev, parts, counts = out, out, _NO_VALUES, _NO_PARTS, _NO_COUNTS
-    else:
-        parts, counts = np.empty((nchunks, 3, Co)), np.empty(nchunks)
-        dy, gz = (out, out) if dy is None else (dy, gz)
-        ev = np.zeros((4, _epi.tiles(Co) * Co), src.dtype) if ev is None else ev
-    args = (src, gate, use_gate, U, top, left, ipc, tyb,
-            _wino.estride(Ci * most, src.itemsize), _wino.estride(Co * most, src.itemsize),
-            bias, relu, nhwc, slabs, blas, out, epi, bool(affine), dy, gz,
-            ev.astype(src.dtype, copy=False), parts, counts)
-    return (_wino._winograd_tasks, nchunks, args), parts, counts
-
-
-_NO_PARTS, _NO_COUNTS = np.zeros((1, 3, 1)), np.zeros(1)
-_NO_VALUES = np.zeros((4, 0))
+    U = np.empty((16, Ci, Co), src.dtype)                           # the GEMMs' orientation
+    _wino.winograd_taps(w, flip, U)
+    ipc, tyb, nchunks, most = tile_chunks(N, Ho, Wo, True, WINOGRAD_TILES)
+    chunks = (top, left, ipc, tyb, _wino.estride(Ci * most, src.itemsize),
+              _wino.estride(Co * most, src.itemsize), int(not nhwc))
+    if epi == _epi.EPI_NONE:
+        args = (src, gate, use_gate, U, chunks, bias, relu, blas, out)
+        return (_wino.forward_tasks, nchunks, args), None, None
+    parts, counts = np.empty((nchunks, 3, Co)), np.empty(nchunks)
+    dy, gz = (out, out) if dy is None else (dy, gz)
+    ev = np.zeros((4, _epi.tiles(Co) * Co), src.dtype) if ev is None else ev
+    args = (src, U, chunks, blas, out, (epi, int(affine)), ev.astype(src.dtype, copy=False),
+            (dy, gz), parts, counts)
+    return (_wino.forward_epilogue_tasks, nchunks, args), parts, counts
 
 
 def _bn_epilogue_ok(geom, nhwc_only):
     """Whether the forward is the Winograd pass over HWC rows, which has the epilogue."""
     nhwc = geom.layout == "NHWC"
     return (BN_EPILOGUE and algorithm(geom, "forward") == "winograd"
-            and (nhwc or WINOGRAD_NCHW_SLABS)
             and (nhwc or not nhwc_only) and geom.N > 0)
 
 
@@ -295,17 +277,13 @@ def _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, blas):
     """_winograd_dw's launch, not run: ((kernel, ntasks, args), finish), where ``finish()``
     returns (dw or None, db_parts) once the tasks have run."""
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
-    nhwc = geom.layout == "NHWC"
-    slabs = not nhwc and WINOGRAD_NCHW_SLABS
-    hwc = nhwc or slabs
-    ipc, tyb, nchunks, most = tile_chunks(N, P, Q, hwc,
-                                          WINOGRAD_TILES if hwc else WINOGRAD_DW_NCHW_TILES)
+    ipc, tyb, nchunks, most = tile_chunks(N, P, Q, True, WINOGRAD_TILES)
     groups = min(nchunks, DW_GROUPS)
     D_parts = _out.empty((groups if need_dw else 1, 16, K, C), x.dtype)   # D[e] (K, C)
     db_parts = np.empty((groups, K))                                   # float64
-    args = (x, gy, y, use_mask, geom.ph, geom.pw, ipc, tyb,
-            _wino.estride(C * most, x.itemsize), _wino.estride(K * most, x.itemsize), nchunks,
-            groups, need_dw, nhwc, slabs, blas, D_parts, db_parts)
+    chunks = (geom.ph, geom.pw, ipc, tyb, _wino.estride(C * most, x.itemsize),
+              _wino.estride(K * most, x.itemsize), int(geom.layout != "NHWC"), nchunks, groups)
+    args = (x, gy, y, use_mask, chunks, need_dw, blas, D_parts, db_parts)
 
     def finish():
         if not need_dw:
@@ -313,7 +291,7 @@ def _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, blas):
         dw = np.empty((K, C, 3, 3), x.dtype)
         _wino.winograd_dw(sum_groups(D_parts, np.float64), dw)   # group order
         return dw, db_parts
-    return (_wino._winograd_dw_tasks, groups, args), finish
+    return (_wino.dw_tasks, groups, args), finish
 
 
 # --------------------------------------------------------------------------- phase planes

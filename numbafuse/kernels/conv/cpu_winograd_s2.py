@@ -39,7 +39,7 @@ from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_im2col import _chunk, _sum64, sum_groups, tile_chunks
-from .cpu_winograd import _comb, _padded_rows, estride, gate_tiles
+from .cpu_winograd import estride, gate_tiles, padded_rows, vadd, vcopy, vsub
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -129,11 +129,11 @@ def _in_row(S, m, C, V, xi, base):
     # row S (4, L*C), classes mod 4: d0 = S[0][tx], d1 = S[1][tx], d2 = S[2][tx], d3 =
     # S[3][tx], d4 = S[0][tx + 1]
     e = 5 * xi
-    _comb(S[0, :m], S[2, :m], -1, V[e, base:base + m])
-    _comb(S[2, :m], S[2, :m], 0, V[e + 1, base:base + m])
-    _comb(S[0, C:C + m], S[2, :m], -1, V[e + 2, base:base + m])
-    _comb(S[1, :m], S[1, :m], 0, V[e + 3, base:base + m])
-    _comb(S[3, :m], S[3, :m], 0, V[e + 4, base:base + m])
+    vsub(S[0, :m], S[2, :m], V[e, base:base + m])
+    vcopy(S[2, :m], V[e + 1, base:base + m])
+    vsub(S[0, C:C + m], S[2, :m], V[e + 2, base:base + m])
+    vcopy(S[1, :m], V[e + 3, base:base + m])
+    vcopy(S[3, :m], V[e + 4, base:base + m])
 
 
 @njit(inline="always")
@@ -142,8 +142,8 @@ def _in_s2(R, u, TX, C, tv, V, t0):
     # input rows are R[u + i], i < 5; tv: (2, 4, L*C) scratch (rows d0 - d2 and d4 - d2)
     n = R.shape[2]
     for m in range(4):
-        _comb(R[u, m, :n], R[u + 2, m, :n], -1, tv[0, m, :n])
-        _comb(R[u + 4, m, :n], R[u + 2, m, :n], -1, tv[1, m, :n])
+        vsub(R[u, m, :n], R[u + 2, m, :n], tv[0, m, :n])
+        vsub(R[u + 4, m, :n], R[u + 2, m, :n], tv[1, m, :n])
     m = TX * C
     base = t0 * C
     _in_row(tv[0], m, C, V, 0, base)
@@ -159,7 +159,7 @@ def _chunk_v(x, n0, n1, nr, TX, u0, left, L, slabs, xs, R, tv, V):
     # padded input row u0; slabs: x NCHW, its rows transposed to HWC in xs first
     C = R.shape[2] // L
     for n in range(n0, n1):
-        _padded_rows(x, x, False, n, u0, 4 * nr + 1, -left, L, R, slabs, xs, xs)
+        padded_rows(x, x, False, n, u0, 4 * nr + 1, -left, L, R, slabs, xs, xs)
         for r in range(nr):
             _in_s2(R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
 
@@ -358,11 +358,11 @@ def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, nchunks, g
                 for c in range(4):
                     transpose(G4[c, :T * K].reshape((T, K)), dm[c, :K * T].reshape((K, T)))
             kt = K * T
-            _comb(dm[0, :kt], dm[1, :kt], 1, dm[4, :kt])
-            _comb(dm[2, :kt], dm[3, :kt], 1, dm[5, :kt])
-            _comb(dm[0, :kt], dm[2, :kt], 1, dm[6, :kt])
-            _comb(dm[1, :kt], dm[3, :kt], 1, dm[7, :kt])
-            _comb(dm[4, :kt], dm[5, :kt], 1, dm[8, :kt])
+            vadd(dm[0, :kt], dm[1, :kt], dm[4, :kt])
+            vadd(dm[2, :kt], dm[3, :kt], dm[5, :kt])
+            vadd(dm[0, :kt], dm[2, :kt], dm[6, :kt])
+            vadd(dm[1, :kt], dm[3, :kt], dm[7, :kt])
+            vadd(dm[4, :kt], dm[5, :kt], dm[8, :kt])
             _chunk_v(x, n0, n1, nr, TX, 4 * ty0 - top, left, L, not nhwc, xs, R, tv, V)
             for e in range(25):
                 _tiles.gemm_gather(np.int64(K), np.int64(C), np.int64(T),

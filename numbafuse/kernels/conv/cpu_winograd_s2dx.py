@@ -31,7 +31,7 @@ from numba import njit
 from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
 from .cpu_im2col import _chunk, block_chunks
-from .cpu_winograd import _comb, _padded_rows, estride
+from .cpu_winograd import estride, padded_rows, vcopy, vsub
 from .cpu_winograd_s2 import gemm_operands, gemms, taps
 
 # which taps each transformed position sums (per axis): w2, w0 + w2, w0, w1, w1
@@ -55,11 +55,11 @@ def _in_row(S, m, K, odd, V, xi, base):
     # a = S[0][j], b = S[1][j], c = S[0][j + 1]; positions 3, 4: (b, c), or (a, b) if odd
     e = 5 * xi
     a, b, c = S[0, :m], S[1, :m], S[0, K:K + m]
-    _comb(a, b, -1, V[e, base:base + m])
-    _comb(b, b, 0, V[e + 1, base:base + m])
-    _comb(c, b, -1, V[e + 2, base:base + m])
-    _comb(a if odd else b, b, 0, V[e + 3, base:base + m])
-    _comb(b if odd else c, b, 0, V[e + 4, base:base + m])
+    vsub(a, b, V[e, base:base + m])
+    vcopy(b, V[e + 1, base:base + m])
+    vsub(c, b, V[e + 2, base:base + m])
+    vcopy(a if odd else b, V[e + 3, base:base + m])
+    vcopy(b if odd else c, V[e + 4, base:base + m])
 
 
 @njit(inline="always")
@@ -68,8 +68,8 @@ def _in_dx(R, v, IX, K, oddh, oddw, tv, V, t0):
     # row, whose g rows are R[v], R[v + 1], R[v + 2] (a, b, c); tv: (2, 2, L*K) scratch
     n = R.shape[2]
     for cl in range(2):
-        _comb(R[v, cl, :n], R[v + 1, cl, :n], -1, tv[0, cl, :n])
-        _comb(R[v + 2, cl, :n], R[v + 1, cl, :n], -1, tv[1, cl, :n])
+        vsub(R[v, cl, :n], R[v + 1, cl, :n], tv[0, cl, :n])
+        vsub(R[v + 2, cl, :n], R[v + 1, cl, :n], tv[1, cl, :n])
     m = IX * K
     base = t0 * K
     _in_row(tv[0], m, K, oddw, V, 0, base)
@@ -162,7 +162,7 @@ def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, top, left, ipc, ib, vs, ms, nhwc, w
         u0 = 2 * i0 + c0h                             # the chunk's first g row
         for n in range(n0, n1):
             # g's rows split by column parity from column c0w (gated; NCHW through slabs)
-            _padded_rows(gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, not nhwc, gs, ysl)
+            padded_rows(gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, not nhwc, gs, ysl)
             for r in range(nr):
                 _in_dx(R, 2 * r, IX, K, oddh, oddw, tv, V, ((n - n0) * nr + r) * IX)
         gemms(T, C, K, vrows, eoff, U, M, ms, wide)
