@@ -6,6 +6,8 @@ agree to 1e-10 after training steps and in eval. Models: torchvision's ResNet co
 (numbafuse.torch.resnet, tiny widths) and a hand-written one with the patterns in odd places;
 the log lists each match and refusal. Skipped where torch is not installed.
 """
+import copy
+import io
 import logging
 
 import pytest
@@ -82,6 +84,15 @@ def test_fuse_torchvision_resnet(block, width):
     back = nft.unfuse(fused)
     assert type(back) is nft.ResNet and back.layer1 is fused.layer1
     assert nft.fuse(fused).fuse_log == []
+    # deepcopy and torch.save/load: the same module tree, graph and outputs
+    saved = io.BytesIO()
+    torch.save(fused, saved)
+    saved.seek(0)
+    for clone in (copy.deepcopy(fused), torch.load(saved, weights_only=False)):
+        assert type(clone.layer1) is nn.Sequential and clone.layer1 is not fused.layer1
+        assert list(clone.state_dict()) == list(fused.state_dict())
+        assert clone.fuse_log == log and not clone.training
+        torch.testing.assert_close(clone(x), fused(x), rtol=0, atol=0)
 
 
 class Leaf(nn.Module):

@@ -98,24 +98,28 @@ def bn_refusal(bn):
     return None
 
 
-def _tensor_refusal(x, *tensors, z_shape=None):
-    """Why these tensors cannot go to numbafuse's kernels now (None if they can): ``x`` the
-    input activation, ``tensors`` the parameters, buffers and residual (None ones skipped)."""
+def _tensor_refusal(x, w, z=None, z_shape=None):
+    """Why the input ``x``, a parameter ``w`` (its dtype and device stand for the modules') and
+    the residual ``z`` of output shape ``z_shape`` cannot go to numbafuse's kernels now (None
+    if they can). The op itself checks the other parameters and buffers (an error naming
+    them, as torch's layers raise on mixed dtypes)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         return "the input is not a 4-d tensor"
-    for t in (x,) + tensors:
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            return f"an argument is a {type(t).__name__}, not a tensor"
-        if t.dtype not in FLOAT_DTYPES or t.dtype != x.dtype:
-            return f"{t.dtype} and {x.dtype} tensors (numbafuse: float32 or float64, one dtype)"
-        if t.device != x.device or t.device.type not in DEVICE_TYPES:
-            return f"tensors on {t.device} and {x.device}"
-        if not t.is_contiguous():
+    if x.dtype not in FLOAT_DTYPES:
+        return f"{x.dtype} tensors (numbafuse runs float32 and float64)"
+    if x.device.type not in DEVICE_TYPES:
+        return f"tensors on {x.device}"
+    if not x.is_contiguous():
+        return "a channels_last or non-contiguous tensor"
+    if w is not None and (w.dtype != x.dtype or w.device != x.device):
+        return f"a {x.dtype} input on {x.device}, parameters {w.dtype} on {w.device}"
+    if z_shape is not None:
+        if not isinstance(z, torch.Tensor) or tuple(z.shape) != z_shape:
+            return "the residual's shape is not the output's (a broadcast add)"
+        if z.dtype != x.dtype or z.device != x.device:
+            return f"a {x.dtype} input on {x.device}, a {z.dtype} residual on {z.device}"
+        if not z.is_contiguous():
             return "a channels_last or non-contiguous tensor"
-    if z_shape is not None and (tensors[-1] is None or tuple(tensors[-1].shape) != z_shape):
-        return "the residual's shape is not the output's (a broadcast add)"
     if torch.is_autocast_enabled(x.device.type):
         return "autocast is on"
     return None
@@ -174,8 +178,8 @@ def _conv_args(conv):
 def fused_conv_bn_relu(x, conv, bn, relu, site):
     """``relu(bn(conv(x)))`` (``relu=False``: ``bn(conv(x))``) by numbafuse's Conv-BatchNorm(-ReLU)
     with recompute, reading ``conv`` and ``bn`` now; the modules themselves where it cannot."""
-    reason = (conv_refusal(conv, with_bn=True) or bn_refusal(bn) or _tensor_refusal(
-        x, conv.weight, bn.weight, bn.bias, bn.running_mean, bn.running_var))
+    reason = (conv_refusal(conv, with_bn=True) or bn_refusal(bn)
+              or _tensor_refusal(x, conv.weight))
     if reason is not None:
         _unfused(site, reason)
         y = bn(conv(x))
@@ -188,9 +192,8 @@ def fused_conv_bn_relu(x, conv, bn, relu, site):
 def fused_conv_bn_add_relu(x, z, conv, bn, site):
     """``relu(bn(conv(x)) + z)`` by numbafuse's Conv-BatchNorm-Add-ReLU with recompute."""
     reason = (conv_refusal(conv, with_bn=True) or bn_refusal(bn) or _tensor_refusal(
-        x, conv.weight, bn.weight, bn.bias, bn.running_mean, bn.running_var, z,
-        z_shape=_conv_out_shape(conv, x) if isinstance(x, torch.Tensor) and x.dim() == 4
-        else None))
+        x, conv.weight, z, _conv_out_shape(conv, x) if isinstance(x, torch.Tensor)
+        and x.dim() == 4 else ()))
     if reason is not None:
         _unfused(site, reason)
         return torch.relu(bn(conv(x)) + z)
@@ -202,8 +205,7 @@ def fused_conv_bn_add_relu(x, z, conv, bn, site):
 def fused_bn_add_relu(x, z, bn, site):
     """``relu(bn(x) + z)`` by numbafuse's BatchNorm-Add-ReLU."""
     reason = bn_refusal(bn) or _tensor_refusal(
-        x, bn.weight, bn.bias, bn.running_mean, bn.running_var, z,
-        z_shape=tuple(x.shape) if isinstance(x, torch.Tensor) else None)
+        x, bn.weight, z, tuple(x.shape) if isinstance(x, torch.Tensor) else ())
     if reason is not None:
         _unfused(site, reason)
         return torch.relu(bn(x) + z)
@@ -214,7 +216,7 @@ def fused_bn_add_relu(x, z, bn, site):
 
 def fused_conv_relu(x, conv, site):
     """``relu(conv(x))`` by numbafuse's Conv-Bias-ReLU (with the conv's bias, if any)."""
-    reason = conv_refusal(conv) or _tensor_refusal(x, conv.weight, conv.bias)
+    reason = conv_refusal(conv) or _tensor_refusal(x, conv.weight)
     if reason is not None:
         _unfused(site, reason)
         return torch.relu(conv(x))
@@ -430,7 +432,7 @@ class _Tracer(torch.fx.Tracer):
     """torch.fx's tracer with numbafuse's modules and the user's leaves kept as leaves, and
     the site functions of an already fused model kept as calls."""
 
-    def __init__(self, leaf_modules):
+    def __init__(self, leaf_modules=()):     # (no argument: torch.load re-traces with it)
         super().__init__(autowrap_functions=SITE_FUNCTIONS)
         self.leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
         self.leaf_names = {t for t in leaf_modules if isinstance(t, str)}
@@ -461,7 +463,7 @@ def fuse(model, *, leaf_modules=(), copy=True):
 
     Returns
     -------
-    torch.fx.GraphModule
+    FusedModule (a torch.fx.GraphModule)
         Computes what ``model`` computes. Its module tree, parameters, buffers and
         ``state_dict`` keys (in order) are ``model``'s (the conv and BatchNorm2d modules
         included, so checkpoints load both ways and ``isinstance(m, nn.BatchNorm2d)`` recipes
@@ -482,25 +484,47 @@ def fuse(model, *, leaf_modules=(), copy=True):
     if not isinstance(model, nn.Module):
         raise TypeError(f"numbafuse.torch.fuse: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}")
-    root = _copy.deepcopy(model) if copy else model
-    tracer = _Tracer(tuple(leaf_modules))
+    fused = _fuse(_copy.deepcopy(model) if copy else model, tuple(leaf_modules))
+    if LOG_TOPIC in os.environ.get(LOG_ENV, "").split(","):
+        for line in fused.fuse_log:
+            print(f"numbafuse.torch.fuse: {line}", file=sys.stderr)
+    for line in fused.fuse_log:
+        logger.info(line)
+    return fused
+
+
+class FusedModule(torch.fx.GraphModule):
+    """What :func:`fuse` returns: a ``torch.fx.GraphModule`` (named after the model's class)
+    whose module tree is the model's. ``copy.deepcopy`` and pickling (``torch.save``) copy the
+    model (``unfuse(fused)``) and fuse the copy again, the same way (``torch.fx``'s own copy
+    would rebuild the module tree from the traced paths only), so a copy is the same module
+    tree and graph; edits made to ``graph`` by hand are not carried over."""
+
+    def __deepcopy__(self, memo):
+        result = _fuse(_copy.deepcopy(unfuse(self), memo), self._fuse_leaves)
+        memo[id(self)] = result
+        return result
+
+    def __reduce__(self):
+        return _fuse, (unfuse(self), self._fuse_leaves)
+
+
+def _fuse(root, leaf_modules):
+    """Trace ``root``, rewrite the graph, give the result ``root``'s module tree (shared)."""
+    tracer = _Tracer(leaf_modules)
     graph = tracer.trace(root)
-    gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    fused = FusedModule(tracer.root, graph, type(root).__name__)
     log = [f"kept {qualname} ({kind}) as a leaf: not traced into, nothing inside it fused"
            for qualname, kind in tracer.user_leaves.items()]
-    log += _rewrite(gm)
-    _adopt_module_tree(gm, root)
-    gm.training = root.training          # the flag only: the modules keep their own modes
-    gm.graph.lint()
-    gm.recompile()
-    gm.fuse_log = log
-    gm.__dict__["_numbafuse_unfused"] = root      # for unfuse; not a submodule (no new keys)
-    if LOG_TOPIC in os.environ.get(LOG_ENV, "").split(","):
-        for line in log:
-            print(f"numbafuse.torch.fuse: {line}", file=sys.stderr)
-    for line in log:
-        logger.info(line)
-    return gm
+    log += _rewrite(fused)
+    _adopt_module_tree(fused, root)
+    fused.training = root.training       # the flag only: the modules keep their own modes
+    fused.graph.lint()
+    fused.recompile()
+    fused.fuse_log = log
+    fused._fuse_leaves = leaf_modules
+    fused.__dict__["_numbafuse_unfused"] = root     # for unfuse; not a submodule (no new keys)
+    return fused
 
 
 def unfuse(fused):
@@ -522,6 +546,7 @@ def unfuse(fused):
     if model is None:
         raise TypeError(f"numbafuse.torch.unfuse: {type(fused).__name__} is not a model made "
                         f"by numbafuse.torch.fuse")
+    model.training = fused.training      # its children are fused's: only its own flag lags
     return model
 
 
@@ -606,5 +631,5 @@ def _adopt_module_tree(gm, model):
         gm.register_buffer(name_, b, persistent=False)
 
 
-__all__ = ["fuse", "unfuse", "fused_conv_bn_relu", "fused_conv_bn_add_relu", "fused_bn_add_relu",
-           "fused_conv_relu", "conv_refusal", "bn_refusal", "PATTERNS"]
+__all__ = ["fuse", "unfuse", "FusedModule", "fused_conv_bn_relu", "fused_conv_bn_add_relu",
+           "fused_bn_add_relu", "fused_conv_relu", "conv_refusal", "bn_refusal", "PATTERNS"]
