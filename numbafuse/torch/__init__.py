@@ -17,7 +17,7 @@ r"""PyTorch interoperation (extra ``torch``): numbafuse's fused ops inside PyTor
 
 Modules of this package: ``layers`` (the tensor/array bridge, Conv-Bias-ReLU, BatchNorm-Add-ReLU),
 ``conv_batchnorm`` (Conv-BatchNorm(-ReLU) and Conv-BatchNorm-Add-ReLU with recompute), ``fx``
-(:func:`fuse`), ``resnet`` (torchvision-compatible ResNets, written here). docs/pytorch.md.
+(:func:`fuse`), ``sites`` (what a fused model calls), ``resnet`` (torchvision-compatible ResNets, written here). docs/pytorch.md.
 """
 try:
     import torch  # noqa: F401  (nft.torch: tests patch torch.cuda through it)
