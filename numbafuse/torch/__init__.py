@@ -15,9 +15,10 @@ r"""PyTorch interoperation (extra ``torch``): numbafuse's fused ops inside PyTor
     BatchNormAddReLU2d(...)    # m(x, z); the state_dict of torch.nn.BatchNorm2d
     resnet18(**kw), resnet50(**kw), ResNet, BasicBlock, Bottleneck   # torchvision's names
 
-Modules of this package: ``layers`` (the tensor/array bridge, Conv-Bias-ReLU, BatchNorm-Add-ReLU),
-``conv_batchnorm`` (Conv-BatchNorm(-ReLU) and Conv-BatchNorm-Add-ReLU with recompute), ``fx``
-(:func:`fuse`), ``sites`` (what a fused model calls), ``resnet`` (torchvision-compatible ResNets, written here). docs/pytorch.md.
+Modules of this package: ``layers`` (the tensor/array bridge, Conv-Bias-ReLU,
+BatchNorm-Add-ReLU), ``conv_batchnorm`` (Conv-BatchNorm(-ReLU) and Conv-BatchNorm-Add-ReLU
+with recompute), ``fx`` (:func:`fuse`), ``sites`` (what a fused model calls), ``resnet``
+(torchvision-compatible ResNets, written here). Described in docs/pytorch.md.
 """
 try:
     import torch  # noqa: F401  (nft.torch: tests patch torch.cuda through it)
