@@ -310,7 +310,10 @@ def _grad_hwc(gy, y, use_mask, n, p0, TX, G, tmp, dM, t0, db):
 # A chunk's work in steps, each a compiled function of its own (not inlined): the task kernels
 # below stay small enough to compile in seconds, and the forward, dX and the stride-2 kernels
 # share the compiled steps. Each step loops over whole tile rows, so a call costs nothing
-# measurable.
+# measurable. A constant passed to a step is typed as a literal (a signature of its own,
+# compiled again): flags go as OFF / np.int64(0), variables of the plain types.
+
+OFF = np.bool_(False)
 
 @njit(inline="always")
 def _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs):
@@ -344,7 +347,7 @@ def padded_rows(src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs):
     HWC slab in xs (gs)."""
     if slabs:
         sv, gv = hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
-        _split_rows(sv, gv, use_gate, 0, u0 - max(0, u0), nu, c0, L, R)
+        _split_rows(sv, gv, use_gate, np.int64(0), u0 - max(0, u0), nu, c0, L, R)
     else:
         _split_rows(src, gate, use_gate, n, u0, nu, c0, L, R)
 
@@ -472,11 +475,11 @@ def forward_epilogue_tasks(t0, t1, x, U, chunks, blas, out, modes, ev, dg, parts
         n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
         _epi.start_chunk(acc, counts, t)
-        _chunk_tiles(x, x, False, n0, n1, 2 * ty0 - top, nr, left, slabs, work, slab)
+        _chunk_tiles(x, x, OFF, n0, n1, 2 * ty0 - top, nr, left, slabs, work, slab)
         _forward_gemms(blas, (n1 - n0) * nr * TX, work[2], U, M)
         p0 = 2 * ty0
         for n in range(n0, n1):
-            flat = _image_rows(M, n, n0, ty0, nr, bias, False, slabs, s, ys, out)
+            flat = _image_rows(M, n, n0, ty0, nr, bias, OFF, slabs, s, ys, out)
             dflat = gflat = flat                  # the rows just written, still in cache
             if epi == _epi.EPI_BN_SUMS:
                 lo, hi = p0 * Wo * Co, p0 * Wo * Co + flat.shape[0]
@@ -518,7 +521,7 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, chunks, need_dw, blas, D_parts, db_part
     for grp in range(t0, t1):
         dbp = db_parts[grp]                                       # (K,)
         dbp[:] = 0.0
-        first = True
+        beta = 0.0                                                # D = the first chunk's, then +=
         for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
             n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
             nr = ty1 - ty0
@@ -527,7 +530,7 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, chunks, need_dw, blas, D_parts, db_part
                 if slabs:
                     gv, yv = hwc_slab(gy, y, use_mask, n, 2 * ty0, 2 * nr, gs, ysb)
                     for r in range(nr):
-                        _grad_hwc(gv, yv, use_mask, 0, 2 * r, TX, G, tmp, dM,
+                        _grad_hwc(gv, yv, use_mask, np.int64(0), 2 * r, TX, G, tmp, dM,
                                   ((n - n0) * nr + r) * TX, dbp)
                 else:
                     for r in range(nr):
@@ -535,15 +538,14 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, chunks, need_dw, blas, D_parts, db_part
                                   ((n - n0) * nr + r) * TX, dbp)
             if not need_dw:
                 continue
-            _chunk_tiles(x, x, False, n0, n1, 2 * ty0 - top, nr, left, slabs, work, slab)
-            _dw_gemms(blas, T, dM, work[2], first, D_parts[grp])
-            first = False
+            _chunk_tiles(x, x, OFF, n0, n1, 2 * ty0 - top, nr, left, slabs, work, slab)
+            _dw_gemms(blas, T, dM, work[2], beta, D_parts[grp])
+            beta = 1.0
 
 
 @njit(nogil=True, cache=True)
-def _dw_gemms(blas, T, dM, V, first, D):
-    # D[e] (K, C) (+)= dM[e]^T (K, T) @ V[e] (T, C), e < 16
+def _dw_gemms(blas, T, dM, V, beta, D):
+    # D[e] (K, C) = dM[e]^T (K, T) @ V[e] (T, C) + beta D[e], e < 16
     K, C = D.shape[1], D.shape[2]
     for e in range(16):
-        _blas.gemm(blas, True, False, K, C, T, 1.0, dM[e], K, V[e], C, 0.0 if first else 1.0,
-                   D[e], C)
+        _blas.gemm(blas, True, False, K, C, T, 1.0, dM[e], K, V[e], C, beta, D[e], C)
