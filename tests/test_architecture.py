@@ -101,3 +101,39 @@ def test_numbafuse_torch_without_torch_says_how_to_install_it():
             "try:\n    import numbafuse.torch\nexcept ImportError as e:\n    print(e)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "pip install 'numbafuse[torch]'" in run.stdout, run.stdout + run.stderr
+
+
+def test_the_debt_only_shrinks():
+    # tools/architecture_debt.txt: functions over 12 parameters, private names imported from
+    # another module, capability probes in ops/ -- a new one, a grown one, or a paid one still
+    # listed is a violation
+    recorded = {("parameters", "m.f"): 14, ("private-import", "m:n._x"): 1}
+    assert check_architecture.debt_violations(dict(recorded), recorded) == []
+    grown = check_architecture.debt_violations({("parameters", "m.f"): 15,
+                                                ("private-import", "m:n._x"): 1}, recorded)
+    assert grown == ["parameters: m.f: 15, more than the recorded 14"]
+    new = check_architecture.debt_violations({**recorded, ("probe", "numbafuse.ops.x"): 1},
+                                             recorded)
+    assert len(new) == 1 and new[0].startswith("probe: numbafuse.ops.x (1): new")
+    paid = check_architecture.debt_violations({("parameters", "m.f"): 14}, recorded)
+    assert paid == ["private-import: m:n._x: paid, delete its line from "
+                    "architecture_debt.txt"]
+
+
+def test_the_debt_rules_see_what_they_count(tmp_path, monkeypatch):
+    # the rules read real source: a 13-parameter function, a private import from a sibling
+    # module and a getattr in ops/ are found; 12 parameters and a dunder import are not
+    pkg = tmp_path / "numbafuse"
+    (pkg / "ops").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def _h(): pass\n__all__ = []\n"
+                              "def ok(a, b, c, d, e, f, g, h, i, j, k, l): pass\n"
+                              "def long(a, b, c, d, e, f, g, h, i, j, k, l, *, m): pass\n")
+    (pkg / "ops" / "b.py").write_text("from ..a import _h, __all__\n"
+                                      "x = getattr(_h, 'y', None)\n")
+    monkeypatch.setattr(check_architecture, "ROOT", pkg)
+    assert check_architecture.debt_found() == {
+        ("parameters", "numbafuse.a.long"): 13,
+        ("private-import", "numbafuse.ops.b:numbafuse.a._h"): 1,
+        ("probe", "numbafuse.ops.b"): 1}

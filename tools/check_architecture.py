@@ -1,6 +1,13 @@
-"""Check numbafuse's layering: no import cycle, no upward import, no module over 650 lines.
+"""Check numbafuse's layering: no import cycle, no upward import, no module over 650 lines;
+no function over 12 parameters, no private name imported from another module, no capability
+probe (getattr/hasattr) in ``numbafuse/ops`` -- beyond the recorded debt.
 
-    python tools/check_architecture.py        # prints the layers and exits 1 on a violation
+    python tools/check_architecture.py          # prints the layers and exits 1 on a violation
+    python tools/check_architecture.py --debt   # prints the debt found now, in DEBT's format
+
+The debt (``tools/architecture_debt.txt``) lists what broke the last three rules when they
+were added: one line ``kind name count`` each. It may only shrink: a new entry, or a count
+that grew, is a violation, and so is an entry that no longer applies (delete its line).
 
 Every ``import`` and ``from ... import`` in the package is read from the source (the ones
 inside functions too) and resolved to a module of the package. The layers below go from the
@@ -18,6 +25,8 @@ import sys
 PACKAGE = "numbafuse"
 ROOT = pathlib.Path(__file__).resolve().parent.parent / PACKAGE
 MAX_LINES = 650
+MAX_PARAMETERS = 12
+DEBT = pathlib.Path(__file__).resolve().parent / "architecture_debt.txt"
 
 # Bottom first. A name stands for that module and everything under it.
 LAYERS = [
@@ -148,10 +157,73 @@ def violations() -> list:
                                 f"(layer {t_layer}): not a lower layer")
     for component in cycles(graph):
         problems.append("import cycle: " + " -> ".join(component))
+    return problems + debt_violations()
+
+
+def _parameters(fn) -> int:
+    a = fn.args
+    return len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+
+
+def debt_found() -> dict:
+    """{(kind, name): count} of what breaks the three debt rules now: ``parameters`` (a
+    function over MAX_PARAMETERS parameters: its count), ``private-import`` (module:name
+    imported from another package module: 1 per importing module), ``probe`` (getattr or
+    hasattr calls in a module of numbafuse.ops: their number)."""
+    known = modules()
+    found = {}
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _parameters(node)
+                if n > MAX_PARAMETERS:
+                    found["parameters", f"{name}.{node.name}"] = n
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                targets = _resolve(name, is_package, node, known)
+                for alias, target in zip(node.names, targets):
+                    if (alias.name.startswith("_") and not alias.name.startswith("__")
+                            and target != name):
+                        key = ("private-import", f"{name}:{target}.{alias.name}")
+                        found[key] = 1
+            elif (name.startswith(PACKAGE + ".ops") and isinstance(node, ast.Call)
+                  and isinstance(node.func, ast.Name) and node.func.id in ("getattr",
+                                                                            "hasattr")):
+                found["probe", name] = found.get(("probe", name), 0) + 1
+    return found
+
+
+def debt_recorded() -> dict:
+    out = {}
+    for line in DEBT.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            kind, name, count = line.split()
+            out[kind, name] = int(count)
+    return out
+
+
+def debt_violations(found=None, recorded=None) -> list:
+    """New debt, grown debt and paid debt still listed, one line each."""
+    found = debt_found() if found is None else found
+    recorded = debt_recorded() if recorded is None else recorded
+    problems = []
+    for key, n in sorted(found.items()):
+        if key not in recorded:
+            problems.append(f"{key[0]}: {key[1]} ({n}): new (limit: parameters "
+                            f"{MAX_PARAMETERS}, no private import, no probe in ops)")
+        elif n > recorded[key]:
+            problems.append(f"{key[0]}: {key[1]}: {n}, more than the recorded {recorded[key]}")
+    for key in sorted(set(recorded) - set(found)):
+        problems.append(f"{key[0]}: {key[1]}: paid, delete its line from {DEBT.name}")
     return problems
 
 
 def main() -> int:
+    if "--debt" in sys.argv[1:]:
+        for (kind, name), n in sorted(debt_found().items()):
+            print(kind, name, n)
+        return 0
     for i, layer in enumerate(LAYERS):
         print(f"  {i:2d}  {', '.join(m.removeprefix(PACKAGE + '.') for m in layer)}")
     problems = violations()
