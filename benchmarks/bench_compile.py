@@ -1,0 +1,613 @@
+"""First contact: cold first calls (empty Numba cache), compile time per function, warm starts.
+
+    python benchmarks/bench_compile.py [--cases NAME,...] [--quick] [--list]
+                                       [--write | --markdown FILE]
+
+Every case runs in its own processes (issue 33), each with a fresh, empty ``NUMBA_CACHE_DIR``
+(a new temporary directory per case):
+
+* **cold**: a new process, empty cache: import numbafuse, then each pass of the case once, in
+  order. A pass's cold time is the time of its first call *in that process*, so a backward is
+  the additional time of the first backward after the forward (what the forward compiled is
+  not counted again);
+* **warm**: a second new process reusing the case's cache directory: the same import and
+  calls. Its column is import + the first calls up to and including the pass (a warm process
+  should get there without compiling anything);
+* **slowest function**: every Numba compilation in the cold process is recorded with
+  ``numba.core.event`` (``numba:compile``: the dispatcher's ``py_func.__qualname__``, nested:
+  a callee compiled while its caller is typed), each with wall time (``perf_counter``) and
+  CPU time (``process_time``, all threads); the *self* time of a function excludes its
+  callees' compilations. The slowest function is the one with the most self CPU seconds.
+
+Cases: ``conv_bias_relu`` forward + backward (``conv_bias_relu_backward``) in both layouts,
+strides 1 and 2, 1x1 and 3x3 (padding k // 2); ``conv_batchnorm_relu`` and
+``batchnorm_add_relu`` forward + backward, both layouts, training mode; ``numbafuse.torch``'s
+``ConvBiasReLU2d`` and ``BatchNormAddReLU2d`` forward + backward through torch.autograd (only
+with torch importable; torch's own import is timed apart and not counted); all at x
+``(8, 16, 32, 32)`` float32 (NHWC: ``(8, 32, 32, 16)``), w ``(16, 16, k, k)``. ``train``: the
+quick start ``python -m numbafuse.train`` with its defaults (``--no-progress`` added and a
+``--report`` JSON read back for its training seconds). ``cuda``: every numba.cuda kernel a
+training step of the digits ResNet launches, built to PTX for sm_90 without a GPU, cold and
+from the cache; ``cuda-all``: every listed kernel (``PTX_SIGNATURES``) at float32.
+
+The targets of issue 33 (this 2-core machine): every op's cold first call <= 3 s, no single
+compiled function over 2 s, a cold ``python -m numbafuse.train`` <= 60 s wall, warm import +
+first call <= 0.5 s. The table marks each; on a shared machine the CPU seconds are the robust
+measure, and the marks are read from them (wall for the train target, which is stated as wall).
+
+    python benchmarks/bench_compile.py --worker CASE      (internal: one process of a case)
+"""
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import _report   # noqa: E402
+import _runner   # noqa: E402
+
+DOCS = os.path.join(ROOT, "docs", "bench_compile.md")
+SHAPE = (8, 16, 32, 32)          # N, C, H, W (the issue's table)
+K_OUT = 16
+CC = (9, 0)
+
+# issue 33's targets, in seconds
+TARGET_COLD_CALL = 3.0
+TARGET_FUNCTION = 2.0
+TARGET_TRAIN_WALL = 60.0
+TARGET_WARM = 0.5
+
+QUICK = ("batchnorm_add_relu NCHW", "conv_bias_relu NCHW 1x1 s1")
+TRAIN_ARGS = ("--no-progress",)
+IMPORTS = ("import numba", "import")     # the steps that make up "import numbafuse"
+
+
+def _conv_cases():
+    return {f"conv_bias_relu {layout} {k}x{k} s{s}": dict(op="conv_bias_relu", layout=layout,
+                                                            k=k, stride=s)
+            for layout in ("NCHW", "NHWC") for k in (3, 1) for s in (1, 2)}
+
+
+CASES = {
+    **_conv_cases(),
+    **{f"conv_batchnorm_relu {layout} 3x3 s1": dict(op="conv_batchnorm_relu", layout=layout,
+                                                    k=3, stride=1)
+       for layout in ("NCHW", "NHWC")},
+    **{f"batchnorm_add_relu {layout}": dict(op="batchnorm_add_relu", layout=layout)
+       for layout in ("NCHW", "NHWC")},
+    "torch ConvBiasReLU2d 3x3 s1": dict(op="torch_conv", layout="NCHW", k=3, stride=1),
+    "torch BatchNormAddReLU2d": dict(op="torch_bn", layout="NCHW"),
+    "train": dict(op="train"),
+    "cuda": dict(op="cuda", kernels="step"),
+    "cuda-all": dict(op="cuda", kernels="all"),
+}
+
+
+# --------------------------------------------------------------------------- in a worker
+
+class CompileLog:
+    """Every ``numba:compile`` event, nested, with wall and CPU seconds (inclusive and self).
+
+    ``step`` is the name of the pass running when a compilation starts."""
+
+    def __init__(self):
+        from numba.core import event
+
+        log = self
+
+        class Listener(event.Listener):
+            def on_start(self, ev):
+                log._start(ev)
+
+            def on_end(self, ev):
+                log._end(ev)
+
+        self.records, self._stack, self.step = [], [], None
+        self._event = event
+        self._listener = Listener()
+        event.register("numba:compile", self._listener)
+
+    def close(self):
+        self._event.unregister("numba:compile", self._listener)
+
+    def _start(self, ev):
+        fn = ev.data["dispatcher"].py_func
+        self._stack.append(dict(fn=fn.__qualname__, module=fn.__module__, step=self.step,
+                                depth=len(self._stack), wall=time.perf_counter(),
+                                cpu=time.process_time(), child_wall=0.0, child_cpu=0.0))
+
+    def _end(self, ev):
+        r = self._stack.pop()
+        r["wall"] = time.perf_counter() - r["wall"]
+        r["cpu"] = time.process_time() - r["cpu"]
+        r["self_wall"] = r["wall"] - r.pop("child_wall")
+        r["self_cpu"] = r["cpu"] - r.pop("child_cpu")
+        if self._stack:
+            self._stack[-1]["child_wall"] += r["wall"]
+            self._stack[-1]["child_cpu"] += r["cpu"]
+        self.records.append(r)
+
+
+def _timed(steps, log, name, fn):
+    """Run ``fn()`` as the pass ``name``; append its wall and CPU seconds to ``steps``."""
+    if log is not None:
+        log.step = name
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    steps.append(dict(name=name, wall=time.perf_counter() - t0, cpu=time.process_time() - c0))
+    return out
+
+
+def _arrays(spec):
+    import numpy as np
+    rng = np.random.default_rng(0)
+    N, C, H, W = SHAPE
+    shape = (N, C, H, W) if spec["layout"] == "NCHW" else (N, H, W, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    k = spec.get("k", 1)
+    w = (rng.standard_normal((K_OUT, C, k, k)) / (C * k * k) ** 0.5).astype(np.float32)
+    return rng, x, w
+
+
+def _numpy_op(spec, steps, log):
+    """The passes of a NumPy-style op case: forward, then backward."""
+    import numpy as np
+    nf = _timed(steps, log, "import", lambda: __import__("numbafuse"))
+    rng, x, w = _arrays(spec)
+    layout, op = spec["layout"], spec["op"]
+    C = SHAPE[1]
+    if op == "conv_bias_relu":
+        b = rng.standard_normal(K_OUT).astype(np.float32)
+        geo = dict(stride=spec["stride"], padding=spec["k"] // 2, layout=layout)
+        y = _timed(steps, log, "forward", lambda: nf.conv_bias_relu(x, w, b, **geo))
+        dy = rng.standard_normal(y.shape).astype(np.float32)
+        _timed(steps, log, "backward", lambda: nf.conv_bias_relu_backward(dy, x, w, y, **geo))
+    elif op == "conv_batchnorm_relu":
+        g, be = np.ones(K_OUT, np.float32), np.zeros(K_OUT, np.float32)
+        rm, rv = np.zeros(K_OUT, np.float32), np.ones(K_OUT, np.float32)
+        geo = dict(stride=spec["stride"], padding=spec["k"] // 2, layout=layout)
+        y = _timed(steps, log, "forward", lambda: nf.conv_batchnorm_relu(
+            x, w, g, be, running_mean=rm, running_var=rv, **geo))
+        dy = rng.standard_normal(y.shape).astype(np.float32)
+        _timed(steps, log, "backward", lambda: nf.conv_batchnorm_relu_backward(
+            dy, x, w, g, be, **geo))
+    elif op == "batchnorm_add_relu":
+        z = rng.standard_normal(x.shape).astype(np.float32)
+        g, be = np.ones(C, np.float32), np.zeros(C, np.float32)
+        rm, rv = np.zeros(C, np.float32), np.ones(C, np.float32)
+        y = _timed(steps, log, "forward", lambda: nf.batchnorm_add_relu(
+            x, z, g, be, running_mean=rm, running_var=rv, layout=layout))
+        dy = rng.standard_normal(y.shape).astype(np.float32)
+        _timed(steps, log, "backward", lambda: nf.batchnorm_add_relu_backward(
+            dy, x, z, g, be, layout=layout, y=y))
+    else:
+        raise ValueError(op)
+
+
+def _import_only(spec, steps, log):
+    """``import numbafuse`` alone (the tests' case: nothing is compiled)."""
+    _timed(steps, log, "import", lambda: __import__("numbafuse"))
+
+
+def _torch_op(spec, steps, log):
+    """numbafuse.torch's modules: torch imported first (its time apart), then forward and
+    backward through torch.autograd."""
+    torch = _timed(steps, log, "import torch (not counted)", lambda: __import__("torch"))
+    nft = _timed(steps, log, "import", lambda: __import__("numbafuse.torch").torch)
+    torch.manual_seed(0)
+    N, C, H, W = SHAPE
+    x = torch.randn(N, C, H, W, requires_grad=True)
+    if spec["op"] == "torch_conv":
+        m = nft.ConvBiasReLU2d(C, K_OUT, spec["k"], stride=spec["stride"],
+                               padding=spec["k"] // 2)
+        y = _timed(steps, log, "forward", lambda: m(x))
+    else:
+        m = nft.BatchNormAddReLU2d(C)
+        z = torch.randn(N, C, H, W, requires_grad=True)
+        y = _timed(steps, log, "forward", lambda: m(x, z))
+    dy = torch.randn(y.shape)
+    _timed(steps, log, "backward", lambda: y.backward(dy))
+
+
+def _train(spec, steps, log):
+    """The quick start, in this process: ``numbafuse.cli.main`` with its defaults."""
+    fd, report = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        cli = _timed(steps, log, "import", lambda: __import__("numbafuse.cli").cli)
+        rc = _timed(steps, log, "python -m numbafuse.train",
+                    lambda: cli.main([*TRAIN_ARGS, "--report", report]))
+        if rc:
+            raise SystemExit(f"numbafuse.train exited with {rc}")
+        with open(report) as f:
+            r = json.load(f)
+    finally:
+        os.remove(report)
+    return {k: r.get(k) for k in ("train_seconds", "ms_per_step", "steps", "test_accuracy")}
+
+
+# CUDA: PTX for sm_90 without a GPU. numba-cuda asks the driver for the device twice while it
+# builds a kernel: its compute capability (which PTX to make) and, for the disk cache's index
+# key, (CUDA runtime version, compute capability). A stand-in device answers both here, so the
+# cache entries written are those a cc 9.0 GPU's process would write and read (PTX for
+# sm_90a, as numba makes for a real H100; no cubin: linking needs the driver).
+
+def _offline_device():
+    import types
+    from numba.cuda import dispatcher
+    from numba.cuda.cudadrv import devices
+    dev = types.SimpleNamespace(compute_capability=CC)
+    devices.get_context = lambda devnum=None: types.SimpleNamespace(device=dev)
+    dispatcher.get_current_device = lambda: dev
+
+
+def _kernel_key(py_func):
+    """A kernel's name that the simulator's process and a compiling one agree on."""
+    return f"{py_func.__module__}.{py_func.__qualname__}"
+
+
+def _step_kernel_names():
+    """``module.qualname`` of every kernel one training step of the digits ResNet launches (batch
+    2, the default model, float32), found by running the step under the CUDA simulator and
+    observing its launches (``cuda_launch.observe``). Run in its own process (the simulator is
+    chosen when numba is imported)."""
+    import numpy as np
+    from numbafuse import backend, models, optim, train
+    from numbafuse.kernels import cuda_launch
+    seen = set()
+
+    def record(kernel, args):
+        seen.add(_kernel_key(getattr(kernel, "fn", None) or kernel.py_func))
+    stop = cuda_launch.observe(record)
+    model = models.make_model("fused")
+    model.to("cuda")
+    opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    rng = np.random.default_rng(0)
+    shape = (2, 8, 8, 1) if models.DEFAULTS["layout"] == "NHWC" else (2, 1, 8, 8)
+    xb = rng.uniform(0, 1, shape).astype(np.float32)
+    yb = rng.integers(0, 10, 2).astype(np.int64)
+    train.train_step(model, opt, backend.to_device(xb), backend.to_device(yb))
+    stop()
+    return sorted(seen)
+
+
+def _cuda(spec, steps, log):
+    """Build each kernel of the set to sm_90 PTX, loading it from the disk cache when there."""
+    from numba.core import sigutils
+    sass = _timed(steps, log, "import", lambda: _import_sass())
+    wanted = spec.get("names")
+    cases = [c for c in sass.cases(("float32",))
+             if wanted is None or _kernel_key(c[1].py_func) in wanted]
+    _offline_device()
+    from numba.cuda import dispatcher
+    kernels = []
+
+    def build_all():
+        for name, kernel, signature, _ in cases:
+            c0, t0 = time.process_time(), time.perf_counter()
+            built = kernel._cache.load_overload(signature, kernel.targetctx)
+            hit = built is not None
+            if built is None:
+                argtypes, _ = sigutils.normalize_signature(signature)
+                built = dispatcher._Kernel(kernel.py_func, argtypes, **kernel.targetoptions)
+                kernel._cache.save_overload(signature, built)
+            ptx = built._codelibrary.get_asm_str(cc=(*CC, "a"))
+            if ".target sm_90" not in ptx:
+                raise RuntimeError(f"{name}: no sm_90 PTX")
+            kernels.append(dict(name=name, cache_hit=hit, wall=time.perf_counter() - t0,
+                                cpu=time.process_time() - c0))
+    _timed(steps, log, f"build {len(cases)} kernels", build_all)
+    return dict(kernels=kernels, missing=sorted(set(wanted or ()) - {
+        _kernel_key(c[1].py_func) for c in cases}))
+
+
+def _import_sass():
+    from numbafuse.kernels import cuda_sass
+    return cuda_sass
+
+
+def worker(case, spec):
+    """One process of a case: prints {steps, compiles, extra} as JSON on its last line."""
+    if spec["op"] == "cuda-names":
+        print(json.dumps(dict(names=_step_kernel_names())))
+        return
+    steps, log = [], None
+    if spec["op"] != "cuda":
+        log = _timed(steps, None, "import numba", CompileLog)
+    run = {"train": _train, "cuda": _cuda, "torch_conv": _torch_op, "torch_bn": _torch_op,
+           "import": _import_only}.get(spec["op"], _numpy_op)
+    extra = run(spec, steps, log)
+    records = log.records if log else []
+    print(json.dumps(dict(case=case, steps=steps, compiles=records, extra=extra or {})))
+
+
+# --------------------------------------------------------------------------- in the parent
+
+def _run_process(case, spec, cache_dir, env_extra=None, timeout=1800):
+    """Run one worker process; (its JSON result, wall seconds, CPU seconds of the process)."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, PYTHONPATH=os.pathsep.join(
+        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env.update(env_extra or {})
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", case,
+                          json.dumps(spec)], capture_output=True, text=True, env=env,
+                         timeout=timeout, cwd=ROOT, check=False)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if out.returncode != 0:
+        raise RuntimeError(f"{case} worker failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1]), wall, cpu
+
+
+def skip_reason(spec):
+    """Why a case cannot run here (None: it can)."""
+    import importlib.util
+    if spec["op"].startswith("torch") and importlib.util.find_spec("torch") is None:
+        return "torch is not importable"
+    if spec["op"] == "cuda":
+        if importlib.util.find_spec("numba_cuda") is None:
+            return "numba-cuda is not installed"
+        sys.path.insert(0, ROOT)
+        from numbafuse.kernels import cuda_sass   # (imports no kernel module)
+        # NVVM (libnvvm) comes with the nvidia-cuda-nvcc wheel; ptxas with it too
+        if cuda_sass.tool("ptxas") is None:
+            return "NVIDIA's nvidia-cuda-nvcc wheel (NVVM) is not installed"
+    return None
+
+
+def measure(case, spec, log=print):
+    """{cold, warm, cold_wall, cold_cpu, warm_wall, warm_cpu} of one case, each in a new
+    process, with a cache directory of its own (removed afterwards)."""
+    cache = tempfile.mkdtemp(prefix="bench_compile-")
+    try:
+        if spec["op"] == "cuda" and spec["kernels"] == "step" and "names" not in spec:
+            t0 = time.perf_counter()
+            names, _, _ = _run_process(case, dict(op="cuda-names"), cache,
+                                       dict(NUMBA_ENABLE_CUDASIM="1"))
+            spec = dict(spec, names=names["names"])
+            log(f"{case}: {len(spec['names'])} kernels launched by a training step under the "
+                f"simulator ({time.perf_counter() - t0:.0f} s)")
+            shutil.rmtree(cache)
+            os.mkdir(cache)
+        cold, cold_wall, cold_cpu = _run_process(case, spec, cache)
+        log(f"{case}: cold process {cold_wall:.1f} s wall, {cold_cpu:.1f} s CPU")
+        warm, warm_wall, warm_cpu = _run_process(case, spec, cache)
+        log(f"{case}: warm process {warm_wall:.1f} s wall, {warm_cpu:.1f} s CPU")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return dict(spec=spec, cold=cold, warm=warm, cold_wall=cold_wall, cold_cpu=cold_cpu,
+                warm_wall=warm_wall, warm_cpu=warm_cpu)
+
+
+def _slowest(records, step=None):
+    rs = [r for r in records if step is None or r["step"] == step]
+    return max(rs, key=lambda r: r["self_cpu"]) if rs else None
+
+
+def _ok(value, target):
+    return "yes" if value <= target else "**no**"
+
+
+def _fn(r):
+    return (f"`{r['module'].removeprefix('numbafuse.')}.{r['fn']}` {r['self_cpu']:.2f} "
+            f"({r['cpu']:.2f} incl.)") if r else "-"
+
+
+def op_rows(results):
+    """The table of the op cases: one row per pass."""
+    head = ["case", "pass", "cold first call: CPU s", "wall s", "functions compiled",
+            "slowest function: self CPU s (incl.)", "warm import + calls: CPU s", "wall s",
+            "cold <= 3 s", "function <= 2 s", "warm <= 0.5 s"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---|---:|---:|---|---|---|"]
+    for case, res in results.items():
+        cold = {s["name"]: s for s in res["cold"]["steps"]}
+        if "forward" not in cold:
+            continue
+        warm_steps = res["warm"]["steps"]
+        for name in ("forward", "backward"):
+            c = cold[name]
+            recs = [r for r in res["cold"]["compiles"] if r["step"] == name]
+            slow = _slowest(recs)
+            upto = []
+            for s in warm_steps:                  # warm: import + calls up to this pass
+                if s["name"] in IMPORTS or s["name"] in ("forward", "backward"):
+                    upto.append(s)
+                if s["name"] == name:
+                    break
+            w_cpu, w_wall = sum(s["cpu"] for s in upto), sum(s["wall"] for s in upto)
+            lines.append(
+                f"| {case} | {name} | {c['cpu']:.2f} | {c['wall']:.2f} | {len(recs)} | "
+                f"{_fn(slow)} | {w_cpu:.2f} | {w_wall:.2f} | {_ok(c['cpu'], TARGET_COLD_CALL)}"
+                f" | {_ok(slow['self_cpu'] if slow else 0.0, TARGET_FUNCTION)} | "
+                f"{_ok(w_cpu, TARGET_WARM)} |")
+    return lines
+
+
+def process_rows(results):
+    """Per case: the whole cold and warm processes (interpreter start included), the import,
+    and what the warm process still compiled (a function without ``cache=True``)."""
+    head = ["case", "cold process: CPU s", "wall s", "import numbafuse (cold): CPU s",
+            "compiled (cold): functions", "CPU s (self, sum)", "warm process: CPU s",
+            "wall s", "import numbafuse (warm): CPU s", "compiled in the warm process"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * 8 + "---|"]
+    for case, res in results.items():
+        if res["spec"]["op"] == "cuda":
+            continue
+        cold_imp = sum(s["cpu"] for s in res["cold"]["steps"] if s["name"] in IMPORTS)
+        warm_imp = sum(s["cpu"] for s in res["warm"]["steps"] if s["name"] in IMPORTS)
+        recs, wrecs = res["cold"]["compiles"], res["warm"]["compiles"]
+        again = ", ".join(sorted({f"`{r['fn']}`" for r in wrecs if r["depth"] == 0})) or "none"
+        lines.append(
+            f"| {case} | {res['cold_cpu']:.1f} | {res['cold_wall']:.1f} | {cold_imp:.2f}"
+            f" | {len(recs)} | {sum(r['self_cpu'] for r in recs):.1f} | {res['warm_cpu']:.1f}"
+            f" | {res['warm_wall']:.1f} | {warm_imp:.2f} | {len(wrecs)}: {again} |")
+    return lines
+
+
+def train_lines(res):
+    cold, warm = res["cold"], res["warm"]
+    recs = cold["compiles"]
+    step = next(s for s in cold["steps"] if s["name"] == "python -m numbafuse.train")
+    ex = cold["extra"]
+    steady = ex["ms_per_step"] * ex["steps"] / 1e3
+    slow = _slowest(recs)
+    return [
+        f"Cold `python -m numbafuse.train {' '.join(TRAIN_ARGS)}` (the quick start's defaults; "
+        f"empty cache): **{res['cold_wall']:.1f} s wall**, {res['cold_cpu']:.1f} s CPU for the "
+        f"whole process (target <= {TARGET_TRAIN_WALL:.0f} s wall: "
+        f"{_ok(res['cold_wall'], TARGET_TRAIN_WALL)}); of it the command itself "
+        f"{step['wall']:.1f} s wall / {step['cpu']:.1f} s CPU, and Numba compiled "
+        f"{len(recs)} functions in {sum(r['self_cpu'] for r in recs):.1f} s CPU "
+        f"({sum(r['wall'] for r in recs if r['depth'] == 0):.1f} s wall); its training loop "
+        f"reported {ex['train_seconds']:.1f} s ({ex['steps']} steps, median "
+        f"{ex['ms_per_step']:.2f} ms/step: ~{steady:.1f} s of steady-state steps; the rest of "
+        f"the loop's time is the first steps' compilation), test accuracy "
+        f"{ex['test_accuracy']:.4f}. Slowest function: {_fn(slow)}.",
+        "",
+        f"The same command warm (second process, same cache): {res['warm_wall']:.1f} s wall, "
+        f"{res['warm_cpu']:.1f} s CPU, training loop {warm['extra']['train_seconds']:.1f} s, "
+        f"{len(warm['compiles'])} functions compiled.", ""]
+
+
+def cuda_lines(results):
+    lines = []
+    for case, res in results.items():
+        spec = res["spec"]
+        if spec["op"] != "cuda":
+            continue
+        cold, warm = res["cold"]["extra"], res["warm"]["extra"]
+        kc, kw = cold["kernels"], warm["kernels"]
+        what = (f"the {len(kc)} kernel signatures a training step launches (default digits "
+                "ResNet, NHWC, float32; the kernels found by running one step at batch 2 under "
+                "the CUDA simulator and observing its launches)" if spec["kernels"] == "step"
+                else f"all {len(kc)} listed kernel signatures at float32 (`PTX_SIGNATURES`)")
+        hits = sum(k["cache_hit"] for k in kw)
+        slow = max(kc, key=lambda k: k["cpu"])
+        lines += [
+            f"**CUDA, {case}**: {what}, each built to PTX for sm_90 with no GPU: cold (empty "
+            f"cache) **{sum(k['cpu'] for k in kc):.1f} s CPU** ({sum(k['wall'] for k in kc):.1f}"
+            f" s wall; whole process {res['cold_wall']:.1f} s wall); from the cache "
+            f"{sum(k['cpu'] for k in kw):.1f} s CPU ({sum(k['wall'] for k in kw):.1f} s wall; "
+            f"whole process {res['warm_wall']:.1f} s wall), {hits} of {len(kw)} loaded from it. "
+            f"Slowest: `{slow['name']}` {slow['cpu']:.1f} s CPU cold."
+            + (f" Launched but not listed in PTX_SIGNATURES: {cold['missing']}."
+               if cold.get("missing") else ""), ""]
+        if spec["kernels"] == "step":
+            lines += ["| kernel | cold: CPU s | wall s | cached: CPU s | from the cache |",
+                      "|---|---:|---:|---:|---|"]
+            for a, b in zip(kc, kw):
+                lines.append(f"| `{a['name']}` | {a['cpu']:.2f} | {a['wall']:.2f} | "
+                             f"{b['cpu']:.2f} | {'yes' if b['cache_hit'] else '**no**'} |")
+            lines.append("")
+    return lines
+
+
+def versions():
+    """Python, numba, numpy (and numba-cuda, torch when installed) versions."""
+    from importlib import metadata
+    out = [f"Python {platform.python_version()}"]
+    for pkg in ("numba", "numpy", "numba-cuda", "torch"):
+        try:
+            out.append(f"{pkg} {metadata.version(pkg)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(out)
+
+
+def report(results, skipped, command, machine, load, note=""):
+    """The Markdown report of measured ``results`` ({case: measure()}) and ``skipped``
+    ({case: reason})."""
+    lines = [f"Command: `{command}`", "",
+             f"Machine: {machine}; {versions()}; load average {load[0]:.2f} at the start, "
+             f"{load[1]:.2f} at the end.{note}", "",
+             f"Each case in new processes, each case with its own empty `NUMBA_CACHE_DIR`; "
+             f"x {SHAPE} float32 (NCHW; NHWC the same values transposed), w ({K_OUT}, "
+             f"{SHAPE[1]}, k, k), padding k // 2. *Cold first call*: that pass's first call in a"
+             " new process with an empty cache; the backward is the additional time after the "
+             "forward in the same process. *Warm*: a second new process on the same cache: "
+             "import numbafuse + the first calls up to and including that pass. CPU seconds "
+             "(`time.process_time`, all threads) are the robust column on a shared machine: the "
+             "target marks read them. *Slowest function*: the most self CPU seconds of one "
+             "`numba:compile` event (its callees' compilations excluded; incl.: included).", ""]
+    ops = op_rows(results)
+    if len(ops) > 2:
+        lines += ops + [""]
+    if results and any(r["spec"]["op"] != "cuda" for r in results.values()):
+        lines += ["Whole processes (interpreter start included; the torch cases' processes "
+                  "include torch's import):", ""] + process_rows(results) + [""]
+    if "train" in results:
+        lines += train_lines(results["train"])
+    lines += cuda_lines(results)
+    for case, reason in skipped.items():
+        lines.append(f"Skipped: {case}: {reason}.")
+    if skipped:
+        lines.append("")
+    return lines
+
+
+def select(cases_arg, quick):
+    """The case names to run, in CASES order."""
+    if quick:
+        return list(QUICK)
+    if not cases_arg:
+        return list(CASES)
+    names = []
+    for part in cases_arg.split(","):
+        part = part.strip()
+        hits = [c for c in CASES if c == part] or [c for c in CASES if c.startswith(part)]
+        if not hits:
+            raise SystemExit(f"bench_compile: no case {part!r}; --list shows them")
+        names += [h for h in hits if h not in names]
+    return [c for c in CASES if c in names]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", help="comma-separated case names or prefixes "
+                   "(e.g. 'conv_bias_relu NCHW,train'); default: all")
+    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--markdown", metavar="FILE")
+    p.add_argument("--write", action="store_true", help=f"write the table to "
+                   f"{os.path.relpath(DOCS, ROOT)}")
+    p.add_argument("--note", default="", help="a sentence added after the machine line")
+    args = p.parse_args(argv)
+    if args.list:
+        print("\n".join(CASES))
+        return
+    results, skipped = {}, {}
+    load = [os.getloadavg()[0]]
+    for case in select(args.cases, args.quick):
+        spec = CASES[case]
+        reason = skip_reason(spec)
+        if reason:
+            skipped[case] = reason
+            print(f"{case}: skipped ({reason})", file=sys.stderr, flush=True)
+            continue
+        results[case] = measure(case, spec,
+                                log=lambda s: print(s, file=sys.stderr, flush=True))
+    load.append(os.getloadavg()[0])
+    note = f" {args.note}" if args.note else ""
+    lines = report(results, skipped, _report.command("bench_compile.py"), _runner._machine(),
+                   load, note)
+    _report.emit(lines, DOCS if args.write else args.markdown)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        sys.path.insert(0, ROOT)
+        worker(sys.argv[2], json.loads(sys.argv[3]))
+    else:
+        main()
