@@ -256,3 +256,33 @@ def test_recompute_keeps_the_conv_input_not_the_conv_output():
         assert [t.numel() for t in saved] == numels, fn.__name__
         assert saved[0] is x and saved[1] is w
         y.sum().backward()
+
+
+def test_torch_compile_and_jit_trace_see_the_fused_ops_as_custom_ops():
+    """While torch captures a graph the fused ops are torch.library custom ops: torch.compile
+    (aot_eager: autograd through the ops' registered backward) makes one graph of a fused
+    ResNet, with no break, that trains as the eager one does; torch.jit.trace records the
+    ops (not constants: a new input gives a new output)."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    fused = nft.fuse(nft.ResNet(nft.BasicBlock, [1], num_classes=3, width=4).double())
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    assert torch._dynamo.explain(copy.deepcopy(fused))(x).graph_break_count == 0
+    compiled = copy.deepcopy(fused)
+    target = torch.randn(2, 3, dtype=torch.float64)
+    (y, dx, grads) = _step(fused, x, target)
+    (y_c, dx_c, grads_c) = _step(torch.compile(compiled, backend="aot_eager"), x, target)
+    torch.testing.assert_close(y_c, y, **F64)
+    torch.testing.assert_close(dx_c, dx, **F64)
+    grads_c = {name.removeprefix("_orig_mod."): g for name, g in grads_c.items()}
+    assert grads_c.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_c[name], grads[name], **F64, msg=name)
+    for key, value in fused.state_dict().items():     # running statistics, batch counts
+        torch.testing.assert_close(compiled.state_dict()[key], value, **F64, msg=key)
+    fused.eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(fused, x, check_trace=False)
+        other = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+        torch.testing.assert_close(traced(other), fused(other), **F64)
+    assert "numbafuse::conv_batchnorm_add_relu" in str(traced.graph)

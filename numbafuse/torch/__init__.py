@@ -31,6 +31,7 @@ from .. import backend  # noqa: F401  (tests patch backend.as_device_array throu
 from .conv_batchnorm import (ConvBatchNormAddReLUFunction, ConvBatchNormReLUFunction,
                              conv_batchnorm_add_relu, conv_batchnorm_relu)
 from .fx import fuse, unfuse
+from . import library  # noqa: F401,E402  (registers torch.ops.numbafuse.*)
 from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50
 from .layers import (  # noqa: F401  (the bridge's names, for tests and benchmarks)
                      DEVICE_TYPES, FLOAT_DTYPES, LAYOUT, BatchNormAddReLU2d,

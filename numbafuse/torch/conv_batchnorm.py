@@ -39,8 +39,8 @@ from .. import validate
 from ..ops import batchnorm as _bn
 from ..ops import conv as _conv
 from ..ops import conv_batchnorm as _cbn
-from .layers import (LAYOUT, _needs_grad, _Unrecorded, _updated_in_place, as_array, as_tensor,
-                     check_tensors, launch_order)
+from .layers import (LAYOUT, Unrecorded, as_array, as_tensor, capturing, check_tensors,
+                     conv_args, launch_order, needs_grad, run_captured, updated_in_place)
 
 # ConvBatchNormReLU's residual names that are views of its inputs (saved as those tensors)
 _INPUT_RESIDUALS = ("x", "w", "gamma", "beta")
@@ -68,8 +68,11 @@ def _check(op, x, w, z, weight, bias, running_mean, running_var, training, momen
         if t is not None and t.requires_grad:
             raise ValueError(f"{op}: {name} requires grad; running statistics are buffers "
                              f"updated in place (pass {name}.detach() or a buffer)")
-    momentum, eps = validate.running_stats(op, geometry.K, geometry.N * geometry.P * geometry.Q,
-                                           running_mean, running_var, training, momentum, eps)
+    if not capturing():      # (the custom op checks them when it runs: fake tensors here)
+        momentum, eps = validate.running_stats(op, geometry.K,
+                                               geometry.N * geometry.P * geometry.Q,
+                                               running_mean, running_var, training, momentum,
+                                               eps)
     return device, geometry, momentum, eps
 
 
@@ -100,7 +103,7 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
         with launch_order(device):
             y = fn.forward(as_array(x), as_array(w), as_array(weight), as_array(bias))
         if training and running_mean is not None:
-            _updated_in_place(running_mean, running_var)
+            updated_in_place(running_mean, running_var)
         inputs = dict(zip(_INPUT_RESIDUALS, (x, w, weight, bias)))
         names = tuple(vars(fn.saved))
         ctx.save_for_backward(*(inputs[n] if n in inputs else as_tensor(a, device)
@@ -159,13 +162,20 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
     (torch.Size([2, 4, 6, 6]), True, True)
     """
     op = "numbafuse.torch.conv_batchnorm_relu"
-    device, _, momentum, eps = _check(op, x, w, None, weight, bias, running_mean, running_var,
-                                      training, momentum, eps, stride, padding, dilation)
+    device, geometry, momentum, eps = _check(op, x, w, None, weight, bias, running_mean,
+                                             running_var, training, momentum, eps, stride,
+                                             padding, dilation)
     validate.check_flag(op, "relu", relu)
+    if capturing():
+        return run_captured("conv_batchnorm_relu", x, w, weight, bias, running_mean,
+                            running_var, bool(training), eps, *conv_args(geometry), bool(relu),
+                            running_mean=running_mean, running_var=running_var,
+                            training=bool(training), momentum=momentum, eps=eps,
+                            count=geometry.N * geometry.P * geometry.Q)
     args = (x, w, weight, bias, running_mean, running_var, bool(training), momentum, eps,
             stride, padding, dilation, bool(relu), device)
-    if not _needs_grad(x, w, weight, bias):
-        return ConvBatchNormReLUFunction.forward(_Unrecorded(), *args)
+    if not needs_grad(x, w, weight, bias):
+        return ConvBatchNormReLUFunction.forward(Unrecorded(), *args)
     return ConvBatchNormReLUFunction.apply(*args)
 
 
@@ -204,7 +214,7 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
                                    as_array(z), relu=True, layout=LAYOUT, with_mask=keep_mask)
         del h                                                               # never kept
         if training and running_mean is not None:
-            _updated_in_place(running_mean, running_var)
+            updated_in_place(running_mean, running_var)
         y, mask = applied if keep_mask else (applied, None)
         ctx.geometry, ctx.training, ctx.device = geometry, training, device
         if keep_mask:
@@ -268,8 +278,14 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
     device, geometry, momentum, eps = _check(op, x, w, z, weight, bias, running_mean,
                                              running_var, training, momentum, eps, stride,
                                              padding, dilation)
+    if capturing():
+        return run_captured("conv_batchnorm_add_relu", x, w, z, weight, bias, running_mean,
+                            running_var, bool(training), eps, *conv_args(geometry),
+                            running_mean=running_mean, running_var=running_var,
+                            training=bool(training), momentum=momentum, eps=eps,
+                            count=geometry.N * geometry.P * geometry.Q)
     args = (x, w, z, weight, bias, running_mean, running_var, bool(training), momentum, eps,
             geometry)
-    if not _needs_grad(x, w, z, weight, bias):
-        return ConvBatchNormAddReLUFunction.forward(_Unrecorded(), *args, False, device)
+    if not needs_grad(x, w, z, weight, bias):
+        return ConvBatchNormAddReLUFunction.forward(Unrecorded(), *args, False, device)
     return ConvBatchNormAddReLUFunction.apply(*args, True, device)

@@ -153,7 +153,7 @@ def launch_order(device):
         current.wait_stream(default)    # later torch work starts after numbafuse's kernels
 
 
-def _updated_in_place(*tensors):
+def updated_in_place(*tensors):
     """Tell autograd that ``tensors`` changed (bump their version counters), as torch's own
     in-place batch norm does, where this torch can."""
     bump = getattr(torch.autograd.graph, "increment_version", None)
@@ -162,12 +162,40 @@ def _updated_in_place(*tensors):
             bump(t)
 
 
-def _needs_grad(*tensors):
+def capturing():
+    """Is torch capturing a graph (``torch.compile``'s dynamo, ``torch.jit.trace``)? Then the
+    fused ops run as their ``torch.library`` custom ops (``numbafuse.torch.library``: opaque,
+    with fake-tensor shape rules), else as their ``torch.autograd.Function``s."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def run_captured(name, *args, running_mean, running_var, training, momentum, eps, count):
+    """y of the custom op ``torch.ops.numbafuse.<name>(*args, running_mean or None,
+    running_var or None, training, eps, ...)``: the functional op, then in training the running
+    statistics' update (``update_running_stats``, the one op that mutates). ``args`` has the
+    running statistics in place already; in training they are given to the op as None."""
+    if training:
+        args = tuple(None if a is running_mean or a is running_var else a for a in args)
+    outputs = getattr(torch.ops.numbafuse, name)(*args)
+    if training and running_mean is not None:
+        torch.ops.numbafuse.update_running_stats(running_mean, running_var, outputs[1],
+                                                 outputs[2], eps, count, momentum)
+    return outputs[0]
+
+
+def conv_args(geometry):
+    """(stride, padding, dilation) of ``geometry`` as the custom ops take them (padding
+    resolved: left, right, top, bottom)."""
+    g = geometry
+    return [g.sh, g.sw], [g.pw, g.pw_end, g.ph, g.ph_end], [g.dh, g.dw]
+
+
+def needs_grad(*tensors):
     """Will autograd record this call? (Inside ``Function.forward`` grad mode is off.)"""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-class _Unrecorded:
+class Unrecorded:
     """The ``ctx`` of a Function's ``forward`` called directly, where autograd would record
     nothing (inference, ``torch.no_grad()``, no input requiring grad): it keeps what
     ``forward`` sets and saves no tensor. ``Function.apply`` costs ~9 us a call in PyTorch's
@@ -249,8 +277,10 @@ def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1):
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding,
                                       dilation, LAYOUT)
     validate.check_vector(op, "b", b, geometry.K)
-    if not _needs_grad(x, w, b):
-        return ConvBiasReLUFunction.forward(_Unrecorded(), x, w, b, geometry, device)
+    if capturing():
+        return torch.ops.numbafuse.conv_bias_relu(x, w, b, *conv_args(geometry))
+    if not needs_grad(x, w, b):
+        return ConvBiasReLUFunction.forward(Unrecorded(), x, w, b, geometry, device)
     return ConvBiasReLUFunction.apply(x, w, b, geometry, device)
 
 
@@ -287,7 +317,7 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
             applied = _bn.bn_apply(x_a, mean, invstd, as_array(weight), as_array(bias),
                                    as_array(z), relu=True, layout=LAYOUT, with_mask=keep_mask)
         if training and running_mean is not None:
-            _updated_in_place(running_mean, running_var)
+            updated_in_place(running_mean, running_var)
         y, mask = applied if keep_mask else (applied, None)
         ctx.device, ctx.training = device, training
         if keep_mask:
@@ -356,11 +386,17 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
         if t is not None and t.requires_grad:
             raise ValueError(f"{op}: {name} requires grad; running statistics are buffers "
                              f"updated in place (pass {name}.detach() or a buffer)")
-    momentum, eps = validate.running_stats(op, C, x.numel() // C, running_mean, running_var,
-                                           training, momentum, eps)
+    if not capturing():      # (the custom op checks them when it runs: fake tensors here)
+        momentum, eps = validate.running_stats(op, C, x.numel() // C, running_mean,
+                                               running_var, training, momentum, eps)
     args = (x, z, weight, bias, running_mean, running_var, bool(training), momentum, eps)
-    if not _needs_grad(x, z, weight, bias):
-        return BatchNormAddReLUFunction.forward(_Unrecorded(), *args, False, device)
+    if capturing():
+        return run_captured("batchnorm_add_relu", x, z, weight, bias, running_mean,
+                            running_var, bool(training), eps, running_mean=running_mean,
+                            running_var=running_var, training=bool(training),
+                            momentum=momentum, eps=eps, count=x.numel() // C)
+    if not needs_grad(x, z, weight, bias):
+        return BatchNormAddReLUFunction.forward(Unrecorded(), *args, False, device)
     return BatchNormAddReLUFunction.apply(*args, True, device)
 
 
