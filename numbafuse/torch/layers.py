@@ -11,7 +11,10 @@ first PyTorch release: Conv-Bias-ReLU and BatchNorm-Add-ReLU (functions and modu
 
 torch tensors in (CPU or CUDA, NCHW-contiguous, float32 or float64, all of one dtype and on
 one device), torch tensors out, differentiable by ``torch.autograd``: each function is a
-``torch.autograd.Function`` whose forward and backward are numbafuse's fused kernels.
+``torch.autograd.Function`` whose forward and backward are numbafuse's fused kernels. While
+torch captures a graph (:func:`capturing`: ``torch.compile``, ``torch.jit.trace``) the
+functions call their ``torch.library`` custom ops instead (``numbafuse.torch.library``),
+which wrap the same Functions.
 
 Zero-copy both ways. A CPU tensor is read as the NumPy view ``t.detach().numpy()`` and an output
 comes back as ``torch.from_numpy(array)``, which keeps numbafuse's array alive; a CUDA tensor is
