@@ -143,7 +143,8 @@ class _Matcher:
         if node.op == "call_method":
             return node.target.endswith("_")
         if node.op == "call_function":
-            return node.target in INPLACE_FUNCTIONS or bool(node.kwargs.get("inplace"))
+            return (node.target in INPLACE_FUNCTIONS or bool(node.kwargs.get("inplace"))
+                    or (node.target is F.relu and len(node.args) > 1 and bool(node.args[1])))
         if node.op == "call_module":
             return bool(getattr(self.modules[node.target], "inplace", False))
         return False
