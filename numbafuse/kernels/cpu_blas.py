@@ -119,24 +119,25 @@ def _gemm_small(ta, m, n, k, a, lda, b, ldb, beta, c, ldc, pbias, relu):
                       q(pbias), q(1 if relu else 0))
 
 
-@njit(nogil=True, cache=True, inline="always")
-def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-    """c (m, n) = alpha op(a) @ op(b) + beta c, row-major; ``blas`` from :func:`blas_for`."""
+@njit(nogil=True, cache=True)
+def gemm_at(blas, ta, tb, m, n, k, alpha, pa, lda, pb, ldb, beta, pc, ldc, itemsize):
+    """:func:`gemm` on addresses, every integer int64 and alpha, beta float64: one compiled
+    signature for every kernel's products (inlined at each call site, its three paths cost
+    each calling kernel their compile time)."""
     i = np.int32
     fptr, cblas, small = blas
-    if small and _small.fits(ta, tb, alpha, beta, m, n, k, c.itemsize):
-        _gemm_small(ta, m, n, k, a, lda, b, ldb, beta != 0.0, c, ldc, 0, False)
+    if small and _small.fits(ta, tb, alpha, beta, m, n, k, itemsize):
+        _small.gemm_small(ta, m, n, k, pa, lda, pb, ldb, np.int64(1 if beta != 0.0 else 0),
+                          pc, ldc, np.int64(0), np.int64(0))
     elif cblas:
         opa = _TRANS if ta else _NO_TRANS
         opb = _TRANS if tb else _NO_TRANS
-        if c.itemsize == 4:
+        if itemsize == 4:
             _call14(fptr, i(_ROW_MAJOR), i(opa), i(opb), i(m), i(n), i(k), np.float32(alpha),
-                  a.ctypes.data, i(lda), b.ctypes.data, i(ldb), np.float32(beta),
-                  c.ctypes.data, i(ldc))
+                    pa, i(lda), pb, i(ldb), np.float32(beta), pc, i(ldc))
         else:
-            _call14(fptr, i(_ROW_MAJOR), i(opa), i(opb), i(m), i(n), i(k), np.float64(alpha),
-                  a.ctypes.data, i(lda), b.ctypes.data, i(ldb), np.float64(beta),
-                  c.ctypes.data, i(ldc))
+            _call14(fptr, i(_ROW_MAJOR), i(opa), i(opb), i(m), i(n), i(k), alpha, pa, i(lda),
+                    pb, i(ldb), beta, pc, i(ldc))
     else:
         # Fortran BLAS, every argument by pointer, column-major: row-major c = op(a) op(b) is
         # column-major c^T = op(b)^T op(a)^T, so the operands swap
@@ -145,12 +146,26 @@ def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         flags = np.empty(2, np.uint8)                     # transb, transa
         flags[0] = ord("T") if tb else ord("N")
         flags[1] = ord("T") if ta else ord("N")
-        scal = np.empty(2, c.dtype)                       # alpha, beta
-        scal[0], scal[1] = alpha, beta
-        p = ints.ctypes.data
-        _call13(fptr, flags.ctypes.data, flags.ctypes.data + 1, p, p + 4, p + 8,
-              scal.ctypes.data, b.ctypes.data, p + 12, a.ctypes.data, p + 16,
-              scal.ctypes.data + c.itemsize, c.ctypes.data, p + 20)
+        scal = np.empty(3)                                # alpha, beta in c's dtype: float64
+        scal[0], scal[1] = alpha, beta                    # [0:2], or float32 in bytes 16-23
+        s32 = scal[2:].view(np.float32)
+        s32[0], s32[1] = alpha, beta
+        p, ps = ints.ctypes.data, scal.ctypes.data + (16 if itemsize == 4 else 0)
+        _call13(fptr, flags.ctypes.data, flags.ctypes.data + 1, p, p + 4, p + 8, ps, pb,
+                p + 12, pa, p + 16, ps + itemsize, pc, p + 20)
+        # the buffers were passed by address: used after the call, they live until it returns
+        ints[0] = flags[0] = 0
+        scal[0] = 0.0
+
+
+@njit(nogil=True, cache=True, inline="always")
+def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """c (m, n) = alpha op(a) @ op(b) + beta c, row-major; ``blas`` from :func:`blas_for`.
+    The arrays stay alive in the caller; :func:`gemm_at` takes their addresses."""
+    q = np.int64
+    gemm_at(blas, q(1 if ta else 0), q(1 if tb else 0), q(m), q(n), q(k), np.float64(alpha),
+            q(a.ctypes.data), q(lda), q(b.ctypes.data), q(ldb), np.float64(beta),
+            q(c.ctypes.data), q(ldc), q(c.itemsize))
 
 
 @njit(nogil=True, cache=True, inline="always")

@@ -119,7 +119,7 @@ def _shifted_rows(src, src0, mask, use_mask, rows, width, shift, dst):
                 dst[row * width + q] = 0
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _im2col_chw(x, n, p0, p1, geo, cols, col0):
     # x: (N, C, H, W); cols: (C*R*S, ld), rows (c, r, s); output pixels (p, q) of image n,
     # p0 <= p < p1, go to columns col0 + (p - p0)*Q + q
@@ -160,7 +160,7 @@ def _im2col_chw(x, n, p0, p1, geo, cols, col0):
                         dst[q] = 0
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _im2col_hwc(x, n, p0, p1, geo, cols, row0):
     # x: (N, H, W, C); cols: (rows, R*S*C), columns (r, s, c); output pixel (p, q) of image
     # n, p0 <= p < p1, goes to row row0 + (p - p0)*Q + q
@@ -277,7 +277,7 @@ def _slab_buffer(x, geo, ipc, rpc, slab):
     return np.empty(rows * W * C if slab else 0, x.dtype)
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, cols, per):
     # cols (m, R*S*C), columns (r, s, c) as _im2col_hwc's, of NCHW x's images [n0, n1),
     # output rows [p0, p1): each image's input rows go through the slab first
@@ -289,7 +289,7 @@ def _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, cols, per):
     geo_s = (1, C, rows, W, K, R, S, P, Q, sh, sw, ph + h0, pw, dh, dw, 1)
     for n in range(n0, n1):
         _slab_hwc(x, n, h0, h0 + rows, sv[0])
-        _im2col_hwc(sv, 0, p0, p1, geo_s, cols, (n - n0) * per)
+        _im2col_hwc(sv, np.int64(0), p0, p1, geo_s, cols, (n - n0) * per)
 
 
 @task_kernel
@@ -412,7 +412,7 @@ def _dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, pointw
 
 # --------------------------------------------------------------------------- backward: dX
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _gcols_chw(gy, y, use_mask, n, i0, i1, Wb, taps_r, off_r, taps_s, off_s, P, Q, gc, col0):
     # gy, y: (N, K, P, Q); gc: (K*T, ld), rows (k, r, s) over the phase's taps; input pixels
     # (i, j) of the phase, i0 <= i < i1, j < Wb, go to columns col0 + (i - i0)*Wb + j;
@@ -457,7 +457,7 @@ def _gcols_chw(gy, y, use_mask, n, i0, i1, Wb, taps_r, off_r, taps_s, off_s, P, 
                         dst[j] = 0
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _gcols_hwc(gy, y, use_mask, n, i0, i1, Wb, taps_r, off_r, taps_s, off_s, P, Q, gc, row0):
     # gy, y: (N, P, Q, K); gc: (rows, T*K), columns (r, s, k); input pixel (i, j) of the phase
     # goes to row row0 + (i - i0)*Wb + j
