@@ -286,3 +286,40 @@ def test_torch_compile_and_jit_trace_see_the_fused_ops_as_custom_ops():
         other = torch.randn(2, 3, 16, 16, dtype=torch.float64)
         torch.testing.assert_close(traced(other), fused(other), **F64)
     assert "numbafuse::conv_batchnorm_add_relu" in str(traced.graph)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_conv_batchnorm_functions_equal_torch(training):
+    """conv_batchnorm_relu (with and without the ReLU) and conv_batchnorm_add_relu against
+    F.conv2d -> F.batch_norm (-> + z) -> relu, at a geometry the ResNets do not have
+    (padding "same", dilation (2, 1)): values, the four or five gradients, the running
+    statistics."""
+    g = torch.Generator().manual_seed(3)
+
+    def t(*shape, grad=True):
+        return torch.randn(*shape, dtype=torch.float64, generator=g).requires_grad_(grad)
+
+    x, w, z = t(2, 3, 7, 6), t(4, 3, 3, 3), t(2, 4, 7, 6)
+    weight, bias = t(4), t(4)
+    geometry = dict(stride=1, padding="same", dilation=(2, 1))
+    for name, fn, inputs in [("relu", nft.conv_batchnorm_relu, (x, w, weight, bias)),
+                             ("no relu", nft.conv_batchnorm_relu, (x, w, weight, bias)),
+                             ("add", nft.conv_batchnorm_add_relu, (x, w, z, weight, bias))]:
+        stats = [(torch.rand(4, dtype=torch.float64, generator=g),
+                  torch.rand(4, dtype=torch.float64, generator=g) + 0.5)]
+        stats.append(tuple(s.clone() for s in stats[0]))
+        kw = dict(training=training, momentum=0.3, eps=1e-3, **geometry)
+        extra = dict(relu=False) if name == "no relu" else {}
+        y = fn(*inputs, *stats[0], **kw, **extra)
+        h = F.batch_norm(F.conv2d(x, w, None, **geometry), *stats[1], weight, bias, training,
+                         0.3, 1e-3)
+        expected = (h + z).relu() if name == "add" else h if extra else h.relu()
+        torch.testing.assert_close(y, expected, **F64, msg=name)
+        for a, b in zip(stats[0], stats[1]):
+            torch.testing.assert_close(a, b, **F64, msg=name)
+        dy = t(*y.shape, grad=False)
+        got = torch.autograd.grad((y * dy).sum(), inputs)
+        for a, b, n in zip(got, torch.autograd.grad((expected * dy).sum(), inputs), "xwzgb"):
+            torch.testing.assert_close(a, b, **F64, msg=f"{name}: d{n}")
+    with pytest.raises(ValueError, match="conv_batchnorm_add_relu: z has shape"):
+        nft.conv_batchnorm_add_relu(x, w, z[:, :, :3].contiguous(), weight, bias, **geometry)
