@@ -247,7 +247,11 @@ def test_modules_have_exactly_the_torch_state_dict_and_init():
                          (lambda: nft.ConvBiasReLU2d(3, 5, (3, 1), dilation=(1, 2), bias=False),
                           lambda: torch.nn.Conv2d(3, 5, (3, 1), dilation=(1, 2), bias=False)),
                          (lambda: nft.BatchNormAddReLU2d(6, eps=1e-3, momentum=0.2),
-                          lambda: torch.nn.BatchNorm2d(6, eps=1e-3, momentum=0.2))):
+                          lambda: torch.nn.BatchNorm2d(6, eps=1e-3, momentum=0.2)),
+                         (lambda: nft.ConvBiasReLU2d(3, 5, 3, dtype=torch.float64),  # dtype=
+                          lambda: torch.nn.Conv2d(3, 5, 3, dtype=torch.float64)),
+                         (lambda: nft.BatchNormAddReLU2d(6, dtype=torch.float64, device="cpu"),
+                          lambda: torch.nn.BatchNorm2d(6, dtype=torch.float64, device="cpu"))):
         torch.manual_seed(11)
         a = ours()
         torch.manual_seed(11)
@@ -258,6 +262,7 @@ def test_modules_have_exactly_the_torch_state_dict_and_init():
             assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape
             torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0)      # same draws
         a.load_state_dict(b.state_dict())
+    assert nft.ConvBiasReLU2d(3, 5, 3, device="meta").weight.is_meta      # device=
     bn = nft.BatchNormAddReLU2d(2)
     old = {k: v for k, v in torch.nn.BatchNorm2d(2).state_dict().items()
            if k != "num_batches_tracked"}

@@ -5,9 +5,9 @@ first PyTorch release: Conv-Bias-ReLU and BatchNorm-Add-ReLU (functions and modu
     batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None,
                        training=True, momentum=0.1, eps=1e-5)
     ConvBiasReLU2d(in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                   bias=True)                        # the state_dict of torch.nn.Conv2d
-    BatchNormAddReLU2d(num_features, eps=1e-5, momentum=0.1)   # m(x, z); the state_dict of
-                                                               # torch.nn.BatchNorm2d
+                   bias=True, device=None, dtype=None)    # the state_dict of torch.nn.Conv2d
+    BatchNormAddReLU2d(num_features, eps=1e-5, momentum=0.1, device=None, dtype=None)
+                                        # m(x, z); the state_dict of torch.nn.BatchNorm2d
 
 torch tensors in (CPU or CUDA, NCHW-contiguous, float32 or float64, all of one dtype and on
 one device), torch tensors out, differentiable by ``torch.autograd``: each function is a
@@ -421,16 +421,17 @@ class ConvBiasReLU2d(torch.nn.Module):
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 bias=True):
+                 bias=True, device=None, dtype=None):
         super().__init__()
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size = _pair("kernel_size", kernel_size)
         self.stride, self.padding = _pair("stride", stride), _pair("padding", padding)
         self.dilation = _pair("dilation", dilation)
+        like = {"device": device, "dtype": dtype}      # torch's factory_kwargs
         self.weight = torch.nn.Parameter(torch.empty(out_channels, in_channels,
-                                                     *self.kernel_size))
+                                                     *self.kernel_size, **like))
         if bias:
-            self.bias = torch.nn.Parameter(torch.empty(out_channels))
+            self.bias = torch.nn.Parameter(torch.empty(out_channels, **like))
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
@@ -473,16 +474,18 @@ class BatchNormAddReLU2d(torch.nn.Module):
 
     _version = 2    # torch.nn.BatchNorm2d's state-dict version (with num_batches_tracked)
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1):
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, device=None, dtype=None):
         super().__init__()
         if momentum is not None:
             validate.check_scalar("BatchNormAddReLU2d", "momentum", momentum, lo=0.0, hi=1.0)
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
-        self.weight = torch.nn.Parameter(torch.empty(num_features))
-        self.bias = torch.nn.Parameter(torch.empty(num_features))
-        self.register_buffer("running_mean", torch.zeros(num_features))
-        self.register_buffer("running_var", torch.ones(num_features))
-        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        like = {"device": device, "dtype": dtype}      # torch's factory_kwargs
+        self.weight = torch.nn.Parameter(torch.empty(num_features, **like))
+        self.bias = torch.nn.Parameter(torch.empty(num_features, **like))
+        self.register_buffer("running_mean", torch.zeros(num_features, **like))
+        self.register_buffer("running_var", torch.ones(num_features, **like))
+        self.register_buffer("num_batches_tracked",
+                             torch.tensor(0, dtype=torch.long, device=device))
         self.reset_parameters()
 
     def reset_running_stats(self):
