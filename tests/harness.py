@@ -125,7 +125,7 @@ BOUNDARIES = {
                "conv.cpu.MIN_CHUNKS": (1, 4),
                "conv.cpu.MIN_GEMM_CHANNELS": (1, 16),
                "conv.cpu.NCHW_IM2COL_CHANNELS": (1, 32),
-               "conv.cpu.WINOGRAD_TILES": (1, 3),
+               "conv.cpu.WINOGRAD_TILES": (1, 3), "conv.cpu.WINOGRAD_MIN_TILES": 0,
                "conv.cpu.DW_GROUPS": (2, 3), "conv.cpu_im2col.SUM_BLOCK": 7,
                "conv.cpu.STRIDED_NCHW_SLAB": (True, False),
                "cpu_launch.PARALLEL_MIN_ELEMENTS": 0},

@@ -57,6 +57,7 @@ def winograd_everywhere(monkeypatch):
     WINOGRAD_TILES."""
     monkeypatch.setattr(cpu_conv, "MIN_GEMM_CHANNELS", 1)
     monkeypatch.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", 1)
+    monkeypatch.setattr(cpu_conv, "WINOGRAD_MIN_TILES", 0)
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
     return lambda tiles: monkeypatch.setattr(cpu_conv, "WINOGRAD_TILES", tiles)
 

@@ -47,6 +47,7 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, min_ch
         # the drawn channel counts are small: 1 sends them down the GEMM paths (Winograd,
         # phase planes), the default down im2col; NCHW Winograd at every width
         mp.setattr(cpu_conv, "MIN_GEMM_CHANNELS", min_channels)
+        mp.setattr(cpu_conv, "WINOGRAD_MIN_TILES", 0)          # Winograd at these small sizes
         mp.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", min_channels)
         mp.setattr(cpu_conv, "STRIDED_NHWC_IM2COL", min_channels > 1)
         # strided NCHW forward and dW: im2col over NHWC slabs, or phase planes
@@ -368,6 +369,7 @@ def test_float64_keeps_its_precision_where_float32_has_own_paths(layout, kind, k
     monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", True)
     monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
     monkeypatch.setattr(cpu_conv, "PHASE_DX_TAPS", True)
+    monkeypatch.setattr(cpu_conv, "WINOGRAD_MIN_TILES", 0)   # the Winograd forward at 50 tiles
     for flag in ("WINOGRAD_S2", "WINOGRAD_S2_DX", "WINOGRAD_S2_DW"):   # else the implicit's
         monkeypatch.setattr(cpu_conv, flag, kind == "winograd_s2")
     rng = np.random.default_rng(34)
@@ -463,3 +465,20 @@ def test_channel_counts_of_the_small_gemm(layout, kernel, stride, padding, dilat
     p = nfs.ConvProblem(x, w, b, dict(stride=stride, padding=padding, dilation=dilation,
                                       layout=layout))
     _check(p, chunk_bytes, groups=3, tiles=tiles, min_channels=8)
+
+
+@pytest.mark.parametrize("N, size, forward", [(16, 2, "im2col"), (16, 4, "im2col"),
+                                              (7, 8, "im2col"), (8, 8, "winograd"),
+                                              (8, 7, "winograd"), (32, 8, "winograd")])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_winograd_forward_needs_enough_tiles(N, size, forward, layout):
+    # a 3x3 stride-1 forward with fewer than WINOGRAD_MIN_TILES (128) 2x2 output tiles in the
+    # batch runs im2col (deep layers' 2x2 and 4x4 maps: 2-4x faster there); dX and dW stay
+    # Winograd. 7 images of 8x8 are 112 tiles, 8 are 128 (the edge), and 7x7 maps have 4x4
+    # tiles an image as 8x8 maps do
+    shape = (N, 64, size, size) if layout == "NCHW" else (N, size, size, 64)
+    geom = nf.validate.conv_geometry("t", shape, (64, 64, 3, 3), 1, 1, 1, layout)
+    tiles = N * ((geom.P + 1) // 2) * ((geom.Q + 1) // 2)
+    assert (tiles >= cpu_conv.WINOGRAD_MIN_TILES) == (forward == "winograd")
+    assert cpu_conv.algorithm(geom, "forward") == forward
+    assert cpu_conv.algorithm(geom, "dx") == cpu_conv.algorithm(geom, "dw") == "winograd"

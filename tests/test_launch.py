@@ -149,6 +149,7 @@ def test_conv_backward_concurrent_shared_and_in_turn_agree(layout, winograd, mon
     gy = rng.standard_normal(y.shape).astype(np.float32)
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
     monkeypatch.setattr(conv_cpu, "WINOGRAD_TILES", 3)          # several chunks, uneven
+    monkeypatch.setattr(conv_cpu, "WINOGRAD_MIN_TILES", 0)
     monkeypatch.setattr(conv_cpu, "DW_GROUPS", 3)
     if winograd:
         monkeypatch.setattr(conv_cpu, "MIN_GEMM_CHANNELS", 1)

@@ -55,6 +55,12 @@ MIN_CHUNKS = 4            # whole-image im2col chunks of a batch, at least (see 
 DW_GROUPS = 16            # fixed groups of chunks, each with its own dW and db partial
 WINOGRAD = True           # 3x3 stride-1 convolutions by Winograd F(2x2, 3x3)
 WINOGRAD_TILES = 160      # 2x2 output tiles per Winograd chunk (the GEMMs' n)
+# ... but a forward with fewer 2x2 output tiles in the whole batch by im2col (one GEMM, k =
+# 9 C): the transformed taps (16 C K values, formed every call) and GEMMs of few rows cost
+# more than the products saved. Measured fwd (ms, 2 threads, NCHW, batch 16, 3x3 C = K):
+# 2x2 maps, 512 channels (16 tiles) Winograd 33.0, im2col 7.9; 4x4, 256 (64 tiles) 8.3 and
+# 4.3; 8x8, 128 (256 tiles) 2.6 and 3.5. dX and dW stay Winograd (im2col's took 1.6-2x).
+WINOGRAD_MIN_TILES = 128
 MIN_GEMM_CHANNELS = 16    # fewer input or output channels: im2col (GEMMs with k = C*R*S)
 NCHW_IM2COL_CHANNELS = 32  # NCHW forward and dW with fewer: im2col too (Winograd's and the
                            # phase planes' GEMMs have k = C or K; measured in docs)
@@ -138,7 +144,11 @@ def algorithm(geom, pass_="forward", dtype=np.float32):
                 and geom.dh == geom.dw == 1)
     if winograd:
         # NHWC's transforms, for NCHW too (on HWC slabs): they won at every width and channel
-        # count measured from 16 up, NCHW's im2col and phase planes included
+        # count measured from 16 up, NCHW's im2col and phase planes included, except the
+        # forward of few tiles (WINOGRAD_MIN_TILES)
+        tiles = geom.N * ((geom.P + 1) // 2) * ((geom.Q + 1) // 2)
+        if pass_ == "forward" and tiles < WINOGRAD_MIN_TILES:
+            return "im2col"
         return "winograd"
     if ({"forward": WINOGRAD_S2, "dx": WINOGRAD_S2_DX, "dw": WINOGRAD_S2_DW}[pass_]
             and _wino_s2.fits(geom, dtype, pass_)
