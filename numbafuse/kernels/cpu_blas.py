@@ -120,12 +120,15 @@ def _gemm_small(ta, m, n, k, a, lda, b, ldb, beta, c, ldc, pbias, relu):
 
 
 @njit(nogil=True, cache=True)
-def gemm_at(blas, ta, tb, m, n, k, alpha, pa, lda, pb, ldb, beta, pc, ldc, itemsize):
-    """:func:`gemm` on addresses, every integer int64 and alpha, beta float64: one compiled
-    signature for every kernel's products (inlined at each call site, its three paths cost
-    each calling kernel their compile time)."""
+def gemm_at(blas, ta, tb, mnk, alpha, pa, pb, beta, pc, lds, itemsize):
+    """:func:`gemm` on addresses: ``mnk`` = (m, n, k), ``lds`` = (lda, ldb, ldc), every
+    integer int64 and alpha, beta float64: one compiled signature for every kernel's products
+    (inlined at each call site, its three paths cost each calling kernel their compile
+    time)."""
     i = np.int32
     fptr, cblas, small = blas
+    m, n, k = mnk
+    lda, ldb, ldc = lds
     if small and _small.fits(ta, tb, alpha, beta, m, n, k, itemsize):
         _small.gemm_small(ta, m, n, k, pa, lda, pb, ldb, np.int64(1 if beta != 0.0 else 0),
                           pc, ldc, np.int64(0), np.int64(0))
@@ -163,9 +166,9 @@ def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """c (m, n) = alpha op(a) @ op(b) + beta c, row-major; ``blas`` from :func:`blas_for`.
     The arrays stay alive in the caller; :func:`gemm_at` takes their addresses."""
     q = np.int64
-    gemm_at(blas, q(1 if ta else 0), q(1 if tb else 0), q(m), q(n), q(k), np.float64(alpha),
-            q(a.ctypes.data), q(lda), q(b.ctypes.data), q(ldb), np.float64(beta),
-            q(c.ctypes.data), q(ldc), q(c.itemsize))
+    gemm_at(blas, q(1 if ta else 0), q(1 if tb else 0), (q(m), q(n), q(k)), np.float64(alpha),
+            q(a.ctypes.data), q(b.ctypes.data), np.float64(beta), q(c.ctypes.data),
+            (q(lda), q(ldb), q(ldc)), q(c.itemsize))
 
 
 @njit(nogil=True, cache=True, inline="always")
