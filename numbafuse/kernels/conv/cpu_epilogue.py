@@ -5,7 +5,8 @@ forward for the batch statistics, the recompute backward for the two sums of bat
 backward. Both are reductions over h per output channel, so the conv's chunks can make them
 while their output rows are still in cache: one pass and one launch fewer each.
 
-Per chunk (``_winograd_tasks``), over the output pixels it wrote, in its own order:
+Per chunk (``cpu_winograd.forward_epilogue_tasks``), over the output pixels it wrote, in its own
+order:
 
 * ``EPI_STATS``: ``s1 = sum(h - shift)``, ``s2 = sum((h - shift)^2)`` in float64 with
   ``shift`` the chunk's first pixel (batch norm's shifted sums, ``kernels/batchnorm/math``),
