@@ -184,11 +184,23 @@ def _conv_geometry(op, x_nchw, w, stride, padding, dilation):
 
 # --------------------------------------------------------------------------- conv2d
 
-def conv2d(x, w, stride=1, padding=0, dilation=1, layout="NCHW"):
-    """2-d cross-correlation of x with w (K, C, R, S): one tensordot per filter tap."""
+def _block_diagonal(op, w, C, groups):
+    """w (K, C/groups, R, S) as the block-diagonal (K, C, R, S) of the same ungrouped conv."""
+    K, Cg = w.shape[:2]
+    if not isinstance(groups, (int, np.integer)) or groups < 1 or K % groups or Cg * groups != C:
+        raise ValueError(f"{op}: groups={groups!r} does not fit x's {C} channels, w's {K} x {Cg}")
+    full, k = np.zeros((K, C) + w.shape[2:]), K // groups
+    for g in range(groups):
+        full[g * k:(g + 1) * k, g * Cg:(g + 1) * Cg] = w[g * k:(g + 1) * k]
+    return full
+
+
+def conv2d(x, w, stride=1, padding=0, dilation=1, layout="NCHW", groups=1):
+    """2-d cross-correlation of x with w (K, C/groups, R, S): one tensordot per filter tap."""
     _check_layout("conv2d", layout)
     dtype = _result_dtype(x, w)
     x, w = _to_nchw(_f64(x), layout), _f64(w)                      # x: (N, C, H, W)
+    w = w if groups == 1 else _block_diagonal("conv2d", w, x.shape[1], groups)   # (K, C, R, S)
     (sh, sw), (dil_h, dil_w), pads, (P, Q) = _conv_geometry("conv2d", x, w, stride, padding, dilation)
     x_pad = np.pad(x, ((0, 0), (0, 0)) + pads)                     # (N, C, H+pt+pb, W+pl+pr)
     N, (K, C, R, S) = x.shape[0], w.shape
@@ -202,15 +214,15 @@ def conv2d(x, w, stride=1, padding=0, dilation=1, layout="NCHW"):
     return _cast(_from_nchw(y, layout), dtype)
 
 
-def conv2d_backward(dy, x, w, stride=1, padding=0, dilation=1, layout="NCHW"):
+def conv2d_backward(dy, x, w, stride=1, padding=0, dilation=1, layout="NCHW", groups=1):
     """(dx, dw) of conv2d: each tap scatters dy*w back into dx, and correlates x with dy into dw."""
     _check_layout("conv2d_backward", layout)
     dtype = _result_dtype(dy, x, w)
     dy, x, w = _to_nchw(_f64(dy), layout), _to_nchw(_f64(x), layout), _f64(w)
+    w = w if groups == 1 else _block_diagonal("conv2d_backward", w, x.shape[1], groups)
     (sh, sw), (dil_h, dil_w), pads, (P, Q) = _conv_geometry(
         "conv2d_backward", x, w, stride, padding, dilation)
-    N, C, H, W = x.shape
-    K, _, R, S = w.shape
+    (N, C, H, W), (K, _, R, S) = x.shape, w.shape
     if dy.shape != (N, K, P, Q):
         raise ValueError(f"conv2d_backward: dy has shape {dy.shape}, expected {(N, K, P, Q)}")
     (pt, _), (pl, _) = pads
@@ -226,6 +238,8 @@ def conv2d_backward(dy, x, w, stride=1, padding=0, dilation=1, layout="NCHW"):
             g_tap = np.tensordot(dy, w[:, :, r, s], axes=([1], [0]))       # (N, P, Q, C)
             dx_pad[:, :, rows, cols] += g_tap.transpose(0, 3, 1, 2)        # (N, C, P, Q)
     dx = dx_pad[:, :, pt:pt + H, pl:pl + W]                        # crop the padding away
+    g = np.arange(groups)                                          # dw's diagonal blocks:
+    dw = dw.reshape(groups, K // groups, groups, -1)[g, :, g].reshape(K, C // groups, R, S)
     return _cast(_from_nchw(dx, layout), dtype), _cast(dw, dtype)
 
 
@@ -491,21 +505,22 @@ def cross_entropy_backward(dy, logits, labels):
 # The chains the fused ops must equal. Forward and backward are written by chaining the unfused
 # pieces above, in float64 end to end, with one cast back at the end.
 
-def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, layout="NCHW"):
+def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, layout="NCHW", groups=1):
     """y = relu(conv2d(x, w) + b); no bias when b is None."""
     dtype = _result_dtype(x, w, b)
     h = conv2d(_f64(x), _f64(w), stride=stride, padding=padding, dilation=dilation,
-               layout=layout)
+               layout=layout, groups=groups)
     if b is not None:
         h = bias_add(h, _f64(b), layout=layout)
     return _cast(relu(h), dtype)
 
 
-def conv_bias_relu_backward(dy, x, w, b=None, stride=1, padding=0, dilation=1, layout="NCHW"):
+def conv_bias_relu_backward(dy, x, w, b=None, stride=1, padding=0, dilation=1, layout="NCHW",
+                            groups=1):
     """(dx, dw, db) of conv_bias_relu, db None when b is None; recomputes the pre-activation."""
     dtype = _result_dtype(dy, x, w, b)
     dy, x, w, b = _f64(dy), _f64(x), _f64(w), _f64(b)
-    geometry = dict(stride=stride, padding=padding, dilation=dilation, layout=layout)
+    geometry = dict(stride=stride, padding=padding, dilation=dilation, layout=layout, groups=groups)
     h = conv2d(x, w, **geometry)                                   # pre-bias
     if b is not None:
         h = bias_add(h, b, layout=layout)                          # pre-activation

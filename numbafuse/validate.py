@@ -174,6 +174,8 @@ class ConvGeometry:
     "same" padding and a 4-tuple ``padding`` can be asymmetric. Kernels only need the top/left
     pad and ``P``, ``Q``; anything read past the bottom/right edge is a zero of the padding.
     ``N`` may be 0 (an empty batch: the ops return empty outputs, zero weight gradients).
+    ``groups``: C and K split into that many groups, filters of group g seeing input channels of
+    group g only; w is ``(K, C // groups, R, S)``. ``groups == C`` is a depthwise convolution.
     """
     N: int
     C: int
@@ -193,6 +195,7 @@ class ConvGeometry:
     dh: int
     dw: int
     layout: str
+    groups: int = 1
 
     @property
     def x_shape(self):
@@ -204,7 +207,7 @@ class ConvGeometry:
 
     @property
     def w_shape(self):
-        return (self.K, self.C, self.R, self.S)
+        return (self.K, self.C // self.groups, self.R, self.S)
 
     @property
     def flops(self) -> int:
@@ -228,18 +231,19 @@ def _resolve_padding(op, padding, size, k, stride, dilation):
 
 
 def conv_geometry(op: str, x_shape, w_shape, stride=1, padding=0, dilation=1,
-                  layout="NCHW") -> ConvGeometry:
+                  layout="NCHW", groups=1) -> ConvGeometry:
     """Validate conv arguments and compute the output geometry.
 
-    ``x_shape`` is 4-d in ``layout``; ``w_shape`` is ``(K, C, R, S)``. Cached per argument
+    ``x_shape`` is 4-d in ``layout``; ``w_shape`` is ``(K, C // groups, R, S)``. Cached per argument
     signature (:func:`typed_key`: ``True`` and ``1.0`` are not ``1``), so a repeated call costs a
     dictionary look-up; a bad one raises again every time (errors are never cached).
     """
-    key = typed_key(op, tuple(x_shape), tuple(w_shape), stride, padding, dilation, layout)
+    key = typed_key(op, tuple(x_shape), tuple(w_shape), stride, padding, dilation, layout,
+                    groups)
     if key is None:
-        return _conv_geometry(op, x_shape, w_shape, stride, padding, dilation, layout)
+        return _conv_geometry(op, x_shape, w_shape, stride, padding, dilation, layout, groups)
     return _conv_geometry_cached(key, op, tuple(x_shape), tuple(w_shape), stride, padding,
-                                 dilation, layout)
+                                 dilation, layout, groups)
 
 
 def typed_key(*args):
@@ -261,8 +265,26 @@ def _conv_geometry_cached(key, *args):
     return _conv_geometry(*args)
 
 
+def _check_groups(op, groups, C, K, Cw):
+    """``groups`` a positive int dividing C and K, with w's Cw == C // groups."""
+    if not _is_int(groups):
+        raise TypeError(f"{op}: groups must be an int, got {groups!r}")
+    if groups < 1:
+        raise ValueError(f"{op}: groups must be >= 1, got {groups!r}")
+    if C % groups:
+        raise ValueError(f"{op}: groups={groups} does not divide x's {C} channels")
+    if K % groups:
+        raise ValueError(f"{op}: groups={groups} does not divide w's {K} filters")
+    if Cw != C // groups:
+        if groups == 1:
+            raise ValueError(f"{op}: w has {Cw} input channels, x has {C}")
+        raise ValueError(f"{op}: w has {Cw} input channels, x has {C} in {groups} groups "
+                         f"(w must have {C // groups})")
+    return int(groups)
+
+
 def _conv_geometry(op: str, x_shape, w_shape, stride=1, padding=0, dilation=1,
-                   layout="NCHW") -> ConvGeometry:
+                   layout="NCHW", groups=1) -> ConvGeometry:
     layout = check_layout(op, layout)
     if len(x_shape) != 4:
         raise ValueError(f"{op}: x must have 4 dimensions ({layout}), got shape {tuple(x_shape)}")
@@ -273,8 +295,7 @@ def _conv_geometry(op: str, x_shape, w_shape, stride=1, padding=0, dilation=1,
     else:
         N, H, W, C = x_shape
     K, Cw, R, S = w_shape
-    if Cw != C:
-        raise ValueError(f"{op}: w has {Cw} input channels, x has {C}")
+    groups = _check_groups(op, groups, C, K, Cw)
     if N < 0 or min(C, H, W) < 1:         # an empty batch (N = 0) is fine, as in PyTorch
         raise ValueError(f"{op}: x must have no empty dimension but the batch, got shape "
                          f"{tuple(x_shape)}")
@@ -298,7 +319,7 @@ def _conv_geometry(op: str, x_shape, w_shape, stride=1, padding=0, dilation=1,
             f"stride {(sh, sw)}, padding (left, right, top, bottom) "
             f"{(pw, pw_end, ph, ph_end)}, dilation {(dh, dw)}")
     return ConvGeometry(N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, ph_end, pw_end, dh, dw,
-                        layout)
+                        layout, groups)
 
 
 # --------------------------------------------------------------------------- batch norm

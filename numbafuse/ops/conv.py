@@ -2,10 +2,10 @@ r"""Convolution family: the fused Conv2D -> BiasAdd -> ReLU, and the unfused con
 
 Public functions (arrays in: an array out; a Tensor in: a Tensor out, on the tape)::
 
-    conv_bias_relu(x, w, b=None, *, stride=1, padding=0, dilation=1, layout="NCHW")
+    conv_bias_relu(x, w, b=None, *, stride=1, padding=0, dilation=1, layout="NCHW", groups=1)
     conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1,
-                            layout="NCHW", need=(True, True, True)) -> (dx, dw, db)
-    conv2d(x, w, *, stride=1, padding=0, dilation=1, layout="NCHW")
+                            layout="NCHW", need=(True, True, True), groups=1) -> (dx, dw, db)
+    conv2d(x, w, *, stride=1, padding=0, dilation=1, layout="NCHW", groups=1)
     bias_add(x, b, *, layout="NCHW")
 
 Array-level helpers for other op families (Conv-BatchNorm recompute, batch-norm folding). They
@@ -21,9 +21,14 @@ arrays' device::
         g = dy * (y > 0); otherwise g = dy. db = sum of g over N, P, Q. Only the gradients
         flagged in need = (dx, dw, db) are computed; the others are None.
 
+Grouped convolutions (``groups > 1``, the geometry's ``groups``) run on the CPU only:
+``kernels/conv/cpu_grouped.py`` (depthwise stencils for ``groups == C``, else ``cpu.py``'s
+kernels per group); on CUDA they are refused before anything is allocated. ``groups == 1`` calls
+``cpu.py`` / ``cuda.py`` as it always did.
+
 Notation: N batch, C input channels, H/W input size, K filters, R/S filter size, P/Q output
-size. Activations are NCHW or NHWC (``layout``); weights are always (K, C, R, S). Gradients:
-``dy`` upstream, ``dx``, ``dw``, ``db``.
+size. Activations are NCHW or NHWC (``layout``); weights are always (K, C/groups, R, S).
+Gradients: ``dy`` upstream, ``dx``, ``dw``, ``db``.
 """
 from __future__ import annotations
 
@@ -37,6 +42,20 @@ from .spec import OpSpec
 _kernels = functools.partial(kernels.module, "conv")   # _kernels(backend): the module
 
 
+def _conv_kernels(which, geometry):
+    """The kernel module running ``geometry`` on backend ``which``: ``cpu``/``cuda``, or
+    ``cpu_grouped`` for ``groups > 1`` (CUDA's grouped calls never get here: refused by
+    :func:`check_groups_backend`)."""
+    return _kernels(which) if geometry.groups == 1 else _kernels(which + "_grouped")
+
+
+def check_groups_backend(op, which, geometry):
+    """Refuse a grouped convolution on a backend without grouped kernels (CUDA), by name."""
+    if geometry.groups != 1 and which != backend.CPU:
+        raise ValueError(f"{op}: groups={geometry.groups} is not supported on CUDA arrays "
+                         f"(grouped and depthwise convolutions run on the CPU only)")
+
+
 # --------------------------------------------------------------------------- array helpers
 
 def conv_forward(x, w, b, geometry, relu):
@@ -45,7 +64,7 @@ def conv_forward(x, w, b, geometry, relu):
     which = backend.backend_of_array(x)
     if geometry.N == 0:
         return backend.empty(which, geometry.y_shape, x.dtype)
-    return _kernels(which).conv_forward(x, w, b, geometry, bool(relu))
+    return _conv_kernels(which, geometry).conv_forward(x, w, b, geometry, bool(relu))
 
 
 def conv_backward(dy, x, w, geometry, y=None, need=(True, True, True)):
@@ -57,16 +76,17 @@ def conv_backward(dy, x, w, geometry, y=None, need=(True, True, True)):
         return (backend.empty(which, geometry.x_shape, dy.dtype) if need_x else None,
                 kernels.zeros(which, geometry.w_shape, dy.dtype) if need_w else None,
                 kernels.zeros(which, (geometry.K,), dy.dtype) if need_b else None)
-    return _kernels(which).conv_backward(dy, x, w, geometry, y, tuple(need))
+    return _conv_kernels(which, geometry).conv_backward(dy, x, w, geometry, y, tuple(need))
 
 
-def _validate_conv(op, x, w, b, stride, padding, dilation, layout):
+def _validate_conv(op, x, w, b, stride, padding, dilation, layout, groups):
     """(geometry, x, w, b): everything checked before anything is allocated, then made contiguous."""
     validate.check_given(op, x=x, w=w)
-    backend.backend_of(op, x=x, w=w, b=b)
+    which = backend.backend_of(op, x=x, w=w, b=b)
     validate.check_float_dtypes(op, x=x, w=w, b=b)
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
-                                 layout)
+                                 layout, groups)
+    check_groups_backend(op, which, geometry)
     validate.check_vector(op, "b", b, geometry.K)
     b = None if b is None else kernels.contiguous(b)
     return geometry, kernels.contiguous(x), kernels.contiguous(w), b
@@ -79,9 +99,10 @@ class ConvParams:
     padding: object
     dilation: object
     layout: str
+    groups: object
 
     def astuple(self):
-        return (self.stride, self.padding, self.dilation, self.layout)
+        return (self.stride, self.padding, self.dilation, self.layout, self.groups)
 
 
 # --------------------------------------------------------------------------- conv2d (unfused)
@@ -197,13 +218,13 @@ class ConvBias(ConvBiasReLU):
 
 # --------------------------------------------------------------------------- public functions
 
-def conv2d(x, w, *, stride=1, padding=0, dilation=1, layout="NCHW"):
+def conv2d(x, w, *, stride=1, padding=0, dilation=1, layout="NCHW", groups=1):
     """2-d convolution (cross-correlation, like PyTorch), without bias or activation.
 
     Parameters
     ----------
     x : array or Tensor, (N, C, H, W) for NCHW, (N, H, W, C) for NHWC
-    w : array or Tensor, (K, C, R, S)
+    w : array or Tensor, (K, C/groups, R, S)
     stride, dilation : int or (int, int)
     padding : int, (int, int), (int, int, int, int), "valid" or "same"
         A 4-tuple is ``(left, right, top, bottom)``, ``torch.nn.functional.pad``'s order:
@@ -211,6 +232,10 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, layout="NCHW"):
         TensorFlow's rule, output ``ceil(size / stride)``, the odd padding element at the
         bottom/right (at stride 1, PyTorch's "same", even kernels included).
     layout : "NCHW" or "NHWC"
+    groups : int
+        Channels split into ``groups`` groups (dividing C and K): filters
+        ``g*K/groups ... (g+1)*K/groups - 1`` see input channels ``g*C/groups ...`` only, and w
+        is ``(K, C/groups, R, S)`` (PyTorch's). ``groups == C``: depthwise. CPU only.
 
     Returns
     -------
@@ -222,10 +247,11 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, layout="NCHW"):
     >>> nf.conv2d(np.ones((1, 1, 3, 3)), np.ones((1, 1, 2, 2))).shape
     (1, 1, 2, 2)
     """
-    return Conv2d(stride=stride, padding=padding, dilation=dilation, layout=layout).apply(x, w)
+    return Conv2d(stride=stride, padding=padding, dilation=dilation, layout=layout,
+                  groups=groups).apply(x, w)
 
 
-def conv_bias(x, w, b, *, stride=1, padding=0, dilation=1, layout="NCHW"):
+def conv_bias(x, w, b, *, stride=1, padding=0, dilation=1, layout="NCHW", groups=1):
     """``conv2d(x, w) + b`` in one pass, without ReLU (what the remapper makes of
     conv2d -> bias_add). Same arguments as :func:`conv_bias_relu`.
 
@@ -236,8 +262,8 @@ def conv_bias(x, w, b, *, stride=1, padding=0, dilation=1, layout="NCHW"):
     >>> conv_bias(np.ones((1, 1, 2, 2)), np.ones((1, 1, 2, 2)), np.array([-10.0])).ravel()
     array([-6.])
     """
-    return ConvBias(stride=stride, padding=padding, dilation=dilation, layout=layout).apply(
-        x, w, b)
+    return ConvBias(stride=stride, padding=padding, dilation=dilation, layout=layout,
+                    groups=groups).apply(x, w, b)
 
 
 def bias_add(x, b, *, layout="NCHW"):
@@ -252,13 +278,14 @@ def bias_add(x, b, *, layout="NCHW"):
     return BiasAdd(layout=layout).apply(x, b)
 
 
-def conv_bias_relu(x, w, b=None, *, stride=1, padding=0, dilation=1, layout="NCHW"):
+def conv_bias_relu(x, w, b=None, *, stride=1, padding=0, dilation=1, layout="NCHW",
+                   groups=1):
     """Fused ``relu(conv2d(x, w) + b)``: one kernel pass, one store of y.
 
     Parameters
     ----------
     x : array or Tensor, (N, C, H, W) for NCHW, (N, H, W, C) for NHWC
-    w : array or Tensor, (K, C, R, S)
+    w : array or Tensor, (K, C/groups, R, S)
     b : array or Tensor (K,), or None for no bias
     stride, dilation : int or (int, int)
     padding : int, (int, int), (int, int, int, int), "valid" or "same"
@@ -267,6 +294,10 @@ def conv_bias_relu(x, w, b=None, *, stride=1, padding=0, dilation=1, layout="NCH
         TensorFlow's rule, output ``ceil(size / stride)``, the odd padding element at the
         bottom/right (at stride 1, PyTorch's "same", even kernels included).
     layout : "NCHW" or "NHWC"
+    groups : int
+        Channels split into ``groups`` groups (dividing C and K): filters
+        ``g*K/groups ... (g+1)*K/groups - 1`` see input channels ``g*C/groups ...`` only, and w
+        is ``(K, C/groups, R, S)`` (PyTorch's). ``groups == C``: depthwise. CPU only.
 
     Returns
     -------
@@ -282,11 +313,11 @@ def conv_bias_relu(x, w, b=None, *, stride=1, padding=0, dilation=1, layout="NCH
     array([ 0.,  2., 10., 14.])
     """
     return ConvBiasReLU(stride=stride, padding=padding, dilation=dilation,
-                        layout=layout).apply(x, w, b)
+                        layout=layout, groups=groups).apply(x, w, b)
 
 
 def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, layout="NCHW",
-                            need=(True, True, True)):
+                            need=(True, True, True), groups=1):
     """Gradients of :func:`conv_bias_relu`, NumPy style (no tape).
 
     Parameters
@@ -294,14 +325,14 @@ def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, lay
     dy : array, the gradient of the output, shape of ``y``
     x, w : the forward's inputs
     y : array, the forward's output: its sign is the ReLU mask (g = dy * (y > 0))
-    stride, padding, dilation, layout : as in the forward
+    stride, padding, dilation, layout, groups : as in the forward
     need : (bool, bool, bool)
         Which of (dx, dw, db) to compute; the others are returned as None. db does not depend
         on whether the forward had a bias: it is the gradient a bias would get.
 
     Returns
     -------
-    (dx, dw, db) : x's shape, (K, C, R, S) and (K,), on the inputs' device (or None).
+    (dx, dw, db) : x's shape, (K, C/groups, R, S) and (K,), on the inputs' device (or None).
 
     Examples
     --------
@@ -315,10 +346,11 @@ def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, lay
     op = "conv_bias_relu_backward"
     dy, x, w, y = (autograd.unwrap(a) for a in (dy, x, w, y))
     validate.check_given(op, dy=dy, x=x, w=w, y=y)
-    backend.backend_of(op, dy=dy, x=x, w=w, y=y)
+    which = backend.backend_of(op, dy=dy, x=x, w=w, y=y)
     validate.check_float_dtypes(op, dy=dy, x=x, w=w, y=y)
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
-                                 layout)
+                                 layout, groups)
+    check_groups_backend(op, which, geometry)
     if tuple(y.shape) != geometry.y_shape:
         raise ValueError(f"{op}: y has shape {tuple(y.shape)}, the conv's output has "
                          f"{geometry.y_shape}")

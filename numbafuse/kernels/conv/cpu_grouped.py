@@ -1,0 +1,70 @@
+"""CPU grouped convolutions (``groups > 1``): depthwise kernels, or the ungrouped kernels per group.
+
+Same interface as ``cpu.py``'s ``conv_forward`` / ``conv_backward``, for a geometry with
+``groups > 1`` (``groups == 1`` never comes here: the ops call ``cpu.py`` directly, unchanged).
+
+    depthwise  groups == C (one input channel per group, K = C * multiplier): the direct
+               stencils of ``cpu_depthwise.py``
+    per group  1 < groups < C: each group's channel slice of x (and of gy, y in backward)
+               copied contiguous (the kernels take C-contiguous arrays), ``cpu.py``'s kernels
+               run on it with the group's geometry (C/groups channels, K/groups filters,
+               groups=1), and the result written into its channel block of y (dx); dw and db
+               per group are their rows of dw, db. One copy in and one out per group and array.
+"""
+import dataclasses
+
+import numpy as np
+
+from . import cpu as conv_cpu
+from . import cpu_depthwise
+
+
+def group_geometry(geom):
+    """The ungrouped geometry of one group of ``geom``: C/groups channels, K/groups filters."""
+    return dataclasses.replace(geom, C=geom.C // geom.groups, K=geom.K // geom.groups, groups=1)
+
+
+def _channels(a, layout, lo, hi):
+    """The channel block [lo, hi) of a 4-d activation in ``layout`` (a view)."""
+    return a[:, lo:hi] if layout == "NCHW" else a[..., lo:hi]
+
+
+def conv_forward(x, w, b, geom, relu):
+    """``y = relu?(conv(x, w, groups) + b?)`` for contiguous host arrays of one dtype."""
+    if cpu_depthwise.is_depthwise(geom):
+        return cpu_depthwise.forward(x, w, b, geom, relu)
+    one, layout = group_geometry(geom), geom.layout
+    Cg, Kg = one.C, one.K
+    y = np.empty(geom.y_shape, x.dtype)
+    for g in range(geom.groups):
+        xg = np.ascontiguousarray(_channels(x, layout, g * Cg, (g + 1) * Cg))
+        bg = None if b is None else b[g * Kg:(g + 1) * Kg]
+        _channels(y, layout, g * Kg, (g + 1) * Kg)[...] = conv_cpu.conv_forward(
+            xg, w[g * Kg:(g + 1) * Kg], bg, one, relu)
+    return y
+
+
+def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
+    """``(dx, dw, db)`` of a grouped conv [+ bias] [+ ReLU whose output is ``y``]; only
+    ``need``'s are computed (``cpu.conv_backward``)."""
+    if cpu_depthwise.is_depthwise(geom):
+        return cpu_depthwise.backward(gy, x, w, geom, y, need)
+    need_dx, need_dw, need_db = (bool(v) for v in need)
+    one, layout = group_geometry(geom), geom.layout
+    Cg, Kg = one.C, one.K
+    dx = np.empty(geom.x_shape, gy.dtype) if need_dx else None
+    dw = np.empty(geom.w_shape, gy.dtype) if need_dw else None
+    db = np.empty(geom.K, gy.dtype) if need_db else None
+    for g in range(geom.groups):
+        cs, ks = slice(g * Cg, (g + 1) * Cg), slice(g * Kg, (g + 1) * Kg)
+        gyg = np.ascontiguousarray(_channels(gy, layout, ks.start, ks.stop))
+        yg = None if y is None else np.ascontiguousarray(_channels(y, layout, ks.start, ks.stop))
+        xg = np.ascontiguousarray(_channels(x, layout, cs.start, cs.stop))
+        dxg, dwg, dbg = conv_cpu.conv_backward(gyg, xg, w[ks], one, yg, need)
+        if need_dx:
+            _channels(dx, layout, cs.start, cs.stop)[...] = dxg
+        if need_dw:
+            dw[ks] = dwg
+        if need_db:
+            db[ks] = dbg
+    return dx, dw, db
