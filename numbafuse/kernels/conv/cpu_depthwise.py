@@ -98,9 +98,18 @@ def _forward_nchw(t0, t1, x, w, b, relu, geo, y):
                 xr = xp[h]                                            # (W,)
                 for s in range(S):
                     q0, q1 = _valid_range(s, sw, pw, dw, W, Q)
-                    wv, off = w[k, r, s], s * dw - pw
-                    for q in range(q0, q1):
-                        acc[q] += xr[q * sw + off] * wv
+                    if q1 <= q0:
+                        continue
+                    x0, wv = q0 * sw + s * dw - pw, w[k, r, s]        # input column of q0
+                    a = acc[q0:q1]                  # views from 0: no negative-index checks
+                    if sw == 1:
+                        xs = xr[x0:x0 + q1 - q0]
+                        for i in range(q1 - q0):
+                            a[i] += xs[i] * wv
+                    else:
+                        xs2 = xr[x0:x0 + (q1 - q0 - 1) * sw + 1:sw]
+                        for i in range(q1 - q0):
+                            a[i] += xs2[i] * wv
             yr = yp[p]
             for q in range(Q):
                 v = acc[q] + bias
@@ -137,43 +146,33 @@ def _taps_nhwc(w, C, M):
 
 # --------------------------------------------------------------------------- dX
 
-@njit(cache=True)
-def _gate(gv, yv, use_mask, g):
-    # gv, yv: one NHWC pixel's (K,) of gy and y;  g: (M, C) <- gy * (y > 0) (or gy), k = c*M + m
-    M, C = g.shape
-    for m in range(M):
-        gm = g[m]
-        for c in range(C):
-            gm[c] = gv[c * M + m]
-            if use_mask and not yv[c * M + m] > 0:
-                gm[c] = 0
-
 @task_kernel
 def _dx_nhwc(t0, t1, gy, y, use_mask, wt, geo, dx):
     # gy, y: (N, P, Q, K);  wt: (M, R, S, C);  dx: (N, H, W, C).  Task t: input row (n, h) =
-    # divmod(t, H); each dx pixel gathers g * w over the output pixels whose taps reach it.
+    # divmod(t, H), which the task owns: the output rows p whose tap r reaches it
+    # (h = p*sh - ph + r*dh) scatter g * w into it, tap by tap.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     M = K // C
-    g = np.empty((M, C), gy.dtype)                                    # one pixel's gated g
+    zero = np.zeros(1, gy.dtype)[0]
     for t in range(t0, t1):
         n, h = t // H, t % H
-        for wi in range(W):
-            a = dx[n, h, wi]                                          # (C,)
-            a[:] = 0
-            for r in range(R):
-                num = h + ph - r * dh                                 # = p * sh
-                if num < 0 or num % sh != 0 or num // sh >= P:
-                    continue
-                p = num // sh
-                for s in range(S):
-                    numw = wi + pw - s * dw                           # = q * sw
-                    if numw < 0 or numw % sw != 0 or numw // sw >= Q:
-                        continue
-                    _gate(gy[n, p, numw // sw], y[n, p, numw // sw], use_mask, g)
+        d = dx[n, h]                                                  # (W, C)
+        d[:] = 0
+        for r in range(R):
+            num = h + ph - r * dh                                     # = p * sh
+            if num < 0 or num % sh != 0 or num // sh >= P:
+                continue
+            p = num // sh
+            for s in range(S):
+                q0, q1 = _valid_range(s, sw, pw, dw, W, Q)
+                for q in range(q0, q1):
+                    a = d[q * sw - pw + s * dw]                       # (C,)
+                    gv, yv = gy[n, p, q], y[n, p, q]                  # (K,), (K,)
                     for m in range(M):
-                        gm, wv = g[m], wt[m, r, s]                    # (C,), (C,)
+                        wv = wt[m, r, s]                              # (C,)
                         for c in range(C):
-                            a[c] += gm[c] * wv[c]
+                            i = c * M + m
+                            a[c] += (gv[i] if not use_mask or yv[i] > 0 else zero) * wv[c]
 
 
 @task_kernel
@@ -201,9 +200,18 @@ def _dx_nchw(t0, t1, gy, y, use_mask, w, geo, dx):
                     dr = dp[h]                                        # (W,)
                     for s in range(S):
                         q0, q1 = _valid_range(s, sw, pw, dw, W, Q)
-                        wv, off = w[k, r, s], s * dw - pw
-                        for q in range(q0, q1):
-                            dr[q * sw + off] += g[q] * wv
+                        if q1 <= q0:
+                            continue
+                        x0, wv = q0 * sw + s * dw - pw, w[k, r, s]    # dx column of q0
+                        gs = g[q0:q1]               # views from 0: no negative-index checks
+                        if sw == 1:
+                            ds = dr[x0:x0 + q1 - q0]
+                            for i in range(q1 - q0):
+                                ds[i] += gs[i] * wv
+                        else:
+                            ds2 = dr[x0:x0 + (q1 - q0 - 1) * sw + 1:sw]
+                            for i in range(q1 - q0):
+                                ds2[i] += gs[i] * wv
 
 
 # --------------------------------------------------------------------------- dW and db
@@ -218,6 +226,7 @@ def _dw_nhwc(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts)
     M = K // C
     nb = (P + rpc - 1) // rpc
     g = np.empty((M, C), gy.dtype)                                    # one pixel's gated g
+    zero = np.zeros(1, gy.dtype)[0]
     for t in range(t0, t1):
         dwp, dbp = dw_parts[t], db_parts[t]
         dwp[:] = 0
@@ -226,10 +235,13 @@ def _dw_nhwc(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts)
             n, p0 = chunk // nb, (chunk % nb) * rpc
             for p in range(p0, min(P, p0 + rpc)):
                 for q in range(Q):
-                    _gate(gy[n, p, q], y[n, p, q], use_mask, g)
+                    gv, yv = gy[n, p, q], y[n, p, q]                  # (K,), (K,)
                     for m in range(M):
+                        gm = g[m]
                         for c in range(C):
-                            dbp[c * M + m] += g[m, c]
+                            i = c * M + m
+                            gm[c] = gv[i] if not use_mask or yv[i] > 0 else zero
+                            dbp[i] += gm[c]
                     if not need_dw:
                         continue
                     for r in range(R):
@@ -283,9 +295,18 @@ def _dw_nchw(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts)
                     xr = xp[h]                                        # (W,)
                     for s in range(S):
                         q0, q1 = _valid_range(s, sw, pw, dw, W, Q)
-                        a, off = acc[r, s], s * dw - pw
-                        for q in range(q0, q1):
-                            a[q] += g[q] * xr[q * sw + off]
+                        if q1 <= q0:
+                            continue
+                        x0 = q0 * sw + s * dw - pw                    # input column of q0
+                        a, gs = acc[r, s, q0:q1], g[q0:q1]    # views from 0: no wraparound
+                        if sw == 1:
+                            xs = xr[x0:x0 + q1 - q0]
+                            for i in range(q1 - q0):
+                                a[i] += gs[i] * xs[i]
+                        else:
+                            xs2 = xr[x0:x0 + (q1 - q0 - 1) * sw + 1:sw]
+                            for i in range(q1 - q0):
+                                a[i] += gs[i] * xs2[i]
             dbp[k] += db
             if need_dw:
                 for r in range(R):

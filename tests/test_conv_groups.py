@@ -1,0 +1,147 @@
+"""Grouped and depthwise convolutions (``groups``) on the CPU, against the float64 reference.
+
+``groups`` 1 < g < C runs ``kernels/conv/cpu.py``'s kernels per group (``cpu_grouped.py``);
+``groups == C`` the depthwise stencils of ``cpu_depthwise.py``, whose constants are shrunk here
+(``CHUNK_ELEMENTS``: one or two output rows per NHWC chunk, a partial last chunk; ``DW_GROUPS``
+3: groups of uneven sizes) so that small shapes cross every task boundary. Every case runs
+forward and backward on 1 and 3 threads (bitwise equal) and compares both with
+``numbafuse.reference`` (block-diagonal weights, so independent of the kernels).
+"""
+import numpy as np
+import pytest
+
+import numbafuse as nf
+from numbafuse import reference as ref, validate
+from numbafuse.kernels import cpu_launch as _launch
+from numbafuse.kernels.conv import cpu_depthwise
+
+from .harness import TOL, close
+
+# (x shape NCHW, K, R x S, groups, geometry): groups 2, 3 and C (depthwise, multiplier 1 and 2),
+# stride 1 and 2, 3x3 and 7x7, asymmetric 4-tuple padding, dilation
+CASES = {
+    "groups 2": ((2, 4, 7, 6), 6, (3, 3), 2, dict(padding=1)),
+    "groups 3 stride 2": ((2, 6, 9, 8), 9, (3, 2), 3, dict(stride=2, padding=(1, 0, 2, 1))),
+    "depthwise 3x3": ((2, 5, 7, 9), 5, (3, 3), 5, dict(padding=1)),
+    "depthwise stride 2 asym": ((3, 4, 9, 10), 4, (3, 3), 4,
+                                dict(stride=2, padding=(0, 2, 1, 0))),
+    "depthwise 7x7": ((2, 3, 11, 10), 3, (7, 7), 3, dict(padding=3)),
+    "depthwise x2 dilated": ((2, 3, 8, 9), 6, (3, 3), 3, dict(stride=(2, 1), padding=2,
+                                                             dilation=(2, 1))),
+}
+# which cases run in which layout and dtype: each pair compiles kernels, so not all of them
+PLAN = [("groups 2", "NCHW", np.float64), ("groups 3 stride 2", "NHWC", np.float32),
+        ("depthwise 3x3", "NCHW", np.float32), ("depthwise 3x3", "NHWC", np.float64),
+        ("depthwise stride 2 asym", "NCHW", np.float64),
+        ("depthwise stride 2 asym", "NHWC", np.float32),
+        ("depthwise 7x7", "NHWC", np.float32), ("depthwise 7x7", "NCHW", np.float64),
+        ("depthwise x2 dilated", "NHWC", np.float64),
+        ("depthwise x2 dilated", "NCHW", np.float32)]
+
+
+def _problem(name, layout, dtype, seed=0):
+    x_shape, K, (R, S), groups, kw = CASES[name]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(x_shape).astype(dtype)
+    if layout == "NHWC":
+        x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    w = rng.standard_normal((K, x_shape[1] // groups, R, S)).astype(dtype)
+    b = rng.standard_normal(K).astype(dtype)
+    return x, w, b, dict(kw, layout=layout, groups=groups)
+
+
+def _run(x, w, b, gy, kw, threads):
+    _launch.set_num_threads(threads)
+    y = nf.conv_bias_relu(x, w, b, **kw)
+    return (y, *nf.conv_bias_relu_backward(gy, x, w, y, **kw))
+
+
+@pytest.mark.parametrize("name, layout, dtype", PLAN,
+                         ids=[f"{n}-{lay}-{np.dtype(d).name}" for n, lay, d in PLAN])
+@pytest.mark.parametrize("chunk", [1, 40])
+def test_groups_match_reference_on_any_thread_count(name, layout, dtype, chunk, monkeypatch):
+    monkeypatch.setattr(cpu_depthwise, "CHUNK_ELEMENTS", chunk)   # 1 or a few rows a chunk
+    monkeypatch.setattr(cpu_depthwise, "DW_GROUPS", 3)
+    monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)      # always on the pool
+    x, w, b, kw = _problem(name, layout, dtype)
+    gy = np.random.default_rng(1).standard_normal(
+        nf.conv_bias_relu(x, w, b, **kw).shape).astype(dtype)
+    threads = _launch.num_threads()
+    try:
+        one, three = _run(x, w, b, gy, kw, 1), _run(x, w, b, gy, kw, 3)
+    finally:
+        _launch.set_num_threads(threads)
+    for a, c in zip(one, three):
+        assert a.tobytes() == c.tobytes()                         # no dependence on threads
+    close(one[0], ref.conv_bias_relu(x, w, b, **kw), dtype, what="y")
+    for got, want, what in zip(one[1:], ref.conv_bias_relu_backward(gy, x, w, b, **kw),
+                               ("dx", "dw", "db")):
+        assert got.shape == want.shape and got.dtype == dtype
+        close(got, want, dtype, what=what)
+
+
+def test_depthwise_chunks_cross_a_partial_last_chunk(monkeypatch):
+    """NHWC: P = 5 output rows in chunks of 2 (a last chunk of 1), 6 chunks in 4 groups."""
+    monkeypatch.setattr(cpu_depthwise, "CHUNK_ELEMENTS", 2 * 5 * 4)   # 2 rows of Q=5, K=4
+    monkeypatch.setattr(cpu_depthwise, "DW_GROUPS", 4)
+    x, w, b, kw = _problem("depthwise 3x3", "NHWC", np.float64)
+    x, w, b = x[:, :5, :5, :4].copy(), w[:4], b[:4]
+    kw = dict(kw, groups=4)
+    geom = validate.conv_geometry("t", x.shape, w.shape, padding=1, layout="NHWC", groups=4)
+    assert cpu_depthwise._rows_per_chunk(geom) == 2 and geom.P == 5
+    y = nf.conv_bias_relu(x, w, b, **kw)
+    gy = np.random.default_rng(2).standard_normal(y.shape)
+    close(y, ref.conv_bias_relu(x, w, b, **kw), np.float64, what="y")
+    for got, want in zip(nf.conv_bias_relu_backward(gy, x, w, y, **kw),
+                         ref.conv_bias_relu_backward(gy, x, w, b, **kw)):
+        close(got, want, np.float64)
+
+
+def test_conv2d_groups_need_and_tape():
+    """conv2d (no ReLU, no mask) with groups on the tape: gradients equal the reference; the
+    backward's ``need`` computes only what is asked."""
+    x, w, _, kw = _problem("groups 3 stride 2", "NCHW", np.float64)
+    tx, tw = nf.Tensor(x, requires_grad=True), nf.Tensor(w, requires_grad=True)
+    y = nf.conv2d(tx, tw, **kw)
+    gy = np.random.default_rng(3).standard_normal(y.shape)
+    y.backward(gy)
+    close(y.data, ref.conv2d(x, w, **kw), np.float64)
+    dx, dw = ref.conv2d_backward(gy, x, w, **kw)
+    close(tx.grad, dx, np.float64)
+    close(tw.grad, dw, np.float64)
+    x, w, b, kw = _problem("depthwise 3x3", "NHWC", np.float64)
+    y = nf.conv_bias_relu(x, w, b, **kw)
+    dx, dw, db = nf.conv_bias_relu_backward(y, x, w, y, need=(False, False, True), **kw)
+    assert dx is None and dw is None
+    close(db, ref.conv_bias_relu_backward(y, x, w, b, **kw)[2], np.float64)
+
+
+def test_groups_one_is_the_ungrouped_path():
+    x, w, b, kw = _problem("groups 2", "NCHW", np.float64)
+    w = np.random.default_rng(4).standard_normal((6, 4, 3, 3))
+    kw = dict(kw, groups=1)
+    y = nf.conv_bias_relu(x, w, b, **kw)
+    assert np.array_equal(y, nf.conv_bias_relu(x, w, b, padding=1))
+
+
+@pytest.mark.parametrize("groups, w_shape, error, match", [
+    (0, (6, 2, 3, 3), ValueError, "groups must be >= 1"),
+    (-2, (6, 2, 3, 3), ValueError, "groups must be >= 1"),
+    (2.0, (6, 2, 3, 3), TypeError, "groups must be an int"),
+    (True, (6, 2, 3, 3), TypeError, "groups must be an int"),
+    ("2", (6, 2, 3, 3), TypeError, "groups must be an int"),
+    (4, (6, 1, 3, 3), ValueError, "groups=4 does not divide x's 6 channels"),
+    (3, (4, 2, 3, 3), ValueError, "groups=3 does not divide w's 4 filters"),
+    (3, (6, 3, 3, 3), ValueError, "w has 3 input channels, x has 6 in 3 groups"),
+    (1, (6, 2, 3, 3), ValueError, "w has 2 input channels, x has 6"),
+])
+def test_groups_errors_name_the_op_and_argument(groups, w_shape, error, match):
+    x = np.ones((1, 6, 5, 5))
+    w = np.ones(w_shape)
+    y = np.ones((1, w_shape[0], 3, 3))
+    with pytest.raises(error, match=f"conv_bias_relu: {match}"):
+        nf.conv_bias_relu(x, w, groups=groups)
+    with pytest.raises(error, match=f"conv2d: {match}"):
+        nf.conv2d(x, w, groups=groups)
+    with pytest.raises(error, match=f"conv_bias_relu_backward: {match}"):
+        nf.conv_bias_relu_backward(y, x, w, y, groups=groups)
