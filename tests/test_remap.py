@@ -61,7 +61,7 @@ class FakeBatchNorm(Function):
 
 
 def fconv(x, w, layout="NCHW"):
-    return FakeConv(stride=1, padding=1, dilation=1, layout=layout).apply(x, w)
+    return FakeConv(stride=1, padding=1, dilation=1, layout=layout, groups=1).apply(x, w)
 
 
 def fbias(x, b, layout="NCHW"):
