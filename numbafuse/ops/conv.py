@@ -21,10 +21,10 @@ arrays' device::
         g = dy * (y > 0); otherwise g = dy. db = sum of g over N, P, Q. Only the gradients
         flagged in need = (dx, dw, db) are computed; the others are None.
 
-Grouped convolutions (``groups > 1``, the geometry's ``groups``) run on the CPU only:
-``kernels/conv/cpu_grouped.py`` (depthwise stencils for ``groups == C``, else ``cpu.py``'s
-kernels per group); on CUDA they are refused before anything is allocated. ``groups == 1`` calls
-``cpu.py`` / ``cuda.py`` as it always did.
+Grouped convolutions (``groups > 1``, the geometry's ``groups``) run ``kernels/conv/
+cpu_grouped.py`` (depthwise stencils for ``groups == C``, else ``cpu.py``'s kernels per group)
+and ``cuda_grouped.py`` (``cuda.py``'s GEMMs per group); ``groups == 1`` calls ``cpu.py`` /
+``cuda.py`` as it always did.
 
 Notation: N batch, C input channels, H/W input size, K filters, R/S filter size, P/Q output
 size. Activations are NCHW or NHWC (``layout``); weights are always (K, C/groups, R, S).
@@ -44,16 +44,8 @@ _kernels = functools.partial(kernels.module, "conv")   # _kernels(backend): the 
 
 def _conv_kernels(which, geometry):
     """The kernel module running ``geometry`` on backend ``which``: ``cpu``/``cuda``, or
-    ``cpu_grouped`` for ``groups > 1`` (CUDA's grouped calls never get here: refused by
-    :func:`check_groups_backend`)."""
+    ``cpu_grouped``/``cuda_grouped`` for ``groups > 1``."""
     return _kernels(which) if geometry.groups == 1 else _kernels(which + "_grouped")
-
-
-def check_groups_backend(op, which, geometry):
-    """Refuse a grouped convolution on a backend without grouped kernels (CUDA), by name."""
-    if geometry.groups != 1 and which != backend.CPU:
-        raise ValueError(f"{op}: groups={geometry.groups} is not supported on CUDA arrays "
-                         f"(grouped and depthwise convolutions run on the CPU only)")
 
 
 # --------------------------------------------------------------------------- array helpers
@@ -82,11 +74,10 @@ def conv_backward(dy, x, w, geometry, y=None, need=(True, True, True)):
 def _validate_conv(op, x, w, b, stride, padding, dilation, layout, groups):
     """(geometry, x, w, b): everything checked before anything is allocated, then made contiguous."""
     validate.check_given(op, x=x, w=w)
-    which = backend.backend_of(op, x=x, w=w, b=b)
+    backend.backend_of(op, x=x, w=w, b=b)
     validate.check_float_dtypes(op, x=x, w=w, b=b)
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
                                  layout, groups)
-    check_groups_backend(op, which, geometry)
     validate.check_vector(op, "b", b, geometry.K)
     b = None if b is None else kernels.contiguous(b)
     return geometry, kernels.contiguous(x), kernels.contiguous(w), b
@@ -235,7 +226,7 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, layout="NCHW", groups=1):
     groups : int
         Channels split into ``groups`` groups (dividing C and K): filters
         ``g*K/groups ... (g+1)*K/groups - 1`` see input channels ``g*C/groups ...`` only, and w
-        is ``(K, C/groups, R, S)`` (PyTorch's). ``groups == C``: depthwise. CPU only.
+        is ``(K, C/groups, R, S)`` (PyTorch's). ``groups == C``: depthwise.
 
     Returns
     -------
@@ -297,7 +288,7 @@ def conv_bias_relu(x, w, b=None, *, stride=1, padding=0, dilation=1, layout="NCH
     groups : int
         Channels split into ``groups`` groups (dividing C and K): filters
         ``g*K/groups ... (g+1)*K/groups - 1`` see input channels ``g*C/groups ...`` only, and w
-        is ``(K, C/groups, R, S)`` (PyTorch's). ``groups == C``: depthwise. CPU only.
+        is ``(K, C/groups, R, S)`` (PyTorch's). ``groups == C``: depthwise.
 
     Returns
     -------
@@ -346,11 +337,10 @@ def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, lay
     op = "conv_bias_relu_backward"
     dy, x, w, y = (autograd.unwrap(a) for a in (dy, x, w, y))
     validate.check_given(op, dy=dy, x=x, w=w, y=y)
-    which = backend.backend_of(op, dy=dy, x=x, w=w, y=y)
+    backend.backend_of(op, dy=dy, x=x, w=w, y=y)
     validate.check_float_dtypes(op, dy=dy, x=x, w=w, y=y)
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
                                  layout, groups)
-    check_groups_backend(op, which, geometry)
     if tuple(y.shape) != geometry.y_shape:
         raise ValueError(f"{op}: y has shape {tuple(y.shape)}, the conv's output has "
                          f"{geometry.y_shape}")

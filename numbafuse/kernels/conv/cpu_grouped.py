@@ -11,22 +11,11 @@ Same interface as ``cpu.py``'s ``conv_forward`` / ``conv_backward``, for a geome
                groups=1), and the result written into its channel block of y (dx); dw and db
                per group are their rows of dw, db. One copy in and one out per group and array.
 """
-import dataclasses
-
 import numpy as np
 
 from . import cpu as conv_cpu
 from . import cpu_depthwise
-
-
-def group_geometry(geom):
-    """The ungrouped geometry of one group of ``geom``: C/groups channels, K/groups filters."""
-    return dataclasses.replace(geom, C=geom.C // geom.groups, K=geom.K // geom.groups, groups=1)
-
-
-def _channels(a, layout, lo, hi):
-    """The channel block [lo, hi) of a 4-d activation in ``layout`` (a view)."""
-    return a[:, lo:hi] if layout == "NCHW" else a[..., lo:hi]
+from .math import channel_block as _channels, group_geometry
 
 
 def conv_forward(x, w, b, geom, relu):

@@ -10,6 +10,7 @@ A convolution's geometry travels to the kernels as one tuple of ints, ``geo`` (s
 channels, H/W input size, K filters, R/S filter size, P/Q output size, sh/sw stride, ph/pw
 top/left padding, dh/dw dilation.
 """
+import dataclasses
 
 GEO_FIELDS = ("N", "C", "H", "W", "K", "R", "S", "P", "Q", "sh", "sw", "ph", "pw", "dh", "dw",
               "nhwc")
@@ -20,6 +21,17 @@ def geo_tuple(geom):
     """The ``GEO_FIELDS`` tuple of a ``validate.ConvGeometry`` (host side)."""
     return tuple(int(geom.layout == "NHWC") if f == "nhwc" else int(getattr(geom, f))
                  for f in GEO_FIELDS)
+
+
+def group_geometry(geom):
+    """The ungrouped geometry of one group of a grouped ``validate.ConvGeometry`` (host side):
+    C/groups channels, K/groups filters, groups=1."""
+    return dataclasses.replace(geom, C=geom.C // geom.groups, K=geom.K // geom.groups, groups=1)
+
+
+def channel_block(a, layout, lo, hi):
+    """Channels [lo, hi) of a 4-d activation ``a`` in ``layout``, as a view (host or device)."""
+    return a[:, lo:hi] if layout == "NCHW" else a[:, :, :, lo:hi]
 
 
 def input_coord(o, t, stride, pad, dilation):

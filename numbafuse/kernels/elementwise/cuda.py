@@ -106,14 +106,14 @@ def _scale_broadcast(scale, x, out):
 
 @cuda.jit(cache=True)
 def _copy_strided1(src, dst):
-    # src: any-strided (A,); dst: contiguous (A,)
+    # src: any-strided (A,); dst: (A,), contiguous (or any-strided: copy_into)
     for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
         dst[i] = src[i]
 
 
 @cuda.jit(cache=True)
 def _copy_strided2(src, dst):
-    # src: any-strided (A, B); dst: C-contiguous (A, B)
+    # src: any-strided (A, B); dst: C-contiguous (A, B) (or any-strided: copy_into)
     B = src.shape[1]
     for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
         a, b = _div(i, B), _mod(i, B)
@@ -122,7 +122,7 @@ def _copy_strided2(src, dst):
 
 @cuda.jit(cache=True)
 def _copy_strided3(src, dst):
-    # src: any-strided (A, B, C); dst: C-contiguous (A, B, C)
+    # src: any-strided (A, B, C); dst: C-contiguous (or any-strided: copy_into)
     B, C = src.shape[1], src.shape[2]
     for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
         c = _mod(i, C)
@@ -133,7 +133,7 @@ def _copy_strided3(src, dst):
 
 @cuda.jit(cache=True)
 def _copy_strided4(src, dst):
-    # src: any-strided (A, B, C, D); dst: C-contiguous (A, B, C, D)
+    # src: any-strided (A, B, C, D); dst: C-contiguous (or any-strided: copy_into)
     B, C, D = src.shape[1], src.shape[2], src.shape[3]
     for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
         d = _mod(i, D)
@@ -204,6 +204,19 @@ def contiguous_copy(src):
     if rank not in _COPY_BY_RANK:
         raise ValueError(f"contiguous_copy: rank {rank} is not supported on the device (1 to 4)")
     dst = empty(src.shape, src.dtype)
+    if dst.size:
+        blocks, threads = config.grid_1d(dst.size)
+        launch(_COPY_BY_RANK[rank], blocks, threads, src, dst)
+    return dst
+
+
+def copy_into(src, dst):
+    """``dst[...] = src`` for device arrays of one shape (rank 1 to 4), each any-strided (``dst``
+    may be a view, e.g. a channel block of a larger array); returns ``dst``."""
+    rank = len(src.shape)
+    if rank not in _COPY_BY_RANK or tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"copy_into: shapes {tuple(src.shape)} and {tuple(dst.shape)} (rank 1 "
+                         f"to 4, equal) are not supported on the device")
     if dst.size:
         blocks, threads = config.grid_1d(dst.size)
         launch(_COPY_BY_RANK[rank], blocks, threads, src, dst)

@@ -1,0 +1,51 @@
+"""CUDA grouped convolutions (``groups > 1``): ``cuda.py``'s implicit GEMMs once per group.
+
+Same interface as ``cuda.py``'s ``conv_forward`` / ``conv_backward``, for a geometry with
+``groups > 1`` (``groups == 1`` never comes here). Each group's channel slice of x (and of gy,
+y in backward) is copied contiguous on the device (the GEMMs take flat C-contiguous arrays),
+the group's GEMMs run with its ungrouped geometry (C/groups channels, K/groups filters), and
+the result is copied into its channel block of y (dx) and its rows of dw, db. Depthwise
+(``groups == C``) runs the same way, one launch set per channel: correct, not fast (no
+depthwise CUDA kernel yet; the CPU has one, ``cpu_depthwise.py``).
+"""
+from ...cuda import empty as _empty
+from ..elementwise.cuda import contiguous_copy, copy_into
+from . import cuda as conv_cuda
+from .math import channel_block, group_geometry
+
+
+def conv_forward(x, w, b, geom, relu):
+    """``y = relu?(conv(x, w, groups) + b?)`` for contiguous device arrays of one dtype."""
+    one, layout = group_geometry(geom), geom.layout
+    Cg, Kg = one.C, one.K
+    y = _empty(geom.y_shape, x.dtype)
+    for g in range(geom.groups):
+        xg = contiguous_copy(channel_block(x, layout, g * Cg, (g + 1) * Cg))
+        bg = None if b is None else b[g * Kg:(g + 1) * Kg]
+        yg = conv_cuda.conv_forward(xg, w[g * Kg:(g + 1) * Kg], bg, one, relu)
+        copy_into(yg, channel_block(y, layout, g * Kg, (g + 1) * Kg))
+    return y
+
+
+def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
+    """``(dx, dw, db)`` of a grouped conv [+ bias] [+ ReLU whose output is ``y``] on the
+    device; only ``need``'s are computed (``cuda.conv_backward``)."""
+    need_dx, need_dw, need_db = (bool(v) for v in need)
+    one, layout = group_geometry(geom), geom.layout
+    Cg, Kg = one.C, one.K
+    dx = _empty(geom.x_shape, gy.dtype) if need_dx else None
+    dw = _empty(geom.w_shape, gy.dtype) if need_dw else None
+    db = _empty((geom.K,), gy.dtype) if need_db else None
+    for g in range(geom.groups):
+        c0, k0 = g * Cg, g * Kg
+        gyg = contiguous_copy(channel_block(gy, layout, k0, k0 + Kg))
+        yg = None if y is None else contiguous_copy(channel_block(y, layout, k0, k0 + Kg))
+        xg = contiguous_copy(channel_block(x, layout, c0, c0 + Cg))
+        dxg, dwg, dbg = conv_cuda.conv_backward(gyg, xg, w[k0:k0 + Kg], one, yg, need)
+        if need_dx:
+            copy_into(dxg, channel_block(dx, layout, c0, c0 + Cg))
+        if need_dw:
+            copy_into(dwg, dw[k0:k0 + Kg])
+        if need_db:
+            copy_into(dbg, db[k0:k0 + Kg])
+    return dx, dw, db
