@@ -1,6 +1,17 @@
 """Compile numbafuse's kernels ahead of time into Numba's on-disk cache.
 
+    python -m numbafuse.precompile --cpu [-j JOBS] [--dtypes float32,float64]
     python -m numbafuse.precompile --cuda [-j JOBS] [--dtypes float32,float64]
+
+``--cpu``: every CPU path a layer of a common network takes (:data:`CPU_CASES`: each conv
+algorithm's forward and backward in both layouts -- 3x3 stride 1 by Winograd and, at small
+maps, im2col; 3x3 stride 2; 1x1; the few-channel stem; Conv-BatchNorm-ReLU; BatchNorm-Add-ReLU)
+is called once at a small shape per dtype, one case per task, ``JOBS`` processes at a time, so
+that the first call of a later process (a training run, each MPI rank, the tests) loads the
+compiled code instead of compiling it (seconds per path on one core). A serial pass then runs
+every case once more in one process: Numba saves a function's cache index by reading, updating
+and rewriting it, so two processes adding different signatures of one shared step at once can
+lose one of them, and this pass compiles what was lost.
 
 Every numba.cuda kernel of the package is listed once, with its signature per dtype, in its
 module's ``PTX_SIGNATURES``; this compiles each (kernel, dtype) for the current GPU with
@@ -42,6 +53,101 @@ def _compile_one(index: int, dtypes: tuple) -> tuple:
         return name, 0.0, f"{type(exc).__name__}: {exc}"
 
 
+# (name, op, shape (N, C, H, W) of x, kernel size, stride, K): each conv case runs
+# conv_bias_relu's forward and backward; "bn" cases batchnorm_add_relu's; "cbr" cases
+# conv_batchnorm_relu's (training, recompute). The shapes pick the algorithm that layers of
+# that kind take (kernels/conv/cpu.algorithm): channels >= 32 and multiples of 8, 128 tiles.
+CPU_CASES = [
+    ("conv 3x3 s1 (Winograd)", "conv", (8, 32, 8, 8), 3, 1, 32),
+    ("conv 3x3 s1 small map (im2col forward)", "conv", (2, 32, 4, 4), 3, 1, 32),
+    ("conv 3x3 s2", "conv", (4, 32, 16, 16), 3, 2, 32),
+    ("conv 1x1 s1", "conv", (4, 32, 8, 8), 1, 1, 32),
+    ("conv 1x1 s2", "conv", (4, 32, 8, 8), 1, 2, 64),
+    ("conv 3x3 stem (few channels)", "conv", (4, 3, 16, 16), 3, 1, 32),
+    ("conv-batchnorm-relu 3x3", "cbr", (8, 32, 8, 8), 3, 1, 32),
+    ("batchnorm-add-relu", "bn", (8, 32, 8, 8), 0, 0, 0),
+]
+
+
+def cpu_cases(dtypes=("float32", "float64")):
+    """Every (name, op, shape, kernel, stride, K, dtype) that ``--cpu`` runs (both layouts
+    each: most CPU kernels take the layout as an argument, so one process compiles both)."""
+    return [(f"{name} {dtype}", op, shape, kernel, stride, K, dtype)
+            for dtype in dtypes for name, op, shape, kernel, stride, K in CPU_CASES]
+
+
+def run_cpu_case(case, layouts=("NCHW", "NHWC")) -> None:
+    """Call the case's op forward and backward once per layout (what compiles its kernels)."""
+    import numpy as np
+
+    from . import batchnorm_add_relu, batchnorm_add_relu_backward
+    from . import conv_batchnorm_relu, conv_batchnorm_relu_backward
+    from . import conv_bias_relu, conv_bias_relu_backward
+    _, op, (N, C, H, W), kernel, stride, K, dtype = case
+    rng = np.random.default_rng(0)
+    for layout in layouts:
+        shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+        x = rng.standard_normal(shape).astype(dtype)
+        if op == "bn":
+            g, b = np.ones(C, dtype), np.zeros(C, dtype)
+            y = batchnorm_add_relu(x, x, g, b, layout=layout)
+            batchnorm_add_relu_backward(y, x, x, g, b, layout=layout)
+            continue
+        w = (rng.standard_normal((K, C, kernel, kernel)) / (C * kernel)).astype(dtype)
+        kw = dict(stride=stride, padding=kernel // 2, layout=layout)
+        if op == "cbr":
+            g, b = np.ones(K, dtype), np.zeros(K, dtype)
+            y = conv_batchnorm_relu(x, w, g, b, **kw)
+            conv_batchnorm_relu_backward(y, x, w, g, b, **kw)
+            continue
+        b = np.zeros(K, dtype)
+        y = conv_bias_relu(x, w, b, **kw)
+        conv_bias_relu_backward(y, x, w, y, **kw)
+
+
+def _run_cpu_one(index: int, dtypes: tuple) -> tuple:
+    """Run CPU case ``index``; (name, seconds, error or None)."""
+    case = cpu_cases(dtypes)[index]
+    try:
+        t0 = time.perf_counter()
+        run_cpu_case(case)
+        return case[0], time.perf_counter() - t0, None
+    except Exception as exc:   # reported, never hidden: the caller prints and counts it
+        return case[0], 0.0, f"{type(exc).__name__}: {exc}"
+
+
+def precompile_cpu(jobs: int, dtypes=("float32", "float64"), out=sys.stdout) -> int:
+    """Compile the CPU paths of :data:`CPU_CASES` into the cache; returns the failures."""
+    n = len(cpu_cases(dtypes))
+    t0 = time.perf_counter()
+    failures = 0
+    # spawn: no fork of a process whose thread pools (numbafuse's, OpenBLAS's) are running
+    ctx = multiprocessing.get_context("spawn")
+    with futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        done = [pool.submit(_run_cpu_one, i, tuple(dtypes)) for i in range(n)]
+        for fut in futures.as_completed(done):
+            name, seconds, error = fut.result()
+            failures += error is not None
+            print(f"  {name:58s} {'FAILED ' + error if error else f'{seconds:6.1f} s'}",
+                  file=out, flush=True)
+    t1 = time.perf_counter()
+    with futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        serial = pool.submit(_run_cpu_serial, tuple(dtypes)).result()
+    failures += serial[1]
+    print(f"numbafuse.precompile --cpu: {n} cases, {failures} failed, {t1 - t0:.1f} s wall "
+          f"with {jobs} processes, then {time.perf_counter() - t1:.1f} s in one process "
+          f"(loading, and compiling what the parallel round lost)", file=out)
+    return failures
+
+
+def _run_cpu_serial(dtypes: tuple) -> tuple:
+    """Every case once more in this one process: (seconds, failures)."""
+    t0, failures = time.perf_counter(), 0
+    for i in range(len(cpu_cases(dtypes))):
+        failures += _run_cpu_one(i, dtypes)[2] is not None
+    return time.perf_counter() - t0, failures
+
+
 def precompile_cuda(jobs: int, dtypes=("float32", "float64"), out=sys.stdout) -> int:
     """Compile every listed CUDA kernel for the current GPU; returns the number of failures."""
     from . import cuda as nfcuda
@@ -68,14 +174,18 @@ def precompile_cuda(jobs: int, dtypes=("float32", "float64"), out=sys.stdout) ->
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m numbafuse.precompile",
                                 description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="compile the CPU kernels' common paths")
     p.add_argument("--cuda", action="store_true", help="compile the CUDA kernels (needs a GPU)")
     p.add_argument("-j", "--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     p.add_argument("--dtypes", default="float32,float64")
     args = p.parse_args(argv)
-    if not args.cuda:
-        p.error("say what to compile: --cuda")
+    if not (args.cpu or args.cuda):
+        p.error("say what to compile: --cpu, --cuda or both")
     dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
-    return 1 if precompile_cuda(args.jobs, dtypes) else 0
+    failures = precompile_cpu(args.jobs, dtypes) if args.cpu else 0
+    if args.cuda:
+        failures += precompile_cuda(args.jobs, dtypes)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

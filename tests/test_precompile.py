@@ -37,3 +37,40 @@ def test_it_says_what_to_compile_and_needs_a_gpu(capsys):
     if not nfcuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA device"):
             precompile.main(["--cuda", "-j", "1"])
+
+
+def test_the_cpu_cases_take_the_paths_layers_take():
+    # each case's shape sends its passes down the algorithm that layers of its kind take, so
+    # that precompiling it compiles what a network's first call needs (kernels/conv/cpu.py)
+    import numpy as np
+
+    from numbafuse import precompile, validate
+    from numbafuse.kernels.conv import cpu as conv_cpu
+    picked = {}
+    for name, op, (N, C, H, W), kernel, stride, K, dtype in precompile.cpu_cases(("float32",)):
+        if op == "bn":
+            continue
+        for layout in ("NCHW", "NHWC"):
+            shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+            g = validate.conv_geometry("t", shape, (K, C, kernel, kernel), stride,
+                                       kernel // 2, 1, layout)
+            picked[name, layout] = tuple(conv_cpu.algorithm(g, p, np.float32)
+                                         for p in ("forward", "dx", "dw"))
+    for layout in ("NCHW", "NHWC"):
+        assert picked["conv 3x3 s1 (Winograd) float32", layout] == ("winograd",) * 3
+        assert picked["conv-batchnorm-relu 3x3 float32", layout] == ("winograd",) * 3
+        assert picked["conv 3x3 s1 small map (im2col forward) float32", layout] == (
+            "im2col", "winograd", "winograd")
+        assert picked["conv 3x3 s2 float32", layout] == ("winograd_s2",) * 3
+        assert picked["conv 1x1 s1 float32", layout] == ("pointwise",) * 3
+        assert picked["conv 3x3 stem (few channels) float32", layout][0] == "im2col"
+    assert len(precompile.cpu_cases()) == 2 * len(precompile.CPU_CASES)
+
+
+def test_a_cpu_case_runs_in_process():
+    # run_cpu_case is what each worker process calls: the smallest case, both layouts
+    from numbafuse import precompile
+    case = next(c for c in precompile.cpu_cases(("float32",)) if c[1] == "bn")
+    precompile.run_cpu_case(case)
+    assert precompile._run_cpu_one(precompile.cpu_cases(("float32",)).index(case),
+                                   ("float32",))[2] is None
