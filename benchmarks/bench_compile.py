@@ -285,8 +285,16 @@ def _cuda(spec, steps, log):
     from numba.core import sigutils
     sass = _timed(steps, log, "import", lambda: _import_sass())
     wanted = spec.get("names")
-    cases = [c for c in sass.cases(("float32",))
-             if wanted is None or _kernel_key(c[1].py_func) in wanted]
+    owner = {id(k): m.__name__.removeprefix("numbafuse.kernels.")
+             for m in sass.kernel_modules() for k, _ in m.PTX_SIGNATURES}
+    cases, seen = [], set()
+    for name, kernel, signature, gemm in sass.cases(("float32",)):
+        if wanted is None or _kernel_key(kernel.py_func) in wanted:
+            name = f"{owner[id(kernel)]}.{name.split('.', 1)[1]}"
+            while name in seen:                   # a kernel listed with two signatures
+                name += "'"
+            seen.add(name)
+            cases.append((name, kernel, signature, gemm))
     _offline_device()
     from numba.cuda import dispatcher
     kernels = []
@@ -503,7 +511,10 @@ def cuda_lines(results):
             f"whole process {res['warm_wall']:.1f} s wall), {hits} of {len(kw)} loaded from it. "
             f"Slowest: `{slow['name']}` {slow['cpu']:.1f} s CPU cold."
             + (f" Launched but not listed in PTX_SIGNATURES: {cold['missing']}."
-               if cold.get("missing") else ""), ""]
+               if cold.get("missing") else "")
+            + (" Compiled again in the second process (not served by the cache): "
+               + ", ".join(f"`{k['name']}` {k['cpu']:.1f} s" for k in kw if not k["cache_hit"])
+               + "." if hits < len(kw) else ""), ""]
         if spec["kernels"] == "step":
             lines += ["| kernel | cold: CPU s | wall s | cached: CPU s | from the cache |",
                       "|---|---:|---:|---:|---|"]
@@ -524,6 +535,20 @@ def versions():
         except metadata.PackageNotFoundError:
             pass
     return ", ".join(out)
+
+
+def source_state():
+    """The commit of the working tree, the last commit of the conv kernels, and the package's
+    uncommitted changes (the tree is what the processes import)."""
+    def git(*a):
+        out = subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT, check=False)
+        return out.stdout.rstrip() if out.returncode == 0 else "?"
+    dirty = [ln for ln in git("status", "--porcelain", "--", "numbafuse").splitlines()
+             if len(ln) > 3]
+    return (f"numbafuse at {git('log', '-1', '--format=%h')} (numbafuse/kernels/conv last "
+            f"changed in {git('log', '-1', '--format=%h', '--', 'numbafuse/kernels/conv')})"
+            + (f", with uncommitted changes in {', '.join(ln[3:] for ln in dirty)}"
+               if dirty else ""))
 
 
 def report(results, skipped, command, machine, load, note=""):
@@ -589,6 +614,7 @@ def main(argv=None):
         return
     results, skipped = {}, {}
     load = [os.getloadavg()[0]]
+    state = source_state()
     for case in select(args.cases, args.quick):
         spec = CASES[case]
         reason = skip_reason(spec)
@@ -599,7 +625,9 @@ def main(argv=None):
         results[case] = measure(case, spec,
                                 log=lambda s: print(s, file=sys.stderr, flush=True))
     load.append(os.getloadavg()[0])
-    note = f" {args.note}" if args.note else ""
+    if source_state() != state:
+        state = f"{state} at the start; {source_state()} at the end"
+    note = f" Source: {state}." + (f" {args.note}" if args.note else "")
     lines = report(results, skipped, _report.command("bench_compile.py"), _runner._machine(),
                    load, note)
     _report.emit(lines, DOCS if args.write else args.markdown)
