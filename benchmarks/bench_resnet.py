@@ -1,0 +1,104 @@
+"""ResNet-18/50 training step and eval forward: ``numbafuse.torch.fuse(model)`` against PyTorch.
+
+    python benchmarks/bench_resnet.py [--models resnet18,resnet50] [--batch 16] [--size 64]
+                                      [--rounds 3] [--repeats 5] [--threads N] [--markdown FILE]
+
+The model is torchvision's code (``numbafuse/torch/resnet.py``: the same modules, names and
+forward), float32, NCHW, 1000 classes. A training step = gradients set to None, forward,
+cross-entropy, backward, SGD (lr 0.01, momentum 0.9, weight decay 1e-4); "eval" is a forward
+under ``torch.no_grad`` in eval mode. The numbafuse side runs ``numbafuse.torch.fuse(model)``
+(every Conv-BN(-add)-ReLU chain as one fused op with recompute) on the same model; the torch
+side the model as written. Each library in its own process (``_runner.py``: the torch worker
+loads resnet.py from its file, without importing numbafuse), the processes alternating round
+by round, best of each. Each worker also prints its first step's time to stderr (compilation
+included on the numbafuse side, with whatever Numba cache the environment has).
+"""
+import argparse
+import importlib.util
+import os
+import sys
+import time
+
+import _report
+import _runner
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESNET = os.path.join(os.path.dirname(HERE), "numbafuse", "torch", "resnet.py")
+LR, MOMENTUM, WEIGHT_DECAY, CLASSES = 0.01, 0.9, 1e-4, 1000
+
+
+def _resnet_module():
+    """numbafuse/torch/resnet.py loaded from its file (torch only, no numbafuse import)."""
+    spec = importlib.util.spec_from_file_location("_bench_resnet_models", RESNET)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cases(side, options):
+    import torch
+    torch.manual_seed(0)
+    resnet = _resnet_module()
+    batch, size = int(options["batch"]), int(options["size"])
+    x = torch.randn(batch, 3, size, size)
+    labels = torch.randint(0, CLASSES, (batch,))
+    out = {}
+    for name in options["models"].split(","):
+        model = getattr(resnet, name)(num_classes=CLASSES)
+        if side == "numbafuse":
+            import numbafuse.torch as nft
+            model = nft.fuse(model)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
+                              weight_decay=WEIGHT_DECAY)
+
+        def step(model=model, opt=opt):
+            model.train()
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(model(x), labels)
+            loss.backward()
+            opt.step()
+
+        def forward(model=model):
+            model.eval()
+            with torch.no_grad():
+                model(x)
+
+        t0 = time.perf_counter()
+        step()
+        first = time.perf_counter() - t0
+        print(f"# {side} {name}: first step {first:.2f} s", file=sys.stderr, flush=True)
+        out[f"{name} train step"] = step
+        out[f"{name} eval forward"] = forward
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="resnet18,resnet50")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--markdown", default=None, help="write the table to this file")
+    args = p.parse_args(argv)
+    options = dict(models=args.models, batch=args.batch, size=args.size)
+    if args.threads:
+        options["threads"] = args.threads
+    best, info = _runner.compare("bench_resnet", ["numbafuse", "torch"], args.rounds,
+                                 args.repeats, options, log=lambda s: print(s, file=sys.stderr))
+    names = list(best["torch"])
+    lines = _runner.header(info, _report.command("bench_resnet.py"))
+    lines += [f"Batch {args.batch}, 3x{args.size}x{args.size}, float32, NCHW.", "",
+              "| case | numbafuse (fused) ms | PyTorch ms | speed vs PyTorch |",
+              "|---|---:|---:|---:|"]
+    for n in names:
+        a, b = best["numbafuse"][n], best["torch"][n]
+        lines.append(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x |")
+    _report.emit(lines, args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    sys.exit(main())
