@@ -40,6 +40,100 @@ _relu = scalar.cpu_scalar(scalar.relu)
 _valid_range = scalar.cpu_scalar(conv_math.valid_range)
 
 
+@njit(cache=True)
+def _axpy(out, src, a):
+    # out[i] += src[i] * a  (1-d views of one length, indexed from 0: no wraparound checks)
+    for i in range(out.shape[0]):
+        out[i] += src[i] * a
+
+
+@njit(cache=True)
+def _fma(out, u, v):
+    # out[i] += u[i] * v[i]  (1-d views of one length)
+    for i in range(out.shape[0]):
+        out[i] += u[i] * v[i]
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _dot64(u, v):
+    # float64 sum of u[i] * v[i], vectorised: reassociated in a fixed, compiled order (the same
+    # result on every call, whatever the thread count)
+    acc = 0.0
+    for i in range(u.shape[0]):
+        acc += u[i] * v[i]
+    return acc
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _sum64(u):
+    # float64 sum of u, vectorised in a fixed, compiled order
+    acc = 0.0
+    for i in range(u.shape[0]):
+        acc += u[i]
+    return acc
+
+
+@njit(cache=True)
+def _gate_row(gv, yv, use_mask, g):
+    # g[i] <- gv[i] * (yv[i] > 0), or gv[i] (no mask): the ReLU's gradient, 1-d views
+    for i in range(g.shape[0]):
+        g[i] = gv[i]
+        if use_mask and not yv[i] > 0:
+            g[i] = 0
+
+
+@njit(cache=True)
+def _gate_plane(gp, yp, use_mask, Wph, g):
+    # g (P*Wph,) <- the gated (P, Q) plane gp, row p at p*Wph, zeros in columns Q <= q < Wph
+    P, Q = gp.shape
+    for p in range(P):
+        _gate_row(gp[p], yp[p], use_mask, g[p * Wph:p * Wph + Q])
+        g[p * Wph + Q:(p + 1) * Wph] = 0
+
+
+@njit(cache=True)
+def _split_phases(src, top, left, sh, sw, Wph, out):
+    # src: (H, W) plane;  out: (sh*sw, Hph*Wph) <- its zero-padded copy split by phase:
+    # out[a*sw + b, i*Wph + j] = src[i*sh + a - top, j*sw + b - left], 0 outside src
+    H, W = src.shape
+    Hph = out.shape[1] // Wph
+    for a in range(sh):
+        for b in range(sw):
+            o = out[a * sw + b]
+            for i in range(Hph):
+                h = i * sh + a - top
+                row = o[i * Wph:(i + 1) * Wph]
+                row[:] = 0
+                if h < 0 or h >= H:
+                    continue
+                xr = src[h]
+                for j in range(Wph):
+                    wi = j * sw + b - left
+                    if wi >= 0 and wi < W:
+                        row[j] = xr[wi]
+
+
+@njit(cache=True)
+def _merge_phases(buf, top, left, sh, sw, Wph, dst):
+    # the inverse of _split_phases: dst (H, W)[i*sh + a - top, j*sw + b - left] =
+    # buf[a*sw + b, i*Wph + j]; 0 where no phase element lands (past the buffer)
+    H, W = dst.shape
+    Hph = buf.shape[1] // Wph
+    dst[:] = 0
+    for a in range(sh):
+        for i in range(Hph):
+            h = i * sh + a - top
+            if h < 0 or h >= H:
+                continue
+            d = dst[h]
+            for b in range(sw):
+                row = buf[a * sw + b, i * Wph:(i + 1) * Wph]
+                for j in range(Wph):
+                    wi = j * sw + b - left
+                    if wi >= 0 and wi < W:
+                        d[wi] = row[j]
+
+
 def is_depthwise(geom):
     """Whether a grouped convolution runs these kernels: one input channel per group."""
     return geom.groups > 1 and geom.groups == geom.C
@@ -81,39 +175,59 @@ def _forward_nhwc(t0, t1, x, wt, b, relu, geo, rpc, y):
 
 
 @task_kernel
-def _forward_nchw(t0, t1, x, w, b, relu, geo, y):
-    # x: (N, C, H, W);  w: (K, R, S);  b: (K,);  y: (N, K, P, Q).  Task t: plane (n, k) = divmod(t, K).
+def _forward_nhwc_rows(t0, t1, x, wtile, btile, relu, geo, rpc, y):
+    # Stride 1 along w, multiplier 1: each tap of an output row is one loop over Q*C values.
+    # x: (N, H, W*C);  wtile, btile: (R, S, Q*C), (Q*C,) each tap's weights and b repeated Q
+    # times;  y: (N, P, Q*C).  Tasks as _forward_nhwc's.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    M = K // C
-    acc = np.empty(Q, w.dtype)                                        # one output row
+    nb = (P + rpc - 1) // rpc
+    acc = np.empty(Q * C, x.dtype)                                    # one output row
     for t in range(t0, t1):
-        n, k = t // K, t % K
-        xp, yp, bias = x[n, k // M], y[n, k], b[k]
-        for p in range(P):
+        n, p0 = t // nb, (t % nb) * rpc
+        for p in range(p0, min(P, p0 + rpc)):
             acc[:] = 0
             for r in range(R):
                 h = p * sh - ph + r * dh
                 if h < 0 or h >= H:
                     continue
-                xr = xp[h]                                            # (W,)
+                xr = x[n, h]                                          # (W*C,)
                 for s in range(S):
-                    q0, q1 = _valid_range(s, sw, pw, dw, W, Q)
-                    if q1 <= q0:
-                        continue
-                    x0, wv = q0 * sw + s * dw - pw, w[k, r, s]        # input column of q0
-                    a = acc[q0:q1]                  # views from 0: no negative-index checks
-                    if sw == 1:
-                        xs = xr[x0:x0 + q1 - q0]
-                        for i in range(q1 - q0):
-                            a[i] += xs[i] * wv
-                    else:
-                        xs2 = xr[x0:x0 + (q1 - q0 - 1) * sw + 1:sw]
-                        for i in range(q1 - q0):
-                            a[i] += xs2[i] * wv
-            yr = yp[p]
-            for q in range(Q):
-                v = acc[q] + bias
-                yr[q] = _relu(v) if relu else v
+                    q0, q1 = _valid_range(s, 1, pw, dw, W, Q)
+                    if q1 > q0:
+                        x0, m = (q0 - pw + s * dw) * C, (q1 - q0) * C
+                        _fma(acc[q0 * C:q1 * C], xr[x0:x0 + m], wtile[r, s, :m])
+            yr = y[n, p]
+            for i in range(Q * C):
+                v = acc[i] + btile[i]
+                yr[i] = _relu(v) if relu else v
+
+
+@task_kernel
+def _forward_nchw(t0, t1, x, w, b, relu, geo, Wph, y):
+    # x: (N, C, H, W);  w: (K, R, S);  b: (K,);  y: (N, K, P, Q).  Task t: input plane (n, c) =
+    # divmod(t, C), split into its sh*sw phases (zero-padded, rows of Wph): each tap is then one
+    # loop over P*Wph values at a fixed offset (columns Q <= q < Wph computed and dropped).
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    M = K // C
+    L = P * Wph
+    xph = np.empty((sh * sw, (P + (R - 1) * dh // sh + 1) * Wph), x.dtype)
+    acc = np.empty(L, x.dtype)
+    for t in range(t0, t1):
+        n, c = t // C, t % C
+        _split_phases(x[n, c], ph, pw, sh, sw, Wph, xph)
+        for k in range(c * M, c * M + M):
+            acc[:] = 0
+            for r in range(R):
+                for s in range(S):
+                    off = (r * dh) // sh * Wph + (s * dw) // sw
+                    src = xph[(r * dh) % sh * sw + (s * dw) % sw]
+                    _axpy(acc, src[off:off + L], w[k, r, s])
+            yp, bias = y[n, k], b[k]
+            for p in range(P):
+                a, yr = acc[p * Wph:p * Wph + Q], yp[p]
+                for q in range(Q):
+                    v = a[q] + bias
+                    yr[q] = _relu(v) if relu else v
 
 
 def forward(x, w, b, geom, relu):
@@ -126,11 +240,33 @@ def forward(x, w, b, geom, relu):
     relu = bool(relu)
     if geom.layout == "NHWC":
         rpc = _rows_per_chunk(geom)
-        launch(_forward_nhwc, N * blocks(P, rpc), x, _taps_nhwc(w, C, K // C), b, relu, geo,
-               rpc, y, work=work)
+        if _flat_rows(geom):
+            launch(_forward_nhwc_rows, N * blocks(P, rpc), x.reshape(N, geom.H, geom.W * C),
+                   _tiled_taps(w, geom), np.tile(b, Q), relu, geo, rpc, y.reshape(N, P, Q * K),
+                   work=work)
+        else:
+            launch(_forward_nhwc, N * blocks(P, rpc), x, _taps_nhwc(w, C, K // C), b, relu,
+                   geo, rpc, y, work=work)
     else:
-        launch(_forward_nchw, N * K, x, w.reshape(K, R, S), b, relu, geo, y, work=work)
+        launch(_forward_nchw, N * C, x, w.reshape(K, R, S), b, relu, geo, _phase_width(geom),
+               y, work=work)
     return y
+
+
+def _flat_rows(geom):
+    """NHWC with stride 1 along w and multiplier 1: a tap of a row is one flat loop."""
+    return geom.sw == 1 and geom.K == geom.C
+
+
+def _tiled_taps(w, geom):
+    """(R, S, Q*C): each tap's C weights repeated Q times (the flat rows' multiplicand)."""
+    taps = w.reshape(geom.K, geom.R, geom.S).transpose(1, 2, 0)       # (R, S, C)
+    return np.ascontiguousarray(np.tile(taps, (1, 1, geom.Q)))
+
+
+def _phase_width(geom):
+    """Row length of the NCHW kernels' phase planes: Q plus the widest tap's column offset."""
+    return geom.Q + (geom.S - 1) * geom.dw // geom.sw
 
 
 def _rows_per_chunk(geom):
@@ -176,42 +312,48 @@ def _dx_nhwc(t0, t1, gy, y, use_mask, wt, geo, dx):
 
 
 @task_kernel
-def _dx_nchw(t0, t1, gy, y, use_mask, w, geo, dx):
+def _dx_nhwc_rows(t0, t1, gy, y, use_mask, wtile, geo, dx):
+    # Stride 1 along w, multiplier 1 (see _forward_nhwc_rows): gy, y: (N, P, Q*C);  wtile:
+    # (R, S, Q*C);  dx: (N, H, W*C).  Task t: input row (n, h) = divmod(t, H), as _dx_nhwc's.
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    g = np.empty(Q * C, gy.dtype)                                     # one gated row of g
+    for t in range(t0, t1):
+        n, h = t // H, t % H
+        d = dx[n, h]                                                  # (W*C,)
+        d[:] = 0
+        for r in range(R):
+            num = h + ph - r * dh                                     # = p * sh
+            if num < 0 or num % sh != 0 or num // sh >= P:
+                continue
+            _gate_row(gy[n, num // sh], y[n, num // sh], use_mask, g)
+            for s in range(S):
+                q0, q1 = _valid_range(s, 1, pw, dw, W, Q)
+                if q1 > q0:
+                    x0, m = (q0 - pw + s * dw) * C, (q1 - q0) * C
+                    _fma(d[x0:x0 + m], g[q0 * C:q1 * C], wtile[r, s, :m])
+
+
+@task_kernel
+def _dx_nchw(t0, t1, gy, y, use_mask, w, geo, Wph, dx):
     # gy, y: (N, K, P, Q);  w: (K, R, S);  dx: (N, C, H, W).  Task t: input plane (n, c) =
-    # divmod(t, C), which the task owns: its filters' g * w scattered into it.
+    # divmod(t, C), which the task owns: its filters' gated g (rows of Wph, zero past Q) times
+    # each tap added into the plane's phases (_forward_nchw's offsets), then merged into dx.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     M = K // C
-    g = np.empty(Q, gy.dtype)                                         # one gated row of g
+    L = P * Wph
+    dph = np.empty((sh * sw, (P + (R - 1) * dh // sh + 1) * Wph), gy.dtype)
+    g = np.empty(L, gy.dtype)
     for t in range(t0, t1):
         n, c = t // C, t % C
-        dp = dx[n, c]                                                 # (H, W)
-        dp[:] = 0
+        dph[:] = 0
         for k in range(c * M, c * M + M):
-            gp, yp = gy[n, k], y[n, k]                                # (P, Q), (P, Q)
-            for p in range(P):
-                for q in range(Q):
-                    g[q] = gp[p, q]
-                    if use_mask and not yp[p, q] > 0:
-                        g[q] = 0
-                for r in range(R):
-                    h = p * sh - ph + r * dh
-                    if h < 0 or h >= H:
-                        continue
-                    dr = dp[h]                                        # (W,)
-                    for s in range(S):
-                        q0, q1 = _valid_range(s, sw, pw, dw, W, Q)
-                        if q1 <= q0:
-                            continue
-                        x0, wv = q0 * sw + s * dw - pw, w[k, r, s]    # dx column of q0
-                        gs = g[q0:q1]               # views from 0: no negative-index checks
-                        if sw == 1:
-                            ds = dr[x0:x0 + q1 - q0]
-                            for i in range(q1 - q0):
-                                ds[i] += gs[i] * wv
-                        else:
-                            ds2 = dr[x0:x0 + (q1 - q0 - 1) * sw + 1:sw]
-                            for i in range(q1 - q0):
-                                ds2[i] += gs[i] * wv
+            _gate_plane(gy[n, k], y[n, k], use_mask, Wph, g)
+            for r in range(R):
+                for s in range(S):
+                    off = (r * dh) // sh * Wph + (s * dw) // sw
+                    dst = dph[(r * dh) % sh * sw + (s * dw) % sw]
+                    _axpy(dst[off:off + L], g, w[k, r, s])
+        _merge_phases(dph, ph, pw, sh, sw, Wph, dx[n, c])
 
 
 # --------------------------------------------------------------------------- dW and db
@@ -261,61 +403,35 @@ def _dw_nhwc(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts)
 
 @task_kernel
 def _dw_nchw(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts):
-    # x: (N, C, H, W);  gy, y: (N, K, P, Q);  dw_parts: (groups, K, R, S);  db_parts:
-    # (groups, K) float64;  plan: (nchunks, groups).  Task t: group t, the chunks
-    # [t*nchunks//groups, (t+1)*...), a chunk being plane (n, k) = divmod(chunk, K). Per plane,
-    # each tap's products are summed per output column first (acc, vectorised over q), then
-    # over the columns.
+    # x: (N, C, H, W);  gy, y: (N, K, P, Q);  dw_parts: (groups, K, R, S), db_parts: (groups, K),
+    # both float64;  plan: (nchunks, groups, Wph).  Task t: group t, the chunks
+    # [t*nchunks//groups, (t+1)*...), a chunk being input plane (n, c) = divmod(chunk, C) and
+    # its filters: dw[k, r, s] += the dot product of the gated g (rows of Wph, zero past Q)
+    # with the tap's window of the plane's phases (_forward_nchw's offsets).
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    nchunks, groups = plan
+    nchunks, groups, Wph = plan
     M = K // C
-    g = np.empty(Q, gy.dtype)                                         # one gated row of g
-    acc = np.empty((R, S, Q), gy.dtype)
+    L = P * Wph
+    xph = np.empty((sh * sw, (P + (R - 1) * dh // sh + 1) * Wph), x.dtype)
+    g = np.empty(L, gy.dtype)
     for t in range(t0, t1):
         dwp, dbp = dw_parts[t], db_parts[t]
         dwp[:] = 0
         dbp[:] = 0
         for chunk in range(t * nchunks // groups, (t + 1) * nchunks // groups):
-            n, k = chunk // K, chunk % K
-            xp, gp, yp = x[n, k // M], gy[n, k], y[n, k]
-            acc[:] = 0
-            db = 0.0
-            for p in range(P):
-                for q in range(Q):
-                    g[q] = gp[p, q]
-                    if use_mask and not yp[p, q] > 0:
-                        g[q] = 0
-                    db += g[q]
+            n, c = chunk // C, chunk % C
+            if need_dw:
+                _split_phases(x[n, c], ph, pw, sh, sw, Wph, xph)
+            for k in range(c * M, c * M + M):
+                _gate_plane(gy[n, k], y[n, k], use_mask, Wph, g)
+                dbp[k] += _sum64(g)
                 if not need_dw:
                     continue
                 for r in range(R):
-                    h = p * sh - ph + r * dh
-                    if h < 0 or h >= H:
-                        continue
-                    xr = xp[h]                                        # (W,)
                     for s in range(S):
-                        q0, q1 = _valid_range(s, sw, pw, dw, W, Q)
-                        if q1 <= q0:
-                            continue
-                        x0 = q0 * sw + s * dw - pw                    # input column of q0
-                        a, gs = acc[r, s, q0:q1], g[q0:q1]    # views from 0: no wraparound
-                        if sw == 1:
-                            xs = xr[x0:x0 + q1 - q0]
-                            for i in range(q1 - q0):
-                                a[i] += gs[i] * xs[i]
-                        else:
-                            xs2 = xr[x0:x0 + (q1 - q0 - 1) * sw + 1:sw]
-                            for i in range(q1 - q0):
-                                a[i] += gs[i] * xs2[i]
-            dbp[k] += db
-            if need_dw:
-                for r in range(R):
-                    for s in range(S):
-                        a = acc[r, s]
-                        v = a[0] * 0
-                        for q in range(Q):
-                            v += a[q]
-                        dwp[k, r, s] += v
+                        off = (r * dh) // sh * Wph + (s * dw) // sw
+                        src = xph[(r * dh) % sh * sw + (s * dw) % sw]
+                        dwp[k, r, s] += _dot64(g, src[off:off + L])
 
 
 def backward(gy, x, w, geom, y=None, need=(True, True, True)):
@@ -332,11 +448,15 @@ def backward(gy, x, w, geom, y=None, need=(True, True, True)):
     dx = dw = db = None
     if need_dx:
         dx = _out.empty(geom.x_shape, gy.dtype)
-        if nhwc:
-            launch(_dx_nhwc, N * geom.H, gy, y, use_mask, _taps_nhwc(w, C, M), geo, dx,
-                   work=work)
+        H, W = geom.H, geom.W
+        if nhwc and _flat_rows(geom):
+            launch(_dx_nhwc_rows, N * H, gy.reshape(N, P, Q * K), y.reshape(N, P, Q * K),
+                   use_mask, _tiled_taps(w, geom), geo, dx.reshape(N, H, W * C), work=work)
+        elif nhwc:
+            launch(_dx_nhwc, N * H, gy, y, use_mask, _taps_nhwc(w, C, M), geo, dx, work=work)
         else:
-            launch(_dx_nchw, N * C, gy, y, use_mask, w.reshape(K, R, S), geo, dx, work=work)
+            launch(_dx_nchw, N * C, gy, y, use_mask, w.reshape(K, R, S), geo,
+                   _phase_width(geom), dx, work=work)
     if need_dw or need_db:
         if nhwc:
             rpc = _rows_per_chunk(geom)
@@ -350,14 +470,14 @@ def backward(gy, x, w, geom, y=None, need=(True, True, True)):
                 dw = np.ascontiguousarray(
                     np.add.reduce(dw_parts, axis=0).transpose(3, 0, 1, 2)).reshape(K, 1, R, S)
         else:
-            nchunks = N * K
+            nchunks = N * C
             groups = min(nchunks, DW_GROUPS)
-            dw_parts = np.empty((groups, K, R, S), gy.dtype)
+            dw_parts = np.empty((groups, K, R, S))                    # float64
             db_parts = np.empty((groups, K))                          # float64
-            launch(_dw_nchw, groups, x, gy, y, use_mask, need_dw, geo, (nchunks, groups),
-                   dw_parts, db_parts, work=work, grain=1)
-            if need_dw:
-                dw = np.add.reduce(dw_parts, axis=0).reshape(K, 1, R, S)    # group order
+            launch(_dw_nchw, groups, x, gy, y, use_mask, need_dw, geo,
+                   (nchunks, groups, _phase_width(geom)), dw_parts, db_parts, work=work, grain=1)
+            if need_dw:                                               # group order
+                dw = np.add.reduce(dw_parts, axis=0).astype(gy.dtype).reshape(K, 1, R, S)
         if need_db:
             db = np.add.reduce(db_parts, axis=0).astype(gy.dtype)           # group order
     return dx, dw, db
