@@ -92,6 +92,14 @@ def _gate_plane(gp, yp, use_mask, Wph, g):
 
 
 @njit(cache=True)
+def _phase_columns(b, sw, left, W, Wph):
+    # (j0, j1): the columns j of a phase row whose source column j*sw + b - left is in [0, W)
+    j0 = max(0, (left - b + sw - 1) // sw)
+    j1 = min(Wph, (W - 1 + left - b) // sw + 1) if W - 1 + left - b >= 0 else 0
+    return j0, max(j0, j1)
+
+
+@njit(cache=True)
 def _split_phases(src, top, left, sh, sw, Wph, out):
     # src: (H, W) plane;  out: (sh*sw, Hph*Wph) <- its zero-padded copy split by phase:
     # out[a*sw + b, i*Wph + j] = src[i*sh + a - top, j*sw + b - left], 0 outside src
@@ -100,17 +108,22 @@ def _split_phases(src, top, left, sh, sw, Wph, out):
     for a in range(sh):
         for b in range(sw):
             o = out[a * sw + b]
+            j0, j1 = _phase_columns(b, sw, left, W, Wph)
             for i in range(Hph):
                 h = i * sh + a - top
                 row = o[i * Wph:(i + 1) * Wph]
-                row[:] = 0
-                if h < 0 or h >= H:
+                if h < 0 or h >= H or j1 == j0:
+                    row[:] = 0
                     continue
-                xr = src[h]
-                for j in range(Wph):
-                    wi = j * sw + b - left
-                    if wi >= 0 and wi < W:
-                        row[j] = xr[wi]
+                row[:j0] = 0
+                row[j1:] = 0
+                dst, xs = row[j0:j1], src[h, j0 * sw + b - left:]         # views from 0
+                if sw == 1:
+                    for j in range(j1 - j0):
+                        dst[j] = xs[j]
+                else:
+                    for j in range(j1 - j0):
+                        dst[j] = xs[j * sw]
 
 
 @njit(cache=True)
@@ -125,13 +138,15 @@ def _merge_phases(buf, top, left, sh, sw, Wph, dst):
             h = i * sh + a - top
             if h < 0 or h >= H:
                 continue
-            d = dst[h]
             for b in range(sw):
-                row = buf[a * sw + b, i * Wph:(i + 1) * Wph]
-                for j in range(Wph):
-                    wi = j * sw + b - left
-                    if wi >= 0 and wi < W:
-                        d[wi] = row[j]
+                j0, j1 = _phase_columns(b, sw, left, W, Wph)
+                src, d = buf[a * sw + b, i * Wph + j0:i * Wph + j1], dst[h, j0 * sw + b - left:]
+                if sw == 1:
+                    for j in range(j1 - j0):
+                        d[j] = src[j]
+                else:
+                    for j in range(j1 - j0):
+                        d[j * sw] = src[j]
 
 
 def is_depthwise(geom):
