@@ -98,8 +98,10 @@ def _stats_nhwc(t0, t1, x2, shift, rows_per_task, partials):
                 d = xr[k] - shift[k]
                 s1[k] += d
                 s2[k] += d * d
-        partials[p, 0] = s1
-        partials[p, 1] = s2
+        p0, p1 = partials[p, 0], partials[p, 1]
+        for k in range(L):          # (element by element: an array assigned to a slice
+            p0[k] = s1[k]           # compiles numba's shape-mismatch message, 2 s)
+            p1[k] = s2[k]
 
 
 # --------------------------------------------------------------------------- fused forward
@@ -324,8 +326,10 @@ def _bwd_reduce_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, state_kind,
             for k in range(L):
                 sg[k] += g[k]
                 sgx[k] += g[k] * ((xr[k] - mean_hi[k]) - mean_lo[k])
-        partials[p, 0] = sg
-        partials[p, 1] = sgx
+        p0, p1 = partials[p, 0], partials[p, 1]
+        for k in range(L):          # (element by element, as in _stats_nhwc)
+            p0[k] = sg[k]
+            p1[k] = sgx[k]
 
 
 @task_kernel
