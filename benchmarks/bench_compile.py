@@ -1,7 +1,7 @@
 """First contact: cold first calls (empty Numba cache), compile time per function, warm starts.
 
     python benchmarks/bench_compile.py [--cases NAME,...] [--quick] [--list]
-                                       [--write | --markdown FILE]
+                                       [--write | --markdown FILE] [--json FILE]
 
 Every case runs in its own processes (issue 33), each with a fresh, empty ``NUMBA_CACHE_DIR``
 (a new temporary directory per case):
@@ -443,6 +443,31 @@ def op_rows(results):
     return lines
 
 
+def target_summary(results):
+    """How many passes meet each target, and every function over the 2 s target (its most
+    self CPU seconds in any case)."""
+    passes = [(c, s) for c, res in results.items() for s in res["cold"]["steps"]
+              if s["name"] in ("forward", "backward")]
+    if not passes:
+        return []
+    rows = op_rows(results)[2:]
+    n = len(rows)
+    met = [sum(r.split(" | ")[i].strip(" |") == "yes" for r in rows) for i in (-3, -2, -1)]
+    worst = max(passes, key=lambda p: p[1]["cpu"])
+    over = {}
+    for res in results.values():
+        for r in res["cold"]["compiles"]:
+            key = f"{r['module'].removeprefix('numbafuse.')}.{r['fn']}"
+            over[key] = max(over.get(key, 0.0), r["self_cpu"])
+    over = sorted(((k, v) for k, v in over.items() if v > TARGET_FUNCTION), key=lambda kv: -kv[1])
+    return [f"Targets met (CPU seconds): cold first call <= {TARGET_COLD_CALL:g} s in {met[0]} of "
+            f"{n} passes (the longest: {worst[0]} {worst[1]['name']}, {worst[1]['cpu']:.1f} s); "
+            f"no function over {TARGET_FUNCTION:g} s in {met[1]} of {n}; warm import + first "
+            f"calls <= {TARGET_WARM:g} s in {met[2]} of {n}. Functions over "
+            f"{TARGET_FUNCTION:g} s of self CPU (the most in any case): "
+            + (", ".join(f"`{k}` {v:.1f} s" for k, v in over) or "none") + ".", ""]
+
+
 def process_rows(results):
     """Per case: the whole cold and warm processes (interpreter start included), the import,
     and what the warm process still compiled (a function without ``cache=True``)."""
@@ -456,7 +481,8 @@ def process_rows(results):
         cold_imp = sum(s["cpu"] for s in res["cold"]["steps"] if s["name"] in IMPORTS)
         warm_imp = sum(s["cpu"] for s in res["warm"]["steps"] if s["name"] in IMPORTS)
         recs, wrecs = res["cold"]["compiles"], res["warm"]["compiles"]
-        again = ", ".join(sorted({f"`{r['fn']}`" for r in wrecs if r["depth"] == 0})) or "none"
+        again = ", ".join(f"`{r['fn']}` ({r['step']}, {r['cpu']:.2f} s)"
+                          for r in wrecs if r["depth"] == 0) or "none"
         lines.append(
             f"| {case} | {res['cold_cpu']:.1f} | {res['cold_wall']:.1f} | {cold_imp:.2f}"
             f" | {len(recs)} | {sum(r['self_cpu'] for r in recs):.1f} | {res['warm_cpu']:.1f}"
@@ -568,7 +594,7 @@ def report(results, skipped, command, machine, load, note=""):
              "`numba:compile` event (its callees' compilations excluded; incl.: included).", ""]
     ops = op_rows(results)
     if len(ops) > 2:
-        lines += ops + [""]
+        lines += target_summary(results) + ops + [""]
     if results and any(r["spec"]["op"] != "cuda" for r in results.values()):
         lines += ["Whole processes (interpreter start included; the torch cases' processes "
                   "include torch's import):", ""] + process_rows(results) + [""]
@@ -608,9 +634,19 @@ def main(argv=None):
     p.add_argument("--write", action="store_true", help=f"write the table to "
                    f"{os.path.relpath(DOCS, ROOT)}")
     p.add_argument("--note", default="", help="a sentence added after the machine line")
+    p.add_argument("--json", metavar="FILE", help="also write the raw results there")
+    p.add_argument("--from-json", metavar="FILE", help="no measuring: the report of the raw "
+                   "results a --json run wrote (its command, machine and load)")
     args = p.parse_args(argv)
     if args.list:
         print("\n".join(CASES))
+        return
+    if args.from_json:
+        with open(args.from_json) as f:
+            raw = json.load(f)
+        lines = report(raw["results"], raw["skipped"], raw["command"], raw["machine"],
+                       raw["load"], raw["note"])
+        _report.emit(lines, DOCS if args.write else args.markdown)
         return
     results, skipped = {}, {}
     load = [os.getloadavg()[0]]
@@ -628,8 +664,12 @@ def main(argv=None):
     if source_state() != state:
         state = f"{state} at the start; {source_state()} at the end"
     note = f" Source: {state}." + (f" {args.note}" if args.note else "")
-    lines = report(results, skipped, _report.command("bench_compile.py"), _runner._machine(),
-                   load, note)
+    command, machine = _report.command("bench_compile.py"), _runner._machine()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(results=results, skipped=skipped, command=command, machine=machine,
+                           load=load, note=note), f)
+    lines = report(results, skipped, command, machine, load, note)
     _report.emit(lines, DOCS if args.write else args.markdown)
 
 
