@@ -27,11 +27,16 @@ import numpy as np
 import _report
 import _runner
 
-SHAPES = {  # name: (x shape NCHW, w shape, stride, padding)
+SHAPES = {  # name: (x shape NCHW, w shape, stride, padding[, groups])
     "resnet 3x3": ((32, 64, 32, 32), (64, 64, 3, 3), 1, 1),
     "stride 2": ((32, 64, 32, 32), (128, 64, 3, 3), 2, 1),
     "1x1": ((32, 64, 32, 32), (128, 64, 1, 1), 1, 0),
     "small": ((8, 16, 16, 16), (32, 16, 3, 3), 1, 1),
+    # depthwise (groups = C): MobileNet's 3x3 and ConvNeXt's 7x7, stride 1 and 2
+    "dw 3x3": ((32, 64, 56, 56), (64, 1, 3, 3), 1, 1, 64),
+    "dw 3x3 s2": ((32, 64, 56, 56), (64, 1, 3, 3), 2, 1, 64),
+    "dw 7x7": ((32, 96, 28, 28), (96, 1, 7, 7), 1, 3, 96),
+    "dw 7x7 s2": ((32, 96, 28, 28), (96, 1, 7, 7), 2, 3, 96),
 }
 LAYOUTS = ("NCHW", "NHWC")
 DTYPE = np.float32
@@ -40,7 +45,8 @@ FWD_BWD_PASSES = 3        # forward, dx and dw each cost one conv's flops
 
 def problem(name):
     """x, w, b, gy (NCHW) of a shape, the same arrays in every process (seeded)."""
-    x_shape, w_shape, stride, pad = SHAPES[name]
+    x_shape, w_shape, stride, pad = SHAPES[name][:4]
+    groups = SHAPES[name][4] if len(SHAPES[name]) > 4 else 1
     rng = np.random.default_rng(0)
     x = rng.standard_normal(x_shape).astype(DTYPE)
     w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(DTYPE)
@@ -50,7 +56,7 @@ def problem(name):
     P, Q = (H + 2 * pad - R) // stride + 1, (W + 2 * pad - S) // stride + 1
     gy = rng.standard_normal((N, K, P, Q)).astype(DTYPE)
     flops = 2 * N * K * P * Q * w_shape[1] * R * S
-    return x, w, b, gy, dict(stride=stride, padding=pad), flops
+    return x, w, b, gy, dict(stride=stride, padding=pad, groups=groups), flops
 
 
 def nhwc(a):
@@ -138,7 +144,8 @@ def main(argv=None):
                                  log=lambda s: print(s, file=sys.stderr, flush=True))
     lines = _runner.header(info, _report.command("bench_conv_bias_relu.py"))
     lines += [f"- {n}: x {SHAPES[n][0]} (NCHW shape), w {SHAPES[n][1]}, stride {SHAPES[n][2]}, "
-              f"padding {SHAPES[n][3]}" for n in args.shapes] + [""]
+              f"padding {SHAPES[n][3]}" + (f", groups {SHAPES[n][4]}" if len(SHAPES[n]) > 4
+                                           else "") for n in args.shapes] + [""]
     if args.mode == "separate":
         cpu = info["cpu"]
         lines += ["| shape | layout | pass | numbafuse ms | PyTorch ms | numbafuse speed-up | "
