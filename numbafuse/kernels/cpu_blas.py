@@ -147,8 +147,9 @@ def gemm_at(blas, ta, tb, mnk, alpha, pa, pb, beta, pc, lds, itemsize):
         ints = np.empty(6, np.int32)                      # m, n, k, ldb, lda, ldc (Fortran)
         ints[0], ints[1], ints[2], ints[3], ints[4], ints[5] = n, m, k, ldb, lda, ldc
         flags = np.empty(2, np.uint8)                     # transb, transa
-        flags[0] = ord("T") if tb else ord("N")
-        flags[1] = ord("T") if ta else ord("N")
+        flags[0] = 84 if tb else 78                       # "T", "N" (ord() would compile
+                                                          # numba's str support)
+        flags[1] = 84 if ta else 78
         scal = np.empty(3)                                # alpha, beta in c's dtype: float64
         scal[0], scal[1] = alpha, beta                    # [0:2], or float32 in bytes 16-23
         s32 = scal[2:].view(np.float32)
