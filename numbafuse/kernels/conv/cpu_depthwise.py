@@ -35,26 +35,28 @@ from . import math as conv_math
 
 CHUNK_ELEMENTS = 1 << 15   # output values of one NHWC task's rows (forward, dW), at least a row
 DW_GROUPS = 16             # fixed groups of chunks, each with its own dW and db partial
+# a*b + c as one fused multiply-add (one rounding): ~20% faster loops, the same on every call
+FMA = {"contract"}
 
 _relu = scalar.cpu_scalar(scalar.relu)
 _valid_range = scalar.cpu_scalar(conv_math.valid_range)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=FMA)
 def _axpy(out, src, a):
     # out[i] += src[i] * a  (1-d views of one length, indexed from 0: no wraparound checks)
     for i in range(out.shape[0]):
         out[i] += src[i] * a
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=FMA)
 def _fma(out, u, v):
     # out[i] += u[i] * v[i]  (1-d views of one length)
     for i in range(out.shape[0]):
         out[i] += u[i] * v[i]
 
 
-@njit(cache=True, fastmath={"reassoc"})
+@njit(cache=True, fastmath={"reassoc", "contract"})
 def _dot64(u, v):
     # float64 sum of u[i] * v[i], vectorised: reassociated in a fixed, compiled order (the same
     # result on every call, whatever the thread count)
@@ -156,7 +158,7 @@ def is_depthwise(geom):
 
 # --------------------------------------------------------------------------- forward
 
-@task_kernel
+@task_kernel(fastmath=FMA)
 def _forward_nhwc(t0, t1, x, wt, b, relu, geo, rpc, y):
     # x: (N, H, W, C);  wt: (M, R, S, C) taps, channel fastest;  b: (K,);  y: (N, P, Q, K).
     # Task t: output rows [p0, p0 + rpc) of image t // blocks(P, rpc).
@@ -189,7 +191,7 @@ def _forward_nhwc(t0, t1, x, wt, b, relu, geo, rpc, y):
                         yv[c * M + m] = _relu(v) if relu else v
 
 
-@task_kernel
+@task_kernel(fastmath=FMA)
 def _forward_nhwc_rows(t0, t1, x, wtile, btile, relu, geo, rpc, y):
     # Stride 1 along w, multiplier 1: each tap of an output row is one loop over Q*C values.
     # x: (N, H, W*C);  wtile, btile: (R, S, Q*C), (Q*C,) each tap's weights and b repeated Q
@@ -217,7 +219,7 @@ def _forward_nhwc_rows(t0, t1, x, wtile, btile, relu, geo, rpc, y):
                 yr[i] = _relu(v) if relu else v
 
 
-@task_kernel
+@task_kernel(fastmath=FMA)
 def _forward_nchw(t0, t1, x, w, b, relu, geo, Wph, y):
     # x: (N, C, H, W);  w: (K, R, S);  b: (K,);  y: (N, K, P, Q).  Task t: input plane (n, c) =
     # divmod(t, C), split into its sh*sw phases (zero-padded, rows of Wph): each tap is then one
@@ -297,7 +299,7 @@ def _taps_nhwc(w, C, M):
 
 # --------------------------------------------------------------------------- dX
 
-@task_kernel
+@task_kernel(fastmath=FMA)
 def _dx_nhwc(t0, t1, gy, y, use_mask, wt, geo, dx):
     # gy, y: (N, P, Q, K);  wt: (M, R, S, C);  dx: (N, H, W, C).  Task t: input row (n, h) =
     # divmod(t, H), which the task owns: the output rows p whose tap r reaches it
@@ -326,7 +328,7 @@ def _dx_nhwc(t0, t1, gy, y, use_mask, wt, geo, dx):
                             a[c] += (gv[i] if not use_mask or yv[i] > 0 else zero) * wv[c]
 
 
-@task_kernel
+@task_kernel(fastmath=FMA)
 def _dx_nhwc_rows(t0, t1, gy, y, use_mask, wtile, geo, dx):
     # Stride 1 along w, multiplier 1 (see _forward_nhwc_rows): gy, y: (N, P, Q*C);  wtile:
     # (R, S, Q*C);  dx: (N, H, W*C).  Task t: input row (n, h) = divmod(t, H), as _dx_nhwc's.
@@ -348,7 +350,7 @@ def _dx_nhwc_rows(t0, t1, gy, y, use_mask, wtile, geo, dx):
                     _fma(d[x0:x0 + m], g[q0 * C:q1 * C], wtile[r, s, :m])
 
 
-@task_kernel
+@task_kernel(fastmath=FMA)
 def _dx_nchw(t0, t1, gy, y, use_mask, w, geo, Wph, dx):
     # gy, y: (N, K, P, Q);  w: (K, R, S);  dx: (N, C, H, W).  Task t: input plane (n, c) =
     # divmod(t, C), which the task owns: its filters' gated g (rows of Wph, zero past Q) times
@@ -373,7 +375,7 @@ def _dx_nchw(t0, t1, gy, y, use_mask, w, geo, Wph, dx):
 
 # --------------------------------------------------------------------------- dW and db
 
-@task_kernel
+@task_kernel(fastmath=FMA)
 def _dw_nhwc(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts):
     # x: (N, H, W, C);  gy, y: (N, P, Q, K);  dw_parts: (groups, M, R, S, C);  db_parts:
     # (groups, K) float64;  plan: (rpc, nchunks, groups).  Task t: group t, the chunks
@@ -416,7 +418,7 @@ def _dw_nhwc(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts)
                                     a[c] += gm[c] * xv[c]
 
 
-@task_kernel
+@task_kernel(fastmath=FMA)
 def _dw_nchw(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts):
     # x: (N, C, H, W);  gy, y: (N, K, P, Q);  dw_parts: (groups, K, R, S), db_parts: (groups, K),
     # both float64;  plan: (nchunks, groups, Wph).  Task t: group t, the chunks
