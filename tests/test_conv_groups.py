@@ -15,7 +15,7 @@ from numbafuse import reference as ref, validate
 from numbafuse.kernels import cpu_launch as _launch
 from numbafuse.kernels.conv import cpu_depthwise
 
-from .harness import TOL, close
+from .harness import close
 
 # (x shape NCHW, K, R x S, groups, geometry): groups 2, 3 and C (depthwise, multiplier 1 and 2),
 # stride 1 and 2, 3x3 and 7x7, asymmetric 4-tuple padding, dilation

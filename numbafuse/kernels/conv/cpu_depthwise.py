@@ -3,7 +3,8 @@ r"""CPU depthwise convolution kernels: a direct stencil per channel, no GEMM.
 A depthwise convolution has ``groups == C`` and ``K = C * M`` filters (M, the channel
 multiplier, >= 1): filter ``k = c * M + m`` sees input channel ``c`` only, and w is
 ``(K, 1, R, S)``. It does R*S multiply-adds per output value against a GEMM's C*R*S, so it is
-bound by memory, not arithmetic: each pass reads its inputs once and writes its output once.
+bound by memory more than arithmetic: each pass reads its inputs once and writes its output
+once (the accumulators stay in L1: no register blocking, see docs/conv_bias_relu.md).
 
     forward   y[n,k,p,q] = relu(sum_{r,s} x[n, c, p*sh - ph + r*dh, q*sw - pw + s*dw] w[k,r,s] + b[k])
     backward  g = gy * (y > 0);  db[k] = sum_{n,p,q} g[n,k,p,q]
@@ -11,14 +12,21 @@ bound by memory, not arithmetic: each pass reads its inputs once and writes its 
               dx[n,c,h,w] = sum_{m,r,s} g[n, cM+m, p, q] w[cM+m, r, s]
                             over the (p, q) with h = p*sh - ph + r*dh, w = q*sw - pw + s*dw
 
-Loops (one compiled task kernel per pass and layout):
+Loops (one compiled task kernel per pass, layout and case):
 
-    NHWC  channels on the vector lanes: the innermost loop runs over C contiguous values of
-          x, of the taps ``wt`` (M, R, S, C) and of an accumulator. Tasks: blocks of output
-          rows (forward, dW) or input rows (dX, gathered from the output rows that reach it).
-    NCHW  per-plane stencil: the innermost loop runs over a row of the plane. Tasks: output
-          planes (n, k) (forward, dW) or input planes (n, c) (dX, scattered within the plane
-          the task owns).
+    NHWC  channels on the vector lanes. Stride 1 along w and multiplier 1 (``_flat_rows``):
+          a tap of an output row is one flat loop over Q*C values of x (or the gated g) against
+          the tap's weights repeated Q times (``_tiled_taps``), forward and dX. Otherwise, and
+          for dW: per pixel, the innermost loop over C values of x, of the taps ``wt``
+          (M, R, S, C) and of an accumulator. Tasks: blocks of ``CHUNK_ELEMENTS`` output values
+          of rows (forward, dW) or one input row (dX, which the output rows reaching it scatter
+          into).
+    NCHW  phase planes: a task is one input plane (n, c) and its M filters. The plane is
+          copied zero-padded and split into its sh*sw phases, rows of ``Wph`` (Q plus the
+          widest tap's column offset); a tap (r, s) is then a fixed offset into one phase and
+          its contribution one flat loop over P*Wph values (columns past Q computed, dropped):
+          forward ``acc += w * window``, dX ``phases += w * g`` then merged into the plane the
+          task owns, dW the float64 dot product of g (zero past Q) and the window.
 
 dW and db: the chunks (row blocks or planes) go into ``min(chunks, DW_GROUPS)`` fixed groups,
 one task each with its own partial (db in float64), summed in group order afterwards: results
