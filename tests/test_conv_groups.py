@@ -171,3 +171,15 @@ def test_remapper_fuses_grouped_conv_bias_relu_and_refuses_conv_batchnorm():
     refused = nf.remap(nf.trace(lambda x: conv_bn(x, True), x))
     assert refused.ops == ["conv2d", "batchnorm", "relu"]
     assert "conv2d has groups=4, conv_batchnorm_relu takes none" in refused.log[0]
+
+
+@pytest.mark.parametrize("layout, x_shape, w_shape, groups, kw", [
+    ("NCHW", (2, 4, 6, 7), (6, 2, 3, 2), 2, dict(stride=2, padding=(1, 0, 1, 2))),
+    ("NHWC", (2, 6, 7, 4), (8, 1, 3, 3), 4, dict(stride=2, padding=1)),   # depthwise x2
+])
+def test_groups_tape_matches_finite_differences(layout, x_shape, w_shape, groups, kw):
+    rng = np.random.default_rng(6)
+    x, w, b = (nf.Tensor(rng.standard_normal(s), requires_grad=True)
+               for s in (x_shape, w_shape, (w_shape[0],)))
+    assert nf.gradcheck(lambda x, w, b: nf.conv_bias_relu(x, w, b, layout=layout,
+                                                          groups=groups, **kw), [x, w, b])
