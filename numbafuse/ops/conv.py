@@ -237,6 +237,8 @@ def conv2d(x, w, *, stride=1, padding=0, dilation=1, layout="NCHW", groups=1):
     >>> import numpy as np, numbafuse as nf
     >>> nf.conv2d(np.ones((1, 1, 3, 3)), np.ones((1, 1, 2, 2))).shape
     (1, 1, 2, 2)
+    >>> nf.conv2d(np.ones((1, 4, 3, 3)), np.ones((4, 1, 2, 2)), groups=4).ravel()[:2]  # depthwise
+    array([4., 4.])
     """
     return Conv2d(stride=stride, padding=padding, dilation=dilation, layout=layout,
                   groups=groups).apply(x, w)
