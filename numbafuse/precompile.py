@@ -80,9 +80,9 @@ def run_cpu_case(case, layouts=("NCHW", "NHWC")) -> None:
     """Call the case's op forward and backward once per layout (what compiles its kernels)."""
     import numpy as np
 
-    from . import batchnorm_add_relu, batchnorm_add_relu_backward
-    from . import conv_batchnorm_relu, conv_batchnorm_relu_backward
-    from . import conv_bias_relu, conv_bias_relu_backward
+    from .ops.batchnorm import batchnorm_add_relu, batchnorm_add_relu_backward
+    from .ops.conv import conv_bias_relu, conv_bias_relu_backward
+    from .ops.conv_batchnorm import conv_batchnorm_relu, conv_batchnorm_relu_backward
     _, op, (N, C, H, W), kernel, stride, K, dtype = case
     rng = np.random.default_rng(0)
     for layout in layouts:
