@@ -524,8 +524,8 @@ def train_lines(res):
     return [
         f"Cold `python -m numbafuse.train {' '.join(TRAIN_ARGS)}` (the quick start's defaults; "
         "empty cache; run as `numbafuse.cli.main([...])` in the worker process, which is what "
-        f"the command runs): **{res['cold_wall']:.1f} s wall**, {res['cold_cpu']:.1f} s CPU for the "
-        f"whole process (target <= {TARGET_TRAIN_WALL:.0f} s wall: "
+        f"the command runs): **{res['cold_wall']:.1f} s wall**, {res['cold_cpu']:.1f} s CPU for "
+        f"the whole process (target <= {TARGET_TRAIN_WALL:.0f} s wall: "
         f"{_ok(res['cold_wall'], TARGET_TRAIN_WALL)}); of it the command itself "
         f"{step['wall']:.1f} s wall / {step['cpu']:.1f} s CPU, and Numba compiled "
         f"{len(recs)} functions in {sum(r['self_cpu'] for r in recs):.1f} s CPU "
