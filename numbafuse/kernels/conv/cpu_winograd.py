@@ -310,8 +310,8 @@ def _grad_hwc(gy, y, use_mask, n, p0, TX, G, tmp, dM, t0, db):
 # A chunk's work in steps, each a compiled function of its own (not inlined): the task kernels
 # below stay small enough to compile in seconds, and the forward, dX and the stride-2 kernels
 # share the compiled steps. Each step loops over whole tile rows, so a call costs nothing
-# measurable (except _split_rows: compiled on its own it cost the stride-2 forward 10-15%, so
-# it is inlined into padded_rows). A constant passed to a step is typed as a literal (a
+# measurable (the stride-2 kernels excepted: as steps they ran 10-20% slower, so theirs are
+# inlined, padded_rows_inline included). A constant passed to a step is typed as a literal (a
 # signature of its own, compiled again): flags go as OFF / np.int64(0), plain variables.
 
 OFF = np.bool_(False)
@@ -341,11 +341,22 @@ def hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs):
     return _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
 
 
-@njit(nogil=True, cache=True)
-def padded_rows(src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs):
+@njit(inline="always")
+def padded_rows_inline(src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs):
     """R <- the rows [u0, u0 + nu) of image n of src (gated) split by column (_split_rows,
     from column c0: -left for a padded input); slabs: of an NCHW src (and gate), through its
-    HWC slab in xs (gs)."""
+    HWC slab in xs (gs). Inlined into the stride-2 kernels (compiled as a step of its own,
+    the stride-2 forward measured 10-20% slower); the stride-1 kernels call padded_rows."""
+    if slabs:
+        sv, gv = _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
+        _split_rows(sv, gv, use_gate, 0, u0 - max(0, u0), nu, c0, L, R)
+    else:
+        _split_rows(src, gate, use_gate, n, u0, nu, c0, L, R)
+
+
+@njit(nogil=True, cache=True)
+def padded_rows(src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs):
+    """padded_rows_inline, compiled on its own (the stride-1 kernels' step)."""
     if slabs:
         sv, gv = hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
         _split_rows(sv, gv, use_gate, np.int64(0), u0 - max(0, u0), nu, c0, L, R)

@@ -39,7 +39,7 @@ from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_im2col import _chunk, _sum64, sum_groups, tile_chunks
-from .cpu_winograd import OFF, estride, gate_tiles, padded_rows, vadd, vcopy, vsub
+from .cpu_winograd import estride, gate_tiles, padded_rows_inline, vadd, vcopy, vsub
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -136,7 +136,7 @@ def _in_row(S, m, C, V, xi, base):
     vcopy(S[3, :m], V[e + 4, base:base + m])
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _in_s2(R, u, TX, C, tv, V, t0):
     # V[e][t0 + tx, :] (rows of C) <- B^T d B of the TX tiles of one tile row, whose padded
     # input rows are R[u + i], i < 5; tv: (2, 4, L*C) scratch (rows d0 - d2 and d4 - d2)
@@ -153,13 +153,13 @@ def _in_s2(R, u, TX, C, tv, V, t0):
     _in_row(R[u + 3], m, C, V, 4, base)
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _chunk_v(x, n0, n1, nr, TX, u0, left, L, slabs, xs, R, tv, V):
     # V <- the transformed patches of a chunk's tiles: nr tile rows of images [n0, n1), from
     # padded input row u0; slabs: x NCHW, its rows transposed to HWC in xs first
     C = R.shape[2] // L
     for n in range(n0, n1):
-        padded_rows(x, x, OFF, n, u0, 4 * nr + 1, -left, L, R, np.int64(slabs), xs, xs)
+        padded_rows_inline(x, x, False, n, u0, 4 * nr + 1, -left, L, R, slabs, xs, xs)
         for r in range(nr):
             _in_s2(R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
 
@@ -175,7 +175,7 @@ def gemm_operands(vs, ms, most, k):
     return V, M, vrows, np.arange(25) * np.int64(vs)
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def gemms(m, n, k, vrows, eoff, U, M, ms, wide):
     # M[e] (m, n) = V[e] (m, k) @ U[e] (k, n) for the 25 positions: V[e]'s rows at vrows[i] +
     # eoff[e] elements, M[e] at M[e] (row stride n), on the taps tiles
@@ -187,7 +187,7 @@ def gemms(m, n, k, vrows, eoff, U, M, ms, wide):
                          np.int64(0), np.int64(1 if wide else 0))
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _out_s2(M, t0, TX, p0, bias, relu, s, yn):
     # yn: (P, Q, K), one image (or a chunk's rows of it) <- A^T m A + bias (relu?) of the TX
     # tiles t0 ... of one tile row (rows of K in M[e]), output rows p0, p0 + 1; s: (10, TX*K)
@@ -278,7 +278,7 @@ _CLASS = np.array([[0, 4, 1], [6, 8, 7], [2, 5, 3]], np.int64)
 DM_OF = _CLASS[_AXIS[:, None], _AXIS[None, :]].reshape(POSITIONS)   # position e -> dm[...]
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _grad_s2_chw(gy, y, use_mask, n, p0, nr, TX, dm, T, t0, db):
     # dm: (9, *) <- dm[2a + b][k*T + t0 + r*TX + tx] = g[n, k, p0 + 2r + a, 2tx + b] (0
     # outside the output) of the nr tile rows from output row p0 of image n of g = gy * (y >

@@ -31,7 +31,7 @@ from numba import njit
 from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
 from .cpu_im2col import _chunk, block_chunks
-from .cpu_winograd import estride, padded_rows, vcopy, vsub
+from .cpu_winograd import estride, padded_rows_inline, vcopy, vsub
 from .cpu_winograd_s2 import gemm_operands, gemms, taps
 
 # which taps each transformed position sums (per axis): w2, w0 + w2, w0, w1, w1
@@ -62,7 +62,7 @@ def _in_row(S, m, K, odd, V, xi, base):
     vcopy(b if odd else c, V[e + 4, base:base + m])
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _in_dx(R, v, IX, K, oddh, oddw, tv, V, t0):
     # V[e][t0 + j, :] (rows of K) <- the transformed 3x3 patches of the IX blocks of one block
     # row, whose g rows are R[v], R[v + 1], R[v + 2] (a, b, c); tv: (2, 2, L*K) scratch
@@ -79,7 +79,7 @@ def _in_dx(R, v, IX, K, oddh, oddw, tv, V, t0):
     _in_row(R[v + 1] if oddh else R[v + 2], m, K, oddw, V, 4, base)
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _out_dx(M, t0, IX, h0, oddh, oddw, s, xn):
     # xn: (rows, W, C) <- the 4x4 blocks of the IX blocks t0 ... of one block row (rows of C
     # in M[e]): rows h0 + a (a < 4), columns 4j + b, those inside xn; s: (10, IX*C) scratch,
@@ -162,8 +162,8 @@ def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, top, left, ipc, ib, vs, ms, nhwc, w
         u0 = 2 * i0 + c0h                             # the chunk's first g row
         for n in range(n0, n1):
             # g's rows split by column parity from column c0w (gated; NCHW through slabs)
-            padded_rows(gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, np.int64(not nhwc), gs,
-                        ysl)
+            padded_rows_inline(gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, not nhwc, gs,
+                               ysl)
             for r in range(nr):
                 _in_dx(R, 2 * r, IX, K, oddh, oddw, tv, V, ((n - n0) * nr + r) * IX)
         gemms(T, C, K, vrows, eoff, U, M, ms, wide)
