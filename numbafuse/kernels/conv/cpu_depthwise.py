@@ -40,6 +40,7 @@ from .. import scalar
 from ..cpu_buffers import output_cache as _out
 from ..cpu_launch import blocks, launch, task_kernel
 from . import math as conv_math
+from .cpu_im2col import sum64
 
 CHUNK_ELEMENTS = 1 << 15   # output values of one NHWC task's rows (forward, dW), at least a row
 DW_GROUPS = 16             # fixed groups of chunks, each with its own dW and db partial
@@ -71,15 +72,6 @@ def _dot64(u, v):
     acc = 0.0
     for i in range(u.shape[0]):
         acc += u[i] * v[i]
-    return acc
-
-
-@njit(cache=True, fastmath={"reassoc"})
-def _sum64(u):
-    # float64 sum of u, vectorised in a fixed, compiled order
-    acc = 0.0
-    for i in range(u.shape[0]):
-        acc += u[i]
     return acc
 
 
@@ -449,7 +441,7 @@ def _dw_nchw(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts)
                 _split_phases(x[n, c], ph, pw, sh, sw, Wph, xph)
             for k in range(c * M, c * M + M):
                 _gate_plane(gy[n, k], y[n, k], use_mask, Wph, g)
-                dbp[k] += _sum64(g)
+                dbp[k] += sum64(g)
                 if not need_dw:
                     continue
                 for r in range(R):

@@ -1,6 +1,6 @@
 r"""CPU convolution tasks over im2col chunks (convolutions with few channels, where one GEMM
 with the inner dimension C*R*S beats R*S GEMMs with inner dimension C), and the helpers every
-CPU conv module shares: chunking, masked gradients (``_g_*``), ``_sum64``. See ``cpu.py``.
+CPU conv module shares: chunking, masked gradients (``_g_*``), ``sum64``. See ``cpu.py``.
 
 Notation: PQ = P*Q, RSC = R*S*C, m = pixels of one chunk. A chunk is a block of output rows
 of one image, or several whole images when an image is small (``cpu._chunking``), so that its
@@ -214,7 +214,7 @@ def sum_groups(parts, dtype=None):
 
 
 @njit(cache=True, fastmath={"reassoc"})
-def _sum64(a):
+def sum64(a):
     # float64 sum of a 1-d array, vectorised (reassociated in a fixed, compiled order: the same
     # result on every call, whatever the thread count)
     s = 0.0
@@ -226,7 +226,7 @@ def _sum64(a):
 @njit(inline="always")
 def _g_chw(gy, y, use_mask, n, p0, p1, PQ, Q, g, col0, db):
     # gy, y: (N, K, PQ); g: (K, ld) <- gy * (y > 0) of pixels [p0*Q, p1*Q) at col0; db: (K,)
-    # float64 += the sums (_sum64 per row, a fixed order)
+    # float64 += the sums (sum64 per row, a fixed order)
     K = g.shape[0]
     a, b = p0 * Q, p1 * Q
     L = b - a
@@ -236,7 +236,7 @@ def _g_chw(gy, y, use_mask, n, p0, p1, PQ, Q, g, col0, db):
         dst = g[k, col0:col0 + L]
         for i in range(L):
             dst[i] = _relu_grad(gyr[i], yr[i]) if use_mask else gyr[i]
-        db[k] += _sum64(dst)
+        db[k] += sum64(dst)
 
 
 @njit(inline="always")

@@ -38,7 +38,7 @@ from ..cpu_buffers import output_cache as _out
 from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
-from .cpu_im2col import _chunk, _sum64, sum_groups, tile_chunks
+from .cpu_im2col import _chunk, sum64, sum_groups, tile_chunks
 from .cpu_winograd import estride, gate_tiles, padded_rows_inline, vadd, vcopy, vsub
 
 _relu = cpu_scalar(_relu_math)
@@ -307,8 +307,8 @@ def _grad_s2_chw(gy, y, use_mask, n, p0, nr, TX, dm, T, t0, db):
                 v = gk[p, Q - 1]
                 dm[2 * a, o + TX - 1] = _relu_grad(v, yk[p, Q - 1]) if use_mask else v
                 dm[2 * a + 1, o + TX - 1] = 0
-        db[k] += (_sum64(dm[0, base:base + m]) + _sum64(dm[1, base:base + m])
-                  + _sum64(dm[2, base:base + m]) + _sum64(dm[3, base:base + m]))
+        db[k] += (sum64(dm[0, base:base + m]) + sum64(dm[1, base:base + m])
+                  + sum64(dm[2, base:base + m]) + sum64(dm[3, base:base + m]))
 
 
 @task_kernel
