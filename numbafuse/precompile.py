@@ -116,20 +116,27 @@ def _run_cpu_one(index: int, dtypes: tuple) -> tuple:
         return case[0], 0.0, f"{type(exc).__name__}: {exc}"
 
 
-def precompile_cpu(jobs: int, dtypes=("float32", "float64"), out=sys.stdout) -> int:
-    """Compile the CPU paths of :data:`CPU_CASES` into the cache; returns the failures."""
-    n = len(cpu_cases(dtypes))
-    t0 = time.perf_counter()
+def _in_processes(task, n, dtypes, jobs, ctx, out) -> int:
+    """``task(i, dtypes)`` for i < n in ``jobs`` processes of ``ctx``, each result (name,
+    seconds, error or None) printed as it comes; returns the number of failures."""
     failures = 0
-    # spawn: no fork of a process whose thread pools (numbafuse's, OpenBLAS's) are running
-    ctx = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        done = [pool.submit(_run_cpu_one, i, tuple(dtypes)) for i in range(n)]
+        done = [pool.submit(task, i, tuple(dtypes)) for i in range(n)]
         for fut in futures.as_completed(done):
             name, seconds, error = fut.result()
             failures += error is not None
             print(f"  {name:58s} {'FAILED ' + error if error else f'{seconds:6.1f} s'}",
                   file=out, flush=True)
+    return failures
+
+
+def precompile_cpu(jobs: int, dtypes=("float32", "float64"), out=sys.stdout) -> int:
+    """Compile the CPU paths of :data:`CPU_CASES` into the cache; returns the failures."""
+    n = len(cpu_cases(dtypes))
+    t0 = time.perf_counter()
+    # spawn: no fork of a process whose thread pools (numbafuse's, OpenBLAS's) are running
+    ctx = multiprocessing.get_context("spawn")
+    failures = _in_processes(_run_cpu_one, n, dtypes, jobs, ctx, out)
     t1 = time.perf_counter()
     with futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
         serial = pool.submit(_run_cpu_serial, tuple(dtypes)).result()
@@ -157,15 +164,8 @@ def precompile_cuda(jobs: int, dtypes=("float32", "float64"), out=sys.stdout) ->
         raise SystemExit("numbafuse.precompile --cuda: no CUDA device")
     n = len(_cases(dtypes))
     t0 = time.perf_counter()
-    failures = 0
     ctx = multiprocessing.get_context("spawn")     # a fresh CUDA context per worker
-    with futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        done = [pool.submit(_compile_one, i, tuple(dtypes)) for i in range(n)]
-        for fut in futures.as_completed(done):
-            name, seconds, error = fut.result()
-            failures += error is not None
-            print(f"  {name:58s} {'FAILED ' + error if error else f'{seconds:6.1f} s'}",
-                  file=out, flush=True)
+    failures = _in_processes(_compile_one, n, dtypes, jobs, ctx, out)
     print(f"numbafuse.precompile: {n} kernels, {failures} failed, "
           f"{time.perf_counter() - t0:.1f} s wall with {jobs} processes", file=out)
     return failures
