@@ -327,11 +327,24 @@ class Sequential(Module):
 
 # --------------------------------------------------------------------------- shared pieces
 
-def _conv_weight(in_channels, out_channels, k, dtype, rng):
-    """(K, C, R, S) kaiming-uniform conv weight; fan_in = C*R*S."""
+def _conv_weight(in_channels, out_channels, k, dtype, rng, groups=1):
+    """(K, C/groups, R, S) kaiming-uniform conv weight; fan_in = C/groups*R*S."""
     R, S = (k, k) if np.ndim(k) == 0 else tuple(k)
-    fan_in = in_channels * R * S
-    return init.kaiming_uniform((out_channels, in_channels, R, S), fan_in, dtype, rng), fan_in
+    fan_in = in_channels // groups * R * S
+    return (init.kaiming_uniform((out_channels, in_channels // groups, R, S), fan_in, dtype,
+                                 rng), fan_in)
+
+
+def _check_groups(layer, in_channels, out_channels, groups):
+    """``groups`` a positive int dividing both channel counts (the layer's error)."""
+    if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)):
+        raise TypeError(f"{layer}: groups must be an int, got {groups!r}")
+    if groups < 1:
+        raise ValueError(f"{layer}: groups must be >= 1, got {groups!r}")
+    if in_channels % groups or out_channels % groups:
+        raise ValueError(f"{layer}: groups={groups} must divide in_channels={in_channels} and "
+                         f"out_channels={out_channels}")
+    return int(groups)
 
 
 class _BatchNormState(Module):
@@ -386,28 +399,32 @@ class _BatchNormState(Module):
 def _geometry_repr(m):
     return (f"{m.in_channels}, {m.out_channels}, kernel_size={m.kernel_size}, "
             f"stride={m.stride}, padding={m.padding}, dilation={m.dilation}, "
-            f"layout={m.layout!r}")
+            f"layout={m.layout!r}" + (f", groups={m.groups}" if m.groups != 1 else ""))
 
 
 # --------------------------------------------------------------------------- unfused layers
 
 class Conv2d(Module):
-    """``conv2d(x, w) [+ b]`` with ``w`` of shape ``(out, in, k, k)`` (unfused)."""
+    """``conv2d(x, w) [+ b]`` with ``w`` of shape ``(out, in/groups, k, k)`` (unfused);
+    ``groups`` as PyTorch's (``groups == in_channels``: depthwise)."""
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
-                 dilation=1, bias=True, layout="NCHW", *, dtype=DEFAULT_DTYPE, rng=None):
+                 dilation=1, bias=True, layout="NCHW", *, groups=1, dtype=DEFAULT_DTYPE,
+                 rng=None):
         super().__init__()
         self.in_channels, self.out_channels, self.kernel_size = (in_channels, out_channels,
                                                                  kernel_size)
         self.stride, self.padding, self.dilation = stride, padding, dilation
+        self.groups = _check_groups(type(self).__name__, in_channels, out_channels, groups)
         self.layout = validate.check_layout(type(self).__name__, layout)
-        w, fan_in = _conv_weight(in_channels, out_channels, kernel_size, dtype, rng)
+        w, fan_in = _conv_weight(in_channels, out_channels, kernel_size, dtype, rng,
+                                 self.groups)
         self.weight = _param(w)
         self.bias = _param(init.bias_uniform(out_channels, fan_in, dtype, rng)) if bias else None
 
     def forward(self, x):
         y = conv2d(x, self.weight, stride=self.stride, padding=self.padding,
-                   dilation=self.dilation, layout=self.layout)
+                   dilation=self.dilation, layout=self.layout, groups=self.groups)
         return y if self.bias is None else bias_add(y, self.bias, layout=self.layout)
 
     def extra_repr(self):
@@ -495,7 +512,8 @@ class Conv2dBiasReLU(Conv2d):
 
     def forward(self, x):
         return conv_bias_relu(x, self.weight, self.bias, stride=self.stride,
-                              padding=self.padding, dilation=self.dilation, layout=self.layout)
+                              padding=self.padding, dilation=self.dilation, layout=self.layout,
+                              groups=self.groups)
 
 
 class BatchNormAddReLU(_BatchNormState):
@@ -528,15 +546,17 @@ class ConvBatchNormReLU(Module):
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
                  dilation=1, relu=True, eps=1e-5, momentum=0.1, layout="NCHW", *,
-                 recompute=True, dtype=DEFAULT_DTYPE, rng=None, comm=None):
+                 recompute=True, groups=1, dtype=DEFAULT_DTYPE, rng=None, comm=None):
         super().__init__()
         self.in_channels, self.out_channels, self.kernel_size = (in_channels, out_channels,
                                                                  kernel_size)
         self.stride, self.padding, self.dilation = stride, padding, dilation
+        self.groups = _check_groups("ConvBatchNormReLU", in_channels, out_channels, groups)
         self.relu = bool(relu)
         self.recompute = bool(recompute)
         self.layout = validate.check_layout("ConvBatchNormReLU", layout)
-        self.weight = _param(_conv_weight(in_channels, out_channels, kernel_size, dtype, rng)[0])
+        self.weight = _param(_conv_weight(in_channels, out_channels, kernel_size, dtype, rng,
+                                          self.groups)[0])
         self.bn = BatchNorm2d(out_channels, eps, momentum, layout, dtype=dtype, comm=comm)
 
     def forward(self, x):
@@ -546,7 +566,8 @@ class ConvBatchNormReLU(Module):
             running_mean=bn.running_mean, running_var=bn.running_var,
             training=self.training, momentum=momentum, eps=bn.eps,
             stride=self.stride, padding=self.padding, dilation=self.dilation, relu=self.relu,
-            layout=self.layout, recompute=self.recompute, comm=bn.comm).apply(
+            layout=self.layout, recompute=self.recompute, comm=bn.comm,
+            groups=self.groups).apply(
                 x, self.weight, bn.weight, bn.bias))
 
     # the batch norm's running statistics, read through the conv layer too (``self.bn`` owns

@@ -180,3 +180,86 @@ def test_an_empty_batch_gives_empty_outputs_and_updates_nothing(backend, trainin
         np.testing.assert_array_equal(backend.get(dbeta), np.zeros(4))
     np.testing.assert_array_equal(backend.get(stats["running_mean"]), rm)
     np.testing.assert_array_equal(backend.get(stats["running_var"]), rv)
+
+
+def _ungrouped(w, groups):
+    """w (K, C/groups, R, S) as the block-diagonal (K, C, R, S) of the same ungrouped conv:
+    the grouped reference is the reference's ungrouped conv with these weights."""
+    K, Cg = w.shape[:2]
+    full, k = np.zeros((K, Cg * groups) + w.shape[2:]), K // groups
+    for g in range(groups):
+        full[g * k:(g + 1) * k, g * Cg:(g + 1) * Cg] = w[g * k:(g + 1) * k]
+    return full
+
+
+def _grouped(dw_full, groups):
+    """The (K, C/groups, R, S) blocks of an ungrouped conv's dw (the grouped conv's dw)."""
+    K, C = dw_full.shape[:2]
+    k, Cg = K // groups, C // groups
+    return np.concatenate([dw_full[g * k:(g + 1) * k, g * Cg:(g + 1) * Cg]
+                           for g in range(groups)])
+
+
+def _grouped_reference(x, w, gamma, beta, running_mean=None, running_var=None, *, groups=1,
+                       **kw):
+    """(y, running_mean, running_var) of the float64 reference, through block-diagonal w."""
+    return ref.conv_batchnorm_relu(x, _ungrouped(w, groups), gamma, beta, running_mean,
+                                   running_var, **kw)
+
+
+def _grouped_reference_backward(dy, x, w, gamma, beta, running_mean=None, running_var=None, *,
+                                groups=1, **kw):
+    kw.pop("momentum", None)
+    dx, dw, dgamma, dbeta = ref.conv_batchnorm_relu_backward(
+        dy, x, _ungrouped(w, groups), gamma, beta, running_mean, running_var, **kw)
+    return dx, _grouped(np.asarray(dw, np.float64), groups), dgamma, dbeta
+
+
+def test_grouped_conv_batchnorm_relu_vs_reference(backend):
+    """groups (grouped and depthwise convs; drawn by ``conv_batchnorm_problems(groups=True)``):
+    y and the running statistics in training and inference, and the tape's four gradients
+    (the conv recomputed in backward), against the float64 reference."""
+    def body(draw):
+        p = draw(nfs.conv_batchnorm_problems(groups=True, max_channels=4))
+        relu, training = draw(st.booleans()), draw(st.booleans())
+        kw = dict(p.kwargs, relu=relu, eps=EPS)
+        rm, rv = p.running_mean.copy(), p.running_var.copy()
+        ts = [nf.Tensor(backend.put(a), requires_grad=True) for a in (p.x, p.w, p.gamma, p.beta)]
+        rm_d, rv_d = backend.put(rm), backend.put(rv)
+        y = nf.conv_batchnorm_relu(*ts, running_mean=rm_d, running_var=rv_d,
+                                   training=training, momentum=0.1, **kw)
+        y_ref, rm_ref, rv_ref = _grouped_reference(
+            p.x, p.w, p.gamma, p.beta, p.running_mean, p.running_var, training=training,
+            momentum=0.1, **kw)
+        close(backend.get(y.data), y_ref, p.x.dtype, TOL, what="y")
+        close(backend.get(rm_d), rm_ref, p.x.dtype, TOL, what="running_mean")
+        close(backend.get(rv_d), rv_ref, p.x.dtype, TOL, what="running_var")
+        dy = np.random.default_rng(7).standard_normal(y.shape).astype(p.x.dtype)
+        y.backward(backend.put(dy))
+        want = _grouped_reference_backward(dy, p.x, p.w, p.gamma, p.beta, p.running_mean,
+                                           p.running_var, training=training, **kw)
+        for t, g, what in zip(ts, want, ("dx", "dw", "dgamma", "dbeta")):
+            close(backend.get(t.grad), g, p.x.dtype, TOL, what=what)
+
+    run_property(f"groups:{backend.name}", backend.cost, body)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_depthwise_conv_batchnorm_relu_backward_numpy_style(layout):
+    """The NumPy-style backward with groups (a depthwise 3x3, stride 2) equals the reference;
+    it is also what the tape computes."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 4, 7, 6) if layout == "NCHW" else (2, 7, 6, 4))
+    w, gamma, beta = rng.standard_normal((4, 1, 3, 3)), rng.uniform(0.5, 1.5, 4), \
+        rng.standard_normal(4)
+    kw = dict(stride=2, padding=1, groups=4, layout=layout, eps=EPS)
+    y = nf.conv_batchnorm_relu(x, w, gamma, beta, **kw)
+    close(y, _grouped_reference(x, w, gamma, beta, **kw)[0], np.float64, TOL)
+    dy = rng.standard_normal(y.shape)
+    got = nf.conv_batchnorm_relu_backward(dy, x, w, gamma, beta, **kw)
+    for g, want in zip(got, _grouped_reference_backward(dy, x, w, gamma, beta, **kw)):
+        close(g, want, np.float64, TOL)
+    ts = [nf.Tensor(a, requires_grad=True) for a in (x, w, gamma, beta)]
+    nf.conv_batchnorm_relu(*ts, **kw).backward(dy)
+    for t, g in zip(ts, got):
+        close(t.grad, g, np.float64, TOL)

@@ -147,9 +147,9 @@ def test_groups_errors_name_the_op_and_argument(groups, w_shape, error, match):
         nf.conv_bias_relu_backward(y, x, w, y, groups=groups)
 
 
-def test_remapper_fuses_grouped_conv_bias_relu_and_refuses_conv_batchnorm():
-    """groups flows into conv_bias_relu (and the inference fold); conv_batchnorm_relu, which
-    has no groups, is refused by name rather than fused without them."""
+def test_remapper_fuses_grouped_convs():
+    """groups flows into conv_bias_relu, the inference fold, and the training
+    conv_batchnorm_relu (recompute): the rewritten graphs equal the unfused ones."""
     rng = np.random.default_rng(5)
     x, w, b = rng.standard_normal((2, 4, 6, 6)), rng.standard_normal((4, 1, 3, 3)), np.ones(4)
     gamma, beta = rng.standard_normal(4) + 2, rng.standard_normal(4)
@@ -157,20 +157,24 @@ def test_remapper_fuses_grouped_conv_bias_relu_and_refuses_conv_batchnorm():
     def conv_relu(x):
         return nf.relu(nf.bias_add(nf.conv2d(x, w, padding=1, groups=4), b))
 
-    def conv_bn(x, training):
-        rm, rv = np.zeros(4), np.ones(4)
+    def conv_bn(x, training, stats):
         return nf.relu(nf.batchnorm(nf.conv2d(x, w, padding=1, groups=4), gamma, beta,
-                                    running_mean=rm, running_var=rv, training=training))
+                                    running_mean=stats[0], running_var=stats[1],
+                                    training=training))
 
     fused = nf.remap(nf.trace(conv_relu, x))
     assert fused.ops == ["conv_bias_relu"]
     close(fused(x), ref.conv_bias_relu(x, w, b, padding=1, groups=4), np.float64)
-    folded = nf.remap(nf.trace(lambda x: conv_bn(x, False), x))
+    folded = nf.remap(nf.trace(lambda x: conv_bn(x, False, (np.zeros(4), np.ones(4))), x))
     assert folded.ops == ["conv_bias_relu"]
-    close(folded(x), conv_bn(x, False), np.float64)
-    refused = nf.remap(nf.trace(lambda x: conv_bn(x, True), x))
-    assert refused.ops == ["conv2d", "batchnorm", "relu"]
-    assert "conv2d has groups=4, conv_batchnorm_relu takes none" in refused.log[0]
+    close(folded(x), conv_bn(x, False, (np.zeros(4), np.ones(4))), np.float64)
+    stats, unfused_stats = (np.zeros(4), np.ones(4)), (np.zeros(4), np.ones(4))
+    trained = nf.remap(nf.trace(lambda x: conv_bn(x, True, stats), x))
+    assert trained.ops == ["conv_batchnorm_relu"], trained.log
+    stats[0][:], stats[1][:] = 0.0, 1.0                  # (tracing ran the ops once)
+    close(trained(x), conv_bn(x, True, unfused_stats), np.float64)
+    for a, e in zip(stats, unfused_stats):
+        close(a, e, np.float64)
 
 
 @pytest.mark.parametrize("layout, x_shape, w_shape, groups, kw", [

@@ -249,12 +249,7 @@ def _conv_bn(m, root):
               or (_bias_reason(b, _out_channels(conv)) if badd else None))
     if reason:
         return Refusal(chain, reason)
-    # conv_batchnorm_relu has no groups: a grouped conv only folds (into conv_bias(_relu))
-    grouped = (f"conv2d has groups={conv.params['groups']}, conv_batchnorm_relu takes none"
-               if conv.params.get("groups", 1) != 1 else None)
     if _is_training(bn):
-        if grouped:
-            return Refusal(chain, f"batchnorm is in training mode: {grouped}")
         if badd:
             return Refusal(chain, "batchnorm is in training mode: folding needs "
                                    "training=False, and conv_batchnorm_relu takes no bias")
@@ -262,8 +257,8 @@ def _conv_bn(m, root):
     refusal = _fold_reason(m, bn, conv, b)
     if refusal is None:
         return _fold(conv, b, bn, root, chain, with_relu)
-    if badd or grouped:
-        return Refusal(chain, refusal if badd else f"{refusal}; {grouped}")
+    if badd:
+        return Refusal(chain, refusal)
     # inference batch norm that cannot be folded: conv_batchnorm_relu(training=False) is exact
     rewrite = _recompute(conv, bn, root, chain, with_relu)
     rewrite.title += f" (inference, not folded: {refusal})"

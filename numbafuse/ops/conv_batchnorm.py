@@ -3,6 +3,8 @@ r"""Conv -> BatchNorm (-> ReLU) trained with recompute, and batch-norm folding f
 Notation: N batch, C input channels, H/W input size, K output channels (= batch-norm
 channels), R/S filter size, P/Q output size, M = N*P*Q values per batch-norm channel.
 ``h = conv2d(x, w)`` (no bias) is the batch-norm input; ``xhat = (h - mean) * invstd``.
+With ``groups`` the conv is grouped (w is (K, C/groups, R, S); ``groups == C``: depthwise);
+the batch norm is per output channel as ever.
 
 Training (``training=True``)::
 
@@ -58,7 +60,7 @@ def _validate(op, x, w, gamma, beta, p, updates=True):
     synced = p.comm is not None and p.training
     # N = 0 (an empty batch, or a rank without samples) passes: empty y, nothing updated
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), p.stride, p.padding,
-                                      p.dilation, p.layout)
+                                      p.dilation, p.layout, p.groups)
     validate.check_vector(op, "gamma", gamma, geometry.K)
     validate.check_vector(op, "beta", beta, geometry.K)
     validate.check_flag(op, "relu", p.relu)
@@ -78,9 +80,12 @@ def _conv_forward(which, x, w, b, geometry, relu):
 
 def _conv_and_stats(which, x, w, geometry, eps):
     """(h, mean, var, invstd) with the statistics made by the conv's own chunks, where the
-    backend's conv has that epilogue for this geometry (``forward_stats``), else None."""
+    backend's conv has that epilogue for this geometry (``forward_stats``), else None (a
+    grouped conv: the statistics pass after it)."""
     fused = getattr(kernels.module("conv", which), "forward_stats", None)
-    return None if fused is None or geometry.N == 0 else fused(x, w, geometry, eps)
+    if fused is None or geometry.N == 0 or geometry.groups != 1:
+        return None
+    return fused(x, w, geometry, eps)
 
 
 def _recompute_and_sums(which, dy, s, geometry, relu):
@@ -88,7 +93,7 @@ def _recompute_and_sums(which, dy, s, geometry, relu):
     chunks (``forward_bn_sums``: g = dy gated by the ReLU, the two sums), or None where the
     backend's conv has no such epilogue."""
     fused = getattr(kernels.module("conv", which), "forward_bn_sums", None)
-    if fused is None or geometry.N == 0:
+    if fused is None or geometry.N == 0 or geometry.groups != 1:
         return None
     return fused(s.x, s.w, geometry, dy, s.mean, s.invstd, s.gamma, s.beta if relu else None)
 
@@ -135,6 +140,7 @@ class ConvBatchNormReLU(Function):
         dilation: object
         relu: bool
         recompute: bool          # False: keep h and a 1-bit mask instead of recomputing
+        groups: int = 1          # a grouped conv: w is (K, C/groups, R, S)
 
     # fwd :: (x, w, gamma, beta) -> (y, residuals=(x, w, gamma, [beta], mean, invstd))
     #        recompute=False, training: residuals=(x, w, gamma, h, relu_state, mean, invstd)
@@ -290,13 +296,13 @@ def fold_batchnorm(w, b, gamma, beta, running_mean, running_var, eps=1e-5):
 
 def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=None,
                         training=True, momentum=0.1, eps=1e-5, stride=1, padding=0,
-                        dilation=1, relu=True, layout="NCHW", comm=None):
+                        dilation=1, relu=True, layout="NCHW", comm=None, groups=1):
     """``relu(batchnorm(conv2d(x, w)))`` fused; trained with recompute, folded in inference.
 
     Parameters
     ----------
     x : array or Tensor (N, C, H, W) (or NHWC)
-    w : array or Tensor (K, C, R, S)
+    w : array or Tensor (K, C/groups, R, S)
     gamma, beta : arrays or Tensors (K,)
     running_mean, running_var : arrays or Tensors (K,), or None
         Updated in place in training (PyTorch's convention, unbiased variance); required in
@@ -314,6 +320,9 @@ def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=Non
 
     comm : numbafuse.distributed.Communicator, optional
         Synchronized batch norm in training (as :func:`batchnorm_add_relu`).
+    groups : int
+        A grouped conv (:func:`~numbafuse.ops.conv.conv2d`'s ``groups``; ``groups == C``:
+        depthwise, as in MobileNet's Conv(dw)-BN-ReLU).
 
     Returns
     -------
@@ -334,12 +343,13 @@ def conv_batchnorm_relu(x, w, gamma, beta, *, running_mean=None, running_var=Non
                              running_var=autograd.unwrap(running_var), training=training,
                              momentum=momentum, eps=eps, stride=stride, padding=padding,
                              dilation=dilation, relu=relu, layout=layout, recompute=True,
-                             comm=comm).apply(x, w, gamma, beta)
+                             comm=comm, groups=groups).apply(x, w, gamma, beta)
 
 
 def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, running_var=None,
                                  training=True, eps=1e-5, stride=1, padding=0, dilation=1,
-                                 relu=True, layout="NCHW", need=(True, True, True, True)):
+                                 relu=True, layout="NCHW", need=(True, True, True, True),
+                                 groups=1):
     """``(dx, dw, dgamma, dbeta)`` of :func:`conv_batchnorm_relu`, NumPy style (no tape).
 
     Recomputes the conv and the batch statistics from ``x`` (training) or uses the running
@@ -365,7 +375,7 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
     fn = ConvBatchNormReLU(running_mean=running_mean, running_var=running_var,
                            training=training, momentum=0.0, eps=eps, stride=stride,
                            padding=padding, dilation=dilation, relu=relu, layout=layout,
-                           recompute=False, comm=None)
+                           recompute=False, comm=None, groups=groups)
     validate.check_given(op, dy=dy)
     _, geometry, _ = _validate(op, x, w, gamma, beta, fn.params, updates=False)
     backend.backend_of(op, dy=dy, x=x)

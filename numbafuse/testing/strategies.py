@@ -115,7 +115,8 @@ class ConvProblem:
 @st.composite
 def conv_geometries(draw, max_batch=2, max_channels=4, max_size=8, max_kernel=3,
                     max_stride=2, max_dilation=2,
-                    paddings=("int", "pair", "quad", "same", "valid"), dims=None):
+                    paddings=("int", "pair", "quad", "same", "valid"), dims=None,
+                    groups=False):
     """A dict of valid conv geometry: N, C, H, W, K, R, S, stride, padding, dilation (plus
     the output size P, Q).
 
@@ -124,10 +125,17 @@ def conv_geometries(draw, max_batch=2, max_channels=4, max_size=8, max_kernel=3,
 
     ``dims``: optional strategies for any of N, C, K, H, W, R, S, replacing the ``max_*``
     ranges of those dimensions (e.g. ``{"C": st.integers(17, 20)}``).
+
+    ``groups=True`` also draws ``groups`` G (C and K multiples of G; C == G: depthwise); the
+    dict always has ``groups`` (1 unless drawn).
     """
     N = _dim(draw, dims, "N", 1, max_batch)
     C = _dim(draw, dims, "C", 1, max_channels)
     K = _dim(draw, dims, "K", 1, max_channels)
+    G = draw(st.integers(1, max_channels)) if groups else 1
+    if G > 1:   # C = G * C/G input channels, K = G * (1 or 2) filters
+        C = G * draw(st.integers(1, max(1, max_channels // G)))
+        K = G * draw(st.integers(1, 2))
     R = _dim(draw, dims, "R", 1, max_kernel)
     S = _dim(draw, dims, "S", 1, max_kernel)
     stride = (draw(st.integers(1, max_stride)), draw(st.integers(1, max_stride)))
@@ -153,7 +161,13 @@ def conv_geometries(draw, max_batch=2, max_channels=4, max_size=8, max_kernel=3,
     Q = _out_size(W, S, stride[1], dilation[1], *pads[1])
     assume(P >= 1 and Q >= 1)
     return dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, stride=stride, padding=padding,
-                dilation=dilation, P=P, Q=Q)
+                dilation=dilation, P=P, Q=Q, groups=G)
+
+
+def _groups(g):
+    """The ``groups`` keyword of a drawn geometry: only where grouped (calls without it stay
+    as they were)."""
+    return {"groups": g["groups"]} if g["groups"] != 1 else {}
 
 
 @st.composite
@@ -167,11 +181,12 @@ def conv_problems(draw, dtype=None, layout=None, bias=None, **geometry_kwargs):
     layout = draw(layouts()) if layout is None else layout
     with_bias = draw(st.booleans()) if bias is None else bias
     x = draw(arrays(_activation_shape(layout, g["N"], g["C"], g["H"], g["W"]), dtype))
-    w = draw(arrays((g["K"], g["C"], g["R"], g["S"]), dtype,
-                    scale=1.0 / np.sqrt(g["C"] * g["R"] * g["S"])))
+    Cg = g["C"] // g["groups"]                                     # input channels per group
+    w = draw(arrays((g["K"], Cg, g["R"], g["S"]), dtype,
+                    scale=1.0 / np.sqrt(Cg * g["R"] * g["S"])))
     b = draw(arrays((g["K"],), dtype)) if with_bias else None
     return ConvProblem(x, w, b, dict(stride=g["stride"], padding=g["padding"],
-                                     dilation=g["dilation"], layout=layout))
+                                     dilation=g["dilation"], layout=layout, **_groups(g)))
 
 
 # --------------------------------------------------------------------------- batch norm
@@ -247,12 +262,14 @@ def conv_batchnorm_problems(draw, dtype=None, layout=None, **geometry_kwargs):
     dtype = draw(dtypes()) if dtype is None else dtype
     layout = draw(layouts()) if layout is None else layout
     x = draw(arrays(_activation_shape(layout, g["N"], g["C"], g["H"], g["W"]), dtype))
-    w = draw(arrays((g["K"], g["C"], g["R"], g["S"]), dtype,
-                    scale=1.0 / np.sqrt(g["C"] * g["R"] * g["S"])))
+    Cg = g["C"] // g["groups"]                                     # input channels per group
+    w = draw(arrays((g["K"], Cg, g["R"], g["S"]), dtype,
+                    scale=1.0 / np.sqrt(Cg * g["R"] * g["S"])))
     rng = np.random.default_rng(draw(SEEDS))
     return ConvBatchNormProblem(x=x, w=w, **_batchnorm_parameters(rng, g["K"], dtype),
                                 kwargs=dict(stride=g["stride"], padding=g["padding"],
-                                            dilation=g["dilation"], layout=layout))
+                                            dilation=g["dilation"], layout=layout,
+                                            **_groups(g)))
 
 
 # --------------------------------------------------------------------------- the unfused ops
