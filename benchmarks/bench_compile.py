@@ -1,7 +1,7 @@
 """First contact: cold first calls (empty Numba cache), compile time per function, warm starts.
 
     python benchmarks/bench_compile.py [--cases NAME,...] [--quick] [--list]
-                                       [--write | --markdown FILE] [--json FILE]
+                                       [--write | --markdown FILE[#SECTION]] [--json FILE]
 
 Every case runs in its own processes (issue 33), each with a fresh, empty ``NUMBA_CACHE_DIR``
 (a new temporary directory per case):
@@ -55,7 +55,7 @@ sys.path.insert(0, HERE)
 import _report   # noqa: E402
 import _runner   # noqa: E402
 
-DOCS = os.path.join(ROOT, "docs", "bench_compile.md")
+DOCS = os.path.join(ROOT, "docs", "benchmarks.md") + "#compile"   # that section of the page
 SHAPE = (8, 16, 32, 32)          # N, C, H, W (the issue's table)
 K_OUT = 16
 CC = (9, 0)
@@ -296,12 +296,12 @@ def _step_kernel_names():
 def _cuda(spec, steps, log):
     """Build each kernel of the set to sm_90 PTX, loading it from the disk cache when there."""
     from numba.core import sigutils
-    sass = _timed(steps, log, "import", lambda: _import_sass())
+    catalog = _timed(steps, log, "import", lambda: _import_catalog())
     wanted = spec.get("names")
     owner = {id(k): m.__name__.removeprefix("numbafuse.kernels.")
-             for m in sass.kernel_modules() for k, _ in m.PTX_SIGNATURES}
+             for m in catalog.kernel_modules() for k, _ in m.PTX_SIGNATURES}
     cases, seen = [], set()
-    for name, kernel, signature, gemm in sass.cases(("float32",)):
+    for name, kernel, signature, gemm in catalog.cases(("float32",)):
         if wanted is None or _kernel_key(kernel.py_func) in wanted:
             name = f"{owner[id(kernel)]}.{name.split('.', 1)[1]}"
             while name in seen:                   # a kernel listed with two signatures
@@ -331,9 +331,9 @@ def _cuda(spec, steps, log):
         _kernel_key(c[1].py_func) for c in cases}))
 
 
-def _import_sass():
-    from numbafuse.kernels import cuda_sass
-    return cuda_sass
+def _import_catalog():
+    from numbafuse.kernels import catalog
+    return catalog
 
 
 def worker(case, spec):
@@ -383,7 +383,7 @@ def skip_reason(spec):
         if importlib.util.find_spec("numba_cuda") is None:
             return "numba-cuda is not installed"
         sys.path.insert(0, ROOT)
-        from numbafuse.kernels import cuda_sass   # (imports no kernel module)
+        from numbafuse.testing import cuda_sass   # (imports no kernel module)
         # NVVM (libnvvm) comes with the nvidia-cuda-nvcc wheel; ptxas with it too
         if cuda_sass.tool("ptxas") is None:
             return "NVIDIA's nvidia-cuda-nvcc wheel (NVVM) is not installed"

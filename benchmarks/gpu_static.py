@@ -1,7 +1,7 @@
 """Static sm_90 table of every numba.cuda kernel: registers, spills, shared memory, the loop
 instruction mix of the GEMMs (FMA share, FMA per shared load). No GPU needed.
 
-    PYTHONPATH=. python benchmarks/gpu_static.py [--markdown docs/bench_gpu_static.md]
+    PYTHONPATH=. python benchmarks/gpu_static.py [--markdown 'docs/benchmarks.md#gpu_static']
 
 Needs NVIDIA's tool wheels (``pip install -e '.[sass]'``: ptxas, cuobjdump). The same numbers
 are checked by tests/test_sass.py; this script only tabulates them.
@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _report
 
 import _report  # noqa: E402
 
-from numbafuse.kernels import cuda_sass as sass  # noqa: E402
+from numbafuse.kernels import catalog  # noqa: E402
+from numbafuse.testing import cuda_sass as sass  # noqa: E402
 
 
 def _mix(loop, top=6):
@@ -25,7 +26,7 @@ def _mix(loop, top=6):
 
 def rows(filter_=None):
     out = []
-    for name, kernel, sig, is_gemm in sass.cases():
+    for name, kernel, sig, is_gemm in catalog.cases():
         if filter_ and filter_ not in name:
             continue
         r = sass.analyse(kernel, sig, name)

@@ -37,8 +37,8 @@ import time
 
 
 def _cases(dtypes):
-    from .kernels import cuda_sass
-    return cuda_sass.cases(dtypes)
+    from .kernels import catalog
+    return catalog.cases(dtypes)
 
 
 def _compile_one(index: int, dtypes: tuple) -> tuple:

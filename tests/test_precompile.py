@@ -10,10 +10,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "
 
 def test_it_lists_every_kernel_of_every_module_once_per_dtype():
     from numbafuse import precompile
-    from numbafuse.kernels import cuda_sass
+    from numbafuse.kernels import catalog
     cases = precompile._cases(("float32", "float64"))
     assert [(n, str(s)) for n, _, s, _ in cases] == \
-        [(n, str(s)) for n, _, s, _ in cuda_sass.cases()]
+        [(n, str(s)) for n, _, s, _ in catalog.cases()]
     assert len({(n, str(s)) for n, _, s, _ in cases}) == len(cases)    # each (kernel, types) once
     assert sum(1 for *_, is_gemm in cases if is_gemm) >= 16   # 12 wide + 4 narrow GEMMs
 

@@ -7,7 +7,8 @@ must run outside the simulator: it is skipped there and runs in the CPU test pro
 Each CUDA kernel module (``numbafuse/kernels/<family>/cuda.py``, ``cuda_reduce.py``) lists its
 kernels in ``PTX_SIGNATURES`` as
 ``(kernel, lambda f: signature)`` with ``f`` the numba float type; a kernel missing from that
-list fails ``test_every_kernel_is_listed``.
+list fails ``test_every_kernel_is_listed``. The list is read by ``numbafuse.kernels.catalog``,
+the compilation is ``numbafuse.testing.cuda_sass.compile_ptx``.
 """
 import os
 
@@ -23,8 +24,8 @@ CC = (9, 0)
 
 
 def _cuda_modules():
-    from numbafuse.kernels import cuda_sass
-    return cuda_sass.kernel_modules()
+    from numbafuse.kernels import catalog
+    return catalog.kernel_modules()
 
 
 def _kernels(module):
@@ -58,7 +59,7 @@ def test_every_kernel_is_listed(module):
 @pytest.mark.parametrize("ftype", ["float32", "float64"])
 def test_compiles_to_ptx(kernel, signature, ftype):
     import numba
-    from numbafuse.kernels import cuda_sass as sass
+    from numbafuse.testing import cuda_sass as sass
     sig = signature(getattr(numba, ftype))
     if sig is None:
         pytest.skip("built for the other dtype only (a tiling per dtype)")

@@ -2,7 +2,7 @@
 
 Each kernel listed in a ``numbafuse/kernels/cuda`` module's ``PTX_SIGNATURES`` is compiled
 by numba to PTX, assembled by ``ptxas -arch=sm_90 -O3`` and disassembled by ``cuobjdump``
-(``kernels/cuda/sass.py``). Checks:
+(``numbafuse/testing/cuda_sass.py``). Checks:
 
 - every kernel: no register spills, no stack frame, no local-memory traffic (a
   ``cuda.local.array`` that did not become registers);
@@ -30,7 +30,7 @@ MIN_FMA_PER_LDS = 2.0
 
 
 def _sass():
-    from numbafuse.kernels import cuda_sass as sass
+    from numbafuse.testing import cuda_sass as sass
     missing = sass.missing_tools()
     if missing:
         pytest.skip(f"NVIDIA tools {missing} not installed (pip install nvidia-cuda-nvcc "
@@ -41,8 +41,8 @@ def _sass():
 def _cases():
     if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
         return []
-    from numbafuse.kernels import cuda_sass as sass
-    return [pytest.param(k, s, g, id=n) for n, k, s, g in sass.cases()]
+    from numbafuse.kernels import catalog
+    return [pytest.param(k, s, g, id=n) for n, k, s, g in catalog.cases()]
 
 
 _REPORTS = {}
@@ -83,8 +83,9 @@ def check(report, is_gemm):
 
 
 def test_tools_and_kernels_are_there():
-    sass = _sass()
-    cases = sass.cases()
+    _sass()
+    from numbafuse.kernels import catalog
+    cases = catalog.cases()
     assert sum(1 for c in cases if c[3]) >= 12          # 3 passes x 2 layouts x 2 dtypes
     assert len(cases) >= 40
 

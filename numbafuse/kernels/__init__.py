@@ -6,7 +6,8 @@ kernels) and ``cuda.py`` (``numba.cuda`` kernels), and the two backend modules e
 host-level functions, so an op picks one with :func:`module` and calls it. Shared pieces:
 ``scalar.py`` (ReLU math), ``cpu_launch.py`` (the CPU thread pool) and ``cpu_blas.py`` (its
 private one-thread BLAS), ``cuda_config.py`` (every CUDA launch size), ``cuda_reduce.py``
-(reductions), ``cuda_gemm.py`` (the GEMM skeleton), ``cuda_sass.py`` (the sm_90 static check).
+(reductions), ``cuda_gemm.py`` (the GEMM skeleton), ``catalog.py`` (every CUDA kernel and its
+signatures).
 
 The CUDA modules are imported only when a device array comes, so CPU users never need
 numba-cuda. This package knows nothing of Tensors or ops.

@@ -11,17 +11,17 @@ What is read from them:
   them is the *hot loop* of a GEMM: the loop with the most FFMA/DFMA instructions (the
   unrolled multiply-add K-loop; when a kernel has a fast and a slow path, the faster).
 
-``tests/test_sass.py`` turns these into checks; ``benchmarks/gpu_static.py`` into the table
-of ``docs/bench_gpu_static.md``. Kernel modules list what is compiled in ``PTX_SIGNATURES``
-and name their GEMM kernels in ``GEMM_KERNELS``.
+``tests/test_sass.py`` turns these into checks (and ``tests/test_ptx.py`` compiles every kernel
+with :func:`compile_ptx`); ``benchmarks/gpu_static.py`` into the table of
+``docs/benchmarks.md``, section "CUDA kernels as sm_90 code". The kernels and their signatures
+come from :mod:`numbafuse.kernels.catalog`. A development tool: nothing in the runtime
+package imports it.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import os
-import pkgutil
 import re
 import shutil
 import subprocess
@@ -270,37 +270,6 @@ def analyse(kernel, signature, name: str) -> Report:
                           kernel.targetoptions.get("max_registers"))
     insns, loops = parse_sass(sass)
     return Report(name, insns=insns, loops=loops, **_ptxas_info(info))
-
-
-def kernel_modules() -> list:
-    """Every CUDA kernel module that lists kernels (``PTX_SIGNATURES``): each op family's
-    ``kernels/<family>/cuda.py`` and the shared ``kernels/cuda_*.py``."""
-    import numbafuse.kernels as pkg
-    names = [f"{m.name}.cuda" if m.ispkg else m.name
-             for m in pkgutil.iter_modules(pkg.__path__)
-             if m.ispkg or m.name.startswith("cuda_")]
-    mods = [importlib.import_module(f"{pkg.__name__}.{n}") for n in names]
-    return sorted((m for m in mods if getattr(m, "PTX_SIGNATURES", None)),
-                  key=lambda m: m.__name__)
-
-
-def cases(dtypes=("float32", "float64")) -> list:
-    """``(name, kernel, signature, is_gemm)`` for every listed kernel and dtype (an entry
-    whose signature function returns None for a dtype is not compiled for it)."""
-    import numba
-    out = []
-    for mod in kernel_modules():
-        gemms = {id(k) for k in getattr(mod, "GEMM_KERNELS", ())}
-        short = mod.__name__.rsplit(".", 1)[1]
-        for kernel, sig in mod.PTX_SIGNATURES:
-            kname = getattr(kernel, "__name__", None) or kernel.py_func.__name__
-            for dt in dtypes:
-                tag = {"float32": "f32", "float64": "f64"}[dt]
-                signature = sig(getattr(numba, dt))
-                if signature is None:       # a kernel built for the other dtype only
-                    continue
-                out.append((f"{short}.{kname}[{tag}]", kernel, signature, id(kernel) in gemms))
-    return out
 
 
 def versions() -> str:

@@ -1,0 +1,45 @@
+"""Every numba.cuda kernel of the package, with its signature per dtype.
+
+Each CUDA kernel module (an op family's ``kernels/<family>/cuda.py``, the shared
+``kernels/cuda_*.py``) lists its kernels once in ``PTX_SIGNATURES`` as
+``(kernel, lambda f: signature)``, ``f`` the numba float type, and names its GEMM kernels in
+``GEMM_KERNELS``. :func:`cases` reads those lists: ``python -m numbafuse.precompile --cuda``
+compiles each case into Numba's disk cache, ``tests/test_ptx.py`` compiles each to sm_90 PTX,
+and the static check (``numbafuse.testing.cuda_sass``, ``tests/test_sass.py``) reads each
+one's machine code.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+
+def kernel_modules() -> list:
+    """Every CUDA kernel module that lists kernels (``PTX_SIGNATURES``): each op family's
+    ``kernels/<family>/cuda.py`` and the shared ``kernels/cuda_*.py``."""
+    import numbafuse.kernels as pkg
+    names = [f"{m.name}.cuda" if m.ispkg else m.name
+             for m in pkgutil.iter_modules(pkg.__path__)
+             if m.ispkg or m.name.startswith("cuda_")]
+    mods = [importlib.import_module(f"{pkg.__name__}.{n}") for n in names]
+    return sorted((m for m in mods if getattr(m, "PTX_SIGNATURES", None)),
+                  key=lambda m: m.__name__)
+
+
+def cases(dtypes=("float32", "float64")) -> list:
+    """``(name, kernel, signature, is_gemm)`` for every listed kernel and dtype (an entry
+    whose signature function returns None for a dtype is not compiled for it)."""
+    import numba
+    out = []
+    for mod in kernel_modules():
+        gemms = {id(k) for k in getattr(mod, "GEMM_KERNELS", ())}
+        short = mod.__name__.rsplit(".", 1)[1]
+        for kernel, sig in mod.PTX_SIGNATURES:
+            kname = getattr(kernel, "__name__", None) or kernel.py_func.__name__
+            for dt in dtypes:
+                tag = {"float32": "f32", "float64": "f64"}[dt]
+                signature = sig(getattr(numba, dt))
+                if signature is None:       # a kernel built for the other dtype only
+                    continue
+                out.append((f"{short}.{kname}[{tag}]", kernel, signature, id(kernel) in gemms))
+    return out
