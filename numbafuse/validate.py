@@ -24,23 +24,88 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 LAYOUTS = ("NCHW", "NHWC")
 
 
+def _half_dtypes():
+    """float16, and bfloat16 where NumPy has it (``ml_dtypes``, optional: never required)."""
+    found = [np.dtype(np.float16)]
+    try:
+        import ml_dtypes
+    except ImportError:
+        return tuple(found)
+    return (*found, np.dtype(ml_dtypes.bfloat16))
+
+
+HALF_DTYPES = _half_dtypes()
+"""The half-precision storage dtypes: float16, plus bfloat16 when ``ml_dtypes`` is importable.
+Ops that take them compute in :data:`COMPUTE_DTYPE` (see :func:`compute_dtype`)."""
+COMPUTE_DTYPE = np.dtype(np.float32)
+
+
+def is_half(dtype) -> bool:
+    """Whether ``dtype`` is a half-precision storage dtype (:data:`HALF_DTYPES`)."""
+    return dtype is not None and np.dtype(dtype) in HALF_DTYPES
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """The dtype the kernels compute a ``dtype`` call in: float32 for a half dtype (float32
+    accumulation, as cuDNN and PyTorch autocast), else ``dtype`` itself."""
+    return COMPUTE_DTYPE if is_half(dtype) else np.dtype(dtype)
+
+
+def _dtype_names(dtypes) -> str:
+    names = [str(d) for d in dtypes]
+    return " or ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
 # --------------------------------------------------------------------------- dtype / rank / values
 
-def check_float_dtypes(op: str, **arrays) -> np.dtype:
-    """The one floating dtype (float32 or float64) shared by all non-``None`` arrays."""
+def check_float_dtypes(op: str, *, half: bool = False, **arrays) -> np.dtype:
+    """The one floating dtype shared by all non-``None`` arrays: float32 or float64, and
+    with ``half`` (the ops that take half precision) also :data:`HALF_DTYPES`."""
+    allowed = HALF_DTYPES + FLOAT_DTYPES if half else FLOAT_DTYPES
     dtype, first = None, None
     for name, a in arrays.items():
         if a is None:
             continue
         dt = np.dtype(a.dtype)
-        if dt not in FLOAT_DTYPES:
-            raise TypeError(f"{op}: {name} must be float32 or float64, got {dt}")
+        if dt not in allowed:
+            raise TypeError(f"{op}: {name} must be {_dtype_names(allowed)}, got {dt}")
         if dtype is None:
             dtype, first = dt, name
         elif dt != dtype:
             raise TypeError(f"{op}: {name} is {dt} but {first} is {dtype}; "
                             f"all floating inputs of one call must share one dtype")
     return dtype
+
+
+def check_param_dtypes(op: str, dtype, **params) -> np.dtype:
+    """The dtype of a batch norm's parameters (gamma, beta, running statistics; ``None``
+    entries skipped) for an input of ``dtype``: all one dtype, ``dtype`` itself or, for a
+    half ``dtype``, float32 (PyTorch's rule, CPU and CUDA alike: a float16 or bfloat16 x
+    takes float32 or same-dtype parameters; float32 and float64 inputs take their own dtype
+    only). Returns ``dtype`` when no parameter is given."""
+    allowed = (np.dtype(dtype), COMPUTE_DTYPE) if is_half(dtype) else (np.dtype(dtype),)
+    found, first = None, None
+    for name, a in params.items():
+        if a is None:
+            continue
+        dt = np.dtype(a.dtype)
+        if dt not in allowed:
+            raise TypeError(f"{op}: {name} is {dt} but x is {dtype}; batch-norm parameters and "
+                            f"running statistics must be {_dtype_names(allowed)} for a "
+                            f"{dtype} x")
+        if found is None:
+            found, first = dt, name
+        elif dt != found:
+            raise TypeError(f"{op}: {name} is {dt} but {first} is {found}; batch-norm "
+                            f"parameters and running statistics must share one dtype")
+    return np.dtype(dtype) if found is None else found
+
+
+def check_half_backend(op: str, which: str, dtype) -> None:
+    """bfloat16 runs on the CPU only: numba.cuda has no bfloat16 arrays."""
+    if which != backend.CPU and is_half(dtype) and np.dtype(dtype) != np.float16:
+        raise TypeError(f"{op}: {dtype} is supported on the CPU only (numba.cuda has no "
+                        f"{dtype} arrays); use float16 on the device")
 
 
 def check_given(op: str, **arrays) -> None:
@@ -54,7 +119,8 @@ def check_given(op: str, **arrays) -> None:
 def check_ndim(op: str, name: str, a, ndim: int, what: str = "") -> None:
     if len(a.shape) != ndim:
         hint = f" ({what})" if what else ""
-        raise ValueError(f"{op}: {name} must have {ndim} dimensions{hint}, got shape {tuple(a.shape)}")
+        raise ValueError(f"{op}: {name} must have {ndim} dimensions{hint}, "
+                         f"got shape {tuple(a.shape)}")
 
 
 def check_vector(op: str, name: str, a, length: int) -> None:
@@ -334,6 +400,7 @@ class BatchNormArgs:
     M: int           # values per channel, N*H*W
     eps: float
     momentum: float
+    param_dtype: np.dtype = None   # gamma, beta, running statistics: dtype, or float32 (half x)
 
 
 SAVE_POLICIES = ("output", "mask")
@@ -348,6 +415,9 @@ def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=No
     (synchronized batch norm), so this process may hold no sample (N = 0) and the "more than
     one value per channel" rule is the caller's, on the global count. ``updates=False``: the
     call writes no running statistics (the NumPy-style backwards), so they may be read-only.
+    x and z share one dtype, float32, float64 or half precision (:data:`HALF_DTYPES`); the
+    parameters and running statistics x's dtype or, for a half x, float32
+    (:func:`check_param_dtypes`).
 
     Per call: which backend, the dtypes, and that running statistics updated in place are
     writable (contiguous on the device). Everything that depends only on shapes and on the
@@ -359,8 +429,10 @@ def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=No
         raise TypeError(f"{op}: {', '.join(missing)} must be an array, got None")
     which = backend.backend_of(op, x=x, z=z, gamma=gamma, beta=beta,
                                running_mean=running_mean, running_var=running_var)
-    dtype = check_float_dtypes(op, x=x, z=z, gamma=gamma, beta=beta,
-                               running_mean=running_mean, running_var=running_var)
+    dtype = check_float_dtypes(op, half=True, x=x, z=z)
+    check_half_backend(op, which, dtype)
+    param_dtype = check_param_dtypes(op, dtype, gamma=gamma, beta=beta,
+                                     running_mean=running_mean, running_var=running_var)
     shapes = tuple(None if a is None else tuple(a.shape)
                    for a in (x, z, gamma, beta, running_mean, running_var))
     args = (op, shapes, layout, save, training, momentum, eps, bool(synced))
@@ -370,7 +442,7 @@ def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=No
     layout, C, M, momentum, eps = static
     _running_stats_arrays(op, running_mean, running_var, training and updates)
     _check_values_per_channel(op, M, training and not synced)
-    return BatchNormArgs(which, dtype, layout, C, M, eps, momentum)
+    return BatchNormArgs(which, dtype, layout, C, M, eps, momentum, param_dtype)
 
 
 def _shaped(shape):

@@ -51,6 +51,7 @@ import numpy as np
 from .. import autograd, backend, kernels, reference, validate
 from ..autograd import Function, is_recording
 from ..kernels.batchnorm import math as bn_math
+from . import precision
 from .spec import OpSpec
 
 _kernels = functools.partial(kernels.module, "batchnorm")   # _kernels(which): the module
@@ -140,6 +141,7 @@ def bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(Tru
     ``kernels/conv/cpu.forward_bn_sums``).
     """
     which = backend.backend_of("bn_backward", dy=dy, x=x, gamma=gamma)
+    dtype, param_dtype = dy.dtype, gamma.dtype       # dx, dz: dy's; dgamma, dbeta: gamma's
     sync = None
     if comm is not None and training:
         def sync(sums):                                   # (2, C) float64, host
@@ -147,15 +149,23 @@ def bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(Tru
     if x.size == 0 and sync is None:            # an empty batch: sums over no values
         C = gamma.shape[0]
         need_x, need_gamma, need_beta, need_z = need
-        return (backend.empty(which, x.shape, dy.dtype) if need_x else None,
-                kernels.zeros(which, (C,), dy.dtype) if need_gamma else None,
-                kernels.zeros(which, (C,), dy.dtype) if need_beta else None,
-                backend.empty(which, x.shape, dy.dtype) if need_z else None)
+        zeros = precision.store(kernels.zeros(which, (C,), validate.compute_dtype(param_dtype)),
+                                param_dtype)
+        return (backend.empty(which, x.shape, dtype) if need_x else None,
+                zeros if need_gamma else None,
+                backend.copy(zeros) if need_beta else None,
+                backend.empty(which, x.shape, dtype) if need_z else None)
     kind = _state_kind(relu_state)
     state = relu_state.beta if kind == bn_math.STATE_AFFINE else relu_state
     first_pass = dict(sync=sync) if sums is None else dict(sums=sums)   # (CUDA: no sums)
-    return _kernels(which).backward(dy, x, mean, invstd, gamma, kind, state, layout,
-                                    bool(training), tuple(need), **first_pass)
+    # half precision: the float32 kernels on converted arrays (a mask stays packed bits)
+    dy, x, gamma = (precision.compute(a) for a in (dy, x, gamma))
+    state = state if kind == bn_math.STATE_MASK else precision.compute(state)
+    dx, dgamma, dbeta, dz = _kernels(which).backward(dy, x, mean, invstd, gamma, kind, state,
+                                                     layout, bool(training), tuple(need),
+                                                     **first_pass)
+    return (precision.store(dx, dtype), precision.store(dgamma, param_dtype),
+            precision.store(dbeta, param_dtype), precision.store(dz, dtype))
 
 
 def synced_stats(op, impl, x, layout, eps, C, comm):
@@ -243,7 +253,10 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
     """Validate, compute the statistics, update the running ones, apply: shared by the ops.
 
     Returns (y, mask, x, mean, invstd, args, count) with x the C-contiguous array the kernels
-    read and count the values per channel the statistics are over (all ranks' with ``comm``).
+    read (in x's own dtype: a half x is kept half) and count the values per channel the
+    statistics are over (all ranks' with ``comm``). Half precision: the float32 kernels on
+    converted x, z and parameters (``precision``), y converted back, half running
+    statistics written back.
     """
     synced = comm is not None and training
     args = validate.batchnorm_args(op, x, gamma, beta, z=z, running_mean=running_mean,
@@ -252,8 +265,11 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
                                    synced=synced)
     check_comm(op, comm, x, args.C, args.layout, training, args.eps, args.momentum,
                running_mean is not None, relu)
-    x, gamma, beta = kernels.contiguous(x), kernels.contiguous(gamma), kernels.contiguous(beta)
-    z = None if z is None else kernels.contiguous(z)
+    x_kept = kernels.contiguous(x)
+    x, z, gamma, beta = (None if a is None else precision.compute(kernels.contiguous(a))
+                         for a in (x_kept, z, gamma, beta))      # float32 for half: no-op else
+    kept_stats = (running_mean, running_var)
+    running_mean, running_var = (precision.compute(a) for a in kept_stats)
     impl = _kernels(args.backend)
     count = args.M
     if synced:                      # the statistics of all ranks' batch (Chan's merge)
@@ -268,15 +284,18 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
         y, mask, mean, invstd = impl.apply_running(x, running_mean, running_var, args.eps,
                                                    gamma, beta, z, relu, args.layout,
                                                    with_mask)
-        return y, mask, x, mean, invstd, args, count
+        return precision.store(y, args.dtype), mask, x_kept, mean, invstd, args, count
     else:
         mean, invstd = impl.inference_stats(running_mean, running_var, args.eps)
+    if training:
+        for kept, updated in zip(kept_stats, (running_mean, running_var)):
+            precision.store_into(kept, updated)         # a half running statistic, updated
     if x.size:
         y, mask = impl.apply(x, mean, invstd, gamma, beta, z, relu, args.layout, with_mask)
     else:                                             # a rank without samples
         y = backend.empty(args.backend, x.shape, x.dtype)
         mask = backend.empty(args.backend, (0,), np.uint8) if with_mask else None
-    return y, mask, x, mean, invstd, args, count
+    return precision.store(y, args.dtype), mask, x_kept, mean, invstd, args, count
 
 
 # --------------------------------------------------------------------------- fused op
@@ -462,7 +481,7 @@ def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, runnin
                                    running_var=running_var, training=training, momentum=0.0,
                                    eps=eps, layout=layout, updates=False)
     backend.backend_of(op, dy=dy, x=x, y=y, mask=mask)
-    validate.check_float_dtypes(op, dy=dy, x=x, y=y)
+    validate.check_float_dtypes(op, half=True, dy=dy, x=x, y=y)
     validate.check_same_shape(op, "dy", dy, "x", x)
     if y is not None:
         validate.check_same_shape(op, "y", y, "x", x)
@@ -473,17 +492,21 @@ def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, runnin
                          f"{tuple(mask.shape)}")
     impl = _kernels(args.backend)
     x, gamma = kernels.contiguous(x), kernels.contiguous(gamma)
+    xc = precision.compute(x)                 # the kernels' dtype (float32 for a half x)
     if training:
-        mean, _, invstd = (impl.stats(x, args.layout, args.eps) if x.size else
+        mean, _, invstd = (impl.stats(xc, args.layout, args.eps) if x.size else
                            _no_stats(x, args.layout))
     else:
-        mean, invstd = impl.inference_stats(running_mean, running_var, args.eps)
+        mean, invstd = impl.inference_stats(precision.compute(running_mean),
+                                            precision.compute(running_var), args.eps)
     if state is None and x.size == 0:
         state = backend.empty(args.backend, (0,), np.uint8)              # the empty mask
     if state is None:
-        state = impl.apply(x, mean, invstd, gamma, kernels.contiguous(beta),
-                              kernels.contiguous(z), True, args.layout, True)[1]
-    dx, dgamma, dbeta, dz = bn_backward(kernels.contiguous(dy), x, mean, invstd, gamma,
+        state = impl.apply(xc, mean, invstd, precision.compute(gamma),
+                           precision.compute(kernels.contiguous(beta)),
+                           precision.compute(kernels.contiguous(z)), True, args.layout,
+                           True)[1]
+    dx, dgamma, dbeta, dz = bn_backward(kernels.contiguous(dy), xc, mean, invstd, gamma,
                                         kernels.contiguous(state), args.layout,
                                         training=training)
     return dx, dz, dgamma, dbeta
@@ -494,8 +517,8 @@ def batchnorm(x, gamma, beta, *, running_mean=None, running_var=None, training=T
     """Batch normalization ``gamma * (x - mean) / sqrt(var + eps) + beta`` (unfused op).
 
     Same arguments, running-statistics and ``comm`` semantics as :func:`batchnorm_add_relu`
-    (no z, no ReLU, no save policy). The unfused chain ``relu(add(batchnorm(x, ...), z))`` computes what
-    :func:`batchnorm_add_relu` fuses.
+    (no z, no ReLU, no save policy). The unfused chain ``relu(add(batchnorm(x, ...), z))``
+    computes what :func:`batchnorm_add_relu` fuses.
 
     Examples
     --------

@@ -26,6 +26,11 @@ cpu_grouped.py`` (depthwise stencils for ``groups == C``, else ``cpu.py``'s kern
 and ``cuda_grouped.py`` (``cuda.py``'s GEMMs per group); ``groups == 1`` calls ``cpu.py`` /
 ``cuda.py`` as it always did.
 
+Half precision (float16; bfloat16 on the CPU with ``ml_dtypes``): x, w, b, y, dy and the
+gradients all in that dtype (PyTorch's conv takes one dtype), computed by the float32 kernels
+on inputs converted at this module's array helpers (``ops/precision.py``): float32
+accumulation, one rounding of each result to half.
+
 Notation: N batch, C input channels, H/W input size, K filters, R/S filter size, P/Q output
 size. Activations are NCHW or NHWC (``layout``); weights are always (K, C/groups, R, S).
 Gradients: ``dy`` upstream, ``dx``, ``dw``, ``db``.
@@ -37,6 +42,7 @@ import functools
 
 from .. import autograd, backend, kernels, reference, validate
 from ..autograd import Function
+from . import precision
 from .spec import OpSpec
 
 _kernels = functools.partial(kernels.module, "conv")   # _kernels(backend): the module
@@ -52,30 +58,43 @@ def _conv_kernels(which, geometry):
 
 def conv_forward(x, w, b, geometry, relu):
     """``relu?(conv(x, w) + b?)`` for validated, contiguous arrays (see the module docstring).
-    An empty batch (N = 0) gives an empty y; no kernel runs."""
+    An empty batch (N = 0) gives an empty y; no kernel runs. Half precision: the float32
+    kernels on converted inputs, y converted back (``precision``)."""
     which = backend.backend_of_array(x)
     if geometry.N == 0:
         return backend.empty(which, geometry.y_shape, x.dtype)
-    return _conv_kernels(which, geometry).conv_forward(x, w, b, geometry, bool(relu))
+    dtype = x.dtype
+    x, w, b = (precision.compute(a) for a in (x, w, b))      # float32 for half: no-op else
+    y = _conv_kernels(which, geometry).conv_forward(x, w, b, geometry, bool(relu))
+    return precision.store(y, dtype)
 
 
 def conv_backward(dy, x, w, geometry, y=None, need=(True, True, True)):
     """``(dx, dw, db)`` of a conv [+ bias] [+ ReLU whose output is ``y``] (module docstring).
-    An empty batch (N = 0): dx empty, dw and db zero (sums over no pixels); no kernel runs."""
+    An empty batch (N = 0): dx empty, dw and db zero (sums over no pixels); no kernel runs.
+    Half precision: float32 kernels, the gradients converted back to dy's dtype."""
     which = backend.backend_of_array(dy)
+    dtype = dy.dtype
     if geometry.N == 0:
         need_x, need_w, need_b = need
-        return (backend.empty(which, geometry.x_shape, dy.dtype) if need_x else None,
-                kernels.zeros(which, geometry.w_shape, dy.dtype) if need_w else None,
-                kernels.zeros(which, (geometry.K,), dy.dtype) if need_b else None)
-    return _conv_kernels(which, geometry).conv_backward(dy, x, w, geometry, y, tuple(need))
+        f = validate.compute_dtype(dtype)
+        return (backend.empty(which, geometry.x_shape, dtype) if need_x else None,
+                precision.store(kernels.zeros(which, geometry.w_shape, f), dtype)
+                if need_w else None,
+                precision.store(kernels.zeros(which, (geometry.K,), f), dtype)
+                if need_b else None)
+    dy, x, w, y = (precision.compute(a) for a in (dy, x, w, y))   # y: its sign is exact
+    grads = _conv_kernels(which, geometry).conv_backward(dy, x, w, geometry, y, tuple(need))
+    return tuple(precision.store(g, dtype) for g in grads)
 
 
 def _validate_conv(op, x, w, b, stride, padding, dilation, layout, groups):
-    """(geometry, x, w, b): everything checked before anything is allocated, then made contiguous."""
+    """(geometry, x, w, b): everything checked before anything is allocated, then made
+    contiguous."""
     validate.check_given(op, x=x, w=w)
-    backend.backend_of(op, x=x, w=w, b=b)
-    validate.check_float_dtypes(op, x=x, w=w, b=b)
+    which = backend.backend_of(op, x=x, w=w, b=b)
+    validate.check_half_backend(op, which, validate.check_float_dtypes(op, half=True, x=x,
+                                                                       w=w, b=b))
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
                                  layout, groups)
     validate.check_vector(op, "b", b, geometry.K)
@@ -339,8 +358,9 @@ def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, lay
     op = "conv_bias_relu_backward"
     dy, x, w, y = (autograd.unwrap(a) for a in (dy, x, w, y))
     validate.check_given(op, dy=dy, x=x, w=w, y=y)
-    backend.backend_of(op, dy=dy, x=x, w=w, y=y)
-    validate.check_float_dtypes(op, dy=dy, x=x, w=w, y=y)
+    which = backend.backend_of(op, dy=dy, x=x, w=w, y=y)
+    validate.check_half_backend(op, which, validate.check_float_dtypes(op, half=True, dy=dy,
+                                                                       x=x, w=w, y=y))
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
                                  layout, groups)
     if tuple(y.shape) != geometry.y_shape:

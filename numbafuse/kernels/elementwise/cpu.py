@@ -34,6 +34,20 @@ def mul(x, y):
     return x * y
 
 
+def cast(src, dtype):
+    """``src`` converted to ``dtype`` (a C-contiguous copy; ``src`` itself when it already is
+    ``dtype``): NumPy's conversion, round to nearest even."""
+    if np.dtype(src.dtype) == np.dtype(dtype):
+        return src
+    return src.astype(dtype)
+
+
+def cast_into(src, dst):
+    """``dst[...] = src`` converted to dst's dtype; returns ``dst``."""
+    np.copyto(dst, src, casting="unsafe")
+    return dst
+
+
 def scale_by_device_scalar(scale, x):
     """``scale[0] * x`` (``scale`` a one-element array)."""
     return x * scale.reshape(())

@@ -1,10 +1,11 @@
-"""Small numba.cuda kernels the tape needs on the device: fill, copy, a*x + b*y, x*y, sum.
+"""Small numba.cuda kernels the tape needs on the device: fill, copy, a*x + b*y, x*y, sum,
+and the half <-> float32 conversion of the ops that take half precision (``cast``).
 
 All work on flat (1-d, C-contiguous) views; the wrappers reshape. The sum is deterministic:
 fixed per-block partials (a shared-memory tree), then one block reduces the partials.
 """
 import numpy as np
-from numba import float64, int64, types, uint32
+from numba import float32, float64, int64, types, uint32
 
 from ...cuda import empty, numba_cuda as cuda
 
@@ -143,6 +144,14 @@ def _copy_strided4(src, dst):
         dst[a, b, c, d] = src[a, b, c, d]
 
 
+@cuda.jit(cache=True)
+def _cast(src, dst):
+    # src, dst: (n,) C-contiguous, float16 -> float32 or float32 -> float16 (round to nearest
+    # even): dst[i] = src[i] in dst's dtype
+    for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
+        dst[i] = src[i]
+
+
 _COPY_BY_RANK = {1: _copy_strided1, 2: _copy_strided2, 3: _copy_strided3, 4: _copy_strided4}
 
 
@@ -223,6 +232,23 @@ def copy_into(src, dst):
     return dst
 
 
+def cast(src, dtype):
+    """A C-contiguous device array of ``src`` (C-contiguous) converted to ``dtype`` (float16
+    <-> float32); ``src`` itself when it already is ``dtype``."""
+    if np.dtype(src.dtype) == np.dtype(dtype):
+        return src
+    return cast_into(src, empty(src.shape, dtype))
+
+
+def cast_into(src, dst):
+    """``dst[...] = src`` converted to dst's dtype, both C-contiguous of one shape; returns
+    ``dst``."""
+    if dst.size:
+        blocks, threads = config.grid_1d(dst.size)
+        launch(_cast, blocks, threads, src.reshape(src.size), dst.reshape(dst.size))
+    return dst
+
+
 def sum_all(x, scale=1.0):
     """``scale`` times the sum of every element (both in float64), as a 0-d device array;
     deterministic (fixed partial order)."""
@@ -285,6 +311,9 @@ PTX_SIGNATURES = [
     (_copy_strided3, lambda f: (f[:, :, :], f[:, :, ::1])),
     (_copy_strided4, lambda f: (f[:, :, :, :], f[:, :, :, ::1])),
     (_sum_partials, lambda f: (f[::1], float64[::1])),
+    # half precision: float16 <-> float32 only (a float64 signature is never launched)
+    (_cast, lambda f: (types.float16[::1], f[::1]) if f == float32 else None),
+    (_cast, lambda f: (f[::1], types.float16[::1]) if f == float32 else None),
     (_sgd, lambda f: (f[::1], f[::1], types.UniTuple(f[::1], 16), int64[:, ::1], float64,
                       float64, float64, float64)),
     (_sgd, lambda f: (f[::1], f[::1], types.UniTuple(f[::1], SGD_BUCKETS[-1]), int64[:, ::1],
