@@ -1,7 +1,7 @@
 """Data-parallel scaling on MPI: a digits training step at 1 and 2 processes (weak scaling: a
 fixed batch per rank) and the all-reduce of a gradient buffer against its size.
 
-    python benchmarks/bench_distributed.py [--ranks 1 2] [--steps 30] [--markdown FILE]
+    python benchmarks/bench_distributed.py [--ranks 1 2] [--steps 30] [--markdown FILE[#SECTION]]
 
 It launches itself under ``mpiexec -n P`` for each P (``--worker`` is the per-rank part) and
 writes rank 0's timings. On one machine the ranks share its cores: this measures the cost of
@@ -19,6 +19,9 @@ import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for _report
+import _report  # noqa: E402
 
 MIB = 2.0 ** 20
 SIZES = [2 ** k for k in range(8, 25, 2)]            # float32 elements: 1 KiB .. 64 MiB
@@ -90,8 +93,7 @@ def main(argv=None):
     lines = _table(args, results)
     print("\n".join(lines))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        _report.write(args.markdown, "\n".join(lines) + "\n")
 
 
 def _table(args, results):
@@ -105,13 +107,13 @@ def _table(args, results):
             cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    lines = ["# Data-parallel scaling on MPI", "",
-             f"`python benchmarks/bench_distributed.py {shlex.join(sys.argv[1:])}`; {cpu}, "
-             f"{os.cpu_count()} cores, one machine; Python {platform.python_version()}, numba "
+    lines = [f"Command: `python benchmarks/bench_distributed.py {shlex.join(sys.argv[1:])}`",
+             "", f"Machine: {cpu}, {os.cpu_count()} cores, one machine; Python "
+             f"{platform.python_version()}, numba "
              f"{numba.__version__}, mpi4py {mpi4py.__version__}, "
              f"{MPI.Get_library_version().splitlines()[0].strip()}; load average {load:.1f}. "
              f"Medians; the ranks share the machine's cores.", "",
-             f"## Training step, digits ResNet (fused, NHWC), {args.batch_per_rank} images per "
+             f"### Training step, digits ResNet (fused, NHWC), {args.batch_per_rank} images per "
              f"rank (weak scaling)", "",
              "| ranks | global batch | ms / step | images / s | gradient buffer |",
              "|---:|---:|---:|---:|---:|"]
@@ -119,7 +121,7 @@ def _table(args, results):
         n = r["ranks"] * args.batch_per_rank
         lines.append(f"| {r['ranks']} | {n} | {r['step_ms']:.2f} | "
                      f"{n / r['step_ms'] * 1e3:.0f} | {r['grad_bytes'] / 1024:.1f} KiB |")
-    lines += ["", "## allreduce_sum (reduce to rank 0 + broadcast), float32", "",
+    lines += ["", "### allreduce_sum (reduce to rank 0 + broadcast), float32", "",
               "| bytes | " + " | ".join(f"{r['ranks']} ranks (us)" for r in results) +
               " | GB/s at the most ranks |", "|---:|" + "---:|" * (len(results) + 1)]
     for nbytes in results[0]["allreduce_us"]:

@@ -1,6 +1,6 @@
 """GPU benchmark: numbafuse's CUDA path against PyTorch CUDA, each library in its own process.
 
-    PYTHONPATH=. python benchmarks/bench_gpu.py [--rounds 3] [--markdown docs/bench_gpu.md]
+    PYTHONPATH=. python benchmarks/bench_gpu.py [--rounds 3] [--markdown FILE]
     NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=. python benchmarks/bench_gpu.py --smoke   # simulator
 
 The driver imports neither library: it runs ``bench_gpu.py --worker numbafuse`` and

@@ -15,8 +15,8 @@
 #   racecheck  compute-sanitizer racecheck and synccheck on every fused op
 #
 # The device image lacks what numba-cuda needs (NumPy < 2.5): carry the wheels in .whl/
-# (see docs/bench_gpu.md) and they are installed into /tmp/site first. Each section runs under
-# its own time limit inside one overall budget (GPU_CHECK_SECONDS, default 540); a failing
+# (see docs/benchmarks.md#gpu) and they are installed into /tmp/site first. Each section runs
+# under its own time limit inside one overall budget (GPU_CHECK_SECONDS, default 540); a failing
 # section loses nothing else; GPU_CHECK_SKIP="torch racecheck" leaves sections out. In $OUT:
 # sections.log (every section's output in turn), summary.txt (what is printed last),
 # bench_gpu.md and bench_gpu.json.
@@ -95,7 +95,7 @@ SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sani
     /opt/nvidia/*/compute-sanitizer 2> /dev/null | head -n 1)
 SAN="${SANITIZER:-compute-sanitizer} --error-exitcode 9 --print-limit 20"
 # (each run ends with one API error of cuda.core's pool teardown, cuMemPoolSetAccess on an
-# invalid device ordinal: see docs/bench_gpu.md; so the two run whatever the first's status)
+# invalid device ordinal: see docs/benchmarks.md#gpu; so the two run whatever the first's status)
 section memcheck 90 bash -c "$SAN --tool memcheck python3 benchmarks/gpu_sanitize.py ops;
     $SAN --tool memcheck python3 benchmarks/gpu_sanitize.py train"
 section racecheck 90 bash -c "$SAN --tool racecheck python3 benchmarks/gpu_sanitize.py ops &&
