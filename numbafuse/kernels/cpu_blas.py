@@ -7,10 +7,10 @@ OpenBLAS keep their own thread pools, and their thread count is a process-wide s
 pthreads builds): setting it would slow the user's NumPy/SciPy. So numbafuse loads its own
 copy of OpenBLAS, the ``scipy-openblas32`` wheel (its symbols carry a ``scipy_`` prefix and
 it is opened ``RTLD_LOCAL``: a library instance of its own, not the one inside NumPy's or
-SciPy's wheel) and sets *that* instance to one thread. Measured in the wave's second session
-on a 2-core AMD EPYC with AVX-512: SGEMM (m, 576) @ (576, 64) at ~100 GFLOP/s per calling
-thread for m = 256..2048, two threads calling at once ~200 GFLOP/s together. On the seventh
-session's 2-core EPYC (AVX2, OpenBLAS picks its Haswell kernels), one thread: 69-89 GFLOP/s
+SciPy's wheel) and sets *that* instance to one thread. On a 2-core AMD EPYC with AVX-512:
+SGEMM (m, 576) @ (576, 64) at ~100 GFLOP/s per calling thread for m = 256..2048, two threads
+calling at once ~200 GFLOP/s together. On a 2-core EPYC with AVX2 (OpenBLAS picks its Haswell
+kernels), one thread: 69-89 GFLOP/s
 at (1024, 576) @ (576, 64), 45-59 at (128, 24) @ (24, 24) (a Winograd GEMM of the digits
 net); two threads at once, each pinned to its own CPU: up to 86 + 88 and 56 + 56, with the
 same VM giving 34-60 a thread in other minutes (host load, not the library: it moved the

@@ -28,7 +28,7 @@ Vector width: 16 floats where the CPU has AVX-512 (``WIDE``: 4 x 4 zmm accumulat
 registers), else 8 (4 x 3 ymm of AVX2's 16). The IR is target independent, so either width
 compiles anywhere (LLVM splits a 16-float vector on AVX2, slowly): ``wide`` is an argument,
 not a compile-time constant, and the tests run both on any machine. Measured on the 2-core
-AMD EPYC (Zen 4, AVX-512) of the twelfth session, one thread, 4 x 4 x 16 against 4 x 3 x 8:
+AMD EPYC (Zen 4, AVX-512), one thread, 4 x 4 x 16 against 4 x 3 x 8:
 ~108 against ~83 GFLOP/s over the stride-2 conv's 9 taps of k = 64.
 """
 import llvmlite.binding as _llvm

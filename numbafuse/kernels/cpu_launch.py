@@ -23,16 +23,17 @@ generation counter in compiled code, GIL released, then it sleeps on a condition
 (no core is held longer: the neighbours keep theirs). The launching thread likewise watches
 the helpers' park slots at the end of a call before it sleeps on the job's condition. Why:
 on the 2-core VM a sleeping thread woken by a futex (a condition variable, or the GIL) starts
-~70-90 us later, which is a fifth of a 0.4 ms pass and happened twice per launch; the launches
+~70-90 us later, a fifth of a 0.4 ms pass, twice per launch for a pool that sleeps; the launches
 of a forward or backward come ~60-200 us apart. Parked, a helper starts ~15-25 us after the
 launch (the caller publishes the call right before it enters its own first range, where it
 releases the GIL, and the helper waits ``LATE_NS`` after it sees the call before it takes the
 GIL: asking while the caller holds it puts the helper to sleep on the GIL), and the caller
 returns ~10-20 us after the last range instead of up to ~60.
-Measured with ``benchmarks/bench_batchnorm_add_relu.py``, fwd+bwd of (32,64,32,32): 2.62-3.58
-ms against 3.80-4.40 before, and the fused digits training step 26-27% faster
-(docs/threading.md). The cost: up to SPIN_NS of one core's time after each call (CPU time per
-fused training step 3% and 14% higher in two A/B runs). ``NUMBAFUSE_SPIN_US=0`` turns
+Measured with ``benchmarks/bench_batchnorm_add_relu.py``, fwd+bwd of (32,64,32,32),
+alternating with helpers that sleep: 2.62-3.58 ms against 3.80-4.40, and the fused digits
+training step 26-27% faster (docs/threading.md, "Waking the helpers: parking"). The cost: up
+to SPIN_NS of one core's time after each call (CPU time per fused training step 3% and 14%
+higher in two A/B runs). ``NUMBAFUSE_SPIN_US=0`` turns
 parking off (every wait sleeps at once); without ``clock_gettime`` (not Linux), or with more
 threads than CPUs, it is off.
 
@@ -46,11 +47,12 @@ on *PyTorch's* OpenMP team instead (``GOMP_parallel`` of that runtime, each team
 taking ranges as a helper does; ``cpu_team.OpenMPTeam``). libgomp's workers spin for some
 milliseconds after every parallel region (PyTorch does not set ``OMP_WAIT_POLICY``; measured
 here: ~7 ms of a core after each torch conv), so with a pool of its own numbafuse's next call
-shared its cores with spinning threads: a numbafuse conv forward called between PyTorch calls took 10.2 ms
-against 8.0 alone. On PyTorch's team those spinning workers are the ones that take the ranges:
-8.2 ms (docs/threading.md). The team has ``min(num_threads(), torch's OpenMP threads)``
-threads; with PyTorch on one thread (no workers to spin) or ``NUMBAFUSE_SHARE_TORCH_TEAM=0``,
-or in a forked child (libgomp's team does not survive ``fork``), numbafuse keeps its own pool.
+shares its cores with spinning threads: a numbafuse conv forward called between PyTorch calls
+takes 10.2 ms against 8.0 alone. On PyTorch's team those spinning workers are the ones that
+take the ranges: 8.2 ms (docs/threading.md). The team has ``min(num_threads(), torch's OpenMP
+threads)`` threads; with PyTorch on one thread (no workers to spin) or
+``NUMBAFUSE_SHARE_TORCH_TEAM=0``, or in a forked child (libgomp's team does not survive
+``fork``), numbafuse keeps its own pool.
 The same tasks run either way, so the results are bitwise the same.
 
 Threads used: ``NUMBAFUSE_NUM_THREADS`` if set, else the CPUs this process may run on;

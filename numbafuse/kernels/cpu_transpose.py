@@ -9,7 +9,7 @@ target independent IR, so it compiles on any CPU LLVM supports) and store eight 
 time. Numba's scalar loop (``dst[w, c] = src[c, w]``) writes one value per cache line touched
 and does not vectorise: the NCHW slabs of the strided convolution (``conv/cpu_im2col.py``)
 took 1.53 ns a value that way over a (32, 64, 32, 32) float32 input, 0.85 with OpenBLAS's
-``somatcopy``, and 0.3-0.4 ns with these tiles (seventh session, AMD EPYC, AVX2).
+``somatcopy``, and 0.3-0.4 ns with these tiles (2-core AMD EPYC, AVX2).
 """
 import numpy as np
 from llvmlite import ir

@@ -90,7 +90,7 @@ def _stats_nhwc(t0, t1, x2, shift, rows_per_task, partials):
     # [p*rows_per_task, (p+1)*rows_per_task)
     R, L = x2.shape
     for p in range(t0, t1):
-        # task-local sums vectorise (accumulating into partials rows was 1.4x slower)
+        # task-local sums vectorise (accumulating into partials rows is 1.4x slower)
         s1, s2 = np.zeros(L), np.zeros(L)                         # (L,) each
         for row in range(p * rows_per_task, min(R, (p + 1) * rows_per_task)):
             xr = x2[row]                                          # (L,)
