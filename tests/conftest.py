@@ -14,6 +14,7 @@ GPU (the simulator is chosen when numba is first imported, so never in the CPU p
 ``python -m pytest -m "not cuda"`` then ``NUMBA_ENABLE_CUDASIM=1 python -m pytest -m cuda``.
 The fixtures below apply to every ``cuda``-marked test, wherever it lives.
 """
+import contextlib
 import math
 import os
 import sys
@@ -106,6 +107,15 @@ def _cuda_available(request):
         from numba import cuda
         if not cuda.is_available():
             pytest.skip("no GPU and NUMBA_ENABLE_CUDASIM is not set")
+
+
+@pytest.fixture
+def conv_rules():
+    """``set(**changes)``: the CPU conv passes of the rest of the test plan by the current rules
+    with ``changes`` (``kernels/conv/cpu_plan.using``; undone when the test ends)."""
+    from numbafuse.kernels.conv import cpu_plan
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(cpu_plan.using(**changes))
 
 
 @pytest.fixture(autouse=True)

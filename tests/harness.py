@@ -55,9 +55,11 @@ SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 # Everything is read from the kernel modules *by name* when a test runs, so when a kernel is
 # rewritten, adapting the tests is a change to this table alone:
 #
-#   patch    {"<module>.<NAME>": value}, module relative to numbafuse.kernels. A value is a
-#            constant, a tuple of alternatives (one drawn per example), or a function of the
-#            drawn example's dims (e.g. bytes of two images' im2col matrix).
+#   patch    {"<module>.<NAME>": value}, module relative to numbafuse.kernels, or
+#            {"conv.rules.<field>": value}, a field of the CPU conv plan's rules
+#            (kernels/conv/cpu_plan.Rules, set with cpu_plan.using). A value is a constant, a
+#            tuple of alternatives (one drawn per example), or a function of the drawn
+#            example's dims (e.g. bytes of two images' im2col matrix).
 #   shapes   () -> keyword arguments of the op case's draw (``dims`` strategies, limits;
 #            ``training``: batch norm in training, where the statistics are reduced)
 #   crosses  (dims, knob) -> True when the drawn example crosses every boundary listed in
@@ -65,8 +67,15 @@ SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 #            longer reaches its boundaries fails instead of passing quietly.
 #   ops      the op cases run there (their forward, tape backward and NumPy-style backward)
 
+RULES = "conv.rules."
+
+
 def knob(path):
-    """The current value of ``numbafuse.kernels.<path>``, e.g. ``knob("conv.cpu.CHUNK_BYTES")``."""
+    """The current value of ``numbafuse.kernels.<path>``, e.g. ``knob("cpu_launch.
+    PARALLEL_MIN_ELEMENTS")``, or of a CPU conv rule, e.g. ``knob("conv.rules.chunk_bytes")``."""
+    if path.startswith(RULES):
+        from numbafuse.kernels.conv import cpu_plan
+        return getattr(cpu_plan.current_rules(), path[len(RULES):])
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(f"numbafuse.kernels.{module}"), name)
 
@@ -89,7 +98,7 @@ def _one_of(*values):
 
 
 def _images_per_chunk(images):
-    """CHUNK_BYTES holding ``images`` images' im2col matrix (C*R*S*P*Q elements each)."""
+    """chunk_bytes holding ``images`` images' im2col matrix (C*R*S*P*Q elements each)."""
     return lambda d: images * d["C"] * d["R"] * d["S"] * d["P"] * d["Q"] * d["itemsize"]
 
 
@@ -107,27 +116,27 @@ def _bn_tasks(d, chunk, nhwc_row):
 
 BOUNDARIES = {
     ("cpu", "conv"): Boundary(
-        why="each pass runs per chunk (kernels/conv/cpu.py): CHUNK_BYTES (patched) cuts the "
-            "batch into chunks of 1 or 2 images, or into blocks of rows of one image: N of 3 "
-            "or 5 leaves a last, partial chunk and H of 5-9 several row blocks; MIN_CHUNKS "
-            "(whole-image chunks at least) patched 1 half the time (else 4: one image a "
-            "chunk at these N); "
-            "MIN_GEMM_CHANNELS (and NCHW_IM2COL_CHANNELS) patched to 1 half the time, so the "
-            "few channels drawn take the Winograd (3x3 stride 1, any width), phase-plane and "
-            "pointwise paths as well as im2col (strided NCHW: over NHWC slabs of a chunk's "
-            "input rows, or phase planes: STRIDED_NCHW_SLAB both ways); Winograd chunks of "
-            "WINOGRAD_TILES (patched 1 or 3) 2x2 tiles, NCHW through HWC slabs; dW and db in "
-            "DW_GROUPS (patched 2 or 3) fixed groups of chunks, their sums in tasks of "
-            "SUM_BLOCK 7 values; "
+        why="each pass runs per chunk as its plan says (kernels/conv/cpu_plan.py): the "
+            "rules' chunk_bytes cuts the batch into chunks of 1 or 2 images, or into blocks "
+            "of rows of one image: N of 3 or 5 leaves a last, partial chunk and H of 5-9 "
+            "several row blocks; min_chunks (whole-image chunks at least) 1 half the time "
+            "(else 4: one image a chunk at these N); "
+            "min_gemm_channels (and nchw_im2col_channels) 1 half the time, so the few "
+            "channels drawn take the Winograd (3x3 stride 1, any width), phase-plane and "
+            "pointwise paths as well as im2col; strided forward and dW by im2col (NCHW over "
+            "NHWC slabs of a chunk's input rows) or by phase planes (the rules' strided both "
+            "ways); Winograd chunks of winograd_tiles 1 or 3 2x2 tiles, NCHW through HWC "
+            "slabs; dW and db in dw_groups 2 or 3 fixed groups of chunks, their sums in tasks "
+            "of SUM_BLOCK 7 values; "
             "PARALLEL_MIN_ELEMENTS 0: every call runs on the thread pool",
         ops=("conv_bias_relu", "conv2d", "conv_batchnorm_relu"),
-        patch={"conv.cpu.CHUNK_BYTES": (_images_per_chunk(1), _images_per_chunk(2), 64),
-               "conv.cpu.MIN_CHUNKS": (1, 4),
-               "conv.cpu.MIN_GEMM_CHANNELS": (1, 16),
-               "conv.cpu.NCHW_IM2COL_CHANNELS": (1, 32),
-               "conv.cpu.WINOGRAD_TILES": (1, 3), "conv.cpu.WINOGRAD_MIN_TILES": 0,
-               "conv.cpu.DW_GROUPS": (2, 3), "conv.cpu_im2col.SUM_BLOCK": 7,
-               "conv.cpu.STRIDED_NCHW_SLAB": (True, False),
+        patch={RULES + "chunk_bytes": (_images_per_chunk(1), _images_per_chunk(2), 64),
+               RULES + "min_chunks": (1, 4),
+               RULES + "min_gemm_channels": (1, 16),
+               RULES + "nchw_im2col_channels": (1, 32),
+               RULES + "winograd_tiles": (1, 3), RULES + "winograd_min_tiles": 0,
+               RULES + "dw_groups": (2, 3), "conv.cpu_im2col.SUM_BLOCK": 7,
+               RULES + "strided": ("im2col", "phase"),
                "cpu_launch.PARALLEL_MIN_ELEMENTS": 0},
         shapes=lambda: dict(max_channels=3, max_kernel=3, paddings=("int", "same"),
                             max_stride=2, max_dilation=1,
@@ -214,15 +223,21 @@ BOUNDARIES = {
 @contextlib.contextmanager
 def patched(boundary, draw, dims):
     """The boundary's knobs set (alternatives drawn, functions of ``dims`` evaluated)."""
+    rules = {}
     with pytest.MonkeyPatch.context() as mp:
         for path, value in boundary.patch.items():
             if isinstance(value, tuple):
                 value = draw(st.sampled_from(value))
             if callable(value):
                 value = value(dims)
+            if path.startswith(RULES):
+                rules[path[len(RULES):]] = value
+                continue
             module, _, name = path.rpartition(".")
             mp.setattr(importlib.import_module(f"numbafuse.kernels.{module}"), name, value)
-        yield
+        from numbafuse.kernels.conv import cpu_plan
+        with cpu_plan.using(**rules):
+            yield
 
 
 # =========================================================================== backends
@@ -292,8 +307,12 @@ def backend_params():
 
 # atol is scaled by max(1, max |expected|): results through a batch norm scale with
 # gamma*invstd. float32: the reference computes in float64 from the same float32 inputs.
+# Half precision (float32 arithmetic, each result rounded once to half: 2**-11 relative for
+# float16, 2**-8 for bfloat16) against the float64 reference from the same half inputs.
 TOL = {np.dtype(np.float32): dict(rtol=1e-4, atol=2e-5),
-       np.dtype(np.float64): dict(rtol=1e-10, atol=1e-12)}
+       np.dtype(np.float64): dict(rtol=1e-10, atol=1e-12),
+       **{d: dict(rtol=2e-3, atol=2e-3) if d == np.float16 else dict(rtol=1.6e-2, atol=1.6e-2)
+          for d in nf.validate.HALF_DTYPES}}
 
 
 def close(actual, expected, dtype, tol=None, what=""):

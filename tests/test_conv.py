@@ -178,11 +178,11 @@ def test_asymmetric_padding_is_np_pad_then_an_unpadded_conv(backend, quad, strid
                                                 ((1, 2, 0, 1), 2, "winograd_s2"),
                                                 ((2, 0, 1, 2), 2, "implicit")])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_asymmetric_padding_on_every_cpu_algorithm(quad, stride, kind, layout, monkeypatch):
+def test_asymmetric_padding_on_every_cpu_algorithm(quad, stride, kind, layout, conv_rules):
     """The CPU's GEMM paths (16 channels and more), float32: each reads only the top/left
     padding and P, Q; the bottom/right padding is what lies past the input's edge."""
     from numbafuse.kernels.conv import cpu as cpu_conv
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_MIN_TILES", 0)     # Winograd's forward at 90 tiles
+    conv_rules(winograd_min_tiles=0)                           # Winograd's forward at 90 tiles
     H, W, R = 9, 18, 3 if kind != "implicit" else 1
     x = _seeded((2, 16, H, W) if layout == "NCHW" else (2, H, W, 16), 1, np.float32)
     w, b = _seeded((16, 16, R, R), 2, np.float32) / 12, _seeded(16, 3, np.float32)

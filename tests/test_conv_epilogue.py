@@ -2,8 +2,8 @@
 
 Conv-BatchNorm-ReLU takes the batch statistics (forward) and the first pass of batch norm's
 backward (recompute) from the conv's own chunks. Here both against NumPy, at shapes and
-``WINOGRAD_TILES`` values that cut the output into one tile row a chunk (a last partial one),
-a few rows, or several whole images; odd output sizes (the last tiles' second row and column
+``winograd_tiles`` (a conv rule) that cut the output into one tile row a chunk (a last
+partial one), a few rows, or several whole images; odd output sizes (the last tiles' second row and column
 are not written, nor counted); channel counts whose rows are walked 64, 16, 8, 2 or 1 pixels
 at a time; channel means far from zero (the per-chunk shift); bitwise the same on 1 and 3
 threads, h bitwise the plain forward's. float32 only: the float64 kernels are the same code
@@ -15,7 +15,7 @@ import pytest
 from numbafuse import validate
 from numbafuse.kernels import cpu_launch as _launch
 from numbafuse.kernels.batchnorm import cpu as bn_cpu
-from numbafuse.kernels.conv import cpu as cpu_conv, cpu_epilogue
+from numbafuse.kernels.conv import cpu as cpu_conv, cpu_epilogue, cpu_plan
 
 from .harness import close
 from .op_cases import CASES
@@ -29,7 +29,7 @@ SHAPES = [  # N, H, W, C, K
     (1, 13, 10, 8, 3),      # one image, many tile rows
     (2, 5, 5, 4, 300),      # more channels than a row holds: one pixel a row
 ]
-TILES = [1, 7, cpu_conv.WINOGRAD_TILES]
+TILES = [1, 7, cpu_plan.RULES.winograd_tiles]
 
 
 def _problem(layout, N, H, W, C, K, dtype, padding=1, seed=0):
@@ -52,14 +52,12 @@ def _on_threads(threads, fn):
 
 
 @pytest.fixture
-def winograd_everywhere(monkeypatch):
+def winograd_everywhere(monkeypatch, conv_rules):
     """Small channel counts through Winograd, every call on the pool; returns a setter of
-    WINOGRAD_TILES."""
-    monkeypatch.setattr(cpu_conv, "MIN_GEMM_CHANNELS", 1)
-    monkeypatch.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", 1)
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_MIN_TILES", 0)
+    the rules' winograd_tiles."""
+    conv_rules(min_gemm_channels=1, nchw_im2col_channels=1, winograd_min_tiles=0)
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
-    return lambda tiles: monkeypatch.setattr(cpu_conv, "WINOGRAD_TILES", tiles)
+    return lambda tiles: conv_rules(winograd_tiles=tiles)
 
 
 def _channel_axes(layout):

@@ -1,14 +1,14 @@
 """The CPU convolution kernels at shapes that cross every chunk, group and phase boundary.
 
-``kernels/conv/cpu.py`` cuts the work into chunks of output rows (``CHUNK_BYTES``) or of 2x2
-Winograd tiles (``WINOGRAD_TILES``: rows of tiles of one image, or several whole images), sums
-dW and db over ``DW_GROUPS`` fixed groups of chunks, runs 3x3 stride-1 convolutions by Winograd
-F(2x2, 3x3) (forward, dX and dW), other stride-1 ones as shifted GEMMs over a padded chunk and
-other strides by im2col (forward, dW; NCHW over NHWC slabs of a chunk's input rows, or by
-phase planes) and by phases (dX). Here those constants are shrunk so
-that small drawn shapes span many chunks (one output row or one tile row each, a last partial
-chunk, groups of uneven sizes, the sums of the groups' partials in blocks of 7 values), and
-every result is compared with the reference
+``kernels/conv/cpu.py`` runs each pass as its plan says (``cpu_plan.py``): chunks of output
+rows (``chunk_bytes``) or of 2x2 Winograd tiles (``winograd_tiles``: rows of tiles of one
+image, or several whole images), dW and db summed over ``dw_groups`` fixed groups of chunks,
+3x3 stride-1 convolutions by Winograd F(2x2, 3x3) (forward, dX and dW), other stride-1 ones as
+shifted GEMMs over a padded chunk and other strides by im2col (forward, dW; NCHW over NHWC
+slabs of a chunk's input rows, or by phase planes) and by phases (dX). Here the rules are
+changed (``cpu_plan.using``) so that small drawn shapes span many chunks (one output row or
+one tile row each, a last partial chunk, groups of uneven sizes, the sums of the groups'
+partials in blocks of 7 values), and every result is compared with the reference
 (``numbafuse.reference``, SciPy correlate) and must be bitwise the same on 1 and 3 threads.
 """
 import functools
@@ -20,15 +20,17 @@ from hypothesis import given, strategies as st
 import numbafuse as nf
 import numbafuse.testing.strategies as nfs
 from numbafuse import reference as ref
-from numbafuse.kernels import cpu_gemm_taps, cpu_launch as _launch
-from numbafuse.kernels.conv import cpu as cpu_conv, cpu_im2col
+from numbafuse.kernels import cpu_launch as _launch
+from numbafuse.kernels.conv import cpu as cpu_conv, cpu_im2col, cpu_plan
+
+RULES = cpu_plan.RULES
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-12)}
 # CHUNK_BYTES values: 1 byte = one output row per chunk; a few rows; the default
-CHUNKS = st.sampled_from([1, 700, 3000, cpu_conv.CHUNK_BYTES])
+CHUNKS = st.sampled_from([1, 700, 3000, RULES.chunk_bytes])
 # WINOGRAD_TILES values (NCHW dW: twice as many): 1 = one tile row per chunk; 7 = a few rows,
 # or whole images of small outputs; the default = several whole images per chunk
-TILES = st.sampled_from([1, 7, cpu_conv.WINOGRAD_TILES])
+TILES = st.sampled_from([1, 7, RULES.winograd_tiles])
 
 
 def _run(p, gy, threads):
@@ -37,22 +39,17 @@ def _run(p, gy, threads):
     return (y, *nf.conv_bias_relu_backward(gy, p.x, p.w, y, **p.kwargs))
 
 
-def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, min_chunks=1):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
-        mp.setattr(cpu_conv, "MIN_CHUNKS", min_chunks)   # 1: the chunks CHUNK_BYTES makes
-        if tiles is not None:
-            mp.setattr(cpu_conv, "WINOGRAD_TILES", tiles)
-            mp.setattr(cpu_conv, "WINOGRAD_S2_TILES", tiles)
-        # the drawn channel counts are small: 1 sends them down the GEMM paths (Winograd,
-        # phase planes), the default down im2col; NCHW Winograd at every width
-        mp.setattr(cpu_conv, "MIN_GEMM_CHANNELS", min_channels)
-        mp.setattr(cpu_conv, "WINOGRAD_MIN_TILES", 0)          # Winograd at these small sizes
-        mp.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", min_channels)
-        mp.setattr(cpu_conv, "STRIDED_NHWC_IM2COL", min_channels > 1)
-        # strided NCHW forward and dW: im2col over NHWC slabs, or phase planes
-        mp.setattr(cpu_conv, "STRIDED_NCHW_SLAB", slab)
-        mp.setattr(cpu_conv, "DW_GROUPS", groups)
+def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, min_chunks=1,
+           **rules):
+    tiles = {} if tiles is None else dict(winograd_tiles=tiles, winograd_s2_tiles=tiles)
+    # the drawn channel counts are small: min_channels 1 sends them down the GEMM paths
+    # (Winograd, phase planes), the default down im2col; Winograd at these small sizes;
+    # strided forward and dW by im2col (NCHW over NHWC slabs) or by phase planes (``slab``);
+    # min_chunks 1: the chunks chunk_bytes makes
+    with cpu_plan.using(chunk_bytes=chunk_bytes, min_chunks=min_chunks, dw_groups=groups,
+                        min_gemm_channels=min_channels, nchw_im2col_channels=min_channels,
+                        winograd_min_tiles=0, strided="im2col" if slab else "phase",
+                        **tiles, **rules), pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_im2col, "SUM_BLOCK", 7)                 # the group sums: many tasks
         mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
         threads = _launch.num_threads()
@@ -73,7 +70,7 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, min_ch
 
 
 @given(nfs.conv_problems(max_batch=3, max_size=18, max_channels=3), CHUNKS,
-       st.integers(1, 5), TILES, st.sampled_from([1, cpu_conv.MIN_GEMM_CHANNELS]),
+       st.integers(1, 5), TILES, st.sampled_from([1, RULES.min_gemm_channels]),
        st.booleans())
 def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles, min_channels, slab):
     _check(p, chunk_bytes, groups, tiles, min_channels, slab)
@@ -90,7 +87,7 @@ def test_chunked_kernels_match_reference(p, chunk_bytes, groups, tiles, min_chan
     (1, 3, 1, "same", 2),           # taps whose valid rows start past a chunk (im2col: the
 ])                                  # zeroing once ran into the next image's columns)
 @pytest.mark.parametrize("chunk_bytes, tiles, min_channels", [
-    (1, 1, 1), (3000, 7, 1), (3000, 200, 1), (3000, 7, cpu_conv.MIN_GEMM_CHANNELS)])
+    (1, 1, 1), (3000, 7, 1), (3000, 200, 1), (3000, 7, RULES.min_gemm_channels)])
 def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_bytes, tiles,
                          min_channels, slab=True):
     rng = np.random.default_rng(size + kernel + stride)
@@ -115,16 +112,17 @@ def test_small_batches_split_into_min_chunks(layout, N, stride):
     w = rng.standard_normal((5, 1, 3, 3)).astype(np.float32)
     b = rng.standard_normal(5).astype(np.float32)
     p = nfs.ConvProblem(x, w, b, dict(stride=stride, padding=1, dilation=1, layout=layout))
-    assert cpu_conv._chunking(56, 8, 7, 9 * 4, N)[0] == max(1, N // cpu_conv.MIN_CHUNKS)
-    _check(p, cpu_conv.CHUNK_BYTES, groups=cpu_conv.DW_GROUPS,
-           min_chunks=cpu_conv.MIN_CHUNKS)
+    plan = cpu_plan.plan(nf.validate.conv_geometry("t", x.shape, w.shape, stride, 1, 1, layout),
+                         "forward", x.dtype)
+    assert cpu_conv._chunking(plan, 56, 8, 7, 9 * 4, N)[0] == max(1, N // RULES.min_chunks)
+    _check(p, RULES.chunk_bytes, groups=RULES.dw_groups, min_chunks=RULES.min_chunks)
 
 
 @pytest.mark.parametrize("size, kernel, stride, padding, dilation", [
     (17, 3, 2, 1, 1), (9, 2, 3, 2, 1), (12, 3, 2, 2, 2), (11, 4, 3, 1, 1), (9, 3, 2, 0, 1)])
 @pytest.mark.parametrize("chunk_bytes", [1, 3000])
 def test_strided_nchw_by_phase_planes(size, kernel, stride, padding, dilation, chunk_bytes):
-    # STRIDED_NCHW_SLAB off: the phase planes that ran these before the slabs (and still can)
+    # strided="phase": the phase planes, which can run these too
     test_boundary_shapes("NCHW", size, kernel, stride, padding, dilation, chunk_bytes, 7, 1,
                          slab=False)
 
@@ -141,9 +139,9 @@ def test_strided_nchw_by_phase_planes(size, kernel, stride, padding, dilation, c
     # stride 3 with a 2x2 kernel: phases without taps, zeros)
     (9, 3, 2, 1, 1, 8, 8, "implicit"), (12, 3, 2, 2, 2, 16, 24, "implicit"),
     (11, 4, 3, 1, 1, 8, 16, "implicit"), (9, 2, 3, 0, 1, 8, 8, "implicit")])
-@pytest.mark.parametrize("chunk_bytes", [1, 3000, cpu_conv.CHUNK_BYTES])
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, RULES.chunk_bytes])
 def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, padding, dilation,
-                                       C, K, kind, chunk_bytes, monkeypatch):
+                                       C, K, kind, chunk_bytes, conv_rules):
     """The implicit-GEMM forward (cpu_implicit.py: a slab per chunk of one output row, a few
     rows, or whole images; the slab's padding on every side, uneven "same" padding, dilation,
     strides 2 and 3, K past every panel), its dW (C % 8 == 0: the slabs' rows gathered, in
@@ -151,16 +149,8 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     phase through the same tiles, at both vector widths whatever the CPU: against the
     reference, and bitwise the same on 1 and 3 threads. The path is asserted, so a change of
     the rules cannot skip it."""
-    monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2", False)      # its own test below
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DW", False)
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DX", False)
-    monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
-    monkeypatch.setattr(cpu_conv, "PHASE_DX_TAPS", True)
-    monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", True)
-    monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
-    monkeypatch.setattr(cpu_conv, "MIN_GEMM_CHANNELS", 1)
-    monkeypatch.setattr(cpu_conv, "NCHW_IM2COL_CHANNELS", 1)
+    conv_rules(taps=True, wide=wide, winograd_s2=False,      # the stride-2 Winograd: below
+               min_gemm_channels=1, nchw_im2col_channels=1)
     rng = np.random.default_rng(size + K)
     N = 3
     shape = (N, C, size, size + 2) if layout == "NCHW" else (N, size, size + 2, C)
@@ -170,15 +160,13 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     kwargs = dict(stride=stride, padding=padding, dilation=dilation, layout=layout)
     geom = nf.validate.conv_geometry("t", x.shape, w.shape, stride, padding, dilation, layout)
     assert cpu_conv.algorithm(geom, "forward") == kind
-    flag = cpu_conv.POINTWISE_TAPS if kind == "pointwise" else cpu_conv.PHASE_DX_TAPS
-    taps = cpu_conv._taps_mode(flag, geom, C, x.dtype)               # dX's
+    taps = cpu_plan.plan(geom, "dx", x.dtype).taps
     assert taps == ((2 if wide else 1) if layout == "NHWC" and C % 8 == 0 else 0)
     assert cpu_conv.algorithm(geom, "dx") == ("pointwise" if kind == "pointwise" else "phase")
     assert cpu_conv.algorithm(geom, "dw") == (kind if C % 8 == 0 else "im2col")
     _check(nfs.ConvProblem(x, w, b, kwargs), chunk_bytes, groups=4, min_channels=1)
     if kind == "implicit":                          # db without dW: the same db, no dW
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(cpu_conv, "CHUNK_BYTES", chunk_bytes)
+        with cpu_plan.using(chunk_bytes=chunk_bytes):
             y = nf.conv_bias_relu(x, w, b, **kwargs)
             gy = np.random.default_rng(6).standard_normal(y.shape).astype(np.float32)
             full = cpu_conv.conv_backward(gy, x, w, geom, y)
@@ -204,7 +192,7 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
 ])
 @pytest.mark.parametrize("tiles", [1, 7, 64])
 def test_winograd_s2_at_boundary_shapes(wide, layout, H, W, padding, C, K, bias, tiles,
-                                        monkeypatch):
+                                        conv_rules):
     """The 3x3 stride-2 forward, dX and dW by Winograd over input phases
     (cpu_winograd_s2.py, cpu_winograd_s2dx.py): chunks of one tile (block) row, a few rows,
     or several whole images (``tiles``), dW's in 4 groups; output rows and columns odd
@@ -213,7 +201,7 @@ def test_winograd_s2_at_boundary_shapes(wide, layout, H, W, padding, C, K, bias,
     every register panel; both vector widths and layouts. Against the reference with and
     without bias and ReLU (dX, dW and db from g = gy, and db alone), and bitwise the same on 1
     and 3 threads (in _check)."""
-    monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
+    conv_rules(wide=wide)
     rng = np.random.default_rng(H * W + K)
     N = 3
     shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
@@ -222,13 +210,12 @@ def test_winograd_s2_at_boundary_shapes(wide, layout, H, W, padding, C, K, bias,
     b = rng.standard_normal(K).astype(np.float32) if bias else None
     kwargs = dict(stride=2, padding=padding, dilation=1, layout=layout)
     geom = nf.validate.conv_geometry("t", x.shape, w.shape, 2, padding, 1, layout)
-    monkeypatch.setattr(cpu_conv, "MIN_GEMM_CHANNELS", 1)
+    conv_rules(min_gemm_channels=1)
     assert cpu_conv.algorithm(geom, "forward") == "winograd_s2"
     assert (cpu_conv.algorithm(geom, "dw") == "winograd_s2") == (C % 8 == 0)
     assert (cpu_conv.algorithm(geom, "dx") == "winograd_s2") == (C % 8 == 0)
     _check(nfs.ConvProblem(x, w, b, kwargs), 3000, groups=4, tiles=tiles, min_channels=1)
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_TILES", tiles)
-    monkeypatch.setattr(cpu_conv, "DW_GROUPS", 4)
+    conv_rules(winograd_s2_tiles=tiles, dw_groups=4)
     y = cpu_conv.conv_forward(x, w, b, geom, relu=False)          # no ReLU: negatives kept
     want = ref.conv2d(x, w, **kwargs)
     if bias:
@@ -276,11 +263,11 @@ def test_winograd_s2_under_conv_batchnorm(layout):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
 
 
-def test_winograd_s2_only_where_it_fits(monkeypatch):
+def test_winograd_s2_only_where_it_fits(conv_rules):
     """float64, K not a multiple of 8, other strides, kernels or dilations, the backward
     passes and the flag off keep the other paths; the transformed taps are G g G^T."""
     g = nf.validate.conv_geometry
-    monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
+    conv_rules(taps=True)
     s2 = g("t", (2, 9, 9, 32), (32, 32, 3, 3), 2, 1, 1, "NHWC")
     assert cpu_conv.algorithm(s2, "forward") == "winograd_s2"
     assert cpu_conv.algorithm(s2, "dw") == "winograd_s2"
@@ -306,9 +293,7 @@ def test_winograd_s2_only_where_it_fits(monkeypatch):
     big = g("t", (2, 9, 9, 128), (160, 128, 3, 3), 2, 1, 1, "NHWC")          # U = 2000 KiB
     for pass_ in ("forward", "dx", "dw"):
         assert cpu_conv.algorithm(big, pass_) == "winograd_s2"
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2", False)
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DW", False)
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DX", False)
+    conv_rules(winograd_s2=False)
     assert cpu_conv.algorithm(s2, "forward") == "implicit"
     assert cpu_conv.algorithm(s2, "dw") == "implicit"
     assert cpu_conv.algorithm(s2, "dx") == "phase"
@@ -320,15 +305,10 @@ def test_winograd_s2_only_where_it_fits(monkeypatch):
     assert cpu_winograd_s2.taps(w).tobytes() == want.astype(np.float32).tobytes()
 
 
-def test_taps_tiles_only_where_they_fit(monkeypatch):
-    """float64, K (forward) or C (dW) not a multiple of 8, NCHW 1x1 and the flags off keep the
-    other paths."""
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2", False)
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DW", False)
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_S2_DX", False)
-    monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
-    monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", True)
-    monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
+def test_taps_tiles_only_where_they_fit(conv_rules):
+    """float64, K (forward) or C (dW) not a multiple of 8, NCHW 1x1 and the rules' ``taps``
+    off keep the other paths."""
+    conv_rules(winograd_s2=False, taps=True)
     g = nf.validate.conv_geometry
     strided = g("t", (2, 9, 9, 32), (16, 32, 3, 3), 2, 1, 1, "NHWC")
     for pass_ in ("forward", "dw"):
@@ -341,37 +321,31 @@ def test_taps_tiles_only_where_they_fit(monkeypatch):
     odd_c = g("t", (2, 9, 9, 36), (16, 36, 3, 3), 2, 1, 1, "NHWC")
     assert cpu_conv.algorithm(odd_c, "forward") == "implicit"
     assert cpu_conv.algorithm(odd_c, "dw") == "im2col"
+    taps = lambda geom, dtype=np.float32: cpu_plan.plan(geom, "forward", dtype).taps  # noqa
     pw = g("t", (2, 9, 9, 32), (16, 32, 1, 1), 1, 0, 1, "NHWC")
-    assert cpu_conv._taps_mode(cpu_conv.POINTWISE_TAPS, pw, 16, np.float32) in (1, 2)
-    assert cpu_conv._taps_mode(cpu_conv.POINTWISE_TAPS, pw, 20, np.float32) == 0
-    assert cpu_conv._taps_mode(cpu_conv.POINTWISE_TAPS, pw, 16, np.float64) == 0
-    pw_nchw = g("t", (2, 32, 9, 9), (16, 32, 1, 1), 1, 0, 1, "NCHW")
-    assert cpu_conv._taps_mode(cpu_conv.POINTWISE_TAPS, pw_nchw, 16, np.float32) == 0
-    monkeypatch.setattr(cpu_conv, "IMPLICIT", False)
-    monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", False)
-    monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", False)
+    assert taps(pw) in (1, 2)
+    assert taps(g("t", (2, 9, 9, 32), (20, 32, 1, 1), 1, 0, 1, "NHWC")) == 0      # K % 8
+    assert taps(pw, np.float64) == 0
+    assert cpu_plan.plan(pw, "dw", np.float32).taps == 0                   # dW: the BLAS
+    assert taps(g("t", (2, 32, 9, 9), (16, 32, 1, 1), 1, 0, 1, "NCHW")) == 0
+    conv_rules(taps=False)
     assert cpu_conv.algorithm(strided, "forward") == "im2col"
     assert cpu_conv.algorithm(strided, "dw") == "im2col"
-    assert cpu_conv._taps_mode(cpu_conv.POINTWISE_TAPS, pw, 16, np.float32) == 0
+    assert taps(pw) == 0
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("kind, kernel, stride", [
     ("winograd_s2", 3, 2), ("implicit", 3, 2), ("winograd", 3, 1), ("pointwise", 1, 1)])
 def test_float64_keeps_its_precision_where_float32_has_own_paths(layout, kind, kernel, stride,
-                                                                  monkeypatch):
+                                                                  conv_rules):
     """float64 at shapes whose float32 passes run float32-only kernels (the stride-2 Winograd's
     forward, dX and dW; the implicit GEMM's forward and dW, the NHWC dX by phase and 1x1
     through the taps tiles) and the stride-1 Winograd: y, dx, dw and db to float64 precision,
     not float32's (the dX once chose its kernel without the dtype and ran the stride-2
     Winograd on float64 data: dx to 2e-7)."""
-    monkeypatch.setattr(cpu_conv, "IMPLICIT", True)
-    monkeypatch.setattr(cpu_conv, "IMPLICIT_DW", True)
-    monkeypatch.setattr(cpu_conv, "POINTWISE_TAPS", True)
-    monkeypatch.setattr(cpu_conv, "PHASE_DX_TAPS", True)
-    monkeypatch.setattr(cpu_conv, "WINOGRAD_MIN_TILES", 0)   # the Winograd forward at 50 tiles
-    for flag in ("WINOGRAD_S2", "WINOGRAD_S2_DX", "WINOGRAD_S2_DW"):   # else the implicit's
-        monkeypatch.setattr(cpu_conv, flag, kind == "winograd_s2")
+    # the Winograd forward at 50 tiles; the stride-2 Winograd or else the implicit GEMM
+    conv_rules(taps=True, winograd_min_tiles=0, winograd_s2=kind == "winograd_s2")
     rng = np.random.default_rng(34)
     N, C, K, H, W = 2, 32, 32, 9, 9
     x = rng.standard_normal((N, C, H, W) if layout == "NCHW" else (N, H, W, C))
@@ -419,7 +393,7 @@ def test_transpose_tiles_and_edges(dtype, rows, cols):
 
 
 @pytest.mark.parametrize("C, W", [(8, 8), (19, 21), (16, 9)])
-@pytest.mark.parametrize("chunk_bytes", [1, cpu_conv.CHUNK_BYTES])
+@pytest.mark.parametrize("chunk_bytes", [1, RULES.chunk_bytes])
 def test_strided_nchw_slabs_of_whole_tiles(C, W, chunk_bytes):
     # channel counts and widths of 8 and more: the slabs' transposes run their 8x8 tiles, with
     # edge rows and columns (19, 21) or none (8, 8)
@@ -432,8 +406,8 @@ def test_strided_nchw_slabs_of_whole_tiles(C, W, chunk_bytes):
 
 
 @pytest.mark.parametrize("C, H, W", [(8, 8, 8), (19, 13, 21), (16, 9, 17)])
-@pytest.mark.parametrize("chunk_bytes, tiles", [(1, 1), (3000, 7), (cpu_conv.CHUNK_BYTES,
-                                                                     cpu_conv.WINOGRAD_TILES)])
+@pytest.mark.parametrize("chunk_bytes, tiles", [(1, 1), (3000, 7), (RULES.chunk_bytes,
+                                                                     RULES.winograd_tiles)])
 def test_nchw_winograd_through_hwc_slabs(C, H, W, chunk_bytes, tiles):
     # 8 and more channels and columns: the slabs' transposes run 8x8 tiles and edges, in the
     # forward (x in, y out), dX (gy gated by y in, dx out) and dW (x, gy, y in); one tile row
@@ -450,7 +424,7 @@ def test_nchw_winograd_through_hwc_slabs(C, H, W, chunk_bytes, tiles):
 @pytest.mark.parametrize("kernel, stride, padding, dilation", [
     (3, 1, 1, 1), (1, 1, 0, 1), (3, 1, 2, 2), (3, 2, 1, 1)])  # Winograd, 1x1, phase, strided
 @pytest.mark.parametrize("C, K, chunk_bytes, tiles", [
-    (16, 24, 1, 1), (8, 40, cpu_conv.CHUNK_BYTES, cpu_conv.WINOGRAD_TILES)])
+    (16, 24, 1, 1), (8, 40, RULES.chunk_bytes, RULES.winograd_tiles)])
 def test_channel_counts_of_the_small_gemm(layout, kernel, stride, padding, dilation, C, K,
                                           chunk_bytes, tiles):
     # channel counts that are multiples of 8 send the float32 GEMMs of the forward (n = K) and
@@ -472,13 +446,13 @@ def test_channel_counts_of_the_small_gemm(layout, kernel, stride, padding, dilat
                                               (8, 7, "winograd"), (32, 8, "winograd")])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_winograd_forward_needs_enough_tiles(N, size, forward, layout):
-    # a 3x3 stride-1 forward with fewer than WINOGRAD_MIN_TILES (128) 2x2 output tiles in the
+    # a 3x3 stride-1 forward with fewer than winograd_min_tiles (128) 2x2 output tiles in the
     # batch runs im2col (deep layers' 2x2 and 4x4 maps: 2-4x faster there); dX and dW stay
     # Winograd. 7 images of 8x8 are 112 tiles, 8 are 128 (the edge), and 7x7 maps have 4x4
     # tiles an image as 8x8 maps do
     shape = (N, 64, size, size) if layout == "NCHW" else (N, size, size, 64)
     geom = nf.validate.conv_geometry("t", shape, (64, 64, 3, 3), 1, 1, 1, layout)
     tiles = N * ((geom.P + 1) // 2) * ((geom.Q + 1) // 2)
-    assert (tiles >= cpu_conv.WINOGRAD_MIN_TILES) == (forward == "winograd")
+    assert (tiles >= RULES.winograd_min_tiles) == (forward == "winograd")
     assert cpu_conv.algorithm(geom, "forward") == forward
     assert cpu_conv.algorithm(geom, "dx") == cpu_conv.algorithm(geom, "dw") == "winograd"

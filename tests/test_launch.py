@@ -135,12 +135,13 @@ def test_launch_all_runs_every_task_of_every_launch_once(monkeypatch, threads):
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("winograd", [False, True])
-def test_conv_backward_concurrent_shared_and_in_turn_agree(layout, winograd, monkeypatch, rng):
-    """dX and dW one pass a thread (conv.cpu.CONCURRENT_MAX_ELEMENTS, im2col here), their
-    tasks in one shared job (SHARED_BACKWARD, the Winograd passes: MIN_GEMM_CHANNELS patched
-    to 1), or one after the other, each split over the pool: bit for bit the same gradients,
-    on 1 and 3 threads, and the reference's."""
-    from numbafuse.kernels.conv import cpu as conv_cpu
+def test_conv_backward_concurrent_shared_and_in_turn_agree(layout, winograd, monkeypatch, rng,
+                                                            conv_rules):
+    """dX and dW one pass a thread (the conv rules' concurrent_max_elements, im2col here),
+    their tasks in one shared job (shared_backward, the Winograd passes: min_gemm_channels
+    1), or one after the other, each split over the pool: bit for bit the same gradients, on
+    1 and 3 threads, and the reference's."""
+    from numbafuse.kernels.conv import cpu as conv_cpu, cpu_plan
 
     shape = (5, 4, 7, 9) if layout == "NCHW" else (5, 7, 9, 4)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -148,12 +149,9 @@ def test_conv_backward_concurrent_shared_and_in_turn_agree(layout, winograd, mon
     y = nf.conv_bias_relu(x, w, None, padding=1, layout=layout)
     gy = rng.standard_normal(y.shape).astype(np.float32)
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(conv_cpu, "WINOGRAD_TILES", 3)          # several chunks, uneven
-    monkeypatch.setattr(conv_cpu, "WINOGRAD_MIN_TILES", 0)
-    monkeypatch.setattr(conv_cpu, "DW_GROUPS", 3)
+    conv_rules(winograd_tiles=3, winograd_min_tiles=0, dw_groups=3)   # chunks, uneven
     if winograd:
-        monkeypatch.setattr(conv_cpu, "MIN_GEMM_CHANNELS", 1)
-        monkeypatch.setattr(conv_cpu, "NCHW_IM2COL_CHANNELS", 1)
+        conv_rules(min_gemm_channels=1, nchw_im2col_channels=1)
     geom = nf.validate.conv_geometry("t", x.shape, w.shape, 1, 1, 1, layout)
     assert (conv_cpu.algorithm(geom, "dx") == "winograd") == winograd
     threads = _launch.num_threads()
@@ -163,10 +161,9 @@ def test_conv_backward_concurrent_shared_and_in_turn_agree(layout, winograd, mon
             _launch.set_num_threads(n)
             for mode, limit, shared in (("turn", 0, True), ("concurrently", 2**62, False),
                                         ("shared", 2**62, True)):
-                monkeypatch.setattr(conv_cpu, "CONCURRENT_MAX_ELEMENTS", limit)
-                monkeypatch.setattr(conv_cpu, "SHARED_BACKWARD", shared)
-                out[n, mode] = nf.conv_bias_relu_backward(gy, x, w, y, padding=1,
-                                                          layout=layout)
+                with cpu_plan.using(concurrent_max_elements=limit, shared_backward=shared):
+                    out[n, mode] = nf.conv_bias_relu_backward(gy, x, w, y, padding=1,
+                                                              layout=layout)
     finally:
         _launch.set_num_threads(threads)
     for key in out:

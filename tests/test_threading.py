@@ -13,6 +13,7 @@ private one-thread OpenBLAS (``kernels/cpu_blas.py``). Checked here:
 The speed side of "neighbours" (PyTorch in the same process, torch imported first) is measured
 by ``benchmarks/bench_conv_bias_relu.py --mode neighbours`` and ``--mode import-order``.
 """
+import contextvars
 import multiprocessing
 import os
 import queue as queue_module
@@ -27,7 +28,6 @@ import numbafuse as nf
 from numbafuse.kernels import cpu_launch as _launch
 from numbafuse.kernels import cpu_team
 from numbafuse.kernels.batchnorm import cpu as cpu_bn
-from numbafuse.kernels.conv import cpu as cpu_conv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREAD_COUNTS = (1, 2, 3, 5)
@@ -69,11 +69,10 @@ def _work(layout, seed=0):
 
 
 @pytest.fixture
-def small_tasks(monkeypatch):
+def small_tasks(monkeypatch, conv_rules):
     """Every kernel on the pool, in many small tasks."""
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(cpu_conv, "CHUNK_BYTES", 1)
-    monkeypatch.setattr(cpu_conv, "DW_GROUPS", 3)
+    conv_rules(chunk_bytes=1, dw_groups=3)
     monkeypatch.setattr(cpu_bn, "CHUNK", 64)
     monkeypatch.setattr(cpu_bn, "REDUCE_CHUNK", 64)
     threads = _launch.num_threads()
@@ -109,7 +108,10 @@ def _concurrent_callers(layout):
         except BaseException as e:   # reported below, on the test's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(CALLERS)]
+    # each thread in a copy of this one's context: the conv rules (a context variable) the
+    # fixtures set hold there too
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(caller, i))
+               for i in range(CALLERS)]
     for t in threads:
         t.start()
     for t in threads:

@@ -1,0 +1,231 @@
+r"""How the CPU runs a convolution pass: :func:`plan` maps (geometry, pass, dtype) to a
+:class:`Plan`, a value that the drivers in ``cpu.py`` follow.
+
+    plan(geom, "forward" | "dx" | "dw", dtype, rules=None) -> Plan(algorithm, chunk_bytes,
+                                                                 min_chunks, tiles, dw_groups,
+                                                                 taps, slab)
+
+The choice reads :class:`Rules`, a table of measured thresholds (``RULES``; each field says
+what it decides and what it was measured on). Results never depend on the thread count, so
+neither does the plan: chunks and dW groups are functions of the shape only, which keeps every
+result bitwise the same on 1 and 64 threads.
+
+Algorithms (``ALGORITHMS``) and what they compute:
+
+    pointwise    1x1, stride 1, unpadded: GEMMs straight on x, y, dx           (cpu_direct.py)
+    im2col       per chunk an im2col matrix and one GEMM with k = C*R*S; dX by input phase
+                 over im2col chunks of the gated gradient; strided NCHW over NHWC slabs of a
+                 chunk's rows (``slab``)                                      (cpu_im2col.py)
+    implicit     strided float32 forward (K % 8 == 0) and dW (C % 8 == 0): register tiles
+                 over a zero-padded slab of each chunk's input, no im2col    (cpu_implicit.py)
+    winograd     3x3, stride 1, no dilation: F(2x2, 3x3) forward, dX and dW on HWC slabs of
+                 each chunk's rows                                           (cpu_winograd.py)
+    winograd_s2  3x3 stride 2 float32 (K % 8 == 0 forward, C % 8 == 0 dX and dW): Winograd
+                 over the input's phases, 25 products instead of 36
+                                                    (cpu_winograd_s2.py, cpu_winograd_s2dx.py)
+    phase        any convolution: shifted GEMMs over phase planes (forward, dW), dX by input
+                 phase over one padded copy of the gradient                    (cpu_direct.py)
+
+Tests and benchmarks choose other rules with :func:`using` (a context: the ops called inside
+it plan with the changed rules) or hand a plan to ``cpu.conv_forward`` / ``conv_backward``;
+:func:`supports` says which algorithms can run a pass at all.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import cpu_gemm_taps as _gemm_taps
+from . import cpu_implicit as _implicit
+from . import cpu_winograd_s2 as _wino_s2
+
+PASSES = ("forward", "dx", "dw")
+ALGORITHMS = ("pointwise", "im2col", "implicit", "winograd", "winograd_s2", "phase")
+
+
+class Rules(NamedTuple):
+    """The thresholds :func:`plan` decides by (docs/conv_bias_relu.md has the measurements)."""
+    # bytes of a chunk's gathered input + output: a chunk stays in one core's L2 (1 MiB)
+    chunk_bytes: int = 768 << 10
+    # whole-image im2col chunks of a batch, at least: a batch whose im2col fits one chunk
+    # (the stem's C = 1) still splits over the threads (a fixed count, not the thread count)
+    min_chunks: int = 4
+    # fixed groups of chunks, each with its own dW and db partial, summed in group order
+    dw_groups: int = 16
+    # 2x2 output tiles per Winograd chunk (the GEMMs' n)
+    winograd_tiles: int = 160
+    # a 3x3 stride-1 forward with fewer 2x2 output tiles in the whole batch runs im2col: the
+    # transformed taps (16 C K values, formed every call) and GEMMs of few rows cost more than
+    # the products saved. fwd ms, 2 threads, NCHW, batch 16, 3x3 C = K: 2x2 maps, 512
+    # channels (16 tiles) Winograd 33.0, im2col 7.9; 4x4, 256 (64 tiles) 8.3 and 4.3; 8x8,
+    # 128 (256 tiles) 2.6 and 3.5. dX and dW stay Winograd (im2col's took 1.6-2x)
+    winograd_min_tiles: int = 128
+    # fewer input or output channels: im2col (one GEMM with k = C*R*S; the GEMM paths' k = C)
+    min_gemm_channels: int = 16
+    # NCHW forward and dW with fewer channels (not by Winograd): im2col; with more, a strided
+    # NCHW forward and dW gathers over NHWC slabs of each chunk's rows (``Plan.slab``)
+    nchw_im2col_channels: int = 32
+    # what a strided forward and dW run that no implicit or stride-2 Winograd pass takes:
+    # "im2col" (one GEMM with k = R*S*C) beat "phase" (R*S GEMMs with k = C)
+    strided: str = "im2col"
+    # 16-float register tiles (AVX-512) rather than 8-float ones
+    wide: bool = _gemm_taps.WIDE
+    # the register tiles of cpu_gemm_taps for the strided forward and dW (implicit), the NHWC
+    # 1x1 forward and dX and the NHWC dX by phase: with 8-float vectors they measured no
+    # faster than the BLAS paths they replace, so only where the tiles are wide
+    taps: bool = _gemm_taps.WIDE
+    # 3x3 stride-2 float32 passes by Winograd over input phases (either tile width): they beat
+    # the implicit GEMM and phase dX (AVX-512) and im2col (AVX2) ...
+    winograd_s2: bool = True
+    # ... with transformed taps (25 C K floats, read by every chunk) of at most this many
+    # bytes: at 256 -> 512 channels fwd+bwd took 1.2-1.3x the other paths' time
+    winograd_s2_taps_bytes: int = 2 << 20
+    # 2x2 output tiles (dX: 4x4 blocks of dx) per stride-2 Winograd chunk: the GEMMs' m
+    winograd_s2_tiles: int = 64
+    # a backward touching fewer elements (x, gy twice) runs dX and dW at once, each on one
+    # thread, instead of one after the other, each split over the threads: at the digits
+    # shapes (8x8, 24 channels) a split pass gains less than waking a helper costs ...
+    concurrent_max_elements: int = 1 << 20
+    # ... and where both are Winograd passes, their tasks in one job that the threads share
+    shared_backward: bool = True
+
+
+RULES = Rules()
+
+
+class Plan(NamedTuple):
+    """How one pass runs: ``algorithm`` (one of ``ALGORITHMS``), chunks of about
+    ``chunk_bytes`` (im2col, implicit, phase, pointwise) or ``tiles`` 2x2 tiles (winograd,
+    winograd_s2), whole-image chunks at least ``min_chunks`` to a batch, dW in ``dw_groups``
+    fixed groups; ``taps``: the register tiles' width mode (0: none, the BLAS; 1: 8 floats;
+    2: 16), ``slab``: im2col over NHWC slabs of an NCHW input's rows."""
+    algorithm: str
+    chunk_bytes: int
+    min_chunks: int
+    tiles: int
+    dw_groups: int
+    taps: int
+    slab: bool
+
+
+_CURRENT = contextvars.ContextVar("numbafuse_conv_cpu_rules", default=RULES)
+
+
+def current_rules():
+    """The rules the CPU conv passes plan with in this context (``RULES`` unless changed)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def using(**changes):
+    """Plan the conv passes run inside the ``with`` block by the current rules with
+    ``changes`` (fields of :class:`Rules`); yields the rules in force. The rules are a context
+    variable, like NumPy's ``errstate``: other threads keep theirs (a thread started in the
+    block sees the change if it runs in ``contextvars.copy_context()``). Plans are made on
+    the calling thread, before any work goes to numbafuse's thread pool."""
+    token = _CURRENT.set(_CURRENT.get()._replace(**changes))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
+
+
+def is_pointwise(geom):
+    """1x1, stride 1, unpadded: the cols matrix is x itself."""
+    return (geom.R == geom.S == geom.sh == geom.sw == geom.dh == geom.dw == 1
+            and geom.ph == geom.pw == 0 and geom.ph_end == geom.pw_end == 0)
+
+
+def _is_winograd(geom):
+    return geom.R == geom.S == 3 and geom.sh == geom.sw == 1 and geom.dh == geom.dw == 1
+
+
+def supports(algorithm, geom, pass_, dtype):
+    """Whether ``algorithm`` computes ``pass_`` of ``geom`` on ``dtype`` inputs at all (the
+    rules aside)."""
+    if algorithm in ("im2col", "phase"):
+        return True
+    if algorithm == "pointwise":
+        return is_pointwise(geom)
+    if algorithm == "winograd":
+        return _is_winograd(geom)
+    if algorithm == "winograd_s2":
+        return _wino_s2.fits(geom, dtype, pass_)
+    if algorithm == "implicit":
+        return pass_ != "dx" and _implicit.fits(geom, dtype, pass_)
+    raise ValueError(f"conv plan: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+
+
+def _slab(geom, rules):
+    """im2col over NHWC slabs of each chunk's input rows: a strided NCHW convolution with
+    ``nchw_im2col_channels`` or more channels each side. The rows are transposed to
+    (rows, W, C) in cache and gathered as whole channel vectors: that beat the phase planes'
+    R*S GEMMs with k = C, where the NCHW gather of single strided values did not."""
+    return (geom.layout == "NCHW" and (geom.sh > 1 or geom.sw > 1) and not is_pointwise(geom)
+            and min(geom.C, geom.K) >= rules.nchw_im2col_channels)
+
+
+def choose(geom, pass_, dtype, rules):
+    """The algorithm ``rules`` pick for ``pass_`` of ``geom`` on ``dtype`` inputs."""
+    if is_pointwise(geom):
+        return "pointwise"
+    if min(geom.C, geom.K) < rules.min_gemm_channels:
+        return "im2col"
+    if _is_winograd(geom):
+        # on HWC slabs for NCHW too: Winograd won at every width and channel count measured
+        # from 16 up, except the forward of few tiles
+        tiles = geom.N * ((geom.P + 1) // 2) * ((geom.Q + 1) // 2)
+        return "im2col" if pass_ == "forward" and tiles < rules.winograd_min_tiles else "winograd"
+    if (rules.winograd_s2 and _wino_s2.fits(geom, dtype, pass_)
+            and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= rules.winograd_s2_taps_bytes):
+        return "winograd_s2"
+    if geom.layout == "NCHW" and pass_ != "dx" and min(geom.C, geom.K) < rules.nchw_im2col_channels:
+        return "im2col"
+    if geom.sh == geom.sw == 1:
+        return "phase"
+    if rules.taps and supports("implicit", geom, pass_, dtype):
+        return "implicit"
+    return "phase" if pass_ == "dx" else rules.strided
+
+
+def _taps_mode(algorithm, geom, pass_, dtype, rules):
+    """The register tiles a pass runs on: 0 (none: the BLAS), 1 (8-float) or 2 (16-float).
+    implicit and winograd_s2 always run on them; the pointwise passes and the phase dX where
+    ``rules.taps`` and the product is an NHWC float32 one with a multiple of 8 columns."""
+    width = 2 if rules.wide else 1
+    if algorithm in ("implicit", "winograd_s2"):
+        return width
+    cols = geom.K if pass_ == "forward" else geom.C
+    if (rules.taps and (algorithm == "pointwise" and pass_ != "dw"
+                        or algorithm == "phase" and pass_ == "dx")
+            and geom.layout == "NHWC" and np.dtype(dtype) == np.float32 and cols % 8 == 0):
+        return width
+    return 0
+
+
+def plan(geom, pass_, dtype, rules=None, algorithm=None):
+    """The :class:`Plan` of ``pass_`` ("forward", "dx" or "dw") of ``geom`` on ``dtype``
+    inputs by ``rules`` (default: :func:`current_rules`); ``algorithm`` given: that one,
+    which must :func:`support <supports>` the pass (ValueError otherwise)."""
+    if pass_ not in PASSES:
+        raise ValueError(f"conv plan: pass must be one of {PASSES}, got {pass_!r}")
+    rules = current_rules() if rules is None else rules
+    if algorithm is None:
+        algorithm = choose(geom, pass_, dtype, rules)
+    elif not supports(algorithm, geom, pass_, dtype):
+        raise ValueError(f"conv plan: {algorithm} cannot run the {pass_} of this convolution "
+                         f"({geom.R}x{geom.S}, stride {geom.sh}x{geom.sw}, C={geom.C}, "
+                         f"K={geom.K}, {np.dtype(dtype)})")
+    tiles = (rules.winograd_tiles if algorithm == "winograd" else
+             rules.winograd_s2_tiles if algorithm == "winograd_s2" else 0)
+    return Plan(algorithm, rules.chunk_bytes, rules.min_chunks, tiles, rules.dw_groups,
+                _taps_mode(algorithm, geom, pass_, dtype, rules),
+                algorithm == "im2col" and pass_ != "dx" and _slab(geom, rules))
+
+
+def algorithm(geom, pass_="forward", dtype=np.float32):
+    """The algorithm of ``pass_`` of ``geom`` on ``dtype`` inputs by the current rules."""
+    return plan(geom, pass_, dtype).algorithm

@@ -1,0 +1,122 @@
+"""The CPU conv plan (``kernels/conv/cpu_plan.py``): every algorithm that can run a pass,
+forced through ``plan=``, against the reference; the rules as a value (``using``)."""
+import numpy as np
+import pytest
+
+import numbafuse as nf
+from numbafuse import reference as ref
+from numbafuse.kernels.conv import cpu as cpu_conv, cpu_plan
+
+TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-11)}
+
+# (kernel, stride, padding, dilation, C, K): each runs on several algorithms per pass
+GEOMETRIES = [
+    (3, 1, 1, 1, 16, 16),       # winograd, im2col, phase
+    (3, 2, 1, 1, 16, 16),       # winograd_s2, implicit (forward, dW), im2col, phase
+    (1, 1, 0, 1, 16, 24),       # pointwise, implicit, im2col, phase
+    (3, 2, (0, 2), 2, 8, 16),   # dilated, strided, uneven padding: implicit, im2col, phase
+]
+
+
+def _cases():
+    for kernel, stride, padding, dilation, C, K in GEOMETRIES:
+        for layout in ("NCHW", "NHWC"):
+            for dtype in (np.float32, np.float64):
+                yield kernel, stride, padding, dilation, C, K, layout, dtype
+
+
+def _problem(kernel, stride, padding, dilation, C, K, layout, dtype):
+    rng = np.random.default_rng(kernel * 100 + stride * 10 + C + K)
+    N, H, W = 3, 9, 10
+    shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+    x = rng.standard_normal(shape).astype(dtype)
+    w = (rng.standard_normal((K, C, kernel, kernel)) / (C * kernel)).astype(dtype)
+    b = rng.standard_normal(K).astype(dtype)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, stride, padding, dilation, layout)
+    kwargs = dict(stride=stride, padding=padding, dilation=dilation, layout=layout)
+    return x, w, b, geom, kwargs
+
+
+@pytest.mark.parametrize("kernel, stride, padding, dilation, C, K, layout, dtype", list(_cases()))
+def test_every_supported_algorithm_of_every_pass_matches_the_reference(
+        kernel, stride, padding, dilation, C, K, layout, dtype):
+    x, w, b, geom, kwargs = _problem(kernel, stride, padding, dilation, C, K, layout, dtype)
+    want_y = ref.conv_bias_relu(x, w, b, **kwargs)
+    rng = np.random.default_rng(7)
+    gy = rng.standard_normal(want_y.shape).astype(dtype)
+    want_dx, want_dw, want_db = ref.conv_bias_relu_backward(gy, x, w, b, **kwargs)
+    tol = TOL[dtype]
+    ran = {}
+    for pass_ in cpu_plan.PASSES:
+        ran[pass_] = [a for a in cpu_plan.ALGORITHMS if cpu_plan.supports(a, geom, pass_, dtype)]
+        assert {"im2col", "phase"} <= set(ran[pass_])
+    for algorithm in ran["forward"]:
+        y = cpu_conv.conv_forward(x, w, b, geom, True,
+                                  plan=cpu_plan.plan(geom, "forward", dtype, algorithm=algorithm))
+        np.testing.assert_allclose(y, want_y, **tol, err_msg=algorithm)
+    y = np.ascontiguousarray(want_y, dtype)            # the ReLU mask, as the op passes it
+    for dx_alg in ran["dx"]:
+        for dw_alg in ran["dw"]:
+            plans = (cpu_plan.plan(geom, "dx", dtype, algorithm=dx_alg),
+                     cpu_plan.plan(geom, "dw", dtype, algorithm=dw_alg))
+            dx, dw, db = cpu_conv.conv_backward(gy, x, w, geom, y, plans=plans)
+            for name, got, want in (("dx", dx, want_dx), ("dw", dw, want_dw), ("db", db, want_db)):
+                np.testing.assert_allclose(got, want, **tol, err_msg=f"{name} {dx_alg}/{dw_alg}")
+
+
+def test_a_plan_refuses_an_algorithm_that_cannot_run_the_pass():
+    g = nf.validate.conv_geometry("t", (2, 16, 9, 9), (16, 16, 5, 5), 1, 2, 1, "NCHW")
+    for algorithm in ("winograd", "winograd_s2", "pointwise"):
+        with pytest.raises(ValueError, match=algorithm):
+            cpu_plan.plan(g, "forward", np.float32, algorithm=algorithm)
+    with pytest.raises(ValueError, match="implicit"):                # no implicit dX
+        cpu_plan.plan(g, "dx", np.float32, algorithm="implicit")
+    with pytest.raises(ValueError, match="one of"):
+        cpu_plan.plan(g, "forward", np.float32, algorithm="fft")
+    with pytest.raises(ValueError, match="pass"):
+        cpu_plan.plan(g, "backward", np.float32)
+
+
+def test_rules_are_a_value_that_using_changes_for_a_block_only():
+    g = nf.validate.conv_geometry("t", (2, 9, 9, 32), (32, 32, 3, 3), 1, 1, 1, "NHWC")
+    before = cpu_plan.current_rules()
+    assert before == cpu_plan.RULES
+    assert cpu_plan.plan(g, "forward", np.float32).algorithm == "im2col"   # 50 tiles < 128
+    with cpu_plan.using(winograd_min_tiles=0, winograd_tiles=7) as rules:
+        assert rules.winograd_tiles == 7 and cpu_plan.current_rules() is rules
+        plan = cpu_plan.plan(g, "forward", np.float32)
+        assert (plan.algorithm, plan.tiles) == ("winograd", 7)
+        with cpu_plan.using(min_gemm_channels=64):                        # nested
+            assert cpu_plan.plan(g, "forward", np.float32).algorithm == "im2col"
+        assert cpu_plan.plan(g, "forward", np.float32).algorithm == "winograd"
+    assert cpu_plan.current_rules() == before
+    with pytest.raises(RuntimeError):
+        with cpu_plan.using(chunk_bytes=1):
+            raise RuntimeError
+    assert cpu_plan.current_rules() == before
+    with pytest.raises(ValueError):
+        with cpu_plan.using(no_such_rule=1):
+            pass
+    # an explicit rules value wins over the context's
+    assert cpu_plan.plan(g, "forward", np.float32,
+                         cpu_plan.RULES._replace(winograd_min_tiles=0)).algorithm == "winograd"
+
+
+def test_the_plan_under_using_reaches_the_kernels_through_the_op(monkeypatch):
+    """The public op plans with the context's rules: a planted rule that sends a 3x3 conv to
+    the phase planes is seen by the driver."""
+    seen = []
+    real = cpu_plan.plan
+
+    def spy(geom, pass_, dtype, rules=None, algorithm=None):
+        p = real(geom, pass_, dtype, rules, algorithm)
+        seen.append((pass_, p.algorithm, p.chunk_bytes))
+        return p
+    monkeypatch.setattr(cpu_conv, "_plan", spy)
+    x = np.ones((2, 16, 6, 6), np.float32)
+    w = np.ones((16, 16, 3, 3), np.float32) / 100
+    with cpu_plan.using(chunk_bytes=4096, winograd_min_tiles=10**9):
+        y = nf.conv_bias_relu(x, w, None, padding=1)
+        nf.conv_bias_relu_backward(np.ones_like(y), x, w, y, padding=1)
+    assert ("forward", "im2col", 4096) in seen
+    assert ("dx", "winograd", 4096) in seen and ("dw", "winograd", 4096) in seen
