@@ -454,8 +454,8 @@ def _bn_args(dtype=torch.float64):
 
 
 BN_BAD = [
-    (dict(x=torch.zeros(2, 3, 4, 4, dtype=torch.float64).to(memory_format=torch.channels_last)),
-     ValueError, "batchnorm_add_relu: x is channels_last"),
+    (dict(x=torch.zeros(2, 4, 3, 4, dtype=torch.float64).transpose(1, 2)),   # neither format
+     ValueError, "batchnorm_add_relu: x is not contiguous"),
     (dict(z=torch.zeros(2, 3, 4, 8, dtype=torch.float64)[..., ::2]), ValueError,
      "z is not contiguous"),
     (dict(x=torch.zeros(2, 3, 4, 4, dtype=torch.int64)), TypeError,
@@ -496,8 +496,8 @@ def test_batchnorm_add_relu_refuses_bad_modes():
 
 
 CONV_BAD = [
-    (dict(x=torch.zeros(1, 3, 5, 5).to(memory_format=torch.channels_last)), ValueError,
-     "conv_bias_relu: x is channels_last"),
+    (dict(x=torch.zeros(1, 5, 3, 5).transpose(1, 2)), ValueError,       # neither format
+     "conv_bias_relu: x is not contiguous"),
     (dict(w=torch.zeros(2, 4, 3, 3)), ValueError, "w has 4 input channels, x has 3"),
     (dict(b=torch.zeros(3)), ValueError, r"b must have shape \(2,\)"),
     (dict(x=torch.zeros(1, 3, 5, 5, dtype=torch.int32)), TypeError, "x must be float32"),

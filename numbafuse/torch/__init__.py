@@ -2,22 +2,28 @@ r"""PyTorch interoperation (extra ``torch``): numbafuse's fused ops inside PyTor
 
     fuse(model, *, leaf_modules=(), copy=True) -> torch.fx.GraphModule      # the remapper
     unfuse(fused) -> the model object (its own forward), sharing fused's modules
-    conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1)
+    conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, groups=1)
     batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None,
                        training=True, momentum=0.1, eps=1e-5)
     conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
                         training=True, momentum=0.1, eps=1e-5, stride=1, padding=0,
-                        dilation=1, relu=True)
+                        dilation=1, relu=True, groups=1)
     conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_var=None,
                             training=True, momentum=0.1, eps=1e-5, stride=1, padding=0,
-                            dilation=1)
+                            dilation=1, groups=1)
     ConvBiasReLU2d(...)        # the state_dict of torch.nn.Conv2d
     BatchNormAddReLU2d(...)    # m(x, z); the state_dict of torch.nn.BatchNorm2d
+    ConvBatchNormReLU2d(...), ConvBatchNorm2d(...), ConvBatchNormAddReLU2d(...)   # m(x, z)
+                               # sub-modules conv (torch.nn.Conv2d) and bn (BatchNorm2d)
+
+Tensors may be contiguous or ``torch.channels_last`` (numbafuse's NHWC kernels, zero-copy;
+the outputs keep the format); modules take ``device=`` and ``dtype=`` as torch's.
     resnet18(**kw), resnet50(**kw), ResNet, BasicBlock, Bottleneck   # torchvision's names
 
 Modules of this package: ``layers`` (the tensor/array bridge, Conv-Bias-ReLU,
 BatchNorm-Add-ReLU), ``conv_batchnorm`` (Conv-BatchNorm(-ReLU) and Conv-BatchNorm-Add-ReLU
-with recompute), ``fx`` (:func:`fuse`), ``sites`` (what a fused model calls), ``resnet``
+with recompute), ``modules`` (their torch modules), ``fx`` (:func:`fuse`), ``sites`` (what a
+fused model calls), ``resnet``
 (torchvision-compatible ResNets, written here). Described in docs/pytorch.md.
 """
 try:
@@ -31,6 +37,7 @@ from .. import backend  # noqa: F401  (tests patch backend.as_device_array throu
 from .conv_batchnorm import (ConvBatchNormAddReLUFunction, ConvBatchNormReLUFunction,
                              conv_batchnorm_add_relu, conv_batchnorm_relu)
 from .fx import fuse, unfuse
+from .modules import ConvBatchNorm2d, ConvBatchNormAddReLU2d, ConvBatchNormReLU2d
 from . import library  # noqa: F401,E402  (registers torch.ops.numbafuse.*)
 from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50
 from .layers import (  # noqa: F401  (the bridge's names, for tests and benchmarks)
@@ -41,6 +48,7 @@ from .layers import (  # noqa: F401  (the bridge's names, for tests and benchmar
 
 __all__ = ["fuse", "unfuse", "conv_bias_relu", "batchnorm_add_relu", "conv_batchnorm_relu",
            "conv_batchnorm_add_relu", "ConvBiasReLU2d", "BatchNormAddReLU2d",
+           "ConvBatchNormReLU2d", "ConvBatchNorm2d", "ConvBatchNormAddReLU2d",
            "ConvBiasReLUFunction", "BatchNormAddReLUFunction", "ConvBatchNormReLUFunction",
            "ConvBatchNormAddReLUFunction", "ResNet", "BasicBlock", "Bottleneck", "resnet18",
            "resnet50"]

@@ -9,18 +9,28 @@ first PyTorch release: Conv-Bias-ReLU and BatchNorm-Add-ReLU (functions and modu
     BatchNormAddReLU2d(num_features, eps=1e-5, momentum=0.1, device=None, dtype=None)
                                         # m(x, z); the state_dict of torch.nn.BatchNorm2d
 
-torch tensors in (CPU or CUDA, NCHW-contiguous, float32 or float64, all of one dtype and on
-one device), torch tensors out, differentiable by ``torch.autograd``: each function is a
-``torch.autograd.Function`` whose forward and backward are numbafuse's fused kernels. While
-torch captures a graph (:func:`capturing`: ``torch.compile``, ``torch.jit.trace``) the
-functions call their ``torch.library`` custom ops instead (``numbafuse.torch.library``),
-which wrap the same Functions.
+torch tensors in (CPU or CUDA, contiguous or ``torch.channels_last``, float32 or float64, all of
+one dtype and on one device), torch tensors out, differentiable by ``torch.autograd``: each
+function is a ``torch.autograd.Function`` whose forward and backward are numbafuse's fused
+kernels. While torch captures a graph (:func:`capturing`: ``torch.compile``,
+``torch.jit.trace``) the functions call their ``torch.library`` custom ops instead
+(``numbafuse.torch.library``), which wrap the same Functions.
 
 Zero-copy both ways. A CPU tensor is read as the NumPy view ``t.detach().numpy()`` and an output
 comes back as ``torch.from_numpy(array)``, which keeps numbafuse's array alive; a CUDA tensor is
 read through ``__cuda_array_interface__`` as a numba device array and an output comes back as
 ``torch.as_tensor(device_array, device=...)`` (``__cuda_array_interface__`` again; the tensor
 keeps the device array alive). Running statistics are updated in place in the torch buffers.
+
+Memory formats. An activation in ``torch.channels_last`` (N, C, H, W shape, strides of an
+N, H, W, C array) runs numbafuse's NHWC kernels: ``x.permute(0, 2, 3, 1)`` is a C-contiguous
+NHWC view of the same memory (no copy), and the NHWC output comes back as
+``y.permute(0, 3, 1, 2)``, a channels_last tensor, as torch's own layers return (forward and
+backward: dx is channels_last too). :func:`layout_of` decides per call from the input ``x``: a
+tensor contiguous in both formats (C = 1, or H = W = 1) runs NCHW. Weights are (K, C, R, S)
+in either format; a channels_last weight (``model.to(memory_format=torch.channels_last)``
+converts them too) is read through a contiguous copy, and a residual ``z`` or gradient ``dy``
+in the other format than ``x`` is copied into ``x``'s.
 
 CUDA streams. numbafuse launches on numba's default stream, the legacy default stream (stream
 0), which is also PyTorch's default stream, so on the default stream nothing needs a
@@ -67,7 +77,27 @@ from ..ops import conv as _conv
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
 DEVICE_TYPES = ("cpu", "cuda")
-LAYOUT = "NCHW"                    # torch's layout; channels_last tensors are refused
+LAYOUT = "NCHW"                    # torch's default layout (channels_last tensors run "NHWC")
+
+
+def layout_of(t):
+    """numbafuse's layout for the activation ``t``: ``"NHWC"`` for a 4-d
+    ``torch.channels_last`` tensor (that is not also NCHW-contiguous), else ``"NCHW"``."""
+    if (t.dim() == 4 and not t.is_contiguous()
+            and t.is_contiguous(memory_format=torch.channels_last)):
+        return "NHWC"
+    return LAYOUT
+
+
+def shape_in(layout, t):
+    """The shape of the 4-d tensor ``t`` as numbafuse's ``layout`` sees it."""
+    N, C, H, W = t.shape
+    return (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+
+
+def memory_format(layout):
+    """torch's memory format of numbafuse's ``layout``."""
+    return torch.channels_last if layout == "NHWC" else torch.contiguous_format
 
 
 # --------------------------------------------------------------------------- the bridge
@@ -75,7 +105,8 @@ LAYOUT = "NCHW"                    # torch's layout; channels_last tensors are r
 def check_tensors(op, **tensors):
     """The one ``torch.device`` of the non-``None`` ``tensors``, after checking each is a
     floating torch tensor of the first one's dtype, on a CPU or CUDA device shared by all, and
-    NCHW-contiguous. Raises ``TypeError``/``ValueError`` naming ``op`` and the argument."""
+    contiguous (4-d: NCHW or channels_last). Raises ``TypeError``/``ValueError`` naming ``op``
+    and the argument."""
     device = dtype = first = None
     for name, t in tensors.items():
         if t is None:
@@ -97,10 +128,8 @@ def check_tensors(op, **tensors):
         elif t.dtype != dtype:
             raise TypeError(f"{op}: {name} is {t.dtype} but {first} is {dtype}; all tensors "
                             f"of one call must share one dtype")
-        if not t.is_contiguous():
-            if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-                raise ValueError(f"{op}: {name} is channels_last; numbafuse.torch takes "
-                                 f"NCHW-contiguous tensors (call {name}.contiguous())")
+        if not t.is_contiguous() and not (
+                t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)):
             raise ValueError(f"{op}: {name} is not contiguous (strides {tuple(t.stride())}); "
                              f"call {name}.contiguous()")
     if device is not None and device.type == "cuda":
@@ -117,24 +146,30 @@ def _check_cuda_device(op, device):
                          f"with numba.cuda.select_device)")
 
 
-def as_array(t):
-    """The numbafuse array viewing tensor ``t`` (no copy): ``t.detach().numpy()`` on the CPU,
-    a numba device array through ``__cuda_array_interface__`` on CUDA; ``None`` stays None."""
+def as_array(t, layout=LAYOUT):
+    """The numbafuse array viewing tensor ``t``: ``t.detach().numpy()`` on the CPU, a numba
+    device array through ``__cuda_array_interface__`` on CUDA; ``None`` stays None. A 4-d
+    ``t`` is seen in ``layout`` (``"NHWC"``: ``t.permute(0, 2, 3, 1)``); no copy where ``t`` is
+    contiguous in that layout, else a contiguous copy."""
     if t is None:
         return None
     t = t.detach()
+    if layout == "NHWC" and t.dim() == 4:
+        t = t.permute(0, 2, 3, 1)                                 # (N, H, W, C)
+    if not t.is_contiguous():
+        t = t.contiguous()
     if t.device.type == "cuda":
         return backend.as_device_array(t)
     return t.numpy()
 
 
-def as_tensor(a, device):
-    """The torch tensor viewing numbafuse's array ``a`` (no copy), on ``device``."""
+def as_tensor(a, device, layout=LAYOUT):
+    """The torch tensor viewing numbafuse's array ``a`` (no copy), on ``device``; a 4-d NHWC
+    ``a`` (``layout="NHWC"``) as the channels_last tensor of shape (N, C, H, W)."""
     if a is None:
         return None
-    if isinstance(a, np.ndarray):
-        return torch.from_numpy(a)
-    return torch.as_tensor(a, device=device)
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.as_tensor(a, device=device)
+    return t.permute(0, 3, 1, 2) if layout == "NHWC" and t.dim() == 4 else t
 
 
 @contextlib.contextmanager
@@ -187,10 +222,10 @@ def run_captured(name, *args, running_mean, running_var, training, momentum, eps
 
 
 def conv_args(geometry):
-    """(stride, padding, dilation) of ``geometry`` as the custom ops take them (padding
-    resolved: left, right, top, bottom)."""
+    """``geometry`` as the custom ops take it: one int list ``[stride_h, stride_w, left,
+    right, top, bottom, dilation_h, dilation_w, groups]`` (padding resolved)."""
     g = geometry
-    return [g.sh, g.sw], [g.pw, g.pw_end, g.ph, g.ph_end], [g.dh, g.dw]
+    return [g.sh, g.sw, g.pw, g.pw_end, g.ph, g.ph_end, g.dh, g.dw, g.groups]
 
 
 def needs_grad(*tensors):
@@ -225,9 +260,11 @@ class ConvBiasReLUFunction(torch.autograd.Function):
     # fwd :: (x, w, b) -> (y, residuals=(x, w, y))
     @staticmethod
     def forward(ctx, x, w, b, geometry, device):
+        layout = geometry.layout                      # x's: NCHW, or NHWC for channels_last
         with launch_order(device):
-            y = _conv.conv_forward(as_array(x), as_array(w), as_array(b), geometry, True)
-        y = as_tensor(y, device)
+            y = _conv.conv_forward(as_array(x, layout), as_array(w), as_array(b), geometry,
+                                   True)
+        y = as_tensor(y, device, layout)
         ctx.geometry, ctx.device, ctx.has_bias = geometry, device, b is not None
         ctx.save_for_backward(x, w, y)
         return y
@@ -238,28 +275,31 @@ class ConvBiasReLUFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, w, y = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        layout = ctx.geometry.layout
         with launch_order(ctx.device):
             dx, dw, db = _conv.conv_backward(
-                as_array(dy.contiguous()), as_array(x), as_array(w), ctx.geometry, as_array(y),
-                (need_x, need_w, need_b and ctx.has_bias))
-        return (as_tensor(dx, ctx.device), as_tensor(dw, ctx.device),
+                as_array(dy, layout), as_array(x, layout), as_array(w), ctx.geometry,
+                as_array(y, layout), (need_x, need_w, need_b and ctx.has_bias))
+        return (as_tensor(dx, ctx.device, layout), as_tensor(dw, ctx.device),
                 as_tensor(db, ctx.device), None, None)
 
 
-def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1):
+def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     """Fused ``relu(conv2d(x, w) + b)`` on torch tensors, differentiable by torch.autograd.
 
     Parameters
     ----------
-    x : torch.Tensor (N, C, H, W), NCHW-contiguous, float32 or float64, CPU or CUDA
-    w : torch.Tensor (K, C, R, S);  b : torch.Tensor (K,) or None
+    x : torch.Tensor (N, C, H, W), contiguous or channels_last, float32 or float64, CPU or CUDA
+    w : torch.Tensor (K, C/groups, R, S);  b : torch.Tensor (K,) or None
     stride, dilation : int or (int, int)
     padding : int, (int, int), "valid" or "same" ("same" with stride 1 only, as torch)
+    groups : int (``torch.nn.functional.conv2d``'s; ``groups == C``: depthwise)
 
     Returns
     -------
-    y : torch.Tensor (N, K, P, Q) on x's device; ``torch.nn.functional.conv2d(x, w, b, stride,
-    padding, dilation).relu()`` up to rounding.
+    y : torch.Tensor (N, K, P, Q) on x's device, channels_last where x is;
+    ``torch.nn.functional.conv2d(x, w, b, stride, padding, dilation, groups).relu()`` up to
+    rounding.
 
     Examples
     --------
@@ -277,11 +317,13 @@ def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1):
     if isinstance(padding, str) and padding == "same" and validate.pair(
             op, "stride", stride, 1) != (1, 1):
         raise ValueError(f"{op}: padding='same' needs stride 1 (as torch), got {stride!r}")
-    geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding,
-                                      dilation, LAYOUT)
+    validate.check_ndim(op, "x", x, 4, "N, C, H, W")
+    layout = layout_of(x)
+    geometry = validate.conv_geometry(op, shape_in(layout, x), tuple(w.shape), stride, padding,
+                                      dilation, layout, groups)
     validate.check_vector(op, "b", b, geometry.K)
     if capturing():
-        return torch.ops.numbafuse.conv_bias_relu(x, w, b, *conv_args(geometry))
+        return torch.ops.numbafuse.conv_bias_relu(x, w, b, conv_args(geometry))
     if not needs_grad(x, w, b):
         return ConvBiasReLUFunction.forward(Unrecorded(), x, w, b, geometry, device)
     return ConvBiasReLUFunction.apply(x, w, b, geometry, device)
@@ -306,10 +348,11 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, z, weight, bias, running_mean, running_var, training, momentum, eps,
                 keep_mask, device):
-        x_a = as_array(x)
+        layout = layout_of(x)                         # NHWC for a channels_last x
+        x_a = as_array(x, layout)
         with launch_order(device):
             if training:
-                mean, var, invstd = _bn.bn_stats(x_a, eps, LAYOUT)             # (C,) float64
+                mean, var, invstd = _bn.bn_stats(x_a, eps, layout)             # (C,) float64
                 if running_mean is not None:
                     count = x.numel() // x.shape[1]                           # M = N*H*W
                     _bn.update_running(as_array(running_mean), as_array(running_var), mean,
@@ -318,15 +361,16 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
                 mean, invstd = _bn.bn_inference_stats(as_array(running_mean),
                                                       as_array(running_var), eps)
             applied = _bn.bn_apply(x_a, mean, invstd, as_array(weight), as_array(bias),
-                                   as_array(z), relu=True, layout=LAYOUT, with_mask=keep_mask)
+                                   as_array(z, layout), relu=True, layout=layout,
+                                   with_mask=keep_mask)
         if training and running_mean is not None:
             updated_in_place(running_mean, running_var)
         y, mask = applied if keep_mask else (applied, None)
-        ctx.device, ctx.training = device, training
+        ctx.device, ctx.training, ctx.layout = device, training, layout
         if keep_mask:
             ctx.save_for_backward(x, weight, as_tensor(mean, device), as_tensor(invstd, device),
                                   as_tensor(mask, device))
-        return as_tensor(y, device)
+        return as_tensor(y, device, layout)
 
     # bwd :: (residuals=(x, weight, mean, invstd, mask), dy) -> (dx, dz, dweight, dbias)
     @staticmethod
@@ -334,13 +378,14 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, invstd, mask = ctx.saved_tensors
         need_x, need_z, need_weight, need_bias = ctx.needs_input_grad[:4]
+        layout = ctx.layout
         with launch_order(ctx.device):
             dx, dweight, dbias, dz = _bn.bn_backward(
-                as_array(dy.contiguous()), as_array(x), as_array(mean), as_array(invstd),
-                as_array(weight), as_array(mask), LAYOUT,
+                as_array(dy, layout), as_array(x, layout), as_array(mean), as_array(invstd),
+                as_array(weight), as_array(mask), layout,
                 need=(need_x, need_weight, need_bias, need_z), training=ctx.training)
-        grads = (dx, dz, dweight, dbias)
-        return tuple(as_tensor(g, ctx.device) for g in grads) + (None,) * 7
+        return (as_tensor(dx, ctx.device, layout), as_tensor(dz, ctx.device, layout),
+                as_tensor(dweight, ctx.device), as_tensor(dbias, ctx.device)) + (None,) * 7
 
 
 def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, training=True,
@@ -352,7 +397,8 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
 
     Parameters
     ----------
-    x, z : torch.Tensor (N, C, H, W), NCHW-contiguous, float32 or float64, CPU or CUDA
+    x, z : torch.Tensor (N, C, H, W), contiguous or channels_last, float32 or float64, CPU or
+        CUDA (y, dx and dz in x's memory format)
     weight, bias : torch.Tensor (C,)
     running_mean, running_var : torch.Tensor (C,) or None (both or neither; not requiring
         grad). Training: updated in place, ``r = (1 - momentum) r + momentum * batch`` with the
@@ -405,6 +451,27 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
 
 # --------------------------------------------------------------------------- modules
 
+def factory_kwargs(layer, device, dtype):
+    """torch's ``{"device": ..., "dtype": ...}`` for a numbafuse module's parameters and
+    buffers, after checking that numbafuse runs them: dtype float32 or float64 (None: torch's
+    default dtype), device a CPU or (where torch has CUDA) a CUDA device, or ``"meta"``
+    (shapes only, for deferred initialisation: ``to_empty`` then moves the module to a device
+    numbafuse runs on). Errors name ``layer`` and the argument."""
+    resolved = torch.get_default_dtype() if dtype is None else dtype
+    if resolved not in FLOAT_DTYPES:
+        raise TypeError(f"{layer}: dtype must be torch.float32 or torch.float64, got {resolved}")
+    if device is not None:
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"{layer}: device {device!r} is not a torch device") from exc
+        if kind not in DEVICE_TYPES + ("meta",):
+            raise ValueError(f"{layer}: device {device!r}: numbafuse runs on 'cpu' and 'cuda'")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{layer}: device {device!r}: this torch has no CUDA device")
+    return {"device": device, "dtype": dtype}
+
+
 def _pair(name, value):
     """An int or pair as a pair (torch.nn.Conv2d keeps pairs); a padding string as it is."""
     return value if isinstance(value, str) else validate.pair("ConvBiasReLU2d", name, value, 0)
@@ -413,22 +480,27 @@ def _pair(name, value):
 class ConvBiasReLU2d(torch.nn.Module):
     """``relu(conv2d(x, weight) + bias)`` fused, with the parameters, ``state_dict`` and default
     initialisation of ``torch.nn.Conv2d(in_channels, out_channels, kernel_size, stride,
-    padding, dilation, bias=bias)`` (``groups=1``, zero padding): a ``Conv2d`` followed by a
-    ``ReLU`` can be swapped for it and load the ``Conv2d``'s checkpoint as it is.
+    padding, dilation, groups=groups, bias=bias, device=device, dtype=dtype)`` (zero padding):
+    a ``Conv2d`` followed by a ``ReLU`` can be swapped for it and load the ``Conv2d``'s
+    checkpoint as it is. ``dtype`` float32 or float64, ``device`` CPU or CUDA (else an error
+    naming the argument); channels_last inputs give channels_last outputs.
 
     It is not a subclass of ``torch.nn.Conv2d``, so tools that rewrite ``Conv2d`` modules
     (conv-bn folding, quantization fusers) do not mistake it for one without its ReLU.
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 bias=True, device=None, dtype=None):
+                 bias=True, device=None, dtype=None, *, groups=1):
         super().__init__()
-        self.in_channels, self.out_channels = in_channels, out_channels
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"ConvBiasReLU2d: groups={groups} must divide in_channels="
+                             f"{in_channels} and out_channels={out_channels}")
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.kernel_size = _pair("kernel_size", kernel_size)
         self.stride, self.padding = _pair("stride", stride), _pair("padding", padding)
         self.dilation = _pair("dilation", dilation)
-        like = {"device": device, "dtype": dtype}      # torch's factory_kwargs
-        self.weight = torch.nn.Parameter(torch.empty(out_channels, in_channels,
+        like = factory_kwargs("ConvBiasReLU2d", device, dtype)
+        self.weight = torch.nn.Parameter(torch.empty(out_channels, in_channels // groups,
                                                      *self.kernel_size, **like))
         if bias:
             self.bias = torch.nn.Parameter(torch.empty(out_channels, **like))
@@ -447,12 +519,12 @@ class ConvBiasReLU2d(torch.nn.Module):
 
     def forward(self, x):
         return conv_bias_relu(x, self.weight, self.bias, self.stride, self.padding,
-                              self.dilation)
+                              self.dilation, self.groups)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
                 f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
-                f"bias={self.bias is not None}")
+                f"groups={self.groups}, bias={self.bias is not None}")
 
 
 class BatchNormAddReLU2d(torch.nn.Module):
@@ -479,7 +551,7 @@ class BatchNormAddReLU2d(torch.nn.Module):
         if momentum is not None:
             validate.check_scalar("BatchNormAddReLU2d", "momentum", momentum, lo=0.0, hi=1.0)
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
-        like = {"device": device, "dtype": dtype}      # torch's factory_kwargs
+        like = factory_kwargs("BatchNormAddReLU2d", device, dtype)
         self.weight = torch.nn.Parameter(torch.empty(num_features, **like))
         self.bias = torch.nn.Parameter(torch.empty(num_features, **like))
         self.register_buffer("running_mean", torch.zeros(num_features, **like))

@@ -1,21 +1,24 @@
 """numbafuse's fused ops as PyTorch custom ops (``torch.library``), for graph capture.
 
-    torch.ops.numbafuse.conv_bias_relu(x, w, b, stride, padding, dilation) -> y
+    torch.ops.numbafuse.conv_bias_relu(x, w, b, conv) -> y
     torch.ops.numbafuse.batchnorm_add_relu(x, z, weight, bias, running_mean, running_var,
                                            training, momentum, eps) -> (y, mean, invstd, mask)
     torch.ops.numbafuse.conv_batchnorm_relu(x, w, weight, bias, running_mean, running_var,
-                                            training, momentum, eps, stride, padding,
-                                            dilation, relu) -> (y, mean, invstd)
+                                            training, eps, conv, relu) -> (y, mean, invstd)
     torch.ops.numbafuse.conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean,
-                                                running_var, training, momentum, eps, stride,
-                                                padding, dilation) -> (y, mean, invstd, mask)
+                                                running_var, training, eps,
+                                                conv) -> (y, mean, invstd, mask)
 
 and a ``*_backward`` op for each (the gradients asked for; an empty tensor for the others).
-``padding`` is the resolved ``(left, right, top, bottom)``; ``running_mean``/``running_var``
-are mutated (``mutates_args``). Each op has a fake-tensor rule (shapes only), so
-``torch.compile`` (any backend) treats it as one opaque op without a graph break and never
-hands fake tensors to numbafuse's kernels, and ``torch.jit.trace`` records it. Autograd is
-registered per op (``register_autograd``); its backward is the ``*_backward`` op, opaque too.
+``conv`` is the conv's geometry as one int list, ``[stride_h, stride_w, left, right, top,
+bottom, dilation_h, dilation_w, groups]`` (padding resolved; ``layers.conv_args``). A
+channels_last ``x`` runs numbafuse's NHWC kernels (``layers.layout_of``) and the outputs of x's
+shape are channels_last, in the fake rules too. The running statistics are updated by
+``update_running_stats``, the one op that mutates (``mutates_args``). Each op has a fake-tensor
+rule (shapes only), so ``torch.compile`` (any backend) treats it as one opaque op without a
+graph break and never hands fake tensors to numbafuse's kernels, and ``torch.jit.trace`` records
+it. Autograd is registered per op (``register_autograd``); its backward is the ``*_backward``
+op, opaque too.
 
 The public functions (``numbafuse.torch.conv_bias_relu``...) call these ops while torch is
 capturing a graph (:func:`capturing`: ``torch.compile``, ``torch.jit.trace``) and their
@@ -31,7 +34,6 @@ from torch import Tensor
 
 from .. import validate
 from ..ops import batchnorm as _bn
-from ..ops import conv_batchnorm as _ops_cbn
 from . import conv_batchnorm as _cbn
 from . import layers as _layers
 
@@ -52,20 +54,30 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
-def _geometry(op, x_shape, w_shape, stride, padding, dilation):
-    return validate.conv_geometry(op, tuple(x_shape), tuple(w_shape), tuple(stride),
-                                  tuple(padding), tuple(dilation), _layers.LAYOUT)
+def _geometry(op, x, w, conv):
+    """The validated geometry of the conv of ``x`` (its layout: channels_last runs NHWC) by
+    ``w`` with ``conv`` (``layers.conv_args``'s list)."""
+    layout = _layers.layout_of(x)
+    sh, sw, left, right, top, bottom, dh, dw, groups = conv
+    return validate.conv_geometry(op, _layers.shape_in(layout, x), tuple(w.shape), (sh, sw),
+                                  (left, right, top, bottom), (dh, dw), layout, groups)
 
 
-def _y_shape(x_shape, w_shape, stride, padding, dilation):
-    """The conv's output shape, from sizes that may be symbolic (fake-tensor rules: no
-    validation, which wants plain ints; the real op validates)."""
+def _y_shape(x_shape, w_shape, conv):
+    """The conv's output shape (N, K, P, Q), from sizes that may be symbolic (fake-tensor
+    rules: no validation, which wants plain ints; the real op validates)."""
     N, _, H, W = x_shape
     K, _, R, S = w_shape
-    left, right, top, bottom = padding
-    P = (H + top + bottom - dilation[0] * (R - 1) - 1) // stride[0] + 1
-    Q = (W + left + right - dilation[1] * (S - 1) - 1) // stride[1] + 1
+    sh, sw, left, right, top, bottom, dh, dw, _ = conv
+    P = (H + top + bottom - dh * (R - 1) - 1) // sh + 1
+    Q = (W + left + right - dw * (S - 1) - 1) // sw + 1
     return (N, K, P, Q)
+
+
+def _empty_like_layout(x, shape):
+    """An empty (fake) tensor of ``shape`` in x's memory format (channels_last where x is)."""
+    return torch.empty(shape, dtype=x.dtype, device=x.device,
+                       memory_format=_layers.memory_format(_layers.layout_of(x)))
 
 
 def _or_empty(g, like):
@@ -81,52 +93,53 @@ def _mask_numel(shape):
     return (math.prod(shape) + 7) // 8
 
 
+def _like(dy, x):
+    """``dy`` contiguous in x's memory format (the layout the backward op runs in)."""
+    return dy.contiguous(memory_format=_layers.memory_format(_layers.layout_of(x)))
+
+
 # --------------------------------------------------------------------------- conv_bias_relu
 
 @torch.library.custom_op(f"{LIBRARY}::conv_bias_relu", mutates_args=())
-def conv_bias_relu(x: Tensor, w: Tensor, b: Tensor | None, stride: list[int],
-                   padding: list[int], dilation: list[int]) -> Tensor:
-    geometry = _geometry("numbafuse::conv_bias_relu", x.shape, w.shape, stride, padding,
-                         dilation)
+def conv_bias_relu(x: Tensor, w: Tensor, b: Tensor | None, conv: list[int]) -> Tensor:
+    geometry = _geometry("numbafuse::conv_bias_relu", x, w, conv)
     device = _layers.check_tensors("numbafuse::conv_bias_relu", x=x, w=w, b=b)
     return _layers.ConvBiasReLUFunction.forward(_Ctx(), x, w, b, geometry, device)
 
 
 @conv_bias_relu.register_fake
-def _(x, w, b, stride, padding, dilation):
-    return x.new_empty(_y_shape(x.shape, w.shape, stride, padding, dilation))
+def _(x, w, b, conv):
+    return _empty_like_layout(x, _y_shape(x.shape, w.shape, conv))
 
 
 @torch.library.custom_op(f"{LIBRARY}::conv_bias_relu_backward", mutates_args=())
 def conv_bias_relu_backward(dy: Tensor, x: Tensor, w: Tensor, y: Tensor, has_bias: bool,
-                            stride: list[int], padding: list[int], dilation: list[int],
-                            need: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
-    geometry = _geometry("numbafuse::conv_bias_relu_backward", x.shape, w.shape, stride,
-                         padding, dilation)
+                            conv: list[int], need: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    geometry = _geometry("numbafuse::conv_bias_relu_backward", x, w, conv)
     ctx = _Ctx((x, w, y), need, geometry=geometry, device=x.device, has_bias=has_bias)
     dx, dw, db = _layers.ConvBiasReLUFunction.backward(ctx, dy)[:3]
     return _or_empty(dx, x), _or_empty(dw, w), _or_empty(db, w)
 
 
 @conv_bias_relu_backward.register_fake
-def _(dy, x, w, y, has_bias, stride, padding, dilation, need):
-    return (x.new_empty(x.shape if need[0] else _EMPTY),
+def _(dy, x, w, y, has_bias, conv, need):
+    return (_empty_like_layout(x, x.shape) if need[0] else x.new_empty(_EMPTY),
             w.new_empty(w.shape if need[1] else _EMPTY),
             w.new_empty((w.shape[0],) if need[2] and has_bias else _EMPTY))
 
 
 def _conv_bias_relu_setup(ctx, inputs, output):
-    x, w, b, stride, padding, dilation = inputs
+    x, w, b, conv = inputs
     ctx.save_for_backward(x, w, output)
-    ctx.args = (b is not None, stride, padding, dilation)
+    ctx.args = (b is not None, conv)
 
 
 def _conv_bias_relu_grad(ctx, dy):
     x, w, y = ctx.saved_tensors
     needs = ctx.needs_input_grad[:3]
-    grads = torch.ops.numbafuse.conv_bias_relu_backward(dy.contiguous(), x, w, y, *ctx.args,
+    grads = torch.ops.numbafuse.conv_bias_relu_backward(_like(dy, x), x, w, y, *ctx.args,
                                                         list(needs))
-    return _grads(grads, needs) + (None, None, None)
+    return _grads(grads, needs) + (None,)
 
 
 conv_bias_relu.register_autograd(_conv_bias_relu_grad, setup_context=_conv_bias_relu_setup)
@@ -154,7 +167,7 @@ def batchnorm_add_relu(x: Tensor, z: Tensor, weight: Tensor, bias: Tensor,
 @batchnorm_add_relu.register_fake
 def _(x, z, weight, bias, running_mean, running_var, training, eps):
     C = x.shape[1]
-    return (x.new_empty(x.shape), x.new_empty((C,), dtype=torch.float64),
+    return (_empty_like_layout(x, x.shape), x.new_empty((C,), dtype=torch.float64),
             x.new_empty((C,), dtype=torch.float64),
             x.new_empty((_mask_numel(x.shape),), dtype=torch.uint8))
 
@@ -163,7 +176,8 @@ def _(x, z, weight, bias, running_mean, running_var, training, eps):
 def batchnorm_add_relu_backward(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor,
                                 invstd: Tensor, mask: Tensor, training: bool,
                                 need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    ctx = _Ctx((x, weight, mean, invstd, mask), need, device=x.device, training=training)
+    ctx = _Ctx((x, weight, mean, invstd, mask), need, device=x.device, training=training,
+               layout=_layers.layout_of(x))
     dx, dz, dweight, dbias = _layers.BatchNormAddReLUFunction.backward(ctx, dy)[:4]
     return (_or_empty(dx, x), _or_empty(dz, x), _or_empty(dweight, weight),
             _or_empty(dbias, weight))
@@ -171,8 +185,8 @@ def batchnorm_add_relu_backward(dy: Tensor, x: Tensor, weight: Tensor, mean: Ten
 
 @batchnorm_add_relu_backward.register_fake
 def _(dy, x, weight, mean, invstd, mask, training, need):
-    shapes = (x.shape, x.shape, weight.shape, weight.shape)
-    return tuple(x.new_empty(s if n else _EMPTY) for s, n in zip(shapes, need))
+    return tuple((_empty_like_layout(x, x.shape) if i < 2 else x.new_empty(weight.shape))
+                 if n else x.new_empty(_EMPTY) for i, n in enumerate(need))
 
 
 def _batchnorm_add_relu_setup(ctx, inputs, output):
@@ -186,7 +200,7 @@ def _batchnorm_add_relu_grad(ctx, dy, *_):
     x, weight, mean, invstd, mask = ctx.saved_tensors
     needs = ctx.needs_input_grad[:4]
     grads = torch.ops.numbafuse.batchnorm_add_relu_backward(
-        dy.contiguous(), x, weight, mean, invstd, mask, ctx.training, list(needs))
+        _like(dy, x), x, weight, mean, invstd, mask, ctx.training, list(needs))
     return _grads(grads, needs) + (None,) * 4
 
 
@@ -199,40 +213,34 @@ batchnorm_add_relu.register_autograd(_batchnorm_add_relu_grad,
 @torch.library.custom_op(f"{LIBRARY}::conv_batchnorm_relu", mutates_args=())
 def conv_batchnorm_relu(x: Tensor, w: Tensor, weight: Tensor, bias: Tensor,
                         running_mean: Tensor | None, running_var: Tensor | None,
-                        training: bool, eps: float, stride: list[int],
-                        padding: list[int], dilation: list[int],
+                        training: bool, eps: float, conv: list[int],
                         relu: bool) -> tuple[Tensor, Tensor, Tensor]:
-    device = _layers.check_tensors("numbafuse::conv_batchnorm_relu", x=x, w=w, weight=weight,
-                                   bias=bias, running_mean=running_mean,
-                                   running_var=running_var)
+    op = "numbafuse::conv_batchnorm_relu"
+    geometry = _geometry(op, x, w, conv)
+    device = _layers.check_tensors(op, x=x, w=w, weight=weight, bias=bias,
+                                   running_mean=running_mean, running_var=running_var)
     ctx = _Ctx()
     y = _cbn.ConvBatchNormReLUFunction.forward(
-        ctx, x, w, weight, bias, running_mean, running_var, training, 0.0, eps,
-        tuple(stride), tuple(padding), tuple(dilation), relu, device)
+        ctx, x, w, weight, bias, running_mean, running_var, training, 0.0, eps, geometry, relu,
+        device)
     saved = dict(zip(ctx.names, ctx.saved_tensors))
     return y, saved["mean"], saved["invstd"]
 
 
 @conv_batchnorm_relu.register_fake
-def _(x, w, weight, bias, running_mean, running_var, training, eps, stride, padding, dilation,
-      relu):
-    y_shape = _y_shape(x.shape, w.shape, stride, padding, dilation)
-    return (x.new_empty(y_shape), x.new_empty((y_shape[1],), dtype=torch.float64),
+def _(x, w, weight, bias, running_mean, running_var, training, eps, conv, relu):
+    y_shape = _y_shape(x.shape, w.shape, conv)
+    return (_empty_like_layout(x, y_shape), x.new_empty((y_shape[1],), dtype=torch.float64),
             x.new_empty((y_shape[1],), dtype=torch.float64))
 
 
 @torch.library.custom_op(f"{LIBRARY}::conv_batchnorm_relu_backward", mutates_args=())
 def conv_batchnorm_relu_backward(dy: Tensor, x: Tensor, w: Tensor, weight: Tensor,
                                  bias: Tensor, mean: Tensor, invstd: Tensor, training: bool,
-                                 eps: float, stride: list[int], padding: list[int],
-                                 dilation: list[int], relu: bool,
+                                 eps: float, conv: list[int], relu: bool,
                                  need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    op = "numbafuse::conv_batchnorm_relu_backward"
-    geometry = _geometry(op, x.shape, w.shape, stride, padding, dilation)
-    fn = _ops_cbn.ConvBatchNormReLU(
-        running_mean=None, running_var=None, training=training, momentum=0.0, eps=eps,
-        stride=tuple(stride), padding=tuple(padding), dilation=tuple(dilation), relu=relu,
-        layout=_layers.LAYOUT, recompute=True, comm=None)
+    geometry = _geometry("numbafuse::conv_batchnorm_relu_backward", x, w, conv)
+    fn = _cbn.ops_function(geometry, relu, training, 0.0, eps)
     fn.geometry, fn.count = geometry, geometry.N * geometry.P * geometry.Q
     names = ("x", "w", "gamma", "beta", "mean", "invstd") if relu else \
         ("x", "w", "gamma", "mean", "invstd")
@@ -244,25 +252,26 @@ def conv_batchnorm_relu_backward(dy: Tensor, x: Tensor, w: Tensor, weight: Tenso
 
 
 @conv_batchnorm_relu_backward.register_fake
-def _(dy, x, w, weight, bias, mean, invstd, training, eps, stride, padding, dilation, relu,
-      need):
-    shapes = (x.shape, w.shape, weight.shape, weight.shape)
-    return tuple(x.new_empty(s if n else _EMPTY) for s, n in zip(shapes, need))
+def _(dy, x, w, weight, bias, mean, invstd, training, eps, conv, relu, need):
+    return (_empty_like_layout(x, x.shape) if need[0] else x.new_empty(_EMPTY),
+            *(x.new_empty(s if n else _EMPTY)
+              for s, n in zip((w.shape, weight.shape, weight.shape), need[1:])))
 
 
 def _conv_batchnorm_relu_setup(ctx, inputs, output):
     x, w, weight, bias = inputs[:4]
     _, mean, invstd = output
     ctx.save_for_backward(x, w, weight, bias, mean, invstd)
-    training, eps, stride, padding, dilation, relu = inputs[6:]
-    ctx.args = (training, eps, stride, padding, dilation, relu)
+    training, eps, conv, relu = inputs[6:]
+    ctx.args = (training, eps, conv, relu)
 
 
 def _conv_batchnorm_relu_grad(ctx, dy, *_):
     needs = ctx.needs_input_grad[:4]
+    x = ctx.saved_tensors[0]
     grads = torch.ops.numbafuse.conv_batchnorm_relu_backward(
-        dy.contiguous(), *ctx.saved_tensors, *ctx.args, list(needs))
-    return _grads(grads, needs) + (None,) * 8
+        _like(dy, x), *ctx.saved_tensors, *ctx.args, list(needs))
+    return _grads(grads, needs) + (None,) * 6
 
 
 conv_batchnorm_relu.register_autograd(_conv_batchnorm_relu_grad,
@@ -274,11 +283,10 @@ conv_batchnorm_relu.register_autograd(_conv_batchnorm_relu_grad,
 @torch.library.custom_op(f"{LIBRARY}::conv_batchnorm_add_relu", mutates_args=())
 def conv_batchnorm_add_relu(x: Tensor, w: Tensor, z: Tensor, weight: Tensor, bias: Tensor,
                             running_mean: Tensor | None, running_var: Tensor | None,
-                            training: bool, eps: float, stride: list[int],
-                            padding: list[int],
-                            dilation: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                            training: bool, eps: float,
+                            conv: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     op = "numbafuse::conv_batchnorm_add_relu"
-    geometry = _geometry(op, x.shape, w.shape, stride, padding, dilation)
+    geometry = _geometry(op, x, w, conv)
     device = _layers.check_tensors(op, x=x, w=w, z=z, weight=weight, bias=bias,
                                    running_mean=running_mean, running_var=running_var)
     validate.running_stats(op, geometry.K, geometry.N * geometry.P * geometry.Q, running_mean,
@@ -292,10 +300,9 @@ def conv_batchnorm_add_relu(x: Tensor, w: Tensor, z: Tensor, weight: Tensor, bia
 
 
 @conv_batchnorm_add_relu.register_fake
-def _(x, w, z, weight, bias, running_mean, running_var, training, eps, stride, padding,
-      dilation):
-    y_shape = _y_shape(x.shape, w.shape, stride, padding, dilation)
-    return (x.new_empty(y_shape), x.new_empty((y_shape[1],), dtype=torch.float64),
+def _(x, w, z, weight, bias, running_mean, running_var, training, eps, conv):
+    y_shape = _y_shape(x.shape, w.shape, conv)
+    return (_empty_like_layout(x, y_shape), x.new_empty((y_shape[1],), dtype=torch.float64),
             x.new_empty((y_shape[1],), dtype=torch.float64),
             x.new_empty((_mask_numel(y_shape),), dtype=torch.uint8))
 
@@ -303,10 +310,9 @@ def _(x, w, z, weight, bias, running_mean, running_var, training, eps, stride, p
 @torch.library.custom_op(f"{LIBRARY}::conv_batchnorm_add_relu_backward", mutates_args=())
 def conv_batchnorm_add_relu_backward(
         dy: Tensor, x: Tensor, w: Tensor, weight: Tensor, mean: Tensor, invstd: Tensor,
-        mask: Tensor, training: bool, stride: list[int], padding: list[int],
-        dilation: list[int], need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    geometry = _geometry("numbafuse::conv_batchnorm_add_relu_backward", x.shape, w.shape,
-                         stride, padding, dilation)
+        mask: Tensor, training: bool, conv: list[int],
+        need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    geometry = _geometry("numbafuse::conv_batchnorm_add_relu_backward", x, w, conv)
     ctx = _Ctx((x, w, weight, mean, invstd, mask), need, geometry=geometry,
                training=training, device=x.device)
     dx, dw, dz, dweight, dbias = _cbn.ConvBatchNormAddReLUFunction.backward(ctx, dy)[:5]
@@ -315,24 +321,27 @@ def conv_batchnorm_add_relu_backward(
 
 
 @conv_batchnorm_add_relu_backward.register_fake
-def _(dy, x, w, weight, mean, invstd, mask, training, stride, padding, dilation, need):
-    shapes = (x.shape, w.shape, dy.shape, weight.shape, weight.shape)
-    return tuple(x.new_empty(s if n else _EMPTY) for s, n in zip(shapes, need))
+def _(dy, x, w, weight, mean, invstd, mask, training, conv, need):
+    return (_empty_like_layout(x, x.shape) if need[0] else x.new_empty(_EMPTY),
+            x.new_empty(w.shape if need[1] else _EMPTY),
+            _empty_like_layout(x, dy.shape) if need[2] else x.new_empty(_EMPTY),
+            *(x.new_empty(weight.shape if n else _EMPTY) for n in need[3:]))
 
 
 def _conv_batchnorm_add_relu_setup(ctx, inputs, output):
     x, w, _, weight = inputs[:4]
     _, mean, invstd, mask = output
     ctx.save_for_backward(x, w, weight, mean, invstd, mask)
-    training, _, stride, padding, dilation = inputs[7:]
-    ctx.args = (training, stride, padding, dilation)
+    training, _, conv = inputs[7:]
+    ctx.args = (training, conv)
 
 
 def _conv_batchnorm_add_relu_grad(ctx, dy, *_):
     needs = ctx.needs_input_grad[:5]
+    x = ctx.saved_tensors[0]
     grads = torch.ops.numbafuse.conv_batchnorm_add_relu_backward(
-        dy.contiguous(), *ctx.saved_tensors, *ctx.args, list(needs))
-    return _grads(grads, needs) + (None,) * 7
+        _like(dy, x), *ctx.saved_tensors, *ctx.args, list(needs))
+    return _grads(grads, needs) + (None,) * 5
 
 
 conv_batchnorm_add_relu.register_autograd(_conv_batchnorm_add_relu_grad,

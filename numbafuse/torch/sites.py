@@ -37,8 +37,6 @@ def conv_refusal(conv, with_bn=False):
     """Why numbafuse's fused conv cannot stand for ``conv`` (None if it can)."""
     if type(conv) is not nn.Conv2d:
         return f"{type(conv).__name__} is not torch.nn.Conv2d (a subclass may compute more)"
-    if conv.groups != 1:
-        return f"groups={conv.groups} (numbafuse's convs have groups=1)"
     if conv.padding_mode != "zeros":
         return f"padding_mode={conv.padding_mode!r} (numbafuse pads with zeros)"
     if with_bn and conv.bias is not None:
@@ -69,8 +67,8 @@ def _tensor_refusal(x, w, z=None, z_shape=None):
         return f"{x.dtype} tensors (numbafuse runs float32 and float64)"
     if x.device.type not in DEVICE_TYPES:
         return f"tensors on {x.device}"
-    if not x.is_contiguous():
-        return "a channels_last or non-contiguous tensor"
+    if not _dense(x):
+        return "a non-contiguous tensor (neither NCHW nor channels_last)"
     if w is not None and (w.dtype != x.dtype or w.device != x.device):
         return f"a {x.dtype} input on {x.device}, parameters {w.dtype} on {w.device}"
     if z_shape is not None:
@@ -78,11 +76,16 @@ def _tensor_refusal(x, w, z=None, z_shape=None):
             return "the residual's shape is not the output's (a broadcast add)"
         if z.dtype != x.dtype or z.device != x.device:
             return f"a {x.dtype} input on {x.device}, a {z.dtype} residual on {z.device}"
-        if not z.is_contiguous():
-            return "a channels_last or non-contiguous tensor"
+        if not _dense(z):
+            return "a non-contiguous residual (neither NCHW nor channels_last)"
     if torch.is_autocast_enabled(x.device.type):
         return "autocast is on"
     return None
+
+
+def _dense(t):
+    """Contiguous, NCHW or channels_last (what numbafuse's NCHW and NHWC kernels read)."""
+    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
 
 
 def _conv_out_shape(conv, x):
@@ -108,7 +111,7 @@ def _unfused(site, reason):
         logger.warning("numbafuse.torch.fuse: %s runs unfused: %s", site, reason)
 
 
-def _bn_state(bn, x):
+def bn_state(bn, x):
     """(weight, bias, running_mean, running_var, training, momentum, eps) as
     ``BatchNorm2d.forward`` reads them at this call (``num_batches_tracked`` counted; the
     cumulative average's factor for ``momentum=None``; ``affine=False``: 1 and 0)."""
@@ -129,8 +132,10 @@ def _bn_state(bn, x):
     return weight, bias, running_mean, running_var, training, momentum, bn.eps
 
 
-def _conv_args(conv):
-    return dict(stride=conv.stride, padding=conv.padding, dilation=conv.dilation)
+def conv_args(conv):
+    """The keywords of numbafuse.torch's conv functions for the ``torch.nn.Conv2d`` ``conv``."""
+    return dict(stride=conv.stride, padding=conv.padding, dilation=conv.dilation,
+                groups=conv.groups)
 
 
 # --------------------------------------------------------------------------- site functions
@@ -144,9 +149,9 @@ def fused_conv_bn_relu(x, conv, bn, relu, site):
         _unfused(site, reason)
         y = bn(conv(x))
         return torch.relu(y) if relu else y
-    weight, bias, running_mean, running_var, training, momentum, eps = _bn_state(bn, x)
+    weight, bias, running_mean, running_var, training, momentum, eps = bn_state(bn, x)
     return conv_batchnorm_relu(x, conv.weight, weight, bias, running_mean, running_var,
-                               training, momentum, eps, relu=relu, **_conv_args(conv))
+                               training, momentum, eps, relu=relu, **conv_args(conv))
 
 
 def fused_conv_bn_add_relu(x, z, conv, bn, site):
@@ -157,9 +162,9 @@ def fused_conv_bn_add_relu(x, z, conv, bn, site):
     if reason is not None:
         _unfused(site, reason)
         return torch.relu(bn(conv(x)) + z)
-    weight, bias, running_mean, running_var, training, momentum, eps = _bn_state(bn, x)
+    weight, bias, running_mean, running_var, training, momentum, eps = bn_state(bn, x)
     return conv_batchnorm_add_relu(x, conv.weight, z, weight, bias, running_mean, running_var,
-                                   training, momentum, eps, **_conv_args(conv))
+                                   training, momentum, eps, **conv_args(conv))
 
 
 def fused_bn_add_relu(x, z, bn, site):
@@ -169,7 +174,7 @@ def fused_bn_add_relu(x, z, bn, site):
     if reason is not None:
         _unfused(site, reason)
         return torch.relu(bn(x) + z)
-    weight, bias, running_mean, running_var, training, momentum, eps = _bn_state(bn, x)
+    weight, bias, running_mean, running_var, training, momentum, eps = bn_state(bn, x)
     return batchnorm_add_relu(x, z, weight, bias, running_mean, running_var, training,
                               momentum, eps)
 
@@ -180,7 +185,7 @@ def fused_conv_relu(x, conv, site):
     if reason is not None:
         _unfused(site, reason)
         return torch.relu(conv(x))
-    return conv_bias_relu(x, conv.weight, conv.bias, **_conv_args(conv))
+    return conv_bias_relu(x, conv.weight, conv.bias, **conv_args(conv))
 
 
 # the site functions: recorded as calls (not traced into) when a fused model is traced again
