@@ -516,15 +516,20 @@ def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, layout="NCHW",
 
 
 def conv_bias_relu_backward(dy, x, w, b=None, stride=1, padding=0, dilation=1, layout="NCHW",
-                            groups=1):
-    """(dx, dw, db) of conv_bias_relu, db None when b is None; recomputes the pre-activation."""
+                            groups=1, *, y=None):
+    """(dx, dw, db) of conv_bias_relu, db None when b is None; recomputes the pre-activation.
+
+    ``y``: the forward's output, whose sign is then the ReLU mask (as the fused backward reads
+    it) instead of the recomputed pre-activation's; the two differ only where a rounding of
+    y (half precision) flips a value near 0.
+    """
     dtype = _result_dtype(dy, x, w, b)
     dy, x, w, b = _f64(dy), _f64(x), _f64(w), _f64(b)
     geometry = dict(stride=stride, padding=padding, dilation=dilation, layout=layout, groups=groups)
     h = conv2d(x, w, **geometry)                                   # pre-bias
     if b is not None:
         h = bias_add(h, b, layout=layout)                          # pre-activation
-    g = relu_backward(dy, h)
+    g = relu_backward(dy, h if y is None else _f64(y))
     db = None
     if b is not None:
         g, db = bias_add_backward(g, layout=layout)
@@ -581,16 +586,17 @@ def batchnorm_add_relu(x, z, gamma, beta, running_mean=None, running_var=None, t
 
 
 def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, running_var=None,
-                                training=True, eps=1e-5, layout="NCHW"):
+                                training=True, eps=1e-5, layout="NCHW", *, y=None):
     """(dx, dz, dgamma, dbeta) of batchnorm_add_relu (the forward's argument order);
-    recomputes the pre-activation."""
+    recomputes the pre-activation, or reads the ReLU mask from ``y`` (the forward's output)
+    when given (see :func:`conv_bias_relu_backward`)."""
     op = "batchnorm_add_relu_backward"
     dtype = _result_dtype(dy, x, z, gamma, beta)
     dy, x, z, gamma, beta = _f64(dy), _f64(x), _f64(z), _f64(gamma), _f64(beta)
     running_mean, running_var = _f64(running_mean), _f64(running_var)
     h, _, _ = _batchnorm_forward(op, x, gamma, beta, running_mean, running_var, training,
                                  0.0, eps, layout)
-    g = relu_backward(dy, add(h, z))                               # mask of the pre-activation
+    g = relu_backward(dy, add(h, z) if y is None else _f64(y))    # mask: pre-activation or y
     dh, dz = add_backward(g)
     dx, dgamma, dbeta = _batchnorm_backward(dh, x, gamma, running_mean, running_var, training,
                                             eps, layout)

@@ -15,7 +15,8 @@ just past a row block of 8::
 ==============================  ==========================================================
 strategy                        draws
 ==============================  ==========================================================
-``dtypes()``, ``layouts()``     float32/float64; "NCHW"/"NHWC"
+``dtypes(half=False)``          float32/float64, with ``half`` also float16 (and bfloat16
+                                with ``ml_dtypes``); ``layouts()``: "NCHW"/"NHWC"
 ``shapes(...)``                 tuples of small positive ints (any rank)
 ``arrays(shape, dtype)``        seeded standard-normal arrays (fast shrinking)
 ``conv_geometries(...)``        dict N, C, H, W, K, R, S, stride, padding (int, pair,
@@ -44,13 +45,26 @@ import numpy as np
 from hypothesis import assume
 from hypothesis import strategies as st
 
+from .. import validate
+
 DTYPES = (np.float32, np.float64)
+HALF_DTYPES = tuple(d.type for d in validate.HALF_DTYPES)   # float16 (+ bfloat16: ml_dtypes)
 LAYOUTS = ("NCHW", "NHWC")
 SEEDS = st.integers(0, 2**32 - 1)
 
 
-def dtypes():
-    return st.sampled_from(DTYPES)
+def dtypes(half=False):
+    """float32 or float64; with ``half`` also the half-precision dtypes (the ops that take
+    them: conv_bias_relu, conv2d, conv_bias, batchnorm_add_relu, batchnorm)."""
+    return st.sampled_from(DTYPES + HALF_DTYPES if half else DTYPES)
+
+
+def param_dtypes(dtype):
+    """The dtypes a batch norm's parameters may have for an input of ``dtype``: its own and,
+    for a half ``dtype``, float32 (PyTorch's rule, ``validate.check_param_dtypes``)."""
+    dtype = np.dtype(dtype)
+    return st.sampled_from((dtype.type, np.float32) if dtype.type in HALF_DTYPES
+                           else (dtype.type,))
 
 
 def layouts():
@@ -171,13 +185,14 @@ def _groups(g):
 
 
 @st.composite
-def conv_problems(draw, dtype=None, layout=None, bias=None, **geometry_kwargs):
+def conv_problems(draw, dtype=None, layout=None, bias=None, half=False, **geometry_kwargs):
     """A :class:`ConvProblem` with random x, w, b in a drawn geometry, dtype and layout.
 
     ``geometry_kwargs`` go to :func:`conv_geometries` (``max_*`` limits, ``paddings``, ``dims``).
+    ``half``: the dtype drawn (when not given) may be half precision (:func:`dtypes`).
     """
     g = draw(conv_geometries(**geometry_kwargs))
-    dtype = draw(dtypes()) if dtype is None else dtype
+    dtype = draw(dtypes(half)) if dtype is None else dtype
     layout = draw(layouts()) if layout is None else layout
     with_bias = draw(st.booleans()) if bias is None else bias
     x = draw(arrays(_activation_shape(layout, g["N"], g["C"], g["H"], g["W"]), dtype))
@@ -213,13 +228,18 @@ def _batchnorm_parameters(rng, C, dtype):
 
 @st.composite
 def batchnorm_problems(draw, dtype=None, layout=None, max_batch=3, max_channels=4, max_size=5,
-                       mean_scale=None, dims=None):
+                       mean_scale=None, dims=None, half=False, param_dtype=None):
     """A :class:`BatchNormProblem` with at least two values per channel.
+
+    ``half``: the dtype drawn (when not given) may be half precision; ``param_dtype``: that
+    of gamma, beta and the running statistics, drawn from :func:`param_dtypes` when None (x's
+    own, or float32 for a half x).
 
     ``mean_scale`` (e.g. 1e4) offsets each channel's mean to test accumulation accuracy.
     ``dims``: optional strategies for any of N, C, H, W (replacing the ``max_*`` ranges).
     """
-    dtype = draw(dtypes()) if dtype is None else dtype
+    dtype = draw(dtypes(half)) if dtype is None else dtype
+    param_dtype = draw(param_dtypes(dtype)) if param_dtype is None else param_dtype
     layout = draw(layouts()) if layout is None else layout
     N, C, H, W = _nchw(draw, dims, max_batch, max_channels, max_size)
     assume(N * H * W >= 2)
@@ -230,7 +250,7 @@ def batchnorm_problems(draw, dtype=None, layout=None, max_batch=3, max_channels=
         offsets = rng.uniform(-mean_scale, mean_scale, C)
         x = x + (offsets.reshape(1, C, 1, 1) if layout == "NCHW" else offsets)
     return BatchNormProblem(x=x.astype(dtype), z=rng.standard_normal(shape).astype(dtype),
-                            layout=layout, **_batchnorm_parameters(rng, C, dtype))
+                            layout=layout, **_batchnorm_parameters(rng, C, param_dtype))
 
 
 @dataclass

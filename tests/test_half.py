@@ -1,0 +1,184 @@
+"""Half precision (issue 35): float16 (and bfloat16 on the CPU, where ``ml_dtypes`` is
+importable) x, w, z, y with float32 arithmetic and, in batch norm, float32 or same-dtype
+parameters and running statistics, on every backend.
+
+References are the float64 ``numbafuse.reference`` on the same half inputs; tolerances per
+dtype are ``tests/harness.py``'s ``TOL``. The backward references read the ReLU mask from the
+op's own (rounded) y, as the fused backward does (``reference.*_backward(..., y=y)``): a half
+rounding may flip a value near 0, which is no error of the gradient.
+"""
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+import numbafuse as nf
+import numbafuse.testing.strategies as nfs
+from numbafuse import reference as ref
+from numbafuse import validate
+
+from .harness import TOL, close, run_property
+from .op_cases import BN_SMALL, CONV_SMALL
+
+HALF = validate.HALF_DTYPES
+
+
+def _half_dtypes(backend):
+    """The half dtypes of ``backend``: float16 everywhere, bfloat16 on the CPU only."""
+    return tuple(d for d in HALF if backend.name == "cpu" or d == np.float16)
+
+
+def _f64(a):
+    return None if a is None else np.asarray(a, np.float64)
+
+
+def _dy(draw, shape, dtype):
+    return np.random.default_rng(draw(nfs.SEEDS)).standard_normal(shape).astype(dtype)
+
+
+def _expect(actual, expected, dtype, what):
+    """``actual`` has ``dtype`` and equals the float64 ``expected`` within dtype's TOL."""
+    assert actual.dtype == np.dtype(dtype), f"{what} is {actual.dtype}, expected {dtype}"
+    close(actual.astype(np.float64), expected, dtype, what=what)
+
+
+# =========================================================================== conv_bias_relu
+
+def test_conv_bias_relu_half(backend):
+    """Forward, the NumPy-style backward and the tape's gradients, all in x's half dtype."""
+    dtypes = _half_dtypes(backend)
+
+    def body(draw):
+        limits = CONV_SMALL if backend.small else {}
+        p = draw(nfs.conv_problems(dtype=draw(st.sampled_from(dtypes)), **limits))
+        dtype, kw = p.x.dtype, p.kwargs
+        x, w, b = (None if a is None else backend.put(a) for a in (p.x, p.w, p.b))
+        y = backend.get(nf.conv_bias_relu(x, w, b, **kw))
+        _expect(y, ref.conv_bias_relu(_f64(p.x), _f64(p.w), _f64(p.b), **kw), dtype, "y")
+        dy = _dy(draw, y.shape, dtype)
+        b64 = np.zeros(p.w.shape[0]) if p.b is None else _f64(p.b)
+        want = ref.conv_bias_relu_backward(_f64(dy), _f64(p.x), _f64(p.w), b64, **kw, y=y)
+        got = nf.conv_bias_relu_backward(backend.put(dy), x, w, backend.put(y), **kw)
+        for g, e, name in zip(got, want, ("dx", "dw", "db")):
+            _expect(backend.get(g), e, dtype, f"conv_bias_relu_backward {name}")
+        tensors = [nf.Tensor(backend.put(a), requires_grad=True) for a in (p.x, p.w)]
+        if p.b is not None:
+            tensors.append(nf.Tensor(backend.put(p.b), requires_grad=True))
+        nf.conv_bias_relu(*tensors, **kw).backward(backend.put(dy))
+        for t, e, name in zip(tensors, want, ("dx", "dw", "db")):
+            _expect(backend.get(t.grad), e, dtype, f"tape {name}")
+
+    run_property(f"half conv_bias_relu {backend}", 2 * backend.cost, body)
+
+
+def test_conv2d_half_without_relu(backend):
+    """The unfused conv2d takes half too (the same array helpers): y and its tape gradients."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 5, 4)).astype(np.float16)
+    w = (rng.standard_normal((2, 3, 3, 3)) / 3).astype(np.float16)
+    tx, tw = nf.Tensor(backend.put(x), requires_grad=True), nf.Tensor(backend.put(w),
+                                                                      requires_grad=True)
+    y = nf.conv2d(tx, tw, padding=(1, 0))
+    _expect(backend.get(y.data), ref.conv2d(_f64(x), _f64(w), padding=(1, 0)), np.float16, "y")
+    dy = rng.standard_normal(y.shape).astype(np.float16)
+    y.backward(backend.put(dy))
+    for t, e, name in zip((tx, tw), ref.conv2d_backward(_f64(dy), _f64(x), _f64(w),
+                                                        padding=(1, 0)), ("dx", "dw")):
+        _expect(backend.get(t.grad), e, np.float16, name)
+
+
+def test_conv_half_empty_batch(backend):
+    x = np.zeros((0, 2, 4, 4), np.float16)
+    w = np.ones((3, 2, 3, 3), np.float16)
+    y = nf.conv_bias_relu(backend.put(x), backend.put(w), padding=1)
+    assert tuple(y.shape) == (0, 3, 4, 4) and y.dtype == np.float16
+    dx, dw, db = nf.conv_bias_relu_backward(backend.put(np.zeros((0, 3, 4, 4), np.float16)),
+                                            backend.put(x), backend.put(w), y, padding=1)
+    assert backend.get(dw).dtype == np.float16 and not backend.get(dw).any()
+    assert backend.get(db).dtype == np.float16 and not backend.get(db).any()
+
+
+# =========================================================================== batch norm
+
+def _bn_call(draw, backend, fused):
+    """A drawn half batch norm: (problem, keywords, put arrays) with running statistics in
+    the parameters' dtype (x's or float32)."""
+    dtypes = _half_dtypes(backend)
+    p = draw(nfs.batchnorm_problems(dtype=draw(st.sampled_from(dtypes)), half=True,
+                                    **(BN_SMALL if backend.small else {})))
+    training = draw(st.booleans())
+    kw = dict(training=training, momentum=draw(st.floats(0.0, 1.0)),
+              eps=draw(st.sampled_from([1e-5, 1e-3])), layout=p.layout)
+    if fused:
+        kw["save"] = draw(st.sampled_from(validate.SAVE_POLICIES))
+    return p, kw
+
+
+def _bn_reference(p, kw, z):
+    """(y, new running mean, new running var) in float64; ``z`` None: plain batch norm."""
+    x, gamma, beta, rm, rv = (_f64(v) for v in (p.x, p.gamma, p.beta, p.running_mean,
+                                                 p.running_var))
+    if kw["training"]:
+        h, mean, var = ref.batchnorm_train(x, gamma, beta, eps=kw["eps"], layout=kw["layout"])
+        rm, rv = ref.update_running_stats(rm, rv, mean, var, x.size // gamma.size,
+                                          kw["momentum"])
+    else:
+        h = ref.batchnorm_infer(x, gamma, beta, rm, rv, eps=kw["eps"], layout=kw["layout"])
+    return (h if z is None else np.maximum(h + _f64(z), 0.0)), rm, rv
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["batchnorm_add_relu", "batchnorm"])
+def test_batchnorm_half(backend, fused):
+    """y in x's half dtype, running statistics updated in their own dtype, dx and dz in x's
+    dtype, dgamma and dbeta in the parameters' dtype: forward, tape and NumPy-style backward."""
+    def body(draw):
+        p, kw = _bn_call(draw, backend, fused)
+        dtype, pdtype = p.x.dtype, p.gamma.dtype
+        z = p.z if fused else None
+        rm, rv = backend.put(p.running_mean), backend.put(p.running_var)
+        arrays = (p.x, z, p.gamma, p.beta) if fused else (p.x, p.gamma, p.beta)
+        tensors = [nf.Tensor(backend.put(a), requires_grad=True) for a in arrays]
+        op = nf.batchnorm_add_relu if fused else nf.batchnorm
+        y = op(*tensors, running_mean=rm, running_var=rv, **kw)
+        y_host = backend.get(y.data)
+        want_y, want_rm, want_rv = _bn_reference(p, kw, z)
+        _expect(y_host, want_y, dtype, "y")
+        _expect(backend.get(rm), want_rm, pdtype, "running_mean")
+        _expect(backend.get(rv), want_rv, pdtype, "running_var")
+        dy = _dy(draw, p.x.shape, dtype)
+        ref_kw = dict(running_mean=_f64(p.running_mean), running_var=_f64(p.running_var),
+                      training=kw["training"], eps=kw["eps"], layout=kw["layout"])
+        zz = p.z if fused else np.zeros_like(p.x)
+        dx, dz, dgamma, dbeta = ref.batchnorm_add_relu_backward(
+            _f64(dy), _f64(p.x), _f64(zz), _f64(p.gamma), _f64(p.beta), **ref_kw,
+            y=y_host if fused else np.ones_like(y_host))                  # no ReLU: all open
+        y.backward(backend.put(dy))
+        want = (dx, dz, dgamma, dbeta) if fused else (dx, dgamma, dbeta)
+        for t, e, name in zip(tensors, want, ("dx", "dz", "dgamma", "dbeta") if fused
+                              else ("dx", "dgamma", "dbeta")):
+            _expect(backend.get(t.grad), e, t.dtype, f"tape {name}")
+        if fused:
+            got = nf.batchnorm_add_relu_backward(
+                backend.put(dy), *(backend.put(a) for a in arrays),
+                running_mean=backend.put(p.running_mean), running_var=backend.put(p.running_var),
+                training=kw["training"], eps=kw["eps"], layout=kw["layout"],
+                y=backend.put(y_host))
+            for g, e, a, name in zip(got, want, arrays, ("dx", "dz", "dgamma", "dbeta")):
+                _expect(backend.get(g), e, a.dtype, f"batchnorm_add_relu_backward {name}")
+
+    run_property(f"half batchnorm {fused} {backend}", 2 * backend.cost, body)
+
+
+def test_batchnorm_half_inputs_are_not_written(backend):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 2, 3)).astype(np.float16)
+    z = rng.standard_normal(x.shape).astype(np.float16)
+    gamma, beta = np.ones(3, np.float32), np.zeros(3, np.float32)
+    put = [backend.put(a) for a in (x, z, gamma, beta)]
+    nf.batchnorm_add_relu(*put)
+    for a, b in zip(put, (x, z, gamma, beta)):
+        np.testing.assert_array_equal(backend.get(a), b)
+
+
+def test_half_tolerances_are_stated():
+    """Every half dtype numbafuse takes has a tolerance in TOL (no KeyError in a test)."""
+    assert set(HALF) <= set(TOL)
