@@ -3,9 +3,9 @@
 ``--markdown PATH`` writes the report to a file; ``--markdown PATH#SECTION`` writes it as the
 section ``SECTION`` of a shared page (``docs/benchmarks.md``), between the lines
 ``<!-- section: SECTION -->`` and ``<!-- end: SECTION -->``, leaving the rest of the page as
-it is (a section not yet on the page is appended under a ``## SECTION`` heading). A report
-that does not name its source gets a ``Source:`` line after its first paragraph: the commit of
-the numbafuse tree it measured.
+it is (a section not yet on the page is appended under a ``## SECTION`` heading, anchored
+``#SECTION``). A report that does not name its source gets a ``Source:`` line after its first
+paragraph: the commit of the numbafuse tree it measured.
 """
 import os
 import shlex
@@ -50,7 +50,7 @@ def write(markdown, text):
         tail = rest.split(end, 1)[1]
     else:
         head = page.rstrip("\n") + "\n\n" if page.strip() else ""
-        head, tail = head + f"## {section}\n\n", ""
+        head, tail = head + f'<a id="{section}"></a>\n\n## {section}\n\n', ""
     with open(path + ".tmp", "w") as f:
         f.write(head + begin + text.rstrip("\n") + "\n" + end + tail)
     os.replace(path + ".tmp", path)

@@ -31,7 +31,7 @@ from .ops.arith import add
 from .ops.basic import relu
 
 # The model's defaults, defined here only (the trainer and its command line read them).
-# NHWC: the conv GEMMs write straight into y (docs/benchmarks.md#conv-bias-relu).
+# NHWC: the conv GEMMs write straight into y (docs/benchmarks.md#conv_bias_relu).
 DEFAULTS = dict(width=24, blocks=2, layout="NHWC", recompute=True, seed=0)
 KINDS = ("fused", "unfused", "remap")
 
