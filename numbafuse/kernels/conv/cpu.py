@@ -86,6 +86,11 @@ def _taps(w, k_rows):
                                                                       (C, K)))
 
 
+def _ints(*values):
+    """Scalars as one tuple of Python ints: a kernel's sizes in one argument of one type."""
+    return tuple(int(v) for v in values)
+
+
 def _k_view(a, geom):
     """An output-shaped array as (N, PQ, K) (NHWC) or (N, K, PQ) (NCHW)."""
     N, PQ, K = geom.N, geom.P * geom.Q, geom.K
@@ -283,10 +288,10 @@ def _phase_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
-    launch(_phase_dw_tasks, groups, x, gy, y, use_mask, tap_plane, tap_off, planes, geom.sh,
-           geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc, nchunks, groups, need_dw,
-           geom.layout == "NHWC", _blas.blas_for(x.dtype), dw_parts, db_parts, work=work,
-           grain=1)
+    launch(_phase_dw_tasks, groups, x, gy, y, use_mask, (tap_plane, tap_off, planes),
+           _ints(geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc, nchunks, groups),
+           need_dw, geom.layout == "NHWC", _blas.blas_for(x.dtype), (dw_parts, db_parts),
+           work=work, grain=1)
     if not need_dw:
         return None, db_parts
     dwm = sum_groups(dw_parts)                                         # group order
@@ -318,8 +323,8 @@ def _pointwise_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     dw_parts = np.empty((groups if need_dw else 1, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
     launch(_pointwise_dw_tasks, groups, _pointwise_view(x, nhwc), _pointwise_view(gy, nhwc),
-           _pointwise_view(y, nhwc), use_mask, mpc, nchunks, groups, need_dw, nhwc,
-           _blas.blas_for(x.dtype), dw_parts, db_parts, work=work, grain=1)
+           _pointwise_view(y, nhwc), use_mask, _ints(mpc, nchunks, groups), need_dw, nhwc,
+           _blas.blas_for(x.dtype), (dw_parts, db_parts), work=work, grain=1)
     if not need_dw:
         return None, db_parts
     return sum_groups(dw_parts).reshape(K, C, 1, 1), db_parts         # group order
@@ -429,14 +434,15 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         mpc, nchunks = _pointwise_chunks(plan, geom, C + K, x.itemsize)
         xv = _pointwise_view(x, nhwc)
         launch(_pointwise_tasks, nchunks, xv, xv, False,
-               np.ascontiguousarray(wm.T) if nhwc else wm, mpc, b, has_bias, relu, nhwc, blas,
-               plan.taps, _pointwise_view(y, nhwc), work=work, grain=1)
+               np.ascontiguousarray(wm.T) if nhwc else wm, mpc, b, (has_bias, relu, nhwc),
+               blas, plan.taps, _pointwise_view(y, nhwc), work=work, grain=1)
     elif kind == "phase":
         tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
         rpc = _balanced(geom.P, _phase_rows(plan, len(planes) * C + K, Wq, x.itemsize))
-        launch(_phase_tasks, N * blocks(geom.P, rpc), x, _taps(w, not nhwc), tap_plane,
-               tap_off, planes, geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc, b,
-               relu, nhwc, blas, y, work=work, grain=1)
+        launch(_phase_tasks, N * blocks(geom.P, rpc), x, _taps(w, not nhwc),
+               (tap_plane, tap_off, planes),
+               _ints(geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc), b, relu, nhwc,
+               blas, y, work=work, grain=1)
     elif kind == "implicit":
         ipc, rpc, nchunks, Hmax, Ws, aoff = _implicit_plan(plan, geom, x.itemsize)
         launch(_implicit._implicit_tasks, nchunks, x, _taps(w, False), aoff, b, has_bias, relu,
@@ -510,7 +516,7 @@ def _conv_dx(gy, y, use_mask, w, geom, plan, work):
         mpc, nchunks = _pointwise_chunks(plan, geom, C + K, gy.itemsize)
         launch(_pointwise_tasks, nchunks, _pointwise_view(gy, nhwc), _pointwise_view(y, nhwc),
                use_mask, wm if nhwc else np.ascontiguousarray(wm.T), mpc,
-               np.zeros(C, gy.dtype), False, False, nhwc, blas, plan.taps,
+               np.zeros(C, gy.dtype), (False, False, nhwc), blas, plan.taps,
                _pointwise_view(dx, nhwc), work=work, grain=1)
     elif kind == "phase":
         ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack = _phase_dx_plan(geom)
@@ -519,8 +525,9 @@ def _conv_dx(gy, y, use_mask, w, geom, plan, work):
         wph = (np.ascontiguousarray(wtap[ent_tap]) if plan.taps
                else np.empty((0, 1, 1), gy.dtype))
         launch(_phase_dx_tasks, N * blocks(-(-H // geom.sh), rpc), gy, y, use_mask, wtap,
-               ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack, rpc, geom.sh,
-               geom.sw, nhwc, blas, wph, plan.taps, dx, work=work, grain=1)
+               (ph_taps, ph_start, ent_tap, ent_off),
+               _ints(gmin, gext, gleft, Wg, slack, rpc, geom.sh, geom.sw, plan.taps), nhwc,
+               blas, wph, dx, work=work, grain=1)
     else:
         _im2col_dx(gy, y, use_mask, w, geom, plan, dx, work)
     return dx

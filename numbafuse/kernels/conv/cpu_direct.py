@@ -140,8 +140,9 @@ def _plane_hwc(src, gate, use_gate, n, u0, nrows, sh, a, sw, b, top, left, Wq, d
 # --------------------------------------------------------------------------- phase planes
 
 @task_kernel
-def _phase_tasks(t0, t1, x, wtap, tap_plane, tap_off, planes, sh, sw, ph, pw, ext, Wq, slack,
-                 rpc, bias, relu, nhwc, blas, y):
+def _phase_tasks(t0, t1, x, wtap, taps, dims, bias, relu, nhwc, blas, y):
+    tap_plane, tap_off, planes = taps
+    sh, sw, ph, pw, ext, Wq, slack, rpc = dims
     # x: (N, C, H, W) | (N, H, W, C); wtap: (R*S, K, C) | (R*S, C, K) (w_rs, w_rs^T);
     # tap_plane, tap_off (R*S,): the plane (index into planes (np, 2) of phases (a, b)) and
     # offset read by each tap; y: (N, K, P, Q) | (N, P, Q, K) = relu?(conv + bias), bias (K,)
@@ -197,9 +198,10 @@ def _phase_tasks(t0, t1, x, wtap, tap_plane, tap_off, planes, sh, sw, ph, pw, ex
 
 
 @task_kernel
-def _phase_dw_tasks(t0, t1, x, gy, y, use_mask, tap_plane, tap_off, planes, sh, sw, ph, pw,
-                    ext, Wq, slack, rpc, nchunks, groups, need_dw, nhwc, blas, dw_parts,
-                    db_parts):
+def _phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas, parts):
+    tap_plane, tap_off, planes = taps
+    sh, sw, ph, pw, ext, Wq, slack, rpc, nchunks, groups = dims
+    dw_parts, db_parts = parts
     # x: (N, C, H, W) | (N, H, W, C); gy, y: (N, K, P, Q) | (N, P, Q, K); dw_parts: (groups,
     # R*S, K, C) <- each group's dW per tap; db_parts: (groups, K) float64 <- its sum of g.
     # Chunks and planes as in _phase_tasks; groups of chunks fixed by the shape
@@ -265,8 +267,9 @@ def _phase_dw_tasks(t0, t1, x, gy, y, use_mask, tap_plane, tap_off, planes, sh, 
 
 
 @task_kernel
-def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, ph_taps, ph_start, ent_tap, ent_off, gmin,
-                    gext, gleft, Wg, slack, rpc, sh, sw, nhwc, blas, wph, taps, dx):
+def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, dx):
+    ph_taps, ph_start, ent_tap, ent_off = table
+    gmin, gext, gleft, Wg, slack, rpc, sh, sw, taps = dims
     # gy, y: (N, K, P, Q) | (N, P, Q, K); wtap: (R*S, C, K) | (R*S, K, C) (w_rs^T, w_rs);
     # input phase f = a*sw + b reads the taps ent_tap[ph_start[f] : + ph_taps[f]] at the
     # offsets ent_off[...] of the chunk's padded g, which holds g rows i0 + gmin ... of width
@@ -353,8 +356,8 @@ def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, ph_taps, ph_start, ent_tap, e
 # --------------------------------------------------------------------------- pointwise
 
 @task_kernel
-def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, has_bias, relu, nhwc, blas,
-                     taps, out):
+def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, taps, out):
+    has_bias, relu, nhwc = flags
     # 1x1, stride 1, unpadded: out = relu?(wm-product of src (gated) + bias?). NCHW: src (N, Ci,
     # HW), wm (Co, Ci), out (N, Co, HW), chunk t = pixels [c0, c1) of one image; NHWC: src
     # (1, M, Ci), wm (Ci, Co), out (1, M, Co), chunk t = rows [c0, c1) of M = N*HW (rank 3 in
@@ -424,8 +427,9 @@ def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, has_bias, relu,
 
 
 @task_kernel
-def _pointwise_dw_tasks(t0, t1, x, gy, y, use_mask, mpc, nchunks, groups, need_dw, nhwc, blas,
-                        dw_parts, db_parts):
+def _pointwise_dw_tasks(t0, t1, x, gy, y, use_mask, counts, need_dw, nhwc, blas, parts):
+    mpc, nchunks, groups = counts
+    dw_parts, db_parts = parts
     # 1x1, stride 1, unpadded. NCHW: x (N, C, HW), gy, y (N, K, HW); NHWC: x (1, M, C), gy, y
     # (1, M, K); dw_parts: (groups, K, C) <- each group's dW; db_parts: (groups, K) float64.
     # Chunks as in _pointwise_tasks
