@@ -27,13 +27,16 @@ def kernel_modules() -> list:
 
 
 def cases(dtypes=("float32", "float64")) -> list:
-    """``(name, kernel, signature, is_gemm)`` for every listed kernel and dtype (an entry
-    whose signature function returns None for a dtype is not compiled for it)."""
+    """``(name, kernel, signature, is_gemm)`` for every listed kernel and dtype, ``name`` as
+    ``family.kernel[f32]`` (an entry whose signature function returns None for a dtype is not
+    compiled for it)."""
     import numba
     out = []
     for mod in kernel_modules():
         gemms = {id(k) for k in getattr(mod, "GEMM_KERNELS", ())}
-        short = mod.__name__.rsplit(".", 1)[1]
+        # "conv" for kernels/conv/cuda.py, "reduce" for kernels/cuda_reduce.py
+        short = mod.__name__.removeprefix("numbafuse.kernels.").removesuffix(".cuda")
+        short = short.removeprefix("cuda_")
         for kernel, sig in mod.PTX_SIGNATURES:
             kname = getattr(kernel, "__name__", None) or kernel.py_func.__name__
             for dt in dtypes:
