@@ -415,6 +415,53 @@ def test_conv_ops_refuse_bad_input(index, backend):
     assert_refused(backend, call, list(args), kwargs, exc, op, argument, pattern)
 
 
+# =========================================================================== half precision
+
+def _half_calls():
+    """Mixed dtypes where PyTorch refuses them: a half x takes float32 or same-dtype batch-norm
+    parameters (all one dtype), anything else one dtype for every array."""
+    rng = np.random.default_rng(2)
+    h, f = np.float16, np.float32
+    x, z = (rng.standard_normal((2, 3, 2, 3)).astype(h) for _ in range(2))
+    g, b, rm, rv = np.ones(3, f), np.zeros(3, f), np.zeros(3, f), np.ones(3, f)
+    w = rng.standard_normal((2, 3, 3, 3)).astype(h)
+    y = nf.conv_bias_relu(x, w, padding=1)
+    bn = nf.batchnorm_add_relu
+    return [
+        (bn, "batchnorm_add_relu", (x, z, g.astype(np.float64), b), {}, TypeError, "gamma",
+         "float16 or float32 for a float16 x"),
+        (bn, "batchnorm_add_relu", (x, z, g, b), dict(running_mean=rm.astype(h),
+                                                      running_var=rv), TypeError,
+         "running_mean", "share one dtype"),
+        (bn, "batchnorm_add_relu", (x.astype(f), z.astype(f), g.astype(h), b.astype(h)), {},
+         TypeError, "gamma", "must be float32 for a float32 x"),
+        (bn, "batchnorm_add_relu", (x, z.astype(f), g, b), {}, TypeError, "z",
+         "z is float32 but x is float16"),
+        (nf.batchnorm, "batchnorm", (x, g.astype(np.float64), b.astype(np.float64)), {},
+         TypeError, "gamma", "float16 or float32"),
+        (nf.batchnorm_add_relu_backward, "batchnorm_add_relu_backward", (x, x, z, g, b),
+         dict(y=x.astype(f)), TypeError, "y", "y is float32 but dy is float16"),
+        (nf.conv_bias_relu, "conv_bias_relu", (x, w.astype(f)), {}, TypeError, "w",
+         "w is float32 but x is float16"),
+        (nf.conv_bias_relu, "conv_bias_relu", (x, w, np.zeros(2, f)), {}, TypeError, "b",
+         "b is float32 but x is float16"),
+        (nf.conv_bias_relu_backward, "conv_bias_relu_backward", (y.astype(f), x, w, y),
+         dict(padding=1), TypeError, "x", "x is float16 but dy is float32"),
+        (nf.bias_add, "bias_add", (x, np.zeros(3, h)), {}, TypeError, "x",
+         "float32 or float64, got float16"),
+    ]
+
+
+HALF_CALLS = _half_calls()
+
+
+@pytest.mark.parametrize("index", range(len(HALF_CALLS)),
+                         ids=[f"{c[1]}-{i}-{c[5]}" for i, c in enumerate(HALF_CALLS)])
+def test_half_precision_mixes_are_refused(index, backend):
+    call, op, args, kwargs, exc, argument, pattern = HALF_CALLS[index]
+    assert_refused(backend, call, list(args), kwargs, exc, op, argument, pattern)
+
+
 # =========================================================================== read-only state
 
 STATEFUL = [("batchnorm_add_relu", lambda p, **kw: nf.batchnorm_add_relu(
