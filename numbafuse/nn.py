@@ -354,8 +354,9 @@ class _BatchNormState(Module):
 
     ``momentum=None`` is PyTorch's cumulative moving average: each training batch (an empty
     one included) is counted, then weighted ``1 / num_batches_tracked``; an empty batch
-    updates no statistic, and a refused one is not counted (:meth:`counted`). ``comm`` (a ``numbafuse.distributed.Communicator``):
-    synchronized batch norm in training, the statistics of the batch of all ranks.
+    updates no statistic, and a refused one is not counted (:meth:`counted`). ``comm`` (a
+    ``numbafuse.distributed.Communicator``): synchronized batch norm in training, the
+    statistics of the batch of all ranks.
     """
 
     def __init__(self, num_features, eps, momentum, layout, dtype, comm=None):
