@@ -517,18 +517,13 @@ def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, layout="NCHW",
 
 def conv_bias_relu_backward(dy, x, w, b=None, stride=1, padding=0, dilation=1, layout="NCHW",
                             groups=1, *, y=None):
-    """(dx, dw, db) of conv_bias_relu, db None when b is None; recomputes the pre-activation.
-
-    ``y``: the forward's output, whose sign is then the ReLU mask (as the fused backward reads
-    it) instead of the recomputed pre-activation's; the two differ only where a rounding of
-    y (half precision) flips a value near 0.
-    """
+    """(dx, dw, db) of conv_bias_relu, db None when b is None; the ReLU mask from ``y`` (the
+    forward's output, as the fused backward reads it) if given, else recomputed."""
     dtype = _result_dtype(dy, x, w, b)
     dy, x, w, b = _f64(dy), _f64(x), _f64(w), _f64(b)
     geometry = dict(stride=stride, padding=padding, dilation=dilation, layout=layout, groups=groups)
     h = conv2d(x, w, **geometry)                                   # pre-bias
-    if b is not None:
-        h = bias_add(h, b, layout=layout)                          # pre-activation
+    h = h if b is None else bias_add(h, b, layout=layout)          # pre-activation
     g = relu_backward(dy, h if y is None else _f64(y))
     db = None
     if b is not None:
@@ -587,9 +582,8 @@ def batchnorm_add_relu(x, z, gamma, beta, running_mean=None, running_var=None, t
 
 def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, running_var=None,
                                 training=True, eps=1e-5, layout="NCHW", *, y=None):
-    """(dx, dz, dgamma, dbeta) of batchnorm_add_relu (the forward's argument order);
-    recomputes the pre-activation, or reads the ReLU mask from ``y`` (the forward's output)
-    when given (see :func:`conv_bias_relu_backward`)."""
+    """(dx, dz, dgamma, dbeta) of batchnorm_add_relu (the forward's argument order); the ReLU
+    mask from ``y`` (the forward's output) if given, else recomputed."""
     op = "batchnorm_add_relu_backward"
     dtype = _result_dtype(dy, x, z, gamma, beta)
     dy, x, z, gamma, beta = _f64(dy), _f64(x), _f64(z), _f64(gamma), _f64(beta)

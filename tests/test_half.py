@@ -16,8 +16,10 @@ import numbafuse.testing.strategies as nfs
 from numbafuse import reference as ref
 from numbafuse import validate
 
-from .harness import TOL, close, run_property
-from .op_cases import BN_SMALL, CONV_SMALL
+from numbafuse.ops import OPS
+
+from .harness import TOL, call_keywords, close, run_property
+from .op_cases import BN_SMALL, CASES, CONV_SMALL
 
 HALF = validate.HALF_DTYPES
 
@@ -177,6 +179,28 @@ def test_batchnorm_half_inputs_are_not_written(backend):
     nf.batchnorm_add_relu(*put)
     for a, b in zip(put, (x, z, gamma, beta)):
         np.testing.assert_array_equal(backend.get(a), b)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in OPS if OPS[n].half))
+def test_ops_whose_spec_says_half_take_float16(name, backend):
+    """Each op whose ``OpSpec.half`` says so (the docs' dtype table is read from it) takes
+    float16 arrays, drawn by its op case, and returns float16 of the reference's shape; the
+    arguments its ``half_params`` name may be float32."""
+    case = CASES[name]
+
+    def body(draw):
+        ex = case.draw(draw, backend, dtype=np.float16)
+        for key, a in {**ex.arrays, **ex.keywords}.items():
+            if isinstance(a, np.ndarray):
+                allowed = (np.float16, np.float32) if key in OPS[name].half_params else \
+                    (np.float16,)
+                assert a.dtype in allowed, f"{name}: the case drew {key} as {a.dtype}"
+        y = case.spec.function(*[backend.put(a) for a in ex.arrays.values()],
+                               **call_keywords(ex, backend))
+        y = backend.get(y)
+        assert y.dtype == np.float16 and y.shape == np.shape(case.expected(ex)[0])
+
+    run_property(f"half spec {name} {backend}", 4 * backend.cost, body)
 
 
 def test_half_tolerances_are_stated():

@@ -2,6 +2,7 @@
 import inspect
 
 from . import OPS
+from .spec import dtype_table
 
 
 def table() -> str:
@@ -20,7 +21,7 @@ def table() -> str:
             if spec.backward else ""
         lines.append(f"| `{name}` | `{spec.function.__name__}{signature}` | {fuses} | "
                      f"{reference} | {backward} | {spec.summary()} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\n" + dtype_table(OPS)
 
 
 if __name__ == "__main__":

@@ -533,9 +533,12 @@ def batchnorm(x, gamma, beta, *, running_mean=None, running_var=None, training=T
                      comm=comm).apply(x, gamma, beta)
 
 
+_HALF_PARAMS = ("gamma", "beta", "running_mean", "running_var")   # float32 for a half x
+
 SPECS = (
-    OpSpec("batchnorm", batchnorm, BatchNorm, reference=reference.batchnorm_train),
+    OpSpec("batchnorm", batchnorm, BatchNorm, reference=reference.batchnorm_train, half=True,
+           half_params=_HALF_PARAMS),
     OpSpec("batchnorm_add_relu", batchnorm_add_relu, BatchNormAddReLU,
            reference=reference.batchnorm_add_relu, backward=batchnorm_add_relu_backward,
-           fuses=("batchnorm", "add", "relu")),
+           fuses=("batchnorm", "add", "relu"), half=True, half_params=_HALF_PARAMS),
 )

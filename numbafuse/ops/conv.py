@@ -374,9 +374,9 @@ def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, lay
 
 
 SPECS = (
-    OpSpec("conv2d", conv2d, Conv2d, reference=reference.conv2d),
+    OpSpec("conv2d", conv2d, Conv2d, reference=reference.conv2d, half=True),
     OpSpec("bias_add", bias_add, BiasAdd, reference=reference.bias_add),
     OpSpec("conv_bias_relu", conv_bias_relu, ConvBiasReLU, reference=reference.conv_bias_relu,
-           backward=conv_bias_relu_backward, fuses=("conv2d", "bias_add", "relu")),
-    OpSpec("conv_bias", conv_bias, ConvBias, fuses=("conv2d", "bias_add")),
+           backward=conv_bias_relu_backward, fuses=("conv2d", "bias_add", "relu"), half=True),
+    OpSpec("conv_bias", conv_bias, ConvBias, fuses=("conv2d", "bias_add"), half=True),
 )

@@ -27,6 +27,10 @@ class OpSpec:
     backward : the NumPy-style backward, gradients in the order of the forward's arrays
         (fused ops; None elsewhere)
     fuses : the unfused ops it replaces, in order (empty for an unfused op)
+    half : the arrays of the op may be half precision (float16; bfloat16 on the CPU with
+        ``ml_dtypes``), computed in float32 (``ops/precision.py``); else float32 or float64
+    half_params : the arguments (arrays or keyword arrays) that may be float32 when x is half
+        (a batch norm's parameters and running statistics); the others share x's dtype
     """
     name: str
     function: Callable
@@ -34,6 +38,8 @@ class OpSpec:
     reference: Callable | None = None
     backward: Callable | None = None
     fuses: tuple = ()
+    half: bool = False
+    half_params: tuple = ()
 
     @property
     def arrays(self) -> tuple:
@@ -56,3 +62,40 @@ class OpSpec:
     def summary(self) -> str:
         """The first line of the public function's docstring."""
         return (inspect.getdoc(self.function) or "").splitlines()[0]
+
+
+DTYPE_RULES = """\
+## Dtypes
+
+One dtype for every floating array of a call (float32 or float64), except where the table says
+otherwise; a mix is a `TypeError` naming the op and the argument. The half-precision ops take
+float16 arrays (bfloat16 too on the CPU where `ml_dtypes` is importable; numba.cuda has no
+bfloat16) and compute in float32, as cuDNN and PyTorch autocast do: float32 accumulation, one
+rounding of each result to half. Batch-norm parameters and running statistics of a half x are
+x's dtype or float32 (all one dtype: PyTorch's rule), the batch statistics and the saved
+mean/invstd are float64 (as for every dtype), and dgamma, dbeta come back in the parameters'
+dtype.
+
+How half runs: the conversion is at the op boundary, in one place (`numbafuse/ops/precision.py`:
+`compute`, `store`, `store_into`): half inputs are converted to float32, the float32 kernels
+run, the results are converted back (half running statistics are written back in place). On
+the CPU (Numba has no fast float16 arithmetic) the conversion is NumPy's; on CUDA it is one
+elementwise kernel per array, an extra pass over each half array (2 bytes read and 4 written
+per element going in, 4 read and 2 written coming out) and float32 temporaries: half
+precision saves memory where its arrays are kept (y, the saved x), not bandwidth inside the
+op. The float32 and float64 paths are unchanged.
+"""
+
+
+def dtype_table(specs) -> str:
+    """The ``docs/ops.md`` section on dtypes: :data:`DTYPE_RULES` and one row per op of
+    ``specs`` (a name -> :class:`OpSpec` mapping) that takes half precision."""
+    lines = [DTYPE_RULES, "| op | x, w, z, y and their gradients | float32 when x is half "
+             "| computed in |", "|---|---|---|---|"]
+    for name in sorted(specs):
+        spec = specs[name]
+        if spec.half:
+            params = ", ".join(f"`{p}`" for p in spec.half_params) or "(none)"
+            lines.append(f"| `{name}` | float16, bfloat16 (CPU), float32, float64 | {params} "
+                         f"| float32 for half, else x's dtype |")
+    return "\n".join(lines) + "\n"
