@@ -465,3 +465,60 @@ def test_sgd_bad_arguments(kwargs, match):
         optim.SGD([nf.Tensor(np.ones(1), requires_grad=True)], **kwargs)
     with pytest.raises(TypeError, match="SGD: params"):
         optim.SGD([np.ones(1)], lr=0.1)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("groups, C, K", [(2, 4, 6), (4, 4, 8)])    # grouped; depthwise x2
+def test_grouped_layers_match_torch(rng, layout, groups, C, K):
+    """nn.Conv2d / Conv2dBiasReLU / ConvBatchNormReLU with ``groups``: torch's weight shape
+    (K, C/groups, R, S), torch checkpoints load as they are, and outputs, gradients and
+    running statistics equal torch's float64 layers over train, train, eval."""
+    torch = pytest.importorskip("torch")
+    tnn = torch.nn
+    kw = dict(stride=2, padding=1, dtype=np.float64, groups=groups)
+    conv_t = tnn.Conv2d(C, K, 3, 2, 1, groups=groups, dtype=torch.float64)
+    free_t = tnn.Conv2d(C, K, 3, 2, 1, groups=groups, bias=False, dtype=torch.float64)
+    bn_t = tnn.BatchNorm2d(K, dtype=torch.float64)
+    with torch.no_grad():
+        bn_t.weight.uniform_(0.5, 1.5)
+        bn_t.bias.uniform_(-0.5, 0.5)
+    plain, fused = nn.Conv2d(C, K, 3, layout=layout, **kw), nn.Conv2dBiasReLU(C, K, 3,
+                                                                            layout=layout, **kw)
+    cbr = nn.ConvBatchNormReLU(C, K, 3, layout=layout, **kw)
+    assert plain.weight.data.shape == (K, C // groups, 3, 3)
+    plain.load_state_dict(conv_t.state_dict())
+    fused.load_state_dict(conv_t.state_dict())
+    cbr.load_state_dict({"weight": free_t.weight,
+                         **{"bn." + k: v for k, v in bn_t.state_dict().items()}})
+    to_layout = (lambda a: a) if layout == "NCHW" else (lambda a: a.transpose(0, 2, 3, 1))
+    x = rng.standard_normal((2, C, 7, 6))
+    for training in (True, True, False):
+        cbr.train(training)
+        bn_t.train(training)
+        xt = torch.from_numpy(x).requires_grad_(True)
+        cases = [(plain, conv_t(xt), conv_t.weight), (fused, conv_t(xt).relu(), conv_t.weight),
+                 (cbr, bn_t(free_t(xt)).relu(), free_t.weight)]
+        for layer, want, w_t in cases:
+            xn = nf.Tensor(np.ascontiguousarray(to_layout(x)), requires_grad=True)
+            y = layer(xn)
+            np.testing.assert_allclose(y.numpy(), to_layout(want.detach().numpy()),
+                                       **TOL[np.float64])
+            dy = rng.standard_normal(want.shape)
+            y.backward(np.ascontiguousarray(to_layout(dy)))
+            dx_t, dw_t = torch.autograd.grad(want, (xt, w_t), torch.from_numpy(dy))
+            np.testing.assert_allclose(xn.grad, to_layout(dx_t.numpy()), **TOL[np.float64])
+            np.testing.assert_allclose(layer.weight.grad, dw_t.numpy(), **TOL[np.float64])
+            layer.weight.grad = None
+        np.testing.assert_allclose(cbr.bn.running_mean, bn_t.running_mean.numpy(),
+                                   **TOL[np.float64])
+        np.testing.assert_allclose(cbr.bn.running_var, bn_t.running_var.numpy(),
+                                   **TOL[np.float64])
+
+
+def test_grouped_layer_errors_name_the_layer():
+    with pytest.raises(ValueError, match="Conv2d: groups=3 must divide in_channels=4"):
+        nn.Conv2d(4, 6, 3, groups=3)
+    with pytest.raises(ValueError, match="ConvBatchNormReLU: groups must be >= 1"):
+        nn.ConvBatchNormReLU(4, 4, 3, groups=0)
+    with pytest.raises(TypeError, match="Conv2dBiasReLU: groups must be an int"):
+        nn.Conv2dBiasReLU(4, 4, 3, groups=2.0)
