@@ -558,7 +558,7 @@ def test_cuda_tensors_take_the_cuda_array_interface_branch(monkeypatch):
     assert default.waited == [side]                              # default stream: no waits
 
 
-@pytest.mark.parametrize("module", ["layers", "conv_batchnorm", "fx"])
+@pytest.mark.parametrize("module", ["layers", "conv_batchnorm", "fx", "modules"])
 def test_module_docstring_examples(module):
     result = doctest.testmod(getattr(nft, module), raise_on_error=False)
     assert result.failed == 0 and result.attempted > 0

@@ -340,3 +340,23 @@ def test_custom_ops_fake_rules_match_the_real_ops_for_channels_last(case):
     fake = fake if isinstance(fake, tuple) else (fake,)
     for r, f in zip(real, fake):
         assert (tuple(r.shape), r.stride(), r.dtype) == (tuple(f.shape), f.stride(), f.dtype)
+
+
+def test_cuda_branch_views_channels_last_as_nhwc(monkeypatch):
+    """No GPU here: a fake CUDA tensor in channels_last goes to ``backend.as_device_array`` as
+    its contiguous NHWC view (the same memory), and an NHWC device array comes back through
+    ``torch.as_tensor`` permuted to (N, C, H, W) channels_last."""
+    from .test_torch import FakeCudaTensor
+    seen = []
+    monkeypatch.setattr(nft.backend, "as_device_array", lambda t: seen.append(t) or "device")
+    x = torch.randn(2, 3, 4, 5).contiguous(memory_format=CL)
+    fake = x.as_subclass(FakeCudaTensor)
+    assert nft.as_array(fake, "NHWC") == "device"
+    view = seen[0]
+    assert view.shape == (2, 4, 5, 3) and view.is_contiguous()
+    assert view.data_ptr() == x.data_ptr()
+    nhwc = torch.randn(2, 4, 5, 3)
+    monkeypatch.setattr(nft.torch, "as_tensor", lambda a, device: nhwc)
+    back = nft.as_tensor(object(), torch.device("cuda", 0), "NHWC")
+    assert back.shape == (2, 3, 4, 5) and back.is_contiguous(memory_format=CL)
+    assert back.data_ptr() == nhwc.data_ptr()

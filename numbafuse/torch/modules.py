@@ -20,6 +20,18 @@ backward keeps the conv's input, not its output. ``groups`` makes a grouped or d
 (MobileNet's Conv(dw)-BN-ReLU: ``groups=in_channels``); channels_last inputs run the NHWC
 kernels and give channels_last outputs; ``dtype`` float32/float64 and ``device`` CPU/CUDA,
 else an error naming the argument.
+
+Examples
+--------
+>>> import torch
+>>> from numbafuse.torch import ConvBatchNormReLU2d
+>>> dw = ConvBatchNormReLU2d(8, 8, 3, padding=1, groups=8)        # MobileNet's depthwise
+>>> x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+>>> y = dw(x)
+>>> y.shape, y.is_contiguous(memory_format=torch.channels_last), int(dw.bn.num_batches_tracked)
+(torch.Size([2, 8, 6, 6]), True, 1)
+>>> list(dw.state_dict())[:3]
+['conv.weight', 'bn.weight', 'bn.bias']
 """
 from __future__ import annotations
 
