@@ -135,7 +135,7 @@ BOUNDARIES = {
                RULES + "min_gemm_channels": (1, 16),
                RULES + "nchw_im2col_channels": (1, 32),
                RULES + "winograd_tiles": (1, 3), RULES + "winograd_min_tiles": 0,
-               RULES + "dw_groups": (2, 3), "conv.cpu_im2col.SUM_BLOCK": 7,
+               RULES + "dw_groups": (2, 3), "conv.cpu_chunks.SUM_BLOCK": 7,
                RULES + "strided": ("im2col", "phase"),
                "cpu_launch.PARALLEL_MIN_ELEMENTS": 0},
         shapes=lambda: dict(max_channels=3, max_kernel=3, paddings=("int", "same"),

@@ -21,7 +21,7 @@ import numbafuse as nf
 import numbafuse.testing.strategies as nfs
 from numbafuse import reference as ref
 from numbafuse.kernels import cpu_launch as _launch
-from numbafuse.kernels.conv import cpu as cpu_conv, cpu_im2col, cpu_plan
+from numbafuse.kernels.conv import cpu as cpu_conv, cpu_chunks, cpu_plan
 
 RULES = cpu_plan.RULES
 
@@ -50,7 +50,7 @@ def _check(p, chunk_bytes, groups, tiles=None, min_channels=1, slab=True, min_ch
                         min_gemm_channels=min_channels, nchw_im2col_channels=min_channels,
                         winograd_min_tiles=0, strided="im2col" if slab else "phase",
                         **tiles, **rules), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_im2col, "SUM_BLOCK", 7)                 # the group sums: many tasks
+        mp.setattr(cpu_chunks, "SUM_BLOCK", 7)                 # the group sums: many tasks
         mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
         threads = _launch.num_threads()
         try:

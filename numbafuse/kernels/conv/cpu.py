@@ -49,10 +49,9 @@ from . import cpu_implicit as _implicit  # noqa: E402
 from . import cpu_winograd as _wino  # noqa: E402
 from . import cpu_winograd_s2 as _wino_s2  # noqa: E402
 from . import cpu_winograd_s2dx as _wino_s2dx  # noqa: E402
-from .cpu_direct import (_phase_dw_tasks, _phase_dx_tasks, _phase_tasks,  # noqa: E402
-                         _pointwise_dw_tasks, _pointwise_tasks)
-from .cpu_im2col import (_balanced, _dw_tasks, _dx_tasks, _forward_tasks,  # noqa: E402
-                         _nchunks, _phase_weights, _phases, sum_groups, tile_chunks)
+from . import cpu_direct as _direct  # noqa: E402
+from . import cpu_im2col as _im2col  # noqa: E402
+from .cpu_chunks import balanced, count_chunks, sum_groups, tile_chunks  # noqa: E402
 
 __all__ = ["algorithm", "conv_forward", "conv_backward", "forward_stats", "forward_bn_sums"]
 
@@ -67,7 +66,7 @@ def _chunking(plan, pixels_per_image, rows, row_pixels, row_bytes, images):
     if pixels_per_image <= target:
         ipc = max(1, target // max(pixels_per_image, 1))
         return max(1, min(ipc, images // plan.min_chunks)), rows
-    return 1, _balanced(rows, target // max(row_pixels, 1))
+    return 1, balanced(rows, target // max(row_pixels, 1))
 
 
 def _weight_matrix(w, nhwc):
@@ -283,12 +282,12 @@ def _phase_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     """(dw or None, db_parts) by shifted GEMMs over phase planes."""
     N, C, K, R, S, P = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P
     tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
-    rpc = _balanced(P, _phase_rows(plan, len(planes) * C + K, Wq, x.itemsize))
+    rpc = balanced(P, _phase_rows(plan, len(planes) * C + K, Wq, x.itemsize))
     nchunks = N * blocks(P, rpc)
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
-    launch(_phase_dw_tasks, groups, x, gy, y, use_mask, (tap_plane, tap_off, planes),
+    launch(_direct.phase_dw_tasks, groups, x, gy, y, use_mask, (tap_plane, tap_off, planes),
            _ints(geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc, nchunks, groups),
            need_dw, geom.layout == "NHWC", _blas.blas_for(x.dtype), (dw_parts, db_parts),
            work=work, grain=1)
@@ -308,7 +307,7 @@ def _pointwise_view(a, nhwc):
 def _pointwise_chunks(plan, geom, channels, itemsize):
     """(pixels per chunk, chunks) of a pointwise pass."""
     HW = geom.P * geom.Q
-    mpc = _balanced(geom.N * HW if geom.layout == "NHWC" else HW,
+    mpc = balanced(geom.N * HW if geom.layout == "NHWC" else HW,
                     plan.chunk_bytes // max(1, channels * itemsize))
     nchunks = blocks(geom.N * HW, mpc) if geom.layout == "NHWC" else geom.N * blocks(HW, mpc)
     return mpc, nchunks
@@ -322,7 +321,7 @@ def _pointwise_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     groups = min(nchunks, plan.dw_groups)
     dw_parts = np.empty((groups if need_dw else 1, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
-    launch(_pointwise_dw_tasks, groups, _pointwise_view(x, nhwc), _pointwise_view(gy, nhwc),
+    launch(_direct.pointwise_dw_tasks, groups, _pointwise_view(x, nhwc), _pointwise_view(gy, nhwc),
            _pointwise_view(y, nhwc), use_mask, _ints(mpc, nchunks, groups), need_dw, nhwc,
            _blas.blas_for(x.dtype), (dw_parts, db_parts), work=work, grain=1)
     if not need_dw:
@@ -336,13 +335,14 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     """(dw or None, db_parts) by im2col chunks."""
     N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
     ipc, rpc = _chunking(plan, P * Q, P, Q, R * S * C * x.itemsize, N)
-    nchunks = _nchunks(N, P, ipc, rpc)
+    nchunks = count_chunks(N, P, ipc, rpc)
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, K * R * S * C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
-    launch(_dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom), use_mask, geo_tuple(geom),
-           ipc, rpc, nchunks, groups, False, plan.slab, need_dw, _blas.blas_for(x.dtype),
-           dw_parts.reshape(-1, K, R * S * C), db_parts, work=work, grain=1)
+    launch(_im2col.dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom), use_mask,
+           geo_tuple(geom), _ints(ipc, rpc, nchunks, groups),
+           (False, bool(plan.slab), bool(need_dw)), _blas.blas_for(x.dtype),
+           (dw_parts.reshape(-1, K, R * S * C), db_parts), work=work, grain=1)
     if not need_dw:
         return None, db_parts
     dwm = sum_groups(dw_parts)                                         # group order
@@ -354,18 +354,18 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
 def _im2col_dx(gy, y, use_mask, w, geom, plan, dx, work):
     """dx (written in place) by phases over im2col chunks of the gated gradient."""
     N, H, W, K, R, S = geom.N, geom.H, geom.W, geom.K, geom.R, geom.S
-    tr, orr, nr = _phases(H, R, geom.sh, geom.ph, geom.dh)
-    ts, os_, ns = _phases(W, S, geom.sw, geom.pw, geom.dw)
-    wphase, woff = _phase_weights(w, tr, nr, ts, ns, geom.layout == "NHWC")
+    tr, orr, nr = _im2col.phases(H, R, geom.sh, geom.ph, geom.dh)
+    ts, os_, ns = _im2col.phases(W, S, geom.sw, geom.pw, geom.dw)
+    wphase, woff = _im2col.phase_weights(w, tr, nr, ts, ns, geom.layout == "NHWC")
     rows_max = -(-H // geom.sh)
     wb_max = -(-W // geom.sw)
     ipc, rpc = _chunking(plan, rows_max * wb_max, rows_max, wb_max,
                          int(nr.max()) * int(ns.max()) * K * gy.itemsize, N)
-    per_phase = _nchunks(N, rows_max, ipc, rpc)
-    launch(_dx_tasks, geom.sh * geom.sw * per_phase, gy.reshape(geom.y_shape),
-           y.reshape(geom.y_shape), use_mask, geo_tuple(geom), ipc, rpc, per_phase, rows_max,
-           tr, orr, nr, ts, os_, ns, wphase, woff, _blas.blas_for(gy.dtype), dx, work=work,
-           grain=1)
+    per_phase = count_chunks(N, rows_max, ipc, rpc)
+    launch(_im2col.dx_tasks, geom.sh * geom.sw * per_phase, gy.reshape(geom.y_shape),
+           y.reshape(geom.y_shape), use_mask, geo_tuple(geom),
+           _ints(ipc, rpc, per_phase, rows_max), (tr, orr, nr, ts, os_, ns), (wphase, woff),
+           _blas.blas_for(gy.dtype), dx, work=work, grain=1)
 
 
 # --------------------------------------------------------------------------- implicit GEMM
@@ -378,20 +378,20 @@ def _implicit_plan(plan, geom, itemsize):
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     ipc, rpc = _chunking(plan, P * Q, P, Q, (geom.sh * geom.sw * C + K) * itemsize, N)
     Hmax, Ws = _implicit.slab_shape(geom, P if ipc > 1 else rpc)
-    return ipc, rpc, _nchunks(N, P, ipc, rpc), Hmax, Ws, _implicit.tap_offsets(geom, Ws)
+    return ipc, rpc, count_chunks(N, P, ipc, rpc), Hmax, Ws, _implicit.tap_offsets(geom, Ws)
 
 
 def _implicit_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     """(dw or None, db_parts) of a strided conv over the forward's padded slabs
-    (cpu_implicit._implicit_dw_tasks), in dw_groups fixed groups of its chunks."""
+    (cpu_implicit.implicit_dw_tasks), in dw_groups fixed groups of its chunks."""
     K, C, R, S = geom.K, geom.C, geom.R, geom.S
     ipc, rpc, nchunks, Hmax, Ws, aoff = _implicit_plan(plan, geom, x.itemsize)
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
-    launch(_implicit._implicit_dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom),
-           use_mask, geo_tuple(geom), ipc, rpc, nchunks, groups, need_dw, Hmax, Ws, aoff,
-           plan.taps == 2, dw_parts, db_parts, work=work, grain=1)
+    launch(_implicit.implicit_dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom),
+           use_mask, geo_tuple(geom), _ints(ipc, rpc, nchunks, groups, Hmax, Ws),
+           (bool(need_dw), plan.taps == 2), aoff, (dw_parts, db_parts), work=work, grain=1)
     if not need_dw:
         return None, db_parts
     dwm = sum_groups(dw_parts)                                         # group order
@@ -433,27 +433,27 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         wm = w.reshape(K, C)
         mpc, nchunks = _pointwise_chunks(plan, geom, C + K, x.itemsize)
         xv = _pointwise_view(x, nhwc)
-        launch(_pointwise_tasks, nchunks, xv, xv, False,
+        launch(_direct.pointwise_tasks, nchunks, xv, xv, False,
                np.ascontiguousarray(wm.T) if nhwc else wm, mpc, b, (has_bias, relu, nhwc),
                blas, plan.taps, _pointwise_view(y, nhwc), work=work, grain=1)
     elif kind == "phase":
         tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
-        rpc = _balanced(geom.P, _phase_rows(plan, len(planes) * C + K, Wq, x.itemsize))
-        launch(_phase_tasks, N * blocks(geom.P, rpc), x, _taps(w, not nhwc),
+        rpc = balanced(geom.P, _phase_rows(plan, len(planes) * C + K, Wq, x.itemsize))
+        launch(_direct.phase_tasks, N * blocks(geom.P, rpc), x, _taps(w, not nhwc),
                (tap_plane, tap_off, planes),
                _ints(geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc), b, relu, nhwc,
                blas, y, work=work, grain=1)
     elif kind == "implicit":
         ipc, rpc, nchunks, Hmax, Ws, aoff = _implicit_plan(plan, geom, x.itemsize)
-        launch(_implicit._implicit_tasks, nchunks, x, _taps(w, False), aoff, b, has_bias, relu,
-               geo_tuple(geom), ipc, rpc, Hmax, Ws, plan.taps == 2, _k_view(y, geom),
-               work=work, grain=1)
+        launch(_implicit.implicit_tasks, nchunks, x, _taps(w, False), aoff, b,
+               (has_bias, relu, plan.taps == 2), geo_tuple(geom), _ints(ipc, rpc, Hmax, Ws),
+               _k_view(y, geom), work=work, grain=1)
     else:
         ipc, rpc = _chunking(plan, geom.P * geom.Q, geom.P, geom.Q,
                              geom.R * geom.S * C * x.itemsize, N)
-        launch(_forward_tasks, _nchunks(N, geom.P, ipc, rpc), x,
-               _weight_matrix(w, nhwc or plan.slab), b, has_bias, relu, geo_tuple(geom), ipc,
-               rpc, False, plan.slab, blas, _k_view(y, geom), work=work, grain=1)
+        launch(_im2col.forward_tasks, count_chunks(N, geom.P, ipc, rpc), x,
+               _weight_matrix(w, nhwc or plan.slab), b, (has_bias, relu, False, bool(plan.slab)),
+               geo_tuple(geom), _ints(ipc, rpc), blas, _k_view(y, geom), work=work, grain=1)
     return y
 
 
@@ -514,17 +514,17 @@ def _conv_dx(gy, y, use_mask, w, geom, plan, work):
     elif kind == "pointwise":
         wm = w.reshape(K, C)                                           # dx = g @ w | w^T @ g
         mpc, nchunks = _pointwise_chunks(plan, geom, C + K, gy.itemsize)
-        launch(_pointwise_tasks, nchunks, _pointwise_view(gy, nhwc), _pointwise_view(y, nhwc),
-               use_mask, wm if nhwc else np.ascontiguousarray(wm.T), mpc,
+        launch(_direct.pointwise_tasks, nchunks, _pointwise_view(gy, nhwc),
+               _pointwise_view(y, nhwc), use_mask, wm if nhwc else np.ascontiguousarray(wm.T), mpc,
                np.zeros(C, gy.dtype), (False, False, nhwc), blas, plan.taps,
                _pointwise_view(dx, nhwc), work=work, grain=1)
     elif kind == "phase":
         ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack = _phase_dx_plan(geom)
-        rpc = _balanced(-(-H // geom.sh), _phase_rows(plan, K + C, Wg, gy.itemsize))
+        rpc = balanced(-(-H // geom.sh), _phase_rows(plan, K + C, Wg, gy.itemsize))
         wtap = _taps(w, nhwc)
         wph = (np.ascontiguousarray(wtap[ent_tap]) if plan.taps
                else np.empty((0, 1, 1), gy.dtype))
-        launch(_phase_dx_tasks, N * blocks(-(-H // geom.sh), rpc), gy, y, use_mask, wtap,
+        launch(_direct.phase_dx_tasks, N * blocks(-(-H // geom.sh), rpc), gy, y, use_mask, wtap,
                (ph_taps, ph_start, ent_tap, ent_off),
                _ints(gmin, gext, gleft, Wg, slack, rpc, geom.sh, geom.sw, plan.taps), nhwc,
                blas, wph, dx, work=work, grain=1)

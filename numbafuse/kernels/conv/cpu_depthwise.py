@@ -40,7 +40,7 @@ from .. import scalar
 from ..cpu_buffers import output_cache as _out
 from ..cpu_launch import blocks, launch, task_kernel
 from . import math as conv_math
-from .cpu_im2col import sum64
+from .cpu_chunks import sum64
 
 CHUNK_ELEMENTS = 1 << 15   # output values of one NHWC task's rows (forward, dW), at least a row
 DW_GROUPS = 16             # fixed groups of chunks, each with its own dW and db partial

@@ -46,7 +46,7 @@ from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_mat
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
 
-from .cpu_im2col import _g_chw, _g_hwc  # noqa: E402
+from .cpu_chunks import gated_chw, gated_hwc  # noqa: E402
 
 
 @njit(inline="always")
@@ -140,7 +140,7 @@ def _plane_hwc(src, gate, use_gate, n, u0, nrows, sh, a, sw, b, top, left, Wq, d
 # --------------------------------------------------------------------------- phase planes
 
 @task_kernel
-def _phase_tasks(t0, t1, x, wtap, taps, dims, bias, relu, nhwc, blas, y):
+def phase_tasks(t0, t1, x, wtap, taps, dims, bias, relu, nhwc, blas, y):
     tap_plane, tap_off, planes = taps
     sh, sw, ph, pw, ext, Wq, slack, rpc = dims
     # x: (N, C, H, W) | (N, H, W, C); wtap: (R*S, K, C) | (R*S, C, K) (w_rs, w_rs^T);
@@ -198,13 +198,13 @@ def _phase_tasks(t0, t1, x, wtap, taps, dims, bias, relu, nhwc, blas, y):
 
 
 @task_kernel
-def _phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas, parts):
+def phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas, parts):
     tap_plane, tap_off, planes = taps
     sh, sw, ph, pw, ext, Wq, slack, rpc, nchunks, groups = dims
     dw_parts, db_parts = parts
     # x: (N, C, H, W) | (N, H, W, C); gy, y: (N, K, P, Q) | (N, P, Q, K); dw_parts: (groups,
     # R*S, K, C) <- each group's dW per tap; db_parts: (groups, K) float64 <- its sum of g.
-    # Chunks and planes as in _phase_tasks; groups of chunks fixed by the shape
+    # Chunks and planes as in phase_tasks; groups of chunks fixed by the shape
     if nhwc:
         N, P, Q, K = gy.shape
         C = x.shape[3]
@@ -231,7 +231,7 @@ def _phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas,
                 g = gbuf[:m * K].reshape((m, K))                  # (m', K), junk rows 0
                 gy2, y2 = gy[n].reshape((P * Q, K)), y[n].reshape((P * Q, K))
                 for p in range(p0, p1):
-                    _g_hwc(gy2, y2, use_mask, p * Q, (p + 1) * Q, g, (p - p0) * Wq, dbp)
+                    gated_hwc(gy2, y2, use_mask, p * Q, (p + 1) * Q, g, (p - p0) * Wq, dbp)
                     for q in range(Q, Wq):
                         g[(p - p0) * Wq + q, :] = 0
                 if not need_dw:
@@ -248,10 +248,10 @@ def _phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas,
                 g = gbuf[:K * m].reshape((K, m))                  # (K, m'), junk columns 0
                 gyf, yf = gy.reshape((N, K, P * Q)), y.reshape((N, K, P * Q))
                 if Wq == Q:                                       # no junk: one block
-                    _g_chw(gyf, yf, use_mask, n, p0, p1, P * Q, Q, g, 0, dbp)
+                    gated_chw(gyf, yf, use_mask, n, p0, p1, P * Q, Q, g, 0, dbp)
                 else:
                     for p in range(p0, p1):
-                        _g_chw(gyf, yf, use_mask, n, p, p + 1, P * Q, Q, g, (p - p0) * Wq, dbp)
+                        gated_chw(gyf, yf, use_mask, n, p, p + 1, P * Q, Q, g, (p - p0) * Wq, dbp)
                         for q in range(Q, Wq):
                             g[:, (p - p0) * Wq + q] = 0
                 if not need_dw:
@@ -267,7 +267,7 @@ def _phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas,
 
 
 @task_kernel
-def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, dx):
+def phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, dx):
     ph_taps, ph_start, ent_tap, ent_off = table
     gmin, gext, gleft, Wg, slack, rpc, sh, sw, taps = dims
     # gy, y: (N, K, P, Q) | (N, P, Q, K); wtap: (R*S, C, K) | (R*S, K, C) (w_rs^T, w_rs);
@@ -356,7 +356,7 @@ def _phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph,
 # --------------------------------------------------------------------------- pointwise
 
 @task_kernel
-def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, taps, out):
+def pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, taps, out):
     has_bias, relu, nhwc = flags
     # 1x1, stride 1, unpadded: out = relu?(wm-product of src (gated) + bias?). NCHW: src (N, Ci,
     # HW), wm (Co, Ci), out (N, Co, HW), chunk t = pixels [c0, c1) of one image; NHWC: src
@@ -427,12 +427,12 @@ def _pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, ta
 
 
 @task_kernel
-def _pointwise_dw_tasks(t0, t1, x, gy, y, use_mask, counts, need_dw, nhwc, blas, parts):
+def pointwise_dw_tasks(t0, t1, x, gy, y, use_mask, counts, need_dw, nhwc, blas, parts):
     mpc, nchunks, groups = counts
     dw_parts, db_parts = parts
     # 1x1, stride 1, unpadded. NCHW: x (N, C, HW), gy, y (N, K, HW); NHWC: x (1, M, C), gy, y
     # (1, M, K); dw_parts: (groups, K, C) <- each group's dW; db_parts: (groups, K) float64.
-    # Chunks as in _pointwise_tasks
+    # Chunks as in pointwise_tasks
     if nhwc:
         M, C = x.shape[1], x.shape[2]
         K = gy.shape[2]
@@ -456,14 +456,14 @@ def _pointwise_dw_tasks(t0, t1, x, gy, y, use_mask, counts, need_dw, nhwc, blas,
             first = False
             if nhwc:
                 g = gbuf[:m * K].reshape((m, K))                  # (m, K)
-                _g_hwc(gy[0], y[0], use_mask, c0, c1, g, 0, dbp)
+                gated_hwc(gy[0], y[0], use_mask, c0, c1, g, 0, dbp)
                 if need_dw:
                     # dW (K, C) += g^T (K, m) @ x (m, C)
                     _blas.gemm(blas, True, False, K, C, m, 1.0, g, K, x[0, c0:c1], C, beta,
                                dw_parts[grp], C)
             else:
                 g = gbuf[:K * m].reshape((K, m))                  # (K, m)
-                _g_chw(gy, y, use_mask, n, c0, c1, HW, 1, g, 0, dbp)
+                gated_chw(gy, y, use_mask, n, c0, c1, HW, 1, g, 0, dbp)
                 if need_dw:
                     # dW (K, C) += g (K, m) @ x[n][:, c0:c1]^T (m, C)
                     _blas.gemm(blas, False, True, K, C, m, 1.0, g, m, x[n, :, c0:], HW, beta,

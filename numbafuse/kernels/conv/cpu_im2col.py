@@ -27,58 +27,16 @@ import numpy as np
 from numba import njit
 
 from .. import cpu_blas as _blas
-from ..cpu_launch import blocks, launch, task_kernel
+from ..cpu_launch import task_kernel
 from ..cpu_transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
+from .cpu_chunks import chunk, gated_chw, gated_hwc
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
 _input_coord = cpu_scalar(conv_math.input_coord)
 _valid_range = cpu_scalar(conv_math.valid_range)
-
-
-# --------------------------------------------------------------------------- chunking
-
-@njit(inline="always")
-def _chunk(t, N, rows, ipc, rpc):
-    """Chunk t: images [n0, n1), rows [r0, r1) of each."""
-    if ipc > 1:
-        n0 = t * ipc
-        return n0, min(N, n0 + ipc), 0, rows
-    nblk = (rows + rpc - 1) // rpc
-    n0 = t // nblk
-    r0 = (t - n0 * nblk) * rpc
-    return n0, n0 + 1, r0, min(rows, r0 + rpc)
-
-
-def _nchunks(N, rows, ipc, rpc):
-    return blocks(N, ipc) if ipc > 1 else N * blocks(rows, rpc)
-
-
-def _balanced(rows, most):
-    """Rows per block: at most ``most``, the blocks of ``rows`` as even as can be (blocks of
-    7, 7 and 2 rows become 6, 6 and 4: a tiny last block runs its GEMMs slowly)."""
-    most = max(1, min(int(most), rows))
-    return -(-rows // -(-rows // most))
-
-
-def tile_chunks(N, Ho, Wo, nhwc, tiles):
-    """(images per chunk, tile rows per chunk, chunks, most tiles of a chunk) of a Winograd
-    pass over an Ho x Wo output in 2x2 tiles: ~``tiles`` tiles (NCHW rows of tiles carry
-    one junk tile each), whole images when an image has fewer."""
-    TY, TX = (Ho + 1) // 2, (Wo + 1) // 2
-    return block_chunks(N, TY, TX if nhwc else TX + 1, tiles)
-
-
-def block_chunks(N, TY, per_row, tiles):
-    """tile_chunks of TY rows of ``per_row`` tiles (blocks) an image."""
-    if TY * per_row <= tiles:
-        ipc, tyb = _balanced(N, tiles // (TY * per_row)), TY
-    else:
-        ipc, tyb = 1, _balanced(TY, tiles // per_row)
-    most = (ipc * TY if ipc > 1 else tyb) * per_row
-    return ipc, tyb, _nchunks(N, TY, ipc, tyb), most
 
 
 # --------------------------------------------------------------------------- gathers
@@ -182,76 +140,6 @@ def _im2col_hwc(x, n, p0, p1, geo, cols, row0):
                             dst[c0 + c] = src[c]
 
 
-SUM_BLOCK = 1 << 14        # values per task of _sum_groups_tasks (read on the host: a
-                           # global read inside a kernel is frozen into its cached code)
-
-
-@task_kernel
-def _sum_groups_tasks(t0, t1, parts, block, out):
-    # parts: (G, n) -> out (n,) = parts[0] + parts[1] + ... in group order, per value (the
-    # same order on any thread count); task t: values [t*block, (t+1)*block)
-    G, n = parts.shape
-    for t in range(t0, t1):
-        i0, i1 = t * block, min(n, (t + 1) * block)
-        dst = out[i0:i1]
-        src = parts[0, i0:i1]
-        for i in range(i1 - i0):
-            dst[i] = src[i]
-        for g in range(1, G):
-            src = parts[g, i0:i1]
-            for i in range(i1 - i0):
-                dst[i] += src[i]
-
-
-def sum_groups(parts, dtype=None):
-    """``parts`` (G, ...) summed over its first axis in group order, on the pool: an array of
-    shape ``parts.shape[1:]`` in ``dtype`` (default: parts' dtype)."""
-    flat = parts.reshape(parts.shape[0], -1)                      # (G, n)
-    out = np.empty(flat.shape[1], dtype or parts.dtype)
-    launch(_sum_groups_tasks, blocks(flat.shape[1], SUM_BLOCK), flat, SUM_BLOCK, out,
-           work=flat.size, grain=1)
-    return out.reshape(parts.shape[1:])
-
-
-@njit(cache=True, fastmath={"reassoc"})
-def sum64(a):
-    # float64 sum of a 1-d array, vectorised (reassociated in a fixed, compiled order: the same
-    # result on every call, whatever the thread count)
-    s = 0.0
-    for i in range(a.shape[0]):
-        s += a[i]
-    return s
-
-
-@njit(inline="always")
-def _g_chw(gy, y, use_mask, n, p0, p1, PQ, Q, g, col0, db):
-    # gy, y: (N, K, PQ); g: (K, ld) <- gy * (y > 0) of pixels [p0*Q, p1*Q) at col0; db: (K,)
-    # float64 += the sums (sum64 per row, a fixed order)
-    K = g.shape[0]
-    a, b = p0 * Q, p1 * Q
-    L = b - a
-    for k in range(K):
-        gyr = gy[n, k, a:b]                                       # (L,)
-        yr = y[n, k, a:b]
-        dst = g[k, col0:col0 + L]
-        for i in range(L):
-            dst[i] = _relu_grad(gyr[i], yr[i]) if use_mask else gyr[i]
-        db[k] += sum64(dst)
-
-
-@njit(inline="always")
-def _g_hwc(gy2, y2, use_mask, m0, m1, g, row0, db):
-    # gy2, y2: (N*PQ, K); g: (rows, K) <- gy * (y > 0) of rows [m0, m1) at row0; db: (K,)
-    # float64 += the column sums, row by row (a fixed order)
-    K = g.shape[1]
-    for m in range(m0, m1):
-        gyr, yr, dst = gy2[m], y2[m], g[row0 + m - m0]            # (K,) each
-        for k in range(K):
-            v = _relu_grad(gyr[k], yr[k]) if use_mask else gyr[k]
-            dst[k] = v
-            db[k] += v
-
-
 # --------------------------------------------------------------------------- forward
 
 @njit(inline="always")
@@ -293,7 +181,9 @@ def _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, cols, per):
 
 
 @task_kernel
-def _forward_tasks(t0, t1, x, wmat, b, has_bias, relu, geo, ipc, rpc, pointwise, slab, blas, y):
+def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, y):
+    has_bias, relu, pointwise, slab = flags
+    ipc, rpc = chunks
     # x: (N, C, H, W) | (N, H, W, C); wmat: (K, C*R*S) | (K, R*S*C) (NHWC, or NCHW with slab);
     # b: (K,); y: (N, K, PQ) | (N, PQ, K): the chunks [t0, t1) of the output. slab (NCHW): each
     # image's input rows of the chunk are transposed to (rows, W, C) first and the cols built
@@ -306,7 +196,7 @@ def _forward_tasks(t0, t1, x, wmat, b, has_bias, relu, geo, ipc, rpc, pointwise,
     ybuf = np.empty(mmax * K, x.dtype)
     sbuf = _slab_buffer(x, geo, ipc, rpc, slab)
     for t in range(t0, t1):
-        n0, n1, p0, p1 = _chunk(t, N, P, ipc, rpc)
+        n0, n1, p0, p1 = chunk(t, N, P, ipc, rpc)
         per = (p1 - p0) * Q                                       # pixels per image
         m = (n1 - n0) * per
         if nhwc:
@@ -352,8 +242,10 @@ def _forward_tasks(t0, t1, x, wmat, b, has_bias, relu, geo, ipc, rpc, pointwise,
 # --------------------------------------------------------------------------- backward: dW, db
 
 @task_kernel
-def _dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, pointwise, slab,
-              need_dw, blas, dw_parts, db_parts):
+def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
+    ipc, rpc, nchunks, groups = chunks
+    pointwise, slab, need_dw = flags
+    dw_parts, db_parts = parts
     # x as in the forward (slab too); gy, y: (N, K, PQ) | (N, PQ, K); dw_parts: (groups, K,
     # RSC) <- each group's dW (columns in the cols order: (r, s, c) with slab);
     # db_parts: (groups, K) float64 <- its sum of g
@@ -370,7 +262,7 @@ def _dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, pointw
         dwp = dw_parts[grp if need_dw else 0]                     # (K, RSC); (1, ...) without dW
         first = True
         for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
-            n0, n1, p0, p1 = _chunk(t, N, P, ipc, rpc)
+            n0, n1, p0, p1 = chunk(t, N, P, ipc, rpc)
             per = (p1 - p0) * Q
             m = (n1 - n0) * per
             beta = 0.0 if first else 1.0
@@ -378,7 +270,7 @@ def _dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, pointw
             if nhwc:
                 g = gbuf[:m * K].reshape((m, K))                  # (m, K)
                 m0 = n0 * PQ + p0 * Q
-                _g_hwc(gy.reshape((N * PQ, K)), y.reshape((N * PQ, K)), use_mask, m0, m0 + m,
+                gated_hwc(gy.reshape((N * PQ, K)), y.reshape((N * PQ, K)), use_mask, m0, m0 + m,
                        g, 0, dbp)                                 # rows of gy
                 if not need_dw:
                     continue
@@ -393,7 +285,7 @@ def _dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, pointw
             else:
                 g = gbuf[:K * m].reshape((K, m))                  # (K, m)
                 for n in range(n0, n1):
-                    _g_chw(gy, y, use_mask, n, p0, p1, PQ, Q, g, (n - n0) * per, dbp)
+                    gated_chw(gy, y, use_mask, n, p0, p1, PQ, Q, g, (n - n0) * per, dbp)
                 if not need_dw:
                     continue
                 if slab:
@@ -481,8 +373,10 @@ def _gcols_hwc(gy, y, use_mask, n, i0, i1, Wb, taps_r, off_r, taps_s, off_s, P, 
 
 
 @task_kernel
-def _dx_tasks(t0, t1, gy, y, use_mask, geo, ipc, rpc, chunks_per_phase, rows_max, taps_r,
-              off_r, nr, taps_s, off_s, ns, wphase, woff, blas, dx):
+def dx_tasks(t0, t1, gy, y, use_mask, geo, chunks, taps, weights, blas, dx):
+    ipc, rpc, chunks_per_phase, rows_max = chunks
+    taps_r, off_r, nr, taps_s, off_s, ns = taps
+    wphase, woff = weights
     # gy, y: (N, K, P, Q) | (N, P, Q, K); task t = (phase, chunk of that phase's input rows);
     # taps_r/off_r: (sh, R) the row taps of each row phase and their output-row offsets (nr[a]
     # valid), likewise taps_s/off_s/ns for columns; wphase: flat, phase f's w' at woff[f]
@@ -506,7 +400,7 @@ def _dx_tasks(t0, t1, gy, y, use_mask, geo, ipc, rpc, chunks_per_phase, rows_max
                 continue
         elif tc >= N * ((Ha + rpc - 1) // rpc):
             continue
-        n0, n1, i0, i1 = _chunk(tc, N, Ha, ipc, rpc)
+        n0, n1, i0, i1 = chunk(tc, N, Ha, ipc, rpc)
         per = (i1 - i0) * Wb
         m = (n1 - n0) * per
         T = nr[a] * ns[bph]
@@ -557,7 +451,7 @@ def _dx_tasks(t0, t1, gy, y, use_mask, geo, ipc, rpc, chunks_per_phase, rows_max
                                 dst[bph + j * sw] = s[j]
 
 
-def _phases(size_in, taps, stride, pad, dilation):
+def phases(size_in, taps, stride, pad, dilation):
     """Per input phase a < stride: its taps t with (a + pad - t*dilation) % stride == 0 and
     their output offsets (a + pad - t*dilation) // stride, as (stride, taps) arrays + counts."""
     tap = np.zeros((stride, taps), np.int64)
@@ -572,7 +466,7 @@ def _phases(size_in, taps, stride, pad, dilation):
     return tap, off, cnt
 
 
-def _phase_weights(w, tr, nr, ts, ns, nhwc):
+def phase_weights(w, tr, nr, ts, ns, nhwc):
     """w' of each phase, flat, and the offsets: NCHW (C, K*T) rows c, columns (k, r, s);
     NHWC (T*K, C), rows (r, s, k)."""
     K, C = w.shape[:2]

@@ -10,7 +10,7 @@ bias and ReLU, straight into y (NHWC) or into a (pixels, K) buffer transposed in
 The slab copies each input value about once (an NCHW source is transposed to HWC on the way,
 ``cpu_transpose``); im2col copied it R*S / (sh*sw) times and OpenBLAS packed the copy again.
 
-dW (``_implicit_dw_tasks``) reads the same slabs the other way round: for each tap (r, s),
+dW (``implicit_dw_tasks``) reads the same slabs the other way round: for each tap (r, s),
 dW_rs (K, C) += g^T (K, m) @ (the chunk's m pixel rows at that tap's offset), gathered by
 address (``cpu_gemm_taps.gemm_gather``), per fixed group of chunks as ``cpu_im2col``'s dW
 (whose g and db helpers it shares).
@@ -25,7 +25,7 @@ from numba import njit
 from .. import cpu_gemm_taps as _taps
 from ..cpu_launch import task_kernel
 from ..cpu_transpose import transpose
-from .cpu_im2col import _chunk, _g_chw, _g_hwc
+from .cpu_chunks import chunk, gated_chw, gated_hwc
 
 
 def fits(geom, dtype, pass_="forward"):
@@ -79,7 +79,9 @@ def _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows):
 
 
 @task_kernel
-def _implicit_tasks(t0, t1, x, wt, aoff, b, has_bias, relu, geo, ipc, rpc, Hmax, Ws, wide, y):
+def implicit_tasks(t0, t1, x, wt, aoff, b, flags, geo, sizes, y):
+    has_bias, relu, wide = flags
+    ipc, rpc, Hmax, Ws = sizes
     # x: (N, C, H, W) | (N, H, W, C); wt: (R*S, C, K) float32; aoff: (R*S,) int64 (tap_offsets);
     # y: (N, K, PQ) | (N, PQ, K); Hmax: slab rows of the tallest chunk; the chunks [t0, t1)
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
@@ -89,7 +91,7 @@ def _implicit_tasks(t0, t1, x, wt, aoff, b, has_bias, relu, geo, ipc, rpc, Hmax,
     rows = np.empty(mmax, np.int64)                   # each output pixel's slab address
     ybuf = np.empty((0 if nhwc else mmax) * K, np.float32)
     for t in range(t0, t1):
-        n0, n1, p0, p1 = _chunk(t, N, P, ipc, rpc)
+        n0, n1, p0, p1 = chunk(t, N, P, ipc, rpc)
         per = (p1 - p0) * Q
         m = (n1 - n0) * per
         _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows)
@@ -110,8 +112,10 @@ def _implicit_tasks(t0, t1, x, wt, aoff, b, has_bias, relu, geo, ipc, rpc, Hmax,
 
 
 @task_kernel
-def _implicit_dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, groups, need_dw,
-                       Hmax, Ws, aoff, wide, dw_parts, db_parts):
+def implicit_dw_tasks(t0, t1, x, gy, y, use_mask, geo, sizes, flags, aoff, parts):
+    ipc, rpc, nchunks, groups, Hmax, Ws = sizes
+    need_dw, wide = flags
+    dw_parts, db_parts = parts
     # gy, y: (N, K, PQ) | (N, PQ, K); dw_parts: (groups, R*S, K, C) <- each group's dW_rs
     # (K, C) = sum over its chunks of g^T (K, m) @ (the m pixels' tap-rs rows of the slab);
     # db_parts: (groups, K) float64 <- its sums of g (as cpu_im2col's dW: the same helpers)
@@ -127,13 +131,13 @@ def _implicit_dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, group
         dbp[:] = 0.0
         beta = 0
         for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
-            n0, n1, p0, p1 = _chunk(t, N, P, ipc, rpc)
+            n0, n1, p0, p1 = chunk(t, N, P, ipc, rpc)
             per = (p1 - p0) * Q
             m = (n1 - n0) * per
             if nhwc:
                 g = gbuf[:m * K].reshape((m, K))
                 m0 = n0 * PQ + p0 * Q
-                _g_hwc(gy.reshape((N * PQ, K)), y.reshape((N * PQ, K)), use_mask, m0, m0 + m,
+                gated_hwc(gy.reshape((N * PQ, K)), y.reshape((N * PQ, K)), use_mask, m0, m0 + m,
                        g, 0, dbp)
                 if not need_dw:
                     continue
@@ -142,7 +146,7 @@ def _implicit_dw_tasks(t0, t1, x, gy, y, use_mask, geo, ipc, rpc, nchunks, group
             else:
                 gt = gbuf[:K * m].reshape((K, m))
                 for n in range(n0, n1):
-                    _g_chw(gy, y, use_mask, n, p0, p1, PQ, Q, gt, (n - n0) * per, dbp)
+                    gated_chw(gy, y, use_mask, n, p0, p1, PQ, Q, gt, (n - n0) * per, dbp)
                 if not need_dw:
                     continue
             _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows)

@@ -49,7 +49,7 @@ from .. import cpu_blas as _blas
 from ..cpu_launch import task_kernel
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from ..cpu_transpose import transpose
-from .cpu_im2col import _chunk
+from .cpu_chunks import chunk
 from . import cpu_epilogue as _epi
 
 _relu = cpu_scalar(_relu_math)
@@ -431,7 +431,7 @@ def forward_tasks(t0, t1, src, gate, use_gate, U, chunks, bias, relu, blas, out)
     # zero-padded by top/left + bias), bias (Co,) zeros for none; src, gate: (N, Hs, Ws, Ci)
     # | (N, Ci, Hs, Ws); U: (16, Ci, Co) from winograd_taps. chunks = (top, left, ipc, tyb,
     # vs, ms, slabs): chunk t is images [n0, n1) (ipc > 1) or tile rows [ty0, ty1) of one
-    # image (_chunk); vs, ms: estride of V and M; slabs (NCHW): each image's input rows of
+    # image (chunk); vs, ms: estride of V and M; slabs (NCHW): each image's input rows of
     # the chunk are transposed to (rows, Ws, Ci) and its output rows computed as
     # (rows, Wo, Co), then transposed into out
     top, left, ipc, tyb, vs, ms, slabs = chunks
@@ -449,7 +449,7 @@ def forward_tasks(t0, t1, src, gate, use_gate, U, chunks, bias, relu, blas, out)
     slab = (np.empty(n_in, src.dtype), np.empty(n_in if use_gate else 0, src.dtype))
     ys = np.empty(2 * rows * Wo * Co if slabs else 0, src.dtype)  # output rows, HWC
     for t in range(t0, t1):
-        n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
+        n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
         _chunk_tiles(src, gate, use_gate, n0, n1, 2 * ty0 - top, nr, left, slabs, work, slab)
         _forward_gemms(blas, (n1 - n0) * nr * TX, work[2], U, M)
@@ -484,7 +484,7 @@ def forward_epilogue_tasks(t0, t1, x, U, chunks, blas, out, modes, ev, dg, parts
     acc = np.empty((2, ev.shape[1]))                              # epilogue sums, tiled
     shift = np.empty(ev.shape[1])
     for t in range(t0, t1):
-        n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
+        n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
         _epi.start_chunk(acc, counts, t)
         _chunk_tiles(x, x, OFF, n0, n1, 2 * ty0 - top, nr, left, slabs, work, slab)
@@ -535,7 +535,7 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, chunks, need_dw, blas, D_parts, db_part
         dbp[:] = 0.0
         beta = 0.0                                                # D = the first chunk's, then +=
         for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
-            n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
+            n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
             nr = ty1 - ty0
             T = (n1 - n0) * nr * TX
             for n in range(n0, n1):

@@ -38,7 +38,7 @@ from ..cpu_buffers import output_cache as _out
 from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
-from .cpu_im2col import _chunk, sum64, sum_groups, tile_chunks
+from .cpu_chunks import chunk, sum64, sum_groups, tile_chunks
 from .cpu_winograd import estride, gate_tiles, padded_rows_inline, vadd, vcopy, vsub
 
 _relu = cpu_scalar(_relu_math)
@@ -227,7 +227,7 @@ def _out_s2(M, t0, TX, p0, bias, relu, s, yn):
 def _s2_tasks(t0, t1, x, U, top, left, ipc, tyb, vs, ms, bias, relu, nhwc, wide, y):
     # x: (N, H, W, C) | (N, C, H, W); U: (25, C, K) float32 (taps); y: (N, P, Q, K) | (N, K,
     # P, Q) = relu?(the stride-2 3x3 correlation of x zero-padded by top/left + bias). Chunk t:
-    # images [n0, n1) (ipc > 1) or tile rows [ty0, ty1) of one image (_chunk); vs, ms:
+    # images [n0, n1) (ipc > 1) or tile rows [ty0, ty1) of one image (chunk); vs, ms:
     # estride of V and M. NCHW: each image's input rows of the chunk are transposed to (rows,
     # W, C) first and its output rows computed as (rows, Q, K), then transposed into y.
     if nhwc:
@@ -246,7 +246,7 @@ def _s2_tasks(t0, t1, x, U, top, left, ipc, tyb, vs, ms, bias, relu, nhwc, wide,
     xs = np.empty(0 if nhwc else (4 * rows + 1) * W * C, np.float32)   # input rows, HWC
     ys = np.empty(0 if nhwc else 2 * rows * Q * K, np.float32)         # output rows, HWC
     for t in range(t0, t1):
-        n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
+        n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
         T = (n1 - n0) * nr * TX
         _chunk_v(x, n0, n1, nr, TX, 4 * ty0 - top, left, L, not nhwc, xs, R, tv, V)
@@ -341,7 +341,7 @@ def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, nchunks, g
         dbp[:] = 0.0
         beta = 0
         for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
-            n0, n1, ty0, ty1 = _chunk(t, N, TY, ipc, tyb)
+            n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
             nr = ty1 - ty0
             T = (n1 - n0) * nr * TX
             for n in range(n0, n1):

@@ -30,7 +30,7 @@ from numba import njit
 
 from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
-from .cpu_im2col import _chunk, block_chunks
+from .cpu_chunks import block_chunks, chunk
 from .cpu_winograd import estride, padded_rows_inline, vcopy, vsub
 from .cpu_winograd_s2 import gemm_operands, gemms, taps
 
@@ -156,7 +156,7 @@ def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, top, left, ipc, ib, vs, ms, nhwc, w
     ysl = np.empty(0 if nhwc or not use_mask else (2 * rows + 1) * Q * K, np.float32)
     xs = np.empty(0 if nhwc else 4 * rows * W * C, np.float32)          # dx's rows, HWC
     for t in range(t0, t1):
-        n0, n1, i0, i1 = _chunk(t, N, IY, ipc, ib)
+        n0, n1, i0, i1 = chunk(t, N, IY, ipc, ib)
         nr = i1 - i0
         T = (n1 - n0) * nr * IX
         u0 = 2 * i0 + c0h                             # the chunk's first g row

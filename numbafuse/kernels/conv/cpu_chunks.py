@@ -1,0 +1,131 @@
+r"""How the CPU conv passes cut their work and gather their gradients: chunks (blocks of
+output rows of one image, or several whole images; for Winograd, of 2x2 tiles), the gated
+gradient g = gy * (y > 0) of a chunk with its bias-gradient sums, and the partials of fixed
+groups of chunks summed in group order (results do not depend on the thread count).
+
+    chunk(t, N, rows, ipc, rpc) -> (n0, n1, r0, r1)   images and rows of chunk t (compiled)
+    nchunks, balanced, tile_chunks, block_chunks     the chunking, on the host
+    gated_chw, gated_hwc                             g of a chunk's pixels, db += its sums
+    sum_groups(parts), sum64(a)                      group-order and float64 sums
+"""
+import numpy as np
+from numba import njit
+
+from ..cpu_launch import blocks, launch, task_kernel
+from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
+
+_relu_grad = cpu_scalar(_relu_grad_math)
+
+
+# --------------------------------------------------------------------------- chunking
+
+@njit(inline="always")
+def chunk(t, N, rows, ipc, rpc):
+    """Chunk t: images [n0, n1), rows [r0, r1) of each."""
+    if ipc > 1:
+        n0 = t * ipc
+        return n0, min(N, n0 + ipc), 0, rows
+    nblk = (rows + rpc - 1) // rpc
+    n0 = t // nblk
+    r0 = (t - n0 * nblk) * rpc
+    return n0, n0 + 1, r0, min(rows, r0 + rpc)
+
+
+def count_chunks(N, rows, ipc, rpc):
+    """How many chunks ``chunk`` numbers: of ``ipc`` images, or of ``rpc`` rows of one."""
+    return blocks(N, ipc) if ipc > 1 else N * blocks(rows, rpc)
+
+
+def balanced(rows, most):
+    """Rows per block: at most ``most``, the blocks of ``rows`` as even as can be (blocks of
+    7, 7 and 2 rows become 6, 6 and 4: a tiny last block runs its GEMMs slowly)."""
+    most = max(1, min(int(most), rows))
+    return -(-rows // -(-rows // most))
+
+
+def tile_chunks(N, Ho, Wo, nhwc, tiles):
+    """(images per chunk, tile rows per chunk, chunks, most tiles of a chunk) of a Winograd
+    pass over an Ho x Wo output in 2x2 tiles: ~``tiles`` tiles (NCHW rows of tiles carry
+    one junk tile each), whole images when an image has fewer."""
+    TY, TX = (Ho + 1) // 2, (Wo + 1) // 2
+    return block_chunks(N, TY, TX if nhwc else TX + 1, tiles)
+
+
+def block_chunks(N, TY, per_row, tiles):
+    """tile_chunks of TY rows of ``per_row`` tiles (blocks) an image."""
+    if TY * per_row <= tiles:
+        ipc, tyb = balanced(N, tiles // (TY * per_row)), TY
+    else:
+        ipc, tyb = 1, balanced(TY, tiles // per_row)
+    most = (ipc * TY if ipc > 1 else tyb) * per_row
+    return ipc, tyb, count_chunks(N, TY, ipc, tyb), most
+
+
+SUM_BLOCK = 1 << 14        # values per task of _sum_groups_tasks (read on the host: a
+                           # global read inside a kernel is frozen into its cached code)
+
+
+@task_kernel
+def _sum_groups_tasks(t0, t1, parts, block, out):
+    # parts: (G, n) -> out (n,) = parts[0] + parts[1] + ... in group order, per value (the
+    # same order on any thread count); task t: values [t*block, (t+1)*block)
+    G, n = parts.shape
+    for t in range(t0, t1):
+        i0, i1 = t * block, min(n, (t + 1) * block)
+        dst = out[i0:i1]
+        src = parts[0, i0:i1]
+        for i in range(i1 - i0):
+            dst[i] = src[i]
+        for g in range(1, G):
+            src = parts[g, i0:i1]
+            for i in range(i1 - i0):
+                dst[i] += src[i]
+
+
+def sum_groups(parts, dtype=None):
+    """``parts`` (G, ...) summed over its first axis in group order, on the pool: an array of
+    shape ``parts.shape[1:]`` in ``dtype`` (default: parts' dtype)."""
+    flat = parts.reshape(parts.shape[0], -1)                      # (G, n)
+    out = np.empty(flat.shape[1], dtype or parts.dtype)
+    launch(_sum_groups_tasks, blocks(flat.shape[1], SUM_BLOCK), flat, SUM_BLOCK, out,
+           work=flat.size, grain=1)
+    return out.reshape(parts.shape[1:])
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def sum64(a):
+    # float64 sum of a 1-d array, vectorised (reassociated in a fixed, compiled order: the same
+    # result on every call, whatever the thread count)
+    s = 0.0
+    for i in range(a.shape[0]):
+        s += a[i]
+    return s
+
+
+@njit(inline="always")
+def gated_chw(gy, y, use_mask, n, p0, p1, PQ, Q, g, col0, db):
+    # gy, y: (N, K, PQ); g: (K, ld) <- gy * (y > 0) of pixels [p0*Q, p1*Q) at col0; db: (K,)
+    # float64 += the sums (sum64 per row, a fixed order)
+    K = g.shape[0]
+    a, b = p0 * Q, p1 * Q
+    L = b - a
+    for k in range(K):
+        gyr = gy[n, k, a:b]                                       # (L,)
+        yr = y[n, k, a:b]
+        dst = g[k, col0:col0 + L]
+        for i in range(L):
+            dst[i] = _relu_grad(gyr[i], yr[i]) if use_mask else gyr[i]
+        db[k] += sum64(dst)
+
+
+@njit(inline="always")
+def gated_hwc(gy2, y2, use_mask, m0, m1, g, row0, db):
+    # gy2, y2: (N*PQ, K); g: (rows, K) <- gy * (y > 0) of rows [m0, m1) at row0; db: (K,)
+    # float64 += the column sums, row by row (a fixed order)
+    K = g.shape[1]
+    for m in range(m0, m1):
+        gyr, yr, dst = gy2[m], y2[m], g[row0 + m - m0]            # (K,) each
+        for k in range(K):
+            v = _relu_grad(gyr[k], yr[k]) if use_mask else gyr[k]
+            dst[k] = v
+            db[k] += v
