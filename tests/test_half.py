@@ -181,6 +181,23 @@ def test_batchnorm_half_inputs_are_not_written(backend):
         np.testing.assert_array_equal(backend.get(a), b)
 
 
+def test_the_tape_keeps_half_arrays(backend):
+    """Backward keeps x, w, y in half (no float32 copy held): conv_bias_relu saves x, w and y;
+    batchnorm_add_relu x, float64 mean and invstd, float32 gamma and y or its packed mask."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 3, 5, 5)).astype(np.float16)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float16)
+    tx, tw = (nf.Tensor(backend.put(a), requires_grad=True) for a in (x, w))
+    y = nf.conv_bias_relu(tx, tw, padding=1)
+    assert nf.saved_bytes(y) == 2 * (x.size + w.size + y.data.size)
+    C = x.shape[1]
+    tensors = [nf.Tensor(backend.put(a), requires_grad=True)
+               for a in (x, x, np.ones(C, np.float32), np.zeros(C, np.float32))]
+    for save, state in (("output", 2 * x.size), ("mask", -(-x.size // 8))):
+        y = nf.batchnorm_add_relu(*tensors, save=save)
+        assert nf.saved_bytes(y) == 2 * x.size + 2 * 8 * C + 4 * C + state, save
+
+
 @pytest.mark.parametrize("name", sorted(n for n in OPS if OPS[n].half))
 def test_ops_whose_spec_says_half_take_float16(name, backend):
     """Each op whose ``OpSpec.half`` says so (the docs' dtype table is read from it) takes
