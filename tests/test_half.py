@@ -220,6 +220,56 @@ def test_ops_whose_spec_says_half_take_float16(name, backend):
     run_property(f"half spec {name} {backend}", 4 * backend.cost, body)
 
 
+def _within_one_ulp(a, b, what):
+    """``a`` and ``b`` (half arrays) differ by at most one unit in the last place of ``b``:
+    both rounded once from float32 arithmetic (the sum orders differ)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype, f"{what}: {a.dtype} vs {b.dtype}"
+    diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    ulp = np.spacing(np.abs(b)).astype(np.float64)
+    assert (diff <= ulp * 1.001).all(), f"{what}: {diff.max()} > 1 ulp"
+
+
+def test_half_agrees_with_pytorch():
+    """As PyTorch on the CPU (float16 x, float32 batch-norm parameters and running
+    statistics, float32 arithmetic): y and dx within one half ulp, dgamma, dbeta and the
+    running statistics float32 as PyTorch's; conv_bias_relu and its gradients likewise."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 5, 6, 7)).astype(np.float16)
+    gamma, beta = rng.uniform(0.5, 1.5, 5).astype(np.float32), rng.standard_normal(5, np.float32)
+    rm, rv = rng.standard_normal(5, np.float32), rng.uniform(0.5, 2.0, 5).astype(np.float32)
+    t_rm, t_rv = torch.tensor(rm), torch.tensor(rv)
+    dy = rng.standard_normal(x.shape).astype(np.float16)
+    ours = [nf.Tensor(a, requires_grad=True) for a in (x, gamma, beta)]
+    theirs = [torch.tensor(a, requires_grad=True) for a in (x, gamma, beta)]
+    y = nf.batchnorm(*ours, running_mean=rm, running_var=rv, momentum=0.2)
+    t_y = F.batch_norm(theirs[0], t_rm, t_rv, *theirs[1:], training=True, momentum=0.2)
+    _within_one_ulp(y.data, t_y.detach().numpy(), "batchnorm y")
+    np.testing.assert_allclose(rm, t_rm.numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(rv, t_rv.numpy(), rtol=1e-6, atol=1e-7)
+    y.backward(dy)
+    t_y.backward(torch.tensor(dy))
+    _within_one_ulp(ours[0].grad, theirs[0].grad.numpy(), "batchnorm dx")
+    for mine, other, name in zip(ours[1:], theirs[1:], ("dgamma", "dbeta")):
+        assert mine.grad.dtype == np.float32 and other.grad.dtype == torch.float32
+        np.testing.assert_allclose(mine.grad, other.grad.numpy(), rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+    w = (rng.standard_normal((4, 5, 3, 3)) / 6).astype(np.float16)
+    b = rng.standard_normal(4).astype(np.float16)
+    ours = [nf.Tensor(a, requires_grad=True) for a in (x, w, b)]
+    theirs = [torch.tensor(a, requires_grad=True) for a in (x, w, b)]
+    y = nf.conv_bias_relu(*ours, stride=2, padding=1)
+    t_y = torch.relu(F.conv2d(*theirs, stride=2, padding=1))
+    _within_one_ulp(y.data, t_y.detach().numpy(), "conv_bias_relu y")
+    dy = rng.standard_normal(y.shape).astype(np.float16)
+    y.backward(dy)
+    t_y.backward(torch.tensor(dy))
+    for mine, other, name in zip(ours, theirs, ("dx", "dw", "db")):
+        _within_one_ulp(mine.grad, other.grad.numpy(), f"conv_bias_relu {name}")
+
+
 def test_half_tolerances_are_stated():
     """Every half dtype numbafuse takes has a tolerance in TOL (no KeyError in a test)."""
     assert set(HALF) <= set(TOL)
