@@ -2,10 +2,11 @@ r"""Conv -> BatchNorm (-> ReLU) and Conv -> BatchNorm -> Add -> ReLU on torch te
 with recompute: backward keeps the conv's input, not the conv's output.
 
     conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None, training=True,
-                        momentum=0.1, eps=1e-5, stride=1, padding=0, dilation=1, relu=True)
+                        momentum=0.1, eps=1e-5, stride=1, padding=0, dilation=1, relu=True,
+                        groups=1)
     conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_var=None,
                             training=True, momentum=0.1, eps=1e-5, stride=1, padding=0,
-                            dilation=1)
+                            dilation=1, groups=1)
 
 Notation as in :mod:`numbafuse.ops.conv_batchnorm`: ``h = conv2d(x, w)`` (no bias) is the batch
 norm's input, K its channels, M = N*P*Q the values per channel, ``xhat = (h - mean) * invstd``.

@@ -1,11 +1,12 @@
-r"""The bridge between torch tensors and numbafuse's arrays, and the two fused layers of the
-first PyTorch release: Conv-Bias-ReLU and BatchNorm-Add-ReLU (functions and modules).
+r"""The bridge between torch tensors and numbafuse's arrays, and the fused layers
+Conv-Bias-ReLU and BatchNorm-Add-ReLU (functions and modules).
 
-    conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1)
+    conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, groups=1)
     batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None,
                        training=True, momentum=0.1, eps=1e-5)
     ConvBiasReLU2d(in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                   bias=True, device=None, dtype=None)    # the state_dict of torch.nn.Conv2d
+                   bias=True, device=None, dtype=None, *, groups=1)
+                                        # the state_dict of torch.nn.Conv2d
     BatchNormAddReLU2d(num_features, eps=1e-5, momentum=0.1, device=None, dtype=None)
                                         # m(x, z); the state_dict of torch.nn.BatchNorm2d
 
