@@ -64,6 +64,7 @@ CPU_CASES = [
     ("conv 1x1 s1", "conv", (4, 32, 8, 8), 1, 1, 32),
     ("conv 1x1 s2", "conv", (4, 32, 8, 8), 1, 2, 64),
     ("conv 3x3 stem (few channels)", "conv", (4, 3, 16, 16), 3, 1, 32),
+    ("conv 7x7 s2 stem (implicit forward)", "conv", (2, 3, 16, 16), 7, 2, 64),
     ("conv-batchnorm-relu 3x3", "cbr", (8, 32, 8, 8), 3, 1, 32),
     ("batchnorm-add-relu", "bn", (8, 32, 8, 8), 0, 0, 0),
 ]

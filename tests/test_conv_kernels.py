@@ -150,7 +150,7 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     reference, and bitwise the same on 1 and 3 threads. The path is asserted, so a change of
     the rules cannot skip it."""
     conv_rules(taps=True, wide=wide, winograd_s2=False,      # the stride-2 Winograd: below
-               min_gemm_channels=1, nchw_im2col_channels=1)
+               min_gemm_channels=1, nchw_im2col_channels=1, implicit_max_channels=1 << 30)
     rng = np.random.default_rng(size + K)
     N = 3
     shape = (N, C, size, size + 2) if layout == "NCHW" else (N, size, size + 2, C)
@@ -285,16 +285,27 @@ def test_winograd_s2_only_where_it_fits(conv_rules):
     for other in (g("t", (2, 9, 9, 32), (16, 32, 3, 3), 3, 1, 1, "NHWC"),    # stride 3
                   g("t", (2, 9, 9, 32), (16, 32, 3, 3), (2, 1), 1, 1, "NHWC"),
                   g("t", (2, 9, 9, 32), (16, 32, 3, 3), 2, 2, 2, "NHWC"),    # dilated
-                  g("t", (2, 9, 9, 32), (16, 32, 5, 5), 2, 1, 1, "NHWC"),
-                  g("t", (2, 9, 9, 8), (32, 8, 3, 3), 2, 1, 1, "NHWC"),      # C < 16
-                  g("t", (2, 9, 9, 128), (168, 128, 3, 3), 2, 1, 1, "NHWC")):  # U > 2 MiB
+                  g("t", (2, 9, 9, 32), (16, 32, 5, 5), 2, 1, 1, "NHWC")):
         for pass_ in ("forward", "dx", "dw"):
             assert cpu_conv.algorithm(other, pass_) != "winograd_s2"
+    # C < 16: the forward by the implicit GEMM (a stem's), dW by im2col; dX's GEMMs have
+    # k = K (32): Winograd
+    few = g("t", (2, 9, 9, 8), (32, 8, 3, 3), 2, 1, 1, "NHWC")
+    assert cpu_conv.algorithm(few, "forward") == "implicit"
+    assert cpu_conv.algorithm(few, "dw") == "im2col"
+    assert cpu_conv.algorithm(few, "dx") == "winograd_s2"
+    # the transformed taps' limits: 2 MiB forward and dW, 16 MiB dX
     big = g("t", (2, 9, 9, 128), (160, 128, 3, 3), 2, 1, 1, "NHWC")          # U = 2000 KiB
     for pass_ in ("forward", "dx", "dw"):
         assert cpu_conv.algorithm(big, pass_) == "winograd_s2"
+    bigger = g("t", (2, 9, 9, 128), (168, 128, 3, 3), 2, 1, 1, "NHWC")       # U = 2100 KiB
+    assert cpu_conv.algorithm(bigger, "forward") != "winograd_s2"
+    assert cpu_conv.algorithm(bigger, "dw") != "winograd_s2"
+    assert cpu_conv.algorithm(bigger, "dx") == "winograd_s2"
+    largest = g("t", (2, 9, 9, 512), (328, 512, 3, 3), 2, 1, 1, "NHWC")     # U = 16400 KiB
+    assert cpu_conv.algorithm(largest, "dx") != "winograd_s2"
     conv_rules(winograd_s2=False)
-    assert cpu_conv.algorithm(s2, "forward") == "implicit"
+    assert cpu_conv.algorithm(s2, "forward") == "im2col"        # implicit: few channels only
     assert cpu_conv.algorithm(s2, "dw") == "implicit"
     assert cpu_conv.algorithm(s2, "dx") == "phase"
     # U = G g G^T with G = [1 0 0; 1 0 1; 0 0 1; 0 1 0; 0 1 0], rounded once from float64
@@ -308,7 +319,7 @@ def test_winograd_s2_only_where_it_fits(conv_rules):
 def test_taps_tiles_only_where_they_fit(conv_rules):
     """float64, K (forward) or C (dW) not a multiple of 8, NCHW 1x1 and the rules' ``taps``
     off keep the other paths."""
-    conv_rules(winograd_s2=False, taps=True)
+    conv_rules(winograd_s2=False, taps=True, implicit_max_channels=1 << 30)
     g = nf.validate.conv_geometry
     strided = g("t", (2, 9, 9, 32), (16, 32, 3, 3), 2, 1, 1, "NHWC")
     for pass_ in ("forward", "dw"):
@@ -345,7 +356,8 @@ def test_float64_keeps_its_precision_where_float32_has_own_paths(layout, kind, k
     not float32's (the dX once chose its kernel without the dtype and ran the stride-2
     Winograd on float64 data: dx to 2e-7)."""
     # the Winograd forward at 50 tiles; the stride-2 Winograd or else the implicit GEMM
-    conv_rules(taps=True, winograd_min_tiles=0, winograd_s2=kind == "winograd_s2")
+    conv_rules(taps=True, winograd_min_tiles=0, winograd_s2=kind == "winograd_s2",
+               implicit_max_channels=1 << 30)
     rng = np.random.default_rng(34)
     N, C, K, H, W = 2, 32, 32, 9, 9
     x = rng.standard_normal((N, C, H, W) if layout == "NCHW" else (N, H, W, C))
@@ -446,7 +458,7 @@ def test_channel_counts_of_the_small_gemm(layout, kernel, stride, padding, dilat
                                               (8, 7, "winograd"), (32, 8, "winograd")])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_winograd_forward_needs_enough_tiles(N, size, forward, layout):
-    # a 3x3 stride-1 forward with fewer than winograd_min_tiles (128) 2x2 output tiles in the
+    # a 3x3 stride-1 forward and dW with fewer than winograd_min_tiles (128) 2x2 output tiles in the
     # batch runs im2col (deep layers' 2x2 and 4x4 maps: 2-4x faster there); dX and dW stay
     # Winograd. 7 images of 8x8 are 112 tiles, 8 are 128 (the edge), and 7x7 maps have 4x4
     # tiles an image as 8x8 maps do
@@ -454,5 +466,5 @@ def test_winograd_forward_needs_enough_tiles(N, size, forward, layout):
     geom = nf.validate.conv_geometry("t", shape, (64, 64, 3, 3), 1, 1, 1, layout)
     tiles = N * ((geom.P + 1) // 2) * ((geom.Q + 1) // 2)
     assert (tiles >= RULES.winograd_min_tiles) == (forward == "winograd")
-    assert cpu_conv.algorithm(geom, "forward") == forward
-    assert cpu_conv.algorithm(geom, "dx") == cpu_conv.algorithm(geom, "dw") == "winograd"
+    assert cpu_conv.algorithm(geom, "forward") == cpu_conv.algorithm(geom, "dw") == forward
+    assert cpu_conv.algorithm(geom, "dx") == "winograd"

@@ -57,13 +57,17 @@ class Rules(NamedTuple):
     dw_groups: int = 16
     # 2x2 output tiles per Winograd chunk (the GEMMs' n)
     winograd_tiles: int = 160
-    # a 3x3 stride-1 forward with fewer 2x2 output tiles in the whole batch runs im2col: the
-    # transformed taps (16 C K values, formed every call) and GEMMs of few rows cost more than
-    # the products saved. fwd ms, 2 threads, NCHW, batch 16, 3x3 C = K: 2x2 maps, 512
+    # a 3x3 stride-1 forward and dW with fewer 2x2 output tiles in the whole batch run im2col:
+    # the transformed taps (16 C K values, formed every call) and GEMMs of few rows cost more
+    # than the products saved. fwd ms, 2 threads, NCHW, batch 16, 3x3 C = K: 2x2 maps, 512
     # channels (16 tiles) Winograd 33.0, im2col 7.9; 4x4, 256 (64 tiles) 8.3 and 4.3; 8x8,
-    # 128 (256 tiles) 2.6 and 3.5. dX and dW stay Winograd (im2col's took 1.6-2x)
+    # 128 (256 tiles) 2.6 and 3.5. dW, 1 thread, batch 16 (CPU ms, NCHW / NHWC): 16 tiles
+    # Winograd 26.7 / 18.8, im2col 15.4 / 11.8; 64 tiles 6.3 / 5.8 and 7.0 / 4.1; 256 tiles
+    # 3.4 / 3.2 and 5.5 / 3.5. dX stays Winograd (16 tiles: 19.0 against im2col's 70.9)
     winograd_min_tiles: int = 128
-    # fewer input or output channels: im2col (one GEMM with k = C*R*S; the GEMM paths' k = C)
+    # fewer input or output channels: im2col (one GEMM with k = C*R*S; the GEMM paths' k = C).
+    # dX's GEMMs have k = K (the phase planes') or T*K: its rule reads K alone. A stem's dX
+    # (7x7/2, 3 -> 64, batch 16, 64x64, 1 thread): phase 8.9 / 9.5 ms, im2col 35.0 / 15.7
     min_gemm_channels: int = 16
     # NCHW forward and dW with fewer channels (not by Winograd): im2col; with more, a strided
     # NCHW forward and dW gathers over NHWC slabs of each chunk's rows (``Plan.slab``)
@@ -71,6 +75,11 @@ class Rules(NamedTuple):
     # what a strided forward and dW run that no implicit or stride-2 Winograd pass takes:
     # "im2col" (one GEMM with k = R*S*C) beat "phase" (R*S GEMMs with k = C)
     strided: str = "im2col"
+    # the implicit GEMM runs a strided float32 forward only where the input has fewer
+    # channels: at ResNet-18/50's 1x1/2 and 3x3/2 layers (batch 16, 64x64 input, 1 thread)
+    # im2col took 0.6-0.9x its time (l4 3x3/2 256 -> 512: 2.8 against 10.1 ms), at the stem
+    # (7x7/2, 3 -> 64) 1.5-1.9x (9.4 against 5.0 ms NCHW, 6.3 against 4.2 NHWC)
+    implicit_max_channels: int = 15
     # 16-float register tiles (AVX-512) rather than 8-float ones
     wide: bool = _gemm_taps.WIDE
     # the register tiles of cpu_gemm_taps for the strided forward and dW (implicit), the NHWC
@@ -81,8 +90,13 @@ class Rules(NamedTuple):
     # the implicit GEMM and phase dX (AVX-512) and im2col (AVX2) ...
     winograd_s2: bool = True
     # ... with transformed taps (25 C K floats, read by every chunk) of at most this many
-    # bytes: at 256 -> 512 channels fwd+bwd took 1.2-1.3x the other paths' time
+    # bytes (forward, dW): at 256 -> 512 channels fwd+bwd took 1.2-1.3x the other paths'
+    # time; l4 3x3/2 forward 10.8 against im2col's 2.8 ms, dW 24.6 against implicit's 9.6 ...
     winograd_s2_taps_bytes: int = 2 << 20
+    # ... and for dX (phase, the alternative, has more to gain from): 1 thread, batch 16, ms
+    # NCHW / NHWC: 128 -> 256 (3.3 MB of taps) 2.3 / 2.2 against phase's 3.3 / 1.6; 256 ->
+    # 512 (13 MB) 7.4 / 7.4 against 10.8 / 11.1
+    winograd_s2_dx_taps_bytes: int = 16 << 20
     # 2x2 output tiles (dX: 4x4 blocks of dx) per stride-2 Winograd chunk: the GEMMs' m
     winograd_s2_tiles: int = 64
     # a backward touching fewer elements (x, gy twice) runs dX and dW at once, each on one
@@ -170,25 +184,28 @@ def _slab(geom, rules):
 
 def choose(geom, pass_, dtype, rules):
     """The algorithm ``rules`` pick for ``pass_`` of ``geom`` on ``dtype`` inputs."""
+    strided = geom.sh > 1 or geom.sw > 1
+    implicit = (rules.taps and strided and supports("implicit", geom, pass_, dtype)
+                and (pass_ == "dw" or geom.C <= rules.implicit_max_channels))
     if is_pointwise(geom):
         return "pointwise"
-    if min(geom.C, geom.K) < rules.min_gemm_channels:
-        return "im2col"
+    if (geom.K if pass_ == "dx" else min(geom.C, geom.K)) < rules.min_gemm_channels:
+        return "implicit" if implicit and pass_ == "forward" else "im2col"
     if _is_winograd(geom):
         # on HWC slabs for NCHW too: Winograd won at every width and channel count measured
-        # from 16 up, except the forward of few tiles
+        # from 16 up, except the forward and dW of few tiles
         tiles = geom.N * ((geom.P + 1) // 2) * ((geom.Q + 1) // 2)
-        return "im2col" if pass_ == "forward" and tiles < rules.winograd_min_tiles else "winograd"
+        few = pass_ != "dx" and tiles < rules.winograd_min_tiles
+        return "im2col" if few else "winograd"
+    limit = rules.winograd_s2_dx_taps_bytes if pass_ == "dx" else rules.winograd_s2_taps_bytes
     if (rules.winograd_s2 and _wino_s2.fits(geom, dtype, pass_)
-            and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= rules.winograd_s2_taps_bytes):
+            and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= limit):
         return "winograd_s2"
     if geom.layout == "NCHW" and pass_ != "dx" and min(geom.C, geom.K) < rules.nchw_im2col_channels:
         return "im2col"
-    if geom.sh == geom.sw == 1:
+    if not strided or pass_ == "dx":
         return "phase"
-    if rules.taps and supports("implicit", geom, pass_, dtype):
-        return "implicit"
-    return "phase" if pass_ == "dx" else rules.strided
+    return "implicit" if implicit else rules.strided
 
 
 def _taps_mode(algorithm, geom, pass_, dtype, rules):
