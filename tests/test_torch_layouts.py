@@ -360,3 +360,24 @@ def test_cuda_branch_views_channels_last_as_nhwc(monkeypatch):
     back = nft.as_tensor(object(), torch.device("cuda", 0), "NHWC")
     assert back.shape == (2, 3, 4, 5) and back.is_contiguous(memory_format=CL)
     assert back.data_ptr() == nhwc.data_ptr()
+
+
+def test_fuse_resnext_grouped_bottlenecks():
+    """torchvision's ResNeXt code (numbafuse.torch.resnet, groups=4, width_per_group=16, tiny
+    widths): every conv and batch norm fused, grouped 3x3 convs included; the fused model
+    computes what the model computes (float64, 2 training steps and eval)."""
+    from .test_torch_fuse import _assert_same
+    torch.manual_seed(0)
+    model = nft.ResNet(nft.Bottleneck, [1, 1], num_classes=3, groups=4, width_per_group=16,
+                       width=8).double()
+    assert model.layer1[0].conv2.groups == 4 and model.layer1[0].conv2.in_channels == 8
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    fused = nft.fuse(model)
+    assert not any(line.startswith("refused") for line in fused.fuse_log)
+    convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
+    assert sum(line.startswith("Fuse Conv2d") for line in fused.fuse_log) == convs
+    _assert_same(model, fused, torch.randn(2, 3, 16, 16, dtype=torch.float64))
+    assert nft.resnext50_32x4d().layer1[0].conv2.groups == 32

@@ -18,7 +18,8 @@ r"""PyTorch interoperation (extra ``torch``): numbafuse's fused ops inside PyTor
 
 Tensors may be contiguous or ``torch.channels_last`` (numbafuse's NHWC kernels, zero-copy;
 the outputs keep the format); modules take ``device=`` and ``dtype=`` as torch's.
-    resnet18(**kw), resnet50(**kw), ResNet, BasicBlock, Bottleneck   # torchvision's names
+    resnet18(**kw), resnet50(**kw), resnext50_32x4d(**kw), ResNet, BasicBlock, Bottleneck
+                               # torchvision's names
 
 Modules of this package: ``layers`` (the tensor/array bridge, Conv-Bias-ReLU,
 BatchNorm-Add-ReLU), ``conv_batchnorm`` (Conv-BatchNorm(-ReLU) and Conv-BatchNorm-Add-ReLU
@@ -39,7 +40,7 @@ from .conv_batchnorm import (ConvBatchNormAddReLUFunction, ConvBatchNormReLUFunc
 from .fx import fuse, unfuse
 from .modules import ConvBatchNorm2d, ConvBatchNormAddReLU2d, ConvBatchNormReLU2d
 from . import library  # noqa: F401,E402  (registers torch.ops.numbafuse.*)
-from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50
+from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50, resnext50_32x4d
 from .layers import (  # noqa: F401  (the bridge's names, for tests and benchmarks)
                      DEVICE_TYPES, FLOAT_DTYPES, LAYOUT, BatchNormAddReLU2d,
                      BatchNormAddReLUFunction, ConvBiasReLU2d, ConvBiasReLUFunction, as_array,
@@ -51,4 +52,4 @@ __all__ = ["fuse", "unfuse", "conv_bias_relu", "batchnorm_add_relu", "conv_batch
            "ConvBatchNormReLU2d", "ConvBatchNorm2d", "ConvBatchNormAddReLU2d",
            "ConvBiasReLUFunction", "BatchNormAddReLUFunction", "ConvBatchNormReLUFunction",
            "ConvBatchNormAddReLUFunction", "ResNet", "BasicBlock", "Bottleneck", "resnet18",
-           "resnet50"]
+           "resnet50", "resnext50_32x4d"]
