@@ -51,7 +51,7 @@ def test_conv_bias_relu_half(backend):
 
     def body(draw):
         limits = CONV_SMALL if backend.small else {}
-        p = draw(nfs.conv_problems(dtype=draw(st.sampled_from(dtypes)), **limits))
+        p = draw(nfs.conv_problems(dtype=draw(st.sampled_from(dtypes)), groups=True, **limits))
         dtype, kw = p.x.dtype, p.kwargs
         x, w, b = (None if a is None else backend.put(a) for a in (p.x, p.w, p.b))
         y = backend.get(nf.conv_bias_relu(x, w, b, **kw))
