@@ -37,6 +37,12 @@ training=True) -> (dx, dgamma, dbeta, dz)``
     ``r_var = (1-m) r_var + m var * count / (count - 1)``.
 ``mask_nbytes(size)``: bytes of the packed mask of ``size`` elements (``ceil(size / 8)``).
 
+Half precision (float16; bfloat16 on the CPU): the ops and ``bn_backward`` convert half x, z,
+dy, y and half parameters to float32 (``ops/precision.py``), run the float32 kernels and
+convert y, dx, dz back; dgamma and dbeta come back in gamma's dtype, half running statistics
+are updated in float32 and written back. The array helpers above (``bn_stats``, ``bn_apply``)
+take float32/float64 arrays only.
+
 Packed ReLU mask: a 1-d uint8 array of ``ceil(size/8)`` bytes; bit ``j % 8`` of byte ``j // 8``
 is set where ``y.reshape(-1)[j] > 0`` (flat index in x's own layout): 32x smaller than a
 float32 y, 64x than a float64 one.

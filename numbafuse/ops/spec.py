@@ -72,9 +72,10 @@ otherwise; a mix is a `TypeError` naming the op and the argument. The half-preci
 float16 arrays (bfloat16 too on the CPU where `ml_dtypes` is importable; numba.cuda has no
 bfloat16) and compute in float32, as cuDNN and PyTorch autocast do: float32 accumulation, one
 rounding of each result to half. Batch-norm parameters and running statistics of a half x are
-x's dtype or float32 (all one dtype: PyTorch's rule), the batch statistics and the saved
-mean/invstd are float64 (as for every dtype), and dgamma, dbeta come back in the parameters'
-dtype.
+x's dtype or float32, all one dtype; those of a float32 or float64 x are x's dtype (PyTorch's
+rules: it refuses float64 parameters with a float32 x, and float16 ones with a float32 or
+bfloat16 x). The batch statistics and the saved mean/invstd are float64 (as for every dtype),
+and dgamma, dbeta come back in the parameters' dtype.
 
 How half runs: the conversion is at the op boundary, in one place (`numbafuse/ops/precision.py`:
 `compute`, `store`, `store_into`): half inputs are converted to float32, the float32 kernels

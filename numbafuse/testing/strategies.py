@@ -54,8 +54,8 @@ SEEDS = st.integers(0, 2**32 - 1)
 
 
 def dtypes(half=False):
-    """float32 or float64; with ``half`` also the half-precision dtypes (the ops that take
-    them: conv_bias_relu, conv2d, conv_bias, batchnorm_add_relu, batchnorm)."""
+    """float32 or float64; with ``half`` also the half-precision dtypes (the ops whose
+    ``OpSpec.half`` says so; bfloat16 runs on the CPU only: draw float16 for CUDA)."""
     return st.sampled_from(DTYPES + HALF_DTYPES if half else DTYPES)
 
 
