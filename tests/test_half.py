@@ -18,7 +18,7 @@ from numbafuse import validate
 
 from numbafuse.ops import OPS
 
-from .harness import TOL, call_keywords, close, run_property
+from .harness import TOL, call_keywords, check_deterministic, close, run_property
 from .op_cases import BN_SMALL, CASES, CONV_SMALL
 
 HALF = validate.HALF_DTYPES
@@ -201,8 +201,9 @@ def test_the_tape_keeps_half_arrays(backend):
 @pytest.mark.parametrize("name", sorted(n for n in OPS if OPS[n].half))
 def test_ops_whose_spec_says_half_take_float16(name, backend):
     """Each op whose ``OpSpec.half`` says so (the docs' dtype table is read from it) takes
-    float16 arrays, drawn by its op case, and returns float16 of the reference's shape; the
-    arguments its ``half_params`` name may be float32."""
+    float16 arrays, drawn by its op case, and returns float16 of the reference's shape (the
+    arguments its ``half_params`` name may be float32); two runs, forward and tape backward,
+    are bit-identical (the harness's determinism check)."""
     case = CASES[name]
 
     def body(draw):
@@ -216,6 +217,7 @@ def test_ops_whose_spec_says_half_take_float16(name, backend):
                                **call_keywords(ex, backend))
         y = backend.get(y)
         assert y.dtype == np.float16 and y.shape == np.shape(case.expected(ex)[0])
+        check_deterministic(case, backend, ex, draw)
 
     run_property(f"half spec {name} {backend}", 4 * backend.cost, body)
 
