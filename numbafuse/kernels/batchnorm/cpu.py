@@ -10,7 +10,7 @@ Activations arrive C-contiguous in their layout and the kernels see them as
 
 Every task of the elementwise passes starts on a mask byte (``_byte_rows_per_task``). Every
 reduction writes per-task partials ``(P, 2, C)`` (float64; NHWC: ``(P, 2, m*C)``, the m tiles
-folded in a fixed order) that ``cpu_channels._finalize_*`` sums over P in a fixed order: results
+folded in a fixed order) that ``cpu_channels.finalize_*`` sums over P in a fixed order: results
 do not depend on the number of threads. The partition is a function of the shape only.
 
 Relu state codes (``state_kind``) for the backward: ``STATE_NONE`` (plain batch norm),
@@ -43,7 +43,7 @@ from .math import BITS, STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y, mask_nbyt
 from .. import scalar
 from ..scalar import cpu_scalar
 from .cpu_running import inference_stats, update_running  # noqa: F401
-from .cpu_channels import _channel_totals, _channel_values, _finalize_backward, _finalize_stats
+from .cpu_channels import channel_totals, channel_values, finalize_backward, finalize_stats
 
 CHUNK = 1 << 14          # elements per parallel task of the elementwise passes; multiple of 8
 REDUCE_CHUNK = 1 << 15   # elements per parallel task of the NHWC reductions (rows = this // C)
@@ -426,7 +426,7 @@ def stats(x, layout, eps):
         launch(_stats_nhwc, partials.shape[0], _rows(x, layout, m), *_tile(m, shift), rows,
                partials, work=x.size)
     out = np.empty((3, C))                                        # mean, var, invstd
-    _finalize_stats(partials, m, shift, float(N * HW), float(eps), out[0], out[1], out[2])
+    finalize_stats(partials, m, shift, float(N * HW), float(eps), out[0], out[1], out[2])
     return out[0], out[1], out[2]
 
 
@@ -467,9 +467,9 @@ def _byte_rows_per_task(L, chunk):
 
 
 def _values(mean, invstd, gamma, beta, m, dtype):
-    """(mean_hi, mean_lo, scale, beta) in ``dtype``, each (m*C,): see _channel_values."""
+    """(mean_hi, mean_lo, scale, beta) in ``dtype``, each (m*C,): see channel_values."""
     out = np.empty((4, m * mean.shape[0]), dtype)
-    _channel_values(mean, invstd, gamma, beta, m, out)
+    channel_values(mean, invstd, gamma, beta, m, out)
     return out[0], out[1], out[2], out[3]
 
 
@@ -550,13 +550,13 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         partials = np.zeros((1, 2, C))
     # (an empty rank's count is 0: its own coefficients are replaced below, and ggamma,
     # gbeta do not depend on the count)
-    _finalize_backward(partials, pm, gamma, invstd, count or 1.0, bool(training), grads[0],
+    finalize_backward(partials, pm, gamma, invstd, count or 1.0, bool(training), grads[0],
                        grads[1], coefs, m)
     if sync is not None:            # the dx coefficients from the global sums and count
         local = np.empty((2, C))
-        _channel_totals(partials, pm, local)
+        channel_totals(partials, pm, local)
         total, count = sync(local)                                # (2, C) float64
-        _finalize_backward(total[None], 1, gamma, invstd, float(count), bool(training),
+        finalize_backward(total[None], 1, gamma, invstd, float(count), bool(training),
                            np.empty(C, dtype), np.empty(C, dtype), coefs, m)
     gx = None
     if (need_gx or (need_gz and not g_written)) and x.size:

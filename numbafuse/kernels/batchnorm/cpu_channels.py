@@ -7,7 +7,7 @@ from numba import njit
 
 from . import math as bm
 from ..scalar import cpu_scalar
-from .cpu_running import _invstd_of
+from .cpu_running import invstd_of
 
 _finalize_mean = cpu_scalar(bm.finalize_mean)
 _finalize_var = cpu_scalar(bm.finalize_var)
@@ -34,7 +34,7 @@ def _channel_sums(partials, c, m, C):
 
 
 @njit(cache=True)
-def _channel_totals(partials, m, out):
+def channel_totals(partials, m, out):
     # out: (2, C) float64 <- the two sums of every channel over the tasks (_channel_sums):
     # a rank's own sums, which synchronized batch norm all-reduces
     C = out.shape[1]
@@ -43,7 +43,7 @@ def _channel_totals(partials, m, out):
 
 
 @njit(cache=True)
-def _finalize_stats(partials, m, shift, count, eps, mean, var, invstd):
+def finalize_stats(partials, m, shift, count, eps, mean, var, invstd):
     # partials: (P, 2, m*C) shifted sums, the m tiles of each channel (NHWC_ROW) folded here;
     # shift, mean, var, invstd: (C,) float64
     C = shift.shape[0]
@@ -51,11 +51,11 @@ def _finalize_stats(partials, m, shift, count, eps, mean, var, invstd):
         s1, s2 = _channel_sums(partials, c, m, C)
         mean[c] = _finalize_mean(s1, shift[c], count)
         var[c] = _finalize_var(s1, s2, count)
-        invstd[c] = _invstd_of(var[c], eps)
+        invstd[c] = invstd_of(var[c], eps)
 
 
 @njit(cache=True)
-def _finalize_backward(partials, pm, gamma, invstd, count, training, ggamma, gbeta, coefs, m):
+def finalize_backward(partials, pm, gamma, invstd, count, training, ggamma, gbeta, coefs, m):
     # partials: (P, 2, pm*C) sums of g and g*(x - mean), the pm tiles of each channel folded
     # here; gamma, invstd: (C,); ggamma = invstd * sum g*(x - mean), gbeta = sum g: (C,), their
     # dtype; coefs: (3, m*C) in x's dtype <- cg, cx, c0 of dx = cg*g + cx*(x - mean) + c0, each
@@ -83,7 +83,7 @@ def _tile_in_place(rows, m, C):
 
 
 @njit(cache=True)
-def _channel_values(mean, invstd, gamma, beta, m, out):
+def channel_values(mean, invstd, gamma, beta, m, out):
     # out: (4, m*C) in x's dtype <- the per-channel values of the elementwise kernels, each
     # tiled m times: mean_hi = mean rounded, mean_lo = (mean - mean_hi) rounded (so that
     # (x - mean_hi) - mean_lo is x - mean to a rounding of the result), scale = gamma*invstd

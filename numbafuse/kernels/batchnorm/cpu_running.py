@@ -7,7 +7,7 @@ from numba import njit
 from . import math as bm
 from ..scalar import cpu_scalar
 
-_invstd_of = cpu_scalar(bm.invstd_of)
+invstd_of = cpu_scalar(bm.invstd_of)
 _unbiased_var = cpu_scalar(bm.unbiased_var)
 _running_update = cpu_scalar(bm.running_update)
 
@@ -17,7 +17,7 @@ def _inference_stats(running_mean, running_var, eps, mean, invstd):
     # running_*: (C,) any float dtype; mean, invstd: (C,) float64
     for c in range(running_mean.shape[0]):
         mean[c] = running_mean[c]
-        invstd[c] = _invstd_of(np.float64(running_var[c]), eps)
+        invstd[c] = invstd_of(np.float64(running_var[c]), eps)
 
 
 @njit(cache=True)

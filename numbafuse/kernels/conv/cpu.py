@@ -189,7 +189,7 @@ def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
         return None
     m = _epi.tiles(geom.K)
     values = np.empty((4, m * geom.K), x.dtype)                   # batch norm's, tiled
-    _bn_cpu._channel_values(mean, invstd, gamma, gamma if beta is None else beta, m, values)
+    _bn_cpu.channel_values(mean, invstd, gamma, gamma if beta is None else beta, m, values)
     g = _out.empty(geom.y_shape, x.dtype)
     h, parts, _ = _forward_epilogue(x, w, geom, plan, _epi.EPI_BN_SUMS, ev=values, dg=(dy, g),
                                     affine=beta is not None)

@@ -28,7 +28,7 @@ from numba import njit
 
 from ..batchnorm import math as bm
 from ..batchnorm.cpu import NHWC_ROW
-from ..batchnorm.cpu_running import _invstd_of
+from ..batchnorm.cpu_running import invstd_of
 from ..scalar import cpu_scalar
 
 EPI_NONE, EPI_STATS, EPI_BN_SUMS = 0, 1, 2
@@ -142,4 +142,4 @@ def merge_stats(parts, counts, eps, mean, var, invstd):
             n = total
         mean[k] = mu
         var[k] = max(m2 / n, 0.0)
-        invstd[k] = _invstd_of(var[k], eps)
+        invstd[k] = invstd_of(var[k], eps)

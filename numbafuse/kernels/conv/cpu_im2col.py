@@ -305,7 +305,9 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
 # --------------------------------------------------------------------------- backward: dX
 
 @njit(nogil=True, cache=True)
-def _gcols_chw(gy, y, use_mask, n, i0, i1, Wb, taps_r, off_r, taps_s, off_s, P, Q, gc, col0):
+def _gcols_chw(gy, y, use_mask, span, taps, gc):
+    n, i0, i1, Wb, P, Q, col0 = span
+    taps_r, off_r, taps_s, off_s = taps
     # gy, y: (N, K, P, Q); gc: (K*T, ld), rows (k, r, s) over the phase's taps; input pixels
     # (i, j) of the phase, i0 <= i < i1, j < Wb, go to columns col0 + (i - i0)*Wb + j;
     # gc = g at output pixel (i + off_r, j + off_s), 0 outside, gated by y > 0
@@ -350,7 +352,9 @@ def _gcols_chw(gy, y, use_mask, n, i0, i1, Wb, taps_r, off_r, taps_s, off_s, P, 
 
 
 @njit(nogil=True, cache=True)
-def _gcols_hwc(gy, y, use_mask, n, i0, i1, Wb, taps_r, off_r, taps_s, off_s, P, Q, gc, row0):
+def _gcols_hwc(gy, y, use_mask, span, taps, gc):
+    n, i0, i1, Wb, P, Q, row0 = span
+    taps_r, off_r, taps_s, off_s = taps
     # gy, y: (N, P, Q, K); gc: (rows, T*K), columns (r, s, k); input pixel (i, j) of the phase
     # goes to row row0 + (i - i0)*Wb + j
     K = gy.shape[3]
@@ -413,8 +417,8 @@ def dx_tasks(t0, t1, gy, y, use_mask, geo, chunks, taps, weights, blas, dx):
             else:
                 gc = gcol[:m * T * K].reshape((m, T * K))         # (m, T*K)
                 for n in range(n0, n1):
-                    _gcols_hwc(gy, y, use_mask, n, i0, i1, Wb, tr, orr, ts, os_, P, Q, gc,
-                               (n - n0) * per)
+                    _gcols_hwc(gy, y, use_mask, (n, i0, i1, Wb, P, Q, (n - n0) * per),
+                               (tr, orr, ts, os_), gc)
                 wp = wphase[woff[f]:woff[f] + T * K * C]          # (T*K, C) flat
                 _blas.gemm(blas, False, False, m, C, T * K, 1.0, gc, T * K, wp, C, 0.0, d, C)
             for n in range(n0, n1):
@@ -432,8 +436,8 @@ def dx_tasks(t0, t1, gy, y, use_mask, geo, chunks, taps, weights, blas, dx):
             else:
                 gc = gcol[:T * K * m].reshape((T * K, m))         # (K*T, m)
                 for n in range(n0, n1):
-                    _gcols_chw(gy, y, use_mask, n, i0, i1, Wb, tr, orr, ts, os_, P, Q, gc,
-                               (n - n0) * per)
+                    _gcols_chw(gy, y, use_mask, (n, i0, i1, Wb, P, Q, (n - n0) * per),
+                               (tr, orr, ts, os_), gc)
                 wp = wphase[woff[f]:woff[f] + C * T * K]          # (C, K*T) flat
                 _blas.gemm(blas, False, False, C, m, T * K, 1.0, wp, T * K, gc, m, 0.0, d, m)
             for n in range(n0, n1):

@@ -61,8 +61,9 @@ def forward(x, w, b, geom, relu, y, tiles, wide, work):
     ~``tiles`` tiles; ``wide``: 16-float register tiles."""
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     ipc, tyb, nchunks, most = tile_chunks(N, P, Q, True, tiles)
-    launch(_s2_tasks, nchunks, x, taps(w), geom.ph, geom.pw, ipc, tyb, estride(C * most, 4),
-           estride(K * most, 4), b, relu, geom.layout == "NHWC", wide, y, work=work, grain=1)
+    sizes = (geom.ph, geom.pw, ipc, tyb, estride(C * most, 4), estride(K * most, 4))
+    launch(_s2_tasks, nchunks, x, taps(w), tuple(int(v) for v in sizes), b,
+           (bool(relu), geom.layout == "NHWC", bool(wide)), y, work=work, grain=1)
 
 
 def dw(x, gy, y, use_mask, geom, need_dw, tiles, groups, wide, work):
@@ -74,9 +75,10 @@ def dw(x, gy, y, use_mask, geom, need_dw, tiles, groups, wide, work):
     groups = min(nchunks, groups)
     D_parts = _out.empty((groups if need_dw else 1, POSITIONS, K, C), x.dtype)
     db_parts = np.empty((groups, K))
-    launch(_s2_dw_tasks, groups, x, gy, y, use_mask, geom.ph, geom.pw, ipc, tyb,
-           estride(C * most, 4), nchunks, groups, need_dw, geom.layout == "NHWC", wide, DM_OF,
-           D_parts, db_parts, work=work, grain=1)
+    sizes = (geom.ph, geom.pw, ipc, tyb, estride(C * most, 4), nchunks, groups)
+    launch(_s2_dw_tasks, groups, x, gy, y, use_mask, tuple(int(v) for v in sizes),
+           (bool(need_dw), geom.layout == "NHWC", bool(wide)), DM_OF, (D_parts, db_parts),
+           work=work, grain=1)
     if not need_dw:
         return None, db_parts
     planes = np.empty((9, K * C))                     # dw = G^T D G: the adjoint of taps
@@ -154,7 +156,8 @@ def _in_s2(R, u, TX, C, tv, V, t0):
 
 
 @njit(inline="always")
-def _chunk_v(x, n0, n1, nr, TX, u0, left, L, slabs, xs, R, tv, V):
+def _chunk_v(x, rows, slabs, xs, R, tv, V):
+    n0, n1, nr, TX, u0, left, L = rows
     # V <- the transformed patches of a chunk's tiles: nr tile rows of images [n0, n1), from
     # padded input row u0; slabs: x NCHW, its rows transposed to HWC in xs first
     C = R.shape[2] // L
@@ -224,7 +227,9 @@ def _out_s2(M, t0, TX, p0, bias, relu, s, yn):
 # --------------------------------------------------------------------------- tasks
 
 @task_kernel
-def _s2_tasks(t0, t1, x, U, top, left, ipc, tyb, vs, ms, bias, relu, nhwc, wide, y):
+def _s2_tasks(t0, t1, x, U, sizes, bias, flags, y):
+    top, left, ipc, tyb, vs, ms = sizes
+    relu, nhwc, wide = flags
     # x: (N, H, W, C) | (N, C, H, W); U: (25, C, K) float32 (taps); y: (N, P, Q, K) | (N, K,
     # P, Q) = relu?(the stride-2 3x3 correlation of x zero-padded by top/left + bias). Chunk t:
     # images [n0, n1) (ipc > 1) or tile rows [ty0, ty1) of one image (chunk); vs, ms:
@@ -249,7 +254,7 @@ def _s2_tasks(t0, t1, x, U, top, left, ipc, tyb, vs, ms, bias, relu, nhwc, wide,
         n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
         T = (n1 - n0) * nr * TX
-        _chunk_v(x, n0, n1, nr, TX, 4 * ty0 - top, left, L, not nhwc, xs, R, tv, V)
+        _chunk_v(x, (n0, n1, nr, TX, 4 * ty0 - top, left, L), not nhwc, xs, R, tv, V)
         gemms(T, K, C, vrows, eoff, U, M, ms, wide)
         p0 = 2 * ty0
         np_ = min(P, p0 + 2 * nr) - p0                # output rows of the chunk
@@ -312,8 +317,10 @@ def _grad_s2_chw(gy, y, use_mask, n, p0, nr, TX, dm, T, t0, db):
 
 
 @task_kernel
-def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, nchunks, groups,
-                 need_dw, nhwc, wide, dm_of, D_parts, db_parts):
+def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, sizes, flags, dm_of, parts):
+    top, left, ipc, tyb, vs, nchunks, groups = sizes
+    need_dw, nhwc, wide = flags
+    D_parts, db_parts = parts
     # x: (N, H, W, C) | (N, C, H, W); gy, y: (N, P, Q, K) | (N, K, P, Q); D_parts: (groups,
     # 25, K, C) <- each group's D[e] = sum over its chunks of dM[e]^T (K, T) @ V[e] (T, C);
     # db_parts: (groups, K) float64 <- its sums of g. Chunks as _s2_tasks' (tiles of the
@@ -363,7 +370,7 @@ def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, top, left, ipc, tyb, vs, nchunks, g
             vadd(dm[0, :kt], dm[2, :kt], dm[6, :kt])
             vadd(dm[1, :kt], dm[3, :kt], dm[7, :kt])
             vadd(dm[4, :kt], dm[5, :kt], dm[8, :kt])
-            _chunk_v(x, n0, n1, nr, TX, 4 * ty0 - top, left, L, not nhwc, xs, R, tv, V)
+            _chunk_v(x, (n0, n1, nr, TX, 4 * ty0 - top, left, L), not nhwc, xs, R, tv, V)
             for e in range(25):
                 _tiles.gemm_gather(np.int64(K), np.int64(C), np.int64(T),
                                    dmp + 4 * dm_of[e] * dm.shape[1], np.int64(T),
