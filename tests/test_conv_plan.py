@@ -120,3 +120,44 @@ def test_the_plan_under_using_reaches_the_kernels_through_the_op(monkeypatch):
         nf.conv_bias_relu_backward(np.ones_like(y), x, w, y, padding=1)
     assert ("forward", "im2col", 4096) in seen
     assert ("dx", "winograd", 4096) in seen and ("dw", "im2col", 4096) in seen
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("stride, size", [(1, 3), (2, 5), (1, 1)])
+@pytest.mark.parametrize("K", [40, 100])        # blocks of 32 (the last 8), of 32 (two empty)
+def test_whole_batch_im2col_forward_in_blocks_of_output_channels(layout, stride, size, K):
+    """A deep layer (more output channels than output pixels in the batch): one chunk of the
+    whole batch, the GEMM split over blocks of output channels (k_block 16 here: blocks of a
+    multiple of 16, the last partial, trailing ones empty), NCHW over HWC slabs; against the
+    reference with bias and ReLU, and bitwise the same on 1 and 3 threads."""
+    from numbafuse.kernels import cpu_launch
+    rng = np.random.default_rng(K + size)
+    N, C = 2, 24
+    shape = (N, C, size, size) if layout == "NCHW" else (N, size, size, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, 3, 3)) / 20).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    kwargs = dict(stride=stride, padding=1, layout=layout)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, stride, 1, 1, layout)
+    want = ref.conv_bias_relu(x, w, b, **kwargs)
+    threads = cpu_launch.num_threads()
+    got = {}
+    try:
+        with cpu_plan.using(k_block=16, winograd_min_tiles=10**9, winograd_s2=False):
+            plan = cpu_plan.plan(geom, "forward", np.float32)
+            assert plan.algorithm == "im2col" and plan.k_blocks == K // 16
+            assert plan.slab == (layout == "NCHW")
+            for n in (1, 3):
+                cpu_launch.set_num_threads(n)
+                got[n] = nf.conv_bias_relu(x, w, b, **kwargs)
+    finally:
+        cpu_launch.set_num_threads(threads)
+    np.testing.assert_allclose(got[1], want, **TOL[np.float32])
+    assert got[1].tobytes() == got[3].tobytes()
+    # the same blocks through the plan: float64 reaches it too (no float32-only step)
+    x64, w64, b64 = x.astype(np.float64), w.astype(np.float64), b.astype(np.float64)
+    plan = cpu_plan.plan(geom, "forward", np.float64, cpu_plan.RULES._replace(k_block=16),
+                         algorithm="im2col")
+    assert plan.k_blocks > 1
+    np.testing.assert_allclose(cpu_conv.conv_forward(x64, w64, b64, geom, True, plan=plan),
+                               ref.conv_bias_relu(x64, w64, b64, **kwargs), **TOL[np.float64])

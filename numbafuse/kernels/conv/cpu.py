@@ -331,6 +331,17 @@ def _pointwise_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
 
 # --------------------------------------------------------------------------- im2col
 
+def _im2col_chunks(plan, geom, itemsize):
+    """(images per chunk, rows per chunk, output-channel blocks) of the im2col forward:
+    ``plan.k_blocks`` > 1, one chunk of the whole batch whose GEMM each of the k_blocks tasks
+    runs for its block of output channels (every weight read once); else chunks of about
+    chunk_bytes of cols."""
+    if plan.k_blocks > 1:
+        return geom.N, geom.P, plan.k_blocks
+    return (*_chunking(plan, geom.P * geom.Q, geom.P, geom.Q,
+                       geom.R * geom.S * geom.C * itemsize, geom.N), 1)
+
+
 def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     """(dw or None, db_parts) by im2col chunks."""
     N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
@@ -449,11 +460,10 @@ def conv_forward(x, w, b, geom, relu, plan=None):
                (has_bias, relu, plan.taps == 2), geo_tuple(geom), _ints(ipc, rpc, Hmax, Ws),
                _k_view(y, geom), work=work, grain=1)
     else:
-        ipc, rpc = _chunking(plan, geom.P * geom.Q, geom.P, geom.Q,
-                             geom.R * geom.S * C * x.itemsize, N)
-        launch(_im2col.forward_tasks, count_chunks(N, geom.P, ipc, rpc), x,
+        ipc, rpc, kb = _im2col_chunks(plan, geom, x.itemsize)
+        launch(_im2col.forward_tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x,
                _weight_matrix(w, nhwc or plan.slab), b, (has_bias, relu, False, bool(plan.slab)),
-               geo_tuple(geom), _ints(ipc, rpc), blas, _k_view(y, geom), work=work, grain=1)
+               geo_tuple(geom), _ints(ipc, rpc, kb), blas, _k_view(y, geom), work=work, grain=1)
     return y
 
 

@@ -183,57 +183,65 @@ def _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, cols, per):
 @task_kernel
 def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, y):
     has_bias, relu, pointwise, slab = flags
-    ipc, rpc = chunks
+    ipc, rpc, kb = chunks
     # x: (N, C, H, W) | (N, H, W, C); wmat: (K, C*R*S) | (K, R*S*C) (NHWC, or NCHW with slab);
-    # b: (K,); y: (N, K, PQ) | (N, PQ, K): the chunks [t0, t1) of the output. slab (NCHW): each
-    # image's input rows of the chunk are transposed to (rows, W, C) first and the cols built
-    # as NHWC's, (m, R*S*C): a strided NCHW gather reads single values, this one vectors.
+    # b: (K,); y: (N, K, PQ) | (N, PQ, K). Task t: the output channels [k0, k1) (block t % kb
+    # of kb, each a multiple of 16 channels) of chunk t // kb. slab (NCHW): each image's input
+    # rows of the chunk are transposed to (rows, W, C) first and the cols built as NHWC's,
+    # (m, R*S*C): a strided NCHW gather reads single values, this one vectors.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
+    kb_len = ((K + kb - 1) // kb + 15) // 16 * 16 if kb > 1 else K
     mmax = ipc * PQ if ipc > 1 else rpc * Q
     cols = np.empty(mmax * RSC, x.dtype)                          # reused by every chunk
-    ybuf = np.empty(mmax * K, x.dtype)
+    ybuf = np.empty(mmax * min(K, kb_len), x.dtype)
     sbuf = _slab_buffer(x, geo, ipc, rpc, slab)
     for t in range(t0, t1):
-        n0, n1, p0, p1 = chunk(t, N, P, ipc, rpc)
+        n0, n1, p0, p1 = chunk(t // kb, N, P, ipc, rpc)
+        k0 = (t % kb) * kb_len
+        k1 = min(K, k0 + kb_len)
+        kn = k1 - k0
+        if kn <= 0:
+            continue
+        wk = wmat[k0:k1]                                          # (kn, RSC)
         per = (p1 - p0) * Q                                       # pixels per image
         m = (n1 - n0) * per
         if nhwc:
-            yb = ybuf[:m * K].reshape((m, K))                     # (m, K)
+            yb = ybuf[:m * kn].reshape((m, kn))                   # (m, kn)
             if pointwise:                                         # x's rows are the cols
                 xr = x.reshape((N * PQ, C))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]
-                _blas.gemm(blas, False, True, m, K, C, 1.0, xr, C, wmat, C, 0.0, yb, K)
+                _blas.gemm(blas, False, True, m, kn, C, 1.0, xr, C, wk, C, 0.0, yb, kn)
             else:
                 c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
                 for n in range(n0, n1):
                     _im2col_hwc(x, n, p0, p1, geo, c2, (n - n0) * per)
-                _blas.gemm(blas, False, True, m, K, RSC, 1.0, c2, RSC, wmat, RSC, 0.0, yb, K)
+                _blas.gemm(blas, False, True, m, kn, RSC, 1.0, c2, RSC, wk, RSC, 0.0, yb, kn)
             y2 = y.reshape((N * PQ, K))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]   # (m, K)
             for i in range(m):
-                src, dst = yb[i], y2[i]                           # (K,) each
-                for k in range(K):
-                    v = src[k] + (b[k] if has_bias else 0)
+                src, dst = yb[i], y2[i, k0:k1]                    # (kn,) each
+                for k in range(kn):
+                    v = src[k] + (b[k0 + k] if has_bias else 0)
                     dst[k] = _relu(v) if relu else v
         else:
-            yb = ybuf[:K * m].reshape((K, m))                     # (K, m)
+            yb = ybuf[:kn * m].reshape((kn, m))                   # (kn, m)
             if pointwise and n1 - n0 == 1:                        # x[n] (C, HW) is the cols
                 xs = x[n0].reshape((C, PQ))[:, p0 * Q:]           # (C, m), ld PQ
-                _blas.gemm(blas, False, False, K, m, C, 1.0, wmat, C, xs, PQ, 0.0, yb, m)
+                _blas.gemm(blas, False, False, kn, m, C, 1.0, wk, C, xs, PQ, 0.0, yb, m)
             elif slab:
                 c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
                 _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, c2, per)
-                _blas.gemm(blas, False, True, K, m, RSC, 1.0, wmat, RSC, c2, RSC, 0.0, yb, m)
+                _blas.gemm(blas, False, True, kn, m, RSC, 1.0, wk, RSC, c2, RSC, 0.0, yb, m)
             else:
                 c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
                 for n in range(n0, n1):
                     _im2col_chw(x, n, p0, p1, geo, c2, (n - n0) * per)
-                _blas.gemm(blas, False, False, K, m, RSC, 1.0, wmat, RSC, c2, m, 0.0, yb, m)
+                _blas.gemm(blas, False, False, kn, m, RSC, 1.0, wk, RSC, c2, m, 0.0, yb, m)
             for n in range(n0, n1):
-                for k in range(K):
+                for k in range(kn):
                     src = yb[k, (n - n0) * per:(n - n0 + 1) * per]   # (per,)
-                    dst = y[n, k, p0 * Q:p1 * Q]
-                    bias = b[k] if has_bias else 0
+                    dst = y[n, k0 + k, p0 * Q:p1 * Q]
+                    bias = b[k0 + k] if has_bias else 0
                     for i in range(per):
                         v = src[i] + bias
                         dst[i] = _relu(v) if relu else v

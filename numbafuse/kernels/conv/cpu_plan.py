@@ -99,6 +99,14 @@ class Rules(NamedTuple):
     winograd_s2_dx_taps_bytes: int = 16 << 20
     # 2x2 output tiles (dX: 4x4 blocks of dx) per stride-2 Winograd chunk: the GEMMs' m
     winograd_s2_tiles: int = 64
+    # an im2col forward with more output channels than output pixels in the batch (deep
+    # layers: the weights outweigh the activations) whose batch's cols take at most this
+    # many bytes runs as one chunk of the whole batch, its GEMM split over blocks of
+    # ``k_block`` output channels, one task each: chunks of pixels each read every weight
+    # and run GEMMs of few rows. NHWC, or NCHW gathered over HWC slabs (the NCHW gather of
+    # single values cost 5.0 ms of an 8.4 ms forward at 2x2 maps, 512 channels, batch 16)
+    whole_batch_bytes: int = 4 << 20
+    k_block: int = 128
     # a backward touching fewer elements (x, gy twice) runs dX and dW at once, each on one
     # thread, instead of one after the other, each split over the threads: at the digits
     # shapes (8x8, 24 channels) a split pass gains less than waking a helper costs ...
@@ -123,6 +131,7 @@ class Plan(NamedTuple):
     dw_groups: int
     taps: int
     slab: bool
+    k_blocks: int = 1
 
 
 _CURRENT = contextvars.ContextVar("numbafuse_conv_cpu_rules", default=RULES)
@@ -238,9 +247,22 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None):
                          f"K={geom.K}, {np.dtype(dtype)})")
     tiles = (rules.winograd_tiles if algorithm == "winograd" else
              rules.winograd_s2_tiles if algorithm == "winograd_s2" else 0)
+    k_blocks = _k_blocks(geom, pass_, dtype, rules) if algorithm == "im2col" else 1
+    slab = algorithm == "im2col" and pass_ != "dx" and (_slab(geom, rules) or k_blocks > 1
+                                                       and geom.layout == "NCHW")
     return Plan(algorithm, rules.chunk_bytes, rules.min_chunks, tiles, rules.dw_groups,
-                _taps_mode(algorithm, geom, pass_, dtype, rules),
-                algorithm == "im2col" and pass_ != "dx" and _slab(geom, rules))
+                _taps_mode(algorithm, geom, pass_, dtype, rules), slab, k_blocks)
+
+
+def _k_blocks(geom, pass_, dtype, rules):
+    """Blocks of output channels of a whole-batch im2col forward (``Rules.whole_batch_bytes``),
+    or 1."""
+    pixels = geom.N * geom.P * geom.Q
+    cols = pixels * geom.R * geom.S * geom.C * np.dtype(dtype).itemsize
+    if (pass_ != "forward" or is_pointwise(geom) or geom.K <= pixels or pixels == 0
+            or cols > rules.whole_batch_bytes):
+        return 1
+    return max(1, geom.K // rules.k_block)
 
 
 def algorithm(geom, pass_="forward", dtype=np.float32):
