@@ -161,8 +161,10 @@ def violations() -> list:
 
 
 def _parameters(fn) -> int:
+    """Parameters a caller passes: a method's receiver (``self``, ``cls``) is not one."""
     a = fn.args
-    return len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+    receiver = int(bool(a.args) and a.args[0].arg in ("self", "cls"))
+    return len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - receiver
 
 
 def debt_found() -> dict:

@@ -17,6 +17,7 @@ import importlib
 import numpy as np
 
 from .. import backend
+from . import interfaces  # noqa: F401  (the return types of conv_kernels() and batchnorm_kernels())
 
 FAMILIES = ("conv", "batchnorm", "basic", "elementwise")
 
@@ -30,6 +31,17 @@ def module(family: str, which: str):
     if found is None:       # import_module's own lookup costs ~2 us, and ops call this a lot
         found = _modules[family, which] = importlib.import_module(f"{__name__}.{family}.{which}")
     return found
+
+
+def conv_kernels(which: str, groups: int = 1) -> "interfaces.ConvKernels":
+    """The conv kernels of backend ``which`` (``interfaces.ConvKernels``): ``conv/cpu.py`` or
+    ``conv/cuda.py``, or their grouped modules for ``groups > 1``."""
+    return module("conv", which if groups == 1 else which + "_grouped")
+
+
+def batchnorm_kernels(which: str) -> "interfaces.BatchNormKernels":
+    """The batch-norm kernels of backend ``which`` (``interfaces.BatchNormKernels``)."""
+    return module("batchnorm", which)
 
 
 def contiguous(a):

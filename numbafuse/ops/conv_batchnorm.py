@@ -80,22 +80,21 @@ def _conv_forward(which, x, w, b, geometry, relu):
 
 def _conv_and_stats(which, x, w, geometry, eps):
     """(h, mean, var, invstd) with the statistics made by the conv's own chunks, where the
-    backend's conv has that epilogue for this geometry (``forward_stats``), else None (a
-    grouped conv: the statistics pass after it)."""
-    fused = getattr(kernels.module("conv", which), "forward_stats", None)
-    if fused is None or geometry.N == 0 or geometry.groups != 1:
+    backend's conv has that epilogue for this geometry (``forward_stats``), else None (the
+    statistics pass after the conv)."""
+    if geometry.N == 0:
         return None
-    return fused(x, w, geometry, eps)
+    return kernels.conv_kernels(which, geometry.groups).forward_stats(x, w, geometry, eps)
 
 
 def _recompute_and_sums(which, dy, s, geometry, relu):
     """(h, g, sums): the conv recomputed with the batch-norm backward's first pass made by its
     chunks (``forward_bn_sums``: g = dy gated by the ReLU, the two sums), or None where the
     backend's conv has no such epilogue."""
-    fused = getattr(kernels.module("conv", which), "forward_bn_sums", None)
-    if fused is None or geometry.N == 0 or geometry.groups != 1:
+    if geometry.N == 0:
         return None
-    return fused(s.x, s.w, geometry, dy, s.mean, s.invstd, s.gamma, s.beta if relu else None)
+    return kernels.conv_kernels(which, geometry.groups).forward_bn_sums(
+        s.x, s.w, geometry, dy, s.mean, s.invstd, s.gamma, s.beta if relu else None)
 
 
 def _conv_backward(which, dconv, x, w, geometry, need):
@@ -201,12 +200,14 @@ class ConvBatchNormReLU(Function):
         dy = kernels.contiguous(dy)
         which = backend.backend_of_array(dy)
         sums = fused = None
-        if not hasattr(s, "h") and self.params.training and self.params.comm is None:
+        kept_h = "h" in vars(s)            # the forward (recompute=False) or the NumPy-style
+        #                                    backward kept h and the ReLU state
+        if not kept_h and self.params.training and self.params.comm is None:
             fused = _recompute_and_sums(which, dy, s, geometry, self.params.relu)
         if fused is not None:           # recomputed, with the batch norm's first pass
             h, dy, sums = fused             # dy: gated by the ReLU already
             relu_state = None
-        elif hasattr(s, "h"):                                             # recompute=False
+        elif kept_h:                                                      # recompute=False
             h, relu_state = s.h, s.relu_state
         else:
             h = _conv_forward(which, s.x, s.w, None, geometry, False)     # recompute

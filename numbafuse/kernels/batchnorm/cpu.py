@@ -28,8 +28,9 @@ y (or the mask) is read once. Large outputs come from :data:`output_cache`
 (:class:`numbafuse.kernels.cpu_buffers.OutputCache`), which reuses released buffers instead
 of faulting in fresh pages.
 
-Host-level entry points (what ``numbafuse.ops.batchnorm`` calls): :func:`stats`,
-:func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`.
+Host-level entry points (what ``numbafuse.ops.batchnorm`` calls; ``kernels.interfaces.
+BatchNormKernels``): :func:`stats`, :func:`stats_update`, :func:`inference_stats`,
+:func:`update_running`, :func:`apply`, :func:`apply_running`, :func:`backward`.
 """
 import math
 
@@ -428,6 +429,24 @@ def stats(x, layout, eps):
     out = np.empty((3, C))                                        # mean, var, invstd
     finalize_stats(partials, m, shift, float(N * HW), float(eps), out[0], out[1], out[2])
     return out[0], out[1], out[2]
+
+
+def stats_update(x, layout, eps, running_mean, running_var, momentum):
+    """:func:`stats`, and the running statistics (None: none) updated in place with PyTorch's
+    rule (:func:`update_running`, with the batch's count of values per channel)."""
+    mean, var, invstd = stats(x, layout, eps)
+    if running_mean is not None:
+        N, C, HW = _dims(x.shape, layout)
+        update_running(running_mean, running_var, mean, var, N * HW, momentum)
+    return mean, var, invstd
+
+
+def apply_running(x, running_mean, running_var, eps, gamma, beta, z, relu, layout, want_mask):
+    """Inference: :func:`inference_stats` then :func:`apply`; (y, mask or None, mean,
+    invstd)."""
+    mean, invstd = inference_stats(running_mean, running_var, eps)
+    y, mask = apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask)
+    return y, mask, mean, invstd
 
 
 _NO_MASK = np.zeros(1, np.uint8)   # stands for "no mask" (kernels keep one signature)

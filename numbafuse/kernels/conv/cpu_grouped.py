@@ -1,6 +1,6 @@
 """CPU grouped convolutions (``groups > 1``): depthwise kernels, or the ungrouped kernels per group.
 
-Same interface as ``cpu.py``'s ``conv_forward`` / ``conv_backward``, for a geometry with
+Same interface as ``cpu.py`` (``kernels.interfaces.ConvKernels``), for a geometry with
 ``groups > 1`` (``groups == 1`` never comes here: the ops call ``cpu.py`` directly, unchanged).
 
     depthwise  groups == C (one input channel per group, K = C * multiplier): the direct
@@ -15,7 +15,18 @@ import numpy as np
 
 from . import cpu as conv_cpu
 from . import cpu_depthwise
+from .cpu import bias_add, channel_sum  # noqa: F401  (kernels.interfaces.ConvKernels)
 from .math import channel_block as _channels, group_geometry
+
+
+def forward_stats(x, w, geom, eps):
+    """None: a grouped conv has no batch-norm epilogue (the op makes the statistics pass)."""
+    return None
+
+
+def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
+    """None: a grouped conv has no batch-norm epilogue (the op makes the backward's pass)."""
+    return None
 
 
 def conv_forward(x, w, b, geom, relu):

@@ -1,6 +1,6 @@
 """CUDA grouped convolutions (``groups > 1``): ``cuda.py``'s implicit GEMMs once per group.
 
-Same interface as ``cuda.py``'s ``conv_forward`` / ``conv_backward``, for a geometry with
+Same interface as ``cuda.py`` (``kernels.interfaces.ConvKernels``), for a geometry with
 ``groups > 1`` (``groups == 1`` never comes here). Each group's channel slice of x (and of gy,
 y in backward) is copied contiguous on the device (the GEMMs take flat C-contiguous arrays),
 the group's GEMMs run with its ungrouped geometry (C/groups channels, K/groups filters), and
@@ -11,6 +11,7 @@ depthwise CUDA kernel yet; the CPU has one, ``cpu_depthwise.py``).
 from ...cuda import empty as _empty
 from ..elementwise.cuda import contiguous_copy, copy_into
 from . import cuda as conv_cuda
+from .cuda import bias_add, channel_sum, forward_bn_sums, forward_stats  # noqa: F401
 from .math import channel_block, group_geometry
 
 
