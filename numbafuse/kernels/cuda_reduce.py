@@ -21,7 +21,8 @@ atomics only, the sums stay in a fixed order).
 
 The element quantities (``ELEM_*``): statistics ``(x - shift, (x - shift)**2)`` with shift the
 channel's first value; backward ``(g, g*(x - mean))`` with ``g = gy`` gated by the ReLU state;
-bias gradient ``(g, 0)``. Element math runs in x's dtype, sums in float64.
+bias gradient ``(g, 0)``. Element math runs in x's dtype (float32 for a float16 x:
+:func:`widen`), sums in float64.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import functools
 
 import numpy as np
 from numba import boolean, float32, float64, int32, int64, types, uint32
+from numba.core.extending import overload
 
 from ..cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
 
@@ -117,6 +119,21 @@ def block_sum2(a, b, buf_a, buf_b):
     return a, b
 
 
+def widen(v):
+    """``v`` in the dtype element math runs in: float32 for a float16 value (half arrays are
+    loaded and stored as half, computed in float32, as cuDNN does), else ``v`` itself (no
+    instruction for float32 and float64). This body is the simulator's; kernels compiled for
+    a GPU get the typed one below."""
+    return np.float32(v) if isinstance(v, np.float16) else v
+
+
+@overload(widen, target="cuda")
+def _widen_typed(v):
+    if v == types.float16:
+        return lambda v: float32(v)
+    return lambda v: v
+
+
 @cuda.jit(device=True, inline=True)
 def relu(v):
     """``scalar.relu`` in v's own dtype (its literal 0.0 would turn float32 into float64)."""
@@ -138,11 +155,11 @@ def gate(g, state_kind, aux, mask, off):
 def _elem(kind, a, b, aux, mask, state_kind, off, p0, p1):
     """The two float64 quantities summed for the value at flat offset ``off``."""
     if kind == ELEM_STATS:                 # shifted sums: p0 is the shift
-        d = float64(a[off] - p0)
+        d = float64(widen(a[off]) - widen(p0))
         return d, d * d
     g = gate(a[off], state_kind, aux, mask, off)
     if kind == ELEM_BWD:                   # p0 + p1 is the mean, split: x - p0 is exact
-        return float64(g), float64(g) * float64((b[off] - p0) - p1)
+        return float64(g), float64(g) * float64((widen(b[off]) - widen(p0)) - widen(p1))
     return float64(g), 0.0
 
 
@@ -481,15 +498,22 @@ def _sig(fin_of):
     return lambda f: _partials_signature(f, fin_of(f))
 
 
+def _half_sig(fin_of):
+    # a float16 activation with float32 parameters (fin_of(float32)): built once, for f32
+    return lambda f: _partials_signature(types.float16, fin_of(f)) if f == float32 else None
+
+
 # (kind, finish, fin tuple type as a function of f): every reduction kernel that is launched
 # (the batch-norm ones are listed by kernels/batchnorm/cuda.py, with their finishes)
 REDUCTIONS = [(ELEM_GRAD, _finish_sums, lambda f: types.Tuple((f[::1],)))]
 
 
-def ptx_signatures(reductions):
-    """PTX_SIGNATURES entries of ``(kind, finish, fin type)`` reductions, both layouts."""
-    return [(channel_partials_kernel(kind, nhwc, finish), _sig(fin))
-            for kind, finish, fin in reductions for nhwc in (False, True)]
+def ptx_signatures(reductions, half=False):
+    """PTX_SIGNATURES entries of ``(kind, finish, fin type)`` reductions, both layouts; with
+    ``half`` also float16 activations with the float32 ``fin`` (listed for f = float32)."""
+    sigs = (_sig, _half_sig) if half else (_sig,)
+    return [(channel_partials_kernel(kind, nhwc, finish), sig(fin))
+            for kind, finish, fin in reductions for nhwc in (False, True) for sig in sigs]
 
 
 PTX_SIGNATURES = ptx_signatures(REDUCTIONS) + [

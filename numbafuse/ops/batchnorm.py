@@ -37,11 +37,12 @@ training=True) -> (dx, dgamma, dbeta, dz)``
     ``r_var = (1-m) r_var + m var * count / (count - 1)``.
 ``mask_nbytes(size)``: bytes of the packed mask of ``size`` elements (``ceil(size / 8)``).
 
-Half precision (float16; bfloat16 on the CPU): the ops and ``bn_backward`` convert half x, z,
-dy, y and half parameters to float32 (``ops/precision.py``), run the float32 kernels and
-convert y, dx, dz back; dgamma and dbeta come back in gamma's dtype, half running statistics
-are updated in float32 and written back. The array helpers above (``bn_stats``, ``bn_apply``)
-take float32/float64 arrays only.
+Half precision (float16; bfloat16 on the CPU): half parameters are converted to float32
+(``ops/precision.py``); x, z, dy and y go to the CUDA kernels as they are (they load and
+store half, computing in float32: ``HALF_KERNELS``) and to the CPU kernels converted to
+float32, y, dx, dz converted back; dgamma and dbeta come back in gamma's dtype, half running
+statistics are updated in float32 and written back. The array helpers above (``bn_stats``,
+``bn_apply``) take float32/float64 arrays only.
 
 Packed ReLU mask: a 1-d uint8 array of ``ceil(size/8)`` bytes; bit ``j % 8`` of byte ``j // 8``
 is set where ``y.reshape(-1)[j] > 0`` (flat index in x's own layout): 32x smaller than a
@@ -61,6 +62,19 @@ from . import precision
 from .spec import OpSpec
 
 _kernels = functools.partial(kernels.module, "batchnorm")   # _kernels(which): the module
+# Backends whose batch-norm kernels load and store float16 activations themselves (float32
+# math inside, float32 parameters: kernels/batchnorm/cuda.py); elsewhere they are converted.
+HALF_KERNELS = (backend.CUDA,)
+
+
+def _as_is(a):
+    return a
+
+
+def _activations(which):
+    """How x, z, dy and y reach backend ``which``'s kernels: as they are where the kernels
+    take half (:data:`HALF_KERNELS`), else in their compute dtype (``precision.compute``)."""
+    return _as_is if which in HALF_KERNELS else precision.compute
 mask_nbytes = bn_math.mask_nbytes   # bytes of the packed ReLU mask of ``size`` elements
 
 
@@ -164,9 +178,13 @@ def bn_backward(dy, x, mean, invstd, gamma, relu_state, layout="NCHW", need=(Tru
     kind = _state_kind(relu_state)
     state = relu_state.beta if kind == bn_math.STATE_AFFINE else relu_state
     first_pass = dict(sync=sync) if sums is None else dict(sums=sums)   # (CUDA: no sums)
-    # half precision: the float32 kernels on converted arrays (a mask stays packed bits)
-    dy, x, gamma = (precision.compute(a) for a in (dy, x, gamma))
-    state = state if kind == bn_math.STATE_MASK else precision.compute(state)
+    # half precision: float32 parameters; activations as the backend's kernels take them
+    act = _activations(which)
+    dy, x, gamma = act(dy), act(x), precision.compute(gamma)
+    if kind == bn_math.STATE_Y:
+        state = act(state)
+    elif kind == bn_math.STATE_AFFINE:
+        state = precision.compute(state)                    # beta: a parameter
     dx, dgamma, dbeta, dz = _kernels(which).backward(dy, x, mean, invstd, gamma, kind, state,
                                                      layout, bool(training), tuple(need),
                                                      **first_pass)
@@ -260,9 +278,9 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
 
     Returns (y, mask, x, mean, invstd, args, count) with x the C-contiguous array the kernels
     read (in x's own dtype: a half x is kept half) and count the values per channel the
-    statistics are over (all ranks' with ``comm``). Half precision: the float32 kernels on
-    converted x, z and parameters (``precision``), y converted back, half running
-    statistics written back.
+    statistics are over (all ranks' with ``comm``). Half precision: float32 parameters
+    (``precision``), x and z as the backend's kernels take them (:func:`_activations`), y
+    back in x's dtype, half running statistics written back.
     """
     synced = comm is not None and training
     args = validate.batchnorm_args(op, x, gamma, beta, z=z, running_mean=running_mean,
@@ -272,8 +290,9 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
     check_comm(op, comm, x, args.C, args.layout, training, args.eps, args.momentum,
                running_mean is not None, relu)
     x_kept = kernels.contiguous(x)
-    x, z, gamma, beta = (None if a is None else precision.compute(kernels.contiguous(a))
-                         for a in (x_kept, z, gamma, beta))      # float32 for half: no-op else
+    act = _activations(args.backend)                 # half: as the kernels take it
+    x, z = act(x_kept), None if z is None else act(kernels.contiguous(z))
+    gamma, beta = (precision.compute(kernels.contiguous(a)) for a in (gamma, beta))
     kept_stats = (running_mean, running_var)
     running_mean, running_var = (precision.compute(a) for a in kept_stats)
     impl = _kernels(args.backend)
@@ -498,7 +517,8 @@ def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, runnin
                          f"{tuple(mask.shape)}")
     impl = _kernels(args.backend)
     x, gamma = kernels.contiguous(x), kernels.contiguous(gamma)
-    xc = precision.compute(x)                 # the kernels' dtype (float32 for a half x)
+    act = _activations(args.backend)
+    xc = act(x)                               # as the backend's kernels take a half x
     if training:
         mean, _, invstd = (impl.stats(xc, args.layout, args.eps) if x.size else
                            _no_stats(x, args.layout))
@@ -510,7 +530,7 @@ def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, runnin
     if state is None:
         state = impl.apply(xc, mean, invstd, precision.compute(gamma),
                            precision.compute(kernels.contiguous(beta)),
-                           precision.compute(kernels.contiguous(z)), True, args.layout,
+                           act(kernels.contiguous(z)), True, args.layout,
                            True)[1]
     dx, dgamma, dbeta, dz = bn_backward(kernels.contiguous(dy), xc, mean, invstd, gamma,
                                         kernels.contiguous(state), args.layout,

@@ -5,7 +5,9 @@ backward, ``batchnorm_add_relu``, ``batchnorm``, their backward) store x, w, z, 
 activation gradients in float16 (or bfloat16 on the CPU, with ``ml_dtypes``) and compute in
 float32 (``validate.compute_dtype``), as cuDNN and PyTorch autocast do: their array helpers
 convert the half inputs with :func:`compute`, run the float32 kernels, and convert the results
-with :func:`store`. On the CPU the conversion is NumPy's; on the device it is one elementwise
+with :func:`store` (the CUDA batch-norm kernels take float16 activations themselves: there
+only the parameters are converted, ``ops/batchnorm.py``'s ``HALF_KERNELS``).
+On the CPU the conversion is NumPy's; on the device it is one elementwise
 kernel per array (``kernels/elementwise/cuda.py``: ``cast``), an extra pass over each half
 array (reads 2 bytes and writes 4 per element going in, reads 4 and writes 2 coming out).
 Conversions round to nearest even; float32 -> float16 overflows to inf past 65504.

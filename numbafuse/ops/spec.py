@@ -77,14 +77,18 @@ rules: it refuses float64 parameters with a float32 x, and float16 ones with a f
 bfloat16 x). The batch statistics and the saved mean/invstd are float64 (as for every dtype),
 and dgamma, dbeta come back in the parameters' dtype.
 
-How half runs: the conversion is at the op boundary, in one place (`numbafuse/ops/precision.py`:
-`compute`, `store`, `store_into`): half inputs are converted to float32, the float32 kernels
-run, the results are converted back (half running statistics are written back in place). On
-the CPU (Numba has no fast float16 arithmetic) the conversion is NumPy's; on CUDA it is one
-elementwise kernel per array, an extra pass over each half array (2 bytes read and 4 written
-per element going in, 4 read and 2 written coming out) and float32 temporaries: half
-precision saves memory where its arrays are kept (y, the saved x), not bandwidth inside the
-op. The float32 and float64 paths are unchanged.
+How half runs. Batch norm on CUDA: its kernels load and store float16 x, z, y, dy, dx, dz
+themselves and compute in float32 (the reductions sum in float64, as for every dtype), so a
+half batch norm moves half the bytes of a float32 one; half parameters and running statistics
+are converted to float32 first (C values each). Everywhere else the conversion is at the op
+boundary, in one place (`numbafuse/ops/precision.py`: `compute`, `store`, `store_into`): half
+inputs are converted to float32, the float32 kernels run, the results are converted back
+(half running statistics are written back in place). On the CPU (Numba has no fast float16
+arithmetic) that conversion is NumPy's; for the convolutions on CUDA it is one elementwise
+kernel per array, an extra pass over each half array (2 bytes read and 4 written per element
+going in, 4 read and 2 written coming out) and float32 temporaries: there half precision
+saves memory where its arrays are kept (x, w, y for backward), not time inside the op. The
+float32 and float64 paths are unchanged.
 """
 
 

@@ -15,7 +15,14 @@ flight; each lane tracks its elements' channel with counters (adds and compares,
 division) and keeps that channel's parameters in registers, reloading them only when the
 channel changes. Element math runs in x's dtype: the float64 mean is split into
 ``hi + lo`` (both in x's dtype) so ``(x - hi) - lo`` keeps the digits a large mean would
-cost. The 1-bit mask of the forward is one ``ballot_sync`` per group on a GPU (four bytes
+cost.
+
+Half precision: x, z, y, dy and the gradients dx, dz may be float16, loaded and stored as
+half; the element math then runs in float32 (``reduce.widen``; the per-channel parameters
+are kept in gamma's dtype, float32: the ops layer hands these kernels float32 gamma, beta
+and running statistics for a float16 x) and dgamma, dbeta come out float32.
+
+The 1-bit mask of the forward is one ``ballot_sync`` per group on a GPU (four bytes
 written by lanes 0-3); under the simulator, which has no warp votes, the block assembles
 the bytes in shared memory (``USE_BALLOT``; tests emulate ``ballot_sync`` to run the GPU
 path too).
@@ -34,9 +41,9 @@ the same way (``_finish_bwd``).
 import math
 
 import numpy as np
-from numba import boolean, float64, int32, int64, types, uint8
+from numba import boolean, float32, float64, int32, int64, types, uint8
 
-from ... import backend, kernels
+from ... import backend, kernels, validate
 from ...cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
 from . import math as bm
 from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
@@ -168,7 +175,7 @@ def _apply_walk(x, z, has_z, src_m, src_v, from_running, eps, gamma, beta, relu,
     # the flat walk of the apply kernels; channel c's (mean, invstd) is (src_m[c], src_v[c])
     # or, ``from_running``, (running_mean[c], invstd_of(running_var[c], eps))
     bits = cuda.shared.array(BLOCK, int32)          # portable mask assembly
-    prm = cuda.local.array((U, 4), x.dtype)         # per group: m_hi, m_lo, scale, beta
+    prm = cuda.local.array((U, 4), gamma.dtype)     # per group: m_hi, m_lo, scale, beta
     chan = cuda.local.array(U, int32)               # ... of this channel (-1: none yet)
     xv = cuda.local.array(U, x.dtype)
     zv = cuda.local.array(U, x.dtype)
@@ -192,7 +199,7 @@ def _apply_walk(x, z, has_z, src_m, src_v, from_running, eps, gamma, beta, relu,
         upos, uc = pos, c
         for u in range(U):
             ju = j + u * lanes
-            v = xv[u]
+            v = reduce.widen(xv[u])                  # float32 for a float16 x
             if ju < size:
                 if chan[u] != uc:                    # channel parameters, in registers
                     chan[u] = uc
@@ -207,7 +214,7 @@ def _apply_walk(x, z, has_z, src_m, src_v, from_running, eps, gamma, beta, relu,
                     prm[u, 3] = beta[uc]
                 v = (v - prm[u, 0] - prm[u, 1]) * prm[u, 2] + prm[u, 3]
                 if has_z:
-                    v += zv[u]
+                    v += reduce.widen(zv[u])
                 if relu:
                     v = reduce.relu(v)
                 y[ju] = v
@@ -272,10 +279,12 @@ def _bwd_finalize(partials, nparts, gamma, invstd, count, training, ggamma, gbet
 
 
 @cuda.jit(cache=True)
-def _bwd_apply(gy, x, mean, cg, cx, c0, state_kind, ystate, mask, C, B, gx, want_gx, gz,
+def _bwd_apply(gy, x, mean, coefs, like, state_kind, ystate, mask, C, B, gx, want_gx, gz,
                want_gz):
-    # gy, x, ystate, gx, gz: (size,) flat; per-channel float64 mean and coefficients (C,)
-    prm = cuda.local.array((U, 5), x.dtype)         # per group: m_hi, m_lo, cg, cx, c0
+    # gy, x, ystate, gx, gz: (size,) flat; per-channel float64 mean (C,) and coefficients
+    # coefs (3, C) rows cg, cx, c0; like: (1,) of the dtype the element math runs in (x's,
+    # float32 for a float16 x)
+    prm = cuda.local.array((U, 5), like.dtype)      # per group: m_hi, m_lo, cg, cx, c0
     chan = cuda.local.array(U, int32)
     gv = cuda.local.array(U, x.dtype)
     xv = cuda.local.array(U, x.dtype)
@@ -305,10 +314,11 @@ def _bwd_apply(gy, x, mean, cg, cx, c0, state_kind, ystate, mask, C, B, gx, want
                         chan[u] = uc
                         prm[u, 0] = mean[uc]
                         prm[u, 1] = mean[uc] - float64(prm[u, 0])
-                        prm[u, 2] = cg[uc]
-                        prm[u, 3] = cx[uc]
-                        prm[u, 4] = c0[uc]
-                    gx[ju] = (prm[u, 2] * gv[u] + prm[u, 3] * (xv[u] - prm[u, 0] - prm[u, 1])
+                        prm[u, 2] = coefs[0, uc]
+                        prm[u, 3] = coefs[1, uc]
+                        prm[u, 4] = coefs[2, uc]
+                    gx[ju] = (prm[u, 2] * reduce.widen(gv[u])
+                              + prm[u, 3] * (reduce.widen(xv[u]) - prm[u, 0] - prm[u, 1])
                               + prm[u, 4])
             upos, uc = _step(upos, uc, gpos, gc, C, B)
         j += jstride
@@ -349,8 +359,8 @@ def stats_update(x, layout, eps, running_mean, running_var, momentum):
     update = running_mean is not None
     if update:
         rm, rv = backend.as_device_array(running_mean), backend.as_device_array(running_var)
-    else:
-        rm = rv = reduce._placeholder(np.dtype(x.dtype))
+    else:                       # (a float16 x's running statistics are float32)
+        rm = rv = reduce._placeholder(validate.compute_dtype(x.dtype))
     reduce.channel_partials(reduce.ELEM_STATS, x, x, x, reduce._NO_MASK(), reduce._NO_MEAN(),
                             STATE_NONE, layout, _empty, _finish_stats,
                             (out, rm, rv, float(eps), float(A * B), float(momentum), update))
@@ -416,7 +426,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     dtype = x.dtype
     ystate = state if state_kind == STATE_Y else x
     mask = state if state_kind == STATE_MASK else reduce._NO_MASK()
-    ggamma, gbeta = _empty(C, dtype), _empty(C, dtype)
+    ggamma, gbeta = _empty(C, gamma.dtype), _empty(C, gamma.dtype)   # float32 for half x
     coefs = _empty((3, C), np.float64)               # rows: cg, cx, c0
     cg, cx, c0 = coefs[0], coefs[1], coefs[2]
     parts = 0
@@ -437,15 +447,16 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         total, global_count = sync(np.ascontiguousarray(local.T))  # (2, C): sum g, g*(x-m)
         total = np.ascontiguousarray(np.asarray(total).T.reshape(C, 1, 2))
         launch(_bwd_finalize, *config.grid_1d(C), backend.to_device(total), 1, gamma, invstd,
-               float(global_count), bool(training), _empty(C, dtype), _empty(C, dtype), cg, cx,
-               c0)
+               float(global_count), bool(training), _empty(C, gamma.dtype),
+               _empty(C, gamma.dtype), cg, cx, c0)
     gx = gz = None
     if need_gx or need_gz:
         gx = _empty(x.shape if need_gx else 1, dtype)
         gz = _empty(x.shape if need_gz else 1, dtype)
         if x.size:
+            like = reduce._placeholder(validate.compute_dtype(dtype))
             launch(_bwd_apply, *_flat_grid(x.size, C, B),
-                gy.reshape(gy.size), x.reshape(x.size), mean, cg, cx, c0, state_kind,
+                gy.reshape(gy.size), x.reshape(x.size), mean, coefs, like, state_kind,
                 ystate.reshape(ystate.size), mask, C, B, gx.reshape(gx.size), bool(need_gx),
                 gz.reshape(gz.size), bool(need_gz))
         gx = gx if need_gx else None
@@ -459,8 +470,17 @@ _STATS_FIN = lambda f: types.Tuple((float64[:, ::1], f[::1], f[::1], float64, fl
                                       float64, boolean))
 _BWD_FIN = lambda f: types.Tuple((f[::1], float64[::1], float64, boolean, f[::1], f[::1],  # noqa
                                     float64[:, ::1]))
+_H = types.float16
+
+
+def _half(signature):
+    """A float16-activation signature (float32 parameters), listed for f = float32 only."""
+    return lambda f: signature if f == float32 else None
+
+
 PTX_SIGNATURES = reduce.ptx_signatures([(reduce.ELEM_STATS, _finish_stats, _STATS_FIN),
-                                        (reduce.ELEM_BWD, _finish_bwd, _BWD_FIN)]) + [
+                                        (reduce.ELEM_BWD, _finish_bwd, _BWD_FIN)],
+                                       half=True) + [
     (_inference_stats, lambda f: (f[::1], f[::1], float64, float64[::1], float64[::1])),
     (_update_running, lambda f: (f[::1], f[::1], float64[::1], float64[::1], float64,
                                  float64)),
@@ -472,7 +492,16 @@ PTX_SIGNATURES = reduce.ptx_signatures([(reduce.ELEM_STATS, _finish_stats, _STAT
     (_bwd_finalize, lambda f: (float64[:, :, ::1], int64, f[::1], float64[::1], float64,
                                boolean, f[::1], f[::1], float64[::1], float64[::1],
                                float64[::1])),
-    (_bwd_apply, lambda f: (f[::1], f[::1], float64[::1], float64[::1], float64[::1],
-                            float64[::1], int64, f[::1], uint8[::1], int64, int64, f[::1],
-                            boolean, f[::1], boolean)),
+    (_bwd_apply, lambda f: (f[::1], f[::1], float64[::1], float64[:, ::1], f[::1], int64,
+                            f[::1], uint8[::1], int64, int64, f[::1], boolean, f[::1],
+                            boolean)),
+    # float16 activations with float32 parameters (the ops convert half parameters)
+    (_apply, _half((_H[::1], _H[::1], boolean, float64[::1], float64[::1], float32[::1],
+                    float32[::1], boolean, int64, int64, _H[::1], uint8[::1], boolean))),
+    (_apply_running, _half((_H[::1], _H[::1], boolean, float32[::1], float32[::1], float64,
+                            float32[::1], float32[::1], boolean, int64, int64, _H[::1],
+                            uint8[::1], boolean, float64[::1], float64[::1]))),
+    (_bwd_apply, _half((_H[::1], _H[::1], float64[::1], float64[:, ::1], float32[::1], int64,
+                        _H[::1], uint8[::1], int64, int64, _H[::1], boolean, _H[::1],
+                        boolean))),
 ]

@@ -1,5 +1,5 @@
 """Small numba.cuda kernels the tape needs on the device: fill, copy, a*x + b*y, x*y, sum,
-and the half <-> float32 conversion of the ops that take half precision (``cast``).
+and the float16 <-> float32 conversion of the ops that take half precision (``cast``).
 
 All work on flat (1-d, C-contiguous) views; the wrappers reshape. The sum is deterministic:
 fixed per-block partials (a shared-memory tree), then one block reduces the partials.
