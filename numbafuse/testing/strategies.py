@@ -16,7 +16,8 @@ just past a row block of 8::
 strategy                        draws
 ==============================  ==========================================================
 ``dtypes(half=False)``          float32/float64, with ``half`` also float16 (and bfloat16
-                                with ``ml_dtypes``); ``layouts()``: "NCHW"/"NHWC"
+                                with ``ml_dtypes``); ``layouts()``: "NCHW"/"NHWC";
+                                ``param_dtypes(dtype)``: a batch norm's parameter dtypes
 ``shapes(...)``                 tuples of small positive ints (any rank)
 ``arrays(shape, dtype)``        seeded standard-normal arrays (fast shrinking)
 ``conv_geometries(...)``        dict N, C, H, W, K, R, S, stride, padding (int, pair,
