@@ -138,7 +138,7 @@ class AffineGate:
 
 def supports_affine_gate(which):
     """Whether backend ``which``'s batch-norm backward takes an :class:`AffineGate` state."""
-    return bool(getattr(_kernels(which), "AFFINE_GATE", False))
+    return bool(kernels.batchnorm_kernels(which).AFFINE_GATE)
 
 
 def _state_kind(relu_state):
@@ -231,19 +231,12 @@ def synced_stats(op, impl, x, layout, eps, C, comm):
     return to(g_mean), to(var), to(invstd), count
 
 
-def stats_and_update(impl, x, layout, eps, running_mean, running_var, count, momentum):
-    """(mean, var, invstd) of ``x`` with the running statistics (if given) updated in place:
-    one launch where the backend's kernel module fuses the two (``stats_update``), else its
-    ``stats`` then ``update_running``."""
+def stats_and_update(impl, x, layout, eps, running_mean, running_var, momentum):
+    """(mean, var, invstd) of ``x`` with the running statistics (if given) updated in place
+    by the backend's ``stats_update`` (one launch on CUDA)."""
     if x.size == 0:                     # an empty batch: no statistics, nothing updated
         return _no_stats(x, layout)
-    fused = getattr(impl, "stats_update", None)
-    if fused is not None:
-        return fused(x, layout, eps, running_mean, running_var, momentum)
-    mean, var, invstd = impl.stats(x, layout, eps)
-    if running_mean is not None:
-        impl.update_running(running_mean, running_var, mean, var, count, momentum)
-    return mean, var, invstd
+    return impl.stats_update(x, layout, eps, running_mean, running_var, momentum)
 
 
 def _no_stats(x, layout):
@@ -304,8 +297,8 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
             impl.update_running(running_mean, running_var, mean, var, count, args.momentum)
     elif training:
         mean, var, invstd = stats_and_update(impl, x, args.layout, args.eps, running_mean,
-                                             running_var, args.M, args.momentum)
-    elif x.size and getattr(impl, "apply_running", None) is not None:   # stats + apply: one pass
+                                             running_var, args.momentum)
+    elif x.size:                                    # stats + apply (one pass on CUDA)
         y, mask, mean, invstd = impl.apply_running(x, running_mean, running_var, args.eps,
                                                    gamma, beta, z, relu, args.layout,
                                                    with_mask)

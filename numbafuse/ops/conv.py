@@ -49,9 +49,9 @@ _kernels = functools.partial(kernels.module, "conv")   # _kernels(backend): the 
 
 
 def _conv_kernels(which, geometry):
-    """The kernel module running ``geometry`` on backend ``which``: ``cpu``/``cuda``, or
-    ``cpu_grouped``/``cuda_grouped`` for ``groups > 1``."""
-    return _kernels(which) if geometry.groups == 1 else _kernels(which + "_grouped")
+    """The kernel module running ``geometry`` on backend ``which`` (``kernels.interfaces.
+    ConvKernels``): ``cpu``/``cuda``, or ``cpu_grouped``/``cuda_grouped`` for ``groups > 1``."""
+    return kernels.conv_kernels(which, geometry.groups)
 
 
 # --------------------------------------------------------------------------- array helpers

@@ -169,8 +169,8 @@ class ConvBatchNormReLU(Function):
                                        momentum)
             else:
                 mean, var, invstd = _bn.stats_and_update(                 # (K,) each
-                    kernels.module("batchnorm", which), h, geometry.layout, p.eps,
-                    p.running_mean, p.running_var, self.count, momentum)
+                    kernels.batchnorm_kernels(which), h, geometry.layout, p.eps,
+                    p.running_mean, p.running_var, momentum)
         if p.training:
             keep_h = not p.recompute
             y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu,

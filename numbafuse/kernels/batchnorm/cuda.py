@@ -53,6 +53,7 @@ from ..cuda_launch import launch
 from .. import cuda_reduce as reduce
 
 BLOCK = config.BLOCK
+AFFINE_GATE = False      # the backward takes the forward's y or mask, not STATE_AFFINE
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 U = 4                    # groups of 32 elements in flight per warp
@@ -414,13 +415,18 @@ def apply_running(x, running_mean, running_var, eps, gamma, beta, z, relu, layou
 
 
 def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, need,
-             sync=None):
+             sync=None, sums=None):
     """(gx, ggamma, gbeta, gz) on the device, each None unless asked for in ``need``.
 
     ``sync``: as in the CPU module (synchronized batch norm): called with this call's (2, C)
     float64 host sums (sum g, sum g*(x - mean)), it returns the global sums and count, from
-    which the dx coefficients are made; ggamma and gbeta stay this call's own.
+    which the dx coefficients are made; ggamma and gbeta stay this call's own. ``sums``: never
+    given here (the device conv has no batch-norm epilogue: ``conv/cuda.forward_bn_sums``
+    returns None); a ValueError if it is.
     """
+    if sums is not None:
+        raise ValueError("batch-norm backward (cuda): precomputed sums come from a conv "
+                         "epilogue the device kernels do not have")
     need_gx, need_ggamma, need_gbeta, need_gz = need
     A, C, B = reduce.view(x.shape, layout)
     dtype = x.dtype
