@@ -51,14 +51,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).startswith(CUDA_ONLY_DIR):
             item.add_marker(pytest.mark.cuda)
-    if SIMULATOR and SIMULATOR_SHARDS is not None and SIMULATOR_SHARDS[0]:
-        keep, drop = [], []
-        for item in items:
-            cuda = item.get_closest_marker("cuda") is not None
-            (drop if cuda and not in_shard(item.nodeid) else keep).append(item)
-        if drop:
-            config.hook.pytest_deselected(items=drop)
-            items[:] = keep
+    keep, drop = [], []
+    for item in items:
+        cuda = item.get_closest_marker("cuda") is not None
+        if SIMULATOR and cuda and SIMULATOR_SHARDS is not None and SIMULATOR_SHARDS[0]:
+            out = not in_shard(item.nodeid, SIMULATOR_SHARDS)
+        elif not SIMULATOR and not cuda and CPU_SHARDS is not None and CPU_SHARDS[0]:
+            out = (os.path.basename(str(item.fspath)) not in UNSHARDED
+                   and not in_shard(item.nodeid, CPU_SHARDS))
+        else:
+            out = False
+        (drop if out else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture
@@ -70,12 +76,13 @@ def _is_cuda(request):
     return request.node.get_closest_marker("cuda") is not None
 
 
-def _simulator_shards(value):
-    """NUMBAFUSE_TEST_SIMULATOR: "1" (default) runs every simulator test, "0" none, "i/n" or
-    "i,j,.../n" the shards i (and j, ...) of n. The simulated kernels do not depend on the Python
-    version, so .ci/run splits the simulator's tests between its two legs (their time
-    balanced); a test's shard is a hash of its id, the same in every process. Returns None
-    (all), or (set of shards, n)."""
+def _shards(name, value):
+    """NUMBAFUSE_TEST_SIMULATOR / NUMBAFUSE_TEST_CPU: "1" (default) runs every test of the
+    kind, "0" none, "i/n" or "i,j,.../n" the shards i (and j, ...) of n. .ci/run splits the
+    simulator's tests (the simulated kernels do not depend on the Python version) and the CPU
+    tests (the legs' time: each Python version runs half of them, every test runs once)
+    between its two legs; a test's shard is a hash of its id, the same in every process.
+    Returns None (all), or (set of shards, n)."""
     if value == "1":
         return None
     if value == "0":
@@ -86,17 +93,21 @@ def _simulator_shards(value):
         if n < 1 or not shards <= set(range(n)):
             raise ValueError
     except ValueError:
-        raise pytest.UsageError(f"NUMBAFUSE_TEST_SIMULATOR must be 1, 0, 'i/n' or 'i,j/n' "
+        raise pytest.UsageError(f"{name} must be 1, 0, 'i/n' or 'i,j/n' "
                                 f"with shards below n, got {value!r}") from None
     return shards, n
 
 
-SIMULATOR_SHARDS = _simulator_shards(os.environ.get("NUMBAFUSE_TEST_SIMULATOR", "1"))
+SIMULATOR_SHARDS = _shards("NUMBAFUSE_TEST_SIMULATOR",
+                           os.environ.get("NUMBAFUSE_TEST_SIMULATOR", "1"))
+CPU_SHARDS = _shards("NUMBAFUSE_TEST_CPU", os.environ.get("NUMBAFUSE_TEST_CPU", "1"))
+# the sm_90 compilations run whole in the leg that has NUMBAFUSE_TEST_SM90 on
+UNSHARDED = ("test_ptx.py", "test_sass.py")
 
 
-def in_shard(nodeid):
-    shards, n = SIMULATOR_SHARDS
-    return zlib.crc32(nodeid.encode()) % n in shards
+def in_shard(nodeid, shards=None):
+    picked, n = shards or SIMULATOR_SHARDS
+    return zlib.crc32(nodeid.encode()) % n in picked
 
 
 @pytest.fixture(autouse=True)

@@ -19,10 +19,12 @@ GEOMETRIES = [
 
 
 def _cases():
+    # float32: float64 runs the same compiled code typed wider (each float64 compilation of a
+    # path costs CI ~20-50 s a leg); test_conv_kernels checks float64 on the float32-only
+    # paths' shapes, and the whole-batch test below runs float64 through plan=
     for kernel, stride, padding, dilation, C, K in GEOMETRIES:
         for layout in ("NCHW", "NHWC"):
-            for dtype in (np.float32, np.float64):
-                yield kernel, stride, padding, dilation, C, K, layout, dtype
+            yield kernel, stride, padding, dilation, C, K, layout, np.float32
 
 
 def _problem(kernel, stride, padding, dilation, C, K, layout, dtype):
@@ -94,9 +96,10 @@ def test_rules_are_a_value_that_using_changes_for_a_block_only():
         with cpu_plan.using(chunk_bytes=1):
             raise RuntimeError
     assert cpu_plan.current_rules() == before
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError, match="no rule named no_such_rule"):
         with cpu_plan.using(no_such_rule=1):
             pass
+    assert cpu_plan.current_rules() == before
     # an explicit rules value wins over the context's
     assert cpu_plan.plan(g, "forward", np.float32,
                          cpu_plan.RULES._replace(winograd_min_tiles=0)).algorithm == "winograd"

@@ -149,6 +149,10 @@ def using(**changes):
     variable, like NumPy's ``errstate``: other threads keep theirs (a thread started in the
     block sees the change if it runs in ``contextvars.copy_context()``). Plans are made on
     the calling thread, before any work goes to numbafuse's thread pool."""
+    unknown = sorted(set(changes) - set(Rules._fields))
+    if unknown:
+        raise TypeError(f"conv rules: no rule named {', '.join(unknown)} "
+                        f"(the rules: {', '.join(Rules._fields)})")
     token = _CURRENT.set(_CURRENT.get()._replace(**changes))
     try:
         yield _CURRENT.get()
