@@ -164,8 +164,8 @@ class _CudaPool:
     allocation), and an allocation counts as new when it raised that figure. The release
     threshold keeps the pool from trimming itself, so the figure only grows.
 
-    Written for a GPU and checked only by reading (no GPU was lent to the sessions that wrote
-    and reviewed it): ``tests/cuda/test_memory_pool_cuda.py`` runs it on a GPU.
+    Not yet run on a GPU (checked by reading and under fakes): ``tests/cuda/
+    test_memory_pool_cuda.py`` runs it on one.
     """
 
     def __init__(self):

@@ -10,7 +10,7 @@ elements a thread owns in one K-step straight from the source tensor (implicit G
 Vocabulary after CUTLASS: the **block tile** is ``BM x BN`` outputs, the **K-step** ``BK``,
 each thread accumulates a ``TM x TN`` **micro-tile** in registers (``cuda.local.array`` of
 constant shape, indexed by constants once NVVM unrolls the loops: SASS shows it stays in
-registers, ``kernels/cuda_sass.py``).
+registers, ``numbafuse/testing/cuda_sass.py``).
 
 One K-step of a thread, with two shared buffers (``cur`` read, ``nxt`` written)::
 
