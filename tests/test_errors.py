@@ -68,6 +68,19 @@ def no_kernel_runs(backend):
     assert not calls, f"kernels ran before the error: {calls}"
 
 
+def each_call(calls):
+    """Parametrize ``row`` over ``calls``, rows (call, op, args, kwargs, exc, argument,
+    pattern), each named op-index-argument."""
+    return pytest.mark.parametrize("row", calls,
+                                   ids=[f"{c[1]}-{i}-{c[5]}" for i, c in enumerate(calls)])
+
+
+def assert_row_refused(backend, row):
+    """:func:`assert_refused` of one (call, op, args, kwargs, exc, argument, pattern) row."""
+    call, op, args, kwargs, exc, argument, pattern = row
+    assert_refused(backend, call, list(args), kwargs, exc, op, argument, pattern)
+
+
 def assert_refused(backend, call, args, kwargs, exc, op, argument, pattern=""):
     """``call(*args, **kwargs)`` (host arrays put on ``backend``) raises ``exc`` whose message
     starts with ``op: `` and names ``argument``; no kernel ran and no array was written."""
@@ -408,11 +421,9 @@ def _conv_forward_calls():
 CONV_CALLS = _conv_forward_calls()
 
 
-@pytest.mark.parametrize("index", range(len(CONV_CALLS)),
-                         ids=[f"{c[1]}-{i}-{c[5]}" for i, c in enumerate(CONV_CALLS)])
-def test_conv_ops_refuse_bad_input(index, backend):
-    call, op, args, kwargs, exc, argument, pattern = CONV_CALLS[index]
-    assert_refused(backend, call, list(args), kwargs, exc, op, argument, pattern)
+@each_call(CONV_CALLS)
+def test_conv_ops_refuse_bad_input(row, backend):
+    assert_row_refused(backend, row)
 
 
 # =========================================================================== half precision
@@ -455,11 +466,9 @@ def _half_calls():
 HALF_CALLS = _half_calls()
 
 
-@pytest.mark.parametrize("index", range(len(HALF_CALLS)),
-                         ids=[f"{c[1]}-{i}-{c[5]}" for i, c in enumerate(HALF_CALLS)])
-def test_half_precision_mixes_are_refused(index, backend):
-    call, op, args, kwargs, exc, argument, pattern = HALF_CALLS[index]
-    assert_refused(backend, call, list(args), kwargs, exc, op, argument, pattern)
+@each_call(HALF_CALLS)
+def test_half_precision_mixes_are_refused(row, backend):
+    assert_row_refused(backend, row)
 
 
 # =========================================================================== read-only state
@@ -592,11 +601,9 @@ def _basic_calls():
 BASIC_CALLS = _basic_calls()
 
 
-@pytest.mark.parametrize("index", range(len(BASIC_CALLS)),
-                         ids=[f"{c[1]}-{i}-{c[5]}" for i, c in enumerate(BASIC_CALLS)])
-def test_unfused_ops_refuse_bad_input(index, backend):
-    call, op, args, kwargs, exc, argument, pattern = BASIC_CALLS[index]
-    assert_refused(backend, call, list(args), kwargs, exc, op, argument, pattern)
+@each_call(BASIC_CALLS)
+def test_unfused_ops_refuse_bad_input(row, backend):
+    assert_row_refused(backend, row)
 
 
 @pytest.mark.cuda

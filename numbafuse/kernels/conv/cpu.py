@@ -42,6 +42,7 @@ from . import math as conv_math
 from .cpu_plan import algorithm, plan as _plan
 
 geo_tuple = conv_math.geo_tuple
+_ints = conv_math.int_tuple
 
 from . import cpu_epilogue as _epi  # noqa: E402
 from ..batchnorm import cpu as _bn_cpu  # noqa: E402
@@ -83,11 +84,6 @@ def _taps(w, k_rows):
     order = (2, 3, 0, 1) if k_rows else (2, 3, 1, 0)
     return np.ascontiguousarray(w.transpose(order)).reshape(R * S, *((K, C) if k_rows else
                                                                       (C, K)))
-
-
-def _ints(*values):
-    """Scalars as one tuple of Python ints: a kernel's sizes in one argument of one type."""
-    return tuple(int(v) for v in values)
 
 
 def _k_view(a, geom):

@@ -40,6 +40,7 @@ from ..cpu_transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_chunks import chunk, sum64, sum_groups, tile_chunks
 from .cpu_winograd import estride, gate_tiles, padded_rows_inline, vadd, vcopy, vsub
+from .math import int_tuple
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -62,7 +63,7 @@ def forward(x, w, b, geom, relu, y, tiles, wide, work):
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     ipc, tyb, nchunks, most = tile_chunks(N, P, Q, True, tiles)
     sizes = (geom.ph, geom.pw, ipc, tyb, estride(C * most, 4), estride(K * most, 4))
-    launch(_s2_tasks, nchunks, x, taps(w), tuple(int(v) for v in sizes), b,
+    launch(_s2_tasks, nchunks, x, taps(w), int_tuple(*sizes), b,
            (bool(relu), geom.layout == "NHWC", bool(wide)), y, work=work, grain=1)
 
 
@@ -76,7 +77,7 @@ def dw(x, gy, y, use_mask, geom, need_dw, tiles, groups, wide, work):
     D_parts = _out.empty((groups if need_dw else 1, POSITIONS, K, C), x.dtype)
     db_parts = np.empty((groups, K))
     sizes = (geom.ph, geom.pw, ipc, tyb, estride(C * most, 4), nchunks, groups)
-    launch(_s2_dw_tasks, groups, x, gy, y, use_mask, tuple(int(v) for v in sizes),
+    launch(_s2_dw_tasks, groups, x, gy, y, use_mask, int_tuple(*sizes),
            (bool(need_dw), geom.layout == "NHWC", bool(wide)), DM_OF, (D_parts, db_parts),
            work=work, grain=1)
     if not need_dw:

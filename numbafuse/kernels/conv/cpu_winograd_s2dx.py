@@ -33,6 +33,7 @@ from ..cpu_transpose import transpose
 from .cpu_chunks import block_chunks, chunk
 from .cpu_winograd import estride, padded_rows_inline, vcopy, vsub
 from .cpu_winograd_s2 import gemm_operands, gemms, taps
+from .math import int_tuple
 
 # which taps each transformed position sums (per axis): w2, w0 + w2, w0, w1, w1
 G_DX = np.array([[0, 0, 1], [1, 0, 1], [1, 0, 0], [0, 1, 0], [0, 1, 0]], np.int64)
@@ -46,7 +47,7 @@ def dx(gy, y, use_mask, w, geom, out, tiles, wide, work):
     ipc, ib, nchunks, most = block_chunks(N, -(-H // 4), -(-W // 4), tiles)
     sizes = (geom.ph, geom.pw, ipc, ib, estride(K * most, 4), estride(C * most, 4))
     launch(_s2_dx_tasks, nchunks, gy, y, use_mask, taps(w.transpose(1, 0, 2, 3), _GG_DX),
-           tuple(int(v) for v in sizes), (geom.layout == "NHWC", bool(wide)), out, work=work,
+           int_tuple(*sizes), (geom.layout == "NHWC", bool(wide)), out, work=work,
            grain=1)
 
 

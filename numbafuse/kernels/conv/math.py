@@ -23,6 +23,12 @@ def geo_tuple(geom):
                  for f in GEO_FIELDS)
 
 
+def int_tuple(*values):
+    """Scalars as one tuple of Python ints (host side): a task kernel's sizes in one argument
+    of one type (a UniTuple of int64), however the host computed them."""
+    return tuple(int(v) for v in values)
+
+
 def group_geometry(geom):
     """The ungrouped geometry of one group of a grouped ``validate.ConvGeometry`` (host side):
     C/groups channels, K/groups filters, groups=1."""
