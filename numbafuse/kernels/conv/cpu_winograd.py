@@ -171,27 +171,28 @@ def _at_rows(m0, m1, m2, m3, s0, s1):
 
 
 @njit(inline="always")
+def _a_row(x, y, i, out):
+    # row i of A applied to the pair (x, y): x, x + y, x - y, -y
+    if i == 0:
+        vcopy(x, out)
+    elif i == 1:
+        vadd(x, y, out)
+    elif i == 2:
+        vsub(x, y, out)
+    else:
+        vneg(y, out)
+
+
+@njit(inline="always")
 def _a_dy_at(g00, g01, g10, g11, tmp, dM, base, n):
     # dM[e, base:base + n] <- A dY A^T, dY[a][b] = g_ab (n,) views, tile by tile: rows of A
     # over a: T0 = dY0, T1 = dY0 + dY1, T2 = dY0 - dY1, T3 = -dY1, then the same over b
-    x0, x1 = tmp[0, :n], tmp[1, :n]
+    # (loops over the rows, each vector loop written twice rather than 12 times)
     for i in range(4):
-        if i == 0:
-            vcopy(g00, x0)
-            vcopy(g01, x1)
-        elif i == 1:
-            vadd(g00, g10, x0)
-            vadd(g01, g11, x1)
-        elif i == 2:
-            vsub(g00, g10, x0)
-            vsub(g01, g11, x1)
-        else:
-            vneg(g10, x0)
-            vneg(g11, x1)
-        vcopy(x0, dM[4 * i, base:base + n])
-        vadd(x0, x1, dM[4 * i + 1, base:base + n])
-        vsub(x0, x1, dM[4 * i + 2, base:base + n])
-        vneg(x1, dM[4 * i + 3, base:base + n])
+        for b in range(2):
+            _a_row(g00 if b == 0 else g01, g10 if b == 0 else g11, i, tmp[b, :n])
+        for j in range(4):
+            _a_row(tmp[0, :n], tmp[1, :n], j, dM[4 * i + j, base:base + n])
 
 
 # --------------------------------------------------------------------------- NHWC transforms
@@ -222,25 +223,42 @@ def _split_rows(src, gate, use_gate, n, u0, nu, c0, L, R):
                         dst[c] = sv[c]
 
 
+# B^T of F(2, 3) along four values d0 ... d3: row xi is d[_BT_A[xi]] + _BT_SIGN[xi] *
+# d[_BT_B[xi]] (d0 - d2, d1 + d2, d2 - d1, d1 - d3)
+_BT_A = (0, 1, 2, 1)
+_BT_B = (2, 2, 1, 3)
+_BT_SIGN = (-1, 1, -1, -1)
+
+
+@njit(inline="always")
+def _add_or_sub(x, y, sign, out):
+    # out = x + y (sign > 0) or x - y: two loops, so each call site costs two vector loops
+    if sign > 0:
+        vadd(x, y, out)
+    else:
+        vsub(x, y, out)
+
+
 @njit(nogil=True, cache=True)
 def _in_hwc(R, r0, TX, Ci, tv, V, t0):
     # V[e][t0 + tx, :] (rows of Ci) <- B^T d B of the TX tiles of one tile row, whose padded
-    # input rows are R[r0 + i], i < 4; tv: (8, L*Ci) scratch, tv[2*xi + b] as in _in_chw
+    # input rows are R[r0 + i], i < 4 (split by column parity: column 2j + b of row i in
+    # R[r0 + i, b][j*Ci:(j + 1)*Ci]); tv: (8, L*Ci) scratch, tv[2*xi + b] = row xi of B^T d
+    # at the columns of parity b. Loops over the rows and positions, each vector loop written
+    # once (unrolled, 24 of them, it compiled several times slower)
     n = (TX + 1) * Ci
     for b in range(2):
-        d0, d1, d2, d3 = R[r0, b], R[r0 + 1, b], R[r0 + 2, b], R[r0 + 3, b]   # (L*Ci,)
-        vsub(d0[:n], d2[:n], tv[b, :n])
-        vadd(d1[:n], d2[:n], tv[2 + b, :n])
-        vsub(d2[:n], d1[:n], tv[4 + b, :n])
-        vsub(d1[:n], d3[:n], tv[6 + b, :n])
+        for xi in range(4):
+            _add_or_sub(R[r0 + _BT_A[xi], b, :n], R[r0 + _BT_B[xi], b, :n], _BT_SIGN[xi],
+                        tv[2 * xi + b, :n])
     m = TX * Ci
     base = t0 * Ci
-    for xi in range(4):
-        te, to = tv[2 * xi], tv[2 * xi + 1]
-        vsub(te[:m], te[Ci:Ci + m], V[4 * xi, base:base + m])
-        vadd(to[:m], te[Ci:Ci + m], V[4 * xi + 1, base:base + m])
-        vsub(te[Ci:Ci + m], to[:m], V[4 * xi + 2, base:base + m])
-        vsub(to[:m], to[Ci:Ci + m], V[4 * xi + 3, base:base + m])
+    for xi in range(4):          # columns d0 ... d3 of the row: tv[2xi + k % 2] at pair k // 2
+        for nu in range(4):
+            a, b = _BT_A[nu], _BT_B[nu]
+            _add_or_sub(tv[2 * xi + a % 2, (a // 2) * Ci:(a // 2) * Ci + m],
+                        tv[2 * xi + b % 2, (b // 2) * Ci:(b // 2) * Ci + m], _BT_SIGN[nu],
+                        V[4 * xi + nu, base:base + m])
 
 
 @njit(nogil=True, cache=True)
@@ -307,12 +325,14 @@ def _grad_hwc(gy, y, use_mask, n, p0, TX, G, tmp, dM, t0, db):
 
 # --------------------------------------------------------------------------- chunk steps
 #
-# A chunk's work in steps, each a compiled function of its own (not inlined): the task kernels
-# below stay small enough to compile in seconds, and the forward, dX and the stride-2 kernels
-# share the compiled steps. Each step loops over whole tile rows, so a call costs nothing
-# measurable (the stride-2 kernels excepted: as steps they ran 10-20% slower, so theirs are
-# inlined, padded_rows_inline included). A constant passed to a step is typed as a literal (a
-# signature of its own, compiled again): flags go as OFF / np.int64(0), plain variables.
+# A chunk's work in steps, each a compiled function of its own: the task kernels stay small
+# enough to compile in seconds, and the stride-1 and stride-2 kernels share the compiled steps
+# (padded_rows, store_nchw). Each step loops over whole tile rows, so a call costs nothing
+# measurable. Numba links a step's code into each caller and compiles it again there, so the
+# steps are one level deep (a task kernel calls steps; small helpers between them, such as
+# _chunk_tiles, are inlined) and written with few vector loops. A constant passed to a step
+# is typed as a literal (a signature of its own, compiled again): flags go as OFF /
+# np.int64(0), plain variables.
 
 OFF = np.bool_(False)
 
@@ -341,12 +361,11 @@ def hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs):
     return _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
 
 
-@njit(inline="always")
-def padded_rows_inline(src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs):
+@njit(nogil=True, cache=True)
+def padded_rows(src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs):
     """R <- the rows [u0, u0 + nu) of image n of src (gated) split by column (_split_rows,
     from column c0: -left for a padded input); slabs: of an NCHW src (and gate), through its
-    HWC slab in xs (gs). Inlined into the stride-2 kernels (compiled as a step of its own,
-    the stride-2 forward measured 10-20% slower); the stride-1 kernels call padded_rows."""
+    HWC slab in xs (gs). Every Winograd kernel's first step."""
     if slabs:
         sv, gv = _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
         _split_rows(sv, gv, use_gate, 0, u0 - max(0, u0), nu, c0, L, R)
@@ -354,17 +373,7 @@ def padded_rows_inline(src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs):
         _split_rows(src, gate, use_gate, n, u0, nu, c0, L, R)
 
 
-@njit(nogil=True, cache=True)
-def padded_rows(src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs):
-    """padded_rows_inline, compiled on its own (the stride-1 kernels' step)."""
-    if slabs:
-        sv, gv = hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
-        _split_rows(sv, gv, use_gate, np.int64(0), u0 - max(0, u0), nu, c0, L, R)
-    else:
-        _split_rows(src, gate, use_gate, n, u0, nu, c0, L, R)
-
-
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _chunk_tiles(src, gate, use_gate, n0, n1, u0, nr, left, slabs, work, slab):
     # V[e][((n - n0)*nr + r)*TX + tx, :] (rows of Ci) <- B^T d B of the chunk's tiles: nr
     # tile rows of images [n0, n1) from padded input row u0; work = (R, tv, V), slab = the
@@ -379,7 +388,7 @@ def _chunk_tiles(src, gate, use_gate, n0, n1, u0, nr, left, slabs, work, slab):
             _in_hwc(R, 2 * r, L - 1, Ci, tv, V, ((n - n0) * nr + r) * (L - 1))
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _forward_gemms(blas, T, V, U, M):
     # M[e] (T, Co) = V[e] (T, Ci) @ U[e] (Ci, Co), e < 16
     Ci, Co = U.shape[1], U.shape[2]
@@ -395,10 +404,10 @@ def _out_hw(out, slabs):
     return out.shape[0], out.shape[1], out.shape[2]
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _image_rows(M, n, n0, ty0, nr, bias, relu, slabs, s, ys, out):
     # image n's output rows of the chunk (A^T m A + bias, relu?) from M; returns them as a
-    # flat (rows*Wo*Co,) HWC view: of ys (slabs: NCHW out, written by _store_nchw) or of out
+    # flat (rows*Wo*Co,) HWC view: of ys (slabs: NCHW out, written by store_nchw) or of out
     N, Ho, Wo = _out_hw(out, slabs)
     Co = out.shape[1] if slabs else out.shape[3]
     TX = (Wo + 1) // 2
@@ -415,8 +424,9 @@ def _image_rows(M, n, n0, ty0, nr, bias, relu, slabs, s, ys, out):
 
 
 @njit(nogil=True, cache=True)
-def _store_nchw(flat, out, n, p0):
-    # out[n, :, p0:p0 + rows] (NCHW) <- the (rows*Wo, Co) HWC rows in flat
+def store_nchw(flat, out, n, p0):
+    """out[n, :, p0:p0 + rows] (NCHW) <- the (rows*Wo, Co) HWC rows in flat (every
+    Winograd kernel's NCHW output rows, through an HWC slab)."""
     Co, Ho, Wo = out.shape[1], out.shape[2], out.shape[3]
     np_ = flat.shape[0] // (Wo * Co)
     transpose(flat.reshape((np_ * Wo, Co)),
@@ -456,7 +466,7 @@ def forward_tasks(t0, t1, src, gate, use_gate, U, chunks, bias, relu, blas, out)
         for n in range(n0, n1):
             flat = _image_rows(M, n, n0, ty0, nr, bias, relu, slabs, s, ys, out)
             if slabs:
-                _store_nchw(flat, out, n, 2 * ty0)
+                store_nchw(flat, out, n, 2 * ty0)
 
 
 @task_kernel
@@ -500,7 +510,7 @@ def forward_epilogue_tasks(t0, t1, x, U, chunks, blas, out, modes, ev, dg, parts
             _epi.block(flat, dflat, gflat, Co, n == n0, epi, affine, ev, shift, acc, counts,
                        t)
             if slabs:
-                _store_nchw(flat, out, n, p0)
+                store_nchw(flat, out, n, p0)
         _epi.end_chunk(epi, shift, acc, parts, t)
 
 
@@ -555,7 +565,7 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, chunks, need_dw, blas, D_parts, db_part
             beta = 1.0
 
 
-@njit(nogil=True, cache=True)
+@njit(inline="always")
 def _dw_gemms(blas, T, dM, V, beta, D):
     # D[e] (K, C) = dM[e]^T (K, T) @ V[e] (T, C) + beta D[e], e < 16
     K, C = D.shape[1], D.shape[2]

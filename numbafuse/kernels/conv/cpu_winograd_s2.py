@@ -39,7 +39,7 @@ from ..cpu_launch import launch, task_kernel
 from ..cpu_transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_chunks import chunk, sum64, sum_groups, tile_chunks
-from .cpu_winograd import estride, gate_tiles, padded_rows_inline, vadd, vcopy, vsub
+from .cpu_winograd import OFF, estride, gate_tiles, padded_rows, store_nchw, vadd, vcopy, vsub
 from .math import int_tuple
 
 _relu = cpu_scalar(_relu_math)
@@ -126,44 +126,46 @@ def _sums(A, src, out):
 
 # --------------------------------------------------------------------------- transforms
 
-@njit(inline="always")
-def _in_row(S, m, C, V, xi, base):
-    # V[5*xi + nu][base:base + m] <- column transform (B^T along columns) of one transformed
-    # row S (4, L*C), classes mod 4: d0 = S[0][tx], d1 = S[1][tx], d2 = S[2][tx], d3 =
-    # S[3][tx], d4 = S[0][tx + 1]
-    e = 5 * xi
-    vsub(S[0, :m], S[2, :m], V[e, base:base + m])
-    vcopy(S[2, :m], V[e + 1, base:base + m])
-    vsub(S[0, C:C + m], S[2, :m], V[e + 2, base:base + m])
-    vcopy(S[1, :m], V[e + 3, base:base + m])
-    vcopy(S[3, :m], V[e + 4, base:base + m])
+# B^T along a row of classes mod 4 (d0 d1 d2 d3 = classes 0-3 at column group j, d4 = class
+# 0 at j + 1): transformed value nu is d_{_CLASS_IN[nu]} at group j + _SHIFT_IN[nu], minus d2
+# where nu is 0 or 2 (d0 - d2, d2, d4 - d2, d1, d3)
+_CLASS_IN = (0, 2, 0, 1, 3)
+_SHIFT_IN = (0, 0, 1, 0, 0)
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _in_s2(R, u, TX, C, tv, V, t0):
     # V[e][t0 + tx, :] (rows of C) <- B^T d B of the TX tiles of one tile row, whose padded
-    # input rows are R[u + i], i < 5; tv: (2, 4, L*C) scratch (rows d0 - d2 and d4 - d2)
+    # input rows are R[u + i], i < 5; tv: (2, 4, L*C) scratch (rows d0 - d2 and d4 - d2).
+    # Written as loops over the rows and positions, each vector loop once: unrolled (a loop
+    # per position, 33 in all) the function took 4.4 s to compile
     n = R.shape[2]
-    for m in range(4):
-        vsub(R[u, m, :n], R[u + 2, m, :n], tv[0, m, :n])
-        vsub(R[u + 4, m, :n], R[u + 2, m, :n], tv[1, m, :n])
+    for h in range(2):                                # B^T along the rows: d0 - d2, d4 - d2
+        for m in range(4):
+            vsub(R[u + 4 * h, m, :n], R[u + 2, m, :n], tv[h, m, :n])
     m = TX * C
     base = t0 * C
-    _in_row(tv[0], m, C, V, 0, base)
-    _in_row(R[u + 2], m, C, V, 1, base)
-    _in_row(tv[1], m, C, V, 2, base)
-    _in_row(R[u + 1], m, C, V, 3, base)
-    _in_row(R[u + 3], m, C, V, 4, base)
+    for xi in range(5):                               # rows d0 - d2, d2, d4 - d2, d1, d3
+        S = tv[0] if xi == 0 else tv[1] if xi == 2 else R[u + 2] if xi == 1 else (
+            R[u + 1] if xi == 3 else R[u + 3])
+        for nu in range(5):
+            o = _SHIFT_IN[nu] * C
+            src, dst = S[_CLASS_IN[nu], o:o + m], V[5 * xi + nu, base:base + m]
+            if nu == 0 or nu == 2:
+                vsub(src, S[2, :m], dst)
+            else:
+                vcopy(src, dst)
 
 
-@njit(inline="always")
-def _chunk_v(x, rows, slabs, xs, R, tv, V):
+@njit(nogil=True, cache=True)
+def chunk_v(x, rows, slabs, xs, R, tv, V):
+    """V <- the transformed patches of a chunk's tiles: rows = (n0, n1, nr, TX, u0, left, L),
+    nr tile rows of images [n0, n1) from padded input row u0; slabs: x NCHW, its rows
+    transposed to HWC in xs first (the forward's and dW's first step)."""
     n0, n1, nr, TX, u0, left, L = rows
-    # V <- the transformed patches of a chunk's tiles: nr tile rows of images [n0, n1), from
-    # padded input row u0; slabs: x NCHW, its rows transposed to HWC in xs first
     C = R.shape[2] // L
     for n in range(n0, n1):
-        padded_rows_inline(x, x, False, n, u0, 4 * nr + 1, -left, L, R, slabs, xs, xs)
+        padded_rows(x, x, OFF, n, u0, 4 * nr + 1, -left, L, R, slabs, xs, xs)
         for r in range(nr):
             _in_s2(R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
 
@@ -179,7 +181,7 @@ def gemm_operands(vs, ms, most, k):
     return V, M, vrows, np.arange(25) * np.int64(vs)
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def gemms(m, n, k, vrows, eoff, U, M, ms, wide):
     # M[e] (m, n) = V[e] (m, k) @ U[e] (k, n) for the 25 positions: V[e]'s rows at vrows[i] +
     # eoff[e] elements, M[e] at M[e] (row stride n), on the taps tiles
@@ -191,7 +193,7 @@ def gemms(m, n, k, vrows, eoff, U, M, ms, wide):
                          np.int64(0), np.int64(1 if wide else 0))
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _out_s2(M, t0, TX, p0, bias, relu, s, yn):
     # yn: (P, Q, K), one image (or a chunk's rows of it) <- A^T m A + bias (relu?) of the TX
     # tiles t0 ... of one tile row (rows of K in M[e]), output rows p0, p0 + 1; s: (10, TX*K)
@@ -210,19 +212,15 @@ def _out_s2(M, t0, TX, p0, bias, relu, s, yn):
         p = p0 + a
         if p >= P:
             continue
-        for tx in range(TX):
-            o = tx * K
-            q0, q1, q2 = s[5 * a, o:o + K], s[5 * a + 1, o:o + K], s[5 * a + 2, o:o + K]
-            q3, q4 = s[5 * a + 3, o:o + K], s[5 * a + 4, o:o + K]
-            dst = yn[p, 2 * tx]                                   # (K,)
+        for j in range(min(2 * TX, Q)):               # columns of A^T: (0, 1, 3) or (1, 2, 4)
+            o = (j // 2) * K
+            b = j % 2
+            qa, qb = s[5 * a + b, o:o + K], s[5 * a + 1 + b, o:o + K]
+            qc = s[5 * a + 3 + b, o:o + K]
+            dst = yn[p, j]                                        # (K,)
             for k in range(K):
-                v = q0[k] + q1[k] + q3[k] + bias[k]
+                v = qa[k] + qb[k] + qc[k] + bias[k]
                 dst[k] = _relu(v) if relu else v
-            if 2 * tx + 1 < Q:
-                dst = yn[p, 2 * tx + 1]
-                for k in range(K):
-                    v = q1[k] + q2[k] + q4[k] + bias[k]
-                    dst[k] = _relu(v) if relu else v
 
 
 # --------------------------------------------------------------------------- tasks
@@ -254,23 +252,20 @@ def _s2_tasks(t0, t1, x, U, sizes, bias, flags, y):
     for t in range(t0, t1):
         n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
-        T = (n1 - n0) * nr * TX
-        _chunk_v(x, (n0, n1, nr, TX, 4 * ty0 - top, left, L), not nhwc, xs, R, tv, V)
-        gemms(T, K, C, vrows, eoff, U, M, ms, wide)
+        for n in range(n0, n1):
+            padded_rows(x, x, OFF, n, 4 * ty0 - top, 4 * nr + 1, -left, L, R, not nhwc, xs, xs)
+            for r in range(nr):
+                _in_s2(R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
+        gemms((n1 - n0) * nr * TX, K, C, vrows, eoff, U, M, ms, wide)
         p0 = 2 * ty0
         np_ = min(P, p0 + 2 * nr) - p0                # output rows of the chunk
         for n in range(n0, n1):
-            if nhwc:
-                for r in range(nr):
-                    _out_s2(M, ((n - n0) * nr + r) * TX, TX, 2 * (ty0 + r), bias, relu, s,
-                            y[n])
-            else:
-                yv = ys[:np_ * Q * K].reshape((np_, Q, K))
-                for r in range(nr):
-                    _out_s2(M, ((n - n0) * nr + r) * TX, TX, 2 * r, bias, relu, s, yv)
-                transpose(ys[:np_ * Q * K].reshape((np_ * Q, K)),
-                          y[n].reshape((K, P * Q))[:, p0 * Q:(p0 + np_) * Q])
-
+            t0n = (n - n0) * nr * TX
+            yv = y[n] if nhwc else ys[:np_ * Q * K].reshape((np_, Q, K))
+            for r in range(nr):
+                _out_s2(M, t0n + r * TX, TX, 2 * r + (p0 if nhwc else 0), bias, relu, s, yv)
+            if not nhwc:
+                store_nchw(ys[:np_ * Q * K], y, n, p0)
 
 
 # --------------------------------------------------------------------------- dW
@@ -282,9 +277,10 @@ def _s2_tasks(t0, t1, x, U, sizes, bias, flags, y):
 _AXIS = np.array([0, 1, 2, 0, 2], np.int64)
 _CLASS = np.array([[0, 4, 1], [6, 8, 7], [2, 5, 3]], np.int64)
 DM_OF = _CLASS[_AXIS[:, None], _AXIS[None, :]].reshape(POSITIONS)   # position e -> dm[...]
+_SUMS_OF = ((0, 1), (2, 3), (0, 2), (1, 3), (4, 5))   # dm[4 + i] = dm[a] + dm[b]
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _grad_s2_chw(gy, y, use_mask, n, p0, nr, TX, dm, T, t0, db):
     # dm: (9, *) <- dm[2a + b][k*T + t0 + r*TX + tx] = g[n, k, p0 + 2r + a, 2tx + b] (0
     # outside the output) of the nr tile rows from output row p0 of image n of g = gy * (y >
@@ -343,7 +339,6 @@ def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, sizes, flags, dm_of, parts):
     G4 = np.empty((4, most * K if nhwc else 0), np.float32)   # g by pixel class, (T, K)
     dm = np.empty((9, K * most), np.float32)          # dM's 9 matrices, (K, T) each
     xs = np.empty(0 if nhwc or not need_dw else (4 * rows + 1) * W * C, np.float32)
-    dmp = np.int64(dm.ctypes.data)
     for grp in range(t0, t1):
         dbp = db_parts[grp]                                       # (K,)
         dbp[:] = 0.0
@@ -352,30 +347,49 @@ def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, sizes, flags, dm_of, parts):
             n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
             nr = ty1 - ty0
             T = (n1 - n0) * nr * TX
-            for n in range(n0, n1):
-                if nhwc:
-                    for r in range(nr):
-                        gate_tiles(gy, y, use_mask, n, 2 * (ty0 + r), TX, G4,
-                                   ((n - n0) * nr + r) * TX, dbp)
-                else:                                     # straight into dm's (K, T)
-                    _grad_s2_chw(gy, y, use_mask, n, 2 * ty0, nr, TX, dm, T,
-                                 (n - n0) * nr * TX, dbp)
+            _chunk_dm(gy, y, use_mask, (nhwc, need_dw), (n0, n1, ty0, nr, TX), G4, dm, dbp)
             if not need_dw:
                 continue
-            if nhwc:
-                for c in range(4):
-                    transpose(G4[c, :T * K].reshape((T, K)), dm[c, :K * T].reshape((K, T)))
-            kt = K * T
-            vadd(dm[0, :kt], dm[1, :kt], dm[4, :kt])
-            vadd(dm[2, :kt], dm[3, :kt], dm[5, :kt])
-            vadd(dm[0, :kt], dm[2, :kt], dm[6, :kt])
-            vadd(dm[1, :kt], dm[3, :kt], dm[7, :kt])
-            vadd(dm[4, :kt], dm[5, :kt], dm[8, :kt])
-            _chunk_v(x, (n0, n1, nr, TX, 4 * ty0 - top, left, L), not nhwc, xs, R, tv, V)
-            for e in range(25):
-                _tiles.gemm_gather(np.int64(K), np.int64(C), np.int64(T),
-                                   dmp + 4 * dm_of[e] * dm.shape[1], np.int64(T),
-                                   np.int64(vrows.ctypes.data), np.int64(e) * vs,
-                                   np.int64(D_parts[grp, e].ctypes.data), np.int64(C),
-                                   np.int64(beta), np.int64(1 if wide else 0))
+            chunk_v(x, (n0, n1, nr, TX, 4 * ty0 - top, left, L), not nhwc, xs, R, tv, V)
+            _dw_gemms(K, C, T, dm, dm_of, vrows, vs, D_parts[grp], beta, wide)
             beta = 1
+
+
+@njit(nogil=True, cache=True)
+def _chunk_dm(gy, y, use_mask, flags, rows, G4, dm, db):
+    # db (K,) float64 += the chunk's gradient g = gy (* (y > 0)); with need_dw, dm[0:4] <- g
+    # by pixel class, (K, T) each, and dm[4:9] their sums (_CLASS). rows = (n0, n1, ty0, nr,
+    # TX): nr tile rows of images [n0, n1) from tile row ty0; G4: NHWC's (4, T*K) scratch
+    nhwc, need_dw = flags
+    n0, n1, ty0, nr, TX = rows
+    K = gy.shape[3] if nhwc else gy.shape[1]
+    T = (n1 - n0) * nr * TX
+    for n in range(n0, n1):
+        if nhwc:
+            for r in range(nr):
+                gate_tiles(gy, y, use_mask, n, 2 * (ty0 + r), TX, G4,
+                           ((n - n0) * nr + r) * TX, db)
+        else:                                             # straight into dm's (K, T)
+            _grad_s2_chw(gy, y, use_mask, n, 2 * ty0, nr, TX, dm, T, (n - n0) * nr * TX, db)
+    if not need_dw:
+        return
+    if nhwc:
+        for c in range(4):
+            transpose(G4[c, :T * K].reshape((T, K)), dm[c, :K * T].reshape((K, T)))
+    kt = K * T
+    for i in range(5):                                # dm[4 + i] = dm[a] + dm[b]
+        a, b = _SUMS_OF[i]
+        vadd(dm[a, :kt], dm[b, :kt], dm[4 + i, :kt])
+
+
+@njit(nogil=True, cache=True)
+def _dw_gemms(K, C, T, dm, dm_of, vrows, vs, D, beta, wide):
+    # D[e] (K, C) = dM[e]^T (K, T) @ V[e] (T, C) (+ D[e] where beta) for the 25 positions:
+    # dM[e] = dm[dm_of[e]], V[e]'s rows at vrows[i] + e*vs elements
+    dmp = np.int64(dm.ctypes.data)
+    for e in range(25):
+        _tiles.gemm_gather(np.int64(K), np.int64(C), np.int64(T),
+                           dmp + 4 * dm_of[e] * dm.shape[1], np.int64(T),
+                           np.int64(vrows.ctypes.data), np.int64(e) * vs,
+                           np.int64(D[e].ctypes.data), np.int64(C),
+                           np.int64(beta), np.int64(1 if wide else 0))

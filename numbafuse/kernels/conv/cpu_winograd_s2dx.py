@@ -29,9 +29,8 @@ import numpy as np
 from numba import njit
 
 from ..cpu_launch import launch, task_kernel
-from ..cpu_transpose import transpose
 from .cpu_chunks import block_chunks, chunk
-from .cpu_winograd import estride, padded_rows_inline, vcopy, vsub
+from .cpu_winograd import estride, padded_rows, store_nchw, vcopy, vsub
 from .cpu_winograd_s2 import gemm_operands, gemms, taps
 from .math import int_tuple
 
@@ -51,37 +50,38 @@ def dx(gy, y, use_mask, w, geom, out, tiles, wide, work):
            grain=1)
 
 
-@njit(inline="always")
-def _in_row(S, m, K, odd, V, xi, base):
-    # V[5*xi + nu][base:base + m] <- the column transform of one transformed row S (2, L*K):
-    # a = S[0][j], b = S[1][j], c = S[0][j + 1]; positions 3, 4: (b, c), or (a, b) if odd
-    e = 5 * xi
-    a, b, c = S[0, :m], S[1, :m], S[0, K:K + m]
-    vsub(a, b, V[e, base:base + m])
-    vcopy(b, V[e + 1, base:base + m])
-    vsub(c, b, V[e + 2, base:base + m])
-    vcopy(a if odd else b, V[e + 3, base:base + m])
-    vcopy(b if odd else c, V[e + 4, base:base + m])
+# the column transform of a row of g split by parity (a = class 0 at pair j, b = class 1 at
+# j, c = class 0 at j + 1): position nu is operand _FIRST[odd][nu] (0: a, 1: b, 2: c) minus
+# b where nu is 0 or 2 (a - b, b, c - b, then b, c; odd: a, b)
+_FIRST = ((0, 1, 2, 1, 2), (0, 1, 2, 0, 1))
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _in_dx(R, v, IX, K, oddh, oddw, tv, V, t0):
     # V[e][t0 + j, :] (rows of K) <- the transformed 3x3 patches of the IX blocks of one block
-    # row, whose g rows are R[v], R[v + 1], R[v + 2] (a, b, c); tv: (2, 2, L*K) scratch
+    # row, whose g rows are R[v], R[v + 1], R[v + 2] (a, b, c); tv: (2, 2, L*K) scratch.
+    # Loops over rows and positions, each vector loop written once (unrolled: 3 s to compile)
     n = R.shape[2]
-    for cl in range(2):
-        vsub(R[v, cl, :n], R[v + 1, cl, :n], tv[0, cl, :n])
-        vsub(R[v + 2, cl, :n], R[v + 1, cl, :n], tv[1, cl, :n])
+    for h in range(2):                                # along the rows: a - b, c - b
+        for cl in range(2):
+            vsub(R[v + 2 * h, cl, :n], R[v + 1, cl, :n], tv[h, cl, :n])
     m = IX * K
     base = t0 * K
-    _in_row(tv[0], m, K, oddw, V, 0, base)
-    _in_row(R[v + 1], m, K, oddw, V, 1, base)
-    _in_row(tv[1], m, K, oddw, V, 2, base)
-    _in_row(R[v] if oddh else R[v + 1], m, K, oddw, V, 3, base)
-    _in_row(R[v + 1] if oddh else R[v + 2], m, K, oddw, V, 4, base)
+    first = _FIRST[1 if oddw else 0]
+    for xi in range(5):          # rows a - b, b, c - b, then b, c (odd: a, b)
+        S = tv[0] if xi == 0 else tv[1] if xi == 2 else R[v + 1] if xi == 1 else (
+            R[v + (0 if oddh else 1) + xi - 3])
+        for nu in range(5):
+            f = first[nu]
+            src = S[f % 2, (f // 2) * K:(f // 2) * K + m]
+            dst = V[5 * xi + nu, base:base + m]
+            if nu == 0 or nu == 2:
+                vsub(src, S[1, :m], dst)
+            else:
+                vcopy(src, dst)
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _out_dx(M, t0, IX, h0, oddh, oddw, s, xn):
     # xn: (rows, W, C) <- the 4x4 blocks of the IX blocks t0 ... of one block row (rows of C
     # in M[e]): rows h0 + a (a < 4), columns 4j + b, those inside xn; s: (10, IX*C) scratch,
@@ -100,35 +100,25 @@ def _out_dx(M, t0, IX, h0, oddh, oddw, s, xn):
         h = h0 + a
         if h < 0 or h >= Hs:
             continue
-        # row a of the block: m0 + m1, m3, m1 + m2, m4 (odd: m3, m0 + m1, m4, m1 + m2)
+        # row a of the block: m0 + m1, m3, m1 + m2, m4 (odd: m3, m0 + m1, m4, m1 + m2) of
+        # the rows of A^T; the same along the columns, q0 ... q4 = Q[0 ... 4] from column qo
         pos = a ^ 1 if oddh else a
-        if pos == 0 or pos == 2:
-            r = 0 if pos == 0 else 5
-            q0, q1, q2, q3, q4 = s[r, :m], s[r + 1, :m], s[r + 2, :m], s[r + 3, :m], s[r + 4, :m]
+        if pos % 2 == 0:
+            Q, qo = s[5 * (pos // 2):5 * (pos // 2) + 5], 0
         else:
-            e = 15 if pos == 1 else 20
-            q0, q1, q2 = M[e, base:base + m], M[e + 1, base:base + m], M[e + 2, base:base + m]
-            q3, q4 = M[e + 3, base:base + m], M[e + 4, base:base + m]
-        for j in range(IX):
-            o = j * C
-            for b in range(4):
-                wq = 4 * j + b
-                if wq >= W:
-                    continue
-                dst = xn[h, wq]                                   # (C,)
-                pb = b ^ 1 if oddw else b
-                if pb == 0:
-                    for c in range(C):
-                        dst[c] = q0[o + c] + q1[o + c]
-                elif pb == 1:
-                    for c in range(C):
-                        dst[c] = q3[o + c]
-                elif pb == 2:
-                    for c in range(C):
-                        dst[c] = q1[o + c] + q2[o + c]
-                else:
-                    for c in range(C):
-                        dst[c] = q4[o + c]
+            Q, qo = M[15 + 5 * (pos // 2):20 + 5 * (pos // 2)], base
+        for wq in range(min(4 * IX, W)):
+            pb = wq % 4 ^ 1 if oddw else wq % 4
+            o = qo + (wq // 4) * C
+            dst = xn[h, wq]                                       # (C,)
+            if pb % 2 == 0:                                       # q0 + q1, q1 + q2
+                qa, qb = Q[pb // 2, o:o + C], Q[pb // 2 + 1, o:o + C]
+                for c in range(C):
+                    dst[c] = qa[c] + qb[c]
+            else:                                                 # q3, q4
+                q = Q[3 + pb // 2, o:o + C]
+                for c in range(C):
+                    dst[c] = q[c]
 
 
 @task_kernel
@@ -166,19 +156,15 @@ def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, sizes, flags, dx):
         u0 = 2 * i0 + c0h                             # the chunk's first g row
         for n in range(n0, n1):
             # g's rows split by column parity from column c0w (gated; NCHW through slabs)
-            padded_rows_inline(gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, not nhwc, gs,
-                               ysl)
+            padded_rows(gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, not nhwc, gs, ysl)
             for r in range(nr):
                 _in_dx(R, 2 * r, IX, K, oddh, oddw, tv, V, ((n - n0) * nr + r) * IX)
         gemms(T, C, K, vrows, eoff, U, M, ms, wide)
         h0, h1 = 4 * i0, min(H, 4 * i1)               # the chunk's dx rows
         for n in range(n0, n1):
-            if nhwc:
-                for r in range(nr):
-                    _out_dx(M, ((n - n0) * nr + r) * IX, IX, h0 + 4 * r, oddh, oddw, s, dx[n])
-            else:
-                xv = xs[:(h1 - h0) * W * C].reshape((h1 - h0, W, C))
-                for r in range(nr):
-                    _out_dx(M, ((n - n0) * nr + r) * IX, IX, 4 * r, oddh, oddw, s, xv)
-                transpose(xs[:(h1 - h0) * W * C].reshape(((h1 - h0) * W, C)),
-                          dx[n].reshape((C, H * W))[:, h0 * W:h1 * W])
+            t0n = (n - n0) * nr * IX
+            xv = dx[n] if nhwc else xs[:(h1 - h0) * W * C].reshape((h1 - h0, W, C))
+            for r in range(nr):
+                _out_dx(M, t0n + r * IX, IX, 4 * r + (h0 if nhwc else 0), oddh, oddw, s, xv)
+            if not nhwc:
+                store_nchw(xs[:(h1 - h0) * W * C], dx, n, h0)
