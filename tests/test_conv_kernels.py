@@ -404,6 +404,26 @@ def test_transpose_tiles_and_edges(dtype, rows, cols):
     assert (wide[:, 0] == -7).all() and (wide[:, 1 + rows:] == -7).all()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("K, C", [(5, 3), (16, 7), (17, 9), (40, 8)])
+def test_winograd_taps_forward_and_flipped(dtype, K, C):
+    # U = G g G^T per filter pair (F(2, 3)), formed in float64 and rounded once: the forward
+    # (16, C, K), stored through blocks of 16 filters (K 16, 17 and 40 end a block or not),
+    # and the dX's (16, K, C) of the flipped taps
+    from numbafuse.kernels.conv import cpu_winograd
+    G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+    w = np.random.default_rng(K * C).standard_normal((K, C, 3, 3)).astype(dtype)
+    U = np.einsum("xr,kcrs,ys->xykc", G, w.astype(np.float64), G).reshape(16, K, C)
+    out = np.empty((16, C, K), dtype)
+    cpu_winograd.winograd_taps(w, False, out)
+    tol = 2 * np.finfo(dtype).eps * np.abs(U).max()
+    np.testing.assert_allclose(out, U.transpose(0, 2, 1), rtol=0, atol=tol)
+    Uf = np.einsum("xr,kcrs,ys->xykc", G, w[:, :, ::-1, ::-1].astype(np.float64), G)
+    out = np.empty((16, K, C), dtype)
+    cpu_winograd.winograd_taps(w, True, out)
+    np.testing.assert_allclose(out, Uf.reshape(16, K, C), rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("C, W", [(8, 8), (19, 21), (16, 9)])
 @pytest.mark.parametrize("chunk_bytes", [1, RULES.chunk_bytes])
 def test_strided_nchw_slabs_of_whole_tiles(C, W, chunk_bytes):

@@ -69,6 +69,12 @@ def estride(elements, itemsize):
 
 # --------------------------------------------------------------------------- taps
 
+# filters per block of the forward taps: stored one k at a time, out[e, :, k] strides K
+# elements a value (6.5 ms for 256 x 256 filters, 32 ms for 512 x 512, against 0.9 and 4.3
+# for the dX's contiguous rows); 16 k transposed at a time write whole cache lines
+_TAPS_BLOCK = 16
+
+
 @njit(cache=True)
 def winograd_taps(w, flip, out):
     """U = G g G^T for every filter pair, into ``out`` (16, A, B) in the GEMMs' orientation.
@@ -80,6 +86,7 @@ def winograd_taps(w, flip, out):
     K, C = w.shape[0], w.shape[1]
     t = np.empty((4, 3, C))                                       # G g over c, one k
     u = np.empty((16, C))                                         # G g G^T over c
+    ub = np.empty((16, _TAPS_BLOCK, C), out.dtype)                # forward: a block of k
     for k in range(K):
         for s in range(3):
             sc = 2 - s if flip else s
@@ -105,11 +112,16 @@ def winograd_taps(w, flip, out):
                 dst, src = out[e, k], u[e]
                 for i in range(C):
                     dst[i] = src[i]
-        else:                                                     # out[e, :, k]
+        else:         # out[e, :, k], through a block of k transposed (a store per k strides)
+            kb = k % _TAPS_BLOCK
             for e in range(16):
-                src = u[e]
+                dst, src = ub[e, kb], u[e]
                 for i in range(C):
-                    out[e, i, k] = src[i]
+                    dst[i] = src[i]
+            if kb == _TAPS_BLOCK - 1 or k == K - 1:
+                k0 = k - kb
+                for e in range(16):
+                    transpose(ub[e, :kb + 1], out[e, :, k0:k + 1])
 
 
 @njit(cache=True)
