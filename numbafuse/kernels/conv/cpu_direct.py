@@ -48,6 +48,10 @@ _relu_grad = cpu_scalar(_relu_grad_math)
 
 from .cpu_chunks import gated_chw, gated_hwc  # noqa: E402
 
+# A flag passed to a compiled step as a variable (a constant is typed as a literal: a
+# signature of its own, compiled again)
+OFF = np.bool_(False)
+
 
 @njit(inline="always")
 def _span(left, b, sw, Ws, Wq):
@@ -57,7 +61,7 @@ def _span(left, b, sw, Ws, Wq):
     return jlo, jhi
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _plane_chw(src, gate, use_gate, n, u0, nrows, sh, a, sw, b, top, left, Wq, dst):
     # src, gate: (N, C, Hs, Ws); dst: (C, ld) <- dst[c, i*Wq + j] = pad[(u0 + i)*sh + a,
     # j*sw + b] for i < nrows, j < Wq, pad = src (times gate > 0) shifted by top rows and left
@@ -92,7 +96,7 @@ def _plane_chw(src, gate, use_gate, n, u0, nrows, sh, a, sw, b, top, left, Wq, d
             row[i] = 0
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _plane_hwc(src, gate, use_gate, n, u0, nrows, sh, a, sw, b, top, left, Wq, dst):
     # src, gate: (N, Hs, Ws, C); dst: (ld, C) <- dst[i*Wq + j] = pad[(u0 + i)*sh + a, j*sw + b]
     # as in _plane_chw; rows past nrows*Wq zeroed
@@ -166,7 +170,7 @@ def phase_tasks(t0, t1, x, wtap, taps, dims, bias, relu, nhwc, blas, y):
         ld = (o1 - o0 + ext) * Wq + slack
         if nhwc:
             for pi in range(npl):
-                _plane_hwc(x, x, False, n, o0, o1 - o0 + ext, sh, planes[pi, 0], sw,
+                _plane_hwc(x, x, OFF, n, o0, o1 - o0 + ext, sh, planes[pi, 0], sw,
                            planes[pi, 1], ph, pw, Wq, pbuf[pi, :ld * C].reshape((ld, C)))
             ob = obuf[:m * K].reshape((m, K))                     # (m', K)
             for tap in range(wtap.shape[0]):
@@ -181,7 +185,7 @@ def phase_tasks(t0, t1, x, wtap, taps, dims, bias, relu, nhwc, blas, y):
                         dr[k] = _relu(v) if relu else v
         else:
             for pi in range(npl):
-                _plane_chw(x, x, False, n, o0, o1 - o0 + ext, sh, planes[pi, 0], sw,
+                _plane_chw(x, x, OFF, n, o0, o1 - o0 + ext, sh, planes[pi, 0], sw,
                            planes[pi, 1], ph, pw, Wq, pbuf[pi, :C * ld].reshape((C, ld)))
             ob = obuf[:K * m].reshape((K, m))                     # (K, m')
             for tap in range(wtap.shape[0]):
@@ -237,7 +241,7 @@ def phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas, 
                 if not need_dw:
                     continue
                 for pi in range(npl):
-                    _plane_hwc(x, x, False, n, p0, p1 - p0 + ext, sh, planes[pi, 0], sw,
+                    _plane_hwc(x, x, OFF, n, p0, p1 - p0 + ext, sh, planes[pi, 0], sw,
                                planes[pi, 1], ph, pw, Wq, pbuf[pi, :ld * C].reshape((ld, C)))
                 for tap in range(tap_plane.shape[0]):
                     pb = pbuf[tap_plane[tap], :ld * C].reshape((ld, C))
@@ -257,7 +261,7 @@ def phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas, 
                 if not need_dw:
                     continue
                 for pi in range(npl):
-                    _plane_chw(x, x, False, n, p0, p1 - p0 + ext, sh, planes[pi, 0], sw,
+                    _plane_chw(x, x, OFF, n, p0, p1 - p0 + ext, sh, planes[pi, 0], sw,
                                planes[pi, 1], ph, pw, Wq, pbuf[pi, :C * ld].reshape((C, ld)))
                 for tap in range(tap_plane.shape[0]):
                     pb = pbuf[tap_plane[tap], :C * ld].reshape((C, ld))
@@ -290,6 +294,7 @@ def phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, 
     dbuf = np.empty(C * rpc * Wg, dx.dtype)
     prow = np.empty(rpc * Wg if taps else 0, np.int64)
     aoff = np.empty(ent_off.size if taps else 0, np.int64)
+    one, zero = np.int64(1), np.int64(0)     # (variables: a constant is typed as a literal)
     for t in range(t0, t1):
         n = t // nblk
         i0 = (t - n * nblk) * rpc
@@ -297,12 +302,12 @@ def phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, 
         ld = (i1 - i0 + gext) * Wg + slack
         if nhwc:
             gb = gpad[:ld * K].reshape((ld, K))
-            _plane_hwc(gy, y, use_mask, n, i0 + gmin, i1 - i0 + gext, 1, 0, 1, 0, 0, gleft,
-                       Wg, gb)
+            _plane_hwc(gy, y, use_mask, n, i0 + gmin, i1 - i0 + gext, one, zero, one, zero, zero,
+                       gleft, Wg, gb)
         else:
             gb = gpad[:K * ld].reshape((K, ld))
-            _plane_chw(gy, y, use_mask, n, i0 + gmin, i1 - i0 + gext, 1, 0, 1, 0, 0, gleft,
-                       Wg, gb)
+            _plane_chw(gy, y, use_mask, n, i0 + gmin, i1 - i0 + gext, one, zero, one, zero, zero,
+                       gleft, Wg, gb)
         for f in range(sh * sw):
             a, b = f // sw, f % sw
             r1 = min(i1, (H - a + sh - 1) // sh)                  # this phase's rows
