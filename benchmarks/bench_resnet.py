@@ -7,7 +7,8 @@ The model is torchvision's code (``numbafuse/torch/resnet.py``: the same modules
 forward), float32, NCHW, 1000 classes. A training step = gradients set to None, forward,
 cross-entropy, backward, SGD (lr 0.01, momentum 0.9, weight decay 1e-4); "eval" is a forward
 under ``torch.no_grad`` in eval mode. The numbafuse side runs ``numbafuse.torch.fuse(model)``
-(every Conv-BN(-add)-ReLU chain as one fused op with recompute) on the same model; the torch
+(every Conv-BN(-add)-ReLU chain as one fused op with recompute) on the same model, and its
+training step also with ``fuse(model, recompute=False)`` (the conv outputs kept); the torch
 side the model as written. Each library in its own process (``_runner.py``: the torch worker
 loads resnet.py from its file, without importing numbafuse), the processes alternating round
 by round, best of each. Each worker also prints its first step's time to stderr (compilation
@@ -25,6 +26,7 @@ import _runner
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESNET = os.path.join(os.path.dirname(HERE), "numbafuse", "torch", "resnet.py")
 LR, MOMENTUM, WEIGHT_DECAY, CLASSES = 0.01, 0.9, 1e-4, 1000
+KEEP_H = " (recompute=False)"        # the case name's suffix of fuse(model, recompute=False)
 
 
 def _resnet_module():
@@ -43,11 +45,13 @@ def cases(side, options):
     x = torch.randn(batch, 3, size, size)
     labels = torch.randint(0, CLASSES, (batch,))
     out = {}
-    for name in options["models"].split(","):
+    variants = [("", True)] + ([(KEEP_H, False)] if side == "numbafuse" else [])
+    for name, (suffix, recompute) in ((n, v) for n in options["models"].split(",")
+                                       for v in variants):
         model = getattr(resnet, name)(num_classes=CLASSES)
         if side == "numbafuse":
             import numbafuse.torch as nft
-            model = nft.fuse(model)
+            model = nft.fuse(model, recompute=recompute)
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
                               weight_decay=WEIGHT_DECAY)
 
@@ -66,9 +70,11 @@ def cases(side, options):
         t0 = time.perf_counter()
         step()
         first = time.perf_counter() - t0
-        print(f"# {side} {name}: first step {first:.2f} s", file=sys.stderr, flush=True)
-        out[f"{name} train step"] = step
-        out[f"{name} eval forward"] = forward
+        print(f"# {side} {name}{suffix}: first step {first:.2f} s", file=sys.stderr,
+              flush=True)
+        out[f"{name} train step{suffix}"] = step
+        if not suffix:                   # (inference folds the batch norm: no h either way)
+            out[f"{name} eval forward"] = forward
     return out
 
 
@@ -89,12 +95,18 @@ def main(argv=None):
                                  args.repeats, options, log=lambda s: print(s, file=sys.stderr))
     names = list(best["torch"])
     lines = _runner.header(info, _report.command("bench_resnet.py"))
-    lines += [f"Batch {args.batch}, 3x{args.size}x{args.size}, float32, NCHW.", "",
-              "| case | numbafuse (fused) ms | PyTorch ms | speed vs PyTorch |",
-              "|---|---:|---:|---:|"]
+    lines += [f"Batch {args.batch}, 3x{args.size}x{args.size}, float32, NCHW. numbafuse: "
+              f"``fuse(model)`` (recompute: backward keeps each conv's input only) and, for "
+              f"the training step, ``fuse(model, recompute=False)`` (keeps the conv outputs "
+              f"too, as PyTorch does; no conv forward in backward).", "",
+              "| case | numbafuse (fused) ms | PyTorch ms | speed vs PyTorch | "
+              "recompute=False ms | its speed vs PyTorch |",
+              "|---|---:|---:|---:|---:|---:|"]
     for n in names:
         a, b = best["numbafuse"][n], best["torch"][n]
-        lines.append(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x |")
+        keep = best["numbafuse"].get(n + KEEP_H)
+        extra = f"{keep * 1e3:.1f} | {b / keep:.2f}x" if keep else "- | -"
+        lines.append(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x | {extra} |")
     _report.emit(lines, args.markdown)
     return 0
 

@@ -52,8 +52,9 @@ def _assert_same(model, fused, x, steps=2):
             torch.testing.assert_close(state_f[key], state[key], **F64, msg=key)
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("block,width", [(nft.BasicBlock, 4), (nft.Bottleneck, 2)])
-def test_fuse_torchvision_resnet(block, width):
+def test_fuse_torchvision_resnet(block, width, recompute):
     torch.manual_seed(0)
     model = nft.ResNet(block, [1, 1], num_classes=3, width=width).double()
     for m in model.modules():          # non-trivial batch-norm parameters and statistics
@@ -61,7 +62,7 @@ def test_fuse_torchvision_resnet(block, width):
             m.weight.data.uniform_(0.5, 1.5)
             m.bias.data.uniform_(-0.5, 0.5)
             m.running_var.data.uniform_(0.5, 2.0)
-    fused = nft.fuse(model)
+    fused = nft.fuse(model, recompute=recompute)
     log = fused.fuse_log
     convs = {n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
     bns = {n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
@@ -88,7 +89,11 @@ def test_fuse_torchvision_resnet(block, width):
     saved = io.BytesIO()
     torch.save(fused, saved)
     saved.seek(0)
+    def recomputes(m):                 # each site call's recompute= (the default: True)
+        return [n.kwargs.get("recompute", True) for n in m.graph.nodes if n.op == "call_function"]
+    assert (False in recomputes(fused)) == (not recompute)
     for clone in (copy.deepcopy(fused), torch.load(saved, weights_only=False)):
+        assert recomputes(clone) == recomputes(fused)
         assert type(clone.layer1) is nn.Sequential and clone.layer1 is not fused.layer1
         assert list(clone.state_dict()) == list(fused.state_dict())
         assert clone.fuse_log == log and not clone.training
@@ -252,6 +257,51 @@ def test_recompute_keeps_the_conv_input_not_the_conv_output():
         assert [t.numel() for t in saved] == numels, fn.__name__
         assert saved[0] is x and saved[1] is w
         y.sum().backward()
+
+
+def test_recompute_false_keeps_the_conv_output_and_computes_the_same():
+    """recompute=False (the functions and the modules; fuse's in test_fuse_torchvision_resnet):
+    torch.autograd holds h (a tensor of the conv output's size) besides what the recompute
+    keeps, and values, gradients and the running statistics are those of the recomputing op,
+    in training and in inference."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(2, 4, 8, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.rand(4, dtype=torch.float64, requires_grad=True)
+    bias = torch.rand(4, dtype=torch.float64, requires_grad=True)
+    h_numel = z.numel()
+    for fn, args in [(nft.conv_batchnorm_relu, (x, w, weight, bias)),
+                     (nft.conv_batchnorm_add_relu, (x, w, z, weight, bias))]:
+        for training in (True, False):
+            results = []
+            for recompute in (True, False):
+                rm, rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+                saved = []
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                              lambda t: t):
+                    y = fn(*args, rm, rv, training, padding=1, recompute=recompute)
+                # (Conv-BN-ReLU in inference folds the batch norm into the conv: no h either way)
+                keeps_h = not recompute and (training or fn is nft.conv_batchnorm_add_relu)
+                assert (h_numel in [t.numel() for t in saved]) == keeps_h, fn.__name__
+                grads = torch.autograd.grad(y, args, torch.ones_like(y))
+                results.append((y, *grads, rm, rv))
+            for a, b in zip(*results):
+                torch.testing.assert_close(b, a, **F64)
+    with pytest.raises(TypeError, match="recompute"):
+        nft.conv_batchnorm_relu(x, w, weight, bias, padding=1, recompute="no")
+    for cls in (nft.ConvBatchNormReLU2d, nft.ConvBatchNormAddReLU2d):
+        torch.manual_seed(1)
+        m = cls(3, 4, 3, padding=1, dtype=torch.float64)
+        kept = cls.from_modules(copy.deepcopy(m.conv), copy.deepcopy(m.bn), recompute=False)
+        assert m.recompute and not kept.recompute
+        extra = (z,) if cls is nft.ConvBatchNormAddReLU2d else ()
+        y, y_kept = m(x, *extra), kept(x, *extra)
+        torch.testing.assert_close(y_kept, y, **F64)
+        g, g_kept = (torch.autograd.grad(t, (x, w_), torch.ones_like(t))
+                     for t, w_ in ((y, m.conv.weight), (y_kept, kept.conv.weight)))
+        for a, b in zip(g, g_kept):
+            torch.testing.assert_close(b, a, **F64)
 
 
 def test_torch_compile_and_jit_trace_see_the_fused_ops_as_custom_ops():

@@ -50,26 +50,32 @@ OP = "conv_batchnorm_relu"
 
 # --------------------------------------------------------------------------- validation
 
-def _validate(op, x, w, gamma, beta, p, updates=True):
-    """Everything checked before anything is computed or written: (backend, geometry)."""
+def _validate(op, x, w, gamma, beta, p, relu, z=None, updates=True):
+    """Everything checked before anything is computed or written: (backend, geometry,
+    momentum). ``z``: the residual of the add op (the conv output's shape), else None."""
     validate.check_given(op, x=x, w=w, gamma=gamma, beta=beta)
-    which = backend.backend_of(op, x=x, w=w, gamma=gamma, beta=beta,
-                               running_mean=p.running_mean, running_var=p.running_var)
-    validate.check_float_dtypes(op, x=x, w=w, gamma=gamma, beta=beta,
-                                running_mean=p.running_mean, running_var=p.running_var)
+    arrays = dict(x=x, w=w, gamma=gamma, beta=beta) if z is None else \
+        dict(x=x, w=w, z=z, gamma=gamma, beta=beta)
+    which = backend.backend_of(op, **arrays, running_mean=p.running_mean,
+                               running_var=p.running_var)
+    validate.check_float_dtypes(op, **arrays, running_mean=p.running_mean,
+                                running_var=p.running_var)
     synced = p.comm is not None and p.training
     # N = 0 (an empty batch, or a rank without samples) passes: empty y, nothing updated
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), p.stride, p.padding,
                                       p.dilation, p.layout, p.groups)
     validate.check_vector(op, "gamma", gamma, geometry.K)
     validate.check_vector(op, "beta", beta, geometry.K)
-    validate.check_flag(op, "relu", p.relu)
+    if z is not None and tuple(z.shape) != geometry.y_shape:
+        raise ValueError(f"{op}: z has shape {tuple(z.shape)}, the conv's output "
+                         f"{geometry.y_shape}")
+    validate.check_flag(op, "relu", relu)
     validate.check_flag(op, "recompute", p.recompute)
     momentum, _ = validate.running_stats(op, geometry.K, geometry.N * geometry.P * geometry.Q,
                                          p.running_mean, p.running_var, p.training,
                                          p.momentum, p.eps, synced=synced, updates=updates)
     _bn.check_comm(op, p.comm, x, geometry.K, geometry.layout, p.training, p.eps, momentum,
-                   p.running_mean is not None, p.relu)
+                   p.running_mean is not None, relu)
     return which, geometry, momentum
 
 
@@ -85,6 +91,29 @@ def _conv_and_stats(which, x, w, geometry, eps):
     if geometry.N == 0:
         return None
     return kernels.conv_kernels(which, geometry.groups).forward_stats(x, w, geometry, eps)
+
+
+def _training_forward(op, which, x, w, geometry, p, momentum):
+    """(h, mean, invstd, count) of a training forward: h = conv(x, w) and its batch
+    statistics (from the conv's own chunks where the backend can; all ranks' with ``p.comm``),
+    the running statistics updated; count: the values per channel they are over."""
+    count = geometry.N * geometry.P * geometry.Q
+    fused = _conv_and_stats(which, x, w, geometry, p.eps) if p.comm is None else None
+    if fused is not None:
+        h, mean, var, invstd = fused
+    else:
+        h = _conv_forward(which, x, w, None, geometry, False)             # (N,K,P,Q) | NHWC
+        if p.comm is None:
+            mean, var, invstd = _bn.stats_and_update(                     # (K,) each
+                kernels.batchnorm_kernels(which), h, geometry.layout, p.eps,
+                p.running_mean, p.running_var, momentum)
+            return h, mean, invstd, count
+        mean, var, invstd, count = _bn.synced_stats(                      # all ranks' h
+            op, kernels.module("batchnorm", which), h, geometry.layout, p.eps, geometry.K,
+            p.comm)
+    if p.running_mean is not None:
+        _bn.update_running(p.running_mean, p.running_var, mean, var, count, momentum)
+    return h, mean, invstd, count
 
 
 def _recompute_and_sums(which, dy, s, geometry, relu):
@@ -146,32 +175,13 @@ class ConvBatchNormReLU(Function):
     #        (relu_state: the packed 1-bit mask of y > 0, or None without ReLU)
     def forward(self, x, w, gamma, beta):
         p = self.params
-        which, geometry, momentum = _validate(self.name, x, w, gamma, beta, p)
+        which, geometry, momentum = _validate(self.name, x, w, gamma, beta, p, p.relu)
         x, w, gamma, beta = (kernels.contiguous(a) for a in (x, w, gamma, beta))
         self.geometry = geometry
         self.count = geometry.N * geometry.P * geometry.Q
-        fused = None
-        if p.training and p.comm is None:   # the statistics from the conv's own chunks
-            fused = _conv_and_stats(which, x, w, geometry, p.eps)
-        if fused is not None:
-            h, mean, var, invstd = fused
-            if p.running_mean is not None:
-                _bn.update_running(p.running_mean, p.running_var, mean, var, self.count,
-                                   momentum)
-        elif p.training:
-            h = _conv_forward(which, x, w, None, geometry, False)         # (N,K,P,Q) | NHWC
-            if p.comm is not None:          # synchronized: the statistics of all ranks' h
-                mean, var, invstd, self.count = _bn.synced_stats(
-                    self.name, kernels.module("batchnorm", which), h, geometry.layout, p.eps,
-                    geometry.K, p.comm)
-                if p.running_mean is not None:
-                    _bn.update_running(p.running_mean, p.running_var, mean, var, self.count,
-                                       momentum)
-            else:
-                mean, var, invstd = _bn.stats_and_update(                 # (K,) each
-                    kernels.batchnorm_kernels(which), h, geometry.layout, p.eps,
-                    p.running_mean, p.running_var, momentum)
         if p.training:
+            h, mean, invstd, self.count = _training_forward(self.name, which, x, w, geometry, p,
+                                                            momentum)
             keep_h = not p.recompute
             y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu,
                              layout=geometry.layout, with_mask=keep_h and p.relu)
@@ -227,6 +237,81 @@ class ConvBatchNormReLU(Function):
         if need_x or need_w:
             dx, dw = _conv_backward(which, dconv, s.x, s.w, geometry, (need_x, need_w))
         return dx, dw, dgamma, dbeta
+
+
+# --------------------------------------------------------------------------- + add + ReLU
+
+class ConvBatchNormAddReLU(Function):
+    r"""Fused conv (no bias) -> batch norm -> + z -> ReLU: the tail of a ResNet block in one op.
+
+    .. math::
+
+        y = \max(\gamma_k \hat h + \beta_k + z,\ 0), \quad g = \partial L/\partial y
+        \cdot [y > 0], \quad \partial z = g, \quad \partial\beta_k = \sum g, \quad
+        \partial\gamma_k = \sum g\,\hat h, \\
+        \partial h = \frac{\gamma_k\,\mathrm{invstd}_k}{M}
+                     (M g - \partial\beta_k - \hat h\,\partial\gamma_k), \quad
+        \partial w = \mathrm{correlate}(x, \partial h), \quad
+        \partial x = \mathrm{conv\_transpose}(\partial h, w)
+
+    (inference: the running statistics, :math:`\partial h = \gamma_k\,\mathrm{invstd}_k\,
+    g`). The ReLU's input has z in it, so its gate cannot be rebuilt from h: the forward keeps
+    the packed 1-bit mask of ``y > 0``. Residuals: x, w, gamma, mean, invstd (float64, K each)
+    and the mask; the backward recomputes h (``recompute=False``: h is kept too, and no conv
+    runs twice). Statistics as :class:`ConvBatchNormReLU`'s (from the conv's own chunks where
+    the backend can; synchronized with ``comm``).
+    """
+
+    name = "conv_batchnorm_add_relu"
+
+    @dataclasses.dataclass(frozen=True)
+    class Params(BatchNormParams):
+        stride: object
+        padding: object
+        dilation: object
+        recompute: bool          # False: keep h besides the mask instead of recomputing it
+        groups: int = 1          # a grouped conv: w is (K, C/groups, R, S)
+
+    # fwd :: (x, w, z, gamma, beta) -> (y, residuals=(x, w, gamma, mean, invstd, relu_state,
+    #                                                  [h] (recompute=False)))
+    def forward(self, x, w, z, gamma, beta):
+        p = self.params
+        validate.check_given(self.name, z=z)
+        which, geometry, momentum = _validate(self.name, x, w, gamma, beta, p, True, z=z)
+        x, w, z, gamma, beta = (kernels.contiguous(a) for a in (x, w, z, gamma, beta))
+        self.geometry = geometry
+        self.count = geometry.N * geometry.P * geometry.Q
+        if p.training:
+            h, mean, invstd, self.count = _training_forward(self.name, which, x, w, geometry, p,
+                                                            momentum)
+        else:
+            h = _conv_forward(which, x, w, None, geometry, False)
+            mean, invstd = _bn.bn_inference_stats(kernels.contiguous(p.running_mean),
+                                                  kernels.contiguous(p.running_var),
+                                                  eps=p.eps)              # (K,) float64
+        y, mask = _bn.bn_apply(h, mean, invstd, gamma, beta, z=z, relu=True,
+                               layout=geometry.layout, with_mask=True)
+        kept = {} if p.recompute else dict(h=h)
+        self.save_for_backward(x=x, w=w, gamma=gamma, mean=mean, invstd=invstd,
+                               relu_state=mask, **kept)
+        return y
+
+    # bwd :: (residuals, dy) -> (dx, dw, dz, dgamma, dbeta)
+    def backward(self, dy):
+        s, geometry = self.saved, self.geometry
+        need_x, need_w, need_z, need_gamma, need_beta = self.needs_input_grad
+        dy = kernels.contiguous(dy)
+        which = backend.backend_of_array(dy)
+        h = s.h if "h" in vars(s) else _conv_forward(which, s.x, s.w, None, geometry, False)
+        dconv, dgamma, dbeta, dz = _bn.bn_backward(
+            dy, h, s.mean, s.invstd, s.gamma, s.relu_state, layout=geometry.layout,
+            need=(need_x or need_w, need_gamma, need_beta, need_z),
+            training=self.params.training, comm=self.params.comm, count=self.count)
+        del h
+        dx = dw = None
+        if need_x or need_w:
+            dx, dw = _conv_backward(which, dconv, s.x, s.w, geometry, (need_x, need_w))
+        return dx, dw, dz, dgamma, dbeta
 
 
 # --------------------------------------------------------------------------- folding
@@ -378,7 +463,7 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
                            padding=padding, dilation=dilation, relu=relu, layout=layout,
                            recompute=False, comm=None, groups=groups)
     validate.check_given(op, dy=dy)
-    _, geometry, _ = _validate(op, x, w, gamma, beta, fn.params, updates=False)
+    _, geometry, _ = _validate(op, x, w, gamma, beta, fn.params, relu, updates=False)
     backend.backend_of(op, dy=dy, x=x)
     validate.check_float_dtypes(op, dy=dy, x=x)
     if tuple(dy.shape) != geometry.y_shape:

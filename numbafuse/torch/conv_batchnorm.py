@@ -19,12 +19,14 @@ What each keeps for backward (``torch.autograd.graph.saved_tensors_hooks`` sees 
   without numbafuse's tape: its forward, its residuals saved as torch tensors, its backward.
   In inference the batch norm is folded into the conv (that Function's rule).
 * ``conv_batchnorm_add_relu``: x, w, weight, the float64 mean and invstd, and the packed 1-bit
-  mask of ``y > 0`` (``numbafuse.ops.batchnorm.mask_nbytes``). numbafuse has no single kernel
-  for this chain: it is composed here from the conv and batch-norm families' array helpers,
-  forward ``h = conv(x, w)``, statistics, ``y = relu(weight * xhat + bias + z)`` with its mask
+  mask of ``y > 0`` (``numbafuse.ops.batchnorm.mask_nbytes``). It is
+  :class:`numbafuse.ops.conv_batchnorm.ConvBatchNormAddReLU` driven the same way: forward
+  ``h = conv(x, w)`` with its statistics, ``y = relu(weight * xhat + bias + z)`` with its mask
   (one pass over h); backward ``h = conv(x, w)`` again, the batch-norm backward gated by the
   mask (``dh, dweight, dbias, dz``), then the conv's backward of ``dh``. The unfused chain keeps
   x, h and y (or y's mask) besides; this keeps x and the mask only.
+
+``recompute=False`` (both): the forward keeps h too and the backward runs no conv forward.
 
 Both take torch tensors (CPU or CUDA, contiguous or channels_last: numbafuse's NHWC kernels,
 zero-copy, the outputs channels_last too; float32 or float64; a grouped or depthwise conv with
@@ -39,16 +41,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import validate
-from ..ops import batchnorm as _bn
-from ..ops import conv as _conv
 from ..ops import conv_batchnorm as _cbn
 from .layers import (LAYOUT, Unrecorded, as_array, as_tensor, capturing, check_tensors,
                      conv_args, launch_order, layout_of, needs_grad, run_captured, shape_in,
                      updated_in_place)
-
-# ConvBatchNormReLU's residual names that are views of its inputs (saved as those tensors)
-_INPUT_RESIDUALS = ("x", "w", "gamma", "beta")
-
 
 def _check(op, tensors, conv, training, momentum, eps):
     """Validate everything before anything is written: (device, geometry, momentum, eps).
@@ -85,15 +81,48 @@ def _check(op, tensors, conv, training, momentum, eps):
     return device, geometry, momentum, eps
 
 
-def ops_function(geometry, relu, training, momentum, eps, running_mean=None, running_var=None):
-    """numbafuse's :class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormReLU` (recompute) for
-    ``geometry`` (its layout, padding resolved, groups), on torch's running statistics."""
+def ops_function(geometry, relu, training, momentum, eps, running_mean=None, running_var=None,
+                 recompute=True):
+    """numbafuse's :class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormReLU` for ``geometry``
+    (its layout, padding resolved, groups), on torch's running statistics; ``relu=None``: its
+    :class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormAddReLU` (the add op)."""
     g = geometry
-    return _cbn.ConvBatchNormReLU(
-        running_mean=as_array(running_mean), running_var=as_array(running_var),
-        training=training, momentum=momentum, eps=eps, stride=(g.sh, g.sw),
-        padding=(g.pw, g.pw_end, g.ph, g.ph_end), dilation=(g.dh, g.dw), groups=g.groups,
-        relu=relu, layout=g.layout, recompute=True, comm=None)
+    params = dict(running_mean=as_array(running_mean), running_var=as_array(running_var),
+                  training=training, momentum=momentum, eps=eps, stride=(g.sh, g.sw),
+                  padding=(g.pw, g.pw_end, g.ph, g.ph_end), dilation=(g.dh, g.dw),
+                  groups=g.groups, layout=g.layout, recompute=recompute, comm=None)
+    if relu is None:
+        return _cbn.ConvBatchNormAddReLU(**params)
+    return _cbn.ConvBatchNormReLU(relu=relu, **params)
+
+
+def _forward(ctx, fn, arrays, tensors, device):
+    """Run the ops Function ``fn``'s forward on ``arrays`` (the tensors' views) without its
+    tape; its residuals are saved on ``ctx`` as torch tensors (the inputs' own tensors where a
+    residual is an input: ``tensors`` by residual name). Returns y (an array)."""
+    with launch_order(device):
+        y = fn.forward(*arrays)
+    names = tuple(vars(fn.saved))
+    ctx.save_for_backward(*(tensors[n] if n in tensors else as_tensor(a, device)
+                            for n, a in vars(fn.saved).items()))
+    fn.saved = types.SimpleNamespace()        # torch holds the residuals now
+    ctx.fn, ctx.names, ctx.device = fn, names, device
+    return y
+
+
+def _backward(ctx, dy, needs):
+    """The ops Function's backward of ``dy`` (a tensor) from the residuals on ``ctx``
+    (:func:`_forward`): its gradients, as arrays (None where not needed)."""
+    fn = ctx.fn
+    layout = fn.params.layout                                     # x's, dy's and dx's
+    fn.saved = types.SimpleNamespace(**{n: as_array(t, layout if n == "x" else LAYOUT)
+                                        for n, t in zip(ctx.names, ctx.saved_tensors)})
+    fn.needs_input_grad = tuple(ctx.needs_input_grad[:needs])
+    try:
+        with launch_order(ctx.device):
+            return fn.backward(as_array(dy, layout))
+    finally:
+        fn.saved = types.SimpleNamespace()
 
 
 # --------------------------------------------------------------------------- conv_batchnorm_relu
@@ -115,42 +144,30 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
     # fwd :: (x, w, weight, bias) -> (y, residuals=(x, w, weight, [bias], mean, invstd))
     @staticmethod
     def forward(ctx, x, w, weight, bias, running_mean, running_var, training, momentum, eps,
-                geometry, relu, device):
-        fn = ops_function(geometry, relu, training, momentum, eps, running_mean, running_var)
+                geometry, relu, device, recompute):
+        fn = ops_function(geometry, relu, training, momentum, eps, running_mean, running_var,
+                          recompute)
         layout = geometry.layout
-        with launch_order(device):
-            y = fn.forward(as_array(x, layout), as_array(w), as_array(weight), as_array(bias))
+        y = _forward(ctx, fn, (as_array(x, layout), as_array(w), as_array(weight),
+                               as_array(bias)), dict(x=x, w=w, gamma=weight, beta=bias),
+                     device)
         if training and running_mean is not None:
             updated_in_place(running_mean, running_var)
-        inputs = dict(zip(_INPUT_RESIDUALS, (x, w, weight, bias)))
-        names = tuple(vars(fn.saved))
-        ctx.save_for_backward(*(inputs[n] if n in inputs else as_tensor(a, device)
-                                for n, a in vars(fn.saved).items()))
-        fn.saved = types.SimpleNamespace()        # torch holds the residuals now
-        ctx.fn, ctx.names, ctx.device = fn, names, device
         return as_tensor(y, device, layout)
 
     # bwd :: (residuals, dy) -> (dx, dw, dweight, dbias)
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        fn = ctx.fn
-        layout = fn.params.layout                                 # x's, dy's and dx's
-        fn.saved = types.SimpleNamespace(**{n: as_array(t, layout if n == "x" else LAYOUT)
-                                            for n, t in zip(ctx.names, ctx.saved_tensors)})
-        fn.needs_input_grad = tuple(ctx.needs_input_grad[:4])
-        try:
-            with launch_order(ctx.device):
-                dx, dw, dweight, dbias = fn.backward(as_array(dy, layout))
-        finally:
-            fn.saved = types.SimpleNamespace()
-        return (as_tensor(dx, ctx.device, layout), as_tensor(dw, ctx.device),
-                as_tensor(dweight, ctx.device), as_tensor(dbias, ctx.device)) + (None,) * 8
+        dx, dw, dweight, dbias = _backward(ctx, dy, 4)
+        d = ctx.device
+        return (as_tensor(dx, d, ctx.fn.params.layout), as_tensor(dw, d), as_tensor(dweight, d),
+                as_tensor(dbias, d)) + (None,) * 9
 
 
 def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None, training=True,
                         momentum=0.1, eps=1e-5, stride=1, padding=0, dilation=1, relu=True,
-                        groups=1):
+                        groups=1, recompute=True):
     """Fused ``relu(batch_norm(conv2d(x, w)))`` on torch tensors, trained with recompute.
 
     Computes ``F.batch_norm(F.conv2d(x, w, None, stride, padding, dilation, groups),
@@ -170,10 +187,14 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
     stride, padding, dilation : as ``torch.nn.functional.conv2d``
     relu : bool (False: conv -> batch norm, the ResNet downsample branch)
     groups : int (``F.conv2d``'s: a grouped conv; ``groups == C``: depthwise)
+    recompute : bool (True: backward recomputes h; False: the training forward keeps h and,
+        with the ReLU, a 1-bit mask, and the backward runs no conv forward: faster, and about
+        the memory of PyTorch's unfused chain; inference folds the batch norm either way)
 
     Returns
     -------
-    y : torch.Tensor (N, K, P, Q). Backward keeps x, w, weight, (bias) and two K-vectors.
+    y : torch.Tensor (N, K, P, Q). Backward keeps x, w, weight, (bias) and two K-vectors
+        (``recompute=False``: x, w, weight, h, the mask and two K-vectors).
 
     Examples
     --------
@@ -192,6 +213,7 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
         dict(stride=stride, padding=padding, dilation=dilation, groups=groups), training,
         momentum, eps)
     validate.check_flag(op, "relu", relu)
+    validate.check_flag(op, "recompute", recompute)
     if capturing():
         return run_captured("conv_batchnorm_relu", x, w, weight, bias, running_mean,
                             running_var, bool(training), eps, conv_args(geometry), bool(relu),
@@ -199,7 +221,7 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
                             training=bool(training), momentum=momentum, eps=eps,
                             count=geometry.N * geometry.P * geometry.Q)
     args = (x, w, weight, bias, running_mean, running_var, bool(training), momentum, eps,
-            geometry, bool(relu), device)
+            geometry, bool(relu), device, bool(recompute))
     if not needs_grad(x, w, weight, bias):
         return ConvBatchNormReLUFunction.forward(Unrecorded(), *args)
     return ConvBatchNormReLUFunction.apply(*args)
@@ -221,61 +243,33 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
     mean, invstd and the packed 1-bit mask of ``y > 0``.
     """
 
-    # fwd :: (x, w, z, weight, bias) -> (y, residuals=(x, w, weight, mean, invstd, mask))
+    # fwd :: (x, w, z, weight, bias) -> (y, residuals=(x, w, weight, mean, invstd, mask, [h]))
     @staticmethod
     def forward(ctx, x, w, z, weight, bias, running_mean, running_var, training, momentum, eps,
-                geometry, keep_mask, device):
+                geometry, recompute, device):
+        fn = ops_function(geometry, None, training, momentum, eps, running_mean, running_var,
+                          recompute)
         layout = geometry.layout                      # NHWC for a channels_last x
-        x_a, w_a = as_array(x, layout), as_array(w)
-        with launch_order(device):
-            h = _conv.conv_forward(x_a, w_a, None, geometry, False)        # (N, K, P, Q) | NHWC
-            if training:
-                mean, var, invstd = _bn.bn_stats(h, eps, layout)            # (K,) float64
-                if running_mean is not None:
-                    _bn.update_running(as_array(running_mean), as_array(running_var), mean,
-                                       var, geometry.N * geometry.P * geometry.Q, momentum)
-            else:
-                mean, invstd = _bn.bn_inference_stats(as_array(running_mean),
-                                                      as_array(running_var), eps)
-            applied = _bn.bn_apply(h, mean, invstd, as_array(weight), as_array(bias),
-                                   as_array(z, layout), relu=True, layout=layout,
-                                   with_mask=keep_mask)
-        del h                                                               # never kept
+        y = _forward(ctx, fn, (as_array(x, layout), as_array(w), as_array(z, layout),
+                               as_array(weight), as_array(bias)),
+                     dict(x=x, w=w, gamma=weight), device)
         if training and running_mean is not None:
             updated_in_place(running_mean, running_var)
-        y, mask = applied if keep_mask else (applied, None)
-        ctx.geometry, ctx.training, ctx.device = geometry, training, device
-        if keep_mask:
-            ctx.save_for_backward(x, w, weight, as_tensor(mean, device),
-                                  as_tensor(invstd, device), as_tensor(mask, device))
         return as_tensor(y, device, layout)
 
-    # bwd :: (residuals=(x, w, weight, mean, invstd, mask), dy) -> (dx, dw, dz, dweight, dbias)
+    # bwd :: (residuals, dy) -> (dx, dw, dz, dweight, dbias)
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        layout = ctx.geometry.layout
-        x, w, weight, mean, invstd, mask = (as_array(t, layout if i == 0 else LAYOUT)
-                                            for i, t in enumerate(ctx.saved_tensors))
-        need_x, need_w, need_z, need_weight, need_bias = ctx.needs_input_grad[:5]
-        dx = dw = None
-        with launch_order(ctx.device):
-            h = _conv.conv_forward(x, w, None, ctx.geometry, False)        # recomputed
-            dh, dweight, dbias, dz = _bn.bn_backward(
-                as_array(dy, layout), h, mean, invstd, weight, mask, layout,
-                need=(need_x or need_w, need_weight, need_bias, need_z), training=ctx.training)
-            del h
-            if need_x or need_w:
-                dx, dw, _ = _conv.conv_backward(dh, x, w, ctx.geometry, None,
-                                                (need_x, need_w, False))
-        return (as_tensor(dx, ctx.device, layout), as_tensor(dw, ctx.device),
-                as_tensor(dz, ctx.device, layout), as_tensor(dweight, ctx.device),
-                as_tensor(dbias, ctx.device)) + (None,) * 8
+        dx, dw, dz, dweight, dbias = _backward(ctx, dy, 5)
+        d, layout = ctx.device, ctx.fn.params.layout
+        return (as_tensor(dx, d, layout), as_tensor(dw, d), as_tensor(dz, d, layout),
+                as_tensor(dweight, d), as_tensor(dbias, d)) + (None,) * 8
 
 
 def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_var=None,
                             training=True, momentum=0.1, eps=1e-5, stride=1, padding=0,
-                            dilation=1, groups=1):
+                            dilation=1, groups=1, recompute=True):
     """Fused ``relu(batch_norm(conv2d(x, w)) + z)`` on torch tensors, trained with recompute.
 
     Computes ``(F.batch_norm(F.conv2d(x, w, None, stride, padding, dilation), running_mean,
@@ -291,10 +285,13 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
     weight, bias, running_mean, running_var, training, momentum, eps : as
         :func:`conv_batchnorm_relu`
     stride, padding, dilation, groups : as ``torch.nn.functional.conv2d``
+    recompute : bool (True: backward recomputes h; False: the forward keeps h too and the
+        backward runs no conv forward)
 
     Returns
     -------
-    y : torch.Tensor (N, K, P, Q). Backward keeps x, w, weight, two K-vectors and a 1-bit mask.
+    y : torch.Tensor (N, K, P, Q). Backward keeps x, w, weight, two K-vectors and a 1-bit mask
+        (and h with ``recompute=False``).
 
     Examples
     --------
@@ -313,6 +310,7 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
                  running_var=running_var),
         dict(stride=stride, padding=padding, dilation=dilation, groups=groups), training,
         momentum, eps)
+    validate.check_flag(op, "recompute", recompute)
     if capturing():
         return run_captured("conv_batchnorm_add_relu", x, w, z, weight, bias, running_mean,
                             running_var, bool(training), eps, conv_args(geometry),
@@ -320,7 +318,7 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
                             training=bool(training), momentum=momentum, eps=eps,
                             count=geometry.N * geometry.P * geometry.Q)
     args = (x, w, z, weight, bias, running_mean, running_var, bool(training), momentum, eps,
-            geometry)
+            geometry, bool(recompute), device)
     if not needs_grad(x, w, z, weight, bias):
-        return ConvBatchNormAddReLUFunction.forward(Unrecorded(), *args, False, device)
-    return ConvBatchNormAddReLUFunction.apply(*args, True, device)
+        return ConvBatchNormAddReLUFunction.forward(Unrecorded(), *args)
+    return ConvBatchNormAddReLUFunction.apply(*args)

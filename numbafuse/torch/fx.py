@@ -44,6 +44,7 @@ import sys
 import torch
 from torch import nn
 
+from .. import validate
 from .layers import BatchNormAddReLU2d, ConvBiasReLU2d
 from .sites import (SITE_FUNCTIONS, bn_refusal, conv_refusal, fused_bn_add_relu,
                     fused_conv_bn_add_relu, fused_conv_bn_relu, fused_conv_relu)
@@ -289,7 +290,7 @@ class _Tracer(torch.fx.Tracer):
         return super().is_leaf_module(module, qualified_name)
 
 
-def fuse(model, *, leaf_modules=(), copy=True):
+def fuse(model, *, leaf_modules=(), copy=True, recompute=True):
     """Rewrite ``model``'s Conv/BatchNorm/add/ReLU chains into numbafuse's fused ops.
 
     Parameters
@@ -302,6 +303,11 @@ def fuse(model, *, leaf_modules=(), copy=True):
     copy : bool
         True (default): the result owns a deep copy of ``model``'s modules; False: it shares
         them (parameters, buffers) with ``model``, whose own ``forward`` is left as it is.
+    recompute : bool
+        True (default): each fused Conv-BatchNorm chain keeps its conv's input and recomputes
+        the conv output in backward (the least memory). False: it keeps the conv output too
+        (and a 1-bit ReLU mask) and backward runs no conv forward: faster, with about the
+        memory of PyTorch's unfused chain. (Under ``torch.compile`` the custom ops recompute.)
 
     Returns
     -------
@@ -326,7 +332,9 @@ def fuse(model, *, leaf_modules=(), copy=True):
     if not isinstance(model, nn.Module):
         raise TypeError(f"numbafuse.torch.fuse: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}")
-    fused = _fuse(_copy.deepcopy(model) if copy else model, tuple(leaf_modules))
+    validate.check_flag("numbafuse.torch.fuse", "recompute", recompute)
+    fused = _fuse(_copy.deepcopy(model) if copy else model, tuple(leaf_modules),
+                  bool(recompute))
     if LOG_TOPIC in os.environ.get(LOG_ENV, "").split(","):
         for line in fused.fuse_log:
             print(f"numbafuse.torch.fuse: {line}", file=sys.stderr)
@@ -343,28 +351,30 @@ class FusedModule(torch.fx.GraphModule):
     tree and graph; edits made to ``graph`` by hand are not carried over."""
 
     def __deepcopy__(self, memo):
-        result = _fuse(_copy.deepcopy(unfuse(self), memo), self._fuse_leaves)
+        result = _fuse(_copy.deepcopy(unfuse(self), memo), self._fuse_leaves,
+                       self._fuse_recompute)
         memo[id(self)] = result
         return result
 
     def __reduce__(self):
-        return _fuse, (unfuse(self), self._fuse_leaves)
+        return _fuse, (unfuse(self), self._fuse_leaves, self._fuse_recompute)
 
 
-def _fuse(root, leaf_modules):
+def _fuse(root, leaf_modules, recompute=True):
     """Trace ``root``, rewrite the graph, give the result ``root``'s module tree (shared)."""
     tracer = _Tracer(leaf_modules)
     graph = tracer.trace(root)
     fused = FusedModule(tracer.root, graph, type(root).__name__)
     log = [f"kept {qualname} ({kind}) as a leaf: not traced into, nothing inside it fused"
            for qualname, kind in tracer.user_leaves.items()]
-    log += _rewrite(fused)
+    log += _rewrite(fused, recompute)
     _adopt_module_tree(fused, root)
     fused.training = root.training       # the flag only: the modules keep their own modes
     fused.graph.lint()
     fused.recompile()
     fused.fuse_log = log
     fused._fuse_leaves = leaf_modules
+    fused._fuse_recompute = recompute
     fused.__dict__["_numbafuse_unfused"] = root     # for unfuse; not a submodule (no new keys)
     return fused
 
@@ -392,9 +402,9 @@ def unfuse(fused):
     return model
 
 
-def _rewrite(gm):
+def _rewrite(gm, recompute=True):
     """Apply the patterns to ``gm.graph`` in place, visiting it from the output back; the
-    log lines, in the order decided."""
+    log lines, in the order decided. ``recompute=False``: the Conv-BatchNorm sites keep h."""
     m = _Matcher(gm)
     refusals, log = [], []
     for root in reversed(list(gm.graph.nodes)):
@@ -410,7 +420,7 @@ def _rewrite(gm):
                            f"{result.reason} [nodes {', '.join(name(n) for n in result.chain)}]")
                 continue
             chain = ", ".join(name(n) for n in result.chain)     # before the nodes go
-            new = _replace(gm.graph, result)
+            new = _replace(gm.graph, result, recompute)
             m.fused.update(result.chain)
             log.append(f"{result.title}: {chain} -> {new.name}")
             break
@@ -430,16 +440,21 @@ def _kind(m, node):
     return "add" if m.add_operands(node) is not None else "relu"
 
 
-def _replace(graph, match):
+# the sites that take recompute= (their chains begin with a conv whose output feeds a batch norm)
+_KEEPS_H = (fused_conv_bn_relu, fused_conv_bn_add_relu)
+
+
+def _replace(graph, match, recompute=True):
     """Insert the site call before the chain's root, reroute the root's users, erase the
-    chain; the new node."""
+    chain; the new node (a Conv-BatchNorm site's gets ``recompute=False`` when asked)."""
     root = match.chain[-1]
     site = ", ".join(name(n) for n in match.chain)
     with graph.inserting_before(root):
         args = tuple(graph.get_attr(a.target) if isinstance(a, _Module) else a
                      for a in match.args)
         short = [name(match.chain[0])] + [name(n).rpartition(".")[2] for n in match.chain[1:]]
-        new = graph.create_node("call_function", match.function, args + (site,),
+        kwargs = {} if recompute or match.function not in _KEEPS_H else {"recompute": False}
+        new = graph.create_node("call_function", match.function, args + (site,), kwargs,
                                 name="fused_" + "_".join(short).replace(".", "_"))
     root.replace_all_uses_with(new)
     for node in reversed(match.chain):

@@ -222,7 +222,7 @@ def conv_batchnorm_relu(x: Tensor, w: Tensor, weight: Tensor, bias: Tensor,
     ctx = _Ctx()
     y = _cbn.ConvBatchNormReLUFunction.forward(
         ctx, x, w, weight, bias, running_mean, running_var, training, 0.0, eps, geometry, relu,
-        device)
+        device, True)
     saved = dict(zip(ctx.names, ctx.saved_tensors))
     return y, saved["mean"], saved["invstd"]
 
@@ -295,8 +295,8 @@ def conv_batchnorm_add_relu(x: Tensor, w: Tensor, z: Tensor, weight: Tensor, bia
     y = _cbn.ConvBatchNormAddReLUFunction.forward(
         ctx, x, w, z, weight, bias, running_mean, running_var, training, 0.0, eps,
         geometry, True, device)
-    _, _, _, mean, invstd, mask = ctx.saved_tensors
-    return y, mean, invstd, mask
+    saved = dict(zip(ctx.names, ctx.saved_tensors))
+    return y, saved["mean"], saved["invstd"], saved["relu_state"]
 
 
 @conv_batchnorm_add_relu.register_fake
@@ -313,8 +313,10 @@ def conv_batchnorm_add_relu_backward(
         mask: Tensor, training: bool, conv: list[int],
         need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     geometry = _geometry("numbafuse::conv_batchnorm_add_relu_backward", x, w, conv)
-    ctx = _Ctx((x, w, weight, mean, invstd, mask), need, geometry=geometry,
-               training=training, device=x.device)
+    fn = _cbn.ops_function(geometry, None, training, 0.0, 0.0)
+    fn.geometry, fn.count = geometry, geometry.N * geometry.P * geometry.Q
+    ctx = _Ctx((x, w, weight, mean, invstd, mask), need, fn=fn,
+               names=("x", "w", "gamma", "mean", "invstd", "relu_state"), device=x.device)
     dx, dw, dz, dweight, dbias = _cbn.ConvBatchNormAddReLUFunction.backward(ctx, dy)[:5]
     return (_or_empty(dx, x), _or_empty(dw, w), _or_empty(dz, dy), _or_empty(dweight, weight),
             _or_empty(dbias, weight))

@@ -2,10 +2,12 @@
 ``torch.nn.BatchNorm2d`` run as one numbafuse op.
 
     ConvBatchNormReLU2d(in_channels, out_channels, kernel_size, stride=1, padding=0,
-                        dilation=1, groups=1, eps=1e-5, momentum=0.1, device=None, dtype=None)
+                        dilation=1, groups=1, eps=1e-5, momentum=0.1, device=None, dtype=None,
+                        recompute=True)
     ConvBatchNorm2d(...)          the same arguments, no ReLU (a ResNet downsample branch)
     ConvBatchNormAddReLU2d(...)   the same arguments, called as m(x, z): relu(bn(conv(x)) + z)
-    <class>.from_modules(conv, bn)   the modules of an existing model, shared (not copied)
+    <class>.from_modules(conv, bn, recompute=True)   the modules of an existing model, shared
+                                                     (not copied)
 
 State: the sub-modules ``conv`` (``torch.nn.Conv2d(..., bias=False)``) and ``bn``
 (``torch.nn.BatchNorm2d``), so the keys are ``conv.weight``, ``bn.weight``, ``bn.bias``,
@@ -16,10 +18,11 @@ call reads ``bn``'s ``training``, ``momentum`` (``None``: the cumulative average
 counts ``num_batches_tracked`` and updates the running statistics as ``BatchNorm2d.forward``
 does (:func:`numbafuse.torch.sites.bn_state`), then runs
 :func:`~numbafuse.torch.conv_batchnorm_relu` / :func:`~numbafuse.torch.conv_batchnorm_add_relu`:
-backward keeps the conv's input, not its output. ``groups`` makes a grouped or depthwise conv
-(MobileNet's Conv(dw)-BN-ReLU: ``groups=in_channels``); channels_last inputs run the NHWC
-kernels and give channels_last outputs; ``dtype`` float32/float64 and ``device`` CPU/CUDA,
-else an error naming the argument.
+backward keeps the conv's input, not its output (``recompute=False``, an attribute too: it
+keeps the output as well and runs no conv forward in backward, faster). ``groups`` makes a
+grouped or depthwise conv (MobileNet's Conv(dw)-BN-ReLU: ``groups=in_channels``);
+channels_last inputs run the NHWC kernels and give channels_last outputs; ``dtype``
+float32/float64 and ``device`` CPU/CUDA, else an error naming the argument.
 
 Examples
 --------
@@ -48,15 +51,16 @@ class ConvBatchNormReLU2d(nn.Module):
     relu = True
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
-                 groups=1, eps=1e-5, momentum=0.1, device=None, dtype=None):
+                 groups=1, eps=1e-5, momentum=0.1, device=None, dtype=None, recompute=True):
         super().__init__()
+        self.recompute = bool(recompute)
         like = factory_kwargs(type(self).__name__, device, dtype)
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation,
                               groups, bias=False, **like)
         self.bn = nn.BatchNorm2d(out_channels, eps, momentum, **like)
 
     @classmethod
-    def from_modules(cls, conv, bn):
+    def from_modules(cls, conv, bn, recompute=True):
         """The fused module over the existing ``conv`` (a bias-free ``torch.nn.Conv2d``) and
         ``bn`` (a ``torch.nn.BatchNorm2d`` of its output channels), shared, not copied."""
         name = cls.__name__
@@ -69,13 +73,14 @@ class ConvBatchNormReLU2d(nn.Module):
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.conv, module.bn = conv, bn
+        module.recompute = bool(recompute)
         return module
 
     def forward(self, x):
         weight, bias, running_mean, running_var, training, momentum, eps = bn_state(self.bn, x)
         return conv_batchnorm_relu(x, self.conv.weight, weight, bias, running_mean,
                                    running_var, training, momentum, eps, relu=self.relu,
-                                   **conv_args(self.conv))
+                                   recompute=self.recompute, **conv_args(self.conv))
 
 
 class ConvBatchNorm2d(ConvBatchNormReLU2d):
@@ -91,7 +96,7 @@ class ConvBatchNormAddReLU2d(ConvBatchNormReLU2d):
         weight, bias, running_mean, running_var, training, momentum, eps = bn_state(self.bn, x)
         return conv_batchnorm_add_relu(x, self.conv.weight, z, weight, bias, running_mean,
                                        running_var, training, momentum, eps,
-                                       **conv_args(self.conv))
+                                       recompute=self.recompute, **conv_args(self.conv))
 
 
 __all__ = ["ConvBatchNormReLU2d", "ConvBatchNorm2d", "ConvBatchNormAddReLU2d"]

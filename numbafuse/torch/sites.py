@@ -140,9 +140,10 @@ def conv_args(conv):
 
 # --------------------------------------------------------------------------- site functions
 
-def fused_conv_bn_relu(x, conv, bn, relu, site):
+def fused_conv_bn_relu(x, conv, bn, relu, site, recompute=True):
     """``relu(bn(conv(x)))`` (``relu=False``: ``bn(conv(x))``) by numbafuse's Conv-BatchNorm(-ReLU)
-    with recompute, reading ``conv`` and ``bn`` now; the modules themselves where it cannot."""
+    with recompute (``recompute=False``: h kept instead), reading ``conv`` and ``bn`` now; the
+    modules themselves where it cannot."""
     reason = (conv_refusal(conv, with_bn=True) or bn_refusal(bn)
               or _tensor_refusal(x, conv.weight))
     if reason is not None:
@@ -151,11 +152,13 @@ def fused_conv_bn_relu(x, conv, bn, relu, site):
         return torch.relu(y) if relu else y
     weight, bias, running_mean, running_var, training, momentum, eps = bn_state(bn, x)
     return conv_batchnorm_relu(x, conv.weight, weight, bias, running_mean, running_var,
-                               training, momentum, eps, relu=relu, **conv_args(conv))
+                               training, momentum, eps, relu=relu, recompute=recompute,
+                               **conv_args(conv))
 
 
-def fused_conv_bn_add_relu(x, z, conv, bn, site):
-    """``relu(bn(conv(x)) + z)`` by numbafuse's Conv-BatchNorm-Add-ReLU with recompute."""
+def fused_conv_bn_add_relu(x, z, conv, bn, site, recompute=True):
+    """``relu(bn(conv(x)) + z)`` by numbafuse's Conv-BatchNorm-Add-ReLU with recompute
+    (``recompute=False``: h kept instead)."""
     reason = (conv_refusal(conv, with_bn=True) or bn_refusal(bn) or _tensor_refusal(
         x, conv.weight, z, _conv_out_shape(conv, x) if isinstance(x, torch.Tensor)
         and x.dim() == 4 else ()))
@@ -164,7 +167,8 @@ def fused_conv_bn_add_relu(x, z, conv, bn, site):
         return torch.relu(bn(conv(x)) + z)
     weight, bias, running_mean, running_var, training, momentum, eps = bn_state(bn, x)
     return conv_batchnorm_add_relu(x, conv.weight, z, weight, bias, running_mean, running_var,
-                                   training, momentum, eps, **conv_args(conv))
+                                   training, momentum, eps, recompute=recompute,
+                                   **conv_args(conv))
 
 
 def fused_bn_add_relu(x, z, bn, site):
