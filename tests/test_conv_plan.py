@@ -164,3 +164,54 @@ def test_whole_batch_im2col_forward_in_blocks_of_output_channels(layout, stride,
     assert plan.k_blocks > 1
     np.testing.assert_allclose(cpu_conv.conv_forward(x64, w64, b64, geom, True, plan=plan),
                                ref.conv_bias_relu(x64, w64, b64, **kwargs), **TOL[np.float64])
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("stride, size", [(1, 3), (2, 5), (1, 1)])
+@pytest.mark.parametrize("K", [40, 100])        # blocks of 32 (the last 8), of 32 (two empty)
+def test_whole_batch_im2col_dw_in_blocks_of_output_channels(layout, stride, size, K):
+    """A deep layer's dW (at least as many output channels as output pixels in the batch):
+    the whole batch's GEMM split over blocks of output channels, no partial sums (k_block 16
+    here), NCHW over HWC slabs; dW and db of g = dy * (y > 0) against the reference, with and
+    without dW, and bitwise the same on 1 and 3 threads; float64 through the plan."""
+    from numbafuse.kernels import cpu_launch
+    rng = np.random.default_rng(K + size + 1)
+    N, C = 2, 24
+    shape = (N, C, size, size) if layout == "NCHW" else (N, size, size, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, 3, 3)) / 20).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    kwargs = dict(stride=stride, padding=1, layout=layout)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, stride, 1, 1, layout)
+    y = np.ascontiguousarray(ref.conv_bias_relu(x, w, b, **kwargs), np.float32)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    _, dw_want, db_want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)
+    threads = cpu_launch.num_threads()
+    got = {}
+    try:
+        with cpu_plan.using(k_block=16, winograd_min_tiles=10**9, winograd_s2=False):
+            plan = cpu_plan.plan(geom, "dw", np.float32, algorithm="im2col")
+            assert plan.k_blocks == K // 16 and plan.slab == (layout == "NCHW")
+            assert cpu_plan.plan(geom, "dx", np.float32).k_blocks == 1
+            for n in (1, 3):
+                cpu_launch.set_num_threads(n)
+                got[n] = cpu_conv.conv_backward(dy, x, w, geom, y, (False, True, True),
+                                                plans=(plan, plan))[1:]
+            _, no_dw, db_only = cpu_conv.conv_backward(dy, x, w, geom, y, (False, False, True),
+                                                       plans=(plan, plan))
+    finally:
+        cpu_launch.set_num_threads(threads)
+    np.testing.assert_allclose(got[1][0], dw_want, **TOL[np.float32])
+    np.testing.assert_allclose(got[1][1], db_want, **TOL[np.float32])
+    assert no_dw is None
+    np.testing.assert_allclose(db_only, db_want, **TOL[np.float32])
+    assert got[1][0].tobytes() == got[3][0].tobytes()
+    assert got[1][1].tobytes() == got[3][1].tobytes()
+    x64, w64, y64, dy64 = (a.astype(np.float64) for a in (x, w, y, dy))
+    plan = cpu_plan.plan(geom, "dw", np.float64, cpu_plan.RULES._replace(k_block=16),
+                         algorithm="im2col")
+    assert plan.k_blocks > 1
+    dw64 = cpu_conv.conv_backward(dy64, x64, w64, geom, y64, (False, True, False),
+                                  plans=(plan, plan))[1]
+    np.testing.assert_allclose(dw64, ref.conv_bias_relu_backward(dy64, x64, w64, b, y=y64,
+                                                                 **kwargs)[1], **TOL[np.float64])

@@ -339,8 +339,16 @@ def _im2col_chunks(plan, geom, itemsize):
 
 
 def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
-    """(dw or None, db_parts) by im2col chunks."""
+    """(dw or None, db_parts) by im2col chunks, or (``plan.k_blocks`` > 1) the whole batch in
+    blocks of output channels."""
     N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
+    if plan.k_blocks > 1:
+        dwm = _out.empty((K if need_dw else 0, R * S * C), x.dtype)
+        db = np.empty((1, K))                                          # float64
+        launch(_im2col.dw_block_tasks, plan.k_blocks, x, _k_view(gy, geom), _k_view(y, geom),
+               use_mask, geo_tuple(geom), int(plan.k_blocks), (bool(plan.slab), bool(need_dw)),
+               _blas.blas_for(x.dtype), (dwm, db[0]), work=work, grain=1)
+        return (_dw_from_cols_order(dwm, geom, plan) if need_dw else None), db
     ipc, rpc = _chunking(plan, P * Q, P, Q, R * S * C * x.itemsize, N)
     nchunks = count_chunks(N, P, ipc, rpc)
     groups = min(nchunks, plan.dw_groups)
@@ -352,10 +360,15 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
            (dw_parts.reshape(-1, K, R * S * C), db_parts), work=work, grain=1)
     if not need_dw:
         return None, db_parts
-    dwm = sum_groups(dw_parts)                                         # group order
+    return _dw_from_cols_order(sum_groups(dw_parts), geom, plan), db_parts   # group order
+
+
+def _dw_from_cols_order(dwm, geom, plan):
+    """dw (K, C, R, S) from the (K, R*S*C) (NHWC, slabs) or (K, C*R*S) matrix of im2col."""
+    K, C, R, S = geom.K, geom.C, geom.R, geom.S
     if geom.layout == "NHWC" or plan.slab:                             # (K, R, S, C)
-        return np.ascontiguousarray(dwm.reshape(K, R, S, C).transpose(0, 3, 1, 2)), db_parts
-    return dwm.reshape(K, C, R, S), db_parts
+        return np.ascontiguousarray(dwm.reshape(K, R, S, C).transpose(0, 3, 1, 2))
+    return dwm.reshape(K, C, R, S)
 
 
 def _im2col_dx(gy, y, use_mask, w, geom, plan, dx, work):

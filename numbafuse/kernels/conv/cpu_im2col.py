@@ -310,6 +310,61 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
                 _blas.gemm(blas, False, True, K, RSC, m, 1.0, g, m, c2, m, beta, dwp, RSC)
 
 
+@task_kernel
+def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, out):
+    slab, need_dw = flags
+    dwk, db = out
+    # dW and db of the whole batch split by output channels, not by pixels (deep layers: few
+    # pixels, many weights): task t the channels [k0, k1) (block t of kb, a multiple of 16),
+    # dwk[k0:k1] (K, RSC) = g[k0:k1] (kn, M) @ cols (M, RSC) and db[k0:k1] (float64) = the
+    # sums of g, with M = N*P*Q. Each task gathers the batch's cols itself (a few MiB at
+    # most, Rules.whole_batch_bytes); no partials to sum. x, gy, y as in dw_tasks.
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    RSC = R * S * C
+    PQ = P * Q
+    M = N * PQ
+    kb_len = ((K + kb - 1) // kb + 15) // 16 * 16
+    cols = np.empty(M * RSC if need_dw else 0, x.dtype)
+    gbuf = np.empty(M * min(K, kb_len), x.dtype)
+    sbuf = _slab_buffer(x, geo, N, P, slab and need_dw)
+    for t in range(t0, t1):
+        k0 = t * kb_len
+        k1 = min(K, k0 + kb_len)
+        kn = k1 - k0
+        if kn <= 0:
+            continue
+        dbk = db[k0:k1]
+        dbk[:] = 0.0
+        if nhwc:
+            g = gbuf[:M * kn].reshape((M, kn))                    # (M, kn)
+            gated_hwc(gy.reshape((M, K))[:, k0:k1], y.reshape((M, K))[:, k0:k1], use_mask, 0,
+                      M, g, 0, dbk)
+            if not need_dw:
+                continue
+            c2 = cols.reshape((M, RSC))
+            for n in range(N):
+                _im2col_hwc(x, n, 0, P, geo, c2, n * PQ)
+            # dW[k0:k1] (kn, RSC) = g^T (kn, M) @ cols (M, RSC)
+            _blas.gemm(blas, True, False, kn, RSC, M, 1.0, g, kn, c2, RSC, 0.0, dwk[k0:k1],
+                       RSC)
+            continue
+        g = gbuf[:kn * M].reshape((kn, M))                        # (kn, M)
+        for n in range(N):
+            gated_chw(gy[:, k0:k1], y[:, k0:k1], use_mask, n, 0, P, PQ, Q, g, n * PQ, dbk)
+        if not need_dw:
+            continue
+        if slab:
+            c2 = cols.reshape((M, RSC))                           # (M, R*S*C)
+            _im2col_slab(x, 0, N, 0, P, geo, sbuf, c2, PQ)
+            _blas.gemm(blas, False, False, kn, RSC, M, 1.0, g, M, c2, RSC, 0.0, dwk[k0:k1],
+                       RSC)
+        else:
+            c2 = cols.reshape((RSC, M))                           # (C*R*S, M)
+            for n in range(N):
+                _im2col_chw(x, n, 0, P, geo, c2, n * PQ)
+            _blas.gemm(blas, False, True, kn, RSC, M, 1.0, g, M, c2, M, 0.0, dwk[k0:k1], RSC)
+
+
 # --------------------------------------------------------------------------- backward: dX
 
 @njit(nogil=True, cache=True)

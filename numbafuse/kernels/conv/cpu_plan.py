@@ -104,7 +104,13 @@ class Rules(NamedTuple):
     # many bytes runs as one chunk of the whole batch, its GEMM split over blocks of
     # ``k_block`` output channels, one task each: chunks of pixels each read every weight
     # and run GEMMs of few rows. NHWC, or NCHW gathered over HWC slabs (the NCHW gather of
-    # single values cost 5.0 ms of an 8.4 ms forward at 2x2 maps, 512 channels, batch 16)
+    # single values cost 5.0 ms of an 8.4 ms forward at 2x2 maps, 512 channels, batch 16).
+    # dW likewise with at least as many output channels as pixels: no partial dW per group
+    # of chunks to write and sum (each a K x 9C matrix, for a GEMM whose inner size is a
+    # group's few pixels). im2col dW, batch 16, 2 threads, best of 15 calls in three runs,
+    # ms (groups / blocks): 3x3 512 at 2x2 NCHW 7.6-8.0 / 4.6-6.3, NHWC 8.3-8.6 / 4.7-5.2;
+    # 256 at 4x4 NCHW 2.9-4.3 / 2.2-3.4, NHWC 2.7-4.0 / 3.0-3.2; 3x3/2 256->512 at 4x4
+    # 3.7-4.2 / 2.5-2.9. At most K / k_block tasks: on many cores fewer than the groups' 16
     whole_batch_bytes: int = 4 << 20
     k_block: int = 128
     # a backward touching fewer elements (x, gy twice) runs dX and dW at once, each on one
@@ -259,11 +265,12 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None):
 
 
 def _k_blocks(geom, pass_, dtype, rules):
-    """Blocks of output channels of a whole-batch im2col forward (``Rules.whole_batch_bytes``),
-    or 1."""
+    """Blocks of output channels of a whole-batch im2col forward or dW
+    (``Rules.whole_batch_bytes``), or 1."""
     pixels = geom.N * geom.P * geom.Q
     cols = pixels * geom.R * geom.S * geom.C * np.dtype(dtype).itemsize
-    if (pass_ != "forward" or is_pointwise(geom) or geom.K <= pixels or pixels == 0
+    deep = geom.K > pixels if pass_ == "forward" else geom.K >= pixels
+    if (pass_ == "dx" or is_pointwise(geom) or not deep or pixels == 0
             or cols > rules.whole_batch_bytes):
         return 1
     return max(1, geom.K // rules.k_block)
