@@ -92,3 +92,11 @@ def transpose(src, dst):
     for i in range(r8, rows):                               # the last rows
         for j in range(cols):
             dst[j, i] = src[i, j]
+
+
+@njit(nogil=True, cache=True)
+def transpose_rows(src, dst):
+    """dst[i] = src[i].T for each i: src (n, rows, cols) and dst (n, cols, rows), C-contiguous
+    (a weight tensor's taps reordered, e.g. (K, C, 9) -> (K, 9, C))."""
+    for i in range(src.shape[0]):
+        transpose(src[i], dst[i])

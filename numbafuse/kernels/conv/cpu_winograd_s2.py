@@ -36,7 +36,7 @@ from numba import njit
 from .. import cpu_gemm_taps as _tiles
 from ..cpu_buffers import output_cache as _out
 from ..cpu_launch import launch, task_kernel
-from ..cpu_transpose import transpose
+from ..cpu_transpose import transpose, transpose_rows
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_chunks import chunk, sum64, sum_groups, tile_chunks
 from .cpu_winograd import OFF, estride, gate_tiles, padded_rows, store_nchw, vadd, vcopy, vsub
@@ -96,15 +96,47 @@ _GG = np.kron(_G, _G)
 _GG_T = np.ascontiguousarray(_GG.T)
 
 
-def taps(w, GG=_GG):
+def taps(w, GG=_GG, dx=False):
     """U (25, C, K) float32 = G g G^T of every filter pair g = w[k, c] of w (K, C, 3, 3)
     (``GG`` = kron(G, G)): each entry a sum of up to four taps, formed in float64 and rounded
-    once. (The dX passes the transposed taps, w.transpose(1, 0, 2, 3), and its own G.)"""
+    once. ``dx``: the transposed taps' U (25, K, C) (with the dX's G, ``cpu_winograd_s2dx``).
+    The taps are first laid out with each filter pair's 9 taps in rows of the GEMM's order
+    (8x8 tile transposes: numpy's gathering copy of w.transpose(2, 3, 1, 0) took 7.2 ms of
+    the forward's 18 ms at 512 x 512 filters)."""
     K, C = w.shape[0], w.shape[1]
-    out = np.empty((POSITIONS, C, K), np.float32)
-    _sums(GG, np.ascontiguousarray(w.transpose(2, 3, 1, 0)).reshape(9, C * K),
-          out.reshape(POSITIONS, C * K))
+    w = np.ascontiguousarray(w, np.float32)
+    if dx:                                            # src[k, q, c] = w[k, c, q]
+        src = np.empty((K, 9, C), np.float32)
+        transpose_rows(w.reshape(K, C, 9), src)
+        out = np.empty((POSITIONS, K, C), np.float32)
+    else:                                             # src[c, q, k] = w[k, c, q]
+        src = np.empty((1, 9 * C, K), np.float32)
+        transpose_rows(w.reshape(1, K, 9 * C), src)
+        src = src.reshape(C, 9, K)
+        out = np.empty((POSITIONS, C, K), np.float32)
+    _block_sums(GG, src, out.reshape(POSITIONS, -1))
     return out
+
+
+@njit(cache=True)
+def _block_sums(A, src, out):
+    # out[o, b*L:(b + 1)*L] = the sum of src[b, q] over A[o, q] = 1 in q order, in float64,
+    # then stored in out's dtype (A 0/1 (len(out), 9); src (blocks, 9, L): each block's 9 rows
+    # stay in cache while the 25 outputs are formed)
+    L = src.shape[2]
+    acc = np.empty(L)
+    for b in range(src.shape[0]):
+        rows = src[b]
+        for o in range(A.shape[0]):
+            acc[:] = 0.0
+            for q in range(A.shape[1]):
+                if A[o, q]:
+                    sq = rows[q]
+                    for i in range(L):
+                        acc[i] += sq[i]
+            dst = out[o, b * L:(b + 1) * L]
+            for i in range(L):
+                dst[i] = acc[i]
 
 
 @njit(cache=True)

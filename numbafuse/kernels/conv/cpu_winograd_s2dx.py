@@ -45,7 +45,7 @@ def dx(gy, y, use_mask, w, geom, out, tiles, wide, work):
     N, C, K, H, W = geom.N, geom.C, geom.K, geom.H, geom.W
     ipc, ib, nchunks, most = block_chunks(N, -(-H // 4), -(-W // 4), tiles)
     sizes = (geom.ph, geom.pw, ipc, ib, estride(K * most, 4), estride(C * most, 4))
-    launch(_s2_dx_tasks, nchunks, gy, y, use_mask, taps(w.transpose(1, 0, 2, 3), _GG_DX),
+    launch(_s2_dx_tasks, nchunks, gy, y, use_mask, taps(w, _GG_DX, dx=True),
            int_tuple(*sizes), (geom.layout == "NHWC", bool(wide)), out, work=work,
            grain=1)
 
@@ -125,7 +125,7 @@ def _out_dx(M, t0, IX, h0, oddh, oddw, s, xn):
 def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, sizes, flags, dx):
     top, left, ipc, ib, vs, ms = sizes
     nhwc, wide = flags
-    # gy, y: (N, P, Q, K) | (N, K, P, Q); U: (25, K, C) float32 (taps(w^T, G_DX)); dx: (N, H,
+    # gy, y: (N, P, Q, K) | (N, K, P, Q); U: (25, K, C) float32 (taps(w, G_DX, dx=True)); dx: (N, H,
     # W, C) | (N, C, H, W). Chunk t: images [n0, n1) (ipc > 1) or block rows [i0, i1) of one
     # image; block row i: dx rows 4i ... 4i + 3, g rows 2i + c0 ... 2i + c0 + 2 with c0 =
     # (top - 1) // 2 (columns likewise); vs, ms: estride of V and M. NCHW: the chunk's rows of
