@@ -96,8 +96,8 @@ def main(argv=None):
     names = list(best["torch"])
     lines = _runner.header(info, _report.command("bench_resnet.py"))
     lines += [f"Batch {args.batch}, 3x{args.size}x{args.size}, float32, NCHW. numbafuse: "
-              f"``fuse(model)`` (recompute: backward keeps each conv's input only) and, for "
-              f"the training step, ``fuse(model, recompute=False)`` (keeps the conv outputs "
+              f"`fuse(model)` (recompute: backward keeps each conv's input only) and, for "
+              f"the training step, `fuse(model, recompute=False)` (keeps the conv outputs "
               f"too, as PyTorch does; no conv forward in backward).", "",
               "| case | numbafuse (fused) ms | PyTorch ms | speed vs PyTorch | "
               "recompute=False ms | its speed vs PyTorch |",
