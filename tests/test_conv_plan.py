@@ -192,6 +192,8 @@ def test_whole_batch_im2col_dw_in_blocks_of_output_channels(layout, stride, size
         with cpu_plan.using(k_block=16, winograd_min_tiles=10**9, winograd_s2=False):
             plan = cpu_plan.plan(geom, "dw", np.float32, algorithm="im2col")
             assert plan.k_blocks == K // 16 and plan.slab == (layout == "NCHW")
+            if stride == 2:              # a deep strided dW: these blocks, not implicit GEMMs
+                assert cpu_plan.plan(geom, "dw", np.float32).algorithm == "im2col"
             assert cpu_plan.plan(geom, "dx", np.float32).k_blocks == 1
             for n in (1, 3):
                 cpu_launch.set_num_threads(n)
