@@ -217,3 +217,46 @@ def test_whole_batch_im2col_dw_in_blocks_of_output_channels(layout, stride, size
                                   plans=(plan, plan))[1]
     np.testing.assert_allclose(dw64, ref.conv_bias_relu_backward(dy64, x64, w64, b, y=y64,
                                                                  **kwargs)[1], **TOL[np.float64])
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("stride, size", [(1, 3), (2, 5), (1, 1)])
+@pytest.mark.parametrize("C", [40, 100])        # blocks of 32 (the last 8), of 32 (two empty)
+def test_whole_batch_im2col_dx_in_blocks_of_input_channels(layout, stride, size, C):
+    """A deep layer's dX (at least as many output channels as output pixels in the batch):
+    the plan's pick is one GEMM of the whole batch split over blocks of input channels
+    (k_block 16 here), then col2im; dx of g = dy * (y > 0) against the reference, bitwise the
+    same on 1 and 3 threads; float64 through the plan."""
+    from numbafuse.kernels import cpu_launch
+    rng = np.random.default_rng(C + size + 2)
+    N, K = 2, 48
+    shape = (N, C, size, size) if layout == "NCHW" else (N, size, size, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, 3, 3)) / 20).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    kwargs = dict(stride=stride, padding=1, layout=layout)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, stride, 1, 1, layout)
+    y = np.ascontiguousarray(ref.conv_bias_relu(x, w, b, **kwargs), np.float32)
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    dx_want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)[0]
+    threads = cpu_launch.num_threads()
+    got = {}
+    try:
+        with cpu_plan.using(k_block=16):
+            plan = cpu_plan.plan(geom, "dx", np.float32)
+            assert plan.algorithm == "im2col" and plan.k_blocks == C // 16
+            for n in (1, 3):
+                cpu_launch.set_num_threads(n)
+                got[n] = cpu_conv.conv_backward(dy, x, w, geom, y, (True, False, False),
+                                                plans=(plan, plan))[0]
+    finally:
+        cpu_launch.set_num_threads(threads)
+    np.testing.assert_allclose(got[1], dx_want, **TOL[np.float32])
+    assert got[1].tobytes() == got[3].tobytes()
+    x64, w64, y64, dy64 = (a.astype(np.float64) for a in (x, w, y, dy))
+    plan = cpu_plan.plan(geom, "dx", np.float64, cpu_plan.RULES._replace(k_block=16))
+    assert plan.algorithm == "im2col" and plan.k_blocks > 1
+    dx64 = cpu_conv.conv_backward(dy64, x64, w64, geom, y64, (True, False, False),
+                                  plans=(plan, plan))[0]
+    np.testing.assert_allclose(dx64, ref.conv_bias_relu_backward(dy64, x64, w64, b, y=y64,
+                                                                 **kwargs)[0], **TOL[np.float64])

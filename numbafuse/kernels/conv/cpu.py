@@ -372,8 +372,15 @@ def _dw_from_cols_order(dwm, geom, plan):
 
 
 def _im2col_dx(gy, y, use_mask, w, geom, plan, dx, work):
-    """dx (written in place) by phases over im2col chunks of the gated gradient."""
+    """dx (written in place) by phases over im2col chunks of the gated gradient, or
+    (``plan.k_blocks`` > 1) one GEMM of the whole batch in blocks of input channels."""
     N, H, W, K, R, S = geom.N, geom.H, geom.W, geom.K, geom.R, geom.S
+    if plan.k_blocks > 1:
+        launch(_im2col.dx_block_tasks, plan.k_blocks, gy.reshape(geom.y_shape),
+               y.reshape(geom.y_shape), use_mask,
+               np.ascontiguousarray(w, gy.dtype).reshape(K, geom.C * R * S), geo_tuple(geom),
+               int(plan.k_blocks), _blas.blas_for(gy.dtype), dx, work=work, grain=1)
+        return
     tr, orr, nr = _im2col.phases(H, R, geom.sh, geom.ph, geom.dh)
     ts, os_, ns = _im2col.phases(W, S, geom.sw, geom.pw, geom.dw)
     wphase, woff = _im2col.phase_weights(w, tr, nr, ts, ns, geom.layout == "NHWC")

@@ -367,6 +367,77 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, out):
 
 # --------------------------------------------------------------------------- backward: dX
 
+@task_kernel
+def dx_block_tasks(t0, t1, gy, y, use_mask, wmat, geo, cb, blas, dx):
+    # dX of the whole batch split by input channels (deep layers: few pixels, many weights):
+    # task t the channels [c0, c1) (block t of cb, a multiple of 16): dcols (cn*R*S, M) =
+    # wmat[:, c0*RS:c1*RS]^T (K, cn*RS)^T @ g (K, M), g = gy (* (y > 0)) of the batch's M =
+    # N*P*Q output pixels as columns, then each column (c, r, s) of a pixel added into dx
+    # at its input pixel (col2im), the taps in (r, s) order: every dx value is one task's, in
+    # a fixed order. wmat: w as (K, C*R*S). gy, y: (N, K, P, Q) | (N, P, Q, K); dx: (N, C,
+    # H, W) | (N, H, W, C), written here (zeros where no tap reaches).
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    RS = R * S
+    PQ = P * Q
+    M = N * PQ
+    cb_len = ((C + cb - 1) // cb + 15) // 16 * 16
+    g = np.empty((K, M), dx.dtype)                                # gated, pixels as columns
+    dcols = np.empty(min(C, cb_len) * RS * M, dx.dtype)
+    for t in range(t0, t1):
+        c0 = t * cb_len
+        c1 = min(C, c0 + cb_len)
+        cn = c1 - c0
+        if cn <= 0:
+            continue
+        if t == t0:                 # each task range gathers g once (it is the same for all)
+            for n in range(N):
+                if nhwc:
+                    for p in range(P):
+                        for q in range(Q):
+                            i = n * PQ + p * Q + q
+                            gr, yr = gy[n, p, q], y[n, p, q]              # (K,) each
+                            for k in range(K):
+                                g[k, i] = _relu_grad(gr[k], yr[k]) if use_mask else gr[k]
+                else:               # (indices, not a view per channel: few pixels each)
+                    for k in range(K):
+                        for p in range(P):
+                            for q in range(Q):
+                                v = gy[n, k, p, q]
+                                g[k, n * PQ + p * Q + q] = (_relu_grad(v, y[n, k, p, q])
+                                                            if use_mask else v)
+        d2 = dcols[:cn * RS * M].reshape((cn * RS, M))
+        # dcols (cn*RS, M) = wmat[:, block]^T @ g
+        _blas.gemm(blas, True, False, cn * RS, M, K, 1.0, wmat[:, c0 * RS:], C * RS, g, M,
+                   0.0, d2, M)
+        for n in range(N):
+            if nhwc:                                              # this block's channels
+                for h in range(H):
+                    for x_ in range(W):
+                        dx[n, h, x_, c0:c1] = 0
+            else:
+                for c in range(c0, c1):
+                    dxc = dx[n, c]                                # (H, W)
+                    for h in range(H):
+                        for x_ in range(W):
+                            dxc[h, x_] = 0
+            for c in range(c0, c1):
+                for r in range(R):
+                    for s_ in range(S):
+                        row = d2[(c - c0) * RS + r * S + s_, n * PQ:(n + 1) * PQ]
+                        for p in range(P):
+                            h = p * sh - ph + r * dh
+                            if h < 0 or h >= H:
+                                continue
+                            for q in range(Q):
+                                x_ = q * sw - pw + s_ * dw
+                                if x_ < 0 or x_ >= W:
+                                    continue
+                                if nhwc:
+                                    dx[n, h, x_, c] += row[p * Q + q]
+                                else:
+                                    dx[n, c, h, x_] += row[p * Q + q]
+
+
 @njit(nogil=True, cache=True)
 def _gcols_chw(gy, y, use_mask, span, taps, gc):
     n, i0, i1, Wb, P, Q, col0 = span

@@ -210,6 +210,12 @@ def choose(geom, pass_, dtype, rules):
         return "pointwise"
     if (geom.K if pass_ == "dx" else min(geom.C, geom.K)) < rules.min_gemm_channels:
         return "implicit" if implicit and pass_ == "forward" else "im2col"
+    if pass_ == "dx" and _k_blocks(geom, pass_, dtype, rules) > 1:
+        # a deep layer's dX: one GEMM of the whole batch in blocks of input channels, then
+        # col2im. ms, batch 16, 2 threads, best of 15 (NCHW / NHWC): 3x3 512 at 2x2 4.7 / 4.5
+        # by Winograd, 1.9 / 1.9 so; 256 at 4x4 2.0 / 1.9 and 1.6 / 1.7; 3x3/2 256->512 at
+        # 4x4 3.4 / 3.5 by the stride-2 Winograd, 1.0 / 1.4 so
+        return "im2col"
     if _is_winograd(geom):
         # on HWC slabs for NCHW too: Winograd won at every width and channel count measured
         # from 16 up, except the forward and dW of few tiles
@@ -271,15 +277,14 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None):
 
 
 def _k_blocks(geom, pass_, dtype, rules):
-    """Blocks of output channels of a whole-batch im2col forward or dW
-    (``Rules.whole_batch_bytes``), or 1."""
+    """Blocks of output channels of a whole-batch im2col forward or dW, of input channels of
+    its dX (``Rules.whole_batch_bytes``), or 1."""
     pixels = geom.N * geom.P * geom.Q
     cols = pixels * geom.R * geom.S * geom.C * np.dtype(dtype).itemsize
     deep = geom.K > pixels if pass_ == "forward" else geom.K >= pixels
-    if (pass_ == "dx" or is_pointwise(geom) or not deep or pixels == 0
-            or cols > rules.whole_batch_bytes):
+    if is_pointwise(geom) or not deep or pixels == 0 or cols > rules.whole_batch_bytes:
         return 1
-    return max(1, geom.K // rules.k_block)
+    return max(1, (geom.C if pass_ == "dx" else geom.K) // rules.k_block)
 
 
 def algorithm(geom, pass_="forward", dtype=np.float32):
