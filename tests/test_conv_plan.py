@@ -125,6 +125,38 @@ def test_the_plan_under_using_reaches_the_kernels_through_the_op(monkeypatch):
     assert ("dx", "winograd", 4096) in seen and ("dw", "im2col", 4096) in seen
 
 
+def _deep_layer(seed, layout, stride, size, C, K):
+    """A deep layer's float32 case of 2 images, 3x3, padding 1: (x, w, b, the reference's
+    keywords, the geometry, the rng that drew them)."""
+    rng = np.random.default_rng(seed)
+    shape = (2, C, size, size) if layout == "NCHW" else (2, size, size, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, 3, 3)) / 20).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, stride, 1, 1, layout)
+    return x, w, b, dict(stride=stride, padding=1, layout=layout), geom, rng
+
+
+def _relu_output_and_gradient(x, w, b, kwargs, rng):
+    """(y, dy): the reference forward (its ReLU gates the backward) and a random gradient."""
+    y = np.ascontiguousarray(ref.conv_bias_relu(x, w, b, **kwargs), np.float32)
+    return y, rng.standard_normal(y.shape).astype(np.float32)
+
+
+def _on_threads(call, counts=(1, 3)):
+    """{n: call()} with numbafuse's CPU kernels on n threads; the thread count restored."""
+    from numbafuse.kernels import cpu_launch
+    threads = cpu_launch.num_threads()
+    out = {}
+    try:
+        for n in counts:
+            cpu_launch.set_num_threads(n)
+            out[n] = call()
+    finally:
+        cpu_launch.set_num_threads(threads)
+    return out
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("stride, size", [(1, 3), (2, 5), (1, 1)])
 @pytest.mark.parametrize("K", [40, 100])        # blocks of 32 (the last 8), of 32 (two empty)
@@ -133,28 +165,13 @@ def test_whole_batch_im2col_forward_in_blocks_of_output_channels(layout, stride,
     whole batch, the GEMM split over blocks of output channels (k_block 16 here: blocks of a
     multiple of 16, the last partial, trailing ones empty), NCHW over HWC slabs; against the
     reference with bias and ReLU, and bitwise the same on 1 and 3 threads."""
-    from numbafuse.kernels import cpu_launch
-    rng = np.random.default_rng(K + size)
-    N, C = 2, 24
-    shape = (N, C, size, size) if layout == "NCHW" else (N, size, size, C)
-    x = rng.standard_normal(shape).astype(np.float32)
-    w = (rng.standard_normal((K, C, 3, 3)) / 20).astype(np.float32)
-    b = rng.standard_normal(K).astype(np.float32)
-    kwargs = dict(stride=stride, padding=1, layout=layout)
-    geom = nf.validate.conv_geometry("t", shape, w.shape, stride, 1, 1, layout)
+    x, w, b, kwargs, geom, _ = _deep_layer(K + size, layout, stride, size, 24, K)
     want = ref.conv_bias_relu(x, w, b, **kwargs)
-    threads = cpu_launch.num_threads()
-    got = {}
-    try:
-        with cpu_plan.using(k_block=16, winograd_min_tiles=10**9, winograd_s2=False):
-            plan = cpu_plan.plan(geom, "forward", np.float32)
-            assert plan.algorithm == "im2col" and plan.k_blocks == K // 16
-            assert plan.slab == (layout == "NCHW")
-            for n in (1, 3):
-                cpu_launch.set_num_threads(n)
-                got[n] = nf.conv_bias_relu(x, w, b, **kwargs)
-    finally:
-        cpu_launch.set_num_threads(threads)
+    with cpu_plan.using(k_block=16, winograd_min_tiles=10**9, winograd_s2=False):
+        plan = cpu_plan.plan(geom, "forward", np.float32)
+        assert plan.algorithm == "im2col" and plan.k_blocks == K // 16
+        assert plan.slab == (layout == "NCHW")
+        got = _on_threads(lambda: nf.conv_bias_relu(x, w, b, **kwargs))
     np.testing.assert_allclose(got[1], want, **TOL[np.float32])
     assert got[1].tobytes() == got[3].tobytes()
     # the same blocks through the plan: float64 reaches it too (no float32-only step)
@@ -174,35 +191,19 @@ def test_whole_batch_im2col_dw_in_blocks_of_output_channels(layout, stride, size
     the whole batch's GEMM split over blocks of output channels, no partial sums (k_block 16
     here), NCHW over HWC slabs; dW and db of g = dy * (y > 0) against the reference, with and
     without dW, and bitwise the same on 1 and 3 threads; float64 through the plan."""
-    from numbafuse.kernels import cpu_launch
-    rng = np.random.default_rng(K + size + 1)
-    N, C = 2, 24
-    shape = (N, C, size, size) if layout == "NCHW" else (N, size, size, C)
-    x = rng.standard_normal(shape).astype(np.float32)
-    w = (rng.standard_normal((K, C, 3, 3)) / 20).astype(np.float32)
-    b = rng.standard_normal(K).astype(np.float32)
-    kwargs = dict(stride=stride, padding=1, layout=layout)
-    geom = nf.validate.conv_geometry("t", shape, w.shape, stride, 1, 1, layout)
-    y = np.ascontiguousarray(ref.conv_bias_relu(x, w, b, **kwargs), np.float32)
-    dy = rng.standard_normal(y.shape).astype(np.float32)
+    x, w, b, kwargs, geom, rng = _deep_layer(K + size + 1, layout, stride, size, 24, K)
+    y, dy = _relu_output_and_gradient(x, w, b, kwargs, rng)
     _, dw_want, db_want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)
-    threads = cpu_launch.num_threads()
-    got = {}
-    try:
-        with cpu_plan.using(k_block=16, winograd_min_tiles=10**9, winograd_s2=False):
-            plan = cpu_plan.plan(geom, "dw", np.float32, algorithm="im2col")
-            assert plan.k_blocks == K // 16 and plan.slab == (layout == "NCHW")
-            if stride == 2:              # a deep strided dW: these blocks, not implicit GEMMs
-                assert cpu_plan.plan(geom, "dw", np.float32).algorithm == "im2col"
-            assert cpu_plan.plan(geom, "dx", np.float32).k_blocks == 1
-            for n in (1, 3):
-                cpu_launch.set_num_threads(n)
-                got[n] = cpu_conv.conv_backward(dy, x, w, geom, y, (False, True, True),
-                                                plans=(plan, plan))[1:]
-            _, no_dw, db_only = cpu_conv.conv_backward(dy, x, w, geom, y, (False, False, True),
-                                                       plans=(plan, plan))
-    finally:
-        cpu_launch.set_num_threads(threads)
+    with cpu_plan.using(k_block=16, winograd_min_tiles=10**9, winograd_s2=False):
+        plan = cpu_plan.plan(geom, "dw", np.float32, algorithm="im2col")
+        assert plan.k_blocks == K // 16 and plan.slab == (layout == "NCHW")
+        if stride == 2:              # a deep strided dW: these blocks, not implicit GEMMs
+            assert cpu_plan.plan(geom, "dw", np.float32).algorithm == "im2col"
+        assert cpu_plan.plan(geom, "dx", np.float32).k_blocks == 1
+        got = _on_threads(lambda: cpu_conv.conv_backward(dy, x, w, geom, y, (False, True, True),
+                                                         plans=(plan, plan))[1:])
+        _, no_dw, db_only = cpu_conv.conv_backward(dy, x, w, geom, y, (False, False, True),
+                                                   plans=(plan, plan))
     np.testing.assert_allclose(got[1][0], dw_want, **TOL[np.float32])
     np.testing.assert_allclose(got[1][1], db_want, **TOL[np.float32])
     assert no_dw is None
@@ -227,30 +228,14 @@ def test_whole_batch_im2col_dx_in_blocks_of_input_channels(layout, stride, size,
     the plan's pick is one GEMM of the whole batch split over blocks of input channels
     (k_block 16 here), then col2im; dx of g = dy * (y > 0) against the reference, bitwise the
     same on 1 and 3 threads; float64 through the plan."""
-    from numbafuse.kernels import cpu_launch
-    rng = np.random.default_rng(C + size + 2)
-    N, K = 2, 48
-    shape = (N, C, size, size) if layout == "NCHW" else (N, size, size, C)
-    x = rng.standard_normal(shape).astype(np.float32)
-    w = (rng.standard_normal((K, C, 3, 3)) / 20).astype(np.float32)
-    b = rng.standard_normal(K).astype(np.float32)
-    kwargs = dict(stride=stride, padding=1, layout=layout)
-    geom = nf.validate.conv_geometry("t", shape, w.shape, stride, 1, 1, layout)
-    y = np.ascontiguousarray(ref.conv_bias_relu(x, w, b, **kwargs), np.float32)
-    dy = rng.standard_normal(y.shape).astype(np.float32)
+    x, w, b, kwargs, geom, rng = _deep_layer(C + size + 2, layout, stride, size, C, 48)
+    y, dy = _relu_output_and_gradient(x, w, b, kwargs, rng)
     dx_want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)[0]
-    threads = cpu_launch.num_threads()
-    got = {}
-    try:
-        with cpu_plan.using(k_block=16):
-            plan = cpu_plan.plan(geom, "dx", np.float32)
-            assert plan.algorithm == "im2col" and plan.k_blocks == C // 16
-            for n in (1, 3):
-                cpu_launch.set_num_threads(n)
-                got[n] = cpu_conv.conv_backward(dy, x, w, geom, y, (True, False, False),
-                                                plans=(plan, plan))[0]
-    finally:
-        cpu_launch.set_num_threads(threads)
+    with cpu_plan.using(k_block=16):
+        plan = cpu_plan.plan(geom, "dx", np.float32)
+        assert plan.algorithm == "im2col" and plan.k_blocks == C // 16
+        got = _on_threads(lambda: cpu_conv.conv_backward(dy, x, w, geom, y, (True, False, False),
+                                                         plans=(plan, plan))[0])
     np.testing.assert_allclose(got[1], dx_want, **TOL[np.float32])
     assert got[1].tobytes() == got[3].tobytes()
     x64, w64, y64, dy64 = (a.astype(np.float64) for a in (x, w, y, dy))

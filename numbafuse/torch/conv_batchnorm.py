@@ -81,19 +81,16 @@ def _check(op, tensors, conv, training, momentum, eps):
     return device, geometry, momentum, eps
 
 
-def ops_function(geometry, relu, training, momentum, eps, running_mean=None, running_var=None,
-                 recompute=True):
-    """numbafuse's :class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormReLU` for ``geometry``
-    (its layout, padding resolved, groups), on torch's running statistics; ``relu=None``: its
-    :class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormAddReLU` (the add op)."""
+def ops_function(op_class, geometry, training, momentum, eps, running_mean=None,
+                 running_var=None, recompute=True, **params):
+    """numbafuse's ``op_class`` (:class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormReLU`, with
+    ``relu=`` in ``params``, or :class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormAddReLU`)
+    for ``geometry`` (its layout, padding resolved, groups), on torch's running statistics."""
     g = geometry
-    params = dict(running_mean=as_array(running_mean), running_var=as_array(running_var),
-                  training=training, momentum=momentum, eps=eps, stride=(g.sh, g.sw),
-                  padding=(g.pw, g.pw_end, g.ph, g.ph_end), dilation=(g.dh, g.dw),
-                  groups=g.groups, layout=g.layout, recompute=recompute, comm=None)
-    if relu is None:
-        return _cbn.ConvBatchNormAddReLU(**params)
-    return _cbn.ConvBatchNormReLU(relu=relu, **params)
+    return op_class(running_mean=as_array(running_mean), running_var=as_array(running_var),
+                    training=training, momentum=momentum, eps=eps, stride=(g.sh, g.sw),
+                    padding=(g.pw, g.pw_end, g.ph, g.ph_end), dilation=(g.dh, g.dw),
+                    groups=g.groups, layout=g.layout, recompute=recompute, comm=None, **params)
 
 
 def _forward(ctx, fn, arrays, tensors, device):
@@ -145,8 +142,8 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, weight, bias, running_mean, running_var, training, momentum, eps,
                 geometry, relu, device, recompute):
-        fn = ops_function(geometry, relu, training, momentum, eps, running_mean, running_var,
-                          recompute)
+        fn = ops_function(_cbn.ConvBatchNormReLU, geometry, training, momentum, eps,
+                          running_mean, running_var, recompute, relu=relu)
         layout = geometry.layout
         y = _forward(ctx, fn, (as_array(x, layout), as_array(w), as_array(weight),
                                as_array(bias)), dict(x=x, w=w, gamma=weight, beta=bias),
@@ -247,8 +244,8 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, z, weight, bias, running_mean, running_var, training, momentum, eps,
                 geometry, recompute, device):
-        fn = ops_function(geometry, None, training, momentum, eps, running_mean, running_var,
-                          recompute)
+        fn = ops_function(_cbn.ConvBatchNormAddReLU, geometry, training, momentum, eps,
+                          running_mean, running_var, recompute)
         layout = geometry.layout                      # NHWC for a channels_last x
         y = _forward(ctx, fn, (as_array(x, layout), as_array(w), as_array(z, layout),
                                as_array(weight), as_array(bias)),

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .. import validate
 from ..ops import batchnorm as _bn
+from ..ops import conv_batchnorm as _ops
 from . import conv_batchnorm as _cbn
 from . import layers as _layers
 
@@ -240,7 +241,7 @@ def conv_batchnorm_relu_backward(dy: Tensor, x: Tensor, w: Tensor, weight: Tenso
                                  eps: float, conv: list[int], relu: bool,
                                  need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     geometry = _geometry("numbafuse::conv_batchnorm_relu_backward", x, w, conv)
-    fn = _cbn.ops_function(geometry, relu, training, 0.0, eps)
+    fn = _cbn.ops_function(_ops.ConvBatchNormReLU, geometry, training, 0.0, eps, relu=relu)
     fn.geometry, fn.count = geometry, geometry.N * geometry.P * geometry.Q
     names = ("x", "w", "gamma", "beta", "mean", "invstd") if relu else \
         ("x", "w", "gamma", "mean", "invstd")
@@ -313,7 +314,7 @@ def conv_batchnorm_add_relu_backward(
         mask: Tensor, training: bool, conv: list[int],
         need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     geometry = _geometry("numbafuse::conv_batchnorm_add_relu_backward", x, w, conv)
-    fn = _cbn.ops_function(geometry, None, training, 0.0, 0.0)
+    fn = _cbn.ops_function(_ops.ConvBatchNormAddReLU, geometry, training, 0.0, 0.0)
     fn.geometry, fn.count = geometry, geometry.N * geometry.P * geometry.Q
     ctx = _Ctx((x, w, weight, mean, invstd, mask), need, fn=fn,
                names=("x", "w", "gamma", "mean", "invstd", "relu_state"), device=x.device)

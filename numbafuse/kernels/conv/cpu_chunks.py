@@ -31,6 +31,13 @@ def chunk(t, N, rows, ipc, rpc):
     return n0, n0 + 1, r0, min(rows, r0 + rpc)
 
 
+@njit(inline="always")
+def block_len(n, blocks):
+    """Channels per block when ``n`` channels go in ``blocks`` blocks: a multiple of 16, so
+    the last block may be partial and trailing ones empty (the whole-batch im2col tasks)."""
+    return ((n + blocks - 1) // blocks + 15) // 16 * 16
+
+
 def count_chunks(N, rows, ipc, rpc):
     """How many chunks ``chunk`` numbers: of ``ipc`` images, or of ``rpc`` rows of one."""
     return blocks(N, ipc) if ipc > 1 else N * blocks(rows, rpc)

@@ -31,7 +31,7 @@ from ..cpu_launch import task_kernel
 from ..cpu_transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
-from .cpu_chunks import chunk, gated_chw, gated_hwc
+from .cpu_chunks import block_len, chunk, gated_chw, gated_hwc
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -192,7 +192,7 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, y):
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
-    kb_len = ((K + kb - 1) // kb + 15) // 16 * 16 if kb > 1 else K
+    kb_len = block_len(K, kb)
     mmax = ipc * PQ if ipc > 1 else rpc * Q
     cols = np.empty(mmax * RSC, x.dtype)                          # reused by every chunk
     ybuf = np.empty(mmax * min(K, kb_len), x.dtype)
@@ -323,7 +323,7 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, out):
     RSC = R * S * C
     PQ = P * Q
     M = N * PQ
-    kb_len = ((K + kb - 1) // kb + 15) // 16 * 16
+    kb_len = block_len(K, kb)
     cols = np.empty(M * RSC if need_dw else 0, x.dtype)
     gbuf = np.empty(M * min(K, kb_len), x.dtype)
     sbuf = _slab_buffer(x, geo, N, P, slab and need_dw)
@@ -380,7 +380,7 @@ def dx_block_tasks(t0, t1, gy, y, use_mask, wmat, geo, cb, blas, dx):
     RS = R * S
     PQ = P * Q
     M = N * PQ
-    cb_len = ((C + cb - 1) // cb + 15) // 16 * 16
+    cb_len = block_len(C, cb)
     g = np.empty((K, M), dx.dtype)                                # gated, pixels as columns
     dcols = np.empty(min(C, cb_len) * RS * M, dx.dtype)
     for t in range(t0, t1):
@@ -425,11 +425,11 @@ def dx_block_tasks(t0, t1, gy, y, use_mask, wmat, geo, cb, blas, dx):
                     for s_ in range(S):
                         row = d2[(c - c0) * RS + r * S + s_, n * PQ:(n + 1) * PQ]
                         for p in range(P):
-                            h = p * sh - ph + r * dh
+                            h = _input_coord(p, r, sh, ph, dh)
                             if h < 0 or h >= H:
                                 continue
                             for q in range(Q):
-                                x_ = q * sw - pw + s_ * dw
+                                x_ = _input_coord(q, s_, sw, pw, dw)
                                 if x_ < 0 or x_ >= W:
                                     continue
                                 if nhwc:
