@@ -6,6 +6,7 @@
 #   env        the card, driver and versions
 #   precompile every CUDA kernel compiled once, in parallel, into NUMBA_CACHE_DIR; then a
 #              second process times a warm start (conv fwd+bwd and batch norm, from the cache)
+#   probe      benchmarks/gpu_probe.py: batch norm's time per kernel; what graph capture allows
 #   cache      every fused op in a new process, twice: the second must compile nothing
 #   tests      the CUDA tests for real (pytest -m cuda, several processes)
 #   torch      numbafuse.torch on CUDA tensors against torch's own ops
@@ -78,6 +79,8 @@ w = c.to_device(np.random.default_rng(1).standard_normal((16, 16, 3, 3)).astype(
 y = nf.conv_bias_relu(x, w, padding=1); g = nf.conv_bias_relu_backward(y, x, w, y, padding=1)
 y2 = nf.batchnorm_add_relu(x, x, c.to_device(np.ones(16, np.float32)), c.to_device(np.zeros(16, np.float32)))
 c.numba_cuda.synchronize(); print(f"warm import + conv fwd/bwd + batch norm: {time.perf_counter() - t0:.2f} s")'
+
+TAIL=60 section probe 80 python3 benchmarks/gpu_probe.py bn graph
 
 # the disk cache: a second process running every fused op must load every kernel (compile
 # none); NUMBA_DEBUG_CACHE prints "[cache] data saved to ..." for each kernel compiled

@@ -1,0 +1,217 @@
+"""Questions for a lent GPU that the other scripts do not ask; each part isolated, printed.
+
+    python benchmarks/gpu_probe.py [bn] [graph]
+
+``bn``: where batch norm's forward time goes, per kernel: device time by CUDA events of the
+statistics kernel alone, the apply alone and the whole op, and the host time of a call
+(calls issued back to back, one synchronization at the end), at the digits shape and at
+(32, 64, 32, 32); then per-kernel durations from PyTorch's profiler (CUPTI sees every kernel
+of the process, numba's too).
+
+``graph``: what CUDA graph capture through cuda.core allows with numbafuse's launches and
+pool: a prepared launch captured into a GraphBuilder and replayed; which calls a capture in
+``global`` mode refuses (a pool allocation on the legacy stream, numba's to_device); the
+replay time of a graph of 60 small launches against launching them one by one.
+"""
+import os
+import statistics
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+
+def _events(cuda, fn, repeats=30):
+    for _ in range(3):
+        fn()
+    cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = cuda.event(), cuda.event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _host(cuda, fn, calls=200):
+    for _ in range(3):
+        fn()
+    cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
+
+
+def bn():
+    import numpy as np
+    import numbafuse as nf
+    from numbafuse import cuda as nfcuda, kernels
+    cuda = nfcuda.numba_cuda
+    bnk = kernels.batchnorm_kernels("cuda")
+    rng = np.random.default_rng(0)
+    for shape in ((32, 24, 8, 8), (32, 64, 32, 32), (64, 256, 56, 56)):
+        C = shape[1]
+        x, z = (nfcuda.to_device(rng.standard_normal(shape).astype(np.float32))
+                for _ in range(2))
+        g = nfcuda.to_device(rng.uniform(0.5, 1.5, C).astype(np.float32))
+        b = nfcuda.to_device(rng.standard_normal(C).astype(np.float32))
+        rm = nfcuda.to_device(np.zeros(C, np.float32))
+        rv = nfcuda.to_device(np.ones(C, np.float32))
+        mean, var, invstd = bnk.stats_update(x, "NCHW", 1e-5, rm, rv, 0.1)
+        cases = {
+            "stats_update": lambda: bnk.stats_update(x, "NCHW", 1e-5, rm, rv, 0.1),
+            "stats (no running)": lambda: bnk.stats(x, "NCHW", 1e-5),
+            "apply": lambda: bnk.apply(x, mean, invstd, g, b, z, True, "NCHW", True),
+            "op forward": lambda: nf.batchnorm_add_relu(x, z, g, b, running_mean=rm,
+                                                        running_var=rv),
+        }
+        for name, fn in cases.items():
+            try:
+                ms = _events(cuda, fn)
+                issue, total = _host(cuda, fn)
+                print(f"bn {shape} {name:20s} events {ms * 1e3:8.1f} us | host issue "
+                      f"{issue:7.1f} us/call, with the device {total:7.1f} us/call", flush=True)
+            except Exception:
+                traceback.print_exc()
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        torch.cuda.init()
+        shape = (32, 64, 32, 32)
+        x, z = (nfcuda.to_device(rng.standard_normal(shape).astype(np.float32))
+                for _ in range(2))
+        g = nfcuda.to_device(np.ones(64, np.float32))
+        b = nfcuda.to_device(np.zeros(64, np.float32))
+        for _ in range(3):
+            nf.batchnorm_add_relu(x, z, g, b)
+        cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                nf.batchnorm_add_relu(x, z, g, b)
+            cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                        max_name_column_width=60), flush=True)
+    except Exception:
+        traceback.print_exc()
+
+
+def graph():
+    import numpy as np
+    from numbafuse import cuda as nfcuda
+    from numbafuse.kernels import cuda_launch
+    from numbafuse.kernels.cuda_launch import launch
+    cuda = nfcuda.numba_cuda
+    import cuda.core as cc
+
+    @cuda.jit
+    def add_one(a):
+        i = cuda.grid(1)
+        if i < a.size:
+            a[i] += 1.0
+
+    a = nfcuda.empty(1024, np.float32)
+    a.copy_to_device(np.zeros(1024, np.float32))
+    launch(add_one, 4, 256, a)                      # prepared, compiled
+    cuda.synchronize()
+    prepared = next(p for (k, _), p in cuda_launch._PREPARED.items() if k is add_one)
+    dev = cc.Device(cuda.get_current_device().id)
+    dev.set_current()
+    conf = cc.LaunchConfig(grid=4, block=256)
+
+    def values(arr):
+        out = []
+        for pack, v in zip(prepared.packers, (arr,)):
+            pack(v, out)
+        return out
+
+    for mode in ("global", "relaxed"):
+        try:
+            gb = dev.create_graph_builder()
+            print(f"graph[{mode}]: builder stream {gb.stream}", flush=True)
+            gb.begin_building(mode)
+            for _ in range(3):
+                cc.launch(gb, conf, prepared.kernel, *values(a))
+            gb.end_building()
+            g = gb.complete()
+            legacy = cc.LEGACY_DEFAULT_STREAM
+            g.launch(legacy)
+            g.launch(legacy)
+            cuda.synchronize()
+            print(f"graph[{mode}]: after 1 + 2 x 3 launches a[0] = {a.copy_to_host()[0]} "
+                  f"(expect 7 + 6 x first mode)", flush=True)
+        except Exception:
+            traceback.print_exc()
+    pool = nfcuda._the_pool()
+    probes = {
+        "pool allocate on the legacy stream": lambda gb: pool.resource.allocate(
+            4096, stream=pool.stream),
+        "pool allocate on the builder": lambda gb: pool.resource.allocate(4096, stream=gb),
+        "numba to_device": lambda gb: nfcuda.to_device(np.zeros(16, np.float32)),
+        "numba copy_to_host": lambda gb: a.copy_to_host(),
+        "numba device_array": lambda gb: cuda.device_array(16, np.float32),
+        "prepared launch on legacy": lambda gb: launch(add_one, 4, 256, a),
+    }
+    for mode in ("global", "relaxed"):
+        for name, probe in probes.items():
+            gb = dev.create_graph_builder()
+            gb.begin_building(mode)
+            try:
+                probe(gb)
+                result = "allowed"
+            except Exception as exc:
+                result = f"refused: {type(exc).__name__}: {str(exc)[:160]}"
+            try:
+                gb.end_building()
+                gb.complete()
+                ended = "capture completed"
+            except Exception as exc:
+                ended = f"capture failed: {type(exc).__name__}: {str(exc)[:160]}"
+            print(f"graph[{mode}] {name}: {result}; {ended}", flush=True)
+            try:
+                cuda.synchronize()
+            except Exception as exc:
+                print(f"   synchronize after it: {exc}", flush=True)
+    try:   # 60 small launches: one by one against one graph replay
+        n = 60
+        t0 = time.perf_counter()
+        for _ in range(20):
+            for _ in range(n):
+                launch(add_one, 4, 256, a)
+        cuda.synchronize()
+        eager = (time.perf_counter() - t0) / 20 * 1e6
+        gb = dev.create_graph_builder()
+        gb.begin_building("global")
+        for _ in range(n):
+            cc.launch(gb, conf, prepared.kernel, *values(a))
+        gb.end_building()
+        g = gb.complete()
+        g.upload(cc.LEGACY_DEFAULT_STREAM)
+        cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            g.launch(cc.LEGACY_DEFAULT_STREAM)
+        cuda.synchronize()
+        replay = (time.perf_counter() - t0) / 20 * 1e6
+        print(f"graph: {n} launches one by one {eager:.1f} us, one replay {replay:.1f} us",
+              flush=True)
+    except Exception:
+        traceback.print_exc()
+
+
+if __name__ == "__main__":
+    parts = sys.argv[1:] or ["bn", "graph"]
+    for part in parts:
+        print(f"#### {part}", flush=True)
+        try:
+            {"bn": bn, "graph": graph}[part]()
+        except Exception:
+            traceback.print_exc()
