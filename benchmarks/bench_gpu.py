@@ -37,7 +37,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.join(HERE, "..")
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # for _report
 import _report  # noqa: E402
 
@@ -181,6 +181,14 @@ def numbafuse_worker(cfg, path=None):
                 return best_per_call(lambda: train_step(model, opt, xb, yb), cfg["steps"], 1,
                                      sync)
             out.measure("steps", f"numbafuse {kind}" + tag, step_time)
+
+            def graph_time(kind=kind):      # the same step captured once, replayed
+                model = models.make_model(kind, **cfg["model"]).to("cuda")
+                opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+                with nfcuda.graph(train_step, model, opt, xb, yb) as step:
+                    return best_per_call(step.replay, cfg["steps"], 1, sync)
+            if mode == "prepared" or nfcuda.SIMULATOR:
+                out.measure("steps", f"numbafuse {kind}, CUDA graph", graph_time)
     cuda_config.launch = "prepared"
     out.measure(None, "memory", nfcuda.memory_stats)
 

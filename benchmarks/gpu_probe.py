@@ -20,7 +20,7 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.dirname(HERE))
 
 
 def _events(cuda, fn, repeats=30):

@@ -16,7 +16,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from bench_gpu import DIGITS  # noqa: E402  (the per-call table's shapes)
 
@@ -25,6 +25,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--top", type=int, default=18)
+    p.add_argument("--sort", default="tottime", help="pstats sort key (tottime, cumtime)")
     args = p.parse_args()
     import numpy as np
     import numbafuse as nf
@@ -68,9 +69,9 @@ def main():
         sync()
         prof.disable()
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
+        pstats.Stats(prof, stream=text).sort_stats(args.sort).print_stats(args.top)
         body = text.getvalue().split("ncalls", 1)[-1]
-        print(f"\n#### {name}: {per_call * 1e6:.1f} us per call unprofiled; top by own time "
+        print(f"\n#### {name}: {per_call * 1e6:.1f} us per call unprofiled; top by {args.sort} "
               f"over {n} calls:\n   ncalls{body.rstrip()}")
 
 

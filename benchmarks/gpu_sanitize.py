@@ -1,7 +1,8 @@
 """Small GPU workloads for ``compute-sanitizer`` and a first real-GPU check of numbafuse.torch.
 
     python benchmarks/gpu_sanitize.py ops      # every fused op, fwd + bwd, both layouts
-    python benchmarks/gpu_sanitize.py train    # a few training steps, fused and unfused
+    python benchmarks/gpu_sanitize.py train    # a few training steps, fused and unfused, and
+                                               # the same replayed from a CUDA graph
     python benchmarks/gpu_sanitize.py torch    # numbafuse.torch on CUDA tensors vs torch
 
 ``benchmarks/gpu_check.sh`` runs ``ops`` and ``train`` under ``compute-sanitizer`` (memcheck,
@@ -65,7 +66,7 @@ def ops():
     return bad
 
 
-def train(steps=3):
+def train(steps=4):
     from numbafuse import models, optim
     from numbafuse import cuda as nfcuda
     from numbafuse.train import train_step
@@ -80,7 +81,31 @@ def train(steps=3):
         ok = all(np.isfinite(losses)) and losses[-1] < losses[0]
         bad += not ok
         print(f"train {kind}: losses " + " ".join(f"{v:.4f}" for v in losses), flush=True)
+        # the same steps through a CUDA graph (2 eager warm-up steps, the capture, replays):
+        # the same losses and parameters as eager steps, bit for bit
+        model = models.make_model(kind).to("cuda")
+        opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        with nfcuda.graph(train_step, model, opt, xb, yb, warmup=2) as step:
+            replayed = [float(step.replay()[0].numpy()) for _ in range(steps - 2)]
+        eager = losses[2:]
+        same = replayed == eager and all(
+            np.array_equal(a, b) for (_, a), (k, b) in zip(
+                model.state_dict().items(), _eager_state(kind, steps, xb, yb).items())
+            if not k.endswith("num_batches_tracked"))
+        bad += not same
+        print(f"train {kind}, CUDA graph: losses " + " ".join(f"{v:.4f}" for v in replayed)
+              + (" = eager, parameters equal" if same else f" != eager {eager}"), flush=True)
     return bad
+
+
+def _eager_state(kind, steps, xb, yb):
+    from numbafuse import models, optim
+    from numbafuse.train import train_step
+    model = models.make_model(kind).to("cuda")
+    opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    for _ in range(steps):
+        train_step(model, opt, xb, yb)
+    return model.state_dict()
 
 
 def torch_check():

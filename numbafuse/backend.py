@@ -97,10 +97,16 @@ def copy(a):
     """A fresh C-contiguous copy of the contiguous array ``a`` on its own device."""
     if isinstance(a, np.ndarray):
         return a.copy()
-    src = as_device_array(a)
-    out = _cuda().device_array(src.shape, src.dtype)
-    out.copy_to_device(src)
-    return out
+    return _cuda().copy_device(as_device_array(a))
+
+
+def require_eager(what: str) -> None:
+    """A RuntimeError if a CUDA graph is being captured (``numbafuse.cuda.graph``): ``what``
+    would run once during the capture, not at each replay."""
+    import sys
+    cuda = sys.modules.get(f"{__package__}.cuda")
+    if cuda is not None:
+        cuda.require_eager(what)
 
 
 def memory_key(a):

@@ -113,13 +113,30 @@ def device_array(shape, dtype):
 
 def to_device(a: np.ndarray):
     """A device copy of the C-contiguous host array ``a`` (in pool memory)."""
+    require_eager("a copy from the host to the device")
     out = empty(a.shape, a.dtype)
     out.copy_to_device(a)
     return out
 
 
 def to_host(a) -> np.ndarray:
+    require_eager("a copy from the device to the host")
     return as_device_array(a).copy_to_host()
+
+
+def copy_device(src):
+    """A new pool array holding the C-contiguous device array ``src``'s values (a device to
+    device copy; inside a graph capture, a copy node of the graph)."""
+    out = empty(src.shape, src.dtype)
+    capture = _CAPTURE[0]
+    if capture is None:
+        out.copy_to_device(src)
+    elif SIMULATOR:
+        capture.launches.append(lambda: out.copy_to_device(src))
+    else:
+        capture.use((src, out))
+        out.copy_to_device(src, stream=capture.numba_stream())
+    return out
 
 
 def argument_type(value):
@@ -178,6 +195,7 @@ class _CudaPool:
         self._keep_reserved()
         self._attributes = self.resource.attributes
         self.stats = _Stats()
+        self.live = {}                            # device address -> _Block, not yet freed
         # numba's context, looked up once: current_context() asks the driver each time
         # (context look-ups were about a third of a pool request's host time under cProfile
         # on an H100 host: docs/gpu_runs/run2_profile.txt)
@@ -193,8 +211,6 @@ class _CudaPool:
                                f"{err}")
 
     def empty(self, shape, dtype):
-        from numba.cuda.cudadrv import driver
-        from numba.cuda.cudadrv.devicearray import DeviceNDArray
         dtype = np.dtype(dtype)
         shape = tuple(int(n) for n in (shape if isinstance(shape, tuple) else (shape,)))
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -202,30 +218,76 @@ class _CudaPool:
         stats.requests += 1
         if nbytes == 0:
             return numba_cuda.device_array(shape, dtype)
-        buffer = self.resource.allocate(nbytes, stream=self.stream)
-        reserved = self._attributes.reserved_mem_current
-        stats.allocations += reserved > stats.bytes_reserved
-        stats.bytes_reserved = reserved
-        stats.bytes_in_use += nbytes
+        capture = _CAPTURE[0]
+        block = capture.reuse(nbytes) if capture is not None else None
+        if block is None:
+            # (during a capture too: a relaxed capture lets the pool allocate at once, in
+            # the legacy stream's order, outside the graph; the graph holds the block)
+            buffer = self.resource.allocate(nbytes, stream=self.stream)
+            reserved = self._attributes.reserved_mem_current
+            stats.allocations += reserved > stats.bytes_reserved
+            stats.bytes_reserved = reserved
+            block = _Block(buffer, nbytes, self.stream, stats, self)
+            self.live[int(buffer.handle)] = block
+            if capture is not None:
+                capture.hold(block)
+        return self._array(block, shape, dtype)
+
+    def _array(self, block, shape, dtype):
+        from numba.cuda.cudadrv import driver
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+        stats = self.stats
+        stats.bytes_in_use += block.nbytes
         stats.peak_bytes_in_use = max(stats.peak_bytes_in_use, stats.bytes_in_use)
+        block.alive = True
         memory = driver.MemoryPointer(self.context,
-                                      driver.binding.CUdeviceptr(int(buffer.handle)), nbytes,
-                                      finalizer=_release_buffer(buffer, self.stream, stats,
-                                                                nbytes))
+                                      driver.binding.CUdeviceptr(int(block.buffer.handle)),
+                                      block.nbytes, finalizer=block.release)
         return DeviceNDArray(shape, _c_strides(shape, dtype.itemsize), dtype, gpu_data=memory)
 
+    def block_at(self, address):
+        """The live block holding device ``address``, or None (memory not from this pool)."""
+        block = self.live.get(address)
+        if block is None:
+            for start, candidate in self.live.items():
+                if start <= address < start + candidate.nbytes:
+                    return candidate
+        return block
 
-def _release_buffer(buffer, stream, stats, nbytes):
-    """The finalizer of a pool array's memory: back to the pool in stream order."""
-    def release():
-        stats.bytes_in_use -= nbytes
+
+class _Block:
+    """One pool buffer and who holds it. Held by no CUDA graph, it goes back to the pool (in
+    the legacy stream's order) when its last array dies. Held by graphs (``holders``: their
+    captures), it stays theirs until the last of them is closed: their kernels read and write
+    it at every replay, whatever became of the arrays."""
+    __slots__ = ("buffer", "nbytes", "stream", "stats", "pool", "holders", "alive")
+
+    def __init__(self, buffer, nbytes, stream, stats, pool):
+        self.buffer, self.nbytes, self.stream, self.stats = buffer, nbytes, stream, stats
+        self.pool = pool
+        self.holders = set()
+        self.alive = False
+
+    def release(self):
+        """The finalizer of the block's array memory (its last array died)."""
+        self.stats.bytes_in_use -= self.nbytes
+        self.alive = False
+        capture = _CAPTURE[0]
+        if capture is not None:          # died during a capture: captured kernels may use it
+            capture.hold(self)
+            if self.holders == {capture}:
+                capture.released(self)   # later requests of this capture may take it
+        if not self.holders:
+            self.free()
+
+    def free(self):
+        self.pool.live.pop(int(self.buffer.handle), None)
         try:
-            buffer.close(stream)
+            self.buffer.close(self.stream)
         except Exception:   # at interpreter exit the driver may be gone before the arrays
             import sys
             if not sys.is_finalizing():
                 raise
-    return release
 
 
 def _c_strides(shape, itemsize):
@@ -294,3 +356,210 @@ def memory_stats() -> dict:
     ``peak_bytes_in_use``. All zero before the first device array.
     """
     return (_pool.stats if _pool is not None else _Stats()).as_dict()
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+_CAPTURE = [None]       # the capture in progress (a _Capture), if any
+
+
+class _Capture:
+    """What a captured CUDA graph holds: the pool blocks its kernels use (``blocks``), so
+    that none goes back to the pool while the graph can be replayed; during the capture, the
+    blocks whose arrays died (``free``, by size), which later requests of the same capture
+    take again (safe: the graph runs its kernels in capture order, on one stream). Under the
+    simulator, the work itself (``launches``: callables, each a launch or a copy)."""
+
+    def __init__(self, builder):
+        self.builder = builder          # cuda.core GraphBuilder (None under the simulator)
+        self.launches = []
+        self.blocks = []
+        self.free = {}
+        self.capturing = True
+
+    def numba_stream(self):
+        """The capturing stream as a numba stream (for numba's own copies)."""
+        return numba_cuda.external_stream(int(self.builder.stream.handle))
+
+    def hold(self, block):
+        if self not in block.holders:
+            block.holders.add(self)
+            self.blocks.append(block)
+
+    def released(self, block):
+        self.free.setdefault(block.nbytes, []).append(block)
+
+    def reuse(self, nbytes):
+        blocks = self.free.get(nbytes)
+        return blocks.pop() if blocks else None
+
+    def use(self, args):
+        """A captured launch reads and writes ``args``: hold each pool block among them."""
+        pool = _pool
+        for a in args:
+            if a.__class__ is tuple:
+                self.use(a)
+            elif hasattr(a, "device_ctypes_pointer") and pool is not None and \
+                    not SIMULATOR:
+                block = pool.block_at(a.device_ctypes_pointer.value or 0)
+                if block is not None:
+                    self.hold(block)
+
+    def close(self):
+        """Give the blocks back: one that no array views goes to the pool now, one still
+        viewed when its last array dies (unless another graph holds it)."""
+        for block in self.blocks:
+            block.holders.discard(self)
+            if not block.holders and not block.alive:
+                block.free()
+        self.blocks, self.free, self.launches = [], {}, []
+
+
+def capture_in_progress():
+    """The capture that launches go to (a ``_Capture``), or None: kernels/cuda_launch.py
+    asks at every launch."""
+    return _CAPTURE[0]
+
+
+def require_eager(what: str) -> None:
+    """A RuntimeError if a CUDA graph is being captured: ``what`` (a copy between host and
+    device, a synchronization) would run once now instead of at every replay."""
+    if _CAPTURE[0] is not None:
+        raise RuntimeError(f"numbafuse.cuda.graph: {what} inside a captured function; a CUDA "
+                           f"graph replays device work only. Do it outside the function (copy "
+                           f"new inputs into the captured arrays before a replay), or run the "
+                           f"function eagerly first (warmup) so that one-time uploads happen "
+                           f"before the capture")
+
+
+class CudaGraph:
+    """A function's device work, captured once, replayed by :meth:`replay`.
+
+    Made by :func:`graph`. A replay runs the captured kernels on the same memory: the arrays
+    the function read (its inputs: copy new values into them first, e.g. with
+    ``copy_to_device``), the arrays it wrote (parameters, running statistics, momentum) and
+    the arrays it returned (``outputs``, rewritten by each replay). No Python runs during a
+    replay, so host-side state the function would have changed (a step counter, a learning
+    rate passed as a number) keeps its captured value.
+    """
+
+    def __init__(self, capture, executable, outputs):
+        self._capture = capture
+        self._executable = executable
+        self.outputs = outputs
+        self.launches = len(capture.launches) if SIMULATOR else None
+
+    def replay(self):
+        """Run the captured work once more, in order after the work already issued; returns
+        :attr:`outputs` (the same arrays each time)."""
+        capture = self._capture
+        if capture is None:
+            raise RuntimeError("numbafuse.cuda.graph: replay of a closed graph")
+        if SIMULATOR:
+            for run in capture.launches:
+                run()
+        else:
+            self._executable.launch(_the_pool().stream)
+        return self.outputs
+
+    def close(self):
+        """Release the graph and the memory it held (safe after replays still in flight:
+        the memory goes back in the legacy stream's order)."""
+        if self._capture is not None:
+            if self._executable is not None:
+                self._executable.close()
+            self._capture.close()
+            self._capture = self._executable = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:     # at interpreter exit the driver may be gone
+            pass
+
+
+def graph(fn, *args, warmup=2, **kwargs):
+    """Capture the device work of ``fn(*args, **kwargs)`` in a CUDA graph; a
+    :class:`CudaGraph` replays it.
+
+    ``fn`` first runs ``warmup`` times eagerly (compilation, one-time uploads, the
+    optimizer's momentum buffers), then once under capture: its kernels are recorded, not
+    run, so its returned arrays (``CudaGraph.outputs``) hold the first replay's values only
+    after :meth:`CudaGraph.replay`. Inside the captured call a copy between host and device
+    raises a RuntimeError (it would happen once, not at each replay); so does a labels check
+    that needs the host: cross-entropy then skips its bad-label check, and a bad label gives
+    a NaN loss instead of a ValueError.
+
+    Memory: the graph holds every pool block its kernels use until it is closed; blocks
+    freed during the capture serve later requests of the same capture.
+
+    On a GPU the capture goes through cuda.core's stream capture (relaxed mode) on a stream of
+    its own; replays run on the legacy default stream, in order with numbafuse's other work.
+    Under the CUDA simulator the launches are recorded and replayed one by one.
+
+    Example (a training step; ``xb``, ``yb`` device arrays that each step's data is copied
+    into)::
+
+        step = numbafuse.cuda.graph(train_step, model, opt, xb, yb)
+        for images, labels in batches:
+            xb.copy_to_device(images); yb.copy_to_device(labels)
+            loss = step.replay()[0]
+    """
+    if warmup < 0:
+        raise ValueError(f"numbafuse.cuda.graph: warmup must be >= 0, got {warmup}")
+    if _CAPTURE[0] is not None:
+        raise RuntimeError("numbafuse.cuda.graph: a capture is already in progress (graphs "
+                           "do not nest)")
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    _the_pool()
+    builder = None
+    if not SIMULATOR:
+        numba_cuda.synchronize()          # an error of the warm-up surfaces here, not later
+        from cuda.core import Device
+        device = Device(numba_cuda.get_current_device().id)
+        device.set_current()
+        builder = device.create_graph_builder()
+        builder.begin_building("relaxed")
+    capture = _CAPTURE[0] = _Capture(builder)
+    try:
+        outputs = fn(*args, **kwargs)
+    except BaseException:
+        _CAPTURE[0] = None
+        capture.capturing = False
+        _abandon(builder)
+        capture.close()
+        raise
+    _CAPTURE[0] = None
+    capture.capturing = False
+    executable = None
+    if builder is not None:
+        builder.end_building()
+        executable = builder.complete()
+        executable.upload(_the_pool().stream)
+        builder.close()
+    return CudaGraph(capture, executable, outputs)
+
+
+def _abandon(builder):
+    """End a capture that failed, whatever state it is in (an invalidated capture refuses
+    ``end_building``: it is ended through the driver)."""
+    if builder is None:
+        return
+    try:
+        builder.end_building()
+    except Exception:
+        from cuda.bindings import driver
+        err, g = driver.cuStreamEndCapture(driver.CUstream(int(builder.stream.handle)))
+        if err == driver.CUresult.CUDA_SUCCESS and g is not None and int(g):
+            driver.cuGraphDestroy(g)
+    try:
+        builder.close()
+    except Exception:
+        pass

@@ -379,6 +379,8 @@ class _BatchNormState(Module):
             return 0.0 if self.momentum is None else self.momentum    # unused in inference
         self.num_batches_tracked[...] += 1
         if self.momentum is None:                                      # cumulative average
+            backend.require_eager("batch norm with momentum=None (its factor, 1 / "
+                                  "num_batches_tracked, is counted on the host)")
             return 1.0 / float(self.num_batches_tracked)
         return self.momentum
 

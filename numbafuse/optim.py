@@ -191,6 +191,7 @@ class _FlatGroup:
         for i in self.indices:
             p = params[i]
             if p.data is not self.views[i]:
+                backend.require_eager("the optimizer packing a replaced parameter")
                 view = self._slice(self.values, i)
                 view.copy_to_device(kernels.contiguous(p.data))
                 p.data = self.views[i] = view

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import backend
+from .. import backend, kernels
 from . import engine
 
 _OPERATORS = {}   # name -> public op function, filled by numbafuse.ops.arith
@@ -134,7 +134,7 @@ class Tensor:
             if self.size != 1:
                 raise ValueError(f"backward: grad must be given for a tensor of shape {self.shape}"
                                  f" (only one-element tensors default to 1)")
-            grad = backend.to_backend(self.device, np.ones(self.shape, self.dtype))
+            grad = kernels.full(self.device, self.shape, self.dtype, 1.0)   # (no host copy)
         grad = unwrap(grad)
         _check_grad(self, grad)
         engine.backward(self, grad)

@@ -56,6 +56,12 @@ def contiguous(a):
 
 def zeros(which: str, shape, dtype):
     """A zero-filled array on backend ``which``."""
+    return full(which, shape, dtype, 0.0)
+
+
+def full(which: str, shape, dtype, value):
+    """An array of ``value`` on backend ``which`` (on the device by a fill kernel: no copy
+    from the host, so it can be captured in a CUDA graph)."""
     if which == backend.CPU:
-        return np.zeros(shape, dtype)
-    return module("elementwise", which).fill(backend.empty(which, shape, dtype), 0.0)
+        return np.full(shape, value, dtype)
+    return module("elementwise", which).fill(backend.empty(which, shape, dtype), value)

@@ -26,6 +26,10 @@ The kinds of launch (``cuda_config.launch``):
   LAUNCH=numba`` in the environment). Under the CUDA simulator every launch takes this path
   (the simulator runs kernels as Python; there is no ABI to prepare).
 
+During a CUDA graph capture (``numbafuse.cuda.graph``) a launch goes into the graph being
+built (cuda.core's ``launch`` takes the GraphBuilder as its stream) and the pool blocks among
+its arguments are held by the graph; under the simulator it is recorded for the replay.
+
 Observers (``observe``) see every launch, whichever the path: the tests count launches and
 their argument values with them.
 """
@@ -36,7 +40,7 @@ import ctypes
 import numpy as np
 from numba import types
 
-from ..cuda import SIMULATOR, argument_type, default_stream
+from ..cuda import SIMULATOR, argument_type, capture_in_progress, default_stream
 from . import cuda_config as config
 
 _PREPARED = {}          # (kernel, argument type key) -> _Prepared
@@ -56,8 +60,16 @@ def launch(kernel, grid, block, *args):
     tuples) on numba's default stream."""
     for callback in _OBSERVERS:
         callback(kernel, args)
+    capture = capture_in_progress()
     if SIMULATOR or config.launch == "numba":
-        kernel[grid, block](*args)
+        if capture is None:
+            kernel[grid, block](*args)
+        elif SIMULATOR:                  # the simulator's graph: the launch, recorded
+            capture.launches.append(lambda: kernel[grid, block](*args))
+        else:
+            raise RuntimeError("numbafuse.cuda.graph: capturing needs numbafuse's prepared "
+                               "launches (NUMBAFUSE_CUDA_LAUNCH=numba launches on numba's "
+                               "default stream, outside the graph)")
         return
     key = (kernel, tuple(map(_type_key, args)))
     prepared = _PREPARED.get(key)
@@ -70,6 +82,9 @@ def launch(kernel, grid, block, *args):
     if conf is None:
         conf = _CONFIGS[(grid, block)] = _launch_config(grid, block)
     core_launch, stream = _CORE[0] if _CORE else _core()
+    if capture is not None:              # into the graph, which holds the memory it uses
+        capture.use(args)
+        stream = capture.builder
     core_launch(stream, conf, prepared.kernel, *values)
 
 

@@ -14,10 +14,12 @@ compile-time constants ``BLOCK`` and ``TILE``.
 Notation: N batch, C channels, H/W input height/width, P/Q pooled height/width,
 kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 """
+import math
+
 import numpy as np
 from numba import float64, int32, int64, uint8, uint32
 
-from ...cuda import empty, numba_cuda as cuda, to_device
+from ...cuda import capture_in_progress, empty, numba_cuda as cuda, to_device
 
 from .. import cuda_config as config
 from ..cuda_launch import launch
@@ -274,7 +276,11 @@ def _xent_rows(logits, labels, nll, lse):
     N, L = logits.shape
     for n in range(cuda.grid(1), N, cuda.gridsize(1)):
         lse[n] = _row_logsumexp(logits, n, L)
-        nll[n] = lse[n] - logits[n, labels[n]]
+        label = labels[n]
+        if label < 0 or label >= L:        # refused on the host, except inside a graph
+            nll[n] = math.nan
+        else:
+            nll[n] = lse[n] - logits[n, label]
 
 
 @cuda.jit(cache=True)
@@ -312,7 +318,10 @@ def _flag_bad_labels(labels, L, flag):
 
 def count_bad_labels(labels, L):
     """1 if a label falls outside [0, L), else 0: the one integer read back to the host, since
-    refusing bad labels with a ValueError needs a host-side answer."""
+    refusing bad labels with a ValueError needs a host-side answer. Inside a CUDA graph capture
+    (no host reads there) 0 without looking: ``_xent_rows`` then gives such a row a NaN loss."""
+    if capture_in_progress() is not None:
+        return 0
     flag = to_device(np.zeros(1, np.int32))
     blocks, threads = config.grid_1d(labels.size)
     launch(_flag_bad_labels, blocks, threads, labels, L, flag)

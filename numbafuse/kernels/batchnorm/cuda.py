@@ -44,7 +44,7 @@ import numpy as np
 from numba import boolean, float32, float64, int32, int64, types, uint8
 
 from ... import backend, kernels, validate
-from ...cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
+from ...cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda, require_eager
 from . import math as bm
 from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from ..scalar import cuda_scalar
@@ -448,6 +448,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         launch(_bwd_finalize, *config.grid_1d(C), partials, 0, gamma, invstd, count,
                bool(training), ggamma, gbeta, cg, cx, c0)
     if sync is not None:           # synchronized: the dx coefficients from the global sums
+        require_eager("synchronized batch norm (its sums go through the host)")
         local = (partials.copy_to_host()[:, :parts].sum(axis=1) if parts
                  else np.zeros((C, 2)))                           # (C, 2) float64
         total, global_count = sync(np.ascontiguousarray(local.T))  # (2, C): sum g, g*(x-m)

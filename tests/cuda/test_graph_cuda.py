@@ -1,0 +1,117 @@
+"""CUDA graphs (``numbafuse.cuda.graph``): a captured training step replayed on new batches
+gives what eager steps give, bit for bit; what a capture refuses; bad labels inside a graph.
+
+Under the simulator the capture records the launches and copies and a replay runs them one
+by one (the same code path up to cuda.core's stream capture, which only a GPU has); on a GPU
+it is cuda.core's stream capture and a graph launch.
+"""
+import numpy as np
+import pytest
+
+import numbafuse as nf
+from numbafuse import backend, cuda as nfcuda
+
+
+def _model():
+    """Conv-BN-ReLU, pooling and a linear head on the device: a step has a conv, batch norm
+    with running statistics, a reduction, a GEMM, cross-entropy and SGD with momentum (the
+    simulator runs each GPU thread in Python: a ResNet block takes 20 s a step there)."""
+    from numbafuse import nn
+    nn.init.seed(0)
+    return nn.Sequential(nn.ConvBatchNormReLU(1, 2, 3, padding=1), nn.GlobalAvgPool2d(),
+                         nn.Linear(2, 3)).to("cuda")
+
+
+def _batches(n):
+    rng = np.random.default_rng(5)
+    return [(rng.standard_normal((2, 1, 4, 4)).astype(np.float32),
+             rng.integers(0, 3, 2).astype(np.int64)) for _ in range(n)]
+
+
+def test_a_replayed_training_step_matches_eager_steps():
+    from numbafuse import optim
+    from numbafuse.train import train_step
+    batches = _batches(3)
+    eager, graphed = _model(), _model()
+    opts = [optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+            for m in (eager, graphed)]
+    # eager: the graph's two warm-up steps on the first batch, then one step per batch
+    losses = []
+    for x, y in (batches[0], batches[0], batches[1], batches[2]):
+        loss, _, _ = train_step(eager, opts[0], nfcuda.to_device(x), nfcuda.to_device(y))
+        losses.append(float(loss.numpy()))
+    xb, yb = nfcuda.to_device(batches[0][0]), nfcuda.to_device(batches[0][1])
+    step = nfcuda.graph(train_step, graphed, opts[1], xb, yb, warmup=2)
+    replayed = []
+    for x, y in batches[1:]:
+        xb.copy_to_device(x)
+        yb.copy_to_device(y)
+        loss = step.replay()[0]
+        replayed.append(float(loss.numpy()))
+    assert replayed == losses[2:]
+    for (name, a), (_, b) in zip(eager.state_dict().items(), graphed.state_dict().items()):
+        if name.endswith("num_batches_tracked"):     # a host counter: replays run no Python
+            assert (int(a), int(b)) == (4, 3)          # (2 warm-ups + the capture)
+        else:
+            np.testing.assert_array_equal(b, a, err_msg=name)
+    step.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        step.replay()
+
+
+def test_the_capture_runs_nothing_and_replays_run_everything():
+    x = nfcuda.to_device(np.arange(6, dtype=np.float32))
+    out = nfcuda.empty(6, np.float32)
+    from numbafuse.kernels import module
+    ew = module("elementwise", backend.CUDA)
+    g = nfcuda.graph(lambda: ew.copy_into(x, out), warmup=0)
+    assert g.outputs is out
+    x2 = np.arange(6, dtype=np.float32) * 3
+    out.copy_to_device(np.full(6, -1, np.float32))
+    assert (out.copy_to_host() == -1).all()                   # captured, not run
+    x.copy_to_device(x2)
+    g.replay()
+    np.testing.assert_array_equal(out.copy_to_host(), x2)
+
+
+@pytest.mark.parametrize("what", ["to_host", "to_device"])
+def test_a_host_copy_inside_a_capture_is_refused(what):
+    x = nfcuda.to_device(np.ones(4, np.float32))
+    fn = {"to_host": lambda: backend.to_host(x),
+          "to_device": lambda: backend.to_device(np.ones(3))}[what]
+    with pytest.raises(RuntimeError, match="numbafuse.cuda.graph: a copy"):
+        nfcuda.graph(fn, warmup=0)
+    assert nfcuda.capture_in_progress() is None             # the failed capture ended
+    backend.to_host(x)                                       # and eager copies work again
+
+
+def test_batch_norm_with_a_cumulative_average_is_refused_inside_a_capture():
+    from numbafuse import nn
+    bn = nn.BatchNorm2d(2, momentum=None).to("cuda")
+    x = nf.Tensor(nfcuda.to_device(np.ones((2, 2, 3, 3), np.float32)))
+    with pytest.raises(RuntimeError, match="momentum=None"):
+        nfcuda.graph(bn, x, warmup=0)
+    assert int(bn.num_batches_tracked) == 0           # the refused call counted nothing
+
+
+def test_captures_do_not_nest_and_warmup_is_checked():
+    with pytest.raises(ValueError, match="warmup"):
+        nfcuda.graph(lambda: None, warmup=-1)
+    with pytest.raises(RuntimeError, match="nest"):
+        nfcuda.graph(lambda: nfcuda.graph(lambda: None, warmup=0), warmup=0)
+    assert nfcuda.capture_in_progress() is None
+
+
+def test_a_bad_label_inside_a_graph_gives_a_nan_loss():
+    from numbafuse.ops.basic import cross_entropy
+    rng = np.random.default_rng(0)
+    logits = nf.Tensor(nfcuda.to_device(rng.standard_normal((3, 4)).astype(np.float32)))
+    labels = nfcuda.to_device(np.array([0, 3, 1], np.int64))
+    with pytest.raises(ValueError, match="labels must lie"):      # eager: refused
+        cross_entropy(logits, nfcuda.to_device(np.array([0, 4, 1], np.int64)))
+    g = nfcuda.graph(lambda: cross_entropy(logits, labels), warmup=1)
+    assert np.isfinite(g.replay().numpy())
+    labels.copy_to_device(np.array([0, 4, 1], np.int64))
+    assert np.isnan(g.replay().numpy())
+    labels.copy_to_device(np.array([0, -1, 1], np.int64))
+    assert np.isnan(g.replay().numpy())
