@@ -80,30 +80,19 @@ y = nf.conv_bias_relu(x, w, padding=1); g = nf.conv_bias_relu_backward(y, x, w, 
 y2 = nf.batchnorm_add_relu(x, x, c.to_device(np.ones(16, np.float32)), c.to_device(np.zeros(16, np.float32)))
 c.numba_cuda.synchronize(); print(f"warm import + conv fwd/bwd + batch norm: {time.perf_counter() - t0:.2f} s")'
 
-TAIL=60 section probe 80 python3 benchmarks/gpu_probe.py bn graph
+TAIL=20 section probe 60 python3 benchmarks/gpu_probe.py knobs
 
 # the disk cache: a second process running every fused op must load every kernel (compile
 # none); NUMBA_DEBUG_CACHE prints "[cache] data saved to ..." for each kernel compiled
-TAIL=16 section cache 150 bash -c 'for run in first second; do
+section cache 60 bash -c 'for run in first second; do
     NUMBA_DEBUG_CACHE=1 python3 benchmarks/gpu_sanitize.py ops > /tmp/cache_$run.log 2>&1;
     echo "$run process: $(grep -c "data saved" /tmp/cache_$run.log) kernels compiled and saved," \
-         "$(grep -c "data loaded" /tmp/cache_$run.log) loaded"; done
-    # the benchmark'"'"'s first conv shape in a new process: its GEMMs must load from the cache
-    NUMBA_DEBUG_CACHE=1 python3 -c "
-import numpy as np, numbafuse as nf
-from numbafuse import cuda as c
-r = np.random.default_rng(0)
-x = c.to_device(r.standard_normal((32, 64, 56, 56)).astype(np.float32))
-w = c.to_device(r.standard_normal((64, 64, 3, 3)).astype(np.float32))
-y = nf.conv_bias_relu(x, w, padding=1); nf.conv_bias_relu_backward(y, x, w, y, padding=1)
-c.numba_cuda.synchronize()" > /tmp/cache_conv.log 2>&1
-    echo "bench conv shape: $(grep -c "data saved" /tmp/cache_conv.log) compiled and saved," \
-         "$(grep -c "data loaded" /tmp/cache_conv.log) loaded"
-    grep "\[cache\]" /tmp/cache_conv.log | grep -v "data loaded" | cut -c1-220 | head -n 12'
+         "$(grep -c "data loaded" /tmp/cache_$run.log) loaded"; done'
 TAIL=12 section tests 200 python3 -m pytest -m cuda -q -n "${GPU_CHECK_TEST_PROCESSES:-8}" -p no:cacheprovider \
     --timeout 120 --maxfail 40 --durations 10 -W ignore::DeprecationWarning
 section torch 60 python3 benchmarks/gpu_sanitize.py torch
 TAIL=80 section bench 220 python3 benchmarks/bench_gpu.py --quick --worker-timeout 180 \
+    --rounds "${GPU_CHECK_BENCH_ROUNDS:-2}" \
     --markdown "$OUT/bench_gpu.md" --json "$OUT/bench_gpu.json"
 TAIL=4 section profile 60 bash -c 'python3 benchmarks/gpu_profile.py --calls 100 && python3 benchmarks/gpu_profile.py --calls 100 --sort cumtime --top 30'
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \

@@ -1,12 +1,17 @@
 """Questions for a lent GPU that the other scripts do not ask; each part isolated, printed.
 
-    python benchmarks/gpu_probe.py [bn] [graph]
+    python benchmarks/gpu_probe.py [bn] [knobs] [graph]
 
 ``bn``: where batch norm's forward time goes, per kernel: device time by CUDA events of the
 statistics kernel alone, the apply alone and the whole op, and the host time of a call
 (calls issued back to back, one synchronization at the end), at the digits shape and at
 (32, 64, 32, 32); then per-kernel durations from PyTorch's profiler (CUPTI sees every kernel
 of the process, numba's too).
+
+``knobs``: batch norm's kernels at the benchmark's large shapes, per kernel (CUPTI durations
+through PyTorch's profiler, the mean of 10 calls), under launch-time settings of
+``kernels/cuda_config`` side by side: ``reduce_target_blocks`` (the channel reductions'
+blocks in all) and ``max_blocks`` (the elementwise passes' grid).
 
 ``graph``: what CUDA graph capture through cuda.core allows with numbafuse's launches and
 pool: a prepared launch captured into a GraphBuilder and replayed; which calls a capture in
@@ -102,6 +107,55 @@ def bn():
                                         max_name_column_width=60), flush=True)
     except Exception:
         traceback.print_exc()
+
+
+def knobs():
+    import numpy as np
+    import numbafuse as nf
+    from numbafuse import cuda as nfcuda
+    from numbafuse.kernels import cuda_config as config
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.init()
+    cuda = nfcuda.numba_cuda
+    rng = np.random.default_rng(0)
+    settings = [dict(reduce_target_blocks=10**9, max_blocks=1024),     # before
+                dict(reduce_target_blocks=1024, max_blocks=1024),
+                dict(reduce_target_blocks=2048, max_blocks=1024),
+                dict(reduce_target_blocks=1024, max_blocks=4096)]
+    for shape, layout in (((64, 256, 56, 56), "NCHW"), ((64, 56, 56, 256), "NHWC"),
+                          ((256, 2048, 7, 7), "NCHW"), ((32, 64, 32, 32), "NCHW")):
+        C = shape[1] if layout == "NCHW" else shape[3]
+        x, z, gy = (nfcuda.to_device(rng.standard_normal(shape).astype(np.float32))
+                    for _ in range(3))
+        g = nfcuda.to_device(rng.uniform(0.5, 1.5, C).astype(np.float32))
+        b = nfcuda.to_device(rng.standard_normal(C).astype(np.float32))
+
+        def fwd_bwd():
+            y = nf.batchnorm_add_relu(x, z, g, b, layout=layout)
+            return nf.batchnorm_add_relu_backward(gy, x, z, g, b, y=y, layout=layout)
+        for setting in settings:
+            for name, value in setting.items():
+                setattr(config, name, value)
+            try:
+                for _ in range(2):
+                    fwd_bwd()
+                cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        fwd_bwd()
+                    cuda.synchronize()
+                times = {}
+                for e in prof.key_averages():
+                    if e.device_time_total > 0:
+                        key = e.key.split("(")[0].split("::")[-1].split("[")[0][:34]
+                        times[key] = e.device_time_total / max(e.count, 1)
+                print(f"knobs {shape} {layout} {setting}: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in sorted(times.items())) +
+                    f" | sum {sum(times.values()):.1f} us", flush=True)
+            except Exception:
+                traceback.print_exc()
+    config.reduce_target_blocks, config.max_blocks = 1024, 1024
 
 
 def graph():
@@ -208,10 +262,10 @@ def graph():
 
 
 if __name__ == "__main__":
-    parts = sys.argv[1:] or ["bn", "graph"]
+    parts = sys.argv[1:] or ["bn", "knobs", "graph"]
     for part in parts:
         print(f"#### {part}", flush=True)
         try:
-            {"bn": bn, "graph": graph}[part]()
+            {"bn": bn, "knobs": knobs, "graph": graph}[part]()
         except Exception:
             traceback.print_exc()

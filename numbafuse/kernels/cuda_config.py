@@ -89,6 +89,11 @@ TILE = 16            # square tile edge of 2-d tiled kernels (GEMM-like); TILE*T
 threads = 256        # threads per block for 1-d kernels; power of two, <= BLOCK
 max_blocks = 1024    # grid-stride kernels never launch more blocks than this
 reduce_blocks = 64   # blocks of per-block partials in a two-stage deterministic reduction
+# a per-channel reduction (kernels/cuda_reduce.channel_partials) makes at most this many
+# blocks in all: parts = reduce_target_blocks / block rows, so a block of many channels walks
+# long stretches (with 256 channels and 64 parts each block's threads read 12 values, and
+# the block's own reduction, fence and count outweighed them)
+reduce_target_blocks = 1024
 max_grid_y = 65535   # hardware limit of gridDim.y; kernels with a y grid stride over the rest
 sgd_chunk = 8192     # elements of one parameter per block row of the fused SGD step
 

@@ -17,7 +17,11 @@ atomics only, the sums stay in a fixed order).
   per thread; the offset and the plane position advance by adds and compares (no division).
 - NHWC: a block per (part, group of CW = 32 channels): lane l reads channel ``c0 + l`` of a
   row, so a warp reads 32 consecutive values (128 bytes of float32); the block's row groups
-  take rows ``rg, rg + RG, ...``, combined in shared memory in row-group order.
+  take rows ``rg, rg + RG, ...``, U rows' loads in flight, combined in shared memory in
+  row-group order.
+
+Parts: at most ``reduce_blocks`` per block row, at least U values per thread, and at most
+``reduce_target_blocks`` blocks in all (``cuda_config``).
 
 The element quantities (``ELEM_*``): statistics ``(x - shift, (x - shift)**2)`` with shift the
 channel's first value; backward ``(g, g*(x - mean))`` with ``g = gy`` gated by the ReLU state;
@@ -212,21 +216,26 @@ def nchw_walk(kind):
 
 @functools.lru_cache(maxsize=None)
 def nhwc_walk(kind):
-    """``walk(a, b, aux, mask, mean, state_kind, C, c, lo, hi, p0, p1, rg, RG)``: this
-    thread's two sums over rows rg, rg + RG, ... of [lo, hi) of channel c (lane = channel)."""
+    """``walk(a, b, aux, mask, mean, state_kind, C, c, lo, hi, p0, p1, rg, RG, offs)``: this
+    thread's two sums over rows rg, rg + RG, ... of [lo, hi) of channel c (lane = channel),
+    U rows' loads in flight; ``offs``: a (U,) int32 local array."""
     @cuda.jit(device=True, inline=True)
-    def walk(a, b, aux, mask, mean, state_kind, C, c, lo, hi, p0, p1, rg, RG):
+    def walk(a, b, aux, mask, mean, state_kind, C, c, lo, hi, p0, p1, rg, RG, offs):
         s1 = float64(0.0)
         s2 = float64(0.0)
         m = int32(lo + rg)
         off = int32(m * C + c)
         step = int32(RG * C)
         while m < hi:
-            v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(off), p0, p1)
-            s1 += v1
-            s2 += v2
-            m = int32(m + RG)
-            off = int32(off + step)
+            for u in range(U):                       # U loads in flight
+                offs[u] = int32(off + u * step) if m + u * RG < hi else int32(-1)
+            for u in range(U):
+                if offs[u] >= 0:
+                    v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(offs[u]), p0, p1)
+                    s1 += v1
+                    s2 += v2
+            m = int32(m + U * RG)
+            off = int32(off + U * step)
         return s1, s2
     return walk
 
@@ -326,6 +335,7 @@ def channel_partials_kernel(kind, nhwc, finish=None):
         buf_b = cuda.shared.array(BLOCK, float64)
         flag = cuda.shared.array(1, boolean)
         cvt = cuda.local.array(2, a.dtype)
+        offs = cuda.local.array(U, int32)
         t = int32(cuda.threadIdx.x)
         CW = int32(min(WARP, int32(cuda.blockDim.x)))
         RG = int32(cuda.blockDim.x // CW)
@@ -340,7 +350,8 @@ def channel_partials_kernel(kind, nhwc, finish=None):
             s2 = float64(0.0)
             if c < C:
                 p0, p1 = _channel_params(kind, a, mean, c, 1, cvt)
-                s1, s2 = walk(a, b, aux, mask, mean, state_kind, C, c, lo, hi, p0, p1, rg, RG)
+                s1, s2 = walk(a, b, aux, mask, mean, state_kind, C, c, lo, hi, p0, p1, rg, RG,
+                              offs)
             buf_a[t] = s1
             buf_b[t] = s2
             cuda.syncthreads()  # every row group's sums are in buf_*
@@ -393,10 +404,11 @@ def channel_partials(kind, a, b, aux, mask, mean, state_kind, layout, empty, fin
     A, C, B = view(a.shape, layout)
     nhwc = layout == "NHWC"
     threads = config.block_threads()
-    per_block = threads * (1 if nhwc else U)
-    parts = max(1, min(config.reduce_blocks, -(-(A * B) // per_block)))
-    partials = empty((C, parts, 2), np.float64)
+    per_block = threads * U
     rows = -(-C // min(WARP, threads)) if nhwc else C
+    parts = max(1, min(config.reduce_blocks, -(-(A * B) // per_block),
+                       -(-config.reduce_target_blocks // rows)))
+    partials = empty((C, parts, 2), np.float64)
     launch(channel_partials_kernel(kind, nhwc, finish), (parts, min(rows, config.max_grid_y)),
            threads,
         a.reshape(a.size), b.reshape(b.size), aux.reshape(aux.size), mask, mean, state_kind,

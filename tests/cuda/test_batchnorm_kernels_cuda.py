@@ -76,6 +76,28 @@ def test_stats_apply_backward_match_reference(layout, dtype, threads, monkeypatc
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("target,parts", [(2, 1), (5, 3)])
+def test_the_block_cap_sets_the_parts(layout, target, parts, monkeypatch):
+    # reduce_target_blocks bounds the reduction's blocks in all: NCHW 2 channels per block
+    # row each, NHWC one 8-lane group of its 37 channels... with 8 threads, parts of M
+    monkeypatch.setattr(config, "threads", 8)
+    monkeypatch.setattr(config, "reduce_blocks", 64)
+    monkeypatch.setattr(config, "reduce_target_blocks", target)
+    _garbage_outputs(monkeypatch)
+    x = _data(layout, np.float64, seed=3)[0]
+    rows = 2 if layout == "NCHW" else -(-37 // 8)
+    expect = max(1, min(64, -(-x.size // x.shape[1 if layout == "NCHW" else 3] // (8 * reduce.U)),
+                        -(-target // rows)))
+    partials, got = reduce.channel_partials(reduce.ELEM_STATS, *(cuda.to_device(x),) * 3,
+                                            reduce._NO_MASK(), reduce._NO_MEAN(),
+                                            bn.STATE_NONE, layout, bn._empty)
+    assert got == expect and (layout == "NHWC" or got == parts)
+    mean, var, _ = bn.stats(cuda.to_device(x), layout, 1e-5)     # finished by the last block
+    np.testing.assert_allclose(mean.copy_to_host(), x.mean(axis=_axes(layout)), rtol=1e-10)
+    np.testing.assert_allclose(var.copy_to_host(), x.var(axis=_axes(layout)), rtol=1e-10)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("ballot", [False, True])
 def test_mask_is_the_cpu_format(layout, ballot, monkeypatch, warp_shuffles):
     # warp-sized blocks: the ballot path (emulated) and the shared-memory path build the same
