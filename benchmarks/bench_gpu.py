@@ -174,6 +174,15 @@ def numbafuse_worker(cfg, path=None):
                         x, z, gamma, beta, running_mean=rm, running_var=rv), n, reps, sync))
         out.measure("calls", "an empty kernel launch" + tag, lambda: best_per_call(
             lambda: launch(empty_kernel, 1, 1, one), n, reps, sync))
+        if mode == "prepared" or nfcuda.SIMULATOR:     # the same calls replayed from graphs
+            for key, fn in (("conv_bias_relu forward", lambda: nf.conv_bias_relu(
+                    x, w, b, padding=1)), ("batchnorm_add_relu forward (training)",
+                    lambda: nf.batchnorm_add_relu(x, z, gamma, beta, running_mean=rm,
+                                                  running_var=rv))):
+                def replayed(fn=fn):
+                    with nfcuda.graph(fn, warmup=1) as g:
+                        return best_per_call(g.replay, n, reps, sync)
+                out.measure("calls", key + GRAPH, replayed)
         for kind in ("fused", "unfused"):
             def step_time(kind=kind):
                 model = models.make_model(kind, **cfg["model"]).to("cuda")
@@ -195,6 +204,16 @@ def numbafuse_worker(cfg, path=None):
     # kernels at the shapes of issue 16
     def events(fn):
         return median_events(fn, cfg["repeats"], cuda.event, sync)
+
+    def _replays(*fns):
+        """Median ms of each function's CUDA-graph replay: its device time without the
+        host's (each call's Python runs once, at the capture)."""
+        times = ()
+        for fn in fns:
+            with nfcuda.graph(fn, warmup=1) as g:
+                times += (events(g.replay),)
+        return times
+
     def copy_rate():
         n_copy = max(1, int(cfg["copy_mib"] * 2**20 // 4))
         src, dst = dev(np.ones(n_copy, np.float32)), nfcuda.empty(n_copy, np.float32)
@@ -208,9 +227,13 @@ def numbafuse_worker(cfg, path=None):
             bs = dev(rng.standard_normal(w_shape[0]).astype(np.float32))
             y = nf.conv_bias_relu(xs, ws, bs, **kw)
             gy = dev(rng.standard_normal(y.shape).astype(np.float32))
-            return (events(lambda: nf.conv_bias_relu(xs, ws, bs, **kw)),
-                    events(lambda: nf.conv_bias_relu_backward(
-                        gy, xs, ws, nf.conv_bias_relu(xs, ws, bs, **kw), **kw)))
+
+            def fwd():
+                return nf.conv_bias_relu(xs, ws, bs, **kw)
+
+            def fwd_bwd():
+                return nf.conv_bias_relu_backward(gy, xs, ws, fwd(), **kw)
+            return (events(fwd), events(fwd_bwd)) + _replays(fwd, fwd_bwd)
         out.measure("kernels", _conv_key(x_shape, w_shape, kw), conv_times)
     for shape, layout in cfg["bn"]:
         def bn_times(shape=shape, layout=layout):
@@ -221,8 +244,10 @@ def numbafuse_worker(cfg, path=None):
 
             def fwd():
                 return nf.batchnorm_add_relu(xs, zs, g1, b0, layout=layout)
-            return (events(fwd), events(lambda: nf.batchnorm_add_relu_backward(
-                gy, xs, zs, g1, b0, y=fwd(), layout=layout)))
+            def fwd_bwd():
+                return nf.batchnorm_add_relu_backward(gy, xs, zs, g1, b0, y=fwd(),
+                                                      layout=layout)
+            return (events(fwd), events(fwd_bwd)) + _replays(fwd, fwd_bwd)
         out.measure("kernels", _bn_key(shape, layout), bn_times)
     return out
 
@@ -348,6 +373,7 @@ def torch_worker(cfg, path=None):
     return out
 
 
+GRAPH = ", CUDA graph replay"
 NUMBA_LAUNCH = " [numba launch]"
 FP32 = " | cuDNN FP32 (TF32 off)"
 TF32 = " | cuDNN TF32 (PyTorch default)"
@@ -438,7 +464,7 @@ def tables(nf, pt, command, cfg):
              f"{cfg['digits']['w']}:", "",
              "| call | numbafuse us | PyTorch us | numbafuse / PyTorch |", "|---|---:|---:|---:|"]
     for key, t in nf.get("calls", {}).items():
-        p = pt.get("calls", {}).get(key.replace(NUMBA_LAUNCH, ""))
+        p = pt.get("calls", {}).get(key.replace(NUMBA_LAUNCH, "").replace(GRAPH, ""))
         lines.append(f"| {key} | {t * us:.1f} | " + (f"{p * us:.1f} | {t / p:.2f}x |"
                                                      if p else "n/a | |"))
     eager = pt.get("steps", {}).get("PyTorch eager")
@@ -476,6 +502,22 @@ def tables(nf, pt, command, cfg):
                         f"{_ratio(c32[1], f and f[1])}" if c32 else "n/a | ")
                      + (f" | {t32[1]:.3f} | {_ratio(t32[1], f and f[1])} |" if t32
                         else " | n/a | |"))
+    lines += ["", "The same, each call captured in a CUDA graph and replayed (CUDA events, "
+              "median): numbafuse's device time without its host time; PyTorch eager as "
+              "above:", "", "| shape | numbafuse fwd / fwd+bwd ms (graph) | TFLOP/s fwd+bwd | "
+              "vs cuDNN FP32 fwd / fwd+bwd | vs TF32 fwd+bwd |", "|---|---:|---:|---:|---:|"]
+    for x_shape, w_shape, kw in cfg["conv"]:
+        key = _conv_key(x_shape, w_shape, kw)
+        f = kern.get(key)
+        c32, t32 = pk.get(key + FP32), pk.get(key + TF32)
+        g = f[2:4] if f and len(f) >= 4 else None
+        fl = conv_flops(x_shape, w_shape, kw)
+        lines.append(f"| x {x_shape}, w {w_shape}{', ' + str(kw) if kw else ''} | "
+                     + (f"{g[0]:.3f} / {g[1]:.3f} | {3 * fl / g[1] / 1e9:.1f} | "
+                        if g else "n/a | | ")
+                     + (f"{_ratio(c32[0], g and g[0])} / {_ratio(c32[1], g and g[1])} | "
+                        if c32 else "n/a | ")
+                     + (f"{_ratio(t32[1], g and g[1])} |" if t32 else "n/a |"))
     lines += ["", "BatchNorm-Add-ReLU, float32, training (CUDA events, median); bandwidth "
               "counts the fewest bytes (fwd reads x, z and writes y: 3 elements; fwd+bwd adds "
               "reading dy, x, y and writing dx, dz: 8 elements in all), as a share of the copy "
@@ -498,6 +540,13 @@ def tables(nf, pt, command, cfg):
                      + (f"{p[0]:.3f} / {p[1]:.3f}" if p else "n/a") + " | "
                      + (f"{_ratio(p[0], f[0])} / {_ratio(p[1], f[1])}" if f and p else "")
                      + f" | {share} |")
+        if f and len(f) >= 4:           # the same replayed from CUDA graphs: device time
+            share = (f"{100 * 12 * size / (f[2] * 1e-3) / 1e9 / copy:.0f}% / "
+                     f"{100 * 32 * size / (f[3] * 1e-3) / 1e9 / copy:.0f}%" if copy else "")
+            lines.append(f"| {shape} | {layout}, CUDA graph | {f[2]:.3f} / {f[3]:.3f} | "
+                         + (f"{p[0]:.3f} / {p[1]:.3f}" if p else "n/a") + " | "
+                         + (f"{_ratio(p[0], f[2])} / {_ratio(p[1], f[3])}" if p else "")
+                         + f" | {share} |")
     errors = {**{f"numbafuse: {k}": v for k, v in nf.get("errors", {}).items()},
               **{f"PyTorch: {k}": v for k, v in pt.get("errors", {}).items()}}
     if errors:
