@@ -136,7 +136,8 @@ def torch_check():
         xb = torch.randn(SHAPE, **dev).contiguous(memory_format=fmt)
         zb = torch.randn(SHAPE, **dev).contiguous(memory_format=fmt)
         gam, bet = torch.rand(SHAPE[1], **dev) + 0.5, torch.randn(SHAPE[1], **dev)
-        ins = [t.float().detach().contiguous(memory_format=fmt).requires_grad_(True)
+        ins = [t.float().detach().contiguous(memory_format=fmt if t.dim() == 4 else
+                                              torch.contiguous_format).requires_grad_(True)
                for t in (xb, zb, gam, bet)]
         rm, rv = torch.zeros(SHAPE[1], device="cuda"), torch.ones(SHAPE[1], device="cuda")
         y = nft.batchnorm_add_relu(*ins, running_mean=rm, running_var=rv, training=True)

@@ -181,8 +181,8 @@ class _CudaPool:
     allocation), and an allocation counts as new when it raised that figure. The release
     threshold keeps the pool from trimming itself, so the figure only grows.
 
-    Not yet run on a GPU (checked by reading and under fakes): ``tests/cuda/
-    test_memory_pool_cuda.py`` runs it on one.
+    Run on an H100 (``tests/cuda/test_memory_pool_cuda.py`` and every CUDA test,
+    docs/benchmarks.md#gpu). CUDA graphs: see :class:`_Block` and :func:`graph`.
     """
 
     def __init__(self):
