@@ -97,6 +97,43 @@ def test_depthwise_chunks_cross_a_partial_last_chunk(monkeypatch):
         close(got, want, np.float64)
 
 
+# NHWC float32 depthwise forwards with C % 8 == 0 run the register tiles
+# (cpu_depthwise_tiles) on pixels whose taps lie inside the image: C = 8, 24 and 88 cross
+# the channel panels (64 + 16 + 8 on AVX-512, 24s on AVX2), Q gives interior runs of 1 to 9
+# pixels (blocks of 4 and a remainder), borders on every side
+TILED = [((2, 5, 6, 8), (3, 3), dict(padding=1)),
+         ((1, 9, 13, 24), (3, 3), dict(stride=2, padding=(0, 2, 1, 0))),
+         ((1, 11, 14, 88), (7, 7), dict(padding=3)),
+         ((2, 8, 12, 16), (3, 3), dict(stride=(2, 1), padding=2, dilation=(2, 1))),
+         ((1, 6, 7, 8), (2, 2), dict(padding=0))]
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("x_shape, rs, kw", TILED,
+                         ids=[f"{t[0][3]}ch-{t[1][0]}x{t[1][1]}-{i}" for i, t in enumerate(TILED)])
+def test_depthwise_register_tiles_equal_the_per_pixel_loops(x_shape, rs, kw, wide,
+                                                             monkeypatch):
+    from numbafuse.kernels import cpu_gemm_taps
+    monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
+    rng = np.random.default_rng(7)
+    C = x_shape[3]
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal((C, 1, *rs)).astype(np.float32)
+    b = rng.standard_normal(C).astype(np.float32)
+    kw = dict(kw, layout="NHWC", groups=C)
+    geom = validate.conv_geometry("t", x.shape, w.shape, **kw)
+    assert cpu_depthwise._tiled(geom, x.dtype)
+    y = nf.conv_bias_relu(x, w, b, **kw)
+    close(y, ref.conv_bias_relu(x, w, b, **kw), np.float32, what="y")
+    # the per-pixel loops (every pixel, taps skipped outside the image) give the same bits
+    ref_y = np.empty_like(y)
+    from numbafuse.kernels.conv import math as conv_math
+    geo, rpc = conv_math.geo_tuple(geom), cpu_depthwise._rows_per_chunk(geom)
+    _launch.launch(cpu_depthwise._forward_nhwc, geom.N * _launch.blocks(geom.P, rpc), x,
+                   cpu_depthwise._taps_nhwc(w, C, 1), b, True, geo, rpc, ref_y, work=0)
+    assert y.tobytes() == ref_y.tobytes()
+
+
 def test_conv2d_groups_need_and_tape():
     """conv2d (no ReLU, no mask) with groups on the tape: gradients equal the reference; the
     backward's ``need`` computes only what is asked."""

@@ -4,7 +4,9 @@ A depthwise convolution has ``groups == C`` and ``K = C * M`` filters (M, the ch
 multiplier, >= 1): filter ``k = c * M + m`` sees input channel ``c`` only, and w is
 ``(K, 1, R, S)``. It does R*S multiply-adds per output value against a GEMM's C*R*S, so it is
 bound by memory more than arithmetic: each pass reads its inputs once and writes its output
-once (the accumulators stay in L1: no register blocking, see docs/conv_bias_relu.md).
+once. The float32 NHWC forward with multiplier 1 and C % 8 == 0 sums in registers
+(``cpu_depthwise_tiles``: blocks of 4 pixels x up to 64 channels over every tap); elsewhere
+the accumulators stay in L1 (docs/conv_bias_relu.md).
 
     forward   y[n,k,p,q] = relu(sum_{r,s} x[n, c, p*sh - ph + r*dh, q*sw - pw + s*dw] w[k,r,s] + b[k])
     backward  g = gy * (y > 0);  db[k] = sum_{n,p,q} g[n,k,p,q]
@@ -14,6 +16,11 @@ once (the accumulators stay in L1: no register blocking, see docs/conv_bias_relu
 
 Loops (one compiled task kernel per pass, layout and case):
 
+    NHWC  float32 forward, multiplier 1, C % 8 == 0 (``_forward_nhwc_tiled``): each output
+          row's pixels whose taps all lie inside the image go through the register tiles,
+          addressed in x itself (one row per pixel, one offset per tap); the border pixels
+          through ``_pixel_nhwc``, taps outside skipped. The same sums, bit for bit, as the
+          loops below.
     NHWC  channels on the vector lanes. Stride 1 along w and multiplier 1 (``_flat_rows``):
           a tap of an output row is one flat loop over Q*C values of x (or the gated g) against
           the tap's weights repeated Q times (``_tiled_taps``), forward and dX. Otherwise, and
@@ -36,10 +43,11 @@ as in ``cpu.py``; ``geo`` is ``math.GEO_FIELDS``'s tuple.
 import numpy as np
 from numba import njit
 
-from .. import scalar
+from .. import cpu_gemm_taps as _gemm_taps, scalar
 from ..cpu_buffers import output_cache as _out
 from ..cpu_launch import blocks, launch, task_kernel
 from . import math as conv_math
+from . import cpu_depthwise_tiles as _tiles
 from .cpu_chunks import sum64
 
 CHUNK_ELEMENTS = 1 << 15   # output values of one NHWC task's rows (forward, dW), at least a row
@@ -219,6 +227,59 @@ def _forward_nhwc_rows(t0, t1, x, wtile, btile, relu, geo, rpc, y):
                 yr[i] = _relu(v) if relu else v
 
 
+@njit(cache=True, fastmath=FMA)
+def _pixel_nhwc(x, wt, b, relu, geo, n, p, q, acc, yv):
+    # one output pixel of multiplier 1, its taps outside the image skipped; wt: (R*S, C)
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    acc[:] = 0
+    for r in range(R):
+        h = p * sh - ph + r * dh
+        if h < 0 or h >= H:
+            continue
+        for s in range(S):
+            wi = q * sw - pw + s * dw
+            if wi < 0 or wi >= W:
+                continue
+            xv, wv = x[n, h, wi], wt[r * S + s]                   # (C,), (C,)
+            for c in range(C):
+                acc[c] += xv[c] * wv[c]
+    for c in range(C):
+        v = acc[c] + b[c]
+        yv[c] = _relu(v) if relu else v
+
+
+@task_kernel(fastmath=FMA)
+def _forward_nhwc_tiled(t0, t1, x, wt, b, relu, geo, rpc, aoff, wide, y):
+    # Multiplier 1, float32, C % 8 == 0: the pixels of a row whose taps all lie inside the
+    # image go through the register tiles (cpu_depthwise_tiles: rows addressed in x itself,
+    # the taps by aoff (R*S,) element offsets), the others through _pixel_nhwc. x: (N, H, W,
+    # C);  wt: (R*S, C);  b: (C,);  y: (N, P, Q, C).  Tasks as _forward_nhwc's.
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    nb = (P + rpc - 1) // rpc
+    rows = np.empty(Q, np.int64)                                      # pixel addresses in x
+    acc = np.empty(C, x.dtype)
+    qa = min(Q, (pw + sw - 1) // sw)                                  # interior columns
+    last = W - 1 - (S - 1) * dw + pw
+    qb = max(qa, min(Q, last // sw + 1)) if last >= 0 else qa
+    px, py, pb = np.int64(x.ctypes.data), np.int64(y.ctypes.data), np.int64(b.ctypes.data)
+    pa, pr = np.int64(aoff.ctypes.data), np.int64(rows.ctypes.data)
+    for t in range(t0, t1):
+        n, p0 = t // nb, (t % nb) * rpc
+        for p in range(p0, min(P, p0 + rpc)):
+            h0 = p * sh - ph
+            inside = h0 >= 0 and h0 + (R - 1) * dh < H
+            lo, hi = (qa, qb) if inside else (Q, Q)
+            for q in range(lo, hi):
+                rows[q - lo] = px + 4 * (((n * H + h0) * W + q * sw - pw) * C)
+            if hi > lo:
+                _tiles.depthwise_taps(hi - lo, C, R * S, pr, pa, np.int64(wt.ctypes.data),
+                                      py + 4 * (((n * P + p) * Q + lo) * C), C, pb,
+                                      np.int64(relu), wide)
+            for q in range(Q):
+                if q < lo or q >= hi:
+                    _pixel_nhwc(x, wt, b, relu, geo, n, p, q, acc, y[n, p, q])
+
+
 @task_kernel(fastmath=FMA)
 def _forward_nchw(t0, t1, x, w, b, relu, geo, Wph, y):
     # x: (N, C, H, W);  w: (K, R, S);  b: (K,);  y: (N, K, P, Q).  Task t: input plane (n, c) =
@@ -257,7 +318,11 @@ def forward(x, w, b, geom, relu):
     relu = bool(relu)
     if geom.layout == "NHWC":
         rpc = _rows_per_chunk(geom)
-        if _flat_rows(geom):
+        if _tiled(geom, x.dtype):
+            launch(_forward_nhwc_tiled, N * blocks(P, rpc), x, _taps_rs(w, geom),
+                   np.ascontiguousarray(b), relu, geo,
+                   rpc, _tap_offsets(geom), _gemm_taps.WIDE, y, work=work)
+        elif _flat_rows(geom):
             launch(_forward_nhwc_rows, N * blocks(P, rpc), x.reshape(N, geom.H, geom.W * C),
                    _tiled_taps(w, geom), np.tile(b, Q), relu, geo, rpc, y.reshape(N, P, Q * K),
                    work=work)
@@ -268,6 +333,22 @@ def forward(x, w, b, geom, relu):
         launch(_forward_nchw, N * C, x, w.reshape(K, R, S), b, relu, geo, _phase_width(geom),
                y, work=work)
     return y
+
+
+def _tiled(geom, dtype):
+    """NHWC forwards the register tiles run: float32, multiplier 1, C a multiple of 8."""
+    return np.dtype(dtype) == np.float32 and geom.K == geom.C and geom.C % 8 == 0
+
+
+def _taps_rs(w, geom):
+    """w (C, 1, R, S) as (R*S, C): one row of channel weights per tap, r-major."""
+    return np.ascontiguousarray(w.reshape(geom.C, geom.R * geom.S).T)
+
+
+def _tap_offsets(geom):
+    """Element offsets in x (NHWC) of the taps (r, s), r-major, from a pixel's corner."""
+    return np.array([(r * geom.dh * geom.W + s * geom.dw) * geom.C for r in range(geom.R)
+                     for s in range(geom.S)], np.int64)
 
 
 def _flat_rows(geom):

@@ -1,0 +1,119 @@
+"""A register-tiled micro-kernel for the depthwise NHWC forward, float32.
+
+``depthwise_taps(m, n, ntaps, prow, paoff, pw, pc, ldc, pbias, relu, wide)`` computes, for
+m output pixels and n channels (a multiple of 8),
+
+    c[i, :n] = relu?(sum over t < ntaps of x(i, t)[:n] * w[t, :n] + bias?)
+
+where pixel i's tap t (channel 0) starts at the address ``row[i] + 4 * aoff[t]`` (``prow``,
+``paoff``: addresses of int64 arrays of m addresses and ntaps element offsets), ``w`` is (ntaps, n)
+float32 at ``pw`` and ``c`` (m, ldc) at ``pc``. A depthwise convolution passes one row per
+output pixel whose receptive field lies inside the image (the address of its corner in x
+itself: no copy) and one offset per tap, ``(r*dh*W + s*dw)*C``.
+
+Each (pixels, vectors) block of c is summed in registers over every tap (a fused
+multiply-add per tap, in tap order: the sum the other depthwise kernels make, each value
+the same whatever the block), then the bias and ReLU, and stored once; the weights of a tap
+are loaded once per block of ``ROWS`` pixels. The loops of ``cpu_depthwise`` kept the
+accumulator in memory and loaded and stored it at every tap.
+"""
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..cpu_gemm import Vec
+from ..cpu_gemm_taps import ROWS, panel
+
+_I64 = ir.IntType(64)
+
+
+def _dw_tile(rows, nv, width):
+    """The micro-kernel intrinsic for a (rows, width * nv) block of c."""
+
+    @intrinsic
+    def tile(typingctx, ntaps, prow, paoff, xj, w, ldw, c, ldc, bias, relu):
+        """c[r, :width*nv] = relu?(sum over t of x_r,t[:width*nv] * w[t*ldw:][:width*nv]
+        + bias?) for r < rows; x_r,t = row[r] + aoff[t] + xj (float32 elements: xj, the
+        block's first channel); prow, paoff, w, c, bias: addresses (bias 0: none); ldw, ldc
+        row strides in elements; relu 0 or 1."""
+        def codegen(context, builder, signature, args):
+            ntaps, prow, paoff, xj, w, ldw, c, ldc, bias, relu = args
+            V = Vec(builder, width)
+            prow = builder.inttoptr(prow, _I64.as_pointer())
+            paoff = builder.inttoptr(paoff, _I64.as_pointer())
+            w, c = V.floats(w), V.floats(c)
+            row = [V.floats(builder.load(builder.gep(prow, [ir.Constant(_I64, r)])))
+                   for r in range(rows)]
+            acc = V.accumulators(rows, nv)
+            zero = ir.Constant(_I64, 0)
+            with cgutils.for_range(builder, ntaps) as taps:
+                t = taps.index
+                off = builder.add(builder.load(builder.gep(paoff, [t])), xj)
+                wt = builder.gep(w, [builder.mul(t, ldw)])
+                wv = [V.load(wt, zero, v) for v in range(nv)]
+                for r in range(rows):
+                    xr = builder.gep(row[r], [off])
+                    for v in range(nv):
+                        builder.store(builder.call(V._fma, [V.load(xr, zero, v), wv[v],
+                                                            builder.load(acc[r][v])]),
+                                      acc[r][v])
+            V.bias_relu(acc, bias, relu)
+            V.store_rows(acc, c, ldc)
+            return context.get_dummy_value()
+
+        return types.void(*([types.int64] * 10)), codegen
+
+    return tile
+
+
+# AVX-512: panels of 64, 32, 16 channels (4, 2, 1 vectors of 16), then 8; AVX2: 24, 16, 8
+_w4, _w2, _w1 = _dw_tile(ROWS, 4, 16), _dw_tile(ROWS, 2, 16), _dw_tile(ROWS, 1, 16)
+_w4r, _w2r, _w1r = _dw_tile(1, 4, 16), _dw_tile(1, 2, 16), _dw_tile(1, 1, 16)
+_n3, _n2, _n1 = _dw_tile(ROWS, 3, 8), _dw_tile(ROWS, 2, 8), _dw_tile(ROWS, 1, 8)
+_n3r, _n2r, _n1r = _dw_tile(1, 3, 8), _dw_tile(1, 2, 8), _dw_tile(1, 1, 8)
+
+
+@njit(nogil=True, cache=True)
+def depthwise_taps(m, n, ntaps, prow, paoff, pw, pc, ldc, pbias, relu, wide):
+    """See the module docstring; every argument int64 (one compilation), n % 8 == 0."""
+    j = 0
+    while j < n:
+        cols = panel(wide, n - j)
+        pwj = pw + 4 * j
+        pbiasj = pbias + 4 * j if pbias != 0 else 0
+        i = 0
+        while i < m:
+            pr, pcij = prow + 8 * i, pc + 4 * (i * ldc + j)
+            pa = paoff
+            if i + ROWS <= m:
+                if cols == 64:
+                    _w4(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                elif cols == 32:
+                    _w2(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                elif cols == 24:
+                    _n3(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                elif cols == 16:
+                    if wide:
+                        _w1(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                    else:
+                        _n2(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                else:
+                    _n1(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                i += ROWS
+            else:
+                if cols == 64:
+                    _w4r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                elif cols == 32:
+                    _w2r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                elif cols == 24:
+                    _n3r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                elif cols == 16:
+                    if wide:
+                        _w1r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                    else:
+                        _n2r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                else:
+                    _n1r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                i += 1
+        j += cols
