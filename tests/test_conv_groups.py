@@ -98,14 +98,15 @@ def test_depthwise_chunks_cross_a_partial_last_chunk(monkeypatch):
 
 
 # NHWC float32 depthwise forwards with C % 8 == 0 run the register tiles
-# (cpu_depthwise_tiles) on pixels whose taps lie inside the image: C = 8, 24 and 88 cross
-# the channel panels (64 + 16 + 8 on AVX-512, 24s on AVX2), Q gives interior runs of 1 to 9
-# pixels (blocks of 4 and a remainder), borders on every side
+# (cpu_depthwise_tiles), border pixels with their own tap tables: C = 8 to 88 cross the
+# channel panels (64 + 16 + 8, 32 + 8 on AVX-512; 24s on AVX2), interior runs of 4 to 10
+# pixels (blocks of 4 and a remainder), borders on every side, dilation and stride 2
 TILED = [((2, 5, 6, 8), (3, 3), dict(padding=1)),
          ((1, 9, 13, 24), (3, 3), dict(stride=2, padding=(0, 2, 1, 0))),
          ((1, 11, 14, 88), (7, 7), dict(padding=3)),
          ((2, 8, 12, 16), (3, 3), dict(stride=(2, 1), padding=2, dilation=(2, 1))),
-         ((1, 6, 7, 8), (2, 2), dict(padding=0))]
+         ((1, 6, 7, 8), (2, 2), dict(padding=0)),
+         ((1, 7, 11, 40), (5, 5), dict(padding=2))]
 
 
 @pytest.mark.parametrize("wide", [True, False])

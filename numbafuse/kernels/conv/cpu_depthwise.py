@@ -16,11 +16,10 @@ the accumulators stay in L1 (docs/conv_bias_relu.md).
 
 Loops (one compiled task kernel per pass, layout and case):
 
-    NHWC  float32 forward, multiplier 1, C % 8 == 0 (``_forward_nhwc_tiled``): each output
-          row's pixels whose taps all lie inside the image go through the register tiles,
-          addressed in x itself (one row per pixel, one offset per tap); the border pixels
-          through ``_pixel_nhwc``, taps outside skipped. The same sums, bit for bit, as the
-          loops below.
+    NHWC  float32 forward, multiplier 1, C % 8 == 0 (``_forward_nhwc_tiled``): every pixel
+          through the register tiles (``cpu_depthwise_tiles``), addressed in x itself (one
+          row per pixel, one offset per tap) with the taps that lie inside the image. The
+          same sums, bit for bit, as the loops below.
     NHWC  channels on the vector lanes. Stride 1 along w and multiplier 1 (``_flat_rows``):
           a tap of an output row is one flat loop over Q*C values of x (or the gated g) against
           the tap's weights repeated Q times (``_tiled_taps``), forward and dX. Otherwise, and
@@ -227,57 +226,50 @@ def _forward_nhwc_rows(t0, t1, x, wtile, btile, relu, geo, rpc, y):
                 yr[i] = _relu(v) if relu else v
 
 
-@njit(cache=True, fastmath=FMA)
-def _pixel_nhwc(x, wt, b, relu, geo, n, p, q, acc, yv):
-    # one output pixel of multiplier 1, its taps outside the image skipped; wt: (R*S, C)
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    acc[:] = 0
-    for r in range(R):
-        h = p * sh - ph + r * dh
-        if h < 0 or h >= H:
-            continue
-        for s in range(S):
-            wi = q * sw - pw + s * dw
-            if wi < 0 or wi >= W:
-                continue
-            xv, wv = x[n, h, wi], wt[r * S + s]                   # (C,), (C,)
-            for c in range(C):
-                acc[c] += xv[c] * wv[c]
-    for c in range(C):
-        v = acc[c] + b[c]
-        yv[c] = _relu(v) if relu else v
-
-
 @task_kernel(fastmath=FMA)
 def _forward_nhwc_tiled(t0, t1, x, wt, b, relu, geo, rpc, aoff, wide, y):
-    # Multiplier 1, float32, C % 8 == 0: the pixels of a row whose taps all lie inside the
-    # image go through the register tiles (cpu_depthwise_tiles: rows addressed in x itself,
-    # the taps by aoff (R*S,) element offsets), the others through _pixel_nhwc. x: (N, H, W,
-    # C);  wt: (R*S, C);  b: (C,);  y: (N, P, Q, C).  Tasks as _forward_nhwc's.
+    # Multiplier 1, float32, C % 8 == 0, every pixel through the register tiles
+    # (cpu_depthwise_tiles), addressed in x itself with the taps that lie inside the image:
+    # an output row's rows of taps [r0, r1); its interior columns (every tap column inside)
+    # share one tap table, a border column gets a table of its own taps. x: (N, H, W, C);  wt:
+    # (R*S, C);  aoff: (2, R*S) int64 element offsets of each tap in x and in wt;  b: (C,);
+    # y: (N, P, Q, C).  Tasks as _forward_nhwc's. Each value is the sum over the valid taps
+    # in (r, s) order, as the other NHWC kernels make it.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     nb = (P + rpc - 1) // rpc
     rows = np.empty(Q, np.int64)                                      # pixel addresses in x
-    acc = np.empty(C, x.dtype)
+    own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
     qa = min(Q, (pw + sw - 1) // sw)                                  # interior columns
     last = W - 1 - (S - 1) * dw + pw
     qb = max(qa, min(Q, last // sw + 1)) if last >= 0 else qa
     px, py, pb = np.int64(x.ctypes.data), np.int64(y.ctypes.data), np.int64(b.ctypes.data)
-    pa, pr = np.int64(aoff.ctypes.data), np.int64(rows.ctypes.data)
+    pxo, pwo = np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data)
+    pown, pownw = np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data)
+    pr, pwt = np.int64(rows.ctypes.data), np.int64(wt.ctypes.data)
+    rel = np.int64(relu)
     for t in range(t0, t1):
         n, p0 = t // nb, (t % nb) * rpc
         for p in range(p0, min(P, p0 + rpc)):
-            h0 = p * sh - ph
-            inside = h0 >= 0 and h0 + (R - 1) * dh < H
-            lo, hi = (qa, qb) if inside else (Q, Q)
-            for q in range(lo, hi):
-                rows[q - lo] = px + 4 * (((n * H + h0) * W + q * sw - pw) * C)
-            if hi > lo:
-                _tiles.depthwise_taps(hi - lo, C, R * S, pr, pa, np.int64(wt.ctypes.data),
-                                      py + 4 * (((n * P + p) * Q + lo) * C), C, pb,
-                                      np.int64(relu), wide)
-            for q in range(Q):
-                if q < lo or q >= hi:
-                    _pixel_nhwc(x, wt, b, relu, geo, n, p, q, acc, y[n, p, q])
+            r0, r1 = _valid_range(p, dh, ph, sh, H, R)              # tap rows inside
+            r1 = max(r0, r1)
+            for q in range(Q):                                      # first taps' addresses
+                rows[q] = px + 4 * (((n * H + p * sh - ph) * W + q * sw - pw) * C)
+            pc = py + 4 * ((n * P + p) * Q * C)
+            lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
+            q = 0
+            while q < Q:               # the interior run, else one border pixel at a time
+                if q == lo and hi > lo:
+                    m, k, tx, tw = hi - lo, (r1 - r0) * S, pxo + 8 * r0 * S, pwo + 8 * r0 * S
+                else:
+                    s0, s1 = _valid_range(q, dw, pw, sw, W, S)      # tap columns inside
+                    m, k, tx, tw = 1, 0, pown, pownw
+                    for r in range(r0, r1):
+                        for s in range(s0, s1):
+                            own[0, k], own[1, k] = aoff[0, r * S + s], aoff[1, r * S + s]
+                            k += 1
+                _tiles.depthwise_taps(m, C, k, pr + 8 * q, tx, tw, pwt, pc + 4 * q * C, C, pb,
+                                      rel, wide)          # (one call site: one inlined copy)
+                q += m
 
 
 @task_kernel(fastmath=FMA)
@@ -346,9 +338,11 @@ def _taps_rs(w, geom):
 
 
 def _tap_offsets(geom):
-    """Element offsets in x (NHWC) of the taps (r, s), r-major, from a pixel's corner."""
-    return np.array([(r * geom.dh * geom.W + s * geom.dw) * geom.C for r in range(geom.R)
-                     for s in range(geom.S)], np.int64)
+    """(2, R*S) int64: element offsets of the taps (r, s), r-major, in x (NHWC) from a
+    pixel's first tap, and in the (R*S, C) taps."""
+    R, S, C = geom.R, geom.S, geom.C
+    return np.array([[(r * geom.dh * geom.W + s * geom.dw) * C for r in range(R)
+                      for s in range(S)], [t * C for t in range(R * S)]], np.int64)
 
 
 def _flat_rows(geom):

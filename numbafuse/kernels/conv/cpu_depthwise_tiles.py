@@ -1,15 +1,16 @@
 """A register-tiled micro-kernel for the depthwise NHWC forward, float32.
 
-``depthwise_taps(m, n, ntaps, prow, paoff, pw, pc, ldc, pbias, relu, wide)`` computes, for
-m output pixels and n channels (a multiple of 8),
+``depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wide)``
+computes, for m output pixels and n channels (a multiple of 8),
 
-    c[i, :n] = relu?(sum over t < ntaps of x(i, t)[:n] * w[t, :n] + bias?)
+    c[i, :n] = relu?(sum over t < ntaps of x(i, t)[:n] * w(t)[:n] + bias?)
 
 where pixel i's tap t (channel 0) starts at the address ``row[i] + 4 * aoff[t]`` (``prow``,
-``paoff``: addresses of int64 arrays of m addresses and ntaps element offsets), ``w`` is (ntaps, n)
-float32 at ``pw`` and ``c`` (m, ldc) at ``pc``. A depthwise convolution passes one row per
-output pixel whose receptive field lies inside the image (the address of its corner in x
-itself: no copy) and one offset per tap, ``(r*dh*W + s*dw)*C``.
+``paoff``: addresses of int64 arrays of m addresses and ntaps element offsets), w(t) starts
+``woff[t]`` float32 elements after ``pw`` (``pwoff``: an int64 table), and ``c`` (m, ldc) is
+at ``pc``. A depthwise convolution passes one row per output pixel (the address of its
+first tap in x itself: no copy) and the offsets of the taps that lie inside the image,
+``(r*dh*W + s*dw)*C`` in x and ``(r*S + s)*C`` in w.
 
 Each (pixels, vectors) block of c is summed in registers over every tap (a fused
 multiply-add per tap, in tap order: the sum the other depthwise kernels make, each value
@@ -32,16 +33,17 @@ def _dw_tile(rows, nv, width):
     """The micro-kernel intrinsic for a (rows, width * nv) block of c."""
 
     @intrinsic
-    def tile(typingctx, ntaps, prow, paoff, xj, w, ldw, c, ldc, bias, relu):
-        """c[r, :width*nv] = relu?(sum over t of x_r,t[:width*nv] * w[t*ldw:][:width*nv]
+    def tile(typingctx, ntaps, prow, paoff, xj, w, pwoff, c, ldc, bias, relu):
+        """c[r, :width*nv] = relu?(sum over t of x_r,t[:width*nv] * w[woff[t]:][:width*nv]
         + bias?) for r < rows; x_r,t = row[r] + aoff[t] + xj (float32 elements: xj, the
-        block's first channel); prow, paoff, w, c, bias: addresses (bias 0: none); ldw, ldc
-        row strides in elements; relu 0 or 1."""
+        block's first channel); prow, paoff, pwoff (int64 tables), w, c, bias: addresses
+        (bias 0: none); ldc the row stride of c in elements; relu 0 or 1."""
         def codegen(context, builder, signature, args):
-            ntaps, prow, paoff, xj, w, ldw, c, ldc, bias, relu = args
+            ntaps, prow, paoff, xj, w, pwoff, c, ldc, bias, relu = args
             V = Vec(builder, width)
             prow = builder.inttoptr(prow, _I64.as_pointer())
             paoff = builder.inttoptr(paoff, _I64.as_pointer())
+            pwoff = builder.inttoptr(pwoff, _I64.as_pointer())
             w, c = V.floats(w), V.floats(c)
             row = [V.floats(builder.load(builder.gep(prow, [ir.Constant(_I64, r)])))
                    for r in range(rows)]
@@ -50,7 +52,7 @@ def _dw_tile(rows, nv, width):
             with cgutils.for_range(builder, ntaps) as taps:
                 t = taps.index
                 off = builder.add(builder.load(builder.gep(paoff, [t])), xj)
-                wt = builder.gep(w, [builder.mul(t, ldw)])
+                wt = builder.gep(w, [builder.load(builder.gep(pwoff, [t]))])
                 wv = [V.load(wt, zero, v) for v in range(nv)]
                 for r in range(rows):
                     xr = builder.gep(row[r], [off])
@@ -75,8 +77,9 @@ _n3r, _n2r, _n1r = _dw_tile(1, 3, 8), _dw_tile(1, 2, 8), _dw_tile(1, 1, 8)
 
 
 @njit(nogil=True, cache=True)
-def depthwise_taps(m, n, ntaps, prow, paoff, pw, pc, ldc, pbias, relu, wide):
-    """See the module docstring; every argument int64 (one compilation), n % 8 == 0."""
+def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wide):
+    """See the module docstring (tap t's weights at ``w + woff[t]``, pwoff the address of an
+    int64 table); every argument int64 (one compilation), n % 8 == 0."""
     j = 0
     while j < n:
         cols = panel(wide, n - j)
@@ -88,32 +91,33 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pw, pc, ldc, pbias, relu, wide):
             pa = paoff
             if i + ROWS <= m:
                 if cols == 64:
-                    _w4(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                    _w4(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 32:
-                    _w2(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                    _w2(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 24:
-                    _n3(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                    _n3(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 16:
                     if wide:
-                        _w1(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                        _w1(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                     else:
-                        _n2(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                        _n2(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 else:
-                    _n1(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                    _n1(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 i += ROWS
             else:
                 if cols == 64:
-                    _w4r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                    _w4r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 32:
-                    _w2r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                    _w2r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 24:
-                    _n3r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                    _n3r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 16:
                     if wide:
-                        _w1r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                        _w1r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                     else:
-                        _n2r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                        _n2r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 else:
-                    _n1r(ntaps, pr, pa, j, pwj, n, pcij, ldc, pbiasj, relu)
+                    _n1r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 i += 1
         j += cols
+
