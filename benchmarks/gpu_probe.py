@@ -19,28 +19,19 @@ pool: a prepared launch captured into a GraphBuilder and replayed; which calls a
 replay time of a graph of 60 small launches against launching them one by one.
 """
 import os
-import statistics
 import sys
 import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from bench_gpu import median_events  # noqa: E402  (the benchmark's event timing)
 
 
 def _events(cuda, fn, repeats=30):
-    for _ in range(3):
-        fn()
-    cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = cuda.event(), cuda.event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of ``fn()`` between two device events (bench_gpu's, after its warm-up)."""
+    return median_events(fn, repeats, cuda.event, cuda.synchronize)
 
 
 def _host(cuda, fn, calls=200):

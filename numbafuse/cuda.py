@@ -375,7 +375,6 @@ class _Capture:
         self.launches = []
         self.blocks = []
         self.free = {}
-        self.capturing = True
 
     def numba_stream(self):
         """The capturing stream as a numba stream (for numba's own copies)."""
@@ -532,12 +531,10 @@ def graph(fn, *args, warmup=2, **kwargs):
         outputs = fn(*args, **kwargs)
     except BaseException:
         _CAPTURE[0] = None
-        capture.capturing = False
         _abandon(builder)
         capture.close()
         raise
     _CAPTURE[0] = None
-    capture.capturing = False
     executable = None
     if builder is not None:
         builder.end_building()

@@ -46,7 +46,6 @@ def _begin():
 
 def _end(capture):
     nfcuda._CAPTURE[0] = None
-    capture.capturing = False
 
 
 def test_without_a_graph_a_dead_block_goes_back_to_the_pool(pool):

@@ -168,6 +168,18 @@ def _elem(kind, a, b, aux, mask, state_kind, off, p0, p1):
 
 
 @cuda.jit(device=True, inline=True)
+def _add_at(kind, a, b, aux, mask, state_kind, offs, p0, p1, s1, s2):
+    """(s1, s2) plus the ``kind`` quantities of the values at the U offsets ``offs`` (-1:
+    none), in u order: the second half of a walk step, whose loads were issued together."""
+    for u in range(U):
+        if offs[u] >= 0:
+            v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(offs[u]), p0, p1)
+            s1 += v1
+            s2 += v2
+    return s1, s2
+
+
+@cuda.jit(device=True, inline=True)
 def _channel_params(kind, a, mean, c, B, cvt):
     """(p0, p1) of channel c in a's dtype: the shift (its first value) for statistics; the
     mean split hi + lo for the backward (``cvt``: a (2,) local array of a's dtype)."""
@@ -204,11 +216,7 @@ def nchw_walk(kind):
                 if pb >= B:
                     pb = int32(pb - B)
                     off = int32(off + CB - B)
-            for u in range(U):
-                if offs[u] >= 0:
-                    v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(offs[u]), p0, p1)
-                    s1 += v1
-                    s2 += v2
+            s1, s2 = _add_at(kind, a, b, aux, mask, state_kind, offs, p0, p1, s1, s2)
             j = int32(j + U * T)
         return s1, s2
     return walk
@@ -229,11 +237,7 @@ def nhwc_walk(kind):
         while m < hi:
             for u in range(U):                       # U loads in flight
                 offs[u] = int32(off + u * step) if m + u * RG < hi else int32(-1)
-            for u in range(U):
-                if offs[u] >= 0:
-                    v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(offs[u]), p0, p1)
-                    s1 += v1
-                    s2 += v2
+            s1, s2 = _add_at(kind, a, b, aux, mask, state_kind, offs, p0, p1, s1, s2)
             m = int32(m + U * RG)
             off = int32(off + U * step)
         return s1, s2

@@ -88,36 +88,35 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wi
         i = 0
         while i < m:
             pr, pcij = prow + 8 * i, pc + 4 * (i * ldc + j)
-            pa = paoff
             if i + ROWS <= m:
                 if cols == 64:
-                    _w4(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _w4(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 32:
-                    _w2(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _w2(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 24:
-                    _n3(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _n3(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 16:
                     if wide:
-                        _w1(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                        _w1(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                     else:
-                        _n2(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                        _n2(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 else:
-                    _n1(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _n1(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 i += ROWS
             else:
                 if cols == 64:
-                    _w4r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _w4r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 32:
-                    _w2r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _w2r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 24:
-                    _n3r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _n3r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 elif cols == 16:
                     if wide:
-                        _w1r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                        _w1r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                     else:
-                        _n2r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                        _n2r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 else:
-                    _n1r(ntaps, pr, pa, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _n1r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
                 i += 1
         j += cols
 
