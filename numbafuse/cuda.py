@@ -86,6 +86,10 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("numbafuse: CUDA arrays need numba-cuda: pip install 'numbafuse[cuda]'"
                       ) from exc
 
+from . import jit_cache  # noqa: E402
+
+jit_cache.install_numbafuse()   # numba-cuda's cache too, before any CUDA kernel is decorated
+
 SIMULATOR = bool(numba_config.ENABLE_CUDASIM)   # NUMBA_ENABLE_CUDASIM=1: the CUDA simulator
 
 

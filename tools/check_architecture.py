@@ -30,6 +30,7 @@ DEBT = pathlib.Path(__file__).resolve().parent / "architecture_debt.txt"
 
 # Bottom first. A name stands for that module and everything under it.
 LAYERS = [
+    ["numbafuse.jit_cache"],                 # numba's cache stamps: a file and its imports
     ["numbafuse.cuda"],                      # the one import of numba.cuda
     ["numbafuse.backend"],                   # host/device, allocation, copies
     ["numbafuse.validate"],                  # argument checks and geometry

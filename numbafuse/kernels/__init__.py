@@ -16,8 +16,10 @@ import importlib
 
 import numpy as np
 
-from .. import backend
+from .. import backend, jit_cache
 from . import interfaces  # noqa: F401  (the return types of conv_kernels() and batchnorm_kernels())
+
+jit_cache.install_numbafuse()   # before any kernel is decorated: cached kernels see their imports
 
 FAMILIES = ("conv", "batchnorm", "basic", "elementwise")
 
