@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
                                             "'numbafuse[torch]'); .ci/run's torch leg has it")
 nn, F = torch.nn, torch.nn.functional
 
-import numbafuse.ops.batchnorm as ops_bn  # noqa: E402
+from numbafuse import kernels  # noqa: E402
 import numbafuse.ops.conv as ops_conv  # noqa: E402
 import numbafuse.torch as nft  # noqa: E402
 
@@ -117,21 +117,21 @@ def test_channels_last_is_read_and_returned_without_a_copy(monkeypatch):
     """The arrays numbafuse's kernels get are NHWC views of the tensors' own memory, and the
     tensors returned are views of the kernels' outputs (data pointers equal)."""
     seen = {}
-    conv_forward, bn_apply = ops_conv.conv_forward, ops_bn.bn_apply
+    bn_kernels = kernels.batchnorm_kernels("cpu")
+    conv_forward, bn_apply = ops_conv.conv_forward, bn_kernels.apply
 
     def spy_conv(x, w, b, geometry, relu):
         y = conv_forward(x, w, b, geometry, relu)
         seen["conv"] = (x.ctypes.data, geometry.layout, y.ctypes.data)
         return y
 
-    def spy_apply(h, *args, **kw):
-        out = bn_apply(h, *args, **kw)
-        y = out[0] if isinstance(out, tuple) else out
-        seen["apply"] = (h.ctypes.data, kw.get("layout"), y.ctypes.data)
+    def spy_apply(h, mean, invstd, gamma, beta, z, relu, layout, want_mask):
+        out = bn_apply(h, mean, invstd, gamma, beta, z, relu, layout, want_mask)
+        seen["apply"] = (h.ctypes.data, layout, out[0].ctypes.data)
         return out
 
     monkeypatch.setattr(ops_conv, "conv_forward", spy_conv)
-    monkeypatch.setattr(ops_bn, "bn_apply", spy_apply)
+    monkeypatch.setattr(bn_kernels, "apply", spy_apply)
     x = _t(2, 4, 6, 6, fmt=CL)
     w, b = _t(4, 1, 3, 3, seed=1), _t(4, seed=2)
     y = nft.conv_bias_relu(x, w, b, 1, 1, 1, 4)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -265,47 +266,60 @@ def check_comm(op, comm, x, C, layout, training, eps, momentum, has_running, rel
                              float(momentum), bool(has_running), bool(relu)))
 
 
-def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentum, eps,
-             layout, relu, with_mask, save="output", comm=None):
-    """Validate, compute the statistics, update the running ones, apply: shared by the ops.
+class Forward(NamedTuple):
+    """What :func:`forward` returns: y, and what :func:`bn_backward` reads."""
+    y: object           # x's shape and dtype
+    mask: object        # the packed 1-bit mask of y > 0 (``with_mask``), else None
+    x: object           # x as the kernels read it: C-contiguous, x's own dtype
+    mean: object        # (C,) float64, on x's backend
+    invstd: object      # (C,) float64
+    layout: str
+    count: int          # values per channel the statistics are over (all ranks' with comm)
 
-    Returns (y, mask, x, mean, invstd, args, count) with x the C-contiguous array the kernels
-    read (in x's own dtype: a half x is kept half) and count the values per channel the
-    statistics are over (all ranks' with ``comm``). Half precision: float32 parameters
-    (``precision``), x and z as the backend's kernels take them (:func:`_activations`), y
-    back in x's dtype, half running statistics written back.
+
+def forward(op, x, z, gamma, beta, p, relu, with_mask, save="output"):
+    """The batch-norm forward without a tape, shared by every caller (the ops Functions, the
+    PyTorch Function and custom op): validate, the statistics, the running ones updated in
+    place, apply ``[relu](gamma * xhat + beta [+ z])``. ``p``: :class:`BatchNormParams` (the
+    running statistics, training, momentum, eps, layout, comm); ``save`` is validated only.
+
+    Half precision: float32 parameters (``precision``), x and z as the backend's kernels take
+    them (:func:`_activations`), y back in x's dtype, half running statistics written back.
+    Inference with a non-empty x is one call of the backend's ``apply_running`` (one pass on
+    CUDA); training with one process is ``stats_update`` (one launch on CUDA), then ``apply``.
     """
-    synced = comm is not None and training
-    args = validate.batchnorm_args(op, x, gamma, beta, z=z, running_mean=running_mean,
-                                   running_var=running_var, training=training,
-                                   momentum=momentum, eps=eps, layout=layout, save=save,
+    synced = p.comm is not None and p.training
+    args = validate.batchnorm_args(op, x, gamma, beta, z=z, running_mean=p.running_mean,
+                                   running_var=p.running_var, training=p.training,
+                                   momentum=p.momentum, eps=p.eps, layout=p.layout, save=save,
                                    synced=synced)
-    check_comm(op, comm, x, args.C, args.layout, training, args.eps, args.momentum,
-               running_mean is not None, relu)
+    check_comm(op, p.comm, x, args.C, args.layout, p.training, args.eps, args.momentum,
+               p.running_mean is not None, relu)
     x_kept = kernels.contiguous(x)
     act = _activations(args.backend)                 # half: as the kernels take it
     x, z = act(x_kept), None if z is None else act(kernels.contiguous(z))
     gamma, beta = (precision.compute(kernels.contiguous(a)) for a in (gamma, beta))
-    kept_stats = (running_mean, running_var)
+    kept_stats = (p.running_mean, p.running_var)
     running_mean, running_var = (precision.compute(a) for a in kept_stats)
     impl = _kernels(args.backend)
     count = args.M
     if synced:                      # the statistics of all ranks' batch (Chan's merge)
         mean, var, invstd, count = synced_stats(op, impl, x, args.layout, args.eps, args.C,
-                                                comm)
+                                                p.comm)
         if running_mean is not None:
             impl.update_running(running_mean, running_var, mean, var, count, args.momentum)
-    elif training:
+    elif p.training:
         mean, var, invstd = stats_and_update(impl, x, args.layout, args.eps, running_mean,
                                              running_var, args.momentum)
     elif x.size:                                    # stats + apply (one pass on CUDA)
         y, mask, mean, invstd = impl.apply_running(x, running_mean, running_var, args.eps,
                                                    gamma, beta, z, relu, args.layout,
                                                    with_mask)
-        return precision.store(y, args.dtype), mask, x_kept, mean, invstd, args, count
+        return Forward(precision.store(y, args.dtype), mask, x_kept, mean, invstd, args.layout,
+                       count)
     else:
         mean, invstd = impl.inference_stats(running_mean, running_var, args.eps)
-    if training:
+    if p.training:
         for kept, updated in zip(kept_stats, (running_mean, running_var)):
             precision.store_into(kept, updated)         # a half running statistic, updated
     if x.size:
@@ -313,7 +327,8 @@ def _forward(op, x, z, gamma, beta, running_mean, running_var, training, momentu
     else:                                             # a rank without samples
         y = backend.empty(args.backend, x.shape, x.dtype)
         mask = backend.empty(args.backend, (0,), np.uint8) if with_mask else None
-    return precision.store(y, args.dtype), mask, x_kept, mean, invstd, args, count
+    return Forward(precision.store(y, args.dtype), mask, x_kept, mean, invstd, args.layout,
+                   count)
 
 
 # --------------------------------------------------------------------------- fused op
@@ -355,15 +370,14 @@ class BatchNormAddReLU(Function):
         validate.check_given(self.name, x=x, z=z)
         needs_grad = any(self.needs_input_grad) and is_recording()
         with_mask = needs_grad and p.save == "mask"
-        y, mask, x, mean, invstd, args, self.count = _forward(
-            self.name, x, z, gamma, beta, p.running_mean, p.running_var, p.training,
-            p.momentum, p.eps, p.layout, relu=True, with_mask=with_mask, save=p.save,
-            comm=p.comm)
-        self.layout = args.layout
-        relu_state = mask if p.save == "mask" else y
-        self.save_for_backward(x=x, mean=mean, invstd=invstd, gamma=kernels.contiguous(gamma),
+        out = forward(self.name, x, z, gamma, beta, p, relu=True, with_mask=with_mask,
+                      save=p.save)
+        self.layout, self.count = out.layout, out.count
+        relu_state = out.mask if p.save == "mask" else out.y
+        self.save_for_backward(x=out.x, mean=out.mean, invstd=out.invstd,
+                               gamma=kernels.contiguous(gamma),
                                **{"mask" if p.save == "mask" else "y": relu_state})
-        return y
+        return out.y
 
     # bwd :: (residuals, dy) -> (dx, dz, dgamma, dbeta)
     def backward(self, dy):
@@ -395,12 +409,11 @@ class BatchNorm(Function):
     # fwd :: (x, gamma, beta) -> (y, residuals=(x, mean, invstd, gamma))
     def forward(self, x, gamma, beta):
         p = self.params
-        y, _, x, mean, invstd, args, self.count = _forward(
-            self.name, x, None, gamma, beta, p.running_mean, p.running_var, p.training,
-            p.momentum, p.eps, p.layout, relu=False, with_mask=False, comm=p.comm)
-        self.layout = args.layout
-        self.save_for_backward(x=x, mean=mean, invstd=invstd, gamma=kernels.contiguous(gamma))
-        return y
+        out = forward(self.name, x, None, gamma, beta, p, relu=False, with_mask=False)
+        self.layout, self.count = out.layout, out.count
+        self.save_for_backward(x=out.x, mean=out.mean, invstd=out.invstd,
+                               gamma=kernels.contiguous(gamma))
+        return out.y
 
     # bwd :: (residuals, dy) -> (dx, dgamma, dbeta)
     def backward(self, dy):

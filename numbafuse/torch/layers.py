@@ -332,6 +332,9 @@ def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
 
 # --------------------------------------------------------------------------- batchnorm_add_relu
 
+BATCHNORM_OP = "numbafuse.torch.batchnorm_add_relu"
+
+
 class BatchNormAddReLUFunction(torch.autograd.Function):
     r"""Fused ``y = relu(weight * xhat + bias + z)`` on torch tensors (numbafuse's kernels).
 
@@ -343,6 +346,9 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
 
     (training: batch statistics, M = N*H*W; inference: the running ones, ``dx = w invstd g``).
     Residuals: x, weight, mean, invstd (float64, C each) and the packed 1-bit ReLU mask.
+    Forward and backward are numbafuse's own, without its tape: ``ops.batchnorm.forward``
+    (validation, statistics, running update, apply; one pass on CUDA in inference) and
+    ``ops.batchnorm.bn_backward``, as the ops Function and the custom op run them.
     """
 
     # fwd :: (x, z, weight, bias) -> (y, residuals=(x, weight, mean, invstd, mask))
@@ -350,28 +356,20 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
     def forward(ctx, x, z, weight, bias, running_mean, running_var, training, momentum, eps,
                 keep_mask, device):
         layout = layout_of(x)                         # NHWC for a channels_last x
-        x_a = as_array(x, layout)
-        with launch_order(device):
-            if training:
-                mean, var, invstd = _bn.bn_stats(x_a, eps, layout)             # (C,) float64
-                if running_mean is not None:
-                    count = x.numel() // x.shape[1]                           # M = N*H*W
-                    _bn.update_running(as_array(running_mean), as_array(running_var), mean,
-                                       var, count, momentum)
-            else:
-                mean, invstd = _bn.bn_inference_stats(as_array(running_mean),
-                                                      as_array(running_var), eps)
-            applied = _bn.bn_apply(x_a, mean, invstd, as_array(weight), as_array(bias),
-                                   as_array(z, layout), relu=True, layout=layout,
-                                   with_mask=keep_mask)
+        p = _bn.BatchNormParams(running_mean=as_array(running_mean),
+                                running_var=as_array(running_var), training=training,
+                                momentum=momentum, eps=eps, layout=layout, comm=None)
+        with launch_order(device):      # numbafuse's own forward (ops.batchnorm.forward)
+            out = _bn.forward(BATCHNORM_OP, as_array(x, layout), as_array(z, layout),
+                              as_array(weight), as_array(bias), p, relu=True,
+                              with_mask=keep_mask, save="mask")
         if training and running_mean is not None:
             updated_in_place(running_mean, running_var)
-        y, mask = applied if keep_mask else (applied, None)
         ctx.device, ctx.training, ctx.layout = device, training, layout
         if keep_mask:
-            ctx.save_for_backward(x, weight, as_tensor(mean, device), as_tensor(invstd, device),
-                                  as_tensor(mask, device))
-        return as_tensor(y, device, layout)
+            ctx.save_for_backward(x, weight, as_tensor(out.mean, device),
+                                  as_tensor(out.invstd, device), as_tensor(out.mask, device))
+        return as_tensor(out.y, device, layout)
 
     # bwd :: (residuals=(x, weight, mean, invstd, mask), dy) -> (dx, dz, dweight, dbias)
     @staticmethod
@@ -419,7 +417,7 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
     >>> int((y > 0).sum()), rm
     (4, tensor([0.3500]))
     """
-    op = "numbafuse.torch.batchnorm_add_relu"
+    op = BATCHNORM_OP
     device = check_tensors(op, x=x, z=z, weight=weight, bias=bias, running_mean=running_mean,
                            running_var=running_var)
     for name, t in (("x", x), ("z", z), ("weight", weight), ("bias", bias)):
