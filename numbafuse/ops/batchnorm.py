@@ -277,11 +277,13 @@ class Forward(NamedTuple):
     count: int          # values per channel the statistics are over (all ranks' with comm)
 
 
-def forward(op, x, z, gamma, beta, p, relu, with_mask, save="output"):
+def forward(op, x, z, gamma, beta, p, relu, with_mask, save="output", args=None):
     """The batch-norm forward without a tape, shared by every caller (the ops Functions, the
     PyTorch Function and custom op): validate, the statistics, the running ones updated in
     place, apply ``[relu](gamma * xhat + beta [+ z])``. ``p``: :class:`BatchNormParams` (the
     running statistics, training, momentum, eps, layout, comm); ``save`` is validated only.
+    ``args``: the call's ``validate.BatchNormArgs`` where the caller has checked everything
+    already (``numbafuse.torch`` checks its tensors itself, with its own argument names).
 
     Half precision: float32 parameters (``precision``), x and z as the backend's kernels take
     them (:func:`_activations`), y back in x's dtype, half running statistics written back.
@@ -289,10 +291,11 @@ def forward(op, x, z, gamma, beta, p, relu, with_mask, save="output"):
     CUDA); training with one process is ``stats_update`` (one launch on CUDA), then ``apply``.
     """
     synced = p.comm is not None and p.training
-    args = validate.batchnorm_args(op, x, gamma, beta, z=z, running_mean=p.running_mean,
-                                   running_var=p.running_var, training=p.training,
-                                   momentum=p.momentum, eps=p.eps, layout=p.layout, save=save,
-                                   synced=synced)
+    if args is None:
+        args = validate.batchnorm_args(op, x, gamma, beta, z=z, running_mean=p.running_mean,
+                                       running_var=p.running_var, training=p.training,
+                                       momentum=p.momentum, eps=p.eps, layout=p.layout,
+                                       save=save, synced=synced)
     check_comm(op, p.comm, x, args.C, args.layout, p.training, args.eps, args.momentum,
                p.running_mean is not None, relu)
     x_kept = kernels.contiguous(x)

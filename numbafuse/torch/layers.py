@@ -103,6 +103,9 @@ def memory_format(layout):
 
 # --------------------------------------------------------------------------- the bridge
 
+NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
+
+
 def check_tensors(op, **tensors):
     """The one ``torch.device`` of the non-``None`` ``tensors``, after checking each is a
     floating torch tensor of the first one's dtype, on a CPU or CUDA device shared by all, and
@@ -359,10 +362,15 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
         p = _bn.BatchNormParams(running_mean=as_array(running_mean),
                                 running_var=as_array(running_var), training=training,
                                 momentum=momentum, eps=eps, layout=layout, comm=None)
+        C = x.shape[1]
+        dtype = NUMPY_DTYPES[x.dtype]    # every tensor's (check_tensors)
+        args = validate.BatchNormArgs(   # checked by the callers (check_tensors and the rest)
+            backend.CUDA if x.is_cuda else backend.CPU, dtype, layout, C, x.numel() // C, eps,
+            momentum, dtype)
         with launch_order(device):      # numbafuse's own forward (ops.batchnorm.forward)
             out = _bn.forward(BATCHNORM_OP, as_array(x, layout), as_array(z, layout),
                               as_array(weight), as_array(bias), p, relu=True,
-                              with_mask=keep_mask, save="mask")
+                              with_mask=keep_mask, save="mask", args=args)
         if training and running_mean is not None:
             updated_in_place(running_mean, running_var)
         ctx.device, ctx.training, ctx.layout = device, training, layout
