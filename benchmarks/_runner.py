@@ -12,7 +12,7 @@ per call), except in the neighbour mode, whose point is the interleaving. The ta
 over the rounds.
 
 ``options["threads"]`` (the benchmarks' ``--threads N``), when given, sets each library's thread
-count through its own API in its worker (``numbafuse.kernels.cpu_launch.set_num_threads``,
+count through its own API in its worker (``numbafuse.kernels.cpu.launch.set_num_threads``,
 ``torch.set_num_threads``): with 1 thread each, the comparison is of single-core speed, which a
 loaded shared machine disturbs far less than a 2-thread race (PyTorch's OpenMP threads spin and
 wait for each other; a descheduled one stalls the call). Workers report the best wall time and
@@ -75,8 +75,8 @@ def _library_info(side):
     if side != "torch":                          # (after torch: the backend depends on it)
         import numba
         import numpy
-        from numbafuse.kernels import cpu_blas as _blas, cpu_launch as _launch
-        from numbafuse.kernels import cpu_gemm_taps as _taps
+        from numbafuse.kernels.cpu import blas as _blas, launch as _launch
+        from numbafuse.kernels.cpu import gemm_taps as _taps
         info.update(numbafuse=f"numba {numba.__version__}, numpy {numpy.__version__}, "
                     f"{_launch.num_threads()} threads, private BLAS {_blas.PRIVATE}, "
                     f"{'16' if _taps.WIDE else '8'}-float tiles "
@@ -94,7 +94,7 @@ def _torch_first():
 
 def _set_threads(side, n):
     if side != "torch":
-        from numbafuse.kernels import cpu_launch
+        from numbafuse.kernels.cpu import launch as cpu_launch
         cpu_launch.set_num_threads(n)
     if side not in ("numbafuse",):
         import torch

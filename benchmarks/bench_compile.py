@@ -271,11 +271,11 @@ def _kernel_key(py_func):
 def _step_kernel_names():
     """``module.qualname`` of every kernel one training step of the digits ResNet launches (batch
     2, the default model, float32), found by running the step under the CUDA simulator and
-    observing its launches (``cuda_launch.observe``). Run in its own process (the simulator is
+    observing its launches (``cuda.launch.observe``). Run in its own process (the simulator is
     chosen when numba is imported)."""
     import numpy as np
     from numbafuse import backend, models, optim, train
-    from numbafuse.kernels import cuda_launch
+    from numbafuse.kernels.cuda import launch as cuda_launch
     seen = set()
 
     def record(kernel, args):

@@ -132,7 +132,7 @@ def numbafuse_worker(cfg, path=None):
     import numbafuse as nf
     from numbafuse import cuda as nfcuda, models, optim
     from numbafuse.train import train_step
-    from numbafuse.kernels import cuda_config
+    from numbafuse.kernels.cuda import config as cuda_config
     for name, value in cfg.get("launch", {}).items():     # --smoke: simulator-sized launches
         setattr(cuda_config, name, value)
     if "launch" in cfg:
@@ -158,7 +158,7 @@ def numbafuse_worker(cfg, path=None):
     def empty_kernel(a):
         pass
 
-    from numbafuse.kernels.cuda_launch import launch
+    from numbafuse.kernels.cuda.launch import launch
     n, reps = cfg["calls"], cfg["call_repeats"]
     xb = dev(rng.standard_normal((d["batch"], 8, 8, 1)).astype(np.float32))
     yb = dev(rng.integers(0, 10, d["batch"]))

@@ -10,7 +10,7 @@ of the process, numba's too).
 
 ``knobs``: batch norm's kernels at the benchmark's large shapes, per kernel (CUPTI durations
 through PyTorch's profiler, the mean of 10 calls), under launch-time settings of
-``kernels/cuda_config`` side by side: ``reduce_target_blocks`` (the channel reductions'
+``kernels/cuda/config.py`` side by side: ``reduce_target_blocks`` (the channel reductions'
 blocks in all) and ``max_blocks`` (the elementwise passes' grid).
 
 ``graph``: what CUDA graph capture through cuda.core allows with numbafuse's launches and
@@ -104,7 +104,7 @@ def knobs():
     import numpy as np
     import numbafuse as nf
     from numbafuse import cuda as nfcuda
-    from numbafuse.kernels import cuda_config as config
+    from numbafuse.kernels.cuda import config
     import torch
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.init()
@@ -152,8 +152,8 @@ def knobs():
 def graph():
     import numpy as np
     from numbafuse import cuda as nfcuda
-    from numbafuse.kernels import cuda_launch
-    from numbafuse.kernels.cuda_launch import launch
+    from numbafuse.kernels.cuda import launch as cuda_launch
+    from numbafuse.kernels.cuda.launch import launch
     cuda = nfcuda.numba_cuda
     import cuda.core as cc
 

@@ -4,7 +4,7 @@ their own time. Run on a GPU (benchmarks/gpu_check.sh runs it):
     python benchmarks/gpu_profile.py [--calls 200] [--top 18]
 
 At the digits shape (bench_gpu.DIGITS: x (32, 24, 8, 8) float32), the per-call table's ops
-and one training step of the digits ResNet, each with the launches of ``cuda_config.launch``
+and one training step of the digits ResNet, each with the launches of ``cuda.config.launch``
 (prepared unless NUMBAFUSE_CUDA_LAUNCH=numba).
 """
 import argparse
@@ -30,7 +30,7 @@ def main():
     import numpy as np
     import numbafuse as nf
     from numbafuse import cuda as nfcuda, models, optim
-    from numbafuse.kernels import cuda_config
+    from numbafuse.kernels.cuda import config as cuda_config
     from numbafuse.train import train_step
     rng = np.random.default_rng(0)
     dev = nfcuda.to_device

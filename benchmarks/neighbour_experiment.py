@@ -33,7 +33,7 @@ def _torch_case():
 def _numbafuse_case(threads=None):
     import bench_conv_bias_relu as B
     if threads:
-        from numbafuse.kernels import cpu_launch
+        from numbafuse.kernels.cpu import launch as cpu_launch
         cpu_launch.set_num_threads(threads)
     return B._numbafuse_cases("resnet 3x3", "NCHW", False)["resnet 3x3 NCHW fwd+bwd"]
 

@@ -419,7 +419,7 @@ class _Capture:
 
 
 def capture_in_progress():
-    """The capture that launches go to (a ``_Capture``), or None: kernels/cuda_launch.py
+    """The capture that launches go to (a ``_Capture``), or None: kernels/cuda/launch.py
     asks at every launch."""
     return _CAPTURE[0]
 

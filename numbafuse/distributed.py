@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 from . import backend
-from .kernels import cpu_launch
+from .kernels.cpu import launch as cpu_launch
 
 INSTALL_HINT = "mpi4py is needed for distributed training: pip install 'numbafuse[distributed]'"
 ABORT_GRACE_S = 0.5      # seconds from a failed rank's traceback to MPI_Abort (_install_abort_hook)

@@ -133,7 +133,7 @@ def conv_rules():
 def small_launches(request, monkeypatch):
     """Shrink launch sizes (simulator only) so several blocks run on tiny inputs."""
     if _is_cuda(request) and SIMULATOR:
-        from numbafuse.kernels import cuda_config as config
+        from numbafuse.kernels.cuda import config
         monkeypatch.setattr(config, "threads", 8)
         monkeypatch.setattr(config, "max_blocks", 3)
         monkeypatch.setattr(config, "reduce_blocks", 3)

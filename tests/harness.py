@@ -71,7 +71,7 @@ RULES = "conv.rules."
 
 
 def knob(path):
-    """The current value of ``numbafuse.kernels.<path>``, e.g. ``knob("cpu_launch.
+    """The current value of ``numbafuse.kernels.<path>``, e.g. ``knob("cpu.launch.
     PARALLEL_MIN_ELEMENTS")``, or of a CPU conv rule, e.g. ``knob("conv.rules.chunk_bytes")``."""
     if path.startswith(RULES):
         from numbafuse.kernels.conv import cpu_plan
@@ -137,7 +137,7 @@ BOUNDARIES = {
                RULES + "winograd_tiles": (1, 3), RULES + "winograd_min_tiles": 0,
                RULES + "dw_groups": (2, 3), "conv.cpu_chunks.SUM_BLOCK": 7,
                RULES + "strided": ("im2col", "phase"),
-               "cpu_launch.PARALLEL_MIN_ELEMENTS": 0},
+               "cpu.launch.PARALLEL_MIN_ELEMENTS": 0},
         shapes=lambda: dict(max_channels=3, max_kernel=3, paddings=("int", "same"),
                             max_stride=2, max_dilation=1,
                             dims=dict(N=_one_of(3, 5), H=_ints(5, 9), W=_ints(4, 9))),
@@ -151,7 +151,7 @@ BOUNDARIES = {
             "where M is even); PARALLEL_MIN_ELEMENTS 0: every call runs on the thread pool",
         ops=("batchnorm_add_relu", "batchnorm"),
         patch={"batchnorm.cpu.CHUNK": (8, 16), "batchnorm.cpu.REDUCE_CHUNK": (1, 8),
-               "batchnorm.cpu.NHWC_ROW": (1, 16), "cpu_launch.PARALLEL_MIN_ELEMENTS": 0},
+               "batchnorm.cpu.NHWC_ROW": (1, 16), "cpu.launch.PARALLEL_MIN_ELEMENTS": 0},
         shapes=lambda: dict(training=st.just(True),
                             dims=dict(N=_ints(3, 4), C=_ints(3, 5), H=_ints(2, 4),
                                       W=_ints(2, 4))),
@@ -161,25 +161,25 @@ BOUNDARIES = {
     ("cpu", "basic"): Boundary(
         why="PARALLEL_MIN_ELEMENTS 0: relu, pooling and the loss run on the thread pool",
         ops=("relu", "max_pool2d", "global_avg_pool2d", "cross_entropy"),
-        patch={"cpu_launch.PARALLEL_MIN_ELEMENTS": 0},
+        patch={"cpu.launch.PARALLEL_MIN_ELEMENTS": 0},
         shapes=lambda: dict(),
-        crosses=lambda d, k: k("cpu_launch.PARALLEL_MIN_ELEMENTS") == 0),
+        crosses=lambda d, k: k("cpu.launch.PARALLEL_MIN_ELEMENTS") == 0),
     ("cuda", "conv"): Boundary(
-        why="implicit GEMMs on the tiny test tile (cuda_config.tile_override = TINY_TILE: "
+        why="implicit GEMMs on the tiny test tile (cuda.config.tile_override = TINY_TILE: "
             "BM x BN = 8 x 8 outputs, K-steps of BK = 4): C and K past one tile (dx tiles over "
             "C, forward over K), the output pixels M past one tile, C*R*S over several "
             "K-steps, the last one partial; dw_target_blocks 24: dw splits M; max_blocks 2",
         ops=("conv_bias_relu", "conv_batchnorm_relu"),
-        patch={"cuda_config.threads": 8, "cuda_config.max_blocks": 2,
-               "cuda_config.reduce_blocks": 2,
-               "cuda_config.tile_override": knob("cuda_config.TINY_TILE"),
-               "cuda_config.dw_target_blocks": 24},
+        patch={"cuda.config.threads": 8, "cuda.config.max_blocks": 2,
+               "cuda.config.reduce_blocks": 2,
+               "cuda.config.tile_override": knob("cuda.config.TINY_TILE"),
+               "cuda.config.dw_target_blocks": 24},
         shapes=lambda: dict(max_kernel=2, max_stride=1, max_dilation=1,
                             paddings=("int", "same"),
                             dims=dict(N=_one_of(2), C=_ints(9, 10), K=_ints(9, 10),
                                       H=_ints(4, 5), W=_ints(4, 5))),
-        crosses=lambda d, k: (min(d["C"], d["K"], d["M"]) > k("cuda_config.TINY_TILE").BN
-                              and d["C"] * d["R"] * d["S"] > k("cuda_config.TINY_TILE").BK)),
+        crosses=lambda d, k: (min(d["C"], d["K"], d["M"]) > k("cuda.config.TINY_TILE").BN
+                              and d["C"] * d["R"] * d["S"] > k("cuda.config.TINY_TILE").BK)),
     ("cuda", "batchnorm"): Boundary(
         why="reductions on a (parts, channels) grid: reduce_blocks 2 parts of M = N*H*W, "
             "each walked by threads 8 with U (patched 1; the simulator reads it at run time) "
@@ -187,36 +187,36 @@ BOUNDARIES = {
             "loop runs 2-3 times, threads leaving at different steps; max_grid_y 2 < C: "
             "blocks loop over channels; max_blocks 2: the elementwise kernels grid-stride too",
         ops=("batchnorm_add_relu", "batchnorm"),
-        patch={"cuda_config.threads": 8, "cuda_config.reduce_blocks": 2,
-               "cuda_config.max_blocks": 2, "cuda_config.max_grid_y": 2,
-               "cuda_reduce.U": 1, "batchnorm.cuda.U": (1, 2)},
+        patch={"cuda.config.threads": 8, "cuda.config.reduce_blocks": 2,
+               "cuda.config.max_blocks": 2, "cuda.config.max_grid_y": 2,
+               "cuda.reduce.U": 1, "batchnorm.cuda.U": (1, 2)},
         shapes=lambda: dict(training=st.just(True),
                             dims=dict(N=_one_of(2), C=_ints(3, 4), H=_ints(3, 4),
                                       W=_ints(3, 5))),
-        crosses=lambda d, k: (-(-d["M"] // k("cuda_config.reduce_blocks"))
-                              > k("cuda_config.threads") * k("cuda_reduce.U")
-                              and d["C"] > k("cuda_config.max_grid_y"))),
+        crosses=lambda d, k: (-(-d["M"] // k("cuda.config.reduce_blocks"))
+                              > k("cuda.config.threads") * k("cuda.reduce.U")
+                              and d["C"] > k("cuda.config.max_grid_y"))),
     ("cuda", "basic"): Boundary(
         why="linear's tiled matmul in TILE x TILE tiles (compile-time): rows, features and "
             "the reduction past one tile; max_blocks 2, threads 8: elementwise and pooling "
             "kernels grid-stride; the loss's one-block mean strides over N > threads",
         ops=("linear", "cross_entropy", "max_pool2d", "relu"),
-        patch={"cuda_config.threads": 8, "cuda_config.max_blocks": 2,
-               "cuda_config.reduce_blocks": 2},
+        patch={"cuda.config.threads": 8, "cuda.config.max_blocks": 2,
+               "cuda.config.reduce_blocks": 2},
         shapes=lambda: dict(dims=dict(
             N=_ints(knob("basic.cuda.TILE") + 1, knob("basic.cuda.TILE") + 3),
             F_in=_ints(knob("basic.cuda.TILE") + 1, knob("basic.cuda.TILE") + 2),
             F_out=_ints(knob("basic.cuda.TILE") + 1, knob("basic.cuda.TILE") + 2),
             L=_ints(2, 3), C=_ints(2, 2), H=_ints(4, 5), W=_ints(4, 5))),
-        crosses=lambda d, k: d["size"] > k("cuda_config.threads") * k("cuda_config.max_blocks")),
+        crosses=lambda d, k: d["size"] > k("cuda.config.threads") * k("cuda.config.max_blocks")),
     ("cuda", "elementwise"): Boundary(
         why="sums in reduce_blocks 2 blocks of threads 8: more than 16 elements, so each "
             "block's grid-stride loop runs several times; max_blocks 2 for the rest",
         ops=("sum", "mean", "add", "mul"),
-        patch={"cuda_config.threads": 8, "cuda_config.reduce_blocks": 2,
-               "cuda_config.max_blocks": 2},
+        patch={"cuda.config.threads": 8, "cuda.config.reduce_blocks": 2,
+               "cuda.config.max_blocks": 2},
         shapes=lambda: dict(shape=st.tuples(_ints(5, 8), _ints(5, 8))),
-        crosses=lambda d, k: d["size"] > k("cuda_config.threads") * k("cuda_config.reduce_blocks")),
+        crosses=lambda d, k: d["size"] > k("cuda.config.threads") * k("cuda.config.reduce_blocks")),
 }
 
 

@@ -183,7 +183,7 @@ def test_remapper_can_rebuild_each_op_from_its_params():
 def test_cross_entropy_and_linear_with_warp_sized_blocks(threads, monkeypatch):
     # GPU-like block sizes: the one-block loss mean strides unevenly over N = 77 rows (its
     # shared-memory tree over 32/64 threads), linear's tiles grid-stride over 3 blocks
-    from numbafuse.kernels import cuda_config as config
+    from numbafuse.kernels.cuda import config
     cuda = BACKENDS["cuda"]
     monkeypatch.setattr(config, "threads", threads)
     logits = _seeded((77, 3), 3)

@@ -178,7 +178,7 @@ def test_tensor_arguments_are_accepted_everywhere(backend):
 def test_result_does_not_depend_on_thread_count(layout, shape):
     """CPU: the reductions' partials are fixed by the shape, not by the threads (98304
     elements: past PARALLEL_MIN_ELEMENTS, several tasks per pass)."""
-    from numbafuse.kernels import cpu_launch
+    from numbafuse.kernels.cpu import launch as cpu_launch
     p = _problem(layout, shape=shape)
     dy = np.random.default_rng(6).standard_normal(p.x.shape)
     runs = []
@@ -229,7 +229,7 @@ def test_affine_gate_decides_as_the_forward(layout, shape, dtype, threads):
     x itself (STATE_AFFINE): it opens exactly where the forward's y > 0, pre-activations of
     exactly 0 and 1-3 ulps from it included, so the gradients equal those of the y state bit
     for bit (with and without dz written by pass 1); 73500 elements, 3 tasks per pass."""
-    from numbafuse.kernels import cpu_launch
+    from numbafuse.kernels.cpu import launch as cpu_launch
     rng = np.random.default_rng(11)
     x, mean, invstd, gamma, beta, x0 = _near_zero_preactivations(layout, dtype, shape, rng)
     y = bn.bn_apply(x, mean, invstd, gamma, beta, relu=True, layout=layout)
@@ -264,8 +264,8 @@ def test_warp_sized_blocks_shuffle_path_and_channel_stride(threads, shuffle, lay
     # warp_shuffles fixture under the simulator); gridDim.y capped below C, so each block
     # loops over channels and reuses its shared buffers; M = 2*5*7 = 70 values per channel
     # leave the grid-stride loops uneven (threads of a block leave at different iterations).
-    from numbafuse.kernels import cuda_config as config
-    from numbafuse.kernels import cuda_reduce as kernels      # USE_SHUFFLE lives there
+    from numbafuse.kernels.cuda import config
+    from numbafuse.kernels.cuda import reduce as kernels      # USE_SHUFFLE lives there
     cuda = BACKENDS["cuda"]
     monkeypatch.setattr(config, "threads", threads)
     monkeypatch.setattr(config, "max_grid_y", 2)

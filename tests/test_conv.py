@@ -109,7 +109,7 @@ def test_bias_add_of_an_empty_batch(backend):
 def test_warp_sized_blocks_over_many_tiles(threads, layout, dtype, monkeypatch):
     # A GPU's block sizes (32/64 threads own several tile elements each) with more output tiles
     # than blocks (grid-stride over tiles), K over two tiles, uneven dw/db splits of M = 2*3*4
-    from numbafuse.kernels import cuda_config as config
+    from numbafuse.kernels.cuda import config
     from .harness import BACKENDS
     cuda = BACKENDS["cuda"]
     monkeypatch.setattr(config, "threads", threads)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from numbafuse import validate
-from numbafuse.kernels import cpu_launch as _launch
+from numbafuse.kernels.cpu import launch as _launch
 from numbafuse.kernels.batchnorm import cpu as bn_cpu
 from numbafuse.kernels.conv import cpu as cpu_conv, cpu_epilogue, cpu_plan
 

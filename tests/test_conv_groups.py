@@ -12,7 +12,7 @@ import pytest
 
 import numbafuse as nf
 from numbafuse import reference as ref, validate
-from numbafuse.kernels import cpu_launch as _launch
+from numbafuse.kernels.cpu import launch as _launch
 from numbafuse.kernels.conv import cpu_depthwise
 
 from .harness import close
@@ -114,7 +114,7 @@ TILED = [((2, 5, 6, 8), (3, 3), dict(padding=1)),
                          ids=[f"{t[0][3]}ch-{t[1][0]}x{t[1][1]}-{i}" for i, t in enumerate(TILED)])
 def test_depthwise_register_tiles_equal_the_per_pixel_loops(x_shape, rs, kw, wide,
                                                              monkeypatch):
-    from numbafuse.kernels import cpu_gemm_taps
+    from numbafuse.kernels.cpu import gemm_taps as cpu_gemm_taps
     monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
     rng = np.random.default_rng(7)
     C = x_shape[3]

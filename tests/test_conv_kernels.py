@@ -20,7 +20,7 @@ from hypothesis import given, strategies as st
 import numbafuse as nf
 import numbafuse.testing.strategies as nfs
 from numbafuse import reference as ref
-from numbafuse.kernels import cpu_launch as _launch
+from numbafuse.kernels.cpu import launch as _launch
 from numbafuse.kernels.conv import cpu as cpu_conv, cpu_chunks, cpu_plan
 
 RULES = cpu_plan.RULES
@@ -381,7 +381,7 @@ def test_float64_keeps_its_precision_where_float32_has_own_paths(layout, kind, k
 @functools.lru_cache(maxsize=None)
 def _transpose_runner():
     from numba import njit
-    from numbafuse.kernels.cpu_transpose import transpose
+    from numbafuse.kernels.cpu.transpose import transpose
 
     @njit
     def run(src, dst):
@@ -393,7 +393,7 @@ def _transpose_runner():
 @pytest.mark.parametrize("rows, cols", [(8, 8), (19, 21), (64, 32), (3, 5), (16, 7), (7, 16),
                                         (0, 4), (9, 0)])
 def test_transpose_tiles_and_edges(dtype, rows, cols):
-    # cpu_transpose.transpose: 8x8 shuffle tiles inside, one value at a time at the edges; both
+    # cpu.transpose.transpose: 8x8 shuffle tiles inside, one value at a time at the edges; both
     # sides strided rows (views into wider arrays), whose margins stay untouched
     run = _transpose_runner()
     rng = np.random.default_rng(rows * 100 + cols)
@@ -460,7 +460,7 @@ def test_nchw_winograd_through_hwc_slabs(C, H, W, chunk_bytes, tiles):
 def test_channel_counts_of_the_small_gemm(layout, kernel, stride, padding, dilation, C, K,
                                           chunk_bytes, tiles):
     # channel counts that are multiples of 8 send the float32 GEMMs of the forward (n = K) and
-    # dX (n = C) to the register-tiled kernel (cpu_gemm.py): panels of 24 and 16 columns (K =
+    # dX (n = C) to the register-tiled kernel (cpu/gemm.py): panels of 24 and 16 columns (K =
     # 24, 40) and of 16 and 8 (C = 16, 8), chunks of one row or tile row (m % 4 != 0) and the
     # default ones; the phase planes' GEMMs accumulate (beta = 1)
     rng = np.random.default_rng(C + K + kernel + stride)

@@ -145,7 +145,7 @@ def _relu_output_and_gradient(x, w, b, kwargs, rng):
 
 def _on_threads(call, counts=(1, 3)):
     """{n: call()} with numbafuse's CPU kernels on n threads; the thread count restored."""
-    from numbafuse.kernels import cpu_launch
+    from numbafuse.kernels.cpu import launch as cpu_launch
     threads = cpu_launch.num_threads()
     out = {}
     try:

@@ -1,4 +1,4 @@
-"""The reused output buffers (``kernels/cpu_buffers.py``) and the convolution's use of them.
+"""The reused output buffers (``kernels/cpu/buffers.py``) and the convolution's use of them.
 
 A buffer may be handed out again only when no array views it: a held output (or a view of
 it) must never be overwritten by a later call; a released one is reused (same address, no new
@@ -10,7 +10,7 @@ import tracemalloc
 import numpy as np
 
 import numbafuse as nf
-from numbafuse.kernels.cpu_buffers import OutputCache, output_cache
+from numbafuse.kernels.cpu.buffers import OutputCache, output_cache
 
 MIB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""The register-tiled float32 GEMM (``kernels/cpu_gemm.py``) and ``cpu_blas.gemm``'s dispatch.
+"""The register-tiled float32 GEMM (``kernels/cpu/gemm.py``) and ``cpu.blas.gemm``'s dispatch.
 
 Every block of the tiling is reached: column panels of 24, 16 and 8 (n = 8 ... 64), the 4-row
 tiles and the 1-row remainder (m % 4 = 0 ... 3, m < 4), k = 0, 1 and SMALL_K, beta 0 and 1,
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from numbafuse.kernels import cpu_blas, cpu_gemm
+from numbafuse.kernels.cpu import blas as cpu_blas, gemm as cpu_gemm
 
 GUARD = np.float32(-777.0)
 
@@ -88,7 +88,7 @@ def test_gemm_bias_relu_epilogue(small, n, monkeypatch, rng):
 
 @pytest.mark.parametrize("small", [True, False])
 def test_blas_gemm_dispatch_gives_the_product(small, monkeypatch, rng):
-    """cpu_blas.gemm with the small kernel on and off, on products that fit and that do not
+    """cpu.blas.gemm with the small kernel on and off, on products that fit and that do not
     (n not a multiple of 8, n or k too large, transposed, alpha != 1, beta 0.5, float64)."""
     monkeypatch.setattr(cpu_blas, "SMALL_GEMM", small)
     cases = [(13, 24, 24, False, False, 1.0, 0.0), (13, 24, 24, False, False, 1.0, 1.0),

@@ -1,4 +1,4 @@
-"""The implicit-GEMM micro-kernel (``kernels/cpu_gemm_taps.py``).
+"""The implicit-GEMM micro-kernel (``kernels/cpu/gemm_taps.py``).
 
 Both vector widths on any machine (the IR is target independent; ``wide`` is an argument):
 every column panel of each (64, 32, 16 and 8 columns wide; 24, 16 and 8 narrow: n = 8 ... 72
@@ -10,7 +10,7 @@ as they were. The reference is a float64 NumPy sum.
 import numpy as np
 import pytest
 
-from numbafuse.kernels import cpu_gemm_taps as gt
+from numbafuse.kernels.cpu import gemm_taps as gt
 
 GUARD = np.float32(-777.0)
 

@@ -1,4 +1,4 @@
-"""The prepared launch (numbafuse/kernels/cuda_launch.py) lays kernel arguments out exactly as
+"""The prepared launch (numbafuse/kernels/cuda/launch.py) lays kernel arguments out exactly as
 numba's own launch does: each packer is checked against numba's ``_Kernel._prepare_args``
 itself, on device arrays that view a made-up pointer (no GPU is needed: nothing is launched
 or read). On a GPU, tests/cuda/test_prepared_launch_cuda.py compares whole ops bit for bit."""
@@ -41,7 +41,7 @@ def _numba_values(value):
 
 def _ours(value):
     from numba.cuda.typing.typeof import Purpose, typeof
-    from numbafuse.kernels import cuda_launch
+    from numbafuse.kernels.cuda import launch as cuda_launch
     out = []
     cuda_launch.packer(typeof(value, Purpose.argument))(value, out)
     return out
@@ -88,7 +88,7 @@ def test_tuples_are_flattened_as_numba_does():
 def test_a_wrong_layout_would_be_caught():
     """The comparison can fail: strides given in elements instead of bytes differ."""
     from numba.cuda.typing.typeof import Purpose, typeof
-    from numbafuse.kernels import cuda_launch
+    from numbafuse.kernels.cuda import launch as cuda_launch
     a = _device_array((3, 5), np.float64)
     real = cuda_launch.packer(typeof(a, Purpose.argument))
 
@@ -103,7 +103,7 @@ def test_a_wrong_layout_would_be_caught():
 def test_equal_type_keys_are_equal_numba_types():
     """The cheap key stands in for numba's type: equal keys, equal types, and the reverse."""
     from numba.cuda.typing.typeof import Purpose, typeof
-    from numbafuse.kernels.cuda_launch import _type_key
+    from numbafuse.kernels.cuda.launch import _type_key
     arrays = _arrays() + [_device_array((4, 3), np.float32, strides=(4, 16)),     # F order
                           _device_array((3, 4), np.float32, strides=(0, 4)),      # broadcast
                           _device_array((1, 5), np.float32)]
@@ -115,7 +115,7 @@ def test_equal_type_keys_are_equal_numba_types():
 
 
 def test_the_type_key_follows_numba_types():
-    from numbafuse.kernels.cuda_launch import _type_key
+    from numbafuse.kernels.cuda.launch import _type_key
     c1, c2 = _device_array((3, 5), np.float32), _device_array((8, 2), np.float32)
     view = _device_array((2, 3), np.float32, strides=(40, 8))
     assert _type_key(c1) == _type_key(c2)                  # same dtype, ndim and layout
@@ -127,7 +127,7 @@ def test_the_type_key_follows_numba_types():
 def test_a_host_array_is_refused_not_keyed_by_its_class():
     """A NumPy array's class says nothing of its dtype or rank: two of them would share one
     compiled kernel, so the key refuses them (numbafuse moves arrays to the device first)."""
-    from numbafuse.kernels.cuda_launch import _type_key
+    from numbafuse.kernels.cuda.launch import _type_key
     with pytest.raises(TypeError, match="host array"):
         _type_key(np.zeros(3, np.float32))
     with pytest.raises(TypeError, match="host array"):
@@ -137,6 +137,6 @@ def test_a_host_array_is_refused_not_keyed_by_its_class():
 
 def test_unsupported_argument_types_are_refused():
     from numba import types
-    from numbafuse.kernels import cuda_launch
+    from numbafuse.kernels.cuda import launch as cuda_launch
     with pytest.raises(TypeError, match="no prepared launch"):
         cuda_launch.packer(types.complex128)

@@ -1,4 +1,4 @@
-"""CPU kernels run on the calling thread alone for small inputs (kernels/cpu_launch.py).
+"""CPU kernels run on the calling thread alone for small inputs (kernels/cpu/launch.py).
 
 Property tests draw small shapes, which run on the calling thread; here the same ops run with
 the threshold at 0 (every kernel on the pool) and at infinity (every kernel on the calling
@@ -9,7 +9,7 @@ import pytest
 
 import numbafuse as nf
 from numbafuse import reference
-from numbafuse.kernels import cpu_launch as _launch
+from numbafuse.kernels.cpu import launch as _launch
 
 
 def _run_all(x, w, b, z, gamma, beta, layout):
@@ -62,7 +62,7 @@ def test_threshold_picks_the_threads(monkeypatch):
 
 
 def test_concurrently_runs_each_call_whole_on_one_thread(monkeypatch):
-    """cpu_launch.concurrently: the calls' results in order, every launch inside a call on
+    """cpu.launch.concurrently: the calls' results in order, every launch inside a call on
     that call's thread (the helpers are taken), both calls at once when there are helpers, and
     a call's error raised on the caller."""
     import threading
@@ -98,7 +98,7 @@ def test_concurrently_runs_each_call_whole_on_one_thread(monkeypatch):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_launch_all_runs_every_task_of_every_launch_once(monkeypatch, threads):
-    """cpu_launch.launch_all: each launch's tasks [0, n) run exactly once, with that launch's
+    """cpu.launch.launch_all: each launch's tasks [0, n) run exactly once, with that launch's
     arguments and its own task numbers (empty launches skipped); on one thread each launch is
     one whole call; the first error is raised on the caller."""
     import threading

@@ -4,7 +4,7 @@ The CUDA simulator does no type checking and ignores shared-memory shape rules, 
 what proves the kernels compile for a GPU. It needs NVVM (numba-cuda[cu13]) but no GPU, and
 must run outside the simulator: it is skipped there and runs in the CPU test process.
 
-Each CUDA kernel module (``numbafuse/kernels/<family>/cuda.py``, ``cuda_reduce.py``) lists its
+Each CUDA kernel module (``numbafuse/kernels/<family>/cuda.py``, ``cuda/reduce.py``) lists its
 kernels in ``PTX_SIGNATURES`` as
 ``(kernel, lambda f: signature)`` with ``f`` the numba float type; a kernel missing from that
 list fails ``test_every_kernel_is_listed``. The list is read by ``numbafuse.kernels.catalog``,

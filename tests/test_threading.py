@@ -1,7 +1,7 @@
 """numbafuse's CPU threading: thread-count independence, concurrent callers, fork, neighbours.
 
-The CPU kernels run on numbafuse's own pool (``kernels/cpu_launch.py``) with GEMMs on a
-private one-thread OpenBLAS (``kernels/cpu_blas.py``). Checked here:
+The CPU kernels run on numbafuse's own pool (``kernels/cpu/launch.py``) with GEMMs on a
+private one-thread OpenBLAS (``kernels/cpu/blas.py``). Checked here:
 
 * results are bitwise the same on 1, 2, 3 and 5 threads (fixed task partitions, per-task
   partials summed in a fixed order);
@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 import numbafuse as nf
-from numbafuse.kernels import cpu_launch as _launch
-from numbafuse.kernels import cpu_team
+from numbafuse.kernels.cpu import launch as _launch
+from numbafuse.kernels.cpu import team as cpu_team
 from numbafuse.kernels.batchnorm import cpu as cpu_bn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -177,8 +177,8 @@ def blas():
                   if "numbafuse" not in d["filepath"] and "scipy_openblas32" not in d["filepath"])
 before = blas()
 import numbafuse as nf
-from numbafuse.kernels import cpu_launch as _launch
-from numbafuse.kernels import cpu_team
+from numbafuse.kernels.cpu import launch as _launch
+from numbafuse.kernels.cpu import team as cpu_team
 _launch.PARALLEL_MIN_ELEMENTS = 0
 x = numpy.random.default_rng(0).standard_normal((4, 8, 16, 16)).astype(numpy.float32)
 w = numpy.ones((8, 8, 3, 3), numpy.float32)

@@ -4,9 +4,9 @@ Each family (``conv``, ``batchnorm``, ``basic``, ``elementwise``) has ``math.py`
 scalar math shared by both backends, where it has any), ``cpu.py`` (``@njit``/``prange``
 kernels) and ``cuda.py`` (``numba.cuda`` kernels), and the two backend modules expose the same
 host-level functions, so an op picks one with :func:`module` and calls it. Shared pieces:
-``scalar.py`` (ReLU math), ``cpu_launch.py`` (the CPU thread pool) and ``cpu_blas.py`` (its
-private one-thread BLAS), ``cuda_config.py`` (every CUDA launch size), ``cuda_reduce.py``
-(reductions), ``cuda_gemm.py`` (the GEMM skeleton), ``catalog.py`` (every CUDA kernel and its
+``scalar.py`` (ReLU math), ``cpu/launch.py`` (the CPU thread pool) and ``cpu/blas.py`` (its
+private one-thread BLAS), ``cuda/config.py`` (every CUDA launch size), ``cuda/reduce.py``
+(reductions), ``cuda/gemm.py`` (the GEMM skeleton), ``catalog.py`` (every CUDA kernel and its
 signatures).
 
 The CUDA modules are imported only when a device array comes, so CPU users never need

@@ -1,13 +1,13 @@
 """Counting kernel launches (and the raw argument values numba prepares for them).
 
 ``with recording() as rec: ...`` records every kernel launch made inside, through the one
-function every numbafuse launch goes through (``numbafuse.kernels.cuda_launch.launch``, its
+function every numbafuse launch goes through (``numbafuse.kernels.cuda.launch.launch``, its
 ``observe`` hook), under the simulator and on a GPU alike. ``rec.names`` lists the kernels
 in launch order, ``rec.raw_values`` the values numba's argument preparation produces for
 them: an array is its meminfo, parent, size, itemsize, data pointer, shape and strides
 (5 + 2*ndim values), a tuple the sum of its members, a scalar one value. That is the host
 work numba redoes at every launch (issue 17 measured 19-25 us for one argument, 61-92 us for
-13 on an H100); a prepared launch lays out the same values (kernels/cuda_launch.py).
+13 on an H100); a prepared launch lays out the same values (kernels/cuda/launch.py).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _name(fn):
 @contextlib.contextmanager
 def recording():
     """Record the kernel launches made inside the block (see the module docstring)."""
-    from numbafuse.kernels import cuda_launch
+    from numbafuse.kernels.cuda import launch as cuda_launch
     rec = Recorder()
 
     def seen(kernel, args):

@@ -11,8 +11,8 @@ from numba import cuda
 
 from numbafuse import reference as ref
 from numbafuse.kernels.batchnorm import cpu
-from numbafuse.kernels import cuda_config as config
-from numbafuse.kernels import cuda_reduce as reduce
+from numbafuse.kernels.cuda import config
+from numbafuse.kernels.cuda import reduce
 from numbafuse.kernels.batchnorm import cuda as bn
 
 TOL = {np.float32: dict(rtol=1e-4, atol=1e-5), np.float64: dict(rtol=1e-10, atol=1e-12)}

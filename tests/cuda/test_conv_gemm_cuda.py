@@ -18,7 +18,7 @@ from numba import cuda
 
 from numbafuse import validate
 from numbafuse import reference as ref
-from numbafuse.kernels import cuda_config as config
+from numbafuse.kernels.cuda import config
 from numbafuse.kernels.conv import cuda as conv
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"

@@ -81,7 +81,7 @@ def test_scaling_and_sums_keep_infinities():
 def test_sum_with_warp_sized_blocks(threads, monkeypatch, rng):
     # real-GPU-like block sizes, several blocks, a grid-stride loop whose threads leave at
     # different iterations (n is not a multiple of blocks * threads)
-    from numbafuse.kernels import cuda_config as config
+    from numbafuse.kernels.cuda import config
     monkeypatch.setattr(config, "threads", threads)
     x = rng.standard_normal(3 * threads * 2 + 37)
     d = cuda.to_device(x)
@@ -92,7 +92,7 @@ def test_sum_with_warp_sized_blocks(threads, monkeypatch, rng):
 
 @pytest.mark.parametrize("bad", [0, 96, 512])
 def test_block_size_must_be_a_power_of_two_within_block(bad, monkeypatch):
-    from numbafuse.kernels import cuda_config as config
+    from numbafuse.kernels.cuda import config
     monkeypatch.setattr(config, "threads", bad)
     with pytest.raises(ValueError, match="threads must be a power of two"):
         ew.sum_all(cuda.to_device(np.ones(4)))

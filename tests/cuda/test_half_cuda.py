@@ -1,4 +1,4 @@
-"""float16 batch norm on the device: ``kernels/batchnorm/cuda.py`` and ``cuda_reduce.py`` load
+"""float16 batch norm on the device: ``kernels/batchnorm/cuda.py`` and ``cuda/reduce.py`` load
 and store half and compute in float32 (``reduce.widen``). Checked against the CPU, which
 converts to float32 and back, on the same inputs: forward, running statistics and tape
 gradients within one half ulp (each side rounds a float32-arithmetic result once; the
@@ -12,7 +12,7 @@ import pytest
 
 import numbafuse as nf
 from numbafuse import backend as nfb
-from numbafuse.kernels import cuda_config as config
+from numbafuse.kernels.cuda import config
 
 SHAPES = {"NCHW": (3, 4, 3, 5), "NHWC": (2, 3, 3, 11)}   # NHWC: channels over 2 lane groups
 

@@ -15,7 +15,7 @@ import pytest
 import numbafuse as nf
 from numbafuse import cuda as nfcuda
 from numbafuse import models, optim
-from numbafuse.kernels import cuda_config as config
+from numbafuse.kernels.cuda import config
 from numbafuse.kernels.batchnorm import cuda as bn_cuda
 from numbafuse.train import train_step
 
@@ -31,7 +31,7 @@ def _t(a, grad=True):
 @pytest.fixture(autouse=True)
 def counters_made():
     """The last-block counters are made (and zeroed, one launch) on first use: not counted."""
-    from numbafuse.kernels import cuda_reduce
+    from numbafuse.kernels.cuda import reduce as cuda_reduce
     cuda_reduce.counters(4096)
 
 

@@ -1,5 +1,5 @@
 """On a GPU: every op gives the same bits through the prepared launch as through numba's own
-(``kernels/cuda_launch.py``; ``tests/test_cuda_launch.py`` checks the argument layout
+(``kernels/cuda/launch.py``; ``tests/test_cuda_launch.py`` checks the argument layout
 itself without a GPU). Under the simulator both are numba's launch: nothing to compare."""
 import os
 
@@ -8,7 +8,7 @@ import pytest
 
 import numbafuse as nf
 from numbafuse import cuda as nfcuda, models, optim
-from numbafuse.kernels import cuda_config as config
+from numbafuse.kernels.cuda import config
 from numbafuse.train import train_step
 
 pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1",

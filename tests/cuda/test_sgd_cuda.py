@@ -8,7 +8,7 @@ import pytest
 import numbafuse as nf
 from numbafuse import cuda as nfcuda
 from numbafuse import optim
-from numbafuse.kernels import cuda_config as config
+from numbafuse.kernels.cuda import config
 from numbafuse.kernels.elementwise import cuda as ew
 
 from .launches import recording

@@ -17,7 +17,7 @@ kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 import numpy as np
 
 from .. import scalar
-from ..cpu_launch import blocks, launch, task_kernel
+from ..cpu.launch import blocks, launch, task_kernel
 from . import math as basic_math
 
 _relu = scalar.cpu_scalar(scalar.relu)

@@ -21,10 +21,10 @@ from numba import float64, int32, int64, uint8, uint32
 
 from ...cuda import capture_in_progress, empty, numba_cuda as cuda, to_device
 
-from .. import cuda_config as config
-from ..cuda_launch import launch
+from ..cuda import config
+from ..cuda.launch import launch
 from .. import scalar
-from ..cuda_reduce import block_sum
+from ..cuda.reduce import block_sum
 from . import math as basic_math
 
 BLOCK = config.BLOCK

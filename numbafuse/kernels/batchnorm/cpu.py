@@ -25,7 +25,7 @@ vectorise).
 Per-element arithmetic is in x's dtype (see the note above the fused forward); sums are
 float64. The backward's pass 1 writes gz = g while it reduces, and pass 2 reads g back from gz:
 y (or the mask) is read once. Large outputs come from :data:`output_cache`
-(:class:`numbafuse.kernels.cpu_buffers.OutputCache`), which reuses released buffers instead
+(:class:`numbafuse.kernels.cpu.buffers.OutputCache`), which reuses released buffers instead
 of faulting in fresh pages.
 
 Host-level entry points (what ``numbafuse.ops.batchnorm`` calls; ``kernels.interfaces.
@@ -37,8 +37,8 @@ import math
 import numpy as np
 from numba import njit
 
-from ..cpu_buffers import output_cache
-from ..cpu_launch import launch, task_kernel
+from ..cpu.buffers import output_cache
+from ..cpu.launch import launch, task_kernel
 from . import math as bm
 from .math import BITS, STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from .. import scalar

@@ -48,9 +48,9 @@ from ...cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda, require_
 from . import math as bm
 from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from ..scalar import cuda_scalar
-from .. import cuda_config as config
-from ..cuda_launch import launch
-from .. import cuda_reduce as reduce
+from ..cuda import config
+from ..cuda.launch import launch
+from ..cuda import reduce
 
 BLOCK = config.BLOCK
 AFFINE_GATE = False      # the backward takes the forward's y or mask, not STATE_AFFINE

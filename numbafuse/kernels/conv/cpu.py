@@ -1,9 +1,9 @@
 r"""CPU convolution drivers: per-chunk gather + single-threaded GEMMs + epilogue, one task each.
 
 Work is cut into *chunks* (blocks of output rows of one image, or several small images) sized
-to stay in one core's L2. Each chunk is one task of numbafuse's thread pool (``cpu_launch.py``):
+to stay in one core's L2. Each chunk is one task of numbafuse's thread pool (``cpu/launch.py``):
 the thread that takes it gathers the chunk's input, runs its GEMMs on numbafuse's private
-single-threaded BLAS (``cpu_blas.py``) and applies the epilogue (bias, ReLU) while the result is
+single-threaded BLAS (``cpu/blas.py``) and applies the epilogue (bias, ReLU) while the result is
 still in its cache. No thread pool hands a chunk to another one.
 
 Which kernels run a pass, and how it is chunked, is a value: ``cpu_plan.plan(geom, pass_,
@@ -22,7 +22,7 @@ Conv-BatchNorm: :func:`forward_stats` and :func:`forward_bn_sums` run the Winogr
 with batch norm's per-channel sums in each chunk's epilogue (``cpu_epilogue.py``).
 
 Outputs (y, dx, the Conv-BatchNorm's) and the dW partials come from
-``cpu_buffers.output_cache``: a released buffer is reused instead of fresh pages that fault
+``cpu.buffers.output_cache``: a released buffer is reused instead of fresh pages that fault
 on first touch (in a process alternating conv shapes, glibc returns the freed memory to the
 kernel and every call would fault its output in again: ~525 faults and ~1.2 ms a call at a
 1x1 shape's 16 MiB output).
@@ -34,9 +34,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import cpu_blas as _blas
-from ..cpu_buffers import output_cache as _out
-from ..cpu_launch import blocks, concurrently, launch, launch_all
+from ..cpu import blas as _blas
+from ..cpu.buffers import output_cache as _out
+from ..cpu.launch import blocks, concurrently, launch, launch_all
 from . import cpu_plan
 from . import math as conv_math
 from .cpu_plan import algorithm, plan as _plan

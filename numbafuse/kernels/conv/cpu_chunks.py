@@ -11,7 +11,7 @@ groups of chunks summed in group order (results do not depend on the thread coun
 import numpy as np
 from numba import njit
 
-from ..cpu_launch import blocks, launch, task_kernel
+from ..cpu.launch import blocks, launch, task_kernel
 from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
 
 _relu_grad = cpu_scalar(_relu_grad_math)

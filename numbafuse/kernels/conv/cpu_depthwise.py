@@ -42,9 +42,10 @@ as in ``cpu.py``; ``geo`` is ``math.GEO_FIELDS``'s tuple.
 import numpy as np
 from numba import njit
 
-from .. import cpu_gemm_taps as _gemm_taps, scalar
-from ..cpu_buffers import output_cache as _out
-from ..cpu_launch import blocks, launch, task_kernel
+from .. import scalar
+from ..cpu import gemm_taps as _gemm_taps
+from ..cpu.buffers import output_cache as _out
+from ..cpu.launch import blocks, launch, task_kernel
 from . import math as conv_math
 from . import cpu_depthwise_tiles as _tiles
 from .cpu_chunks import sum64

@@ -23,8 +23,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..cpu_gemm import Vec
-from ..cpu_gemm_taps import ROWS, panel
+from ..cpu.gemm import Vec
+from ..cpu.gemm_taps import ROWS, panel
 
 _I64 = ir.IntType(64)
 

@@ -38,9 +38,9 @@ phase with every tap (a correlation with the flipped taps).
 import numpy as np
 from numba import njit
 
-from .. import cpu_blas as _blas
-from .. import cpu_gemm_taps as _gemm_taps
-from ..cpu_launch import task_kernel
+from ..cpu import blas as _blas
+from ..cpu import gemm_taps as _gemm_taps
+from ..cpu.launch import task_kernel
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 
 _relu = cpu_scalar(_relu_math)
@@ -280,7 +280,7 @@ def phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, 
     # Wg (g column v at v + gleft); dx: (N, C, H, W) | (N, H, W, C). Task t = phase rows
     # [i0, i1) of one image (dx rows [sh*i0, sh*i1)), every phase. taps (NHWC, float32, C % 8
     # == 0): 1 or 2 (16-float vectors): each phase's taps summed in the registers of
-    # cpu_gemm_taps's tiles (a row address per g pixel, an offset per tap) from wph = wtap in
+    # cpu.gemm_taps's tiles (a row address per g pixel, an offset per tap) from wph = wtap in
     # entry order, (entries, K, C); 0: a BLAS GEMM per tap
     if nhwc:
         N, H, W, C = dx.shape
@@ -368,7 +368,7 @@ def pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, tap
     # (1, M, Ci), wm (Ci, Co), out (1, M, Co), chunk t = rows [c0, c1) of M = N*HW (rank 3 in
     # both layouts: Numba types both branches). The forward runs
     # it on x with wm = w (NCHW) | w^T (NHWC); dX on gy gated by y with wm = w^T | w. taps
-    # (NHWC, float32, Co % 8 == 0): 1 or 2 (16-float vectors) for cpu_gemm_taps's tiles
+    # (NHWC, float32, Co % 8 == 0): 1 or 2 (16-float vectors) for cpu.gemm_taps's tiles
     # (one tap, a row address per pixel) instead of the BLAS, 0 for the BLAS
     if nhwc:
         M, Ci = src.shape[1], src.shape[2]

@@ -26,9 +26,9 @@ Backward, from ``gy`` and (fused op) the output ``y``, whose sign is the ReLU ma
 import numpy as np
 from numba import njit
 
-from .. import cpu_blas as _blas
-from ..cpu_launch import task_kernel
-from ..cpu_transpose import transpose
+from ..cpu import blas as _blas
+from ..cpu.launch import task_kernel
+from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
 from .cpu_chunks import block_len, chunk, gated_chw, gated_hwc

@@ -5,14 +5,14 @@ input rows it reads into a zero-padded slab, (images, Hs, Ws, C) with Hs = (rows
 (R - 1) * dh + 1 and Ws = (Q - 1) * sw + (S - 1) * dw + 1: slab pixel (u, v) of image i is input
 pixel (p0 * sh - ph + u, v - pw), zero outside the image. Output pixel (p, q) then reads tap
 (r, s) at slab pixel ((p - p0) * sh + r * dh, q * sw + s * dw): one row address per pixel
-and one offset per tap, which ``cpu_gemm_taps.gemm_taps`` sums over C in registers, with the
+and one offset per tap, which ``cpu.gemm_taps.gemm_taps`` sums over C in registers, with the
 bias and ReLU, straight into y (NHWC) or into a (pixels, K) buffer transposed into y (NCHW).
 The slab copies each input value about once (an NCHW source is transposed to HWC on the way,
-``cpu_transpose``); im2col copied it R*S / (sh*sw) times and OpenBLAS packed the copy again.
+``cpu.transpose``); im2col copied it R*S / (sh*sw) times and OpenBLAS packed the copy again.
 
 dW (``implicit_dw_tasks``) reads the same slabs the other way round: for each tap (r, s),
 dW_rs (K, C) += g^T (K, m) @ (the chunk's m pixel rows at that tap's offset), gathered by
-address (``cpu_gemm_taps.gemm_gather``), per fixed group of chunks as ``cpu_im2col``'s dW
+address (``cpu.gemm_taps.gemm_gather``), per fixed group of chunks as ``cpu_im2col``'s dW
 (whose g and db helpers it shares).
 
 float32; K (forward) or C (dW) a multiple of 8 (``fits``); the rest keeps im2col. Every y
@@ -22,9 +22,9 @@ any thread count.
 import numpy as np
 from numba import njit
 
-from .. import cpu_gemm_taps as _taps
-from ..cpu_launch import task_kernel
-from ..cpu_transpose import transpose
+from ..cpu import gemm_taps as _taps
+from ..cpu.launch import task_kernel
+from ..cpu.transpose import transpose
 from .cpu_chunks import chunk, gated_chw, gated_hwc
 
 

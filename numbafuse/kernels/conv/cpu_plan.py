@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import cpu_gemm_taps as _gemm_taps
+from ..cpu import gemm_taps as _gemm_taps
 from . import cpu_implicit as _implicit
 from . import cpu_winograd_s2 as _wino_s2
 
@@ -82,7 +82,7 @@ class Rules(NamedTuple):
     implicit_max_channels: int = 15
     # 16-float register tiles (AVX-512) rather than 8-float ones
     wide: bool = _gemm_taps.WIDE
-    # the register tiles of cpu_gemm_taps for the strided forward and dW (implicit), the NHWC
+    # the register tiles of cpu.gemm_taps for the strided forward and dW (implicit), the NHWC
     # 1x1 forward and dX and the NHWC dX by phase: with 8-float vectors they measured no
     # faster than the BLAS paths they replace, so only where the tiles are wide
     taps: bool = _gemm_taps.WIDE

@@ -27,7 +27,7 @@ Layout: the transformed tiles of a chunk are V[e] (T, Ci) and M[e] (T, Co), rows
 contiguous values (``_split_rows``, ``_in_hwc``): every inner loop long, contiguous and with
 one output stream. NCHW tensors run through the same transforms and GEMMs on *slabs*: a
 chunk's input rows of each image are transposed to (rows, W, Ci) in cache (8x8 tiles,
-``cpu_transpose.py``; ``_hwc_slab``), and the output rows come out as (rows, Wo, Co) and are
+``cpu/transpose.py``; ``_hwc_slab``), and the output rows come out as (rows, Wo, Co) and are
 transposed into the NCHW output (dW: x's, gy's and y's rows). NCHW's own transforms (along a
 tile row of TX + 1 values) took ~1.6x the time of these next to the same GEMMs and are gone.
 
@@ -45,10 +45,10 @@ an image has fewer tiles than that (small images: larger GEMMs, fewer BLAS calls
 import numpy as np
 from numba import njit
 
-from .. import cpu_blas as _blas
-from ..cpu_launch import task_kernel
+from ..cpu import blas as _blas
+from ..cpu.launch import task_kernel
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
-from ..cpu_transpose import transpose
+from ..cpu.transpose import transpose
 from .cpu_chunks import chunk
 from . import cpu_epilogue as _epi
 

@@ -27,16 +27,16 @@ once), so the rounding is that of a direct convolution's, in another order.
 NHWC (and NCHW through HWC slabs of each chunk's input rows, as ``cpu_winograd``): the padded
 input rows of a chunk are split by column mod 4, ``R[u, m][j*C + c] = pad[u, 4j + m, c]``, so
 each transform is a few loops over TX * C contiguous values of a tile row. The GEMMs run on
-``cpu_gemm_taps``' register tiles (one tap, a table of V's row addresses, one offset per
+``cpu.gemm_taps``' register tiles (one tap, a table of V's row addresses, one offset per
 position), float32 with K a multiple of 8.
 """
 import numpy as np
 from numba import njit
 
-from .. import cpu_gemm_taps as _tiles
-from ..cpu_buffers import output_cache as _out
-from ..cpu_launch import launch, task_kernel
-from ..cpu_transpose import transpose, transpose_rows
+from ..cpu import gemm_taps as _tiles
+from ..cpu.buffers import output_cache as _out
+from ..cpu.launch import launch, task_kernel
+from ..cpu.transpose import transpose, transpose_rows
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_chunks import chunk, sum64, sum_groups, tile_chunks
 from .cpu_winograd import OFF, estride, gate_tiles, padded_rows, store_nchw, vadd, vcopy, vsub

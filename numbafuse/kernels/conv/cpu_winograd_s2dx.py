@@ -28,7 +28,7 @@ through HWC slabs of the chunk's rows of gy and y, its dx rows transposed back.
 import numpy as np
 from numba import njit
 
-from ..cpu_launch import launch, task_kernel
+from ..cpu.launch import launch, task_kernel
 from .cpu_chunks import block_chunks, chunk
 from .cpu_winograd import estride, padded_rows, store_nchw, vcopy, vsub
 from .cpu_winograd_s2 import gemm_operands, gemms, taps

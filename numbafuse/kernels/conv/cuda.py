@@ -39,10 +39,10 @@ from numba import float64, int32, types, uint32
 
 from ...cuda import empty as pool_empty, numba_cuda as cuda
 
-from .. import cuda_config as config
-from ..cuda_launch import launch
-from .. import cuda_gemm as gemm
-from .. import cuda_reduce as reduce
+from ..cuda import config
+from ..cuda.launch import launch
+from ..cuda import gemm
+from ..cuda import reduce
 from ..elementwise.cuda import fill
 from .plans import (FIELDS, PAD_TAP, dw_plan, dx_plan, forward_plan,  # noqa: F401
                     splits)

@@ -11,7 +11,7 @@ import functools
 import numpy as np
 
 from ...cuda import to_device
-from .. import cuda_config as config
+from ..cuda import config
 
 PAD_TAP = -(1 << 28)     # th/tw of a padding tap: every row/column test fails, it reads zero
 INT32_MAX = 2**31 - 1

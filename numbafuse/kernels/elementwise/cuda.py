@@ -9,9 +9,9 @@ from numba import float32, float64, int64, types, uint32
 
 from ...cuda import empty, numba_cuda as cuda
 
-from .. import cuda_config as config
-from ..cuda_launch import launch
-from ..cuda_reduce import block_sum
+from ..cuda import config
+from ..cuda.launch import launch
+from ..cuda.reduce import block_sum
 
 BLOCK = config.BLOCK
 

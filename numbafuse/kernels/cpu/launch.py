@@ -44,7 +44,7 @@ on its own thread (the same tasks, so the same results).
 
 Beside PyTorch: once ``torch`` is imported and its GNU OpenMP runtime is loaded, a call runs
 on *PyTorch's* OpenMP team instead (``GOMP_parallel`` of that runtime, each team thread
-taking ranges as a helper does; ``cpu_team.OpenMPTeam``). libgomp's workers spin for some
+taking ranges as a helper does; ``cpu.team.OpenMPTeam``). libgomp's workers spin for some
 milliseconds after every parallel region (PyTorch does not set ``OMP_WAIT_POLICY``; measured
 here: ~7 ms of a core after each torch conv), so with a pool of its own numbafuse's next call
 shares its cores with spinning threads: a numbafuse conv forward called between PyTorch calls
@@ -65,12 +65,12 @@ import threading
 import numpy as np
 from numba import njit
 
-from .cpu_sync import CLOCK as _CLOCK
-from .cpu_sync import SLOT as _SLOT
-from .cpu_sync import await_parked as _await_parked
-from .cpu_sync import park as _park
-from .cpu_sync import publish as _publish
-from .cpu_team import find_torch_team
+from .sync import CLOCK as _CLOCK
+from .sync import SLOT as _SLOT
+from .sync import await_parked as _await_parked
+from .sync import park as _park
+from .sync import publish as _publish
+from .team import find_torch_team
 
 # Below this many elements touched, a call runs on the calling thread only: waking a helper
 # costs ~20-60 us, more than a small pass takes.
@@ -352,7 +352,7 @@ def launch(kernel, ntasks, *args, work=None, grain=None):
             _busy.release()
     # the pool (and a helper back from it) keep the last job: drop what it references, so
     # that the arrays of a finished call (its output among them) are released with the
-    # caller's (cpu_buffers.OutputCache reuses a buffer only when nothing views it). A late
+    # caller's (cpu.buffers.OutputCache reuses a buffer only when nothing views it). A late
     # helper finds no task left and touches neither.
     job.kernel = job.args = None
     if job.error is not None:

@@ -15,7 +15,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
-    """A GEMM tiling (``kernels/cuda_gemm.py``): block tile BM x BN outputs, K-step BK,
+    """A GEMM tiling (``kernels/cuda/gemm.py``): block tile BM x BN outputs, K-step BK,
     micro-tile TM x TN per thread ((BM/TM) * (BN/TN) threads), shared fragments read VEC
     elements at a time (16 bytes: 4 float32, 2 float64); ``max_registers``: ptxas's cap.
     """
@@ -37,7 +37,7 @@ class Tile:
               and self.TN % self.VEC == 0 and self.threads <= 1024
               and TX & (TX - 1) == 0 and TY & (TY - 1) == 0)
         if not ok:
-            raise ValueError(f"kernels.cuda_config: tile {self} does not divide into "
+            raise ValueError(f"kernels.cuda.config: tile {self} does not divide into "
                              f"{self.VEC}-wide groups over a power-of-two thread grid")
         return self
 
@@ -89,7 +89,7 @@ TILE = 16            # square tile edge of 2-d tiled kernels (GEMM-like); TILE*T
 threads = 256        # threads per block for 1-d kernels; power of two, <= BLOCK
 max_blocks = 1024    # grid-stride kernels never launch more blocks than this
 reduce_blocks = 64   # blocks of per-block partials in a two-stage deterministic reduction
-# a per-channel reduction (kernels/cuda_reduce.channel_partials) makes at most this many
+# a per-channel reduction (kernels/cuda/reduce.channel_partials) makes at most this many
 # blocks in all: parts = reduce_target_blocks / block rows, so a block of many channels walks
 # long stretches (with 256 channels and 64 parts each block's threads read 12 values, and
 # the block's own reduction, fence and count outweighed them)
@@ -98,7 +98,7 @@ max_grid_y = 65535   # hardware limit of gridDim.y; kernels with a y grid stride
 sgd_chunk = 8192     # elements of one parameter per block row of the fused SGD step
 
 
-# How kernels are launched (kernels/cuda_launch.py): "prepared" (numbafuse lays out the
+# How kernels are launched (kernels/cuda/launch.py): "prepared" (numbafuse lays out the
 # arguments, cuda.core launches) or "numba" (numba's kernel[grid, block](...)). The simulator
 # always takes numba's path.
 LAUNCHES = ("prepared", "numba")
@@ -110,7 +110,7 @@ if launch not in LAUNCHES:
 def block_threads() -> int:
     """``threads``, checked: the block reductions need a power of two no larger than BLOCK."""
     if threads < 1 or threads > BLOCK or threads & (threads - 1):
-        raise ValueError(f"kernels.cuda_config: threads must be a power of two <= {BLOCK}, "
+        raise ValueError(f"kernels.cuda.config: threads must be a power of two <= {BLOCK}, "
                          f"got {threads}")
     return threads
 

@@ -20,7 +20,7 @@ Without the wheel (or with NUMBAFUSE_PRIVATE_BLAS=0), the GEMMs fall back to Sci
 (``scipy.linalg.cython_blas``, the one Numba's ``np.dot`` uses): correct, but its own threads
 then compete with the pool's (``PRIVATE`` tells which one is in use). Small float32 products
 (n <= 64 columns, k <= 128) go to numbafuse's own register-tiled kernel instead
-(``cpu_gemm.py``, ``SMALL_GEMM``), which is faster than OpenBLAS there.
+(``cpu/gemm.py``, ``SMALL_GEMM``), which is faster than OpenBLAS there.
 
 ``gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)`` (``blas`` from
 :func:`blas_for`, the function's address: compiled kernels stay cacheable) is row-major CBLAS:
@@ -36,8 +36,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from . import cpu_gemm as _small
-from .scalar import cpu_scalar, relu as _relu_math
+from . import gemm as _small
+from ..scalar import cpu_scalar, relu as _relu_math
 
 _relu = cpu_scalar(_relu_math)
 
@@ -97,21 +97,21 @@ PRIVATE = _private is not None
 _ADDRESSES = _private if PRIVATE else _scipy_fortran()
 
 
-# float32 products that fit go to numbafuse's register-tiled kernel (cpu_gemm.py) instead of
+# float32 products that fit go to numbafuse's register-tiled kernel (cpu/gemm.py) instead of
 # the BLAS; read at each call (blas_for), so it can be switched without recompiling
 SMALL_GEMM = True
 
 
 def blas_for(dtype):
     """What the kernels' ``gemm`` takes as ``blas``: (function address, 1 if CBLAS else 0,
-    1 if small float32 products go to cpu_gemm)."""
+    1 if small float32 products go to cpu.gemm)."""
     return (_ADDRESSES[0 if np.dtype(dtype) == np.float32 else 1], 1 if PRIVATE else 0,
             1 if SMALL_GEMM else 0)
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _gemm_small(ta, m, n, k, a, lda, b, ldb, beta, c, ldc, pbias, relu):
-    # cpu_gemm.gemm_small on arrays: their addresses, every argument as int64 (the kernel's one
+    # cpu.gemm.gemm_small on arrays: their addresses, every argument as int64 (the kernel's one
     # compiled signature, whatever integer and flag types the calling kernel has)
     q = np.int64
     _small.gemm_small(q(1 if ta else 0), q(m), q(n), q(k), q(a.ctypes.data), q(lda),
@@ -175,7 +175,7 @@ def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
 @njit(nogil=True, cache=True, inline="always")
 def gemm_bias_relu(blas, m, n, k, a, lda, b, ldb, c, bias, relu):
     """c (m, n) = relu?(a (m, k) @ b (k, n) + bias (n,)), row-major, c a 2-d view; the bias and
-    ReLU in registers (cpu_gemm) when the product fits, else one pass over c after the GEMM,
+    ReLU in registers (cpu.gemm) when the product fits, else one pass over c after the GEMM,
     while it is in cache. The same arithmetic either way: the float32 sum, + bias, ReLU."""
     fptr, cblas, small = blas
     if small and _small.fits_epilogue(n, k, c.itemsize):

@@ -37,7 +37,7 @@ from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from .cpu_gemm import Vec, row_offset
+from .gemm import Vec, row_offset
 
 ROWS = 4          # rows of c per block (1-row blocks finish a chunk's last m % ROWS rows)
 

@@ -2,7 +2,7 @@
 released: a monotonic clock (the C library's ``clock_gettime``), atomic acquire loads and
 release stores on int64 arrays, the ``pause`` hint, and the waits built on them (a helper
 parking between calls, the launching thread waiting for parked helpers). Used by
-``cpu_launch`` (its own pool) and ``cpu_team`` (PyTorch's OpenMP team).
+``cpu.launch`` (its own pool) and ``cpu.team`` (PyTorch's OpenMP team).
 """
 import ctypes
 import sys

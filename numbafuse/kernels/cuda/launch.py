@@ -19,7 +19,7 @@ numba's kernel ABI, as its ``_Kernel._prepare_args`` lays it out (and as
     boolean          the Python bool
     tuple            its members, flattened in order
 
-The kinds of launch (``cuda_config.launch``):
+The kinds of launch (``cuda.config.launch``):
 
 - ``"prepared"`` (default on a GPU): the above;
 - ``"numba"``: numba's own ``kernel[grid, block](*args)``, for comparison (``NUMBAFUSE_CUDA_
@@ -40,8 +40,8 @@ import ctypes
 import numpy as np
 from numba import types
 
-from ..cuda import SIMULATOR, argument_type, capture_in_progress, default_stream
-from . import cuda_config as config
+from ...cuda import SIMULATOR, argument_type, capture_in_progress, default_stream
+from . import config
 
 _PREPARED = {}          # (kernel, argument type key) -> _Prepared
 _CONFIGS = {}           # (grid, block) -> cuda.core LaunchConfig
@@ -100,7 +100,7 @@ def _type_key(value):
     if cls is tuple:
         return tuple(map(_type_key, value))
     if cls is np.ndarray:       # its class would not say its dtype or rank: no key fits it
-        raise TypeError("kernels.cuda_launch: a host array reached a kernel launch; "
+        raise TypeError("kernels.cuda.launch: a host array reached a kernel launch; "
                         "numbafuse moves every array to the device before launching")
     return cls
 
@@ -132,7 +132,7 @@ def packer(ty):
     if isinstance(ty, types.Array):
         def pack_array(a, out):
             if not hasattr(a, "device_ctypes_pointer"):     # a foreign CUDA array
-                from ..cuda import as_device_array
+                from ...cuda import as_device_array
                 a = as_device_array(a)
             ptr = a.device_ctypes_pointer.value
             out += (0, 0, a.size, a.dtype.itemsize, ptr or 0)
@@ -155,7 +155,7 @@ def packer(ty):
         return lambda value, out: out.append(ctypes.c_double(value))
     if ty == types.float32:
         return lambda value, out: out.append(ctypes.c_float(value))
-    raise TypeError(f"kernels.cuda_launch: no prepared launch for arguments of type {ty}")
+    raise TypeError(f"kernels.cuda.launch: no prepared launch for arguments of type {ty}")
 
 
 def _core():

@@ -1,4 +1,4 @@
-"""numbafuse's tasks on a loaded GNU OpenMP runtime's team (PyTorch's): see ``cpu_launch``.
+"""numbafuse's tasks on a loaded GNU OpenMP runtime's team (PyTorch's): see ``cpu.launch``.
 
 :class:`OpenMPTeam` runs one job as one ``GOMP_parallel`` region of that runtime: every team
 thread (the caller's included) enters :func:`_team_entry`, compiled and GIL-free, and then a
@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import carray, cfunc, types
 from numba.extending import intrinsic
 
-from .cpu_sync import SLOT, cpu_relax, load_acquire, monotonic_ns, publish
+from .sync import SLOT, cpu_relax, load_acquire, monotonic_ns, publish
 
 
 @intrinsic

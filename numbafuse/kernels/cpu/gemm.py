@@ -2,7 +2,7 @@
 
 ``gemm_small(ta, m, n, k, pa, lda, pb, ldb, beta, pc, ldc)``: ``c (m, n) = op(a) (m, k) @ b
 (k, n) + beta * c`` (row-major, addresses and strides of float32 matrices, ``a`` transposed
-when ``ta``, ``beta`` 0 or 1), for ``n`` a multiple of 8. :func:`cpu_blas.gemm` sends the
+when ``ta``, ``beta`` 0 or 1), for ``n`` a multiple of 8. :func:`cpu.blas.gemm` sends the
 products that fit (:func:`fits`: float32, ``b`` not transposed, alpha 1, ``n`` <= SMALL_N,
 ``k`` <= SMALL_K, a transposed ``a`` of at most SMALL_TA_ELEMENTS) here instead of OpenBLAS.
 
@@ -39,7 +39,7 @@ _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
 class Vec:
     """LLVM IR helpers for ``<width x float>`` code in one intrinsic's builder (this module's
-    micro-kernel and ``cpu_gemm_taps``'s)."""
+    micro-kernel and ``cpu.gemm_taps``'s)."""
 
     def __init__(self, builder, width):
         self.b, self.width = builder, width

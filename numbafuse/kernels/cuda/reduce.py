@@ -21,7 +21,7 @@ atomics only, the sums stay in a fixed order).
   row-group order.
 
 Parts: at most ``reduce_blocks`` per block row, at least U values per thread, and at most
-``reduce_target_blocks`` blocks in all (``cuda_config``).
+``reduce_target_blocks`` blocks in all (``cuda.config``).
 
 The element quantities (``ELEM_*``): statistics ``(x - shift, (x - shift)**2)`` with shift the
 channel's first value; backward ``(g, g*(x - mean))`` with ``g = gy`` gated by the ReLU state;
@@ -36,13 +36,13 @@ import numpy as np
 from numba import boolean, float32, float64, int32, int64, types, uint32
 from numba.core.extending import overload
 
-from ..cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
+from ...cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
 
-from . import cuda_config as config
-from .cuda_launch import launch
-from .batchnorm import math as bm
-from .batchnorm.math import STATE_MASK, STATE_NONE, STATE_Y  # noqa: F401
-from .scalar import cuda_scalar
+from . import config
+from .launch import launch
+from ..batchnorm import math as bm
+from ..batchnorm.math import STATE_MASK, STATE_NONE, STATE_Y  # noqa: F401
+from ..scalar import cuda_scalar
 
 BLOCK = config.BLOCK
 WARP = 32

@@ -46,8 +46,8 @@ import dataclasses
 
 from numba import int32, uint32, uint64
 
-from ..cuda import SIMULATOR, numba_cuda as cuda
-from .cuda_config import Tile
+from ...cuda import SIMULATOR, numba_cuda as cuda
+from .config import Tile
 
 PAD = 4          # elements of padding per shared row (keeps rows 16-byte aligned)
 SHARED_ALIGN = 16  # bytes: vector (128-bit) shared loads of the fragments
