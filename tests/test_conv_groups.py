@@ -135,6 +135,43 @@ def test_depthwise_register_tiles_equal_the_per_pixel_loops(x_shape, rs, kw, wid
     assert y.tobytes() == ref_y.tobytes()
 
 
+# NCHW float32 depthwise forwards run the same tiles with output columns on the lanes: Q =
+# 6 to 80 crosses the column panels (Qv = 8 to 80: 64 + 16, 32 + 8 on AVX-512; 24s on AVX2),
+# P = 1 to 11 output rows (blocks of 4 and a remainder), multiplier 2, stride 2 (phases),
+# dilation, asymmetric padding
+TILED_NCHW = [((2, 3, 6, 6), 1, (3, 3), dict(padding=1)),
+              ((1, 2, 9, 13), 2, (3, 3), dict(stride=2, padding=(0, 2, 1, 0))),
+              ((1, 2, 11, 80), 1, (7, 7), dict(padding=3)),
+              ((2, 2, 8, 33), 1, (3, 3), dict(stride=(2, 1), padding=2, dilation=(2, 1))),
+              ((1, 1, 4, 7), 2, (2, 2), dict(padding=0)),
+              ((1, 3, 7, 40), 1, (5, 5), dict(stride=2, padding=2))]
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("x_shape, mult, rs, kw", TILED_NCHW,
+                         ids=[f"Q{t[0][3]}-m{t[1]}-{t[2][0]}x{t[2][1]}-{i}"
+                              for i, t in enumerate(TILED_NCHW)])
+def test_depthwise_nchw_tiles_equal_the_plane_loops(x_shape, mult, rs, kw, wide, monkeypatch):
+    from numbafuse.kernels.cpu import gemm_taps as cpu_gemm_taps
+    monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
+    rng = np.random.default_rng(8)
+    C = x_shape[1]
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal((C * mult, 1, *rs)).astype(np.float32)
+    b = rng.standard_normal(C * mult).astype(np.float32)
+    kw = dict(kw, groups=C)
+    geom = validate.conv_geometry("t", x.shape, w.shape, **kw)
+    y = nf.conv_bias_relu(x, w, b, **kw)
+    close(y, ref.conv_bias_relu(x, w, b, **kw), np.float32, what="y")
+    # the plane loops (one axpy of a whole phase plane per tap) give the same bits
+    ref_y = np.empty_like(y)
+    from numbafuse.kernels.conv import math as conv_math
+    _launch.launch(cpu_depthwise._forward_nchw, geom.N * C, x,
+                   w.reshape(geom.K, geom.R, geom.S), b, True, conv_math.geo_tuple(geom),
+                   cpu_depthwise._phase_width(geom), ref_y, work=0)
+    assert y.tobytes() == ref_y.tobytes()
+
+
 def test_conv2d_groups_need_and_tape():
     """conv2d (no ReLU, no mask) with groups on the tape: gradients equal the reference; the
     backward's ``need`` computes only what is asked."""

@@ -301,6 +301,56 @@ def _forward_nchw(t0, t1, x, w, b, relu, geo, Wph, y):
                     yr[q] = _relu(v) if relu else v
 
 
+@task_kernel(fastmath=FMA)
+def _forward_nchw_tiled(t0, t1, x, w, b, relu, geo, Wpt, aoff, wide, y):
+    # float32, any multiplier: the register tiles of cpu_depthwise_tiles with the output
+    # columns on the vector lanes. Task t: input plane (n, c) = divmod(t, C), split into its
+    # sh*sw phases (zero-padded, rows of Wpt >= Qv + the widest tap's column offset, Qv = Q
+    # rounded up to 8); output row p of filter k sums, over the taps in (r, s) order, phase
+    # row p at the tap's offset times w[k, r, s] on every lane (a tap's weight repeated Qv
+    # times), then the bias and ReLU: Qv columns in registers, Q of them stored (the others
+    # read padding and are dropped). The sums and their order are _forward_nchw's.
+    # aoff: (R*S,) int64 element offset of each tap from a row of phase 0.
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    M = K // C
+    Qv = (Q + 7) // 8 * 8
+    T = R * S
+    xph = np.empty((sh * sw, (P + (R - 1) * dh // sh + 1) * Wpt), np.float32)
+    acc = np.empty((P, Qv), np.float32)
+    wrep = np.empty((T, Qv), np.float32)                              # tap t on every lane
+    woff = np.empty(T, np.int64)
+    brep = np.empty(Qv, np.float32)
+    rows = np.empty(P, np.int64)
+    for i in range(T):
+        woff[i] = i * Qv
+    for p in range(P):                                                # phase 0's rows
+        rows[p] = np.int64(xph.ctypes.data) + 4 * p * Wpt
+    pr, pa, pwo = np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data), \
+        np.int64(woff.ctypes.data)
+    pwr, pacc, pb = np.int64(wrep.ctypes.data), np.int64(acc.ctypes.data), \
+        np.int64(brep.ctypes.data)
+    rel = np.int64(relu)
+    direct = Q == Qv                    # whole vectors: the tiles store into y itself
+    for t in range(t0, t1):
+        n, c = t // C, t % C
+        _split_phases(x[n, c], ph, pw, sh, sw, Wpt, xph)
+        for k in range(c * M, c * M + M):
+            for r in range(R):
+                for s in range(S):
+                    v = w[k, r, s]
+                    for j in range(Qv):
+                        wrep[r * S + s, j] = v
+            for j in range(Qv):
+                brep[j] = b[k]
+            yp = y[n, k]
+            pc = np.int64(yp.ctypes.data) if direct else pacc
+            _tiles.depthwise_taps(P, Qv, T, pr, pa, pwo, pwr, pc, Qv, pb, rel, wide)
+            if not direct:
+                for p in range(P):
+                    for q in range(Q):
+                        yp[p, q] = acc[p, q]
+
+
 def forward(x, w, b, geom, relu):
     """``y = relu?(depthwise_conv(x, w) + b?)`` for contiguous host arrays of one dtype."""
     N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
@@ -322,10 +372,23 @@ def forward(x, w, b, geom, relu):
         else:
             launch(_forward_nhwc, N * blocks(P, rpc), x, _taps_nhwc(w, C, K // C), b, relu,
                    geo, rpc, y, work=work)
+    elif np.dtype(x.dtype) == np.float32:
+        Wpt = _phase_width(geom, vector=True)
+        launch(_forward_nchw_tiled, N * C, x, w.reshape(K, R, S), np.ascontiguousarray(b),
+               relu, geo, Wpt, _phase_tap_offsets(geom, Wpt), _gemm_taps.WIDE, y, work=work)
     else:
         launch(_forward_nchw, N * C, x, w.reshape(K, R, S), b, relu, geo, _phase_width(geom),
                y, work=work)
     return y
+
+
+def _phase_tap_offsets(geom, Wpt):
+    """(R*S,) int64: element offset of tap (r, s), r-major, from a row of the first phase
+    plane in the NCHW kernels' phase buffer (planes of rows of ``Wpt``)."""
+    R, S, sh, sw, dh, dw = geom.R, geom.S, geom.sh, geom.sw, geom.dh, geom.dw
+    plane = (geom.P + (R - 1) * dh // sh + 1) * Wpt
+    return np.array([((r * dh) % sh * sw + (s * dw) % sw) * plane + (r * dh) // sh * Wpt
+                     + (s * dw) // sw for r in range(R) for s in range(S)], np.int64)
 
 
 def _tiled(geom, dtype):
@@ -357,9 +420,11 @@ def _tiled_taps(w, geom):
     return np.ascontiguousarray(np.tile(taps, (1, 1, geom.Q)))
 
 
-def _phase_width(geom):
-    """Row length of the NCHW kernels' phase planes: Q plus the widest tap's column offset."""
-    return geom.Q + (geom.S - 1) * geom.dw // geom.sw
+def _phase_width(geom, vector=False):
+    """Row length of the NCHW kernels' phase planes: Q (``vector``: Q rounded up to 8, the
+    columns the tiles compute) plus the widest tap's column offset."""
+    Q = (geom.Q + 7) // 8 * 8 if vector else geom.Q
+    return Q + (geom.S - 1) * geom.dw // geom.sw
 
 
 def _rows_per_chunk(geom):
