@@ -46,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -111,7 +112,9 @@ class CompileLog:
             def on_end(self, ev):
                 log._end(ev)
 
-        self.records, self._stack, self.step = [], [], None
+        self.records, self.step = [], None
+        self._threads = threading.local()     # a stack per thread: the pool's helper threads
+        #                                       compile too (numbafuse's _park, lazily)
         self.loads = dict(hits=0, misses=0, wall=0.0, cpu=0.0)   # disk-cache lookups
         self._event = event
         self._listener = Listener()
@@ -132,21 +135,31 @@ class CompileLog:
         self._event.unregister("numba:compile", self._listener)
         self._cache_class.load_overload = self._load
 
+    def _stack(self):
+        stack = getattr(self._threads, "stack", None)
+        if stack is None:
+            stack = self._threads.stack = []
+        return stack
+
     def _start(self, ev):
         fn = ev.data["dispatcher"].py_func
-        self._stack.append(dict(fn=fn.__qualname__, module=fn.__module__, step=self.step,
-                                depth=len(self._stack), wall=time.perf_counter(),
-                                cpu=time.process_time(), child_wall=0.0, child_cpu=0.0))
+        stack = self._stack()
+        stack.append(dict(fn=fn.__qualname__, module=fn.__module__, step=self.step,
+                          depth=len(stack), wall=time.perf_counter(),
+                          cpu=time.process_time(), child_wall=0.0, child_cpu=0.0))
 
     def _end(self, ev):
-        r = self._stack.pop()
+        stack = self._stack()
+        if not stack:          # a compilation this thread started before the log existed
+            return
+        r = stack.pop()
         r["wall"] = time.perf_counter() - r["wall"]
         r["cpu"] = time.process_time() - r["cpu"]
         r["self_wall"] = r["wall"] - r.pop("child_wall")
         r["self_cpu"] = r["cpu"] - r.pop("child_cpu")
-        if self._stack:
-            self._stack[-1]["child_wall"] += r["wall"]
-            self._stack[-1]["child_cpu"] += r["cpu"]
+        if stack:
+            stack[-1]["child_wall"] += r["wall"]
+            stack[-1]["child_cpu"] += r["cpu"]
         self.records.append(r)
 
 

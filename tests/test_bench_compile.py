@@ -36,6 +36,39 @@ def test_compile_log_records_nested_compilations():
     assert o["wall"] >= by_fn["inner"]["wall"] + o["self_wall"] - 1e-6
 
 
+def test_compile_log_keeps_a_stack_per_thread():
+    # numbafuse's pool threads compile too (lazily); a compilation that started before the
+    # log existed ends without a start: ignored, not an IndexError in that thread
+    import threading
+    from numba import njit
+
+    @njit
+    def in_thread(a):
+        return a - 1
+
+    @njit
+    def in_main(a):
+        return a + 1
+
+    log = bc.CompileLog()
+    try:
+        log._end(None)                              # an end whose start the log never saw
+        started = threading.Event()
+
+        def other():
+            log._start(type("E", (), {"data": {"dispatcher": in_thread}})())
+            started.set()
+        t = threading.Thread(target=other)
+        t.start()
+        started.wait()
+        t.join()
+        assert in_main(1) == 2                      # main's stack: its own, depth 0
+    finally:
+        log.close()
+    by_fn = {r["fn"].rsplit(".", 1)[-1]: r for r in log.records}
+    assert by_fn["in_main"]["depth"] == 0
+
+
 def test_worker_processes_cold_and_warm():
     res = bc.measure("import", dict(op="import"), log=lambda s: None)
     for side in ("cold", "warm"):
