@@ -170,6 +170,103 @@ def test_batchnorm_half(backend, fused):
     run_property(f"half batchnorm {fused} {backend}", 2 * backend.cost, body)
 
 
+def _conv_bn_backward64(dy, x, w, gamma, rm, rv, kw, y):
+    """(dx, dw, dgamma, dbeta) of conv -> batch norm (-> ReLU) in float64 from the reference's
+    pieces, the ReLU's mask read from the op's own (rounded) y."""
+    dy, x, w, gamma, rm, rv, y = (_f64(a) for a in (dy, x, w, gamma, rm, rv, y))
+    conv = {k: kw[k] for k in ("stride", "padding", "dilation", "layout", "groups") if k in kw}
+    h = ref.conv2d(x, w, **conv)
+    g = dy * (y > 0) if kw["relu"] else dy
+    if kw["training"]:
+        dh, dgamma, dbeta = ref.batchnorm_backward(g, h, gamma, eps=kw["eps"],
+                                                   layout=kw["layout"])
+    else:                                   # running statistics: constants
+        shape = (1, -1, 1, 1) if kw["layout"] == "NCHW" else (1, 1, 1, -1)
+        axes = (0, 2, 3) if kw["layout"] == "NCHW" else (0, 1, 2)
+        invstd = 1.0 / np.sqrt(rv + kw["eps"])
+        xhat = (h - rm.reshape(shape)) * invstd.reshape(shape)
+        dh = g * (gamma * invstd).reshape(shape)
+        dgamma, dbeta = (g * xhat).sum(axes), g.sum(axes)
+    dx, dw = ref.conv2d_backward(dh, x, w, **conv)
+    return dx, dw, dgamma, dbeta
+
+
+def test_conv_batchnorm_relu_half(backend):
+    """Conv -> BatchNorm (-> ReLU) with a half x and w, parameters and running statistics
+    float32 (autocast's) or x's dtype: y in x's dtype, the running statistics in theirs, the
+    tape's and the NumPy-style backward's dx, dw in x's dtype and dgamma, dbeta in the
+    parameters'; training (recompute) and inference (folded)."""
+    dtypes = _half_dtypes(backend)
+
+    def body(draw):
+        dtype = draw(st.sampled_from(dtypes))
+        small = dict(max_batch=2, max_channels=2, max_size=4, max_kernel=2) \
+            if backend.small else {}
+        p = draw(nfs.conv_batchnorm_problems(dtype=dtype, **small))
+        pdtype = draw(st.sampled_from([np.float32, dtype]))
+        gamma, beta, rm0, rv0 = (a.astype(pdtype) for a in (p.gamma, p.beta, p.running_mean,
+                                                               p.running_var))
+        training, relu = draw(st.booleans()), draw(st.booleans())
+        kw = dict(p.kwargs, training=training, relu=relu, eps=1e-3)
+        rm, rv = backend.put(rm0.copy()), backend.put(rv0.copy())
+        tensors = [nf.Tensor(backend.put(a), requires_grad=True) for a in (p.x, p.w, gamma,
+                                                                          beta)]
+        y = nf.conv_batchnorm_relu(*tensors, running_mean=rm, running_var=rv, momentum=0.3,
+                                   **kw)
+        y_host = backend.get(y.data)
+        want_y, want_rm, want_rv = ref.conv_batchnorm_relu(
+            *(_f64(a) for a in (p.x, p.w, gamma, beta)), running_mean=_f64(rm0),
+            running_var=_f64(rv0), momentum=0.3, **kw)
+        _expect(y_host, want_y, dtype, "y")
+        _expect(backend.get(rm), want_rm, pdtype, "running_mean")
+        _expect(backend.get(rv), want_rv, pdtype, "running_var")
+        dy = _dy(draw, y_host.shape, dtype)
+        want = _conv_bn_backward64(dy, p.x, p.w, gamma, rm0, rv0, kw, y_host)
+        y.backward(backend.put(dy))
+        for t, e, name in zip(tensors, want, ("dx", "dw", "dgamma", "dbeta")):
+            _expect(backend.get(t.grad), e, t.dtype, f"tape {name}")
+        got = nf.conv_batchnorm_relu_backward(
+            backend.put(dy), *(backend.put(a) for a in (p.x, p.w, gamma, beta)),
+            running_mean=backend.put(rm0), running_var=backend.put(rv0),
+            **{k: v for k, v in kw.items()})
+        # with the ReLU its mask is the sign of its own float32 recomputation, as the tape's:
+        # against the tape's gradients then (the reference's mask is the rounded y's)
+        expected = [_f64(backend.get(t.grad)) for t in tensors] if relu else want
+        for g, e, a, name in zip(got, expected, (p.x, p.w, gamma, beta), ("dx", "dw",
+                                                                           "dgamma", "dbeta")):
+            _expect(backend.get(g), e, a.dtype, f"conv_batchnorm_relu_backward {name}")
+
+    run_property(f"half conv_batchnorm_relu {backend}", 2 * backend.cost, body)
+
+
+def test_conv_batchnorm_add_relu_half(backend):
+    """The ResNet tail op (conv -> batch norm -> + z -> ReLU) with half x, w, z and float32
+    parameters: y, dx, dw, dz half; dgamma, dbeta float32; the mask kept, h recomputed."""
+    from numbafuse.ops.conv_batchnorm import ConvBatchNormAddReLU
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 3, 5, 5)).astype(np.float16)
+    w = (rng.standard_normal((4, 3, 3, 3)) / 4).astype(np.float16)
+    z = rng.standard_normal((2, 4, 5, 5)).astype(np.float16)
+    gamma, beta = rng.uniform(0.5, 1.5, 4).astype(np.float32), rng.standard_normal(4, np.float32)
+    tensors = [nf.Tensor(backend.put(a), requires_grad=True) for a in (x, w, z, gamma, beta)]
+    fn = ConvBatchNormAddReLU(running_mean=None, running_var=None, training=True, momentum=0.1,
+                              eps=1e-5, stride=1, padding=1, dilation=1, layout="NCHW",
+                              recompute=True, comm=None)
+    y = fn.apply(*tensors)
+    y_host = backend.get(y.data)
+    h = ref.conv2d(_f64(x), _f64(w), padding=1)
+    bn, _, _ = ref.batchnorm_train(h, _f64(gamma), _f64(beta))
+    _expect(y_host, np.maximum(bn + _f64(z), 0.0), np.float16, "y")
+    dy = rng.standard_normal(y_host.shape).astype(np.float16)
+    y.backward(backend.put(dy))
+    g = _f64(dy) * (y_host > 0)
+    dh, dgamma, dbeta = ref.batchnorm_backward(g, h, _f64(gamma))
+    dx, dw = ref.conv2d_backward(dh, _f64(x), _f64(w), padding=1)
+    for t, e, name in zip(tensors, (dx, dw, g, dgamma, dbeta), ("dx", "dw", "dz", "dgamma",
+                                                                 "dbeta")):
+        _expect(backend.get(t.grad), e, t.dtype, f"tape {name}")
+
+
 def test_batchnorm_half_inputs_are_not_written(backend):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 3, 2, 3)).astype(np.float16)

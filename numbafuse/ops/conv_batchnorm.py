@@ -37,11 +37,13 @@ from __future__ import annotations
 import numpy as np
 
 import dataclasses
+import types
 
 from .. import autograd, backend, kernels, reference, validate
 from ..autograd import Function
 from . import batchnorm as _bn
 from . import conv as _conv
+from . import precision
 from .batchnorm import BatchNormParams
 from .spec import OpSpec
 
@@ -58,8 +60,12 @@ def _validate(op, x, w, gamma, beta, p, relu, z=None, updates=True):
         dict(x=x, w=w, z=z, gamma=gamma, beta=beta)
     which = backend.backend_of(op, **arrays, running_mean=p.running_mean,
                                running_var=p.running_var)
-    validate.check_float_dtypes(op, **arrays, running_mean=p.running_mean,
-                                running_var=p.running_var)
+    # x, w (and z) one dtype, half precision too; the batch-norm parameters and running
+    # statistics that dtype or, for a half x, float32 (PyTorch's rule, as batch norm's)
+    dtype = validate.check_float_dtypes(op, half=True, x=x, w=w, z=z)
+    validate.check_half_backend(op, which, dtype)
+    validate.check_param_dtypes(op, dtype, gamma=gamma, beta=beta,
+                                running_mean=p.running_mean, running_var=p.running_var)
     synced = p.comm is not None and p.training
     # N = 0 (an empty batch, or a rank without samples) passes: empty y, nothing updated
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), p.stride, p.padding,
@@ -77,6 +83,46 @@ def _validate(op, x, w, gamma, beta, p, relu, z=None, updates=True):
     _bn.check_comm(op, p.comm, x, geometry.K, geometry.layout, p.training, p.eps, momentum,
                    p.running_mean is not None, relu)
     return which, geometry, momentum
+
+
+class _Half:
+    """Half precision at the op's boundary (``ops/precision.py``'s rule): the arithmetic in
+    float32 on converted x, w, z (and half parameters or running statistics), y and dx, dw,
+    dz back in x's dtype, dgamma and dbeta in the parameters' (float32 or x's). A no-op for
+    float32 and float64. The residuals keep x and w as given (a half x stays half)."""
+
+    def __init__(self, x, gamma, param_dtype=None):
+        self.dtype = x.dtype
+        self.param_dtype = gamma.dtype if param_dtype is None else param_dtype
+
+    def store(self, a):
+        return precision.store(a, self.dtype)
+
+    def param(self, a):
+        return precision.store(a, self.param_dtype)
+
+    @staticmethod
+    def params(p):
+        """``p`` with float32 copies of half running statistics (else ``p`` itself)."""
+        rm, rv = (precision.compute(a) for a in (p.running_mean, p.running_var))
+        if rm is p.running_mean and rv is p.running_var:
+            return p
+        return dataclasses.replace(p, running_mean=rm, running_var=rv)
+
+    @staticmethod
+    def store_running(original, p):
+        """The updated float32 copies written back into half running statistics."""
+        for kept, updated in ((original.running_mean, p.running_mean),
+                              (original.running_var, p.running_var)):
+            precision.store_into(kept, updated)
+
+    @staticmethod
+    def residuals(saved):
+        """``saved`` with x and w in their compute dtype."""
+        if not validate.is_half(saved.x.dtype):
+            return saved
+        return types.SimpleNamespace(**{**vars(saved), "x": precision.compute(saved.x),
+                                        "w": precision.compute(saved.w)})
 
 
 def _conv_forward(which, x, w, b, geometry, relu):
@@ -160,6 +206,7 @@ class ConvBatchNormReLU(Function):
     """
 
     name = OP
+    param_dtype = None       # gamma's dtype as given (set by forward; None: the saved gamma's)
 
     @dataclasses.dataclass(frozen=True)
     class Params(BatchNormParams):
@@ -179,17 +226,23 @@ class ConvBatchNormReLU(Function):
         x, w, gamma, beta = (kernels.contiguous(a) for a in (x, w, gamma, beta))
         self.geometry = geometry
         self.count = geometry.N * geometry.P * geometry.Q
+        half = _Half(x, gamma)
+        self.param_dtype = half.param_dtype
+        x_kept, w_kept = x, w                        # saved as given: a half x stays half
+        x, w, gamma, beta = (precision.compute(a) for a in (x, w, gamma, beta))
+        p = half.params(p)                           # float32 copies of half running stats
         if p.training:
             h, mean, invstd, self.count = _training_forward(self.name, which, x, w, geometry, p,
                                                             momentum)
+            half.store_running(self.params, p)
             keep_h = not p.recompute
             y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu,
                              layout=geometry.layout, with_mask=keep_h and p.relu)
             if keep_h:   # trade memory for speed: keep h and a 1-bit ReLU mask, no recompute
                 y, mask = y if p.relu else (y, None)
-                self.save_for_backward(x=x, w=w, gamma=gamma, h=h, relu_state=mask, mean=mean,
-                                       invstd=invstd)
-                return y
+                self.save_for_backward(x=x_kept, w=w_kept, gamma=gamma, h=h, relu_state=mask,
+                                       mean=mean, invstd=invstd)
+                return half.store(y)
             del h                                                         # never kept
         else:
             mean, invstd = _bn.bn_inference_stats(kernels.contiguous(p.running_mean),
@@ -198,17 +251,20 @@ class ConvBatchNormReLU(Function):
             w_folded, b_folded = _fold(which, w, None, gamma, beta, mean, invstd)
             y = _conv_forward(which, x, w_folded, b_folded, geometry, p.relu)
         if p.relu:
-            self.save_for_backward(x=x, w=w, gamma=gamma, beta=beta, mean=mean, invstd=invstd)
+            self.save_for_backward(x=x_kept, w=w_kept, gamma=gamma, beta=beta, mean=mean,
+                                   invstd=invstd)
         else:
-            self.save_for_backward(x=x, w=w, gamma=gamma, mean=mean, invstd=invstd)
-        return y
+            self.save_for_backward(x=x_kept, w=w_kept, gamma=gamma, mean=mean, invstd=invstd)
+        return half.store(y)
 
     # bwd :: (residuals, dy) -> (dx, dw, dgamma, dbeta)
     def backward(self, dy):
-        s, geometry = self.saved, self.geometry
+        geometry = self.geometry
         need_x, need_w, need_gamma, need_beta = self.needs_input_grad
         dy = kernels.contiguous(dy)
         which = backend.backend_of_array(dy)
+        half = _Half(dy, self.saved.gamma, self.param_dtype)
+        s, dy = half.residuals(self.saved), precision.compute(dy)
         sums = fused = None
         kept_h = "h" in vars(s)            # the forward (recompute=False) or the NumPy-style
         #                                    backward kept h and the ReLU state
@@ -236,7 +292,7 @@ class ConvBatchNormReLU(Function):
         dx = dw = None
         if need_x or need_w:
             dx, dw = _conv_backward(which, dconv, s.x, s.w, geometry, (need_x, need_w))
-        return dx, dw, dgamma, dbeta
+        return half.store(dx), half.store(dw), half.param(dgamma), half.param(dbeta)
 
 
 # --------------------------------------------------------------------------- + add + ReLU
@@ -263,6 +319,7 @@ class ConvBatchNormAddReLU(Function):
     """
 
     name = "conv_batchnorm_add_relu"
+    param_dtype = None       # gamma's dtype as given (set by forward; None: the saved gamma's)
 
     @dataclasses.dataclass(frozen=True)
     class Params(BatchNormParams):
@@ -281,9 +338,15 @@ class ConvBatchNormAddReLU(Function):
         x, w, z, gamma, beta = (kernels.contiguous(a) for a in (x, w, z, gamma, beta))
         self.geometry = geometry
         self.count = geometry.N * geometry.P * geometry.Q
+        half = _Half(x, gamma)
+        self.param_dtype = half.param_dtype
+        x_kept, w_kept = x, w                        # saved as given: a half x stays half
+        x, w, z, gamma, beta = (precision.compute(a) for a in (x, w, z, gamma, beta))
+        p = half.params(p)
         if p.training:
             h, mean, invstd, self.count = _training_forward(self.name, which, x, w, geometry, p,
                                                             momentum)
+            half.store_running(self.params, p)
         else:
             h = _conv_forward(which, x, w, None, geometry, False)
             mean, invstd = _bn.bn_inference_stats(kernels.contiguous(p.running_mean),
@@ -292,16 +355,18 @@ class ConvBatchNormAddReLU(Function):
         y, mask = _bn.bn_apply(h, mean, invstd, gamma, beta, z=z, relu=True,
                                layout=geometry.layout, with_mask=True)
         kept = {} if p.recompute else dict(h=h)
-        self.save_for_backward(x=x, w=w, gamma=gamma, mean=mean, invstd=invstd,
+        self.save_for_backward(x=x_kept, w=w_kept, gamma=gamma, mean=mean, invstd=invstd,
                                relu_state=mask, **kept)
-        return y
+        return half.store(y)
 
     # bwd :: (residuals, dy) -> (dx, dw, dz, dgamma, dbeta)
     def backward(self, dy):
-        s, geometry = self.saved, self.geometry
+        geometry = self.geometry
         need_x, need_w, need_z, need_gamma, need_beta = self.needs_input_grad
         dy = kernels.contiguous(dy)
         which = backend.backend_of_array(dy)
+        half = _Half(dy, self.saved.gamma, self.param_dtype)
+        s, dy = half.residuals(self.saved), precision.compute(dy)
         h = s.h if "h" in vars(s) else _conv_forward(which, s.x, s.w, None, geometry, False)
         dconv, dgamma, dbeta, dz = _bn.bn_backward(
             dy, h, s.mean, s.invstd, s.gamma, s.relu_state, layout=geometry.layout,
@@ -311,7 +376,8 @@ class ConvBatchNormAddReLU(Function):
         dx = dw = None
         if need_x or need_w:
             dx, dw = _conv_backward(which, dconv, s.x, s.w, geometry, (need_x, need_w))
-        return dx, dw, dz, dgamma, dbeta
+        return (half.store(dx), half.store(dw), half.store(dz), half.param(dgamma),
+                half.param(dbeta))
 
 
 # --------------------------------------------------------------------------- folding
@@ -465,30 +531,35 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
     validate.check_given(op, dy=dy)
     _, geometry, _ = _validate(op, x, w, gamma, beta, fn.params, relu, updates=False)
     backend.backend_of(op, dy=dy, x=x)
-    validate.check_float_dtypes(op, dy=dy, x=x)
+    dtype = validate.check_float_dtypes(op, half=True, dy=dy, x=x)
     if tuple(dy.shape) != geometry.y_shape:
         raise ValueError(f"{op}: dy has shape {tuple(dy.shape)}, expected {geometry.y_shape}")
     if not isinstance(need, (tuple, list)) or len(need) != 4:
         raise ValueError(f"{op}: need must be four booleans (dx, dw, dgamma, dbeta), "
                          f"got {need!r}")
-    x, w, gamma, beta, dy = (kernels.contiguous(a) for a in (x, w, gamma, beta, dy))
+    fn.param_dtype = gamma.dtype
+    x, w, gamma, beta, dy = (precision.compute(kernels.contiguous(a))     # half: float32
+                             for a in (x, w, gamma, beta, dy))
     h = _conv.conv_forward(x, w, None, geometry, False)                       # the one conv
     if training:
         mean, _, invstd = _bn.bn_stats(h, eps=eps, layout=geometry.layout)    # (K,) float64
     else:
-        mean, invstd = _bn.bn_inference_stats(kernels.contiguous(running_mean),
-                                              kernels.contiguous(running_var), eps=eps)
+        mean, invstd = _bn.bn_inference_stats(
+            *(precision.compute(kernels.contiguous(a)) for a in (running_mean, running_var)),
+            eps=eps)
     relu_state = (_bn.bn_apply(h, mean, invstd, gamma, beta, relu=True, layout=geometry.layout)
                   if relu else None)                                      # y: its sign, the mask
     fn.geometry, fn.needs_input_grad = geometry, tuple(bool(n) for n in need)
     fn.count = geometry.N * geometry.P * geometry.Q
     fn.save_for_backward(x=x, w=w, gamma=gamma, h=h, relu_state=relu_state, mean=mean,
                          invstd=invstd)
-    return fn.backward(dy)
+    dx, dw, dgamma, dbeta = fn.backward(dy)          # dgamma, dbeta in gamma's dtype
+    return precision.store(dx, dtype), precision.store(dw, dtype), dgamma, dbeta
 
 
 SPECS = (
     OpSpec("conv_batchnorm_relu", conv_batchnorm_relu, ConvBatchNormReLU,
            reference=reference.conv_batchnorm_relu, backward=conv_batchnorm_relu_backward,
-           fuses=("conv2d", "batchnorm", "relu")),
+           fuses=("conv2d", "batchnorm", "relu"), half=True,
+           half_params=("gamma", "beta", "running_mean", "running_var")),
 )

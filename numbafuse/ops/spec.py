@@ -88,6 +88,9 @@ arithmetic) that conversion is NumPy's; for the convolutions on CUDA it is one e
 kernel per array, an extra pass over each half array (2 bytes read and 4 written per element
 going in, 4 read and 2 written coming out) and float32 temporaries: there half precision
 saves memory where its arrays are kept (x, w, y for backward), not time inside the op. The
+Conv-BatchNorm ops (`conv_batchnorm_relu`, and `ConvBatchNormAddReLU` beneath
+`numbafuse.torch`) convert x, w (and z) once at their boundary and run the float32 chain; their
+residuals keep x and w as given (half), so the recompute in backward converts them again. The
 float32 and float64 paths are unchanged.
 """
 
