@@ -459,7 +459,7 @@ BN_BAD = [
     (dict(z=torch.zeros(2, 3, 4, 8, dtype=torch.float64)[..., ::2]), ValueError,
      "z is not contiguous"),
     (dict(x=torch.zeros(2, 3, 4, 4, dtype=torch.int64)), TypeError,
-     "x must be float32 or float64, got torch.int64"),
+     r"x must be float32 or float64 \(or float16.*\), got torch.int64"),
     (dict(weight=torch.ones(3)), TypeError, "weight is torch.float32 but x is torch.float64"),
     (dict(bias=torch.zeros(4, dtype=torch.float64)), ValueError, r"bias must have shape \(3,\)"),
     (dict(running_mean=torch.zeros(3, dtype=torch.float64, requires_grad=True)), ValueError,

@@ -224,9 +224,10 @@ def test_modules_take_dtype_and_device(make):
     m = make(dtype=torch.float64, device="cpu")
     assert all(p.dtype == torch.float64 and p.device.type == "cpu" for p in m.parameters())
     assert all(b.dtype in (torch.float64, torch.int64) for b in m.buffers())
-    with pytest.raises(TypeError, match=f"{name}: dtype must be torch.float32 or torch.float64, "
-                                        f"got torch.float16"):
-        make(dtype=torch.float16)
+    with pytest.raises(TypeError, match=f"{name}: dtype must be torch.float32 or torch.float64 "
+                                        r"\(or torch.float16.*\), got torch.int32"):
+        make(dtype=torch.int32)
+    assert all(p.dtype == torch.float16 for p in make(dtype=torch.float16).parameters())
     with pytest.raises(ValueError, match=f"{name}: device 'mps': numbafuse runs on 'cpu' and "
                                          f"'cuda'"):
         make(device="mps")

@@ -29,9 +29,10 @@ What each keeps for backward (``torch.autograd.graph.saved_tensors_hooks`` sees 
 ``recompute=False`` (both): the forward keeps h too and the backward runs no conv forward.
 
 Both take torch tensors (CPU or CUDA, contiguous or channels_last: numbafuse's NHWC kernels,
-zero-copy, the outputs channels_last too; float32 or float64; a grouped or depthwise conv with
-``groups``) and return one,
-differentiable by ``torch.autograd`` (once). Running statistics are updated in place.
+zero-copy, the outputs channels_last too; float32, float64 or half precision (float16;
+bfloat16 on the CPU with ml_dtypes; float32 batch-norm parameters allowed); a grouped or
+depthwise conv with ``groups``) and return one, differentiable by ``torch.autograd`` (once).
+Running statistics are updated in place.
 """
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
     Parameters
     ----------
     x : torch.Tensor (N, C, H, W), contiguous or channels_last (then y and dx are too),
-        float32 or float64, CPU or CUDA
+        float32, float64 or half (float16; bfloat16 on the CPU), CPU or CUDA
     w : torch.Tensor (K, C/groups, R, S) (a conv without bias)
     weight, bias : torch.Tensor (K,): the batch norm's scale and shift
     running_mean, running_var : torch.Tensor (K,) or None: updated in place in training
@@ -275,7 +276,7 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
     Parameters
     ----------
     x : torch.Tensor (N, C, H, W), contiguous or channels_last (then y, dx and dz are too),
-        float32 or float64, CPU or CUDA
+        float32, float64 or half (float16; bfloat16 on the CPU), CPU or CUDA
     w : torch.Tensor (K, C/groups, R, S) (a conv without bias)
     z : torch.Tensor (N, K, P, Q): the residual, the conv output's shape (in x's memory
         format, else read through a copy)

@@ -23,7 +23,7 @@ parameters, buffers, ``training``, ``momentum`` and ``eps`` at each call, update
 statistics in their buffers and counts ``num_batches_tracked`` as ``BatchNorm2d.forward``
 does. A site function checks its modules and tensors at every call and runs the original
 modules instead (logging a warning once per site) when numbafuse's kernels cannot stand for
-them: a module replaced or given hooks after ``fuse``, a dtype other than float32/float64, an
+them: a module replaced or given hooks after ``fuse``, a dtype other than float32/float64/half, an
 input neither contiguous nor channels_last, a residual of another shape (broadcast), autocast.
 Grouped and depthwise convs (``groups``) fuse; channels_last activations run numbafuse's NHWC
 kernels without a copy and the fused model's outputs keep that memory format.

@@ -10,11 +10,13 @@ Conv-Bias-ReLU and BatchNorm-Add-ReLU (functions and modules).
     BatchNormAddReLU2d(num_features, eps=1e-5, momentum=0.1, device=None, dtype=None)
                                         # m(x, z); the state_dict of torch.nn.BatchNorm2d
 
-torch tensors in (CPU or CUDA, contiguous or ``torch.channels_last``, float32 or float64, all of
-one dtype and on one device), torch tensors out, differentiable by ``torch.autograd``: each
-function is a ``torch.autograd.Function`` whose forward and backward are numbafuse's fused
-kernels. While torch captures a graph (:func:`capturing`: ``torch.compile``,
-``torch.jit.trace``) the functions call their ``torch.library`` custom ops instead
+torch tensors in (CPU or CUDA, contiguous or ``torch.channels_last``, float32 or float64 or half
+precision (float16; bfloat16 on the CPU where ``ml_dtypes`` is importable), all of one dtype
+(a half x's batch-norm parameters and running statistics may be float32) and on one
+device), torch tensors out, differentiable by ``torch.autograd``: each function is a
+``torch.autograd.Function`` whose forward and backward are numbafuse's fused kernels. While
+torch captures a graph (:func:`capturing`: ``torch.compile``, ``torch.jit.trace``) the
+functions call their ``torch.library`` custom ops instead
 (``numbafuse.torch.library``), which wrap the same Functions.
 
 Zero-copy both ways. A CPU tensor is read as the NumPy view ``t.detach().numpy()`` and an output
@@ -77,6 +79,16 @@ from ..ops import batchnorm as _bn
 from ..ops import conv as _conv
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
+# half precision: float16 everywhere, bfloat16 on the CPU where NumPy has it (ml_dtypes);
+# numbafuse computes in float32 (numbafuse/ops/precision.py)
+_BF16 = next((d for d in validate.HALF_DTYPES if d.name == "bfloat16"), None)
+HALF_DTYPES = (torch.float16,) + ((torch.bfloat16,) if _BF16 is not None else ())
+TENSOR_DTYPES = FLOAT_DTYPES + HALF_DTYPES
+NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+                torch.float16: np.dtype(np.float16),
+                **({torch.bfloat16: _BF16} if _BF16 is not None else {})}
+# batch-norm parameters and running statistics: float32 with a half x (PyTorch's rule)
+PARAMETERS = ("weight", "bias", "running_mean", "running_var")
 DEVICE_TYPES = ("cpu", "cuda")
 LAYOUT = "NCHW"                    # torch's default layout (channels_last tensors run "NHWC")
 
@@ -103,25 +115,28 @@ def memory_format(layout):
 
 # --------------------------------------------------------------------------- the bridge
 
-NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
-
-
 def check_tensors(op, **tensors):
     """The one ``torch.device`` of the non-``None`` ``tensors``, after checking each is a
     floating torch tensor of the first one's dtype, on a CPU or CUDA device shared by all, and
-    contiguous (4-d: NCHW or channels_last). Raises ``TypeError``/``ValueError`` naming ``op``
-    and the argument."""
+    contiguous (4-d: NCHW or channels_last). With a half first tensor (float16, or bfloat16 on
+    the CPU) the batch-norm :data:`PARAMETERS` may be float32 instead, all of one dtype.
+    Raises ``TypeError``/``ValueError`` naming ``op`` and the argument."""
     device = dtype = first = None
+    params = param_first = None           # the batch-norm parameters' dtype and first name
     for name, t in tensors.items():
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{op}: {name} must be float32 or float64, got {t.dtype}")
+        if t.dtype not in TENSOR_DTYPES:
+            raise TypeError(f"{op}: {name} must be float32 or float64 (or float16"
+                            f"{', bfloat16' if len(HALF_DTYPES) > 1 else ''}), got {t.dtype}")
         if t.device.type not in DEVICE_TYPES:
             raise ValueError(f"{op}: {name} is on {t.device}; numbafuse runs on CPU and CUDA "
                              f"tensors")
+        if t.dtype == torch.bfloat16 and t.device.type == "cuda":
+            raise TypeError(f"{op}: {name} is a CUDA bfloat16 tensor; numba.cuda has no "
+                            f"bfloat16 (float16 runs on CUDA, bfloat16 on the CPU)")
         if device is None:
             device, dtype, first = t.device, t.dtype, name
         elif t.device != device:
@@ -129,9 +144,18 @@ def check_tensors(op, **tensors):
             error = TypeError if t.device.type != device.type else ValueError
             raise error(f"{op}: {name} is on {t.device} but {first} is on {device}; all "
                         f"tensors of one call must be on one device")
+        elif name in PARAMETERS and dtype in HALF_DTYPES and t.dtype in (dtype, torch.float32):
+            if params is None:
+                params, param_first = t.dtype, name
+            elif t.dtype != params:
+                raise TypeError(f"{op}: {name} is {t.dtype} but {param_first} is {params}; "
+                                f"batch-norm parameters and running statistics must share one "
+                                f"dtype")
         elif t.dtype != dtype:
             raise TypeError(f"{op}: {name} is {t.dtype} but {first} is {dtype}; all tensors "
-                            f"of one call must share one dtype")
+                            f"of one call must share one dtype"
+                            + (" (or, for the batch-norm parameters, float32)"
+                               if name in PARAMETERS and dtype in HALF_DTYPES else ""))
         if not t.is_contiguous() and not (
                 t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)):
             raise ValueError(f"{op}: {name} is not contiguous (strides {tuple(t.stride())}); "
@@ -164,6 +188,8 @@ def as_array(t, layout=LAYOUT):
         t = t.contiguous()
     if t.device.type == "cuda":
         return backend.as_device_array(t)
+    if t.dtype == torch.bfloat16:          # NumPy's bfloat16 is ml_dtypes': the same bits
+        return t.view(torch.int16).numpy().view(_BF16)
     return t.numpy()
 
 
@@ -172,7 +198,11 @@ def as_tensor(a, device, layout=LAYOUT):
     ``a`` (``layout="NHWC"``) as the channels_last tensor of shape (N, C, H, W)."""
     if a is None:
         return None
-    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.as_tensor(a, device=device)
+    if isinstance(a, np.ndarray):
+        t = (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+             if _BF16 is not None and a.dtype == _BF16 else torch.from_numpy(a))
+    else:
+        t = torch.as_tensor(a, device=device)
     return t.permute(0, 3, 1, 2) if layout == "NHWC" and t.dim() == 4 else t
 
 
@@ -293,7 +323,8 @@ def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
 
     Parameters
     ----------
-    x : torch.Tensor (N, C, H, W), contiguous or channels_last, float32 or float64, CPU or CUDA
+    x : torch.Tensor (N, C, H, W), contiguous or channels_last, float32, float64 or half, CPU
+        or CUDA
     w : torch.Tensor (K, C/groups, R, S);  b : torch.Tensor (K,) or None
     stride, dilation : int or (int, int)
     padding : int, (int, int), "valid" or "same" ("same" with stride 1 only, as torch)
@@ -363,10 +394,9 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
                                 running_var=as_array(running_var), training=training,
                                 momentum=momentum, eps=eps, layout=layout, comm=None)
         C = x.shape[1]
-        dtype = NUMPY_DTYPES[x.dtype]    # every tensor's (check_tensors)
         args = validate.BatchNormArgs(   # checked by the callers (check_tensors and the rest)
-            backend.CUDA if x.is_cuda else backend.CPU, dtype, layout, C, x.numel() // C, eps,
-            momentum, dtype)
+            backend.CUDA if x.is_cuda else backend.CPU, NUMPY_DTYPES[x.dtype], layout, C,
+            x.numel() // C, eps, momentum, NUMPY_DTYPES[weight.dtype])
         with launch_order(device):      # numbafuse's own forward (ops.batchnorm.forward)
             out = _bn.forward(BATCHNORM_OP, as_array(x, layout), as_array(z, layout),
                               as_array(weight), as_array(bias), p, relu=True,
@@ -404,7 +434,7 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
 
     Parameters
     ----------
-    x, z : torch.Tensor (N, C, H, W), contiguous or channels_last, float32 or float64, CPU or
+    x, z : torch.Tensor (N, C, H, W), contiguous or channels_last, float32, float64 or half, CPU or
         CUDA (y, dx and dz in x's memory format)
     weight, bias : torch.Tensor (C,)
     running_mean, running_var : torch.Tensor (C,) or None (both or neither; not requiring
@@ -460,13 +490,14 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
 
 def factory_kwargs(layer, device, dtype):
     """torch's ``{"device": ..., "dtype": ...}`` for a numbafuse module's parameters and
-    buffers, after checking that numbafuse runs them: dtype float32 or float64 (None: torch's
+    buffers, after checking that numbafuse runs them: dtype float32, float64 or half (None: torch's
     default dtype), device a CPU or (where torch has CUDA) a CUDA device, or ``"meta"``
     (shapes only, for deferred initialisation: ``to_empty`` then moves the module to a device
     numbafuse runs on). Errors name ``layer`` and the argument."""
     resolved = torch.get_default_dtype() if dtype is None else dtype
-    if resolved not in FLOAT_DTYPES:
-        raise TypeError(f"{layer}: dtype must be torch.float32 or torch.float64, got {resolved}")
+    if resolved not in TENSOR_DTYPES:
+        raise TypeError(f"{layer}: dtype must be torch.float32 or torch.float64 (or "
+                        f"{' or '.join(map(str, HALF_DTYPES))}), got {resolved}")
     if device is not None:
         try:
             kind = torch.device(device).type
@@ -489,7 +520,7 @@ class ConvBiasReLU2d(torch.nn.Module):
     initialisation of ``torch.nn.Conv2d(in_channels, out_channels, kernel_size, stride,
     padding, dilation, groups=groups, bias=bias, device=device, dtype=dtype)`` (zero padding):
     a ``Conv2d`` followed by a ``ReLU`` can be swapped for it and load the ``Conv2d``'s
-    checkpoint as it is. ``dtype`` float32 or float64, ``device`` CPU or CUDA (else an error
+    checkpoint as it is. ``dtype`` float32, float64 or half, ``device`` CPU or CUDA (else an error
     naming the argument); channels_last inputs give channels_last outputs.
 
     It is not a subclass of ``torch.nn.Conv2d``, so tools that rewrite ``Conv2d`` modules

@@ -22,7 +22,7 @@ backward keeps the conv's input, not its output (``recompute=False``, an attribu
 keeps the output as well and runs no conv forward in backward, faster). ``groups`` makes a
 grouped or depthwise conv (MobileNet's Conv(dw)-BN-ReLU: ``groups=in_channels``);
 channels_last inputs run the NHWC kernels and give channels_last outputs; ``dtype``
-float32/float64 and ``device`` CPU/CUDA, else an error naming the argument.
+float32/float64/half and ``device`` CPU/CUDA, else an error naming the argument.
 
 Examples
 --------

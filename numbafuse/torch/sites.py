@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .conv_batchnorm import conv_batchnorm_add_relu, conv_batchnorm_relu
-from .layers import DEVICE_TYPES, FLOAT_DTYPES, batchnorm_add_relu, conv_bias_relu
+from .layers import DEVICE_TYPES, TENSOR_DTYPES, batchnorm_add_relu, conv_bias_relu
 
 logger = logging.getLogger("numbafuse.torch")
 
@@ -63,8 +63,8 @@ def _tensor_refusal(x, w, z=None, z_shape=None):
     them, as torch's layers raise on mixed dtypes)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         return "the input is not a 4-d tensor"
-    if x.dtype not in FLOAT_DTYPES:
-        return f"{x.dtype} tensors (numbafuse runs float32 and float64)"
+    if x.dtype not in TENSOR_DTYPES:
+        return f"{x.dtype} tensors (numbafuse runs float32, float64 and half precision)"
     if x.device.type not in DEVICE_TYPES:
         return f"tensors on {x.device}"
     if not _dense(x):
