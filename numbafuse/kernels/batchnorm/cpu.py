@@ -149,11 +149,12 @@ def _pack_mask(yt, mt):
 
 
 @task_kernel
-def _apply_nchw(t0, t1, x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, want_mask, C,
-                rows_per_task):
-    # x2, z2, y2: (N*C, HW), row r is channel r % C; mean_hi, mean_lo, scale (= gamma*invstd),
-    # beta: (C,) in x's dtype; mask: (ceil(size/8),) uint8, written when want_mask. y is
-    # written once; a task's rows start on a mask byte, so its mask bytes are its own.
+def _apply_nchw(t0, t1, x2, z2, has_z, vals, relu, y2, mask, want_mask, C, rows_per_task):
+    # x2, z2, y2: (N*C, HW), row r is channel r % C; vals (4, C) in x's dtype: mean_hi, mean_lo,
+    # scale (= gamma*invstd), beta (_values); mask: (ceil(size/8),) uint8, written when
+    # want_mask. y is written once; a task's rows start on a mask byte, so its mask bytes are
+    # its own.
+    mean_hi, mean_lo, scale, beta = vals[0], vals[1], vals[2], vals[3]
     R, L = x2.shape
     yflat = y2.reshape(R * L)                                     # (size,)
     zero = _zero_of(x2)
@@ -176,10 +177,10 @@ def _apply_nchw(t0, t1, x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, 
 
 
 @task_kernel
-def _apply_nhwc(t0, t1, x2, z2, has_z, mean_hi, mean_lo, scale, beta, relu, y2, mask, want_mask,
-                rows_per_task):
+def _apply_nhwc(t0, t1, x2, z2, has_z, vals, relu, y2, mask, want_mask, rows_per_task):
     # as _apply_nchw for x2, z2, y2: (M/m, m*C) rows, element (r, k) of channel k % C; the
-    # per-channel arrays are tiled to (m*C,), so element k's values are at index k
+    # per-channel values are tiled to (4, m*C), so element k's values are at index k
+    mean_hi, mean_lo, scale, beta = vals[0], vals[1], vals[2], vals[3]
     R, L = x2.shape
     yflat = y2.reshape(R * L)                                     # (size,)
     zero = _zero_of(x2)
@@ -272,12 +273,13 @@ def _task_mask(state_kind, mask, r0, r1, L):
 
 
 @task_kernel(fastmath=REDUCE_FASTMATH)
-def _bwd_reduce_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, state_kind, y2, mask, C,
-                     rows_per_task, gz2, want_gz, partials):
+def _bwd_reduce_nchw(t0, t1, gy2, x2, vals, state_kind, y2, mask, dims, gz2, want_gz, partials):
     # gy2, x2, y2, gz2: (N*C, HW), row r is channel r % C; mask: packed (ceil(size/8),) uint8;
-    # scale, beta: (C,) in x's dtype, read with STATE_AFFINE only;
-    # partials: (N, 2, C) float64 <- sum g, sum g*(x - mean) of each (n, c) row; gz2 <- g
-    # when want_gz (pass 2 then reads g from it instead of gating again)
+    # vals: (4, C) as _apply_nchw's (scale and beta read with STATE_AFFINE only); dims: (C,
+    # rows per task); partials: (N, 2, C) float64 <- sum g, sum g*(x - mean) of each (n, c)
+    # row; gz2 <- g when want_gz (pass 2 then reads g from it instead of gating again)
+    mean_hi, mean_lo, scale, beta = vals[0], vals[1], vals[2], vals[3]
+    C, rows_per_task = dims
     R, L = x2.shape
     for p in range(t0, t1):
         r0 = p * rows_per_task
@@ -305,11 +307,12 @@ def _bwd_reduce_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, state_kind,
 
 
 @task_kernel(fastmath=REDUCE_FASTMATH)
-def _bwd_reduce_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, state_kind, y2, mask,
-                     rows_per_task, gz2, want_gz, partials):
-    # gy2, x2, y2, gz2: (M/m, m*C) rows, per-channel arrays tiled (as _apply_nhwc);
+def _bwd_reduce_nhwc(t0, t1, gy2, x2, vals, state_kind, y2, mask, rows_per_task, gz2, want_gz,
+                     partials):
+    # gy2, x2, y2, gz2: (M/m, m*C) rows, per-channel values tiled (as _apply_nhwc);
     # partials: (P, 2, m*C) float64 <- per-task sums (folded by the caller); task p owns a
     # block of rows starting on a mask byte
+    mean_hi, mean_lo, scale, beta = vals[0], vals[1], vals[2], vals[3]
     R, L = x2.shape
     for p in range(t0, t1):
         r0 = p * rows_per_task
@@ -334,11 +337,15 @@ def _bwd_reduce_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, state_kind,
 
 
 @task_kernel
-def _bwd_apply_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, cg, cx, c0, state_kind, y2,
-                    mask, C, rows_per_task, gx2, want_gx, gz2, want_gz):
-    # gy2, x2, y2, gx2, gz2: (N*C, HW) (gx2/gz2 written when wanted); per-channel coefficients
-    # in x's dtype: dx = cg*g + cx*(x - mean) + c0, dz = g. With STATE_NONE, gy2 may be the g
-    # that pass 1 wrote to gz.
+def _bwd_apply_nchw(t0, t1, gy2, x2, vals, coefs, flags, y2, mask, dims, gx2, gz2):
+    # gy2, x2, y2, gx2, gz2: (N*C, HW) (gx2/gz2 written when wanted); vals (4, C) as
+    # _apply_nchw's; coefs (3, C), per-channel coefficients in x's dtype: dx = cg*g + cx*(x -
+    # mean) + c0, dz = g; flags: (state_kind, want_gx, want_gz); dims: (C, rows per task).
+    # With STATE_NONE, gy2 may be the g that pass 1 wrote to gz.
+    mean_hi, mean_lo, scale, beta = vals[0], vals[1], vals[2], vals[3]
+    cg, cx, c0 = coefs[0], coefs[1], coefs[2]
+    state_kind, want_gx, want_gz = flags
+    C, rows_per_task = dims
     R, L = x2.shape
     for p in range(t0, t1):
         r0 = p * rows_per_task
@@ -366,9 +373,11 @@ def _bwd_apply_nchw(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, cg, cx, c0, 
 
 
 @task_kernel
-def _bwd_apply_nhwc(t0, t1, gy2, x2, mean_hi, mean_lo, scale, beta, cg, cx, c0, state_kind, y2,
-                    mask, rows_per_task, gx2, want_gx, gz2, want_gz):
-    # as _bwd_apply_nchw for (M/m, m*C) rows, per-channel arrays tiled (as _apply_nhwc)
+def _bwd_apply_nhwc(t0, t1, gy2, x2, vals, coefs, flags, y2, mask, rows_per_task, gx2, gz2):
+    # as _bwd_apply_nchw for (M/m, m*C) rows, per-channel values tiled (as _apply_nhwc)
+    mean_hi, mean_lo, scale, beta = vals[0], vals[1], vals[2], vals[3]
+    cg, cx, c0 = coefs[0], coefs[1], coefs[2]
+    state_kind, want_gx, want_gz = flags
     R, L = x2.shape
     for p in range(t0, t1):
         r0 = p * rows_per_task
@@ -486,10 +495,10 @@ def _byte_rows_per_task(L, chunk):
 
 
 def _values(mean, invstd, gamma, beta, m, dtype):
-    """(mean_hi, mean_lo, scale, beta) in ``dtype``, each (m*C,): see channel_values."""
+    """(4, m*C) in ``dtype``: rows mean_hi, mean_lo, scale, beta (see channel_values)."""
     out = np.empty((4, m * mean.shape[0]), dtype)
     channel_values(mean, invstd, gamma, beta, m, out)
-    return out[0], out[1], out[2], out[3]
+    return out
 
 
 def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
@@ -499,15 +508,15 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     m = _repeat(x.shape, layout)
     x2, y2 = _rows(x, layout, m), _rows(y, layout, m)             # (R, L)
     z2 = x2 if z is None else _rows(z, layout, m)                 # x stands in for "no z"
-    mean_hi, mean_lo, scale, beta_t = _values(mean, invstd, gamma, beta, m, x.dtype)  # (m*C,)
+    vals = _values(mean, invstd, gamma, beta, m, x.dtype)         # (4, m*C)
     rows = _byte_rows_per_task(x2.shape[1], CHUNK)
     tasks = -(-x2.shape[0] // rows)
     if layout == "NCHW":
-        launch(_apply_nchw, tasks, x2, z2, z is not None, mean_hi, mean_lo, scale, beta_t,
-               bool(relu), y2, mask, bool(want_mask), mean.shape[0], rows, work=x.size)
+        launch(_apply_nchw, tasks, x2, z2, z is not None, vals, bool(relu), y2, mask,
+               bool(want_mask), mean.shape[0], rows, work=x.size)
     else:
-        launch(_apply_nhwc, tasks, x2, z2, z is not None, mean_hi, mean_lo, scale, beta_t,
-               bool(relu), y2, mask, bool(want_mask), rows, work=x.size)
+        launch(_apply_nhwc, tasks, x2, z2, z is not None, vals, bool(relu), y2, mask,
+               bool(want_mask), rows, work=x.size)
     return y, (mask if want_mask else None)
 
 
@@ -539,7 +548,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     mask = state if state_kind == STATE_MASK else _NO_MASK
     state_beta = state if state_kind == STATE_AFFINE else gamma   # (unread unless AFFINE)
     # the forward's per-channel values (see apply); scale and beta read with STATE_AFFINE only
-    mean_hi, mean_lo, scale, beta_t = _values(mean, invstd, gamma, state_beta, m, dtype)
+    vals = _values(mean, invstd, gamma, state_beta, m, dtype)     # (4, m*C)
     rows = _byte_rows_per_task(L, REDUCE_CHUNK)                   # rows of L = HW or C
     tasks = -(-x2.shape[0] // rows)                               # row blocks of pass 1 and 2
     unused = np.empty((1, L), dtype)                              # stands in for a skipped output
@@ -557,12 +566,12 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         # pass 1: gbeta = sum g, ggamma = sum g*xhat (and the dx coefficients); gz = g
         if layout == "NCHW":
             partials = np.empty((N, 2, C))
-            launch(_bwd_reduce_nchw, tasks, gy2, x2, mean_hi, mean_lo, scale, beta_t, state_kind,
-                   y2, mask, C, rows, gz2, bool(need_gz), partials, work=x.size)
+            launch(_bwd_reduce_nchw, tasks, gy2, x2, vals, state_kind, y2, mask, (C, rows),
+                   gz2, bool(need_gz), partials, work=x.size)
         else:
             partials = np.empty((tasks, 2, L))
-            launch(_bwd_reduce_nhwc, tasks, gy2, x2, mean_hi, mean_lo, scale, beta_t, state_kind,
-                   y2, mask, rows, gz2, bool(need_gz), partials, work=x.size)
+            launch(_bwd_reduce_nhwc, tasks, gy2, x2, vals, state_kind, y2, mask, rows, gz2,
+                   bool(need_gz), partials, work=x.size)
             pm = m
         g_written = need_gz
     else:  # inference, gx/gz only: the coefficients need no reduction
@@ -587,11 +596,12 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         else:
             g_in, kind, y_in, mask_in, want_gz = gy2, state_kind, y2, mask, bool(need_gz)
         if layout == "NCHW":
-            launch(_bwd_apply_nchw, tasks, g_in, x2, mean_hi, mean_lo, scale, beta_t, *coefs,
-                   kind, y_in, mask_in, C, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
+            launch(_bwd_apply_nchw, tasks, g_in, x2, vals, coefs,
+                   (kind, bool(need_gx), want_gz), y_in, mask_in, (C, rows), gx2, gz2,
+                   work=x.size)
         else:
-            launch(_bwd_apply_nhwc, tasks, g_in, x2, mean_hi, mean_lo, scale, beta_t, *coefs,
-                   kind, y_in, mask_in, rows, gx2, bool(need_gx), gz2, want_gz, work=x.size)
+            launch(_bwd_apply_nhwc, tasks, g_in, x2, vals, coefs,
+                   (kind, bool(need_gx), want_gz), y_in, mask_in, rows, gx2, gz2, work=x.size)
     if gx is None and need_gx:                                    # an empty rank
         gx = np.empty(x.shape, dtype)
     return (gx, grads[0] if need_ggamma else None, grads[1] if need_gbeta else None, gz)
