@@ -88,10 +88,10 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
 # k == stride == 2 that is 1/16 of a float32 x's bytes (a quarter of the elements, 1 byte each).
 
 @task_kernel
-def _max_pool_fwd(t0, t1, x, y, argmax, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
-                  ys_n, ys_c, ys_h, ys_w):
-    # x: (N*C*H*W,), y, argmax: (N*C*P*Q,), all flat in their layout; xs_*/ys_*: element
-    # strides (y and argmax share theirs)
+def _max_pool_fwd(t0, t1, x, y, argmax, geo):
+    # x: (N*C*H*W,), y, argmax: (N*C*P*Q,), all flat in their layout; geo (_geo): the sizes,
+    # window, stride and the element strides xs_*/ys_* (y and argmax share theirs)
+    N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w, ys_n, ys_c, ys_h, ys_w = geo
     for nc in range(t0, t1):
         n, c = nc // C, nc % C
         x0, y0 = n * xs_n + c * xs_c, n * ys_n + c * ys_c
@@ -105,10 +105,11 @@ def _max_pool_fwd(t0, t1, x, y, argmax, N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, 
 
 
 @task_kernel
-def _max_pool_bwd(t0, t1, gy, argmax, gx, N, C, P, Q, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
-                  ys_n, ys_c, ys_h, ys_w):
-    # gy, argmax: (N*C*P*Q,), gx: (N*C*H*W,) flat, gx zeroed. One (n, c) plane per iteration:
-    # the planes are disjoint, so overlapping windows (stride < k) scatter without races.
+def _max_pool_bwd(t0, t1, gy, argmax, gx, geo):
+    # gy, argmax: (N*C*P*Q,), gx: (N*C*H*W,) flat, gx zeroed; geo as _max_pool_fwd's. One
+    # (n, c) plane per iteration: the planes are disjoint, so overlapping windows (stride < k)
+    # scatter without races.
+    N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w, ys_n, ys_c, ys_h, ys_w = geo
     for nc in range(t0, t1):
         n, c = nc // C, nc % C
         x0, y0 = n * xs_n + c * xs_c, n * ys_n + c * ys_c
@@ -119,24 +120,27 @@ def _max_pool_bwd(t0, t1, gy, argmax, gx, N, C, P, Q, kw, sh, sw, xs_n, xs_c, xs
                 gx[x0 + (p * sh + t // kw) * xs_h + (q * sw + t % kw) * xs_w] += gy[o]
 
 
-def _strides(g):
-    return g.x_strides + g.y_strides
+def _geo(g):
+    """The pooling kernels' one tuple of ints: N, C, P, Q, kh, kw, sh, sw, then the element
+    strides of x and of y (n, c, h, w each)."""
+    return tuple(int(v) for v in (g.N, g.C, g.P, g.Q, g.kh, g.kw, g.sh, g.sw, *g.x_strides,
+                                  *g.y_strides))
 
 
 # fwd :: (x, geometry) -> (y, argmax)
 def max_pool2d_forward(x, g):
     y = np.empty(g.y_shape, x.dtype)
     argmax = np.empty(g.y_shape, g.argmax_dtype)
-    launch(_max_pool_fwd, g.N * g.C, x.reshape(-1), y.reshape(-1), argmax.reshape(-1), g.N,
-           g.C, g.P, g.Q, g.kh, g.kw, g.sh, g.sw, *_strides(g), work=x.size)
+    launch(_max_pool_fwd, g.N * g.C, x.reshape(-1), y.reshape(-1), argmax.reshape(-1), _geo(g),
+           work=x.size)
     return y, argmax
 
 
 # bwd :: (argmax, gy, geometry) -> gx
 def max_pool2d_backward(gy, argmax, g, dtype):
     gx = np.zeros(g.x_shape, dtype)
-    launch(_max_pool_bwd, g.N * g.C, gy.reshape(-1), argmax.reshape(-1), gx.reshape(-1), g.N,
-           g.C, g.P, g.Q, g.kw, g.sh, g.sw, *_strides(g), work=gx.size)
+    launch(_max_pool_bwd, g.N * g.C, gy.reshape(-1), argmax.reshape(-1), gx.reshape(-1),
+           _geo(g), work=gx.size)
     return gx
 
 
