@@ -1,0 +1,81 @@
+"""Per-call cost of numbafuse.torch's fused functions at a tiny shape, against PyTorch's ops.
+
+    python benchmarks/bench_torch_call.py [--rounds 2] [--calls 500] [--shape 2,8,4,4]
+
+At a shape this small the kernels do almost nothing, so the time is the call's own cost:
+checks, tensor views, records, kernel dispatch. Each library runs in its own process (a
+fresh interpreter per round, alternating), one thread each (``torch.set_num_threads(1)``,
+``NUMBAFUSE_NUM_THREADS=1``); the table keeps the best of 7 x ``--calls`` calls per round,
+best over rounds. Forwards only, training and eval batch norm; the running statistics are
+updated in both libraries' training calls.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CASES = ("conv + bias + ReLU forward", "BN + add + ReLU forward, training",
+         "BN + add + ReLU forward, eval")
+
+
+def worker(side, shape, calls):
+    import torch
+    torch.set_num_threads(1)
+    F = torch.nn.functional
+    N, C, H, W = shape
+    x, z = torch.randn(N, C, H, W), torch.randn(N, C, H, W)
+    w, b = torch.randn(C, C, 3, 3), torch.randn(C)
+    g, be, rm, rv = torch.ones(C), torch.zeros(C), torch.zeros(C), torch.ones(C)
+    if side == "numbafuse":
+        import numbafuse.torch as nft
+        fns = (lambda: nft.conv_bias_relu(x, w, b, 1, 1),
+               lambda: nft.batchnorm_add_relu(x, z, g, be, rm, rv),
+               lambda: nft.batchnorm_add_relu(x, z, g, be, rm, rv, training=False))
+    else:
+        fns = (lambda: F.conv2d(x, w, b, 1, 1).relu(),
+               lambda: (F.batch_norm(x, rm, rv, g, be, True) + z).relu(),
+               lambda: (F.batch_norm(x, rm, rv, g, be, False) + z).relu())
+    out = {}
+    for name, f in zip(CASES, fns):
+        for _ in range(200):
+            f()
+        best = float("inf")
+        for _ in range(7):
+            t = time.perf_counter()
+            for _ in range(calls):
+                f()
+            best = min(best, (time.perf_counter() - t) / calls)
+        out[name] = best * 1e6
+    print(json.dumps(out))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--shape", default="2,8,4,4")
+    p.add_argument("--worker", choices=("numbafuse", "torch"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    shape = tuple(int(v) for v in args.shape.split(","))
+    if args.worker:
+        return worker(args.worker, shape, args.calls)
+    env = dict(os.environ, NUMBAFUSE_NUM_THREADS="1")
+    best = {side: {} for side in ("numbafuse", "torch")}
+    for _ in range(args.rounds):
+        for side in best:
+            out = subprocess.run([sys.executable, __file__, "--worker", side, "--shape",
+                                  args.shape, "--calls", str(args.calls)], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+            for name, us in json.loads(out.strip().splitlines()[-1]).items():
+                best[side][name] = min(best[side].get(name, us), us)
+    print(f"Command: python benchmarks/bench_torch_call.py --rounds {args.rounds} --calls "
+          f"{args.calls} --shape {args.shape}\n")
+    print(f"| call at {shape} | numbafuse.torch us | PyTorch us |\n|---|---:|---:|")
+    for name in CASES:
+        print(f"| {name} | {best['numbafuse'][name]:.1f} | {best['torch'][name]:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
