@@ -568,12 +568,13 @@ def batchnorm(x, gamma, beta, *, running_mean=None, running_var=None, training=T
                      comm=comm).apply(x, gamma, beta)
 
 
-_HALF_PARAMS = ("gamma", "beta", "running_mean", "running_var")   # float32 for a half x
+# the arguments that may be float32 when x is half (every op with a batch norm inside)
+HALF_PARAMS = ("gamma", "beta", "running_mean", "running_var")
 
 SPECS = (
     OpSpec("batchnorm", batchnorm, BatchNorm, reference=reference.batchnorm_train, half=True,
-           half_params=_HALF_PARAMS),
+           half_params=HALF_PARAMS),
     OpSpec("batchnorm_add_relu", batchnorm_add_relu, BatchNormAddReLU,
            reference=reference.batchnorm_add_relu, backward=batchnorm_add_relu_backward,
-           fuses=("batchnorm", "add", "relu"), half=True, half_params=_HALF_PARAMS),
+           fuses=("batchnorm", "add", "relu"), half=True, half_params=HALF_PARAMS),
 )

@@ -560,6 +560,5 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
 SPECS = (
     OpSpec("conv_batchnorm_relu", conv_batchnorm_relu, ConvBatchNormReLU,
            reference=reference.conv_batchnorm_relu, backward=conv_batchnorm_relu_backward,
-           fuses=("conv2d", "batchnorm", "relu"), half=True,
-           half_params=("gamma", "beta", "running_mean", "running_var")),
+           fuses=("conv2d", "batchnorm", "relu"), half=True, half_params=_bn.HALF_PARAMS),
 )
