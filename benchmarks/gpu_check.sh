@@ -11,6 +11,8 @@
 #   tests      the CUDA tests for real (pytest -m cuda, several processes)
 #   torch      numbafuse.torch on CUDA tensors against torch's own ops
 #   bench      benchmarks/bench_gpu.py --quick (numbafuse and PyTorch each in its own process)
+#   hostpath   benchmarks/host_path.py: the same calls' host time with the device stubbed out
+#              (what the stub leaves out, beside the bench table's real figures)
 #   profile    benchmarks/gpu_profile.py: where the host time of a call goes
 #   memcheck   compute-sanitizer memcheck on every fused op and a few training steps
 #   racecheck  compute-sanitizer racecheck and synccheck on every fused op
@@ -94,6 +96,7 @@ section torch 60 python3 benchmarks/gpu_sanitize.py torch
 TAIL=80 section bench 220 python3 benchmarks/bench_gpu.py --quick --worker-timeout 180 \
     --rounds "${GPU_CHECK_BENCH_ROUNDS:-2}" \
     --markdown "$OUT/bench_gpu.md" --json "$OUT/bench_gpu.json"
+TAIL=6 section hostpath 60 python3 benchmarks/host_path.py --rounds 3
 TAIL=4 section profile 60 bash -c 'python3 benchmarks/gpu_profile.py --calls 100 && python3 benchmarks/gpu_profile.py --calls 100 --sort cumtime --top 30'
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
     /opt/nvidia/*/compute-sanitizer 2> /dev/null | head -n 1)

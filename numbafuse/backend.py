@@ -1,6 +1,6 @@
 """Host and device arrays: which backend a call runs on, allocation and copies.
 
-The lowest layer above the CUDA backend module (``numbafuse/cuda.py``): it knows NumPy arrays
+The lowest layer above the CUDA backend module (``numbafuse/cuda/``): it knows NumPy arrays
 and CUDA arrays (numba device arrays, or anything with ``__cuda_array_interface__``, e.g. CuPy
 arrays and PyTorch CUDA tensors, viewed zero-copy), and nothing of Tensors, ops or kernels.
 ``numbafuse.cuda`` (and with it numba-cuda) is imported only when a device array is met, so

@@ -126,7 +126,7 @@ class SGD:
         with_grad = [i for i in indices if self.params[i].grad is not None]
         for start in range(0, len(with_grad), ew.SGD_BUCKETS[-1]):
             part = with_grad[start:start + ew.SGD_BUCKETS[-1]]
-            grads = [_flat(kernels.contiguous(self.params[i].grad)) for i in part]
+            grads = [kernels.contiguous(self.params[i].grad) for i in part]
             table = group.table(part, bool(self.momentum))
             ew.sgd_step(group.values, group.buffers if self.momentum else group.values,
                         grads, table, self.lr, self.momentum, self.weight_decay)
@@ -147,10 +147,6 @@ def _compiled_step(data, other):
 _STEP_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _flat(a):
-    return a.reshape(a.size)
-
-
 class _FlatGroup:
     """The device parameters of one dtype in one flat pool buffer (``values``, each
     ``p.data`` a view of its slice) and their momentum buffers in another (``buffers``),
@@ -167,6 +163,7 @@ class _FlatGroup:
         self.values = backend.empty(backend.CUDA, max(total, 1), dtype)    # (total,)
         self.buffers = backend.empty(backend.CUDA, max(total, 1), dtype)   # (total,)
         self.views = {i: None for i in indices}
+        self._buffer_views = {}
         self.started = set()          # parameters whose momentum buffer holds a value
         self._tables = {}
         for i in indices:             # momentum carried over from a previous layout
@@ -184,7 +181,11 @@ class _FlatGroup:
         return flat[self.offsets[i]:self.offsets[i] + self.sizes[i]].reshape(self.shapes[i])
 
     def buffer_view(self, i):
-        return self._slice(self.buffers, i)
+        """Parameter i's momentum buffer: a view of its slice of ``buffers`` (made once)."""
+        view = self._buffer_views.get(i)
+        if view is None:
+            view = self._buffer_views[i] = self._slice(self.buffers, i)
+        return view
 
     def repack(self, params):
         """Make every ``p.data`` the view of its slice (copying in what was assigned)."""

@@ -1,4 +1,4 @@
-"""The CUDA backend module (numbafuse/cuda.py): the one import of numba.cuda, and the clear
+"""The CUDA backend module (numbafuse/cuda/__init__.py): the one import of numba.cuda, and the clear
 error for a NumPy that numba-cuda cannot work with."""
 import ast
 import pathlib

@@ -1,4 +1,4 @@
-"""The memory a CUDA graph holds (numbafuse/cuda.py: ``_Block``, ``_Capture``), with fake
+"""The memory a CUDA graph holds (numbafuse/cuda/__init__.py: ``_Block``, ``_Capture``), with fake
 pool buffers (no GPU needed; on a GPU tests/cuda/test_graph_cuda.py runs real captures): a
 block used by a graph never goes back to the pool while the graph lives, whatever becomes of
 its arrays; a block freed during the capture serves a later request of that capture; closing
@@ -31,6 +31,10 @@ class _Pool:
             capture.hold(block)
         block.alive = True           # an array views it (the pool's _array)
         return block
+
+    def take_back(self, block):      # the pool's: the block is free (here: recorded)
+        del self.live[block.buffer.handle]
+        self.freed.append(block.buffer.handle)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""numbafuse's device memory pool (numbafuse/cuda.py): reuse after release, never while alive,
+"""numbafuse's device memory pool (numbafuse/cuda/__init__.py): reuse after release, never while alive,
 and memory_stats(). Under the simulator the pool keeps CUDA's accounting over
 cuda.device_array; on a GPU it is CUDA's stream-ordered pool."""
 import gc
@@ -49,3 +49,24 @@ def test_pool_arrays_hold_what_is_written():
     d = nfcuda.to_device(x)
     np.testing.assert_array_equal(d.copy_to_host(), x)
     assert d.is_c_contiguous()
+
+
+def test_flat_and_rows_view_the_array():
+    x = np.arange(12, dtype=np.float64).reshape(3, 4)
+    d = nfcuda.to_device(x)
+    np.testing.assert_array_equal(nfcuda.flat(d).copy_to_host(), x.ravel())
+    for i, row in enumerate(nfcuda.rows(d)):
+        np.testing.assert_array_equal(row.copy_to_host(), x[i])
+
+
+def test_empty_cache_hands_the_free_blocks_back():
+    a = nfcuda.empty(1000, np.float32)
+    held = _stats()["bytes_cached"]
+    del a
+    assert _stats()["bytes_cached"] == held + 4000           # kept for the next request
+    nfcuda.empty_cache()
+    after = _stats()
+    assert after["bytes_cached"] == 0
+    b = nfcuda.empty(1000, np.float32)                        # a new block again
+    assert _stats()["bytes_in_use"] == after["bytes_in_use"] + 4000
+    del b

@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numba import float64, int32, int64, uint8, uint32
 
-from ...cuda import capture_in_progress, empty, numba_cuda as cuda, to_device
+from ...cuda import capture_in_progress, empty, flat, numba_cuda as cuda, to_device
 
 from ..cuda import config
 from ..cuda.launch import launch
@@ -125,7 +125,7 @@ def _matmul(a, b, bias, trans_a, trans_b, shape):
     n_tiles = -(-shape[0] // TILE) * -(-shape[1] // TILE)
     blocks = max(1, min(config.max_blocks, n_tiles))
     has_bias = bias is not None
-    bias = bias if has_bias else out.reshape(out.size)  # never read: a placeholder of the type
+    bias = bias if has_bias else flat(out)  # never read: a placeholder of the type
     launch(_matmul_tiled, blocks, (TILE, TILE), a, b, bias, out, int(trans_a), int(trans_b),
                                         int(has_bias))
     return out
@@ -205,8 +205,8 @@ def max_pool2d_forward(x, g):
     argmax = empty(g.y_shape, g.argmax_dtype)
     if y.size:
         blocks, threads = config.grid_1d(y.size)
-        launch(_max_pool_fwd, blocks, threads, x.reshape(x.size), y.reshape(y.size),
-                                       argmax.reshape(argmax.size), g.C, g.P, g.Q, g.kh, g.kw,
+        launch(_max_pool_fwd, blocks, threads, flat(x), flat(y),
+                                       flat(argmax), g.C, g.P, g.Q, g.kh, g.kw,
                                        g.sh, g.sw, *g.x_strides, int(g.layout == "NHWC"))
     return y, argmax
 
@@ -216,8 +216,8 @@ def max_pool2d_backward(gy, argmax, g, dtype):
     gx = empty(g.x_shape, dtype)
     if gx.size:
         blocks, threads = config.grid_1d(gx.size)
-        launch(_max_pool_bwd, blocks, threads, gy.reshape(gy.size), argmax.reshape(argmax.size),
-                                       gx.reshape(gx.size), g.C, g.H, g.W, g.P, g.Q, g.kh, g.kw,
+        launch(_max_pool_bwd, blocks, threads, flat(gy), flat(argmax),
+                                       flat(gx), g.C, g.H, g.W, g.P, g.Q, g.kh, g.kw,
                                        g.sh, g.sw, *g.y_strides, int(g.layout == "NHWC"))
     return gx
 
@@ -254,7 +254,7 @@ def _gap_bwd(gy, gx, C, H, W, xs_n, xs_c, xs_h, xs_w):
 def global_avg_pool2d_forward(x, g):
     y = empty((g.N, g.C), x.dtype)
     blocks, threads = config.grid_1d(y.size)
-    launch(_gap_fwd, blocks, threads, x.reshape(x.size), y.reshape(y.size), g.C, g.H, g.W,
+    launch(_gap_fwd, blocks, threads, flat(x), flat(y), g.C, g.H, g.W,
                               *g.x_strides)
     return y
 
@@ -263,7 +263,7 @@ def global_avg_pool2d_forward(x, g):
 def global_avg_pool2d_backward(gy, g, dtype):
     gx = empty(g.x_shape, dtype)
     blocks, threads = config.grid_1d(gx.size)
-    launch(_gap_bwd, blocks, threads, gy.reshape(gy.size), gx.reshape(gx.size), g.C, g.H, g.W,
+    launch(_gap_bwd, blocks, threads, flat(gy), flat(gx), g.C, g.H, g.W,
                               *g.x_strides)
     return gx
 
@@ -354,7 +354,7 @@ def relu_forward(x):
     y = empty(x.shape, x.dtype)
     if y.size:
         blocks, threads = config.grid_1d(y.size)
-        launch(_relu_fwd, blocks, threads, x.reshape(x.size), y.reshape(y.size))   # (n,) views
+        launch(_relu_fwd, blocks, threads, flat(x), flat(y))   # (n,) views
     return y
 
 
@@ -363,8 +363,8 @@ def relu_backward(gy, y):
     gx = empty(y.shape, y.dtype)
     if gx.size:
         blocks, threads = config.grid_1d(gx.size)
-        launch(_relu_bwd, blocks, threads, gy.reshape(gy.size), y.reshape(y.size),
-               gx.reshape(gx.size))
+        launch(_relu_bwd, blocks, threads, flat(gy), flat(y),
+               flat(gx))
     return gx
 
 

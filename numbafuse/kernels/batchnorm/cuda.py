@@ -44,7 +44,7 @@ import numpy as np
 from numba import boolean, float32, float64, int32, int64, types, uint8
 
 from ... import backend, kernels, validate
-from ...cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda, require_eager
+from ...cuda import SIMULATOR, empty as pool_empty, flat, numba_cuda as cuda, require_eager, rows
 from . import math as bm
 from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from ..scalar import cuda_scalar
@@ -365,7 +365,7 @@ def stats_update(x, layout, eps, running_mean, running_var, momentum):
     reduce.channel_partials(reduce.ELEM_STATS, x, x, x, reduce._NO_MASK(), reduce._NO_MEAN(),
                             STATE_NONE, layout, _empty, _finish_stats,
                             (out, rm, rv, float(eps), float(A * B), float(momentum), update))
-    return out[0], out[1], out[2]
+    return rows(out)
 
 
 def inference_stats(running_mean, running_var, eps):
@@ -389,10 +389,10 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     y = _empty(x.shape, x.dtype)
     mask = _empty(mask_nbytes(x.size), np.uint8) if want_mask else reduce._NO_MASK()
     if x.size:
-        flat = x.reshape(x.size)                                  # (size,)
-        zf = flat if z is None else z.reshape(z.size)             # x stands in for "no z"
-        launch(_apply, *_flat_grid(x.size, C, B), flat, zf, z is not None, mean, invstd, gamma,
-               beta, bool(relu), C, B, y.reshape(y.size), mask, bool(want_mask))
+        xf = flat(x)                                              # (size,)
+        zf = xf if z is None else flat(z)             # x stands in for "no z"
+        launch(_apply, *_flat_grid(x.size, C, B), xf, zf, z is not None, mean, invstd, gamma,
+               beta, bool(relu), C, B, flat(y), mask, bool(want_mask))
     return y, (mask if want_mask else None)
 
 
@@ -403,14 +403,14 @@ def apply_running(x, running_mean, running_var, eps, gamma, beta, z, relu, layou
     y = _empty(x.shape, x.dtype)
     mask = _empty(mask_nbytes(x.size), np.uint8) if want_mask else reduce._NO_MASK()
     mean, invstd = _empty(C, np.float64), _empty(C, np.float64)
-    flat = x.reshape(x.size)                                      # (size,)
-    zf = flat if z is None else z.reshape(z.size)                 # x stands in for "no z"
+    xf = flat(x)                                                  # (size,)
+    zf = xf if z is None else flat(z)                 # x stands in for "no z"
     blocks, threads = _flat_grid(x.size, C, B)
     blocks = max(blocks, -(-C // threads))                         # and C threads for the stats
     launch(_apply_running, blocks, threads,
-        flat, zf, z is not None, kernels.contiguous(running_mean),
+        xf, zf, z is not None, kernels.contiguous(running_mean),
         kernels.contiguous(running_var), float(eps), gamma, beta, bool(relu), C, B,
-        y.reshape(y.size), mask, bool(want_mask), mean, invstd)
+        flat(y), mask, bool(want_mask), mean, invstd)
     return y, (mask if want_mask else None), mean, invstd
 
 
@@ -434,7 +434,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     mask = state if state_kind == STATE_MASK else reduce._NO_MASK()
     ggamma, gbeta = _empty(C, gamma.dtype), _empty(C, gamma.dtype)   # float32 for half x
     coefs = _empty((3, C), np.float64)               # rows: cg, cx, c0
-    cg, cx, c0 = coefs[0], coefs[1], coefs[2]
+    cg, cx, c0 = rows(coefs)
     parts = 0
     # (an empty rank's count is 0: with sync its coefficients are replaced below)
     count = float(A * B) or 1.0
@@ -463,9 +463,9 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         if x.size:
             like = reduce._placeholder(validate.compute_dtype(dtype))
             launch(_bwd_apply, *_flat_grid(x.size, C, B),
-                gy.reshape(gy.size), x.reshape(x.size), mean, coefs, like, state_kind,
-                ystate.reshape(ystate.size), mask, C, B, gx.reshape(gx.size), bool(need_gx),
-                gz.reshape(gz.size), bool(need_gz))
+                flat(gy), flat(x), mean, coefs, like, state_kind,
+                flat(ystate), mask, C, B, flat(gx), bool(need_gx),
+                flat(gz), bool(need_gz))
         gx = gx if need_gx else None
         gz = gz if need_gz else None
     return (gx, ggamma if need_ggamma else None, gbeta if need_gbeta else None, gz)

@@ -37,7 +37,7 @@ import functools
 import numpy as np
 from numba import float64, int32, types, uint32
 
-from ...cuda import empty as pool_empty, numba_cuda as cuda
+from ...cuda import empty as pool_empty, flat, numba_cuda as cuda
 
 from ..cuda import config
 from ..cuda.launch import launch
@@ -399,10 +399,6 @@ def _bias_add(x, b, out, C, HW, nhwc):
 
 # --------------------------------------------------------------------------- host entry points
 
-def _flat(a):
-    return a.reshape(a.size)
-
-
 def _empty(shape, dtype):
     """Every device buffer of this module comes from here: numbafuse's memory pool."""
     return pool_empty(shape, dtype)
@@ -425,8 +421,8 @@ def conv_forward(x, w, b, geom, relu):
     has_bias = b is not None
     geo, table, grid = forward_plan(_geometry_key(geom), tile, has_bias, bool(relu))
     kern = gemm_kernel("fwd", geom.layout, tile)
-    launch(kern, grid, tile.threads, _flat(x), _flat(w), _flat(x), _flat(y),
-                             _flat(b) if has_bias else _flat(w), geo, table)
+    launch(kern, grid, tile.threads, flat(x), flat(w), flat(x), flat(y),
+                             flat(b) if has_bias else flat(w), geo, table)
     return y
 
 
@@ -434,8 +430,8 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     """``(dx, dw, db)`` on the device; ``y`` given: g = gy * (y > 0). Only ``need`` computed."""
     need_dx, need_dw, need_db = (bool(v) for v in need)
     use_mask = y is not None
-    gy_f = _flat(gy)
-    y_f = _flat(y) if use_mask else gy_f
+    gy_f = flat(gy)
+    y_f = flat(y) if use_mask else gy_f
     dx = dw = db = None
     if need_dx:
         dx = _empty(geom.x_shape, gy.dtype)
@@ -443,7 +439,7 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
             tile = _tile("dx", gy.dtype, geom.C)
             geo, table, grid = dx_plan(_geometry_key(geom), tile, use_mask)
             launch(gemm_kernel("dx", geom.layout, tile), grid, tile.threads,
-                gy_f, _flat(w), y_f, _flat(dx), gy_f, geo, table)
+                gy_f, flat(w), y_f, flat(dx), gy_f, geo, table)
         elif dx.size:
             fill(dx, 0.0)
     if need_dw:
@@ -454,9 +450,9 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
                                                  config.dw_max_splits)
             partials = _empty(n_splits * dw.size, gy.dtype)       # (splits, K*C*R*S)
             launch(gemm_kernel("dw", geom.layout, tile), grid, tile.threads,
-                _flat(x), gy_f, y_f, partials, gy_f, geo, table)
+                flat(x), gy_f, y_f, partials, gy_f, geo, table)
             blocks, threads = config.grid_1d(dw.size)
-            launch(_sum_splits, blocks, threads, partials, n_splits, _flat(dw))
+            launch(_sum_splits, blocks, threads, partials, n_splits, flat(dw))
         elif dw.size:
             fill(dw, 0.0)
     if need_db:
@@ -473,7 +469,7 @@ def bias_add(x, b, layout):
     C = x.shape[3] if nhwc else x.shape[1]
     HW = x.shape[1] * x.shape[2] if nhwc else x.shape[2] * x.shape[3]
     blocks, threads = config.grid_1d(x.size)
-    launch(_bias_add, blocks, threads, _flat(x), b, _flat(out), C, HW, nhwc)
+    launch(_bias_add, blocks, threads, flat(x), b, flat(out), C, HW, nhwc)
     return out
 
 

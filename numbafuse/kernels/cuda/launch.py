@@ -92,13 +92,23 @@ def _type_key(value):
     """What decides the kernel's compiled signature, cheaply: a device array's (dtype, ndim,
     layout), which is all its numba type holds (numba-cuda's ``DeviceNDArray._numba_type_``,
     whose making cost ~40 us per array on an H100 host, profiled), a tuple's members' keys,
-    else the value's class."""
+    else the value's class. A numba device array keeps its key (its shape, strides and dtype
+    never change)."""
+    cls = value.__class__
+    if cls is int or cls is float or cls is bool:       # the common scalars first
+        return cls
+    if cls is tuple:
+        return tuple(map(_type_key, value))
+    if getattr(value, "__cuda_ndarray__", False):
+        cache = value.__dict__
+        key = cache.get("_nf_type_key")
+        if key is None:
+            key = cache["_nf_type_key"] = (value.dtype, len(value.shape),
+                                           _layout(value, value.flags))
+        return key
     flags = getattr(value, "flags", None)
     if flags is not None and hasattr(value, "device_ctypes_pointer"):
         return (value.dtype, len(value.shape), _layout(value, flags))
-    cls = value.__class__
-    if cls is tuple:
-        return tuple(map(_type_key, value))
     if cls is np.ndarray:       # its class would not say its dtype or rank: no key fits it
         raise TypeError("kernels.cuda.launch: a host array reached a kernel launch; "
                         "numbafuse moves every array to the device before launching")
@@ -131,13 +141,16 @@ def packer(ty):
     """``pack(value, out)``: append ``value``'s kernel parameters for numba type ``ty``."""
     if isinstance(ty, types.Array):
         def pack_array(a, out):
-            if not hasattr(a, "device_ctypes_pointer"):     # a foreign CUDA array
+            if not getattr(a, "__cuda_ndarray__", False):    # a foreign CUDA array
                 from ...cuda import as_device_array
                 a = as_device_array(a)
-            ptr = a.device_ctypes_pointer.value
-            out += (0, 0, a.size, a.dtype.itemsize, ptr or 0)
-            out += a.shape
-            out += a.strides
+            cache = a.__dict__
+            values = cache.get("_nf_values")
+            if values is None:       # a numba array's pointer, shape and strides never change
+                values = cache["_nf_values"] = (
+                    0, 0, a.size, a.dtype.itemsize, a.device_ctypes_pointer.value or 0,
+                    *a.shape, *a.strides)
+            out += values
         return pack_array
     if isinstance(ty, types.BaseTuple):
         members = [packer(t) for t in ty]

@@ -36,7 +36,7 @@ import numpy as np
 from numba import boolean, float32, float64, int32, int64, types, uint32
 from numba.core.extending import overload
 
-from ...cuda import SIMULATOR, empty as pool_empty, numba_cuda as cuda
+from ...cuda import SIMULATOR, empty as pool_empty, flat, numba_cuda as cuda
 
 from . import config
 from .launch import launch
@@ -413,7 +413,7 @@ def channel_partials(kind, a, b, aux, mask, mean, state_kind, layout, empty, fin
     partials = empty((C, parts, 2), np.float64)
     launch(channel_partials_kernel(kind, nhwc, finish), (parts, min(rows, config.max_grid_y)),
            threads,
-        a.reshape(a.size), b.reshape(b.size), aux.reshape(aux.size), mask, mean, state_kind,
+        flat(a), flat(b), flat(aux), mask, mean, state_kind,
         C, B, partials, counters(rows), fin)
     return partials, parts
 

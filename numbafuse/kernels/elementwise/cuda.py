@@ -7,7 +7,7 @@ fixed per-block partials (a shared-memory tree), then one block reduces the part
 import numpy as np
 from numba import float32, float64, int64, types, uint32
 
-from ...cuda import empty, numba_cuda as cuda
+from ...cuda import empty, flat, numba_cuda as cuda
 
 from ..cuda import config
 from ..cuda.launch import launch
@@ -168,10 +168,10 @@ def _sum_partials(x, partials):
 
 
 def fill(out, value):
-    flat = out.reshape(out.size) if len(out.shape) != 1 else out
-    if flat.size:
-        blocks, threads = config.grid_1d(flat.size)
-        launch(_fill, blocks, threads, flat, value)
+    of = flat(out)
+    if of.size:
+        blocks, threads = config.grid_1d(of.size)
+        launch(_fill, blocks, threads, of, value)
     return out
 
 
@@ -184,8 +184,8 @@ def axpby(a, x, b, y, out=None):
     out = empty(x.shape, x.dtype) if out is None else out
     if x.size:
         blocks, threads = config.grid_1d(x.size)
-        launch(_axpby, blocks, threads, a, x.reshape(x.size), b, y.reshape(y.size),
-               out.reshape(out.size))
+        launch(_axpby, blocks, threads, a, flat(x), b, flat(y),
+               flat(out))
     return out
 
 
@@ -193,7 +193,7 @@ def mul(x, y):
     out = empty(x.shape, x.dtype)
     if x.size:
         blocks, threads = config.grid_1d(x.size)
-        launch(_mul, blocks, threads, x.reshape(x.size), y.reshape(y.size), out.reshape(out.size))
+        launch(_mul, blocks, threads, flat(x), flat(y), flat(out))
     return out
 
 
@@ -202,8 +202,8 @@ def scale_by_device_scalar(scale, x):
     out = empty(x.shape, x.dtype)
     if x.size:
         blocks, threads = config.grid_1d(x.size)
-        launch(_scale_broadcast, blocks, threads, scale.reshape(1), x.reshape(x.size),
-                                          out.reshape(out.size))
+        launch(_scale_broadcast, blocks, threads, scale.reshape(1), flat(x),
+                                          flat(out))
     return out
 
 
@@ -245,17 +245,17 @@ def cast_into(src, dst):
     ``dst``."""
     if dst.size:
         blocks, threads = config.grid_1d(dst.size)
-        launch(_cast, blocks, threads, src.reshape(src.size), dst.reshape(dst.size))
+        launch(_cast, blocks, threads, flat(src), flat(dst))
     return dst
 
 
 def sum_all(x, scale=1.0):
     """``scale`` times the sum of every element (both in float64), as a 0-d device array;
     deterministic (fixed partial order)."""
-    flat = x.reshape(x.size)
-    nblocks = max(1, min(config.reduce_blocks, -(-flat.size // config.block_threads())))
+    xf = flat(x)
+    nblocks = max(1, min(config.reduce_blocks, -(-xf.size // config.block_threads())))
     partials = empty(nblocks, np.float64)
-    launch(_sum_partials, nblocks, config.block_threads(), flat, partials)
+    launch(_sum_partials, nblocks, config.block_threads(), xf, partials)
     total = empty(1, np.float64)
     launch(_sum_partials, 1, config.block_threads(), partials, total)
     out = empty(1, x.dtype)
@@ -284,15 +284,16 @@ def sgd_step(p, buf, grads, table, lr, momentum, weight_decay):
 
     ``p``, ``buf``: flat (n,) device buffers holding the parameters and their momentum
     buffers (``buf`` may be ``p`` itself when ``momentum == 0``: never read or written then);
-    ``grads``: at most ``SGD_BUCKETS[-1]`` flat contiguous gradients of p's dtype, padded here
-    to the next bucket size (so a handful of signatures is compiled); ``table``: a device
-    array from :func:`sgd_chunks`.
+    ``grads``: at most ``SGD_BUCKETS[-1]`` C-contiguous gradients of p's dtype (flattened
+    here), padded here to the next bucket size (so a handful of signatures is compiled);
+    ``table``: a device array from :func:`sgd_chunks`.
     """
     n = len(grads)
     if n == 0 or table.shape[0] == 0:
         return
     size = next(b for b in SGD_BUCKETS if b >= n)
-    grads = tuple(grads) + (grads[0],) * (size - n)        # padding: never in the table
+    grads = tuple(map(flat, grads))
+    grads += (grads[0],) * (size - n)                      # padding: never in the table
     blocks = max(1, min(config.max_blocks, table.shape[0]))
     launch(_sgd, blocks, config.block_threads(), p, buf, grads, table, float(lr), float(momentum),
                                          float(weight_decay), 1.0)

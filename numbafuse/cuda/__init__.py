@@ -86,7 +86,8 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("numbafuse: CUDA arrays need numba-cuda: pip install 'numbafuse[cuda]'"
                       ) from exc
 
-from . import jit_cache  # noqa: E402
+from .. import jit_cache  # noqa: E402
+from .arrays import c_array, flat, rows  # noqa: E402,F401  (flat, rows: for the kernels)
 
 jit_cache.install_numbafuse()   # numba-cuda's cache too, before any CUDA kernel is decorated
 
@@ -164,11 +165,12 @@ class _Stats:
         self.bytes_reserved = 0
         self.bytes_in_use = 0
         self.peak_bytes_in_use = 0
+        self.bytes_cached = 0      # of bytes_reserved: free blocks kept for reuse
 
     def as_dict(self):
         return dict(allocations=self.allocations, requests=self.requests,
                     bytes_reserved=self.bytes_reserved, bytes_in_use=self.bytes_in_use,
-                    peak_bytes_in_use=self.peak_bytes_in_use)
+                    peak_bytes_in_use=self.peak_bytes_in_use, bytes_cached=self.bytes_cached)
 
 
 class _CudaPool:
@@ -176,9 +178,14 @@ class _CudaPool:
 
     A pool of its own, not the device's default one, so the user's other numba allocations
     are untouched. Its release threshold is raised so that freed memory stays reserved for
-    reuse instead of going back to the driver at every synchronization. A buffer goes back to
-    the pool, in the order of numba's default stream (where numbafuse launches), when the
-    last device array viewing it dies (numba's ``MemoryPointer`` finalizer).
+    reuse instead of going back to the driver at every synchronization. A buffer is free when
+    the last device array viewing it dies (numba's ``MemoryPointer`` finalizer); it is kept,
+    by size, for the next request of that size (``cached``: a training step asks for the
+    same sizes every step, and a request served from here makes no driver call), and handed
+    back to the driver's pool (in the order of numba's default stream, where numbafuse
+    launches) by :func:`empty_cache`, or when an allocation fails (then retried once). Reuse
+    is safe for the same reason the stream-ordered pool's is: every numbafuse launch and copy
+    goes to the one legacy stream, so the new holder's work runs after the old one's.
 
     Accounting: ``bytes_in_use`` is the requested bytes of live arrays (kept here, no driver
     call); ``bytes_reserved`` the pool's ``reserved_mem_current`` (one driver query per
@@ -200,6 +207,7 @@ class _CudaPool:
         self._attributes = self.resource.attributes
         self.stats = _Stats()
         self.live = {}                            # device address -> _Block, not yet freed
+        self.cached = {}                          # nbytes -> [free _Block], for reuse
         # numba's context, looked up once: current_context() asks the driver each time
         # (context look-ups were about a third of a pool request's host time under cProfile
         # on an H100 host: docs/gpu_runs/run2_profile.txt)
@@ -217,7 +225,9 @@ class _CudaPool:
     def empty(self, shape, dtype):
         dtype = np.dtype(dtype)
         shape = tuple(int(n) for n in (shape if isinstance(shape, tuple) else (shape,)))
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
         stats = self.stats
         stats.requests += 1
         if nbytes == 0:
@@ -227,19 +237,50 @@ class _CudaPool:
         if block is None:
             # (during a capture too: a relaxed capture lets the pool allocate at once, in
             # the legacy stream's order, outside the graph; the graph holds the block)
-            buffer = self.resource.allocate(nbytes, stream=self.stream)
-            reserved = self._attributes.reserved_mem_current
-            stats.allocations += reserved > stats.bytes_reserved
-            stats.bytes_reserved = reserved
-            block = _Block(buffer, nbytes, self.stream, stats, self)
-            self.live[int(buffer.handle)] = block
+            free = self.cached.get(nbytes)
+            if free:
+                block = free.pop()
+                stats.bytes_cached -= nbytes
+            else:
+                block = _Block(self._allocate(nbytes), nbytes, self.stream, stats, self)
+            self.live[int(block.buffer.handle)] = block
             if capture is not None:
                 capture.hold(block)
         return self._array(block, shape, dtype)
 
+    def _allocate(self, nbytes):
+        """A new buffer from the driver's pool (after handing back the cached blocks and
+        retrying once, if it fails)."""
+        try:
+            buffer = self.resource.allocate(nbytes, stream=self.stream)
+        except Exception:
+            if not self.cached:
+                raise
+            self.empty_cache()
+            buffer = self.resource.allocate(nbytes, stream=self.stream)
+        stats = self.stats
+        reserved = self._attributes.reserved_mem_current
+        stats.allocations += reserved > stats.bytes_reserved
+        stats.bytes_reserved = reserved
+        return buffer
+
+    def take_back(self, block):
+        """A block no array views and no graph holds: kept for the next request of its
+        size."""
+        self.live.pop(int(block.buffer.handle), None)
+        self.cached.setdefault(block.nbytes, []).append(block)
+        self.stats.bytes_cached += block.nbytes
+
+    def empty_cache(self):
+        """Hand every cached block back to the driver's pool (stream-ordered frees)."""
+        cached, self.cached = self.cached, {}
+        for blocks in cached.values():
+            for block in blocks:
+                self.stats.bytes_cached -= block.nbytes
+                block.close()
+
     def _array(self, block, shape, dtype):
         from numba.cuda.cudadrv import driver
-        from numba.cuda.cudadrv.devicearray import DeviceNDArray
         stats = self.stats
         stats.bytes_in_use += block.nbytes
         stats.peak_bytes_in_use = max(stats.peak_bytes_in_use, stats.bytes_in_use)
@@ -247,7 +288,7 @@ class _CudaPool:
         memory = driver.MemoryPointer(self.context,
                                       driver.binding.CUdeviceptr(int(block.buffer.handle)),
                                       block.nbytes, finalizer=block.release)
-        return DeviceNDArray(shape, _c_strides(shape, dtype.itemsize), dtype, gpu_data=memory)
+        return c_array(shape, dtype, memory)
 
     def block_at(self, address):
         """The live block holding device ``address``, or None (memory not from this pool)."""
@@ -285,22 +326,17 @@ class _Block:
             self.free()
 
     def free(self):
-        self.pool.live.pop(int(self.buffer.handle), None)
+        """Back to the pool (no array views it, no graph holds it)."""
+        self.pool.take_back(self)
+
+    def close(self):
+        """Hand the buffer back to the driver's pool, in the stream's order."""
         try:
             self.buffer.close(self.stream)
         except Exception:   # at interpreter exit the driver may be gone before the arrays
             import sys
             if not sys.is_finalizing():
                 raise
-
-
-def _c_strides(shape, itemsize):
-    """Byte strides of a C-contiguous array of ``shape``."""
-    strides, step = [], itemsize
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(int(n), 1)
-    return tuple(reversed(strides))
 
 
 class _SimulatedPool:
@@ -321,6 +357,7 @@ class _SimulatedPool:
         self.stats.requests += 1
         if self.free.get(nbytes, 0):
             self.free[nbytes] -= 1
+            self.stats.bytes_cached -= nbytes
         else:
             self.stats.allocations += 1
             self.stats.bytes_reserved += nbytes
@@ -333,6 +370,12 @@ class _SimulatedPool:
     def _release(self, nbytes):
         self.free[nbytes] = self.free.get(nbytes, 0) + 1
         self.stats.bytes_in_use -= nbytes
+        self.stats.bytes_cached += nbytes
+
+    def empty_cache(self):
+        self.stats.bytes_reserved -= self.stats.bytes_cached
+        self.stats.bytes_cached = 0
+        self.free = {}
 
 
 _pool = None
@@ -357,9 +400,18 @@ def memory_stats() -> dict:
     ``allocations``: device memory reservations made so far (a request served from memory the
     pool already holds does not count); ``requests``: device arrays asked for;
     ``bytes_reserved``: memory the pool holds; ``bytes_in_use``: memory of live arrays;
-    ``peak_bytes_in_use``. All zero before the first device array.
+    ``peak_bytes_in_use``; ``bytes_cached``: free blocks the pool keeps for requests of their
+    size (see :func:`empty_cache`). All zero before the first device array.
     """
     return (_pool.stats if _pool is not None else _Stats()).as_dict()
+
+
+def empty_cache() -> None:
+    """Hand the free blocks numbafuse's pool keeps for reuse back to the device's memory pool
+    (as ``torch.cuda.empty_cache`` does); arrays in use are untouched. The pool does this by
+    itself when an allocation fails, before retrying it."""
+    if _pool is not None:
+        _pool.empty_cache()
 
 
 # --------------------------------------------------------------------------- CUDA graphs

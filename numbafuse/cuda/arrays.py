@@ -1,0 +1,98 @@
+"""Cheap device arrays: numba's DeviceNDArray, made without its constructor.
+
+numba-cuda's DeviceNDArray is made by a constructor that checks its arguments and builds a
+"dummy" host array description (Extent objects, flags) up front; its reshape and __getitem__
+go through that description and ask the driver for the current context. On an H100 host that
+was most of a call's host time: 12 arrays, 9 reshapes and 3 row views in one batch-norm
+forward (docs/benchmarks.md#gpu; ``benchmarks/host_path.py`` measures it without a GPU). The
+arrays numbafuse makes for itself (pool requests, flat views, rows) are therefore built
+directly: a subclass of DeviceNDArray (everything numba and users do with a device array works
+on it) whose attributes are set without the checks (the shapes are numbafuse's own,
+C-contiguous) and whose description is made only when something asks for it. The launch
+(``kernels/cuda/launch.py``) keeps each array's kernel arguments on the array.
+
+Not under the CUDA simulator (its arrays are the simulator's own): there ``flat`` and ``rows``
+take numba's reshape and indexing.
+"""
+from __future__ import annotations
+
+_ARRAY_CLASS = []          # [the DeviceNDArray subclass], made on first use (not simulated)
+
+
+def array_class():
+    """numbafuse's subclass of numba's DeviceNDArray (made on first use)."""
+    if not _ARRAY_CLASS:
+        from numba.cuda.cudadrv import dummyarray
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+        class PoolArray(DeviceNDArray):
+            """A C-contiguous numba device array made by numbafuse (pool memory or a view
+            of it); its host description (``_dummy``: flags, reshape, indexing) is built
+            on first use."""
+
+            def is_c_contiguous(self):
+                return True
+
+            def __getattr__(self, name):
+                if name != "_dummy":
+                    raise AttributeError(name)
+                dummy = self._dummy = dummyarray.Array.from_desc(
+                    0, self.shape, self.strides, self.dtype.itemsize)
+                return dummy
+
+        _ARRAY_CLASS.append(PoolArray)
+    return _ARRAY_CLASS[0]
+
+
+def c_array(shape, dtype, memory):
+    """A C-contiguous device array of ``shape`` (a tuple of ints) and ``dtype`` (a NumPy
+    dtype) over ``memory`` (a numba MemoryPointer), without DeviceNDArray's constructor."""
+    cls = array_class()
+    a = cls.__new__(cls)
+    itemsize = dtype.itemsize
+    size = 1
+    for n in shape:
+        size *= n
+    a.__dict__.update(ndim=len(shape), shape=shape, strides=c_strides(shape, itemsize),
+                      dtype=dtype, size=size, alloc_size=size * itemsize, gpu_data=memory,
+                      stream=0, _nf_type_key=(dtype, len(shape), "C"))
+    return a
+
+
+def _ours(a):
+    return bool(_ARRAY_CLASS) and a.__class__ is _ARRAY_CLASS[0] and a.size > 0
+
+
+def flat(a):
+    """``a`` (C-contiguous) as a 1-d device array viewing the same memory (for numbafuse's
+    own arrays made once and kept: a layer's weights are flattened at every call)."""
+    if len(a.shape) == 1:
+        return a
+    if _ours(a):
+        view = a.__dict__.get("_nf_flat")
+        if view is None:
+            view = a.__dict__["_nf_flat"] = c_array((a.size,), a.dtype, a.gpu_data)
+        return view
+    return a.reshape(a.size)
+
+
+def rows(a):
+    """The rows of a 2-d C-contiguous device array ``a``, as a tuple of 1-d views."""
+    if not _ours(a):
+        return tuple(a[i] for i in range(a.shape[0]))
+    from numba.cuda.cudadrv import driver
+    base = a.gpu_data
+    start, width = int(base.device_pointer), a.shape[1]
+    step = width * a.dtype.itemsize
+    return tuple(c_array((width,), a.dtype, driver.MemoryPointer(
+        base.context, driver.binding.CUdeviceptr(start + i * step), step, owner=base.owner))
+        for i in range(a.shape[0]))
+
+
+def c_strides(shape, itemsize):
+    """Byte strides of a C-contiguous array of ``shape``."""
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))

@@ -1,0 +1,211 @@
+"""The host side of the CUDA backend without a GPU (numbafuse/cuda/): the device arrays the
+pool makes cheaply (``_c_array``, ``flat``, ``rows``) behave as numba's own DeviceNDArray of
+the same shape and memory (type, kernel arguments, flags, reshape, indexing, the
+``__cuda_array_interface__``), views keep their memory alive, and the pool keeps a free block
+for the next request of its size (no driver call), hands its cache back on ``empty_cache``
+and when an allocation fails. Nothing is launched or read: the memory is a made-up address.
+On a GPU every CUDA test runs these arrays for real."""
+import contextlib
+import gc
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1",
+                                reason="numba's device arrays: the real numba.cuda, not the "
+                                       "simulator")
+
+BASE = 1 << 32
+
+
+class _Context:
+    device = None
+
+
+@pytest.fixture
+def no_context(monkeypatch):
+    """numba's indexing asks the driver for the current context: not here."""
+    from numba.cuda.cudadrv import devices
+    monkeypatch.setattr(devices._runtime, "ensure_context", contextlib.nullcontext)
+
+
+def _memory(nbytes, finalizer=lambda: None, address=BASE):
+    from numba.cuda.cudadrv import driver
+    return driver.MemoryPointer(_Context(), driver.binding.CUdeviceptr(address), nbytes,
+                                finalizer=finalizer)
+
+
+def _pair(shape, dtype):
+    """(numbafuse's array, numba's DeviceNDArray) of one shape over one memory."""
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    from numbafuse import cuda as nfcuda
+    dtype = np.dtype(dtype)
+    memory = _memory(int(np.prod(shape)) * dtype.itemsize)
+    ours = nfcuda.c_array(tuple(shape), dtype, memory)
+    theirs = DeviceNDArray(shape, np.empty(shape, dtype).strides, dtype, gpu_data=memory)
+    return ours, theirs
+
+
+def _kernel_args(a):
+    from numba.cuda.dispatcher import _Kernel
+    from numba.cuda.typing.typeof import Purpose, typeof
+
+    class Kernel:
+        extensions = []
+        _prepare_args = _Kernel._prepare_args
+    out = []
+    Kernel()._prepare_args(typeof(a, Purpose.argument), a, 0, [], out)
+    return [getattr(v, "value", v) for v in out]
+
+
+def _packed(a):
+    from numba.cuda.typing.typeof import Purpose, typeof
+    from numbafuse.kernels.cuda import launch
+    out = []
+    launch.packer(typeof(a, Purpose.argument))(a, out)
+    return [getattr(v, "value", v) for v in out]
+
+
+SHAPES = [((7,), np.float32), ((3, 5), np.float64), ((2, 3, 4, 5), np.float32),
+          ((1, 4, 1, 3), np.float16), ((6,), np.uint8), ((4, 1), np.int32)]
+
+
+@pytest.mark.parametrize("shape, dtype", SHAPES)
+def test_a_pool_array_is_numbas_array(shape, dtype, no_context):
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    from numba.cuda.typing.typeof import Purpose, typeof
+    from numbafuse.kernels.cuda import launch
+    ours, theirs = _pair(shape, dtype)
+    assert isinstance(ours, DeviceNDArray)
+    assert typeof(ours, Purpose.argument) == typeof(theirs, Purpose.argument)
+    assert launch._type_key(ours) == launch._type_key(theirs)
+    assert _packed(ours) == _kernel_args(ours) == _kernel_args(theirs)
+    assert _packed(ours) == _packed(ours)            # the second time from its cache
+    assert ours.flags == theirs.flags
+    assert ours.is_c_contiguous() and ours.is_f_contiguous() == theirs.is_f_contiguous()
+    assert ours.__cuda_array_interface__ == theirs.__cuda_array_interface__
+    assert (ours.shape, ours.strides, ours.size, ours.alloc_size, ours.nbytes) == \
+        (theirs.shape, theirs.strides, theirs.size, theirs.alloc_size, theirs.nbytes)
+    assert ours.reshape(ours.size).strides == theirs.reshape(theirs.size).strides
+    if len(shape) > 1:
+        a, b = ours[-1:], theirs[-1:]                # the last row (never empty)
+        assert (a.shape, a.strides, a.device_ctypes_pointer.value) == \
+            (b.shape, b.strides, b.device_ctypes_pointer.value)
+
+
+@pytest.mark.parametrize("shape, dtype", SHAPES)
+def test_flat_views_the_same_memory(shape, dtype, no_context):
+    from numbafuse import cuda as nfcuda
+    ours, theirs = _pair(shape, dtype)
+    f = nfcuda.flat(ours)
+    assert f.shape == (int(np.prod(shape)),)
+    assert _kernel_args(f) == _kernel_args(theirs.reshape(theirs.size)) == _packed(f)
+    assert nfcuda.flat(ours) is f                    # made once per array
+    assert nfcuda.flat(theirs).shape == f.shape      # numba's arrays: numba's reshape
+
+
+def test_rows_are_the_rows(no_context):
+    from numbafuse import cuda as nfcuda
+    ours, theirs = _pair((3, 5), np.float64)
+    for i, (mine, numbas) in enumerate(zip(nfcuda.rows(ours), nfcuda.rows(theirs))):
+        assert mine.device_ctypes_pointer.value == BASE + i * 5 * 8
+        assert _kernel_args(mine) == _kernel_args(numbas) == _kernel_args(theirs[i])
+
+
+def test_views_keep_their_memory_alive(no_context):
+    from numbafuse import cuda as nfcuda
+    freed = []
+    base = nfcuda.c_array((4, 6), np.dtype(np.float32), _memory(96, lambda: freed.append(1)))
+    row, f = nfcuda.rows(base)[2], nfcuda.flat(base)
+    del base
+    gc.collect()
+    assert freed == []                               # the row and the flat view hold it
+    del f
+    gc.collect()
+    assert freed == []
+    assert row.device_ctypes_pointer.value == BASE + 2 * 24
+    del row
+    gc.collect()
+    assert freed == [1]
+
+
+# --------------------------------------------------------------------------- the pool's cache
+
+class _Buffer:
+    def __init__(self, address, log):
+        self.handle, self.log = address, log
+
+    def close(self, stream):
+        self.log.append(("close", self.handle))
+
+
+class _Resource:
+    def __init__(self, fail=0):
+        self.log, self.next, self.fail = [], BASE, fail
+
+    def allocate(self, nbytes, stream=None):
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("CUDA_ERROR_OUT_OF_MEMORY")
+        self.log.append(("allocate", nbytes))
+        self.next += 1 << 20
+        return _Buffer(self.next, self.log)
+
+
+class _Attributes:
+    reserved_mem_current = 1 << 30
+
+
+def _pool(resource):
+    from numbafuse import cuda as nfcuda
+    pool = nfcuda._CudaPool.__new__(nfcuda._CudaPool)
+    pool.stream, pool.resource, pool._attributes = None, resource, _Attributes()
+    pool.stats, pool.live, pool.cached, pool.context = nfcuda._Stats(), {}, {}, _Context()
+    return pool
+
+
+def test_a_free_block_serves_the_next_request_of_its_size():
+    resource = _Resource()
+    pool = _pool(resource)
+    a = pool.empty((4, 8), np.float32)
+    address = a.device_ctypes_pointer.value
+    del a
+    gc.collect()
+    assert pool.stats.bytes_cached == 128 and pool.stats.bytes_in_use == 0
+    b = pool.empty(32, np.float32)                     # same bytes, another shape
+    assert b.device_ctypes_pointer.value == address and b.shape == (32,)
+    assert resource.log == [("allocate", 128)]         # one driver allocation in all
+    assert pool.stats.bytes_cached == 0 and pool.stats.bytes_in_use == 128
+    c = pool.empty(16, np.float64)                     # 128 bytes again, but b holds them
+    assert c.device_ctypes_pointer.value != address
+    assert resource.log == [("allocate", 128)] * 2
+    assert pool.stats.requests == 3
+
+
+def test_empty_cache_hands_the_free_blocks_back():
+    resource = _Resource()
+    pool = _pool(resource)
+    a, keep = pool.empty(10, np.float32), pool.empty(20, np.float32)
+    handle = a.device_ctypes_pointer.value
+    del a
+    gc.collect()
+    pool.empty_cache()
+    assert resource.log[-1] == ("close", handle) and pool.cached == {}
+    assert pool.stats.bytes_cached == 0 and keep.size == 20
+    assert ("close", keep.device_ctypes_pointer.value) not in resource.log
+
+
+def test_a_failed_allocation_empties_the_cache_and_retries_once():
+    resource = _Resource()
+    pool = _pool(resource)
+    a = pool.empty(10, np.float32)
+    handle = a.device_ctypes_pointer.value
+    del a
+    gc.collect()
+    resource.fail = 1
+    b = pool.empty(99, np.float32)                     # fails once, cache handed back
+    assert ("close", handle) in resource.log and b.size == 99
+    resource.fail = 2                                  # fails twice: the error surfaces
+    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
+        pool.empty(7, np.float32)
