@@ -105,6 +105,25 @@ def test_flat_views_the_same_memory(shape, dtype, no_context):
     assert nfcuda.flat(theirs).shape == f.shape      # numba's arrays: numba's reshape
 
 
+def test_numbas_views_of_a_pool_array_keep_their_strides(no_context):
+    """Slicing a pool array goes through numba (DeviceNDArray's constructor, the subclass
+    kept): a strided view is no C-contiguous array, to the checks, flat and the launch."""
+    from numbafuse import cuda as nfcuda
+    from numbafuse.kernels.cuda import launch
+    ours, theirs = _pair((8,), np.float32)
+    view, numbas = ours[::2], theirs[::2]
+    assert not view.is_c_contiguous() and view.strides == (8,)
+    assert launch._type_key(view) == launch._type_key(numbas) == (np.dtype(np.float32), 1, "A")
+    assert _packed(view) == _kernel_args(numbas)
+    grid, numbas_grid = _pair((4, 6), np.float64)
+    column = grid[:, 1:2]
+    assert not column.is_c_contiguous()
+    with pytest.raises(NotImplementedError):       # numba's reshape: a copy would be needed
+        nfcuda.flat(column)
+    assert [r.device_ctypes_pointer.value for r in nfcuda.rows(column)] == \
+        [BASE + 8 + i * 48 for i in range(4)]       # numba's indexing, not c_array's rows
+
+
 def test_rows_are_the_rows(no_context):
     from numbafuse import cuda as nfcuda
     ours, theirs = _pair((3, 5), np.float64)

@@ -26,12 +26,14 @@ def array_class():
         from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
         class PoolArray(DeviceNDArray):
-            """A C-contiguous numba device array made by numbafuse (pool memory or a view
-            of it); its host description (``_dummy``: flags, reshape, indexing) is built
-            on first use."""
+            """A numba device array made by numbafuse (pool memory or a view of it); its
+            host description (``_dummy``: flags, reshape, indexing) is built on first use.
+            Those :func:`c_array` made are C-contiguous (``_nf_c``); numba's own methods
+            (slicing, reshape) make PoolArrays through DeviceNDArray's constructor, which
+            may be strided views."""
 
             def is_c_contiguous(self):
-                return True
+                return "_nf_c" in self.__dict__ or self._dummy.is_c_contig
 
             def __getattr__(self, name):
                 if name != "_dummy":
@@ -55,12 +57,13 @@ def c_array(shape, dtype, memory):
         size *= n
     a.__dict__.update(ndim=len(shape), shape=shape, strides=c_strides(shape, itemsize),
                       dtype=dtype, size=size, alloc_size=size * itemsize, gpu_data=memory,
-                      stream=0, _nf_type_key=(dtype, len(shape), "C"))
+                      stream=0, _nf_type_key=(dtype, len(shape), "C"), _nf_c=True)
     return a
 
 
 def _ours(a):
-    return bool(_ARRAY_CLASS) and a.__class__ is _ARRAY_CLASS[0] and a.size > 0
+    """Whether ``a`` is a non-empty array :func:`c_array` made (C-contiguous)."""
+    return a.size > 0 and "_nf_c" in getattr(a, "__dict__", ())
 
 
 def flat(a):

@@ -1,4 +1,4 @@
-"""numbafuse's device memory pool (numbafuse/cuda/__init__.py): reuse after release, never while alive,
+"""numbafuse's device memory pool (numbafuse/cuda/): reuse after release, never while alive,
 and memory_stats(). Under the simulator the pool keeps CUDA's accounting over
 cuda.device_array; on a GPU it is CUDA's stream-ordered pool."""
 import gc
