@@ -102,7 +102,13 @@ def test_flat_views_the_same_memory(shape, dtype, no_context):
     assert f.shape == (int(np.prod(shape)),)
     assert _kernel_args(f) == _kernel_args(theirs.reshape(theirs.size)) == _packed(f)
     assert nfcuda.flat(ours) is f                    # made once per array
-    assert nfcuda.flat(theirs).shape == f.shape      # numba's arrays: numba's reshape
+    g = nfcuda.flat(theirs)                          # numba's own C-contiguous array
+    assert _kernel_args(g) == _kernel_args(theirs.reshape(theirs.size))
+    assert nfcuda.flat(theirs) is g
+    if len(shape) > 1 and shape[0] > 1:              # a C-contiguous slice of rows (an
+        rows_view, numbas = ours[1:], theirs[1:]     # OwnedPointer's memory in numba)
+        assert _kernel_args(nfcuda.flat(rows_view)) == \
+            _kernel_args(numbas.reshape(numbas.size))
 
 
 def test_numbas_views_of_a_pool_array_keep_their_strides(no_context):
@@ -228,3 +234,23 @@ def test_a_failed_allocation_empties_the_cache_and_retries_once():
     resource.fail = 2                                  # fails twice: the error surfaces
     with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
         pool.empty(7, np.float32)
+
+
+def test_pool_memory_is_released_once():
+    from numba.cuda.cudadrv import driver
+    from numbafuse import cuda as nfcuda
+    released = []
+    m = nfcuda.memory(_Context(), driver.binding.CUdeviceptr(BASE), 64,
+                      release=lambda: released.append(1))
+    assert m.device_ctypes_pointer.value == BASE and m.owner is m and m.is_managed
+    m.free()                                         # numba's forced free
+    assert released == [1]
+    with pytest.raises(RuntimeError, match="dead memory"):
+        m.free()
+    del m
+    gc.collect()
+    assert released == [1]                           # not again when it dies
+    n = nfcuda.memory(_Context(), driver.binding.CUdeviceptr(BASE), 64,
+                      release=lambda: released.append(2))
+    del n
+    assert released == [1, 2]                        # when the last reference goes

@@ -87,7 +87,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
                       ) from exc
 
 from .. import jit_cache  # noqa: E402
-from .arrays import c_array, flat, rows  # noqa: E402,F401  (flat, rows: for the kernels)
+from .arrays import c_array, flat, memory, rows  # noqa: E402,F401  (flat, rows: kernels')
 
 jit_cache.install_numbafuse()   # numba-cuda's cache too, before any CUDA kernel is decorated
 
@@ -280,15 +280,12 @@ class _CudaPool:
                 block.close()
 
     def _array(self, block, shape, dtype):
-        from numba.cuda.cudadrv import driver
         stats = self.stats
         stats.bytes_in_use += block.nbytes
         stats.peak_bytes_in_use = max(stats.peak_bytes_in_use, stats.bytes_in_use)
         block.alive = True
-        memory = driver.MemoryPointer(self.context,
-                                      driver.binding.CUdeviceptr(int(block.buffer.handle)),
-                                      block.nbytes, finalizer=block.release)
-        return c_array(shape, dtype, memory)
+        return c_array(shape, dtype, memory(self.context, block.pointer(), block.nbytes,
+                                            release=block.release))
 
     def block_at(self, address):
         """The live block holding device ``address``, or None (memory not from this pool)."""
@@ -305,13 +302,22 @@ class _Block:
     the legacy stream's order) when its last array dies. Held by graphs (``holders``: their
     captures), it stays theirs until the last of them is closed: their kernels read and write
     it at every replay, whatever became of the arrays."""
-    __slots__ = ("buffer", "nbytes", "stream", "stats", "pool", "holders", "alive")
+    __slots__ = ("buffer", "nbytes", "stream", "stats", "pool", "holders", "alive", "_pointer")
 
     def __init__(self, buffer, nbytes, stream, stats, pool):
         self.buffer, self.nbytes, self.stream, self.stats = buffer, nbytes, stream, stats
         self.pool = pool
         self.holders = set()
         self.alive = False
+        self._pointer = None
+
+    def pointer(self):
+        """The buffer's address as the cuda.bindings CUdeviceptr numba's memory holds (made
+        once: a cached block serves many arrays)."""
+        if self._pointer is None:
+            from numba.cuda.cudadrv.driver import binding
+            self._pointer = binding.CUdeviceptr(int(self.buffer.handle))
+        return self._pointer
 
     def release(self):
         """The finalizer of the block's array memory (its last array died)."""

@@ -17,6 +17,7 @@ take numba's reshape and indexing.
 from __future__ import annotations
 
 _ARRAY_CLASS = []          # [the DeviceNDArray subclass], made on first use (not simulated)
+_MEMORY_CLASS = []         # [the MemoryPointer subclass], likewise
 
 
 def array_class():
@@ -46,6 +47,45 @@ def array_class():
     return _ARRAY_CLASS[0]
 
 
+def memory_class():
+    """numbafuse's subclass of numba's MemoryPointer (made on first use)."""
+    if not _MEMORY_CLASS:
+        from numba.cuda.cudadrv.driver import MemoryPointer
+
+        class PoolMemory(MemoryPointer):
+            """Device memory numba's arrays view: a pool block (``release`` called once, when
+            the last reference goes, by ``__del__`` rather than numba's weakref finalizer)
+            or a view of another PoolMemory (``owner``, kept alive by the reference)."""
+
+            def __del__(self):
+                release = self.__dict__.pop("_release", None)
+                if release is not None:
+                    release()
+
+            def free(self):                     # numba's forced free
+                release = self.__dict__.pop("_release", None)
+                if release is None:
+                    raise RuntimeError("Freeing dead memory")
+                release()
+
+        _MEMORY_CLASS.append(PoolMemory)
+    return _MEMORY_CLASS[0]
+
+
+def memory(context, pointer, nbytes, release=None, owner=None):
+    """A numba MemoryPointer of ``nbytes`` at ``pointer`` (a cuda.bindings CUdeviceptr),
+    without MemoryPointer's constructor: ``release()`` is called once when it dies (a pool
+    block's), or it views ``owner``'s memory and keeps it alive."""
+    cls = memory_class()
+    m = cls.__new__(cls)
+    m.__dict__.update(context=context, device_pointer=pointer, size=nbytes,
+                      _cuda_memsize_=nbytes, is_managed=release is not None, refct=1,
+                      handle=pointer, _owner=owner)
+    if release is not None:
+        m.__dict__["_release"] = release
+    return m
+
+
 def c_array(shape, dtype, memory):
     """A C-contiguous device array of ``shape`` (a tuple of ints) and ``dtype`` (a NumPy
     dtype) over ``memory`` (a numba MemoryPointer), without DeviceNDArray's constructor."""
@@ -67,15 +107,20 @@ def _ours(a):
 
 
 def flat(a):
-    """``a`` (C-contiguous) as a 1-d device array viewing the same memory (for numbafuse's
-    own arrays made once and kept: a layer's weights are flattened at every call)."""
+    """``a`` (C-contiguous) as a 1-d device array viewing the same memory, kept on ``a``
+    (a layer's weights are flattened at every call). numba's own C-contiguous arrays (a
+    reshape, a slice: the optimizer's parameter views) get one the same way."""
     if len(a.shape) == 1:
         return a
-    if _ours(a):
-        view = a.__dict__.get("_nf_flat")
-        if view is None:
-            view = a.__dict__["_nf_flat"] = c_array((a.size,), a.dtype, a.gpu_data)
-        return view
+    cache = getattr(a, "__dict__", None)
+    if cache is not None and a.size and _ARRAY_CLASS:
+        view = cache.get("_nf_flat")
+        if view is not None:
+            return view
+        if "_nf_c" in cache or (isinstance(a, _ARRAY_CLASS[0].__mro__[1])
+                                and a.is_c_contiguous()):
+            view = cache["_nf_flat"] = c_array((a.size,), a.dtype, a.gpu_data)
+            return view
     return a.reshape(a.size)
 
 
@@ -83,12 +128,12 @@ def rows(a):
     """The rows of a 2-d C-contiguous device array ``a``, as a tuple of 1-d views."""
     if not _ours(a):
         return tuple(a[i] for i in range(a.shape[0]))
-    from numba.cuda.cudadrv import driver
+    from numba.cuda.cudadrv.driver import binding
     base = a.gpu_data
     start, width = int(base.device_pointer), a.shape[1]
     step = width * a.dtype.itemsize
-    return tuple(c_array((width,), a.dtype, driver.MemoryPointer(
-        base.context, driver.binding.CUdeviceptr(start + i * step), step, owner=base.owner))
+    return tuple(c_array((width,), a.dtype, memory(
+        base.context, binding.CUdeviceptr(start + i * step), step, owner=base.owner))
         for i in range(a.shape[0]))
 
 
