@@ -18,7 +18,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from bench_gpu import DIGITS  # noqa: E402  (the per-call table's shapes)
+import host_path  # noqa: E402  (the calls: the per-call table's shapes, a step)
 
 
 def main():
@@ -27,29 +27,9 @@ def main():
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--sort", default="tottime", help="pstats sort key (tottime, cumtime)")
     args = p.parse_args()
-    import numpy as np
-    import numbafuse as nf
-    from numbafuse import cuda as nfcuda, models, optim
+    from numbafuse import cuda as nfcuda
     from numbafuse.kernels.cuda import config as cuda_config
-    from numbafuse.train import train_step
-    rng = np.random.default_rng(0)
-    dev = nfcuda.to_device
-    C, batch = DIGITS["x"][1], DIGITS["batch"]
-    x, z = (dev(rng.standard_normal(DIGITS["x"]).astype(np.float32)) for _ in range(2))
-    w = dev((rng.standard_normal(DIGITS["w"]) / np.sqrt(np.prod(DIGITS["w"][1:])))
-            .astype(np.float32))
-    b, gam, bet = (dev(rng.standard_normal(C).astype(np.float32)) for _ in range(3))
-    rm, rv = dev(np.zeros(C, np.float32)), dev(np.ones(C, np.float32))
-    model = models.make_model("fused").to("cuda")
-    opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    xb = dev(rng.standard_normal((batch, 8, 8, 1)).astype(np.float32))
-    yb = dev(rng.integers(0, 10, batch))
-    cases = {
-        "conv_bias_relu forward": lambda: nf.conv_bias_relu(x, w, b, padding=1),
-        "batchnorm_add_relu forward (training)": lambda: nf.batchnorm_add_relu(
-            x, z, gam, bet, running_mean=rm, running_var=rv),
-        "digits training step (fused)": lambda: train_step(model, opt, xb, yb),
-    }
+    cases = {name: call for name, (_, call) in host_path.cases().items()}
     sync = nfcuda.numba_cuda.synchronize
     print(f"launches: {cuda_config.launch}")
     for name, fn in cases.items():
