@@ -16,11 +16,14 @@ its figures are a floor of the eager host time, and they move the way the real o
 numbafuse's Python changes: use it to measure a change before a GPU run, not instead of one.
 
 Cases: the per-call table's ops at its shape (bench_gpu.DIGITS) and one training step of the
-digits ResNet (fused), each with its launches and pool requests per call.
+digits ResNet (fused), each with its launches, pool requests and driver allocations (new
+memory: a request the pool's cache could not serve) per call, after 3 warm-up calls.
+``tests/test_cuda_host_path.py`` runs it to pin those counts.
 """
 import argparse
 import contextlib
 import cProfile
+import json
 import os
 import pstats
 import sys
@@ -47,11 +50,13 @@ class _Buffer:
 
 
 class _Resource:
-    """A memory resource handing out made-up addresses (1 MiB apart)."""
+    """A memory resource handing out made-up addresses (1 MiB apart), counting them."""
     def __init__(self):
         self.next = BASE
+        self.allocations = 0
 
     def allocate(self, nbytes, stream=None):
+        self.allocations += 1
         self.next += max(1 << 20, nbytes)
         return _Buffer(self.next)
 
@@ -129,13 +134,16 @@ def main():
     p.add_argument("--profile", help="cProfile this case (a prefix of its name)")
     p.add_argument("--sort", default="tottime")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--json", metavar="FILE", help="write the table's figures here")
     args = p.parse_args()
     sys.path.insert(0, HERE)
     stub_device()
     from numbafuse import cuda as nfcuda
     print(f"tree: {TREE}; device stubbed (no driver calls, no device time)")
-    print("| call | host us (best of rounds) | launches | pool requests |")
-    print("|---|---:|---:|---:|")
+    resource = nfcuda._pool.resource
+    print("| call | host us (best of rounds) | launches | pool requests | new memory |")
+    print("|---|---:|---:|---:|---:|")
+    results = {}
     for name, (weight, fn) in cases().items():
         n = max(1, args.calls // weight)
         for _ in range(3):
@@ -143,13 +151,17 @@ def main():
         best = float("inf")
         for _ in range(args.rounds):
             launches, requests = LAUNCHES[0], nfcuda.memory_stats()["requests"]
+            allocations = resource.allocations
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
             best = min(best, (time.perf_counter() - t0) / n)
-        launches = (LAUNCHES[0] - launches) / n
-        requests = (nfcuda.memory_stats()["requests"] - requests) / n
-        print(f"| {name} | {best * 1e6:.1f} | {launches:.0f} | {requests:.0f} |")
+        row = dict(us=best * 1e6, launches=(LAUNCHES[0] - launches) / n,
+                   requests=(nfcuda.memory_stats()["requests"] - requests) / n,
+                   allocations=(resource.allocations - allocations) / n)
+        results[name] = row
+        print(f"| {name} | {row['us']:.1f} | {row['launches']:.0f} | {row['requests']:.0f} | "
+              f"{row['allocations']:.0f} |")
         if args.profile and name.startswith(args.profile):
             profile = cProfile.Profile()
             profile.enable()
@@ -157,6 +169,9 @@ def main():
                 fn()
             profile.disable()
             pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

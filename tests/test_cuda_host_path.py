@@ -254,3 +254,26 @@ def test_pool_memory_is_released_once():
                       release=lambda: released.append(2))
     del n
     assert released == [1, 2]                        # when the last reference goes
+
+
+def test_the_host_path_benchmark_counts_a_steady_training_step(tmp_path):
+    """benchmarks/host_path.py (the device stubbed, in a process of its own): a steady
+    training step of the digits ResNet asks the driver for no new memory (the pool's cache
+    serves every request) and makes the launches and pool requests counted here; issue 36
+    aims at 30 or fewer of each: lower these numbers when a change removes some."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    out = tmp_path / "host_path.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "host_path.py"), "--calls", "15",
+                    "--rounds", "2", "--json", str(out)], check=True, capture_output=True,
+                   env={**os.environ, "TREE": str(root)}, timeout=300)
+    rows = json.loads(out.read_text())
+    step = rows["digits training step (fused)"]
+    assert step["allocations"] == 0
+    assert (step["launches"], step["requests"]) == (54, 75)
+    conv, bn = rows["conv_bias_relu forward"], rows["batchnorm_add_relu forward (training)"]
+    assert (conv["launches"], conv["requests"], conv["allocations"]) == (1, 1, 0)
+    assert (bn["launches"], bn["requests"], bn["allocations"]) == (2, 3, 0)
