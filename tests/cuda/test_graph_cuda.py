@@ -109,6 +109,9 @@ def test_a_bad_label_inside_a_graph_gives_a_nan_loss():
     labels = nfcuda.to_device(np.array([0, 3, 1], np.int64))
     with pytest.raises(ValueError, match="labels must lie"):      # eager: refused
         cross_entropy(logits, nfcuda.to_device(np.array([0, 4, 1], np.int64)))
+    assert np.isfinite(cross_entropy(logits, labels).numpy())     # the flag was set back
+    with pytest.raises(ValueError, match="labels must lie"):      # and is set again
+        cross_entropy(logits, nfcuda.to_device(np.array([-1, 0, 1], np.int64)))
     g = nfcuda.graph(lambda: cross_entropy(logits, labels), warmup=1)
     assert np.isfinite(g.replay().numpy())
     labels.copy_to_device(np.array([0, 4, 1], np.int64))

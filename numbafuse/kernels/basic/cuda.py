@@ -15,6 +15,7 @@ Notation: N batch, C channels, H/W input height/width, P/Q pooled height/width,
 kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 """
 import math
+import threading
 
 import numpy as np
 from numba import float64, int32, int64, uint8, uint32
@@ -316,16 +317,28 @@ def _flag_bad_labels(labels, L, flag):
             flag[0] = 1
 
 
+_FLAGS = threading.local()     # .flag: this thread's (1,) int32 device flag, zero between calls
+
+
 def count_bad_labels(labels, L):
     """1 if a label falls outside [0, L), else 0: the one integer read back to the host, since
     refusing bad labels with a ValueError needs a host-side answer. Inside a CUDA graph capture
-    (no host reads there) 0 without looking: ``_xent_rows`` then gives such a row a NaN loss."""
+    (no host reads there) 0 without looking: ``_xent_rows`` then gives such a row a NaN loss.
+
+    The flag is made once per thread and left zero (set back after a bad batch), so a call is
+    one launch and one 4-byte read: no pool request and no host-to-device copy (a synchronous
+    one) per training step."""
     if capture_in_progress() is not None:
         return 0
-    flag = to_device(np.zeros(1, np.int32))
+    flag = getattr(_FLAGS, "flag", None)
+    if flag is None:
+        flag = _FLAGS.flag = to_device(np.zeros(1, np.int32))
     blocks, threads = config.grid_1d(labels.size)
     launch(_flag_bad_labels, blocks, threads, labels, L, flag)
-    return int(flag.copy_to_host()[0])
+    bad = int(flag.copy_to_host()[0])
+    if bad:
+        flag.copy_to_device(np.zeros(1, np.int32))
+    return bad
 
 
 # fwd :: (logits, labels) -> (loss, residuals=(lse,))
