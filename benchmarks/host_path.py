@@ -54,6 +54,7 @@ class _Resource:
     def __init__(self):
         self.next = BASE
         self.allocations = 0
+        self.attributes = _Attributes()
 
     def allocate(self, nbytes, stream=None):
         self.allocations += 1
@@ -74,11 +75,7 @@ def stub_device():
     from numbafuse.kernels.cuda import launch
 
     devices._runtime.ensure_context = contextlib.nullcontext
-    pool = nfcuda._CudaPool.__new__(nfcuda._CudaPool)
-    pool.stream, pool.resource, pool._attributes = None, _Resource(), _Attributes()
-    pool.stats, pool.live, pool.context = nfcuda._Stats(), {}, _Context()
-    pool.cached = {}          # (a checkout from before the pool kept free blocks ignores it)
-    nfcuda._pool = pool
+    nfcuda._pool = nfcuda._CudaPool.over(_Resource(), _Context())
 
     class Prepared:            # the argument packers, without compiling the kernel
         __slots__ = ("kernel", "packers", "argtypes")

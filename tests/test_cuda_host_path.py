@@ -168,6 +168,7 @@ class _Buffer:
 class _Resource:
     def __init__(self, fail=0):
         self.log, self.next, self.fail = [], BASE, fail
+        self.attributes = _Attributes()
 
     def allocate(self, nbytes, stream=None):
         if self.fail:
@@ -184,10 +185,7 @@ class _Attributes:
 
 def _pool(resource):
     from numbafuse import cuda as nfcuda
-    pool = nfcuda._CudaPool.__new__(nfcuda._CudaPool)
-    pool.stream, pool.resource, pool._attributes = None, resource, _Attributes()
-    pool.stats, pool.live, pool.cached, pool.context = nfcuda._Stats(), {}, {}, _Context()
-    return pool
+    return nfcuda._CudaPool.over(resource, _Context())
 
 
 def test_a_free_block_serves_the_next_request_of_its_size():

@@ -201,17 +201,31 @@ class _CudaPool:
             DeviceMemoryResourceOptions
         device = Device(numba_cuda.get_current_device().id)
         device.set_current()
-        self.stream = LEGACY_DEFAULT_STREAM       # numba's default stream: where kernels run
-        self.resource = DeviceMemoryResource(device, DeviceMemoryResourceOptions())
-        self._keep_reserved()
-        self._attributes = self.resource.attributes
-        self.stats = _Stats()
-        self.live = {}                            # device address -> _Block, not yet freed
-        self.cached = {}                          # nbytes -> [free _Block], for reuse
+        resource = DeviceMemoryResource(device, DeviceMemoryResourceOptions())
         # numba's context, looked up once: current_context() asks the driver each time
         # (context look-ups were about a third of a pool request's host time under cProfile
         # on an H100 host: docs/gpu_runs/run2_profile.txt)
-        self.context = numba_cuda.current_context()
+        self._start(resource, numba_cuda.current_context(), LEGACY_DEFAULT_STREAM)
+        self._keep_reserved()
+
+    @classmethod
+    def over(cls, resource, context, stream=None):
+        """A pool over ``resource`` (anything with cuda.core's ``allocate(nbytes, stream)``
+        and ``attributes.reserved_mem_current``): the tests' and benchmarks/host_path.py's
+        stand-ins for the device."""
+        pool = cls.__new__(cls)
+        pool._start(resource, context, stream)
+        return pool
+
+    def _start(self, resource, context, stream):
+        self.stream = stream                      # numba's default stream: where kernels run
+        self.resource = resource
+        self._attributes = resource.attributes
+        self.context = context
+        self.stats = _Stats()
+        self.live = {}                            # device address -> _Block, not yet freed
+        self.cached = {}                          # nbytes -> [free _Block], for reuse
+        self._requests = {}                       # (shape, dtype) -> (shape, dtype, nbytes)
 
     def _keep_reserved(self):
         from cuda.bindings import driver
@@ -223,11 +237,17 @@ class _CudaPool:
                                f"{err}")
 
     def empty(self, shape, dtype):
-        dtype = np.dtype(dtype)
-        shape = tuple(int(n) for n in (shape if isinstance(shape, tuple) else (shape,)))
-        nbytes = dtype.itemsize
-        for n in shape:
-            nbytes *= n
+        try:                                   # (shape, dtype) as asked: seen before?
+            shape, dtype, nbytes = self._requests[(shape, dtype)]
+        except (KeyError, TypeError):          # (a list shape is not hashable)
+            key = (shape, dtype)
+            dtype = np.dtype(dtype)
+            shape = tuple(int(n) for n in (shape if isinstance(shape, tuple) else (shape,)))
+            nbytes = dtype.itemsize
+            for n in shape:
+                nbytes *= n
+            if key[0].__class__ in (tuple, int):
+                self._requests[key] = shape, dtype, nbytes
         stats = self.stats
         stats.requests += 1
         if nbytes == 0:

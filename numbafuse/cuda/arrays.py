@@ -86,18 +86,27 @@ def memory(context, pointer, nbytes, release=None, owner=None):
     return m
 
 
+_LAYOUTS = {}           # (shape, dtype) -> the attributes of a C-contiguous array of them
+
+
 def c_array(shape, dtype, memory):
     """A C-contiguous device array of ``shape`` (a tuple of ints) and ``dtype`` (a NumPy
     dtype) over ``memory`` (a numba MemoryPointer), without DeviceNDArray's constructor."""
-    cls = array_class()
+    layout = _LAYOUTS.get((shape, dtype))
+    if layout is None:
+        itemsize = dtype.itemsize
+        size = 1
+        for n in shape:
+            size *= n
+        layout = _LAYOUTS[(shape, dtype)] = dict(
+            ndim=len(shape), shape=shape, strides=c_strides(shape, itemsize), dtype=dtype,
+            size=size, alloc_size=size * itemsize, stream=0,
+            _nf_type_key=(dtype, len(shape), "C"), _nf_c=True)
+    cls = _ARRAY_CLASS[0] if _ARRAY_CLASS else array_class()
     a = cls.__new__(cls)
-    itemsize = dtype.itemsize
-    size = 1
-    for n in shape:
-        size *= n
-    a.__dict__.update(ndim=len(shape), shape=shape, strides=c_strides(shape, itemsize),
-                      dtype=dtype, size=size, alloc_size=size * itemsize, gpu_data=memory,
-                      stream=0, _nf_type_key=(dtype, len(shape), "C"), _nf_c=True)
+    attributes = layout.copy()
+    attributes["gpu_data"] = memory
+    a.__dict__ = attributes
     return a
 
 
