@@ -16,7 +16,8 @@ take numba's reshape and indexing.
 """
 from __future__ import annotations
 
-_ARRAY_CLASS = []          # [the DeviceNDArray subclass], made on first use (not simulated)
+_ARRAY_CLASS = []          # [PoolArray, numba's DeviceNDArray], made on first use (not
+                           # simulated)
 _MEMORY_CLASS = []         # [the MemoryPointer subclass], likewise
 
 
@@ -43,7 +44,7 @@ def array_class():
                     0, self.shape, self.strides, self.dtype.itemsize)
                 return dummy
 
-        _ARRAY_CLASS.append(PoolArray)
+        _ARRAY_CLASS[:] = [PoolArray, DeviceNDArray]
     return _ARRAY_CLASS[0]
 
 
@@ -126,8 +127,7 @@ def flat(a):
         view = cache.get("_nf_flat")
         if view is not None:
             return view
-        if "_nf_c" in cache or (isinstance(a, _ARRAY_CLASS[0].__mro__[1])
-                                and a.is_c_contiguous()):
+        if "_nf_c" in cache or (isinstance(a, _ARRAY_CLASS[1]) and a.is_c_contiguous()):
             view = cache["_nf_flat"] = c_array((a.size,), a.dtype, a.gpu_data)
             return view
     return a.reshape(a.size)

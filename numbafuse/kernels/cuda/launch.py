@@ -106,9 +106,6 @@ def _type_key(value):
             key = cache["_nf_type_key"] = (value.dtype, len(value.shape),
                                            _layout(value, value.flags))
         return key
-    flags = getattr(value, "flags", None)
-    if flags is not None and hasattr(value, "device_ctypes_pointer"):
-        return (value.dtype, len(value.shape), _layout(value, flags))
     if cls is np.ndarray:       # its class would not say its dtype or rank: no key fits it
         raise TypeError("kernels.cuda.launch: a host array reached a kernel launch; "
                         "numbafuse moves every array to the device before launching")
