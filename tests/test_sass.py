@@ -10,7 +10,11 @@ by numba to PTX, assembled by ``ptxas -arch=sm_90 -O3`` and disassembled by ``cu
   division call inside a loop (Python-semantics ``//``/``%`` on int64 is a subroutine);
 - every GEMM kernel (``GEMM_KERNELS``): its multiply-add loop (the loop with the most
   FFMA/DFMA) is at least ``MIN_FMA_SHARE`` FMA, does at least ``MIN_FMA_PER_LDS`` FMA per
-  shared-memory load (register blocking), and divides nothing.
+  shared-memory load (register blocking), and divides nothing;
+- every GEMM whose operand is gated by the ReLU (dx's and dw's ``g = gy * (y > 0)``): no
+  float compare before the first FMA of that loop (the gate is applied when the tile is
+  stored to shared memory, so the loads of y and gy are in flight together during the FMAs;
+  a gate tested at the load makes each load of gy wait for its y).
 
 Skipped, saying why, when NVIDIA's tool wheels are absent (``pip install -e '.[test]'``
 installs them). The table of these numbers: ``python benchmarks/gpu_static.py``.
@@ -42,7 +46,12 @@ def _cases():
     if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
         return []
     from numbafuse.kernels import catalog
-    return [pytest.param(k, s, g, id=n) for n, k, s, g in catalog.cases()]
+    return [pytest.param(k, s, g, _gated(n), id=n) for n, k, s, g in catalog.cases()]
+
+
+def _gated(name):
+    # the conv GEMMs whose loaders gate an operand by y > 0 (kernels/conv/cuda.py)
+    return "gemm_dx_" in name or "gemm_dw_" in name
 
 
 _REPORTS = {}
@@ -56,7 +65,7 @@ def _report(kernel, signature):
     return _REPORTS[key]
 
 
-def check(report, is_gemm):
+def check(report, is_gemm, gated=False):
     """The list of problems of one kernel's report (empty: it passes)."""
     problems = []
     if report.spills or report.stack or report.local_memory_ops:
@@ -74,6 +83,13 @@ def check(report, is_gemm):
                 problems.append(f"{loop.fma_per_lds:.1f} FMA per shared load")
             if report.divisions_in(loop):
                 problems.append("the multiply-add loop divides")
+            if gated:
+                first = next(i for i, insn in enumerate(loop.insns)
+                             if insn.base in ("FFMA", "DFMA"))
+                early = [i for i in loop.insns[:first] if i.base in ("FSETP", "DSETP")]
+                if early:
+                    problems.append(f"{len(early)} float compares before the loop's first "
+                                    f"FMA (a ReLU gate tested at the load)")
     else:
         calls = report.integer_division_calls_in_loops()
         if calls:
@@ -90,15 +106,15 @@ def test_tools_and_kernels_are_there():
     assert len(cases) >= 40
 
 
-@pytest.mark.parametrize("kernel,signature,is_gemm", _cases())
-def test_kernel_machine_code(kernel, signature, is_gemm):
-    problems = check(_report(kernel, signature), is_gemm)
+@pytest.mark.parametrize("kernel,signature,is_gemm,gated", _cases())
+def test_kernel_machine_code(kernel, signature, is_gemm, gated):
+    problems = check(_report(kernel, signature), is_gemm, gated)
     assert not problems, "; ".join(problems)
 
 
 def test_the_check_fails_on_planted_regressions():
-    """A division in a K-loop-like loop, a spill, and an int64 division in an elementwise
-    loop are each caught (the check can fail)."""
+    """A division in a K-loop-like loop, a spill, an int64 division in an elementwise loop
+    and a ReLU gate tested before a load are each caught (the check can fail)."""
     sass = _sass()
     import numba
     from numbafuse.cuda import numba_cuda as cuda
@@ -136,3 +152,17 @@ def test_the_check_fails_on_planted_regressions():
     r = sass.analyse(slow_gemm, (f, f, f, numba.int64), "slow_gemm")
     problems = " ".join(check(r, True))
     assert "FMA" in problems and "divides" in problems
+
+    @cuda.jit
+    def gate_at_load(g, y, b, c, n):
+        # the old dx loader's pattern: g is loaded only where its y is open, then used
+        acc = numba.float32(0.0)
+        for k in range(n):
+            v = numba.float32(0.0)
+            if y[k] > 0:
+                v = g[k]
+            acc += v * b[k]
+        c[0] = acc
+
+    r = sass.analyse(gate_at_load, (f, f, f, f, numba.int64), "gate_at_load")
+    assert any("float compares" in p for p in check(r, True, gated=True))

@@ -69,12 +69,13 @@ def _pixel(m, Q, PQ):
 
 
 @functools.lru_cache(maxsize=None)
-def gather_rows(LK, LR, NK, NR, k_fastest):
-    """Rows fixed per tile, k from the tap table: forward's cols (x), dx's G (gy masked by y).
+def gather_rows(LK, LR, NK, NR, k_fastest, gated=False):
+    """Rows fixed per tile, k from the tap table: forward's cols (x), dx's G (gy masked by y:
+    ``gated``).
 
     st: [SRC_H, SRC_W, USE_MASK] + per own row jr: [base, hh, ww] (hh = PAD_TAP past the
     last row). Element (k, row) = src[base + toff[k]] where 0 <= hh + th[k] < SRC_H and
-    0 <= ww + tw[k] < SRC_W, times (aux > 0) under USE_MASK.
+    0 <= ww + tw[k] < SRC_W, gated by aux (y) at the same offset under USE_MASK.
     """
     @device
     def prep(src, aux, geo, table, z, r0, k_lo, k_hi, lr, lk, st):
@@ -93,7 +94,7 @@ def gather_rows(LK, LR, NK, NR, k_fastest):
             st[5 + 3 * jr] = ww
 
     @device
-    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs):
+    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs, gates):
         H, W, use_mask = st[0], st[1], st[2]
         for jk in range(NK):
             k = int32(k0 + lk + LK * jk)
@@ -102,12 +103,15 @@ def gather_rows(LK, LR, NK, NR, k_fastest):
                 h = int32(st[4 + 3 * jr] + th)
                 w = int32(st[5 + 3 * jr] + tw)
                 regs[jk, jr] = 0.0
+                if gated:
+                    gates[jk, jr] = 1.0
                 if 0 <= h and h < H and 0 <= w and w < W:
                     off = uint32(st[3 + 3 * jr] + toff)
-                    if use_mask == 0 or aux[off] > 0:
-                        regs[jk, jr] = src[off]
+                    regs[jk, jr] = src[off]
+                    if gated and use_mask != 0:     # applied at the shared store (gemm.py)
+                        gates[jk, jr] = aux[off]
 
-    return gemm.Operand(prep, fetch, 3 + 3 * NR, k_fastest)
+    return gemm.Operand(prep, fetch, 3 + 3 * NR, k_fastest, gated)
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,7 +127,7 @@ def weights(LK, LR, NK, NR, k_fastest):
             st[jr] = int32(col * geo[z, F_LDW]) if col < geo[z, F_COLS] else int32(-1)
 
     @device
-    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs):
+    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs, gates):
         for jk in range(NK):
             woff = table[int32(k0 + lk + LK * jk), 3]
             for jr in range(NR):
@@ -200,7 +204,7 @@ def dw_cols(LK, LR, NK, NR, k_fastest):
         st[C0 + 14] = geo[0, F_SRC_WS]
 
     @device
-    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs):
+    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs, gates):
         k_hi, H, W = st[C0], st[C0 + 1], st[C0 + 2]
         for jk in range(NK):
             n, p, q, m = st[4 * jk], st[4 * jk + 1], st[4 * jk + 2], st[4 * jk + 3]
@@ -225,8 +229,8 @@ def dw_cols(LK, LR, NK, NR, k_fastest):
 
 @functools.lru_cache(maxsize=None)
 def dw_grads(LK, LR, NK, NR, k_fastest):
-    """dw's B: element (m, col kout) = g = gy[n*G_NS + p*G_HS + q*G_WS + kout*G_KS], times
-    (y > 0) under USE_MASK.
+    """dw's B (gated): element (m, col kout) = g = gy[n*G_NS + p*G_HS + q*G_WS + kout*G_KS],
+    gated by aux (y) at the same offset under USE_MASK.
 
     st: counters (4*NK), then per jr kout*G_KS or -1 (NR), then [k_hi, P, Q, DN, DP, DQ,
     G_NS, G_HS, G_WS, USE_MASK] (10).
@@ -253,17 +257,19 @@ def dw_grads(LK, LR, NK, NR, k_fastest):
         st[C0 + 9] = geo[0, F_USE_MASK]
 
     @device
-    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs):
+    def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs, gates):
         k_hi, use_mask = st[C0], st[C0 + 9]
         for jk in range(NK):
             n, p, q, m = st[4 * jk], st[4 * jk + 1], st[4 * jk + 2], st[4 * jk + 3]
             base = int32(n * st[C0 + 6] + p * st[C0 + 7] + q * st[C0 + 8])
             for jr in range(NR):
                 regs[jk, jr] = 0.0
+                gates[jk, jr] = 1.0
                 if m < k_hi and st[S0 + jr] >= 0:
                     off = uint32(base + st[S0 + jr])
-                    if use_mask == 0 or aux[off] > 0:
-                        regs[jk, jr] = src[off]
+                    regs[jk, jr] = src[off]
+                    if use_mask != 0:               # applied at the shared store (gemm.py)
+                        gates[jk, jr] = aux[off]
             n, p, q = _advance(n, p, q, st[C0 + 3], st[C0 + 4], st[C0 + 5], st[C0 + 1],
                                st[C0 + 2])
             st[4 * jk] = n
@@ -271,7 +277,7 @@ def dw_grads(LK, LR, NK, NR, k_fastest):
             st[4 * jk + 2] = q
             st[4 * jk + 3] = int32(m + LK * NK)
 
-    return gemm.Operand(prep, fetch, C0 + 10, k_fastest)
+    return gemm.Operand(prep, fetch, C0 + 10, k_fastest, True)
 
 
 # --------------------------------------------------------------------------- problems, epilogues
@@ -349,8 +355,9 @@ def loader_kinds(kind, layout):
 def gemm_kernel(kind, layout, tile):
     """The compiled-on-first-launch GEMM kernel of one conv pass, layout and tiling."""
     a_fac, a_kf, b_fac, b_kf = loader_kinds(kind, layout)
+    a_gated = (True,) if kind == "dx" else ()            # dx's A is g = gy * (y > 0)
     threads = tile.threads
-    a = a_fac(*gemm.mapping(tile.BM, tile.BK, threads, a_kf), a_kf)
+    a = a_fac(*gemm.mapping(tile.BM, tile.BK, threads, a_kf), a_kf, *a_gated)
     b = b_fac(*gemm.mapping(tile.BN, tile.BK, threads, b_kf), b_kf)
     name = (f"gemm_{kind}_{layout.lower()}_{tile.BM}x{tile.BN}x{tile.BK}_{tile.TM}x{tile.TN}"
             f"_v{tile.VEC}_r{tile.max_registers or 0}")      # one disk-cache index each
@@ -514,7 +521,8 @@ for _kind, _layout, _dt, _tag, _k in _production_gemms():
     _k.__name__ = f"gemm_{_kind}_{_layout.lower()}_{_dt[-2:]}{_tag}"
     GEMM_KERNELS.append(_k)
     # each tiling is compiled only for its own dtype: the other is a "wrong" dtype entry
-    PTX_SIGNATURES.append((_k, (lambda dt: lambda f: (f[::1],) * 5 + (_GEO, _TAB) if str(f) == dt else None)(_dt)))
+    PTX_SIGNATURES.append((_k, (lambda dt: lambda f: (f[::1],) * 5 + (_GEO, _TAB)
+                                if str(f) == dt else None)(_dt)))
 PTX_SIGNATURES += [
     (_sum_splits, lambda f: (f[::1], types.int64, f[::1])),
     (_bias_add, lambda f: (f[::1], f[::1], f[::1], types.int64, types.int64, types.int64)),

@@ -16,7 +16,7 @@ One K-step of a thread, with two shared buffers (``cur`` read, ``nxt`` written):
 
     regs  <- global loads of step s+1 (issued first, in flight during the multiply-adds)
     acc   += As[cur] (BK, BM) x Bs[cur] (BK, BN)     fragments read as VEC-wide groups
-    Xs[nxt] <- regs;  syncthreads                     one barrier per K-step
+    Xs[nxt] <- regs (gated: 0 where the gate is shut);  syncthreads   one barrier a K-step
 
 Shared reads are conflict-free: thread (tx, ty) reads rows ``tx*VEC + v + VEC*TX*g`` (a
 quarter-warp covers 128 contiguous bytes, one vector load per group) and the columns'
@@ -31,14 +31,19 @@ with adds and compares.
 
 Operand interface (``Operand``, the functions inlined into the kernel)::
 
-    prep(src, aux, geo, table, z, r0, k_lo, k_hi, lr, lk, st)    once per tile
-    fetch(src, aux, geo, table, z, st, k0, lr, lk, regs)         once per K-step, in order
+    prep(src, aux, geo, table, z, r0, k_lo, k_hi, lr, lk, st)          once per tile
+    fetch(src, aux, geo, table, z, st, k0, lr, lk, regs, gates)        once per K-step, in order
 
 ``regs`` is (NK, NR): element ``(k0 + lk + LK*jk, r0 + lr + LR*jr)`` of the operand, zero
-outside it; ``st`` is the loader's (NSTATE,) int32 state. ``problem(geo, z)`` returns
-``(n_rows, n_cols, k_lo, k_hi, e0, e1)`` (``e0``, ``e1``: two epilogue flags), and the
-epilogue is ``row_base(geo, table, z, row)``, ``col_offset(geo, z, col)``,
-``store(out, bias, off, col, value, e0, e1)``.
+outside it; ``st`` is the loader's (NSTATE,) int32 state. A *gated* operand (dx's and dw's
+``g = gy * (y > 0)``) also fills ``gates`` (NK, NR) with each element's gate value (y, or 1
+where nothing masks it), and the element goes to shared memory as ``regs if gates > 0 else
+0``: the gate is applied when the tile is stored, after the multiply-adds, so the loads of
+y and gy are issued together and their latency hides behind the FMAs (a gate tested in the
+fetch made each load of gy wait for its y: four dependent round trips per K-step).
+``problem(geo, z)`` returns ``(n_rows, n_cols, k_lo, k_hi, e0, e1)`` (``e0``, ``e1``: two
+epilogue flags), and the epilogue is ``row_base(geo, table, z, row)``, ``col_offset(geo, z,
+col)``, ``store(out, bias, off, col, value, e0, e1)``.
 """
 from __future__ import annotations
 
@@ -66,6 +71,7 @@ class Operand:
     fetch: object
     nstate: int
     k_fastest: bool
+    gated: bool = False
 
 
 def mapping(rows: int, BK: int, threads: int, k_fastest: bool) -> tuple:
@@ -136,12 +142,17 @@ def _unrolled_mma(tile: Tile):
     return _compile("mma", lines, {})
 
 
-def _unrolled_store(NK, NR, k_stride, r_stride):
-    """``store(sh, base, regs)``: sh[base + jk*k_stride + jr*r_stride] = regs[jk, jr]."""
-    lines = ["def store(sh, base, regs):"]
+def _unrolled_store(NK, NR, k_stride, r_stride, gated):
+    """``store(sh, base, regs, gates)``: sh[base + jk*k_stride + jr*r_stride] = regs[jk, jr]
+    (``gated``: that value where gates[jk, jr] > 0, else 0)."""
+    lines = ["def store(sh, base, regs, gates):"]
     for jk in range(NK):
         for jr in range(NR):
-            lines.append(f"    sh[base + uint64({jk * k_stride + jr * r_stride})] = regs[{jk}, {jr}]")
+            slot = f"sh[base + uint64({jk * k_stride + jr * r_stride})]"
+            if gated:
+                lines.append(f"    {slot} = regs[{jk}, {jr}] if gates[{jk}, {jr}] > 0 else 0.0")
+            else:
+                lines.append(f"    {slot} = regs[{jk}, {jr}]")
     return _compile("store", lines, {})
 
 
@@ -193,8 +204,8 @@ def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, sto
     A_NS, B_NS = a.nstate, b.nstate
     a_prep, a_fetch, b_prep, b_fetch = a.prep, a.fetch, b.prep, b.fetch
     mma = _unrolled_mma(tile)
-    store_a = _unrolled_store(A_NK, A_NR, A_LK * SA, A_LR)
-    store_b = _unrolled_store(B_NK, B_NR, B_LK * SB, B_LR)
+    store_a = _unrolled_store(A_NK, A_NR, A_LK * SA, A_LR, a.gated)
+    store_b = _unrolled_store(B_NK, B_NR, B_LK * SB, B_LR, b.gated)
     epilogue = _unrolled_epilogue(tile, row_base, col_offset, store)
 
     def gemm(src_a, src_b, aux, out, bias, geo, table):
@@ -221,6 +232,8 @@ def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, sto
         acc = cuda.local.array((TM, TN), src_a.dtype)       # the micro-tile, in registers
         ra = cuda.local.array((A_NK, A_NR), src_a.dtype)    # A elements of the next K-step
         rb = cuda.local.array((B_NK, B_NR), src_a.dtype)    # B elements of the next K-step
+        ga = cuda.local.array((A_NK, A_NR), src_a.dtype)    # their gates (gated operands)
+        gb = cuda.local.array((B_NK, B_NR), src_a.dtype)
         sa = cuda.local.array(A_NS, int32)                  # A loader state
         sb = cuda.local.array(B_NS, int32)                  # B loader state
         for i in range(TM):
@@ -234,22 +247,22 @@ def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, sto
         b_ld = ty * VEC
         n_steps = int32((k_hi - k_lo + BK - 1) // BK)
         if n_steps > 0:
-            a_fetch(src_a, aux, geo, table, z, sa, k_lo, a_lr, a_lk, ra)
-            b_fetch(src_b, aux, geo, table, z, sb, k_lo, b_lr, b_lk, rb)
-            store_a(As, uint64(a_st), ra)
-            store_b(Bs, uint64(b_st), rb)
+            a_fetch(src_a, aux, geo, table, z, sa, k_lo, a_lr, a_lk, ra, ga)
+            b_fetch(src_b, aux, geo, table, z, sb, k_lo, b_lr, b_lk, rb, gb)
+            store_a(As, uint64(a_st), ra, ga)
+            store_b(Bs, uint64(b_st), rb, gb)
         cuda.syncthreads()  # the first K-step's tiles are in buffer 0
         for s in range(n_steps):
             cur = s & 1
             more = s + 1 < n_steps
             if more:    # next step's global loads, in flight during the multiply-adds
                 k_next = int32(k_lo + (s + 1) * BK)
-                a_fetch(src_a, aux, geo, table, z, sa, k_next, a_lr, a_lk, ra)
-                b_fetch(src_b, aux, geo, table, z, sb, k_next, b_lr, b_lk, rb)
+                a_fetch(src_a, aux, geo, table, z, sa, k_next, a_lr, a_lk, ra, ga)
+                b_fetch(src_b, aux, geo, table, z, sb, k_next, b_lr, b_lk, rb, gb)
             mma(As, Bs, uint64(cur * (BK * SA) + a_ld), uint64(cur * (BK * SB) + b_ld), acc)
             if more:
-                store_a(As, uint64((1 - cur) * (BK * SA) + a_st), ra)
-                store_b(Bs, uint64((1 - cur) * (BK * SB) + b_st), rb)
+                store_a(As, uint64((1 - cur) * (BK * SA) + a_st), ra, ga)
+                store_b(Bs, uint64((1 - cur) * (BK * SB) + b_st), rb, gb)
             # the next step's tiles are stored, and every thread is done reading buffer cur
             # (which the step after next overwrites)
             cuda.syncthreads()
