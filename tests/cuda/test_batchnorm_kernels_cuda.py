@@ -147,3 +147,20 @@ def test_channel_sums_masked(layout):
     x, z, gy, gamma, beta = _data(layout, np.float64, seed=5)
     got = reduce.channel_sums(cuda.to_device(gy), cuda.to_device(x), layout).copy_to_host()
     np.testing.assert_allclose(got, (gy * (x > 0)).sum(axis=_axes(layout)), **TOL[np.float64])
+
+
+def test_a_tensor_past_the_index_range_is_refused_before_anything_is_written(monkeypatch):
+    # the walks' offsets are uint32 (x.size <= bn.MAX_SIZE); past that, a ValueError naming
+    # the op, raised before the running statistics change (MAX_SIZE lowered to reach it)
+    import numbafuse as nf
+    x, z, gy, gamma, beta = _data("NCHW", np.float32)
+    rm, rv = cuda.to_device(np.zeros(2, np.float32)), cuda.to_device(np.ones(2, np.float32))
+    args = [cuda.to_device(a) for a in (x, z, gamma, beta)]
+    monkeypatch.setattr(bn, "MAX_SIZE", x.size - 1)
+    with pytest.raises(ValueError, match="batch norm .cuda.: x has 210 elements"):
+        nf.batchnorm_add_relu(*args, running_mean=rm, running_var=rv)
+    np.testing.assert_array_equal(rm.copy_to_host(), 0.0)
+    np.testing.assert_array_equal(rv.copy_to_host(), 1.0)
+    monkeypatch.setattr(bn, "MAX_SIZE", x.size)
+    nf.batchnorm_add_relu(*args, running_mean=rm, running_var=rv)       # at the limit: runs
+    assert np.all(rm.copy_to_host() != 0.0)

@@ -41,7 +41,7 @@ the same way (``_finish_bwd``).
 import math
 
 import numpy as np
-from numba import boolean, float32, float64, int32, int64, types, uint8
+from numba import boolean, float32, float64, int32, int64, types, uint8, uint32
 
 from ... import backend, kernels, validate
 from ...cuda import SIMULATOR, empty as pool_empty, flat, numba_cuda as cuda, require_eager, rows
@@ -174,45 +174,52 @@ def _apply_running(x, z, has_z, running_mean, running_var, eps, gamma, beta, rel
 def _apply_walk(x, z, has_z, src_m, src_v, from_running, eps, gamma, beta, relu, C, B, y,
                 mask, want_mask):
     # the flat walk of the apply kernels; channel c's (mean, invstd) is (src_m[c], src_v[c])
-    # or, ``from_running``, (running_mean[c], invstd_of(running_var[c], eps))
+    # or, ``from_running``, (running_mean[c], invstd_of(running_var[c], eps)). Element
+    # offsets are uint32 (the host keeps size < 2**31: ``_flat_grid``): no 64-bit index math
+    # and no negative-index wraparound code per element
     bits = cuda.shared.array(BLOCK, int32)          # portable mask assembly
     prm = cuda.local.array((U, 4), gamma.dtype)     # per group: m_hi, m_lo, scale, beta
     chan = cuda.local.array(U, int32)               # ... of this channel (-1: none yet)
     xv = cuda.local.array(U, x.dtype)
     zv = cuda.local.array(U, x.dtype)
-    size = x.size
-    nbytes = mask.size
     lanes = int32(min(WARP, cuda.blockDim.x))
-    j, jstride, lane, warp = _walk_start(C, B, U, lanes)
-    pos, c = _split(j, C, B)
-    dpos, dc = _split(jstride, C, B)
+    j0, jstride0, lane, warp = _walk_start(C, B, U, lanes)
+    pos, c = _split(j0, C, B)
+    dpos, dc = _split(jstride0, C, B)
     gpos, gc = _split(int64(lanes), C, B)
-    rounds = (size + jstride - 1) // jstride         # block-uniform: every barrier is met
+    rounds = int32((x.size + jstride0 - 1) // jstride0)  # block-uniform: every barrier is met
+    size = uint32(x.size)
+    nbytes = uint32(mask.size)
+    j = uint32(j0)
+    jstride = uint32(jstride0)
+    ulanes = uint32(lanes)
+    ulane = uint32(lane)
     for u in range(U):
         chan[u] = -1
     for _ in range(rounds):
         for u in range(U):                           # U loads of x (and z) in flight
-            ju = j + u * lanes
+            ju = uint32(j + uint32(u) * ulanes)
             if ju < size:
                 xv[u] = x[ju]
                 if has_z:
                     zv[u] = z[ju]
         upos, uc = pos, c
         for u in range(U):
-            ju = j + u * lanes
+            ju = uint32(j + uint32(u) * ulanes)
             v = reduce.widen(xv[u])                  # float32 for a float16 x
             if ju < size:
                 if chan[u] != uc:                    # channel parameters, in registers
                     chan[u] = uc
-                    m = float64(src_m[uc])
+                    ch = uint32(uc)
+                    m = float64(src_m[ch])
                     if from_running:
-                        s = float64(_invstd_of(float64(src_v[uc]), eps))
+                        s = float64(_invstd_of(float64(src_v[ch]), eps))
                     else:
-                        s = float64(src_v[uc])
+                        s = float64(src_v[ch])
                     prm[u, 0] = m
                     prm[u, 1] = m - float64(prm[u, 0])
-                    prm[u, 2] = gamma[uc] * s
-                    prm[u, 3] = beta[uc]
+                    prm[u, 2] = gamma[ch] * s
+                    prm[u, 3] = beta[ch]
                 v = (v - prm[u, 0] - prm[u, 1]) * prm[u, 2] + prm[u, 3]
                 if has_z:
                     v += reduce.widen(zv[u])
@@ -221,23 +228,23 @@ def _apply_walk(x, z, has_z, src_m, src_v, from_running, eps, gamma, beta, relu,
                 y[ju] = v
             if want_mask:
                 open_ = ju < size and v > 0
-                g0 = (j + u * lanes - lane) >> 3         # first mask byte of the group
+                g0 = uint32(uint32(ju - ulane) >> uint32(3))    # first mask byte of the group
                 if USE_BALLOT and lanes == WARP:
                     word = cuda.ballot_sync(FULL_MASK, open_)
-                    if lane < 4 and g0 + lane < nbytes:
-                        mask[g0 + lane] = (word >> (8 * lane)) & 0xFF
+                    if lane < 4 and uint32(g0 + ulane) < nbytes:
+                        mask[uint32(g0 + ulane)] = (word >> (8 * lane)) & 0xFF
                 else:
                     t = cuda.threadIdx.x
                     bits[t] = 1 if open_ else 0
                     cuda.syncthreads()  # every lane's bit of this group is in bits
-                    if lane < lanes // BITS and g0 + lane < nbytes:
+                    if lane < lanes // BITS and uint32(g0 + ulane) < nbytes:
                         byte = 0
                         for i in range(BITS):
                             byte |= bits[warp * lanes + lane * BITS + i] << i
-                        mask[g0 + lane] = byte
+                        mask[uint32(g0 + ulane)] = byte
                     cuda.syncthreads()  # bits read before the next group overwrites them
             upos, uc = _step(upos, uc, gpos, gc, C, B)
-        j += jstride
+        j = uint32(j + jstride)
         pos, c = _step(pos, c, dpos, dc, C, B)
 
 
@@ -284,45 +291,57 @@ def _bwd_apply(gy, x, mean, coefs, like, state_kind, ystate, mask, C, B, gx, wan
                want_gz):
     # gy, x, ystate, gx, gz: (size,) flat; per-channel float64 mean (C,) and coefficients
     # coefs (3, C) rows cg, cx, c0; like: (1,) of the dtype the element math runs in (x's,
-    # float32 for a float16 x)
+    # float32 for a float16 x). Offsets uint32 (as in _apply_walk); the ReLU gate's y (or
+    # mask byte) is loaded beside gy and applied after every load of the round is issued
     prm = cuda.local.array((U, 5), like.dtype)      # per group: m_hi, m_lo, cg, cx, c0
     chan = cuda.local.array(U, int32)
     gv = cuda.local.array(U, x.dtype)
     xv = cuda.local.array(U, x.dtype)
-    size = x.size
+    sv = cuda.local.array(U, ystate.dtype)          # the gate's y (STATE_Y)
+    bv = cuda.local.array(U, int32)                 # ... or its mask byte (STATE_MASK)
     lanes = int32(min(WARP, cuda.blockDim.x))
-    j, jstride, lane, warp = _walk_start(C, B, U, lanes)
-    pos, c = _split(j, C, B)
-    dpos, dc = _split(jstride, C, B)
+    j0, jstride0, lane, warp = _walk_start(C, B, U, lanes)
+    pos, c = _split(j0, C, B)
+    dpos, dc = _split(jstride0, C, B)
     gpos, gc = _split(int64(lanes), C, B)
+    size = uint32(x.size)
+    j = uint32(j0)
+    jstride = uint32(jstride0)
+    ulanes = uint32(lanes)
     for u in range(U):
         chan[u] = -1
     while j < size:
-        for u in range(U):                           # U loads in flight
-            ju = j + u * lanes
+        for u in range(U):                           # U rounds of loads in flight
+            ju = uint32(j + uint32(u) * ulanes)
             if ju < size:
-                gv[u] = reduce.gate(gy[ju], state_kind, ystate, mask, ju)
+                gv[u] = gy[ju]
+                if state_kind == STATE_Y:
+                    sv[u] = ystate[ju]
+                elif state_kind == STATE_MASK:
+                    bv[u] = int32(mask[ju >> uint32(3)])
                 if want_gx:
                     xv[u] = x[ju]
         upos, uc = pos, c
         for u in range(U):
-            ju = j + u * lanes
+            ju = uint32(j + uint32(u) * ulanes)
             if ju < size:
+                g = reduce.gate_loaded(gv[u], state_kind, sv[u], bv[u], ju)
                 if want_gz:
-                    gz[ju] = gv[u]
+                    gz[ju] = g
                 if want_gx:
                     if chan[u] != uc:
                         chan[u] = uc
-                        prm[u, 0] = mean[uc]
-                        prm[u, 1] = mean[uc] - float64(prm[u, 0])
-                        prm[u, 2] = coefs[0, uc]
-                        prm[u, 3] = coefs[1, uc]
-                        prm[u, 4] = coefs[2, uc]
-                    gx[ju] = (prm[u, 2] * reduce.widen(gv[u])
+                        ch = uint32(uc)
+                        prm[u, 0] = mean[ch]
+                        prm[u, 1] = mean[ch] - float64(prm[u, 0])
+                        prm[u, 2] = coefs[0, ch]
+                        prm[u, 3] = coefs[1, ch]
+                        prm[u, 4] = coefs[2, ch]
+                    gx[ju] = (prm[u, 2] * reduce.widen(g)
                               + prm[u, 3] * (reduce.widen(xv[u]) - prm[u, 0] - prm[u, 1])
                               + prm[u, 4])
             upos, uc = _step(upos, uc, gpos, gc, C, B)
-        j += jstride
+        j = uint32(j + jstride)
         pos, c = _step(pos, c, dpos, dc, C, B)
 
 
@@ -333,9 +352,20 @@ def _empty(shape, dtype):
     return pool_empty(shape, dtype)
 
 
+MAX_SIZE = 2**31 - 1     # elements of one tensor: the walks' offsets are uint32 (j + stride)
+
+
+def _check_size(size):
+    """A ValueError, before anything is launched, for a tensor the kernels cannot index."""
+    if size > MAX_SIZE:
+        raise ValueError(f"batch norm (cuda): x has {size} elements; the device kernels take "
+                         f"at most {MAX_SIZE} (2**31 - 1) per tensor")
+
+
 def _flat_grid(size, C, B):
     """(blocks, threads) of a flat walk; for NHWC (B == 1) the round stride is made a
     multiple of C where that is cheap, so each lane keeps one channel (no reloads)."""
+    _check_size(size)
     threads = config.block_threads()
     per_block = threads * U
     blocks = max(1, min(config.max_blocks, -(-size // per_block)))
@@ -355,6 +385,7 @@ def stats_update(x, layout, eps, running_mean, running_var, momentum):
     """:func:`stats`, and the running statistics (contiguous, x's dtype; None: none) updated
     in place with PyTorch's rule, all in one launch: each channel's last reduction block
     finishes it (``reduce.channel_partials`` with ``_finish_stats``)."""
+    _check_size(x.size)                              # before the running statistics change
     A, C, B = reduce.view(x.shape, layout)
     out = _empty((3, C), np.float64)                 # rows: mean, var, invstd
     update = running_mean is not None
@@ -428,6 +459,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         raise ValueError("batch-norm backward (cuda): precomputed sums come from a conv "
                          "epilogue the device kernels do not have")
     need_gx, need_ggamma, need_gbeta, need_gz = need
+    _check_size(x.size)
     A, C, B = reduce.view(x.shape, layout)
     dtype = x.dtype
     ystate = state if state_kind == STATE_Y else x

@@ -156,6 +156,18 @@ def gate(g, state_kind, aux, mask, off):
 
 
 @cuda.jit(device=True, inline=True)
+def gate_loaded(g, state_kind, yval, mbyte, off):
+    """:func:`gate` on values already loaded: ``yval`` = y at ``off`` (STATE_Y) or ``mbyte``
+    = its mask byte (STATE_MASK), so a walk can issue every load of a round before the first
+    gate waits for one."""
+    if state_kind == STATE_Y:
+        return g if yval > 0 else float32(0.0)
+    if state_kind == STATE_MASK:
+        return g if _mask_bit(mbyte, off) != 0 else float32(0.0)
+    return g
+
+
+@cuda.jit(device=True, inline=True)
 def _elem(kind, a, b, aux, mask, state_kind, off, p0, p1):
     """The two float64 quantities summed for the value at flat offset ``off``."""
     if kind == ELEM_STATS:                 # shifted sums: p0 is the shift
