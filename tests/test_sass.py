@@ -11,6 +11,9 @@ by numba to PTX, assembled by ``ptxas -arch=sm_90 -O3`` and disassembled by ``cu
 - every GEMM kernel (``GEMM_KERNELS``): its multiply-add loop (the loop with the most
   FFMA/DFMA) is at least ``MIN_FMA_SHARE`` FMA, does at least ``MIN_FMA_PER_LDS`` FMA per
   shared-memory load (register blocking), and divides nothing;
+- every GEMM kernel: at most ``MAX_GEMM_REGISTERS`` registers a thread, so that two blocks
+  of its 256 threads fit an SM's 64K registers (one block per SM left each SM one K-step's
+  barrier away from idle);
 - every GEMM whose operand is gated by the ReLU (dx's and dw's ``g = gy * (y > 0)``): no
   float compare before the first FMA of that loop (the gate is applied when the tile is
   stored to shared memory, so the loads of y and gy are in flight together during the FMAs;
@@ -31,6 +34,8 @@ pytestmark = [pytest.mark.ptx, pytest.mark.skipif(
 
 MIN_FMA_SHARE = 0.30
 MIN_FMA_PER_LDS = 2.0
+GEMM_THREADS = 256                                   # every tiling of config.CONV_TILES
+MAX_GEMM_REGISTERS = 65536 // (2 * GEMM_THREADS)     # two blocks per SM: 128
 
 
 def _sass():
@@ -72,6 +77,9 @@ def check(report, is_gemm, gated=False):
         problems.append(f"spills {report.spill_stores}+{report.spill_loads} B, stack "
                         f"{report.stack} B, {report.local_memory_ops} LDL/STL")
     if is_gemm:
+        if report.registers > MAX_GEMM_REGISTERS:
+            problems.append(f"{report.registers} registers a thread: fewer than two blocks "
+                            f"of {GEMM_THREADS} threads per SM")
         loop = report.hot_loop()
         if loop is None:
             problems.append("no multiply-add loop found")
@@ -101,6 +109,9 @@ def check(report, is_gemm, gated=False):
 def test_tools_and_kernels_are_there():
     _sass()
     from numbafuse.kernels import catalog
+    from numbafuse.kernels.cuda import config
+    tiles = list(config.CONV_TILES.values()) + list(config.CONV_TILES_NARROW.values())
+    assert {t.threads for t in tiles} == {GEMM_THREADS}  # the register budget's premise
     cases = catalog.cases()
     assert sum(1 for c in cases if c[3]) >= 12          # 3 passes x 2 layouts x 2 dtypes
     assert len(cases) >= 40
@@ -113,8 +124,9 @@ def test_kernel_machine_code(kernel, signature, is_gemm, gated):
 
 
 def test_the_check_fails_on_planted_regressions():
-    """A division in a K-loop-like loop, a spill, an int64 division in an elementwise loop
-    and a ReLU gate tested before a load are each caught (the check can fail)."""
+    """A division in a K-loop-like loop, a spill, an int64 division in an elementwise loop,
+    a ReLU gate tested before a load and a GEMM past the register budget are each caught
+    (the check can fail)."""
     sass = _sass()
     import numba
     from numbafuse.cuda import numba_cuda as cuda
@@ -166,3 +178,5 @@ def test_the_check_fails_on_planted_regressions():
 
     r = sass.analyse(gate_at_load, (f, f, f, f, numba.int64), "gate_at_load")
     assert any("float compares" in p for p in check(r, True, gated=True))
+    r.registers = MAX_GEMM_REGISTERS + 1                 # as a GEMM past the budget reads
+    assert any("fewer than two blocks" in p for p in check(r, True))

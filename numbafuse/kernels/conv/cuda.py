@@ -97,7 +97,7 @@ def gather_rows(LK, LR, NK, NR, k_fastest, gated=False):
     def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs, gates):
         H, W, use_mask = st[0], st[1], st[2]
         for jk in range(NK):
-            k = int32(k0 + lk + LK * jk)
+            k = uint32(k0 + lk + LK * jk)           # unsigned: no wraparound code per read
             toff, th, tw = table[k, 0], table[k, 1], table[k, 2]
             for jr in range(NR):
                 h = int32(st[4 + 3 * jr] + th)
@@ -129,7 +129,7 @@ def weights(LK, LR, NK, NR, k_fastest):
     @device
     def fetch(src, aux, geo, table, z, st, k0, lr, lk, regs, gates):
         for jk in range(NK):
-            woff = table[int32(k0 + lk + LK * jk), 3]
+            woff = table[uint32(k0 + lk + LK * jk), 3]
             for jr in range(NR):
                 regs[jk, jr] = 0.0
                 if st[jr] >= 0 and woff >= 0:
