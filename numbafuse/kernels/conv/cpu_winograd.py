@@ -43,10 +43,11 @@ Chunks: tile rows of one image (about ``WINOGRAD_TILES`` tiles), or several whol
 an image has fewer tiles than that (small images: larger GEMMs, fewer BLAS calls).
 """
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 from ..cpu import blas as _blas
 from ..cpu.launch import task_kernel
+from ..cpu.steps import Step, ready as _ready_steps
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from ..cpu.transpose import transpose
 from .cpu_chunks import chunk
@@ -400,9 +401,9 @@ def _chunk_tiles(src, gate, use_gate, n0, n1, u0, nr, left, slabs, work, slab):
     Ci = src.shape[1] if slabs else src.shape[3]
     L = R.shape[2] // Ci
     for n in range(n0, n1):
-        padded_rows(src, gate, use_gate, n, u0, 2 * nr + 2, -left, L, R, slabs, xs, gs)
+        _padded_rows((src, gate, use_gate, n, u0, 2 * nr + 2, -left, L, R, slabs, xs, gs))
         for r in range(nr):
-            _in_hwc(R, 2 * r, L - 1, Ci, tv, V, ((n - n0) * nr + r) * (L - 1))
+            _in_hwc_step((R, 2 * r, L - 1, Ci, tv, V, ((n - n0) * nr + r) * (L - 1)))
 
 
 @njit(inline="always")
@@ -433,10 +434,10 @@ def _image_rows(M, n, n0, ty0, nr, bias, relu, slabs, s, ys, out):
     if slabs:
         yv = ys[:np_ * Wo * Co].reshape((np_, Wo, Co))
         for r in range(nr):
-            _out_hwc(M, ((n - n0) * nr + r) * TX, TX, 2 * r, bias, relu, s, yv)
+            _out_hwc_step((M, ((n - n0) * nr + r) * TX, TX, 2 * r, bias, relu, s, yv))
         return ys[:np_ * Wo * Co]
     for r in range(nr):
-        _out_hwc(M, ((n - n0) * nr + r) * TX, TX, p0 + 2 * r, bias, relu, s, out[n])
+        _out_hwc_step((M, ((n - n0) * nr + r) * TX, TX, p0 + 2 * r, bias, relu, s, out[n]))
     return out[n].reshape(Ho * Wo * Co)[p0 * Wo * Co:(p0 + np_) * Wo * Co]
 
 
@@ -448,6 +449,36 @@ def store_nchw(flat, out, n, p0):
     np_ = flat.shape[0] // (Wo * Co)
     transpose(flat.reshape((np_ * Wo, Co)),
               out[n].reshape((Co, Ho * Wo))[:, p0 * Wo:(p0 + np_) * Wo])
+
+
+# The stride-1 task kernels below call these steps through slots (kernels/cpu/steps.py):
+# each is compiled once, not again inside every kernel that calls it. Their signatures are
+# declared here, per float type f (arrays C-contiguous; db sums in float64).
+def _arr(f, ndim):
+    return types.Array(f, ndim, "C")
+
+
+_I, _B = types.int64, types.boolean
+PADDED_ROWS = Step(padded_rows.py_func, lambda f: [
+    (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _I, _I, _arr(f, 3), _I, _arr(f, 1), _arr(f, 1))])
+IN_HWC = Step(_in_hwc.py_func, lambda f: [
+    (_arr(f, 3), _I, _I, _I, _arr(f, 2), _arr(f, 2), _I)])
+OUT_HWC = Step(_out_hwc.py_func, lambda f: [
+    (_arr(f, 2), _I, _I, _I, _arr(f, 1), _B, _arr(f, 2), _arr(f, 3))])
+STORE_NCHW = Step(store_nchw.py_func, lambda f: [(_arr(f, 1), _arr(f, 4), _I, _I)])
+GRAD_HWC = Step(_grad_hwc.py_func, lambda f: [
+    (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _arr(f, 2), _arr(f, 2), _arr(f, 2), _I,
+     _arr(types.float64, 1))])
+_FORWARD_STEPS = (PADDED_ROWS, IN_HWC, OUT_HWC, STORE_NCHW)   # forward(_epilogue)_tasks
+_DW_STEPS = (PADDED_ROWS, IN_HWC, GRAD_HWC)                     # dw_tasks
+_padded_rows, _in_hwc_step, _out_hwc_step = PADDED_ROWS.call, IN_HWC.call, OUT_HWC.call
+_store_nchw, _grad_hwc_step = STORE_NCHW.call, GRAD_HWC.call
+
+
+def ready(dtype, dw=False):
+    """The steps of the stride-1 forward task kernels (``dw``: of dw_tasks) compiled for
+    ``dtype`` and their slots filled: host code calls this before it launches them."""
+    _ready_steps(dtype, _DW_STEPS if dw else _FORWARD_STEPS)
 
 
 # --------------------------------------------------------------------------- tasks
@@ -483,7 +514,7 @@ def forward_tasks(t0, t1, src, gate, use_gate, U, chunks, bias, relu, blas, out)
         for n in range(n0, n1):
             flat = _image_rows(M, n, n0, ty0, nr, bias, relu, slabs, s, ys, out)
             if slabs:
-                store_nchw(flat, out, n, 2 * ty0)
+                _store_nchw((flat, out, n, 2 * ty0))
 
 
 @task_kernel
@@ -527,7 +558,7 @@ def forward_epilogue_tasks(t0, t1, x, U, chunks, blas, out, modes, ev, dg, parts
             _epi.block(flat, dflat, gflat, Co, n == n0, epi, affine, ev, shift, acc, counts,
                        t)
             if slabs:
-                store_nchw(flat, out, n, p0)
+                _store_nchw((flat, out, n, p0))
         _epi.end_chunk(epi, shift, acc, parts, t)
 
 
@@ -569,12 +600,12 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, chunks, need_dw, blas, D_parts, db_part
                 if slabs:
                     gv, yv = hwc_slab(gy, y, use_mask, n, 2 * ty0, 2 * nr, gs, ysb)
                     for r in range(nr):
-                        _grad_hwc(gv, yv, use_mask, np.int64(0), 2 * r, TX, G, tmp, dM,
-                                  ((n - n0) * nr + r) * TX, dbp)
+                        _grad_hwc_step((gv, yv, use_mask, np.int64(0), 2 * r, TX, G, tmp,
+                                        dM, ((n - n0) * nr + r) * TX, dbp))
                 else:
                     for r in range(nr):
-                        _grad_hwc(gy, y, use_mask, n, 2 * (ty0 + r), TX, G, tmp, dM,
-                                  ((n - n0) * nr + r) * TX, dbp)
+                        _grad_hwc_step((gy, y, use_mask, n, 2 * (ty0 + r), TX, G, tmp,
+                                        dM, ((n - n0) * nr + r) * TX, dbp))
             if not need_dw:
                 continue
             _chunk_tiles(x, x, OFF, n0, n1, 2 * ty0 - top, nr, left, slabs, work, slab)

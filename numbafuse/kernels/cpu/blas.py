@@ -37,6 +37,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from . import gemm as _small
+from .steps import Step
 from ..scalar import cpu_scalar, relu as _relu_math
 
 _relu = cpu_scalar(_relu_math)
@@ -104,7 +105,10 @@ SMALL_GEMM = True
 
 def blas_for(dtype):
     """What the kernels' ``gemm`` takes as ``blas``: (function address, 1 if CBLAS else 0,
-    1 if small float32 products go to cpu.gemm)."""
+    1 if small float32 products go to cpu.gemm). Host code asks for it before it launches a
+    kernel that multiplies, so the GEMM steps are made ready here."""
+    if not _STEPS_READY:
+        _ready()
     return (_ADDRESSES[0 if np.dtype(dtype) == np.float32 else 1], 1 if PRIVATE else 0,
             1 if SMALL_GEMM else 0)
 
@@ -114,9 +118,9 @@ def _gemm_small(ta, m, n, k, a, lda, b, ldb, beta, c, ldc, pbias, relu):
     # cpu.gemm.gemm_small on arrays: their addresses, every argument as int64 (the kernel's one
     # compiled signature, whatever integer and flag types the calling kernel has)
     q = np.int64
-    _small.gemm_small(q(1 if ta else 0), q(m), q(n), q(k), q(a.ctypes.data), q(lda),
+    _gemm_small_step((q(1 if ta else 0), q(m), q(n), q(k), q(a.ctypes.data), q(lda),
                       q(b.ctypes.data), q(ldb), q(1 if beta else 0), q(c.ctypes.data), q(ldc),
-                      q(pbias), q(1 if relu else 0))
+                      q(pbias), q(1 if relu else 0)))
 
 
 @njit(nogil=True, cache=True)
@@ -162,14 +166,32 @@ def gemm_at(blas, ta, tb, mnk, alpha, pa, pb, beta, pc, lds, itemsize):
         scal[0] = 0.0
 
 
+# gemm_at and cpu.gemm.gemm_small as steps (kernels/cpu/steps.py): the conv task kernels
+# call them through slots, so their code is compiled once, not again in every kernel.
+_I64 = types.int64
+_T3 = types.UniTuple(_I64, 3)
+GEMM_AT = Step(gemm_at.py_func, lambda f: [
+    (_T3, _I64, _I64, _T3, types.float64, _I64, _I64, types.float64, _I64, _T3, _I64)],
+    per_dtype=False)
+GEMM_SMALL = Step(_small.gemm_small.py_func, lambda f: [(_I64,) * 13], per_dtype=False)
+_gemm_at_step, _gemm_small_step = GEMM_AT.call, GEMM_SMALL.call
+_STEPS_READY = []
+
+
+def _ready():
+    GEMM_AT.ready()
+    GEMM_SMALL.ready()
+    _STEPS_READY.append(True)
+
+
 @njit(nogil=True, cache=True, inline="always")
 def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """c (m, n) = alpha op(a) @ op(b) + beta c, row-major; ``blas`` from :func:`blas_for`.
     The arrays stay alive in the caller; :func:`gemm_at` takes their addresses."""
     q = np.int64
-    gemm_at(blas, q(1 if ta else 0), q(1 if tb else 0), (q(m), q(n), q(k)), np.float64(alpha),
-            q(a.ctypes.data), q(b.ctypes.data), np.float64(beta), q(c.ctypes.data),
-            (q(lda), q(ldb), q(ldc)), q(c.itemsize))
+    _gemm_at_step((blas, q(1 if ta else 0), q(1 if tb else 0), (q(m), q(n), q(k)),
+                   np.float64(alpha), q(a.ctypes.data), q(b.ctypes.data), np.float64(beta),
+                   q(c.ctypes.data), (q(lda), q(ldb), q(ldc)), q(c.itemsize)))
 
 
 @njit(nogil=True, cache=True, inline="always")
