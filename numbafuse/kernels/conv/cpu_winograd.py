@@ -346,11 +346,13 @@ def _grad_hwc(gy, y, use_mask, n, p0, TX, G, tmp, dM, t0, db):
 # A chunk's work in steps, each a compiled function of its own: the task kernels stay small
 # enough to compile in seconds, and the stride-1 and stride-2 kernels share the compiled steps
 # (padded_rows, store_nchw). Each step loops over whole tile rows, so a call costs nothing
-# measurable. Numba links a step's code into each caller and compiles it again there, so the
-# steps are one level deep (a task kernel calls steps; small helpers between them, such as
-# _chunk_tiles, are inlined) and written with few vector loops. A constant passed to a step
-# is typed as a literal (a signature of its own, compiled again): flags go as OFF /
-# np.int64(0), plain variables.
+# measurable. A step called directly has its code linked into the caller and compiled again
+# there, so the stride-1 kernels call theirs through slots (kernels/cpu/steps.py, the Steps
+# below: compiled once); the stride-2 kernels still call padded_rows and store_nchw directly,
+# so steps stay one level deep (small helpers between them, such as _chunk_tiles, are
+# inlined) and are written with few vector loops. A constant passed to a step is typed as a
+# literal (a signature of its own, compiled again): flags go as OFF / np.int64(0), plain
+# variables.
 
 OFF = np.bool_(False)
 
