@@ -347,6 +347,7 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     if plan.k_blocks > 1:
         dwm = _out.empty((K if need_dw else 0, R * S * C), x.dtype)
         db = np.empty((1, K))                                          # float64
+        _im2col.ready(x.dtype)
         launch(_im2col.dw_block_tasks, plan.k_blocks, x, _k_view(gy, geom), _k_view(y, geom),
                use_mask, geo_tuple(geom), int(plan.k_blocks), (bool(plan.slab), bool(need_dw)),
                _blas.blas_for(x.dtype), (dwm, db[0]), work=work, grain=1)
@@ -356,6 +357,7 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, K * R * S * C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
+    _im2col.ready(x.dtype)
     launch(_im2col.dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom), use_mask,
            geo_tuple(geom), _ints(ipc, rpc, nchunks, groups),
            (False, bool(plan.slab), bool(need_dw)), _blas.blas_for(x.dtype),
@@ -479,6 +481,7 @@ def conv_forward(x, w, b, geom, relu, plan=None):
                _k_view(y, geom), work=work, grain=1)
     else:
         ipc, rpc, kb = _im2col_chunks(plan, geom, x.itemsize)
+        _im2col.ready(x.dtype)
         launch(_im2col.forward_tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x,
                _weight_matrix(w, nhwc or plan.slab), b, (has_bias, relu, False, bool(plan.slab)),
                geo_tuple(geom), _ints(ipc, rpc, kb), blas, _k_view(y, geom), work=work, grain=1)

@@ -24,10 +24,11 @@ Backward, from ``gy`` and (fused op) the output ``y``, whose sign is the ReLU ma
     where w'[c, (k, r, s)] = w[k, c, r, s]. Every dx element is written by exactly one task.
 """
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 from ..cpu import blas as _blas
 from ..cpu.launch import task_kernel
+from ..cpu.steps import Step, ready as _ready_steps
 from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
@@ -180,6 +181,27 @@ def _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, cols, per):
         _im2col_hwc(sv, np.int64(0), p0, p1, geo_s, cols, (n - n0) * per)
 
 
+# The gathers as steps called through slots (kernels/cpu/steps.py): compiled once, not again
+# inside each task kernel below. Signatures per float type f (geo: 16 int64).
+def _arr(f, ndim):
+    return types.Array(f, ndim, "C")
+
+
+_I, _GEO = types.int64, types.UniTuple(types.int64, 16)
+IM2COL_CHW = Step(_im2col_chw.py_func, lambda f: [(_arr(f, 4), _I, _I, _I, _GEO, _arr(f, 2), _I)])
+IM2COL_HWC = Step(_im2col_hwc.py_func, lambda f: [(_arr(f, 4), _I, _I, _I, _GEO, _arr(f, 2), _I)])
+IM2COL_SLAB = Step(_im2col_slab.py_func, lambda f: [
+    (_arr(f, 4), _I, _I, _I, _I, _GEO, _arr(f, 1), _arr(f, 2), _I)])
+_im2col_chw_step, _im2col_hwc_step = IM2COL_CHW.call, IM2COL_HWC.call
+_im2col_slab_step = IM2COL_SLAB.call
+
+
+def ready(dtype):
+    """The gathers compiled for ``dtype`` and their slots filled: host code calls this before
+    it launches forward_tasks, dw_tasks or dw_block_tasks."""
+    _ready_steps(dtype, (IM2COL_CHW, IM2COL_HWC, IM2COL_SLAB))
+
+
 @task_kernel
 def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, y):
     has_bias, relu, pointwise, slab = flags
@@ -215,7 +237,7 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, y):
             else:
                 c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
                 for n in range(n0, n1):
-                    _im2col_hwc(x, n, p0, p1, geo, c2, (n - n0) * per)
+                    _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
                 _blas.gemm(blas, False, True, m, kn, RSC, 1.0, c2, RSC, wk, RSC, 0.0, yb, kn)
             y2 = y.reshape((N * PQ, K))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]   # (m, K)
             for i in range(m):
@@ -230,12 +252,12 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, y):
                 _blas.gemm(blas, False, False, kn, m, C, 1.0, wk, C, xs, PQ, 0.0, yb, m)
             elif slab:
                 c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
-                _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, c2, per)
+                _im2col_slab_step((x, n0, n1, p0, p1, geo, sbuf, c2, per))
                 _blas.gemm(blas, False, True, kn, m, RSC, 1.0, wk, RSC, c2, RSC, 0.0, yb, m)
             else:
                 c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
                 for n in range(n0, n1):
-                    _im2col_chw(x, n, p0, p1, geo, c2, (n - n0) * per)
+                    _im2col_chw_step((x, n, p0, p1, geo, c2, (n - n0) * per))
                 _blas.gemm(blas, False, False, kn, m, RSC, 1.0, wk, RSC, c2, m, 0.0, yb, m)
             for n in range(n0, n1):
                 for k in range(kn):
@@ -287,7 +309,7 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
                 else:
                     c2 = cols[:m * RSC].reshape((m, RSC))         # (m, R*S*C)
                     for n in range(n0, n1):
-                        _im2col_hwc(x, n, p0, p1, geo, c2, (n - n0) * per)
+                        _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
                 # dW (K, RSC) += g^T (K, m) @ cols (m, RSC)
                 _blas.gemm(blas, True, False, K, RSC, m, 1.0, g, K, c2, RSC, beta, dwp, RSC)
             else:
@@ -298,14 +320,14 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
                     continue
                 if slab:
                     c2 = cols[:m * RSC].reshape((m, RSC))         # (m, R*S*C)
-                    _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, c2, per)
+                    _im2col_slab_step((x, n0, n1, p0, p1, geo, sbuf, c2, per))
                     # dW (K, RSC) += g (K, m) @ cols (m, RSC)
                     _blas.gemm(blas, False, False, K, RSC, m, 1.0, g, m, c2, RSC, beta, dwp,
                                RSC)
                     continue
                 c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
                 for n in range(n0, n1):
-                    _im2col_chw(x, n, p0, p1, geo, c2, (n - n0) * per)
+                    _im2col_chw_step((x, n, p0, p1, geo, c2, (n - n0) * per))
                 # dW (K, RSC) += g (K, m) @ cols^T (m, RSC)
                 _blas.gemm(blas, False, True, K, RSC, m, 1.0, g, m, c2, m, beta, dwp, RSC)
 
@@ -343,7 +365,7 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, out):
                 continue
             c2 = cols.reshape((M, RSC))
             for n in range(N):
-                _im2col_hwc(x, n, 0, P, geo, c2, n * PQ)
+                _im2col_hwc_step((x, n, 0, P, geo, c2, n * PQ))
             # dW[k0:k1] (kn, RSC) = g^T (kn, M) @ cols (M, RSC)
             _blas.gemm(blas, True, False, kn, RSC, M, 1.0, g, kn, c2, RSC, 0.0, dwk[k0:k1],
                        RSC)
@@ -355,13 +377,13 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, out):
             continue
         if slab:
             c2 = cols.reshape((M, RSC))                           # (M, R*S*C)
-            _im2col_slab(x, 0, N, 0, P, geo, sbuf, c2, PQ)
+            _im2col_slab_step((x, 0, N, 0, P, geo, sbuf, c2, PQ))
             _blas.gemm(blas, False, False, kn, RSC, M, 1.0, g, M, c2, RSC, 0.0, dwk[k0:k1],
                        RSC)
         else:
             c2 = cols.reshape((RSC, M))                           # (C*R*S, M)
             for n in range(N):
-                _im2col_chw(x, n, 0, P, geo, c2, n * PQ)
+                _im2col_chw_step((x, n, 0, P, geo, c2, n * PQ))
             _blas.gemm(blas, False, True, kn, RSC, M, 1.0, g, M, c2, M, 0.0, dwk[k0:k1], RSC)
 
 

@@ -114,10 +114,11 @@ def _caller(step):
     def call(typingctx, args):
         if not isinstance(args, types.BaseTuple):
             raise errors.TypingError(f"{step.name}.call takes one tuple of arguments")
-        found = [(a, s) for a, _, s in step.slots if a == tuple(args)]
+        given = tuple(types.unliteral(a) for a in args)    # a literal 0 passes as int64
+        found = [(a, s) for a, _, s in step.slots if a == given]
         if not found:
             declared = "; ".join(str(a) for a, _, _ in step.slots)
-            raise errors.TypingError(f"{step.name}: no declared signature is {tuple(args)} "
+            raise errors.TypingError(f"{step.name}: no declared signature is {given} "
                                      f"(declared: {declared})")
         argtypes, symbol = found[0]
 
