@@ -134,3 +134,21 @@ def test_a_cached_caller_finds_its_step_in_a_new_process(tmp_path):
     for r in runs:
         assert r.returncode == 0, r.stderr[-2000:]
     assert [r.stdout.split()[-1] for r in runs] == ["compiled", "cached"]
+
+
+def test_a_step_made_again_shares_its_slot():
+    # a module made again (reloaded) makes its Steps again: same names, the same slots, so
+    # callers compiled against the first keep working
+    again = Step(_scale_into, lambda f: [(_arr(f), types.int64, _arr(f))])
+    assert [s for _, s, _ in again.slots] == [s for _, s, _ in SCALE.slots]
+    again.ready(np.float64)
+    x = np.arange(3.0)
+    out = np.zeros(3)
+
+    call = again.call
+
+    @njit
+    def use(x, out):
+        call((x, 3, out))
+    use(x, out)
+    np.testing.assert_array_equal(out, 3 * x)

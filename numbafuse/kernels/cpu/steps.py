@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 
 _LOCK = threading.Lock()
 _STEPS = []          # every Step, in creation order
-_SYMBOLS = set()     # their slots' names
+_SLOTS = {}          # slot name -> its 8 bytes (ctypes), kept for the process's lifetime
 
 
 _ANY = "any"         # the one key of a step whose signatures do not depend on the dtype
@@ -61,12 +61,11 @@ class Step:
             for i, argtypes in enumerate(sigs):
                 # a name fixed by the step and the signature's place, never by import order:
                 # a kernel loaded from the disk cache in another process finds its slot by it
-                slot = ctypes.c_void_p(0)
                 symbol = re.sub(r"\W", "_", f"numbafuse_step.{self.name}.{ftype}.{i}")
-                if symbol in _SYMBOLS:
-                    raise ValueError(f"kernels.cpu.steps: a second step named {self.name}")
-                _SYMBOLS.add(symbol)
-                ll.add_symbol(symbol, ctypes.addressof(slot))
+                slot = _SLOTS.get(symbol)
+                if slot is None:        # (a module made again, e.g. reloaded, keeps its slots:
+                    slot = _SLOTS[symbol] = ctypes.c_void_p(0)   # callers hold their address)
+                    ll.add_symbol(symbol, ctypes.addressof(slot))
                 self.slots.append((argtypes, slot, symbol))
         self._ready = set()
         self.call = _caller(self)
