@@ -9,4 +9,6 @@
     gemm.py       register-tiled small GEMMs (n <= 64) in Numba
     gemm_taps.py  LLVM register tiles summing taps (implicit GEMM, 1x1 and phase passes)
     transpose.py  8x8-tile transposes (NCHW <-> NHWC, weights)
+    steps.py      compiled steps their callers reach through slots (compiled once, not
+                  again inside every kernel that calls them)
 """
