@@ -461,8 +461,9 @@ def _arr(f, ndim):
 
 
 _I, _B = types.int64, types.boolean
-PADDED_ROWS = Step(padded_rows.py_func, lambda f: [
-    (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _I, _I, _arr(f, 3), _I, _arr(f, 1), _arr(f, 1))])
+PADDED_ROWS = Step(padded_rows.py_func, lambda f: [     # slabs: int64 here, bool (stride 2)
+    (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _I, _I, _arr(f, 3), slabs, _arr(f, 1), _arr(f, 1))
+    for slabs in (_I, _B)])
 IN_HWC = Step(_in_hwc.py_func, lambda f: [
     (_arr(f, 3), _I, _I, _I, _arr(f, 2), _arr(f, 2), _I)])
 OUT_HWC = Step(_out_hwc.py_func, lambda f: [

@@ -31,15 +31,17 @@ each transform is a few loops over TX * C contiguous values of a tile row. The G
 position), float32 with K a multiple of 8.
 """
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 from ..cpu import gemm_taps as _tiles
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import launch, task_kernel
+from ..cpu.steps import Step, ready as _ready_steps
 from ..cpu.transpose import transpose, transpose_rows
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_chunks import chunk, sum64, sum_groups, tile_chunks
-from .cpu_winograd import OFF, estride, gate_tiles, padded_rows, store_nchw, vadd, vcopy, vsub
+from .cpu_winograd import (OFF, PADDED_ROWS, STORE_NCHW, estride, gate_tiles, padded_rows,
+                           vadd, vcopy, vsub)
 from .math import int_tuple
 
 _relu = cpu_scalar(_relu_math)
@@ -63,6 +65,7 @@ def forward(x, w, b, geom, relu, y, tiles, wide, work):
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     ipc, tyb, nchunks, most = tile_chunks(N, P, Q, True, tiles)
     sizes = (geom.ph, geom.pw, ipc, tyb, estride(C * most, 4), estride(K * most, 4))
+    _ready_steps(np.float32, FORWARD_STEPS)
     launch(_s2_tasks, nchunks, x, taps(w), int_tuple(*sizes), b,
            (bool(relu), geom.layout == "NHWC", bool(wide)), y, work=work, grain=1)
 
@@ -77,6 +80,7 @@ def dw(x, gy, y, use_mask, geom, need_dw, tiles, groups, wide, work):
     D_parts = _out.empty((groups if need_dw else 1, POSITIONS, K, C), x.dtype)
     db_parts = np.empty((groups, K))
     sizes = (geom.ph, geom.pw, ipc, tyb, estride(C * most, 4), nchunks, groups)
+    _ready_steps(np.float32, _DW_STEPS)
     launch(_s2_dw_tasks, groups, x, gy, y, use_mask, int_tuple(*sizes),
            (bool(need_dw), geom.layout == "NHWC", bool(wide)), DM_OF, (D_parts, db_parts),
            work=work, grain=1)
@@ -255,6 +259,22 @@ def _out_s2(M, t0, TX, p0, bias, relu, s, yn):
                 dst[k] = _relu(v) if relu else v
 
 
+# The task kernels call their steps through slots (kernels/cpu/steps.py: each compiled once,
+# not again inside every kernel). float32 only; signatures declared per float type f.
+def _arr(f, ndim):
+    return types.Array(f, ndim, "C")
+
+
+_I, _B, _I64S = types.int64, types.boolean, types.Array(types.int64, 1, "C")
+IN_S2 = Step(_in_s2.py_func, lambda f: [(_arr(f, 3), _I, _I, _I, _arr(f, 3), _arr(f, 2), _I)])
+GEMMS = Step(gemms.py_func, lambda f: [(_I, _I, _I, _I64S, _I64S, _arr(f, 3), _arr(f, 2), _I, _B)])
+OUT_S2 = Step(_out_s2.py_func, lambda f: [
+    (_arr(f, 2), _I, _I, _I, _arr(f, 1), _B, _arr(f, 2), _arr(f, 3))])
+FORWARD_STEPS = (PADDED_ROWS, STORE_NCHW, IN_S2, GEMMS, OUT_S2)
+_padded_rows, _store_nchw = PADDED_ROWS.call, STORE_NCHW.call
+_in_s2_step, _gemms, _out_s2_step = IN_S2.call, GEMMS.call, OUT_S2.call
+
+
 # --------------------------------------------------------------------------- tasks
 
 @task_kernel
@@ -285,19 +305,21 @@ def _s2_tasks(t0, t1, x, U, sizes, bias, flags, y):
         n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
         for n in range(n0, n1):
-            padded_rows(x, x, OFF, n, 4 * ty0 - top, 4 * nr + 1, -left, L, R, not nhwc, xs, xs)
+            _padded_rows((x, x, OFF, n, 4 * ty0 - top, 4 * nr + 1, -left, L, R, not nhwc, xs,
+                          xs))
             for r in range(nr):
-                _in_s2(R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX)
-        gemms((n1 - n0) * nr * TX, K, C, vrows, eoff, U, M, ms, wide)
+                _in_s2_step((R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX))
+        _gemms(((n1 - n0) * nr * TX, K, C, vrows, eoff, U, M, ms, wide))
         p0 = 2 * ty0
         np_ = min(P, p0 + 2 * nr) - p0                # output rows of the chunk
         for n in range(n0, n1):
             t0n = (n - n0) * nr * TX
             yv = y[n] if nhwc else ys[:np_ * Q * K].reshape((np_, Q, K))
             for r in range(nr):
-                _out_s2(M, t0n + r * TX, TX, 2 * r + (p0 if nhwc else 0), bias, relu, s, yv)
+                _out_s2_step((M, t0n + r * TX, TX, 2 * r + (p0 if nhwc else 0), bias, relu, s,
+                              yv))
             if not nhwc:
-                store_nchw(ys[:np_ * Q * K], y, n, p0)
+                _store_nchw((ys[:np_ * Q * K], y, n, p0))
 
 
 # --------------------------------------------------------------------------- dW
@@ -379,11 +401,12 @@ def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, sizes, flags, dm_of, parts):
             n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
             nr = ty1 - ty0
             T = (n1 - n0) * nr * TX
-            _chunk_dm(gy, y, use_mask, (nhwc, need_dw), (n0, n1, ty0, nr, TX), G4, dm, dbp)
+            _chunk_dm_step((gy, y, use_mask, (nhwc, need_dw), (n0, n1, ty0, nr, TX), G4, dm,
+                            dbp))
             if not need_dw:
                 continue
-            chunk_v(x, (n0, n1, nr, TX, 4 * ty0 - top, left, L), not nhwc, xs, R, tv, V)
-            _dw_gemms(K, C, T, dm, dm_of, vrows, vs, D_parts[grp], beta, wide)
+            _chunk_v((x, (n0, n1, nr, TX, 4 * ty0 - top, left, L), not nhwc, xs, R, tv, V))
+            _dw_gemms_step((K, C, T, dm, dm_of, vrows, vs, D_parts[grp], beta, wide))
             beta = 1
 
 
@@ -425,3 +448,14 @@ def _dw_gemms(K, C, T, dm, dm_of, vrows, vs, D, beta, wide):
                            np.int64(vrows.ctypes.data), np.int64(e) * vs,
                            np.int64(D[e].ctypes.data), np.int64(C),
                            np.int64(beta), np.int64(1 if wide else 0))
+
+
+CHUNK_DM = Step(_chunk_dm.py_func, lambda f: [
+    (_arr(f, 4), _arr(f, 4), _B, types.UniTuple(_B, 2), types.UniTuple(_I, 5), _arr(f, 2),
+     _arr(f, 2), _arr(types.float64, 1))])
+CHUNK_V = Step(chunk_v.py_func, lambda f: [
+    (_arr(f, 4), types.UniTuple(_I, 7), _B, _arr(f, 1), _arr(f, 3), _arr(f, 3), _arr(f, 2))])
+DW_GEMMS = Step(_dw_gemms.py_func, lambda f: [
+    (_I, _I, _I, _arr(f, 2), _I64S, _I64S, _I, _arr(f, 3), _I, _B)])
+_DW_STEPS = (CHUNK_DM, CHUNK_V, DW_GEMMS)
+_chunk_dm_step, _chunk_v, _dw_gemms_step = CHUNK_DM.call, CHUNK_V.call, DW_GEMMS.call

@@ -26,12 +26,13 @@ column a block reads, ``R[v, 0][j*K + k] = g[v, 2j + c0, k]`` and ``R[v, 1][j*K 
 through HWC slabs of the chunk's rows of gy and y, its dx rows transposed back.
 """
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 from ..cpu.launch import launch, task_kernel
+from ..cpu.steps import Step, ready as _ready_steps
 from .cpu_chunks import block_chunks, chunk
-from .cpu_winograd import estride, padded_rows, store_nchw, vcopy, vsub
-from .cpu_winograd_s2 import gemm_operands, gemms, taps
+from .cpu_winograd import PADDED_ROWS, STORE_NCHW, estride, vcopy, vsub
+from .cpu_winograd_s2 import GEMMS, gemm_operands, taps
 from .math import int_tuple
 
 # which taps each transformed position sums (per axis): w2, w0 + w2, w0, w1, w1
@@ -45,6 +46,7 @@ def dx(gy, y, use_mask, w, geom, out, tiles, wide, work):
     N, C, K, H, W = geom.N, geom.C, geom.K, geom.H, geom.W
     ipc, ib, nchunks, most = block_chunks(N, -(-H // 4), -(-W // 4), tiles)
     sizes = (geom.ph, geom.pw, ipc, ib, estride(K * most, 4), estride(C * most, 4))
+    _ready_steps(np.float32, _STEPS)
     launch(_s2_dx_tasks, nchunks, gy, y, use_mask, taps(w, _GG_DX, dx=True),
            int_tuple(*sizes), (geom.layout == "NHWC", bool(wide)), out, work=work,
            grain=1)
@@ -121,6 +123,21 @@ def _out_dx(M, t0, IX, h0, oddh, oddw, s, xn):
                     dst[c] = q[c]
 
 
+# The task kernel calls its steps through slots (kernels/cpu/steps.py): float32 only.
+def _arr(f, ndim):
+    return types.Array(f, ndim, "C")
+
+
+_I, _B = types.int64, types.boolean
+IN_DX = Step(_in_dx.py_func, lambda f: [
+    (_arr(f, 3), _I, _I, _I, _B, _B, _arr(f, 3), _arr(f, 2), _I)])
+OUT_DX = Step(_out_dx.py_func, lambda f: [
+    (_arr(f, 2), _I, _I, _I, _B, _B, _arr(f, 2), _arr(f, 3))])
+_STEPS = (PADDED_ROWS, STORE_NCHW, GEMMS, IN_DX, OUT_DX)
+_padded_rows, _store_nchw, _gemms = PADDED_ROWS.call, STORE_NCHW.call, GEMMS.call
+_in_dx_step, _out_dx_step = IN_DX.call, OUT_DX.call
+
+
 @task_kernel
 def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, sizes, flags, dx):
     top, left, ipc, ib, vs, ms = sizes
@@ -156,15 +173,16 @@ def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, sizes, flags, dx):
         u0 = 2 * i0 + c0h                             # the chunk's first g row
         for n in range(n0, n1):
             # g's rows split by column parity from column c0w (gated; NCHW through slabs)
-            padded_rows(gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, not nhwc, gs, ysl)
+            _padded_rows((gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, not nhwc, gs, ysl))
             for r in range(nr):
-                _in_dx(R, 2 * r, IX, K, oddh, oddw, tv, V, ((n - n0) * nr + r) * IX)
-        gemms(T, C, K, vrows, eoff, U, M, ms, wide)
+                _in_dx_step((R, 2 * r, IX, K, oddh, oddw, tv, V, ((n - n0) * nr + r) * IX))
+        _gemms((T, C, K, vrows, eoff, U, M, ms, wide))
         h0, h1 = 4 * i0, min(H, 4 * i1)               # the chunk's dx rows
         for n in range(n0, n1):
             t0n = (n - n0) * nr * IX
             xv = dx[n] if nhwc else xs[:(h1 - h0) * W * C].reshape((h1 - h0, W, C))
             for r in range(nr):
-                _out_dx(M, t0n + r * IX, IX, 4 * r + (h0 if nhwc else 0), oddh, oddw, s, xv)
+                _out_dx_step((M, t0n + r * IX, IX, 4 * r + (h0 if nhwc else 0), oddh, oddw, s,
+                              xv))
             if not nhwc:
-                store_nchw(xs[:(h1 - h0) * W * C], dx, n, h0)
+                _store_nchw((xs[:(h1 - h0) * W * C], dx, n, h0))
