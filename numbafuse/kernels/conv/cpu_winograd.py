@@ -347,12 +347,12 @@ def _grad_hwc(gy, y, use_mask, n, p0, TX, G, tmp, dM, t0, db):
 # enough to compile in seconds, and the stride-1 and stride-2 kernels share the compiled steps
 # (padded_rows, store_nchw). Each step loops over whole tile rows, so a call costs nothing
 # measurable. A step called directly has its code linked into the caller and compiled again
-# there, so the stride-1 kernels call theirs through slots (kernels/cpu/steps.py, the Steps
-# below: compiled once); the stride-2 kernels still call padded_rows and store_nchw directly,
-# so steps stay one level deep (small helpers between them, such as _chunk_tiles, are
-# inlined) and are written with few vector loops. A constant passed to a step is typed as a
-# literal (a signature of its own, compiled again): flags go as OFF / np.int64(0), plain
-# variables.
+# there, so the task kernels call theirs through slots (kernels/cpu/steps.py, the Steps below:
+# compiled once); a step that calls another directly (the stride-2 chunk_v calls padded_rows)
+# has it compiled into it once, so steps stay one level deep (small helpers between them, such
+# as _chunk_tiles, are inlined) and are written with few vector loops. A constant passed to
+# a step is typed as a literal (a signature of its own, compiled again): flags go as OFF /
+# np.int64(0), plain variables.
 
 OFF = np.bool_(False)
 
