@@ -28,7 +28,7 @@ from numba import njit, types
 
 from ..cpu import blas as _blas
 from ..cpu.launch import task_kernel
-from ..cpu.steps import Step, ready as _ready_steps
+from ..cpu.steps import Step, array as _arr, ready as _ready_steps
 from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
@@ -183,10 +183,6 @@ def _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, cols, per):
 
 # The gathers as steps called through slots (kernels/cpu/steps.py): compiled once, not again
 # inside each task kernel below. Signatures per float type f (geo: 16 int64).
-def _arr(f, ndim):
-    return types.Array(f, ndim, "C")
-
-
 _I, _GEO = types.int64, types.UniTuple(types.int64, 16)
 IM2COL_CHW = Step(_im2col_chw.py_func, lambda f: [(_arr(f, 4), _I, _I, _I, _GEO, _arr(f, 2), _I)])
 IM2COL_HWC = Step(_im2col_hwc.py_func, lambda f: [(_arr(f, 4), _I, _I, _I, _GEO, _arr(f, 2), _I)])

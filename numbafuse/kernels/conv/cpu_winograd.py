@@ -47,7 +47,7 @@ from numba import njit, types
 
 from ..cpu import blas as _blas
 from ..cpu.launch import task_kernel
-from ..cpu.steps import Step, ready as _ready_steps
+from ..cpu.steps import Step, array as _arr, ready as _ready_steps
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from ..cpu.transpose import transpose
 from .cpu_chunks import chunk
@@ -456,14 +456,9 @@ def store_nchw(flat, out, n, p0):
 # The stride-1 task kernels below call these steps through slots (kernels/cpu/steps.py):
 # each is compiled once, not again inside every kernel that calls it. Their signatures are
 # declared here, per float type f (arrays C-contiguous; db sums in float64).
-def _arr(f, ndim):
-    return types.Array(f, ndim, "C")
-
-
 _I, _B = types.int64, types.boolean
-PADDED_ROWS = Step(padded_rows.py_func, lambda f: [     # slabs: int64 here, bool (stride 2)
-    (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _I, _I, _arr(f, 3), slabs, _arr(f, 1), _arr(f, 1))
-    for slabs in (_I, _B)])
+PADDED_ROWS = Step(padded_rows.py_func, lambda f: [     # (slabs an int64 flag)
+    (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _I, _I, _arr(f, 3), _I, _arr(f, 1), _arr(f, 1))])
 IN_HWC = Step(_in_hwc.py_func, lambda f: [
     (_arr(f, 3), _I, _I, _I, _arr(f, 2), _arr(f, 2), _I)])
 OUT_HWC = Step(_out_hwc.py_func, lambda f: [

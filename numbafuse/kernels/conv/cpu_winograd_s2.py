@@ -36,7 +36,7 @@ from numba import njit, types
 from ..cpu import gemm_taps as _tiles
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import launch, task_kernel
-from ..cpu.steps import Step, ready as _ready_steps
+from ..cpu.steps import Step, array as _arr, ready as _ready_steps
 from ..cpu.transpose import transpose, transpose_rows
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_chunks import chunk, sum64, sum_groups, tile_chunks
@@ -261,11 +261,7 @@ def _out_s2(M, t0, TX, p0, bias, relu, s, yn):
 
 # The task kernels call their steps through slots (kernels/cpu/steps.py: each compiled once,
 # not again inside every kernel). float32 only; signatures declared per float type f.
-def _arr(f, ndim):
-    return types.Array(f, ndim, "C")
-
-
-_I, _B, _I64S = types.int64, types.boolean, types.Array(types.int64, 1, "C")
+_I, _B, _I64S = types.int64, types.boolean, _arr(types.int64, 1)
 IN_S2 = Step(_in_s2.py_func, lambda f: [(_arr(f, 3), _I, _I, _I, _arr(f, 3), _arr(f, 2), _I)])
 GEMMS = Step(gemms.py_func, lambda f: [(_I, _I, _I, _I64S, _I64S, _arr(f, 3), _arr(f, 2), _I, _B)])
 OUT_S2 = Step(_out_s2.py_func, lambda f: [
@@ -305,8 +301,8 @@ def _s2_tasks(t0, t1, x, U, sizes, bias, flags, y):
         n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
         for n in range(n0, n1):
-            _padded_rows((x, x, OFF, n, 4 * ty0 - top, 4 * nr + 1, -left, L, R, not nhwc, xs,
-                          xs))
+            _padded_rows((x, x, OFF, n, 4 * ty0 - top, 4 * nr + 1, -left, L, R,
+                          np.int64(not nhwc), xs, xs))
             for r in range(nr):
                 _in_s2_step((R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX))
         _gemms(((n1 - n0) * nr * TX, K, C, vrows, eoff, U, M, ms, wide))
@@ -405,7 +401,8 @@ def _s2_dw_tasks(t0, t1, x, gy, y, use_mask, sizes, flags, dm_of, parts):
                             dbp))
             if not need_dw:
                 continue
-            _chunk_v((x, (n0, n1, nr, TX, 4 * ty0 - top, left, L), not nhwc, xs, R, tv, V))
+            _chunk_v((x, (n0, n1, nr, TX, 4 * ty0 - top, left, L), np.int64(not nhwc), xs, R,
+                      tv, V))
             _dw_gemms_step((K, C, T, dm, dm_of, vrows, vs, D_parts[grp], beta, wide))
             beta = 1
 
@@ -453,8 +450,8 @@ def _dw_gemms(K, C, T, dm, dm_of, vrows, vs, D, beta, wide):
 CHUNK_DM = Step(_chunk_dm.py_func, lambda f: [
     (_arr(f, 4), _arr(f, 4), _B, types.UniTuple(_B, 2), types.UniTuple(_I, 5), _arr(f, 2),
      _arr(f, 2), _arr(types.float64, 1))])
-CHUNK_V = Step(chunk_v.py_func, lambda f: [
-    (_arr(f, 4), types.UniTuple(_I, 7), _B, _arr(f, 1), _arr(f, 3), _arr(f, 3), _arr(f, 2))])
+CHUNK_V = Step(chunk_v.py_func, lambda f: [     # (slabs an int64 flag, as padded_rows')
+    (_arr(f, 4), types.UniTuple(_I, 7), _I, _arr(f, 1), _arr(f, 3), _arr(f, 3), _arr(f, 2))])
 DW_GEMMS = Step(_dw_gemms.py_func, lambda f: [
     (_I, _I, _I, _arr(f, 2), _I64S, _I64S, _I, _arr(f, 3), _I, _B)])
 _DW_STEPS = (CHUNK_DM, CHUNK_V, DW_GEMMS)

@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit, types
 
 from ..cpu.launch import launch, task_kernel
-from ..cpu.steps import Step, ready as _ready_steps
+from ..cpu.steps import Step, array as _arr, ready as _ready_steps
 from .cpu_chunks import block_chunks, chunk
 from .cpu_winograd import PADDED_ROWS, STORE_NCHW, estride, vcopy, vsub
 from .cpu_winograd_s2 import GEMMS, gemm_operands, taps
@@ -124,10 +124,6 @@ def _out_dx(M, t0, IX, h0, oddh, oddw, s, xn):
 
 
 # The task kernel calls its steps through slots (kernels/cpu/steps.py): float32 only.
-def _arr(f, ndim):
-    return types.Array(f, ndim, "C")
-
-
 _I, _B = types.int64, types.boolean
 IN_DX = Step(_in_dx.py_func, lambda f: [
     (_arr(f, 3), _I, _I, _I, _B, _B, _arr(f, 3), _arr(f, 2), _I)])
@@ -173,7 +169,8 @@ def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, sizes, flags, dx):
         u0 = 2 * i0 + c0h                             # the chunk's first g row
         for n in range(n0, n1):
             # g's rows split by column parity from column c0w (gated; NCHW through slabs)
-            _padded_rows((gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, not nhwc, gs, ysl))
+            _padded_rows((gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, np.int64(not nhwc), gs,
+                          ysl))
             for r in range(nr):
                 _in_dx_step((R, 2 * r, IX, K, oddh, oddw, tv, V, ((n - n0) * nr + r) * IX))
         _gemms((T, C, K, vrows, eoff, U, M, ms, wide))

@@ -346,8 +346,8 @@ def loader_kinds(kind, layout):
     nhwc = layout == "NHWC"
     if kind == "fwd":      # A: x (NCHW: consecutive q contiguous; NHWC: consecutive c)
         return gather_rows, nhwc, weights, True
-    if kind == "dx":       # A: gy (NCHW: consecutive q; NHWC: consecutive k)
-        return gather_rows, nhwc, weights, True
+    if kind == "dx":       # A: g = gy * (y > 0) (NCHW: consecutive q; NHWC: consecutive k)
+        return functools.partial(gather_rows, gated=True), nhwc, weights, True
     return dw_cols, not nhwc, dw_grads, not nhwc   # dw: k = pixels (NCHW contiguous)
 
 
@@ -355,9 +355,8 @@ def loader_kinds(kind, layout):
 def gemm_kernel(kind, layout, tile):
     """The compiled-on-first-launch GEMM kernel of one conv pass, layout and tiling."""
     a_fac, a_kf, b_fac, b_kf = loader_kinds(kind, layout)
-    a_gated = (True,) if kind == "dx" else ()            # dx's A is g = gy * (y > 0)
     threads = tile.threads
-    a = a_fac(*gemm.mapping(tile.BM, tile.BK, threads, a_kf), a_kf, *a_gated)
+    a = a_fac(*gemm.mapping(tile.BM, tile.BK, threads, a_kf), a_kf)
     b = b_fac(*gemm.mapping(tile.BN, tile.BK, threads, b_kf), b_kf)
     name = (f"gemm_{kind}_{layout.lower()}_{tile.BM}x{tile.BN}x{tile.BK}_{tile.TM}x{tile.TN}"
             f"_v{tile.VEC}_r{tile.max_registers or 0}")      # one disk-cache index each

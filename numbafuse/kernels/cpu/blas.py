@@ -37,7 +37,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from . import gemm as _small
-from .steps import Step
+from .steps import Step, ready as _ready_steps
 from ..scalar import cpu_scalar, relu as _relu_math
 
 _relu = cpu_scalar(_relu_math)
@@ -107,8 +107,7 @@ def blas_for(dtype):
     """What the kernels' ``gemm`` takes as ``blas``: (function address, 1 if CBLAS else 0,
     1 if small float32 products go to cpu.gemm). Host code asks for it before it launches a
     kernel that multiplies, so the GEMM steps are made ready here."""
-    if not _STEPS_READY:
-        _ready()
+    _ready_steps(None, _GEMM_STEPS)
     return (_ADDRESSES[0 if np.dtype(dtype) == np.float32 else 1], 1 if PRIVATE else 0,
             1 if SMALL_GEMM else 0)
 
@@ -174,14 +173,8 @@ GEMM_AT = Step(gemm_at.py_func, lambda f: [
     (_T3, _I64, _I64, _T3, types.float64, _I64, _I64, types.float64, _I64, _T3, _I64)],
     per_dtype=False)
 GEMM_SMALL = Step(_small.gemm_small.py_func, lambda f: [(_I64,) * 13], per_dtype=False)
+_GEMM_STEPS = (GEMM_AT, GEMM_SMALL)
 _gemm_at_step, _gemm_small_step = GEMM_AT.call, GEMM_SMALL.call
-_STEPS_READY = []
-
-
-def _ready():
-    GEMM_AT.ready()
-    GEMM_SMALL.ready()
-    _STEPS_READY.append(True)
 
 
 @njit(nogil=True, cache=True, inline="always")

@@ -36,11 +36,13 @@ from numba.core import cgutils, errors
 from numba.extending import intrinsic
 
 _LOCK = threading.Lock()
-_STEPS = []          # every Step, in creation order
 _SLOTS = {}          # slot name -> its 8 bytes (ctypes), kept for the process's lifetime
+_ANY = "any"         # the key of a step whose signatures do not depend on the dtype
 
 
-_ANY = "any"         # the one key of a step whose signatures do not depend on the dtype
+def array(f, ndim):
+    """The numba type of a C-contiguous ``ndim``-d array of ``f``: what signatures declare."""
+    return types.Array(f, ndim, "C")
 
 
 class Step:
@@ -53,12 +55,10 @@ class Step:
         self.dispatcher = njit(nogil=True, cache=True)(fn)
         self.name = f"{fn.__module__}.{fn.__qualname__}"
         self.per_dtype = per_dtype
-        self.signatures = {}                    # dtype name -> [argument type tuples]
-        self.slots = []                         # (argument types, slot, symbol), all dtypes
+        self.slots_of = {}                      # dtype key -> [(argument types, slot, name)]
         for ftype in (types.float32, types.float64) if per_dtype else (None,):
-            sigs = [tuple(s) for s in signatures(ftype)]
-            self.signatures[str(ftype) if per_dtype else _ANY] = sigs
-            for i, argtypes in enumerate(sigs):
+            entries = self.slots_of[str(ftype) if per_dtype else _ANY] = []
+            for i, argtypes in enumerate(signatures(ftype)):
                 # a name fixed by the step and the signature's place, never by import order:
                 # a kernel loaded from the disk cache in another process finds its slot by it
                 symbol = re.sub(r"\W", "_", f"numbafuse_step.{self.name}.{ftype}.{i}")
@@ -66,38 +66,44 @@ class Step:
                 if slot is None:        # (a module made again, e.g. reloaded, keeps its slots:
                     slot = _SLOTS[symbol] = ctypes.c_void_p(0)   # callers hold their address)
                     ll.add_symbol(symbol, ctypes.addressof(slot))
-                self.slots.append((argtypes, slot, symbol))
+                entries.append((tuple(argtypes), slot, symbol))
         self._ready = set()
         self.call = _caller(self)
-        _STEPS.append(self)
+
+    @property
+    def slots(self):
+        """Every (argument types, slot, name), all dtypes."""
+        return [entry for entries in self.slots_of.values() for entry in entries]
 
     def ready(self, dtype=None):
         """Compile (or load from the disk cache) this step's signatures of ``dtype`` and fill
         their slots."""
-        if not self.per_dtype:
-            key = _ANY
-        else:
-            key = str(types.float64 if np.dtype(dtype) == np.float64 else types.float32)
-        if key in self._ready:
+        self._fill(_key(dtype))
+
+    def _fill(self, key):
+        key = key if self.per_dtype else _ANY
+        if key in self._ready:                  # (every call after the first: host hot path)
             return
         with _LOCK:
             if key in self._ready:
                 return
-            for argtypes in self.signatures[key]:
+            for argtypes, slot, _ in self.slots_of[key]:
                 self.dispatcher.compile(argtypes)
-                slot = next(s for a, s, _ in self.slots if a == argtypes)
                 slot.value = _wrapper_address(self.dispatcher, argtypes)
             self._ready.add(key)
 
-    def __call__(self, *args):
-        """From Python (tests): the compiled step itself, as numba dispatches it."""
-        return self.dispatcher(*args)
+
+def ready(dtype, steps):
+    """:meth:`Step.ready` of each of ``steps`` (``dtype`` None: steps that take any)."""
+    key = _key(dtype)
+    for step in steps:
+        step._fill(key)
 
 
-def ready(dtype, steps=None):
-    """:meth:`Step.ready` of ``steps`` (default: every step made so far)."""
-    for step in (_STEPS if steps is None else steps):
-        step.ready(dtype)
+def _key(dtype):
+    if dtype is None:
+        return _ANY
+    return str(types.float64 if np.dtype(dtype) == np.float64 else types.float32)
 
 
 def _wrapper_address(dispatcher, argtypes):

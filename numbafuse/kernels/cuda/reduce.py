@@ -149,9 +149,9 @@ def gate(g, state_kind, aux, mask, off):
     """g where the forward's ReLU was open at flat offset ``off`` (y > 0 or its mask bit),
     else 0; STATE_NONE: g. ``g`` keeps its dtype (typed stores, no float64 round trip)."""
     if state_kind == STATE_Y:
-        return g if aux[off] > 0 else float32(0.0)
+        return gate_loaded(g, state_kind, aux[off], 0, off)
     if state_kind == STATE_MASK:
-        return g if _mask_bit(mask[off >> 3], off) != 0 else float32(0.0)
+        return gate_loaded(g, state_kind, g, mask[off >> 3], off)
     return g
 
 
