@@ -38,6 +38,7 @@ import numpy as np
 
 import dataclasses
 import types
+from typing import NamedTuple
 
 from .. import autograd, backend, kernels, reference, validate
 from ..autograd import Function
@@ -118,11 +119,11 @@ class _Half:
 
     @staticmethod
     def residuals(saved):
-        """``saved`` with x and w in their compute dtype."""
-        if not validate.is_half(saved.x.dtype):
-            return saved
-        return types.SimpleNamespace(**{**vars(saved), "x": precision.compute(saved.x),
-                                        "w": precision.compute(saved.w)})
+        """The ``saved`` arrays (by name) as attributes, x and w in their compute dtype."""
+        if not validate.is_half(saved["x"].dtype):
+            return types.SimpleNamespace(**saved)
+        return types.SimpleNamespace(**{**saved, "x": precision.compute(saved["x"]),
+                                        "w": precision.compute(saved["w"])})
 
 
 def _conv_forward(which, x, w, b, geometry, relu):
@@ -177,10 +178,148 @@ def _conv_backward(which, dconv, x, w, geometry, need):
     return _conv.conv_backward(dconv, x, w, geometry, None, (need[0], need[1], False))[:2]
 
 
-# --------------------------------------------------------------------------- the Function
+# --------------------------------------------------------------------------- the cores
+
+class Call(NamedTuple):
+    """What a backward needs of its forward besides the saved arrays."""
+    geometry: object     # validate.ConvGeometry: the layout, padding resolved, groups
+    count: int           # values per channel the statistics are over (all ranks' with comm)
+    param_dtype: object  # gamma's dtype as given: dgamma's and dbeta's
+
+
+def forward(op, p, x, w, gamma, beta):
+    """Conv -> batch norm [-> ReLU] without a tape: ``(y, call, saved)``, ``saved`` the arrays
+    :func:`backward` reads by name (x and w as given, a half x stays half; gamma, [beta], the
+    float64 mean and invstd; with ``p.recompute`` False in training h and the packed 1-bit
+    ReLU mask, ``relu_state``, instead of beta). ``p``: :class:`ConvBatchNormReLU.Params`.
+    Everything is validated before anything is written; the running statistics are updated
+    in place in training (a half one written back)."""
+    which, geometry, momentum = _validate(op, x, w, gamma, beta, p, p.relu)
+    x, w, gamma, beta = (kernels.contiguous(a) for a in (x, w, gamma, beta))
+    half = _Half(x, gamma)
+    x_kept, w_kept = x, w                        # saved as given: a half x stays half
+    x, w, gamma, beta = (precision.compute(a) for a in (x, w, gamma, beta))
+    pc = half.params(p)                          # float32 copies of half running stats
+    count = geometry.N * geometry.P * geometry.Q
+    if p.training:
+        h, mean, invstd, count = _training_forward(op, which, x, w, geometry, pc, momentum)
+        half.store_running(p, pc)
+        keep_h = not p.recompute
+        y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu, layout=geometry.layout,
+                         with_mask=keep_h and p.relu)
+        if keep_h:   # trade memory for speed: keep h and a 1-bit ReLU mask, no recompute
+            y, mask = y if p.relu else (y, None)
+            saved = dict(x=x_kept, w=w_kept, gamma=gamma, h=h, relu_state=mask, mean=mean,
+                         invstd=invstd)
+            return half.store(y), Call(geometry, count, half.param_dtype), saved
+        del h                                                             # never kept
+    else:
+        mean, invstd = _bn.bn_inference_stats(kernels.contiguous(pc.running_mean),
+                                              kernels.contiguous(pc.running_var),
+                                              eps=p.eps)                  # (K,) float64
+        w_folded, b_folded = _fold(which, w, None, gamma, beta, mean, invstd)
+        y = _conv_forward(which, x, w_folded, b_folded, geometry, p.relu)
+    shift = dict(beta=beta) if p.relu else {}    # the ReLU's gate needs beta
+    saved = dict(x=x_kept, w=w_kept, gamma=gamma, **shift, mean=mean, invstd=invstd)
+    return half.store(y), Call(geometry, count, half.param_dtype), saved
+
+
+def backward(p, call, saved, dy, need):
+    """``(dx, dw, dgamma, dbeta)`` of :func:`forward` from its ``call`` and ``saved`` arrays
+    (by name); ``need``: four flags, an unneeded gradient is None. h is recomputed unless
+    ``saved`` has it (then with ``relu_state``, the mask or y whose sign is the gate)."""
+    geometry = call.geometry
+    need_x, need_w, need_gamma, need_beta = need
+    dy = kernels.contiguous(dy)
+    which = backend.backend_of_array(dy)
+    half = _Half(dy, saved["gamma"], call.param_dtype)
+    s, dy = half.residuals(saved), precision.compute(dy)
+    sums = fused = None
+    kept_h = "h" in saved
+    if not kept_h and p.training and p.comm is None:
+        fused = _recompute_and_sums(which, dy, s, geometry, p.relu)
+    if fused is not None:               # recomputed, with the batch norm's first pass
+        h, dy, sums = fused                 # dy: gated by the ReLU already
+        relu_state = None
+    elif kept_h:
+        h, relu_state = s.h, s.relu_state
+    else:
+        h = _conv_forward(which, s.x, s.w, None, geometry, False)         # recompute
+        if not p.relu:
+            relu_state = None
+        elif _bn.supports_affine_gate(which):   # the gate re-derived from h in the backward
+            relu_state = _bn.AffineGate(s.beta)
+        else:                                   # y rebuilt: its sign is the mask
+            relu_state = _bn.bn_apply(h, s.mean, s.invstd, s.gamma, s.beta, relu=True,
+                                      layout=geometry.layout)
+    dconv, dgamma, dbeta, _ = _bn.bn_backward(
+        dy, h, s.mean, s.invstd, s.gamma, relu_state, layout=geometry.layout,
+        need=(need_x or need_w, need_gamma, need_beta, False), training=p.training,
+        comm=p.comm, count=call.count, sums=sums)
+    del h, relu_state
+    dx = dw = None
+    if need_x or need_w:
+        dx, dw = _conv_backward(which, dconv, s.x, s.w, geometry, (need_x, need_w))
+    return half.store(dx), half.store(dw), half.param(dgamma), half.param(dbeta)
+
+
+def add_forward(op, p, x, w, z, gamma, beta):
+    """Conv -> batch norm -> + z -> ReLU without a tape: ``(y, call, saved)``, ``saved`` x
+    and w as given, gamma, the float64 mean and invstd, the packed 1-bit mask of ``y > 0``
+    (``relu_state``) and, with ``p.recompute`` False, h. ``p``:
+    :class:`ConvBatchNormAddReLU.Params`. Validation and running statistics as
+    :func:`forward`'s."""
+    validate.check_given(op, z=z)
+    which, geometry, momentum = _validate(op, x, w, gamma, beta, p, True, z=z)
+    x, w, z, gamma, beta = (kernels.contiguous(a) for a in (x, w, z, gamma, beta))
+    half = _Half(x, gamma)
+    x_kept, w_kept = x, w                        # saved as given: a half x stays half
+    x, w, z, gamma, beta = (precision.compute(a) for a in (x, w, z, gamma, beta))
+    pc = half.params(p)
+    count = geometry.N * geometry.P * geometry.Q
+    if p.training:
+        h, mean, invstd, count = _training_forward(op, which, x, w, geometry, pc, momentum)
+        half.store_running(p, pc)
+    else:
+        h = _conv_forward(which, x, w, None, geometry, False)
+        mean, invstd = _bn.bn_inference_stats(kernels.contiguous(pc.running_mean),
+                                              kernels.contiguous(pc.running_var),
+                                              eps=p.eps)                  # (K,) float64
+    y, mask = _bn.bn_apply(h, mean, invstd, gamma, beta, z=z, relu=True,
+                           layout=geometry.layout, with_mask=True)
+    kept = {} if p.recompute else dict(h=h)
+    saved = dict(x=x_kept, w=w_kept, gamma=gamma, mean=mean, invstd=invstd, relu_state=mask,
+                 **kept)
+    return half.store(y), Call(geometry, count, half.param_dtype), saved
+
+
+def add_backward(p, call, saved, dy, need):
+    """``(dx, dw, dz, dgamma, dbeta)`` of :func:`add_forward` from its ``call`` and
+    ``saved`` arrays; ``need``: five flags. h is recomputed unless ``saved`` has it."""
+    geometry = call.geometry
+    need_x, need_w, need_z, need_gamma, need_beta = need
+    dy = kernels.contiguous(dy)
+    which = backend.backend_of_array(dy)
+    half = _Half(dy, saved["gamma"], call.param_dtype)
+    s, dy = half.residuals(saved), precision.compute(dy)
+    h = s.h if "h" in saved else _conv_forward(which, s.x, s.w, None, geometry, False)
+    dconv, dgamma, dbeta, dz = _bn.bn_backward(
+        dy, h, s.mean, s.invstd, s.gamma, s.relu_state, layout=geometry.layout,
+        need=(need_x or need_w, need_gamma, need_beta, need_z), training=p.training,
+        comm=p.comm, count=call.count)
+    del h
+    dx = dw = None
+    if need_x or need_w:
+        dx, dw = _conv_backward(which, dconv, s.x, s.w, geometry, (need_x, need_w))
+    return (half.store(dx), half.store(dw), half.store(dz), half.param(dgamma),
+            half.param(dbeta))
+
+
+# --------------------------------------------------------------------------- the Functions
 
 class ConvBatchNormReLU(Function):
-    r"""Fused conv (no bias) -> batch norm [-> ReLU], recomputing the conv in backward.
+    r"""Fused conv (no bias) -> batch norm [-> ReLU], recomputing the conv in backward: the
+    tape's wrapper of :func:`forward` and :func:`backward`.
 
     Forward (training), per output channel k over the M = N*P*Q values of h = conv(x, w):
 
@@ -206,7 +345,6 @@ class ConvBatchNormReLU(Function):
     """
 
     name = OP
-    param_dtype = None       # gamma's dtype as given (set by forward; None: the saved gamma's)
 
     @dataclasses.dataclass(frozen=True)
     class Params(BatchNormParams):
@@ -219,86 +357,19 @@ class ConvBatchNormReLU(Function):
 
     # fwd :: (x, w, gamma, beta) -> (y, residuals=(x, w, gamma, [beta], mean, invstd))
     #        recompute=False, training: residuals=(x, w, gamma, h, relu_state, mean, invstd)
-    #        (relu_state: the packed 1-bit mask of y > 0, or None without ReLU)
     def forward(self, x, w, gamma, beta):
-        p = self.params
-        which, geometry, momentum = _validate(self.name, x, w, gamma, beta, p, p.relu)
-        x, w, gamma, beta = (kernels.contiguous(a) for a in (x, w, gamma, beta))
-        self.geometry = geometry
-        self.count = geometry.N * geometry.P * geometry.Q
-        half = _Half(x, gamma)
-        self.param_dtype = half.param_dtype
-        x_kept, w_kept = x, w                        # saved as given: a half x stays half
-        x, w, gamma, beta = (precision.compute(a) for a in (x, w, gamma, beta))
-        p = half.params(p)                           # float32 copies of half running stats
-        if p.training:
-            h, mean, invstd, self.count = _training_forward(self.name, which, x, w, geometry, p,
-                                                            momentum)
-            half.store_running(self.params, p)
-            keep_h = not p.recompute
-            y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu,
-                             layout=geometry.layout, with_mask=keep_h and p.relu)
-            if keep_h:   # trade memory for speed: keep h and a 1-bit ReLU mask, no recompute
-                y, mask = y if p.relu else (y, None)
-                self.save_for_backward(x=x_kept, w=w_kept, gamma=gamma, h=h, relu_state=mask,
-                                       mean=mean, invstd=invstd)
-                return half.store(y)
-            del h                                                         # never kept
-        else:
-            mean, invstd = _bn.bn_inference_stats(kernels.contiguous(p.running_mean),
-                                                  kernels.contiguous(p.running_var),
-                                                  eps=p.eps)              # (K,) float64
-            w_folded, b_folded = _fold(which, w, None, gamma, beta, mean, invstd)
-            y = _conv_forward(which, x, w_folded, b_folded, geometry, p.relu)
-        if p.relu:
-            self.save_for_backward(x=x_kept, w=w_kept, gamma=gamma, beta=beta, mean=mean,
-                                   invstd=invstd)
-        else:
-            self.save_for_backward(x=x_kept, w=w_kept, gamma=gamma, mean=mean, invstd=invstd)
-        return half.store(y)
+        y, self.call, saved = forward(self.name, self.params, x, w, gamma, beta)
+        self.save_for_backward(**saved)
+        return y
 
     # bwd :: (residuals, dy) -> (dx, dw, dgamma, dbeta)
     def backward(self, dy):
-        geometry = self.geometry
-        need_x, need_w, need_gamma, need_beta = self.needs_input_grad
-        dy = kernels.contiguous(dy)
-        which = backend.backend_of_array(dy)
-        half = _Half(dy, self.saved.gamma, self.param_dtype)
-        s, dy = half.residuals(self.saved), precision.compute(dy)
-        sums = fused = None
-        kept_h = "h" in vars(s)            # the forward (recompute=False) or the NumPy-style
-        #                                    backward kept h and the ReLU state
-        if not kept_h and self.params.training and self.params.comm is None:
-            fused = _recompute_and_sums(which, dy, s, geometry, self.params.relu)
-        if fused is not None:           # recomputed, with the batch norm's first pass
-            h, dy, sums = fused             # dy: gated by the ReLU already
-            relu_state = None
-        elif kept_h:                                                      # recompute=False
-            h, relu_state = s.h, s.relu_state
-        else:
-            h = _conv_forward(which, s.x, s.w, None, geometry, False)     # recompute
-            if not self.params.relu:
-                relu_state = None
-            elif _bn.supports_affine_gate(which):   # the gate re-derived from h in the backward
-                relu_state = _bn.AffineGate(s.beta)
-            else:                                   # y rebuilt: its sign is the mask
-                relu_state = _bn.bn_apply(h, s.mean, s.invstd, s.gamma, s.beta, relu=True,
-                                          layout=geometry.layout)
-        dconv, dgamma, dbeta, _ = _bn.bn_backward(
-            dy, h, s.mean, s.invstd, s.gamma, relu_state, layout=geometry.layout,
-            need=(need_x or need_w, need_gamma, need_beta, False),
-            training=self.params.training, comm=self.params.comm, count=self.count, sums=sums)
-        del h, relu_state
-        dx = dw = None
-        if need_x or need_w:
-            dx, dw = _conv_backward(which, dconv, s.x, s.w, geometry, (need_x, need_w))
-        return half.store(dx), half.store(dw), half.param(dgamma), half.param(dbeta)
+        return backward(self.params, self.call, vars(self.saved), dy, self.needs_input_grad)
 
-
-# --------------------------------------------------------------------------- + add + ReLU
 
 class ConvBatchNormAddReLU(Function):
-    r"""Fused conv (no bias) -> batch norm -> + z -> ReLU: the tail of a ResNet block in one op.
+    r"""Fused conv (no bias) -> batch norm -> + z -> ReLU: the tail of a ResNet block in one op;
+    the tape's wrapper of :func:`add_forward` and :func:`add_backward`.
 
     .. math::
 
@@ -319,7 +390,6 @@ class ConvBatchNormAddReLU(Function):
     """
 
     name = "conv_batchnorm_add_relu"
-    param_dtype = None       # gamma's dtype as given (set by forward; None: the saved gamma's)
 
     @dataclasses.dataclass(frozen=True)
     class Params(BatchNormParams):
@@ -332,52 +402,14 @@ class ConvBatchNormAddReLU(Function):
     # fwd :: (x, w, z, gamma, beta) -> (y, residuals=(x, w, gamma, mean, invstd, relu_state,
     #                                                  [h] (recompute=False)))
     def forward(self, x, w, z, gamma, beta):
-        p = self.params
-        validate.check_given(self.name, z=z)
-        which, geometry, momentum = _validate(self.name, x, w, gamma, beta, p, True, z=z)
-        x, w, z, gamma, beta = (kernels.contiguous(a) for a in (x, w, z, gamma, beta))
-        self.geometry = geometry
-        self.count = geometry.N * geometry.P * geometry.Q
-        half = _Half(x, gamma)
-        self.param_dtype = half.param_dtype
-        x_kept, w_kept = x, w                        # saved as given: a half x stays half
-        x, w, z, gamma, beta = (precision.compute(a) for a in (x, w, z, gamma, beta))
-        p = half.params(p)
-        if p.training:
-            h, mean, invstd, self.count = _training_forward(self.name, which, x, w, geometry, p,
-                                                            momentum)
-            half.store_running(self.params, p)
-        else:
-            h = _conv_forward(which, x, w, None, geometry, False)
-            mean, invstd = _bn.bn_inference_stats(kernels.contiguous(p.running_mean),
-                                                  kernels.contiguous(p.running_var),
-                                                  eps=p.eps)              # (K,) float64
-        y, mask = _bn.bn_apply(h, mean, invstd, gamma, beta, z=z, relu=True,
-                               layout=geometry.layout, with_mask=True)
-        kept = {} if p.recompute else dict(h=h)
-        self.save_for_backward(x=x_kept, w=w_kept, gamma=gamma, mean=mean, invstd=invstd,
-                               relu_state=mask, **kept)
-        return half.store(y)
+        y, self.call, saved = add_forward(self.name, self.params, x, w, z, gamma, beta)
+        self.save_for_backward(**saved)
+        return y
 
     # bwd :: (residuals, dy) -> (dx, dw, dz, dgamma, dbeta)
     def backward(self, dy):
-        geometry = self.geometry
-        need_x, need_w, need_z, need_gamma, need_beta = self.needs_input_grad
-        dy = kernels.contiguous(dy)
-        which = backend.backend_of_array(dy)
-        half = _Half(dy, self.saved.gamma, self.param_dtype)
-        s, dy = half.residuals(self.saved), precision.compute(dy)
-        h = s.h if "h" in vars(s) else _conv_forward(which, s.x, s.w, None, geometry, False)
-        dconv, dgamma, dbeta, dz = _bn.bn_backward(
-            dy, h, s.mean, s.invstd, s.gamma, s.relu_state, layout=geometry.layout,
-            need=(need_x or need_w, need_gamma, need_beta, need_z),
-            training=self.params.training, comm=self.params.comm, count=self.count)
-        del h
-        dx = dw = None
-        if need_x or need_w:
-            dx, dw = _conv_backward(which, dconv, s.x, s.w, geometry, (need_x, need_w))
-        return (half.store(dx), half.store(dw), half.store(dz), half.param(dgamma),
-                half.param(dbeta))
+        return add_backward(self.params, self.call, vars(self.saved), dy,
+                            self.needs_input_grad)
 
 
 # --------------------------------------------------------------------------- folding
@@ -523,13 +555,12 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
     op = "conv_batchnorm_relu_backward"
     dy, x, w, gamma, beta, running_mean, running_var = (
         autograd.unwrap(a) for a in (dy, x, w, gamma, beta, running_mean, running_var))
-    # the tape's Function, fed the residuals below (the recompute=False form: h is at hand)
-    fn = ConvBatchNormReLU(running_mean=running_mean, running_var=running_var,
-                           training=training, momentum=0.0, eps=eps, stride=stride,
-                           padding=padding, dilation=dilation, relu=relu, layout=layout,
-                           recompute=False, comm=None, groups=groups)
+    p = ConvBatchNormReLU(running_mean=running_mean, running_var=running_var,
+                          training=training, momentum=0.0, eps=eps, stride=stride,
+                          padding=padding, dilation=dilation, relu=relu, layout=layout,
+                          recompute=False, comm=None, groups=groups).params
     validate.check_given(op, dy=dy)
-    _, geometry, _ = _validate(op, x, w, gamma, beta, fn.params, relu, updates=False)
+    _, geometry, _ = _validate(op, x, w, gamma, beta, p, relu, updates=False)
     backend.backend_of(op, dy=dy, x=x)
     dtype = validate.check_float_dtypes(op, half=True, dy=dy, x=x)
     if tuple(dy.shape) != geometry.y_shape:
@@ -537,7 +568,7 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
     if not isinstance(need, (tuple, list)) or len(need) != 4:
         raise ValueError(f"{op}: need must be four booleans (dx, dw, dgamma, dbeta), "
                          f"got {need!r}")
-    fn.param_dtype = gamma.dtype
+    call = Call(geometry, geometry.N * geometry.P * geometry.Q, gamma.dtype)
     x, w, gamma, beta, dy = (precision.compute(kernels.contiguous(a))     # half: float32
                              for a in (x, w, gamma, beta, dy))
     h = _conv.conv_forward(x, w, None, geometry, False)                       # the one conv
@@ -549,11 +580,9 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
             eps=eps)
     relu_state = (_bn.bn_apply(h, mean, invstd, gamma, beta, relu=True, layout=geometry.layout)
                   if relu else None)                                      # y: its sign, the mask
-    fn.geometry, fn.needs_input_grad = geometry, tuple(bool(n) for n in need)
-    fn.count = geometry.N * geometry.P * geometry.Q
-    fn.save_for_backward(x=x, w=w, gamma=gamma, h=h, relu_state=relu_state, mean=mean,
-                         invstd=invstd)
-    dx, dw, dgamma, dbeta = fn.backward(dy)          # dgamma, dbeta in gamma's dtype
+    saved = dict(x=x, w=w, gamma=gamma, h=h, relu_state=relu_state, mean=mean, invstd=invstd)
+    dx, dw, dgamma, dbeta = backward(p, call, saved, dy,       # dgamma, dbeta: gamma's dtype
+                                     tuple(bool(n) for n in need))
     return precision.store(dx, dtype), precision.store(dw, dtype), dgamma, dbeta
 
 

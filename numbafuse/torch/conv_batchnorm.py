@@ -15,12 +15,12 @@ What each keeps for backward (``torch.autograd.graph.saved_tensors_hooks`` sees 
 
 * ``conv_batchnorm_relu``: x, w, weight, (bias, with the ReLU: the gate is the sign of
   ``weight * xhat + bias``) and the float64 mean and invstd (K each). Backward recomputes h.
-  It is :class:`numbafuse.ops.conv_batchnorm.ConvBatchNormReLU` (``recompute=True``) driven
-  without numbafuse's tape: its forward, its residuals saved as torch tensors, its backward.
-  In inference the batch norm is folded into the conv (that Function's rule).
+  It is numbafuse's tape-free core, :func:`numbafuse.ops.conv_batchnorm.forward` and
+  :func:`~numbafuse.ops.conv_batchnorm.backward` (``recompute=True``), its residuals saved as
+  torch tensors. In inference the batch norm is folded into the conv (that core's rule).
 * ``conv_batchnorm_add_relu``: x, w, weight, the float64 mean and invstd, and the packed 1-bit
   mask of ``y > 0`` (``numbafuse.ops.batchnorm.mask_nbytes``). It is
-  :class:`numbafuse.ops.conv_batchnorm.ConvBatchNormAddReLU` driven the same way: forward
+  :func:`numbafuse.ops.conv_batchnorm.add_forward` and ``add_backward`` the same way: forward
   ``h = conv(x, w)`` with its statistics, ``y = relu(weight * xhat + bias + z)`` with its mask
   (one pass over h); backward ``h = conv(x, w)`` again, the batch-norm backward gated by the
   mask (``dh, dweight, dbias, dz``), then the conv's backward of ``dh``. The unfused chain keeps
@@ -35,8 +35,6 @@ depthwise conv with ``groups``) and return one, differentiable by ``torch.autogr
 Running statistics are updated in place.
 """
 from __future__ import annotations
-
-import types
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -82,45 +80,35 @@ def _check(op, tensors, conv, training, momentum, eps):
     return device, geometry, momentum, eps
 
 
-def ops_function(op_class, geometry, training, momentum, eps, running_mean=None,
-                 running_var=None, recompute=True, **params):
-    """numbafuse's ``op_class`` (:class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormReLU`, with
-    ``relu=`` in ``params``, or :class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormAddReLU`)
-    for ``geometry`` (its layout, padding resolved, groups), on torch's running statistics."""
+def ops_params(op_class, geometry, training, momentum, eps, running_mean=None,
+               running_var=None, recompute=True, **params):
+    """The ``Params`` of numbafuse's ``op_class``
+    (:class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormReLU`, with ``relu=`` in ``params``,
+    or :class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormAddReLU`) for ``geometry`` (its
+    layout, padding resolved, groups), on torch's running statistics."""
     g = geometry
-    return op_class(running_mean=as_array(running_mean), running_var=as_array(running_var),
-                    training=training, momentum=momentum, eps=eps, stride=(g.sh, g.sw),
-                    padding=(g.pw, g.pw_end, g.ph, g.ph_end), dilation=(g.dh, g.dw),
-                    groups=g.groups, layout=g.layout, recompute=recompute, comm=None, **params)
+    return op_class.Params(running_mean=as_array(running_mean),
+                           running_var=as_array(running_var), training=training,
+                           momentum=momentum, eps=eps, stride=(g.sh, g.sw),
+                           padding=(g.pw, g.pw_end, g.ph, g.ph_end), dilation=(g.dh, g.dw),
+                           groups=g.groups, layout=g.layout, recompute=recompute, comm=None,
+                           **params)
 
 
-def _forward(ctx, fn, arrays, tensors, device):
-    """Run the ops Function ``fn``'s forward on ``arrays`` (the tensors' views) without its
-    tape; its residuals are saved on ``ctx`` as torch tensors (the inputs' own tensors where a
-    residual is an input: ``tensors`` by residual name). Returns y (an array)."""
-    with launch_order(device):
-        y = fn.forward(*arrays)
-    names = tuple(vars(fn.saved))
+def save(ctx, p, call, saved, tensors, device):
+    """Keep a core forward's ``saved`` arrays on ``ctx`` as torch tensors (the inputs' own
+    tensors where a residual is an input: ``tensors`` by residual name), with its params
+    ``p`` and ``call``, for :func:`restore`."""
     ctx.save_for_backward(*(tensors[n] if n in tensors else as_tensor(a, device)
-                            for n, a in vars(fn.saved).items()))
-    fn.saved = types.SimpleNamespace()        # torch holds the residuals now
-    ctx.fn, ctx.names, ctx.device = fn, names, device
-    return y
+                            for n, a in saved.items()))
+    ctx.p, ctx.call, ctx.names, ctx.device = p, call, tuple(saved), device
 
 
-def _backward(ctx, dy, needs):
-    """The ops Function's backward of ``dy`` (a tensor) from the residuals on ``ctx``
-    (:func:`_forward`): its gradients, as arrays (None where not needed)."""
-    fn = ctx.fn
-    layout = fn.params.layout                                     # x's, dy's and dx's
-    fn.saved = types.SimpleNamespace(**{n: as_array(t, layout if n == "x" else LAYOUT)
-                                        for n, t in zip(ctx.names, ctx.saved_tensors)})
-    fn.needs_input_grad = tuple(ctx.needs_input_grad[:needs])
-    try:
-        with launch_order(ctx.device):
-            return fn.backward(as_array(dy, layout))
-    finally:
-        fn.saved = types.SimpleNamespace()
+def restore(ctx):
+    """The ``saved`` arrays of :func:`save` by name (x in its layout)."""
+    layout = ctx.p.layout
+    return {n: as_array(t, layout if n == "x" else LAYOUT)
+            for n, t in zip(ctx.names, ctx.saved_tensors)}
 
 
 # --------------------------------------------------------------------------- conv_batchnorm_relu
@@ -143,12 +131,13 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, weight, bias, running_mean, running_var, training, momentum, eps,
                 geometry, relu, device, recompute):
-        fn = ops_function(_cbn.ConvBatchNormReLU, geometry, training, momentum, eps,
-                          running_mean, running_var, recompute, relu=relu)
+        p = ops_params(_cbn.ConvBatchNormReLU, geometry, training, momentum, eps,
+                       running_mean, running_var, recompute, relu=relu)
         layout = geometry.layout
-        y = _forward(ctx, fn, (as_array(x, layout), as_array(w), as_array(weight),
-                               as_array(bias)), dict(x=x, w=w, gamma=weight, beta=bias),
-                     device)
+        with launch_order(device):
+            y, call, saved = _cbn.forward(_cbn.OP, p, as_array(x, layout), as_array(w),
+                                          as_array(weight), as_array(bias))
+        save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight, beta=bias), device)
         if training and running_mean is not None:
             updated_in_place(running_mean, running_var)
         return as_tensor(y, device, layout)
@@ -157,9 +146,12 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        dx, dw, dweight, dbias = _backward(ctx, dy, 4)
-        d = ctx.device
-        return (as_tensor(dx, d, ctx.fn.params.layout), as_tensor(dw, d), as_tensor(dweight, d),
+        d, layout = ctx.device, ctx.p.layout
+        with launch_order(d):
+            dx, dw, dweight, dbias = _cbn.backward(ctx.p, ctx.call, restore(ctx),
+                                                   as_array(dy, layout),
+                                                   tuple(ctx.needs_input_grad[:4]))
+        return (as_tensor(dx, d, layout), as_tensor(dw, d), as_tensor(dweight, d),
                 as_tensor(dbias, d)) + (None,) * 9
 
 
@@ -245,12 +237,15 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, z, weight, bias, running_mean, running_var, training, momentum, eps,
                 geometry, recompute, device):
-        fn = ops_function(_cbn.ConvBatchNormAddReLU, geometry, training, momentum, eps,
-                          running_mean, running_var, recompute)
+        p = ops_params(_cbn.ConvBatchNormAddReLU, geometry, training, momentum, eps,
+                       running_mean, running_var, recompute)
         layout = geometry.layout                      # NHWC for a channels_last x
-        y = _forward(ctx, fn, (as_array(x, layout), as_array(w), as_array(z, layout),
-                               as_array(weight), as_array(bias)),
-                     dict(x=x, w=w, gamma=weight), device)
+        with launch_order(device):
+            y, call, saved = _cbn.add_forward(_cbn.ConvBatchNormAddReLU.name, p,
+                                              as_array(x, layout), as_array(w),
+                                              as_array(z, layout), as_array(weight),
+                                              as_array(bias))
+        save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight), device)
         if training and running_mean is not None:
             updated_in_place(running_mean, running_var)
         return as_tensor(y, device, layout)
@@ -259,8 +254,11 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        dx, dw, dz, dweight, dbias = _backward(ctx, dy, 5)
-        d, layout = ctx.device, ctx.fn.params.layout
+        d, layout = ctx.device, ctx.p.layout
+        with launch_order(d):
+            dx, dw, dz, dweight, dbias = _cbn.add_backward(ctx.p, ctx.call, restore(ctx),
+                                                           as_array(dy, layout),
+                                                           tuple(ctx.needs_input_grad[:5]))
         return (as_tensor(dx, d, layout), as_tensor(dw, d), as_tensor(dz, d, layout),
                 as_tensor(dweight, d), as_tensor(dbias, d)) + (None,) * 8
 

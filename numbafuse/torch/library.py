@@ -64,6 +64,13 @@ def _geometry(op, x, w, conv):
                                   (left, right, top, bottom), (dh, dw), layout, groups)
 
 
+def _call(geometry, weight):
+    """The core backward's :class:`~numbafuse.ops.conv_batchnorm.Call` of a forward over
+    ``geometry`` with batch-norm scale ``weight`` (no ranks: the count is this batch's)."""
+    return _ops.Call(geometry, geometry.N * geometry.P * geometry.Q,
+                     _layers.as_array(weight).dtype)
+
+
 def _y_shape(x_shape, w_shape, conv):
     """The conv's output shape (N, K, P, Q), from sizes that may be symbolic (fake-tensor
     rules: no validation, which wants plain ints; the real op validates)."""
@@ -241,12 +248,11 @@ def conv_batchnorm_relu_backward(dy: Tensor, x: Tensor, w: Tensor, weight: Tenso
                                  eps: float, conv: list[int], relu: bool,
                                  need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     geometry = _geometry("numbafuse::conv_batchnorm_relu_backward", x, w, conv)
-    fn = _cbn.ops_function(_ops.ConvBatchNormReLU, geometry, training, 0.0, eps, relu=relu)
-    fn.geometry, fn.count = geometry, geometry.N * geometry.P * geometry.Q
+    p = _cbn.ops_params(_ops.ConvBatchNormReLU, geometry, training, 0.0, eps, relu=relu)
     names = ("x", "w", "gamma", "beta", "mean", "invstd") if relu else \
         ("x", "w", "gamma", "mean", "invstd")
     saved = (x, w, weight, bias, mean, invstd) if relu else (x, w, weight, mean, invstd)
-    ctx = _Ctx(saved, need, fn=fn, names=names, device=x.device)
+    ctx = _Ctx(saved, need, p=p, call=_call(geometry, weight), names=names, device=x.device)
     dx, dw, dweight, dbias = _cbn.ConvBatchNormReLUFunction.backward(ctx, dy)[:4]
     return (_or_empty(dx, x), _or_empty(dw, w), _or_empty(dweight, weight),
             _or_empty(dbias, weight))
@@ -314,9 +320,8 @@ def conv_batchnorm_add_relu_backward(
         mask: Tensor, training: bool, conv: list[int],
         need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     geometry = _geometry("numbafuse::conv_batchnorm_add_relu_backward", x, w, conv)
-    fn = _cbn.ops_function(_ops.ConvBatchNormAddReLU, geometry, training, 0.0, 0.0)
-    fn.geometry, fn.count = geometry, geometry.N * geometry.P * geometry.Q
-    ctx = _Ctx((x, w, weight, mean, invstd, mask), need, fn=fn,
+    p = _cbn.ops_params(_ops.ConvBatchNormAddReLU, geometry, training, 0.0, 0.0)
+    ctx = _Ctx((x, w, weight, mean, invstd, mask), need, p=p, call=_call(geometry, weight),
                names=("x", "w", "gamma", "mean", "invstd", "relu_state"), device=x.device)
     dx, dw, dz, dweight, dbias = _cbn.ConvBatchNormAddReLUFunction.backward(ctx, dy)[:5]
     return (_or_empty(dx, x), _or_empty(dw, w), _or_empty(dz, dy), _or_empty(dweight, weight),
