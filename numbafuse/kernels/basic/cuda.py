@@ -18,7 +18,7 @@ import math
 import threading
 
 import numpy as np
-from numba import float64, int32, int64, uint8, uint32
+from numba import float64, int32, int64, types, uint8, uint32
 
 from ...cuda import capture_in_progress, empty, flat, numba_cuda as cuda, to_device
 
@@ -167,10 +167,12 @@ def _coords(e, C, H, W, channels_last):
 
 
 @cuda.jit(cache=True)
-def _max_pool_fwd(x, y, argmax, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
-                  channels_last):
-    # x: (N*C*H*W,), y, argmax: (N*C*P*Q,) flat in their layout; xs_*: element strides of x.
+def _max_pool_fwd(x, y, argmax, pool, xs, channels_last):
+    # x: (N*C*H*W,), y, argmax: (N*C*P*Q,) flat in their layout; pool = (C, P, Q, kh, kw,
+    # sh, sw) (``_pool``); xs = (xs_n, xs_c, xs_h, xs_w): element strides of x.
     # One thread per output o, which is y's (and argmax's) flat index.
+    C, P, Q, kh, kw, sh, sw = pool
+    xs_n, xs_c, xs_h, xs_w = xs
     for o in range(cuda.grid(1), y.size, cuda.gridsize(1)):
         n, c, p, q = _coords(o, C, P, Q, channels_last)
         start = n * xs_n + c * xs_c + p * sh * xs_h + q * sw * xs_w
@@ -180,11 +182,13 @@ def _max_pool_fwd(x, y, argmax, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w,
 
 
 @cuda.jit(cache=True)
-def _max_pool_bwd(gy, argmax, gx, C, H, W, P, Q, kh, kw, sh, sw, ys_n, ys_c, ys_h, ys_w,
-                  channels_last):
-    # gy, argmax: (N*C*P*Q,), gx: (N*C*H*W,) flat; ys_*: element strides of gy/argmax. A
-    # gather, one thread per gx element e: it visits the windows covering it and adds gy of
-    # those whose argmax tap is e's own. No atomics; overlapping windows add in a fixed order.
+def _max_pool_bwd(gy, argmax, gx, pool, H, W, ys, channels_last):
+    # gy, argmax: (N*C*P*Q,), gx: (N*C*H*W,) flat; pool = (C, P, Q, kh, kw, sh, sw)
+    # (``_pool``); ys = (ys_n, ys_c, ys_h, ys_w): element strides of gy/argmax. A gather,
+    # one thread per gx element e: it visits the windows covering it and adds gy of those
+    # whose argmax tap is e's own. No atomics; overlapping windows add in a fixed order.
+    C, P, Q, kh, kw, sh, sw = pool
+    ys_n, ys_c, ys_h, ys_w = ys
     for e in range(cuda.grid(1), gx.size, cuda.gridsize(1)):
         n, c, h, w = _coords(e, C, H, W, channels_last)
         p_lo = 0 if h < kh else _div(h - kh + sh, sh)                # first window row covering h
@@ -200,15 +204,19 @@ def _max_pool_bwd(gy, argmax, gx, C, H, W, P, Q, kh, kw, sh, sw, ys_n, ys_c, ys_
         gx[e] = acc
 
 
+def _pool(g):
+    """The max-pool kernels' ``pool`` tuple of a ``PoolGeometry``: (C, P, Q, kh, kw, sh, sw)."""
+    return (g.C, g.P, g.Q, g.kh, g.kw, g.sh, g.sw)
+
+
 # fwd :: (x, geometry) -> (y, argmax)
 def max_pool2d_forward(x, g):
     y = empty(g.y_shape, x.dtype)
     argmax = empty(g.y_shape, g.argmax_dtype)
     if y.size:
         blocks, threads = config.grid_1d(y.size)
-        launch(_max_pool_fwd, blocks, threads, flat(x), flat(y),
-                                       flat(argmax), g.C, g.P, g.Q, g.kh, g.kw,
-                                       g.sh, g.sw, *g.x_strides, int(g.layout == "NHWC"))
+        launch(_max_pool_fwd, blocks, threads, flat(x), flat(y), flat(argmax), _pool(g),
+               g.x_strides, int(g.layout == "NHWC"))
     return y, argmax
 
 
@@ -217,9 +225,8 @@ def max_pool2d_backward(gy, argmax, g, dtype):
     gx = empty(g.x_shape, dtype)
     if gx.size:
         blocks, threads = config.grid_1d(gx.size)
-        launch(_max_pool_bwd, blocks, threads, flat(gy), flat(argmax),
-                                       flat(gx), g.C, g.H, g.W, g.P, g.Q, g.kh, g.kw,
-                                       g.sh, g.sw, *g.y_strides, int(g.layout == "NHWC"))
+        launch(_max_pool_bwd, blocks, threads, flat(gy), flat(argmax), flat(gx), _pool(g),
+               g.H, g.W, g.y_strides, int(g.layout == "NHWC"))
     return gx
 
 
@@ -386,13 +393,15 @@ def relu_backward(gy, y):
 # int64, as Python ints are; labels are int64 here (int32 labels compile on first use), and
 # max-pool argmaxes uint8 (the uint16/uint32 of windows over 16x16 compile on first use).
 _i = int64
+_POOL = types.UniTuple(int64, 7)       # max pool's (C, P, Q, kh, kw, sh, sw)
+_STRIDES = types.UniTuple(int64, 4)    # element strides (s_n, s_c, s_h, s_w)
 PTX_SIGNATURES = [
     (_relu_fwd, lambda f: (f[::1], f[::1])),
     (_relu_bwd, lambda f: (f[::1], f[::1], f[::1])),
     (_matmul_tiled, lambda f: (f[:, ::1], f[:, ::1], f[::1], f[:, ::1], _i, _i, _i)),
     (_column_sums, lambda f: (f[:, ::1], f[::1])),
-    (_max_pool_fwd, lambda f: (f[::1], f[::1], uint8[::1]) + (_i,) * 12),
-    (_max_pool_bwd, lambda f: (f[::1], uint8[::1], f[::1]) + (_i,) * 14),
+    (_max_pool_fwd, lambda f: (f[::1], f[::1], uint8[::1], _POOL, _STRIDES, _i)),
+    (_max_pool_bwd, lambda f: (f[::1], uint8[::1], f[::1], _POOL, _i, _i, _STRIDES, _i)),
     (_gap_fwd, lambda f: (f[::1], f[::1]) + (_i,) * 7),
     (_gap_bwd, lambda f: (f[::1], f[::1]) + (_i,) * 7),
     (_xent_rows, lambda f: (f[:, ::1], int64[::1], float64[::1], float64[::1])),

@@ -150,33 +150,34 @@ def _update_running(running_mean, running_var, mean, var, count, momentum):
 # --------------------------------------------------------------------------- fused forward
 
 @cuda.jit(cache=True)
-def _apply(x, z, has_z, mean, invstd, gamma, beta, relu, C, B, y, mask, want_mask):
-    # x, z, y: (size,) flat; mean, invstd: (C,) float64; gamma, beta: (C,);
-    # mask: (ceil(size/8),) uint8, bit j%8 of byte j//8 set where y[j] > 0
-    _apply_walk(x, z, has_z, mean, invstd, False, 0.0, gamma, beta, relu, C, B, y, mask,
-                want_mask)
+def _apply(x, z, mean, invstd, gamma, beta, dims, y, mask, flags):
+    # x, z, y: (size,) flat; mean, invstd: (C,) float64; gamma, beta: (C,); dims = (C, B);
+    # mask: (ceil(size/8),) uint8, bit j%8 of byte j//8 set where y[j] > 0;
+    # flags = (has_z, relu, want_mask)
+    _apply_walk(x, z, mean, invstd, False, 0.0, gamma, beta, dims, y, mask, flags)
 
 
 @cuda.jit(cache=True)
-def _apply_running(x, z, has_z, running_mean, running_var, eps, gamma, beta, relu, C, B, y,
-                   mask, want_mask, mean, invstd):
+def _apply_running(x, z, running_mean, running_var, eps, gamma, beta, dims, y, mask, flags,
+                   saved):
     # inference: ``_apply`` with each channel's mean and invstd taken from the running
-    # statistics (C,) as the walk meets it, and also written to mean, invstd (C,) float64
-    # (saved for backward) by the first C threads of the grid: no statistics kernel
-    for c in range(cuda.grid(1), C, cuda.gridsize(1)):
-        mean[c] = running_mean[c]
-        invstd[c] = _invstd_of(float64(running_var[c]), eps)
-    _apply_walk(x, z, has_z, running_mean, running_var, True, eps, gamma, beta, relu, C, B,
-                y, mask, want_mask)
+    # statistics (C,) as the walk meets it, and also written to saved (2, C) float64, rows
+    # mean, invstd (saved for backward), by the first C threads of the grid: no statistics
+    # kernel
+    for c in range(cuda.grid(1), dims[0], cuda.gridsize(1)):
+        saved[0, c] = running_mean[c]
+        saved[1, c] = _invstd_of(float64(running_var[c]), eps)
+    _apply_walk(x, z, running_mean, running_var, True, eps, gamma, beta, dims, y, mask, flags)
 
 
 @cuda.jit(device=True, inline=True)
-def _apply_walk(x, z, has_z, src_m, src_v, from_running, eps, gamma, beta, relu, C, B, y,
-                mask, want_mask):
+def _apply_walk(x, z, src_m, src_v, from_running, eps, gamma, beta, dims, y, mask, flags):
     # the flat walk of the apply kernels; channel c's (mean, invstd) is (src_m[c], src_v[c])
     # or, ``from_running``, (running_mean[c], invstd_of(running_var[c], eps)). Element
     # offsets are uint32 (the host keeps size < 2**31: ``_flat_grid``): no 64-bit index math
     # and no negative-index wraparound code per element
+    C, B = dims
+    has_z, relu, want_mask = flags
     bits = cuda.shared.array(BLOCK, int32)          # portable mask assembly
     prm = cuda.local.array((U, 4), gamma.dtype)     # per group: m_hi, m_lo, scale, beta
     chan = cuda.local.array(U, int32)               # ... of this channel (-1: none yet)
@@ -287,12 +288,14 @@ def _bwd_finalize(partials, nparts, gamma, invstd, count, training, ggamma, gbet
 
 
 @cuda.jit(cache=True)
-def _bwd_apply(gy, x, mean, coefs, like, state_kind, ystate, mask, C, B, gx, want_gx, gz,
-               want_gz):
+def _bwd_apply(gy, x, mean, coefs, like, state_kind, ystate, mask, dims, gx, gz, wants):
     # gy, x, ystate, gx, gz: (size,) flat; per-channel float64 mean (C,) and coefficients
     # coefs (3, C) rows cg, cx, c0; like: (1,) of the dtype the element math runs in (x's,
-    # float32 for a float16 x). Offsets uint32 (as in _apply_walk); the ReLU gate's y (or
-    # mask byte) is loaded beside gy and applied after every load of the round is issued
+    # float32 for a float16 x); dims = (C, B); wants = (want_gx, want_gz). Offsets uint32
+    # (as in _apply_walk); the ReLU gate's y (or mask byte) is loaded beside gy and applied
+    # after every load of the round is issued
+    C, B = dims
+    want_gx, want_gz = wants
     prm = cuda.local.array((U, 5), like.dtype)      # per group: m_hi, m_lo, cg, cx, c0
     chan = cuda.local.array(U, int32)
     gv = cuda.local.array(U, x.dtype)
@@ -422,8 +425,8 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     if x.size:
         xf = flat(x)                                              # (size,)
         zf = xf if z is None else flat(z)             # x stands in for "no z"
-        launch(_apply, *_flat_grid(x.size, C, B), xf, zf, z is not None, mean, invstd, gamma,
-               beta, bool(relu), C, B, flat(y), mask, bool(want_mask))
+        launch(_apply, *_flat_grid(x.size, C, B), xf, zf, mean, invstd, gamma, beta, (C, B),
+               flat(y), mask, (z is not None, bool(relu), bool(want_mask)))
     return y, (mask if want_mask else None)
 
 
@@ -433,15 +436,16 @@ def apply_running(x, running_mean, running_var, eps, gamma, beta, z, relu, layou
     A, C, B = reduce.view(x.shape, layout)
     y = _empty(x.shape, x.dtype)
     mask = _empty(mask_nbytes(x.size), np.uint8) if want_mask else reduce._NO_MASK()
-    mean, invstd = _empty(C, np.float64), _empty(C, np.float64)
+    saved = _empty((2, C), np.float64)               # rows: mean, invstd
     xf = flat(x)                                                  # (size,)
     zf = xf if z is None else flat(z)                 # x stands in for "no z"
     blocks, threads = _flat_grid(x.size, C, B)
     blocks = max(blocks, -(-C // threads))                         # and C threads for the stats
     launch(_apply_running, blocks, threads,
-        xf, zf, z is not None, kernels.contiguous(running_mean),
-        kernels.contiguous(running_var), float(eps), gamma, beta, bool(relu), C, B,
-        flat(y), mask, bool(want_mask), mean, invstd)
+        xf, zf, kernels.contiguous(running_mean), kernels.contiguous(running_var), float(eps),
+        gamma, beta, (C, B), flat(y), mask, (z is not None, bool(relu), bool(want_mask)),
+        saved)
+    mean, invstd = rows(saved)
     return y, (mask if want_mask else None), mean, invstd
 
 
@@ -496,8 +500,8 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
             like = reduce._placeholder(validate.compute_dtype(dtype))
             launch(_bwd_apply, *_flat_grid(x.size, C, B),
                 flat(gy), flat(x), mean, coefs, like, state_kind,
-                flat(ystate), mask, C, B, flat(gx), bool(need_gx),
-                flat(gz), bool(need_gz))
+                flat(ystate), mask, (C, B), flat(gx), flat(gz),
+                (bool(need_gx), bool(need_gz)))
         gx = gx if need_gx else None
         gz = gz if need_gz else None
     return (gx, ggamma if need_ggamma else None, gbeta if need_gbeta else None, gz)
@@ -510,6 +514,9 @@ _STATS_FIN = lambda f: types.Tuple((float64[:, ::1], f[::1], f[::1], float64, fl
 _BWD_FIN = lambda f: types.Tuple((f[::1], float64[::1], float64, boolean, f[::1], f[::1],  # noqa
                                     float64[:, ::1]))
 _H = types.float16
+_DIMS = types.UniTuple(int64, 2)        # (C, B) of the (A, C, B) view
+_FLAGS = types.UniTuple(boolean, 3)     # _apply's (has_z, relu, want_mask)
+_WANTS = types.UniTuple(boolean, 2)     # _bwd_apply's (want_gx, want_gz)
 
 
 def _half(signature):
@@ -523,24 +530,21 @@ PTX_SIGNATURES = reduce.ptx_signatures([(reduce.ELEM_STATS, _finish_stats, _STAT
     (_inference_stats, lambda f: (f[::1], f[::1], float64, float64[::1], float64[::1])),
     (_update_running, lambda f: (f[::1], f[::1], float64[::1], float64[::1], float64,
                                  float64)),
-    (_apply, lambda f: (f[::1], f[::1], boolean, float64[::1], float64[::1], f[::1], f[::1],
-                        boolean, int64, int64, f[::1], uint8[::1], boolean)),
-    (_apply_running, lambda f: (f[::1], f[::1], boolean, f[::1], f[::1], float64, f[::1],
-                                f[::1], boolean, int64, int64, f[::1], uint8[::1], boolean,
-                                float64[::1], float64[::1])),
+    (_apply, lambda f: (f[::1], f[::1], float64[::1], float64[::1], f[::1], f[::1], _DIMS,
+                        f[::1], uint8[::1], _FLAGS)),
+    (_apply_running, lambda f: (f[::1], f[::1], f[::1], f[::1], float64, f[::1], f[::1],
+                                _DIMS, f[::1], uint8[::1], _FLAGS, float64[:, ::1])),
     (_bwd_finalize, lambda f: (float64[:, :, ::1], int64, f[::1], float64[::1], float64,
                                boolean, f[::1], f[::1], float64[::1], float64[::1],
                                float64[::1])),
     (_bwd_apply, lambda f: (f[::1], f[::1], float64[::1], float64[:, ::1], f[::1], int64,
-                            f[::1], uint8[::1], int64, int64, f[::1], boolean, f[::1],
-                            boolean)),
+                            f[::1], uint8[::1], _DIMS, f[::1], f[::1], _WANTS)),
     # float16 activations with float32 parameters (the ops convert half parameters)
-    (_apply, _half((_H[::1], _H[::1], boolean, float64[::1], float64[::1], float32[::1],
-                    float32[::1], boolean, int64, int64, _H[::1], uint8[::1], boolean))),
-    (_apply_running, _half((_H[::1], _H[::1], boolean, float32[::1], float32[::1], float64,
-                            float32[::1], float32[::1], boolean, int64, int64, _H[::1],
-                            uint8[::1], boolean, float64[::1], float64[::1]))),
+    (_apply, _half((_H[::1], _H[::1], float64[::1], float64[::1], float32[::1], float32[::1],
+                    _DIMS, _H[::1], uint8[::1], _FLAGS))),
+    (_apply_running, _half((_H[::1], _H[::1], float32[::1], float32[::1], float64,
+                            float32[::1], float32[::1], _DIMS, _H[::1], uint8[::1], _FLAGS,
+                            float64[:, ::1]))),
     (_bwd_apply, _half((_H[::1], _H[::1], float64[::1], float64[:, ::1], float32[::1], int64,
-                        _H[::1], uint8[::1], int64, int64, _H[::1], boolean, _H[::1],
-                        boolean))),
+                        _H[::1], uint8[::1], _DIMS, _H[::1], _H[::1], _WANTS))),
 ]

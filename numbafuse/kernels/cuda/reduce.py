@@ -204,11 +204,14 @@ def _channel_params(kind, a, mean, c, B, cvt):
 
 @functools.lru_cache(maxsize=None)
 def nchw_walk(kind):
-    """``walk(a, b, aux, mask, state_kind, C, B, c, lo, hi, p0, p1, offs)``: this
-    thread's two sums of the ``kind`` quantities over values [lo, hi) of channel c (of M =
-    A*B), lane-contiguous, U loads in flight; ``offs``: a (U,) int32 local array."""
+    """``walk(a, b, aux, mask, state_kind, C, B, c, span, prm, offs)``: this thread's two
+    sums of the ``kind`` quantities over values [lo, hi) = ``span`` of channel c (of M =
+    A*B), lane-contiguous, U loads in flight; ``prm``: the channel's (p0, p1); ``offs``: a
+    (U,) int32 local array."""
     @cuda.jit(device=True, inline=True)
-    def walk(a, b, aux, mask, state_kind, C, B, c, lo, hi, p0, p1, offs):
+    def walk(a, b, aux, mask, state_kind, C, B, c, span, prm, offs):
+        lo, hi = span
+        p0, p1 = prm
         t = int32(cuda.threadIdx.x)
         T = int32(cuda.blockDim.x)
         CB = int32(C * B)
@@ -236,11 +239,15 @@ def nchw_walk(kind):
 
 @functools.lru_cache(maxsize=None)
 def nhwc_walk(kind):
-    """``walk(a, b, aux, mask, state_kind, C, c, lo, hi, p0, p1, rg, RG, offs)``: this
-    thread's two sums over rows rg, rg + RG, ... of [lo, hi) of channel c (lane = channel),
-    U rows' loads in flight; ``offs``: a (U,) int32 local array."""
+    """``walk(a, b, aux, mask, state_kind, C, c, span, prm, groups, offs)``: this thread's
+    two sums over rows rg, rg + RG, ... (``groups`` = (rg, RG)) of [lo, hi) = ``span`` of
+    channel c (lane = channel), U rows' loads in flight; ``prm``: the channel's (p0, p1);
+    ``offs``: a (U,) int32 local array."""
     @cuda.jit(device=True, inline=True)
-    def walk(a, b, aux, mask, state_kind, C, c, lo, hi, p0, p1, rg, RG, offs):
+    def walk(a, b, aux, mask, state_kind, C, c, span, prm, groups, offs):
+        lo, hi = span
+        p0, p1 = prm
+        rg, RG = groups
         s1 = float64(0.0)
         s2 = float64(0.0)
         m = int32(lo + rg)
@@ -329,7 +336,7 @@ def channel_partials_kernel(kind, nhwc, finish=None):
             lo, hi = part_range(int32(a.size // C), int32(cuda.blockIdx.x), parts)
             for c in range(cuda.blockIdx.y, C, cuda.gridDim.y):   # block-uniform bounds
                 p0, p1 = _channel_params(kind, a, mean, c, B, cvt)
-                s1, s2 = walk(a, b, aux, mask, state_kind, C, B, c, lo, hi, p0, p1, offs)
+                s1, s2 = walk(a, b, aux, mask, state_kind, C, B, c, (lo, hi), (p0, p1), offs)
                 s1, s2 = block_sum2(s1, s2, buf_a, buf_b)
                 if cuda.threadIdx.x == 0:
                     partials[c, cuda.blockIdx.x, 0] = s1
@@ -365,7 +372,8 @@ def channel_partials_kernel(kind, nhwc, finish=None):
             s2 = float64(0.0)
             if c < C:
                 p0, p1 = _channel_params(kind, a, mean, c, 1, cvt)
-                s1, s2 = walk(a, b, aux, mask, state_kind, C, c, lo, hi, p0, p1, rg, RG, offs)
+                s1, s2 = walk(a, b, aux, mask, state_kind, C, c, (lo, hi), (p0, p1), (rg, RG),
+                              offs)
             buf_a[t] = s1
             buf_b[t] = s2
             cuda.syncthreads()  # every row group's sums are in buf_*
