@@ -406,10 +406,12 @@ class BatchNormArgs:
 SAVE_POLICIES = ("output", "mask")
 
 
-def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=None,
-                   training=True, momentum=0.1, eps=1e-5, layout="NCHW", save="output",
-                   synced=False, updates=True) -> BatchNormArgs:
+def batchnorm_args(op, arrays, training=True, momentum=0.1, eps=1e-5, layout="NCHW",
+                   save="output", synced=False, updates=True) -> BatchNormArgs:
     """Validate a batch-norm(-add-relu) call; a named ValueError/TypeError, nothing written.
+
+    ``arrays``: the call's arrays by name, x, gamma, beta and (absent or None where the call
+    has none) z, running_mean, running_var.
 
     ``synced``: the statistics are those of a batch spread over several processes
     (synchronized batch norm), so this process may hold no sample (N = 0) and the "more than
@@ -424,6 +426,8 @@ def batchnorm_args(op, x, gamma, beta, z=None, running_mean=None, running_var=No
     non-array arguments is checked by :func:`_batchnorm_static`, cached per signature
     (errors are raised again each time, never cached), in the same order as before.
     """
+    x, z, gamma, beta, running_mean, running_var = (
+        arrays.get(n) for n in ("x", "z", "gamma", "beta", "running_mean", "running_var"))
     if x is None or gamma is None or beta is None:
         missing = [n for n, a in (("x", x), ("gamma", gamma), ("beta", beta)) if a is None]
         raise TypeError(f"{op}: {', '.join(missing)} must be an array, got None")

@@ -15,8 +15,8 @@ GUARD = np.float32(-777.0)
 
 
 @njit(nogil=True)
-def _via_blas(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-    cpu_blas.gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+def _via_blas(blas, ta, tb, mnk, alpha, a, lda, b, ldb, beta, c, ldc):
+    cpu_blas.gemm(blas, ta, tb, mnk, alpha, a, lda, b, ldb, beta, c, ldc)
 
 
 def _case(rng, m, n, k, pad=3):
@@ -51,7 +51,7 @@ def test_gemm_small_every_panel_and_row_remainder(n, m, rng):
                     pa, lda = at.ctypes.data, at.shape[1]
                 else:
                     pa, lda = a.ctypes.data, a.shape[1]
-                cpu_gemm.gemm_small(ta, m, n, k, pa, lda, b.ctypes.data, b.shape[1], beta,
+                cpu_gemm.gemm_small(ta, (m, n, k), pa, lda, b.ctypes.data, b.shape[1], beta,
                                     c.ctypes.data, c.shape[1], 0, 0)
                 np.testing.assert_allclose(c, want, rtol=2e-5, atol=2e-5 * max(k, 1) ** 0.5,
                                            err_msg=f"m={m} n={n} k={k} beta={beta} ta={ta}")
@@ -104,7 +104,7 @@ def test_blas_gemm_dispatch_gives_the_product(small, monkeypatch, rng):
             c = rng.standard_normal((m, n)).astype(dtype)
             want = alpha * ((a.T if ta else a).astype(np.float64)
                             @ (b.T if tb else b).astype(np.float64)) + beta * c
-            _via_blas(blas, ta, tb, m, n, k, alpha, a, a.shape[1], b, b.shape[1], beta, c, n)
+            _via_blas(blas, ta, tb, (m, n, k), alpha, a, a.shape[1], b, b.shape[1], beta, c, n)
             tol = 1e-5 if dtype == np.float32 else 1e-12
             np.testing.assert_allclose(c, want, rtol=tol, atol=tol * 10,
                                        err_msg=f"{dtype.__name__} {(m, n, k, ta, tb, alpha, beta)}")

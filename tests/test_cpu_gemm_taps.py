@@ -29,7 +29,7 @@ def _problem(rng, m, n, k, ntaps, pad=3):
 
 def _run(pool, starts, offs, b, c, m, n, k, bias, relu, wide):
     rows = pool.ctypes.data + 4 * starts                      # int64 addresses
-    gt.gemm_taps(m, n, k, offs.size, rows.ctypes.data, offs.ctypes.data, b.ctypes.data,
+    gt.gemm_taps((m, n, k), offs.size, rows.ctypes.data, offs.ctypes.data, b.ctypes.data,
                  b.shape[2], c.ctypes.data, c.shape[1],
                  0 if bias is None else bias.ctypes.data, int(relu), int(wide))
 

@@ -8,7 +8,7 @@ from .. import autograd, backend
 from ..autograd import Tensor
 from .ir import Value
 from .remap import remap
-from .trace import _trace
+from .trace import trace_calls
 
 
 def _signature(obj):
@@ -63,7 +63,7 @@ class Compiled:
         key = self.key(inputs)
         graph = self.graphs.get(key)
         if graph is None:
-            traced, result = _trace(self.fn, inputs)
+            traced, result = trace_calls(self.fn, inputs)
             self.graph = self.graphs[key] = remap(traced)
             return result
         self.graph = graph

@@ -57,7 +57,10 @@ class _Tracer:
                                target=type(function)))
 
 
-def _trace(fn, example_inputs):
+def trace_calls(fn, example_inputs):
+    """``(graph, result)``: the Graph of the Function calls made by ``fn(*example_inputs)``
+    and what that call returned (``trace`` keeps only the graph; ``fusion.compile`` needs
+    both)."""
     tracer = _Tracer()
     inputs = []
     for i, obj in enumerate(example_inputs):
@@ -107,4 +110,4 @@ def trace(fn, *example_inputs) -> Graph:
     >>> g.ops
     ['add']
     """
-    return _trace(fn, example_inputs)[0]
+    return trace_calls(fn, example_inputs)[0]

@@ -292,10 +292,10 @@ def forward(op, x, z, gamma, beta, p, relu, with_mask, save="output", args=None)
     """
     synced = p.comm is not None and p.training
     if args is None:
-        args = validate.batchnorm_args(op, x, gamma, beta, z=z, running_mean=p.running_mean,
-                                       running_var=p.running_var, training=p.training,
-                                       momentum=p.momentum, eps=p.eps, layout=p.layout,
-                                       save=save, synced=synced)
+        args = validate.batchnorm_args(
+            op, dict(x=x, z=z, gamma=gamma, beta=beta, running_mean=p.running_mean,
+                     running_var=p.running_var), training=p.training, momentum=p.momentum,
+            eps=p.eps, layout=p.layout, save=save, synced=synced)
     check_comm(op, p.comm, x, args.C, args.layout, p.training, args.eps, args.momentum,
                p.running_mean is not None, relu)
     x_kept = kernels.contiguous(x)
@@ -511,9 +511,10 @@ def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, runnin
         raise ValueError(f"{op}: without y or mask, z and beta are needed to recompute the "
                          f"ReLU state")
     beta_check = beta if beta is not None else gamma
-    args = validate.batchnorm_args(op, x, gamma, beta_check, z=z, running_mean=running_mean,
-                                   running_var=running_var, training=training, momentum=0.0,
-                                   eps=eps, layout=layout, updates=False)
+    args = validate.batchnorm_args(
+        op, dict(x=x, z=z, gamma=gamma, beta=beta_check, running_mean=running_mean,
+                 running_var=running_var), training=training, momentum=0.0, eps=eps,
+        layout=layout, updates=False)
     backend.backend_of(op, dy=dy, x=x, y=y, mask=mask)
     validate.check_float_dtypes(op, half=True, dy=dy, x=x, y=y)
     validate.check_same_shape(op, "dy", dy, "x", x)

@@ -129,16 +129,14 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
 
     # fwd :: (x, w, weight, bias) -> (y, residuals=(x, w, weight, [bias], mean, invstd))
     @staticmethod
-    def forward(ctx, x, w, weight, bias, running_mean, running_var, training, momentum, eps,
-                geometry, relu, device, recompute):
-        p = ops_params(_cbn.ConvBatchNormReLU, geometry, training, momentum, eps,
-                       running_mean, running_var, recompute, relu=relu)
+    def forward(ctx, x, w, weight, bias, running_mean, running_var, p, geometry, device):
+        # p: ConvBatchNormReLU.Params (ops_params) on running_mean's and running_var's arrays
         layout = geometry.layout
         with launch_order(device):
             y, call, saved = _cbn.forward(_cbn.OP, p, as_array(x, layout), as_array(w),
                                           as_array(weight), as_array(bias))
         save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight, beta=bias), device)
-        if training and running_mean is not None:
+        if p.training and running_mean is not None:
             updated_in_place(running_mean, running_var)
         return as_tensor(y, device, layout)
 
@@ -152,7 +150,7 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
                                                    as_array(dy, layout),
                                                    tuple(ctx.needs_input_grad[:4]))
         return (as_tensor(dx, d, layout), as_tensor(dw, d), as_tensor(dweight, d),
-                as_tensor(dbias, d)) + (None,) * 9
+                as_tensor(dbias, d)) + (None,) * 5
 
 
 def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None, training=True,
@@ -210,8 +208,9 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
                             running_mean=running_mean, running_var=running_var,
                             training=bool(training), momentum=momentum, eps=eps,
                             count=geometry.N * geometry.P * geometry.Q)
-    args = (x, w, weight, bias, running_mean, running_var, bool(training), momentum, eps,
-            geometry, bool(relu), device, bool(recompute))
+    p = ops_params(_cbn.ConvBatchNormReLU, geometry, bool(training), momentum, eps,
+                   running_mean, running_var, bool(recompute), relu=bool(relu))
+    args = (x, w, weight, bias, running_mean, running_var, p, geometry, device)
     if not needs_grad(x, w, weight, bias):
         return ConvBatchNormReLUFunction.forward(Unrecorded(), *args)
     return ConvBatchNormReLUFunction.apply(*args)
@@ -235,10 +234,8 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
 
     # fwd :: (x, w, z, weight, bias) -> (y, residuals=(x, w, weight, mean, invstd, mask, [h]))
     @staticmethod
-    def forward(ctx, x, w, z, weight, bias, running_mean, running_var, training, momentum, eps,
-                geometry, recompute, device):
-        p = ops_params(_cbn.ConvBatchNormAddReLU, geometry, training, momentum, eps,
-                       running_mean, running_var, recompute)
+    def forward(ctx, x, w, z, weight, bias, running_mean, running_var, p, geometry, device):
+        # p: ConvBatchNormAddReLU.Params (ops_params) on the running statistics' arrays
         layout = geometry.layout                      # NHWC for a channels_last x
         with launch_order(device):
             y, call, saved = _cbn.add_forward(_cbn.ConvBatchNormAddReLU.name, p,
@@ -246,7 +243,7 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
                                               as_array(z, layout), as_array(weight),
                                               as_array(bias))
         save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight), device)
-        if training and running_mean is not None:
+        if p.training and running_mean is not None:
             updated_in_place(running_mean, running_var)
         return as_tensor(y, device, layout)
 
@@ -260,7 +257,7 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
                                                            as_array(dy, layout),
                                                            tuple(ctx.needs_input_grad[:5]))
         return (as_tensor(dx, d, layout), as_tensor(dw, d), as_tensor(dz, d, layout),
-                as_tensor(dweight, d), as_tensor(dbias, d)) + (None,) * 8
+                as_tensor(dweight, d), as_tensor(dbias, d)) + (None,) * 5
 
 
 def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_var=None,
@@ -313,8 +310,9 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
                             running_mean=running_mean, running_var=running_var,
                             training=bool(training), momentum=momentum, eps=eps,
                             count=geometry.N * geometry.P * geometry.Q)
-    args = (x, w, z, weight, bias, running_mean, running_var, bool(training), momentum, eps,
-            geometry, bool(recompute), device)
+    p = ops_params(_cbn.ConvBatchNormAddReLU, geometry, bool(training), momentum, eps,
+                   running_mean, running_var, bool(recompute))
+    args = (x, w, z, weight, bias, running_mean, running_var, p, geometry, device)
     if not needs_grad(x, w, z, weight, bias):
         return ConvBatchNormAddReLUFunction.forward(Unrecorded(), *args)
     return ConvBatchNormAddReLUFunction.apply(*args)

@@ -228,9 +228,10 @@ def conv_batchnorm_relu(x: Tensor, w: Tensor, weight: Tensor, bias: Tensor,
     device = _layers.check_tensors(op, x=x, w=w, weight=weight, bias=bias,
                                    running_mean=running_mean, running_var=running_var)
     ctx = _Ctx()
-    y = _cbn.ConvBatchNormReLUFunction.forward(
-        ctx, x, w, weight, bias, running_mean, running_var, training, 0.0, eps, geometry, relu,
-        device, True)
+    p = _cbn.ops_params(_ops.ConvBatchNormReLU, geometry, training, 0.0, eps, running_mean,
+                        running_var, relu=relu)
+    y = _cbn.ConvBatchNormReLUFunction.forward(ctx, x, w, weight, bias, running_mean,
+                                               running_var, p, geometry, device)
     saved = dict(zip(ctx.names, ctx.saved_tensors))
     return y, saved["mean"], saved["invstd"]
 
@@ -299,9 +300,10 @@ def conv_batchnorm_add_relu(x: Tensor, w: Tensor, z: Tensor, weight: Tensor, bia
     validate.running_stats(op, geometry.K, geometry.N * geometry.P * geometry.Q, running_mean,
                            running_var, training, 0.0, eps)
     ctx = _Ctx()
-    y = _cbn.ConvBatchNormAddReLUFunction.forward(
-        ctx, x, w, z, weight, bias, running_mean, running_var, training, 0.0, eps,
-        geometry, True, device)
+    p = _cbn.ops_params(_ops.ConvBatchNormAddReLU, geometry, training, 0.0, eps, running_mean,
+                        running_var)
+    y = _cbn.ConvBatchNormAddReLUFunction.forward(ctx, x, w, z, weight, bias, running_mean,
+                                                  running_var, p, geometry, device)
     saved = dict(zip(ctx.names, ctx.saved_tensors))
     return y, saved["mean"], saved["invstd"], saved["relu_state"]
 

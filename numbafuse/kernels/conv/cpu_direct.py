@@ -62,10 +62,14 @@ def _span(left, b, sw, Ws, Wq):
 
 
 @njit(nogil=True, cache=True)
-def _plane_chw(src, gate, use_gate, n, u0, nrows, sh, a, sw, b, top, left, Wq, dst):
-    # src, gate: (N, C, Hs, Ws); dst: (C, ld) <- dst[c, i*Wq + j] = pad[(u0 + i)*sh + a,
-    # j*sw + b] for i < nrows, j < Wq, pad = src (times gate > 0) shifted by top rows and left
-    # columns, zero outside; the columns past nrows*Wq (read by the last views) are zeroed
+def _plane_chw(src, gate, use_gate, rows, phase, pad, Wq, dst):
+    # src, gate: (N, C, Hs, Ws); rows = (n, u0, nrows), phase = (sh, a, sw, b), pad = (top,
+    # left); dst: (C, ld) <- dst[c, i*Wq + j] = padded[(u0 + i)*sh + a, j*sw + b] for i <
+    # nrows, j < Wq, padded = src[n] (times gate > 0) shifted by top rows and left columns,
+    # zero outside; the columns past nrows*Wq (read by the last views) are zeroed
+    n, u0, nrows = rows
+    sh, a, sw, b = phase
+    top, left = pad
     C, Hs, Ws = src.shape[1], src.shape[2], src.shape[3]
     jlo, jhi = _span(left, b, sw, Ws, Wq)
     w0 = jlo * sw + b - left                                     # source column of jlo
@@ -97,9 +101,12 @@ def _plane_chw(src, gate, use_gate, n, u0, nrows, sh, a, sw, b, top, left, Wq, d
 
 
 @njit(nogil=True, cache=True)
-def _plane_hwc(src, gate, use_gate, n, u0, nrows, sh, a, sw, b, top, left, Wq, dst):
-    # src, gate: (N, Hs, Ws, C); dst: (ld, C) <- dst[i*Wq + j] = pad[(u0 + i)*sh + a, j*sw + b]
-    # as in _plane_chw; rows past nrows*Wq zeroed
+def _plane_hwc(src, gate, use_gate, rows, phase, pad, Wq, dst):
+    # src, gate: (N, Hs, Ws, C); dst: (ld, C) <- dst[i*Wq + j] = padded[(u0 + i)*sh + a,
+    # j*sw + b] as in _plane_chw; rows past nrows*Wq zeroed
+    n, u0, nrows = rows
+    sh, a, sw, b = phase
+    top, left = pad
     Hs, Ws, C = src.shape[1], src.shape[2], src.shape[3]
     jlo, jhi = _span(left, b, sw, Ws, Wq)
     w0 = jlo * sw + b - left
@@ -170,12 +177,12 @@ def phase_tasks(t0, t1, x, wtap, taps, dims, bias, relu, nhwc, blas, y):
         ld = (o1 - o0 + ext) * Wq + slack
         if nhwc:
             for pi in range(npl):
-                _plane_hwc(x, x, OFF, n, o0, o1 - o0 + ext, sh, planes[pi, 0], sw,
-                           planes[pi, 1], ph, pw, Wq, pbuf[pi, :ld * C].reshape((ld, C)))
+                _plane_hwc(x, x, OFF, (n, o0, o1 - o0 + ext), (sh, planes[pi, 0], sw,
+                           planes[pi, 1]), (ph, pw), Wq, pbuf[pi, :ld * C].reshape((ld, C)))
             ob = obuf[:m * K].reshape((m, K))                     # (m', K)
             for tap in range(wtap.shape[0]):
                 pb = pbuf[tap_plane[tap], :ld * C].reshape((ld, C))
-                _blas.gemm(blas, False, False, m, K, C, 1.0, pb[tap_off[tap]:], C, wtap[tap],
+                _blas.gemm(blas, False, False, (m, K, C), 1.0, pb[tap_off[tap]:], C, wtap[tap],
                            K, 0.0 if tap == 0 else 1.0, ob, K)
             for p in range(o0, o1):
                 for q in range(Q):
@@ -185,12 +192,12 @@ def phase_tasks(t0, t1, x, wtap, taps, dims, bias, relu, nhwc, blas, y):
                         dr[k] = _relu(v) if relu else v
         else:
             for pi in range(npl):
-                _plane_chw(x, x, OFF, n, o0, o1 - o0 + ext, sh, planes[pi, 0], sw,
-                           planes[pi, 1], ph, pw, Wq, pbuf[pi, :C * ld].reshape((C, ld)))
+                _plane_chw(x, x, OFF, (n, o0, o1 - o0 + ext), (sh, planes[pi, 0], sw,
+                           planes[pi, 1]), (ph, pw), Wq, pbuf[pi, :C * ld].reshape((C, ld)))
             ob = obuf[:K * m].reshape((K, m))                     # (K, m')
             for tap in range(wtap.shape[0]):
                 pb = pbuf[tap_plane[tap], :C * ld].reshape((C, ld))
-                _blas.gemm(blas, False, False, K, m, C, 1.0, wtap[tap], C, pb[:, tap_off[tap]:],
+                _blas.gemm(blas, False, False, (K, m, C), 1.0, wtap[tap], C, pb[:, tap_off[tap]:],
                            ld, 0.0 if tap == 0 else 1.0, ob, m)
             for k in range(K):
                 bk = bias[k]
@@ -241,12 +248,12 @@ def phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas, 
                 if not need_dw:
                     continue
                 for pi in range(npl):
-                    _plane_hwc(x, x, OFF, n, p0, p1 - p0 + ext, sh, planes[pi, 0], sw,
-                               planes[pi, 1], ph, pw, Wq, pbuf[pi, :ld * C].reshape((ld, C)))
+                    _plane_hwc(x, x, OFF, (n, p0, p1 - p0 + ext), (sh, planes[pi, 0], sw,
+                               planes[pi, 1]), (ph, pw), Wq, pbuf[pi, :ld * C].reshape((ld, C)))
                 for tap in range(tap_plane.shape[0]):
                     pb = pbuf[tap_plane[tap], :ld * C].reshape((ld, C))
                     # dW_rs (K, C) += g'^T (K, m') @ plane[off:off+m'] (m', C)
-                    _blas.gemm(blas, True, False, K, C, m, 1.0, g, K, pb[tap_off[tap]:], C,
+                    _blas.gemm(blas, True, False, (K, C, m), 1.0, g, K, pb[tap_off[tap]:], C,
                                beta, dw_parts[grp, tap], C)
             else:
                 g = gbuf[:K * m].reshape((K, m))                  # (K, m'), junk columns 0
@@ -261,12 +268,12 @@ def phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas, 
                 if not need_dw:
                     continue
                 for pi in range(npl):
-                    _plane_chw(x, x, OFF, n, p0, p1 - p0 + ext, sh, planes[pi, 0], sw,
-                               planes[pi, 1], ph, pw, Wq, pbuf[pi, :C * ld].reshape((C, ld)))
+                    _plane_chw(x, x, OFF, (n, p0, p1 - p0 + ext), (sh, planes[pi, 0], sw,
+                               planes[pi, 1]), (ph, pw), Wq, pbuf[pi, :C * ld].reshape((C, ld)))
                 for tap in range(tap_plane.shape[0]):
                     pb = pbuf[tap_plane[tap], :C * ld].reshape((C, ld))
                     # dW_rs (K, C) += g' (K, m') @ plane[:, off:off+m']^T (m', C)
-                    _blas.gemm(blas, False, True, K, C, m, 1.0, g, m, pb[:, tap_off[tap]:], ld,
+                    _blas.gemm(blas, False, True, (K, C, m), 1.0, g, m, pb[:, tap_off[tap]:], ld,
                                beta, dw_parts[grp, tap], C)
 
 
@@ -302,12 +309,12 @@ def phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, 
         ld = (i1 - i0 + gext) * Wg + slack
         if nhwc:
             gb = gpad[:ld * K].reshape((ld, K))
-            _plane_hwc(gy, y, use_mask, n, i0 + gmin, i1 - i0 + gext, one, zero, one, zero, zero,
-                       gleft, Wg, gb)
+            _plane_hwc(gy, y, use_mask, (n, i0 + gmin, i1 - i0 + gext), (one, zero, one, zero),
+                       (zero, gleft), Wg, gb)
         else:
             gb = gpad[:K * ld].reshape((K, ld))
-            _plane_chw(gy, y, use_mask, n, i0 + gmin, i1 - i0 + gext, one, zero, one, zero, zero,
-                       gleft, Wg, gb)
+            _plane_chw(gy, y, use_mask, (n, i0 + gmin, i1 - i0 + gext), (one, zero, one, zero),
+                       (zero, gleft), Wg, gb)
         for f in range(sh * sw):
             a, b = f // sw, f % sw
             r1 = min(i1, (H - a + sh - 1) // sh)                  # this phase's rows
@@ -322,7 +329,7 @@ def phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, 
                     _gemm_taps.dense_rows(prow, np.int64(gb.ctypes.data), m, K)
                     for e in range(nt):
                         aoff[e] = ent_off[ph_start[f] + e] * K
-                    _gemm_taps.gemm_taps(np.int64(m), np.int64(C), np.int64(K), np.int64(nt),
+                    _gemm_taps.gemm_taps((np.int64(m), np.int64(C), np.int64(K)), np.int64(nt),
                                          np.int64(prow.ctypes.data), np.int64(aoff.ctypes.data),
                                          np.int64(wph.ctypes.data) + 4 * ph_start[f] * K * C,
                                          np.int64(C), np.int64(d.ctypes.data), np.int64(C),
@@ -331,7 +338,7 @@ def phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, 
                     if nt == 0:
                         d[:] = 0
                     for e in range(ph_start[f], ph_start[f] + nt):
-                        _blas.gemm(blas, False, False, m, C, K, 1.0, gb[ent_off[e]:], K,
+                        _blas.gemm(blas, False, False, (m, C, K), 1.0, gb[ent_off[e]:], K,
                                    wtap[ent_tap[e]], C, 0.0 if e == ph_start[f] else 1.0, d, C)
                 for i in range(i0, r1):
                     for j in range(Wb):
@@ -343,7 +350,7 @@ def phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, 
                 if nt == 0:
                     d[:] = 0
                 for e in range(ph_start[f], ph_start[f] + nt):
-                    _blas.gemm(blas, False, False, C, m, K, 1.0, wtap[ent_tap[e]], K,
+                    _blas.gemm(blas, False, False, (C, m, K), 1.0, wtap[ent_tap[e]], K,
                                gb[:, ent_off[e]:], ld, 0.0 if e == ph_start[f] else 1.0, d, m)
                 for c in range(C):
                     for i in range(i0, r1):
@@ -399,7 +406,7 @@ def pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, tap
             o = out[0, c0:c1]                                     # (m, Co)
             if taps:
                 _gemm_taps.dense_rows(rows, np.int64(a.ctypes.data), m, Ci)
-                _gemm_taps.gemm_taps(np.int64(m), np.int64(Co), np.int64(Ci), np.int64(1),
+                _gemm_taps.gemm_taps((np.int64(m), np.int64(Co), np.int64(Ci)), np.int64(1),
                                      np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data),
                                      np.int64(wm.ctypes.data), np.int64(Co),
                                      np.int64(o.ctypes.data), np.int64(Co),
@@ -408,7 +415,7 @@ def pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, tap
             elif relu or has_bias:                                  # the epilogue in cache
                 _blas.gemm_bias_relu(blas, m, Co, Ci, a, Ci, wm, Co, o, bias, relu)
             else:
-                _blas.gemm(blas, False, False, m, Co, Ci, 1.0, a, Ci, wm, Co, 0.0, o, Co)
+                _blas.gemm(blas, False, False, (m, Co, Ci), 1.0, a, Ci, wm, Co, 0.0, o, Co)
         else:
             b = src[n, :, c0:]                                    # (Ci, m), ld HW
             ldb = HW
@@ -420,7 +427,7 @@ def pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, tap
                         dr[i] = _relu_grad(sr[i], gr[i])
                 b = g
                 ldb = m
-            _blas.gemm(blas, False, False, Co, m, Ci, 1.0, wm, Ci, b, ldb, 0.0, out[n, :, c0:],
+            _blas.gemm(blas, False, False, (Co, m, Ci), 1.0, wm, Ci, b, ldb, 0.0, out[n, :, c0:],
                        HW)
             if relu or has_bias:                                  # in place, in cache
                 for k in range(Co):
@@ -464,12 +471,12 @@ def pointwise_dw_tasks(t0, t1, x, gy, y, use_mask, counts, need_dw, nhwc, blas, 
                 gated_hwc(gy[0], y[0], use_mask, c0, c1, g, 0, dbp)
                 if need_dw:
                     # dW (K, C) += g^T (K, m) @ x (m, C)
-                    _blas.gemm(blas, True, False, K, C, m, 1.0, g, K, x[0, c0:c1], C, beta,
+                    _blas.gemm(blas, True, False, (K, C, m), 1.0, g, K, x[0, c0:c1], C, beta,
                                dw_parts[grp], C)
             else:
                 g = gbuf[:K * m].reshape((K, m))                  # (K, m)
                 gated_chw(gy, y, use_mask, n, c0, c1, HW, 1, g, 0, dbp)
                 if need_dw:
                     # dW (K, C) += g (K, m) @ x[n][:, c0:c1]^T (m, C)
-                    _blas.gemm(blas, False, True, K, C, m, 1.0, g, m, x[n, :, c0:], HW, beta,
+                    _blas.gemm(blas, False, True, (K, C, m), 1.0, g, m, x[n, :, c0:], HW, beta,
                                dw_parts[grp], C)

@@ -229,12 +229,12 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, y):
             yb = ybuf[:m * kn].reshape((m, kn))                   # (m, kn)
             if pointwise:                                         # x's rows are the cols
                 xr = x.reshape((N * PQ, C))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]
-                _blas.gemm(blas, False, True, m, kn, C, 1.0, xr, C, wk, C, 0.0, yb, kn)
+                _blas.gemm(blas, False, True, (m, kn, C), 1.0, xr, C, wk, C, 0.0, yb, kn)
             else:
                 c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
                 for n in range(n0, n1):
                     _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
-                _blas.gemm(blas, False, True, m, kn, RSC, 1.0, c2, RSC, wk, RSC, 0.0, yb, kn)
+                _blas.gemm(blas, False, True, (m, kn, RSC), 1.0, c2, RSC, wk, RSC, 0.0, yb, kn)
             y2 = y.reshape((N * PQ, K))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]   # (m, K)
             for i in range(m):
                 src, dst = yb[i], y2[i, k0:k1]                    # (kn,) each
@@ -245,16 +245,16 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, y):
             yb = ybuf[:kn * m].reshape((kn, m))                   # (kn, m)
             if pointwise and n1 - n0 == 1:                        # x[n] (C, HW) is the cols
                 xs = x[n0].reshape((C, PQ))[:, p0 * Q:]           # (C, m), ld PQ
-                _blas.gemm(blas, False, False, kn, m, C, 1.0, wk, C, xs, PQ, 0.0, yb, m)
+                _blas.gemm(blas, False, False, (kn, m, C), 1.0, wk, C, xs, PQ, 0.0, yb, m)
             elif slab:
                 c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
                 _im2col_slab_step((x, n0, n1, p0, p1, geo, sbuf, c2, per))
-                _blas.gemm(blas, False, True, kn, m, RSC, 1.0, wk, RSC, c2, RSC, 0.0, yb, m)
+                _blas.gemm(blas, False, True, (kn, m, RSC), 1.0, wk, RSC, c2, RSC, 0.0, yb, m)
             else:
                 c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
                 for n in range(n0, n1):
                     _im2col_chw_step((x, n, p0, p1, geo, c2, (n - n0) * per))
-                _blas.gemm(blas, False, False, kn, m, RSC, 1.0, wk, RSC, c2, m, 0.0, yb, m)
+                _blas.gemm(blas, False, False, (kn, m, RSC), 1.0, wk, RSC, c2, m, 0.0, yb, m)
             for n in range(n0, n1):
                 for k in range(kn):
                     src = yb[k, (n - n0) * per:(n - n0 + 1) * per]   # (per,)
@@ -307,7 +307,7 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
                     for n in range(n0, n1):
                         _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
                 # dW (K, RSC) += g^T (K, m) @ cols (m, RSC)
-                _blas.gemm(blas, True, False, K, RSC, m, 1.0, g, K, c2, RSC, beta, dwp, RSC)
+                _blas.gemm(blas, True, False, (K, RSC, m), 1.0, g, K, c2, RSC, beta, dwp, RSC)
             else:
                 g = gbuf[:K * m].reshape((K, m))                  # (K, m)
                 for n in range(n0, n1):
@@ -318,14 +318,14 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
                     c2 = cols[:m * RSC].reshape((m, RSC))         # (m, R*S*C)
                     _im2col_slab_step((x, n0, n1, p0, p1, geo, sbuf, c2, per))
                     # dW (K, RSC) += g (K, m) @ cols (m, RSC)
-                    _blas.gemm(blas, False, False, K, RSC, m, 1.0, g, m, c2, RSC, beta, dwp,
+                    _blas.gemm(blas, False, False, (K, RSC, m), 1.0, g, m, c2, RSC, beta, dwp,
                                RSC)
                     continue
                 c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
                 for n in range(n0, n1):
                     _im2col_chw_step((x, n, p0, p1, geo, c2, (n - n0) * per))
                 # dW (K, RSC) += g (K, m) @ cols^T (m, RSC)
-                _blas.gemm(blas, False, True, K, RSC, m, 1.0, g, m, c2, m, beta, dwp, RSC)
+                _blas.gemm(blas, False, True, (K, RSC, m), 1.0, g, m, c2, m, beta, dwp, RSC)
 
 
 @task_kernel
@@ -363,7 +363,7 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, out):
             for n in range(N):
                 _im2col_hwc_step((x, n, 0, P, geo, c2, n * PQ))
             # dW[k0:k1] (kn, RSC) = g^T (kn, M) @ cols (M, RSC)
-            _blas.gemm(blas, True, False, kn, RSC, M, 1.0, g, kn, c2, RSC, 0.0, dwk[k0:k1],
+            _blas.gemm(blas, True, False, (kn, RSC, M), 1.0, g, kn, c2, RSC, 0.0, dwk[k0:k1],
                        RSC)
             continue
         g = gbuf[:kn * M].reshape((kn, M))                        # (kn, M)
@@ -374,13 +374,13 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, out):
         if slab:
             c2 = cols.reshape((M, RSC))                           # (M, R*S*C)
             _im2col_slab_step((x, 0, N, 0, P, geo, sbuf, c2, PQ))
-            _blas.gemm(blas, False, False, kn, RSC, M, 1.0, g, M, c2, RSC, 0.0, dwk[k0:k1],
+            _blas.gemm(blas, False, False, (kn, RSC, M), 1.0, g, M, c2, RSC, 0.0, dwk[k0:k1],
                        RSC)
         else:
             c2 = cols.reshape((RSC, M))                           # (C*R*S, M)
             for n in range(N):
                 _im2col_chw_step((x, n, 0, P, geo, c2, n * PQ))
-            _blas.gemm(blas, False, True, kn, RSC, M, 1.0, g, M, c2, M, 0.0, dwk[k0:k1], RSC)
+            _blas.gemm(blas, False, True, (kn, RSC, M), 1.0, g, M, c2, M, 0.0, dwk[k0:k1], RSC)
 
 
 # --------------------------------------------------------------------------- backward: dX
@@ -425,7 +425,7 @@ def dx_block_tasks(t0, t1, gy, y, use_mask, wmat, geo, cb, blas, dx):
                                                             if use_mask else v)
         d2 = dcols[:cn * RS * M].reshape((cn * RS, M))
         # dcols (cn*RS, M) = wmat[:, block]^T @ g
-        _blas.gemm(blas, True, False, cn * RS, M, K, 1.0, wmat[:, c0 * RS:], C * RS, g, M,
+        _blas.gemm(blas, True, False, (cn * RS, M, K), 1.0, wmat[:, c0 * RS:], C * RS, g, M,
                    0.0, d2, M)
         for n in range(N):
             if nhwc:                                              # this block's channels
@@ -572,7 +572,7 @@ def dx_tasks(t0, t1, gy, y, use_mask, geo, chunks, taps, weights, blas, dx):
                     _gcols_hwc(gy, y, use_mask, (n, i0, i1, Wb, P, Q, (n - n0) * per),
                                (tr, orr, ts, os_), gc)
                 wp = wphase[woff[f]:woff[f] + T * K * C]          # (T*K, C) flat
-                _blas.gemm(blas, False, False, m, C, T * K, 1.0, gc, T * K, wp, C, 0.0, d, C)
+                _blas.gemm(blas, False, False, (m, C, T * K), 1.0, gc, T * K, wp, C, 0.0, d, C)
             for n in range(n0, n1):
                 for i in range(i0, i1):
                     h = a + i * sh
@@ -591,7 +591,7 @@ def dx_tasks(t0, t1, gy, y, use_mask, geo, chunks, taps, weights, blas, dx):
                     _gcols_chw(gy, y, use_mask, (n, i0, i1, Wb, P, Q, (n - n0) * per),
                                (tr, orr, ts, os_), gc)
                 wp = wphase[woff[f]:woff[f] + C * T * K]          # (C, K*T) flat
-                _blas.gemm(blas, False, False, C, m, T * K, 1.0, wp, T * K, gc, m, 0.0, d, m)
+                _blas.gemm(blas, False, False, (C, m, T * K), 1.0, wp, T * K, gc, m, 0.0, d, m)
             for n in range(n0, n1):
                 for c in range(C):
                     src = d[c, (n - n0) * per:(n - n0 + 1) * per]  # (per,)

@@ -100,7 +100,7 @@ def implicit_tasks(t0, t1, x, wt, aoff, b, flags, geo, sizes, y):
             pc = np.int64(yc.ctypes.data)
         else:
             pc = np.int64(ybuf.ctypes.data)
-        _taps.gemm_taps(np.int64(m), np.int64(K), np.int64(C), np.int64(R * S),
+        _taps.gemm_taps((np.int64(m), np.int64(K), np.int64(C)), np.int64(R * S),
                         np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data),
                         np.int64(wt.ctypes.data), np.int64(K), pc, np.int64(K),
                         np.int64(b.ctypes.data) if has_bias else np.int64(0),

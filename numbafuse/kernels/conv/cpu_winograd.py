@@ -413,7 +413,7 @@ def _forward_gemms(blas, T, V, U, M):
     # M[e] (T, Co) = V[e] (T, Ci) @ U[e] (Ci, Co), e < 16
     Ci, Co = U.shape[1], U.shape[2]
     for e in range(16):
-        _blas.gemm(blas, False, False, T, Co, Ci, 1.0, V[e], Ci, U[e], Co, 0.0, M[e], Co)
+        _blas.gemm(blas, False, False, (T, Co, Ci), 1.0, V[e], Ci, U[e], Co, 0.0, M[e], Co)
 
 
 @njit(inline="always")
@@ -616,4 +616,4 @@ def _dw_gemms(blas, T, dM, V, beta, D):
     # D[e] (K, C) = dM[e]^T (K, T) @ V[e] (T, C) + beta D[e], e < 16
     K, C = D.shape[1], D.shape[2]
     for e in range(16):
-        _blas.gemm(blas, True, False, K, C, T, 1.0, dM[e], K, V[e], C, beta, D[e], C)
+        _blas.gemm(blas, True, False, (K, C, T), 1.0, dM[e], K, V[e], C, beta, D[e], C)

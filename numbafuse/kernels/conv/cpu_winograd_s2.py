@@ -222,7 +222,7 @@ def gemms(m, n, k, vrows, eoff, U, M, ms, wide):
     # M[e] (m, n) = V[e] (m, k) @ U[e] (k, n) for the 25 positions: V[e]'s rows at vrows[i] +
     # eoff[e] elements, M[e] at M[e] (row stride n), on the taps tiles
     for e in range(25):
-        _tiles.gemm_taps(np.int64(m), np.int64(n), np.int64(k), np.int64(1),
+        _tiles.gemm_taps((np.int64(m), np.int64(n), np.int64(k)), np.int64(1),
                          np.int64(vrows.ctypes.data), np.int64(eoff.ctypes.data) + 8 * e,
                          np.int64(U.ctypes.data) + 4 * e * k * n, np.int64(n),
                          np.int64(M.ctypes.data) + 4 * e * ms, np.int64(n), np.int64(0),

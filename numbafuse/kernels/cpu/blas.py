@@ -22,7 +22,7 @@ then compete with the pool's (``PRIVATE`` tells which one is in use). Small floa
 (n <= 64 columns, k <= 128) go to numbafuse's own register-tiled kernel instead
 (``cpu/gemm.py``, ``SMALL_GEMM``), which is faster than OpenBLAS there.
 
-``gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)`` (``blas`` from
+``gemm(blas, ta, tb, (m, n, k), alpha, a, lda, b, ldb, beta, c, ldc)`` (``blas`` from
 :func:`blas_for`, the function's address: compiled kernels stay cacheable) is row-major CBLAS:
 ``c (m, n) = alpha * op(a) @ op(b) + beta * c``, ``op`` transposing where ``ta``/``tb`` is
 true; ``a``, ``b``, ``c`` are arrays (or views) whose first element starts the matrix, all of
@@ -34,6 +34,7 @@ import os
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import gemm as _small
@@ -45,26 +46,18 @@ _relu = cpu_scalar(_relu_math)
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
 
-def _codegen(context, builder, signature, llargs):
-    # call the C function at address llargs[0] with the other arguments as they are typed
-    fnty = ir.FunctionType(ir.VoidType(),
-                           [context.get_value_type(t) for t in signature.args[1:]])
-    builder.call(builder.inttoptr(llargs[0], fnty.as_pointer()), llargs[1:])
-    return context.get_dummy_value()
-
-
 @intrinsic
-def _call14(typingctx, fptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13):
-    """CBLAS gemm at address ``fptr``: order, transa, transb, m, n, k, alpha, a, lda, b, ldb,
-    beta, c, ldc (pointers as int64)."""
-    return types.void(fptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12,
-                      a13), _codegen
-
-
-@intrinsic
-def _call13(typingctx, fptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12):
-    """Fortran gemm at address ``fptr``: 13 pointers (as int64)."""
-    return types.void(fptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12), _codegen
+def _call(typingctx, fptr, args):
+    """Call the C function at address ``fptr`` with the values of the tuple ``args`` as they
+    are typed (CBLAS gemm: order, transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c,
+    ldc; Fortran gemm: 13 pointers as int64)."""
+    def codegen(context, builder, signature, llargs):
+        fnty = ir.FunctionType(ir.VoidType(),
+                               [context.get_value_type(t) for t in signature.args[1].types])
+        values = cgutils.unpack_tuple(builder, llargs[1], len(signature.args[1].types))
+        builder.call(builder.inttoptr(llargs[0], fnty.as_pointer()), values)
+        return context.get_dummy_value()
+    return types.void(fptr, args), codegen
 
 
 def _private_openblas():
@@ -113,11 +106,12 @@ def blas_for(dtype):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _gemm_small(ta, m, n, k, a, lda, b, ldb, beta, c, ldc, pbias, relu):
+def _gemm_small(ta, mnk, a, lda, b, ldb, beta, c, ldc, pbias, relu):
     # cpu.gemm.gemm_small on arrays: their addresses, every argument as int64 (the kernel's one
     # compiled signature, whatever integer and flag types the calling kernel has)
     q = np.int64
-    _gemm_small_step((q(1 if ta else 0), q(m), q(n), q(k), q(a.ctypes.data), q(lda),
+    m, n, k = mnk
+    _gemm_small_step((q(1 if ta else 0), (q(m), q(n), q(k)), q(a.ctypes.data), q(lda),
                       q(b.ctypes.data), q(ldb), q(1 if beta else 0), q(c.ctypes.data), q(ldc),
                       q(pbias), q(1 if relu else 0)))
 
@@ -133,17 +127,17 @@ def gemm_at(blas, ta, tb, mnk, alpha, pa, pb, beta, pc, lds, itemsize):
     m, n, k = mnk
     lda, ldb, ldc = lds
     if small and _small.fits(ta, tb, alpha, beta, m, n, k, itemsize):
-        _small.gemm_small(ta, m, n, k, pa, lda, pb, ldb, np.int64(1 if beta != 0.0 else 0),
-                          pc, ldc, np.int64(0), np.int64(0))
+        _small.gemm_small(ta, mnk, pa, lda, pb, ldb, np.int64(1 if beta != 0.0 else 0), pc,
+                          ldc, np.int64(0), np.int64(0))
     elif cblas:
         opa = _TRANS if ta else _NO_TRANS
         opb = _TRANS if tb else _NO_TRANS
         if itemsize == 4:
-            _call14(fptr, i(_ROW_MAJOR), i(opa), i(opb), i(m), i(n), i(k), np.float32(alpha),
-                    pa, i(lda), pb, i(ldb), np.float32(beta), pc, i(ldc))
+            _call(fptr, (i(_ROW_MAJOR), i(opa), i(opb), i(m), i(n), i(k), np.float32(alpha),
+                         pa, i(lda), pb, i(ldb), np.float32(beta), pc, i(ldc)))
         else:
-            _call14(fptr, i(_ROW_MAJOR), i(opa), i(opb), i(m), i(n), i(k), alpha, pa, i(lda),
-                    pb, i(ldb), beta, pc, i(ldc))
+            _call(fptr, (i(_ROW_MAJOR), i(opa), i(opb), i(m), i(n), i(k), alpha, pa, i(lda),
+                         pb, i(ldb), beta, pc, i(ldc)))
     else:
         # Fortran BLAS, every argument by pointer, column-major: row-major c = op(a) op(b) is
         # column-major c^T = op(b)^T op(a)^T, so the operands swap
@@ -158,8 +152,8 @@ def gemm_at(blas, ta, tb, mnk, alpha, pa, pb, beta, pc, lds, itemsize):
         s32 = scal[2:].view(np.float32)
         s32[0], s32[1] = alpha, beta
         p, ps = ints.ctypes.data, scal.ctypes.data + (16 if itemsize == 4 else 0)
-        _call13(fptr, flags.ctypes.data, flags.ctypes.data + 1, p, p + 4, p + 8, ps, pb,
-                p + 12, pa, p + 16, ps + itemsize, pc, p + 20)
+        _call(fptr, (flags.ctypes.data, flags.ctypes.data + 1, p, p + 4, p + 8, ps, pb, p + 12,
+                     pa, p + 16, ps + itemsize, pc, p + 20))
         # the buffers were passed by address: used after the call, they live until it returns
         ints[0] = flags[0] = 0
         scal[0] = 0.0
@@ -172,16 +166,19 @@ _T3 = types.UniTuple(_I64, 3)
 GEMM_AT = Step(gemm_at.py_func, lambda f: [
     (_T3, _I64, _I64, _T3, types.float64, _I64, _I64, types.float64, _I64, _T3, _I64)],
     per_dtype=False)
-GEMM_SMALL = Step(_small.gemm_small.py_func, lambda f: [(_I64,) * 13], per_dtype=False)
+GEMM_SMALL = Step(_small.gemm_small.py_func, lambda f: [(_I64, _T3) + (_I64,) * 9],
+                  per_dtype=False)
 _GEMM_STEPS = (GEMM_AT, GEMM_SMALL)
 _gemm_at_step, _gemm_small_step = GEMM_AT.call, GEMM_SMALL.call
 
 
 @njit(nogil=True, cache=True, inline="always")
-def gemm(blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-    """c (m, n) = alpha op(a) @ op(b) + beta c, row-major; ``blas`` from :func:`blas_for`.
-    The arrays stay alive in the caller; :func:`gemm_at` takes their addresses."""
+def gemm(blas, ta, tb, mnk, alpha, a, lda, b, ldb, beta, c, ldc):
+    """c (m, n) = alpha op(a) @ op(b) + beta c, row-major, ``mnk`` = (m, n, k); ``blas`` from
+    :func:`blas_for`. The arrays stay alive in the caller; :func:`gemm_at` takes their
+    addresses."""
     q = np.int64
+    m, n, k = mnk
     _gemm_at_step((blas, q(1 if ta else 0), q(1 if tb else 0), (q(m), q(n), q(k)),
                    np.float64(alpha), q(a.ctypes.data), q(b.ctypes.data), np.float64(beta),
                    q(c.ctypes.data), (q(lda), q(ldb), q(ldc)), q(c.itemsize)))
@@ -194,10 +191,11 @@ def gemm_bias_relu(blas, m, n, k, a, lda, b, ldb, c, bias, relu):
     while it is in cache. The same arithmetic either way: the float32 sum, + bias, ReLU."""
     fptr, cblas, small = blas
     if small and _small.fits_epilogue(n, k, c.itemsize):
-        _gemm_small(False, m, n, k, a, lda, b, ldb, False, c, c.strides[0] // c.itemsize,
+        _gemm_small(False, (m, n, k), a, lda, b, ldb, False, c, c.strides[0] // c.itemsize,
                     bias.ctypes.data, relu)
     else:
-        gemm(blas, False, False, m, n, k, 1.0, a, lda, b, ldb, 0.0, c, c.strides[0] // c.itemsize)
+        gemm(blas, False, False, (m, n, k), 1.0, a, lda, b, ldb, 0.0, c,
+             c.strides[0] // c.itemsize)
         for i in range(m):
             r = c[i]                                              # (n,)
             for j in range(n):

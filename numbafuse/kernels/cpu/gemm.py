@@ -1,6 +1,6 @@
 """Register-tiled float32 GEMM for the small products of the convolution's chunks.
 
-``gemm_small(ta, m, n, k, pa, lda, pb, ldb, beta, pc, ldc)``: ``c (m, n) = op(a) (m, k) @ b
+``gemm_small(ta, (m, n, k), pa, lda, pb, ldb, beta, pc, ldc)``: ``c (m, n) = op(a) (m, k) @ b
 (k, n) + beta * c`` (row-major, addresses and strides of float32 matrices, ``a`` transposed
 when ``ta``, ``beta`` 0 or 1), for ``n`` a multiple of 8. :func:`cpu.blas.gemm` sends the
 products that fit (:func:`fits`: float32, ``b`` not transposed, alpha 1, ``n`` <= SMALL_N,
@@ -168,10 +168,12 @@ def fits_epilogue(n, k, itemsize):
 
 
 @njit(nogil=True, cache=True)
-def gemm_small(ta, m, n, k, pa, lda, pb, ldb, beta, pc, ldc, pbias, relu):
-    """c (m, n) = relu?(op(a) (m, k) @ b (k, n) + beta c + bias?), op transposing when ``ta``
-    (1 or 0); pa, pb, pc, pbias: addresses of float32 matrices and of the (n,) bias (0: none);
-    n a multiple of 8, beta and relu 0 or 1 (all int64: one compilation)."""
+def gemm_small(ta, mnk, pa, lda, pb, ldb, beta, pc, ldc, pbias, relu):
+    """c (m, n) = relu?(op(a) (m, k) @ b (k, n) + beta c + bias?), ``mnk`` = (m, n, k), op
+    transposing when ``ta`` (1 or 0); pa, pb, pc, pbias: addresses of float32 matrices and of
+    the (n,) bias (0: none); n a multiple of 8, beta and relu 0 or 1 (all int64: one
+    compilation)."""
+    m, n, k = mnk
     sa, sk = (1, lda) if ta else (lda, 1)                # a's row and column strides
     j = 0
     while j < n:                                   # column panels of 24, then 16 or 8

@@ -1,6 +1,6 @@
 """An implicit-GEMM micro-kernel: c = relu?(sum over taps of a_tap @ b_tap + bias), float32.
 
-``gemm_taps(m, n, k, ntaps, prow, paoff, pb, ldb, pc, ldc, pbias, relu, wide)`` computes
+``gemm_taps((m, n, k), ntaps, prow, paoff, pb, ldb, pc, ldc, pbias, relu, wide)`` computes
 
     c[i, :n] = relu?(sum over t < ntaps, p < k of a(i, t)[p] * b[t, p, :n] + bias?)
 
@@ -152,8 +152,9 @@ def dense_rows(rows, address, m, ld):
 
 
 @njit(nogil=True, cache=True)
-def gemm_taps(m, n, k, ntaps, prow, paoff, pb, ldb, pc, ldc, pbias, relu, wide):
+def gemm_taps(mnk, ntaps, prow, paoff, pb, ldb, pc, ldc, pbias, relu, wide):
     """See the module docstring; every argument int64 (one compilation), n % 8 == 0."""
+    m, n, k = mnk
     j = 0
     while j < n:
         cols = panel(wide, n - j)
