@@ -1,11 +1,15 @@
 """The CPU conv plan (``kernels/conv/cpu_plan.py``): every algorithm that can run a pass,
 forced through ``plan=``, against the reference; the rules as a value (``using``)."""
+import contextlib
+import gc
+
 import numpy as np
 import pytest
 
 import numbafuse as nf
 from numbafuse import reference as ref
 from numbafuse.kernels.conv import cpu as cpu_conv, cpu_plan
+from numbafuse.kernels.cpu import steps as cpu_steps
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-11)}
 
@@ -245,3 +249,59 @@ def test_whole_batch_im2col_dx_in_blocks_of_input_channels(layout, stride, size,
                                   plans=(plan, plan))[0]
     np.testing.assert_allclose(dx64, ref.conv_bias_relu_backward(dy64, x64, w64, b, y=y64,
                                                                  **kwargs)[0], **TOL[np.float64])
+
+
+@contextlib.contextmanager
+def _step_slots_emptied():
+    """Every step's slot empty and not ready (kernels/cpu/steps.py), as in a new process
+    whose first conv is the one run inside; restored after."""
+    steps_ = [o for o in gc.get_objects() if isinstance(o, cpu_steps.Step)]
+    values = {name: slot.value for name, slot in cpu_steps._SLOTS.items()}
+    ready = {id(s): set(s._ready) for s in steps_}
+    for slot in cpu_steps._SLOTS.values():
+        slot.value = 0
+    for s in steps_:
+        s._ready.clear()
+    try:
+        yield
+    finally:
+        for name, value in values.items():
+            cpu_steps._SLOTS[name].value = value
+        for s in steps_:
+            s._ready.clear()
+            s._ready |= ready[id(s)]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_each_algorithm_readies_the_steps_its_kernels_call(layout):
+    # A pass run alone, every slot empty: its host entry must ready each step its kernels
+    # call (else the kernel raises RuntimeError: "step ... called before ready"; inside a
+    # step, where it cannot raise, it is reported as unraisable and the results are wrong:
+    # both fail here). Results equal to the same plan's run with the slots filled.
+    for kernel, stride, padding, dilation, C, K in GEOMETRIES[:3]:
+        x, w, b, geom, _ = _problem(kernel, stride, padding, dilation, C, K, layout,
+                                    np.float32)
+        y = cpu_conv.conv_forward(x, w, b, geom, True)
+        gy = np.random.default_rng(1).standard_normal(y.shape).astype(np.float32)
+        for pass_ in cpu_plan.PASSES:
+            for algorithm in cpu_plan.ALGORITHMS:
+                if not cpu_plan.supports(algorithm, geom, pass_, np.float32):
+                    continue
+                plan = cpu_plan.plan(geom, pass_, np.float32, algorithm=algorithm)
+                if pass_ == "forward":
+                    def run():
+                        return cpu_conv.conv_forward(x, w, b, geom, True, plan=plan)
+                else:
+                    other = cpu_plan.plan(geom, "dw" if pass_ == "dx" else "dx", np.float32)
+                    plans = (plan, other) if pass_ == "dx" else (other, plan)
+                    need = (pass_ == "dx", pass_ == "dw", False)
+
+                    def run():
+                        grads = cpu_conv.conv_backward(gy, x, w, geom, y, need=need,
+                                                       plans=plans)
+                        return grads[0 if pass_ == "dx" else 1]
+                want = run().copy()
+                with _step_slots_emptied():
+                    got = run()
+                np.testing.assert_array_equal(got, want, err_msg=f"{pass_} {algorithm}")

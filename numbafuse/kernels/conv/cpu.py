@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..cpu import blas as _blas
+from ..cpu import blas as _blas, gemm_taps as _gemm_taps
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import blocks, concurrently, launch, launch_all
 from . import cpu_plan
@@ -285,6 +285,7 @@ def _phase_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
+    _direct.ready(x.dtype)
     launch(_direct.phase_dw_tasks, groups, x, gy, y, use_mask, (tap_plane, tap_off, planes),
            _ints(geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc, nchunks, groups),
            need_dw, geom.layout == "NHWC", _blas.blas_for(x.dtype), (dw_parts, db_parts),
@@ -420,6 +421,7 @@ def _implicit_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
+    _gemm_taps.ready()
     launch(_implicit.implicit_dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom),
            use_mask, geo_tuple(geom), _ints(ipc, rpc, nchunks, groups, Hmax, Ws),
            (bool(need_dw), plan.taps == 2), aoff, (dw_parts, db_parts), work=work, grain=1)
@@ -464,18 +466,22 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         wm = w.reshape(K, C)
         mpc, nchunks = _pointwise_chunks(plan, geom, C + K, x.itemsize)
         xv = _pointwise_view(x, nhwc)
+        if plan.taps:
+            _gemm_taps.ready()
         launch(_direct.pointwise_tasks, nchunks, xv, xv, False,
                np.ascontiguousarray(wm.T) if nhwc else wm, mpc, b, (has_bias, relu, nhwc),
                blas, plan.taps, _pointwise_view(y, nhwc), work=work, grain=1)
     elif kind == "phase":
         tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
         rpc = balanced(geom.P, _phase_rows(plan, len(planes) * C + K, Wq, x.itemsize))
+        _direct.ready(x.dtype)
         launch(_direct.phase_tasks, N * blocks(geom.P, rpc), x, _taps(w, not nhwc),
                (tap_plane, tap_off, planes),
                _ints(geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc), b, relu, nhwc,
                blas, y, work=work, grain=1)
     elif kind == "implicit":
         ipc, rpc, nchunks, Hmax, Ws, aoff = _implicit_plan(plan, geom, x.itemsize)
+        _gemm_taps.ready()
         launch(_implicit.implicit_tasks, nchunks, x, _taps(w, False), aoff, b,
                (has_bias, relu, plan.taps == 2), geo_tuple(geom), _ints(ipc, rpc, Hmax, Ws),
                _k_view(y, geom), work=work, grain=1)
@@ -545,6 +551,8 @@ def _conv_dx(gy, y, use_mask, w, geom, plan, work):
     elif kind == "pointwise":
         wm = w.reshape(K, C)                                           # dx = g @ w | w^T @ g
         mpc, nchunks = _pointwise_chunks(plan, geom, C + K, gy.itemsize)
+        if plan.taps:
+            _gemm_taps.ready()
         launch(_direct.pointwise_tasks, nchunks, _pointwise_view(gy, nhwc),
                _pointwise_view(y, nhwc), use_mask, wm if nhwc else np.ascontiguousarray(wm.T), mpc,
                np.zeros(C, gy.dtype), (False, False, nhwc), blas, plan.taps,
@@ -555,6 +563,9 @@ def _conv_dx(gy, y, use_mask, w, geom, plan, work):
         wtap = _taps(w, nhwc)
         wph = (np.ascontiguousarray(wtap[ent_tap]) if plan.taps
                else np.empty((0, 1, 1), gy.dtype))
+        _direct.ready(gy.dtype)
+        if plan.taps:
+            _gemm_taps.ready()
         launch(_direct.phase_dx_tasks, N * blocks(-(-H // geom.sh), rpc), gy, y, use_mask, wtap,
                (ph_taps, ph_start, ent_tap, ent_off),
                _ints(gmin, gext, gleft, Wg, slack, rpc, geom.sh, geom.sw, plan.taps), nhwc,

@@ -36,11 +36,12 @@ owns the phase rows [i0, i1) of one image, i.e. the dx rows [sh*i0, sh*i1)). Str
 phase with every tap (a correlation with the flipped taps).
 """
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 from ..cpu import blas as _blas
 from ..cpu import gemm_taps as _gemm_taps
 from ..cpu.launch import task_kernel
+from ..cpu.steps import Step, array as _arr, ready as _ready_steps
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 
 _relu = cpu_scalar(_relu_math)
@@ -150,6 +151,29 @@ def _plane_hwc(src, gate, use_gate, rows, phase, pad, Wq, dst):
 
 # --------------------------------------------------------------------------- phase planes
 
+# The plane copies as steps (cpu/steps.py): the phase kernels call them through slots, so
+# their code is compiled once per dtype, not again inside each of the three kernels.
+_I = types.int64
+
+
+def _plane_signatures(f):
+    # src, gate, use_gate, rows (n, u0, nrows), phase (sh, a, sw, b), pad (top, left), Wq, dst
+    return [(_arr(f, 4), _arr(f, 4), types.boolean, types.UniTuple(_I, 3),
+             types.UniTuple(_I, 4), types.UniTuple(_I, 2), _I, _arr(f, 2))]
+
+
+PLANE_CHW = Step(_plane_chw.py_func, _plane_signatures)
+PLANE_HWC = Step(_plane_hwc.py_func, _plane_signatures)
+_plane_chw_step, _plane_hwc_step = PLANE_CHW.call, PLANE_HWC.call
+
+
+def ready(dtype):
+    """The plane copies compiled for ``dtype`` and their slots filled: host code calls this
+    before it launches phase_tasks, phase_dw_tasks or phase_dx_tasks (and
+    ``gemm_taps.ready()`` before a kernel whose plan has taps)."""
+    _ready_steps(dtype, (PLANE_CHW, PLANE_HWC))
+
+
 @task_kernel
 def phase_tasks(t0, t1, x, wtap, taps, dims, bias, relu, nhwc, blas, y):
     tap_plane, tap_off, planes = taps
@@ -177,8 +201,9 @@ def phase_tasks(t0, t1, x, wtap, taps, dims, bias, relu, nhwc, blas, y):
         ld = (o1 - o0 + ext) * Wq + slack
         if nhwc:
             for pi in range(npl):
-                _plane_hwc(x, x, OFF, (n, o0, o1 - o0 + ext), (sh, planes[pi, 0], sw,
-                           planes[pi, 1]), (ph, pw), Wq, pbuf[pi, :ld * C].reshape((ld, C)))
+                _plane_hwc_step((x, x, OFF, (n, o0, o1 - o0 + ext),
+                                 (sh, planes[pi, 0], sw, planes[pi, 1]), (ph, pw), Wq,
+                                 pbuf[pi, :ld * C].reshape((ld, C))))
             ob = obuf[:m * K].reshape((m, K))                     # (m', K)
             for tap in range(wtap.shape[0]):
                 pb = pbuf[tap_plane[tap], :ld * C].reshape((ld, C))
@@ -192,8 +217,9 @@ def phase_tasks(t0, t1, x, wtap, taps, dims, bias, relu, nhwc, blas, y):
                         dr[k] = _relu(v) if relu else v
         else:
             for pi in range(npl):
-                _plane_chw(x, x, OFF, (n, o0, o1 - o0 + ext), (sh, planes[pi, 0], sw,
-                           planes[pi, 1]), (ph, pw), Wq, pbuf[pi, :C * ld].reshape((C, ld)))
+                _plane_chw_step((x, x, OFF, (n, o0, o1 - o0 + ext),
+                                 (sh, planes[pi, 0], sw, planes[pi, 1]), (ph, pw), Wq,
+                                 pbuf[pi, :C * ld].reshape((C, ld))))
             ob = obuf[:K * m].reshape((K, m))                     # (K, m')
             for tap in range(wtap.shape[0]):
                 pb = pbuf[tap_plane[tap], :C * ld].reshape((C, ld))
@@ -248,8 +274,9 @@ def phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas, 
                 if not need_dw:
                     continue
                 for pi in range(npl):
-                    _plane_hwc(x, x, OFF, (n, p0, p1 - p0 + ext), (sh, planes[pi, 0], sw,
-                               planes[pi, 1]), (ph, pw), Wq, pbuf[pi, :ld * C].reshape((ld, C)))
+                    _plane_hwc_step((x, x, OFF, (n, p0, p1 - p0 + ext),
+                                     (sh, planes[pi, 0], sw, planes[pi, 1]), (ph, pw), Wq,
+                                     pbuf[pi, :ld * C].reshape((ld, C))))
                 for tap in range(tap_plane.shape[0]):
                     pb = pbuf[tap_plane[tap], :ld * C].reshape((ld, C))
                     # dW_rs (K, C) += g'^T (K, m') @ plane[off:off+m'] (m', C)
@@ -268,8 +295,9 @@ def phase_dw_tasks(t0, t1, x, gy, y, use_mask, taps, dims, need_dw, nhwc, blas, 
                 if not need_dw:
                     continue
                 for pi in range(npl):
-                    _plane_chw(x, x, OFF, (n, p0, p1 - p0 + ext), (sh, planes[pi, 0], sw,
-                               planes[pi, 1]), (ph, pw), Wq, pbuf[pi, :C * ld].reshape((C, ld)))
+                    _plane_chw_step((x, x, OFF, (n, p0, p1 - p0 + ext),
+                                     (sh, planes[pi, 0], sw, planes[pi, 1]), (ph, pw), Wq,
+                                     pbuf[pi, :C * ld].reshape((C, ld))))
                 for tap in range(tap_plane.shape[0]):
                     pb = pbuf[tap_plane[tap], :C * ld].reshape((C, ld))
                     # dW_rs (K, C) += g' (K, m') @ plane[:, off:off+m']^T (m', C)
@@ -309,12 +337,12 @@ def phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, 
         ld = (i1 - i0 + gext) * Wg + slack
         if nhwc:
             gb = gpad[:ld * K].reshape((ld, K))
-            _plane_hwc(gy, y, use_mask, (n, i0 + gmin, i1 - i0 + gext), (one, zero, one, zero),
-                       (zero, gleft), Wg, gb)
+            _plane_hwc_step((gy, y, use_mask, (n, i0 + gmin, i1 - i0 + gext),
+                             (one, zero, one, zero), (zero, gleft), Wg, gb))
         else:
             gb = gpad[:K * ld].reshape((K, ld))
-            _plane_chw(gy, y, use_mask, (n, i0 + gmin, i1 - i0 + gext), (one, zero, one, zero),
-                       (zero, gleft), Wg, gb)
+            _plane_chw_step((gy, y, use_mask, (n, i0 + gmin, i1 - i0 + gext),
+                             (one, zero, one, zero), (zero, gleft), Wg, gb))
         for f in range(sh * sw):
             a, b = f // sw, f % sw
             r1 = min(i1, (H - a + sh - 1) // sh)                  # this phase's rows
@@ -329,11 +357,11 @@ def phase_dx_tasks(t0, t1, gy, y, use_mask, wtap, table, dims, nhwc, blas, wph, 
                     _gemm_taps.dense_rows(prow, np.int64(gb.ctypes.data), m, K)
                     for e in range(nt):
                         aoff[e] = ent_off[ph_start[f] + e] * K
-                    _gemm_taps.gemm_taps((np.int64(m), np.int64(C), np.int64(K)), np.int64(nt),
+                    _gemm_taps.taps_step(((np.int64(m), np.int64(C), np.int64(K)), np.int64(nt),
                                          np.int64(prow.ctypes.data), np.int64(aoff.ctypes.data),
                                          np.int64(wph.ctypes.data) + 4 * ph_start[f] * K * C,
                                          np.int64(C), np.int64(d.ctypes.data), np.int64(C),
-                                         np.int64(0), np.int64(0), np.int64(taps - 1))
+                                         np.int64(0), np.int64(0), np.int64(taps - 1)))
                 else:                                             # a BLAS GEMM a tap
                     if nt == 0:
                         d[:] = 0
@@ -406,12 +434,12 @@ def pointwise_tasks(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, tap
             o = out[0, c0:c1]                                     # (m, Co)
             if taps:
                 _gemm_taps.dense_rows(rows, np.int64(a.ctypes.data), m, Ci)
-                _gemm_taps.gemm_taps((np.int64(m), np.int64(Co), np.int64(Ci)), np.int64(1),
+                _gemm_taps.taps_step(((np.int64(m), np.int64(Co), np.int64(Ci)), np.int64(1),
                                      np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data),
                                      np.int64(wm.ctypes.data), np.int64(Co),
                                      np.int64(o.ctypes.data), np.int64(Co),
                                      np.int64(bias.ctypes.data) if has_bias else np.int64(0),
-                                     np.int64(1 if relu else 0), np.int64(taps - 1))
+                                     np.int64(1 if relu else 0), np.int64(taps - 1)))
             elif relu or has_bias:                                  # the epilogue in cache
                 _blas.gemm_bias_relu(blas, m, Co, Ci, a, Ci, wm, Co, o, bias, relu)
             else:

@@ -178,7 +178,7 @@ def _im2col_slab(x, n0, n1, p0, p1, geo, sbuf, cols, per):
     geo_s = (1, C, rows, W, K, R, S, P, Q, sh, sw, ph + h0, pw, dh, dw, 1)
     for n in range(n0, n1):
         _slab_hwc(x, n, h0, h0 + rows, sv[0])
-        _im2col_hwc(sv, np.int64(0), p0, p1, geo_s, cols, (n - n0) * per)
+        _im2col_hwc_step((sv, np.int64(0), p0, p1, geo_s, cols, (n - n0) * per))
 
 
 # The gathers as steps called through slots (kernels/cpu/steps.py): compiled once, not again
@@ -187,7 +187,7 @@ _I, _GEO = types.int64, types.UniTuple(types.int64, 16)
 IM2COL_CHW = Step(_im2col_chw.py_func, lambda f: [(_arr(f, 4), _I, _I, _I, _GEO, _arr(f, 2), _I)])
 IM2COL_HWC = Step(_im2col_hwc.py_func, lambda f: [(_arr(f, 4), _I, _I, _I, _GEO, _arr(f, 2), _I)])
 IM2COL_SLAB = Step(_im2col_slab.py_func, lambda f: [
-    (_arr(f, 4), _I, _I, _I, _I, _GEO, _arr(f, 1), _arr(f, 2), _I)])
+    (_arr(f, 4), _I, _I, _I, _I, _GEO, _arr(f, 1), _arr(f, 2), _I)], calls=(IM2COL_HWC,))
 _im2col_chw_step, _im2col_hwc_step = IM2COL_CHW.call, IM2COL_HWC.call
 _im2col_slab_step = IM2COL_SLAB.call
 

@@ -105,11 +105,11 @@ def implicit_tasks(t0, t1, x, wt, aoff, b, flags, geo, sizes, y):
             pc = np.int64(yc.ctypes.data)
         else:
             pc = np.int64(ybuf.ctypes.data)
-        _taps.gemm_taps((np.int64(m), np.int64(K), np.int64(C)), np.int64(R * S),
+        _taps.taps_step(((np.int64(m), np.int64(K), np.int64(C)), np.int64(R * S),
                         np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data),
                         np.int64(wt.ctypes.data), np.int64(K), pc, np.int64(K),
                         np.int64(b.ctypes.data) if has_bias else np.int64(0),
-                        np.int64(1 if relu else 0), np.int64(1 if wide else 0))
+                        np.int64(1 if relu else 0), np.int64(1 if wide else 0)))
         if not nhwc:
             yb = ybuf[:m * K].reshape((m, K))
             for i in range(n1 - n0):
@@ -156,9 +156,9 @@ def implicit_dw_tasks(t0, t1, x, gy, y, use_mask, geo, sizes, flags, aoff, parts
                     continue
             _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows)
             for tap in range(R * S):
-                _taps.gemm_gather(np.int64(K), np.int64(C), np.int64(m),
+                _taps.gather_step((np.int64(K), np.int64(C), np.int64(m),
                                   np.int64(gt.ctypes.data), np.int64(m),
                                   np.int64(rows.ctypes.data), aoff[tap],
                                   np.int64(dw_parts[grp, tap].ctypes.data), np.int64(C),
-                                  np.int64(beta), np.int64(1 if wide else 0))
+                                  np.int64(beta), np.int64(1 if wide else 0)))
             beta = 1

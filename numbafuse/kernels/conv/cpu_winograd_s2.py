@@ -222,11 +222,11 @@ def gemms(m, n, k, vrows, eoff, U, M, ms, wide):
     # M[e] (m, n) = V[e] (m, k) @ U[e] (k, n) for the 25 positions: V[e]'s rows at vrows[i] +
     # eoff[e] elements, M[e] at M[e] (row stride n), on the taps tiles
     for e in range(25):
-        _tiles.gemm_taps((np.int64(m), np.int64(n), np.int64(k)), np.int64(1),
+        _tiles.taps_step(((np.int64(m), np.int64(n), np.int64(k)), np.int64(1),
                          np.int64(vrows.ctypes.data), np.int64(eoff.ctypes.data) + 8 * e,
                          np.int64(U.ctypes.data) + 4 * e * k * n, np.int64(n),
                          np.int64(M.ctypes.data) + 4 * e * ms, np.int64(n), np.int64(0),
-                         np.int64(0), np.int64(1 if wide else 0))
+                         np.int64(0), np.int64(1 if wide else 0)))
 
 
 @njit(nogil=True, cache=True)
@@ -263,7 +263,8 @@ def _out_s2(M, t0, TX, p0, bias, relu, s, yn):
 # not again inside every kernel). float32 only; signatures declared per float type f.
 _I, _B, _I64S = types.int64, types.boolean, _arr(types.int64, 1)
 IN_S2 = Step(_in_s2.py_func, lambda f: [(_arr(f, 3), _I, _I, _I, _arr(f, 3), _arr(f, 2), _I)])
-GEMMS = Step(gemms.py_func, lambda f: [(_I, _I, _I, _I64S, _I64S, _arr(f, 3), _arr(f, 2), _I, _B)])
+GEMMS = Step(gemms.py_func, lambda f: [(_I, _I, _I, _I64S, _I64S, _arr(f, 3), _arr(f, 2), _I, _B)],
+             calls=(_tiles.GEMM_TAPS,))
 OUT_S2 = Step(_out_s2.py_func, lambda f: [
     (_arr(f, 2), _I, _I, _I, _arr(f, 1), _B, _arr(f, 2), _arr(f, 3))])
 FORWARD_STEPS = (PADDED_ROWS, STORE_NCHW, IN_S2, GEMMS, OUT_S2)
@@ -440,11 +441,11 @@ def _dw_gemms(K, C, T, dm, dm_of, vrows, vs, D, beta, wide):
     # dM[e] = dm[dm_of[e]], V[e]'s rows at vrows[i] + e*vs elements
     dmp = np.int64(dm.ctypes.data)
     for e in range(25):
-        _tiles.gemm_gather(np.int64(K), np.int64(C), np.int64(T),
+        _tiles.gather_step((np.int64(K), np.int64(C), np.int64(T),
                            dmp + 4 * dm_of[e] * dm.shape[1], np.int64(T),
                            np.int64(vrows.ctypes.data), np.int64(e) * vs,
                            np.int64(D[e].ctypes.data), np.int64(C),
-                           np.int64(beta), np.int64(1 if wide else 0))
+                           np.int64(beta), np.int64(1 if wide else 0)))
 
 
 CHUNK_DM = Step(_chunk_dm.py_func, lambda f: [
@@ -453,6 +454,6 @@ CHUNK_DM = Step(_chunk_dm.py_func, lambda f: [
 CHUNK_V = Step(chunk_v.py_func, lambda f: [     # (slabs an int64 flag, as padded_rows')
     (_arr(f, 4), types.UniTuple(_I, 7), _I, _arr(f, 1), _arr(f, 3), _arr(f, 3), _arr(f, 2))])
 DW_GEMMS = Step(_dw_gemms.py_func, lambda f: [
-    (_I, _I, _I, _arr(f, 2), _I64S, _I64S, _I, _arr(f, 3), _I, _B)])
+    (_I, _I, _I, _arr(f, 2), _I64S, _I64S, _I, _arr(f, 3), _I, _B)], calls=(_tiles.GEMM_GATHER,))
 _DW_STEPS = (CHUNK_DM, CHUNK_V, DW_GEMMS)
 _chunk_dm_step, _chunk_v, _dw_gemms_step = CHUNK_DM.call, CHUNK_V.call, DW_GEMMS.call

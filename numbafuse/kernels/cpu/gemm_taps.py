@@ -38,6 +38,7 @@ from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from .gemm import Vec, row_offset
+from .steps import Step, ready as _ready_steps
 
 ROWS = 4          # rows of c per block (1-row blocks finish a chunk's last m % ROWS rows)
 
@@ -247,3 +248,19 @@ def gemm_gather(m, n, k, pa, lda, prow, boff, pc, ldc, beta, wide):
                     _h1r(k, pai, lda, prow, bo, pcij, ldc, beta)
                 i += 1
         j += cols
+
+
+# The two drivers as steps (cpu/steps.py): the conv kernels call them through slots, so
+# their code is compiled once, not again inside each caller. Every argument int64: one
+# signature for any dtype. :func:`ready` compiles them and fills the slots.
+_T3 = types.UniTuple(types.int64, 3)
+GEMM_TAPS = Step(gemm_taps.py_func, lambda f: [(_T3,) + (types.int64,) * 10], per_dtype=False)
+GEMM_GATHER = Step(gemm_gather.py_func, lambda f: [(types.int64,) * 11], per_dtype=False)
+taps_step, gather_step = GEMM_TAPS.call, GEMM_GATHER.call
+
+
+def ready():
+    """Both drivers compiled and their slots filled: host code calls this before it launches
+    a kernel that calls :data:`taps_step` or :data:`gather_step` (not sooner: a cold start
+    that runs neither does not compile them)."""
+    _ready_steps(None, (GEMM_TAPS, GEMM_GATHER))

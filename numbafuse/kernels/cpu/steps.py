@@ -21,7 +21,9 @@ Rules:
   lookup once done); a caller that meets an empty slot raises a RuntimeError instead of
   jumping to address 0.
 - A step returns nothing and raises nothing (its C wrapper cannot hand an exception back):
-  the steps are loops over arrays.
+  the steps are loops over arrays. A step that calls steps names them (``calls=``), and
+  its ``ready`` fills their slots first: an empty slot met inside a step would be reported
+  and ignored, not raised.
 """
 from __future__ import annotations
 
@@ -51,8 +53,9 @@ class Step:
     (``per_dtype=False``: ``signatures(None)``, one set for every dtype), each with a slot
     its callers call through (see the module docstring)."""
 
-    def __init__(self, fn, signatures, per_dtype=True):
+    def __init__(self, fn, signatures, per_dtype=True, calls=()):
         self.dispatcher = njit(nogil=True, cache=True)(fn)
+        self.calls = tuple(calls)       # the steps this one calls: ready() fills them first
         self.name = f"{fn.__module__}.{fn.__qualname__}"
         self.per_dtype = per_dtype
         self.slots_of = {}                      # dtype key -> [(argument types, slot, name)]
@@ -84,6 +87,8 @@ class Step:
         key = key if self.per_dtype else _ANY
         if key in self._ready:                  # (every call after the first: host hot path)
             return
+        for step in self.calls:         # (an empty slot met inside a step cannot raise:
+            step._fill(key)             # the step's C wrapper drops the exception)
         with _LOCK:
             if key in self._ready:
                 return
