@@ -361,24 +361,30 @@ def _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs):
     # rows [max(0, u0), min(Hs, u0 + nu)) of image n of NCHW src (and gate) transposed to
     # (1, rows, Ws, C) views of the buffers xs, gs: what _split_rows reads as an NHWC image whose
     # row 0 is input row max(0, u0) (rows past it are the zero padding, as in the image)
-    C, Hs, Ws = src.shape[1], src.shape[2], src.shape[3]
-    h0, h1 = max(0, u0), min(Hs, u0 + nu)
-    nh = max(0, h1 - h0)
-    sv = xs[:nh * Ws * C].reshape((1, nh, Ws, C))
-    gv = sv
-    if use_gate:
-        gv = gs[:nh * Ws * C].reshape((1, nh, Ws, C))
-    for h in range(h0, h1):
+    sv, gv = _slab_views(src, use_gate, u0, nu, xs, gs)
+    h0 = max(0, u0)
+    for h in range(h0, h0 + sv.shape[1]):
         transpose(src[n, :, h], sv[0, h - h0])                    # (C, Ws) -> (Ws, C)
         if use_gate:
             transpose(gate[n, :, h], gv[0, h - h0])
     return sv, gv
 
 
+@njit(inline="always")
+def _slab_views(src, use_gate, u0, nu, xs, gs):
+    # the (1, rows, Ws, C) views of xs and gs (gs: xs's without the gate) that _hwc_slab fills
+    C, Hs, Ws = src.shape[1], src.shape[2], src.shape[3]
+    nh = max(0, min(Hs, u0 + nu) - max(0, u0))
+    sv = xs[:nh * Ws * C].reshape((1, nh, Ws, C))
+    gv = gs[:nh * Ws * C].reshape((1, nh, Ws, C)) if use_gate else sv
+    return sv, gv
+
+
 @njit(nogil=True, cache=True)
-def hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs):
-    """_hwc_slab, compiled on its own (the dW tasks' gy and y rows)."""
-    return _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
+def fill_hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs):
+    """_hwc_slab compiled on its own, a step (the dW tasks' gy and y rows; they take the
+    filled views with _slab_views)."""
+    _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
 
 
 @njit(nogil=True, cache=True)
@@ -467,10 +473,13 @@ STORE_NCHW = Step(store_nchw.py_func, lambda f: [(_arr(f, 1), _arr(f, 4), _I, _I
 GRAD_HWC = Step(_grad_hwc.py_func, lambda f: [
     (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _arr(f, 2), _arr(f, 2), _arr(f, 2), _I,
      _arr(types.float64, 1))])
+FILL_HWC_SLAB = Step(fill_hwc_slab.py_func, lambda f: [
+    (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _arr(f, 1), _arr(f, 1))])
 _FORWARD_STEPS = (PADDED_ROWS, IN_HWC, OUT_HWC, STORE_NCHW)   # forward(_epilogue)_tasks
-_DW_STEPS = (PADDED_ROWS, IN_HWC, GRAD_HWC)                     # dw_tasks
+_DW_STEPS = (PADDED_ROWS, IN_HWC, GRAD_HWC, FILL_HWC_SLAB)      # dw_tasks
 _padded_rows, _in_hwc_step, _out_hwc_step = PADDED_ROWS.call, IN_HWC.call, OUT_HWC.call
 _store_nchw, _grad_hwc_step = STORE_NCHW.call, GRAD_HWC.call
+_fill_hwc_slab = FILL_HWC_SLAB.call
 
 
 def ready(dtype, dw=False):
@@ -596,7 +605,8 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, chunks, need_dw, blas, D_parts, db_part
             T = (n1 - n0) * nr * TX
             for n in range(n0, n1):
                 if slabs:
-                    gv, yv = hwc_slab(gy, y, use_mask, n, 2 * ty0, 2 * nr, gs, ysb)
+                    _fill_hwc_slab((gy, y, use_mask, n, 2 * ty0, 2 * nr, gs, ysb))
+                    gv, yv = _slab_views(gy, use_mask, 2 * ty0, 2 * nr, gs, ysb)
                     for r in range(nr):
                         _grad_hwc_step((gv, yv, use_mask, np.int64(0), 2 * r, TX, G, tmp,
                                         dM, ((n - n0) * nr + r) * TX, dbp))
