@@ -203,12 +203,12 @@ def _apply_nhwc(t0, t1, x2, z2, has_z, vals, relu, y2, mask, want_mask, rows_per
 # --------------------------------------------------------------------------- fused backward
 
 def _expand_table():
-    # (256,) uint64: byte t of entry b is 0xFF where bit t of b is set (little-endian lanes)
-    table = np.zeros(256, np.uint64)
+    # (256, 8) uint8: entry [b, t] is 0xFF where bit t of b is set
+    table = np.zeros((256, BITS), np.uint8)
     for b in range(256):
         for t in range(BITS):
             if (b >> t) & 1:
-                table[b] |= np.uint64(0xFF) << np.uint64(BITS * t)
+                table[b, t] = 0xFF
     return table
 
 
@@ -219,13 +219,16 @@ _EXPAND = _expand_table()
 def _expand_mask(mask, start, n):
     # the mask bits of flat indices [start, start + n) as one uint8 (0 or 0xFF) per element,
     # (>= n,); start % 8 == 0. A table lookup per byte, so the gate loops below vectorise
-    # (decoding bits inside them with shifts does not: ~4x slower).
+    # (decoding bits inside them with shifts does not: ~4x slower). Bytes, not a uint64 view
+    # of them: an array .view() costs a cold start ~0.2-0.8 s of compiling.
     nb = -(-n // BITS)
-    e64 = np.empty(nb, np.uint64)                                 # (nb,) 8 lanes each
+    e8 = np.empty(nb * BITS, np.uint8)                            # (8 * nb,)
     mb = mask[start // BITS:start // BITS + nb]                   # (nb,) this range's bytes
     for q in range(nb):
-        e64[q] = _EXPAND[mb[q]]
-    return e64.view(np.uint8)                                     # (8 * nb,)
+        row = _EXPAND[mb[q]]                                      # (8,)
+        for t in range(BITS):
+            e8[q * BITS + t] = row[t]
+    return e8
 
 
 @njit(inline="always")
