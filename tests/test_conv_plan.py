@@ -1,7 +1,6 @@
 """The CPU conv plan (``kernels/conv/cpu_plan.py``): every algorithm that can run a pass,
 forced through ``plan=``, against the reference; the rules as a value (``using``)."""
 import contextlib
-import gc
 
 import numpy as np
 import pytest
@@ -255,7 +254,7 @@ def test_whole_batch_im2col_dx_in_blocks_of_input_channels(layout, stride, size,
 def _step_slots_emptied():
     """Every step's slot empty and not ready (kernels/cpu/steps.py), as in a new process
     whose first conv is the one run inside; restored after."""
-    steps_ = [o for o in gc.get_objects() if isinstance(o, cpu_steps.Step)]
+    steps_ = cpu_steps.made()
     values = {name: slot.value for name, slot in cpu_steps._SLOTS.items()}
     ready = {id(s): set(s._ready) for s in steps_}
     for slot in cpu_steps._SLOTS.values():

@@ -40,6 +40,12 @@ from numba.extending import intrinsic
 _LOCK = threading.Lock()
 _SLOTS = {}          # slot name -> its 8 bytes (ctypes), kept for the process's lifetime
 _ANY = "any"         # the key of a step whose signatures do not depend on the dtype
+_MADE = []           # every Step made in this process (made())
+
+
+def made():
+    """Every :class:`Step` made in this process (the tests empty their slots)."""
+    return tuple(_MADE)
 
 
 def array(f, ndim):
@@ -72,6 +78,7 @@ class Step:
                 entries.append((tuple(argtypes), slot, symbol))
         self._ready = set()
         self.call = _caller(self)
+        _MADE.append(self)
 
     @property
     def slots(self):
