@@ -1,6 +1,7 @@
 """The CPU conv plan (``kernels/conv/cpu_plan.py``): every algorithm that can run a pass,
 forced through ``plan=``, against the reference; the rules as a value (``using``)."""
 import contextlib
+import itertools
 
 import numpy as np
 import pytest
@@ -272,13 +273,15 @@ def _step_slots_emptied():
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_each_algorithm_readies_the_steps_its_kernels_call(layout):
+def test_each_algorithm_readies_the_steps_its_kernels_call():
     # A pass run alone, every slot empty: its host entry must ready each step its kernels
     # call (else the kernel raises RuntimeError: "step ... called before ready"; inside a
     # step, where it cannot raise, it is reported as unraisable and the results are wrong:
-    # both fail here). Results equal to the same plan's run with the slots filled.
-    for kernel, stride, padding, dilation, C, K in GEOMETRIES[:3]:
+    # both fail here). Results equal to the same plan's run with the slots filled. One test
+    # for both layouts (the kernels take the layout at run time): its compilations, ~50 s on
+    # a cold cache, land in one CI leg.
+    for (kernel, stride, padding, dilation, C, K), layout in itertools.product(
+            GEOMETRIES[:3], ("NCHW", "NHWC")):
         x, w, b, geom, _ = _problem(kernel, stride, padding, dilation, C, K, layout,
                                     np.float32)
         y = cpu_conv.conv_forward(x, w, b, geom, True)
