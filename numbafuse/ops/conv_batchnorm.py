@@ -187,6 +187,21 @@ class Call(NamedTuple):
     param_dtype: object  # gamma's dtype as given: dgamma's and dbeta's
 
 
+def _running_stats(pc):
+    """(mean, invstd) (K,) float64 of inference from ``pc``'s running statistics (float32
+    copies of half ones: :meth:`_Half.params`)."""
+    return _bn.bn_inference_stats(kernels.contiguous(pc.running_mean),
+                                  kernels.contiguous(pc.running_var), eps=pc.eps)
+
+
+def _backward_inputs(call, saved, dy):
+    """(which, half, s, dy) of a core backward: dy's backend, the call's half-precision rule,
+    the ``saved`` arrays as attributes in their compute dtype, dy contiguous in it."""
+    dy = kernels.contiguous(dy)
+    half = _Half(dy, saved["gamma"], call.param_dtype)
+    return backend.backend_of_array(dy), half, half.residuals(saved), precision.compute(dy)
+
+
 def forward(op, p, x, w, gamma, beta):
     """Conv -> batch norm [-> ReLU] without a tape: ``(y, call, saved)``, ``saved`` the arrays
     :func:`backward` reads by name (x and w as given, a half x stays half; gamma, [beta], the
@@ -214,9 +229,7 @@ def forward(op, p, x, w, gamma, beta):
             return half.store(y), Call(geometry, count, half.param_dtype), saved
         del h                                                             # never kept
     else:
-        mean, invstd = _bn.bn_inference_stats(kernels.contiguous(pc.running_mean),
-                                              kernels.contiguous(pc.running_var),
-                                              eps=p.eps)                  # (K,) float64
+        mean, invstd = _running_stats(pc)
         w_folded, b_folded = _fold(which, w, None, gamma, beta, mean, invstd)
         y = _conv_forward(which, x, w_folded, b_folded, geometry, p.relu)
     shift = dict(beta=beta) if p.relu else {}    # the ReLU's gate needs beta
@@ -230,10 +243,7 @@ def backward(p, call, saved, dy, need):
     ``saved`` has it (then with ``relu_state``, the mask or y whose sign is the gate)."""
     geometry = call.geometry
     need_x, need_w, need_gamma, need_beta = need
-    dy = kernels.contiguous(dy)
-    which = backend.backend_of_array(dy)
-    half = _Half(dy, saved["gamma"], call.param_dtype)
-    s, dy = half.residuals(saved), precision.compute(dy)
+    which, half, s, dy = _backward_inputs(call, saved, dy)
     sums = fused = None
     kept_h = "h" in saved
     if not kept_h and p.training and p.comm is None:
@@ -282,9 +292,7 @@ def add_forward(op, p, x, w, z, gamma, beta):
         half.store_running(p, pc)
     else:
         h = _conv_forward(which, x, w, None, geometry, False)
-        mean, invstd = _bn.bn_inference_stats(kernels.contiguous(pc.running_mean),
-                                              kernels.contiguous(pc.running_var),
-                                              eps=p.eps)                  # (K,) float64
+        mean, invstd = _running_stats(pc)
     y, mask = _bn.bn_apply(h, mean, invstd, gamma, beta, z=z, relu=True,
                            layout=geometry.layout, with_mask=True)
     kept = {} if p.recompute else dict(h=h)
@@ -298,10 +306,7 @@ def add_backward(p, call, saved, dy, need):
     ``saved`` arrays; ``need``: five flags. h is recomputed unless ``saved`` has it."""
     geometry = call.geometry
     need_x, need_w, need_z, need_gamma, need_beta = need
-    dy = kernels.contiguous(dy)
-    which = backend.backend_of_array(dy)
-    half = _Half(dy, saved["gamma"], call.param_dtype)
-    s, dy = half.residuals(saved), precision.compute(dy)
+    which, half, s, dy = _backward_inputs(call, saved, dy)
     h = s.h if "h" in saved else _conv_forward(which, s.x, s.w, None, geometry, False)
     dconv, dgamma, dbeta, dz = _bn.bn_backward(
         dy, h, s.mean, s.invstd, s.gamma, s.relu_state, layout=geometry.layout,
