@@ -1,6 +1,6 @@
 """Questions for a lent GPU that the other scripts do not ask; each part isolated, printed.
 
-    python benchmarks/gpu_probe.py [bn] [knobs] [graph]
+    python benchmarks/gpu_probe.py [bn] [knobs] [graph] [tiles]
 
 ``bn``: where batch norm's forward time goes, per kernel: device time by CUDA events of the
 statistics kernel alone, the apply alone and the whole op, and the host time of a call
@@ -12,6 +12,12 @@ of the process, numba's too).
 through PyTorch's profiler, the mean of 10 calls), under launch-time settings of
 ``kernels/cuda/config.py`` side by side: ``reduce_target_blocks`` (the channel reductions'
 blocks in all) and ``max_blocks`` (the elementwise passes' grid).
+
+``tiles``: the conv GEMMs' tilings side by side at the benchmark's four conv shapes (NCHW,
+float32): each pass (forward, dx, dw) alone, its device time from a CUDA-graph replay (median
+of CUDA events) under each tiling of ``TILE_VARIANTS``, beside cuDNN's FP32 time for the same
+pass (torch.nn.functional.conv2d and torch.nn.grad, TF32 off). The variants compile first, in
+parallel processes, into Numba's disk cache.
 
 ``graph``: what CUDA graph capture through cuda.core allows with numbafuse's launches and
 pool: a prepared launch captured into a GraphBuilder and replayed; which calls a capture in
@@ -252,11 +258,110 @@ def graph():
         traceback.print_exc()
 
 
+def _tile_variants():
+    from numbafuse.kernels.cuda.config import Tile
+    wide, narrow = Tile(128, 128, 8, 8, 8, 4), Tile(128, 64, 8, 8, 4, 4)
+    small = Tile(64, 64, 8, 4, 4, 4)
+    deep, deep_narrow = Tile(128, 128, 16, 8, 8, 4), Tile(128, 64, 16, 8, 4, 4)
+    both = [wide, narrow, small, deep, deep_narrow]
+    return {"fwd": both, "dx": both, "dw": [narrow, wide, small, deep_narrow]}
+
+
+def _compile_tile(kind, tile):
+    from numba.core import types
+    from numbafuse.kernels.conv import cuda as conv_cuda
+    f = types.float32
+    t0 = time.perf_counter()
+    conv_cuda.gemm_kernel(kind, "NCHW", tile).compile(
+        (f[::1],) * 5 + (types.int32[:, ::1], types.int32[:, ::1]))
+    return time.perf_counter() - t0
+
+
+def tiles():
+    import concurrent.futures as futures
+    import multiprocessing
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from numbafuse import cuda as nfcuda, validate
+    from numbafuse.kernels.conv import cuda as conv_cuda
+    from numbafuse.kernels.cuda import config
+    sys.path.insert(0, HERE)
+    from bench_gpu import QUICK
+    variants = _tile_variants()
+    jobs = [(k, t) for k, ts in variants.items() for t in ts]
+    t0 = time.perf_counter()
+    ctx = multiprocessing.get_context("spawn")
+    with futures.ProcessPoolExecutor(max_workers=min(len(jobs), 14), mp_context=ctx) as pool:
+        done = {pool.submit(_compile_tile, k, t): (k, t) for k, t in jobs}
+        for fut in futures.as_completed(done):
+            try:
+                fut.result()
+            except Exception as exc:
+                print(f"tiles: {done[fut]} did not compile: {exc}", flush=True)
+    print(f"tiles: {len(jobs)} kernels compiled in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    cuda = nfcuda.numba_cuda
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = np.random.default_rng(0)
+    for x_shape, w_shape, kw in QUICK["conv"]:
+        geom = validate.conv_geometry("probe", x_shape, w_shape, kw.get("stride", 1),
+                                      kw.get("padding", 0))
+        xh = rng.standard_normal(x_shape).astype(np.float32)
+        wh = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+        bh = rng.standard_normal(w_shape[0]).astype(np.float32)
+        gyh = rng.standard_normal(geom.y_shape).astype(np.float32)
+        x, w, b, gy = (nfcuda.to_device(a) for a in (xh, wh, bh, gyh))
+        y = conv_cuda.conv_forward(x, w, b, geom, True)
+        passes = {"fwd": lambda: conv_cuda.conv_forward(x, w, b, geom, True),
+                  "dx": lambda: conv_cuda.conv_backward(gy, x, w, geom, y, (1, 0, 0)),
+                  "dw": lambda: conv_cuda.conv_backward(gy, x, w, geom, y, (0, 1, 0))}
+        tx, tw, tgy = (torch.from_numpy(a).cuda() for a in (xh, wh, gyh))
+        st, pd = kw.get("stride", 1), kw.get("padding", 0)
+        ref = {"fwd": lambda: F.conv2d(tx, tw, stride=st, padding=pd),
+               "dx": lambda: torch.nn.grad.conv2d_input(tx.shape, tw, tgy, stride=st,
+                                                        padding=pd),
+               "dw": lambda: torch.nn.grad.conv2d_weight(tx, tw.shape, tgy, stride=st,
+                                                         padding=pd)}
+        flops = 2.0 * np.prod(geom.y_shape) * np.prod(w_shape[1:])
+        for kind, fn in passes.items():
+            try:
+                for _ in range(3):
+                    ref[kind]()
+                torch.cuda.synchronize()
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                times = []
+                for _ in range(20):
+                    ev[0].record()
+                    ref[kind]()
+                    ev[1].record()
+                    torch.cuda.synchronize()
+                    times.append(ev[0].elapsed_time(ev[1]))
+                cudnn = sorted(times)[len(times) // 2]
+                row = []
+                for tile in variants[kind]:
+                    config.tile_override = tile
+                    try:
+                        with nfcuda.graph(fn, warmup=1) as g:
+                            ms = _events(cuda, g.replay, 20)
+                        row.append(f"{tile.BM}x{tile.BN}x{tile.BK} {ms * 1e3:7.1f} us "
+                                   f"({cudnn / ms:4.2f}x)")
+                    except Exception as exc:
+                        row.append(f"{tile.BM}x{tile.BN}x{tile.BK} failed: {exc}")
+                    finally:
+                        config.tile_override = None
+                print(f"tiles {x_shape} {w_shape} {kw} {kind}: cuDNN FP32 {cudnn * 1e3:.1f} us "
+                      f"({flops / cudnn / 1e9:.1f} TFLOP/s) | " + " | ".join(row), flush=True)
+            except Exception:
+                traceback.print_exc()
+
+
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["bn", "knobs", "graph"]
     for part in parts:
         print(f"#### {part}", flush=True)
         try:
-            {"bn": bn, "knobs": knobs, "graph": graph}[part]()
+            {"bn": bn, "knobs": knobs, "graph": graph, "tiles": tiles}[part]()
         except Exception:
             traceback.print_exc()
