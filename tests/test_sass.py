@@ -110,7 +110,8 @@ def test_tools_and_kernels_are_there():
     _sass()
     from numbafuse.kernels import catalog
     from numbafuse.kernels.cuda import config
-    tiles = list(config.CONV_TILES.values()) + list(config.CONV_TILES_NARROW.values())
+    tiles = [t for d in (config.CONV_TILES, config.CONV_TILES_NARROW, config.CONV_TILES_NHWC)
+             for t in d.values()]
     assert {t.threads for t in tiles} == {GEMM_THREADS}  # the register budget's premise
     cases = catalog.cases()
     assert sum(1 for c in cases if c[3]) >= 12          # 3 passes x 2 layouts x 2 dtypes

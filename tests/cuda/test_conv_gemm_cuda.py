@@ -144,22 +144,29 @@ def test_narrow_tiles_take_gemms_of_at_most_narrow_cols_columns(monkeypatch):
     """fwd (columns: K) and dx (columns: C) of at most NARROW_COLS columns take the narrow
     float32 tiling; one column more, float64, dw or no column count, the wide one."""
     monkeypatch.setattr(config, "tile_override", None)
-    f32, n = np.float32, config.NARROW_COLS
+    f32 = np.float32
+    assert config.NARROW_COLS == {"fwd": 128, "dx": 64}     # as measured (config's comment)
     for kind in ("fwd", "dx"):
+        n = config.NARROW_COLS[kind]
         assert config.conv_tile(kind, f32, n) == config.CONV_TILES_NARROW[(kind, "float32")]
         assert config.conv_tile(kind, f32, 1) == config.CONV_TILES_NARROW[(kind, "float32")]
         assert config.conv_tile(kind, f32, n + 1) == config.CONV_TILES[(kind, "float32")]
         assert config.conv_tile(kind, f32) == config.CONV_TILES[(kind, "float32")]
         assert config.conv_tile(kind, np.float64, n) == config.CONV_TILES[(kind, "float64")]
-    assert config.conv_tile("dw", f32, n) == config.CONV_TILES[("dw", "float32")]
+    assert config.conv_tile("dw", f32, 64) == config.CONV_TILES[("dw", "float32")]
+    # dw in NHWC keeps K-steps of 8 (the 16-deep one needs 167 registers there)
+    assert config.conv_tile("dw", f32, None, "NHWC") == config.CONV_TILES_NHWC[("dw", "float32")]
+    assert config.conv_tile("fwd", f32, 64, "NHWC") == config.CONV_TILES_NARROW[("fwd", "float32")]
+    assert config.conv_tile("dw", np.float64, None, "NHWC") == config.CONV_TILES[("dw", "float64")]
 
 
 @pytest.mark.skipif(SIMULATOR, reason="production tiles: 256 Python threads a block in the "
                     "simulator; on a GPU they run")
-@pytest.mark.parametrize("K, C", [(64, 64), (65, 65), (64, 65), (65, 64)])
+@pytest.mark.parametrize("K, C", [(64, 64), (65, 65), (128, 64), (129, 65)])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_on_either_side_of_the_narrow_tiles(K, C, layout):
-    """float32 fwd, dx and dw at the narrow/wide switch (columns 64 and 65)."""
+    """float32 fwd, dx and dw at the narrow/wide switches (forward: K = 128 and 129; dx: C =
+    64 and 65)."""
     x, w, b, kw, geom = _problem(((2, C, 9, 7), (K, C, 3, 3), 1, 1, 1), layout, np.float32)
     gy = np.random.default_rng(3).standard_normal(geom.y_shape).astype(np.float32)
     y = conv.conv_forward(cuda.to_device(x), cuda.to_device(w), cuda.to_device(b), geom,

@@ -410,8 +410,8 @@ def _empty(shape, dtype):
     return pool_empty(shape, dtype)
 
 
-def _tile(kind, dtype, cols=None):
-    return config.conv_tile(kind, np.dtype(dtype), cols)
+def _tile(kind, dtype, layout, cols=None):
+    return config.conv_tile(kind, np.dtype(dtype), cols, layout)
 
 
 def _geometry_key(geom):
@@ -423,7 +423,7 @@ def conv_forward(x, w, b, geom, relu):
     y = _empty(geom.y_shape, x.dtype)
     if y.size == 0:
         return y
-    tile = _tile("fwd", x.dtype, geom.K)
+    tile = _tile("fwd", x.dtype, geom.layout, geom.K)
     has_bias = b is not None
     geo, table, grid = forward_plan(_geometry_key(geom), tile, has_bias, bool(relu))
     kern = gemm_kernel("fwd", geom.layout, tile)
@@ -442,7 +442,7 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     if need_dx:
         dx = _empty(geom.x_shape, gy.dtype)
         if dx.size and gy.size:
-            tile = _tile("dx", gy.dtype, geom.C)
+            tile = _tile("dx", gy.dtype, geom.layout, geom.C)
             geo, table, grid = dx_plan(_geometry_key(geom), tile, use_mask)
             launch(gemm_kernel("dx", geom.layout, tile), grid, tile.threads,
                 gy_f, flat(w), y_f, flat(dx), gy_f, geo, table)
@@ -451,7 +451,7 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     if need_dw:
         dw = _empty(geom.w_shape, gy.dtype)
         if gy.size and x.size:
-            tile = _tile("dw", gy.dtype)
+            tile = _tile("dw", gy.dtype, geom.layout)
             geo, table, grid, n_splits = dw_plan(_geometry_key(geom), tile, use_mask,
                                                  config.dw_max_splits)
             partials = _empty(n_splits * dw.size, gy.dtype)       # (splits, K*C*R*S)
@@ -505,10 +505,10 @@ def _production_gemms():
         for layout in ("NCHW", "NHWC"):
             for dt in ("float32", "float64"):
                 out.append((kind, layout, dt, "", gemm_kernel(kind, layout,
-                                                              _tile(kind, np.dtype(dt)))))
+                                                              _tile(kind, dt, layout))))
                 if (kind, dt) in config.CONV_TILES_NARROW:
                     out.append((kind, layout, dt, "n", gemm_kernel(
-                        kind, layout, _tile(kind, np.dtype(dt), config.NARROW_COLS))))
+                        kind, layout, _tile(kind, dt, layout, config.NARROW_COLS[kind]))))
     return out
 
 

@@ -44,23 +44,34 @@ class Tile:
 
 # Conv GEMM tilings per (pass, dtype); compile-time (each is its own compiled kernel).
 # float32: 128 x 128 outputs per 256-thread block, 8 x 8 per thread (64 FFMA per 4 vector
-# shared loads per k); dw's output (CRS x K) is narrow in K, so 128 x 64.
+# shared loads per k); dw's output (CRS x K) is narrow in K, so 128 x 64, with K-steps of 16
+# (measured on an H100, run 10, `benchmarks/gpu_probe.py tiles`: 128 x 64 x 16 beat 128 x 64
+# x 8 by 6-14% at all four benchmark shapes, at 127 registers, two blocks per SM).
 # float64: half the registers per value and half the FMA rate: 64 x 64, 4 x 4 per thread.
 CONV_TILES = {
     ("fwd", "float32"): Tile(128, 128, 8, 8, 8, 4),
     ("dx", "float32"): Tile(128, 128, 8, 8, 8, 4),
-    ("dw", "float32"): Tile(128, 64, 8, 8, 4, 4),
+    ("dw", "float32"): Tile(128, 64, 16, 8, 4, 4),
     ("fwd", "float64"): Tile(64, 64, 8, 4, 4, 2),
     ("dx", "float64"): Tile(64, 64, 8, 4, 4, 2),
     ("dw", "float64"): Tile(64, 64, 8, 4, 4, 2),
 }
-# A GEMM with at most NARROW_COLS columns (forward: K filters; dx: C input channels) takes the
-# narrow float32 tiling: with 64 columns a 128 x 128 tile wastes half its multiply-adds (three
-# of the four benchmark shapes have K = 64).
-NARROW_COLS = 64
+# A GEMM with at most NARROW_COLS[pass] columns (forward: K filters; dx: C input channels)
+# takes the narrow float32 tiling: with 64 columns a 128 x 128 tile wastes half its
+# multiply-adds (three of the four benchmark shapes have K = 64). Measured (run 10, H100,
+# graph-replayed device time per pass): the forward's 128 x 64 x 16 was the fastest tiling at
+# all four shapes, K = 128 included (stride 2: 262 us against 335 for 128 x 128 x 8), so the
+# forward takes it up to 128 columns; dx's 128 x 64 x 8 was fastest at C = 64 only (at C = 128
+# and 256 the wide tiling was, by 19% and 11%).
+NARROW_COLS = {"fwd": 128, "dx": 64}
 CONV_TILES_NARROW = {
-    ("fwd", "float32"): Tile(128, 64, 8, 8, 4, 4),
+    ("fwd", "float32"): Tile(128, 64, 16, 8, 4, 4),
     ("dx", "float32"): Tile(128, 64, 8, 8, 4, 4),
+}
+# Where a layout's loaders need other tilings: dw in NHWC at 128 x 64 x 16 takes 167
+# registers (one block per SM; capped at 128 by ptxas it spills), so it keeps K-steps of 8.
+CONV_TILES_NHWC = {
+    ("dw", "float32"): Tile(128, 64, 8, 8, 4, 4),
 }
 # Tests shrink every conv tiling to this one (the simulator runs each thread in Python).
 TINY_TILE = Tile(8, 8, 4, 2, 2, 2)
@@ -70,14 +81,16 @@ dw_target_blocks = 512   # dw: (tile, split) blocks to aim for (fills a GPU a fe
 dw_max_splits = 256      # dw: at most this many splits of M (partials memory: splits*K*CRS)
 
 
-def conv_tile(kind: str, dtype, cols: int | None = None) -> Tile:
+def conv_tile(kind: str, dtype, cols: int | None = None, layout: str = "NCHW") -> Tile:
     """The tiling of conv pass ``kind`` ("fwd", "dx", "dw") at ``dtype`` for a GEMM of
-    ``cols`` output columns (None: the wide tiling)."""
+    ``cols`` output columns (None: the wide tiling) in ``layout``."""
     if tile_override is not None:
         return tile_override.check()
     key = (kind, np.dtype(dtype).name)
-    if cols is not None and cols <= NARROW_COLS and key in CONV_TILES_NARROW:
+    if cols is not None and key in CONV_TILES_NARROW and cols <= NARROW_COLS[kind]:
         return CONV_TILES_NARROW[key].check()
+    if layout == "NHWC" and key in CONV_TILES_NHWC:
+        return CONV_TILES_NHWC[key].check()
     return CONV_TILES[key].check()
 
 
