@@ -59,6 +59,9 @@ def parse_args(argv=None):
                    help="fused ConvBatchNormReLU: recompute the conv in backward (least memory)"
                         " or keep its output and a 1-bit mask (faster)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="with --device cuda and --schedule constant: each step replayed from "
+                        "a CUDA graph captured once (numbafuse.cuda.graph), not op by op")
     p.add_argument("--layout", choices=("NCHW", "NHWC"), default=MODEL["layout"],
                    help="activation layout (NHWC: the conv GEMMs write straight into y)")
     p.add_argument("--compare", action="store_true",
@@ -87,6 +90,10 @@ def parse_args(argv=None):
         p.error("--epochs 0 only evaluates: no --compare or --plot")
     if args.save and args.compare:
         p.error("--save takes one model; --compare trains two")
+    if args.cuda_graph and (args.device != "cuda" or args.schedule != "constant"
+                            or args.distributed):
+        p.error("--cuda-graph needs --device cuda and --schedule constant, in one process "
+                "(a replayed step keeps the learning rate it was captured with)")
     return args
 
 
@@ -139,7 +146,7 @@ def run(args, log=print, comm=None):
                       momentum=args.momentum, weight_decay=args.weight_decay, seed=args.seed,
                       device=args.device, schedule=args.schedule, augment=args.augment,
                       progress=not args.no_progress and log is not None, log=log,
-                      comm=comm if distributed_run else None)
+                      comm=comm if distributed_run else None, cuda_graph=args.cuda_graph)
         if args.save and (comm is None or comm.rank == 0):
             save_checkpoint(args.save, model)
             say(f"saved {args.save}")

@@ -116,9 +116,14 @@ def test_cli_parse_defaults_and_errors():
     args = cli.parse_args(["--unfused", "--device", "cuda", "--layout", "NCHW", "--lr",
                              "0.2", "--fuse", "remap", "--compare"])
     assert args.unfused and args.device == "cuda" and args.lr == 0.2 and args.compare
-    for bad in (["--device", "tpu"], ["--epochs", "0"], ["--fuse", "magic"]):
+    for bad in (["--device", "tpu"], ["--epochs", "0"], ["--fuse", "magic"],
+                ["--cuda-graph"], ["--cuda-graph", "--device", "cuda"],
+                ["--cuda-graph", "--device", "cuda", "--schedule", "constant",
+                 "--distributed"]):
         with pytest.raises(SystemExit):
             cli.parse_args(bad)
+    args = cli.parse_args(["--cuda-graph", "--device", "cuda", "--schedule", "constant"])
+    assert args.cuda_graph and not cli.parse_args([]).cuda_graph
 
 
 def test_cli_report_unfused(tmp_path, capsys):

@@ -118,3 +118,60 @@ def test_a_bad_label_inside_a_graph_gives_a_nan_loss():
     assert np.isnan(g.replay().numpy())
     labels.copy_to_device(np.array([0, -1, 1], np.int64))
     assert np.isnan(g.replay().numpy())
+
+
+def _digits(n_train, n_test):
+    """A tiny stand-in for the digits split: 4x4 one-channel images, 3 classes."""
+    from numbafuse.data import Digits
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((n_train + n_test, 1, 4, 4)).astype(np.float32)
+    y = rng.integers(0, 3, n_train + n_test).astype(np.int64)
+    return Digits(x[:n_train], y[:n_train], x[n_train:], y[n_train:], "NCHW", 3)
+
+
+def test_fit_with_cuda_graph_matches_eager_fit():
+    """fit(cuda_graph=True): two eager steps, the capture, replays, and each epoch's last,
+    smaller batch eagerly between replays (7 samples in batches of 2): the same loss curve
+    and parameters as eager fit, bit for bit."""
+    from numbafuse.train import fit
+    data = _digits(7, 3)
+    runs = []
+    for cuda_graph in (False, True):
+        model = _model()
+        h = fit(model, data, epochs=2, batch_size=2, lr=0.1, momentum=0.9,
+                weight_decay=1e-3, device="cuda", schedule="constant", augment=1,
+                progress=False, log=None, cuda_graph=cuda_graph)
+        runs.append((h, model.state_dict()))
+    (eager, eager_state), (graphed, graphed_state) = runs
+    assert len(eager["loss_curve"]) == 8
+    assert graphed["loss_curve"] == eager["loss_curve"]
+    assert graphed["test_accuracy"] == eager["test_accuracy"]
+    for name, a in eager_state.items():
+        if not name.endswith("num_batches_tracked"):   # a host counter (GraphStep's doc)
+            np.testing.assert_array_equal(graphed_state[name], a, err_msg=name)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(device="cpu"), "needs device='cuda'"),
+    (dict(schedule="cosine"), "schedule='constant'"),
+])
+def test_fit_with_cuda_graph_refuses_what_a_replay_cannot_do(kw, match):
+    from numbafuse.train import fit
+    args = dict(device="cuda", schedule="constant") | kw
+    with pytest.raises(ValueError, match=match):
+        fit(_model(), _digits(4, 2), epochs=1, batch_size=2, progress=False, log=None,
+            cuda_graph=True, **args)
+
+
+def test_graph_step_checks_labels_on_the_host():
+    """Inside a graph cross-entropy cannot check labels: GraphStep checks them before the
+    copy, once it knows the class count (from its eager steps)."""
+    from numbafuse import optim
+    from numbafuse.train import GraphStep
+    model = _model()
+    step = GraphStep(model, optim.SGD(model.parameters(), lr=0.1), warmup=1)
+    (x, y), = _batches(1)
+    step(x, y)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
+        step(x, np.array([0, 3], np.int64))
+    step.close()
