@@ -63,11 +63,24 @@ def nhwc(a):
     return np.ascontiguousarray(a.transpose(0, 2, 3, 1))     # (N, C, H, W) -> (N, H, W, C)
 
 
-def _numbafuse_cases(name, layout, unfused):
+def aligned(a, align=64):
+    """A copy of ``a`` starting on an ``align``-byte boundary (a cache line), as PyTorch's
+    allocator and numbafuse's output buffers place arrays; NumPy's large arrays start 16
+    bytes into a page."""
+    buf = np.empty(a.nbytes + align, np.uint8)
+    start = -buf.ctypes.data % align
+    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def _numbafuse_cases(name, layout, unfused, align=False):
     import numbafuse as nf
     x, w, b, gy, kw, _ = problem(name)
     if layout == "NHWC":
         x, gy = nhwc(x), nhwc(gy)
+    if align:
+        x, w, b, gy = (aligned(a) for a in (x, w, b, gy))
     kw = dict(kw, layout=layout)
 
     def fwd():
@@ -117,7 +130,8 @@ def cases(side, options):
             if side == "torch":
                 out.update(_torch_cases(name, layout))
             else:
-                out.update(_numbafuse_cases(name, layout, options.get("unfused", False)))
+                out.update(_numbafuse_cases(name, layout, options.get("unfused", False),
+                                            options.get("aligned", False)))
     return out
 
 
@@ -131,12 +145,15 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
     p.add_argument("--threads", type=int, help="threads of both libraries (default: theirs)")
+    p.add_argument("--aligned", action="store_true",
+                   help="numbafuse's input arrays on 64-byte boundaries (as its own outputs "
+                        "and PyTorch's tensors are), not where NumPy puts them")
     p.add_argument("--markdown", metavar="FILE")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.repeats, args.shapes = 2, 2, ["resnet 3x3"]
     opts = dict(shapes=args.shapes, layouts=args.layouts, unfused=args.mode == "separate",
-                threads=args.threads)
+                threads=args.threads, aligned=args.aligned)
     sides = {"separate": ["numbafuse", "torch"],
              "import-order": ["numbafuse", "numbafuse-after-torch"],
              "neighbours": ["numbafuse", "torch", "neighbours"]}[args.mode]
@@ -145,7 +162,11 @@ def main(argv=None):
     lines = _runner.header(info, _report.command("bench_conv_bias_relu.py"))
     lines += [f"- {n}: x {SHAPES[n][0]} (NCHW shape), w {SHAPES[n][1]}, stride {SHAPES[n][2]}, "
               f"padding {SHAPES[n][3]}" + (f", groups {SHAPES[n][4]}" if len(SHAPES[n]) > 4
-                                           else "") for n in args.shapes] + [""]
+                                           else "") for n in args.shapes]
+    lines += ["- numbafuse's inputs: " + ("copied onto 64-byte boundaries (--aligned)"
+                                          if args.aligned else "NumPy's arrays as allocated")
+              + "; PyTorch's: tensors from them (NCHW: the same memory; channels_last and "
+                "the backward's leaves: copies, on 64-byte boundaries)", ""]
     if args.mode == "separate":
         cpu = info["cpu"]
         lines += ["| shape | layout | pass | numbafuse ms | PyTorch ms | numbafuse speed-up | "

@@ -23,6 +23,7 @@ def test_released_buffers_are_reused_held_ones_never():
     cache = OutputCache(max_bytes=8 * MIB)
     a = cache.empty((MIB // 4,), np.float32)                     # 1 MiB
     assert a.shape == (MIB // 4,) and a.dtype == np.float32 and a.flags.c_contiguous
+    assert _addr(a) % OutputCache.ALIGN == 0                      # a cache line's start
     view = a[10:20]
     del a
     b = cache.empty((512, 512), np.float32)                       # same bytes: a is in use
@@ -31,6 +32,7 @@ def test_released_buffers_are_reused_held_ones_never():
     del view                                                      # a's buffer free again
     c = cache.empty((1024, 256), np.float32)
     assert _addr(c) == address and cache.owned_bytes() == 2 * MIB
+    assert _addr(b) % 64 == 0 and _addr(c) % 64 == 0
     d = cache.empty((MIB // 8,), np.float64)                      # other dtype, same bytes
     assert not np.shares_memory(d, b) and not np.shares_memory(d, c)
 
