@@ -10,6 +10,8 @@
 #   cache      every fused op in a new process, twice: the second must compile nothing
 #   tests      the CUDA tests for real (pytest -m cuda, several processes)
 #   torch      numbafuse.torch on CUDA tensors against torch's own ops
+#   train      python -m numbafuse.train on the GPU, eager and with --cuda-graph (3 epochs of
+#              the digits, constant learning rate): accuracy and ms per step of each
 #   bench      benchmarks/bench_gpu.py --quick (numbafuse and PyTorch each in its own process)
 #   hostpath   benchmarks/host_path.py: the same calls' host time with the device stubbed out
 #              (what the stub leaves out, beside the bench table's real figures)
@@ -93,6 +95,10 @@ section cache 60 bash -c 'for run in first second; do
 TAIL=12 section tests 200 python3 -m pytest -m cuda -q -n "${GPU_CHECK_TEST_PROCESSES:-8}" -p no:cacheprovider \
     --timeout 120 --maxfail 40 --durations 10 -W ignore::DeprecationWarning
 section torch 60 python3 benchmarks/gpu_sanitize.py torch
+TAIL=4 section train 90 bash -c 'for graph in "" --cuda-graph; do
+    echo "numbafuse.train --device cuda --schedule constant --epochs 3 $graph:";
+    python3 -m numbafuse.train --device cuda --schedule constant --epochs 3 --no-progress \
+        $graph 2>&1 | tail -n 1; done'
 TAIL=80 section bench 220 python3 benchmarks/bench_gpu.py --quick --worker-timeout 180 \
     --rounds "${GPU_CHECK_BENCH_ROUNDS:-2}" \
     --markdown "$OUT/bench_gpu.md" --json "$OUT/bench_gpu.json"

@@ -1,6 +1,6 @@
 """Questions for a lent GPU that the other scripts do not ask; each part isolated, printed.
 
-    python benchmarks/gpu_probe.py [bn] [knobs] [graph] [tiles]
+    python benchmarks/gpu_probe.py [bn] [knobs] [graph] [tiles] [tiles_nhwc]
 
 ``bn``: where batch norm's forward time goes, per kernel: device time by CUDA events of the
 statistics kernel alone, the apply alone and the whole op, and the host time of a call
@@ -14,7 +14,8 @@ through PyTorch's profiler, the mean of 10 calls), under launch-time settings of
 blocks in all) and ``max_blocks`` (the elementwise passes' grid).
 
 ``tiles``: the conv GEMMs' tilings side by side at the benchmark's four conv shapes (NCHW,
-float32): each pass (forward, dx, dw) alone, its device time from a CUDA-graph replay (median
+float32; ``tiles_nhwc``: the same in NHWC against cuDNN on channels_last tensors): each pass
+(forward, dx, dw) alone, its device time from a CUDA-graph replay (median
 of CUDA events) under each tiling of ``TILE_VARIANTS``, beside cuDNN's FP32 time for the same
 pass (torch.nn.functional.conv2d and torch.nn.grad, TF32 off). The variants compile first, in
 parallel processes, into Numba's disk cache.
@@ -267,17 +268,17 @@ def _tile_variants():
     return {"fwd": both, "dx": both, "dw": [narrow, wide, small, deep_narrow]}
 
 
-def _compile_tile(kind, tile):
+def _compile_tile(kind, tile, layout):
     from numba.core import types
     from numbafuse.kernels.conv import cuda as conv_cuda
     f = types.float32
     t0 = time.perf_counter()
-    conv_cuda.gemm_kernel(kind, "NCHW", tile).compile(
+    conv_cuda.gemm_kernel(kind, layout, tile).compile(
         (f[::1],) * 5 + (types.int32[:, ::1], types.int32[:, ::1]))
     return time.perf_counter() - t0
 
 
-def tiles():
+def tiles(layout="NCHW"):
     import concurrent.futures as futures
     import multiprocessing
     import numpy as np
@@ -293,7 +294,7 @@ def tiles():
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(max_workers=min(len(jobs), 14), mp_context=ctx) as pool:
-        done = {pool.submit(_compile_tile, k, t): (k, t) for k, t in jobs}
+        done = {pool.submit(_compile_tile, k, t, layout): (k, t) for k, t in jobs}
         for fut in futures.as_completed(done):
             try:
                 fut.result()
@@ -306,18 +307,26 @@ def tiles():
     torch.backends.cuda.matmul.allow_tf32 = False
     rng = np.random.default_rng(0)
     for x_shape, w_shape, kw in QUICK["conv"]:
-        geom = validate.conv_geometry("probe", x_shape, w_shape, kw.get("stride", 1),
-                                      kw.get("padding", 0))
-        xh = rng.standard_normal(x_shape).astype(np.float32)
+        nhwc = layout == "NHWC"
+        shape = (x_shape[0], x_shape[2], x_shape[3], x_shape[1]) if nhwc else x_shape
+        geom = validate.conv_geometry("probe", shape, w_shape, kw.get("stride", 1),
+                                      kw.get("padding", 0), layout=layout)
+        xh = rng.standard_normal(x_shape).astype(np.float32)          # NCHW
         wh = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
         bh = rng.standard_normal(w_shape[0]).astype(np.float32)
-        gyh = rng.standard_normal(geom.y_shape).astype(np.float32)
-        x, w, b, gy = (nfcuda.to_device(a) for a in (xh, wh, bh, gyh))
+        y_nchw = (geom.N, geom.K, geom.P, geom.Q)
+        gyh = rng.standard_normal(y_nchw).astype(np.float32)
+
+        def ours(a):          # numbafuse's array: NHWC in that layout
+            return np.ascontiguousarray(a.transpose(0, 2, 3, 1)) if nhwc else a
+        x, w, b, gy = (nfcuda.to_device(a) for a in (ours(xh), wh, bh, ours(gyh)))
         y = conv_cuda.conv_forward(x, w, b, geom, True)
         passes = {"fwd": lambda: conv_cuda.conv_forward(x, w, b, geom, True),
                   "dx": lambda: conv_cuda.conv_backward(gy, x, w, geom, y, (1, 0, 0)),
                   "dw": lambda: conv_cuda.conv_backward(gy, x, w, geom, y, (0, 1, 0))}
-        tx, tw, tgy = (torch.from_numpy(a).cuda() for a in (xh, wh, gyh))
+        fmt = torch.channels_last if nhwc else torch.contiguous_format
+        tx, tw, tgy = (torch.from_numpy(a).cuda().contiguous(memory_format=fmt)
+                       for a in (xh, wh, gyh))
         st, pd = kw.get("stride", 1), kw.get("padding", 0)
         ref = {"fwd": lambda: F.conv2d(tx, tw, stride=st, padding=pd),
                "dx": lambda: torch.nn.grad.conv2d_input(tx.shape, tw, tgy, stride=st,
@@ -351,8 +360,9 @@ def tiles():
                         row.append(f"{tile.BM}x{tile.BN}x{tile.BK} failed: {exc}")
                     finally:
                         config.tile_override = None
-                print(f"tiles {x_shape} {w_shape} {kw} {kind}: cuDNN FP32 {cudnn * 1e3:.1f} us "
-                      f"({flops / cudnn / 1e9:.1f} TFLOP/s) | " + " | ".join(row), flush=True)
+                print(f"tiles {layout} {x_shape} {w_shape} {kw} {kind}: cuDNN FP32 "
+                      f"{cudnn * 1e3:.1f} us ({flops / cudnn / 1e9:.1f} TFLOP/s) | "
+                      + " | ".join(row), flush=True)
             except Exception:
                 traceback.print_exc()
 
@@ -362,6 +372,7 @@ if __name__ == "__main__":
     for part in parts:
         print(f"#### {part}", flush=True)
         try:
-            {"bn": bn, "knobs": knobs, "graph": graph, "tiles": tiles}[part]()
+            {"bn": bn, "knobs": knobs, "graph": graph, "tiles": tiles,
+             "tiles_nhwc": lambda: tiles("NHWC")}[part]()
         except Exception:
             traceback.print_exc()
