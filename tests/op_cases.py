@@ -83,7 +83,8 @@ class BiasAdd(OpCase):
 
     def draw(self, draw, backend, dtype=None, **limits):
         p = draw(nfs.batchnorm_problems(dtype=dtype, **_limits(backend, BN_SMALL, {}, limits)))
-        return Example(dict(x=p.x, b=p.beta), dict(layout=p.layout),
+        b = p.beta.astype(p.x.dtype)          # a half x's beta may be float32: b is x's dtype
+        return Example(dict(x=p.x, b=b), dict(layout=p.layout),
                        _activation_dims(p.x, p.layout))
 
     def expected_grads(self, ex, dy):

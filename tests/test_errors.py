@@ -458,8 +458,9 @@ def _half_calls():
          "b is float32 but x is float16"),
         (nf.conv_bias_relu_backward, "conv_bias_relu_backward", (y.astype(f), x, w, y),
          dict(padding=1), TypeError, "x", "x is float16 but dy is float32"),
-        (nf.bias_add, "bias_add", (x, np.zeros(3, h)), {}, TypeError, "x",
-         "float32 or float64, got float16"),
+        (nf.bias_add, "bias_add", (x, np.zeros(3, f)), {}, TypeError, "b",
+         "b is float32 but x is float16"),
+        (nf.add, "add", (x, z.astype(f)), {}, TypeError, "z", "z is float32 but x is float16"),
     ]
 
 

@@ -18,7 +18,7 @@ from numbafuse import validate
 
 from numbafuse.ops import OPS
 
-from .harness import TOL, call_keywords, check_deterministic, close, run_property
+from .harness import TOL, Example, call_keywords, check_deterministic, close, run_property
 from .op_cases import BN_SMALL, CASES, CONV_SMALL
 
 HALF = validate.HALF_DTYPES
@@ -319,6 +319,56 @@ def test_ops_whose_spec_says_half_take_float16(name, backend):
     run_property(f"half spec {name} {backend}", 4 * backend.cost, body)
 
 
+# the elementwise ops of an unfused half model: float32 arithmetic, each result rounded once
+ELEMENTWISE = ("relu", "add", "sub", "mul", "bias_add")
+
+
+@pytest.mark.parametrize("name", ELEMENTWISE)
+def test_elementwise_half_against_the_float64_reference(name, backend):
+    """y and the tape's gradients (a half dy) in x's half dtype, within its TOL of the float64
+    reference on the same half inputs; on the CPU with broadcasting and scalar operands
+    (the op cases' draws)."""
+    case = CASES[name]
+    dtypes = _half_dtypes(backend)
+
+    def body(draw):
+        dtype = draw(st.sampled_from(dtypes))
+        ex = case.draw(draw, backend, dtype=dtype)
+        ex64 = Example({k: _f64(a) if isinstance(a, np.ndarray) else a
+                        for k, a in ex.arrays.items()}, ex.keywords, ex.dims)
+        expected = np.asarray(case.expected(ex64)[0], np.float64)
+        leaves = {k: nf.Tensor(backend.put(a), requires_grad=True)
+                  for k, a in ex.arrays.items() if isinstance(a, np.ndarray)}
+        args = [leaves.get(k, a) for k, a in ex.arrays.items()]
+        y = case.spec.function(*args, **call_keywords(ex, backend))
+        _expect(backend.get(y.data), expected, dtype, f"{name} y")
+        dy = _dy(draw, expected.shape, dtype)
+        y.backward(backend.put(dy))
+        for (k, a), g in zip(ex.arrays.items(), case.expected_grads(ex64, _f64(dy))):
+            if k in leaves and g is not None:
+                _expect(backend.get(leaves[k].grad), g, dtype, f"{name} d{k}")
+
+    run_property(f"half elementwise {name} {backend}", 3 * backend.cost, body)
+
+
+def test_half_gradients_reaching_one_leaf_are_summed(backend):
+    """Three half gradients reaching one leaf (x used three times) are summed into a half
+    .grad, each sum computed in float32 and rounded to half (the engine's add_new and
+    add_into: no half arithmetic kernel on the device)."""
+    rng = np.random.default_rng(9)
+    x_host = rng.standard_normal(6).astype(np.float16)
+    dy = rng.standard_normal(6).astype(np.float16)
+    x = nf.Tensor(backend.put(x_host), requires_grad=True)
+    y = x * 2.0 + x + x
+    y.backward(backend.put(dy))
+    grad = backend.get(x.grad)
+    assert grad.dtype == np.float16
+    g2 = (dy.astype(np.float32) * 2.0).astype(np.float16)        # the scalar mul's gradient
+    want = ((g2.astype(np.float32) + dy).astype(np.float16).astype(np.float32)
+            + dy).astype(np.float16)
+    np.testing.assert_array_equal(grad, want)
+
+
 def _within_one_ulp(a, b, what):
     """``a`` and ``b`` (half arrays) differ by at most one unit in the last place of ``b``:
     both rounded once from float32 arithmetic (the sum orders differ)."""
@@ -332,7 +382,8 @@ def _within_one_ulp(a, b, what):
 def test_half_agrees_with_pytorch():
     """As PyTorch on the CPU (float16 x, float32 batch-norm parameters and running
     statistics, float32 arithmetic): y and dx within one half ulp, dgamma, dbeta and the
-    running statistics float32 as PyTorch's; conv_bias_relu and its gradients likewise."""
+    running statistics float32 as PyTorch's; conv_bias_relu's y likewise, its gradients
+    within one ulp of the float64 reference and no farther from it than PyTorch's."""
     torch = pytest.importorskip("torch")
     F = torch.nn.functional
     rng = np.random.default_rng(6)
@@ -365,8 +416,17 @@ def test_half_agrees_with_pytorch():
     dy = rng.standard_normal(y.shape).astype(np.float16)
     y.backward(dy)
     t_y.backward(torch.tensor(dy))
-    for mine, other, name in zip(ours, theirs, ("dx", "dw", "db")):
-        _within_one_ulp(mine.grad, other.grad.numpy(), f"conv_bias_relu {name}")
+    # the gradients against the float64 reference (the mask from y): ours within one half
+    # ulp of it, and no farther than PyTorch's (whose CPU half conv backward was 18 ulps
+    # off in dx on an AMD Zen 4 machine, 2026-11-27: comparing the two directly failed)
+    assert np.array_equal(y.data > 0, t_y.detach().numpy() > 0)
+    exact = ref.conv_bias_relu_backward(_f64(dy), _f64(x), _f64(w), _f64(b), stride=2,
+                                        padding=1, y=_f64(y.data))
+    for mine, other, want, name in zip(ours, theirs, exact, ("dx", "dw", "db")):
+        ulp = np.spacing(np.abs(want.astype(np.float16))).astype(np.float64)
+        err = np.abs(_f64(mine.grad) - want) / ulp
+        assert err.max() <= 1.0, f"conv_bias_relu {name}: {err.max()} ulps"
+        assert err.max() <= (np.abs(_f64(other.grad.numpy()) - want) / ulp).max() + 0.5, name
 
 
 def test_half_tolerances_are_stated():

@@ -10,7 +10,7 @@ written).
 """
 from __future__ import annotations
 
-from .. import backend, kernels
+from .. import backend, kernels, validate
 
 
 def toposort(root) -> list:
@@ -31,15 +31,26 @@ def toposort(root) -> list:
 
 
 def add_into(a, b):
-    """``a += b`` in place (``a`` a contiguous array the caller owns); returns ``a``."""
+    """``a += b`` in place (``a`` a contiguous array the caller owns); returns ``a``. Half
+    precision: the sum computed in float32 and rounded to half (IEEE half addition, without
+    a half arithmetic kernel on the device)."""
     ew = kernels.module("elementwise", backend.backend_of_array(a))
+    if validate.is_half(a.dtype):
+        return ew.cast_into(_half_sum(ew, a, b), a)
     return ew.axpby(1.0, a, 1.0, kernels.contiguous(b), out=a)
 
 
 def add_new(a, b):
-    """``a + b`` in a new array."""
+    """``a + b`` in a new array (half precision: as :func:`add_into`)."""
     ew = kernels.module("elementwise", backend.backend_of_array(a))
+    if validate.is_half(a.dtype):
+        return ew.cast(_half_sum(ew, a, b), a.dtype)
     return ew.axpby(1.0, kernels.contiguous(a), 1.0, kernels.contiguous(b))
+
+
+def _half_sum(ew, a, b):
+    a32, b32 = (ew.cast(kernels.contiguous(v), validate.COMPUTE_DTYPE) for v in (a, b))
+    return ew.axpby(1.0, a32, 1.0, b32)
 
 
 def backward(root, grad):

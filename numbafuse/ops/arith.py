@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import autograd, backend, kernels, reference, validate
 from ..autograd import Function
+from . import precision
 from .spec import OpSpec
 
 
@@ -38,7 +39,8 @@ def _sum_to_shape(g, shape):
 
 def _check_pair(op, x, z):
     which = backend.backend_of(op, x=x, z=z)
-    validate.check_float_dtypes(op, x=x, z=z)
+    dtype = validate.check_float_dtypes(op, half=True, x=x, z=z)
+    validate.check_half_backend(op, which, dtype)
     if which == backend.CUDA and tuple(x.shape) != tuple(z.shape):
         raise ValueError(f"{op}: on the device, x and z must have the same shape, got "
                          f"{tuple(x.shape)} and {tuple(z.shape)}")
@@ -51,10 +53,19 @@ def _check_pair(op, x, z):
     return which
 
 
-def _check_one(op, x):
-    backend.backend_of(op, x=x)
-    validate.check_float_dtypes(op, x=x)
+def _check_one(op, x, half=False):
+    which = backend.backend_of(op, x=x)
+    dtype = validate.check_float_dtypes(op, half=half, x=x)
+    if half:
+        validate.check_half_backend(op, which, dtype)
     return kernels.contiguous(x)
+
+
+# Half precision (float16; bfloat16 on the CPU): add, sub, mul and their scalar forms
+# compute in float32 and round each result once to x's dtype (``ops/precision.py``).
+
+def _f32(a):
+    return precision.compute(kernels.contiguous(a))
 
 
 # --------------------------------------------------------------------------- add / sub
@@ -76,17 +87,20 @@ class Add(Function):
     def forward(self, x, z):
         _check_pair(self.name, x, z)
         self.x_shape, self.z_shape = tuple(x.shape), tuple(z.shape)
-        x, z = kernels.contiguous(x), kernels.contiguous(z)
-        return _elementwise(x).axpby(1.0, x, float(self.params.sign), z)
+        dtype = x.dtype
+        x, z = _f32(x), _f32(z)
+        return precision.store(_elementwise(x).axpby(1.0, x, float(self.params.sign), z), dtype)
 
     def backward(self, dy):
         need_x, need_z = self.needs_input_grad
+        dtype, host = dy.dtype, isinstance(dy, np.ndarray)
+        g = _f32(dy) if host or self.params.sign != 1 else dy    # half: summed in float32
         dx = dz = None
         if need_x:
-            dx = _sum_to_shape(dy, self.x_shape) if isinstance(dy, np.ndarray) else dy
+            dx = precision.store(_sum_to_shape(g, self.x_shape), dtype) if host else dy
         if need_z:
-            dz = dy if self.params.sign == 1 else _elementwise(dy).axpby(-1.0, dy, 0.0, dy)
-            dz = _sum_to_shape(dz, self.z_shape) if isinstance(dz, np.ndarray) else dz
+            dz = g if self.params.sign == 1 else _elementwise(g).axpby(-1.0, g, 0.0, g)
+            dz = precision.store(_sum_to_shape(dz, self.z_shape) if host else dz, dtype)
         return dx, dz
 
 
@@ -108,16 +122,18 @@ class AffineScalar(Function):
         return self.params.op
 
     def forward(self, x):
-        x = _check_one(self.name, x)
+        x = _check_one(self.name, x, half=True)
+        dtype, x = x.dtype, _f32(x)
         ew = _elementwise(x)
         if self.params.c == 0.0:
-            return ew.axpby(self.params.a, x, 0.0, x)
+            return precision.store(ew.axpby(self.params.a, x, 0.0, x), dtype)
         shift = ew.fill(backend.empty(backend.backend_of_array(x), x.shape, x.dtype),
                         self.params.c)
-        return ew.axpby(self.params.a, x, 1.0, shift)
+        return precision.store(ew.axpby(self.params.a, x, 1.0, shift), dtype)
 
     def backward(self, dy):
-        return (_elementwise(dy).axpby(self.params.a, dy, 0.0, dy),)
+        g = _f32(dy)
+        return (precision.store(_elementwise(g).axpby(self.params.a, g, 0.0, g), dy.dtype),)
 
 
 # --------------------------------------------------------------------------- mul
@@ -132,19 +148,20 @@ class Mul(Function):
     def forward(self, x, z):
         _check_pair(self.name, x, z)
         x, z = kernels.contiguous(x), kernels.contiguous(z)
-        self.save_for_backward(x=x, z=z)
-        return _elementwise(x).mul(x, z)
+        self.save_for_backward(x=x, z=z)                # half: kept in half
+        return precision.store(_elementwise(x).mul(_f32(x), _f32(z)), x.dtype)
 
     def backward(self, dy):
         x, z = self.saved.x, self.saved.z
-        ew = _elementwise(dy)
+        g = _f32(dy)
+        ew = _elementwise(g)
         need_x, need_z = self.needs_input_grad
-        dx = ew.mul(dy, z) if need_x else None
-        dz = ew.mul(dy, x) if need_z else None
+        dx = ew.mul(g, _f32(z)) if need_x else None
+        dz = ew.mul(g, _f32(x)) if need_z else None
         if isinstance(dy, np.ndarray):
             dx = None if dx is None else _sum_to_shape(dx, x.shape)
             dz = None if dz is None else _sum_to_shape(dz, z.shape)
-        return dx, dz
+        return precision.store(dx, dy.dtype), precision.store(dz, dy.dtype)
 
 
 # --------------------------------------------------------------------------- sum / mean
@@ -279,9 +296,9 @@ def reshape(x, shape):
 autograd.define_operators(add=add, sub=sub, mul=mul, sum=sum, mean=mean, reshape=reshape)
 
 SPECS = (
-    OpSpec("add", add, Add, reference=reference.add),
-    OpSpec("sub", sub, Add),
-    OpSpec("mul", mul, Mul),
+    OpSpec("add", add, Add, reference=reference.add, half=True),
+    OpSpec("sub", sub, Add, half=True),
+    OpSpec("mul", mul, Mul, half=True),
     OpSpec("sum", sum, Sum),
     OpSpec("mean", mean, Sum),
     OpSpec("reshape", reshape, Reshape),

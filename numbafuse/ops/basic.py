@@ -21,15 +21,20 @@ import numpy as np
 from .. import backend, kernels, reference, validate
 from ..autograd import Function
 from ..validate import PoolGeometry, pool_geometry
+from . import precision
 from .spec import OpSpec
 
 _kernels = functools.partial(kernels.module, "basic")  # _kernels(backend): the module
 
 
-def _validated(op, **arrays):
-    """(backend, dtype) of one call's floating arrays: TypeError on a mix or a non-float."""
+def _validated(op, half=False, **arrays):
+    """(backend, dtype) of one call's floating arrays: TypeError on a mix or a non-float
+    (``half``: half precision allowed, bfloat16 on the CPU only)."""
     which = backend.backend_of(op, **arrays)
-    return which, validate.check_float_dtypes(op, **arrays)
+    dtype = validate.check_float_dtypes(op, half=half, **arrays)
+    if half:
+        validate.check_half_backend(op, which, dtype)
+    return which, dtype
 
 
 # --------------------------------------------------------------------------- relu
@@ -47,8 +52,9 @@ class ReLU(Function):
 
     # fwd :: x -> (y, residuals=(y,))
     def forward(self, x):
-        which, _ = _validated(self.name, x=x)
-        y = _kernels(which).relu_forward(kernels.contiguous(x))
+        which, dtype = _validated(self.name, half=True, x=x)
+        y = _kernels(which).relu_forward(precision.compute(kernels.contiguous(x)))
+        y = precision.store(y, dtype)                 # half: y saved in half
         self.save_for_backward(y=y)
         return y
 
@@ -57,8 +63,9 @@ class ReLU(Function):
         if not self.needs_input_grad[0]:
             return (None,)
         y = self.saved.y
-        return (_kernels(backend.backend_of_array(y)).relu_backward(kernels.contiguous(dy),
-                                                                    y),)
+        dx = _kernels(backend.backend_of_array(y)).relu_backward(
+            precision.compute(kernels.contiguous(dy)), precision.compute(y))
+        return (precision.store(dx, y.dtype),)
 
 
 # --------------------------------------------------------------------------- linear
@@ -302,7 +309,8 @@ def relu(x):
     Parameters
     ----------
     x : array or Tensor
-        NumPy or CUDA array (any shape), float32 or float64.
+        NumPy or CUDA array (any shape), float32, float64 or half precision (float16;
+        bfloat16 on the CPU): y in x's dtype.
 
     Examples
     --------
@@ -408,7 +416,7 @@ def cross_entropy(logits, labels):
 
 
 SPECS = (
-    OpSpec("relu", relu, ReLU, reference=reference.relu),
+    OpSpec("relu", relu, ReLU, reference=reference.relu, half=True),
     OpSpec("linear", linear, Linear, reference=reference.linear),
     OpSpec("max_pool2d", max_pool2d, MaxPool2d, reference=reference.max_pool2d),
     OpSpec("global_avg_pool2d", global_avg_pool2d, GlobalAvgPool2d,

@@ -161,21 +161,24 @@ class BiasAdd(Function):
     def forward(self, x, b):
         validate.check_given(self.name, x=x, b=b)
         backend.backend_of(self.name, x=x, b=b)
-        validate.check_float_dtypes(self.name, x=x, b=b)
+        dtype = validate.check_float_dtypes(self.name, half=True, x=x, b=b)
+        validate.check_half_backend(self.name, backend.backend_of_array(x), dtype)
         layout = validate.check_layout(self.name, self.params.layout)
         validate.check_ndim(self.name, "x", x, 4, layout)
         validate.check_vector(self.name, "b", b, x.shape[validate.channel_axis(layout)])
         self.checked_layout = layout
-        x, b = kernels.contiguous(x), kernels.contiguous(b)
-        return _kernels(backend.backend_of_array(x)).bias_add(x, b, layout)
+        x, b = (precision.compute(kernels.contiguous(a)) for a in (x, b))   # half: float32
+        return precision.store(_kernels(backend.backend_of_array(x)).bias_add(x, b, layout),
+                               dtype)
 
     # bwd :: dy -> (dx = dy, db = sum of dy over N, H, W)
     def backward(self, dy):
         dx = dy if self.needs_input_grad[0] else None
         db = None
         if self.needs_input_grad[1]:
-            db = _kernels(backend.backend_of_array(dy)).channel_sum(kernels.contiguous(dy),
-                                                                    self.checked_layout)
+            db = _kernels(backend.backend_of_array(dy)).channel_sum(
+                precision.compute(kernels.contiguous(dy)), self.checked_layout)
+            db = precision.store(db, dy.dtype)
         return dx, db
 
 
@@ -375,7 +378,7 @@ def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, lay
 
 SPECS = (
     OpSpec("conv2d", conv2d, Conv2d, reference=reference.conv2d, half=True),
-    OpSpec("bias_add", bias_add, BiasAdd, reference=reference.bias_add),
+    OpSpec("bias_add", bias_add, BiasAdd, reference=reference.bias_add, half=True),
     OpSpec("conv_bias_relu", conv_bias_relu, ConvBiasReLU, reference=reference.conv_bias_relu,
            backward=conv_bias_relu_backward, fuses=("conv2d", "bias_add", "relu"), half=True),
     OpSpec("conv_bias", conv_bias, ConvBias, fuses=("conv2d", "bias_add"), half=True),

@@ -1,7 +1,8 @@
 """Half precision at the op boundary: the one place half arrays become float32 and back.
 
 The ops that take half precision (``conv_bias_relu``, ``conv2d``, ``conv_bias``, their
-backward, ``batchnorm_add_relu``, ``batchnorm``, their backward) store x, w, z, y and the
+backward, ``batchnorm_add_relu``, ``batchnorm``, their backward, and the elementwise ops of an
+unfused model: ``relu``, ``bias_add``, ``add``, ``sub``, ``mul``) store x, w, z, y and the
 activation gradients in float16 (or bfloat16 on the CPU, with ``ml_dtypes``) and compute in
 float32 (``validate.compute_dtype``), as cuDNN and PyTorch autocast do: their array helpers
 convert the half inputs with :func:`compute`, run the float32 kernels, and convert the results

@@ -85,8 +85,9 @@ boundary, in one place (`numbafuse/ops/precision.py`: `compute`, `store`, `store
 inputs are converted to float32, the float32 kernels run, the results are converted back
 (half running statistics are written back in place). On the CPU (Numba has no fast float16
 arithmetic) that conversion is NumPy's; for the convolutions on CUDA it is one elementwise
-kernel per array, an extra pass over each half array (2 bytes read and 4 written per element
-going in, 4 read and 2 written coming out) and float32 temporaries: there half precision
+kernel per array (for relu, bias_add, add, sub and mul as well), an extra pass over each half
+array (2 bytes read and 4 written per element going in, 4 read and 2 written coming out) and
+float32 temporaries: there half precision
 saves memory where its arrays are kept (x, w, y for backward), not time inside the op. The
 Conv-BatchNorm ops (`conv_batchnorm_relu`, and `ConvBatchNormAddReLU` beneath
 `numbafuse.torch`) convert x, w (and z) once at their boundary and run the float32 chain; their
