@@ -181,3 +181,19 @@ def test_the_check_fails_on_planted_regressions():
     assert any("float compares" in p for p in check(r, True, gated=True))
     r.registers = MAX_GEMM_REGISTERS + 1                 # as a GEMM past the budget reads
     assert any("fewer than two blocks" in p for p in check(r, True))
+
+
+def test_min_blocks_caps_the_registers_of_a_tiling():
+    """``Tile.min_blocks`` reaches ptxas as ``.minnctapersm`` and caps the registers at
+    65536 / (threads * min_blocks) (a ``-maxrregcount`` cap is ignored next to the
+    ``.maxntid`` every GEMM has, which is why the tiling has no such field): the 64 x 64
+    forward, 48 registers alone, fits 32 at 8 blocks of 256 threads per SM."""
+    sass = _sass()
+    import numba
+    from numbafuse.kernels.conv import cuda as conv_cuda
+    from numbafuse.kernels.cuda.config import Tile
+    f = numba.float32[::1]
+    signature = (f,) * 5 + (numba.int32[:, ::1], numba.int32[:, ::1])
+    tile = Tile(64, 64, 8, 4, 4, 4, min_blocks=8)
+    r = sass.analyse(conv_cuda.gemm_kernel("fwd", "NCHW", tile), signature, "capped")
+    assert r.registers <= 65536 // (tile.threads * 8), r.registers

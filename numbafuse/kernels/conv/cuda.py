@@ -359,7 +359,7 @@ def gemm_kernel(kind, layout, tile):
     a = a_fac(*gemm.mapping(tile.BM, tile.BK, threads, a_kf), a_kf)
     b = b_fac(*gemm.mapping(tile.BN, tile.BK, threads, b_kf), b_kf)
     name = (f"gemm_{kind}_{layout.lower()}_{tile.BM}x{tile.BN}x{tile.BK}_{tile.TM}x{tile.TN}"
-            f"_v{tile.VEC}_r{tile.max_registers or 0}")      # one disk-cache index each
+            f"_v{tile.VEC}_b{tile.min_blocks or 0}")      # one disk-cache index each
     if kind == "dw":
         return gemm.build(tile, a, b, _problem_split, _tap_row_base, _col_offset_0, _store,
                           name)

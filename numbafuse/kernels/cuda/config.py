@@ -17,7 +17,11 @@ import numpy as np
 class Tile:
     """A GEMM tiling (``kernels/cuda/gemm.py``): block tile BM x BN outputs, K-step BK,
     micro-tile TM x TN per thread ((BM/TM) * (BN/TN) threads), shared fragments read VEC
-    elements at a time (16 bytes: 4 float32, 2 float64); ``max_registers``: ptxas's cap.
+    elements at a time (16 bytes: 4 float32, 2 float64); ``min_blocks``: blocks per SM that
+    the registers must allow (launch_bounds' second value, PTX ``.minnctapersm``: ptxas caps
+    a thread at 65536 / (threads * min_blocks) registers, spilling if it must). A register
+    cap through ``max_registers`` (``-maxrregcount``) is not used: ptxas ignores it in a
+    kernel with ``.maxntid``, which every GEMM has (seen: 167 registers under a cap of 128).
     """
     BM: int
     BN: int
@@ -25,7 +29,7 @@ class Tile:
     TM: int
     TN: int
     VEC: int = 4
-    max_registers: int | None = None
+    min_blocks: int | None = None
 
     @property
     def threads(self) -> int:

@@ -269,5 +269,6 @@ def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, sto
         epilogue(out, bias, geo, table, z, r0, c0, tx, ty, n_rows, n_cols, e0, e1, acc)
 
     gemm.__name__ = gemm.__qualname__ = name
-    return kernel(fastmath=False, launch_bounds=THREADS, max_registers=tile.max_registers,
+    bounds = (THREADS, tile.min_blocks) if tile.min_blocks else THREADS
+    return kernel(fastmath=False, launch_bounds=bounds,
                   cache=True)(gemm)
