@@ -82,7 +82,8 @@ class GraphStep:
     compilation, the optimizer's momentum buffers, one-time uploads), the next one is
     captured into a graph with its batch in device arrays of its own, and every later batch of
     that size is copied into those arrays and replayed: no Python between the kernels. A
-    batch of another size (an epoch's last, smaller one) runs eagerly.
+    batch of another size than the first one's (an epoch's last, smaller one) runs eagerly
+    and is never the one captured.
 
     What a replay cannot do, and so what ``fit`` refuses with this option: a learning rate
     that changes between steps (the captured SGD launch holds its value: ``schedule``
@@ -95,7 +96,7 @@ class GraphStep:
 
     def __init__(self, model, opt, warmup=2):
         self.model, self.opt, self.warmup = model, opt, warmup
-        self.graph = self.x = self.y = None
+        self.graph = self.x = self.y = self.shapes = None
         self.eager_steps = 0
         self.classes = None
 
@@ -106,8 +107,10 @@ class GraphStep:
         if self.classes is not None and len(yb) and (yb.min() < 0 or yb.max() >= self.classes):
             raise ValueError(f"fit: labels must lie in [0, {self.classes}), got "
                              f"[{yb.min()}, {yb.max()}]")
-        same = self.x is not None and self.x.shape == xb.shape and self.y.shape == yb.shape
-        if self.eager_steps < self.warmup or (self.graph is not None and not same):
+        if self.shapes is None:
+            self.shapes = (xb.shape, yb.shape)       # the batch size the graph is made for
+        full = (xb.shape, yb.shape) == self.shapes
+        if self.eager_steps < self.warmup or not full:
             self.eager_steps += 1
             out = train_step(self.model, self.opt, backend.to_device(xb), backend.to_device(yb),
                              measure=measure)

@@ -163,6 +163,24 @@ def test_fit_with_cuda_graph_refuses_what_a_replay_cannot_do(kw, match):
             cuda_graph=True, **args)
 
 
+def test_graph_step_captures_a_batch_of_the_first_size_only():
+    """Two eager warm-up steps, then a smaller batch (an epoch's last): it runs eagerly and
+    the next full batch is the one captured (a graph of the small batch would leave every
+    later full batch eager)."""
+    from numbafuse import optim
+    from numbafuse.train import GraphStep
+    model = _model()
+    step = GraphStep(model, optim.SGD(model.parameters(), lr=0.1), warmup=2)
+    (x, y), = _batches(1)
+    step(x, y)
+    step(x, y)
+    step(x[:1], y[:1])
+    assert step.graph is None and step.eager_steps == 3
+    step(x, y)
+    assert step.graph is not None and step.x.shape == x.shape
+    step.close()
+
+
 def test_graph_step_checks_labels_on_the_host():
     """Inside a graph cross-entropy cannot check labels: GraphStep checks them before the
     copy, once it knows the class count (from its eager steps)."""
