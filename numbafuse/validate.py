@@ -108,6 +108,14 @@ def check_half_backend(op: str, which: str, dtype) -> None:
                         f"{dtype} arrays); use float16 on the device")
 
 
+def check_half_dtypes(op: str, which: str, **arrays) -> np.dtype:
+    """The one dtype of the arrays of an op that takes half precision, on backend ``which``:
+    :func:`check_float_dtypes` with ``half``, then :func:`check_half_backend`."""
+    dtype = check_float_dtypes(op, half=True, **arrays)
+    check_half_backend(op, which, dtype)
+    return dtype
+
+
 def check_given(op: str, **arrays) -> None:
     """Every named argument is given: ``None`` is a ``TypeError`` naming the op and the
     arguments (instead of an ``AttributeError`` from deep inside the op)."""
@@ -433,8 +441,7 @@ def batchnorm_args(op, arrays, training=True, momentum=0.1, eps=1e-5, layout="NC
         raise TypeError(f"{op}: {', '.join(missing)} must be an array, got None")
     which = backend.backend_of(op, x=x, z=z, gamma=gamma, beta=beta,
                                running_mean=running_mean, running_var=running_var)
-    dtype = check_float_dtypes(op, half=True, x=x, z=z)
-    check_half_backend(op, which, dtype)
+    dtype = check_half_dtypes(op, which, x=x, z=z)
     param_dtype = check_param_dtypes(op, dtype, gamma=gamma, beta=beta,
                                      running_mean=running_mean, running_var=running_var)
     shapes = tuple(None if a is None else tuple(a.shape)

@@ -39,8 +39,7 @@ def _sum_to_shape(g, shape):
 
 def _check_pair(op, x, z):
     which = backend.backend_of(op, x=x, z=z)
-    dtype = validate.check_float_dtypes(op, half=True, x=x, z=z)
-    validate.check_half_backend(op, which, dtype)
+    validate.check_half_dtypes(op, which, x=x, z=z)
     if which == backend.CUDA and tuple(x.shape) != tuple(z.shape):
         raise ValueError(f"{op}: on the device, x and z must have the same shape, got "
                          f"{tuple(x.shape)} and {tuple(z.shape)}")
@@ -55,9 +54,10 @@ def _check_pair(op, x, z):
 
 def _check_one(op, x, half=False):
     which = backend.backend_of(op, x=x)
-    dtype = validate.check_float_dtypes(op, half=half, x=x)
     if half:
-        validate.check_half_backend(op, which, dtype)
+        validate.check_half_dtypes(op, which, x=x)
+    else:
+        validate.check_float_dtypes(op, x=x)
     return kernels.contiguous(x)
 
 

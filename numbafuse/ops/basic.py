@@ -31,10 +31,9 @@ def _validated(op, half=False, **arrays):
     """(backend, dtype) of one call's floating arrays: TypeError on a mix or a non-float
     (``half``: half precision allowed, bfloat16 on the CPU only)."""
     which = backend.backend_of(op, **arrays)
-    dtype = validate.check_float_dtypes(op, half=half, **arrays)
     if half:
-        validate.check_half_backend(op, which, dtype)
-    return which, dtype
+        return which, validate.check_half_dtypes(op, which, **arrays)
+    return which, validate.check_float_dtypes(op, **arrays)
 
 
 # --------------------------------------------------------------------------- relu

@@ -93,8 +93,7 @@ def _validate_conv(op, x, w, b, stride, padding, dilation, layout, groups):
     contiguous."""
     validate.check_given(op, x=x, w=w)
     which = backend.backend_of(op, x=x, w=w, b=b)
-    validate.check_half_backend(op, which, validate.check_float_dtypes(op, half=True, x=x,
-                                                                       w=w, b=b))
+    validate.check_half_dtypes(op, which, x=x, w=w, b=b)
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
                                  layout, groups)
     validate.check_vector(op, "b", b, geometry.K)
@@ -160,16 +159,14 @@ class BiasAdd(Function):
     # fwd :: (x, b) -> (y, residuals=())
     def forward(self, x, b):
         validate.check_given(self.name, x=x, b=b)
-        backend.backend_of(self.name, x=x, b=b)
-        dtype = validate.check_float_dtypes(self.name, half=True, x=x, b=b)
-        validate.check_half_backend(self.name, backend.backend_of_array(x), dtype)
+        which = backend.backend_of(self.name, x=x, b=b)
+        dtype = validate.check_half_dtypes(self.name, which, x=x, b=b)
         layout = validate.check_layout(self.name, self.params.layout)
         validate.check_ndim(self.name, "x", x, 4, layout)
         validate.check_vector(self.name, "b", b, x.shape[validate.channel_axis(layout)])
         self.checked_layout = layout
         x, b = (precision.compute(kernels.contiguous(a)) for a in (x, b))   # half: float32
-        return precision.store(_kernels(backend.backend_of_array(x)).bias_add(x, b, layout),
-                               dtype)
+        return precision.store(_kernels(which).bias_add(x, b, layout), dtype)
 
     # bwd :: dy -> (dx = dy, db = sum of dy over N, H, W)
     def backward(self, dy):
@@ -362,8 +359,7 @@ def conv_bias_relu_backward(dy, x, w, y, *, stride=1, padding=0, dilation=1, lay
     dy, x, w, y = (autograd.unwrap(a) for a in (dy, x, w, y))
     validate.check_given(op, dy=dy, x=x, w=w, y=y)
     which = backend.backend_of(op, dy=dy, x=x, w=w, y=y)
-    validate.check_half_backend(op, which, validate.check_float_dtypes(op, half=True, dy=dy,
-                                                                       x=x, w=w, y=y))
+    validate.check_half_dtypes(op, which, dy=dy, x=x, w=w, y=y)
     geometry = validate.conv_geometry(op, tuple(x.shape), tuple(w.shape), stride, padding, dilation,
                                  layout, groups)
     if tuple(y.shape) != geometry.y_shape:

@@ -63,8 +63,7 @@ def _validate(op, x, w, gamma, beta, p, relu, z=None, updates=True):
                                running_var=p.running_var)
     # x, w (and z) one dtype, half precision too; the batch-norm parameters and running
     # statistics that dtype or, for a half x, float32 (PyTorch's rule, as batch norm's)
-    dtype = validate.check_float_dtypes(op, half=True, x=x, w=w, z=z)
-    validate.check_half_backend(op, which, dtype)
+    dtype = validate.check_half_dtypes(op, which, x=x, w=w, z=z)
     validate.check_param_dtypes(op, dtype, gamma=gamma, beta=beta,
                                 running_mean=p.running_mean, running_var=p.running_var)
     synced = p.comm is not None and p.training
