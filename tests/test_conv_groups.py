@@ -172,6 +172,65 @@ def test_depthwise_nchw_tiles_equal_the_plane_loops(x_shape, mult, rs, kw, wide,
     assert y.tobytes() == ref_y.tobytes()
 
 
+# NHWC float32 depthwise backwards with C % 8 == 0: dW by the dW register tiles
+# (cpu_depthwise_tiles.depthwise_dw_taps), dX (stride 1) as the forward's tiles over the
+# gated g with flipped taps. C = 8 to 104 crosses the dW channel panels (64 + 32 + 8 on
+# AVX-512, 16s and 8 on AVX2); 2x2 to 7x7 taps cross the tap tiles (4 taps: one tile; 9: 5 +
+# 4; 25: five of 5; 49: ten); Q = 20 with 3x3 taps has an interior run of 18 pixels (a block
+# of DW_PIXELS = 16 and 2); chunks of one or two dX rows cross the gated rows' buffer; stride
+# 2 and dilation run the dW tiles only; padding past the taps' reach runs dX by the loops
+TILED_BWD = [((2, 5, 20, 8), (3, 3), dict(padding=1)),
+             ((1, 9, 13, 24), (3, 3), dict(stride=2, padding=(0, 2, 1, 0))),
+             ((1, 11, 14, 104), (7, 7), dict(padding=3)),
+             ((2, 8, 12, 16), (3, 3), dict(stride=(2, 1), padding=2, dilation=(2, 1))),
+             ((1, 6, 7, 40), (2, 2), dict(padding=(1, 0, 0, 1))),
+             ((1, 7, 11, 72), (5, 5), dict(padding=2, dilation=(1, 2))),
+             ((1, 5, 6, 8), (3, 3), dict(padding=3))]
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("chunk", [1, 200])
+@pytest.mark.parametrize("x_shape, rs, kw", TILED_BWD, ids=[
+    f"{t[0][3]}ch-{t[1][0]}x{t[1][1]}-{i}" for i, t in enumerate(TILED_BWD)])
+def test_depthwise_backward_tiles_match_reference(x_shape, rs, kw, chunk, wide, monkeypatch):
+    from numbafuse.kernels.cpu import gemm_taps as cpu_gemm_taps
+    monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
+    monkeypatch.setattr(cpu_depthwise, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(cpu_depthwise, "DW_GROUPS", 3)
+    monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
+    rng = np.random.default_rng(11)
+    C = x_shape[3]
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal((C, 1, *rs)).astype(np.float32)
+    b = rng.standard_normal(C).astype(np.float32)
+    kw = dict(kw, layout="NHWC", groups=C)
+    geom = validate.conv_geometry("t", x.shape, w.shape, **kw)
+    assert cpu_depthwise._tiled(geom, x.dtype)
+    reach = geom.ph <= (geom.R - 1) * geom.dh and geom.pw <= (geom.S - 1) * geom.dw
+    assert cpu_depthwise._tiled_dx(geom, x.dtype) == (geom.sh == geom.sw == 1 and reach)
+    y = nf.conv_bias_relu(x, w, b, **kw)
+    gy = rng.standard_normal(y.shape).astype(np.float32)
+    threads = _launch.num_threads()
+    try:
+        _launch.set_num_threads(1)
+        one = nf.conv_bias_relu_backward(gy, x, w, y, **kw)
+        _launch.set_num_threads(3)
+        three = nf.conv_bias_relu_backward(gy, x, w, y, **kw)
+    finally:
+        _launch.set_num_threads(threads)
+    for a, c in zip(one, three):
+        assert a.tobytes() == c.tobytes()                         # no dependence on threads
+    for got, want, what in zip(one, ref.conv_bias_relu_backward(gy, x, w, b, **kw),
+                               ("dx", "dw", "db")):
+        close(got, want, np.float32, what=what)
+    # no ReLU (conv2d on the tape: g = gy, no gating buffer)
+    tx, tw = nf.Tensor(x, requires_grad=True), nf.Tensor(w, requires_grad=True)
+    nf.conv2d(tx, tw, **kw).backward(gy)
+    dx_want, dw_want, _ = ref.conv_bias_relu_backward(gy, x, w, b, y=np.ones_like(y), **kw)
+    close(tx.grad, dx_want, np.float32, what="dx (no ReLU)")
+    close(tw.grad, dw_want, np.float32, what="dw (no ReLU)")
+
+
 def test_conv2d_groups_need_and_tape():
     """conv2d (no ReLU, no mask) with groups on the tape: gradients equal the reference; the
     backward's ``need`` computes only what is asked."""

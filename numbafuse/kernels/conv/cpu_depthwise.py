@@ -85,11 +85,14 @@ def _dot64(u, v):
 
 @njit(cache=True)
 def _gate_row(gv, yv, use_mask, g):
-    # g[i] <- gv[i] * (yv[i] > 0), or gv[i] (no mask): the ReLU's gradient, 1-d views
-    for i in range(g.shape[0]):
-        g[i] = gv[i]
-        if use_mask and not yv[i] > 0:
-            g[i] = 0
+    # g[i] <- gv[i] * (yv[i] > 0), or gv[i] (no mask): the ReLU's gradient, 1-d views (a
+    # select, not a branch: the loop vectorises)
+    if use_mask:
+        for i in range(g.shape[0]):
+            g[i] = gv[i] if yv[i] > 0 else 0
+    else:
+        for i in range(g.shape[0]):
+            g[i] = gv[i]
 
 
 @njit(cache=True)
@@ -227,50 +230,66 @@ def _forward_nhwc_rows(t0, t1, x, wtile, btile, relu, geo, rpc, y):
                 yr[i] = _relu(v) if relu else v
 
 
+@njit(cache=True, nogil=True)
+def _interior(S, W, Q, sw, pw, dw):
+    """(qa, qb): the output columns whose every tap column lies inside a row of W."""
+    qa = min(Q, (pw + sw - 1) // sw)
+    last = W - 1 - (S - 1) * dw + pw
+    return qa, (max(qa, min(Q, last // sw + 1)) if last >= 0 else qa)
+
+
+@njit(cache=True, nogil=True)
+def _tiled_row(first, r0, r1, cols, aoff, own, rows, pwt, pc, pb, rel, wide):
+    # One output row of a forward through the register tiles: ``first``, the address of its
+    # pixel 0's tap (0, 0) (outside the input where the padding is); taps rows [r0, r1) inside;
+    # cols = (C, S, W, Q, sw, pw, dw, qa, qb) (the input row's width W, the output's Q, the
+    # interior columns [qa, qb)); the output row at pc (Q*C values). The interior run shares
+    # one tap table, a border pixel gets a table of its own taps.
+    C, S, W, Q, sw, pw, dw, qa, qb = cols
+    for q in range(Q):                                              # first taps' addresses
+        rows[q] = first + 4 * q * sw * C
+    pr, pxo, pwo = np.int64(rows.ctypes.data), np.int64(aoff[0].ctypes.data), \
+        np.int64(aoff[1].ctypes.data)
+    pown, pownw = np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data)
+    lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
+    q = 0
+    while q < Q:                   # the interior run, else one border pixel at a time
+        if q == lo and hi > lo:
+            m, k, tx, tw = hi - lo, (r1 - r0) * S, pxo + 8 * r0 * S, pwo + 8 * r0 * S
+        else:
+            s0, s1 = _valid_range(q, dw, pw, sw, W, S)              # tap columns inside
+            m, k, tx, tw = 1, 0, pown, pownw
+            for r in range(r0, r1):
+                for s in range(s0, s1):
+                    own[0, k], own[1, k] = aoff[0, r * S + s], aoff[1, r * S + s]
+                    k += 1
+        _tiles.depthwise_taps(m, C, k, pr + 8 * q, tx, tw, pwt, pc + 4 * q * C, C, pb,
+                              rel, wide)              # (one call site: one inlined copy)
+        q += m
+
+
 @task_kernel(fastmath=FMA)
 def _forward_nhwc_tiled(t0, t1, x, wt, b, relu, geo, rpc, aoff, wide, y):
     # Multiplier 1, float32, C % 8 == 0, every pixel through the register tiles
-    # (cpu_depthwise_tiles), addressed in x itself with the taps that lie inside the image:
-    # an output row's rows of taps [r0, r1); its interior columns (every tap column inside)
-    # share one tap table, a border column gets a table of its own taps. x: (N, H, W, C);  wt:
-    # (R*S, C);  aoff: (2, R*S) int64 element offsets of each tap in x and in wt;  b: (C,);
-    # y: (N, P, Q, C).  Tasks as _forward_nhwc's. Each value is the sum over the valid taps
-    # in (r, s) order, as the other NHWC kernels make it.
+    # (cpu_depthwise_tiles), addressed in x itself with the taps that lie inside the image
+    # (_tiled_row). x: (N, H, W, C);  wt: (R*S, C);  aoff: (2, R*S) int64 element offsets of
+    # each tap in x and in wt;  b: (C,);  y: (N, P, Q, C).  Tasks as _forward_nhwc's. Each
+    # value is the sum over the valid taps in (r, s) order, as the other NHWC kernels make it.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     nb = (P + rpc - 1) // rpc
     rows = np.empty(Q, np.int64)                                      # pixel addresses in x
     own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
-    qa = min(Q, (pw + sw - 1) // sw)                                  # interior columns
-    last = W - 1 - (S - 1) * dw + pw
-    qb = max(qa, min(Q, last // sw + 1)) if last >= 0 else qa
+    qa, qb = _interior(S, W, Q, sw, pw, dw)
+    cols = (C, S, W, Q, sw, pw, dw, qa, qb)
     px, py, pb = np.int64(x.ctypes.data), np.int64(y.ctypes.data), np.int64(b.ctypes.data)
-    pxo, pwo = np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data)
-    pown, pownw = np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data)
-    pr, pwt = np.int64(rows.ctypes.data), np.int64(wt.ctypes.data)
-    rel = np.int64(relu)
+    pwt, rel = np.int64(wt.ctypes.data), np.int64(relu)
     for t in range(t0, t1):
         n, p0 = t // nb, (t % nb) * rpc
         for p in range(p0, min(P, p0 + rpc)):
             r0, r1 = _valid_range(p, dh, ph, sh, H, R)              # tap rows inside
-            r1 = max(r0, r1)
-            for q in range(Q):                                      # first taps' addresses
-                rows[q] = px + 4 * (((n * H + p * sh - ph) * W + q * sw - pw) * C)
-            pc = py + 4 * ((n * P + p) * Q * C)
-            lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
-            q = 0
-            while q < Q:               # the interior run, else one border pixel at a time
-                if q == lo and hi > lo:
-                    m, k, tx, tw = hi - lo, (r1 - r0) * S, pxo + 8 * r0 * S, pwo + 8 * r0 * S
-                else:
-                    s0, s1 = _valid_range(q, dw, pw, sw, W, S)      # tap columns inside
-                    m, k, tx, tw = 1, 0, pown, pownw
-                    for r in range(r0, r1):
-                        for s in range(s0, s1):
-                            own[0, k], own[1, k] = aoff[0, r * S + s], aoff[1, r * S + s]
-                            k += 1
-                _tiles.depthwise_taps(m, C, k, pr + 8 * q, tx, tw, pwt, pc + 4 * q * C, C, pb,
-                                      rel, wide)          # (one call site: one inlined copy)
-                q += m
+            first = px + 4 * (((n * H + p * sh - ph) * W - pw) * C)
+            _tiled_row(first, r0, max(r0, r1), cols, aoff, own, rows, pwt,
+                       py + 4 * ((n * P + p) * Q * C), pb, rel, wide)
 
 
 @task_kernel(fastmath=FMA)
@@ -401,12 +420,20 @@ def _taps_rs(w, geom):
     return np.ascontiguousarray(w.reshape(geom.C, geom.R * geom.S).T)
 
 
-def _tap_offsets(geom):
-    """(2, R*S) int64: element offsets of the taps (r, s), r-major, in x (NHWC) from a
-    pixel's first tap, and in the (R*S, C) taps."""
+def _tap_offsets(geom, width=None):
+    """(2, R*S) int64: element offsets of the taps (r, s), r-major, in x (NHWC; rows of
+    ``width`` pixels, default W) from a pixel's first tap, and in the (R*S, C) taps."""
     R, S, C = geom.R, geom.S, geom.C
-    return np.array([[(r * geom.dh * geom.W + s * geom.dw) * C for r in range(R)
+    width = geom.W if width is None else width
+    return np.array([[(r * geom.dh * width + s * geom.dw) * C for r in range(R)
                       for s in range(S)], [t * C for t in range(R * S)]], np.int64)
+
+
+def _tiled_dx(geom, dtype):
+    """NHWC dX by the forward's register tiles (flipped taps over the gated g): the tiled
+    case with stride 1 and no more padding than the taps reach (the flipped padding >= 0)."""
+    return (_tiled(geom, dtype) and geom.sh == geom.sw == 1
+            and geom.ph <= (geom.R - 1) * geom.dh and geom.pw <= (geom.S - 1) * geom.dw)
 
 
 def _flat_rows(geom):
@@ -492,6 +519,40 @@ def _dx_nhwc_rows(t0, t1, gy, y, use_mask, wtile, geo, dx):
 
 
 @task_kernel(fastmath=FMA)
+def _dx_nhwc_tiled(t0, t1, gy, y, use_mask, wf, geo, rpc, aoff, wide, zb, dx):
+    # Stride 1, multiplier 1, float32, C % 8 == 0, padding at most the taps' reach: dX is the
+    # forward (_tiled_row) of the gated g with the taps flipped, wf (R*S, C) = w[R-1-r, S-1-s],
+    # and padding (R-1)*dh - ph, (S-1)*dw - pw, no bias (zb: C zeros), no ReLU. gy, y:
+    # (N, P, Q*C);  aoff: (2, R*S) offsets of the flipped taps in a g row of Q pixels and in
+    # wf;  dx: (N, H, W, C).
+    # Task t: dx rows [h0, h0 + rpc) of image t // blocks(H, rpc), which the task owns.
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    ph2, pw2 = (R - 1) * dh - ph, (S - 1) * dw - pw
+    nb = (H + rpc - 1) // rpc
+    rows = np.empty(W, np.int64)
+    own = np.empty((2, R * S), np.int64)
+    gbuf = np.empty((rpc + (R - 1) * dh if use_mask else 0, Q * C), np.float32)  # gated rows
+    qa, qb = _interior(S, Q, W, 1, pw2, dw)
+    cols = (C, S, Q, W, 1, pw2, dw, qa, qb)
+    pgy, pdx, pb = np.int64(gy.ctypes.data), np.int64(dx.ctypes.data), np.int64(zb.ctypes.data)
+    pbuf, pwf = np.int64(gbuf.ctypes.data), np.int64(wf.ctypes.data)
+    for t in range(t0, t1):
+        n, h0 = t // nb, (t % nb) * rpc
+        h1 = min(H, h0 + rpc)
+        if use_mask:                         # the g rows these dx rows read, gated
+            g0, g1 = max(0, h0 - ph2), min(P, h1 - ph2 + (R - 1) * dh)
+            for i in range(g0, g1):
+                _gate_row(gy[n, i], y[n, i], True, gbuf[i - g0])
+            base = pbuf - 4 * g0 * Q * C                            # g row i at base + 4 i Q C
+        else:
+            base = pgy + 4 * n * P * Q * C
+        for h in range(h0, h1):
+            r0, r1 = _valid_range(h, dh, ph2, 1, P, R)
+            _tiled_row(base + 4 * ((h - ph2) * Q - pw2) * C, r0, max(r0, r1), cols, aoff, own,
+                       rows, pwf, pdx + 4 * ((n * H + h) * W * C), pb, np.int64(0), wide)
+
+
+@task_kernel(fastmath=FMA)
 def _dx_nchw(t0, t1, gy, y, use_mask, w, geo, Wph, dx):
     # gy, y: (N, K, P, Q);  w: (K, R, S);  dx: (N, C, H, W).  Task t: input plane (n, c) =
     # divmod(t, C), which the task owns: its filters' gated g (rows of Wph, zero past Q) times
@@ -560,6 +621,70 @@ def _dw_nhwc(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts)
 
 
 @task_kernel(fastmath=FMA)
+def _dw_nhwc_tiled(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, aoff, wide, dw_parts,
+                   db_parts):
+    # Multiplier 1, float32, C % 8 == 0: dW by the register tiles (cpu_depthwise_tiles.
+    # depthwise_dw_taps), addressed in x itself as _forward_nhwc_tiled's forward. x: (N, H, W,
+    # C);  gy, y: (N, P, Q*C);  aoff: _tap_offsets;  dw_parts: (groups, R*S, C);  db_parts:
+    # (groups, C) float64;  plan and tasks: _dw_nhwc's. Per output row: the gated g row (db
+    # from it, pixel by pixel as _dw_nhwc), then its interior pixels over every tap inside in
+    # one run of tiles, and each border pixel over its own taps.
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    rpc, nchunks, groups = plan
+    nb = (P + rpc - 1) // rpc
+    g = np.empty(Q * C, np.float32)                                   # one gated row
+    zero = np.float32(0)
+    own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
+    qa, qb = _interior(S, W, Q, sw, pw, dw)
+    px, pg = np.int64(x.ctypes.data), np.int64(g.ctypes.data)
+    pxo, pwo = np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data)
+    pown, pownw = np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data)
+    for t in range(t0, t1):
+        dwp, dbp = dw_parts[t], db_parts[t]
+        dwp[:] = 0
+        dbp[:] = 0
+        pacc = np.int64(dwp.ctypes.data)
+        for chunk in range(t * nchunks // groups, (t + 1) * nchunks // groups):
+            n, p0 = chunk // nb, (chunk % nb) * rpc
+            for p in range(p0, min(P, p0 + rpc)):
+                gv, yv = gy[n, p], y[n, p]
+                for q in range(Q):                  # g = gy * (y > 0), db += g, as _dw_nhwc
+                    gq, gvq, yvq = g[q * C:(q + 1) * C], gv[q * C:(q + 1) * C], \
+                        yv[q * C:(q + 1) * C]
+                    if use_mask:
+                        for c in range(C):
+                            v = gvq[c] if yvq[c] > 0 else zero
+                            gq[c] = v
+                            dbp[c] += v
+                    else:
+                        for c in range(C):
+                            gq[c] = gvq[c]
+                            dbp[c] += gvq[c]
+                if not need_dw:
+                    continue
+                r0, r1 = _valid_range(p, dh, ph, sh, H, R)          # tap rows inside
+                if r1 <= r0:
+                    continue
+                first = px + 4 * (((n * H + p * sh - ph) * W - pw) * C)
+                if qb > qa:
+                    _tiles.depthwise_dw_taps(qb - qa, C, (r1 - r0) * S, first + 4 * qa * sw * C,
+                                             sw * C, pxo + 8 * r0 * S, pg + 4 * qa * C, C,
+                                             pacc, pwo + 8 * r0 * S, wide)
+                for q in range(Q):
+                    if q >= qa and q < qb:
+                        continue
+                    s0, s1 = _valid_range(q, dw, pw, sw, W, S)
+                    k = 0
+                    for r in range(r0, r1):
+                        for s in range(s0, s1):
+                            own[0, k], own[1, k] = aoff[0, r * S + s], aoff[1, r * S + s]
+                            k += 1
+                    if k > 0:
+                        _tiles.depthwise_dw_taps(1, C, k, first + 4 * q * sw * C, sw * C, pown,
+                                                 pg + 4 * q * C, C, pacc, pownw, wide)
+
+
+@task_kernel(fastmath=FMA)
 def _dw_nchw(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts):
     # x: (N, C, H, W);  gy, y: (N, K, P, Q);  dw_parts: (groups, K, R, S), db_parts: (groups, K),
     # both float64;  plan: (nchunks, groups, Wph).  Task t: group t, the chunks
@@ -607,7 +732,14 @@ def backward(gy, x, w, geom, y=None, need=(True, True, True)):
     if need_dx:
         dx = _out.empty(geom.x_shape, gy.dtype)
         H, W = geom.H, geom.W
-        if nhwc and _flat_rows(geom):
+        if nhwc and _tiled_dx(geom, gy.dtype):
+            rpc = max(1, min(H, CHUNK_ELEMENTS // max(1, W * C)))
+            wf = np.ascontiguousarray(w.reshape(C, R, S)[:, ::-1, ::-1].reshape(C, R * S).T)
+            launch(_dx_nhwc_tiled, N * blocks(H, rpc), gy.reshape(N, P, Q * K),
+                   y.reshape(N, P, Q * K), use_mask, wf, geo, rpc,
+                   _tap_offsets(geom, width=Q), _gemm_taps.WIDE, np.zeros(C, np.float32),
+                   dx, work=work)
+        elif nhwc and _flat_rows(geom):
             launch(_dx_nhwc_rows, N * H, gy.reshape(N, P, Q * K), y.reshape(N, P, Q * K),
                    use_mask, _tiled_taps(w, geom), geo, dx.reshape(N, H, W * C), work=work)
         elif nhwc:
@@ -622,8 +754,14 @@ def backward(gy, x, w, geom, y=None, need=(True, True, True)):
             groups = min(nchunks, DW_GROUPS)
             dw_parts = np.empty((groups, M, R, S, C), gy.dtype)
             db_parts = np.empty((groups, K))                          # float64
-            launch(_dw_nhwc, groups, x, gy, y, use_mask, need_dw, geo, (rpc, nchunks, groups),
-                   dw_parts, db_parts, work=work, grain=1)
+            if _tiled(geom, x.dtype):
+                launch(_dw_nhwc_tiled, groups, x, gy.reshape(N, P, Q * K),
+                       y.reshape(N, P, Q * K), use_mask, need_dw, geo, (rpc, nchunks, groups),
+                       _tap_offsets(geom), _gemm_taps.WIDE, dw_parts.reshape(groups, R * S, C),
+                       db_parts, work=work, grain=1)
+            else:
+                launch(_dw_nhwc, groups, x, gy, y, use_mask, need_dw, geo,
+                       (rpc, nchunks, groups), dw_parts, db_parts, work=work, grain=1)
             if need_dw:                                               # (M, R, S, C) -> (K, 1, R, S)
                 dw = np.ascontiguousarray(
                     np.add.reduce(dw_parts, axis=0).transpose(3, 0, 1, 2)).reshape(K, 1, R, S)

@@ -120,3 +120,194 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wi
                 i += 1
         j += cols
 
+
+
+# --------------------------------------------------------------------------- dW
+
+DW_TAPS = 5        # taps of one dW tile at most: 5 x 4 vectors of accumulators, 4 of g
+DW_PIXELS = 16     # pixels of one block: every tile of every channel panel, then the next
+
+
+def _dw_tile(ntaps, nv, width):
+    """The dW micro-kernel intrinsic for ``ntaps`` taps of ``nv`` vectors of ``width``
+    channels (a panel of nv * width channels)."""
+
+    @intrinsic
+    def tile(typingctx, m, x, xs, paoff, g, ldg, acc, pwoff):
+        """acc[woff[t]:][:nv*width] += sum over i < m of x[i*xs + aoff[t]:][:nv*width] *
+        g[i*ldg:][:nv*width] for t < ntaps: the sums in registers, over i in order, each
+        added once to acc; x, g, acc addresses of float32, xs, ldg strides in elements,
+        paoff, pwoff addresses of int64 tables of ntaps element offsets (all int64). A
+        pixel's x vectors of a tap are read together: whole cache lines, once a tile."""
+        def codegen(context, builder, signature, args):
+            m, x, xs, paoff, g, ldg, acc, pwoff = args
+            V = Vec(builder, width)
+            paoff = builder.inttoptr(paoff, _I64.as_pointer())
+            pwoff = builder.inttoptr(pwoff, _I64.as_pointer())
+            x, g, acc = V.floats(x), V.floats(g), V.floats(acc)
+            aoff = [builder.load(builder.gep(paoff, [ir.Constant(_I64, t)]))
+                    for t in range(ntaps)]
+            woff = [builder.load(builder.gep(pwoff, [ir.Constant(_I64, t)]))
+                    for t in range(ntaps)]
+            sums = [[cgutils.alloca_once_value(builder, V.zero) for _ in range(nv)]
+                    for _ in range(ntaps)]
+            with cgutils.for_range(builder, m) as pixels:
+                i = pixels.index
+                gi = builder.mul(i, ldg)
+                gv = [V.load(g, gi, v) for v in range(nv)]
+                xi = builder.mul(i, xs)
+                for t in range(ntaps):
+                    xt = builder.add(xi, aoff[t])
+                    for v in range(nv):
+                        a = sums[t][v]
+                        builder.store(builder.call(V._fma, [V.load(x, xt, v), gv[v],
+                                                            builder.load(a)]), a)
+            for t in range(ntaps):
+                for v in range(nv):
+                    V.store(builder.fadd(V.load(acc, woff[t], v), builder.load(sums[t][v])),
+                            acc, woff[t], v)
+            return context.get_dummy_value()
+
+        return types.void(*([types.int64] * 8)), codegen
+
+    return tile
+
+
+_d16x4_1, _d16x4_2, _d16x4_3, _d16x4_4, _d16x4_5 = (
+    _dw_tile(t, 4, 16) for t in range(1, DW_TAPS + 1))
+
+_d16x2_1, _d16x2_2, _d16x2_3, _d16x2_4, _d16x2_5 = (
+    _dw_tile(t, 2, 16) for t in range(1, DW_TAPS + 1))
+
+_d16x1_1, _d16x1_2, _d16x1_3, _d16x1_4, _d16x1_5 = (
+    _dw_tile(t, 1, 16) for t in range(1, DW_TAPS + 1))
+
+_d8x2_1, _d8x2_2, _d8x2_3, _d8x2_4, _d8x2_5 = (
+    _dw_tile(t, 2, 8) for t in range(1, DW_TAPS + 1))
+
+_d8x1_1, _d8x1_2, _d8x1_3, _d8x1_4, _d8x1_5 = (
+    _dw_tile(t, 1, 8) for t in range(1, DW_TAPS + 1))
+
+
+
+@njit(nogil=True, cache=True)
+def _dw_run16x4(T, m, x, xs, paoff, g, ldg, acc, pwoff):
+    # one tile of T (1 to DW_TAPS) taps, 4 vector(s) of 16 channels
+    if T == 1:
+        _d16x4_1(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 2:
+        _d16x4_2(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 3:
+        _d16x4_3(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 4:
+        _d16x4_4(m, x, xs, paoff, g, ldg, acc, pwoff)
+    else:
+        _d16x4_5(m, x, xs, paoff, g, ldg, acc, pwoff)
+
+
+@njit(nogil=True, cache=True)
+def _dw_run16x2(T, m, x, xs, paoff, g, ldg, acc, pwoff):
+    # one tile of T (1 to DW_TAPS) taps, 2 vector(s) of 16 channels
+    if T == 1:
+        _d16x2_1(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 2:
+        _d16x2_2(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 3:
+        _d16x2_3(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 4:
+        _d16x2_4(m, x, xs, paoff, g, ldg, acc, pwoff)
+    else:
+        _d16x2_5(m, x, xs, paoff, g, ldg, acc, pwoff)
+
+
+@njit(nogil=True, cache=True)
+def _dw_run16x1(T, m, x, xs, paoff, g, ldg, acc, pwoff):
+    # one tile of T (1 to DW_TAPS) taps, 1 vector(s) of 16 channels
+    if T == 1:
+        _d16x1_1(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 2:
+        _d16x1_2(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 3:
+        _d16x1_3(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 4:
+        _d16x1_4(m, x, xs, paoff, g, ldg, acc, pwoff)
+    else:
+        _d16x1_5(m, x, xs, paoff, g, ldg, acc, pwoff)
+
+
+@njit(nogil=True, cache=True)
+def _dw_run8x2(T, m, x, xs, paoff, g, ldg, acc, pwoff):
+    # one tile of T (1 to DW_TAPS) taps, 2 vector(s) of 8 channels
+    if T == 1:
+        _d8x2_1(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 2:
+        _d8x2_2(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 3:
+        _d8x2_3(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 4:
+        _d8x2_4(m, x, xs, paoff, g, ldg, acc, pwoff)
+    else:
+        _d8x2_5(m, x, xs, paoff, g, ldg, acc, pwoff)
+
+
+@njit(nogil=True, cache=True)
+def _dw_run8x1(T, m, x, xs, paoff, g, ldg, acc, pwoff):
+    # one tile of T (1 to DW_TAPS) taps, 1 vector(s) of 8 channels
+    if T == 1:
+        _d8x1_1(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 2:
+        _d8x1_2(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 3:
+        _d8x1_3(m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif T == 4:
+        _d8x1_4(m, x, xs, paoff, g, ldg, acc, pwoff)
+    else:
+        _d8x1_5(m, x, xs, paoff, g, ldg, acc, pwoff)
+
+
+@njit(nogil=True, cache=True)
+def _dw_panel(T, cols, wide, m, x, xs, paoff, g, ldg, acc, pwoff):
+    # one tile of T taps over a panel of ``cols`` channels (panel(wide, ...)'s widths)
+    if wide:
+        if cols == 64:
+            _dw_run16x4(T, m, x, xs, paoff, g, ldg, acc, pwoff)
+        elif cols == 32:
+            _dw_run16x2(T, m, x, xs, paoff, g, ldg, acc, pwoff)
+        elif cols == 16:
+            _dw_run16x1(T, m, x, xs, paoff, g, ldg, acc, pwoff)
+        else:
+            _dw_run8x1(T, m, x, xs, paoff, g, ldg, acc, pwoff)
+    elif cols == 8:
+        _dw_run8x1(T, m, x, xs, paoff, g, ldg, acc, pwoff)
+    else:
+        _dw_run8x2(T, m, x, xs, paoff, g, ldg, acc, pwoff)
+
+
+@njit(nogil=True, cache=True)
+def depthwise_dw_taps(m, n, ntaps, px, xs, paoff, pg, ldg, pacc, pwoff, wide):
+    """For every tap t < ntaps and channel c < n (a multiple of 8):
+
+        acc[woff[t] + c] += sum over i < m of x[i*xs + aoff[t] + c] * g[i*ldg + c]
+
+    (px, pg, pacc: addresses of float32; paoff, pwoff: of int64 tables of ntaps element
+    offsets; xs, ldg: strides in elements). The pixels go in blocks of ``DW_PIXELS`` (their x
+    and g stay in L1 while every panel and tap tile passes over them), the channels in panels
+    of up to 64 (``wide``: vectors of 16) or 16, the taps in balanced tiles of at most
+    ``DW_TAPS``; each tile sums a block in registers, in pixel order, then adds it to acc: the
+    same sums whatever the thread count. Every argument int64 (one compilation)."""
+    ntiles = (ntaps + DW_TAPS - 1) // DW_TAPS
+    for i0 in range(0, m, DW_PIXELS):
+        mb = min(DW_PIXELS, m - i0)
+        xb, gb = px + 4 * i0 * xs, pg + 4 * i0 * ldg
+        j = 0
+        while j < n:
+            rem = n - j
+            if wide:
+                cols = 64 if rem >= 64 else 32 if rem >= 32 else 16 if rem >= 16 else 8
+            else:
+                cols = 16 if rem >= 16 else 8
+            for k in range(ntiles):
+                t0, t1 = ntaps * k // ntiles, ntaps * (k + 1) // ntiles
+                _dw_panel(t1 - t0, cols, wide, mb, xb + 4 * j, xs, paoff + 8 * t0, gb + 4 * j,
+                          ldg, pacc + 4 * j, pwoff + 8 * t0)
+            j += cols
