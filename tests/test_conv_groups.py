@@ -176,11 +176,11 @@ def test_depthwise_nchw_tiles_equal_the_plane_loops(x_shape, mult, rs, kw, wide,
 # (cpu_depthwise_tiles.depthwise_dw_taps), dX (stride 1) as the forward's tiles over the
 # gated g with flipped taps. C = 8 to 104 crosses the dW channel panels (64 + 32 + 8 on
 # AVX-512, 16s and 8 on AVX2); 2x2 to 7x7 taps cross the tap tiles (4 taps: one tile; 9: 5 +
-# 4; 25: five of 5; 49: ten); Q = 20 with 3x3 taps has an interior run of 18 pixels (a block
+# 4; 25: five of 5; 49: ten; cpu_depthwise._tiled_dw: every case); Q = 20 with 3x3 taps has an interior run of 18 pixels (a block
 # of DW_PIXELS = 16 and 2); chunks of one or two dX rows cross the gated rows' buffer; stride
 # 2 and dilation run the dW tiles only; padding past the taps' reach runs dX by the loops
 TILED_BWD = [((2, 5, 20, 8), (3, 3), dict(padding=1)),
-             ((1, 9, 13, 24), (3, 3), dict(stride=2, padding=(0, 2, 1, 0))),
+             ((1, 9, 13, 24), (5, 5), dict(stride=2, padding=(0, 2, 1, 0))),
              ((1, 11, 14, 104), (7, 7), dict(padding=3)),
              ((2, 8, 12, 16), (3, 3), dict(stride=(2, 1), padding=2, dilation=(2, 1))),
              ((1, 6, 7, 40), (2, 2), dict(padding=(1, 0, 0, 1))),
@@ -205,7 +205,7 @@ def test_depthwise_backward_tiles_match_reference(x_shape, rs, kw, chunk, wide, 
     b = rng.standard_normal(C).astype(np.float32)
     kw = dict(kw, layout="NHWC", groups=C)
     geom = validate.conv_geometry("t", x.shape, w.shape, **kw)
-    assert cpu_depthwise._tiled(geom, x.dtype)
+    assert cpu_depthwise._tiled_dw(geom, x.dtype)
     reach = geom.ph <= (geom.R - 1) * geom.dh and geom.pw <= (geom.S - 1) * geom.dw
     assert cpu_depthwise._tiled_dx(geom, x.dtype) == (geom.sh == geom.sw == 1 and reach)
     y = nf.conv_bias_relu(x, w, b, **kw)
