@@ -85,7 +85,7 @@ def test_numbafuse_kernels_are_stamped_by_their_imports():
     from numba.core import caching
     from numbafuse.kernels.conv import cpu_depthwise
     assert caching.CacheImpl._locator_classes[0].__name__ == "ImportsLocator"
-    locator = cpu_depthwise._forward_nhwc_tiled._cache._impl.locator
+    locator = cpu_depthwise._forward_nhwc._cache._impl.locator
     own, imported = locator.get_source_stamp()
     assert imported == jit_cache.stamp(cpu_depthwise.__file__)
 
