@@ -42,6 +42,8 @@ one task each with its own partial (db in float64), summed in group order afterw
 do not depend on the thread count. dX: each dx element is written by exactly one task. Notation
 as in ``cpu.py``; ``geo`` is ``math.GEO_FIELDS``'s tuple.
 """
+import dataclasses
+
 import numpy as np
 from numba import njit
 
@@ -312,9 +314,9 @@ def forward(x, w, b, geom, relu):
     if geom.layout == "NHWC":
         rpc = _rows_per_chunk(geom)
         if _tiled(geom, x.dtype):
-            launch(_nhwc.forward_tiled, N * blocks(P, rpc), x, _taps_rs(w, geom),
-                   np.ascontiguousarray(b), relu, geo,
-                   rpc, _tap_offsets(geom), _gemm_taps.WIDE, y, work=work)
+            launch(_nhwc.forward_tiled, N * blocks(P, rpc), x, x, _taps_rs(w, geom),
+                   np.ascontiguousarray(b), geo, rpc, (relu, False, bool(_gemm_taps.WIDE)),
+                   _tap_offsets(geom), y, work=work)
         elif _flat_rows(geom):
             launch(_forward_nhwc_rows, N * blocks(P, rpc), x.reshape(N, geom.H, geom.W * C),
                    _tiled_taps(w, geom), np.tile(b, Q), relu, geo, rpc, y.reshape(N, P, Q * K),
@@ -574,12 +576,15 @@ def backward(gy, x, w, geom, y=None, need=(True, True, True)):
         dx = _out.empty(geom.x_shape, gy.dtype)
         H, W = geom.H, geom.W
         if nhwc and _tiled_dx(geom, gy.dtype):
+            # the forward of g = gy * (y > 0) (P x Q in, H x W out) with the taps flipped
             rpc = max(1, min(H, CHUNK_ELEMENTS // max(1, W * C)))
             wf = np.ascontiguousarray(w.reshape(C, R, S)[:, ::-1, ::-1].reshape(C, R * S).T)
-            launch(_nhwc.dx_tiled, N * blocks(H, rpc), gy.reshape(N, P, Q * K),
-                   y.reshape(N, P, Q * K), use_mask, wf, geo, rpc,
-                   _tap_offsets(geom, width=Q), _gemm_taps.WIDE, np.zeros(C, np.float32),
-                   dx, work=work)
+            flipped = conv_math.geo_tuple(dataclasses.replace(
+                geom, H=P, W=Q, P=H, Q=W, ph=(R - 1) * geom.dh - geom.ph,
+                pw=(S - 1) * geom.dw - geom.pw))
+            launch(_nhwc.forward_tiled, N * blocks(H, rpc), gy, y, wf, np.zeros(C, np.float32),
+                   flipped, rpc, (False, use_mask, bool(_gemm_taps.WIDE)),
+                   _tap_offsets(geom, width=Q), dx, work=work)
         elif nhwc and _flat_rows(geom):
             launch(_dx_nhwc_rows, N * H, gy.reshape(N, P, Q * K), y.reshape(N, P, Q * K),
                    use_mask, _tiled_taps(w, geom), geo, dx.reshape(N, H, W * C), work=work)

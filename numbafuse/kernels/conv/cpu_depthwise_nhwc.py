@@ -3,10 +3,11 @@ multiplier 1, C % 8 == 0; ``cpu_depthwise`` launches them and has the loops for 
 case, and the notation):
 
     forward_tiled  every output pixel through ``depthwise_taps``, addressed in x itself with
-                   the taps that lie inside the image (``_tiled_row``: an output row's interior
-                   run shares one tap table, a border pixel gets its own)
-    dx_tiled       stride 1: the same rows over the gated g with the taps flipped (padding
-                   (R-1)*dh - ph, (S-1)*dw - pw), g's rows gated per task into its own buffer
+                   the taps that lie inside the image (an output row's interior run shares one
+                   tap table, a border pixel gets its own); with a mask, over x gated by it,
+                   its rows gated per task into a buffer of its own: dX at stride 1 is this
+                   kernel over g = gy * (y > 0) with the taps flipped (padding (R-1)*dh - ph,
+                   (S-1)*dw - pw), so the two passes share one compiled kernel
     dw_tiled       per output row the gated g (and db from it), then ``depthwise_dw_taps`` over
                    the interior run's pixels and every tap inside, each border pixel over its own
 
@@ -46,93 +47,62 @@ def _interior(S, W, Q, sw, pw, dw):
     return qa, (max(qa, min(Q, last // sw + 1)) if last >= 0 else qa)
 
 
-@njit(cache=True, nogil=True)
-def _tiled_row(first, r0, r1, cols, aoff, own, rows, pwt, pc, pb, rel, wide):
-    # One output row of a forward through the register tiles: ``first``, the address of its
-    # pixel 0's tap (0, 0) (outside the input where the padding is); taps rows [r0, r1) inside;
-    # cols = (C, S, W, Q, sw, pw, dw, qa, qb) (the input row's width W, the output's Q, the
-    # interior columns [qa, qb)); the output row at pc (Q*C values). The interior run shares
-    # one tap table, a border pixel gets a table of its own taps.
-    C, S, W, Q, sw, pw, dw, qa, qb = cols
-    for q in range(Q):                                              # first taps' addresses
-        rows[q] = first + 4 * q * sw * C
-    pr, pxo, pwo = np.int64(rows.ctypes.data), np.int64(aoff[0].ctypes.data), \
-        np.int64(aoff[1].ctypes.data)
-    pown, pownw = np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data)
-    lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
-    q = 0
-    while q < Q:                   # the interior run, else one border pixel at a time
-        if q == lo and hi > lo:
-            m, k, tx, tw = hi - lo, (r1 - r0) * S, pxo + 8 * r0 * S, pwo + 8 * r0 * S
-        else:
-            s0, s1 = _valid_range(q, dw, pw, sw, W, S)              # tap columns inside
-            m, k, tx, tw = 1, 0, pown, pownw
-            for r in range(r0, r1):
-                for s in range(s0, s1):
-                    own[0, k], own[1, k] = aoff[0, r * S + s], aoff[1, r * S + s]
-                    k += 1
-        _tiles.depthwise_taps(m, C, k, pr + 8 * q, tx, tw, pwt, pc + 4 * q * C, C, pb,
-                              rel, wide)              # (one call site: one inlined copy)
-        q += m
-
-
 @task_kernel(fastmath=FMA)
-def forward_tiled(t0, t1, x, wt, b, relu, geo, rpc, aoff, wide, y):
+def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, y):
     # Multiplier 1, float32, C % 8 == 0, every pixel through the register tiles
-    # (cpu_depthwise_tiles), addressed in x itself with the taps that lie inside the image
-    # (_tiled_row). x: (N, H, W, C);  wt: (R*S, C);  aoff: (2, R*S) int64 element offsets of
-    # each tap in x and in wt;  b: (C,);  y: (N, P, Q, C).  Tasks as cpu_depthwise's
-    # _forward_nhwc. Each value is the sum over the valid taps in (r, s) order, as the other
-    # NHWC kernels make it.
+    # (cpu_depthwise_tiles), addressed in x itself with the taps that lie inside the image: an
+    # output row's rows of taps [r0, r1); its interior columns (every tap column inside) share
+    # one tap table, a border column gets a table of its own taps. x, mask: (N, H, W, C);  wt:
+    # (R*S, C);  b: (C,);  aoff: (2, R*S) int64 element offsets of each tap in x and in wt;
+    # y: (N, P, Q, C);  flags: (relu, use_mask, wide). Tasks as cpu_depthwise's _forward_nhwc.
+    # Each value is the sum over the valid taps in (r, s) order, as the other NHWC kernels
+    # make it. With use_mask the input is x where mask > 0, else 0, its rows gated per task
+    # into a buffer of the task's own: dX at stride 1 runs here (x = gy, mask = y, the taps
+    # flipped; cpu_depthwise.backward), one compiled kernel for both passes.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    relu, use_mask, wide = flags
     nb = (P + rpc - 1) // rpc
     rows = np.empty(Q, np.int64)                                      # pixel addresses in x
     own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
+    gbuf = np.empty(((rpc - 1) * sh + (R - 1) * dh + 1 if use_mask else 0, W, C), np.float32)
     qa, qb = _interior(S, W, Q, sw, pw, dw)
-    cols = (C, S, W, Q, sw, pw, dw, qa, qb)
     px, py, pb = np.int64(x.ctypes.data), np.int64(y.ctypes.data), np.int64(b.ctypes.data)
-    pwt, rel = np.int64(wt.ctypes.data), np.int64(relu)
+    pxo, pwo = np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data)
+    pown, pownw = np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data)
+    pr, pwt, pbuf = np.int64(rows.ctypes.data), np.int64(wt.ctypes.data), \
+        np.int64(gbuf.ctypes.data)
+    rel, wid = np.int64(relu), np.int64(wide)
     for t in range(t0, t1):
         n, p0 = t // nb, (t % nb) * rpc
-        for p in range(p0, min(P, p0 + rpc)):
+        p1 = min(P, p0 + rpc)
+        base = px + 4 * n * H * W * C                              # input row h at base + 4hWC
+        if use_mask:                       # the input rows these output rows read, gated
+            h0 = max(0, p0 * sh - ph)
+            h1 = min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1)
+            for h in range(h0, h1):
+                gate_row(x[n, h].ravel(), mask[n, h].ravel(), True, gbuf[h - h0].ravel())
+            base = pbuf - 4 * h0 * W * C
+        for p in range(p0, p1):
             r0, r1 = _valid_range(p, dh, ph, sh, H, R)              # tap rows inside
-            first = px + 4 * (((n * H + p * sh - ph) * W - pw) * C)
-            _tiled_row(first, r0, max(r0, r1), cols, aoff, own, rows, pwt,
-                       py + 4 * ((n * P + p) * Q * C), pb, rel, wide)
-
-
-@task_kernel(fastmath=FMA)
-def dx_tiled(t0, t1, gy, y, use_mask, wf, geo, rpc, aoff, wide, zb, dx):
-    # Stride 1, multiplier 1, float32, C % 8 == 0, padding at most the taps' reach: dX is the
-    # forward (_tiled_row) of the gated g with the taps flipped, wf (R*S, C) = w[R-1-r, S-1-s],
-    # and padding (R-1)*dh - ph, (S-1)*dw - pw, no bias (zb: C zeros), no ReLU. gy, y:
-    # (N, P, Q*C);  aoff: (2, R*S) offsets of the flipped taps in a g row of Q pixels and in
-    # wf;  dx: (N, H, W, C).
-    # Task t: dx rows [h0, h0 + rpc) of image t // blocks(H, rpc), which the task owns.
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    ph2, pw2 = (R - 1) * dh - ph, (S - 1) * dw - pw
-    nb = (H + rpc - 1) // rpc
-    rows = np.empty(W, np.int64)
-    own = np.empty((2, R * S), np.int64)
-    gbuf = np.empty((rpc + (R - 1) * dh if use_mask else 0, Q * C), np.float32)  # gated rows
-    qa, qb = _interior(S, Q, W, 1, pw2, dw)
-    cols = (C, S, Q, W, 1, pw2, dw, qa, qb)
-    pgy, pdx, pb = np.int64(gy.ctypes.data), np.int64(dx.ctypes.data), np.int64(zb.ctypes.data)
-    pbuf, pwf = np.int64(gbuf.ctypes.data), np.int64(wf.ctypes.data)
-    for t in range(t0, t1):
-        n, h0 = t // nb, (t % nb) * rpc
-        h1 = min(H, h0 + rpc)
-        if use_mask:                         # the g rows these dx rows read, gated
-            g0, g1 = max(0, h0 - ph2), min(P, h1 - ph2 + (R - 1) * dh)
-            for i in range(g0, g1):
-                gate_row(gy[n, i], y[n, i], True, gbuf[i - g0])
-            base = pbuf - 4 * g0 * Q * C                            # g row i at base + 4 i Q C
-        else:
-            base = pgy + 4 * n * P * Q * C
-        for h in range(h0, h1):
-            r0, r1 = _valid_range(h, dh, ph2, 1, P, R)
-            _tiled_row(base + 4 * ((h - ph2) * Q - pw2) * C, r0, max(r0, r1), cols, aoff, own,
-                       rows, pwf, pdx + 4 * ((n * H + h) * W * C), pb, np.int64(0), wide)
+            r1 = max(r0, r1)
+            for q in range(Q):                                      # first taps' addresses
+                rows[q] = base + 4 * ((p * sh - ph) * W + q * sw - pw) * C
+            pc = py + 4 * ((n * P + p) * Q * C)
+            lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
+            q = 0
+            while q < Q:               # the interior run, else one border pixel at a time
+                if q == lo and hi > lo:
+                    m, k, tx, tw = hi - lo, (r1 - r0) * S, pxo + 8 * r0 * S, pwo + 8 * r0 * S
+                else:
+                    s0, s1 = _valid_range(q, dw, pw, sw, W, S)      # tap columns inside
+                    m, k, tx, tw = 1, 0, pown, pownw
+                    for r in range(r0, r1):
+                        for s in range(s0, s1):
+                            own[0, k], own[1, k] = aoff[0, r * S + s], aoff[1, r * S + s]
+                            k += 1
+                _tiles.depthwise_taps(m, C, k, pr + 8 * q, tx, tw, pwt, pc + 4 * q * C, C, pb,
+                                      rel, wid)           # (one call site: one inlined copy)
+                q += m
 
 
 @task_kernel(fastmath=FMA)
@@ -146,6 +116,7 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, aoff, dw_parts, db_
     # border pixel over its own taps.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     rpc, nchunks, groups, wide = plan
+    wid = np.int64(wide)
     nb = (P + rpc - 1) // rpc
     g = np.empty(Q * C, np.float32)                                   # one gated row
     zero = np.float32(0)
@@ -181,19 +152,18 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, aoff, dw_parts, db_
                 if r1 <= r0:
                     continue
                 first = px + 4 * (((n * H + p * sh - ph) * W - pw) * C)
-                if qb > qa:
-                    _tiles.depthwise_dw_taps(qb - qa, C, (r1 - r0) * S, first + 4 * qa * sw * C,
-                                             sw * C, pxo + 8 * r0 * S, pg + 4 * qa * C, C,
-                                             pacc, pwo + 8 * r0 * S, wide)
-                for q in range(Q):
-                    if q >= qa and q < qb:
-                        continue
-                    s0, s1 = _valid_range(q, dw, pw, sw, W, S)
-                    k = 0
-                    for r in range(r0, r1):
-                        for s in range(s0, s1):
-                            own[0, k], own[1, k] = aoff[0, r * S + s], aoff[1, r * S + s]
-                            k += 1
-                    if k > 0:
-                        _tiles.depthwise_dw_taps(1, C, k, first + 4 * q * sw * C, sw * C, pown,
-                                                 pg + 4 * q * C, C, pacc, pownw, wide)
+                q = 0
+                while q < Q:           # the interior run, else one border pixel at a time
+                    if q == qa and qb > qa:
+                        m, k, tx, tw = qb - qa, (r1 - r0) * S, pxo + 8 * r0 * S, pwo + 8 * r0 * S
+                    else:
+                        s0, s1 = _valid_range(q, dw, pw, sw, W, S)  # tap columns inside
+                        m, k, tx, tw = 1, 0, pown, pownw
+                        for r in range(r0, r1):
+                            for s in range(s0, s1):
+                                own[0, k], own[1, k] = aoff[0, r * S + s], aoff[1, r * S + s]
+                                k += 1
+                    if k > 0:                                       # (one call site)
+                        _tiles.depthwise_dw_taps(m, C, k, first + 4 * q * sw * C, sw * C, tx,
+                                                 pg + 4 * q * C, C, pacc, tw, wid)
+                    q += m

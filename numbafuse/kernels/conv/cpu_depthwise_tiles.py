@@ -124,163 +124,64 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wi
 
 # --------------------------------------------------------------------------- dW
 
-DW_TAPS = 5        # taps of one dW tile at most: 5 x 4 vectors of accumulators, 4 of g
+DW_TAPS = 5        # taps of one dW tile: 5 x 4 vectors of accumulators, 4 of g
 DW_PIXELS = 16     # pixels of one block: every tile of every channel panel, then the next
 
 
-def _dw_tile(ntaps, nv, width):
-    """The dW micro-kernel intrinsic for ``ntaps`` taps of ``nv`` vectors of ``width``
-    channels (a panel of nv * width channels)."""
+def _dw_tile(nv, width):
+    """The dW micro-kernel intrinsic for up to ``DW_TAPS`` taps of ``nv`` vectors of
+    ``width`` channels (a panel of nv * width channels)."""
 
     @intrinsic
-    def tile(typingctx, m, x, xs, paoff, g, ldg, acc, pwoff):
+    def tile(typingctx, nt, m, x, xs, paoff, g, ldg, acc, pwoff):
         """acc[woff[t]:][:nv*width] += sum over i < m of x[i*xs + aoff[t]:][:nv*width] *
-        g[i*ldg:][:nv*width] for t < ntaps: the sums in registers, over i in order, each
-        added once to acc; x, g, acc addresses of float32, xs, ldg strides in elements,
-        paoff, pwoff addresses of int64 tables of ntaps element offsets (all int64). A
-        pixel's x vectors of a tap are read together: whole cache lines, once a tile."""
+        g[i*ldg:][:nv*width] for t < nt (1 <= nt <= DW_TAPS): the sums in registers, over i in
+        order, each added once to acc; x, g, acc addresses of float32, xs, ldg strides in
+        elements, paoff, pwoff addresses of int64 tables of nt element offsets (all int64).
+        A pixel's x vectors of a tap are read together: whole cache lines, once a tile. The
+        tile always sums DW_TAPS taps (one compiled tile whatever nt): taps past nt repeat
+        the last one, and their sums are dropped."""
         def codegen(context, builder, signature, args):
-            m, x, xs, paoff, g, ldg, acc, pwoff = args
+            nt, m, x, xs, paoff, g, ldg, acc, pwoff = args
             V = Vec(builder, width)
             paoff = builder.inttoptr(paoff, _I64.as_pointer())
             pwoff = builder.inttoptr(pwoff, _I64.as_pointer())
             x, g, acc = V.floats(x), V.floats(g), V.floats(acc)
-            aoff = [builder.load(builder.gep(paoff, [ir.Constant(_I64, t)]))
-                    for t in range(ntaps)]
-            woff = [builder.load(builder.gep(pwoff, [ir.Constant(_I64, t)]))
-                    for t in range(ntaps)]
+            last = builder.sub(nt, ir.Constant(_I64, 1))
+            aoff = []
+            for t in range(DW_TAPS):
+                k = ir.Constant(_I64, t)
+                idx = builder.select(builder.icmp_signed("<", k, nt), k, last)
+                aoff.append(builder.load(builder.gep(paoff, [idx])))
             sums = [[cgutils.alloca_once_value(builder, V.zero) for _ in range(nv)]
-                    for _ in range(ntaps)]
+                    for _ in range(DW_TAPS)]
             with cgutils.for_range(builder, m) as pixels:
                 i = pixels.index
                 gi = builder.mul(i, ldg)
                 gv = [V.load(g, gi, v) for v in range(nv)]
                 xi = builder.mul(i, xs)
-                for t in range(ntaps):
+                for t in range(DW_TAPS):
                     xt = builder.add(xi, aoff[t])
                     for v in range(nv):
                         a = sums[t][v]
                         builder.store(builder.call(V._fma, [V.load(x, xt, v), gv[v],
                                                             builder.load(a)]), a)
-            for t in range(ntaps):
-                for v in range(nv):
-                    V.store(builder.fadd(V.load(acc, woff[t], v), builder.load(sums[t][v])),
-                            acc, woff[t], v)
+            for t in range(DW_TAPS):
+                with builder.if_then(builder.icmp_signed("<", ir.Constant(_I64, t), nt)):
+                    woff = builder.load(builder.gep(pwoff, [ir.Constant(_I64, t)]))
+                    for v in range(nv):
+                        V.store(builder.fadd(V.load(acc, woff, v), builder.load(sums[t][v])),
+                                acc, woff, v)
             return context.get_dummy_value()
 
-        return types.void(*([types.int64] * 8)), codegen
+        return types.void(*([types.int64] * 9)), codegen
 
     return tile
 
 
-_d16x4_1, _d16x4_2, _d16x4_3, _d16x4_4, _d16x4_5 = (
-    _dw_tile(t, 4, 16) for t in range(1, DW_TAPS + 1))
-
-_d16x2_1, _d16x2_2, _d16x2_3, _d16x2_4, _d16x2_5 = (
-    _dw_tile(t, 2, 16) for t in range(1, DW_TAPS + 1))
-
-_d16x1_1, _d16x1_2, _d16x1_3, _d16x1_4, _d16x1_5 = (
-    _dw_tile(t, 1, 16) for t in range(1, DW_TAPS + 1))
-
-_d8x2_1, _d8x2_2, _d8x2_3, _d8x2_4, _d8x2_5 = (
-    _dw_tile(t, 2, 8) for t in range(1, DW_TAPS + 1))
-
-_d8x1_1, _d8x1_2, _d8x1_3, _d8x1_4, _d8x1_5 = (
-    _dw_tile(t, 1, 8) for t in range(1, DW_TAPS + 1))
-
-
-
-@njit(nogil=True, cache=True)
-def _dw_run16x4(T, m, x, xs, paoff, g, ldg, acc, pwoff):
-    # one tile of T (1 to DW_TAPS) taps, 4 vector(s) of 16 channels
-    if T == 1:
-        _d16x4_1(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 2:
-        _d16x4_2(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 3:
-        _d16x4_3(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 4:
-        _d16x4_4(m, x, xs, paoff, g, ldg, acc, pwoff)
-    else:
-        _d16x4_5(m, x, xs, paoff, g, ldg, acc, pwoff)
-
-
-@njit(nogil=True, cache=True)
-def _dw_run16x2(T, m, x, xs, paoff, g, ldg, acc, pwoff):
-    # one tile of T (1 to DW_TAPS) taps, 2 vector(s) of 16 channels
-    if T == 1:
-        _d16x2_1(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 2:
-        _d16x2_2(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 3:
-        _d16x2_3(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 4:
-        _d16x2_4(m, x, xs, paoff, g, ldg, acc, pwoff)
-    else:
-        _d16x2_5(m, x, xs, paoff, g, ldg, acc, pwoff)
-
-
-@njit(nogil=True, cache=True)
-def _dw_run16x1(T, m, x, xs, paoff, g, ldg, acc, pwoff):
-    # one tile of T (1 to DW_TAPS) taps, 1 vector(s) of 16 channels
-    if T == 1:
-        _d16x1_1(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 2:
-        _d16x1_2(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 3:
-        _d16x1_3(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 4:
-        _d16x1_4(m, x, xs, paoff, g, ldg, acc, pwoff)
-    else:
-        _d16x1_5(m, x, xs, paoff, g, ldg, acc, pwoff)
-
-
-@njit(nogil=True, cache=True)
-def _dw_run8x2(T, m, x, xs, paoff, g, ldg, acc, pwoff):
-    # one tile of T (1 to DW_TAPS) taps, 2 vector(s) of 8 channels
-    if T == 1:
-        _d8x2_1(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 2:
-        _d8x2_2(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 3:
-        _d8x2_3(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 4:
-        _d8x2_4(m, x, xs, paoff, g, ldg, acc, pwoff)
-    else:
-        _d8x2_5(m, x, xs, paoff, g, ldg, acc, pwoff)
-
-
-@njit(nogil=True, cache=True)
-def _dw_run8x1(T, m, x, xs, paoff, g, ldg, acc, pwoff):
-    # one tile of T (1 to DW_TAPS) taps, 1 vector(s) of 8 channels
-    if T == 1:
-        _d8x1_1(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 2:
-        _d8x1_2(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 3:
-        _d8x1_3(m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif T == 4:
-        _d8x1_4(m, x, xs, paoff, g, ldg, acc, pwoff)
-    else:
-        _d8x1_5(m, x, xs, paoff, g, ldg, acc, pwoff)
-
-
-@njit(nogil=True, cache=True)
-def _dw_panel(T, cols, wide, m, x, xs, paoff, g, ldg, acc, pwoff):
-    # one tile of T taps over a panel of ``cols`` channels (panel(wide, ...)'s widths)
-    if wide:
-        if cols == 64:
-            _dw_run16x4(T, m, x, xs, paoff, g, ldg, acc, pwoff)
-        elif cols == 32:
-            _dw_run16x2(T, m, x, xs, paoff, g, ldg, acc, pwoff)
-        elif cols == 16:
-            _dw_run16x1(T, m, x, xs, paoff, g, ldg, acc, pwoff)
-        else:
-            _dw_run8x1(T, m, x, xs, paoff, g, ldg, acc, pwoff)
-    elif cols == 8:
-        _dw_run8x1(T, m, x, xs, paoff, g, ldg, acc, pwoff)
-    else:
-        _dw_run8x2(T, m, x, xs, paoff, g, ldg, acc, pwoff)
+# AVX-512: panels of 64, 32, 16 channels (4, 2, 1 vectors of 16), then 8; AVX2: 16, 8
+_dw64, _dw32, _dw16 = _dw_tile(4, 16), _dw_tile(2, 16), _dw_tile(1, 16)
+_dw16n, _dw8 = _dw_tile(2, 8), _dw_tile(1, 8)
 
 
 @njit(nogil=True, cache=True)
@@ -306,8 +207,19 @@ def depthwise_dw_taps(m, n, ntaps, px, xs, paoff, pg, ldg, pacc, pwoff, wide):
                 cols = 64 if rem >= 64 else 32 if rem >= 32 else 16 if rem >= 16 else 8
             else:
                 cols = 16 if rem >= 16 else 8
+            xj, gj, aj = xb + 4 * j, gb + 4 * j, pacc + 4 * j
             for k in range(ntiles):
                 t0, t1 = ntaps * k // ntiles, ntaps * (k + 1) // ntiles
-                _dw_panel(t1 - t0, cols, wide, mb, xb + 4 * j, xs, paoff + 8 * t0, gb + 4 * j,
-                          ldg, pacc + 4 * j, pwoff + 8 * t0)
+                pa, pw = paoff + 8 * t0, pwoff + 8 * t0
+                if cols == 64:
+                    _dw64(t1 - t0, mb, xj, xs, pa, gj, ldg, aj, pw)
+                elif cols == 32:
+                    _dw32(t1 - t0, mb, xj, xs, pa, gj, ldg, aj, pw)
+                elif cols == 16:
+                    if wide:
+                        _dw16(t1 - t0, mb, xj, xs, pa, gj, ldg, aj, pw)
+                    else:
+                        _dw16n(t1 - t0, mb, xj, xs, pa, gj, ldg, aj, pw)
+                else:
+                    _dw8(t1 - t0, mb, xj, xs, pa, gj, ldg, aj, pw)
             j += cols
