@@ -1,14 +1,17 @@
-"""Each pass of a depthwise Conv-Bias-ReLU alone (forward, dX, dW + db), numbafuse and PyTorch,
-each library in its own process, alternating round by round; best of each.
+"""Each pass of numbafuse's depthwise Conv-Bias-ReLU alone (forward, dX, dW + db), in a new
+process per round; best of each.
 
     python benchmarks/depthwise_passes.py [--rounds 3] [--repeats 3] [--threads 1]
                                           [--layouts NHWC NCHW] [--shapes 'dw 3x3' ...]
 
-bench_conv_bias_relu.py times forward and forward + backward; this splits the backward into
-its two passes, which run different kernels (numbafuse: ``conv_bias_relu_backward`` with
-``need``; PyTorch: ``torch.nn.grad.conv2d_input`` and ``conv2d_weight`` on the gated gradient,
-channels_last tensors for NHWC), so that a change to one kernel is seen alone. The shapes are
-bench_conv_bias_relu's depthwise ones. docs/conv_bias_relu.md quotes its figures.
+bench_conv_bias_relu.py times forward and forward + backward against PyTorch; this splits the
+backward into its two passes (``conv_bias_relu_backward`` with ``need``), which run different
+kernels, so that a change to one kernel is seen alone: run it in two trees, alternating, to
+pair a change with its base. The shapes are bench_conv_bias_relu's depthwise ones.
+docs/conv_bias_relu.md quotes its figures. (PyTorch's passes are not timed here: oneDNN's
+channels_last depthwise forward measured 9 or 33 ms from one call to the next in one process
+on machine A, as its 25 MB outputs were or were not page-faulted afresh; bench_conv_bias_relu
+times it over many calls.)
 """
 import argparse
 import json
@@ -24,8 +27,12 @@ SHAPES = {"dw 3x3": ((32, 64, 56, 56), 3, 1), "dw 3x3 s2": ((32, 64, 56, 56), 3,
 PASSES = ("fwd", "dx", "dw")
 
 
+WARMUP_CALLS = 3     # oneDNN's first two calls of a depthwise conv take 3-4x a later one
+
+
 def _best(fn, repeats):
-    fn()
+    for _ in range(WARMUP_CALLS):
+        fn()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -69,43 +76,6 @@ def worker_numbafuse(args):
     return out
 
 
-def worker_torch(args):
-    import torch
-    import torch.nn.functional as F
-    torch.set_num_threads(args.threads)
-    out = {}
-    for name, layout, x, w, b, stride, pad in _cases(args.shapes, args.layouts):
-        fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
-        xt = torch.from_numpy(x).contiguous(memory_format=fmt)
-        wt = torch.from_numpy(w).contiguous(memory_format=fmt)
-        bt = torch.from_numpy(b)
-        C = x.shape[1]
-        with torch.no_grad():
-            y = F.relu(F.conv2d(xt, wt, bt, stride, pad, groups=C))
-            gy = torch.randn(y.shape).contiguous(memory_format=fmt)
-        g = (gy * (y > 0)).contiguous(memory_format=fmt)
-
-        def fwd():
-            with torch.no_grad():
-                F.relu(F.conv2d(xt, wt, bt, stride, pad, groups=C))
-
-        def dx():
-            # the gating is part of the pass, as numbafuse's dX gates gy by y > 0
-            gg = (gy * (y > 0)).contiguous(memory_format=fmt)
-            torch.nn.grad.conv2d_input(xt.shape, wt, gg, stride, pad, groups=C)
-
-        def dw():
-            gg = (gy * (y > 0)).contiguous(memory_format=fmt)
-            torch.nn.grad.conv2d_weight(xt, wt.shape, gg, stride, pad, groups=C)
-            gg.sum((0, 2, 3))
-
-        del g
-        fns = {"fwd": fwd, "dx": dx, "dw": dw}
-        for p in PASSES:
-            out[f"{name}|{layout}|{p}"] = _best(fns[p], args.repeats)
-    return out
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -113,35 +83,26 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--layouts", nargs="+", default=["NHWC", "NCHW"])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    p.add_argument("--libraries", nargs="+", default=["numbafuse", "torch"])
-    p.add_argument("--worker", choices=["numbafuse", "torch"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        fn = worker_numbafuse if args.worker == "numbafuse" else worker_torch
-        print(json.dumps(fn(args)))
+        print(json.dumps(worker_numbafuse(args)))
         return
-    best = {lib: {} for lib in args.libraries}
+    best = {}
     common = ["--repeats", str(args.repeats), "--threads", str(args.threads), "--layouts",
               *args.layouts, "--shapes", *args.shapes]
     for _ in range(args.rounds):
-        for lib in args.libraries:
-            res = subprocess.run([sys.executable, __file__, "--worker", lib, *common],
-                                 check=True, capture_output=True, text=True)
-            for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items():
-                best[lib][k] = min(v, best[lib].get(k, float("inf")))
-    import platform
-    print(f"depthwise passes, {args.threads} thread(s), best of {args.rounds} rounds x "
-          f"{args.repeats}, each library in its own process; {platform.processor() or ''}")
-    libs = args.libraries
-    print("| shape | layout | pass | " + " | ".join(f"{lib} ms" for lib in libs)
-          + (" | PyTorch / numbafuse |" if len(libs) == 2 else " |"))
-    print("|---|---|---|" + "---:|" * (len(libs) + (len(libs) == 2)))
-    for key in best[libs[0]]:
+        res = subprocess.run([sys.executable, __file__, "--worker", *common], check=True,
+                             capture_output=True, text=True)
+        for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items():
+            best[k] = min(v, best.get(k, float("inf")))
+    print(f"numbafuse depthwise passes, {args.threads} thread(s), best of {args.rounds} "
+          f"processes x {args.repeats} calls (after {WARMUP_CALLS})")
+    print("| shape | layout | pass | ms |")
+    print("|---|---|---|---:|")
+    for key, ms in best.items():
         name, layout, pass_ = key.split("|")
-        row = [best[lib][key] for lib in libs]
-        ratio = f" | {row[1] / row[0]:.2f}x" if len(libs) == 2 else ""
-        print(f"| {name} | {layout} | {pass_} | " + " | ".join(f"{v:.2f}" for v in row)
-              + ratio + " |")
+        print(f"| {name} | {layout} | {pass_} | {ms:.2f} |")
 
 
 if __name__ == "__main__":
