@@ -173,19 +173,25 @@ def test_depthwise_nchw_tiles_equal_the_plane_loops(x_shape, mult, rs, kw, wide,
 
 
 # NHWC float32 depthwise backwards with C % 8 == 0: dW by the dW register tiles
-# (cpu_depthwise_tiles.depthwise_dw_taps), dX (stride 1) as the forward's tiles over the
-# gated g with flipped taps. C = 8 to 104 crosses the dW channel panels (64 + 32 + 8 on
-# AVX-512, 16s and 8 on AVX2); 2x2 to 7x7 taps cross the tap tiles (4 taps: one tile; 9: 5 +
-# 4; 25: five of 5; 49: ten; cpu_depthwise._tiled_dw: every case); Q = 20 with 3x3 taps has an interior run of 18 pixels (a block
-# of DW_PIXELS = 16 and 2); chunks of one or two dX rows cross the gated rows' buffer; stride
-# 2 and dilation run the dW tiles only; padding past the taps' reach runs dX by the loops
+# (cpu_depthwise_tiles.depthwise_dw_taps), dX phase by phase as the forward's tiles over the
+# gated g with flipped taps (cpu_depthwise_nhwc.dx_phases, in every case here). C = 8 to 104 crosses the dW channel
+# panels (64 + 32 + 8 on AVX-512, 16s and 8 on AVX2); 2x2 to 7x7 taps cross the tap tiles (4
+# taps: one tile; 9: 5 + 4; 25: five of 5; 49: ten; cpu_depthwise._tiled_dw: the first seven
+# cases, the others dW by the loops); Q =
+# 20 with 3x3 taps has an interior run of 18 pixels (a block of DW_PIXELS = 16 and 2); chunks
+# of one or two dX rows cross the gated rows' buffer; strides 2 and 3 (phases of 2 and 3
+# taps, and with 2x2 taps at stride 3 phases with none), dilation with stride 2 (a phase's
+# taps two rows apart in g), padding past the taps' reach (a phase's padding < 0)
 TILED_BWD = [((2, 5, 20, 8), (3, 3), dict(padding=1)),
              ((1, 9, 13, 24), (5, 5), dict(stride=2, padding=(0, 2, 1, 0))),
              ((1, 11, 14, 104), (7, 7), dict(padding=3)),
              ((2, 8, 12, 16), (3, 3), dict(stride=(2, 1), padding=2, dilation=(2, 1))),
              ((1, 6, 7, 40), (2, 2), dict(padding=(1, 0, 0, 1))),
              ((1, 7, 11, 72), (5, 5), dict(padding=2, dilation=(1, 2))),
-             ((1, 5, 6, 8), (3, 3), dict(padding=3))]
+             ((1, 5, 6, 8), (3, 3), dict(padding=3)),
+             ((2, 11, 10, 16), (3, 3), dict(stride=3, padding=(1, 0, 2, 1))),
+             ((1, 10, 13, 8), (2, 2), dict(stride=3, padding=1)),
+             ((1, 12, 11, 24), (3, 3), dict(stride=2, padding=2, dilation=2))]
 
 
 @pytest.mark.parametrize("wide", [True, False])
@@ -203,11 +209,11 @@ def test_depthwise_backward_tiles_match_reference(x_shape, rs, kw, chunk, wide, 
     x = rng.standard_normal(x_shape).astype(np.float32)
     w = rng.standard_normal((C, 1, *rs)).astype(np.float32)
     b = rng.standard_normal(C).astype(np.float32)
-    kw = dict(kw, layout="NHWC", groups=C)
+    kw0, kw = kw, dict(kw, layout="NHWC", groups=C)
     geom = validate.conv_geometry("t", x.shape, w.shape, **kw)
-    assert cpu_depthwise._tiled_dw(geom, x.dtype)
-    reach = geom.ph <= (geom.R - 1) * geom.dh and geom.pw <= (geom.S - 1) * geom.dw
-    assert cpu_depthwise._tiled_dx(geom, x.dtype) == (geom.sh == geom.sw == 1 and reach)
+    # dX by the phases in every case (the rule keeps the loops for few taps at stride > 1)
+    monkeypatch.setattr(cpu_depthwise, "_tiled_dx", cpu_depthwise._tiled)
+    assert cpu_depthwise._tiled_dw(geom, x.dtype) == (TILED_BWD.index((x_shape, rs, kw0)) < 7)
     y = nf.conv_bias_relu(x, w, b, **kw)
     gy = rng.standard_normal(y.shape).astype(np.float32)
     threads = _launch.num_threads()
