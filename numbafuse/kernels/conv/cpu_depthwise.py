@@ -54,6 +54,7 @@ from . import cpu_depthwise_nhwc as _nhwc
 from . import cpu_depthwise_tiles as _tiles
 from .cpu_depthwise_nhwc import gate_row as _gate_row
 from .cpu_chunks import sum64
+from .cpu_phases import merge_phases as _merge_phases, split_phases as _split_phases
 
 CHUNK_ELEMENTS = 1 << 15   # output values of one NHWC task's rows (forward, dW), at least a row
 DW_GROUPS = 16             # fixed groups of chunks, each with its own dW and db partial
@@ -95,64 +96,6 @@ def _gate_plane(gp, yp, use_mask, Wph, g):
     for p in range(P):
         _gate_row(gp[p], yp[p], use_mask, g[p * Wph:p * Wph + Q])
         g[p * Wph + Q:(p + 1) * Wph] = 0
-
-
-@njit(cache=True)
-def _phase_columns(b, sw, left, W, Wph):
-    # (j0, j1): the columns j of a phase row whose source column j*sw + b - left is in [0, W)
-    j0 = max(0, (left - b + sw - 1) // sw)
-    j1 = min(Wph, (W - 1 + left - b) // sw + 1) if W - 1 + left - b >= 0 else 0
-    return j0, max(j0, j1)
-
-
-@njit(cache=True)
-def _split_phases(src, top, left, sh, sw, Wph, out):
-    # src: (H, W) plane;  out: (sh*sw, Hph*Wph) <- its zero-padded copy split by phase:
-    # out[a*sw + b, i*Wph + j] = src[i*sh + a - top, j*sw + b - left], 0 outside src
-    H, W = src.shape
-    Hph = out.shape[1] // Wph
-    for a in range(sh):
-        for b in range(sw):
-            o = out[a * sw + b]
-            j0, j1 = _phase_columns(b, sw, left, W, Wph)
-            for i in range(Hph):
-                h = i * sh + a - top
-                row = o[i * Wph:(i + 1) * Wph]
-                if h < 0 or h >= H or j1 == j0:
-                    row[:] = 0
-                    continue
-                row[:j0] = 0
-                row[j1:] = 0
-                dst, xs = row[j0:j1], src[h, j0 * sw + b - left:]         # views from 0
-                if sw == 1:
-                    for j in range(j1 - j0):
-                        dst[j] = xs[j]
-                else:
-                    for j in range(j1 - j0):
-                        dst[j] = xs[j * sw]
-
-
-@njit(cache=True)
-def _merge_phases(buf, top, left, sh, sw, Wph, dst):
-    # the inverse of _split_phases: dst (H, W)[i*sh + a - top, j*sw + b - left] =
-    # buf[a*sw + b, i*Wph + j]; 0 where no phase element lands (past the buffer)
-    H, W = dst.shape
-    Hph = buf.shape[1] // Wph
-    dst[:] = 0
-    for a in range(sh):
-        for i in range(Hph):
-            h = i * sh + a - top
-            if h < 0 or h >= H:
-                continue
-            for b in range(sw):
-                j0, j1 = _phase_columns(b, sw, left, W, Wph)
-                src, d = buf[a * sw + b, i * Wph + j0:i * Wph + j1], dst[h, j0 * sw + b - left:]
-                if sw == 1:
-                    for j in range(j1 - j0):
-                        d[j] = src[j]
-                else:
-                    for j in range(j1 - j0):
-                        d[j * sw] = src[j]
 
 
 def is_depthwise(geom):
@@ -362,8 +305,8 @@ def _tap_offsets(geom, width=None):
 
 def _tiled_dx(geom, dtype):
     """NHWC dX by the forward's register tiles, phase by phase (``cpu_depthwise_nhwc.
-    dx_phases``): the tiled case at stride 1 or with 25 taps or more. Measured, 1 thread, batch 32, ms (the loops of
-    _dx_nhwc_rows / _dx_nhwc against the phases): 3x3 at 56x56, 64 channels 11.8-12.1 / 6.1-
+    dx_phases``): the tiled case at stride 1 or with 25 taps or more. Measured, 1 thread,
+    batch 32, ms (the loops of _dx_nhwc_rows / _dx_nhwc against the phases): 3x3 at 56x56, 64 channels 11.8-12.1 / 6.1-
     6.3, 7x7 at 28x28, 96 channels 11.8-12.0 / 5.6-6.4 and at stride 2 5.1-5.3 / 2.5-3.2;
     3x3 stride 2 at 56x56 4.5 / 5.5-6.3 (four phases of 1 to 4 taps), so that one keeps the
     loops."""
