@@ -306,10 +306,10 @@ def _tap_offsets(geom, width=None):
 def _tiled_dx(geom, dtype):
     """NHWC dX by the forward's register tiles, phase by phase (``cpu_depthwise_nhwc.
     dx_phases``): the tiled case at stride 1 or with 25 taps or more. Measured, 1 thread,
-    batch 32, ms (the loops of _dx_nhwc_rows / _dx_nhwc against the phases): 3x3 at 56x56, 64 channels 11.8-12.1 / 6.1-
-    6.3, 7x7 at 28x28, 96 channels 11.8-12.0 / 5.6-6.4 and at stride 2 5.1-5.3 / 2.5-3.2;
-    3x3 stride 2 at 56x56 4.5 / 5.5-6.3 (four phases of 1 to 4 taps), so that one keeps the
-    loops."""
+    batch 32, ms (the loops of _dx_nhwc_rows / _dx_nhwc against the phases): 3x3 at 56x56,
+    64 channels 11.8-12.1 / 6.1-6.3, 7x7 at 28x28, 96 channels 11.8-12.0 / 5.6-6.4 and at
+    stride 2 5.1-5.3 / 2.5-3.2; 3x3 stride 2 at 56x56 4.5 / 5.5-6.3 (four phases of 1 to 4
+    taps), so that one keeps the loops."""
     return _tiled(geom, dtype) and (geom.sh == geom.sw == 1 or geom.R * geom.S >= 25)
 
 
