@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 from .. import autograd, backend, kernels, reference, validate
 from ..autograd import Function
+from ..kernels.conv import weights as _weights
 from . import batchnorm as _bn
 from . import conv as _conv
 from . import precision
@@ -229,8 +230,13 @@ def forward(op, p, x, w, gamma, beta):
         del h                                                             # never kept
     else:
         mean, invstd = _running_stats(pc)
-        w_folded, b_folded = _fold(which, w, None, gamma, beta, mean, invstd)
-        y = _conv_forward(which, x, w_folded, b_folded, geometry, p.relu)
+        # the fold is cached where the caller vouches for w and the batch norm's tensors
+        # (numbafuse.torch in inference: kernels/conv/weights.py), and so what the conv
+        # derives from the folded w
+        w_folded, b_folded = _weights.derived(w, ("folded", float(pc.eps)), lambda: _fold(
+            which, w, None, gamma, beta, mean, invstd))
+        with _weights.vouch_like(w_folded, w):
+            y = _conv_forward(which, x, w_folded, b_folded, geometry, p.relu)
     shift = dict(beta=beta) if p.relu else {}    # the ReLU's gate needs beta
     saved = dict(x=x_kept, w=w_kept, gamma=gamma, **shift, mean=mean, invstd=invstd)
     return half.store(y), Call(geometry, count, half.param_dtype), saved

@@ -2,6 +2,7 @@ r"""PyTorch interoperation (extra ``torch``): numbafuse's fused ops inside PyTor
 
     fuse(model, *, leaf_modules=(), copy=True) -> torch.fx.GraphModule      # the remapper
     unfuse(fused) -> the model object (its own forward), sharing fused's modules
+    with weight_cache(): ...   # reuse what the convs derive from unchanged weights (opt-in)
     conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, groups=1)
     batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None,
                        training=True, momentum=0.1, eps=1e-5)
@@ -45,10 +46,10 @@ from .layers import (  # noqa: F401  (the bridge's names, for tests and benchmar
                      DEVICE_TYPES, FLOAT_DTYPES, LAYOUT, BatchNormAddReLU2d,
                      BatchNormAddReLUFunction, ConvBiasReLU2d, ConvBiasReLUFunction, as_array,
                      as_tensor, batchnorm_add_relu, check_tensors, conv_bias_relu,
-                     launch_order)
+                     launch_order, weight_cache)
 
-__all__ = ["fuse", "unfuse", "conv_bias_relu", "batchnorm_add_relu", "conv_batchnorm_relu",
-           "conv_batchnorm_add_relu", "ConvBiasReLU2d", "BatchNormAddReLU2d",
+__all__ = ["fuse", "unfuse", "weight_cache", "conv_bias_relu", "batchnorm_add_relu",
+           "conv_batchnorm_relu", "conv_batchnorm_add_relu", "ConvBiasReLU2d", "BatchNormAddReLU2d",
            "ConvBatchNormReLU2d", "ConvBatchNorm2d", "ConvBatchNormAddReLU2d",
            "ConvBiasReLUFunction", "BatchNormAddReLUFunction", "ConvBatchNormReLUFunction",
            "ConvBatchNormAddReLUFunction", "ResNet", "BasicBlock", "Bottleneck", "resnet18",

@@ -40,6 +40,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import validate
+from ..kernels.conv import weights as _weights
 from ..ops import conv_batchnorm as _cbn
 from .layers import (LAYOUT, Unrecorded, as_array, as_tensor, capturing, check_tensors,
                      conv_args, launch_order, layout_of, needs_grad, run_captured, shape_in,
@@ -104,6 +105,14 @@ def save(ctx, p, call, saved, tensors, device):
     ctx.p, ctx.call, ctx.names, ctx.device = p, call, tuple(saved), device
 
 
+def vouched(w_array, w, p, *bn):
+    """``kernels.conv.weights.vouch`` of w's array: the arrays the conv derives from w (its
+    transposes, Winograd taps) are cached while w is unchanged, and in inference (``p``'s
+    ``training`` False, the batch norm folded into w) while the batch norm's tensors ``bn``
+    are too. Training's backward: w's version alone, as the forward's."""
+    return _weights.vouch(w_array, w, *(() if p.training else bn))
+
+
 def restore(ctx):
     """The ``saved`` arrays of :func:`save` by name (x in its layout)."""
     layout = ctx.p.layout
@@ -132,8 +141,9 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
     def forward(ctx, x, w, weight, bias, running_mean, running_var, p, geometry, device):
         # p: ConvBatchNormReLU.Params (ops_params) on running_mean's and running_var's arrays
         layout = geometry.layout
-        with launch_order(device):
-            y, call, saved = _cbn.forward(_cbn.OP, p, as_array(x, layout), as_array(w),
+        wa = as_array(w)
+        with launch_order(device), vouched(wa, w, p, weight, bias, running_mean, running_var):
+            y, call, saved = _cbn.forward(_cbn.OP, p, as_array(x, layout), wa,
                                           as_array(weight), as_array(bias))
         save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight, beta=bias), device)
         if p.training and running_mean is not None:
@@ -145,8 +155,9 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         d, layout = ctx.device, ctx.p.layout
-        with launch_order(d):
-            dx, dw, dweight, dbias = _cbn.backward(ctx.p, ctx.call, restore(ctx),
+        saved, w = restore(ctx), ctx.saved_tensors[ctx.names.index("w")]
+        with launch_order(d), vouched(saved["w"], w, ctx.p):
+            dx, dw, dweight, dbias = _cbn.backward(ctx.p, ctx.call, saved,
                                                    as_array(dy, layout),
                                                    tuple(ctx.needs_input_grad[:4]))
         return (as_tensor(dx, d, layout), as_tensor(dw, d), as_tensor(dweight, d),
@@ -237,9 +248,10 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
     def forward(ctx, x, w, z, weight, bias, running_mean, running_var, p, geometry, device):
         # p: ConvBatchNormAddReLU.Params (ops_params) on the running statistics' arrays
         layout = geometry.layout                      # NHWC for a channels_last x
-        with launch_order(device):
+        wa = as_array(w)
+        with launch_order(device), vouched(wa, w, p, weight, bias, running_mean, running_var):
             y, call, saved = _cbn.add_forward(_cbn.ConvBatchNormAddReLU.name, p,
-                                              as_array(x, layout), as_array(w),
+                                              as_array(x, layout), wa,
                                               as_array(z, layout), as_array(weight),
                                               as_array(bias))
         save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight), device)
@@ -252,8 +264,9 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         d, layout = ctx.device, ctx.p.layout
-        with launch_order(d):
-            dx, dw, dz, dweight, dbias = _cbn.add_backward(ctx.p, ctx.call, restore(ctx),
+        saved, w = restore(ctx), ctx.saved_tensors[ctx.names.index("w")]
+        with launch_order(d), vouched(saved["w"], w, ctx.p):
+            dx, dw, dz, dweight, dbias = _cbn.add_backward(ctx.p, ctx.call, saved,
                                                            as_array(dy, layout),
                                                            tuple(ctx.needs_input_grad[:5]))
         return (as_tensor(dx, d, layout), as_tensor(dw, d), as_tensor(dz, d, layout),

@@ -39,6 +39,7 @@ from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import blocks, concurrently, launch, launch_all
 from . import cpu_plan
 from . import math as conv_math
+from . import weights as _weights
 from .cpu_plan import algorithm, plan as _plan
 
 geo_tuple = conv_math.geo_tuple
@@ -75,15 +76,31 @@ def _weight_matrix(w, nhwc):
     K, C, R, S = w.shape
     if not nhwc:
         return w.reshape(K, C * R * S)
-    return np.ascontiguousarray(w.transpose(0, 2, 3, 1)).reshape(K, R * S * C)
+    return _weights.derived(w, "matrix", lambda: np.ascontiguousarray(
+        w.transpose(0, 2, 3, 1)).reshape(K, R * S * C))
 
 
-def _taps(w, k_rows):
-    """The taps w_rs as (R*S, K, C) (``k_rows``) or (R*S, C, K), contiguous."""
+def _taps(w, k_rows, cache=True):
+    """The taps w_rs as (R*S, K, C) (``k_rows``) or (R*S, C, K), contiguous (``cache``: kept
+    as ``weights.derived`` says; dX's, used once a version, are not)."""
     K, C, R, S = w.shape
     order = (2, 3, 0, 1) if k_rows else (2, 3, 1, 0)
-    return np.ascontiguousarray(w.transpose(order)).reshape(R * S, *((K, C) if k_rows else
-                                                                      (C, K)))
+
+    def make():
+        return np.ascontiguousarray(w.transpose(order)).reshape(R * S, *((K, C) if k_rows
+                                                                         else (C, K)))
+    return _weights.derived(w, ("taps", bool(k_rows)), make) if cache else make()
+
+
+def _transposed(w, wm):
+    """wm.T contiguous, wm the (K, C) matrix of a 1x1 w (cached as _weights says)."""
+    return _weights.derived(w, "transposed", lambda: np.ascontiguousarray(wm.T))
+
+
+def _winograd_taps(w, flip, shape):
+    U = np.empty(shape, w.dtype)                                   # the GEMMs' orientation
+    _wino.winograd_taps(w, flip, U)
+    return U
 
 
 def _k_view(a, geom):
@@ -125,8 +142,8 @@ def _winograd_launch(c, plan, epi=_epi.EPI_NONE, ev=None, dg=None, affine=False)
     _wino.ready(c.src.dtype)
     Ci, Co = (w.shape[0], w.shape[1]) if c.flip else (w.shape[1], w.shape[0])
     N, Ho, Wo = out.shape[0], *(out.shape[1:3] if c.nhwc else out.shape[2:4])
-    U = np.empty((16, Ci, Co), c.src.dtype)                         # the GEMMs' orientation
-    _wino.winograd_taps(w, c.flip, U)
+    U = (_winograd_taps(w, c.flip, (16, Ci, Co)) if c.flip else     # (dX: once a version)
+         _weights.derived(w, "winograd", lambda: _winograd_taps(w, False, (16, Ci, Co))))
     ipc, tyb, nchunks, most = tile_chunks(N, Ho, Wo, True, plan.tiles)
     chunks = (c.top, c.left, ipc, tyb, _wino.estride(Ci * most, c.src.itemsize),
               _wino.estride(Co * most, c.src.itemsize), int(not c.nhwc))
@@ -469,7 +486,7 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         if plan.taps:
             _gemm_taps.ready()
         launch(_direct.pointwise_tasks, nchunks, xv, xv, False,
-               np.ascontiguousarray(wm.T) if nhwc else wm, mpc, b, (has_bias, relu, nhwc),
+               _transposed(w, wm) if nhwc else wm, mpc, b, (has_bias, relu, nhwc),
                blas, plan.taps, _pointwise_view(y, nhwc), work=work, grain=1)
     elif kind == "phase":
         tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
@@ -560,7 +577,7 @@ def _conv_dx(gy, y, use_mask, w, geom, plan, work):
     elif kind == "phase":
         ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack = _phase_dx_plan(geom)
         rpc = balanced(-(-H // geom.sh), _phase_rows(plan, K + C, Wg, gy.itemsize))
-        wtap = _taps(w, nhwc)
+        wtap = _taps(w, nhwc, cache=False)
         wph = (np.ascontiguousarray(wtap[ent_tap]) if plan.taps
                else np.empty((0, 1, 1), gy.dtype))
         _direct.ready(gy.dtype)

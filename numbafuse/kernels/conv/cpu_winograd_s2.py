@@ -43,6 +43,7 @@ from .cpu_chunks import chunk, sum64, sum_groups, tile_chunks
 from .cpu_winograd import (OFF, PADDED_ROWS, STORE_NCHW, estride, gate_tiles, padded_rows,
                            vadd, vcopy, vsub)
 from .math import int_tuple
+from . import weights as _weights
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -66,7 +67,8 @@ def forward(x, w, b, geom, relu, y, tiles, wide, work):
     ipc, tyb, nchunks, most = tile_chunks(N, P, Q, True, tiles)
     sizes = (geom.ph, geom.pw, ipc, tyb, estride(C * most, 4), estride(K * most, 4))
     _ready_steps(np.float32, FORWARD_STEPS)
-    launch(_s2_tasks, nchunks, x, taps(w), int_tuple(*sizes), b,
+    launch(_s2_tasks, nchunks, x, _weights.derived(w, "s2", lambda: taps(w)),
+           int_tuple(*sizes), b,
            (bool(relu), geom.layout == "NHWC", bool(wide)), y, work=work, grain=1)
 
 

@@ -1,0 +1,160 @@
+"""Arrays the CPU conv passes derive from a weight (its transposes, the Winograd taps), kept
+while the weight is unchanged, where a caller vouches for that.
+
+    with enabled():                 # the user: weights change only in ways versions see
+        with vouch(w, *owners):     # the caller: w's contents are a function of the owners'
+            conv_forward(x, w, ...) # inside, derived(w, kind, make) -> make() or the cached one
+
+A pass reorders w every call: an im2col GEMM over NHWC rows wants (K, R*S*C), the phase and
+implicit passes (R*S, ...), Winograd its transformed taps. At ResNet-18's deepest layers that
+is a 9.4 MB transpose (1.36 ms, bound by memory) per 3x3 512 -> 512 conv, every call: ~6 ms of
+a 47 ms eval forward at batch 16, 64x64 on machine A, done again by the recompute in backward
+(ResNet-18 eval forward 49.4 -> 36.5 ms with the cache, 96 MB of derived arrays held).
+
+Off unless asked for: ``enabled()`` (``numbafuse.torch.weight_cache()``). A torch tensor's
+version counter does not see every change: writes through ``w.data`` (``p.data.clamp_()``,
+an old-style EMA or weight clipping) or through a NumPy view leave it as it was (checked:
+``w.data.mul_(2)`` and ``w.detach().numpy()[:] = 5`` did not bump ``w._version``; an
+optimizer step, ``torch.no_grad()`` in-place ops, ``load_state_dict`` and ``nn.init`` did).
+Caching by version alone would then return arrays of the old weights, silently, so the user
+opts in for code that changes weights only in the ways the counter sees.
+
+NumPy arrays carry no version, so nothing is cached unless the caller vouches: ``vouch(w,
+*owners)`` states that w's contents are a function of the owners' data at their ``_version``s
+(torch tensors: every in-place change, an optimizer step included, bumps it): the weight's
+tensor, and for a batch norm folded into it (inference) its four tensors too, through
+``vouch_like`` for the folded array. ``derived`` keys its cache on w's address, shape, dtype
+and the kind, and keeps the owners (weak references) and versions that made each entry: a hit
+needs the same live owners at the same versions. One entry per (weight, kind): a new version
+replaces the old; entries of dead owners are dropped when the next entry is stored. At most
+``MAX_BYTES`` in all (least recently used first out).
+"""
+import contextlib
+import contextvars
+import weakref
+from collections import OrderedDict
+
+MAX_BYTES = 256 << 20          # derived arrays kept in all (ResNet-18's weights: 45 MB)
+
+_ENABLED = contextvars.ContextVar("numbafuse_conv_weight_cache", default=False)
+_VOUCHED = contextvars.ContextVar("numbafuse_conv_vouched_weights", default=())
+_CACHE = OrderedDict()         # (address, shape, dtype, kind) -> (owner refs, versions, value)
+_stats = {"hits": 0, "misses": 0, "bytes": 0}
+
+
+@contextlib.contextmanager
+def enabled(on=True):
+    """Within the block (this thread and context), :func:`vouch` caches (``on``) or not; the
+    cache itself is kept across blocks (``clear`` empties it)."""
+    token = _ENABLED.set(bool(on))
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def is_enabled():
+    """Whether :func:`vouch` caches here (inside ``enabled()``)."""
+    return _ENABLED.get()
+
+
+@contextlib.contextmanager
+def vouch(w, *owners):
+    """Within the block, arrays derived from the NumPy array ``w`` may be cached: its contents
+    are a function of the ``owners``' data alone (objects with an int ``_version`` that changes
+    whenever their data does, weak-referenceable: torch tensors; None ones are skipped), at
+    their versions now. ``w`` None or not a host array: nothing vouched."""
+    address = getattr(getattr(w, "ctypes", None), "data", None)
+    if address is None or not _ENABLED.get():
+        yield
+        return
+    owners = [o for o in owners if o is not None]
+    entry = (address, w.shape, w.dtype.str, tuple(weakref.ref(o) for o in owners),
+             tuple(o._version for o in owners))
+    token = _VOUCHED.set(_VOUCHED.get() + (entry,))
+    try:
+        yield
+    finally:
+        _VOUCHED.reset(token)
+
+
+@contextlib.contextmanager
+def vouch_like(new, base):
+    """Within the block, ``new`` (an array made from ``base``, e.g. a cached fold of it) is
+    vouched for by ``base``'s owners, where ``base`` is vouched for."""
+    seen = _vouched(base)
+    address = getattr(getattr(new, "ctypes", None), "data", None)
+    if seen is None or address is None:
+        yield
+        return
+    token = _VOUCHED.set(_VOUCHED.get() + ((address, new.shape, new.dtype.str) + seen,))
+    try:
+        yield
+    finally:
+        _VOUCHED.reset(token)
+
+
+def _vouched(w):
+    address = getattr(getattr(w, "ctypes", None), "data", None)
+    for a, shape, dtype, refs, versions in _VOUCHED.get():
+        if a == address and shape == w.shape and dtype == w.dtype.str:
+            return refs, versions
+    return None
+
+
+def _alive(refs):
+    owners = tuple(r() for r in refs)
+    return None if any(o is None for o in owners) else owners
+
+
+def derived(w, kind, make):
+    """``make()``, derived from ``w`` (read only by the caller; any value, an array or a tuple
+    of arrays), or what it made before for this ``kind`` (hashable) if w is vouched for and
+    its owners are the same objects at the same versions since."""
+    seen = _vouched(w)
+    if seen is None:
+        return make()
+    refs, versions = seen
+    owners = _alive(refs)
+    key = (w.ctypes.data, w.shape, w.dtype.str, kind)
+    entry = _CACHE.get(key)
+    if (entry is not None and owners is not None and entry[1] == versions
+            and _alive(entry[0]) is not None
+            and all(a is b for a, b in zip(_alive(entry[0]), owners))):
+        _CACHE.move_to_end(key)
+        _stats["hits"] += 1
+        return entry[2]
+    _stats["misses"] += 1
+    out = make()
+    _store(key, (refs, versions, out))
+    return out
+
+
+def _nbytes(value):
+    return sum(_nbytes(v) for v in value) if isinstance(value, tuple) else value.nbytes
+
+
+def _store(key, entry):
+    old = _CACHE.pop(key, None)
+    if old is not None:
+        _stats["bytes"] -= _nbytes(old[2])
+    for k in [k for k, e in _CACHE.items() if _alive(e[0]) is None]:      # dead owners
+        _stats["bytes"] -= _nbytes(_CACHE.pop(k)[2])
+    size = _nbytes(entry[2])
+    if size > MAX_BYTES:
+        return
+    _CACHE[key] = entry
+    _stats["bytes"] += size
+    while _stats["bytes"] > MAX_BYTES:
+        _stats["bytes"] -= _nbytes(_CACHE.popitem(last=False)[1][2])
+
+
+def clear():
+    """Drop every cached array."""
+    _CACHE.clear()
+    _stats["bytes"] = 0
+
+
+def stats():
+    """{"hits", "misses", "bytes", "entries"}: what the cache has done and holds."""
+    return dict(_stats, entries=len(_CACHE))

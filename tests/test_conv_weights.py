@@ -1,0 +1,170 @@
+"""``kernels/conv/weights.py``: what the CPU conv passes derive from a weight, cached only when
+enabled and vouched for, and only while the owners keep their versions; and, through
+``numbafuse.torch.weight_cache``, a fused model computing with the cache exactly what it
+computes without, before and after its weights and batch-norm statistics change."""
+import gc
+
+import numpy as np
+import pytest
+
+from numbafuse.kernels.conv import weights
+
+
+class Owner:
+    """Stands in for a torch tensor: a weak-referenceable object with a ``_version``."""
+
+    def __init__(self):
+        self._version = 0
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():
+    weights.clear()
+    yield
+    weights.clear()
+
+
+def _counted(w):
+    calls = []
+
+    def make():
+        calls.append(1)
+        return w * 2
+    return make, calls
+
+
+def test_nothing_is_cached_unless_enabled_and_vouched():
+    w, owner = np.ones((4, 3)), Owner()
+    make, calls = _counted(w)
+    weights.derived(w, "k", make)
+    weights.derived(w, "k", make)
+    with weights.vouch(w, owner):                        # vouched, not enabled
+        weights.derived(w, "k", make)
+        weights.derived(w, "k", make)
+    with weights.enabled():                              # enabled, not vouched
+        weights.derived(w, "k", make)
+        weights.derived(w, "k", make)
+    assert len(calls) == 6 and weights.stats()["entries"] == 0
+
+
+def test_a_hit_needs_the_same_owners_at_the_same_versions():
+    w, owner, other = np.ones((4, 3)), Owner(), Owner()
+    make, calls = _counted(w)
+    with weights.enabled():
+        with weights.vouch(w, owner):
+            first = weights.derived(w, "k", make)
+            assert weights.derived(w, "k", make) is first and len(calls) == 1
+            assert weights.derived(w, "other kind", make) is not first and len(calls) == 2
+            assert weights.derived(w[:2], "k", make) is not first       # another shape
+        owner._version += 1                                           # changed in place
+        with weights.vouch(w, owner):
+            second = weights.derived(w, "k", make)
+            assert second is not first and len(calls) == 4
+            assert weights.derived(w, "k", make) is second
+        with weights.vouch(w, other):                                 # another tensor
+            assert weights.derived(w, "k", make) is not second and len(calls) == 5
+        bn = Owner()
+        with weights.vouch(w, other, bn):                            # and one more owner
+            third = weights.derived(w, "k", make)
+            bn._version += 1
+        with weights.vouch(w, other, bn):
+            assert weights.derived(w, "k", make) is not third
+
+
+def test_vouch_like_passes_the_owners_to_a_derived_array():
+    w, owner = np.ones((4, 3)), Owner()
+    folded = np.ones((4, 3)) * 3
+    make, calls = _counted(folded)
+    with weights.enabled(), weights.vouch(w, owner):
+        with weights.vouch_like(folded, w):
+            a = weights.derived(folded, "k", make)
+        with weights.vouch_like(folded, w):
+            assert weights.derived(folded, "k", make) is a and len(calls) == 1
+    with weights.enabled(), weights.vouch_like(folded, w):            # w not vouched here
+        assert weights.derived(folded, "k", make) is not a
+
+
+def test_dead_owners_entries_go_and_the_size_is_bounded(monkeypatch):
+    w = np.ones((16, 16))                                             # 2 KB derived
+    with weights.enabled():
+        owner = Owner()
+        with weights.vouch(w, owner):
+            weights.derived(w, "a", lambda: w * 2)
+        del owner
+        gc.collect()
+        other = Owner()
+        with weights.vouch(w, other):
+            weights.derived(w, "b", lambda: w * 3)                    # drops the dead one
+        assert weights.stats()["entries"] == 1
+        monkeypatch.setattr(weights, "MAX_BYTES", 3 * w.nbytes)
+        with weights.vouch(w, other):
+            for kind in "cdef":
+                weights.derived(w, kind, lambda: w * 4)
+        stats = weights.stats()
+        assert stats["entries"] == 3 and stats["bytes"] == 3 * w.nbytes
+
+
+torch_tests = pytest.mark.torch
+
+
+def _model(torch, nft):
+    torch.manual_seed(0)
+    model = nft.ResNet(nft.BasicBlock, [1, 1], num_classes=3, width=8)
+    return nft.fuse(model)
+
+
+@torch_tests
+def test_fused_model_with_the_cache_computes_what_it_computes_without():
+    torch = pytest.importorskip("torch")
+    import numbafuse.torch as nft
+    fused = _model(torch, nft)
+    x = torch.randn(4, 3, 16, 16)
+
+    def forward():
+        with torch.no_grad():
+            return fused(x)
+
+    def step():
+        fused.zero_grad(set_to_none=True)
+        out = fused(x)
+        out.square().sum().backward()
+        return out.detach(), [p.grad.clone() for p in fused.parameters()]
+
+    fused.eval()
+    want = forward()
+    with nft.weight_cache():
+        assert torch.equal(forward(), want) and torch.equal(forward(), want)   # a hit
+        assert weights.stats()["hits"] > 0
+    bn = next(m for m in fused.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    for change in (lambda: bn.running_var.mul_(2.0),     # folded into its conv: seen too
+                   lambda: bn.weight.add_(0.5),
+                   lambda: [p.mul_(1.25) for p in fused.parameters()]):   # an optimizer step
+        with torch.no_grad():
+            change()
+        changed = forward()                              # no cache: the truth
+        with nft.weight_cache():
+            assert torch.equal(forward(), changed)
+    fused.train()
+    y0, g0 = step()
+    fused.load_state_dict(fused.state_dict())            # same values, new versions
+    with nft.weight_cache():
+        y1, g1 = step()
+        y2, g2 = step()                                  # the recompute's hits
+    assert torch.equal(y0, y1) and torch.equal(y1, y2)
+    assert all(torch.equal(a, b) and torch.equal(b, c) for a, b, c in zip(g0, g1, g2))
+
+
+@torch_tests
+def test_without_the_cache_a_write_through_data_is_seen():
+    # the reason the cache is opt-in: p.data writes do not bump p._version
+    torch = pytest.importorskip("torch")
+    import numbafuse.torch as nft
+    fused = _model(torch, nft).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        before = fused(x)
+        conv = next(m for m in fused.modules() if isinstance(m, torch.nn.Conv2d))
+        version = conv.weight._version
+        conv.weight.data.mul_(-1.0)
+        assert conv.weight._version == version
+        assert not torch.equal(fused(x), before)
