@@ -1,14 +1,17 @@
 """ResNet-18/50 training step and eval forward: ``numbafuse.torch.fuse(model)`` against PyTorch.
 
     python benchmarks/bench_resnet.py [--models resnet18,resnet50] [--batch 16] [--size 64]
-                                      [--rounds 3] [--repeats 5] [--threads N] [--markdown FILE]
+                                      [--rounds 3] [--repeats 5] [--threads N] [--weight-cache]
+                                      [--markdown FILE]
 
 The model is torchvision's code (``numbafuse/torch/resnet.py``: the same modules, names and
 forward), float32, NCHW, 1000 classes. A training step = gradients set to None, forward,
 cross-entropy, backward, SGD (lr 0.01, momentum 0.9, weight decay 1e-4); "eval" is a forward
 under ``torch.no_grad`` in eval mode. The numbafuse side runs ``numbafuse.torch.fuse(model)``
 (every Conv-BN(-add)-ReLU chain as one fused op with recompute) on the same model, and its
-training step also with ``fuse(model, recompute=False)`` (the conv outputs kept); the torch
+training step also with ``fuse(model, recompute=False)`` (the conv outputs kept), and with
+``--weight-cache`` both inside ``numbafuse.torch.weight_cache()`` (the cached eval on a model
+of its own that is not trained: a training step gives every weight a new version); the torch
 side the model as written. Each library in its own process (``_runner.py``: the torch worker
 loads resnet.py from its file, without importing numbafuse), the processes alternating round
 by round, best of each. Each worker also prints its first step's time to stderr (compilation
@@ -27,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESNET = os.path.join(os.path.dirname(HERE), "numbafuse", "torch", "resnet.py")
 LR, MOMENTUM, WEIGHT_DECAY, CLASSES = 0.01, 0.9, 1e-4, 1000
 KEEP_H = " (recompute=False)"        # the case name's suffix of fuse(model, recompute=False)
+CACHED = " (weight_cache)"           # ... of fuse(model) run inside numbafuse.torch.weight_cache()
 
 
 def _resnet_module():
@@ -37,6 +41,15 @@ def _resnet_module():
     return mod
 
 
+def _cache(side, cached):
+    """numbafuse.torch.weight_cache() for a cached case, else nothing."""
+    import contextlib
+    if not cached:
+        return contextlib.nullcontext()
+    import numbafuse.torch as nft
+    return nft.weight_cache()
+
+
 def cases(side, options):
     import torch
     torch.manual_seed(0)
@@ -45,7 +58,8 @@ def cases(side, options):
     x = torch.randn(batch, 3, size, size)
     labels = torch.randint(0, CLASSES, (batch,))
     out = {}
-    variants = [("", True)] + ([(KEEP_H, False)] if side == "numbafuse" else [])
+    variants = [("", True)] + ([(KEEP_H, False)] if side == "numbafuse" else []) + (
+        [(CACHED, True)] if side == "numbafuse" and options.get("weight_cache") else [])
     for name, (suffix, recompute) in ((n, v) for n in options["models"].split(",")
                                        for v in variants):
         model = getattr(resnet, name)(num_classes=CLASSES)
@@ -55,16 +69,22 @@ def cases(side, options):
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
                               weight_decay=WEIGHT_DECAY)
 
-        def step(model=model, opt=opt):
+        def step(model=model, opt=opt, cached=suffix == CACHED):
             model.train()
-            opt.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(model(x), labels)
-            loss.backward()
-            opt.step()
+            with _cache(side, cached):
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(model(x), labels)
+                loss.backward()
+                opt.step()
 
-        def forward(model=model):
+        # the cached eval runs a model of its own that no training step changes (serving):
+        # after a step every weight has a new version and nothing cached is valid
+        served = nft.fuse(getattr(resnet, name)(num_classes=CLASSES)) if suffix == CACHED \
+            else model
+
+        def forward(model=served, cached=suffix == CACHED):
             model.eval()
-            with torch.no_grad():
+            with torch.no_grad(), _cache(side, cached):
                 model(x)
 
         t0 = time.perf_counter()
@@ -73,8 +93,8 @@ def cases(side, options):
         print(f"# {side} {name}{suffix}: first step {first:.2f} s", file=sys.stderr,
               flush=True)
         out[f"{name} train step{suffix}"] = step
-        if not suffix:                   # (inference folds the batch norm: no h either way)
-            out[f"{name} eval forward"] = forward
+        if suffix != KEEP_H:             # (inference folds the batch norm: no h either way)
+            out[f"{name} eval forward{suffix}"] = forward
     return out
 
 
@@ -87,8 +107,12 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--markdown", default=None, help="write the table to this file")
+    p.add_argument("--weight-cache", action="store_true",
+                   help="also time fuse(model) inside numbafuse.torch.weight_cache()")
     args = p.parse_args(argv)
     options = dict(models=args.models, batch=args.batch, size=args.size)
+    if args.weight_cache:
+        options["weight_cache"] = 1
     if args.threads:
         options["threads"] = args.threads
     best, info = _runner.compare("bench_resnet", ["numbafuse", "torch"], args.rounds,
@@ -100,13 +124,16 @@ def main(argv=None):
               f"the training step, `fuse(model, recompute=False)` (keeps the conv outputs "
               f"too, as PyTorch does; no conv forward in backward).", "",
               "| case | numbafuse (fused) ms | PyTorch ms | speed vs PyTorch | "
-              "recompute=False ms | its speed vs PyTorch |",
-              "|---|---:|---:|---:|---:|---:|"]
+              "recompute=False ms | its speed vs PyTorch"
+              + (" | weight_cache ms | its speed vs PyTorch |" if args.weight_cache else " |"),
+              "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.weight_cache else "")]
     for n in names:
         a, b = best["numbafuse"][n], best["torch"][n]
-        keep = best["numbafuse"].get(n + KEEP_H)
-        extra = f"{keep * 1e3:.1f} | {b / keep:.2f}x" if keep else "- | -"
-        lines.append(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x | {extra} |")
+        extra = ""
+        for suffix in (KEEP_H, CACHED) if args.weight_cache else (KEEP_H,):
+            v = best["numbafuse"].get(n + suffix)
+            extra += f" | {v * 1e3:.1f} | {b / v:.2f}x" if v else " | - | -"
+        lines.append(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x{extra} |")
     _report.emit(lines, args.markdown)
     return 0
 
