@@ -53,7 +53,8 @@ from . import cpu_winograd_s2 as _wino_s2  # noqa: E402
 from . import cpu_winograd_s2dx as _wino_s2dx  # noqa: E402
 from . import cpu_direct as _direct  # noqa: E402
 from . import cpu_im2col as _im2col  # noqa: E402
-from .cpu_chunks import balanced, count_chunks, sum_groups, tile_chunks  # noqa: E402
+from .cpu_chunks import (balanced, count_chunks, phase_weights as _phase_weights,  # noqa: E402
+                         phases as _phases, sum_groups, tile_chunks)
 
 __all__ = ["algorithm", "conv_forward", "conv_backward", "forward_stats", "forward_bn_sums"]
 
@@ -358,6 +359,22 @@ def _im2col_chunks(plan, geom, itemsize):
                        geom.R * geom.S * geom.C * itemsize, geom.N), 1)
 
 
+def _batch_cols(x, geom, slab, build):
+    """The whole batch's im2col matrix, built once (``cpu_im2col.cols_tasks``, a task an
+    image) for the k-blocked forward and dW, whose every task reads it: (M, R*S*C) for NHWC
+    and over NCHW slabs, else (C*R*S, M), M = N*P*Q; (0, 0) when not ``build``. Each task had
+    gathered it itself: k_blocks gathers of the same matrix (l4 3x3 512 -> 512 at batch 16,
+    2x2: four of 1.2 MB)."""
+    if not build:
+        return np.empty((0, 0), x.dtype)
+    M, RSC = geom.N * geom.P * geom.Q, geom.R * geom.S * geom.C
+    nhwc = geom.layout == "NHWC"
+    orient = 0 if nhwc else 1 if slab else 2
+    cols = np.empty((M, RSC) if orient < 2 else (RSC, M), x.dtype)
+    launch(_im2col.cols_tasks, geom.N, x, geo_tuple(geom), orient, cols, work=cols.size)
+    return cols
+
+
 def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     """(dw or None, db_parts) by im2col chunks, or (``plan.k_blocks`` > 1) the whole batch in
     blocks of output channels."""
@@ -368,7 +385,8 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
         _im2col.ready(x.dtype)
         launch(_im2col.dw_block_tasks, plan.k_blocks, x, _k_view(gy, geom), _k_view(y, geom),
                use_mask, geo_tuple(geom), int(plan.k_blocks), (bool(plan.slab), bool(need_dw)),
-               _blas.blas_for(x.dtype), (dwm, db[0]), work=work, grain=1)
+               _blas.blas_for(x.dtype), _batch_cols(x, geom, plan.slab, need_dw),
+               (dwm, db[0]), work=work, grain=1)
         return (_dw_from_cols_order(dwm, geom, plan) if need_dw else None), db
     ipc, rpc = _chunking(plan, P * Q, P, Q, R * S * C * x.itemsize, N)
     nchunks = count_chunks(N, P, ipc, rpc)
@@ -403,9 +421,9 @@ def _im2col_dx(gy, y, use_mask, w, geom, plan, dx, work):
                np.ascontiguousarray(w, gy.dtype).reshape(K, geom.C * R * S), geo_tuple(geom),
                int(plan.k_blocks), _blas.blas_for(gy.dtype), dx, work=work, grain=1)
         return
-    tr, orr, nr = _im2col.phases(H, R, geom.sh, geom.ph, geom.dh)
-    ts, os_, ns = _im2col.phases(W, S, geom.sw, geom.pw, geom.dw)
-    wphase, woff = _im2col.phase_weights(w, tr, nr, ts, ns, geom.layout == "NHWC")
+    tr, orr, nr = _phases(H, R, geom.sh, geom.ph, geom.dh)
+    ts, os_, ns = _phases(W, S, geom.sw, geom.pw, geom.dw)
+    wphase, woff = _phase_weights(w, tr, nr, ts, ns, geom.layout == "NHWC")
     rows_max = -(-H // geom.sh)
     wb_max = -(-W // geom.sw)
     ipc, rpc = _chunking(plan, rows_max * wb_max, rows_max, wb_max,
@@ -507,7 +525,8 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         _im2col.ready(x.dtype)
         launch(_im2col.forward_tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x,
                _weight_matrix(w, nhwc or plan.slab), b, (has_bias, relu, False, bool(plan.slab)),
-               geo_tuple(geom), _ints(ipc, rpc, kb), blas, _k_view(y, geom), work=work, grain=1)
+               geo_tuple(geom), _ints(ipc, rpc, kb), blas,
+               _batch_cols(x, geom, plan.slab, kb > 1), _k_view(y, geom), work=work, grain=1)
     return y
 
 

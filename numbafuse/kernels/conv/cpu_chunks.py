@@ -7,6 +7,7 @@ groups of chunks summed in group order (results do not depend on the thread coun
     nchunks, balanced, tile_chunks, block_chunks     the chunking, on the host
     gated_chw, gated_hwc                             g of a chunk's pixels, db += its sums
     sum_groups(parts), sum64(a)                      group-order and float64 sums
+    phases, phase_weights                            dX by input phase: taps and weights
 """
 import numpy as np
 from numba import njit
@@ -136,3 +137,37 @@ def gated_hwc(gy2, y2, use_mask, m0, m1, g, row0, db):
             v = _relu_grad(gyr[k], yr[k]) if use_mask else gyr[k]
             dst[k] = v
             db[k] += v
+
+
+# --------------------------------------------------------------------------- dX phases
+
+def phases(size_in, taps, stride, pad, dilation):
+    """Per input phase a < stride: its taps t with (a + pad - t*dilation) % stride == 0 and
+    their output offsets (a + pad - t*dilation) // stride, as (stride, taps) arrays + counts."""
+    tap = np.zeros((stride, taps), np.int64)
+    off = np.zeros((stride, taps), np.int64)
+    cnt = np.zeros(stride, np.int64)
+    for a in range(stride):
+        for t in range(taps):
+            v = a + pad - t * dilation
+            if v % stride == 0:
+                tap[a, cnt[a]], off[a, cnt[a]] = t, v // stride
+                cnt[a] += 1
+    return tap, off, cnt
+
+
+def phase_weights(w, tr, nr, ts, ns, nhwc):
+    """w' of each phase, flat, and the offsets: NCHW (C, K*T) rows c, columns (k, r, s);
+    NHWC (T*K, C), rows (r, s, k)."""
+    K, C = w.shape[:2]
+    mats = []
+    for a in range(tr.shape[0]):
+        for b in range(ts.shape[0]):
+            sub = w[:, :, tr[a, :nr[a]]][:, :, :, ts[b, :ns[b]]]      # (K, C, nr, ns)
+            if nhwc:
+                mats.append(sub.transpose(2, 3, 0, 1).reshape(-1))    # (nr, ns, K, C)
+            else:
+                mats.append(sub.transpose(1, 0, 2, 3).reshape(-1))    # (C, K, nr, ns)
+    offs = np.cumsum([0] + [m.size for m in mats[:-1]]).astype(np.int64)
+    flat = np.concatenate(mats) if mats else np.zeros(0, w.dtype)
+    return np.ascontiguousarray(flat, dtype=w.dtype), offs

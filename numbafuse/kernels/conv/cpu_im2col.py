@@ -199,22 +199,44 @@ def ready(dtype):
 
 
 @task_kernel
-def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, y):
+def cols_tasks(t0, t1, x, geo, orient, cols):
+    # The whole batch's cols, once, for the k-blocked forward and dW (each of whose tasks
+    # then reads them): task t image t. orient 0: NHWC x, cols (M, R*S*C); 1: NCHW x through
+    # its HWC slab, cols (M, R*S*C); 2: NCHW x, cols (C*R*S, M); M = N*P*Q.
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    RSC = R * S * C
+    PQ = P * Q
+    M = N * PQ
+    sbuf = _slab_buffer(x, geo, N, P, orient == 1)
+    for n in range(t0, t1):
+        if orient == 2:
+            _im2col_chw_step((x, n, 0, P, geo, cols.reshape((RSC, M)), n * PQ))
+        elif orient == 1:
+            _im2col_slab_step((x, n, n + 1, 0, P, geo, sbuf,
+                               cols.reshape((M, RSC))[n * PQ:(n + 1) * PQ], PQ))
+        else:
+            _im2col_hwc_step((x, n, 0, P, geo, cols.reshape((M, RSC)), n * PQ))
+
+
+@task_kernel
+def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, y):
     has_bias, relu, pointwise, slab = flags
     ipc, rpc, kb = chunks
     # x: (N, C, H, W) | (N, H, W, C); wmat: (K, C*R*S) | (K, R*S*C) (NHWC, or NCHW with slab);
     # b: (K,); y: (N, K, PQ) | (N, PQ, K). Task t: the output channels [k0, k1) (block t % kb
     # of kb, each a multiple of 16 channels) of chunk t // kb. slab (NCHW): each image's input
     # rows of the chunk are transposed to (rows, W, C) first and the cols built as NHWC's,
-    # (m, R*S*C): a strided NCHW gather reads single values, this one vectors.
+    # (m, R*S*C): a strided NCHW gather reads single values, this one vectors. pre: the whole
+    # batch's cols (M, R*S*C) built once by cols_tasks (kb > 1: one chunk), else empty.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
     kb_len = block_len(K, kb)
     mmax = ipc * PQ if ipc > 1 else rpc * Q
-    cols = np.empty(mmax * RSC, x.dtype)                          # reused by every chunk
+    built = pre.shape[0] == 0                                     # cols built here
+    cols = np.empty(mmax * RSC if built else 0, x.dtype)          # reused by every chunk
     ybuf = np.empty(mmax * min(K, kb_len), x.dtype)
-    sbuf = _slab_buffer(x, geo, ipc, rpc, slab)
+    sbuf = _slab_buffer(x, geo, ipc, rpc, slab and built)
     for t in range(t0, t1):
         n0, n1, p0, p1 = chunk(t // kb, N, P, ipc, rpc)
         k0 = (t % kb) * kb_len
@@ -230,6 +252,8 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, y):
             if pointwise:                                         # x's rows are the cols
                 xr = x.reshape((N * PQ, C))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]
                 _blas.gemm(blas, False, True, (m, kn, C), 1.0, xr, C, wk, C, 0.0, yb, kn)
+            elif pre.shape[0] > 0:
+                _blas.gemm(blas, False, True, (m, kn, RSC), 1.0, pre, RSC, wk, RSC, 0.0, yb, kn)
             else:
                 c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
                 for n in range(n0, n1):
@@ -247,8 +271,10 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, y):
                 xs = x[n0].reshape((C, PQ))[:, p0 * Q:]           # (C, m), ld PQ
                 _blas.gemm(blas, False, False, (kn, m, C), 1.0, wk, C, xs, PQ, 0.0, yb, m)
             elif slab:
-                c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
-                _im2col_slab_step((x, n0, n1, p0, p1, geo, sbuf, c2, per))
+                c2 = pre
+                if pre.shape[0] == 0:
+                    c2 = cols[:m * RSC].reshape((m, RSC))         # (m, R*S*C)
+                    _im2col_slab_step((x, n0, n1, p0, p1, geo, sbuf, c2, per))
                 _blas.gemm(blas, False, True, (kn, m, RSC), 1.0, wk, RSC, c2, RSC, 0.0, yb, m)
             else:
                 c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
@@ -329,22 +355,22 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
 
 
 @task_kernel
-def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, out):
+def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
     slab, need_dw = flags
     dwk, db = out
     # dW and db of the whole batch split by output channels, not by pixels (deep layers: few
     # pixels, many weights): task t the channels [k0, k1) (block t of kb, a multiple of 16),
     # dwk[k0:k1] (K, RSC) = g[k0:k1] (kn, M) @ cols (M, RSC) and db[k0:k1] (float64) = the
-    # sums of g, with M = N*P*Q. Each task gathers the batch's cols itself (a few MiB at
-    # most, Rules.whole_batch_bytes); no partials to sum. x, gy, y as in dw_tasks.
+    # sums of g, with M = N*P*Q. The batch's cols (a few MiB at most,
+    # Rules.whole_batch_bytes) come built once by cols_tasks in pre ((M, R*S*C) NHWC or
+    # slab, (C*R*S, M) NCHW; empty without need_dw); no partials to sum. x, gy, y as in
+    # dw_tasks.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
     M = N * PQ
     kb_len = block_len(K, kb)
-    cols = np.empty(M * RSC if need_dw else 0, x.dtype)
     gbuf = np.empty(M * min(K, kb_len), x.dtype)
-    sbuf = _slab_buffer(x, geo, N, P, slab and need_dw)
     for t in range(t0, t1):
         k0 = t * kb_len
         k1 = min(K, k0 + kb_len)
@@ -359,11 +385,8 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, out):
                       M, g, 0, dbk)
             if not need_dw:
                 continue
-            c2 = cols.reshape((M, RSC))
-            for n in range(N):
-                _im2col_hwc_step((x, n, 0, P, geo, c2, n * PQ))
             # dW[k0:k1] (kn, RSC) = g^T (kn, M) @ cols (M, RSC)
-            _blas.gemm(blas, True, False, (kn, RSC, M), 1.0, g, kn, c2, RSC, 0.0, dwk[k0:k1],
+            _blas.gemm(blas, True, False, (kn, RSC, M), 1.0, g, kn, pre, RSC, 0.0, dwk[k0:k1],
                        RSC)
             continue
         g = gbuf[:kn * M].reshape((kn, M))                        # (kn, M)
@@ -371,16 +394,12 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, out):
             gated_chw(gy[:, k0:k1], y[:, k0:k1], use_mask, n, 0, P, PQ, Q, g, n * PQ, dbk)
         if not need_dw:
             continue
-        if slab:
-            c2 = cols.reshape((M, RSC))                           # (M, R*S*C)
-            _im2col_slab_step((x, 0, N, 0, P, geo, sbuf, c2, PQ))
-            _blas.gemm(blas, False, False, (kn, RSC, M), 1.0, g, M, c2, RSC, 0.0, dwk[k0:k1],
+        if slab:                                                  # pre: (M, R*S*C)
+            _blas.gemm(blas, False, False, (kn, RSC, M), 1.0, g, M, pre, RSC, 0.0, dwk[k0:k1],
                        RSC)
-        else:
-            c2 = cols.reshape((RSC, M))                           # (C*R*S, M)
-            for n in range(N):
-                _im2col_chw_step((x, n, 0, P, geo, c2, n * PQ))
-            _blas.gemm(blas, False, True, (kn, RSC, M), 1.0, g, M, c2, M, 0.0, dwk[k0:k1], RSC)
+        else:                                                     # pre: (C*R*S, M)
+            _blas.gemm(blas, False, True, (kn, RSC, M), 1.0, g, M, pre, M, 0.0, dwk[k0:k1],
+                       RSC)
 
 
 # --------------------------------------------------------------------------- backward: dX
@@ -605,37 +624,5 @@ def dx_tasks(t0, t1, gy, y, use_mask, geo, chunks, taps, weights, blas, dx):
                         else:
                             for j in range(Wb):
                                 dst[bph + j * sw] = s[j]
-
-
-def phases(size_in, taps, stride, pad, dilation):
-    """Per input phase a < stride: its taps t with (a + pad - t*dilation) % stride == 0 and
-    their output offsets (a + pad - t*dilation) // stride, as (stride, taps) arrays + counts."""
-    tap = np.zeros((stride, taps), np.int64)
-    off = np.zeros((stride, taps), np.int64)
-    cnt = np.zeros(stride, np.int64)
-    for a in range(stride):
-        for t in range(taps):
-            v = a + pad - t * dilation
-            if v % stride == 0:
-                tap[a, cnt[a]], off[a, cnt[a]] = t, v // stride
-                cnt[a] += 1
-    return tap, off, cnt
-
-
-def phase_weights(w, tr, nr, ts, ns, nhwc):
-    """w' of each phase, flat, and the offsets: NCHW (C, K*T) rows c, columns (k, r, s);
-    NHWC (T*K, C), rows (r, s, k)."""
-    K, C = w.shape[:2]
-    mats = []
-    for a in range(tr.shape[0]):
-        for b in range(ts.shape[0]):
-            sub = w[:, :, tr[a, :nr[a]]][:, :, :, ts[b, :ns[b]]]      # (K, C, nr, ns)
-            if nhwc:
-                mats.append(sub.transpose(2, 3, 0, 1).reshape(-1))    # (nr, ns, K, C)
-            else:
-                mats.append(sub.transpose(1, 0, 2, 3).reshape(-1))    # (C, K, nr, ns)
-    offs = np.cumsum([0] + [m.size for m in mats[:-1]]).astype(np.int64)
-    flat = np.concatenate(mats) if mats else np.zeros(0, w.dtype)
-    return np.ascontiguousarray(flat, dtype=w.dtype), offs
 
 
