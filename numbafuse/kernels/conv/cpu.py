@@ -387,7 +387,7 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
                use_mask, geo_tuple(geom), int(plan.k_blocks), (bool(plan.slab), bool(need_dw)),
                _blas.blas_for(x.dtype), _batch_cols(x, geom, plan.slab, need_dw),
                (dwm, db[0]), work=work, grain=1)
-        return (_dw_from_cols_order(dwm, geom, plan) if need_dw else None), db
+        return (dwm.reshape(K, C, R, S) if need_dw else None), db      # (in w's order)
     ipc, rpc = _chunking(plan, P * Q, P, Q, R * S * C * x.itemsize, N)
     nchunks = count_chunks(N, P, ipc, rpc)
     groups = min(nchunks, plan.dw_groups)
@@ -523,10 +523,13 @@ def conv_forward(x, w, b, geom, relu, plan=None):
     else:
         ipc, rpc, kb = _im2col_chunks(plan, geom, x.itemsize)
         _im2col.ready(x.dtype)
-        launch(_im2col.forward_tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x,
-               _weight_matrix(w, nhwc or plan.slab), b, (has_bias, relu, False, bool(plan.slab)),
-               geo_tuple(geom), _ints(ipc, rpc, kb), blas,
-               _batch_cols(x, geom, plan.slab, kb > 1), _k_view(y, geom), work=work, grain=1)
+        # k blocks over NHWC-ordered cols: each block's task reorders its weights itself
+        wt = kb > 1 and (nhwc or plan.slab) and not _weights.is_enabled()
+        wmat = w.reshape(K, -1) if wt else _weight_matrix(w, nhwc or plan.slab)
+        launch(_im2col.forward_tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x, wmat, b,
+               (has_bias, relu, False, bool(plan.slab), wt), geo_tuple(geom),
+               _ints(ipc, rpc, kb), blas, _batch_cols(x, geom, plan.slab, kb > 1),
+               _k_view(y, geom), work=work, grain=1)
     return y
 
 

@@ -29,7 +29,7 @@ from numba import njit, types
 from ..cpu import blas as _blas
 from ..cpu.launch import task_kernel
 from ..cpu.steps import Step, array as _arr, ready as _ready_steps
-from ..cpu.transpose import transpose
+from ..cpu.transpose import transpose, transpose_rows
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
 from .cpu_chunks import block_len, chunk, gated_chw, gated_hwc
@@ -220,14 +220,17 @@ def cols_tasks(t0, t1, x, geo, orient, cols):
 
 @task_kernel
 def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, y):
-    has_bias, relu, pointwise, slab = flags
+    has_bias, relu, pointwise, slab, wt = flags
     ipc, rpc, kb = chunks
     # x: (N, C, H, W) | (N, H, W, C); wmat: (K, C*R*S) | (K, R*S*C) (NHWC, or NCHW with slab);
     # b: (K,); y: (N, K, PQ) | (N, PQ, K). Task t: the output channels [k0, k1) (block t % kb
     # of kb, each a multiple of 16 channels) of chunk t // kb. slab (NCHW): each image's input
     # rows of the chunk are transposed to (rows, W, C) first and the cols built as NHWC's,
     # (m, R*S*C): a strided NCHW gather reads single values, this one vectors. pre: the whole
-    # batch's cols (M, R*S*C) built once by cols_tasks (kb > 1: one chunk), else empty.
+    # batch's cols ((M, R*S*C), NCHW without slab (C*R*S, M)) built once by cols_tasks (kb >
+    # 1: one chunk), else empty. wt: wmat is w as it is, (K, C*R*S), and each task reorders
+    # its own block of it to (kn, R*S*C) (kb > 1: the blocks' reorderings run in parallel,
+    # not as one 9.4 MB transpose on the host first at 512 -> 512 3x3).
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
@@ -237,6 +240,7 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, y):
     cols = np.empty(mmax * RSC if built else 0, x.dtype)          # reused by every chunk
     ybuf = np.empty(mmax * min(K, kb_len), x.dtype)
     sbuf = _slab_buffer(x, geo, ipc, rpc, slab and built)
+    wbuf = np.empty(min(K, kb_len) * RSC if wt else 0, x.dtype)
     for t in range(t0, t1):
         n0, n1, p0, p1 = chunk(t // kb, N, P, ipc, rpc)
         k0 = (t % kb) * kb_len
@@ -245,6 +249,9 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, y):
         if kn <= 0:
             continue
         wk = wmat[k0:k1]                                          # (kn, RSC)
+        if wt:                                                    # (kn, C, RS) -> (kn, RS, C)
+            wk = wbuf[:kn * RSC].reshape((kn, RSC))
+            transpose_rows(wmat[k0:k1].reshape((kn, C, R * S)), wk.reshape((kn, R * S, C)))
         per = (p1 - p0) * Q                                       # pixels per image
         m = (n1 - n0) * per
         if nhwc:
@@ -277,9 +284,11 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, y):
                     _im2col_slab_step((x, n0, n1, p0, p1, geo, sbuf, c2, per))
                 _blas.gemm(blas, False, True, (kn, m, RSC), 1.0, wk, RSC, c2, RSC, 0.0, yb, m)
             else:
-                c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
-                for n in range(n0, n1):
-                    _im2col_chw_step((x, n, p0, p1, geo, c2, (n - n0) * per))
+                c2 = pre                                          # (C*R*S, m)
+                if pre.shape[0] == 0:
+                    c2 = cols[:RSC * m].reshape((RSC, m))
+                    for n in range(n0, n1):
+                        _im2col_chw_step((x, n, p0, p1, geo, c2, (n - n0) * per))
                 _blas.gemm(blas, False, False, (kn, m, RSC), 1.0, wk, RSC, c2, m, 0.0, yb, m)
             for n in range(n0, n1):
                 for k in range(kn):
@@ -361,7 +370,8 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
     # dW and db of the whole batch split by output channels, not by pixels (deep layers: few
     # pixels, many weights): task t the channels [k0, k1) (block t of kb, a multiple of 16),
     # dwk[k0:k1] (K, RSC) = g[k0:k1] (kn, M) @ cols (M, RSC) and db[k0:k1] (float64) = the
-    # sums of g, with M = N*P*Q. The batch's cols (a few MiB at most,
+    # sums of g, with M = N*P*Q; dwk (K, C*R*S) in w's order (a block computed in the cols'
+    # (r, s, c) order is reordered by its task). The batch's cols (a few MiB at most,
     # Rules.whole_batch_bytes) come built once by cols_tasks in pre ((M, R*S*C) NHWC or
     # slab, (C*R*S, M) NCHW; empty without need_dw); no partials to sum. x, gy, y as in
     # dw_tasks.
@@ -371,6 +381,8 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
     M = N * PQ
     kb_len = block_len(K, kb)
     gbuf = np.empty(M * min(K, kb_len), x.dtype)
+    reorder = need_dw and (nhwc or slab)              # cols in (r, s, c) order: dW too
+    dbuf = np.empty(min(K, kb_len) * RSC if reorder else 0, x.dtype)
     for t in range(t0, t1):
         k0 = t * kb_len
         k1 = min(K, k0 + kb_len)
@@ -385,9 +397,10 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
                       M, g, 0, dbk)
             if not need_dw:
                 continue
-            # dW[k0:k1] (kn, RSC) = g^T (kn, M) @ cols (M, RSC)
-            _blas.gemm(blas, True, False, (kn, RSC, M), 1.0, g, kn, pre, RSC, 0.0, dwk[k0:k1],
-                       RSC)
+            # dW[k0:k1] (kn, RSC) = g^T (kn, M) @ cols (M, RSC), then (kn, C, R*S) into dwk
+            d2 = dbuf[:kn * RSC].reshape((kn, RSC))
+            _blas.gemm(blas, True, False, (kn, RSC, M), 1.0, g, kn, pre, RSC, 0.0, d2, RSC)
+            transpose_rows(d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S)))
             continue
         g = gbuf[:kn * M].reshape((kn, M))                        # (kn, M)
         for n in range(N):
@@ -395,8 +408,9 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
         if not need_dw:
             continue
         if slab:                                                  # pre: (M, R*S*C)
-            _blas.gemm(blas, False, False, (kn, RSC, M), 1.0, g, M, pre, RSC, 0.0, dwk[k0:k1],
-                       RSC)
+            d2 = dbuf[:kn * RSC].reshape((kn, RSC))
+            _blas.gemm(blas, False, False, (kn, RSC, M), 1.0, g, M, pre, RSC, 0.0, d2, RSC)
+            transpose_rows(d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S)))
         else:                                                     # pre: (C*R*S, M)
             _blas.gemm(blas, False, True, (kn, RSC, M), 1.0, g, M, pre, M, 0.0, dwk[k0:k1],
                        RSC)
