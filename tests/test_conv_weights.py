@@ -104,6 +104,42 @@ def test_dead_owners_entries_go_and_the_size_is_bounded(monkeypatch):
         assert stats["entries"] == 3 and stats["bytes"] == 3 * w.nbytes
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_k_blocked_forward_keeps_the_blocks_reordered_weights(layout):
+    # a deep layer (more output channels than pixels): each k block's task reorders its rows
+    # of w; with the cache on, into one matrix kept for the next call, which then reads it
+    import numbafuse as nf
+    from numbafuse import reference as ref
+    from numbafuse.kernels.conv import cpu as cpu_conv, cpu_plan
+    rng = np.random.default_rng(5)
+    shape = (2, 24, 3, 3) if layout == "NCHW" else (2, 3, 3, 24)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((40, 24, 3, 3)) / 20).astype(np.float32)
+    b = np.zeros(40, np.float32)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, 1, 1, 1, layout)
+    kw = dict(stride=1, padding=1, layout=layout)
+    owner = Owner()
+    with cpu_plan.using(k_block=16, winograd_min_tiles=10**9):
+        plan = cpu_plan.plan(geom, "forward", np.float32)
+        assert plan.algorithm == "im2col" and plan.k_blocks > 1
+        want = cpu_conv.conv_forward(x, w, b, geom, True)             # no cache
+        np.testing.assert_allclose(want, ref.conv_bias_relu(x, w, b, **kw), rtol=1e-5,
+                                   atol=1e-5)
+        with weights.enabled():
+            for call in range(2):
+                with weights.vouch(w, owner):
+                    got = cpu_conv.conv_forward(x, w, b, geom, True)
+                assert got.tobytes() == want.tobytes()
+                assert [k[3] for k in weights._CACHE] == ["matrix"], list(weights._CACHE)
+            assert weights.stats()["hits"] == 1, weights.stats()
+            w *= -1.0                                                 # changed in place ...
+            owner._version += 1                                       # ... and said so
+            with weights.vouch(w, owner):
+                got = cpu_conv.conv_forward(x, w, b, geom, True)
+        np.testing.assert_allclose(got, ref.conv_bias_relu(x, w, b, **kw), rtol=1e-5,
+                                   atol=1e-5)
+
+
 torch_tests = pytest.mark.torch
 
 

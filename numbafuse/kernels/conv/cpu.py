@@ -524,12 +524,19 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         ipc, rpc, kb = _im2col_chunks(plan, geom, x.itemsize)
         _im2col.ready(x.dtype)
         # k blocks over NHWC-ordered cols: each block's task reorders its weights itself
-        wt = kb > 1 and (nhwc or plan.slab) and not _weights.is_enabled()
-        wmat = w.reshape(K, -1) if wt else _weight_matrix(w, nhwc or plan.slab)
+        # (into wdst, kept by the weight cache where it keeps w's arrays), unless cached
+        ordered = nhwc or plan.slab
+        kept = _weights.peek(w, "matrix") if kb > 1 and ordered else None
+        wt = kb > 1 and ordered and kept is None
+        wdst = np.empty((K if wt and _weights.will_keep(w) else 0, w[0].size), x.dtype)
+        wmat = (w.reshape(K, -1) if wt else kept if kept is not None
+                else _weight_matrix(w, ordered))
         launch(_im2col.forward_tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x, wmat, b,
                (has_bias, relu, False, bool(plan.slab), wt), geo_tuple(geom),
-               _ints(ipc, rpc, kb), blas, _batch_cols(x, geom, plan.slab, kb > 1),
+               _ints(ipc, rpc, kb), blas, _batch_cols(x, geom, plan.slab, kb > 1), wdst,
                _k_view(y, geom), work=work, grain=1)
+        if wdst.shape[0]:
+            _weights.put(w, "matrix", wdst)
     return y
 
 

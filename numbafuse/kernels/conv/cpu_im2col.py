@@ -219,7 +219,7 @@ def cols_tasks(t0, t1, x, geo, orient, cols):
 
 
 @task_kernel
-def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, y):
+def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, wdst, y):
     has_bias, relu, pointwise, slab, wt = flags
     ipc, rpc, kb = chunks
     # x: (N, C, H, W) | (N, H, W, C); wmat: (K, C*R*S) | (K, R*S*C) (NHWC, or NCHW with slab);
@@ -230,7 +230,8 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, y):
     # batch's cols ((M, R*S*C), NCHW without slab (C*R*S, M)) built once by cols_tasks (kb >
     # 1: one chunk), else empty. wt: wmat is w as it is, (K, C*R*S), and each task reorders
     # its own block of it to (kn, R*S*C) (kb > 1: the blocks' reorderings run in parallel,
-    # not as one 9.4 MB transpose on the host first at 512 -> 512 3x3).
+    # not as one 9.4 MB transpose on the host first at 512 -> 512 3x3), into its rows of
+    # wdst (K, R*S*C) where given (for the weight cache), else into a buffer of its own.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
@@ -250,7 +251,7 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, y):
             continue
         wk = wmat[k0:k1]                                          # (kn, RSC)
         if wt:                                                    # (kn, C, RS) -> (kn, RS, C)
-            wk = wbuf[:kn * RSC].reshape((kn, RSC))
+            wk = wdst[k0:k1] if wdst.shape[0] > 0 else wbuf[:kn * RSC].reshape((kn, RSC))
             transpose_rows(wmat[k0:k1].reshape((kn, C, R * S)), wk.reshape((kn, R * S, C)))
         per = (p1 - p0) * Q                                       # pixels per image
         m = (n1 - n0) * per

@@ -130,6 +130,36 @@ def derived(w, kind, make):
     return out
 
 
+def peek(w, kind):
+    """What :func:`derived` would return from the cache for ``w`` and ``kind``, or None (not
+    cached, not vouched for, changed since); counts nothing."""
+    seen = _vouched(w)
+    if seen is None:
+        return None
+    entry = _CACHE.get((w.ctypes.data, w.shape, w.dtype.str, kind))
+    owners = _alive(seen[0])
+    if (entry is None or owners is None or entry[1] != seen[1] or _alive(entry[0]) is None
+            or not all(a is b for a, b in zip(_alive(entry[0]), owners))):
+        return None
+    _CACHE.move_to_end((w.ctypes.data, w.shape, w.dtype.str, kind))
+    _stats["hits"] += 1
+    return entry[2]
+
+
+def will_keep(w):
+    """Whether :func:`put` would keep an array derived from ``w`` (enabled and vouched)."""
+    return _vouched(w) is not None
+
+
+def put(w, kind, value):
+    """Keep ``value``, derived from ``w`` by the caller, as :func:`derived` would have (where
+    w is vouched for; else nothing)."""
+    seen = _vouched(w)
+    if seen is not None:
+        _stats["misses"] += 1
+        _store((w.ctypes.data, w.shape, w.dtype.str, kind), (seen[0], seen[1], value))
+
+
 def _nbytes(value):
     return sum(_nbytes(v) for v in value) if isinstance(value, tuple) else value.nbytes
 
@@ -150,9 +180,9 @@ def _store(key, entry):
 
 
 def clear():
-    """Drop every cached array."""
+    """Drop every cached array (and zero the counts)."""
     _CACHE.clear()
-    _stats["bytes"] = 0
+    _stats.update(hits=0, misses=0, bytes=0)
 
 
 def stats():
