@@ -383,6 +383,8 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
         dwm = _out.empty((K if need_dw else 0, R * S * C), x.dtype)
         db = np.empty((1, K))                                          # float64
         _im2col.ready(x.dtype)
+        if need_dw and (geom.layout == "NHWC" or plan.slab):           # rows back in w's order
+            _im2col.ready_reorder(x.dtype)
         launch(_im2col.dw_block_tasks, plan.k_blocks, x, _k_view(gy, geom), _k_view(y, geom),
                use_mask, geo_tuple(geom), int(plan.k_blocks), (bool(plan.slab), bool(need_dw)),
                _blas.blas_for(x.dtype), _batch_cols(x, geom, plan.slab, need_dw),
@@ -529,6 +531,8 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         kept = _weights.peek(w, "matrix") if kb > 1 and ordered else None
         wt = kb > 1 and ordered and kept is None
         wdst = np.empty((K if wt and _weights.will_keep(w) else 0, w[0].size), x.dtype)
+        if wt:
+            _im2col.ready_reorder(x.dtype)
         wmat = (w.reshape(K, -1) if wt else kept if kept is not None
                 else _weight_matrix(w, ordered))
         launch(_im2col.forward_tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x, wmat, b,

@@ -29,7 +29,7 @@ from numba import njit, types
 from ..cpu import blas as _blas
 from ..cpu.launch import task_kernel
 from ..cpu.steps import Step, array as _arr, ready as _ready_steps
-from ..cpu.transpose import transpose, transpose_rows
+from ..cpu.transpose import ROWS as _ROWS, transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
 from .cpu_chunks import block_len, chunk, gated_chw, gated_hwc
@@ -189,13 +189,20 @@ IM2COL_HWC = Step(_im2col_hwc.py_func, lambda f: [(_arr(f, 4), _I, _I, _I, _GEO,
 IM2COL_SLAB = Step(_im2col_slab.py_func, lambda f: [
     (_arr(f, 4), _I, _I, _I, _I, _GEO, _arr(f, 1), _arr(f, 2), _I)], calls=(IM2COL_HWC,))
 _im2col_chw_step, _im2col_hwc_step = IM2COL_CHW.call, IM2COL_HWC.call
-_im2col_slab_step = IM2COL_SLAB.call
+_im2col_slab_step, _rows_step = IM2COL_SLAB.call, _ROWS.call
+
 
 
 def ready(dtype):
     """The gathers compiled for ``dtype`` and their slots filled: host code calls this before
     it launches forward_tasks, dw_tasks or dw_block_tasks."""
     _ready_steps(dtype, (IM2COL_CHW, IM2COL_HWC, IM2COL_SLAB))
+
+
+def ready_reorder(dtype):
+    """``cpu.transpose.ROWS`` ready (the k blocks' reordering of w or dW): host code calls
+    this before a launch that reorders (a first call that needs none does not compile it)."""
+    _ready_steps(dtype, (_ROWS,))
 
 
 @task_kernel
@@ -252,7 +259,7 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, wdst, y):
         wk = wmat[k0:k1]                                          # (kn, RSC)
         if wt:                                                    # (kn, C, RS) -> (kn, RS, C)
             wk = wdst[k0:k1] if wdst.shape[0] > 0 else wbuf[:kn * RSC].reshape((kn, RSC))
-            transpose_rows(wmat[k0:k1].reshape((kn, C, R * S)), wk.reshape((kn, R * S, C)))
+            _rows_step((wmat[k0:k1].reshape((kn, C, R * S)), wk.reshape((kn, R * S, C))))
         per = (p1 - p0) * Q                                       # pixels per image
         m = (n1 - n0) * per
         if nhwc:
@@ -260,12 +267,12 @@ def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, wdst, y):
             if pointwise:                                         # x's rows are the cols
                 xr = x.reshape((N * PQ, C))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]
                 _blas.gemm(blas, False, True, (m, kn, C), 1.0, xr, C, wk, C, 0.0, yb, kn)
-            elif pre.shape[0] > 0:
-                _blas.gemm(blas, False, True, (m, kn, RSC), 1.0, pre, RSC, wk, RSC, 0.0, yb, kn)
             else:
-                c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
-                for n in range(n0, n1):
-                    _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
+                c2 = pre                                          # (m, R*S*C)
+                if pre.shape[0] == 0:
+                    c2 = cols[:m * RSC].reshape((m, RSC))
+                    for n in range(n0, n1):
+                        _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
                 _blas.gemm(blas, False, True, (m, kn, RSC), 1.0, c2, RSC, wk, RSC, 0.0, yb, kn)
             y2 = y.reshape((N * PQ, K))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]   # (m, K)
             for i in range(m):
@@ -401,7 +408,7 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
             # dW[k0:k1] (kn, RSC) = g^T (kn, M) @ cols (M, RSC), then (kn, C, R*S) into dwk
             d2 = dbuf[:kn * RSC].reshape((kn, RSC))
             _blas.gemm(blas, True, False, (kn, RSC, M), 1.0, g, kn, pre, RSC, 0.0, d2, RSC)
-            transpose_rows(d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S)))
+            _rows_step((d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S))))
             continue
         g = gbuf[:kn * M].reshape((kn, M))                        # (kn, M)
         for n in range(N):
@@ -411,7 +418,7 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
         if slab:                                                  # pre: (M, R*S*C)
             d2 = dbuf[:kn * RSC].reshape((kn, RSC))
             _blas.gemm(blas, False, False, (kn, RSC, M), 1.0, g, M, pre, RSC, 0.0, d2, RSC)
-            transpose_rows(d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S)))
+            _rows_step((d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S))))
         else:                                                     # pre: (C*R*S, M)
             _blas.gemm(blas, False, True, (kn, RSC, M), 1.0, g, M, pre, M, 0.0, dwk[k0:k1],
                        RSC)

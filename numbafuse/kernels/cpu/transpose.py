@@ -16,6 +16,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .steps import Step, array
+
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 
@@ -100,3 +102,14 @@ def transpose_rows(src, dst):
     (a weight tensor's taps reordered, e.g. (K, C, 9) -> (K, 9, C))."""
     for i in range(src.shape[0]):
         transpose(src[i], dst[i])
+
+
+@njit(nogil=True, cache=True)
+def _rows_step(src, dst):
+    transpose_rows(src, dst)
+
+
+# transpose_rows as a step (cpu.steps): its callers (the k-blocked im2col passes reordering
+# a block of weights or of dW between (C, R*S) and (R*S, C)) call it through a slot, not
+# compiled into each of them; ROWS.call((src, dst)) with 3-d C-contiguous arrays
+ROWS = Step(_rows_step.py_func, lambda f: [(array(f, 3), array(f, 3))])
