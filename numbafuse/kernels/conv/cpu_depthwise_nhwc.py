@@ -86,7 +86,8 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
             h0 = max(0, p0 * sh - ph)
             h1 = min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1)
             for h in range(h0, h1):
-                gate_row(x[n, h].ravel(), mask[n, h].ravel(), True, gbuf[h - h0].ravel())
+                gate_row(x[n, h].reshape(W * C), mask[n, h].reshape(W * C), True,
+                         gbuf[h - h0].reshape(W * C))
             base = pbuf - 4 * h0 * W * C
         for p in range(p0, p1):
             r0, r1 = _valid_range(p, dh, ph, sh, H, R)              # tap rows inside
