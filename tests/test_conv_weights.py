@@ -102,6 +102,8 @@ def test_dead_owners_entries_go_and_the_size_is_bounded(monkeypatch):
                 weights.derived(w, kind, lambda: w * 4)
         stats = weights.stats()
         assert stats["entries"] == 3 and stats["bytes"] == 3 * w.nbytes
+        assert stats["refused"] == 2                                  # full: e, f not kept
+        assert [k[3] for k in weights._CACHE] == ["b", "c", "d"]      # b stays (no eviction)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
