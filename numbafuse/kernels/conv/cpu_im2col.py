@@ -192,7 +192,6 @@ _im2col_chw_step, _im2col_hwc_step = IM2COL_CHW.call, IM2COL_HWC.call
 _im2col_slab_step, _rows_step = IM2COL_SLAB.call, _ROWS.call
 
 
-
 def ready(dtype):
     """The gathers compiled for ``dtype`` and their slots filled: host code calls this before
     it launches forward_tasks, dw_tasks or dw_block_tasks."""

@@ -35,13 +35,12 @@ their cached eval slower than without the cache (44.8 against 39.9 ms, ResNet-18
 import contextlib
 import contextvars
 import weakref
-from collections import OrderedDict
 
 MAX_BYTES = 256 << 20          # derived arrays kept in all (ResNet-18's weights: 45 MB)
 
 _ENABLED = contextvars.ContextVar("numbafuse_conv_weight_cache", default=False)
 _VOUCHED = contextvars.ContextVar("numbafuse_conv_vouched_weights", default=())
-_CACHE = OrderedDict()         # (address, shape, dtype, kind) -> (owner refs, versions, value)
+_CACHE = {}                    # (address, shape, dtype, kind) -> (owner refs, versions, value)
 _stats = {"hits": 0, "misses": 0, "bytes": 0, "refused": 0}
 
 
@@ -54,11 +53,6 @@ def enabled(on=True):
         yield
     finally:
         _ENABLED.reset(token)
-
-
-def is_enabled():
-    """Whether :func:`vouch` caches here (inside ``enabled()``)."""
-    return _ENABLED.get()
 
 
 @contextlib.contextmanager
@@ -114,34 +108,27 @@ def derived(w, kind, make):
     """``make()``, derived from ``w`` (read only by the caller; any value, an array or a tuple
     of arrays), or what it made before for this ``kind`` (hashable) if w is vouched for and
     its owners are the same objects at the same versions since."""
-    seen = _vouched(w)
-    if seen is None:
+    if _vouched(w) is None:
         return make()
-    refs, versions = seen
-    owners = _alive(refs)
-    key = (w.ctypes.data, w.shape, w.dtype.str, kind)
-    entry = _CACHE.get(key)
-    if (entry is not None and owners is not None and entry[1] == versions
-            and _alive(entry[0]) is not None
-            and all(a is b for a, b in zip(_alive(entry[0]), owners))):
-        _stats["hits"] += 1
-        return entry[2]
-    _stats["misses"] += 1
+    kept = peek(w, kind)
+    if kept is not None:
+        return kept
     out = make()
-    _store(key, (refs, versions, out))
+    put(w, kind, out)
     return out
 
 
 def peek(w, kind):
-    """What :func:`derived` would return from the cache for ``w`` and ``kind``, or None (not
-    cached, not vouched for, changed since); counts nothing."""
+    """What :func:`derived` would return from the cache for ``w`` and ``kind`` (a hit,
+    counted), or None: not cached, not vouched for, or changed since."""
     seen = _vouched(w)
     if seen is None:
         return None
     entry = _CACHE.get((w.ctypes.data, w.shape, w.dtype.str, kind))
-    owners = _alive(seen[0])
-    if (entry is None or owners is None or entry[1] != seen[1] or _alive(entry[0]) is None
-            or not all(a is b for a, b in zip(_alive(entry[0]), owners))):
+    if entry is None or entry[1] != seen[1]:
+        return None
+    owners, made_by = _alive(seen[0]), _alive(entry[0])
+    if owners is None or made_by is None or any(a is not b for a, b in zip(made_by, owners)):
         return None
     _stats["hits"] += 1
     return entry[2]
@@ -153,8 +140,8 @@ def will_keep(w):
 
 
 def put(w, kind, value):
-    """Keep ``value``, derived from ``w`` by the caller, as :func:`derived` would have (where
-    w is vouched for; else nothing)."""
+    """Keep ``value``, derived from ``w`` by the caller, as :func:`derived` does on a miss
+    (where w is vouched for; else nothing)."""
     seen = _vouched(w)
     if seen is not None:
         _stats["misses"] += 1
