@@ -49,6 +49,26 @@ def _interior(S, W, Q, sw, pw, dw):
     return qa, (max(qa, min(Q, last // sw + 1)) if last >= 0 else qa)
 
 
+@njit(cache=True, nogil=True)
+def _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables):
+    # The pixels from output column q that one tile call takes, with their tap table, for
+    # forward_tiled and dw_tiled: (m, k, x offsets, w offsets) of the interior run [lo, hi)
+    # (every tap of rows [r0, r1), the shared table) if q starts it, else of pixel q alone
+    # (its own taps inside, written into own). cols = (S, W, sw, pw, dw); tables = the
+    # addresses of aoff's and own's two rows.
+    S, W, sw, pw, dw = cols
+    pxo, pwo, pown, pownw = tables
+    if q == lo and hi > lo:
+        return hi - lo, (r1 - r0) * S, pxo + 8 * r0 * S, pwo + 8 * r0 * S
+    s0, s1 = _valid_range(q, dw, pw, sw, W, S)                      # tap columns inside
+    k = 0
+    for r in range(r0, r1):
+        for s in range(s0, s1):
+            own[0, k], own[1, k] = aoff[0, r * S + s], aoff[1, r * S + s]
+            k += 1
+    return 1, k, pown, pownw
+
+
 @task_kernel(fastmath=FMA)
 def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
     # Multiplier 1, float32, C % 8 == 0, every pixel through the register tiles
@@ -73,8 +93,9 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
                     np.float32)
     qa, qb = _interior(S, W, Q, sw, pw, dw)
     px, py, pb = np.int64(x.ctypes.data), np.int64(y.ctypes.data), np.int64(b.ctypes.data)
-    pxo, pwo = np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data)
-    pown, pownw = np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data)
+    tables = (np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data),
+              np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data))
+    cols = (S, W, sw, pw, dw)
     pr, pwt, pbuf = np.int64(rows.ctypes.data), np.int64(wt.ctypes.data), \
         np.int64(gbuf.ctypes.data)
     rel, wid = np.int64(relu), np.int64(wide)
@@ -98,15 +119,7 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
             lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
             q = 0
             while q < Q:               # the interior run, else one border pixel at a time
-                if q == lo and hi > lo:
-                    m, k, tx, tw = hi - lo, (r1 - r0) * S, pxo + 8 * r0 * S, pwo + 8 * r0 * S
-                else:
-                    s0, s1 = _valid_range(q, dw, pw, sw, W, S)      # tap columns inside
-                    m, k, tx, tw = 1, 0, pown, pownw
-                    for r in range(r0, r1):
-                        for s in range(s0, s1):
-                            own[0, k], own[1, k] = aoff[0, r * S + s], aoff[1, r * S + s]
-                            k += 1
+                m, k, tx, tw = _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables)
                 _tiles.depthwise_taps(m, C, k, pr + 8 * q, tx, tw, pwt, pc + 4 * q * ypix, ypix,
                                       pb, rel, wid)       # (one call site: one inlined copy)
                 q += m
@@ -130,8 +143,9 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, aoff, dw_parts, db_
     own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
     qa, qb = _interior(S, W, Q, sw, pw, dw)
     px, pg = np.int64(x.ctypes.data), np.int64(g.ctypes.data)
-    pxo, pwo = np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data)
-    pown, pownw = np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data)
+    tables = (np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data),
+              np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data))
+    cols = (S, W, sw, pw, dw)
     for t in range(t0, t1):
         dwp, dbp = dw_parts[t], db_parts[t]
         dwp[:] = 0
@@ -161,15 +175,7 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, aoff, dw_parts, db_
                 first = px + 4 * (((n * H + p * sh - ph) * W - pw) * C)
                 q = 0
                 while q < Q:           # the interior run, else one border pixel at a time
-                    if q == qa and qb > qa:
-                        m, k, tx, tw = qb - qa, (r1 - r0) * S, pxo + 8 * r0 * S, pwo + 8 * r0 * S
-                    else:
-                        s0, s1 = _valid_range(q, dw, pw, sw, W, S)  # tap columns inside
-                        m, k, tx, tw = 1, 0, pown, pownw
-                        for r in range(r0, r1):
-                            for s in range(s0, s1):
-                                own[0, k], own[1, k] = aoff[0, r * S + s], aoff[1, r * S + s]
-                                k += 1
+                    m, k, tx, tw = _run_at(q, qa, qb, r0, r1, cols, aoff, own, tables)
                     if k > 0:                                       # (one call site)
                         _tiles.depthwise_dw_taps(m, C, k, first + 4 * q * sw * C, sw * C, tx,
                                                  pg + 4 * q * C, C, pacc, tw, wid)
