@@ -140,3 +140,78 @@ def test_unsupported_argument_types_are_refused():
     from numbafuse.kernels.cuda import launch as cuda_launch
     with pytest.raises(TypeError, match="no prepared launch"):
         cuda_launch.packer(types.complex128)
+
+
+def _parameter_bytes(values, sizes):
+    """The bytes cuda.core's launch hands the driver for ``values`` (its ParamHolder, the
+    very object ``cuda.core.launch`` builds), the first ``sizes[i]`` of each parameter."""
+    from cuda.core import _kernel_arg_handler
+    holder = _kernel_arg_handler.ParamHolder(values)
+    addresses = (ctypes.c_void_p * len(values)).from_address(holder.ptr)
+    return [bytes((ctypes.c_ubyte * n).from_address(a)) for a, n in zip(addresses, sizes)]
+
+
+def _sizes(values):
+    return [ctypes.sizeof(v) if isinstance(v, ctypes._SimpleCData) else
+            1 if isinstance(v, bool) else 8 for v in values]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_the_fast_path_hands_the_driver_the_packers_bytes(case):
+    """launch's fast path (``_flatten``) passes Python scalars as they are and a pool array's
+    parameters as kept on it: the driver must get the very bytes the packers' ctypes give,
+    and the key must be ``_type_key``'s (one compiled kernel per signature either way)."""
+    from numbafuse import cuda as nfcuda
+    from numbafuse.cuda.arrays import c_array, memory
+    from numbafuse.kernels.cuda import launch as cuda_launch
+
+    class Context:
+        device = None
+    from numba.cuda.cudadrv import driver
+    ours = c_array((4, 6), np.dtype(np.float32),
+                   memory(Context(), driver.binding.CUdeviceptr(BASE + 64), 96), BASE + 64)
+    a, b = _device_array((3, 5), np.float64), _device_array((2, 3), np.float32, (40, 8), 16)
+    args = [(ours, 3, 2.5, True), (a, -7, (b, False, 1 << 40)), (ours, ours, 0.1),
+            (a, (1, 2), (True, False, True)), (b,), (ours, -1.0e300, 2 ** 63 - 1)][case]
+    keys, fast = [], []
+    assert cuda_launch._flatten(args, keys, fast)
+    assert tuple(keys) == tuple(map(cuda_launch._type_key, args))
+    packed = []
+    for value in args:
+        cuda_launch.packer(nfcuda.argument_type(value))(value, packed)
+    assert len(fast) == len(packed)
+    sizes = _sizes(packed)
+    assert _parameter_bytes(fast, sizes) == _parameter_bytes(packed, sizes)
+
+
+def test_the_fast_path_leaves_other_arguments_to_the_packers():
+    from numbafuse.kernels.cuda import launch as cuda_launch
+    a = _device_array((3, 5), np.float64)
+    for args in [(a, np.float32(1.5)), (a, (2, np.int32(3))), (np.zeros(3),), (a, 1 + 2j)]:
+        assert not cuda_launch._flatten(args, [], [])
+
+
+def test_a_wrong_fast_path_would_be_caught():
+    """The byte comparison can fail: a float32 parameter passed as a Python float (a double)."""
+    sizes = _sizes([ctypes.c_float(1.5)])
+    assert _parameter_bytes([1.5], sizes) != _parameter_bytes([ctypes.c_float(1.5)], sizes)
+
+
+def test_numbafuses_arrays_carry_numbas_parameters():
+    """A pool array, its flat view and its rows carry their kernel parameters from the
+    start (``cuda.arrays.c_array``'s ``address``): they must be what numba lays out."""
+    from numba.cuda.cudadrv import driver
+    from numbafuse.cuda.arrays import c_array, flat, memory, rows
+
+    class Context:
+        device = None
+    arrays = []
+    for k, (shape, dtype) in enumerate([((4, 6), np.float32), ((7,), np.float64),
+                                        ((2, 3, 4, 5), np.float32), ((3, 5), np.uint8)]):
+        address = BASE + 4096 * k
+        a = c_array(shape, np.dtype(dtype),
+                    memory(Context(), driver.binding.CUdeviceptr(address), 1024), address)
+        arrays += [a, flat(a)] + (list(rows(a)) if len(shape) == 2 else [])
+    for a in arrays:
+        assert "_nf_values" in a.__dict__
+        assert _comparable(a.__dict__["_nf_values"]) == _comparable(_numba_values(a))

@@ -263,7 +263,7 @@ class _CudaPool:
                 stats.bytes_cached -= nbytes
             else:
                 block = _Block(self._allocate(nbytes), nbytes, self.stream, stats, self)
-            self.live[int(block.buffer.handle)] = block
+            self.live[block.address] = block
             if capture is not None:
                 capture.hold(block)
         return self._array(block, shape, dtype)
@@ -287,7 +287,7 @@ class _CudaPool:
     def take_back(self, block):
         """A block no array views and no graph holds: kept for the next request of its
         size."""
-        self.live.pop(int(block.buffer.handle), None)
+        self.live.pop(block.address, None)
         self.cached.setdefault(block.nbytes, []).append(block)
         self.stats.bytes_cached += block.nbytes
 
@@ -305,7 +305,7 @@ class _CudaPool:
         stats.peak_bytes_in_use = max(stats.peak_bytes_in_use, stats.bytes_in_use)
         block.alive = True
         return c_array(shape, dtype, memory(self.context, block.pointer(), block.nbytes,
-                                            release=block.release))
+                                            release=block.release), block.address)
 
     def block_at(self, address):
         """The live block holding device ``address``, or None (memory not from this pool)."""
@@ -322,10 +322,12 @@ class _Block:
     the legacy stream's order) when its last array dies. Held by graphs (``holders``: their
     captures), it stays theirs until the last of them is closed: their kernels read and write
     it at every replay, whatever became of the arrays."""
-    __slots__ = ("buffer", "nbytes", "stream", "stats", "pool", "holders", "alive", "_pointer")
+    __slots__ = ("buffer", "nbytes", "stream", "stats", "pool", "holders", "alive", "_pointer",
+                 "address")
 
     def __init__(self, buffer, nbytes, stream, stats, pool):
         self.buffer, self.nbytes, self.stream, self.stats = buffer, nbytes, stream, stats
+        self.address = int(buffer.handle)
         self.pool = pool
         self.holders = set()
         self.alive = False
@@ -336,7 +338,7 @@ class _Block:
         once: a cached block serves many arrays)."""
         if self._pointer is None:
             from numba.cuda.cudadrv.driver import binding
-            self._pointer = binding.CUdeviceptr(int(self.buffer.handle))
+            self._pointer = binding.CUdeviceptr(self.address)
         return self._pointer
 
     def release(self):

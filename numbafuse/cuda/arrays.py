@@ -87,26 +87,34 @@ def memory(context, pointer, nbytes, release=None, owner=None):
     return m
 
 
-_LAYOUTS = {}           # (shape, dtype) -> the attributes of a C-contiguous array of them
+_LAYOUTS = {}           # (shape, dtype) -> (the attributes of a C-contiguous array of them,
+                        #   its kernel parameters before and after the pointer)
 
 
-def c_array(shape, dtype, memory):
+def c_array(shape, dtype, memory, address=None):
     """A C-contiguous device array of ``shape`` (a tuple of ints) and ``dtype`` (a NumPy
-    dtype) over ``memory`` (a numba MemoryPointer), without DeviceNDArray's constructor."""
+    dtype) over ``memory`` (a numba MemoryPointer), without DeviceNDArray's constructor.
+    ``address``: the memory's device address as an int, where the caller knows it: the array
+    then carries its kernel parameters (``kernels/cuda/launch.py``) from the start."""
     layout = _LAYOUTS.get((shape, dtype))
     if layout is None:
         itemsize = dtype.itemsize
         size = 1
         for n in shape:
             size *= n
-        layout = _LAYOUTS[(shape, dtype)] = dict(
-            ndim=len(shape), shape=shape, strides=c_strides(shape, itemsize), dtype=dtype,
+        strides = c_strides(shape, itemsize)
+        layout = _LAYOUTS[(shape, dtype)] = (dict(
+            ndim=len(shape), shape=shape, strides=strides, dtype=dtype,
             size=size, alloc_size=size * itemsize, stream=0,
-            _nf_type_key=(dtype, len(shape), "C"), _nf_c=True)
+            _nf_type_key=(dtype, len(shape), "C"), _nf_c=True),
+            (0, 0, size, itemsize), (*shape, *strides))
     cls = _ARRAY_CLASS[0] if _ARRAY_CLASS else array_class()
     a = cls.__new__(cls)
-    attributes = layout.copy()
+    attributes, head, tail = layout
+    attributes = attributes.copy()
     attributes["gpu_data"] = memory
+    if address is not None:
+        attributes["_nf_values"] = (*head, address, *tail)
     a.__dict__ = attributes
     return a
 
@@ -128,7 +136,9 @@ def flat(a):
         if view is not None:
             return view
         if "_nf_c" in cache or (isinstance(a, _ARRAY_CLASS[1]) and a.is_c_contiguous()):
-            view = cache["_nf_flat"] = c_array((a.size,), a.dtype, a.gpu_data)
+            values = cache.get("_nf_values")
+            view = cache["_nf_flat"] = c_array((a.size,), a.dtype, a.gpu_data,
+                                               None if values is None else values[4])
             return view
     return a.reshape(a.size)
 
@@ -142,8 +152,8 @@ def rows(a):
     start, width = int(base.device_pointer), a.shape[1]
     step = width * a.dtype.itemsize
     return tuple(c_array((width,), a.dtype, memory(
-        base.context, binding.CUdeviceptr(start + i * step), step, owner=base.owner))
-        for i in range(a.shape[0]))
+        base.context, binding.CUdeviceptr(start + i * step), step, owner=base.owner),
+        start + i * step) for i in range(a.shape[0]))
 
 
 def c_strides(shape, itemsize):

@@ -71,13 +71,20 @@ def launch(kernel, grid, block, *args):
                                "launches (NUMBAFUSE_CUDA_LAUNCH=numba launches on numba's "
                                "default stream, outside the graph)")
         return
-    key = (kernel, tuple(map(_type_key, args)))
-    prepared = _PREPARED.get(key)
-    if prepared is None:
-        prepared = _PREPARED[key] = _Prepared(kernel, args)
-    values = []
-    for pack, value in zip(prepared.packers, args):
-        pack(value, values)
+    keys, values = [], []
+    if _flatten(args, keys, values):       # the common arguments: no packer needed
+        key = (kernel, tuple(keys))
+        prepared = _PREPARED.get(key)
+        if prepared is None:
+            prepared = _PREPARED[key] = _Prepared(kernel, args)
+    else:
+        key = (kernel, tuple(map(_type_key, args)))
+        prepared = _PREPARED.get(key)
+        if prepared is None:
+            prepared = _PREPARED[key] = _Prepared(kernel, args)
+        values = []
+        for pack, value in zip(prepared.packers, args):
+            pack(value, values)
     conf = _CONFIGS.get((grid, block))
     if conf is None:
         conf = _CONFIGS[(grid, block)] = _launch_config(grid, block)
@@ -86,6 +93,47 @@ def launch(kernel, grid, block, *args):
         capture.use(args)
         stream = capture.builder
     core_launch(stream, conf, prepared.kernel, *values)
+
+
+def _flatten(args, keys, values):
+    """The fast path of :func:`launch`: append each argument's :func:`_type_key` to ``keys``
+    and its kernel parameters to ``values``, as its packer would lay them out, for the
+    arguments numbafuse passes (numba device arrays, Python ints, floats and bools, tuples of
+    them). Python scalars go as they are: cuda.core's launch passes an int as a 64-bit
+    integer, a float as a double and a bool as one byte, which is numba's ABI for the int64,
+    float64 and boolean that numba types them as (``tests/test_cuda_launch.py`` compares the
+    bytes with the packers'). False, with ``keys`` and ``values`` partly filled, where an
+    argument needs its packer (a NumPy scalar, a foreign CUDA array, a host array)."""
+    for value in args:
+        cls = value.__class__
+        if cls is int or cls is float or cls is bool:
+            keys.append(cls)
+            values.append(value)
+        elif cls is tuple:
+            members = []
+            if not _flatten(value, members, values):
+                return False
+            keys.append(tuple(members))
+        else:
+            cache = getattr(value, "__dict__", None)
+            if cache is None or not getattr(value, "__cuda_ndarray__", False):
+                return False
+            key = cache.get("_nf_type_key")
+            if key is None:
+                key = _type_key(value)
+            packed = cache.get("_nf_values")
+            if packed is None:
+                packed = cache["_nf_values"] = _array_values(value)
+            keys.append(key)
+            values += packed
+    return True
+
+
+def _array_values(a):
+    """A numba device array's kernel parameters (its pointer, shape and strides never
+    change, so they are kept on it)."""
+    return (0, 0, a.size, a.dtype.itemsize, a.device_ctypes_pointer.value or 0,
+            *a.shape, *a.strides)
 
 
 def _type_key(value):
@@ -143,10 +191,8 @@ def packer(ty):
                 a = as_device_array(a)
             cache = a.__dict__
             values = cache.get("_nf_values")
-            if values is None:       # a numba array's pointer, shape and strides never change
-                values = cache["_nf_values"] = (
-                    0, 0, a.size, a.dtype.itemsize, a.device_ctypes_pointer.value or 0,
-                    *a.shape, *a.strides)
+            if values is None:
+                values = cache["_nf_values"] = _array_values(a)
             out += values
         return pack_array
     if isinstance(ty, types.BaseTuple):
