@@ -67,6 +67,12 @@ def _packed(a):
     return [getattr(v, "value", v) for v in out]
 
 
+def nfcuda_views(a):
+    """numbafuse's views of ``a`` (its flat view, its rows), which carry their parameters."""
+    from numbafuse import cuda as nfcuda
+    return [nfcuda.flat(a)] + (list(nfcuda.rows(a)) if len(a.shape) == 2 else [])
+
+
 SHAPES = [((7,), np.float32), ((3, 5), np.float64), ((2, 3, 4, 5), np.float32),
           ((1, 4, 1, 3), np.float16), ((6,), np.uint8), ((4, 1), np.int32)]
 
@@ -82,6 +88,11 @@ def test_a_pool_array_is_numbas_array(shape, dtype, no_context):
     assert launch._type_key(ours) == launch._type_key(theirs)
     assert _packed(ours) == _kernel_args(ours) == _kernel_args(theirs)
     assert _packed(ours) == _packed(ours)            # the second time from its cache
+    from numbafuse import backend                    # read from the kept parameters now
+    assert "_nf_values" in ours.__dict__
+    assert backend.memory_key(ours) == theirs.__cuda_array_interface__["data"][0]
+    for view in nfcuda_views(ours):
+        assert backend.memory_key(view) == view.__cuda_array_interface__["data"][0]
     assert ours.flags == theirs.flags
     assert ours.is_c_contiguous() and ours.is_f_contiguous() == theirs.is_f_contiguous()
     assert ours.__cuda_array_interface__ == theirs.__cuda_array_interface__
