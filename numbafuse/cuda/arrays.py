@@ -77,13 +77,16 @@ def memory(context, pointer, nbytes, release=None, owner=None):
     """A numba MemoryPointer of ``nbytes`` at ``pointer`` (a cuda.bindings CUdeviceptr),
     without MemoryPointer's constructor: ``release()`` is called once when it dies (a pool
     block's), or it views ``owner``'s memory and keeps it alive."""
-    cls = memory_class()
+    cls = _MEMORY_CLASS[0] if _MEMORY_CLASS else memory_class()
     m = cls.__new__(cls)
-    m.__dict__.update(context=context, device_pointer=pointer, size=nbytes,
-                      _cuda_memsize_=nbytes, is_managed=release is not None, refct=1,
-                      handle=pointer, _owner=owner)
     if release is not None:
-        m.__dict__["_release"] = release
+        m.__dict__ = dict(context=context, device_pointer=pointer, size=nbytes,
+                          _cuda_memsize_=nbytes, is_managed=True, refct=1, handle=pointer,
+                          _owner=owner, _release=release)
+    else:
+        m.__dict__ = dict(context=context, device_pointer=pointer, size=nbytes,
+                          _cuda_memsize_=nbytes, is_managed=False, refct=1, handle=pointer,
+                          _owner=owner)
     return m
 
 

@@ -85,12 +85,18 @@ dw_target_blocks = 512   # dw: (tile, split) blocks to aim for (fills a GPU a fe
 dw_max_splits = 256      # dw: at most this many splits of M (partials memory: splits*K*CRS)
 
 
+_DTYPE_NAMES = {}
+
+
 def conv_tile(kind: str, dtype, cols: int | None = None, layout: str = "NCHW") -> Tile:
     """The tiling of conv pass ``kind`` ("fwd", "dx", "dw") at ``dtype`` for a GEMM of
     ``cols`` output columns (None: the wide tiling) in ``layout``."""
     if tile_override is not None:
         return tile_override.check()
-    key = (kind, np.dtype(dtype).name)
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:              # (NumPy's dtype.name is Python code: kept per dtype)
+        name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
+    key = (kind, name)
     if cols is not None and key in CONV_TILES_NARROW and cols <= NARROW_COLS[kind]:
         return CONV_TILES_NARROW[key].check()
     if layout == "NHWC" and key in CONV_TILES_NHWC:
