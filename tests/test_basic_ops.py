@@ -180,6 +180,30 @@ def test_remapper_can_rebuild_each_op_from_its_params():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("threads", [32, 64])
+def test_cross_entropy_in_one_block_is_the_two_launch_result(threads, monkeypatch):
+    """Up to ``config.xent_one_block_elements`` logits the forward is one launch (rows and
+    mean in one block): the loss and the saved log-sum-exps must be the bits of the two
+    launches (rows, then the one-block mean) at N = 77 rows over 32/64 threads (uneven
+    strides), and both the reference's."""
+    from numbafuse.kernels.basic import cuda as basic_cuda
+    from numbafuse.kernels.cuda import config
+    cuda = BACKENDS["cuda"]
+    monkeypatch.setattr(config, "threads", threads)
+    logits = _seeded((77, 3), 5)
+    labels = np.random.default_rng(5).integers(0, 3, 77)
+    d_logits, d_labels = cuda.put(logits), cuda.put(labels)
+    got = {}
+    for limit in (77 * 3, 77 * 3 - 1):               # one block; two launches
+        monkeypatch.setattr(config, "xent_one_block_elements", limit)
+        loss, lse = basic_cuda.cross_entropy_forward(d_logits, d_labels)
+        got[limit] = cuda.get(loss), cuda.get(lse)
+    (loss1, lse1), (loss2, lse2) = got.values()
+    assert loss1.tobytes() == loss2.tobytes() and lse1.tobytes() == lse2.tobytes()
+    close(loss1, ref.cross_entropy(logits, labels), np.float64)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("threads", [32, 64])
 def test_cross_entropy_and_linear_with_warp_sized_blocks(threads, monkeypatch):
     # GPU-like block sizes: the one-block loss mean strides unevenly over N = 77 rows (its
     # shared-memory tree over 32/64 threads), linear's tiles grid-stride over 3 blocks

@@ -292,6 +292,26 @@ def _xent_rows(logits, labels, nll, lse):
 
 
 @cuda.jit(cache=True)
+def _xent_one_block(logits, labels, scale, lse, out):
+    # _xent_rows and _mean_one_block in one block (a small batch): thread t takes rows t,
+    # t + blockDim.x, ... and sums their losses in that order, the order in which
+    # _mean_one_block sums them, so out[0] is the same bits (tests/test_basic_ops.py)
+    buf = cuda.shared.array(BLOCK, float64)
+    N, L = logits.shape
+    acc = 0.0
+    for n in range(cuda.threadIdx.x, N, cuda.blockDim.x):
+        lse[n] = _row_logsumexp(logits, n, L)
+        label = labels[n]
+        if label < 0 or label >= L:        # refused on the host, except inside a graph
+            acc += math.nan
+        else:
+            acc += lse[n] - logits[n, label]
+    total = block_sum(buf, acc)
+    if cuda.threadIdx.x == 0:
+        out[0] = total * scale
+
+
+@cuda.jit(cache=True)
 def _mean_one_block(values, scale, out):
     # values: (n,) float64, out: (1,); out[0] = scale * sum(values). One block: each thread
     # sums a strided share in order, then a shared-memory tree (blockDim.x a power of two)
@@ -352,10 +372,14 @@ def count_bad_labels(labels, L):
 def cross_entropy_forward(logits, labels):
     """0-d mean over rows of lse - logit[label], and the row log-sum-exps (N,) float64."""
     N = logits.shape[0]
-    nll, lse = empty(N, np.float64), empty(N, np.float64)
+    lse, loss = empty(N, np.float64), empty(1, logits.dtype)
+    if logits.size <= config.xent_one_block_elements:       # one launch, no (N,) losses
+        launch(_xent_one_block, 1, config.block_threads(), logits, labels, 1.0 / N, lse,
+               loss)
+        return loss.reshape(()), lse
+    nll = empty(N, np.float64)
     blocks, threads = config.grid_1d(N)
     launch(_xent_rows, blocks, threads, logits, labels, nll, lse)
-    loss = empty(1, logits.dtype)
     launch(_mean_one_block, 1, config.block_threads(), nll, 1.0 / N, loss)
     return loss.reshape(()), lse
 
@@ -406,6 +430,7 @@ PTX_SIGNATURES = [
     (_gap_bwd, lambda f: (f[::1], f[::1]) + (_i,) * 7),
     (_xent_rows, lambda f: (f[:, ::1], int64[::1], float64[::1], float64[::1])),
     (_mean_one_block, lambda f: (float64[::1], float64, f[::1])),
+    (_xent_one_block, lambda f: (f[:, ::1], int64[::1], float64, float64[::1], f[::1])),
     (_xent_bwd, lambda f: (f[:, ::1], int64[::1], float64[::1], f[::1], float64, f[:, ::1])),
     (_flag_bad_labels, lambda f: (int64[::1], _i, int32[::1])),
 ]

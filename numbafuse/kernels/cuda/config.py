@@ -111,6 +111,9 @@ TILE = 16            # square tile edge of 2-d tiled kernels (GEMM-like); TILE*T
 # Launch-time knobs (tests patch these).
 threads = 256        # threads per block for 1-d kernels; power of two, <= BLOCK
 max_blocks = 1024    # grid-stride kernels never launch more blocks than this
+# cross-entropy's forward in one block (rows and their mean, one launch) up to this many
+# logits: 64 per thread of a 256-thread block (6 rows of 10 classes); past it, two launches
+xent_one_block_elements = 16384
 reduce_blocks = 64   # blocks of per-block partials in a two-stage deterministic reduction
 # a per-channel reduction (kernels/cuda/reduce.channel_partials) makes at most this many
 # blocks in all: parts = reduce_target_blocks / block rows, so a block of many channels walks
