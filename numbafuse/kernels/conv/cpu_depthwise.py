@@ -174,7 +174,7 @@ def _forward_nchw(t0, t1, x, w, b, relu, geo, Wph, y):
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     M = K // C
     L = P * Wph
-    xph = np.empty((sh * sw, (P + (R - 1) * dh // sh + 1) * Wph), x.dtype)
+    xph = np.zeros((sh * sw, (P + (R - 1) * dh // sh + 1) * Wph), x.dtype)   # padding
     acc = np.empty(L, x.dtype)
     for t in range(t0, t1):
         n, c = t // C, t % C
@@ -208,7 +208,7 @@ def _forward_nchw_tiled(t0, t1, x, w, b, relu, geo, Wpt, aoff, wide, y):
     M = K // C
     Qv = (Q + 7) // 8 * 8
     T = R * S
-    xph = np.empty((sh * sw, (P + (R - 1) * dh // sh + 1) * Wpt), np.float32)
+    xph = np.zeros((sh * sw, (P + (R - 1) * dh // sh + 1) * Wpt), np.float32)  # padding
     acc = np.empty((P, Qv), np.float32)
     wrep = np.empty((T, Qv), np.float32)                              # tap t on every lane
     woff = np.empty(T, np.int64)
@@ -482,7 +482,7 @@ def _dw_nchw(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts)
     nchunks, groups, Wph = plan
     M = K // C
     L = P * Wph
-    xph = np.empty((sh * sw, (P + (R - 1) * dh // sh + 1) * Wph), x.dtype)
+    xph = np.zeros((sh * sw, (P + (R - 1) * dh // sh + 1) * Wph), x.dtype)   # padding
     g = np.empty(L, gy.dtype)
     for t in range(t0, t1):
         dwp, dbp = dw_parts[t], db_parts[t]

@@ -3,11 +3,18 @@ plane zero-padded and split by its stride phases, so that each tap of a strided 
 is a fixed offset into one phase (``split_phases``), and the inverse (``merge_phases``, dX).
 At stride 2 along w both column phases of a row are written at once, in vector shuffles
 (``cpu.pairs``): 3x3 stride 2 at (32, 64, 56, 56), 1 thread, machine A, forward 6.6-7.7 ->
-6.2-6.4 ms, dX 7.8-8.7 -> 7.0-7.2 (three alternating runs each).
+6.2-6.4 ms, dX 7.8-8.7 -> 7.0-7.2 (three alternating runs each). The split writes only the
+values from the plane (its callers zero the buffer once: the padding never changes within a
+launch) and takes a row's pairs by address, its last 8 pairs one more overlapping block:
+the split had still been 4 of the 6.3 ms forward (per row: five slices, four zeroed edges
+and a scalar remainder of 4 pairs); forward 6.3-6.4 -> 5.0-5.5 ms, 7x7 stride 2 at (32, 96,
+28, 28) 4.5-5.4 -> 3.3-3.7, dW 8.4 -> 7.4-7.8 (``benchmarks/depthwise_passes.py``, two
+alternating runs).
 """
+import numpy as np
 from numba import njit
 
-from ..cpu.pairs import merge_pairs, split_pairs
+from ..cpu.pairs import merge_pairs, split_pairs, split_pairs_at
 
 
 @njit(cache=True)
@@ -32,30 +39,32 @@ def _stride2_columns(left, W, Wph):
 @njit(cache=True)
 def split_phases(src, top, left, sh, sw, Wph, out):
     # src: (H, W) plane;  out: (sh*sw, Hph*Wph) <- its zero-padded copy split by phase:
-    # out[a*sw + b, i*Wph + j] = src[i*sh + a - top, j*sw + b - left], 0 outside src
+    # out[a*sw + b, i*Wph + j] = src[i*sh + a - top, j*sw + b - left], 0 outside src. Only
+    # the values from src are written: out's padding must be zero already (zero out once
+    # before the first plane; every plane of one geometry writes the same positions)
     H, W = src.shape
     Hph = out.shape[1] // Wph
     if sw == 2:                   # both column phases of a row at once, in vector shuffles
         be, bo, j0e, j0o, m, ne, no = _stride2_columns(left, W, Wph)
+        isz = src.itemsize
+        whole = m >= 8 and src.strides[1] == isz and src.strides[0] == W * isz
         for a in range(sh):
             oe, oo = out[a * 2 + be], out[a * 2 + bo]
+            pe, po = np.intp(oe.ctypes.data), np.intp(oo.ctypes.data)
             for i in range(Hph):
                 h = i * sh + a - top
-                re, ro = oe[i * Wph:(i + 1) * Wph], oo[i * Wph:(i + 1) * Wph]
                 if h < 0 or h >= H:
-                    re[:] = 0
-                    ro[:] = 0
                     continue
-                re[:j0e] = 0
-                re[j0e + ne:] = 0
-                ro[:j0o] = 0
-                ro[j0o + no:] = 0
-                xs = src[h]
-                split_pairs(xs[:2 * m], re[j0e:j0e + m], ro[j0o:j0o + m])
+                e0, o0 = i * Wph + j0e, i * Wph + j0o
+                if whole:         # addresses, not views: a row is 4 blocks at (., 56, 56)
+                    split_pairs_at(np.intp(src.ctypes.data) + h * W * isz, pe + e0 * isz,
+                                   po + o0 * isz, m, src)
+                else:
+                    split_pairs(src[h, :2 * m], oe[e0:e0 + m], oo[o0:o0 + m])
                 for k in range(m, ne):
-                    re[j0e + k] = xs[2 * k]
+                    oe[e0 + k] = src[h, 2 * k]
                 for k in range(m, no):
-                    ro[j0o + k] = xs[2 * k + 1]
+                    oo[o0 + k] = src[h, 2 * k + 1]
         return
     for a in range(sh):
         for b in range(sw):
@@ -63,12 +72,9 @@ def split_phases(src, top, left, sh, sw, Wph, out):
             j0, j1 = _phase_columns(b, sw, left, W, Wph)
             for i in range(Hph):
                 h = i * sh + a - top
-                row = o[i * Wph:(i + 1) * Wph]
                 if h < 0 or h >= H or j1 == j0:
-                    row[:] = 0
                     continue
-                row[:j0] = 0
-                row[j1:] = 0
+                row = o[i * Wph:(i + 1) * Wph]
                 dst, xs = row[j0:j1], src[h, j0 * sw + b - left:]         # views from 0
                 if sw == 1:
                     for j in range(j1 - j0):

@@ -3,8 +3,10 @@
 ``split_pairs(src, even, odd)``: ``even[k] = src[2k]``, ``odd[k] = src[2k + 1]`` for k <
 len(even) (odd as long or one shorter); ``merge_pairs(even, odd, dst)`` is its inverse. Blocks
 of 8 pairs are one 16-value load and two ``shufflevector``s (the even and the odd lanes) and
-two 8-value stores (a merge: two loads, two shuffles, one store); what is left past the last
-whole block is copied one value at a time. Target-independent LLVM IR, any float dtype.
+two 8-value stores (a merge: two loads, two shuffles, one store). A split's last 8 pairs
+past its last whole block are one more block overlapping the one before (values written
+twice, the same); a merge copies what is left one value at a time, as does a split of a row
+of fewer than 8 pairs. Target-independent LLVM IR, any float dtype.
 
 Why: the depthwise NCHW kernels split each zero-padded input plane into its stride phases
 (``conv/cpu_phases.split_phases``). A loop over every other value alone does not
@@ -75,15 +77,28 @@ def split_pairs(src, even, odd):
     len(even) + len(odd) values at least."""
     n = odd.shape[0]
     isz = src.itemsize
-    blocks = n // 8 if src.strides[0] == even.strides[0] == odd.strides[0] == isz else 0
-    ps, pe, po = np.intp(src.ctypes.data), np.intp(even.ctypes.data), np.intp(odd.ctypes.data)
-    for b in range(blocks):
-        _split8(ps + 16 * b * isz, pe + 8 * b * isz, po + 8 * b * isz, src)
-    for k in range(8 * blocks, n):
+    done = 0
+    if n >= 8 and src.strides[0] == even.strides[0] == odd.strides[0] == isz:
+        split_pairs_at(np.intp(src.ctypes.data), np.intp(even.ctypes.data),
+                       np.intp(odd.ctypes.data), n, src)
+        done = n
+    for k in range(done, n):
         even[k] = src[2 * k]
         odd[k] = src[2 * k + 1]
     for k in range(n, even.shape[0]):
         even[k] = src[2 * k]
+
+
+@njit(nogil=True, inline="always")
+def split_pairs_at(ps, pe, po, n, like):
+    """:func:`split_pairs` of ``n >= 8`` pairs at addresses (integers) of unit-stride values
+    of ``like``'s dtype: blocks of 8 pairs, the last one overlapping the block before."""
+    isz = like.itemsize
+    for b in range(n // 8):
+        _split8(ps + 16 * b * isz, pe + 8 * b * isz, po + 8 * b * isz, like)
+    if n % 8:
+        k = n - 8
+        _split8(ps + 2 * k * isz, pe + k * isz, po + k * isz, like)
 
 
 @njit(nogil=True, inline="always")
@@ -101,3 +116,4 @@ def merge_pairs(even, odd, dst):
         dst[2 * k + 1] = odd[k]
     for k in range(n, even.shape[0]):
         dst[2 * k] = even[k]
+
