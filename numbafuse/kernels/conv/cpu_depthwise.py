@@ -91,11 +91,18 @@ def _dot64(u, v):
 
 @njit(cache=True)
 def _gate_plane(gp, yp, use_mask, Wph, g):
-    # g (P*Wph,) <- the gated (P, Q) plane gp, row p at p*Wph, zeros in columns Q <= q < Wph
+    # g (P*Wph,) <- the gated (P, Q) plane gp, row p at p*Wph. Columns Q <= q < Wph are not
+    # written: the callers zero g once (indices, not row views: a row is 28 values at 56x56
+    # stride 2, and five views a row cost more than the gating, 2.6 ms of a 7.2 ms dW)
     P, Q = gp.shape
     for p in range(P):
-        _gate_row(gp[p], yp[p], use_mask, g[p * Wph:p * Wph + Q])
-        g[p * Wph + Q:(p + 1) * Wph] = 0
+        o = p * Wph
+        if use_mask:
+            for q in range(Q):
+                g[o + q] = gp[p, q] if yp[p, q] > 0 else 0
+        else:
+            for q in range(Q):
+                g[o + q] = gp[p, q]
 
 
 def is_depthwise(geom):
@@ -412,7 +419,7 @@ def _dx_nchw(t0, t1, gy, y, use_mask, w, geo, Wph, dx):
     M = K // C
     L = P * Wph
     dph = np.empty((sh * sw, (P + (R - 1) * dh // sh + 1) * Wph), gy.dtype)
-    g = np.empty(L, gy.dtype)
+    g = np.zeros(L, gy.dtype)                                         # (columns >= Q stay 0)
     for t in range(t0, t1):
         n, c = t // C, t % C
         dph[:] = 0
@@ -483,7 +490,7 @@ def _dw_nchw(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, dw_parts, db_parts)
     M = K // C
     L = P * Wph
     xph = np.zeros((sh * sw, (P + (R - 1) * dh // sh + 1) * Wph), x.dtype)   # padding
-    g = np.empty(L, gy.dtype)
+    g = np.zeros(L, gy.dtype)                                         # (columns >= Q stay 0)
     for t in range(t0, t1):
         dwp, dbp = dw_parts[t], db_parts[t]
         dwp[:] = 0
