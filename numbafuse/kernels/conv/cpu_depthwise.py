@@ -412,9 +412,9 @@ def _dx_nhwc_gated(t0, t1, gy, y, use_mask, wt, geo, dx):
                 wv = wt[r, s]                                         # (C,)
                 for q in range(q0, q1):
                     o = (q * sw - pw + s * dw) * C
-                    a, gv = d[o:o + C], g[q * C:(q + 1) * C]          # (from 0: no wraparound
-                    for c in range(C):                                # checks in the loop)
-                        a[c] += gv[c] * wv[c]
+                    a, gv = d[o:o + C], g[q * C:(q + 1) * C]          # (views from 0: the
+                    for c in range(C):                                # loop indexing d[o + c],
+                        a[c] += gv[c] * wv[c]                         # wt[r, s, c] took 13 ms)
 
 
 @task_kernel(fastmath=FMA)
