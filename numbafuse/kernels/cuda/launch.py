@@ -72,16 +72,12 @@ def launch(kernel, grid, block, *args):
                                "default stream, outside the graph)")
         return
     keys, values = [], []
-    if _flatten(args, keys, values):       # the common arguments: no packer needed
-        key = (kernel, tuple(keys))
-        prepared = _PREPARED.get(key)
-        if prepared is None:
-            prepared = _PREPARED[key] = _Prepared(kernel, args)
-    else:
-        key = (kernel, tuple(map(_type_key, args)))
-        prepared = _PREPARED.get(key)
-        if prepared is None:
-            prepared = _PREPARED[key] = _Prepared(kernel, args)
+    fast = _flatten(args, keys, values)      # the common arguments: no packer needed
+    key = (kernel, tuple(keys) if fast else tuple(map(_type_key, args)))
+    prepared = _PREPARED.get(key)
+    if prepared is None:
+        prepared = _PREPARED[key] = _Prepared(kernel, args)
+    if not fast:
         values = []
         for pack, value in zip(prepared.packers, args):
             pack(value, values)
@@ -102,8 +98,10 @@ def _flatten(args, keys, values):
     them). Python scalars go as they are: cuda.core's launch passes an int as a 64-bit
     integer, a float as a double and a bool as one byte, which is numba's ABI for the int64,
     float64 and boolean that numba types them as (``tests/test_cuda_launch.py`` compares the
-    bytes with the packers'). False, with ``keys`` and ``values`` partly filled, where an
-    argument needs its packer (a NumPy scalar, a foreign CUDA array, a host array)."""
+    bytes with the packers'). (An int past 2**63 - 1, which numba would type uint64, is
+    refused by cuda.core with an OverflowError; numbafuse passes none.) False, with ``keys``
+    and ``values`` partly filled, where an argument needs its packer (a NumPy scalar, a
+    foreign CUDA array, a host array)."""
     for value in args:
         cls = value.__class__
         if cls is int or cls is float or cls is bool:
