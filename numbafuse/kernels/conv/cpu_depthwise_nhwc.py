@@ -50,6 +50,14 @@ def _interior(S, W, Q, sw, pw, dw):
 
 
 @njit(cache=True, nogil=True)
+def _full_rows(p, dh, ph, sh, H, R):
+    """Whether every tap row of output row p lies inside the image (and there is one: a
+    phase of dX may have none)."""
+    r0, r1 = _valid_range(p, dh, ph, sh, H, R)
+    return R > 0 and r0 == 0 and r1 == R
+
+
+@njit(cache=True, nogil=True)
 def _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables):
     # The pixels from output column q that one tile call takes, with their tap table, for
     # forward_tiled and dw_tiled: (m, k, x offsets, w offsets) of the interior run [lo, hi)
@@ -86,7 +94,7 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     relu, use_mask, wide = flags
     nb = (P + rpc - 1) // rpc
-    rows = np.empty(Q, np.int64)                                      # pixel addresses in x
+    rows = np.empty(max(Q, rpc), np.int64)                            # pixel addresses in x
     own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
     y0, yimg, yrow, ypix = yl
     gbuf = np.empty((max(0, (rpc - 1) * sh + (R - 1) * dh + 1) if use_mask else 0, W, C),
@@ -110,19 +118,52 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
                 gate_row(x[n, h].reshape(W * C), mask[n, h].reshape(W * C), True,
                          gbuf[h - h0].reshape(W * C))
             base = pbuf - 4 * h0 * W * C
-        for p in range(p0, p1):
-            r0, r1 = _valid_range(p, dh, ph, sh, H, R)              # tap rows inside
-            r1 = max(r0, r1)
-            for q in range(Q):                                      # first taps' addresses
-                rows[q] = base + 4 * ((p * sh - ph) * W + q * sw - pw) * C
-            pc = py + 4 * (y0 + n * yimg + p * yrow)
-            lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
-            q = 0
-            while q < Q:               # the interior run, else one border pixel at a time
-                m, k, tx, tw = _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables)
-                _tiles.depthwise_taps(m, C, k, pr + 8 * q, tx, tw, pwt, pc + 4 * q * ypix, ypix,
-                                      pb, rel, wid)       # (one call site: one inlined copy)
-                q += m
+        # Rows whose every tap row lies inside (all but a few at the top and bottom) take
+        # their border columns column by column down the rows: the pixels (p, q) of one
+        # column share its tap table, so they are one run of tiles like an interior run (at
+        # 7x7, 6 of a 28-pixel row's columns are border: one pixel per tile call otherwise).
+        # One call site of the tiles (one inlined copy): each step below is a run of pixels
+        # (m, its tap table, its addresses, its output and output stride).
+        p = p0
+        while p < p1:
+            g1 = p
+            while g1 < p1 and _full_rows(g1, dh, ph, sh, H, R):
+                g1 += 1
+            down = g1 > p                   # rows [p, g1): interiors here, borders below
+            last = g1 if down else p + 1
+            pp, q, end, pc, lo, hi, r0, r1 = p - 1, 0, 0, py, Q, Q, 0, 0
+            while True:
+                if pp < last and q >= end:                          # the next row
+                    pp += 1
+                    if pp < last:
+                        r0, r1 = _valid_range(pp, dh, ph, sh, H, R)
+                        r1 = max(r0, r1)
+                        for u in range(Q):                          # first taps' addresses
+                            rows[u] = base + 4 * ((pp * sh - ph) * W + u * sw - pw) * C
+                        pc = py + 4 * (y0 + n * yimg + pp * yrow)
+                        lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
+                        q, end = (lo, hi) if down else (0, Q)
+                    else:
+                        q = 0                                       # then the border columns
+                    continue
+                if pp < last:          # the interior run, else one border pixel at a time
+                    m, k, tx, tw = _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables)
+                    prow, pcq, ldc = pr + 8 * q, pc + 4 * q * ypix, ypix
+                    q += m
+                else:                  # a border column of rows [p, g1)
+                    if not down or q >= Q:
+                        break
+                    if q == qa and qb > qa:
+                        q = qb
+                        continue
+                    for u in range(g1 - p):
+                        rows[u] = base + 4 * (((p + u) * sh - ph) * W + q * sw - pw) * C
+                    _, k, tx, tw = _run_at(q, Q, Q, 0, R, cols, aoff, own, tables)
+                    m, prow, ldc = g1 - p, pr, yrow
+                    pcq = py + 4 * (y0 + n * yimg + p * yrow + q * ypix)
+                    q += 1
+                _tiles.depthwise_taps(m, C, k, prow, tx, tw, pwt, pcq, ldc, pb, rel, wid)
+            p = last
 
 
 @task_kernel(fastmath=FMA)
