@@ -131,7 +131,8 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
                 g1 += 1
             down = g1 > p                   # rows [p, g1): interiors here, borders below
             last = g1 if down else p + 1
-            pp, q, end, pc, lo, hi, r0, r1 = p - 1, 0, 0, py, Q, Q, 0, 0
+            zero = np.int64(0)          # (a literal 0 reaching _run_at compiles it again)
+            pp, q, end, pc, lo, hi, r0, r1 = p - 1, zero, zero, py, Q, Q, zero, zero
             while True:
                 if pp < last and q >= end:                          # the next row
                     pp += 1
@@ -144,7 +145,7 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
                         lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
                         q, end = (lo, hi) if down else (0, Q)
                     else:
-                        q = 0                                       # then the border columns
+                        q = zero                                    # then the border columns
                     continue
                 if pp < last:          # the interior run, else one border pixel at a time
                     m, k, tx, tw = _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables)
@@ -158,7 +159,8 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
                         continue
                     for u in range(g1 - p):
                         rows[u] = base + 4 * (((p + u) * sh - ph) * W + q * sw - pw) * C
-                    _, k, tx, tw = _run_at(q, Q, Q, 0, R, cols, aoff, own, tables)
+                    c0, c1 = _valid_range(p, dh, ph, sh, H, R)      # (0, R): full rows
+                    _, k, tx, tw = _run_at(q, Q, Q, c0, c1, cols, aoff, own, tables)
                     m, prow, ldc = g1 - p, pr, yrow
                     pcq = py + 4 * (y0 + n * yimg + p * yrow + q * ypix)
                     q += 1
@@ -214,7 +216,7 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, aoff, dw_parts, db_
                 if r1 <= r0:
                     continue
                 first = px + 4 * (((n * H + p * sh - ph) * W - pw) * C)
-                q = 0
+                q = np.int64(0)        # (not a literal: see forward_tiled)
                 while q < Q:           # the interior run, else one border pixel at a time
                     m, k, tx, tw = _run_at(q, qa, qb, r0, r1, cols, aoff, own, tables)
                     if k > 0:                                       # (one call site)
