@@ -4,7 +4,9 @@ case, and the notation):
 
     forward_tiled  every output pixel through ``depthwise_taps``, addressed in x itself with
                    the taps that lie inside the image (an output row's interior run shares one
-                   tap table, a border pixel gets its own); with a mask, over x gated by it,
+                   tap table; in rows whose tap rows all lie inside, a border column's pixels
+                   share one down the rows; any other pixel gets its own); with a mask, over
+                   x gated by it,
                    its rows gated per task into a buffer of its own: dX (``dx_phases``) is
                    this kernel over g = gy * (y > 0) with the taps flipped, one launch per
                    phase of dx (at stride 1 one, padding (R-1)*dh - ph, (S-1)*dw - pw), so
