@@ -395,9 +395,10 @@ def _dx_nhwc_gated(t0, t1, gy, y, use_mask, wt, geo, dx):
     # Multiplier 1 at any stride: gy, y: (N, P, Q*C);  wt: (R, S, C);  dx: (N, H, W*C).
     # Task t: input row (n, h) = divmod(t, H), as _dx_nhwc's, but each output row p that
     # reaches it is gated once into g (not at every tap: the loop is then an FMA over two
-    # loads, not four and a select).
+    # loads, not four and a select), and kept for the next rows of dx that read it.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    g = np.empty(Q * C, gy.dtype)                                     # one gated row of g
+    gs = np.empty((R, Q * C), gy.dtype)        # gated rows of g, kept: a row of g serves up
+    keys = np.full(R, -1, np.int64)            # to R rows of dx (keys: n*P + p of each)
     for t in range(t0, t1):
         n, h = t // H, t % H
         d = dx[n, h]                                                  # (W*C,)
@@ -406,7 +407,17 @@ def _dx_nhwc_gated(t0, t1, gy, y, use_mask, wt, geo, dx):
             num = h + ph - r * dh                                     # = p * sh
             if num < 0 or num % sh != 0 or num // sh >= P:
                 continue
-            _gate_row(gy[n, num // sh], y[n, num // sh], use_mask, g)
+            key, slot = n * P + num // sh, 0
+            for i in range(R):                 # kept, else in place of the oldest (rows go
+                if keys[i] == key:             # in increasing order through a task's range)
+                    slot = i
+                    break
+                if keys[i] < keys[slot]:
+                    slot = i
+            g = gs[slot]
+            if keys[slot] != key:
+                _gate_row(gy[n, num // sh], y[n, num // sh], use_mask, g)
+                keys[slot] = key
             for s in range(S):
                 q0, q1 = _valid_range(s, sw, pw, dw, W, Q)
                 wv = wt[r, s]                                         # (C,)
@@ -422,7 +433,8 @@ def _dx_nhwc_rows(t0, t1, gy, y, use_mask, wtile, geo, dx):
     # Stride 1 along w, multiplier 1 (see _forward_nhwc_rows): gy, y: (N, P, Q*C);  wtile:
     # (R, S, Q*C);  dx: (N, H, W*C).  Task t: input row (n, h) = divmod(t, H), as _dx_nhwc's.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    g = np.empty(Q * C, gy.dtype)                                     # one gated row of g
+    gs = np.empty((R, Q * C), gy.dtype)        # gated rows of g, kept: a row of g serves up
+    keys = np.full(R, -1, np.int64)            # to R rows of dx (keys: n*P + p of each)
     for t in range(t0, t1):
         n, h = t // H, t % H
         d = dx[n, h]                                                  # (W*C,)
@@ -431,7 +443,17 @@ def _dx_nhwc_rows(t0, t1, gy, y, use_mask, wtile, geo, dx):
             num = h + ph - r * dh                                     # = p * sh
             if num < 0 or num % sh != 0 or num // sh >= P:
                 continue
-            _gate_row(gy[n, num // sh], y[n, num // sh], use_mask, g)
+            key, slot = n * P + num // sh, 0
+            for i in range(R):                 # kept, else in place of the oldest (rows go
+                if keys[i] == key:             # in increasing order through a task's range)
+                    slot = i
+                    break
+                if keys[i] < keys[slot]:
+                    slot = i
+            g = gs[slot]
+            if keys[slot] != key:
+                _gate_row(gy[n, num // sh], y[n, num // sh], use_mask, g)
+                keys[slot] = key
             for s in range(S):
                 q0, q1 = _valid_range(s, 1, pw, dw, W, Q)
                 if q1 > q0:
