@@ -278,17 +278,23 @@ def global_avg_pool2d_backward(gy, g, dtype):
 
 # --------------------------------------------------------------------------- cross_entropy
 
+@cuda.jit(device=True, inline=True)
+def _row_nll(logits, labels, n, L, lse):
+    # row n's loss lse[n] - logits[n, label], lse[n] stored on the way; NaN for a label
+    # outside [0, L) (refused on the host, except inside a graph)
+    lse[n] = _row_logsumexp(logits, n, L)
+    label = labels[n]
+    if label < 0 or label >= L:
+        return math.nan
+    return lse[n] - logits[n, label]
+
+
 @cuda.jit(cache=True)
 def _xent_rows(logits, labels, nll, lse):
     # logits: (N, L), labels: (N,) int, nll, lse: (N,) float64; one thread per row
     N, L = logits.shape
     for n in range(cuda.grid(1), N, cuda.gridsize(1)):
-        lse[n] = _row_logsumexp(logits, n, L)
-        label = labels[n]
-        if label < 0 or label >= L:        # refused on the host, except inside a graph
-            nll[n] = math.nan
-        else:
-            nll[n] = lse[n] - logits[n, label]
+        nll[n] = _row_nll(logits, labels, n, L, lse)
 
 
 @cuda.jit(cache=True)
@@ -300,12 +306,7 @@ def _xent_one_block(logits, labels, scale, lse, out):
     N, L = logits.shape
     acc = 0.0
     for n in range(cuda.threadIdx.x, N, cuda.blockDim.x):
-        lse[n] = _row_logsumexp(logits, n, L)
-        label = labels[n]
-        if label < 0 or label >= L:        # refused on the host, except inside a graph
-            acc += math.nan
-        else:
-            acc += lse[n] - logits[n, label]
+        acc += _row_nll(logits, labels, n, L, lse)
     total = block_sum(buf, acc)
     if cuda.threadIdx.x == 0:
         out[0] = total * scale
