@@ -17,7 +17,8 @@
 #              (what the stub leaves out, beside the bench table's real figures)
 #   profile    benchmarks/gpu_profile.py: where the host time of a call goes
 #   memcheck   compute-sanitizer memcheck on every fused op and a few training steps
-#   racecheck  compute-sanitizer racecheck and synccheck on every fused op
+#   racecheck  compute-sanitizer racecheck and synccheck on every fused op; racecheck on a
+#              few training steps (cross-entropy's one-block forward, the optimizer)
 #
 # The device image lacks what numba-cuda needs (NumPy < 2.5): carry the wheels in .whl/
 # (see docs/benchmarks.md#gpu) and they are installed into /tmp/site first. Each section runs
@@ -111,8 +112,9 @@ SAN="${SANITIZER:-compute-sanitizer} --error-exitcode 9 --print-limit 20"
 # invalid device ordinal: see docs/benchmarks.md#gpu; so the two run whatever the first's status)
 section memcheck 90 bash -c "$SAN --tool memcheck python3 benchmarks/gpu_sanitize.py ops;
     $SAN --tool memcheck python3 benchmarks/gpu_sanitize.py train"
-section racecheck 90 bash -c "$SAN --tool racecheck python3 benchmarks/gpu_sanitize.py ops &&
-    $SAN --tool synccheck python3 benchmarks/gpu_sanitize.py ops"
+section racecheck 120 bash -c "$SAN --tool racecheck python3 benchmarks/gpu_sanitize.py ops &&
+    $SAN --tool synccheck python3 benchmarks/gpu_sanitize.py ops &&
+    $SAN --tool racecheck python3 benchmarks/gpu_sanitize.py train"
 
 echo "=== gpu_check: $(( SECONDS - START )) s in all" | tee -a "$SUMMARY"
 echo; echo "################ SUMMARY"; cat "$SUMMARY"
