@@ -37,7 +37,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+# TREE=/another/checkout: that tree's numbafuse under this script's measurements (a pair of
+# commits measured alike on one machine, as in benchmarks/gpu_check.sh's pair section)
+ROOT = os.environ.get("TREE", os.path.dirname(HERE))
 sys.path.insert(0, HERE)  # for _report
 import _report  # noqa: E402
 
@@ -57,6 +59,9 @@ SMOKE = dict(conv=[((1, 2, 4, 4), (2, 2, 3, 3), dict(padding=1))],
              launch=dict(threads=8, max_blocks=3, reduce_blocks=3, dw_target_blocks=1))
 # --quick: the figures of one short GPU call (benchmarks/gpu_check.sh): fewer repeats and steps
 QUICK = dict(FULL, repeats=15, call_repeats=3, steps=20, calls=100)
+# --calls: the per-call and training-step figures alone, prepared launches only (a process
+# pair in a few seconds, for alternating two trees: gpu_check.sh's pair section)
+CALLS = dict(QUICK, conv=[], bn=[], copy_mib=0, matmul=0, numba_launch=False)
 WARMUP = 3          # calls before timing (1 with --smoke)
 
 
@@ -164,7 +169,8 @@ def numbafuse_worker(cfg, path=None):
     yb = dev(rng.integers(0, 10, d["batch"]))
     # every per-call and training-step figure with numbafuse's prepared launches, and with
     # numba's own launch for comparison (the simulator has numba's alone)
-    for mode in (("prepared", "numba") if not nfcuda.SIMULATOR else ("numba",)):
+    modes = ("prepared", "numba") if cfg.get("numba_launch", True) else ("prepared",)
+    for mode in (modes if not nfcuda.SIMULATOR else ("numba",)):
         cuda_config.launch = mode
         tag = NUMBA_LAUNCH if mode == "numba" and not nfcuda.SIMULATOR else ""
         out.measure("calls", "conv_bias_relu forward" + tag, lambda: best_per_call(
@@ -218,7 +224,8 @@ def numbafuse_worker(cfg, path=None):
         n_copy = max(1, int(cfg["copy_mib"] * 2**20 // 4))
         src, dst = dev(np.ones(n_copy, np.float32)), nfcuda.empty(n_copy, np.float32)
         return 2 * src.nbytes / (events(lambda: dst.copy_to_device(src)) * 1e-3) / 1e9
-    out.measure(None, "copy_gbs", copy_rate)
+    if cfg["copy_mib"]:
+        out.measure(None, "copy_gbs", copy_rate)
     for x_shape, w_shape, kw in cfg["conv"]:
         def conv_times(x_shape=x_shape, w_shape=w_shape, kw=kw):
             xs = dev(rng.standard_normal(x_shape).astype(np.float32))
@@ -332,7 +339,8 @@ def torch_worker(cfg, path=None):
         n_copy = max(1, int(cfg["copy_mib"] * 2**20 // 4))
         src, dst = torch.ones(n_copy, **dev), torch.empty(n_copy, **dev)
         return 2 * src.nbytes / (events(lambda: dst.copy_(src)) * 1e-3) / 1e9
-    out.measure(None, "copy_gbs", copy_rate)
+    if cfg["copy_mib"]:
+        out.measure(None, "copy_gbs", copy_rate)
     if cfg["matmul"]:
         def matmul_rate():
             a = torch.randn(cfg["matmul"], cfg["matmul"], **dev)
@@ -475,12 +483,22 @@ def tables(nf, pt, command, cfg):
     for key, t in list(nf.get("steps", {}).items()) + list(pt.get("steps", {}).items()):
         lines.append(f"| {key} | {t * 1e3:.3f} | {_ratio(t, eager)} |")
     copy = nf.get("copy_gbs") or pt.get("copy_gbs")
-    lines += ["", f"numbafuse's pool after the run: {nf.get('memory')}", "",
-              "Copy ceiling (bytes read + written): "
-              + ", ".join(f"{who} process {r['copy_gbs']:.0f} GB/s"
-                          for who, r in (("numbafuse", nf), ("PyTorch", pt)) if "copy_gbs" in r)
-              + (f"; FP32 matmul (TF32 off) {pt['matmul_gflops'] / 1e3:.1f} TFLOP/s"
-                 if "matmul_gflops" in pt else "") + ".", ""]
+    lines += ["", f"numbafuse's pool after the run: {nf.get('memory')}", ""]
+    if cfg["conv"] or cfg["bn"]:
+        lines += _kernel_tables(nf, pt, cfg, copy)
+    errors = {**{f"numbafuse: {k}": v for k, v in nf.get("errors", {}).items()},
+              **{f"PyTorch: {k}": v for k, v in pt.get("errors", {}).items()}}
+    if errors:
+        lines += ["", "Failed measurements:", ""] + [f"- {k}: `{v}`" for k, v in errors.items()]
+    return lines
+
+
+def _kernel_tables(nf, pt, cfg, copy):
+    lines = ["Copy ceiling (bytes read + written): "
+             + ", ".join(f"{who} process {r['copy_gbs']:.0f} GB/s"
+                         for who, r in (("numbafuse", nf), ("PyTorch", pt)) if "copy_gbs" in r)
+             + (f"; FP32 matmul (TF32 off) {pt['matmul_gflops'] / 1e3:.1f} TFLOP/s"
+                if "matmul_gflops" in pt else "") + ".", ""]
     # conv: numbafuse against cuDNN, both modes
     lines += ["Conv-Bias-ReLU, float32 NCHW (CUDA events, median): time and TFLOP/s "
               "(fwd: 2NKPQCRS; fwd+bwd: 3x that), and cuDNN's time over numbafuse's "
@@ -547,10 +565,6 @@ def tables(nf, pt, command, cfg):
                          + (f"{p[0]:.3f} / {p[1]:.3f}" if p else "n/a") + " | "
                          + (f"{_ratio(p[0], f[2])} / {_ratio(p[1], f[3])}" if p else "")
                          + f" | {share} |")
-    errors = {**{f"numbafuse: {k}": v for k, v in nf.get("errors", {}).items()},
-              **{f"PyTorch: {k}": v for k, v in pt.get("errors", {}).items()}}
-    if errors:
-        lines += ["", "Failed measurements:", ""] + [f"- {k}: `{v}`" for k, v in errors.items()]
     return lines
 
 
@@ -559,6 +573,8 @@ def main(argv=None):
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny shapes (simulator check)")
     mode.add_argument("--quick", action="store_true", help="fewer repeats (one short GPU call)")
+    mode.add_argument("--calls", action="store_true",
+                      help="the per-call and training-step figures alone (--quick's repeats)")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3; "
                    "2 with --quick, 1 with --smoke)")
     p.add_argument("--worker-timeout", type=float, default=None, metavar="S",
@@ -568,8 +584,9 @@ def main(argv=None):
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--results", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    cfg = dict(smoke=SMOKE, quick=QUICK, full=FULL)[mode]
+    mode = ("smoke" if args.smoke else "quick" if args.quick else "calls" if args.calls
+            else "full")
+    cfg = dict(smoke=SMOKE, quick=QUICK, calls=CALLS, full=FULL)[mode]
     if args.worker:
         global WARMUP
         WARMUP = 1 if args.smoke else WARMUP
@@ -579,7 +596,7 @@ def main(argv=None):
                 json.dump(out, f)
         return
     nf, pt = {}, {}
-    rounds = args.rounds or dict(smoke=1, quick=2, full=3)[mode]
+    rounds = args.rounds or dict(smoke=1, quick=2, calls=2, full=3)[mode]
     for _ in range(rounds):
         _best(nf, run_worker("numbafuse", mode, args.worker_timeout))
         if not pt.get("skipped"):

@@ -6,13 +6,16 @@
 #   env        the card, driver and versions
 #   precompile every CUDA kernel compiled once, in parallel, into NUMBA_CACHE_DIR; then a
 #              second process times a warm start (conv fwd+bwd and batch norm, from the cache)
-#   probe      benchmarks/gpu_probe.py: batch norm's time per kernel; what graph capture allows
+#   probe      benchmarks/gpu_probe.py ${GPU_CHECK_PROBE:-knobs} (GPU_CHECK_PROBE="tiles_nhwc":
+#              the conv tilings; its limit GPU_CHECK_PROBE_SECONDS, default 60)
 #   cache      every fused op in a new process, twice: the second must compile nothing
 #   tests      the CUDA tests for real (pytest -m cuda, several processes)
 #   torch      numbafuse.torch on CUDA tensors against torch's own ops
 #   train      python -m numbafuse.train on the GPU, eager and with --cuda-graph (3 epochs of
 #              the digits, constant learning rate): accuracy and ms per step of each
 #   bench      benchmarks/bench_gpu.py --quick (numbafuse and PyTorch each in its own process)
+#   pair       with GPU_CHECK_BASE=<another checkout in the tree>: benchmarks/gpu_pair.py, the
+#              per-call and training-step rows of both trees, alternating processes
 #   hostpath   benchmarks/host_path.py: the same calls' host time with the device stubbed out
 #              (what the stub leaves out, beside the bench table's real figures)
 #   profile    benchmarks/gpu_profile.py: where the host time of a call goes
@@ -23,7 +26,10 @@
 # The device image lacks what numba-cuda needs (NumPy < 2.5): carry the wheels in .whl/
 # (see docs/benchmarks.md#gpu) and they are installed into /tmp/site first. Each section runs
 # under its own time limit inside one overall budget (GPU_CHECK_SECONDS, default 540); a failing
-# section loses nothing else; GPU_CHECK_SKIP="torch racecheck" leaves sections out. In $OUT:
+# section loses nothing else; GPU_CHECK_SKIP="torch racecheck" leaves sections out.
+# GPU_CHECK_TEST_PATHS: test files for the tests section (default: every CUDA test);
+# GPU_CHECK_RACE="train": the racecheck section on the training steps alone (default "ops
+# train"). In $OUT:
 # sections.log (every section's output in turn), summary.txt (what is printed last),
 # bench_gpu.md and bench_gpu.json.
 set -u
@@ -85,7 +91,8 @@ y = nf.conv_bias_relu(x, w, padding=1); g = nf.conv_bias_relu_backward(y, x, w, 
 y2 = nf.batchnorm_add_relu(x, x, c.to_device(np.ones(16, np.float32)), c.to_device(np.zeros(16, np.float32)))
 c.numba_cuda.synchronize(); print(f"warm import + conv fwd/bwd + batch norm: {time.perf_counter() - t0:.2f} s")'
 
-TAIL=20 section probe 60 python3 benchmarks/gpu_probe.py knobs
+TAIL=20 section probe "${GPU_CHECK_PROBE_SECONDS:-60}" python3 benchmarks/gpu_probe.py \
+    ${GPU_CHECK_PROBE:-knobs}
 
 # the disk cache: a second process running every fused op must load every kernel (compile
 # none); NUMBA_DEBUG_CACHE prints "[cache] data saved to ..." for each kernel compiled
@@ -93,7 +100,8 @@ section cache 60 bash -c 'for run in first second; do
     NUMBA_DEBUG_CACHE=1 python3 benchmarks/gpu_sanitize.py ops > /tmp/cache_$run.log 2>&1;
     echo "$run process: $(grep -c "data saved" /tmp/cache_$run.log) kernels compiled and saved," \
          "$(grep -c "data loaded" /tmp/cache_$run.log) loaded"; done'
-TAIL=12 section tests 200 python3 -m pytest -m cuda -q -n "${GPU_CHECK_TEST_PROCESSES:-8}" -p no:cacheprovider \
+TAIL=12 section tests 200 python3 -m pytest ${GPU_CHECK_TEST_PATHS:-} -m cuda -q \
+    -n "${GPU_CHECK_TEST_PROCESSES:-8}" -p no:cacheprovider \
     --timeout 120 --maxfail 40 --durations 10 -W ignore::DeprecationWarning
 section torch 60 python3 benchmarks/gpu_sanitize.py torch
 TAIL=4 section train 90 bash -c 'for graph in "" --cuda-graph; do
@@ -103,6 +111,12 @@ TAIL=4 section train 90 bash -c 'for graph in "" --cuda-graph; do
 TAIL=80 section bench 220 python3 benchmarks/bench_gpu.py --quick --worker-timeout 180 \
     --rounds "${GPU_CHECK_BENCH_ROUNDS:-2}" \
     --markdown "$OUT/bench_gpu.md" --json "$OUT/bench_gpu.json"
+# this tree against another checkout carried in the tree (GPU_CHECK_BASE=.base, made by
+# `git archive <rev> | tar -x -C .base`): per-call and training-step figures, alternating
+if [ -n "${GPU_CHECK_BASE:-}" ]; then
+    TAIL=30 section pair 200 python3 benchmarks/gpu_pair.py --base "$GPU_CHECK_BASE" \
+        --rounds "${GPU_CHECK_PAIR_ROUNDS:-3}" --jobs "$JOBS"
+fi
 TAIL=6 section hostpath 60 python3 benchmarks/host_path.py --rounds 3
 TAIL=4 section profile 60 bash -c 'python3 benchmarks/gpu_profile.py --calls 100 && python3 benchmarks/gpu_profile.py --calls 100 --sort cumtime --top 30'
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
@@ -112,9 +126,12 @@ SAN="${SANITIZER:-compute-sanitizer} --error-exitcode 9 --print-limit 20"
 # invalid device ordinal: see docs/benchmarks.md#gpu; so the two run whatever the first's status)
 section memcheck 90 bash -c "$SAN --tool memcheck python3 benchmarks/gpu_sanitize.py ops;
     $SAN --tool memcheck python3 benchmarks/gpu_sanitize.py train"
-section racecheck 120 bash -c "$SAN --tool racecheck python3 benchmarks/gpu_sanitize.py ops &&
-    $SAN --tool synccheck python3 benchmarks/gpu_sanitize.py ops &&
-    $SAN --tool racecheck python3 benchmarks/gpu_sanitize.py train"
+RACE="${GPU_CHECK_RACE:-ops train}"
+section racecheck 120 bash -c "set -e; if [[ ' $RACE ' == *' ops '* ]]; then
+    $SAN --tool racecheck python3 benchmarks/gpu_sanitize.py ops;
+    $SAN --tool synccheck python3 benchmarks/gpu_sanitize.py ops; fi;
+    if [[ ' $RACE ' == *' train '* ]]; then
+    $SAN --tool racecheck python3 benchmarks/gpu_sanitize.py train; fi"
 
 echo "=== gpu_check: $(( SECONDS - START )) s in all" | tee -a "$SUMMARY"
 echo; echo "################ SUMMARY"; cat "$SUMMARY"

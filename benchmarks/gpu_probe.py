@@ -367,9 +367,11 @@ def tiles(layout="NCHW"):
                         row.append(f"{label(tile)} failed: {exc}")
                     finally:
                         config.tile_override = None
+                cols = {"fwd": geom.K, "dx": geom.C, "dw": None}[kind]
+                chosen = config.conv_tile(kind, np.float32, cols, layout)
                 print(f"tiles {layout} {x_shape} {w_shape} {kw} {kind}: cuDNN FP32 "
                       f"{cudnn * 1e3:.1f} us ({flops / cudnn / 1e9:.1f} TFLOP/s) | "
-                      + " | ".join(row), flush=True)
+                      + " | ".join(row) + f" | production: {label(chosen)}", flush=True)
             except Exception:
                 traceback.print_exc()
 

@@ -5,7 +5,8 @@ by numba to PTX, assembled by ``ptxas -arch=sm_90 -O3`` and disassembled by ``cu
 (``numbafuse/testing/cuda_sass.py``). Checks:
 
 - every kernel: no register spills, no stack frame, no local-memory traffic (a
-  ``cuda.local.array`` that did not become registers);
+  ``cuda.local.array`` that did not become registers), but for a spill measured faster and
+  kept (``SPILLS_MEASURED``: no more than its bytes);
 - every non-GEMM kernel (batch norm, reductions, elementwise, ...): no 64-bit integer
   division call inside a loop (Python-semantics ``//``/``%`` on int64 is a subroutine);
 - every GEMM kernel (``GEMM_KERNELS``): its multiply-add loop (the loop with the most
@@ -51,7 +52,8 @@ def _cases():
     if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
         return []
     from numbafuse.kernels import catalog
-    return [pytest.param(k, s, g, _gated(n), id=n) for n, k, s, g in catalog.cases()]
+    return [pytest.param(k, s, g, _gated(n), SPILLS_MEASURED.get(n, 0), id=n)
+            for n, k, s, g in catalog.cases()]
 
 
 def _gated(name):
@@ -70,10 +72,20 @@ def _report(kernel, signature):
     return _REPORTS[key]
 
 
-def check(report, is_gemm, gated=False):
+# Spills measured and kept, by kernel (bytes of spill stores, loads and stack each): dw in NHWC
+# at 128 x 64 x 16 capped to two blocks per SM spills 12 bytes and beat the unspilled
+# 128 x 64 x 8 by 8-15% at every benchmark shape (run 12, config.CONV_TILES_NHWC's comment)
+SPILLS_MEASURED = {"conv.gemm_dw_nhwc_32[f32]": 16}
+
+
+def check(report, is_gemm, gated=False, spill_allowed=0):
     """The list of problems of one kernel's report (empty: it passes)."""
     problems = []
-    if report.spills or report.stack or report.local_memory_ops:
+    if spill_allowed:
+        if max(report.spill_stores, report.spill_loads, report.stack) > spill_allowed:
+            problems.append(f"spills {report.spill_stores}+{report.spill_loads} B, stack "
+                            f"{report.stack} B: more than the {spill_allowed} B measured")
+    elif report.spills or report.stack or report.local_memory_ops:
         problems.append(f"spills {report.spill_stores}+{report.spill_loads} B, stack "
                         f"{report.stack} B, {report.local_memory_ops} LDL/STL")
     if is_gemm:
@@ -110,17 +122,17 @@ def test_tools_and_kernels_are_there():
     _sass()
     from numbafuse.kernels import catalog
     from numbafuse.kernels.cuda import config
-    tiles = [t for d in (config.CONV_TILES, config.CONV_TILES_NARROW, config.CONV_TILES_NHWC)
-             for t in d.values()]
+    tiles = [t for d in (config.CONV_TILES, config.CONV_TILES_NHWC) for t in d.values()]
+    tiles += [t for tiers in config.CONV_TILE_TIERS.values() for _, t in tiers]
     assert {t.threads for t in tiles} == {GEMM_THREADS}  # the register budget's premise
     cases = catalog.cases()
     assert sum(1 for c in cases if c[3]) >= 12          # 3 passes x 2 layouts x 2 dtypes
     assert len(cases) >= 40
 
 
-@pytest.mark.parametrize("kernel,signature,is_gemm,gated", _cases())
-def test_kernel_machine_code(kernel, signature, is_gemm, gated):
-    problems = check(_report(kernel, signature), is_gemm, gated)
+@pytest.mark.parametrize("kernel,signature,is_gemm,gated,spill_allowed", _cases())
+def test_kernel_machine_code(kernel, signature, is_gemm, gated, spill_allowed):
+    problems = check(_report(kernel, signature), is_gemm, gated, spill_allowed)
     assert not problems, "; ".join(problems)
 
 
@@ -160,6 +172,7 @@ def test_the_check_fails_on_planted_regressions():
     f = numba.float32[::1]
     r = sass.analyse(spills, (f, numba.int64), "spills")
     assert any("spills" in p for p in check(r, False))
+    assert any("spills" in p for p in check(r, False, spill_allowed=1))   # past its bytes
     r = sass.analyse(divides, (f, numba.int64), "divides")
     assert any("division" in p for p in check(r, False))
     r = sass.analyse(slow_gemm, (f, f, f, numba.int64), "slow_gemm")

@@ -140,23 +140,31 @@ def test_bias_add_and_channel_sum(layout):
                                **TOL[np.float64])
 
 
-def test_narrow_tiles_take_gemms_of_at_most_narrow_cols_columns(monkeypatch):
-    """fwd (columns: K) and dx (columns: C) of at most NARROW_COLS columns take the narrow
-    float32 tiling; one column more, float64, dw or no column count, the wide one."""
+def test_narrow_tiles_take_gemms_of_at_most_their_columns(monkeypatch):
+    """float32 fwd (columns: K) and dx (columns: C) take each tier's tiling up to its column
+    bound and the next tier's (or the wide one) one column past it; float64, dw or no
+    column count take the wide ones (dw in NHWC its own)."""
     monkeypatch.setattr(config, "tile_override", None)
     f32 = np.float32
-    assert config.NARROW_COLS == {"fwd": 128, "dx": 64}     # as measured (config's comment)
-    for kind in ("fwd", "dx"):
-        n = config.NARROW_COLS[kind]
-        assert config.conv_tile(kind, f32, n) == config.CONV_TILES_NARROW[(kind, "float32")]
-        assert config.conv_tile(kind, f32, 1) == config.CONV_TILES_NARROW[(kind, "float32")]
-        assert config.conv_tile(kind, f32, n + 1) == config.CONV_TILES[(kind, "float32")]
-        assert config.conv_tile(kind, f32) == config.CONV_TILES[(kind, "float32")]
-        assert config.conv_tile(kind, np.float64, n) == config.CONV_TILES[(kind, "float64")]
+    Tile = config.Tile
+    narrow16, narrow8 = Tile(128, 64, 16, 8, 4, 4), Tile(128, 64, 8, 8, 4, 4)
+    expected = {                                      # as measured (config's comment)
+        ("fwd", "NCHW"): [(1, narrow16), (128, narrow16), (129, None)],
+        ("fwd", "NHWC"): [(1, narrow16), (64, narrow16), (65, narrow8), (128, narrow8),
+                          (129, None)],
+        ("dx", "NCHW"): [(1, narrow8), (64, narrow8), (65, None)],
+        ("dx", "NHWC"): [(1, narrow8), (64, narrow8), (65, None)],
+    }
+    for (kind, layout), cases in expected.items():
+        wide = config.CONV_TILES[(kind, "float32")]
+        for cols, tile in cases:
+            assert config.conv_tile(kind, f32, cols, layout) == (tile or wide), (kind, cols)
+        assert config.conv_tile(kind, f32, None, layout) == wide
+        assert config.conv_tile(kind, np.float64, 1, layout) == config.CONV_TILES[
+            (kind, "float64")]
     assert config.conv_tile("dw", f32, 64) == config.CONV_TILES[("dw", "float32")]
-    # dw in NHWC keeps K-steps of 8 (the 16-deep one needs 167 registers there)
-    assert config.conv_tile("dw", f32, None, "NHWC") == config.CONV_TILES_NHWC[("dw", "float32")]
-    assert config.conv_tile("fwd", f32, 64, "NHWC") == config.CONV_TILES_NARROW[("fwd", "float32")]
+    # dw in NHWC: 16-deep at two blocks per SM (its 12-byte spill measured faster)
+    assert config.conv_tile("dw", f32, None, "NHWC") == Tile(128, 64, 16, 8, 4, 4, min_blocks=2)
     assert config.conv_tile("dw", np.float64, None, "NHWC") == config.CONV_TILES[("dw", "float64")]
 
 
@@ -165,8 +173,8 @@ def test_narrow_tiles_take_gemms_of_at_most_narrow_cols_columns(monkeypatch):
 @pytest.mark.parametrize("K, C", [(64, 64), (65, 65), (128, 64), (129, 65)])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_on_either_side_of_the_narrow_tiles(K, C, layout):
-    """float32 fwd, dx and dw at the narrow/wide switches (forward: K = 128 and 129; dx: C =
-    64 and 65)."""
+    """float32 fwd, dx and dw at the tilings' switches (forward: K = 64/65 in NHWC and
+    128/129; dx: C = 64 and 65)."""
     x, w, b, kw, geom = _problem(((2, C, 9, 7), (K, C, 3, 3), 1, 1, 1), layout, np.float32)
     gy = np.random.default_rng(3).standard_normal(geom.y_shape).astype(np.float32)
     y = conv.conv_forward(cuda.to_device(x), cuda.to_device(w), cuda.to_device(b), geom,

@@ -499,16 +499,17 @@ def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
 
 def _production_gemms():
     """Every production GEMM kernel (kind x layout) at the float32 and float64 tilings, and
-    the narrow float32 ones (tag "n")."""
+    the narrow float32 ones by column count (tags "n", "n2": config.CONV_TILE_TIERS)."""
     out = []
     for kind in KINDS:
         for layout in ("NCHW", "NHWC"):
             for dt in ("float32", "float64"):
                 out.append((kind, layout, dt, "", gemm_kernel(kind, layout,
                                                               _tile(kind, dt, layout))))
-                if (kind, dt) in config.CONV_TILES_NARROW:
-                    out.append((kind, layout, dt, "n", gemm_kernel(
-                        kind, layout, _tile(kind, dt, layout, config.NARROW_COLS[kind]))))
+            tiers = config.CONV_TILE_TIERS.get((kind, layout), ())
+            for i, (most, _) in enumerate(tiers):
+                out.append((kind, layout, "float32", "n" + (str(i + 1) if i else ""),
+                            gemm_kernel(kind, layout, _tile(kind, "float32", layout, most))))
     return out
 
 

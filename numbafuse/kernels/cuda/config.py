@@ -60,22 +60,34 @@ CONV_TILES = {
     ("dx", "float64"): Tile(64, 64, 8, 4, 4, 2),
     ("dw", "float64"): Tile(64, 64, 8, 4, 4, 2),
 }
-# A GEMM with at most NARROW_COLS[pass] columns (forward: K filters; dx: C input channels)
-# takes the narrow float32 tiling: with 64 columns a 128 x 128 tile wastes half its
-# multiply-adds (three of the four benchmark shapes have K = 64). Measured (run 10, H100,
-# graph-replayed device time per pass): the forward's 128 x 64 x 16 was the fastest tiling at
-# all four shapes, K = 128 included (stride 2: 262 us against 335 for 128 x 128 x 8), so the
-# forward takes it up to 128 columns; dx's 128 x 64 x 8 was fastest at C = 64 only (at C = 128
-# and 256 the wide tiling was, by 19% and 11%).
-NARROW_COLS = {"fwd": 128, "dx": 64}
-CONV_TILES_NARROW = {
-    ("fwd", "float32"): Tile(128, 64, 16, 8, 4, 4),
-    ("dx", "float32"): Tile(128, 64, 8, 8, 4, 4),
+# float32 GEMMs of few output columns (forward: K filters; dx: C input channels) take narrow
+# tilings: with 64 columns a 128 x 128 tile wastes half its multiply-adds (three of the four
+# benchmark shapes have K = 64). CONV_TILE_TIERS[(pass, layout)]: ((most columns, tiling),
+# ...) in rising order, the first whose bound holds; past the last, the wide tiling. Measured
+# (graph-replayed device time per pass, `benchmarks/gpu_probe.py tiles` / `tiles_nhwc`):
+# - NCHW (run 10, H100): the forward's 128 x 64 x 16 was the fastest tiling at all four
+#   shapes, K = 128 included (stride 2: 262 us against 335 for 128 x 128 x 8); dx's 128 x 64
+#   x 8 was fastest at C = 64 only (at C = 128 and 256 the wide tiling was, by 19% and 11%).
+# - NHWC (run 12, H200): the forward's 128 x 64 x 16 at K = 64 with 3 x 3 filters (289 and
+#   101 us against 297 and 113 for 128 x 64 x 8; at the 1 x 1 shape 166 against 156), but at
+#   K = 128 (stride 2) 375 us against 290 for 128 x 64 x 8 (80 registers, three blocks per
+#   SM; the 16-deep one has 127, two): so 16-deep up to 64 filters, 8-deep up to 128. dx as
+#   in NCHW (128 x 64 x 8 fastest at C = 64 on (32, 64, 56, 56); the wide one at C = 128, 256).
+NARROW_16 = Tile(128, 64, 16, 8, 4, 4)
+NARROW_8 = Tile(128, 64, 8, 8, 4, 4)
+CONV_TILE_TIERS = {
+    ("fwd", "NCHW"): ((128, NARROW_16),),
+    ("fwd", "NHWC"): ((64, NARROW_16), (128, NARROW_8)),
+    ("dx", "NCHW"): ((64, NARROW_8),),
+    ("dx", "NHWC"): ((64, NARROW_8),),
 }
-# Where a layout's loaders need other tilings: dw in NHWC at 128 x 64 x 16 takes 167
-# registers (one block per SM; capped at 128 by ptxas it spills), so it keeps K-steps of 8.
+# Where a layout's loaders need other wide tilings: dw in NHWC at 128 x 64 x 16 takes 167
+# registers alone (one block per SM); with two blocks per SM asked of ptxas (min_blocks=2) it
+# takes 128 and spills 12 bytes (3 local loads/stores in a K-step of 512 FMA), and measured
+# faster than the 128 x 64 x 8 it replaces at all four benchmark shapes (run 12, H200: 576,
+# 230, 342, 554 us against 675, 249, 389, 617; tests/test_sass.py allows that spill by name).
 CONV_TILES_NHWC = {
-    ("dw", "float32"): Tile(128, 64, 8, 8, 4, 4),
+    ("dw", "float32"): Tile(128, 64, 16, 8, 4, 4, min_blocks=2),
 }
 # Tests shrink every conv tiling to this one (the simulator runs each thread in Python).
 TINY_TILE = Tile(8, 8, 4, 2, 2, 2)
@@ -97,8 +109,10 @@ def conv_tile(kind: str, dtype, cols: int | None = None, layout: str = "NCHW") -
     if name is None:              # (NumPy's dtype.name is Python code: kept per dtype)
         name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
     key = (kind, name)
-    if cols is not None and key in CONV_TILES_NARROW and cols <= NARROW_COLS[kind]:
-        return CONV_TILES_NARROW[key].check()
+    if cols is not None and name == "float32":
+        for most, tile in CONV_TILE_TIERS.get((kind, layout), ()):
+            if cols <= most:
+                return tile.check()
     if layout == "NHWC" and key in CONV_TILES_NHWC:
         return CONV_TILES_NHWC[key].check()
     return CONV_TILES[key].check()
