@@ -1,6 +1,6 @@
 """Questions for a lent GPU that the other scripts do not ask; each part isolated, printed.
 
-    python benchmarks/gpu_probe.py [bn] [knobs] [graph] [tiles] [tiles_nhwc]
+    python benchmarks/gpu_probe.py [bn] [knobs] [graph] [tiles] [tiles_nhwc] [labels]
 
 ``bn``: where batch norm's forward time goes, per kernel: device time by CUDA events of the
 statistics kernel alone, the apply alone and the whole op, and the host time of a call
@@ -19,6 +19,9 @@ float32; ``tiles_nhwc``: the same in NHWC against cuDNN on channels_last tensors
 of CUDA events) under each tiling of ``TILE_VARIANTS``, beside cuDNN's FP32 time for the same
 pass (torch.nn.functional.conv2d and torch.nn.grad, TF32 off). The variants compile first, in
 parallel processes, into Numba's disk cache.
+
+``labels``: the eager digits training step with the cross-entropy label check (a flag kernel
+and a 4-byte read back, which waits for the forward) and without it, alternating.
 
 ``graph``: what CUDA graph capture through cuda.core allows with numbafuse's launches and
 pool: a prepared launch captured into a GraphBuilder and replayed; which calls a capture in
@@ -376,12 +379,45 @@ def tiles(layout="NCHW"):
                 traceback.print_exc()
 
 
+def labels(rounds=5, steps=20):
+    """What the cross-entropy label check's host read costs an eager training step: the
+    digits step (fused, bench_gpu's model and batch) timed as bench_gpu times it (20 steps,
+    one synchronization at the end), with the check as it is (a flag kernel and a 4-byte
+    read, which waits for the forward's kernels) and with ``count_bad_labels`` replaced by
+    ``0`` (no launch, no read), alternating, best of ``rounds``."""
+    import numpy as np
+    from numbafuse import cuda as nfcuda, models, optim
+    from numbafuse.kernels.basic import cuda as basic_cuda
+    from numbafuse.train import train_step
+    from bench_gpu import DIGITS
+    cuda = nfcuda.numba_cuda
+    rng = np.random.default_rng(0)
+    model = models.make_model("fused").to("cuda")
+    opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    xb = nfcuda.to_device(rng.standard_normal((DIGITS["batch"], 8, 8, 1)).astype(np.float32))
+    yb = nfcuda.to_device(rng.integers(0, 10, DIGITS["batch"]))
+    real = basic_cuda.count_bad_labels
+    best = {"with the check": [], "without it": []}
+    try:
+        for _ in range(rounds):
+            for name, check in (("with the check", real),
+                                ("without it", lambda labels, L: 0)):
+                basic_cuda.count_bad_labels = check
+                best[name].append(_host(cuda, lambda: train_step(model, opt, xb, yb),
+                                        steps)[1])
+    finally:
+        basic_cuda.count_bad_labels = real
+    for name, times in best.items():
+        print(f"labels: digits step (fused) {name}: best {min(times):.1f} us of "
+              f"{', '.join(f'{t:.0f}' for t in times)}", flush=True)
+
+
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["bn", "knobs", "graph"]
     for part in parts:
         print(f"#### {part}", flush=True)
         try:
-            {"bn": bn, "knobs": knobs, "graph": graph, "tiles": tiles,
+            {"bn": bn, "knobs": knobs, "graph": graph, "tiles": tiles, "labels": labels,
              "tiles_nhwc": lambda: tiles("NHWC")}[part]()
         except Exception:
             traceback.print_exc()
