@@ -202,24 +202,28 @@ def _forward_nchw(t0, t1, x, w, b, relu, geo, Wph, y):
 
 
 @task_kernel(fastmath=FMA)
-def _forward_nchw_tiled(t0, t1, x, w, b, relu, geo, Wpt, aoff, wide, y):
+def _forward_nchw_tiled(t0, t1, x, w, wrep, brep, relu, geo, Wpt, aoff, wide, y):
     # float32, any multiplier: the register tiles of cpu_depthwise_tiles with the output
     # columns on the vector lanes. Task t: input plane (n, c) = divmod(t, C), split into its
     # sh*sw phases (zero-padded, rows of Wpt >= Qv + the widest tap's column offset, Qv = Q
     # rounded up to 8); output row p of filter k sums, over the taps in (r, s) order, phase
-    # row p at the tap's offset times w[k, r, s] on every lane (a tap's weight repeated Qv
-    # times), then the bias and ReLU: Qv columns in registers, Q of them stored (the others
-    # read padding and are dropped). The sums and their order are _forward_nchw's.
-    # aoff: (R*S,) int64 element offset of each tap from a row of phase 0.
+    # row p at the tap's offset times w[k, r, s] on every lane, then the bias and ReLU: Qv
+    # columns in registers, Q of them stored. The sums and their order are _forward_nchw's.
+    # wrep: (K, R*S, Qv) each tap's weight on every lane; brep: (K, Qv) the bias likewise
+    # (made once a call, _lanes). aoff: (R*S,) int64 element offset of each tap from a row of
+    # phase 0. 7x7 taps at stride 1 or 2 (AVX-512) run cpu_depthwise_tiles.depthwise_rows7
+    # instead (each load shared by the output rows it reaches; w: (K, 49) the weights).
+    # Where Qv is one panel, rows 0..P-2 are stored into y itself with row stride
+    # Q: a row's Qv - Q extra lanes (<= 7 <= Q) land on the next row's first columns, which
+    # that row's store (later, in row order) overwrites; the last row goes through acc (its
+    # extra lanes would land on another plane, another task's). Q == Qv: every row into y.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     M = K // C
     Qv = (Q + 7) // 8 * 8
     T = R * S
     xph = np.zeros((sh * sw, (P + (R - 1) * dh // sh + 1) * Wpt), np.float32)  # padding
     acc = np.empty((P, Qv), np.float32)
-    wrep = np.empty((T, Qv), np.float32)                              # tap t on every lane
     woff = np.empty(T, np.int64)
-    brep = np.empty(Qv, np.float32)
     rows = np.empty(P, np.int64)
     for i in range(T):
         woff[i] = i * Qv
@@ -227,28 +231,63 @@ def _forward_nchw_tiled(t0, t1, x, w, b, relu, geo, Wpt, aoff, wide, y):
         rows[p] = np.int64(xph.ctypes.data) + 4 * p * Wpt
     pr, pa, pwo = np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data), \
         np.int64(woff.ctypes.data)
-    pwr, pacc, pb = np.int64(wrep.ctypes.data), np.int64(acc.ctypes.data), \
-        np.int64(brep.ctypes.data)
+    pacc = np.int64(acc.ctypes.data)
     rel = np.int64(relu)
     direct = Q == Qv                    # whole vectors: the tiles store into y itself
+    # Q >= Qv - Q: a row's extra lanes stay inside the next row; Qv one panel of the tiles
+    # (panels run one after the other over all rows: a second panel's extra lanes would land
+    # on columns the first panel stored already)
+    rows7 = wide and R == 7 and S == 7 and sh == sw and sh <= 2 and dh == 1 and dw == 1
+    plane = (P + (R - 1) * dh // sh + 1) * Wpt                        # a phase plane's size
+    one_panel = (Qv == 8 or Qv == 16 or Qv == 32) if rows7 else \
+        _gemm_taps.panel(wide, Qv) == Qv
+    overlap = not direct and P >= 2 and 2 * Q >= Qv and one_panel
     for t in range(t0, t1):
         n, c = t // C, t % C
         _split_phases(x[n, c], ph, pw, sh, sw, Wpt, xph)
         for k in range(c * M, c * M + M):
-            for r in range(R):
-                for s in range(S):
-                    v = w[k, r, s]
-                    for j in range(Qv):
-                        wrep[r * S + s, j] = v
-            for j in range(Qv):
-                brep[j] = b[k]
+            pwr, pb = np.int64(wrep[k].ctypes.data), np.int64(brep[k].ctypes.data)
+            pws = np.int64(w[k].ctypes.data)
             yp = y[n, k]
-            pc = np.int64(yp.ctypes.data) if direct else pacc
-            _tiles.depthwise_taps(P, Qv, T, pr, pa, pwo, pwr, pc, Qv, pb, rel, wide)
-            if not direct:
-                for p in range(P):
-                    for q in range(Q):
-                        yp[p, q] = acc[p, q]
+            py = np.int64(yp.ctypes.data)
+            if direct:
+                _forward_rows(rows7, P, Qv, T, pr, rows[0], pa, pwo, pwr, pws, Wpt, plane,
+                              sh, py, Qv, pb, rel, wide)
+                continue
+            last = 0
+            if overlap:                 # rows 0..P-2 into y, the last row through acc
+                _forward_rows(rows7, P - 1, Qv, T, pr, rows[0], pa, pwo, pwr, pws, Wpt,
+                              plane, sh, py, Q, pb, rel, wide)
+                last = P - 1
+            _forward_rows(rows7, P - last, Qv, T, pr + 8 * last, rows[last], pa, pwo, pwr,
+                          pws, Wpt, plane, sh, pacc, Qv, pb, rel, wide)
+            for p in range(last, P):
+                for q in range(Q):
+                    yp[p, q] = acc[p - last, q]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _forward_rows(rows7, m, Qv, T, prp, px, pa, pwo, pwr, pws, Wpt, plane, sh, pc, ldc, pb,
+                  rel, wide):
+    # m output rows of one plane into c (pc, row stride ldc), from the row whose address is
+    # px (prp: its entry in the row table): depthwise_rows7 (7x7, stride sh in both
+    # directions, phase planes of ``plane`` elements) or the general taps
+    if rows7:
+        _tiles.depthwise_rows7(m, Qv, px, Wpt, plane, sh - 1, pws, pc, ldc, pb, rel)
+    else:
+        _tiles.depthwise_taps(m, Qv, T, prp, pa, pwo, pwr, pc, ldc, pb, rel, wide)
+
+
+def _lanes(w, b, geom):
+    """(wrep (K, R*S, Qv), brep (K, Qv)) float32: each tap's weight and each bias on every
+    lane of the NCHW tiles' Qv columns (Q rounded up to 8)."""
+    K, T = geom.K, geom.R * geom.S
+    Qv = (geom.Q + 7) // 8 * 8
+    wrep = np.empty((K, T, Qv), np.float32)
+    wrep[...] = w.reshape(K, T, 1)
+    brep = np.empty((K, Qv), np.float32)
+    brep[...] = b.reshape(K, 1)
+    return wrep, brep
 
 
 def forward(x, w, b, geom, relu):
@@ -274,8 +313,9 @@ def forward(x, w, b, geom, relu):
                    geo, rpc, y, work=work)
     elif np.dtype(x.dtype) == np.float32:
         Wpt = _phase_width(geom, vector=True)
-        launch(_forward_nchw_tiled, N * C, x, w.reshape(K, R, S), np.ascontiguousarray(b),
-               relu, geo, Wpt, _phase_tap_offsets(geom, Wpt), _gemm_taps.WIDE, y, work=work)
+        wrep, brep = _lanes(w, b, geom)
+        launch(_forward_nchw_tiled, N * C, x, w.reshape(K, R * S), wrep, brep, relu, geo, Wpt,
+               _phase_tap_offsets(geom, Wpt), _gemm_taps.WIDE, y, work=work)
     else:
         launch(_forward_nchw, N * C, x, w.reshape(K, R, S), b, relu, geo, _phase_width(geom),
                y, work=work)

@@ -122,6 +122,120 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wi
 
 
 
+# ------------------------------------------------------- NCHW forward, 7x7, stride 1 or 2
+
+ROWS7 = 4          # output rows of one 7x7 tile: at stride 1 10 input rows, each load used by
+                   # up to 4 FMAs
+
+
+def _rows7_tile(rows, nv, width, stride):
+    """The NCHW 7x7 micro-kernel intrinsic (stride 1 or 2 in both directions) for a (rows,
+    width * nv) block of c."""
+    R = S = 7
+
+    @intrinsic
+    def tile(typingctx, px, ldx, plane, pw, c, ldc, bias, relu):
+        """c[o, :width*nv] = relu?(sum over r, s < 7 in (r, s) order of w[7r + s] times the
+        phase plane (r % stride, s % stride)'s row o + r // stride at column s // stride,
+        + bias?) for o < rows: px the address of phase plane 0's row of output row 0 (float32,
+        at the panel's first column), ldx the phase rows' stride and plane the phase planes'
+        (in elements; planes r-phase-major as cpu_phases.split_phases makes them), pw the 49
+        float32 weights, c (row stride ldc), bias (0: none; else one value per lane), relu 0
+        or 1 (all int64). Each phase row's vector at a column offset is loaded once and used
+        by every output row it reaches: at stride 1 4 FMAs a load in the middle of a tile,
+        where depthwise_taps loads one vector per FMA. Each sum is still taken in (r, s)
+        order (the loads go by phase row i, then row phase a, then s; output o's tap r is
+        stride * (i - o) + a: ascending): the same bits as the general tiles."""
+        def codegen(context, builder, signature, args):
+            px, ldx, plane, pw, c, ldc, bias, relu = args
+            V = Vec(builder, width)
+            x, w, c = V.floats(px), V.floats(pw), V.floats(c)
+            acc = V.accumulators(rows, nv)
+            for i in range(rows + (R - 1) // stride):
+                for a in range(stride):
+                    taps_r = [(r, i - r // stride) for r in range(a, R, stride)
+                              if 0 <= i - r // stride < rows]
+                    if not taps_r:
+                        continue
+                    for s in range(S):
+                        phase = a * stride + s % stride
+                        off = builder.add(builder.add(
+                            builder.mul(ir.Constant(_I64, phase), plane),
+                            builder.mul(ir.Constant(_I64, i), ldx)),
+                            ir.Constant(_I64, s // stride))
+                        splats = [V.splat(builder.gep(w, [ir.Constant(_I64, r * S + s)]))
+                                  for r, _ in taps_r]
+                        for v in range(nv):
+                            xv = V.load(x, off, v)
+                            for (r, o), wv in zip(taps_r, splats):
+                                a_ = acc[o][v]
+                                builder.store(builder.call(V._fma, [xv, wv, builder.load(a_)]),
+                                              a_)
+            V.bias_relu(acc, bias, relu)
+            V.store_rows(acc, c, ldc)
+            return context.get_dummy_value()
+
+        return types.void(*([types.int64] * 8)), codegen
+
+    return tile
+
+
+_r7 = {(stride, rows, nv, width): _rows7_tile(rows, nv, width, stride)
+       for stride in (1, 2) for rows in (ROWS7, 1) for nv, width in ((2, 16), (1, 16), (1, 8))}
+_r7w2, _r7w1, _r7n1 = _r7[1, ROWS7, 2, 16], _r7[1, ROWS7, 1, 16], _r7[1, ROWS7, 1, 8]
+_r7w2r, _r7w1r, _r7n1r = _r7[1, 1, 2, 16], _r7[1, 1, 1, 16], _r7[1, 1, 1, 8]
+_r7w2s2, _r7w1s2, _r7n1s2 = _r7[2, ROWS7, 2, 16], _r7[2, ROWS7, 1, 16], _r7[2, ROWS7, 1, 8]
+_r7w2rs2, _r7w1rs2, _r7n1rs2 = _r7[2, 1, 2, 16], _r7[2, 1, 1, 16], _r7[2, 1, 1, 8]
+
+
+@njit(nogil=True, cache=True)
+def depthwise_rows7(m, n, px, ldx, plane, stride2, pw, pc, ldc, pbias, relu):
+    """c (m, n) = relu?(x (*) w + bias?) of a 7x7 depthwise plane at stride 1 (``stride2``
+    0) or 2 (1) in both directions, n columns (a multiple of 8) on AVX-512 lanes in panels
+    of 32, 16 and 8: output row i's tap (r, s) in phase plane (r % stride, s % stride) at
+    row i + r // stride, column s // stride (px: the address of phase plane 0's row 0,
+    float32; ldx, plane: the rows' and planes' strides in elements), the 49 weights at pw,
+    c at pc (row stride ldc), the bias per lane at pbias (0: none). Every argument int64."""
+    j = 0
+    while j < n:
+        rem = n - j
+        cols = 32 if rem >= 32 else 16 if rem >= 16 else 8
+        pxj, pbj = px + 4 * j, pbias + 4 * j if pbias != 0 else 0
+        i = 0
+        while i < m:
+            pxi, pci = pxj + 4 * i * ldx, pc + 4 * (i * ldc + j)
+            full = i + ROWS7 <= m
+            if stride2 == 0:
+                if full:
+                    if cols == 32:
+                        _r7w2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                    elif cols == 16:
+                        _r7w1(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                    else:
+                        _r7n1(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                elif cols == 32:
+                    _r7w2r(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                elif cols == 16:
+                    _r7w1r(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                else:
+                    _r7n1r(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+            elif full:
+                if cols == 32:
+                    _r7w2s2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                elif cols == 16:
+                    _r7w1s2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                else:
+                    _r7n1s2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+            elif cols == 32:
+                _r7w2rs2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+            elif cols == 16:
+                _r7w1rs2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+            else:
+                _r7n1rs2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+            i += ROWS7 if full else 1
+        j += cols
+
+
 # --------------------------------------------------------------------------- dW
 
 DW_TAPS = 5        # taps of one dW tile: 5 x 4 vectors of accumulators, 4 of g
