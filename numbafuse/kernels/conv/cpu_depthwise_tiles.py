@@ -236,6 +236,109 @@ def depthwise_rows7(m, n, px, ldx, plane, stride2, pw, pc, ldc, pbias, relu):
         j += cols
 
 
+# ------------------------------------------------ NHWC forward, 7x7, interior runs of a row
+
+def _rows7_nhwc_tile(rows, nv, width, stride):
+    """The NHWC 7x7 micro-kernel intrinsic (stride 1 or 2 along the row, no dilation) for
+    ``rows`` consecutive output pixels of a row and width * nv channels."""
+    R = S = 7
+
+    @intrinsic
+    def tile(typingctx, px, pix, ldr, pw, ldw, c, ldc, bias, relu):
+        """c[o*ldc:][:width*nv] = relu?(sum over r, s < 7 in (r, s) order of
+        x[r*ldr + (o*stride + s)*pix:][:width*nv] * w[(7r + s)*ldw:][:width*nv] + bias?) for
+        o < rows: px the address of output pixel 0's tap (0, 0) in x (float32, at the panel's
+        first channel), pix and ldr x's pixel and row strides, pw the weights (tap t at
+        t*ldw), c (pixel stride ldc), bias (0: none), relu 0 or 1 (all int64, strides in
+        elements). A tap row's 7 weight vectors are loaded once and each input pixel's
+        vector once for every output pixel it reaches (4 at stride 1 in the middle of a
+        tile): per tap row 10 x and 7 w loads for 28 multiply-adds a vector, where
+        depthwise_taps loads an x vector per multiply-add. Each sum in (r, s) order (input
+        pixel u ascending is s = u - o*stride ascending): the same bits."""
+        def codegen(context, builder, signature, args):
+            px, pix, ldr, pw, ldw, c, ldc, bias, relu = args
+            V = Vec(builder, width)
+            x, w, c = V.floats(px), V.floats(pw), V.floats(c)
+            acc = V.accumulators(rows, nv)
+            for r in range(R):
+                wv = [[V.load(w, builder.mul(ir.Constant(_I64, r * S + s), ldw), v)
+                       for v in range(nv)] for s in range(S)]
+                xr = builder.mul(ir.Constant(_I64, r), ldr)
+                for u in range((rows - 1) * stride + S):
+                    outs = [(o, u - o * stride) for o in range(rows) if 0 <= u - o * stride < S]
+                    off = builder.add(xr, builder.mul(ir.Constant(_I64, u), pix))
+                    for v in range(nv):
+                        xv = V.load(x, off, v)
+                        for o, s_ in outs:
+                            a_ = acc[o][v]
+                            builder.store(builder.call(V._fma, [xv, wv[s_][v],
+                                                                builder.load(a_)]), a_)
+            V.bias_relu(acc, bias, relu)
+            V.store_rows(acc, c, ldc)
+            return context.get_dummy_value()
+
+        return types.void(*([types.int64] * 9)), codegen
+
+    return tile
+
+
+_n7 = {(stride, rows, nv, width): _rows7_nhwc_tile(rows, nv, width, stride)
+       for stride in (1, 2) for rows in (ROWS7, 1) for nv, width in ((2, 16), (1, 16), (1, 8))}
+_n7w2, _n7w1, _n7n1 = _n7[1, ROWS7, 2, 16], _n7[1, ROWS7, 1, 16], _n7[1, ROWS7, 1, 8]
+_n7w2r, _n7w1r, _n7n1r = _n7[1, 1, 2, 16], _n7[1, 1, 1, 16], _n7[1, 1, 1, 8]
+_n7w2s2, _n7w1s2, _n7n1s2 = _n7[2, ROWS7, 2, 16], _n7[2, ROWS7, 1, 16], _n7[2, ROWS7, 1, 8]
+_n7w2rs2, _n7w1rs2, _n7n1rs2 = _n7[2, 1, 2, 16], _n7[2, 1, 1, 16], _n7[2, 1, 1, 8]
+
+
+@njit(nogil=True, cache=True)
+def depthwise_rows7_nhwc(m, n, px, pix, ldr, stride2, pw, ldw, pc, ldc, pbias, relu):
+    """m consecutive output pixels of one NHWC row, every tap inside (an interior run), 7x7
+    taps at stride 1 (``stride2`` 0) or 2 (1) along the row: c[i] = relu?(sum over r, s of
+    x[r*ldr + (i*stride + s)*pix:][:n] * w[(7r + s)*ldw:][:n] + bias?), n channels (a multiple
+    of 8) on AVX-512 lanes in panels of 32, 16 and 8 (px: output pixel 0's tap (0, 0) in x;
+    pw, pc, pbias: addresses of float32, pbias 0 for none; strides in elements). Every
+    argument int64."""
+    step = pix * (2 if stride2 else 1)               # between consecutive outputs' inputs
+    j = 0
+    while j < n:
+        rem = n - j
+        cols = 32 if rem >= 32 else 16 if rem >= 16 else 8
+        pxj, pwj, pbj = px + 4 * j, pw + 4 * j, pbias + 4 * j if pbias != 0 else 0
+        i = 0
+        while i < m:
+            pxi, pci = pxj + 4 * i * step, pc + 4 * (i * ldc + j)
+            full = i + ROWS7 <= m
+            if stride2 == 0:
+                if full:
+                    if cols == 32:
+                        _n7w2(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+                    elif cols == 16:
+                        _n7w1(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+                    else:
+                        _n7n1(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+                elif cols == 32:
+                    _n7w2r(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+                elif cols == 16:
+                    _n7w1r(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+                else:
+                    _n7n1r(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+            elif full:
+                if cols == 32:
+                    _n7w2s2(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+                elif cols == 16:
+                    _n7w1s2(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+                else:
+                    _n7n1s2(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+            elif cols == 32:
+                _n7w2rs2(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+            elif cols == 16:
+                _n7w1rs2(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+            else:
+                _n7n1rs2(pxi, pix, ldr, pwj, ldw, pci, ldc, pbj, relu)
+            i += ROWS7 if full else 1
+        j += cols
+
+
 # --------------------------------------------------------------------------- dW
 
 DW_TAPS = 5        # taps of one dW tile: 5 x 4 vectors of accumulators, 4 of g
