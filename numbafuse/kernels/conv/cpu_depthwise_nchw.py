@@ -1,0 +1,139 @@
+"""The depthwise NCHW float32 forward over the register tiles of ``cpu_depthwise_tiles``
+(any multiplier; ``cpu_depthwise`` launches it and has the loops for every other case, and
+the notation): each task splits an input plane into its stride phases and computes each
+filter's output rows with the output columns on the vector lanes.
+
+    forward_tiled  every tap through ``depthwise_taps`` (a tap's weight repeated on every
+                   lane, one load of x per multiply-add)
+    forward_rows7  7x7 taps at stride 1 or 2 through ``depthwise_rows7`` (a phase row's
+                   vector loaded once for every output row of a tile it reaches); a kernel of
+                   its own, so that its tiles compile only where a 7x7 runs
+
+Both store the rows of a plane into y itself where they can (``_rows_into_y``) and make the
+same sums in the same order as ``cpu_depthwise._forward_nchw``'s plane loops: the same bits.
+"""
+import numpy as np
+from numba import njit
+
+from ..cpu import gemm_taps as _gemm_taps
+from ..cpu.launch import task_kernel
+from . import cpu_depthwise_tiles as _tiles
+from .cpu_phases import split_phases as _split_phases
+
+# a*b + c as one fused multiply-add (one rounding), as cpu_depthwise's loops
+FMA = {"contract"}
+
+
+@task_kernel(fastmath=FMA)
+def forward_tiled(t0, t1, x, wrep, brep, relu, geo, Wpt, aoff, wide, y):
+    # float32, any multiplier: the register tiles of cpu_depthwise_tiles with the output
+    # columns on the vector lanes. Task t: input plane (n, c) = divmod(t, C), split into its
+    # sh*sw phases (zero-padded, rows of Wpt >= Qv + the widest tap's column offset, Qv = Q
+    # rounded up to 8); output row p of filter k sums, over the taps in (r, s) order, phase
+    # row p at the tap's offset times w[k, r, s] on every lane, then the bias and ReLU: Qv
+    # columns in registers, Q of them stored (_rows_into_y: how). The sums and their order
+    # are cpu_depthwise._forward_nchw's. wrep: (K, R*S, Qv) each tap's weight on every lane;
+    # brep: (K, Qv) the bias likewise (made once a call, lanes). aoff: (R*S,) int64 element
+    # offset of each tap from a row of phase 0.
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    M = K // C
+    Qv = (Q + 7) // 8 * 8
+    T = R * S
+    xph, acc, rows = _nchw_buffers(geo, Wpt, Qv)
+    woff = np.empty(T, np.int64)
+    for i in range(T):
+        woff[i] = i * Qv
+    pr, pa, pwo = np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data), \
+        np.int64(woff.ctypes.data)
+    pacc = np.int64(acc.ctypes.data)
+    rel = np.int64(relu)
+    last = _rows_into_y(P, Q, Qv, _gemm_taps.panel(wide, Qv) == Qv)
+    for t in range(t0, t1):
+        n, c = t // C, t % C
+        _split_phases(x[n, c], ph, pw, sh, sw, Wpt, xph)
+        for k in range(c * M, c * M + M):
+            pwr, pb = np.int64(wrep[k].ctypes.data), np.int64(brep[k].ctypes.data)
+            yp = y[n, k]
+            if last > 0:
+                _tiles.depthwise_taps(last, Qv, T, pr, pa, pwo, pwr, np.int64(yp.ctypes.data),
+                                      Q, pb, rel, wide)
+            if last < P:
+                _tiles.depthwise_taps(P - last, Qv, T, pr + 8 * last, pa, pwo, pwr, pacc, Qv,
+                                      pb, rel, wide)
+                _from_acc(acc, last, yp)
+
+
+@task_kernel(fastmath=FMA)
+def forward_rows7(t0, t1, x, w, brep, relu, geo, Wpt, y):
+    # forward_tiled's plane loop for 7x7 taps at stride 1 or 2 in both directions, no
+    # dilation, on AVX-512: cpu_depthwise_tiles.depthwise_rows7 (each phase row's vector
+    # loaded once for every output row of a tile it reaches), the same sums in the same
+    # order. w: (K, 49) the weights. A kernel of its own: its tiles compile only where a
+    # 7x7 runs (~2 s of CPU on machine A).
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    M = K // C
+    Qv = (Q + 7) // 8 * 8
+    xph, acc, rows = _nchw_buffers(geo, Wpt, Qv)
+    plane = xph.shape[1]                                              # a phase plane's size
+    pacc = np.int64(acc.ctypes.data)
+    rel = np.int64(relu)
+    last = _rows_into_y(P, Q, Qv, Qv == 8 or Qv == 16 or Qv == 32)   # its panels: 32, 16, 8
+    for t in range(t0, t1):
+        n, c = t // C, t % C
+        _split_phases(x[n, c], ph, pw, sh, sw, Wpt, xph)
+        for k in range(c * M, c * M + M):
+            pws, pb = np.int64(w[k].ctypes.data), np.int64(brep[k].ctypes.data)
+            yp = y[n, k]
+            if last > 0:
+                _tiles.depthwise_rows7(last, Qv, rows[0], Wpt, plane, sh - 1, pws,
+                                       np.int64(yp.ctypes.data), Q, pb, rel)
+            if last < P:
+                _tiles.depthwise_rows7(P - last, Qv, rows[last], Wpt, plane, sh - 1, pws, pacc,
+                                       Qv, pb, rel)
+                _from_acc(acc, last, yp)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _nchw_buffers(geo, Wpt, Qv):
+    # a task's phase buffer (zero padding written once), its (P, Qv) accumulator rows and
+    # the addresses of phase 0's P rows (int64)
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    xph = np.zeros((sh * sw, (P + (R - 1) * dh // sh + 1) * Wpt), np.float32)
+    rows = np.empty(P, np.int64)
+    for p in range(P):
+        rows[p] = np.int64(xph.ctypes.data) + 4 * p * Wpt
+    return xph, np.empty((P, Qv), np.float32), rows
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _rows_into_y(P, Q, Qv, one_panel):
+    # how many of a plane's output rows the tiles store into y itself (row stride Q), the
+    # rest going through the accumulator rows: all where Q == Qv; else, where Qv is one
+    # panel of the tiles and Q >= Qv - Q, all but the last: a row's Qv - Q extra lanes land
+    # on the next row's first columns, which that row's store (later, in row order)
+    # overwrites; the last row's would land on another plane, another task's. (Panels run
+    # one after the other over all rows: a second panel's extra lanes would land on columns
+    # the first stored already.)
+    if Q == Qv:
+        return P
+    if one_panel and P >= 2 and 2 * Q >= Qv:
+        return P - 1
+    return 0
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _from_acc(acc, last, yp):
+    # y rows last.. of one plane from the accumulator rows 0..
+    P, Q = yp.shape
+    for p in range(last, P):
+        for q in range(Q):
+            yp[p, q] = acc[p - last, q]
+
+
+def lanes(a, rows, geom):
+    """(rows, Qv) float32: ``a``'s ``rows`` values (a bias: K; weights: K*R*S), each on
+    every lane of the NCHW tiles' Qv columns (Q rounded up to 8); made once a call."""
+    Qv = (geom.Q + 7) // 8 * 8
+    out = np.empty((rows, Qv), np.float32)
+    out[...] = a.reshape(rows, 1)
+    return out
