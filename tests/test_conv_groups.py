@@ -107,10 +107,8 @@ TILED = [((2, 5, 6, 8), (3, 3), dict(padding=1)),
          ((2, 8, 12, 16), (3, 3), dict(stride=(2, 1), padding=2, dilation=(2, 1))),
          ((1, 6, 7, 8), (2, 2), dict(padding=0)),
          ((1, 7, 11, 40), (5, 5), dict(padding=2)),
-         # 7x7 without dilation (AVX-512): the interior runs of full rows through
-         # depthwise_rows7_nhwc (above: 88 channels, panels 32 + 32 + 16 + 8, a run of 8);
-         # stride 2 along the row (runs of 7: a tile of 4 and single pixels), along the
-         # columns only, asymmetric padding
+         # 7x7 at stride 2 (runs of 7: a 4-pixel tile and 3 single ones), stride 2 along
+         # the row or the columns only, asymmetric padding
          ((2, 13, 21, 24), (7, 7), dict(stride=2, padding=3)),
          ((1, 10, 19, 40), (7, 7), dict(stride=(1, 2), padding=(3, 2, 2, 3))),
          ((1, 12, 16, 16), (7, 7), dict(stride=(2, 1), padding=3))]

@@ -202,15 +202,10 @@ def _forward_nchw(t0, t1, x, w, b, relu, geo, Wph, y):
 
 
 def _rows7(geom):
-    """Forwards whose 7x7 tiles share their loads across output rows (NCHW:
-    _nchw.forward_rows7) or pixels (NHWC: the interior runs, cpu_depthwise_nhwc.
-    forward_rows7): 7x7 taps, no dilation, AVX-512; NCHW at stride 1 or 2 in both
-    directions, NHWC at stride 1 or 2 along the row (its float32 tiled case)."""
-    if not (_gemm_taps.WIDE and geom.R == geom.S == 7 and geom.dh == geom.dw == 1):
-        return False
-    if geom.layout == "NHWC":
-        return geom.sw <= 2
-    return geom.sh == geom.sw <= 2
+    """NCHW float32 forwards cpu_depthwise_nchw.forward_rows7 runs: 7x7 taps at stride 1 or
+    2 in both directions, no dilation, AVX-512."""
+    return (bool(_gemm_taps.WIDE) and geom.R == geom.S == 7 and geom.sh == geom.sw <= 2
+            and geom.dh == geom.dw == 1)
 
 
 def forward(x, w, b, geom, relu):
@@ -224,13 +219,9 @@ def forward(x, w, b, geom, relu):
     if geom.layout == "NHWC":
         rpc = _rows_per_chunk(geom)
         if _tiled(geom, x.dtype):
-            wt, bc, rows7 = _taps_rs(w, geom), np.ascontiguousarray(b), _rows7(geom)
-            launch(_nhwc.forward_tiled, N * blocks(P, rpc), x, x, wt, bc, geo, rpc,
-                   (relu, False, bool(_gemm_taps.WIDE), rows7), _tap_offsets(geom),
-                   (0, P * Q * C, Q * C, C), y, work=work)
-            if rows7:                   # the interior runs forward_tiled left
-                launch(_nhwc.forward_rows7, N * blocks(P, rpc), x, wt, bc, geo, rpc, relu, y,
-                       work=work)
+            launch(_nhwc.forward_tiled, N * blocks(P, rpc), x, x, _taps_rs(w, geom),
+                   np.ascontiguousarray(b), geo, rpc, (relu, False, bool(_gemm_taps.WIDE)),
+                   _tap_offsets(geom), (0, P * Q * C, Q * C, C), y, work=work)
         elif _flat_rows(geom):
             launch(_forward_nhwc_rows, N * blocks(P, rpc), x.reshape(N, geom.H, geom.W * C),
                    _tiled_taps(w, geom), np.tile(b, Q), relu, geo, rpc, y.reshape(N, P, Q * K),

@@ -88,14 +88,13 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
     # (R*S, C);  b: (C,);  aoff: (2, R*S) int64 element offsets of each tap in x and in wt;
     # y: output pixel (n, p, q) at element y0 + n*yimg + p*yrow + q*ypix of y, yl = (y0,
     # yimg, yrow, ypix) ((0, P*Q*C, Q*C, C): a (N, P, Q, C) y);  flags: (relu, use_mask,
-    # wide, skip_interior: the interior runs of full rows left to forward_rows7). Tasks as
-    # cpu_depthwise's _forward_nhwc. Each value is the sum over the valid taps
+    # wide). Tasks as cpu_depthwise's _forward_nhwc. Each value is the sum over the valid taps
     # in (r, s) order, as the other NHWC kernels make it. With use_mask the input is x where
     # mask > 0, else 0, its rows gated per task into a buffer of the task's own. dX runs here
     # too, one phase of dx at a time (x = gy, mask = y, a phase's taps flipped, its pixels
     # strided in dx: dx_phases): one compiled kernel for both passes.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    relu, use_mask, wide, skip_interior = flags
+    relu, use_mask, wide = flags
     nb = (P + rpc - 1) // rpc
     rows = np.empty(max(Q, rpc), np.int64)                            # pixel addresses in x
     own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
@@ -146,7 +145,7 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
                             rows[u] = base + 4 * ((pp * sh - ph) * W + u * sw - pw) * C
                         pc = py + 4 * (y0 + n * yimg + pp * yrow)
                         lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
-                        q, end = ((hi if skip_interior else lo), hi) if down else (0, Q)
+                        q, end = (lo, hi) if down else (0, Q)
                     else:
                         q = zero                                    # then the border columns
                     continue
@@ -169,32 +168,6 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
                     q += 1
                 _tiles.depthwise_taps(m, C, k, prow, tx, tw, pwt, pcq, ldc, pb, rel, wid)
             p = last
-
-
-@task_kernel(fastmath=FMA)
-def forward_rows7(t0, t1, x, wt, b, geo, rpc, relu, y):
-    # The interior runs that forward_tiled leaves (skip_interior) at 7x7, stride 1 or 2 along
-    # the row, no dilation, multiplier 1, float32, C % 8 == 0, AVX-512: in each output row
-    # whose tap rows all lie inside, the pixels whose tap columns all do, through
-    # cpu_depthwise_tiles.depthwise_rows7_nhwc (a tap row's weights loaded once a tile, an
-    # input pixel once for every output pixel it reaches); the same sums, in the same order,
-    # as forward_tiled's. A kernel of its own: its tiles compile only where a 7x7 runs. x:
-    # (N, H, W, C);  wt: (49, C);  b: (C,);  y: (N, P, Q, C). Tasks as forward_tiled's.
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    nb = (P + rpc - 1) // rpc
-    qa, qb = _interior(S, W, Q, sw, pw, dw)
-    px, py = np.int64(x.ctypes.data), np.int64(y.ctypes.data)
-    pwt, pb, rel = np.int64(wt.ctypes.data), np.int64(b.ctypes.data), np.int64(relu)
-    if qb <= qa:
-        return
-    for t in range(t0, t1):
-        n, p0 = t // nb, (t % nb) * rpc
-        for p in range(p0, min(P, p0 + rpc)):
-            if not _full_rows(p, dh, ph, sh, H, R):
-                continue
-            x0 = px + 4 * (((n * H + p * sh - ph) * W + qa * sw - pw) * C)
-            _tiles.depthwise_rows7_nhwc(qb - qa, C, x0, C, W * C, sw - 1, pwt, C,
-                                        py + 4 * (((n * P + p) * Q + qa) * C), C, pb, rel)
 
 
 @task_kernel(fastmath=FMA)
@@ -270,7 +243,7 @@ def dx_phases(gy, y, use_mask, w, geom, chunk, dx):
     sh, sw, dh, dw = geom.sh, geom.sw, geom.dh, geom.dw
     taps = w.reshape(C, geom.R, geom.S)
     zeros = np.zeros(C, np.float32)
-    flags = (False, bool(use_mask), bool(_gemm_taps.WIDE), False)
+    flags = (False, bool(use_mask), bool(_gemm_taps.WIDE))
 
     def phase(start, stride, pad, dil, size, ntaps):
         # (taps in reverse order, first offset e, its step), the phase's length
