@@ -69,7 +69,7 @@ def forward_rows7(t0, t1, x, w, brep, relu, geo, Wpt, y):
     # dilation, on AVX-512: cpu_depthwise_tiles.depthwise_rows7 (each phase row's vector
     # loaded once for every output row of a tile it reaches), the same sums in the same
     # order. w: (K, 49) the weights. A kernel of its own: its tiles compile only where a
-    # 7x7 runs (~2 s of CPU on machine A).
+    # 7x7 runs (its first call 5.46 s of CPU cold against 4.51, machine A).
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     M = K // C
     Qv = (Q + 7) // 8 * 8
