@@ -57,3 +57,46 @@ def test_depthwise_nchw_stride2_rows_of_several_blocks(padding, dtype):
                                ref.conv_bias_relu_backward(gy, x, w, b, **kw),
                                ("dx", "dw", "db")):
         close(got, want, dtype, what=what)
+
+
+def _phases_reference(src, top, left, sh, sw, Wph, Hph):
+    """split_phases' definition in NumPy: out[a*sw + b, i*Wph + j] = src[i*sh + a - top,
+    j*sw + b - left], 0 outside src."""
+    H, W = src.shape
+    out = np.zeros((sh * sw, Hph, Wph), src.dtype)
+    for a in range(sh):
+        for b in range(sw):
+            for i in range(Hph):
+                for j in range(Wph):
+                    h, c = i * sh + a - top, j * sw + b - left
+                    if 0 <= h < H and 0 <= c < W:
+                        out[a * sw + b, i, j] = src[h, c]
+    return out.reshape(sh * sw, Hph * Wph)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_split_phases_equals_its_definition(dtype):
+    """cpu_phases.split_phases (the NCHW depthwise kernels' phase planes) against its
+    definition: strides 1-3 each way, even and odd left and top padding, widths whose rows
+    are shorter than one block of 8 pairs, one block, several and a remainder, with even and
+    odd source widths (rows of pairs only, or a last even column); planes contiguous and
+    strided (a column slice). Only the values from src are written (the rest stays as the
+    caller left it: zero)."""
+    from numbafuse.kernels.conv.cpu_phases import merge_phases, split_phases
+    rng = np.random.default_rng(5)
+    for H, W in ((5, 7), (9, 16), (7, 28), (6, 33), (4, 41)):
+        full = rng.standard_normal((H, W + 3)).astype(dtype)
+        for src in (np.ascontiguousarray(full[:, :W]), full[:, 1:W + 1]):
+            for sh in (1, 2, 3):
+                for sw in (1, 2, 3):
+                    for top, left in ((0, 0), (1, 3), (3, 2), (2, 1)):
+                        Hph = (H + top) // sh + 2
+                        Wph = (W + left) // sw + 3
+                        want = _phases_reference(src, top, left, sh, sw, Wph, Hph)
+                        got = np.zeros_like(want)
+                        split_phases(src, top, left, sh, sw, Wph, got)
+                        case = (H, W, src.flags.c_contiguous, sh, sw, top, left)
+                        assert got.tobytes() == want.tobytes(), case
+                        back = np.full_like(src, 7.0)       # the inverse: every value back
+                        merge_phases(got, top, left, sh, sw, Wph, back)
+                        assert back.tobytes() == src.tobytes(), case

@@ -87,6 +87,8 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wi
         pbiasj = pbias + 4 * j if pbias != 0 else 0
         i = 0
         while i < m:
+            if i + ROWS > m >= ROWS:     # the last full tile overlaps the one before: its
+                i = m - ROWS             # pixels there get the same sums again, the same bits
             pr, pcij = prow + 8 * i, pc + 4 * (i * ldc + j)
             if i + ROWS <= m:
                 if cols == 64:
