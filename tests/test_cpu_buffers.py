@@ -102,3 +102,25 @@ def test_released_conv_outputs_are_reused(rng):
         del y
         owned.add(output_cache.owned_bytes())
     assert len(addresses) == 1 and len(owned) == 1
+
+
+def test_aligned_starts_on_a_cache_line_and_keeps_the_values():
+    """buffers.aligned: a C-contiguous copy on a 64-byte boundary (the depthwise kernels'
+    taps and bias), or the array itself where it is one already."""
+    from numbafuse.kernels.cpu.buffers import aligned
+    rng = np.random.default_rng(0)
+    for shape in ((96,), (49, 96), (7, 5, 3)):
+        for dtype in (np.float32, np.float64):
+            base = rng.standard_normal(shape).astype(dtype)
+            raw = np.empty(base.nbytes + 128, np.uint8)
+            for off in (0, 4, 16, 48):               # every start NumPy gives, and odd ones
+                start = -raw.ctypes.data % 64 + off
+                a = raw[start:start + base.nbytes].view(dtype).reshape(shape)
+                a[...] = base
+                for src in (a, a.T):                 # contiguous, and a transposed view
+                    out = aligned(src)
+                    assert out.ctypes.data % 64 == 0 and out.flags.c_contiguous
+                    assert out.shape == src.shape and out.dtype == src.dtype
+                    assert out.tobytes() == np.ascontiguousarray(src).tobytes()
+                    if off == 0 and src is a:
+                        assert out is a                      # nothing copied

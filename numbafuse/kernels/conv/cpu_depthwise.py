@@ -47,7 +47,7 @@ from numba import njit
 
 from .. import scalar
 from ..cpu import gemm_taps as _gemm_taps
-from ..cpu.buffers import output_cache as _out
+from ..cpu.buffers import aligned as _aligned, output_cache as _out
 from ..cpu.launch import blocks, launch, task_kernel
 from . import math as conv_math
 from . import cpu_depthwise_nchw as _nchw
@@ -220,7 +220,7 @@ def forward(x, w, b, geom, relu):
         rpc = _rows_per_chunk(geom)
         if _tiled(geom, x.dtype):
             launch(_nhwc.forward_tiled, N * blocks(P, rpc), x, x, _taps_rs(w, geom),
-                   np.ascontiguousarray(b), geo, rpc, (relu, False, bool(_gemm_taps.WIDE)),
+                   _aligned(b), geo, rpc, (relu, False, bool(_gemm_taps.WIDE)),
                    _tap_offsets(geom), (0, P * Q * C, Q * C, C), y, work=work)
         elif _flat_rows(geom):
             launch(_forward_nhwc_rows, N * blocks(P, rpc), x.reshape(N, geom.H, geom.W * C),
@@ -261,7 +261,7 @@ def _tiled(geom, dtype):
 
 def _taps_rs(w, geom):
     """w (C, 1, R, S) as (R*S, C): one row of channel weights per tap, r-major."""
-    return np.ascontiguousarray(w.reshape(geom.C, geom.R * geom.S).T)
+    return _aligned(w.reshape(geom.C, geom.R * geom.S).T)
 
 
 def _tap_offsets(geom, width=None):

@@ -21,6 +21,7 @@ from numba import njit
 
 from .. import scalar
 from ..cpu import gemm_taps as _gemm_taps
+from ..cpu.buffers import aligned as _aligned
 from ..cpu.launch import blocks, launch, task_kernel
 from . import math as conv_math
 from . import cpu_depthwise_tiles as _tiles
@@ -242,7 +243,7 @@ def dx_phases(gy, y, use_mask, w, geom, chunk, dx):
     N, C, H, W, P, Q = geom.N, geom.C, geom.H, geom.W, geom.P, geom.Q
     sh, sw, dh, dw = geom.sh, geom.sw, geom.dh, geom.dw
     taps = w.reshape(C, geom.R, geom.S)
-    zeros = np.zeros(C, np.float32)
+    zeros = _aligned(np.zeros(C, np.float32))
     flags = (False, bool(use_mask), bool(_gemm_taps.WIDE))
 
     def phase(start, stride, pad, dil, size, ntaps):
@@ -258,7 +259,7 @@ def dx_phases(gy, y, use_mask, w, geom, chunk, dx):
             ss, f0, df, Wph = phase(b, sw, geom.pw, dw, W, geom.S)
             if Hph == 0 or Wph == 0:
                 continue
-            wf = np.ascontiguousarray(taps[:, rs][:, :, ss].reshape(C, len(rs) * len(ss)).T)
+            wf = _aligned(taps[:, rs][:, :, ss].reshape(C, len(rs) * len(ss)).T)
             geo = conv_math.int_tuple(N, C, P, Q, C, len(rs), len(ss), Hph, Wph, 1, 1, -e0,
                                       -f0, de, df, 1)
             aoff = np.array([[(u * de * Q + v * df) * C for u in range(len(rs))
