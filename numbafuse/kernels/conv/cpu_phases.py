@@ -113,6 +113,16 @@ def merge_phases(buf, top, left, sh, sw, Wph, dst):
     if sw == 2:
         be, bo, j0e, j0o, m, ne, no = _stride2_columns(left, W, Wph)
         whole = m >= 8 and flat
+        if whole and ne == m and no == m:           # every row pairs only: addresses alone
+            for a in range(sh):
+                pe = pbuf + ((a * 2 + be) * plane + j0e) * isz
+                po = pbuf + ((a * 2 + bo) * plane + j0o) * isz
+                for i in range(Hph):
+                    h = i * sh + a - top
+                    if 0 <= h < H:
+                        merge_pairs_at(pe + i * Wph * isz, po + i * Wph * isz, pd + h * W * isz,
+                                       m, dst)
+            return
         for a in range(sh):
             ke, ko = a * 2 + be, a * 2 + bo
             for i in range(Hph):
