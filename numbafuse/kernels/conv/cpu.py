@@ -458,7 +458,7 @@ def _implicit_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
-    _gemm_taps.ready()
+    _implicit.ready()
     launch(_implicit.implicit_dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom),
            use_mask, geo_tuple(geom), _ints(ipc, rpc, nchunks, groups, Hmax, Ws),
            (bool(need_dw), plan.taps == 2), aoff, (dw_parts, db_parts), work=work, grain=1)
@@ -518,7 +518,7 @@ def conv_forward(x, w, b, geom, relu, plan=None):
                blas, y, work=work, grain=1)
     elif kind == "implicit":
         ipc, rpc, nchunks, Hmax, Ws, aoff = _implicit_plan(plan, geom, x.itemsize)
-        _gemm_taps.ready()
+        _implicit.ready()
         launch(_implicit.implicit_tasks, nchunks, x, _taps(w, False), aoff, b,
                (has_bias, relu, plan.taps == 2), geo_tuple(geom), _ints(ipc, rpc, Hmax, Ws),
                _k_view(y, geom), work=work, grain=1)

@@ -20,10 +20,11 @@ element is written by one task; its value is one float32 sum in (r, s, c) order,
 any thread count.
 """
 import numpy as np
-from numba import njit
+from numba import types
 
 from ..cpu import gemm_taps as _taps
 from ..cpu.launch import task_kernel
+from ..cpu.steps import Step, array as _arr, ready as _ready_steps
 from ..cpu.transpose import transpose
 from .cpu_chunks import chunk, gated_chw, gated_hwc
 
@@ -47,7 +48,6 @@ def tap_offsets(geom, Ws):
                      for s in range(geom.S)], np.int64)
 
 
-@njit(inline="always")
 def _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows):
     # slab[i] (Hs, Ws, C) <- image n0 + i's padded input rows of output rows [p0, p1); rows[j]
     # <- the slab address of output pixel j's corner (pixels of the chunk in y's order)
@@ -83,6 +83,45 @@ def _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows):
                 rows[r0 + q] = a0 + 4 * q * sw * C
 
 
+def _gated_chunk(gy, y, use_mask, n0, n1, p0, p1, geo, need_dw, gbuf, gtbuf, dbp):
+    # A dW chunk's g = gy * (y > 0) as g^T (K, m) (gy, y: (N, K, PQ) | (N, PQ, K)): NCHW
+    # into gbuf, NHWC as (m, K) into gbuf and transposed into gtbuf (unless not need_dw);
+    # dbp (K,) float64 += its sums (cpu_im2col's dW: the same helpers, the same order)
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    PQ = P * Q
+    per = (p1 - p0) * Q
+    m = (n1 - n0) * per
+    if nhwc:
+        g = gbuf[:m * K].reshape((m, K))
+        m0 = n0 * PQ + p0 * Q
+        gated_hwc(gy.reshape((N * PQ, K)), y.reshape((N * PQ, K)), use_mask, m0, m0 + m, g, 0,
+                  dbp)
+        if need_dw:
+            transpose(g, gtbuf[:K * m].reshape((K, m)))
+    else:
+        gt = gbuf[:K * m].reshape((K, m))
+        for n in range(n0, n1):
+            gated_chw(gy, y, use_mask, n, p0, p1, PQ, Q, gt, (n - n0) * per, dbp)
+
+
+# The slab fill and dW's gated g as steps called through slots (kernels/cpu/steps.py):
+# compiled once, not again inside each task kernel (float32: this module's dtype)
+_I, _GEO, _F32 = types.int64, types.UniTuple(types.int64, 16), types.float32
+FILL = Step(_fill, lambda f: [(_arr(_F32, 4), _I, _I, _I, _I, _GEO, _I, _I, _arr(_F32, 4),
+                               _arr(_I, 1))], per_dtype=False)
+GATED_CHUNK = Step(_gated_chunk, lambda f: [
+    (_arr(_F32, 3), _arr(_F32, 3), types.boolean, _I, _I, _I, _I, _GEO, types.boolean,
+     _arr(_F32, 1), _arr(_F32, 1), _arr(types.float64, 1))], per_dtype=False)
+_fill_step, _gated_chunk_step = FILL.call, GATED_CHUNK.call
+
+
+def ready():
+    """The steps compiled and their slots filled (with cpu.gemm_taps'): host code calls this
+    before it launches implicit_tasks or implicit_dw_tasks."""
+    _taps.ready()
+    _ready_steps(None, (FILL, GATED_CHUNK))
+
+
 @task_kernel
 def implicit_tasks(t0, t1, x, wt, aoff, b, flags, geo, sizes, y):
     has_bias, relu, wide = flags
@@ -99,7 +138,7 @@ def implicit_tasks(t0, t1, x, wt, aoff, b, flags, geo, sizes, y):
         n0, n1, p0, p1 = chunk(t, N, P, ipc, rpc)
         per = (p1 - p0) * Q
         m = (n1 - n0) * per
-        _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows)
+        _fill_step((x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows))
         if nhwc:
             yc = y.reshape((N * PQ, K))[n0 * PQ + p0 * Q:]            # m rows from here
             pc = np.int64(yc.ctypes.data)
@@ -137,24 +176,12 @@ def implicit_dw_tasks(t0, t1, x, gy, y, use_mask, geo, sizes, flags, aoff, parts
         beta = 0
         for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
             n0, n1, p0, p1 = chunk(t, N, P, ipc, rpc)
-            per = (p1 - p0) * Q
-            m = (n1 - n0) * per
-            if nhwc:
-                g = gbuf[:m * K].reshape((m, K))
-                m0 = n0 * PQ + p0 * Q
-                gated_hwc(gy.reshape((N * PQ, K)), y.reshape((N * PQ, K)), use_mask, m0, m0 + m,
-                       g, 0, dbp)
-                if not need_dw:
-                    continue
-                gt = gtbuf[:K * m].reshape((K, m))
-                transpose(g, gt)
-            else:
-                gt = gbuf[:K * m].reshape((K, m))
-                for n in range(n0, n1):
-                    gated_chw(gy, y, use_mask, n, p0, p1, PQ, Q, gt, (n - n0) * per, dbp)
-                if not need_dw:
-                    continue
-            _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows)
+            m = (n1 - n0) * (p1 - p0) * Q
+            _gated_chunk_step((gy, y, use_mask, n0, n1, p0, p1, geo, need_dw, gbuf, gtbuf, dbp))
+            if not need_dw:
+                continue
+            gt = (gtbuf if nhwc else gbuf)[:K * m].reshape((K, m))
+            _fill_step((x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows))
             for tap in range(R * S):
                 _taps.gather_step((np.int64(K), np.int64(C), np.int64(m),
                                   np.int64(gt.ctypes.data), np.int64(m),
