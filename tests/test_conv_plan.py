@@ -307,3 +307,20 @@ def test_each_algorithm_readies_the_steps_its_kernels_call():
                 with _step_slots_emptied():
                     got = run()
                 np.testing.assert_array_equal(got, want, err_msg=f"{pass_} {algorithm}")
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_the_batchnorm_epilogue_readies_its_steps(layout, conv_rules):
+    """The Winograd forward with batch norm's sums (cpu.forward_stats, forward_bn_sums: the
+    Conv-BN ops) run with every slot empty, as a new process's first Conv-BN: the same bits
+    as with the slots filled (cpu_epilogue.block is a step)."""
+    conv_rules(min_gemm_channels=1, nchw_im2col_channels=1, winograd_min_tiles=0)
+    x, w, b, geom, _ = _problem(3, 1, 1, 1, 16, 16, layout, np.float32)
+    want = cpu_conv.forward_stats(x, w, geom, 1e-5)
+    assert want is not None                          # the epilogue ran, not the fallback
+    want = [a.copy() for a in want]
+    with _step_slots_emptied():
+        got = cpu_conv.forward_stats(x, w, geom, 1e-5)
+    for a, g in zip(want, got):
+        np.testing.assert_array_equal(g, a)

@@ -152,6 +152,7 @@ def _winograd_launch(c, plan, epi=_epi.EPI_NONE, ev=None, dg=None, affine=False)
     if epi == _epi.EPI_NONE:
         args = (c.src, c.gate, c.use_gate, U, chunks, c.bias, c.relu, blas, out)
         return (_wino.forward_tasks, nchunks, args), None, None
+    _epi.BLOCK.ready(c.src.dtype)
     parts, counts = np.empty((nchunks, 3, Co)), np.empty(nchunks)
     dg = (out, out) if dg is None else dg
     ev = np.zeros((4, _epi.tiles(Co) * Co), c.src.dtype) if ev is None else ev

@@ -24,11 +24,12 @@ results do not depend on the thread count. A block of output pixels is walked as
 ``NHWC_ROW`` where possible) with the per-channel values tiled m times: rows of K = 24 values
 are too short for LLVM's vector loops (as in the batch-norm kernels).
 """
-from numba import njit
+from numba import njit, types
 
 from ..batchnorm import math as bm
 from ..batchnorm.cpu import NHWC_ROW
 from ..batchnorm.cpu_running import invstd_of
+from ..cpu.steps import Step, array
 from ..scalar import cpu_scalar
 
 EPI_NONE, EPI_STATS, EPI_BN_SUMS = 0, 1, 2
@@ -53,7 +54,6 @@ def start_chunk(acc, counts, t):
     counts[t] = 0
 
 
-@njit(inline="always")
 def block(flat, dflat, gflat, K, first, epi, affine, ev, shift, acc, counts, t):
     # flat, dflat, gflat: (npix*K,) the values of npix output pixels (NHWC rows) of h, of dy
     # and of g, written here (EPI_BN_SUMS); ev: (4, mt*K) mean_hi, mean_lo, scale, beta in
@@ -98,6 +98,16 @@ def block(flat, dflat, gflat, K, first, epi, affine, ev, shift, acc, counts, t):
             for k in range(L):
                 a1[k] += grow[k] * ((row[k] - mh[k]) - ml[k])
     counts[t] += npix
+
+
+# block as a step called through a slot (kernels/cpu/steps.py): compiled once per dtype, not
+# again inside cpu_winograd.forward_epilogue_tasks (issue 33: that kernel was the slowest
+# compiled function of a cold Conv-BN forward, 2.5 s of self CPU)
+_I, _B = types.int64, types.boolean
+BLOCK = Step(block, lambda f: [
+    (array(f, 1), array(f, 1), array(f, 1), _I, _B, _I, _I, array(f, 2),
+     array(types.float64, 1), array(types.float64, 2), array(types.float64, 1), _I)])
+block_step = BLOCK.call
 
 
 @njit(inline="always")

@@ -562,8 +562,8 @@ def forward_epilogue_tasks(t0, t1, x, U, chunks, blas, out, modes, ev, dg, parts
                 lo, hi = p0 * Wo * Co, p0 * Wo * Co + flat.shape[0]
                 dflat = dy[n].reshape(Ho * Wo * Co)[lo:hi]
                 gflat = gz[n].reshape(Ho * Wo * Co)[lo:hi]
-            _epi.block(flat, dflat, gflat, Co, n == n0, epi, affine, ev, shift, acc, counts,
-                       t)
+            _epi.block_step((flat, dflat, gflat, Co, n == n0, epi, affine, ev, shift, acc,
+                             counts, t))
             if slabs:
                 _store_nchw((flat, out, n, p0))
         _epi.end_chunk(epi, shift, acc, parts, t)
