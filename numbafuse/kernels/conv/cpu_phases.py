@@ -42,8 +42,9 @@ def split_phases(src, top, left, sh, sw, Wph, out):
     # out[a*sw + b, i*Wph + j] = src[i*sh + a - top, j*sw + b - left], 0 outside src. Only
     # the values from src are written: out's padding must be zero already (zero out once
     # before the first plane; every plane of one geometry writes the same positions). Rows
-    # by address where src's are contiguous (no view made per row: a plane of 28 rows took
-    # 4.5x as long through views)
+    # by address where src's are contiguous, and where every row is pairs only one loop of
+    # addresses alone: the per-row remainder loops, even unentered, had made the split ~4x
+    # as slow (docs/conv_bias_relu.md, "Phase planes by address")
     H, W = src.shape
     plane = out.shape[1]
     Hph = plane // Wph
