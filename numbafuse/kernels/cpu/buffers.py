@@ -63,8 +63,7 @@ class OutputCache:
     def _view(self, buffer, nbytes, shape, dtype):
         """The array of ``shape`` and ``dtype`` at ``buffer``'s first ALIGN-byte boundary
         (its base is ``buffer`` itself, whose reference count says whether it is in use)."""
-        start = -buffer.ctypes.data % self.ALIGN
-        return buffer[start:start + nbytes].view(dtype).reshape(shape)
+        return _aligned_view(buffer, nbytes, shape, dtype, self.ALIGN)
 
     def clear(self):
         """Drop the free buffers (those in use stay owned until released)."""
@@ -89,8 +88,14 @@ def aligned(a, align=OutputCache.ALIGN):
     weights aligned against NumPy's: 8-9% less time, tests/test_cpu_buffers.py)."""
     if a.flags.c_contiguous and a.ctypes.data % align == 0:
         return a
-    raw = np.empty(a.nbytes + align, np.uint8)
-    start = -raw.ctypes.data % align
-    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out = _aligned_view(np.empty(a.nbytes + align, np.uint8), a.nbytes, a.shape, a.dtype,
+                        align)
     out[...] = a
     return out
+
+
+def _aligned_view(buffer, nbytes, shape, dtype, align):
+    """The array of ``shape`` and ``dtype`` at the first ``align``-byte boundary of the uint8
+    ``buffer`` (``align`` bytes longer than ``nbytes``); its base is ``buffer``."""
+    start = -buffer.ctypes.data % align
+    return buffer[start:start + nbytes].view(dtype).reshape(shape)

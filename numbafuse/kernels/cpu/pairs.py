@@ -3,10 +3,12 @@
 ``split_pairs(src, even, odd)``: ``even[k] = src[2k]``, ``odd[k] = src[2k + 1]`` for k <
 len(even) (odd as long or one shorter); ``merge_pairs(even, odd, dst)`` is its inverse. Blocks
 of 8 pairs are one 16-value load and two ``shufflevector``s (the even and the odd lanes) and
-two 8-value stores (a merge: two loads, two shuffles, one store). A split's last 8 pairs
-past its last whole block are one more block overlapping the one before (values written
-twice, the same); a merge copies what is left one value at a time, as does a split of a row
-of fewer than 8 pairs. Target-independent LLVM IR, any float dtype.
+two 8-value stores (a merge: two loads, two shuffles, one store). The last 8 pairs past the
+last whole block are one more block overlapping the one before (values written twice, the
+same); a row of fewer than 8 pairs goes one value at a time. ``split_pairs_at`` and
+``merge_pairs_at`` take addresses (what ``conv/cpu_phases`` calls, a row at a time);
+``split_pairs`` and ``merge_pairs`` are the same on 1-d arrays. Target-independent LLVM IR,
+any float dtype.
 
 Why: the depthwise NCHW kernels split each zero-padded input plane into its stride phases
 (``conv/cpu_phases.split_phases``). A loop over every other value alone does not
@@ -135,11 +137,12 @@ def merge_pairs(even, odd, dst):
     inverse of :func:`split_pairs`)."""
     n = odd.shape[0]
     isz = dst.itemsize
-    blocks = n // 8 if dst.strides[0] == even.strides[0] == odd.strides[0] == isz else 0
-    pd, pe, po = np.intp(dst.ctypes.data), np.intp(even.ctypes.data), np.intp(odd.ctypes.data)
-    for b in range(blocks):
-        _merge8(pe + 8 * b * isz, po + 8 * b * isz, pd + 16 * b * isz, dst)
-    for k in range(8 * blocks, n):
+    done = 0
+    if n >= 8 and dst.strides[0] == even.strides[0] == odd.strides[0] == isz:
+        merge_pairs_at(np.intp(even.ctypes.data), np.intp(odd.ctypes.data),
+                       np.intp(dst.ctypes.data), n, dst)
+        done = n
+    for k in range(done, n):
         dst[2 * k] = even[k]
         dst[2 * k + 1] = odd[k]
     for k in range(n, even.shape[0]):
