@@ -13,12 +13,15 @@ from numbafuse.kernels.cpu.pairs import merge_pairs, split_pairs
 from .harness import close
 
 
-@njit(cache=True)
+# Not cache=True: these inline kernels/cpu/pairs.py's code, and Numba keys a test file's cache
+# on the test file alone (numbafuse.jit_cache covers the package's own modules), so a cached
+# copy kept testing the old pairs.py after it changed (found when a planted bug passed)
+@njit
 def _split(src, even, odd):
     split_pairs(src, even, odd)
 
 
-@njit(cache=True)
+@njit
 def _merge(even, odd, dst):
     merge_pairs(even, odd, dst)
 
