@@ -166,7 +166,11 @@ def numbafuse_worker(cfg, path=None):
     from numbafuse.kernels.cuda.launch import launch
     n, reps = cfg["calls"], cfg["call_repeats"]
     xb = dev(rng.standard_normal((d["batch"], 8, 8, 1)).astype(np.float32))
-    yb = dev(rng.integers(0, 10, d["batch"]))
+    # labels: on the host for the eager steps, as numbafuse.train.fit passes them
+    # (cross_entropy checks them there and uploads them without a wait); on the device for
+    # the graphs (a capture cannot copy from the host)
+    yb_host = rng.integers(0, 10, d["batch"])
+    yb = dev(yb_host)
     # every per-call and training-step figure with numbafuse's prepared launches, and with
     # numba's own launch for comparison (the simulator has numba's alone)
     modes = ("prepared", "numba") if cfg.get("numba_launch", True) else ("prepared",)
@@ -193,8 +197,8 @@ def numbafuse_worker(cfg, path=None):
             def step_time(kind=kind):
                 model = models.make_model(kind, **cfg["model"]).to("cuda")
                 opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-                return best_per_call(lambda: train_step(model, opt, xb, yb), cfg["steps"], 1,
-                                     sync)
+                return best_per_call(lambda: train_step(model, opt, xb, yb_host), cfg["steps"],
+                                     1, sync)
             out.measure("steps", f"numbafuse {kind}" + tag, step_time)
 
             def graph_time(kind=kind):      # the same step captured once, replayed

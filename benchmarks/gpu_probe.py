@@ -380,11 +380,14 @@ def tiles(layout="NCHW"):
 
 
 def labels(rounds=5, steps=20):
-    """What the cross-entropy label check's host read costs an eager training step: the
-    digits step (fused, bench_gpu's model and batch) timed as bench_gpu times it (20 steps,
-    one synchronization at the end), with the check as it is (a flag kernel and a 4-byte
-    read, which waits for the forward's kernels) and with ``count_bad_labels`` replaced by
-    ``0`` (no launch, no read), alternating, best of ``rounds``."""
+    """What the cross-entropy label check costs an eager training step: the digits step
+    (fused, bench_gpu's model and batch) timed as bench_gpu times it (20 steps, one
+    synchronization at the end), alternating, best of ``rounds``, with the labels
+
+    - on the device: a flag kernel and a 4-byte read (a wait for the forward's kernels);
+    - on the host (as ``numbafuse.train.fit`` passes them): checked there, uploaded without
+      a wait (what bench_gpu's eager steps now time);
+    - on the device with ``count_bad_labels`` replaced by ``0`` (no check at all)."""
     import numpy as np
     from numbafuse import cuda as nfcuda, models, optim
     from numbafuse.kernels.basic import cuda as basic_cuda
@@ -395,15 +398,17 @@ def labels(rounds=5, steps=20):
     model = models.make_model("fused").to("cuda")
     opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     xb = nfcuda.to_device(rng.standard_normal((DIGITS["batch"], 8, 8, 1)).astype(np.float32))
-    yb = nfcuda.to_device(rng.integers(0, 10, DIGITS["batch"]))
+    yb_host = rng.integers(0, 10, DIGITS["batch"])
+    yb = nfcuda.to_device(yb_host)
     real = basic_cuda.count_bad_labels
-    best = {"with the check": [], "without it": []}
+    variants = (("device labels, checked", real, yb), ("host labels", real, yb_host),
+                ("device labels, no check", lambda labels, L: 0, yb))
+    best = {name: [] for name, _, _ in variants}
     try:
         for _ in range(rounds):
-            for name, check in (("with the check", real),
-                                ("without it", lambda labels, L: 0)):
+            for name, check, y in variants:
                 basic_cuda.count_bad_labels = check
-                best[name].append(_host(cuda, lambda: train_step(model, opt, xb, yb),
+                best[name].append(_host(cuda, lambda: train_step(model, opt, xb, y),
                                         steps)[1])
     finally:
         basic_cuda.count_bad_labels = real

@@ -98,6 +98,12 @@ def to_device(a):
     return _cuda().to_device(host_contiguous(np.asarray(a)))
 
 
+def upload(a: np.ndarray):
+    """A device copy of host array ``a`` that does not wait for the device (``numbafuse.cuda.
+    upload``: an asynchronous copy, ordered before the kernels launched after it)."""
+    return _cuda().upload(a)
+
+
 def to_backend(backend: str, a):
     """``a`` on ``backend`` (no copy if it is there already)."""
     return to_device(a) if backend == CUDA else to_host(a)

@@ -134,7 +134,7 @@ class Tensor:
             if self.size != 1:
                 raise ValueError(f"backward: grad must be given for a tensor of shape {self.shape}"
                                  f" (only one-element tensors default to 1)")
-            grad = kernels.full(self.device, self.shape, self.dtype, 1.0)   # (no host copy)
+            grad = kernels.ones_seed(self.device, self.shape, self.dtype)   # (no host copy)
         grad = unwrap(grad)
         _check_grad(self, grad)
         engine.backward(self, grad)

@@ -124,6 +124,25 @@ def to_device(a: np.ndarray):
     return out
 
 
+def upload(a: np.ndarray):
+    """A device copy of the host array ``a`` (pool memory) that does not wait for the device:
+    an asynchronous copy on numba's default stream, ordered before the kernels launched after
+    it. From pageable memory the driver stages ``a`` before the call returns, so ``a`` may be
+    changed at once; :func:`to_device`'s synchronous copy first waits for every kernel queued
+    before it."""
+    require_eager("a copy from the host to the device")
+    a = np.ascontiguousarray(a)
+    out = empty(a.shape, a.dtype)
+    if a.size:
+        if not _NUMBA_STREAM:            # (numba makes it from the current context: ~us)
+            _NUMBA_STREAM.append(numba_cuda.default_stream())
+        out.copy_to_device(a, stream=_NUMBA_STREAM[0])
+    return out
+
+
+_NUMBA_STREAM = []      # numba's default-stream object (the legacy stream), made once
+
+
 def to_host(a) -> np.ndarray:
     require_eager("a copy from the device to the host")
     return as_device_array(a).copy_to_host()

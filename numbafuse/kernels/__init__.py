@@ -67,3 +67,27 @@ def full(which: str, shape, dtype, value):
     if which == backend.CPU:
         return np.full(shape, value, dtype)
     return module("elementwise", which).fill(backend.empty(which, shape, dtype), value)
+
+
+_ONES = {}     # (shape, dtype) -> a device array of ones, made once: see ones_seed
+
+
+def ones_seed(which: str, shape, dtype):
+    """Ones of ``shape``: the default gradient seeding a backward pass (``loss.backward()``).
+
+    On the device the array is made once per (shape, dtype) and handed out again: a training
+    step then launches no fill for its seed. It is shared, so it must never be written: the
+    tape never writes into the gradient it is given (``engine.backward`` counts its memory as
+    handed out, and copies it before making it a leaf's ``.grad``), and no backward kernel
+    writes into its ``dy``. Inside a CUDA graph capture the ones are made afresh (a fill in
+    the graph): memory taken during a capture belongs to the graph."""
+    if which == backend.CPU:
+        return np.ones(shape, dtype)
+    from ..cuda import capture_in_progress
+    key = (tuple(shape), np.dtype(dtype))
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = full(which, shape, dtype, 1.0)
+        if capture_in_progress() is None:
+            _ONES[key] = ones
+    return ones

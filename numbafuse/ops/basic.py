@@ -264,11 +264,14 @@ class CrossEntropy(Function):
     # fwd :: (logits, labels) -> (y, residuals=(logits, labels, lse))
     def forward(self, logits, labels):
         op = self.name
-        which = backend.backend_of(op, logits=logits, labels=labels)
-        validate.check_float_dtypes(op, logits=logits)
-        validate.check_ndim(op, "logits", logits, 2, "N, classes")
         if labels is None:
             raise TypeError(f"{op}: labels must be an integer array, got None")
+        host_labels = isinstance(labels, np.ndarray)
+        # host labels with device logits: checked on the host, then uploaded (below)
+        which = backend.backend_of(op, logits=logits, **({} if host_labels else
+                                                         {"labels": labels}))
+        validate.check_float_dtypes(op, logits=logits)
+        validate.check_ndim(op, "logits", logits, 2, "N, classes")
         label_dtype = np.dtype(labels.dtype)
         if not np.issubdtype(label_dtype, np.integer):
             raise TypeError(f"{op}: labels must be integers, got {label_dtype}")
@@ -280,12 +283,16 @@ class CrossEntropy(Function):
             raise ValueError(f"{op}: logits must have at least one row and one class, "
                              f"got shape {tuple(logits.shape)}")
         impl = _kernels(which)
-        if which == backend.CPU:
+        if host_labels:
+            if labels.min() < 0 or labels.max() >= L:
+                raise ValueError(f"{op}: labels must lie in [0, {L}) for {L} classes")
             labels = np.ascontiguousarray(labels, dtype=np.int64)
+            if which == backend.CUDA:        # no check launched, nothing read back
+                labels = backend.upload(labels)
         else:
             labels = kernels.contiguous(labels)
-        if impl.count_bad_labels(labels, L):
-            raise ValueError(f"{op}: labels must lie in [0, {L}) for {L} classes")
+            if impl.count_bad_labels(labels, L):
+                raise ValueError(f"{op}: labels must lie in [0, {L}) for {L} classes")
         logits = kernels.contiguous(logits)
         loss, lse = impl.cross_entropy_forward(logits, labels)
         self.save_for_backward(logits=logits, labels=labels, lse=lse)
@@ -402,8 +409,12 @@ def cross_entropy(logits, labels):
     Parameters
     ----------
     logits : array or Tensor, (N, classes), float32 or float64
-    labels : int array, (N,), each in ``[0, classes)``; on the same device as ``logits``;
-        not differentiable.
+    labels : int array, (N,), each in ``[0, classes)``; not differentiable. On the host or
+        on ``logits``' device. Host labels are checked on the host (with device logits they
+        are then copied to the device without waiting for it); device labels are checked by
+        a kernel whose answer, one integer, is read back: a wait for every kernel queued
+        before it. A training loop whose batches come from the host should pass the host's
+        labels.
 
     Examples
     --------

@@ -261,9 +261,10 @@ def fit(model, data, epochs=DEFAULTS["epochs"], batch_size=DEFAULTS["batch_size"
             if graph_step is not None:
                 loss, logits, held_now = graph_step(xb, yb, measure=full and not held)
             else:
-                loss, logits, held_now = train_step(model, opt, _to(device, xb),
-                                                    _to(device, yb), comm, n_global,
-                                                    measure=full and not held)
+                # the labels stay on the host: cross_entropy checks them there and, on
+                # CUDA, uploads them without waiting for the device
+                loss, logits, held_now = train_step(model, opt, _to(device, xb), yb, comm,
+                                                    n_global, measure=full and not held)
             loss_value = loss.item()                       # syncs the device
             history["step_ms"].append((time.perf_counter() - t0) * 1e3)
             if held_now is not None:                       # the first full batch's

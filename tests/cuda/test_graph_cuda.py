@@ -22,6 +22,36 @@ def _model():
                          nn.Linear(2, 3)).to("cuda")
 
 
+def test_host_labels_give_the_device_labels_bits_and_are_checked_on_the_host():
+    """cross_entropy of device logits takes host labels: the same loss and gradient bits as
+    the same labels on the device; a bad one is a ValueError before any kernel runs; a
+    capture refuses them (it cannot copy from the host)."""
+    from numbafuse.kernels.cuda import launch
+    from numbafuse.ops.basic import cross_entropy
+    rng = np.random.default_rng(3)
+    z = nfcuda.to_device(rng.standard_normal((5, 4)).astype(np.float32))
+    for labels in (np.array([0, 3, 1, 2, 3], np.int64), np.array([3, 0, 0, 1, 2], np.int32)):
+        got = []
+        for y in (labels, nfcuda.to_device(labels)):
+            logits = nf.Tensor(z, requires_grad=True)
+            loss = cross_entropy(logits, y)
+            loss.backward()
+            got.append((loss.numpy(), logits.grad.copy_to_host()))
+        assert got[0][0].tobytes() == got[1][0].tobytes()
+        assert got[0][1].tobytes() == got[1][1].tobytes()
+    ran = []
+    stop = launch.observe(lambda kernel, args: ran.append(kernel))
+    try:
+        for bad in ([0, 4, 1, 2, 3], [0, -1, 1, 2, 3]):
+            with pytest.raises(ValueError, match=r"cross_entropy: labels must lie in \[0, 4\)"):
+                cross_entropy(nf.Tensor(z), np.array(bad))
+    finally:
+        stop()
+    assert ran == []
+    with pytest.raises(RuntimeError, match="host"):
+        nfcuda.graph(lambda: cross_entropy(nf.Tensor(z), np.array([0, 1, 2, 3, 0])), warmup=0)
+
+
 def _batches(n):
     rng = np.random.default_rng(5)
     return [(rng.standard_normal((2, 1, 4, 4)).astype(np.float32),

@@ -134,9 +134,10 @@ def test_sgd_step_and_training_step(fast_gemms):
         "gemm", "gemm", "channel_reduce_stats_nhwc", "_apply", "gemm",
         "channel_reduce_stats_nhwc", "_apply", "_gap_fwd", "_matmul_tiled",
         "_flag_bad_labels", "_xent_one_block",
-        # backward: the loss's seed gradient (a fill on the device, no host copy: graph
-        # capture), cross entropy, linear (dx, dw, db), pool, bn_add_relu, conv (dx, dw)
-        "_fill", "_xent_bwd", "_matmul_tiled", "_matmul_tiled", "_column_sums", "_gap_bwd",
+        # backward (the loss's seed gradient, ones, was made on the device by the first
+        # step and is reused: no fill): cross entropy, linear (dx, dw, db), pool,
+        # bn_add_relu, conv (dx, dw)
+        "_xent_bwd", "_matmul_tiled", "_matmul_tiled", "_column_sums", "_gap_bwd",
         "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm", "_sum_splits",
         # conv_bn_relu (recompute conv and mask, bn backward, dx, dw), the residual's two
         # gradients summed, the stem (dw, db: the image needs no dx)
@@ -145,8 +146,25 @@ def test_sgd_step_and_training_step(fast_gemms):
         # the optimizer
         "_sgd"]
     # before (150db89): 70 launches, with 30 SGD axpby, 5 per-channel finalize kernels and
-    # 2 running-statistics updates
-    assert len(step) == 34
+    # 2 running-statistics updates; 34 with the seed's fill
+    assert len(step) == 33
+    # labels from the host (as numbafuse.train.fit passes them): checked there, uploaded
+    # without a wait, no flag kernel and nothing read back
+    reads = []
+    real = type(xb).copy_to_host
+
+    def spy(self, *a, **k):
+        reads.append(self.shape)
+        return real(self, *a, **k)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(xb), "copy_to_host", spy)
+        host_yb = yb.copy_to_host()
+        assert reads == [yb.shape]               # the spy sees a read
+        reads.clear()
+        _, host = _count(lambda: train_step(model, opt, xb, host_yb))
+    assert host == [n for n in step if n != "_flag_bad_labels"] and reads == []
+    from numbafuse import kernels                # the shared seeds were never written
+    assert kernels._ONES and all((a.copy_to_host() == 1).all() for a in kernels._ONES.values())
 
 
 def _allocations_after(steps, model, opt, xb, yb):

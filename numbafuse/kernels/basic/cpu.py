@@ -248,11 +248,6 @@ def _xent_bwd(t0, t1, logits, labels, lse, scale, glogits):
             glogits[n, j] = _xent_grad(logits[n, j], lse[n], j == labels[n], scale)
 
 
-def count_bad_labels(labels, L):
-    """How many labels fall outside [0, L)."""
-    return int(np.count_nonzero((labels < 0) | (labels >= L)))
-
-
 # fwd :: (logits, labels) -> (loss, residuals=(lse,))
 def cross_entropy_forward(logits, labels):
     """0-d mean over rows of lse - logit[label], and the row log-sum-exps (N,) float64."""
