@@ -280,7 +280,7 @@ def _compile_tile(kind, tile, layout):
     f = types.float32
     t0 = time.perf_counter()
     conv_cuda.gemm_kernel(kind, layout, tile).compile(
-        (f[::1],) * 5 + (types.int32[:, ::1], types.int32[:, ::1]))
+        (f[::1],) * 5 + (types.int32[:, ::1], types.int32[:, ::1], types.int32[::1]))
     return time.perf_counter() - t0
 
 

@@ -62,9 +62,10 @@ def test_conv_bias_relu(problem):
                                               layout="NHWC"))
     _, bwd = _count(lambda: y._fn.backward(p["dy"]))
     assert fwd == ["gemm"]                                                  # before: 1
-    # dx, dw (split-K partials + their ordered sum), db (reduction finished by its last
-    # block); before: 5 (db's finalize was a kernel of its own)
-    assert sorted(bwd) == sorted(["gemm", "gemm", "_sum_splits", "channel_reduce_grad_nhwc"])
+    # dx, dw (split-K partials summed in order by each tile's last block), db (reduction
+    # finished by its last block); before: 5 (db's finalize was a kernel of its own), 4
+    # (dw's ordered sum was a kernel of its own)
+    assert sorted(bwd) == sorted(["gemm", "gemm", "channel_reduce_grad_nhwc"])
 
 
 @pytest.mark.parametrize("save", ["output", "mask"])
@@ -95,9 +96,8 @@ def test_conv_batchnorm_relu(problem):
         padding=1, layout="NHWC"))
     _, bwd = _count(lambda: y._fn.backward(p["dy"]))
     assert fwd == ["gemm", "channel_reduce_stats_nhwc", "_apply"]           # before: 5
-    # recompute the conv and the ReLU mask, batch-norm backward, conv dx and dw; before: 8
-    assert bwd == ["gemm", "_apply", "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm",
-                   "_sum_splits"]
+    # recompute the conv and the ReLU mask, batch-norm backward, conv dx and dw; before: 8, then 7 (dw's split sum)
+    assert bwd == ["gemm", "_apply", "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm"]
 
 
 def _digits_step_setup(width=2, batch=1):
@@ -138,16 +138,16 @@ def test_sgd_step_and_training_step(fast_gemms):
         # step and is reused: no fill): cross entropy, linear (dx, dw, db), pool,
         # bn_add_relu, conv (dx, dw)
         "_xent_bwd", "_matmul_tiled", "_matmul_tiled", "_column_sums", "_gap_bwd",
-        "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm", "_sum_splits",
+        "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm",
         # conv_bn_relu (recompute conv and mask, bn backward, dx, dw), the residual's two
         # gradients summed, the stem (dw, db: the image needs no dx)
         "gemm", "_apply", "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm",
-        "_sum_splits", "_axpby", "gemm", "_sum_splits", "channel_reduce_grad_nhwc",
+        "_axpby", "gemm", "channel_reduce_grad_nhwc",
         # the optimizer
         "_sgd"]
     # before (150db89): 70 launches, with 30 SGD axpby, 5 per-channel finalize kernels and
-    # 2 running-statistics updates; 34 with the seed's fill
-    assert len(step) == 33
+    # 2 running-statistics updates; 34 with the seed's fill and 3 split sums
+    assert len(step) == 30
     # labels from the host (as numbafuse.train.fit passes them): checked there, uploaded
     # without a wait, no flag kernel and nothing read back
     reads = []

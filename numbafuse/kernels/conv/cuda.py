@@ -28,7 +28,8 @@ convolutions iterate only the taps that hit (a phase with none writes zeros). Th
 slices z of one launch (gridDim.z = sh*sw); ``geo[z]`` holds each one's sizes and offsets.
 
 **dw and db are deterministic**: M is cut into fixed splits, each (tile, split) writes its
-own partial, and ``_sum_splits`` adds the partials in split order in float64. No atomics.
+own partial, and the last block of each tile to finish (an atomic count per tile) adds the
+tile's partials in split order in float64, in the same launch. No float atomics.
 """
 from __future__ import annotations
 
@@ -322,6 +323,36 @@ def _col_offset_0(geo, z, col):
 
 
 @device
+def _finish_splits(partials, final, geo, table, counters, BM, BN):
+    # dw: partials (n_splits * n,), split z's block at z * OUT_ZS; final (n,). Every block
+    # counts its (tile, split) partial done; the last of a tile's splits sums the tile's
+    # partials in split order in float64 (_sum_splits' order and bits) into final
+    n_splits = int32(cuda.gridDim.z)
+    if n_splits == 1:
+        return                      # the host passed final as the partials: nothing to sum
+    flag = cuda.shared.array(1, int32)
+    cuda.threadfence()              # this thread's partials are visible before the count
+    tile = int32(cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x)
+    if not reduce.last_block(counters, tile, n_splits, flag):
+        return
+    n_rows, n_cols = geo[0, F_ROWS], geo[0, F_COLS]
+    zs, cs = geo[0, F_OUT_ZS], geo[0, F_OUT_CS]
+    r0 = int32(cuda.blockIdx.x * BM)
+    c0 = int32(cuda.blockIdx.y * BN)
+    for i in range(int32(cuda.threadIdx.x), BM * BN, int32(cuda.blockDim.x)):
+        row = int32(r0 + int32(uint32(i) % uint32(BM)))     # rows fastest: woff contiguous
+        col = int32(c0 + int32(uint32(i) // uint32(BM)))
+        if row < n_rows and col < n_cols:
+            off = uint32(table[row, 3] + col * cs)
+            acc = float64(0.0)
+            for z in range(n_splits):
+                acc += reduce.load_l2(partials, uint32(uint32(z) * uint32(zs) + off))
+            final[off] = acc
+    if cuda.threadIdx.x == 0:
+        counters[tile] = 0          # left zero for the next launch
+
+
+@device
 def _store_bias_relu(out, bias, off, col, v, has_bias, relu):
     # forward: relu?(v + b?) before the single store
     if has_bias:
@@ -362,21 +393,9 @@ def gemm_kernel(kind, layout, tile):
             f"_v{tile.VEC}_b{tile.min_blocks or 0}")      # one disk-cache index each
     if kind == "dw":
         return gemm.build(tile, a, b, _problem_split, _tap_row_base, _col_offset_0, _store,
-                          name)
+                          name, finish=_finish_splits)
     store = _store_bias_relu if kind == "fwd" else _store
     return gemm.build(tile, a, b, _problem_slices, _pixel_row_base, _col_offset, store, name)
-
-
-@cuda.jit(cache=True)
-def _sum_splits(partials, n_splits, out):
-    # partials: (n_splits * n,) in x's dtype, split-major;  out: (n,) = their sum over the
-    # splits in split order, in float64 (deterministic)
-    n = out.size
-    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
-        acc = float64(0.0)
-        for s in range(n_splits):
-            acc += partials[s * n + i]
-        out[i] = acc
 
 
 @cuda.jit(cache=True)
@@ -428,7 +447,7 @@ def conv_forward(x, w, b, geom, relu):
     geo, table, grid = forward_plan(_geometry_key(geom), tile, has_bias, bool(relu))
     kern = gemm_kernel("fwd", geom.layout, tile)
     launch(kern, grid, tile.threads, flat(x), flat(w), flat(x), flat(y),
-                             flat(b) if has_bias else flat(w), geo, table)
+                             flat(b) if has_bias else flat(w), geo, table, reduce.counters(1))
     return y
 
 
@@ -445,7 +464,7 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
             tile = _tile("dx", gy.dtype, geom.layout, geom.C)
             geo, table, grid = dx_plan(_geometry_key(geom), tile, use_mask)
             launch(gemm_kernel("dx", geom.layout, tile), grid, tile.threads,
-                gy_f, flat(w), y_f, flat(dx), gy_f, geo, table)
+                gy_f, flat(w), y_f, flat(dx), gy_f, geo, table, reduce.counters(1))
         elif dx.size:
             fill(dx, 0.0)
     if need_dw:
@@ -454,11 +473,12 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
             tile = _tile("dw", gy.dtype, geom.layout)
             geo, table, grid, n_splits = dw_plan(_geometry_key(geom), tile, use_mask,
                                                  config.dw_max_splits)
-            partials = _empty(n_splits * dw.size, gy.dtype)       # (splits, K*C*R*S)
+            # (splits, K*C*R*S) partials, summed into dw by each tile's last block (one
+            # split: written into dw itself)
+            partials = _empty(n_splits * dw.size, gy.dtype) if n_splits > 1 else flat(dw)
             launch(gemm_kernel("dw", geom.layout, tile), grid, tile.threads,
-                flat(x), gy_f, y_f, partials, gy_f, geo, table)
-            blocks, threads = config.grid_1d(dw.size)
-            launch(_sum_splits, blocks, threads, partials, n_splits, flat(dw))
+                   flat(x), gy_f, y_f, partials, flat(dw), geo, table,
+                   reduce.counters(grid[0] * grid[1]))
         elif dw.size:
             fill(dw, 0.0)
     if need_db:
@@ -515,15 +535,15 @@ def _production_gemms():
 
 _GEO = types.int32[:, ::1]
 _TAB = types.int32[:, ::1]
+_COUNTS = types.int32[::1]       # the last-block counters (dw's; unread by fwd and dx)
 GEMM_KERNELS = []
 PTX_SIGNATURES = []
 for _kind, _layout, _dt, _tag, _k in _production_gemms():
     _k.__name__ = f"gemm_{_kind}_{_layout.lower()}_{_dt[-2:]}{_tag}"
     GEMM_KERNELS.append(_k)
     # each tiling is compiled only for its own dtype: the other is a "wrong" dtype entry
-    PTX_SIGNATURES.append((_k, (lambda dt: lambda f: (f[::1],) * 5 + (_GEO, _TAB)
+    PTX_SIGNATURES.append((_k, (lambda dt: lambda f: (f[::1],) * 5 + (_GEO, _TAB, _COUNTS)
                                 if str(f) == dt else None)(_dt)))
 PTX_SIGNATURES += [
-    (_sum_splits, lambda f: (f[::1], types.int64, f[::1])),
     (_bias_add, lambda f: (f[::1], f[::1], f[::1], types.int64, types.int64, types.int64)),
 ]
