@@ -223,3 +223,14 @@ def test_graph_step_checks_labels_on_the_host():
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
         step(x, np.array([0, 3], np.int64))
     step.close()
+
+
+def test_counters_first_needed_inside_a_capture_stay_the_graphs():
+    """Last-block counters grown inside a capture are the graph's memory (released with it):
+    the eager launches after it keep the counters made outside."""
+    from numbafuse.kernels.cuda import reduce
+    eager = reduce.counters(4)
+    grown = []
+    nfcuda.graph(lambda: grown.append(reduce.counters(eager.size + 1)), warmup=0).close()
+    assert grown[0].size > eager.size
+    assert reduce.counters(4) is eager

@@ -36,7 +36,7 @@ import numpy as np
 from numba import boolean, float32, float64, int32, int64, types, uint32
 from numba.core.extending import overload
 
-from ...cuda import SIMULATOR, empty as pool_empty, flat, numba_cuda as cuda
+from ...cuda import SIMULATOR, capture_in_progress, empty as pool_empty, flat, numba_cuda as cuda
 
 from . import config
 from .launch import launch
@@ -443,11 +443,15 @@ _COUNTERS = []      # the one zeroed int32 counter array, grown as needed
 
 def counters(n):
     """An int32 device array of at least ``n`` zeros for the last-block counts (each launch
-    leaves it zero again; kernels run in stream order, so launches do not share counts)."""
+    leaves it zero again; kernels run in stream order, so launches do not share counts).
+    One needed first inside a CUDA graph capture is the graph's own (its memory and its
+    zeroing belong to the graph, which releases them when closed): not kept for later."""
     if not _COUNTERS or _COUNTERS[0].size < n:
         size = 1 << max(4, (max(n, 1) - 1).bit_length())
         array = pool_empty(size, np.int32)
         launch(_zero_int, *config.grid_1d(size), array)
+        if capture_in_progress() is not None:
+            return array
         _COUNTERS[:] = [array]
     return _COUNTERS[0]
 
