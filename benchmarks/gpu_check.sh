@@ -20,15 +20,17 @@
 #              (what the stub leaves out, beside the bench table's real figures)
 #   profile    benchmarks/gpu_profile.py: where the host time of a call goes
 #   memcheck   compute-sanitizer memcheck on every fused op and a few training steps
-#   racecheck  compute-sanitizer racecheck and synccheck on every fused op; with
-#              GPU_CHECK_RACE="ops train" racecheck on a few training steps too (slow)
+#   racecheck  compute-sanitizer racecheck and synccheck on every fused op, racecheck on two
+#              training steps of a narrow model (gpu_sanitize.py train_small); with
+#              GPU_CHECK_RACE="ops train" on the memcheck section's steps instead (slow)
 #
 # The device image lacks what numba-cuda needs (NumPy < 2.5): carry the wheels in .whl/
 # (see docs/benchmarks.md#gpu) and they are installed into /tmp/site first. Each section runs
 # under its own time limit inside one overall budget (GPU_CHECK_SECONDS, default 540); a failing
 # section loses nothing else; GPU_CHECK_SKIP="torch racecheck" leaves sections out.
 # GPU_CHECK_TEST_PATHS: test files for the tests section (default: every CUDA test);
-# GPU_CHECK_RACE: the racecheck section's parts, "ops" (default) and/or "train". In $OUT:
+# GPU_CHECK_RACE: the racecheck section's parts, "ops", "train_small" (both by default) and/or
+# "train". In $OUT:
 # sections.log (every section's output in turn), summary.txt (what is printed last),
 # bench_gpu.md and bench_gpu.json.
 set -u
@@ -125,12 +127,14 @@ SAN="${SANITIZER:-compute-sanitizer} --error-exitcode 9 --print-limit 20"
 # invalid device ordinal: see docs/benchmarks.md#gpu; so the two run whatever the first's status)
 section memcheck 90 bash -c "$SAN --tool memcheck python3 benchmarks/gpu_sanitize.py ops;
     $SAN --tool memcheck python3 benchmarks/gpu_sanitize.py train"
-# (racecheck on the training steps did not finish inside 60 s on an H200 in runs 12 and 13:
-# opt in with GPU_CHECK_RACE="ops train" where the budget allows several minutes)
-RACE="${GPU_CHECK_RACE:-ops}"
-section racecheck 120 bash -c "set -e; if [[ ' $RACE ' == *' ops '* ]]; then
+# (racecheck on `train`'s steps did not finish inside 60 s on an H200 in runs 12 and 13:
+# train_small is two steps of a narrow model; GPU_CHECK_RACE="ops train" for the long one)
+RACE="${GPU_CHECK_RACE:-ops train_small}"
+section racecheck 150 bash -c "set -e; if [[ ' $RACE ' == *' ops '* ]]; then
     $SAN --tool racecheck python3 benchmarks/gpu_sanitize.py ops;
     $SAN --tool synccheck python3 benchmarks/gpu_sanitize.py ops; fi;
+    if [[ ' $RACE ' == *' train_small '* ]]; then
+    $SAN --tool racecheck python3 benchmarks/gpu_sanitize.py train_small; fi;
     if [[ ' $RACE ' == *' train '* ]]; then
     $SAN --tool racecheck python3 benchmarks/gpu_sanitize.py train; fi"
 

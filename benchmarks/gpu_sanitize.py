@@ -3,6 +3,7 @@
     python benchmarks/gpu_sanitize.py ops      # every fused op, fwd + bwd, both layouts
     python benchmarks/gpu_sanitize.py train    # a few training steps, fused and unfused, and
                                                # the same replayed from a CUDA graph
+    python benchmarks/gpu_sanitize.py train_small   # two steps of a narrow model (racecheck)
     python benchmarks/gpu_sanitize.py torch    # numbafuse.torch on CUDA tensors vs torch
 
 ``benchmarks/gpu_check.sh`` runs ``ops`` and ``train`` under ``compute-sanitizer`` (memcheck,
@@ -98,6 +99,29 @@ def train(steps=4):
     return bad
 
 
+def train_small(steps=2):
+    """Two eager training steps of a narrow digits ResNet (width 4, one block, batch 4),
+    fused and unfused: every kernel of a training step (conv GEMMs with dw's last-block
+    sums, batch-norm reductions, pooling, the linear head, cross-entropy, SGD with momentum,
+    the second step's steady path) launched over few blocks, for racecheck, where ``train``'s
+    steps did not finish inside 60 s (runs 12, 13)."""
+    from numbafuse import models, optim
+    from numbafuse import cuda as nfcuda
+    from numbafuse.train import train_step
+    rng = np.random.default_rng(0)
+    xb = nfcuda.to_device(rng.standard_normal((4, 8, 8, 1)).astype(np.float32))
+    yb = rng.integers(0, 10, 4)                     # host labels, as fit passes them
+    bad = 0
+    for kind in ("fused", "unfused"):
+        model = models.make_model(kind, width=4, blocks=1).to("cuda")
+        opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        losses = [float(train_step(model, opt, xb, yb)[0].numpy()) for _ in range(steps)]
+        bad += not all(np.isfinite(losses))
+        print(f"train_small {kind}: losses " + " ".join(f"{v:.4f}" for v in losses),
+              flush=True)
+    return bad
+
+
 def _eager_state(kind, steps, xb, yb):
     from numbafuse import models, optim
     from numbafuse.train import train_step
@@ -158,6 +182,6 @@ def torch_check():
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "ops"
-    failures = dict(ops=ops, train=train, torch=torch_check)[what]()
+    failures = dict(ops=ops, train=train, train_small=train_small, torch=torch_check)[what]()
     print(f"gpu_sanitize {what}: {'OK' if not failures else f'{failures} checks off'}")
     sys.exit(1 if failures else 0)
