@@ -140,7 +140,7 @@ def _winograd_launch(c, plan, epi=_epi.EPI_NONE, ev=None, dg=None, affine=False)
     With a batch-norm epilogue (``epi``, :mod:`cpu_epilogue`: values ``ev``, (dy, g) ``dg``)
     the kernel fills each chunk's (parts, counts)."""
     w, out = c.w, c.out
-    _wino.ready(c.src.dtype)
+    _wino.ready(c.src.dtype, nhwc=c.nhwc)
     Ci, Co = (w.shape[0], w.shape[1]) if c.flip else (w.shape[1], w.shape[0])
     N, Ho, Wo = out.shape[0], *(out.shape[1:3] if c.nhwc else out.shape[2:4])
     U = (_winograd_taps(w, c.flip, (16, Ci, Co)) if c.flip else     # (dX: once a version)
@@ -216,7 +216,7 @@ def _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, plan):
     """The Winograd dW's launch, not run: ((kernel, ntasks, args), finish), where
     ``finish()`` returns (dw or None, db_parts) once the tasks have run."""
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
-    _wino.ready(x.dtype, dw=True)
+    _wino.ready(x.dtype, dw=True, nhwc=geom.layout == "NHWC")
     ipc, tyb, nchunks, most = tile_chunks(N, P, Q, True, plan.tiles)
     groups = min(nchunks, plan.dw_groups)
     D_parts = _out.empty((groups if need_dw else 1, 16, K, C), x.dtype)   # D[e] (K, C)

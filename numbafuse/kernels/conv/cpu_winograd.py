@@ -399,6 +399,31 @@ def padded_rows(src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs):
         _split_rows(src, gate, use_gate, n, u0, nu, c0, L, R)
 
 
+@njit(nogil=True, cache=True)
+def padded_rows_hwc(src, gate, use_gate, n, u0, nu, c0, L, R):
+    """:func:`padded_rows` of an NHWC src, a step of its own: NHWC callers compile and ready
+    no slab code."""
+    _split_rows(src, gate, use_gate, n, u0, nu, c0, L, R)
+
+
+@njit(nogil=True, cache=True)
+def padded_rows_slabs(src, gate, use_gate, n, u0, nu, c0, L, R, xs, gs):
+    """:func:`padded_rows` of an NCHW src (through its HWC slab in xs, gs), a step of its
+    own: NCHW callers compile and ready no NHWC code."""
+    sv, gv = _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
+    _split_rows(sv, gv, use_gate, 0, u0 - max(0, u0), nu, c0, L, R)
+
+
+@njit(inline="always")
+def padded_rows_step(args):
+    # padded_rows through the step of src's layout: args as padded_rows' (slabs an int64)
+    src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs = args
+    if slabs:
+        _rows_slabs((src, gate, use_gate, n, u0, nu, c0, L, R, xs, gs))
+    else:
+        _rows_hwc((src, gate, use_gate, n, u0, nu, c0, L, R))
+
+
 @njit(inline="always")
 def _chunk_tiles(src, gate, use_gate, n0, n1, u0, nr, left, slabs, work, slab):
     # V[e][((n - n0)*nr + r)*TX + tx, :] (rows of Ci) <- B^T d B of the chunk's tiles: nr
@@ -409,7 +434,7 @@ def _chunk_tiles(src, gate, use_gate, n0, n1, u0, nr, left, slabs, work, slab):
     Ci = src.shape[1] if slabs else src.shape[3]
     L = R.shape[2] // Ci
     for n in range(n0, n1):
-        _padded_rows((src, gate, use_gate, n, u0, 2 * nr + 2, -left, L, R, slabs, xs, gs))
+        padded_rows_step((src, gate, use_gate, n, u0, 2 * nr + 2, -left, L, R, slabs, xs, gs))
         for r in range(nr):
             _in_hwc_step((R, 2 * r, L - 1, Ci, tv, V, ((n - n0) * nr + r) * (L - 1)))
 
@@ -463,8 +488,10 @@ def store_nchw(flat, out, n, p0):
 # each is compiled once, not again inside every kernel that calls it. Their signatures are
 # declared here, per float type f (arrays C-contiguous; db sums in float64).
 _I, _B = types.int64, types.boolean
-PADDED_ROWS = Step(padded_rows.py_func, lambda f: [     # (slabs an int64 flag)
-    (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _I, _I, _arr(f, 3), _I, _arr(f, 1), _arr(f, 1))])
+ROWS_HWC = Step(padded_rows_hwc.py_func, lambda f: [
+    (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _I, _I, _arr(f, 3))])
+ROWS_SLABS = Step(padded_rows_slabs.py_func, lambda f: [
+    (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _I, _I, _arr(f, 3), _arr(f, 1), _arr(f, 1))])
 IN_HWC = Step(_in_hwc.py_func, lambda f: [
     (_arr(f, 3), _I, _I, _I, _arr(f, 2), _arr(f, 2), _I)])
 OUT_HWC = Step(_out_hwc.py_func, lambda f: [
@@ -475,17 +502,29 @@ GRAD_HWC = Step(_grad_hwc.py_func, lambda f: [
      _arr(types.float64, 1))])
 FILL_HWC_SLAB = Step(fill_hwc_slab.py_func, lambda f: [
     (_arr(f, 4), _arr(f, 4), _B, _I, _I, _I, _arr(f, 1), _arr(f, 1))])
-_FORWARD_STEPS = (PADDED_ROWS, IN_HWC, OUT_HWC, STORE_NCHW)   # forward(_epilogue)_tasks
-_DW_STEPS = (PADDED_ROWS, IN_HWC, GRAD_HWC, FILL_HWC_SLAB)      # dw_tasks
-_padded_rows, _in_hwc_step, _out_hwc_step = PADDED_ROWS.call, IN_HWC.call, OUT_HWC.call
+_FORWARD_STEPS = (IN_HWC, OUT_HWC)              # forward(_epilogue)_tasks, and layout_steps
+_DW_STEPS = (IN_HWC, GRAD_HWC, FILL_HWC_SLAB)      # dw_tasks, and ROWS_HWC or ROWS_SLABS
+_rows_hwc, _rows_slabs = ROWS_HWC.call, ROWS_SLABS.call
+_in_hwc_step, _out_hwc_step = IN_HWC.call, OUT_HWC.call
 _store_nchw, _grad_hwc_step = STORE_NCHW.call, GRAD_HWC.call
 _fill_hwc_slab = FILL_HWC_SLAB.call
 
 
-def ready(dtype, dw=False):
+def layout_steps(nhwc, store=True):
+    """The steps only one layout's Winograd kernels call: NHWC's rows, or NCHW's slab rows
+    and (``store``) NCHW output store; ``nhwc`` None: both layouts'. A kernel's code calls
+    both layouts' slots; only its layout's is ever reached, and only that one is compiled
+    on a first call (``padded_rows``' two paths: 1.8-2.5 s cold, about half each)."""
+    hwc, nchw = (ROWS_HWC,), (ROWS_SLABS, STORE_NCHW) if store else (ROWS_SLABS,)
+    return hwc + nchw if nhwc is None else hwc if nhwc else nchw
+
+
+def ready(dtype, dw=False, nhwc=None):
     """The steps of the stride-1 forward task kernels (``dw``: of dw_tasks) compiled for
-    ``dtype`` and their slots filled: host code calls this before it launches them."""
-    _ready_steps(dtype, _DW_STEPS if dw else _FORWARD_STEPS)
+    ``dtype`` and the layout (``nhwc``; None: both) and their slots filled: host code calls
+    this before it launches them."""
+    _ready_steps(dtype, (_DW_STEPS if dw else _FORWARD_STEPS)
+                 + layout_steps(nhwc, store=not dw))
 
 
 # --------------------------------------------------------------------------- tasks

@@ -40,7 +40,8 @@ from ..cpu.steps import Step, array as _arr, ready as _ready_steps
 from ..cpu.transpose import transpose, transpose_rows
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_chunks import chunk, sum64, sum_groups, tile_chunks
-from .cpu_winograd import (OFF, PADDED_ROWS, STORE_NCHW, estride, gate_tiles, padded_rows,
+from .cpu_winograd import (OFF, STORE_NCHW, estride, gate_tiles, layout_steps, padded_rows,
+                           padded_rows_step,
                            vadd, vcopy, vsub)
 from .math import int_tuple
 from . import weights as _weights
@@ -66,7 +67,7 @@ def forward(x, w, b, geom, relu, y, tiles, wide, work):
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     ipc, tyb, nchunks, most = tile_chunks(N, P, Q, True, tiles)
     sizes = (geom.ph, geom.pw, ipc, tyb, estride(C * most, 4), estride(K * most, 4))
-    _ready_steps(np.float32, FORWARD_STEPS)
+    _ready_steps(np.float32, FORWARD_STEPS + layout_steps(geom.layout == "NHWC"))
     launch(_s2_tasks, nchunks, x, _weights.derived(w, "s2", lambda: taps(w)),
            int_tuple(*sizes), b,
            (bool(relu), geom.layout == "NHWC", bool(wide)), y, work=work, grain=1)
@@ -269,8 +270,8 @@ GEMMS = Step(gemms.py_func, lambda f: [(_I, _I, _I, _I64S, _I64S, _arr(f, 3), _a
              calls=(_tiles.GEMM_TAPS,))
 OUT_S2 = Step(_out_s2.py_func, lambda f: [
     (_arr(f, 2), _I, _I, _I, _arr(f, 1), _B, _arr(f, 2), _arr(f, 3))])
-FORWARD_STEPS = (PADDED_ROWS, STORE_NCHW, IN_S2, GEMMS, OUT_S2)
-_padded_rows, _store_nchw = PADDED_ROWS.call, STORE_NCHW.call
+FORWARD_STEPS = (IN_S2, GEMMS, OUT_S2)             # and the layout's (layout_steps)
+_store_nchw = STORE_NCHW.call
 _in_s2_step, _gemms, _out_s2_step = IN_S2.call, GEMMS.call, OUT_S2.call
 
 
@@ -304,8 +305,8 @@ def _s2_tasks(t0, t1, x, U, sizes, bias, flags, y):
         n0, n1, ty0, ty1 = chunk(t, N, TY, ipc, tyb)
         nr = ty1 - ty0
         for n in range(n0, n1):
-            _padded_rows((x, x, OFF, n, 4 * ty0 - top, 4 * nr + 1, -left, L, R,
-                          np.int64(not nhwc), xs, xs))
+            padded_rows_step((x, x, OFF, n, 4 * ty0 - top, 4 * nr + 1, -left, L, R,
+                              np.int64(not nhwc), xs, xs))
             for r in range(nr):
                 _in_s2_step((R, 4 * r, TX, C, tv, V, ((n - n0) * nr + r) * TX))
         _gemms(((n1 - n0) * nr * TX, K, C, vrows, eoff, U, M, ms, wide))

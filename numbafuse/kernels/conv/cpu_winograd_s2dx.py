@@ -31,7 +31,7 @@ from numba import njit, types
 from ..cpu.launch import launch, task_kernel
 from ..cpu.steps import Step, array as _arr, ready as _ready_steps
 from .cpu_chunks import block_chunks, chunk
-from .cpu_winograd import PADDED_ROWS, STORE_NCHW, estride, vcopy, vsub
+from .cpu_winograd import STORE_NCHW, estride, layout_steps, padded_rows_step, vcopy, vsub
 from .cpu_winograd_s2 import GEMMS, gemm_operands, taps
 from .math import int_tuple
 
@@ -46,7 +46,7 @@ def dx(gy, y, use_mask, w, geom, out, tiles, wide, work):
     N, C, K, H, W = geom.N, geom.C, geom.K, geom.H, geom.W
     ipc, ib, nchunks, most = block_chunks(N, -(-H // 4), -(-W // 4), tiles)
     sizes = (geom.ph, geom.pw, ipc, ib, estride(K * most, 4), estride(C * most, 4))
-    _ready_steps(np.float32, _STEPS)
+    _ready_steps(np.float32, _STEPS + layout_steps(geom.layout == "NHWC"))
     launch(_s2_dx_tasks, nchunks, gy, y, use_mask, taps(w, _GG_DX, dx=True),
            int_tuple(*sizes), (geom.layout == "NHWC", bool(wide)), out, work=work,
            grain=1)
@@ -129,8 +129,8 @@ IN_DX = Step(_in_dx.py_func, lambda f: [
     (_arr(f, 3), _I, _I, _I, _B, _B, _arr(f, 3), _arr(f, 2), _I)])
 OUT_DX = Step(_out_dx.py_func, lambda f: [
     (_arr(f, 2), _I, _I, _I, _B, _B, _arr(f, 2), _arr(f, 3))])
-_STEPS = (PADDED_ROWS, STORE_NCHW, GEMMS, IN_DX, OUT_DX)
-_padded_rows, _store_nchw, _gemms = PADDED_ROWS.call, STORE_NCHW.call, GEMMS.call
+_STEPS = (GEMMS, IN_DX, OUT_DX)                  # and the layout's (layout_steps)
+_store_nchw, _gemms = STORE_NCHW.call, GEMMS.call
 _in_dx_step, _out_dx_step = IN_DX.call, OUT_DX.call
 
 
@@ -169,8 +169,8 @@ def _s2_dx_tasks(t0, t1, gy, y, use_mask, U, sizes, flags, dx):
         u0 = 2 * i0 + c0h                             # the chunk's first g row
         for n in range(n0, n1):
             # g's rows split by column parity from column c0w (gated; NCHW through slabs)
-            _padded_rows((gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R, np.int64(not nhwc), gs,
-                          ysl))
+            padded_rows_step((gy, y, use_mask, n, u0, 2 * nr + 1, c0w, L, R,
+                              np.int64(not nhwc), gs, ysl))
             for r in range(nr):
                 _in_dx_step((R, 2 * r, IX, K, oddh, oddw, tv, V, ((n - n0) * nr + r) * IX))
         _gemms((T, C, K, vrows, eoff, U, M, ms, wide))
