@@ -52,7 +52,7 @@ def test_numpy_before_25_is_fine(numpy_version):
 
 def test_a_numba_cuda_release_that_guards_row_stack_lifts_the_refusal(monkeypatch):
     from numbafuse import cuda
-    monkeypatch.setattr(cuda, "FIRST_NUMBA_CUDA_WITH_NUMPY_25", "0.31.0")
+    monkeypatch.setattr(cuda.compat, "FIRST_NUMBA_CUDA_WITH_NUMPY_25", "0.31.0")
     assert cuda.compatibility_error("2.5.0", "0.31.0") is None
     assert cuda.compatibility_error("2.5.0", "0.30.4") is not None
 

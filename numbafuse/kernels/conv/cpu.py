@@ -53,6 +53,7 @@ from . import cpu_winograd_s2 as _wino_s2  # noqa: E402
 from . import cpu_winograd_s2dx as _wino_s2dx  # noqa: E402
 from . import cpu_direct as _direct  # noqa: E402
 from . import cpu_im2col as _im2col  # noqa: E402
+from . import cpu_im2col_fwd as _im2col_fwd  # noqa: E402
 from .cpu_chunks import (balanced, count_chunks, phase_weights as _phase_weights,  # noqa: E402
                          phases as _phases, sum_groups, tile_chunks)
 
@@ -383,7 +384,7 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     if plan.k_blocks > 1:
         dwm = _out.empty((K if need_dw else 0, R * S * C), x.dtype)
         db = np.empty((1, K))                                          # float64
-        _im2col.ready(x.dtype)
+        _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
         if need_dw and (geom.layout == "NHWC" or plan.slab):           # rows back in w's order
             _im2col.ready_reorder(x.dtype)
         launch(_im2col.dw_block_tasks, plan.k_blocks, x, _k_view(gy, geom), _k_view(y, geom),
@@ -396,7 +397,7 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, K * R * S * C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
-    _im2col.ready(x.dtype)
+    _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
     launch(_im2col.dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom), use_mask,
            geo_tuple(geom), _ints(ipc, rpc, nchunks, groups),
            (False, bool(plan.slab), bool(need_dw)), _blas.blas_for(x.dtype),
@@ -525,7 +526,7 @@ def conv_forward(x, w, b, geom, relu, plan=None):
                _k_view(y, geom), work=work, grain=1)
     else:
         ipc, rpc, kb = _im2col_chunks(plan, geom, x.itemsize)
-        _im2col.ready(x.dtype)
+        _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
         # k blocks over NHWC-ordered cols: each block's task reorders its weights itself
         # (into wdst, kept by the weight cache where it keeps w's arrays), unless cached
         ordered = nhwc or plan.slab
@@ -536,7 +537,8 @@ def conv_forward(x, w, b, geom, relu, plan=None):
             _im2col.ready_reorder(x.dtype)
         wmat = (w.reshape(K, -1) if wt else kept if kept is not None
                 else _weight_matrix(w, ordered))
-        launch(_im2col.forward_tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x, wmat, b,
+        tasks = _im2col_fwd.forward_tasks_hwc if nhwc else _im2col_fwd.forward_tasks_chw
+        launch(tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x, wmat, b,
                (has_bias, relu, False, bool(plan.slab), wt), geo_tuple(geom),
                _ints(ipc, rpc, kb), blas, _batch_cols(x, geom, plan.slab, kb > 1), wdst,
                _k_view(y, geom), work=work, grain=1)

@@ -159,7 +159,7 @@ def _slab_hwc(x, n, h0, h1, slab):
 
 
 @njit(inline="always")
-def _slab_buffer(x, geo, ipc, rpc, slab):
+def slab_buffer(x, geo, ipc, rpc, slab):
     # the (rows, W, C) slab of one image's input rows that a chunk reads (empty without slab)
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     rows = min(H, ((P if ipc > 1 else rpc) - 1) * sh + (R - 1) * dh + 1)
@@ -192,10 +192,16 @@ _im2col_chw_step, _im2col_hwc_step = IM2COL_CHW.call, IM2COL_HWC.call
 _im2col_slab_step, _rows_step = IM2COL_SLAB.call, _ROWS.call
 
 
-def ready(dtype):
+def ready(dtype, nhwc=None, slab=False):
     """The gathers compiled for ``dtype`` and their slots filled: host code calls this before
-    it launches forward_tasks, dw_tasks or dw_block_tasks."""
-    _ready_steps(dtype, (IM2COL_CHW, IM2COL_HWC, IM2COL_SLAB))
+    it launches cpu_im2col_fwd's tasks, cols_tasks, dw_tasks or dw_block_tasks. Only the
+    layout's gather (``nhwc``; NCHW: the slab's, or the strided one): the kernels' code calls
+    every gather's slot, but a call reaches only its layout's. ``nhwc`` None: all three."""
+    if nhwc is None:
+        steps = (IM2COL_CHW, IM2COL_HWC, IM2COL_SLAB)
+    else:
+        steps = (IM2COL_HWC,) if nhwc else (IM2COL_SLAB,) if slab else (IM2COL_CHW,)
+    _ready_steps(dtype, steps)
 
 
 def ready_reorder(dtype):
@@ -213,7 +219,7 @@ def cols_tasks(t0, t1, x, geo, orient, cols):
     RSC = R * S * C
     PQ = P * Q
     M = N * PQ
-    sbuf = _slab_buffer(x, geo, N, P, orient == 1)
+    sbuf = slab_buffer(x, geo, N, P, orient == 1)
     for n in range(t0, t1):
         if orient == 2:
             _im2col_chw_step((x, n, 0, P, geo, cols.reshape((RSC, M)), n * PQ))
@@ -222,89 +228,6 @@ def cols_tasks(t0, t1, x, geo, orient, cols):
                                cols.reshape((M, RSC))[n * PQ:(n + 1) * PQ], PQ))
         else:
             _im2col_hwc_step((x, n, 0, P, geo, cols.reshape((M, RSC)), n * PQ))
-
-
-@task_kernel
-def forward_tasks(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, wdst, y):
-    has_bias, relu, pointwise, slab, wt = flags
-    ipc, rpc, kb = chunks
-    # x: (N, C, H, W) | (N, H, W, C); wmat: (K, C*R*S) | (K, R*S*C) (NHWC, or NCHW with slab);
-    # b: (K,); y: (N, K, PQ) | (N, PQ, K). Task t: the output channels [k0, k1) (block t % kb
-    # of kb, each a multiple of 16 channels) of chunk t // kb. slab (NCHW): each image's input
-    # rows of the chunk are transposed to (rows, W, C) first and the cols built as NHWC's,
-    # (m, R*S*C): a strided NCHW gather reads single values, this one vectors. pre: the whole
-    # batch's cols ((M, R*S*C), NCHW without slab (C*R*S, M)) built once by cols_tasks (kb >
-    # 1: one chunk), else empty. wt: wmat is w as it is, (K, C*R*S), and each task reorders
-    # its own block of it to (kn, R*S*C) (kb > 1: the blocks' reorderings run in parallel,
-    # not as one 9.4 MB transpose on the host first at 512 -> 512 3x3), into its rows of
-    # wdst (K, R*S*C) where given (for the weight cache), else into a buffer of its own.
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    RSC = R * S * C
-    PQ = P * Q
-    kb_len = block_len(K, kb)
-    mmax = ipc * PQ if ipc > 1 else rpc * Q
-    built = pre.shape[0] == 0                                     # cols built here
-    cols = np.empty(mmax * RSC if built else 0, x.dtype)          # reused by every chunk
-    ybuf = np.empty(mmax * min(K, kb_len), x.dtype)
-    sbuf = _slab_buffer(x, geo, ipc, rpc, slab and built)
-    wbuf = np.empty(min(K, kb_len) * RSC if wt else 0, x.dtype)
-    for t in range(t0, t1):
-        n0, n1, p0, p1 = chunk(t // kb, N, P, ipc, rpc)
-        k0 = (t % kb) * kb_len
-        k1 = min(K, k0 + kb_len)
-        kn = k1 - k0
-        if kn <= 0:
-            continue
-        wk = wmat[k0:k1]                                          # (kn, RSC)
-        if wt:                                                    # (kn, C, RS) -> (kn, RS, C)
-            wk = wdst[k0:k1] if wdst.shape[0] > 0 else wbuf[:kn * RSC].reshape((kn, RSC))
-            _rows_step((wmat[k0:k1].reshape((kn, C, R * S)), wk.reshape((kn, R * S, C))))
-        per = (p1 - p0) * Q                                       # pixels per image
-        m = (n1 - n0) * per
-        if nhwc:
-            yb = ybuf[:m * kn].reshape((m, kn))                   # (m, kn)
-            if pointwise:                                         # x's rows are the cols
-                xr = x.reshape((N * PQ, C))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]
-                _blas.gemm(blas, False, True, (m, kn, C), 1.0, xr, C, wk, C, 0.0, yb, kn)
-            else:
-                c2 = pre                                          # (m, R*S*C)
-                if pre.shape[0] == 0:
-                    c2 = cols[:m * RSC].reshape((m, RSC))
-                    for n in range(n0, n1):
-                        _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
-                _blas.gemm(blas, False, True, (m, kn, RSC), 1.0, c2, RSC, wk, RSC, 0.0, yb, kn)
-            y2 = y.reshape((N * PQ, K))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]   # (m, K)
-            for i in range(m):
-                src, dst = yb[i], y2[i, k0:k1]                    # (kn,) each
-                for k in range(kn):
-                    v = src[k] + (b[k0 + k] if has_bias else 0)
-                    dst[k] = _relu(v) if relu else v
-        else:
-            yb = ybuf[:kn * m].reshape((kn, m))                   # (kn, m)
-            if pointwise and n1 - n0 == 1:                        # x[n] (C, HW) is the cols
-                xs = x[n0].reshape((C, PQ))[:, p0 * Q:]           # (C, m), ld PQ
-                _blas.gemm(blas, False, False, (kn, m, C), 1.0, wk, C, xs, PQ, 0.0, yb, m)
-            elif slab:
-                c2 = pre
-                if pre.shape[0] == 0:
-                    c2 = cols[:m * RSC].reshape((m, RSC))         # (m, R*S*C)
-                    _im2col_slab_step((x, n0, n1, p0, p1, geo, sbuf, c2, per))
-                _blas.gemm(blas, False, True, (kn, m, RSC), 1.0, wk, RSC, c2, RSC, 0.0, yb, m)
-            else:
-                c2 = pre                                          # (C*R*S, m)
-                if pre.shape[0] == 0:
-                    c2 = cols[:RSC * m].reshape((RSC, m))
-                    for n in range(n0, n1):
-                        _im2col_chw_step((x, n, p0, p1, geo, c2, (n - n0) * per))
-                _blas.gemm(blas, False, False, (kn, m, RSC), 1.0, wk, RSC, c2, m, 0.0, yb, m)
-            for n in range(n0, n1):
-                for k in range(kn):
-                    src = yb[k, (n - n0) * per:(n - n0 + 1) * per]   # (per,)
-                    dst = y[n, k0 + k, p0 * Q:p1 * Q]
-                    bias = b[k0 + k] if has_bias else 0
-                    for i in range(per):
-                        v = src[i] + bias
-                        dst[i] = _relu(v) if relu else v
 
 
 # --------------------------------------------------------------------------- backward: dW, db
@@ -323,7 +246,7 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
     mmax = ipc * PQ if ipc > 1 else rpc * Q
     cols = np.empty(mmax * RSC if need_dw else 0, x.dtype)
     gbuf = np.empty(mmax * K, x.dtype)
-    sbuf = _slab_buffer(x, geo, ipc, rpc, slab and need_dw)
+    sbuf = slab_buffer(x, geo, ipc, rpc, slab and need_dw)
     for grp in range(t0, t1):
         dbp = db_parts[grp]                                       # (K,)
         dbp[:] = 0.0
