@@ -309,12 +309,12 @@ def fill_hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs):
 def padded_rows(src, gate, use_gate, n, u0, nu, c0, L, R, slabs, xs, gs):
     """R <- the rows [u0, u0 + nu) of image n of src (gated) split by column (_split_rows,
     from column c0: -left for a padded input); slabs: of an NCHW src (and gate), through its
-    HWC slab in xs (gs). Every Winograd kernel's first step."""
+    HWC slab in xs (gs). Every Winograd kernel's first step: through padded_rows_step's
+    slots, or (the stride-2 chunk_v) called directly, both layouts' code linked in."""
     if slabs:
-        sv, gv = _hwc_slab(src, gate, use_gate, n, u0, nu, xs, gs)
-        _split_rows(sv, gv, use_gate, 0, u0 - max(0, u0), nu, c0, L, R)
+        padded_rows_slabs(src, gate, use_gate, n, u0, nu, c0, L, R, xs, gs)
     else:
-        _split_rows(src, gate, use_gate, n, u0, nu, c0, L, R)
+        padded_rows_hwc(src, gate, use_gate, n, u0, nu, c0, L, R)
 
 
 @njit(nogil=True, cache=True)
