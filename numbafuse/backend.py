@@ -99,8 +99,8 @@ def to_device(a):
 
 
 def upload(a: np.ndarray):
-    """A device copy of host array ``a`` that does not wait for the device (``numbafuse.cuda.
-    upload``: an asynchronous copy, ordered before the kernels launched after it)."""
+    """A device copy of host array ``a`` by an asynchronous copy, ordered before the kernels
+    launched after it (``numbafuse.cuda.upload``)."""
     return _cuda().upload(a)
 
 

@@ -79,11 +79,12 @@ def to_device(a: np.ndarray):
 
 
 def upload(a: np.ndarray):
-    """A device copy of the host array ``a`` (pool memory) that does not wait for the device:
-    an asynchronous copy on numba's default stream, ordered before the kernels launched after
-    it. From pageable memory the driver stages ``a`` before the call returns, so ``a`` may be
-    changed at once; :func:`to_device`'s synchronous copy first waits for every kernel queued
-    before it."""
+    """A device copy of the host array ``a`` (pool memory) by an asynchronous copy on numba's
+    default stream, ordered before the kernels launched after it. From pageable memory the
+    driver stages ``a`` before the call returns (so ``a`` may be changed at once), and CUDA's
+    documentation allows it to synchronize with the stream to do so; whether it waits for
+    the kernels queued before it on a given driver is for a GPU to measure (``gpu_probe.py
+    labels``). :func:`to_device`'s synchronous copy always waits for them."""
     require_eager("a copy from the host to the device")
     a = np.ascontiguousarray(a)
     out = empty(a.shape, a.dtype)

@@ -411,10 +411,10 @@ def cross_entropy(logits, labels):
     logits : array or Tensor, (N, classes), float32 or float64
     labels : int array, (N,), each in ``[0, classes)``; not differentiable. On the host or
         on ``logits``' device. Host labels are checked on the host (with device logits they
-        are then copied to the device without waiting for it); device labels are checked by
-        a kernel whose answer, one integer, is read back: a wait for every kernel queued
-        before it. A training loop whose batches come from the host should pass the host's
-        labels.
+        are then copied to the device asynchronously: no kernel, no read back); device labels
+        are checked by a kernel whose answer, one integer, is read back: a wait for every
+        kernel queued before it. A training loop whose batches come from the host should
+        pass the host's labels.
 
     Examples
     --------
