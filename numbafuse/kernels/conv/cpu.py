@@ -52,6 +52,7 @@ from . import cpu_winograd as _wino  # noqa: E402
 from . import cpu_winograd_s2 as _wino_s2  # noqa: E402
 from . import cpu_winograd_s2dx as _wino_s2dx  # noqa: E402
 from . import cpu_direct as _direct  # noqa: E402
+from . import cpu_pointwise as _pointwise  # noqa: E402
 from . import cpu_im2col as _im2col  # noqa: E402
 from . import cpu_im2col_fwd as _im2col_fwd  # noqa: E402
 from .cpu_chunks import (balanced, count_chunks, phase_weights as _phase_weights,  # noqa: E402
@@ -319,8 +320,8 @@ def _phase_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
 # --------------------------------------------------------------------------- pointwise
 
 def _pointwise_view(a, nhwc):
-    """A 1x1 conv's operand as the pointwise tasks take it: (N, C, HW) | (1, N*HW, C)."""
-    return a.reshape(1, -1, a.shape[3]) if nhwc else a.reshape(a.shape[0], a.shape[1], -1)
+    """A 1x1 conv's operand as the pointwise tasks take it: (N, C, HW) | (N*HW, C)."""
+    return a.reshape(-1, a.shape[3]) if nhwc else a.reshape(a.shape[0], a.shape[1], -1)
 
 
 def _pointwise_chunks(plan, geom, channels, itemsize):
@@ -340,9 +341,10 @@ def _pointwise_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     groups = min(nchunks, plan.dw_groups)
     dw_parts = np.empty((groups if need_dw else 1, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
-    launch(_direct.pointwise_dw_tasks, groups, _pointwise_view(x, nhwc), _pointwise_view(gy, nhwc),
-           _pointwise_view(y, nhwc), use_mask, _ints(mpc, nchunks, groups), need_dw, nhwc,
-           _blas.blas_for(x.dtype), (dw_parts, db_parts), work=work, grain=1)
+    launch(_pointwise.dw_hwc if nhwc else _pointwise.dw_chw, groups, _pointwise_view(x, nhwc),
+           _pointwise_view(gy, nhwc), _pointwise_view(y, nhwc), use_mask,
+           _ints(mpc, nchunks, groups), need_dw, _blas.blas_for(x.dtype), (dw_parts, db_parts),
+           work=work, grain=1)
     if not need_dw:
         return None, db_parts
     return sum_groups(dw_parts).reshape(K, C, 1, 1), db_parts         # group order
@@ -507,9 +509,9 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         xv = _pointwise_view(x, nhwc)
         if plan.taps:
             _gemm_taps.ready()
-        launch(_direct.pointwise_tasks, nchunks, xv, xv, False,
-               _transposed(w, wm) if nhwc else wm, mpc, b, (has_bias, relu, nhwc),
-               blas, plan.taps, _pointwise_view(y, nhwc), work=work, grain=1)
+        launch(_pointwise.forward_hwc if nhwc else _pointwise.forward_chw, nchunks, xv, xv,
+               False, _transposed(w, wm) if nhwc else wm, mpc, b, (has_bias, relu), blas,
+               plan.taps, _pointwise_view(y, nhwc), work=work, grain=1)
     elif kind == "phase":
         tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
         rpc = balanced(geom.P, _phase_rows(plan, len(planes) * C + K, Wq, x.itemsize))
@@ -606,10 +608,10 @@ def _conv_dx(gy, y, use_mask, w, geom, plan, work):
         mpc, nchunks = _pointwise_chunks(plan, geom, C + K, gy.itemsize)
         if plan.taps:
             _gemm_taps.ready()
-        launch(_direct.pointwise_tasks, nchunks, _pointwise_view(gy, nhwc),
-               _pointwise_view(y, nhwc), use_mask, wm if nhwc else np.ascontiguousarray(wm.T), mpc,
-               np.zeros(C, gy.dtype), (False, False, nhwc), blas, plan.taps,
-               _pointwise_view(dx, nhwc), work=work, grain=1)
+        launch(_pointwise.forward_hwc if nhwc else _pointwise.forward_chw, nchunks,
+               _pointwise_view(gy, nhwc), _pointwise_view(y, nhwc), use_mask,
+               wm if nhwc else np.ascontiguousarray(wm.T), mpc, np.zeros(C, gy.dtype),
+               (False, False), blas, plan.taps, _pointwise_view(dx, nhwc), work=work, grain=1)
     elif kind == "phase":
         ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack = _phase_dx_plan(geom)
         rpc = balanced(-(-H // geom.sh), _phase_rows(plan, K + C, Wg, gy.itemsize))

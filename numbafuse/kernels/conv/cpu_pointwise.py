@@ -1,0 +1,156 @@
+"""CPU task kernels of the pointwise convolution (1x1, stride 1, unpadded), one per layout and
+pass: x itself is the GEMM operand, so a chunk is one GEMM straight into y (then bias and ReLU
+while it is in cache), dX one GEMM of the gated gradient straight into dx, dW one GEMM per
+chunk; nothing is copied but g. See ``cpu.py`` for when it runs.
+
+The host picks the kernel by the layout, so that a first call compiles one layout's body (the
+two layouts in one kernel: 1.06-1.12 s of compile for a 1x1 forward, of a 3.2-3.5 s first call;
+issue 33). Shapes, with M = N*H*W:
+
+    NCHW  src (N, Ci, HW), wm (Co, Ci), out (N, Co, HW); chunk t: pixels [c0, c1) of one image
+    NHWC  src (M, Ci),     wm (Ci, Co), out (M, Co);     chunk t: rows [c0, c1) of M
+
+The forward runs ``forward_*`` on x with wm = w (NCHW) | w^T (NHWC); dX runs it on gy gated by
+y (``use_gate``; gate = y) with wm = w^T | w.
+"""
+import numpy as np
+
+from ..cpu import blas as _blas
+from ..cpu import gemm_taps as _gemm_taps
+from ..cpu.launch import task_kernel
+from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
+from .cpu_chunks import gated_chw, gated_hwc
+
+_relu = cpu_scalar(_relu_math)
+_relu_grad = cpu_scalar(_relu_grad_math)
+
+
+@task_kernel
+def forward_hwc(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, taps, out):
+    # NHWC: src, gate (M, Ci); wm (Ci, Co); out (M, Co); flags (has_bias, relu). taps
+    # (float32, Co % 8 == 0): 1 or 2 (16-float vectors) for cpu.gemm_taps's tiles (one tap,
+    # a row address per pixel) instead of the BLAS, 0 for the BLAS
+    has_bias, relu = flags
+    M, Ci = src.shape
+    Co = out.shape[1]
+    gbuf = np.empty(Ci * mpc if use_gate else 0, src.dtype)
+    rows = np.empty(mpc if taps else 0, np.int64)
+    aoff = np.zeros(1, np.int64)
+    for t in range(t0, t1):
+        c0 = t * mpc
+        c1 = min(M, c0 + mpc)
+        m = c1 - c0
+        a = src[c0:c1]                                            # (m, Ci)
+        if use_gate:
+            g = gbuf[:m * Ci].reshape((m, Ci))
+            for i in range(m):
+                sr, gr, dr = src[c0 + i], gate[c0 + i], g[i]
+                for c in range(Ci):
+                    dr[c] = _relu_grad(sr[c], gr[c])
+            a = g
+        o = out[c0:c1]                                            # (m, Co)
+        if taps:
+            _gemm_taps.dense_rows(rows, np.int64(a.ctypes.data), m, Ci)
+            _gemm_taps.taps_step(((np.int64(m), np.int64(Co), np.int64(Ci)), np.int64(1),
+                                 np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data),
+                                 np.int64(wm.ctypes.data), np.int64(Co),
+                                 np.int64(o.ctypes.data), np.int64(Co),
+                                 np.int64(bias.ctypes.data) if has_bias else np.int64(0),
+                                 np.int64(1 if relu else 0), np.int64(taps - 1)))
+        elif relu or has_bias:                                      # the epilogue in cache
+            _blas.gemm_bias_relu(blas, m, Co, Ci, a, Ci, wm, Co, o, bias, relu)
+        else:
+            _blas.gemm(blas, False, False, (m, Co, Ci), 1.0, a, Ci, wm, Co, 0.0, o, Co)
+
+
+@task_kernel
+def forward_chw(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, taps, out):
+    # NCHW: src, gate (N, Ci, HW); wm (Co, Ci); out (N, Co, HW); flags (has_bias, relu); taps
+    # unused (forward_hwc's arguments, one call site on the host)
+    has_bias, relu = flags
+    Ci, HW = src.shape[1], src.shape[2]
+    Co = out.shape[1]
+    nblk = (HW + mpc - 1) // mpc
+    gbuf = np.empty(Ci * mpc if use_gate else 0, src.dtype)
+    for t in range(t0, t1):
+        n = t // nblk
+        c0 = (t - n * nblk) * mpc
+        c1 = min(HW, c0 + mpc)
+        m = c1 - c0
+        b = src[n, :, c0:]                                        # (Ci, m), ld HW
+        ldb = HW
+        if use_gate:
+            g = gbuf[:Ci * m].reshape((Ci, m))
+            for c in range(Ci):
+                sr, gr, dr = src[n, c, c0:c1], gate[n, c, c0:c1], g[c]
+                for i in range(m):
+                    dr[i] = _relu_grad(sr[i], gr[i])
+            b = g
+            ldb = m
+        _blas.gemm(blas, False, False, (Co, m, Ci), 1.0, wm, Ci, b, ldb, 0.0, out[n, :, c0:],
+                   HW)
+        if relu or has_bias:                                      # in place, in cache
+            for k in range(Co):
+                r = out[n, k, c0:c1]                              # (m,)
+                bk = bias[k]
+                for i in range(m):
+                    v = r[i] + bk
+                    r[i] = _relu(v) if relu else v
+
+
+# dW and db. counts = (mpc, nchunks, groups): the chunks as the forward's, in groups of
+# consecutive chunks (a task each); dw_parts: (groups, K, C) <- each group's dW; db_parts:
+# (groups, K) float64 <- its sum of g. need_dw false: db only.
+
+@task_kernel
+def dw_hwc(t0, t1, x, gy, y, use_mask, counts, need_dw, blas, parts):
+    # NHWC: x (M, C); gy, y (M, K)
+    mpc, nchunks, groups = counts
+    dw_parts, db_parts = parts
+    M, C = x.shape
+    K = gy.shape[1]
+    gbuf = np.empty(K * mpc, x.dtype)
+    for grp in range(t0, t1):
+        dbp = db_parts[grp]
+        dbp[:] = 0.0
+        first = True
+        for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
+            c0 = t * mpc
+            c1 = min(M, c0 + mpc)
+            m = c1 - c0
+            beta = 0.0 if first else 1.0
+            first = False
+            g = gbuf[:m * K].reshape((m, K))                      # (m, K)
+            gated_hwc(gy, y, use_mask, c0, c1, g, 0, dbp)
+            if need_dw:
+                # dW (K, C) += g^T (K, m) @ x (m, C)
+                _blas.gemm(blas, True, False, (K, C, m), 1.0, g, K, x[c0:c1], C, beta,
+                           dw_parts[grp], C)
+
+
+@task_kernel
+def dw_chw(t0, t1, x, gy, y, use_mask, counts, need_dw, blas, parts):
+    # NCHW: x (N, C, HW); gy, y (N, K, HW)
+    mpc, nchunks, groups = counts
+    dw_parts, db_parts = parts
+    C, HW = x.shape[1], x.shape[2]
+    K = gy.shape[1]
+    nblk = (HW + mpc - 1) // mpc
+    gbuf = np.empty(K * mpc, x.dtype)
+    for grp in range(t0, t1):
+        dbp = db_parts[grp]
+        dbp[:] = 0.0
+        first = True
+        for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
+            n = t // nblk
+            c0 = (t - n * nblk) * mpc
+            c1 = min(HW, c0 + mpc)
+            m = c1 - c0
+            beta = 0.0 if first else 1.0
+            first = False
+            g = gbuf[:K * m].reshape((K, m))                      # (K, m)
+            gated_chw(gy, y, use_mask, n, c0, c1, HW, 1, g, 0, dbp)
+            if need_dw:
+                # dW (K, C) += g (K, m) @ x[n][:, c0:c1]^T (m, C)
+                _blas.gemm(blas, False, True, (K, C, m), 1.0, g, m, x[n, :, c0:], HW, beta,
+                           dw_parts[grp], C)
