@@ -28,7 +28,10 @@ with torch importable; torch's own import is timed apart and not counted); all a
 quick start ``python -m numbafuse.train`` with its defaults (``--no-progress`` added and a
 ``--report`` JSON read back for its training seconds). ``cuda``: every numba.cuda kernel a
 training step of the digits ResNet launches, built to PTX for sm_90 without a GPU, cold and
-from the cache; ``cuda-all``: every listed kernel (``PTX_SIGNATURES``) at float32.
+from the cache; ``cuda-all``: every listed kernel (``PTX_SIGNATURES``) at float32. ``numba
+floor``: no numbafuse, a one-line ``@njit(cache=True)`` function (``a.sum()``) called once:
+what any Numba library pays in a new process before its own code, cold and warm (the floor
+under the targets below).
 
 The targets of issue 33 (this 2-core machine): every op's cold first call <= 3 s, no single
 compiled function over 2 s, a cold ``python -m numbafuse.train`` <= 60 s wall, warm import +
@@ -88,6 +91,7 @@ CASES = {
     "torch ConvBiasReLU2d 3x3 s1": dict(op="torch_conv", layout="NCHW", k=3, stride=1),
     "torch BatchNormAddReLU2d": dict(op="torch_bn", layout="NCHW"),
     "train": dict(op="train"),
+    "numba floor": dict(op="floor"),
     "cuda": dict(op="cuda", kernels="step"),
     "cuda-all": dict(op="cuda", kernels="all"),
 }
@@ -224,6 +228,21 @@ def _import_only(spec, steps, log):
     _timed(steps, log, "import", lambda: __import__("numbafuse"))
 
 
+def _floor_sum(a):
+    return a.sum()
+
+
+def _floor(spec, steps, log):
+    """Numba alone: import numpy and numba (the worker's first step), then the first call of a
+    one-line cached function: compiled (cold) or loaded from the cache (warm), either way after
+    Numba loads its typing and lowering registries, once per process."""
+    import numpy as np
+    from numba import njit
+    fn = njit(cache=True)(_floor_sum)
+    a = np.ones(3)
+    _timed(steps, log, "first call", lambda: fn(a))
+
+
 def _torch_op(spec, steps, log):
     """numbafuse.torch's modules: torch imported first (its time apart), then forward and
     backward through torch.autograd."""
@@ -358,7 +377,7 @@ def worker(case, spec):
     if spec["op"] != "cuda":
         log = _timed(steps, None, "import numba", CompileLog)
     run = {"train": _train, "cuda": _cuda, "torch_conv": _torch_op, "torch_bn": _torch_op,
-           "import": _import_only}.get(spec["op"], _numpy_op)
+           "import": _import_only, "floor": _floor}.get(spec["op"], _numpy_op)
     extra = run(spec, steps, log)
     records = log.records if log else []
     loads = log.loads if log else {}
@@ -512,7 +531,7 @@ def process_rows(results):
             "compiled in the warm process"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * 8 + "---|---|"]
     for case, res in results.items():
-        if res["spec"]["op"] == "cuda":
+        if res["spec"]["op"] in ("cuda", "floor"):
             continue
         cold_imp = sum(s["cpu"] for s in res["cold"]["steps"] if s["name"] in IMPORTS)
         warm_imp = sum(s["cpu"] for s in res["warm"]["steps"] if s["name"] in IMPORTS)
@@ -551,6 +570,26 @@ def train_lines(res):
         f"The same command warm (second process, same cache): {res['warm_wall']:.1f} s wall, "
         f"{res['warm_cpu']:.1f} s CPU, training loop {warm['extra']['train_seconds']:.1f} s, "
         f"{len(warm['compiles'])} functions compiled.", ""]
+
+
+def floor_lines(res):
+    """The Numba floor: what a new process pays before any numbafuse code runs."""
+    def step(run, name):
+        return next(s for s in run["steps"] if s["name"] == name)
+    cold, warm = res["cold"], res["warm"]
+    ci, cc = step(cold, "import numba"), step(cold, "first call")
+    wi, wc = step(warm, "import numba"), step(warm, "first call")
+    return [
+        f"**Numba's floor** (`numba floor`: no numbafuse; a one-line `@njit(cache=True)` "
+        f"function, `a.sum()`, called once in a new process): importing NumPy and Numba "
+        f"{ci['cpu']:.2f} s CPU cold, {wi['cpu']:.2f} warm; the first call {cc['cpu']:.2f} s "
+        f"cold (compiled: Numba loads its typing and lowering registries first, once a process) "
+        f"and **{wc['cpu']:.2f} s warm** (loaded from the cache, after the same registries). "
+        f"Warm import + first call: **{wi['cpu'] + wc['cpu']:.2f} s CPU** "
+        f"({wi['wall'] + wc['wall']:.2f} s wall) for any Numba code on this machine, against "
+        f"the {TARGET_WARM:g} s target (met: {_ok(wi['cpu'] + wc['cpu'], TARGET_WARM)}); the "
+        f"first pass of a cold process spends about {cc['cpu']:.2f} s of its "
+        f"{TARGET_COLD_CALL:g} s there before it compiles a function of its own.", ""]
 
 
 def cuda_lines(results):
@@ -633,11 +672,13 @@ def report(results, skipped, command, machine, load, note=""):
     ops = op_rows(results)
     if len(ops) > 2:
         lines += target_summary(results) + ops + [""]
-    if results and any(r["spec"]["op"] != "cuda" for r in results.values()):
+    if results and any(r["spec"]["op"] not in ("cuda", "floor") for r in results.values()):
         lines += ["Whole processes (interpreter start included; the torch cases' processes "
                   "include torch's import):", ""] + process_rows(results) + [""]
     if "train" in results:
         lines += train_lines(results["train"])
+    if "numba floor" in results:
+        lines += floor_lines(results["numba floor"])
     lines += cuda_lines(results)
     for case, reason in skipped.items():
         lines.append(f"Skipped: {case}: {reason}.")

@@ -79,6 +79,20 @@ def test_worker_processes_cold_and_warm():
     assert "| import |" in "\n".join(bc.process_rows({"import": res}))
 
 
+def test_numba_floor_case_compiles_cold_and_loads_warm():
+    # the floor under issue 33's targets: a one-line cached function, compiled in the cold
+    # process and loaded (nothing compiled) in the warm one; its report line names both
+    res = bc.measure("numba floor", bc.CASES["numba floor"], log=lambda s: None)
+    for side in ("cold", "warm"):
+        assert [s["name"] for s in res[side]["steps"]] == ["import numba", "first call"]
+    assert [r["fn"].rsplit(".", 1)[-1] for r in res["cold"]["compiles"]
+            if r["depth"] == 0] == ["_floor_sum"]
+    assert res["warm"]["compiles"] == [] and res["warm"]["loads"]["hits"] == 1
+    text = "\n".join(bc.report({"numba floor": res}, {}, "c", "m", (1.0, 1.0)))
+    assert "**Numba's floor**" in text and "Warm import + first call: **" in text
+    assert "Whole processes" not in text                 # not a numbafuse case's row
+
+
 def _op_result(fwd_cpu, bwd_cpu, slow_cpu, warm_cpu):
     def steps(f, b, imp):
         return [dict(name="import numba", wall=imp, cpu=imp), dict(name="import", wall=imp,

@@ -9,7 +9,7 @@ import pytest
 import numbafuse as nf
 from numbafuse import reference as ref
 from numbafuse.kernels.conv import cpu as cpu_conv, cpu_plan, cpu_winograd as _wino
-from numbafuse.kernels.cpu import steps as cpu_steps
+from numbafuse.kernels.cpu import gemm_taps, steps as cpu_steps
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-11)}
 
@@ -309,6 +309,8 @@ def test_each_algorithm_readies_the_steps_its_kernels_call():
                     if algorithm.startswith("winograd"):   # the other layout's rows: not
                         other = _wino.ROWS_SLABS if layout == "NHWC" else _wino.ROWS_HWC
                         assert not other._ready, f"{pass_} {algorithm} {layout}"   # compiled
+                    if algorithm in ("pointwise", "phase"):     # their kernels call taps only
+                        assert not gemm_taps.GEMM_GATHER._ready, f"{pass_} {algorithm}"
                 np.testing.assert_array_equal(got, want, err_msg=f"{pass_} {algorithm}")
 
 

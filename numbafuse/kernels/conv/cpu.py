@@ -508,7 +508,7 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         mpc, nchunks = _pointwise_chunks(plan, geom, C + K, x.itemsize)
         xv = _pointwise_view(x, nhwc)
         if plan.taps:
-            _gemm_taps.ready()
+            _gemm_taps.ready(gather=False)
         launch(_pointwise.forward_hwc if nhwc else _pointwise.forward_chw, nchunks, xv, xv,
                False, _transposed(w, wm) if nhwc else wm, mpc, b, (has_bias, relu), blas,
                plan.taps, _pointwise_view(y, nhwc), work=work, grain=1)
@@ -607,7 +607,7 @@ def _conv_dx(gy, y, use_mask, w, geom, plan, work):
         wm = w.reshape(K, C)                                           # dx = g @ w | w^T @ g
         mpc, nchunks = _pointwise_chunks(plan, geom, C + K, gy.itemsize)
         if plan.taps:
-            _gemm_taps.ready()
+            _gemm_taps.ready(gather=False)
         launch(_pointwise.forward_hwc if nhwc else _pointwise.forward_chw, nchunks,
                _pointwise_view(gy, nhwc), _pointwise_view(y, nhwc), use_mask,
                wm if nhwc else np.ascontiguousarray(wm.T), mpc, np.zeros(C, gy.dtype),
@@ -620,7 +620,7 @@ def _conv_dx(gy, y, use_mask, w, geom, plan, work):
                else np.empty((0, 1, 1), gy.dtype))
         _direct.ready(gy.dtype)
         if plan.taps:
-            _gemm_taps.ready()
+            _gemm_taps.ready(gather=False)
         launch(_direct.phase_dx_tasks, N * blocks(-(-H // geom.sh), rpc), gy, y, use_mask, wtap,
                (ph_taps, ph_start, ent_tap, ent_off),
                _ints(gmin, gext, gleft, Wg, slack, rpc, geom.sh, geom.sw, plan.taps), nhwc,
