@@ -1,6 +1,7 @@
 """GPU benchmark: numbafuse's CUDA path against PyTorch CUDA, each library in its own process.
 
-    PYTHONPATH=. python benchmarks/bench_gpu.py [--rounds 3] [--markdown FILE]
+    PYTHONPATH=. python benchmarks/bench_gpu.py [--rounds 3] [--dtypes float32,float16]
+        [--markdown FILE]
     NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=. python benchmarks/bench_gpu.py --smoke   # simulator
 
 The driver imports neither library: it runs ``bench_gpu.py --worker numbafuse`` and
@@ -23,7 +24,13 @@ Tables:
 3. **Kernels at the shapes of issue 16**: conv_bias_relu and batchnorm_add_relu forward and
    forward+backward timed with CUDA events (median of repeats), numbafuse against cuDNN (TF32
    off and PyTorch's default) and PyTorch eager, with the copy and matmul ceilings each
-   process measures for itself.
+   process measures for itself. Each dtype of ``--dtypes`` (default float32,float16) has its
+   tables; the float16 rows (marked "fp16") take x, w, b (conv) and x, z (batch norm), their
+   outputs and gradients in float16, gamma and beta in float32 (numbafuse's half-precision
+   rules, as PyTorch autocast and cuDNN: docs/ops.md, "Half precision"; like the float32 rows
+   they pass no running statistics), against cuDNN FP16 and PyTorch eager on float16 tensors.
+   Their batch-norm bandwidth counts 2 bytes an element; they run after every float32 row, each
+   a measurement of its own, so a half-precision failure is reported and loses nothing else.
 
 ``--smoke`` shrinks everything so the script runs under the CUDA simulator (the torch worker
 is skipped there: PyTorch has no CUDA device); its times mean nothing.
@@ -44,6 +51,9 @@ sys.path.insert(0, HERE)  # for _report
 import _report  # noqa: E402
 
 DIGITS = dict(x=(32, 24, 8, 8), w=(24, 24, 3, 3), batch=32)
+# the kernel tables' dtypes (--dtypes) and the bytes of an element of each
+DTYPES = ("float32", "float16")
+ITEMSIZE = dict(float32=4, float16=2)
 FULL = dict(conv=[((32, 64, 56, 56), (64, 64, 3, 3), dict(padding=1)),
                   ((32, 64, 32, 32), (64, 64, 3, 3), dict(padding=1)),
                   ((32, 256, 56, 56), (64, 256, 1, 1), dict()),
@@ -51,12 +61,13 @@ FULL = dict(conv=[((32, 64, 56, 56), (64, 64, 3, 3), dict(padding=1)),
             bn=[((64, 256, 56, 56), "NCHW"), ((64, 56, 56, 256), "NHWC"),
                 ((256, 2048, 7, 7), "NCHW"), ((32, 64, 32, 32), "NCHW")],
             copy_mib=512, matmul=8192, repeats=50, calls=200, call_repeats=10,
-            steps=50, digits=DIGITS, model=dict(width=24, blocks=2))
+            steps=50, digits=DIGITS, model=dict(width=24, blocks=2), dtypes=DTYPES)
 SMOKE = dict(conv=[((1, 2, 4, 4), (2, 2, 3, 3), dict(padding=1))],
              bn=[((1, 2, 3, 3), "NCHW"), ((1, 3, 3, 2), "NHWC")], copy_mib=0.01, matmul=0,
              repeats=1, calls=2, call_repeats=1, steps=1,
              digits=dict(x=(2, 3, 4, 4), w=(3, 3, 3, 3), batch=2), model=dict(width=2, blocks=1),
-             launch=dict(threads=8, max_blocks=3, reduce_blocks=3, dw_target_blocks=1))
+             launch=dict(threads=8, max_blocks=3, reduce_blocks=3, dw_target_blocks=1),
+             dtypes=DTYPES)
 # --quick: the figures of one short GPU call (benchmarks/gpu_check.sh): fewer repeats and steps
 QUICK = dict(FULL, repeats=15, call_repeats=3, steps=20, calls=100)
 # --calls: the per-call and training-step figures alone, prepared launches only (a process
@@ -230,36 +241,39 @@ def numbafuse_worker(cfg, path=None):
         return 2 * src.nbytes / (events(lambda: dst.copy_to_device(src)) * 1e-3) / 1e9
     if cfg["copy_mib"]:
         out.measure(None, "copy_gbs", copy_rate)
-    for x_shape, w_shape, kw in cfg["conv"]:
-        def conv_times(x_shape=x_shape, w_shape=w_shape, kw=kw):
-            xs = dev(rng.standard_normal(x_shape).astype(np.float32))
-            ws = dev((rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:])))
-                     .astype(np.float32))
-            bs = dev(rng.standard_normal(w_shape[0]).astype(np.float32))
-            y = nf.conv_bias_relu(xs, ws, bs, **kw)
-            gy = dev(rng.standard_normal(y.shape).astype(np.float32))
+    # float16 after every float32 row: each (shape, dtype) a measurement of its own
+    for dtype in cfg["dtypes"]:
+        for x_shape, w_shape, kw in cfg["conv"]:
+            def conv_times(x_shape=x_shape, w_shape=w_shape, kw=kw, dtype=dtype):
+                xs = dev(rng.standard_normal(x_shape).astype(dtype))
+                ws = dev((rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:])))
+                         .astype(dtype))
+                bs = dev(rng.standard_normal(w_shape[0]).astype(dtype))
+                y = nf.conv_bias_relu(xs, ws, bs, **kw)
+                gy = dev(rng.standard_normal(y.shape).astype(dtype))
 
-            def fwd():
-                return nf.conv_bias_relu(xs, ws, bs, **kw)
+                def fwd():
+                    return nf.conv_bias_relu(xs, ws, bs, **kw)
 
-            def fwd_bwd():
-                return nf.conv_bias_relu_backward(gy, xs, ws, fwd(), **kw)
-            return (events(fwd), events(fwd_bwd)) + _replays(fwd, fwd_bwd)
-        out.measure("kernels", _conv_key(x_shape, w_shape, kw), conv_times)
-    for shape, layout in cfg["bn"]:
-        def bn_times(shape=shape, layout=layout):
-            Cb = shape[1] if layout == "NCHW" else shape[3]
-            xs, zs, gy = (dev(rng.standard_normal(shape).astype(np.float32)) for _ in range(3))
-            g1 = dev(rng.uniform(0.5, 1.5, Cb).astype(np.float32))
-            b0 = dev(rng.standard_normal(Cb).astype(np.float32))
+                def fwd_bwd():
+                    return nf.conv_bias_relu_backward(gy, xs, ws, fwd(), **kw)
+                return (events(fwd), events(fwd_bwd)) + _replays(fwd, fwd_bwd)
+            out.measure("kernels", _conv_key(x_shape, w_shape, kw, dtype), conv_times)
+        for shape, layout in cfg["bn"]:
+            def bn_times(shape=shape, layout=layout, dtype=dtype):
+                Cb = shape[1] if layout == "NCHW" else shape[3]
+                xs, zs, gy = (dev(rng.standard_normal(shape).astype(dtype)) for _ in range(3))
+                # gamma, beta float32 for a half x too (PyTorch's BatchNorm2d under autocast)
+                g1 = dev(rng.uniform(0.5, 1.5, Cb).astype(np.float32))
+                b0 = dev(rng.standard_normal(Cb).astype(np.float32))
 
-            def fwd():
-                return nf.batchnorm_add_relu(xs, zs, g1, b0, layout=layout)
-            def fwd_bwd():
-                return nf.batchnorm_add_relu_backward(gy, xs, zs, g1, b0, y=fwd(),
-                                                      layout=layout)
-            return (events(fwd), events(fwd_bwd)) + _replays(fwd, fwd_bwd)
-        out.measure("kernels", _bn_key(shape, layout), bn_times)
+                def fwd():
+                    return nf.batchnorm_add_relu(xs, zs, g1, b0, layout=layout)
+                def fwd_bwd():
+                    return nf.batchnorm_add_relu_backward(gy, xs, zs, g1, b0, y=fwd(),
+                                                          layout=layout)
+                return (events(fwd), events(fwd_bwd)) + _replays(fwd, fwd_bwd)
+            out.measure("kernels", _bn_key(shape, layout, dtype), bn_times)
     return out
 
 
@@ -268,12 +282,19 @@ def _numba_device_name(cuda):
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def _conv_key(x_shape, w_shape, kw):
-    return f"conv_bias_relu | x {x_shape}, w {w_shape}" + (f", {kw}" if kw else "")
+def _tag(dtype):
+    """A result key's and a table row's mark of its dtype: none for float32 (the keys and
+    rows as before there were half rows), ", fp16" for float16."""
+    return "" if dtype == "float32" else ", fp16"
 
 
-def _bn_key(shape, layout):
-    return f"batchnorm_add_relu | {shape} {layout}"
+def _conv_key(x_shape, w_shape, kw, dtype="float32"):
+    return (f"conv_bias_relu | x {x_shape}, w {w_shape}" + (f", {kw}" if kw else "")
+            + _tag(dtype))
+
+
+def _bn_key(shape, layout, dtype="float32"):
+    return f"batchnorm_add_relu | {shape} {layout}" + _tag(dtype)
 
 
 # --------------------------------------------------------------------------- torch worker
@@ -350,38 +371,44 @@ def torch_worker(cfg, path=None):
             a = torch.randn(cfg["matmul"], cfg["matmul"], **dev)
             return 2 * cfg["matmul"] ** 3 / (events(lambda: a @ a) * 1e-3) / 1e9
         out.measure(None, "matmul_gflops", matmul_rate)
-    for x_shape, w_shape, kw in cfg["conv"]:
-        tx = torch.randn(x_shape, **dev, requires_grad=True)
-        tw = (torch.randn(w_shape, **dev) / float(torch.tensor(w_shape[1:]).prod()) ** 0.5
-              ).requires_grad_(True)
-        tb = torch.randn(w_shape[0], **dev, requires_grad=True)
-        tgy = torch.randn_like(F.conv2d(tx, tw, tb, **kw))
-        for tf32 in (False, True):
-            def conv_times(tf32=tf32, kw=kw, tx=tx, tw=tw, tb=tb, tgy=tgy):
-                torch.backends.cudnn.allow_tf32 = tf32
-                try:
-                    def fwd():
-                        return F.relu(F.conv2d(tx, tw, tb, **kw))
-                    return events(fwd), events(lambda: fwd().backward(tgy))
-                finally:
-                    torch.backends.cudnn.allow_tf32 = False
-            out.measure("kernels", _conv_key(x_shape, w_shape, kw) + (TF32 if tf32 else FP32),
-                        conv_times)
-    for shape, layout in cfg["bn"]:
-        def bn_times(shape=shape, layout=layout):
-            fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
-            nchw = shape if layout == "NCHW" else (shape[0], shape[3], shape[1], shape[2])
-            tx, tz, tgy = (torch.randn(nchw, **dev).contiguous(memory_format=fmt)
-                           for _ in range(3))
-            tx.requires_grad_(True)
-            tz.requires_grad_(True)
-            tg = (torch.rand(nchw[1], **dev) + 0.5).requires_grad_(True)
-            tbe = torch.randn(nchw[1], **dev, requires_grad=True)
+    # float16 after every float32 row; the inputs made inside each measurement (a failure
+    # there is reported and loses nothing else)
+    for dtype in cfg["dtypes"]:
+        dt = dict(dev, dtype=getattr(torch, dtype))
+        for x_shape, w_shape, kw in cfg["conv"]:
+            # float32: cuDNN with TF32 off, then on (PyTorch's default); float16: cuDNN FP16
+            for mode in ((FP32, TF32) if dtype == "float32" else (FP16,)):
+                def conv_times(mode=mode, kw=kw, x_shape=x_shape, w_shape=w_shape, dt=dt):
+                    tx = torch.randn(x_shape, **dt, requires_grad=True)
+                    tw = (torch.randn(w_shape, **dt) / float(torch.tensor(w_shape[1:]).prod())
+                          ** 0.5).requires_grad_(True)
+                    tb = torch.randn(w_shape[0], **dt, requires_grad=True)
+                    tgy = torch.randn_like(F.conv2d(tx, tw, tb, **kw))
+                    torch.backends.cudnn.allow_tf32 = mode == TF32
+                    try:
+                        def fwd():
+                            return F.relu(F.conv2d(tx, tw, tb, **kw))
+                        return events(fwd), events(lambda: fwd().backward(tgy))
+                    finally:
+                        torch.backends.cudnn.allow_tf32 = False
+                out.measure("kernels", _conv_key(x_shape, w_shape, kw, dtype) + mode,
+                            conv_times)
+        for shape, layout in cfg["bn"]:
+            def bn_times(shape=shape, layout=layout, dt=dt):
+                fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
+                nchw = shape if layout == "NCHW" else (shape[0], shape[3], shape[1], shape[2])
+                tx, tz, tgy = (torch.randn(nchw, **dt).contiguous(memory_format=fmt)
+                               for _ in range(3))
+                tx.requires_grad_(True)
+                tz.requires_grad_(True)
+                # weight and bias float32 for a half x too (BatchNorm2d's under autocast)
+                tg = (torch.rand(nchw[1], **dev) + 0.5).requires_grad_(True)
+                tbe = torch.randn(nchw[1], **dev, requires_grad=True)
 
-            def bn_fwd():
-                return F.relu(F.batch_norm(tx, None, None, tg, tbe, training=True) + tz)
-            return events(bn_fwd), events(lambda: bn_fwd().backward(tgy))
-        out.measure("kernels", _bn_key(shape, layout) + EAGER, bn_times)
+                def bn_fwd():
+                    return F.relu(F.batch_norm(tx, None, None, tg, tbe, training=True) + tz)
+                return events(bn_fwd), events(lambda: bn_fwd().backward(tgy))
+            out.measure("kernels", _bn_key(shape, layout, dtype) + EAGER, bn_times)
     return out
 
 
@@ -389,6 +416,7 @@ GRAPH = ", CUDA graph replay"
 NUMBA_LAUNCH = " [numba launch]"
 FP32 = " | cuDNN FP32 (TF32 off)"
 TF32 = " | cuDNN TF32 (PyTorch default)"
+FP16 = " | cuDNN FP16"
 EAGER = " | PyTorch eager"
 
 
@@ -403,14 +431,14 @@ def _torch_env():
             if not k.startswith("NUMBA_") and k != "OMP_WAIT_POLICY"}
 
 
-def run_worker(name, mode, timeout=None):
+def run_worker(name, mode, timeout=None, dtypes=DTYPES):
     """One worker process's results. A worker that fails or crashes still gives what it
     measured before (its results file), with the failure under ``errors``."""
     import tempfile
     fd, path = tempfile.mkstemp(suffix=f".{name}.json")
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--results", path]
-    cmd += [f"--{mode}"] if mode != "full" else []
+    cmd += ([f"--{mode}"] if mode != "full" else []) + ["--dtypes", ",".join(dtypes)]
     env = dict(os.environ) if name == "numbafuse" else _torch_env()
     with tempfile.TemporaryFile("w+") as err:
         try:
@@ -502,74 +530,106 @@ def _kernel_tables(nf, pt, cfg, copy):
              + ", ".join(f"{who} process {r['copy_gbs']:.0f} GB/s"
                          for who, r in (("numbafuse", nf), ("PyTorch", pt)) if "copy_gbs" in r)
              + (f"; FP32 matmul (TF32 off) {pt['matmul_gflops'] / 1e3:.1f} TFLOP/s"
-                if "matmul_gflops" in pt else "") + ".", ""]
-    # conv: numbafuse against cuDNN, both modes
-    lines += ["Conv-Bias-ReLU, float32 NCHW (CUDA events, median): time and TFLOP/s "
-              "(fwd: 2NKPQCRS; fwd+bwd: 3x that), and cuDNN's time over numbafuse's "
-              "(above 1: numbafuse faster):", "",
-              "| shape | numbafuse fwd ms | fwd+bwd ms | TFLOP/s fwd / fwd+bwd | "
-              "cuDNN FP32 fwd / fwd+bwd ms | vs FP32 fwd / fwd+bwd | "
-              "cuDNN TF32 fwd+bwd ms | vs TF32 fwd+bwd |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                if "matmul_gflops" in pt else "") + "."]
     kern, pk = nf.get("kernels", {}), pt.get("kernels", {})
-    for x_shape, w_shape, kw in cfg["conv"]:
-        key = _conv_key(x_shape, w_shape, kw)
-        f = kern.get(key)
-        c32, t32 = pk.get(key + FP32), pk.get(key + TF32)
-        fl = conv_flops(x_shape, w_shape, kw)
+    for dtype in cfg["dtypes"]:
+        lines += _conv_tables(kern, pk, cfg["conv"], dtype)
+    for dtype in cfg["dtypes"]:
+        lines += _bn_table(kern, pk, cfg["bn"], dtype, copy)
+    return lines
+
+
+def _conv_tables(kern, pk, convs, dtype):
+    """Conv-Bias-ReLU's two tables (eager, replayed from graphs) at one dtype: numbafuse
+    against cuDNN FP32 and TF32 for float32, cuDNN FP16 for float16."""
+    half = dtype == "float16"
+    ref, name = (FP16, "FP16") if half else (FP32, "FP32")
+    what = ("float16 NCHW (CUDA events, median; x, w, b, y and the gradients float16, which "
+            "numbafuse converts to float32 at the op boundary and back: docs/ops.md, \"Half "
+            "precision\")" if half else "float32 NCHW (CUDA events, median)")
+    lines = ["", f"Conv-Bias-ReLU, {what}: time and TFLOP/s "
+             "(fwd: 2NKPQCRS; fwd+bwd: 3x that), and cuDNN's time over numbafuse's "
+             "(above 1: numbafuse faster):", "",
+             "| shape | numbafuse fwd ms | fwd+bwd ms | TFLOP/s fwd / fwd+bwd | "
+             f"cuDNN {name} fwd / fwd+bwd ms | vs {name} fwd / fwd+bwd |"
+             + ("" if half else " cuDNN TF32 fwd+bwd ms | vs TF32 fwd+bwd |"),
+             "|---|---:|---:|---:|---:|---:|" + ("" if half else "---:|---:|")]
+    rows = []
+    for x_shape, w_shape, kw in convs:
+        key = _conv_key(x_shape, w_shape, kw, dtype)
+        label = f"x {x_shape}, w {w_shape}{', ' + str(kw) if kw else ''}{_tag(dtype)}"
+        rows.append((label, kern.get(key), pk.get(key + ref), pk.get(key + TF32),
+                     conv_flops(x_shape, w_shape, kw)))
+    for label, f, c, t32, fl in rows:
         cell = (f"{f[0]:.3f} | {f[1]:.3f} | {fl / f[0] / 1e9:.1f} / {3 * fl / f[1] / 1e9:.1f}"
                 if f else "failed | | ")
-        lines.append(f"| x {x_shape}, w {w_shape}{', ' + str(kw) if kw else ''} | {cell} | "
-                     + (f"{c32[0]:.3f} / {c32[1]:.3f} | {_ratio(c32[0], f and f[0])} / "
-                        f"{_ratio(c32[1], f and f[1])}" if c32 else "n/a | ")
-                     + (f" | {t32[1]:.3f} | {_ratio(t32[1], f and f[1])} |" if t32
-                        else " | n/a | |"))
+        lines.append(f"| {label} | {cell} | "
+                     + (f"{c[0]:.3f} / {c[1]:.3f} | {_ratio(c[0], f and f[0])} / "
+                        f"{_ratio(c[1], f and f[1])}" if c else "n/a | ")
+                     + (" |" if half else f" | {t32[1]:.3f} | {_ratio(t32[1], f and f[1])} |"
+                        if t32 else " | n/a | |"))
     lines += ["", "The same, each call captured in a CUDA graph and replayed (CUDA events, "
               "median): numbafuse's device time without its host time; PyTorch eager as "
               "above:", "", "| shape | numbafuse fwd / fwd+bwd ms (graph) | TFLOP/s fwd+bwd | "
-              "vs cuDNN FP32 fwd / fwd+bwd | vs TF32 fwd+bwd |", "|---|---:|---:|---:|---:|"]
-    for x_shape, w_shape, kw in cfg["conv"]:
-        key = _conv_key(x_shape, w_shape, kw)
-        f = kern.get(key)
-        c32, t32 = pk.get(key + FP32), pk.get(key + TF32)
+              f"vs cuDNN {name} fwd / fwd+bwd |" + ("" if half else " vs TF32 fwd+bwd |"),
+              "|---|---:|---:|---:|" + ("" if half else "---:|")]
+    for label, f, c, t32, fl in rows:
         g = f[2:4] if f and len(f) >= 4 else None
-        fl = conv_flops(x_shape, w_shape, kw)
-        lines.append(f"| x {x_shape}, w {w_shape}{', ' + str(kw) if kw else ''} | "
+        lines.append(f"| {label} | "
                      + (f"{g[0]:.3f} / {g[1]:.3f} | {3 * fl / g[1] / 1e9:.1f} | "
                         if g else "n/a | | ")
-                     + (f"{_ratio(c32[0], g and g[0])} / {_ratio(c32[1], g and g[1])} | "
-                        if c32 else "n/a | ")
-                     + (f"{_ratio(t32[1], g and g[1])} |" if t32 else "n/a |"))
-    lines += ["", "BatchNorm-Add-ReLU, float32, training (CUDA events, median); bandwidth "
-              "counts the fewest bytes (fwd reads x, z and writes y: 3 elements; fwd+bwd adds "
-              "reading dy, x, y and writing dx, dz: 8 elements in all), as a share of the copy "
-              "ceiling:", "",
-              "| shape | layout | numbafuse fwd / fwd+bwd ms | PyTorch eager fwd / fwd+bwd ms "
-              "| PyTorch / numbafuse fwd / fwd+bwd | numbafuse % of copy fwd / fwd+bwd |",
-              "|---|---|---:|---:|---:|---:|"]
-    for shape, layout in cfg["bn"]:
-        key = _bn_key(shape, layout)
+                     + (f"{_ratio(c[0], g and g[0])} / {_ratio(c[1], g and g[1])} |"
+                        if c else "n/a |")
+                     + ("" if half else f" {_ratio(t32[1], g and g[1])} |" if t32
+                        else " n/a |"))
+    return lines
+
+
+def _bn_table(kern, pk, bns, dtype, copy):
+    """BatchNorm-Add-ReLU's table at one dtype: its bandwidth counts ``dtype``'s bytes."""
+    half = dtype == "float16"
+    what = "float16 (x, z, y and the gradients; gamma, beta float32)" if half else "float32"
+    lines = ["", f"BatchNorm-Add-ReLU, {what}, training (CUDA events, median); bandwidth "
+             "counts the fewest bytes (fwd reads x, z and writes y: 3 elements; fwd+bwd adds "
+             "reading dy, x, y and writing dx, dz: 8 elements in all"
+             + (", 2 bytes each; gamma, beta, C values, left out" if half else "")
+             + "), as a share of the copy ceiling:", "",
+             "| shape | layout | numbafuse fwd / fwd+bwd ms | PyTorch eager fwd / fwd+bwd ms "
+             "| PyTorch / numbafuse fwd / fwd+bwd | numbafuse % of copy fwd / fwd+bwd |",
+             "|---|---|---:|---:|---:|---:|"]
+    for shape, layout in bns:
+        key = _bn_key(shape, layout, dtype)
         f, p = kern.get(key), pk.get(key + EAGER)
-        size = 1
+        size = ITEMSIZE[dtype]          # bytes of one element of x
         for n in shape:
             size *= n
         share = ""
         if f and copy:
-            share = (f"{100 * 12 * size / (f[0] * 1e-3) / 1e9 / copy:.0f}% / "
-                     f"{100 * 32 * size / (f[1] * 1e-3) / 1e9 / copy:.0f}%")
-        lines.append(f"| {shape} | {layout} | "
+            share = (f"{100 * 3 * size / (f[0] * 1e-3) / 1e9 / copy:.0f}% / "
+                     f"{100 * 8 * size / (f[1] * 1e-3) / 1e9 / copy:.0f}%")
+        lines.append(f"| {shape} | {layout}{_tag(dtype)} | "
                      + (f"{f[0]:.3f} / {f[1]:.3f}" if f else "failed") + " | "
                      + (f"{p[0]:.3f} / {p[1]:.3f}" if p else "n/a") + " | "
                      + (f"{_ratio(p[0], f[0])} / {_ratio(p[1], f[1])}" if f and p else "")
                      + f" | {share} |")
         if f and len(f) >= 4:           # the same replayed from CUDA graphs: device time
-            share = (f"{100 * 12 * size / (f[2] * 1e-3) / 1e9 / copy:.0f}% / "
-                     f"{100 * 32 * size / (f[3] * 1e-3) / 1e9 / copy:.0f}%" if copy else "")
-            lines.append(f"| {shape} | {layout}, CUDA graph | {f[2]:.3f} / {f[3]:.3f} | "
+            share = (f"{100 * 3 * size / (f[2] * 1e-3) / 1e9 / copy:.0f}% / "
+                     f"{100 * 8 * size / (f[3] * 1e-3) / 1e9 / copy:.0f}%" if copy else "")
+            lines.append(f"| {shape} | {layout}{_tag(dtype)}, CUDA graph | "
+                         f"{f[2]:.3f} / {f[3]:.3f} | "
                          + (f"{p[0]:.3f} / {p[1]:.3f}" if p else "n/a") + " | "
                          + (f"{_ratio(p[0], f[2])} / {_ratio(p[1], f[3])}" if p else "")
                          + f" | {share} |")
     return lines
+
+
+def _dtypes(text):
+    """``--dtypes``: a comma-separated subset of :data:`DTYPES`, kept in DTYPES' order (float32
+    measured first, so a half-precision crash cannot take its rows)."""
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    if not names or not names <= set(DTYPES):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(DTYPES)}")
+    return tuple(d for d in DTYPES if d in names)
 
 
 def main(argv=None):
@@ -581,6 +641,9 @@ def main(argv=None):
                       help="the per-call and training-step figures alone (--quick's repeats)")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3; "
                    "2 with --quick, 1 with --smoke)")
+    p.add_argument("--dtypes", type=_dtypes, default=DTYPES, metavar="D[,D]",
+                   help="the kernel tables' dtypes, float32 and/or float16 (default both; "
+                   "--calls has no kernel tables)")
     p.add_argument("--worker-timeout", type=float, default=None, metavar="S",
                    help="give up on a worker process after S seconds (its results so far kept)")
     p.add_argument("--markdown", metavar="FILE")
@@ -590,7 +653,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     mode = ("smoke" if args.smoke else "quick" if args.quick else "calls" if args.calls
             else "full")
-    cfg = dict(smoke=SMOKE, quick=QUICK, calls=CALLS, full=FULL)[mode]
+    cfg = dict(dict(smoke=SMOKE, quick=QUICK, calls=CALLS, full=FULL)[mode],
+               dtypes=args.dtypes)
     if args.worker:
         global WARMUP
         WARMUP = 1 if args.smoke else WARMUP
@@ -602,9 +666,9 @@ def main(argv=None):
     nf, pt = {}, {}
     rounds = args.rounds or dict(smoke=1, quick=2, calls=2, full=3)[mode]
     for _ in range(rounds):
-        _best(nf, run_worker("numbafuse", mode, args.worker_timeout))
+        _best(nf, run_worker("numbafuse", mode, args.worker_timeout, args.dtypes))
         if not pt.get("skipped"):
-            _best(pt, run_worker("torch", mode, args.worker_timeout))
+            _best(pt, run_worker("torch", mode, args.worker_timeout, args.dtypes))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(numbafuse=nf, torch=pt), f, indent=1)

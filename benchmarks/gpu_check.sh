@@ -13,7 +13,9 @@
 #   torch      numbafuse.torch on CUDA tensors against torch's own ops
 #   train      python -m numbafuse.train on the GPU, eager and with --cuda-graph (3 epochs of
 #              the digits, constant learning rate): accuracy and ms per step of each
-#   bench      benchmarks/bench_gpu.py --quick (numbafuse and PyTorch each in its own process)
+#   bench      benchmarks/bench_gpu.py --quick (numbafuse and PyTorch each in its own process;
+#              its kernel tables in float32 and float16, GPU_CHECK_BENCH_DTYPES=float32: those
+#              of float32 alone)
 #   pair       with GPU_CHECK_BASE=<another checkout in the tree>: benchmarks/gpu_pair.py, the
 #              per-call and training-step rows of both trees, alternating processes
 #   hostpath   benchmarks/host_path.py: the same calls' host time with the device stubbed out
@@ -110,7 +112,7 @@ TAIL=4 section train 90 bash -c 'for graph in "" --cuda-graph; do
     python3 -m numbafuse.train --device cuda --schedule constant --epochs 3 --no-progress \
         $graph 2>&1 | tail -n 1; done'
 TAIL=80 section bench 220 python3 benchmarks/bench_gpu.py --quick --worker-timeout 180 \
-    --rounds "${GPU_CHECK_BENCH_ROUNDS:-2}" \
+    --rounds "${GPU_CHECK_BENCH_ROUNDS:-2}" --dtypes "${GPU_CHECK_BENCH_DTYPES:-float32,float16}" \
     --markdown "$OUT/bench_gpu.md" --json "$OUT/bench_gpu.json"
 # this tree against another checkout carried in the tree (GPU_CHECK_BASE=.base, made by
 # `git archive <rev> | tar -x -C .base`): per-call and training-step figures, alternating
