@@ -15,8 +15,8 @@ first tap in x itself: no copy) and the offsets of the taps that lie inside the 
 Each (pixels, vectors) block of c is summed in registers over every tap (a fused
 multiply-add per tap, in tap order: the sum the other depthwise kernels make, each value
 the same whatever the block), then the bias and ReLU, and stored once; the weights of a tap
-are loaded once per block of ``DW_ROWS`` pixels (``ROWS`` on AVX2). The loops of ``cpu_depthwise`` kept the
-accumulator in memory and loaded and stored it at every tap.
+are loaded once per block of ``DW_ROWS`` pixels (``ROWS`` on AVX2). The loops of
+``cpu_depthwise`` kept the accumulator in memory and loaded and stored it at every tap.
 """
 from llvmlite import ir
 from numba import njit, types
