@@ -100,9 +100,9 @@ def test_depthwise_chunks_cross_a_partial_last_chunk(monkeypatch):
 # NHWC float32 depthwise forwards with C % 8 == 0 run the register tiles
 # (cpu_depthwise_tiles), border pixels with their own tap tables: C = 8 to 88 cross the
 # channel panels (64 + 16 + 8, 32 + 8 on AVX-512; 24s on AVX2), interior runs of 3 to 13
-# pixels (tiles of DW_ROWS = 6 on AVX-512, 4 on AVX2: runs shorter than a tile, exactly one,
-# one and a remainder, two and a last tile overlapping the one before), border columns down
-# 5 to 13 full rows, borders on every side, dilation and stride 2
+# pixels (AVX-512 tiles of DW_ROWS = 6 pixels, a run's rest by one of 4 or a last tile
+# overlapping the one before: runs of 4, 5, 6, 7, 8, 10, 11, 13; AVX2 tiles of 4), border
+# columns down 5 to 13 full rows, borders on every side, dilation and stride 2
 TILED = [((2, 5, 6, 8), (3, 3), dict(padding=1)),
          ((1, 9, 13, 24), (3, 3), dict(stride=2, padding=(0, 2, 1, 0))),
          ((1, 11, 14, 88), (7, 7), dict(padding=3)),
@@ -115,7 +115,8 @@ TILED = [((2, 5, 6, 8), (3, 3), dict(padding=1)),
          ((1, 10, 19, 40), (7, 7), dict(stride=(1, 2), padding=(3, 2, 2, 3))),
          ((1, 12, 16, 16), (7, 7), dict(stride=(2, 1), padding=3)),
          ((1, 8, 8, 72), (3, 3), dict(padding=1)),
-         ((2, 19, 19, 32), (7, 7), dict(padding=3))]
+         ((2, 19, 19, 32), (7, 7), dict(padding=3)),
+         ((1, 4, 13, 16), (3, 3), dict(padding=1))]
 
 
 @pytest.mark.parametrize("wide", [True, False])
