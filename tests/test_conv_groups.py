@@ -116,7 +116,14 @@ TILED = [((2, 5, 6, 8), (3, 3), dict(padding=1)),
          ((1, 12, 16, 16), (7, 7), dict(stride=(2, 1), padding=3)),
          ((1, 8, 8, 72), (3, 3), dict(padding=1)),
          ((2, 19, 19, 32), (7, 7), dict(padding=3)),
-         ((1, 4, 13, 16), (3, 3), dict(padding=1))]
+         ((1, 4, 13, 16), (3, 3), dict(padding=1)),
+         # the sliding tiles (7 tap columns, C % 16 == 0, interior runs of SLIDE = 16 or
+         # more): stride 2 (16 + an overlapping 16), stride 1 (16 + 8 for the tap tiles;
+         # 16 + 16), bias and ReLU on several 16-channel panels; runs under 16 above
+         ((1, 9, 40, 32), (7, 7), dict(stride=2, padding=3)),
+         ((1, 8, 30, 16), (7, 7), dict(padding=3)),
+         ((2, 7, 38, 48), (7, 7), dict(padding=3)),
+         ((1, 7, 24, 16), (5, 5), dict(padding=2))]
 
 
 @pytest.mark.parametrize("wide", [True, False])
@@ -209,6 +216,8 @@ TILED_BWD = [((2, 5, 20, 8), (3, 3), dict(padding=1)),
              ((1, 6, 7, 40), (2, 2), dict(padding=(1, 0, 0, 1))),
              ((1, 7, 11, 72), (5, 5), dict(padding=2, dilation=(1, 2))),
              ((1, 5, 6, 8), (3, 3), dict(padding=3)),
+             # dX by the sliding tiles (stride 1, C % 16 == 0: a run of 16 + 4 in every row)
+             ((1, 6, 26, 32), (7, 7), dict(padding=3)),
              ((2, 11, 10, 16), (3, 3), dict(stride=3, padding=(1, 0, 2, 1))),
              ((1, 10, 13, 8), (2, 2), dict(stride=3, padding=1)),
              ((1, 12, 11, 24), (3, 3), dict(stride=2, padding=2, dilation=2))]
@@ -233,7 +242,7 @@ def test_depthwise_backward_tiles_match_reference(x_shape, rs, kw, chunk, wide, 
     geom = validate.conv_geometry("t", x.shape, w.shape, **kw)
     # dX by the phases in every case (the rule keeps the loops for few taps at stride > 1)
     monkeypatch.setattr(cpu_depthwise, "_tiled_dx", cpu_depthwise._tiled)
-    assert cpu_depthwise._tiled_dw(geom, x.dtype) == (TILED_BWD.index((x_shape, rs, kw0)) < 7)
+    assert cpu_depthwise._tiled_dw(geom, x.dtype) == (TILED_BWD.index((x_shape, rs, kw0)) < 8)
     y = nf.conv_bias_relu(x, w, b, **kw)
     gy = rng.standard_normal(y.shape).astype(np.float32)
     threads = _launch.num_threads()

@@ -220,7 +220,8 @@ def forward(x, w, b, geom, relu):
         rpc = _rows_per_chunk(geom)
         if _tiled(geom, x.dtype):
             launch(_nhwc.forward_tiled, N * blocks(P, rpc), x, x, _taps_rs(w, geom),
-                   _aligned(b), geo, rpc, (relu, False, bool(_gemm_taps.WIDE)),
+                   _aligned(b), geo, rpc, (relu, False, bool(_gemm_taps.WIDE), _nhwc.slides(
+                       _gemm_taps.WIDE, C, geom.S, geom.sw, geom.dw)),
                    _tap_offsets(geom), (0, P * Q * C, Q * C, C), y, work=work)
         elif _flat_rows(geom):
             launch(_forward_nhwc_rows, N * blocks(P, rpc), x.reshape(N, geom.H, geom.W * C),

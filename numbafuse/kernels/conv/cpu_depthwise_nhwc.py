@@ -4,8 +4,10 @@ case, and the notation):
 
     forward_tiled  every output pixel through ``depthwise_taps``, addressed in x itself with
                    the taps that lie inside the image (an output row's interior run shares one
-                   tap table; in rows whose tap rows all lie inside, a border column's pixels
-                   share one down the rows; any other pixel gets its own); with a mask, over
+                   tap table, and with 7 tap columns on AVX-512 its first pixels go through the
+                   sliding tiles, ``depthwise_slide``; in rows whose tap rows all lie inside, a
+                   border column's pixels share one down the rows; any other pixel gets its
+                   own); with a mask, over
                    x gated by it,
                    its rows gated per task into a buffer of its own: dX (``dx_phases``) is
                    this kernel over g = gy * (y > 0) with the taps flipped, one launch per
@@ -95,7 +97,7 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
     # too, one phase of dx at a time (x = gy, mask = y, a phase's taps flipped, its pixels
     # strided in dx: dx_phases): one compiled kernel for both passes.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    relu, use_mask, wide = flags
+    relu, use_mask, wide, slide = flags
     nb = (P + rpc - 1) // rpc
     rows = np.empty(max(Q, rpc), np.int64)                            # pixel addresses in x
     own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
@@ -153,6 +155,12 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
                 if pp < last:          # the interior run, else one border pixel at a time
                     m, k, tx, tw = _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables)
                     prow, pcq, ldc = pr + 8 * q, pc + 4 * q * ypix, ypix
+                    if slide and q == lo:   # its first pixels by the sliding tiles
+                        done = _tiles.depthwise_slide(
+                            m, C, r1 - r0, S, sw, rows[q] + 4 * r0 * dh * W * C, dh * W * C,
+                            pwt + 4 * r0 * S * C, pcq, ldc, pb, rel)
+                        m, prow, pcq = m - done, prow + 8 * done, pcq + 4 * done * ldc
+                        q += done
                     q += m
                 else:                  # a border column of rows [p, g1)
                     if not down or q >= Q:
@@ -230,6 +238,13 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, aoff, dw_parts, db_
 
 # --------------------------------------------------------------------------- host
 
+def slides(wide, C, S, sw, dw):
+    """Whether :func:`forward_tiled`'s interior runs start with the sliding tiles
+    (``cpu_depthwise_tiles.depthwise_slide``): AVX-512 tiles, C a multiple of 16, S taps in
+    SLIDE_TAPS one column apart, stride 1 or 2 along the row."""
+    return bool(wide) and C % 16 == 0 and S in _tiles.SLIDE_TAPS and sw in (1, 2) and dw == 1
+
+
 def dx_phases(gy, y, use_mask, w, geom, chunk, dx):
     """NHWC dX by :func:`forward_tiled`, one launch per phase (a, b) of dx: the pixels (h, w)
     = (a + sh*i, b + sw*j). A phase's taps are the rows r with (a + ph - r*dh) % sh == 0 (and
@@ -244,7 +259,7 @@ def dx_phases(gy, y, use_mask, w, geom, chunk, dx):
     sh, sw, dh, dw = geom.sh, geom.sw, geom.dh, geom.dw
     taps = w.reshape(C, geom.R, geom.S)
     zeros = _aligned(np.zeros(C, np.float32))
-    flags = (False, bool(use_mask), bool(_gemm_taps.WIDE))
+    wide = bool(_gemm_taps.WIDE)
 
     def phase(start, stride, pad, dil, size, ntaps):
         # (taps in reverse order, first offset e, its step), the phase's length
@@ -266,6 +281,7 @@ def dx_phases(gy, y, use_mask, w, geom, chunk, dx):
                               for v in range(len(ss))],
                              [t * C for t in range(len(rs) * len(ss))]], np.int64).reshape(2, -1)
             rpc = max(1, min(Hph, chunk // max(1, Wph * C)))
+            flags = (False, bool(use_mask), wide, slides(wide, C, len(ss), 1, df))
             launch(forward_tiled, N * blocks(Hph, rpc), gy, y, wf, zeros, geo, rpc, flags,
                    aoff, conv_math.int_tuple((a * W + b) * C, H * W * C, sh * W * C, sw * C),
                    dx, work=Hph * Wph * C * N * (1 + len(rs) * len(ss)))

@@ -165,6 +165,91 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wi
 
 
 
+# ------------------------------------------------ NHWC forward, sliding along an output row
+
+# Output pixels of a sliding tile (one 16-float vector of channels): 16 accumulators, 16
+# independent chains of multiply-adds (8 had too few in flight: 3x3 and 3x3/2 forwards
+# 1.2-1.5x slower than the tap tiles), 7 weight vectors and the input vector in registers.
+# Made for 7 tap columns (dw 1; sw 1 or 2) only: with 3 the tap tiles measured faster (3x3
+# at 56x56: 2.7-2.9 ms against 2.1-2.5), 5 was not measured. One thread, machine C (Zen 5),
+# aligned, three alternating processes (ms; the tap tiles alone -> with the sliding ones):
+# 7x7 (32, 96, 28, 28) 1.83-1.87 -> 1.58-1.62 (a 22-pixel run: 16 + 6 by the tap tiles);
+# 7x7/2 (11-pixel runs: unused) 0.574-0.592 -> 0.567-0.576.
+SLIDE = 16
+SLIDE_TAPS = (7,)
+
+
+def _slide_tile(S, sw, width=16):
+    """The sliding micro-kernel for SLIDE consecutive output pixels of a row (pixel i's tap
+    column s reads input column i*sw + s) and one vector of channels: per tap row, its S
+    weight vectors stay in registers and each input vector of the row is loaded once and
+    added into every pixel whose tap it is ((SLIDE-1)*sw + S loads for SLIDE*S multiply-adds,
+    against one load each in ``depthwise_taps``)."""
+    U = (SLIDE - 1) * sw + S
+
+    @intrinsic
+    def tile(typingctx, R, px, ldr, ld, pw, c, ldc, bias, relu):
+        """c[i, :width] = relu?(sum over r < R, s < S of x[r*ldr + (i*sw + s)*ld][:width] *
+        w[(r*S + s)*ld][:width] + bias?) for i < SLIDE, each sum in (r, s) order; px, pw, c,
+        bias: addresses (bias 0: none); ldr, ld, ldc: strides in float32 elements."""
+        def codegen(context, builder, signature, args):
+            R, px, ldr, ld, pw, c, ldc, bias, relu = args
+            V = Vec(builder, width)
+            x0, w0, c = V.floats(px), V.floats(pw), V.floats(c)
+            acc = V.accumulators(SLIDE, 1)
+            with cgutils.for_range(builder, R) as rows:
+                r = rows.index
+                xr = builder.gep(x0, [builder.mul(r, ldr)])
+                wr = builder.gep(w0, [builder.mul(builder.mul(r, ir.Constant(_I64, S)), ld)])
+                wv = [V.load(wr, builder.mul(ir.Constant(_I64, t), ld)) for t in range(S)]
+                for u in range(U):
+                    xv = V.load(xr, builder.mul(ir.Constant(_I64, u), ld))
+                    for i in range(SLIDE):          # ascending u: each pixel's s ascending
+                        t = u - i * sw
+                        if 0 <= t < S:
+                            builder.store(builder.call(V._fma, [xv, wv[t],
+                                                                builder.load(acc[i][0])]),
+                                          acc[i][0])
+            V.bias_relu(acc, bias, relu)
+            V.store_rows(acc, c, ldc)
+            return context.get_dummy_value()
+
+        return types.void(*([types.int64] * 9)), codegen
+
+    return tile
+
+
+_s71, _s72 = _slide_tile(7, 1), _slide_tile(7, 2)
+
+
+@njit(nogil=True, cache=True)
+def depthwise_slide(m, n, R, S, sw, px, ldr, pw, pc, ldc, pbias, relu):
+    """The first pixels of a run of m output pixels of one row by the sliding tiles, n (a
+    multiple of 16) channels; returns how many it did (0: m < SLIDE; the rest, ROWS or more
+    pixels, for :func:`depthwise_taps`; a shorter rest by a last tile overlapping the one
+    before, the same bits again). Pixel i's first tap at ``px + 4*i*sw*n`` (tap (r, s) then
+    ``r*ldr + s*n`` elements on), tap (r, s)'s weights at ``pw + 4*(r*S + s)*n``, its output
+    at ``pc + 4*i*ldc``; S in SLIDE_TAPS, sw 1 or 2; every argument int64."""
+    if m < SLIDE:
+        return 0
+    full = m - m % SLIDE
+    done = full if m - full >= ROWS else m
+    for j in range(0, n, 16):
+        pwj = pw + 4 * j
+        pbiasj = pbias + 4 * j if pbias != 0 else 0
+        i = 0
+        while i < done:
+            if i + SLIDE > m:
+                i = m - SLIDE
+            pxi, pci = px + 4 * (i * sw * n + j), pc + 4 * (i * ldc + j)
+            if sw == 1:
+                _s71(R, pxi, ldr, n, pwj, pci, ldc, pbiasj, relu)
+            else:
+                _s72(R, pxi, ldr, n, pwj, pci, ldc, pbiasj, relu)
+            i += SLIDE
+    return done
+
+
 # ------------------------------------------------------- NCHW forward, 7x7, stride 1 or 2
 
 ROWS7 = 4          # output rows of one 7x7 tile: at stride 1 10 input rows, each load used by
