@@ -500,6 +500,9 @@ def target_summary(results):
     rows = op_rows(results)[2:]
     n = len(rows)
     met = [sum(r.split(" | ")[i].strip(" |") == "yes" for r in rows) for i in (-3, -2, -1)]
+    # the warm column's wall seconds (the CPU seconds also count other threads' time: the
+    # BLAS pools' start at import, the pool's helpers parking after a launch)
+    warm_wall = sum(float(r.split(" | ")[7]) <= TARGET_WARM for r in rows)
     worst = max(passes, key=lambda p: p[1]["cpu"])
     over = {}
     for res in results.values():
@@ -510,7 +513,8 @@ def target_summary(results):
     return [f"Targets met (CPU seconds): cold first call <= {TARGET_COLD_CALL:g} s in {met[0]} of "
             f"{n} passes (the longest: {worst[0]} {worst[1]['name']}, {worst[1]['cpu']:.1f} s); "
             f"no function over {TARGET_FUNCTION:g} s in {met[1]} of {n}; warm import + first "
-            f"calls <= {TARGET_WARM:g} s in {met[2]} of {n}. Functions over "
+            f"calls <= {TARGET_WARM:g} s in {met[2]} of {n} (by wall seconds: {warm_wall} of "
+            f"{n}). Functions over "
             f"{TARGET_FUNCTION:g} s of self CPU (the most in any case): "
             + (", ".join(f"`{k}` {v:.1f} s" for k, v in over) or "none") + ".", ""]
 

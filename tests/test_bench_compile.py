@@ -142,7 +142,8 @@ def test_report_marks_the_targets():
     assert "gemm_fwd_nhwc_32n" in text and "1 of 1 loaded from it" in text
     assert "Skipped: torch BatchNormAddReLU2d: torch is not importable." in text
     assert "cold first call <= 3 s in 3 of 4 passes (the longest: conv slow forward" in text
-    assert "no function over 2 s in 3 of 4; warm import + first calls <= 0.5 s in 2 of 4" in text
+    assert ("no function over 2 s in 3 of 4; warm import + first calls <= 0.5 s in 2 of 4 "
+            "(by wall seconds: 2 of 4)") in text
     assert "self CPU (the most in any case): `kernels.conv.cpu._tasks` 3.0 s." in text
 
 
