@@ -72,8 +72,9 @@ def _dw_tile(rows, nv, width):
 # AVX-512: panels of 64, 32, 16 channels (4, 2, 1 vectors of 16), then 8; AVX2: 24, 16, 8
 # Pixels per AVX-512 tile: 6 (24 accumulators and 4 weight vectors of the 32 registers at 64
 # channels). Every tap's multiply-adds take their x from memory, so a tile's loads per
-# multiply-add are 1 + nv / rows (its weights): 1.25 at 4 pixels, 1.17 at 6, and on Zen 4 one
-# 512-bit load and one 512-bit FMA issue a cycle. One thread, machine A, aligned NHWC inputs,
+# multiply-add are 1 + nv / rows (its weights): 1.25 at 4 pixels, 1.17 at 6 (the loads are
+# the bound: Zen 4 issues one 512-bit FMA a cycle, Zen 5 two). One thread, machine E (Zen 5),
+# aligned NHWC inputs,
 # three alternating processes (ms, 4 -> 6 pixels): 7x7 (32, 96, 28, 28) 1.98-2.03 -> 1.86-1.89,
 # 7x7/2 0.600-0.612 -> 0.574-0.588, 3x3 (32, 64, 56, 56) 2.69-2.75 -> 2.14-2.20, 3x3/2
 # 0.96-1.09 -> 0.91-1.01; the same bits (each sum in tap order whatever the tile). 8 pixels for
@@ -171,7 +172,7 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wi
 # independent chains of multiply-adds (8 had too few in flight: 3x3 and 3x3/2 forwards
 # 1.2-1.5x slower than the tap tiles), 7 weight vectors and the input vector in registers.
 # Made for 7 tap columns (dw 1; sw 1 or 2) only: with 3 the tap tiles measured faster (3x3
-# at 56x56: 2.7-2.9 ms against 2.1-2.5), 5 was not measured. One thread, machine C (Zen 5),
+# at 56x56: 2.7-2.9 ms against 2.1-2.5), 5 was not measured. One thread, machine E (Zen 5),
 # aligned, three alternating processes (ms; the tap tiles alone -> with the sliding ones):
 # 7x7 (32, 96, 28, 28) 1.83-1.87 -> 1.58-1.62 (a 22-pixel run: 16 + 6 by the tap tiles);
 # 7x7/2 (11-pixel runs: unused) 0.574-0.592 -> 0.567-0.576.
