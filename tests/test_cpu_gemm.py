@@ -127,3 +127,51 @@ def test_fits_is_the_documented_rule():
     assert not f(False, False, 1.0, 0.0, 16, 24, 129, 4)               # k
     e = cpu_gemm.fits_epilogue                                 # with a bias and ReLU: wider
     assert e(256, 128, 4) and not e(264, 128, 4) and not e(256, 129, 4) and not e(256, 64, 8)
+
+
+def test_private_blas_takes_the_kernels_instruction_set(monkeypatch):
+    """_coretype: NUMBAFUSE_BLAS_CORETYPE wins; else SkylakeX where numbafuse's kernels are
+    compiled for AVX-512 and the host has the features its kernels use; else OpenBLAS's own
+    choice (None)."""
+    from numbafuse.kernels.cpu import gemm_taps
+    monkeypatch.setenv("NUMBAFUSE_BLAS_CORETYPE", "Zen")
+    assert cpu_blas._coretype() == "Zen"
+    monkeypatch.delenv("NUMBAFUSE_BLAS_CORETYPE")
+    monkeypatch.setattr(gemm_taps, "_has_avx512", lambda: False)
+    assert cpu_blas._coretype() is None
+    monkeypatch.setattr(gemm_taps, "_has_avx512", lambda: True)
+    import llvmlite.binding as llvm
+
+    class Features:
+        def __init__(self, text):
+            self.text = text
+
+        def flatten(self):
+            return self.text
+    full = ",".join(cpu_blas._AVX512_FEATURES + ("+avx2",))
+    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: Features(full))
+    assert cpu_blas._coretype() == "SkylakeX"
+    monkeypatch.setattr(llvm, "get_host_cpu_features",
+                        lambda: Features(full.replace("+avx512bw", "-avx512bw")))
+    assert cpu_blas._coretype() is None
+
+
+def test_private_blas_core_leaves_the_environment_as_it_was():
+    """In a new process with OPENBLAS_CORETYPE=Haswell (machine E's environment): the private
+    OpenBLAS runs the core _coretype chose, and the variable is Haswell again afterwards
+    (NumPy's and SciPy's OpenBLAS, loaded later, see it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import json, os; from numbafuse.kernels.cpu import blas; "
+            "print(json.dumps([blas.PRIVATE, blas.CORENAME, blas._coretype(), "
+            "os.environ.get('OPENBLAS_CORETYPE')]))")
+    env = dict(os.environ, OPENBLAS_CORETYPE="Haswell")
+    env.pop("NUMBAFUSE_BLAS_CORETYPE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip().splitlines()[-1]
+    private, corename, chosen, after = json.loads(out)
+    assert after == "Haswell"
+    if private:
+        assert corename == (chosen or "Haswell")

@@ -5,9 +5,10 @@ The convolution runs one GEMM per cache-sized chunk inside each task of the thre
 OpenBLAS keep their own thread pools, and their thread count is a process-wide setting
 (``openblas_set_num_threads_local`` is thread-local only in OpenMP builds; the wheels are
 pthreads builds): setting it would slow the user's NumPy/SciPy. So numbafuse loads its own
-copy of OpenBLAS, the ``scipy-openblas32`` wheel (its symbols carry a ``scipy_`` prefix and
-it is opened ``RTLD_LOCAL``: a library instance of its own, not the one inside NumPy's or
-SciPy's wheel) and sets *that* instance to one thread. On a 2-core AMD EPYC with AVX-512:
+copy of OpenBLAS, the ``scipy-openblas32`` wheel (its symbols carry a ``scipy_`` prefix: a
+library instance of its own, not the one inside NumPy's or SciPy's wheel) and sets *that*
+instance to one thread, and to the instruction set of numbafuse's own kernels
+(:func:`_coretype`; ``CORENAME`` says which kernels it runs). On a 2-core AMD EPYC with AVX-512:
 SGEMM (m, 576) @ (576, 64) at ~100 GFLOP/s per calling thread for m = 256..2048, two threads
 calling at once ~200 GFLOP/s together. On a 2-core EPYC with AVX2 (OpenBLAS picks its Haswell
 kernels), one thread: 69-89 GFLOP/s
@@ -60,22 +61,75 @@ def _call(typingctx, fptr, args):
     return types.void(fptr, args), codegen
 
 
+# OpenBLAS's x86 kernels for CPUs with AVX-512 (F, CD, BW, DQ, VL): its SkylakeX target,
+# whose SGEMM/DGEMM kernels its Cooperlake, Sapphire Rapids and Zen 4 targets use as well
+_AVX512_CORE = "SkylakeX"
+_AVX512_FEATURES = ("+avx512f", "+avx512cd", "+avx512bw", "+avx512dq", "+avx512vl")
+
+
+def _coretype():
+    """The ``OPENBLAS_CORETYPE`` the private OpenBLAS loads with, or None (the environment's
+    ``OPENBLAS_CORETYPE`` if set, else OpenBLAS's own detection): ``NUMBAFUSE_BLAS_CORETYPE``
+    if set; else ``_AVX512_CORE`` where numbafuse's own kernels are compiled for AVX-512
+    (``gemm_taps.WIDE``'s test: Numba's target) and the host has the features its kernels
+    use (LLVM's host features include the OS's support for the AVX-512 state); else None.
+
+    The private BLAS is part of numbafuse's kernels, so it takes the instruction set they take.
+    A process-wide ``OPENBLAS_CORETYPE`` (machine E's environment sets ``Haswell``) addresses
+    NumPy's and SciPy's OpenBLAS; followed here it ran numbafuse's GEMMs on AVX2 kernels beside
+    its AVX-512 ones: one thread's SGEMM at (512, 512, 512) 129-131 GFLOP/s against 242-244
+    with the SkylakeX kernels, (64, 128) @ k 4608 118-121 against 194-199 (machine E, Zen 5).
+    Only this instance is loaded so: the variable is set around its ``dlopen`` (OpenBLAS reads
+    it then) and restored, so NumPy's and SciPy's OpenBLAS, and PyTorch, keep their own."""
+    forced = os.environ.get("NUMBAFUSE_BLAS_CORETYPE")
+    if forced:
+        return forced
+    from . import gemm_taps
+    if not gemm_taps._has_avx512():
+        return None
+    try:
+        import llvmlite.binding as llvm
+        features = llvm.get_host_cpu_features().flatten().split(",")
+    except Exception:                                        # no answer: OpenBLAS decides
+        return None
+    return _AVX512_CORE if all(f in features for f in _AVX512_FEATURES) else None
+
+
 def _private_openblas():
     """(sgemm, dgemm) addresses of CBLAS functions of a private one-thread OpenBLAS, or None."""
     if os.environ.get("NUMBAFUSE_PRIVATE_BLAS", "1") == "0":
         return None
+    # the wheel's module loads the library when imported (RTLD_GLOBAL, for NumPy and SciPy
+    # builds that link it; this one is not NumPy's or SciPy's own copy): the core type is set
+    # around that import and the load below, where OpenBLAS reads it
+    core, before = _coretype(), os.environ.get("OPENBLAS_CORETYPE")
+    if core is not None:
+        os.environ["OPENBLAS_CORETYPE"] = core
     try:
-        import scipy_openblas32
-    except ImportError:
-        return None
-    lib_dir = scipy_openblas32.get_lib_dir()
-    names = sorted(f for f in os.listdir(lib_dir) if f.startswith("libscipy_openblas")
-                   and f.split(".")[-1] in ("so", "dylib", "dll"))
-    if not names:
-        return None
-    lib = ctypes.CDLL(os.path.join(lib_dir, names[0]))   # RTLD_LOCAL: an instance of its own
+        try:
+            import scipy_openblas32
+        except ImportError:
+            return None
+        lib_dir = scipy_openblas32.get_lib_dir()
+        names = sorted(f for f in os.listdir(lib_dir) if f.startswith("libscipy_openblas")
+                       and f.split(".")[-1] in ("so", "dylib", "dll"))
+        if not names:
+            return None
+        lib = ctypes.CDLL(os.path.join(lib_dir, names[0]))
+    finally:
+        if core is not None:
+            if before is None:
+                del os.environ["OPENBLAS_CORETYPE"]
+            else:
+                os.environ["OPENBLAS_CORETYPE"] = before
     lib.scipy_openblas_set_num_threads(1)
     _private_openblas.lib = lib                              # keep it loaded
+    try:
+        corename = lib.scipy_openblas_get_corename
+        corename.restype = ctypes.c_char_p
+        _private_openblas.corename = corename().decode()
+    except AttributeError:
+        _private_openblas.corename = None
     return tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
                  for n in ("scipy_cblas_sgemm", "scipy_cblas_dgemm"))
 
@@ -88,6 +142,8 @@ def _scipy_fortran():
 
 _private = _private_openblas()
 PRIVATE = _private is not None
+# the private OpenBLAS's kernels (its core name, e.g. "SkylakeX"), None without it
+CORENAME = getattr(_private_openblas, "corename", None) if PRIVATE else None
 _ADDRESSES = _private if PRIVATE else _scipy_fortran()
 
 
