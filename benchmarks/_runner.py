@@ -78,7 +78,8 @@ def _library_info(side):
         from numbafuse.kernels.cpu import blas as _blas, launch as _launch
         from numbafuse.kernels.cpu import gemm_taps as _taps
         info.update(numbafuse=f"numba {numba.__version__}, numpy {numpy.__version__}, "
-                    f"{_launch.num_threads()} threads, private BLAS {_blas.PRIVATE}, "
+                    f"{_launch.num_threads()} threads, private BLAS {_blas.PRIVATE} "
+                    f"({getattr(_blas, 'CORENAME', None)} kernels), "
                     f"{'16' if _taps.WIDE else '8'}-float tiles "
                     f"({'AVX-512' if _taps.WIDE else 'no AVX-512'})",
                     backend=_launch.backend())
