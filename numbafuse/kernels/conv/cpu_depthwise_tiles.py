@@ -71,19 +71,18 @@ def _dw_tile(rows, nv, width):
 
 # AVX-512: panels of 64, 32, 16 channels (4, 2, 1 vectors of 16), then 8; AVX2: 24, 16, 8
 # Pixels per AVX-512 tile: 6 (24 accumulators and 4 weight vectors of the 32 registers at 64
-# channels). Every tap's multiply-adds take their x from memory, so a tile's loads per
-# multiply-add are 1 + nv / rows (its weights): 1.25 at 4 pixels, 1.17 at 6 (the loads are
-# the bound: Zen 4 issues one 512-bit FMA a cycle, Zen 5 two). One thread, machine E (Zen 5),
-# aligned NHWC inputs,
+# channels). Every tap's multiply-adds take their x from memory, so a tile's loads per multiply-add
+# are 1 + nv / rows (its weights): 1.25 at 4 pixels, 1.17 at 6 (the loads are the bound: Zen 4
+# issues one 512-bit FMA a cycle, Zen 5 two). One thread, machine E (Zen 5), aligned NHWC inputs,
 # three alternating processes (ms, 4 -> 6 pixels): 7x7 (32, 96, 28, 28) 1.98-2.03 -> 1.86-1.89,
-# 7x7/2 0.600-0.612 -> 0.574-0.588, 3x3 (32, 64, 56, 56) 2.69-2.75 -> 2.14-2.20, 3x3/2
-# 0.96-1.09 -> 0.91-1.01; the same bits (each sum in tap order whatever the tile). 8 pixels for
-# the 32- and 16-channel panels measured no better. The 8-float tiles (AVX2's 16 registers,
-# and the last 8 channels on AVX-512) keep ROWS. A run's rest goes to a tile of ROWS pixels
-# where that computes fewer pixels than a last 6-pixel tile overlapping the one before (a
-# 22-pixel run, the 7x7 interior at 28x28: 6+6+6+4, not 6+6+6+6): 7x7 1.96-2.06 -> 1.86-1.97
-# ms (five alternating pairs, better in four), 7x7/2 the same; a cold first NHWC depthwise
-# forward compiles 0.1-0.3 s longer (2.45-2.58 -> 2.63-2.79 s CPU).
+# 7x7/2 0.600-0.612 -> 0.574-0.588, 3x3 (32, 64, 56, 56) 2.69-2.75 -> 2.14-2.20, 3x3/2 0.96-1.09 ->
+# 0.91-1.01; the same bits (each sum in tap order whatever the tile). 8 pixels for the 32- and
+# 16-channel panels measured no better. The 8-float tiles (AVX2's 16 registers, and the last 8
+# channels on AVX-512) keep ROWS. A run's rest goes to a tile of ROWS pixels where that computes
+# fewer pixels than a last 6-pixel tile overlapping the one before (a 22-pixel run, the 7x7 interior
+# at 28x28: 6+6+6+4, not 6+6+6+6): 7x7 1.96-2.06 -> 1.86-1.97 ms (five alternating pairs, better in
+# four), 7x7/2 the same; a cold first NHWC depthwise forward compiles 0.1-0.3 s longer (2.45-2.58 ->
+# 2.63-2.79 s CPU).
 DW_ROWS = 6
 _w4, _w2, _w1 = (_dw_tile(DW_ROWS, 4, 16), _dw_tile(DW_ROWS, 2, 16),
                  _dw_tile(DW_ROWS, 1, 16))
@@ -168,14 +167,14 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wi
 
 # ------------------------------------------------ NHWC forward, sliding along an output row
 
-# Output pixels of a sliding tile (one 16-float vector of channels): 16 accumulators, 16
-# independent chains of multiply-adds (8 had too few in flight: 3x3 and 3x3/2 forwards
-# 1.2-1.5x slower than the tap tiles), 7 weight vectors and the input vector in registers.
-# Made for 7 tap columns (dw 1; sw 1 or 2) only: with 3 the tap tiles measured faster (3x3
-# at 56x56: 2.7-2.9 ms against 2.1-2.5), 5 was not measured. One thread, machine E (Zen 5),
-# aligned, three alternating processes (ms; the tap tiles alone -> with the sliding ones):
-# 7x7 (32, 96, 28, 28) 1.83-1.87 -> 1.58-1.62 (a 22-pixel run: 16 + 6 by the tap tiles);
-# 7x7/2 (11-pixel runs: unused) 0.574-0.592 -> 0.567-0.576.
+# Output pixels of a sliding tile (one 16-float vector of channels): 16 accumulators, 16 independent
+# chains of multiply-adds (8 had too few in flight: 3x3 and 3x3/2 forwards 1.2-1.5x slower than the
+# tap tiles), 7 weight vectors and the input vector in registers. Made for 7 tap columns (dw 1; sw 1
+# or 2) only: with 3 and 5 the tap tiles measured faster (3x3 at 56x56: 2.7-2.9 ms against 2.1-2.5;
+# 5x5 (32, 96, 28, 28): 1.55-1.73 against 1.16-1.50; and 8 pixels x 32 channels at 3: 2.93-3.01
+# against 2.20-2.51). One thread, machine E (Zen 5), aligned, three alternating processes (ms; the
+# tap tiles alone -> with the sliding ones): 7x7 (32, 96, 28, 28) 1.83-1.87 -> 1.58-1.62 (a 22-pixel
+# run: 16 + 6 by the tap tiles); 7x7/2 (11-pixel runs: unused) 0.574-0.592 -> 0.567-0.576.
 SLIDE = 16
 SLIDE_TAPS = (7,)
 
