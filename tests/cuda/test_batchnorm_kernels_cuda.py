@@ -164,3 +164,67 @@ def test_a_tensor_past_the_index_range_is_refused_before_anything_is_written(mon
     monkeypatch.setattr(bn, "MAX_SIZE", x.size)
     nf.batchnorm_add_relu(*args, running_mean=rm, running_var=rv)       # at the limit: runs
     assert np.all(rm.copy_to_host() != 0.0)
+
+
+def _planted_near_zero(layout, dtype, rng):
+    """(x, gamma, beta, at_x0, above, pdt): x with half of each channel's values at x0 or
+    1-3 ulps from it, beta chosen after the statistics so that gamma*xhat + beta at x0 is
+    exactly 0 in the kernels' arithmetic (mean split hi + lo, every operation rounded to the
+    element math's dtype ``pdt``: float32 for a float16 x)."""
+    shape = SHAPES[layout]
+    axis = 1 if layout == "NCHW" else 3
+    C = shape[axis]
+    pdt = np.float32 if dtype == np.float16 else dtype
+    x = rng.standard_normal(shape).astype(dtype)
+    x0 = rng.standard_normal(C).astype(dtype)
+    xc = np.moveaxis(x, axis, -1)                                    # (..., C) view of x
+    pick = rng.random(xc.shape[:-1]) < 0.5
+    ulps = rng.integers(-3, 4, xc.shape)
+    near = np.broadcast_to(x0, xc.shape).copy()
+    for step in range(1, 4):
+        for sign in (-1, 1):
+            at = ulps * sign >= step
+            near[at] = np.nextafter(near[at], dtype(sign * np.inf)).astype(dtype)
+    xc[pick] = near[pick]
+    mean, _, invstd = (a.copy_to_host() for a in bn.stats(cuda.to_device(x), layout, 1e-5))
+    gamma = rng.uniform(0.5, 1.5, C).astype(pdt)
+    hi = mean.astype(pdt)
+    lo = (mean - hi).astype(pdt)
+    scale = (gamma.astype(np.float64) * invstd).astype(pdt)
+    beta = (-(((x0.astype(pdt) - hi) - lo) * scale)).astype(pdt)
+    at_x0 = xc == x0
+    above = xc == np.nextafter(x0, dtype(np.inf)).astype(dtype)
+    return x, gamma, beta, at_x0, above, pdt
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_affine_gate_decides_as_the_forward(layout, dtype, monkeypatch):
+    """STATE_AFFINE (Conv-BatchNorm-ReLU's recompute): the backward's two kernels gate g by
+    ``gamma*xhat + beta > 0`` of x itself, computed as the forward's apply computes it
+    (``reduce.affine`` in all three), so the gradients equal the forward mask's bit for bit,
+    pre-activations of exactly 0 and 1-3 ulps from it included; through the reduction
+    (training, with and without dz) and without it (inference dx: ``_bwd_finalize``)."""
+    from numbafuse.cuda import SIMULATOR
+    monkeypatch.setattr(config, "threads", 32)       # several parts and rounds per channel
+    _garbage_outputs(monkeypatch)
+    rng = np.random.default_rng(21)
+    x, gamma, beta, at_x0, above, pdt = _planted_near_zero(layout, dtype, rng)
+    gy = rng.standard_normal(x.shape).astype(dtype)
+    d_x, d_gy, d_gamma, d_beta = (cuda.to_device(a) for a in (x, gy, gamma, beta))
+    mean, var, invstd = bn.stats(d_x, layout, 1e-5)
+    y, mask = bn.apply(d_x, mean, invstd, d_gamma, d_beta, None, True, layout, True)
+    y = np.moveaxis(y.copy_to_host(), 1 if layout == "NCHW" else 3, -1)
+    assert at_x0.sum() >= 8 and above.any()
+    if SIMULATOR:      # (a GPU may contract the apply into an FMA: exactly 0 is not promised)
+        assert (y[at_x0] == 0).all() and (y[above] > 0).any()   # the crossing is reached
+    for training, need in [(True, (True, True, True, False)), (True, (True, True, True, True)),
+                           (False, (True, False, False, True))]:
+        by_mask = bn.backward(d_gy, d_x, mean, invstd, d_gamma, bn.STATE_MASK, mask, layout,
+                              training, need)
+        by_affine = bn.backward(d_gy, d_x, mean, invstd, d_gamma, bn.STATE_AFFINE, d_beta,
+                                layout, training, need)
+        for a, b in zip(by_mask, by_affine):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_array_equal(a.copy_to_host(), b.copy_to_host())

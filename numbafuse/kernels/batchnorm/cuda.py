@@ -28,7 +28,10 @@ the bytes in shared memory (``USE_BALLOT``; tests emulate ``ballot_sync`` to run
 path too).
 
 Relu state codes for the backward are those of the CPU module: ``STATE_NONE``, ``STATE_Y``
-(open where y > 0), ``STATE_MASK`` (packed bits, bit ``j % 8`` of byte ``j // 8``).
+(open where y > 0), ``STATE_MASK`` (packed bits, bit ``j % 8`` of byte ``j // 8``),
+``STATE_AFFINE`` (no add: open where ``gamma * xhat + beta > 0`` of x itself, computed as the
+forward's apply computes it, ``reduce.affine``; Conv-BatchNorm-ReLU's recompute needs no y
+or mask rebuilt, one launch and one pass over the activation fewer).
 
 Host-level entry points (same as ``kernels/cpu/batchnorm.py``): :func:`stats`,
 :func:`inference_stats`, :func:`apply`, :func:`backward`, :func:`update_running`; and two
@@ -46,14 +49,14 @@ from numba import boolean, float32, float64, int32, int64, types, uint8, uint32
 from ... import backend, kernels, validate
 from ...cuda import SIMULATOR, empty as pool_empty, flat, numba_cuda as cuda, require_eager, rows
 from . import math as bm
-from .math import BITS, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
+from .math import BITS, STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from ..scalar import cuda_scalar
 from ..cuda import config
 from ..cuda.launch import launch
 from ..cuda import reduce
 
 BLOCK = config.BLOCK
-AFFINE_GATE = False      # the backward takes the forward's y or mask, not STATE_AFFINE
+AFFINE_GATE = True       # the backward takes STATE_AFFINE (ops.batchnorm.AffineGate)
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 U = 4                    # groups of 32 elements in flight per warp
@@ -221,7 +224,7 @@ def _apply_walk(x, z, src_m, src_v, from_running, eps, gamma, beta, dims, y, mas
                     prm[u, 1] = m - float64(prm[u, 0])
                     prm[u, 2] = gamma[ch] * s
                     prm[u, 3] = beta[ch]
-                v = (v - prm[u, 0] - prm[u, 1]) * prm[u, 2] + prm[u, 3]
+                v = reduce.affine(v, prm[u, 0], prm[u, 1], prm[u, 2], prm[u, 3])
                 if has_z:
                     v += reduce.widen(zv[u])
                 if relu:
@@ -254,9 +257,10 @@ def _apply_walk(x, z, src_m, src_v, from_running, eps, gamma, beta, dims, y, mas
 @cuda.jit(device=True, inline=True)
 def _finish_bwd(c, x, B, partials, parts, fin):
     # run by channel c's last reduction block: fin = (gamma (C,), invstd (C,) float64, count,
-    # training, ggamma, gbeta (C,) x's dtype, coefs (3, C) float64 rows cg, cx, c0) with
-    # dx = cg*g + cx*(x - mean) + c0
-    gamma, invstd, count, training, ggamma, gbeta, coefs = fin
+    # training, ggamma, gbeta (C,) x's dtype, coefs (3, C) float64 rows cg, cx, c0, beta (C,))
+    # with dx = cg*g + cx*(x - mean) + c0; beta is read by the walk's STATE_AFFINE gate
+    # (``reduce._bwd_gate_source``), gamma there too
+    gamma, invstd, count, training, ggamma, gbeta, coefs, _ = fin
     sg, sgx = reduce.part_sums(partials, c, parts)             # parts in order
     dgamma = sgx * invstd[c]
     gbeta[c] = sg
@@ -288,16 +292,20 @@ def _bwd_finalize(partials, nparts, gamma, invstd, count, training, ggamma, gbet
 
 
 @cuda.jit(cache=True)
-def _bwd_apply(gy, x, mean, coefs, like, state_kind, ystate, mask, dims, gx, gz, wants):
+def _bwd_apply(gy, x, mean, coefs, affine, state_kind, ystate, mask, dims, gx, gz, wants):
     # gy, x, ystate, gx, gz: (size,) flat; per-channel float64 mean (C,) and coefficients
-    # coefs (3, C) rows cg, cx, c0; like: (1,) of the dtype the element math runs in (x's,
-    # float32 for a float16 x); dims = (C, B); wants = (want_gx, want_gz). Offsets uint32
-    # (as in _apply_walk); the ReLU gate's y (or mask byte) is loaded beside gy and applied
+    # coefs (3, C) rows cg, cx, c0; affine = (gamma (C,), invstd (C,) float64, beta (C,)),
+    # gamma and beta in the dtype the element math runs in (x's, float32 for a float16 x),
+    # read for the STATE_AFFINE gate (gamma * xhat + beta > 0 of x, as the forward decided
+    # it: ``reduce.affine``); dims = (C, B); wants = (want_gx, want_gz). Offsets uint32 (as
+    # in _apply_walk); the ReLU gate's y (or mask byte, or x) is loaded beside gy and applied
     # after every load of the round is issued
     C, B = dims
     want_gx, want_gz = wants
-    prm = cuda.local.array((U, 5), like.dtype)      # per group: m_hi, m_lo, cg, cx, c0
-    chan = cuda.local.array(U, int32)
+    gamma, invstd, beta = affine
+    re_derive = state_kind == STATE_AFFINE
+    prm = cuda.local.array((U, 7), gamma.dtype)     # per group: m_hi, m_lo, cg, cx, c0 and
+    chan = cuda.local.array(U, int32)               # the gate's scale, shift
     gv = cuda.local.array(U, x.dtype)
     xv = cuda.local.array(U, x.dtype)
     sv = cuda.local.array(U, ystate.dtype)          # the gate's y (STATE_Y)
@@ -322,24 +330,31 @@ def _bwd_apply(gy, x, mean, coefs, like, state_kind, ystate, mask, dims, gx, gz,
                     sv[u] = ystate[ju]
                 elif state_kind == STATE_MASK:
                     bv[u] = int32(mask[ju >> uint32(3)])
-                if want_gx:
+                if want_gx or re_derive:
                     xv[u] = x[ju]
         upos, uc = pos, c
         for u in range(U):
             ju = uint32(j + uint32(u) * ulanes)
             if ju < size:
-                g = reduce.gate_loaded(gv[u], state_kind, sv[u], bv[u], ju)
+                if (want_gx or re_derive) and chan[u] != uc:
+                    chan[u] = uc
+                    ch = uint32(uc)
+                    prm[u, 0] = mean[ch]
+                    prm[u, 1] = mean[ch] - float64(prm[u, 0])
+                    prm[u, 2] = coefs[0, ch]
+                    prm[u, 3] = coefs[1, ch]
+                    prm[u, 4] = coefs[2, ch]
+                    prm[u, 5] = gamma[ch] * invstd[ch]
+                    prm[u, 6] = beta[ch]
+                if re_derive:
+                    open_ = reduce.affine(reduce.widen(xv[u]), prm[u, 0], prm[u, 1],
+                                          prm[u, 5], prm[u, 6]) > 0
+                    g = gv[u] if open_ else float32(0.0)
+                else:
+                    g = reduce.gate_loaded(gv[u], state_kind, sv[u], bv[u], ju)
                 if want_gz:
                     gz[ju] = g
                 if want_gx:
-                    if chan[u] != uc:
-                        chan[u] = uc
-                        ch = uint32(uc)
-                        prm[u, 0] = mean[ch]
-                        prm[u, 1] = mean[ch] - float64(prm[u, 0])
-                        prm[u, 2] = coefs[0, ch]
-                        prm[u, 3] = coefs[1, ch]
-                        prm[u, 4] = coefs[2, ch]
                     gx[ju] = (prm[u, 2] * reduce.widen(g)
                               + prm[u, 3] * (reduce.widen(xv[u]) - prm[u, 0] - prm[u, 1])
                               + prm[u, 4])
@@ -468,6 +483,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     dtype = x.dtype
     ystate = state if state_kind == STATE_Y else x
     mask = state if state_kind == STATE_MASK else reduce._NO_MASK()
+    beta = state if state_kind == STATE_AFFINE else gamma    # (unread unless STATE_AFFINE)
     ggamma, gbeta = _empty(C, gamma.dtype), _empty(C, gamma.dtype)   # float32 for half x
     coefs = _empty((3, C), np.float64)               # rows: cg, cx, c0
     cg, cx, c0 = rows(coefs)
@@ -478,7 +494,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         # the sums and, by each channel's last block, the coefficients: one launch
         partials, parts = reduce.channel_partials(
             reduce.ELEM_BWD, gy, x, ystate, mask, mean, state_kind, layout, _empty,
-            _finish_bwd, (gamma, invstd, count, bool(training), ggamma, gbeta, coefs))
+            _finish_bwd, (gamma, invstd, count, bool(training), ggamma, gbeta, coefs, beta))
     else:  # inference dx/dz only (the coefficients need no sums), or nothing to sum
         partials = _empty((C, 1, 2), np.float64)
         launch(_bwd_finalize, *config.grid_1d(C), partials, 0, gamma, invstd, count,
@@ -497,9 +513,8 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         gx = _empty(x.shape if need_gx else 1, dtype)
         gz = _empty(x.shape if need_gz else 1, dtype)
         if x.size:
-            like = reduce._placeholder(validate.compute_dtype(dtype))
             launch(_bwd_apply, *_flat_grid(x.size, C, B),
-                flat(gy), flat(x), mean, coefs, like, state_kind,
+                flat(gy), flat(x), mean, coefs, (gamma, invstd, beta), state_kind,
                 flat(ystate), mask, (C, B), flat(gx), flat(gz),
                 (bool(need_gx), bool(need_gz)))
         gx = gx if need_gx else None
@@ -512,11 +527,12 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
 _STATS_FIN = lambda f: types.Tuple((float64[:, ::1], f[::1], f[::1], float64, float64,  # noqa
                                       float64, boolean))
 _BWD_FIN = lambda f: types.Tuple((f[::1], float64[::1], float64, boolean, f[::1], f[::1],  # noqa
-                                    float64[:, ::1]))
+                                    float64[:, ::1], f[::1]))
 _H = types.float16
 _DIMS = types.UniTuple(int64, 2)        # (C, B) of the (A, C, B) view
 _FLAGS = types.UniTuple(boolean, 3)     # _apply's (has_z, relu, want_mask)
 _WANTS = types.UniTuple(boolean, 2)     # _bwd_apply's (want_gx, want_gz)
+_AFFINE = lambda f: types.Tuple((f[::1], float64[::1], f[::1]))  # noqa: E731  (gamma, invstd, beta)
 
 
 def _half(signature):
@@ -537,7 +553,7 @@ PTX_SIGNATURES = reduce.ptx_signatures([(reduce.ELEM_STATS, _finish_stats, _STAT
     (_bwd_finalize, lambda f: (float64[:, :, ::1], int64, f[::1], float64[::1], float64,
                                boolean, f[::1], f[::1], float64[::1], float64[::1],
                                float64[::1])),
-    (_bwd_apply, lambda f: (f[::1], f[::1], float64[::1], float64[:, ::1], f[::1], int64,
+    (_bwd_apply, lambda f: (f[::1], f[::1], float64[::1], float64[:, ::1], _AFFINE(f), int64,
                             f[::1], uint8[::1], _DIMS, f[::1], f[::1], _WANTS)),
     # float16 activations with float32 parameters (the ops convert half parameters)
     (_apply, _half((_H[::1], _H[::1], float64[::1], float64[::1], float32[::1], float32[::1],
@@ -545,6 +561,6 @@ PTX_SIGNATURES = reduce.ptx_signatures([(reduce.ELEM_STATS, _finish_stats, _STAT
     (_apply_running, _half((_H[::1], _H[::1], float32[::1], float32[::1], float64,
                             float32[::1], float32[::1], _DIMS, _H[::1], uint8[::1], _FLAGS,
                             float64[:, ::1]))),
-    (_bwd_apply, _half((_H[::1], _H[::1], float64[::1], float64[:, ::1], float32[::1], int64,
-                        _H[::1], uint8[::1], _DIMS, _H[::1], _H[::1], _WANTS))),
+    (_bwd_apply, _half((_H[::1], _H[::1], float64[::1], float64[:, ::1], _AFFINE(float32),
+                        int64, _H[::1], uint8[::1], _DIMS, _H[::1], _H[::1], _WANTS))),
 ]

@@ -41,7 +41,7 @@ from ...cuda import SIMULATOR, capture_in_progress, empty as pool_empty, flat, n
 from . import config
 from .launch import launch
 from ..batchnorm import math as bm
-from ..batchnorm.math import STATE_MASK, STATE_NONE, STATE_Y  # noqa: F401
+from ..batchnorm.math import STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y  # noqa: F401
 from ..scalar import cuda_scalar
 
 BLOCK = config.BLOCK
@@ -168,50 +168,71 @@ def gate_loaded(g, state_kind, yval, mbyte, off):
 
 
 @cuda.jit(device=True, inline=True)
-def _elem(kind, a, b, aux, mask, state_kind, off, p0, p1):
-    """The two float64 quantities summed for the value at flat offset ``off``."""
+def affine(v, m_hi, m_lo, scale, shift):
+    """Batch norm's ``gamma * xhat + beta`` of a value ``v`` as the kernels round it: the
+    mean split ``m_hi + m_lo``, ``scale = gamma * invstd``, each in the element math's dtype.
+    The forward's apply and the backward's re-derived gate (``STATE_AFFINE``) both call it,
+    so the gate opens exactly where the forward's y > 0."""
+    return (v - m_hi - m_lo) * scale + shift
+
+
+@cuda.jit(device=True, inline=True)
+def _elem(kind, a, b, aux, mask, state_kind, off, prm):
+    """The two float64 quantities summed for the value at flat offset ``off``; ``prm``: the
+    channel's (p0, p1, gate's m_hi, m_lo, scale, shift) (:func:`_channel_params`)."""
+    p0, p1, q0, q1, q2, q3 = prm
     if kind == ELEM_STATS:                 # shifted sums: p0 is the shift
         d = float64(widen(a[off]) - widen(p0))
         return d, d * d
-    g = gate(a[off], state_kind, aux, mask, off)
+    if state_kind == STATE_AFFINE:         # the gate re-derived from x (b) itself
+        g = a[off] if affine(widen(b[off]), q0, q1, q2, q3) > 0 else float32(0.0)
+    else:
+        g = gate(a[off], state_kind, aux, mask, off)
     if kind == ELEM_BWD:                   # p0 + p1 is the mean, split: x - p0 is exact
         return float64(g), float64(g) * float64((widen(b[off]) - widen(p0)) - widen(p1))
     return float64(g), 0.0
 
 
 @cuda.jit(device=True, inline=True)
-def _add_at(kind, a, b, aux, mask, state_kind, offs, p0, p1, s1, s2):
+def _add_at(kind, a, b, aux, mask, state_kind, offs, prm, s1, s2):
     """(s1, s2) plus the ``kind`` quantities of the values at the U offsets ``offs`` (-1:
     none), in u order: the second half of a walk step, whose loads were issued together."""
     for u in range(U):
         if offs[u] >= 0:
-            v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(offs[u]), p0, p1)
+            v1, v2 = _elem(kind, a, b, aux, mask, state_kind, uint32(offs[u]), prm)
             s1 += v1
             s2 += v2
     return s1, s2
 
 
 @cuda.jit(device=True, inline=True)
-def _channel_params(kind, a, mean, c, B, cvt):
-    """(p0, p1) of channel c in a's dtype: the shift (its first value) for statistics; the
-    mean split hi + lo for the backward (``cvt``: a (2,) local array of a's dtype)."""
+def _channel_params(kind, a, mean, c, B, cvt, gate_of):
+    """Channel c's (p0, p1, q0, q1, q2, q3): p0, p1 in a's dtype, the shift (its first value)
+    for statistics or the mean split hi + lo for the backward (``cvt``: a (2,) local array of
+    a's dtype); q0..q3 the ``STATE_AFFINE`` gate's mean split, scale and shift in the element
+    math's dtype, from ``gate_of`` = (gamma, invstd, beta, qv: a (4,) local array of gamma's
+    dtype), read only by a backward whose gate is re-derived (else zeros)."""
+    gamma, invstd, beta, qv = gate_of
     if kind != ELEM_BWD:                   # the gradient sum reads neither
-        return a[c * B], a[c * B]
+        return a[c * B], a[c * B], qv[0], qv[1], qv[2], qv[3]
     cvt[0] = mean[c]
     cvt[1] = mean[c] - float64(cvt[0])
-    return cvt[0], cvt[1]
+    qv[0] = mean[c]                        # as the forward's apply rounds them
+    qv[1] = mean[c] - float64(qv[0])
+    qv[2] = gamma[c] * invstd[c]
+    qv[3] = beta[c]
+    return cvt[0], cvt[1], qv[0], qv[1], qv[2], qv[3]
 
 
 @functools.lru_cache(maxsize=None)
 def nchw_walk(kind):
     """``walk(a, b, aux, mask, state_kind, C, B, c, span, prm, offs)``: this thread's two
     sums of the ``kind`` quantities over values [lo, hi) = ``span`` of channel c (of M =
-    A*B), lane-contiguous, U loads in flight; ``prm``: the channel's (p0, p1); ``offs``: a
-    (U,) int32 local array."""
+    A*B), lane-contiguous, U loads in flight; ``prm``: the channel's :func:`_channel_params`;
+    ``offs``: a (U,) int32 local array."""
     @cuda.jit(device=True, inline=True)
     def walk(a, b, aux, mask, state_kind, C, B, c, span, prm, offs):
         lo, hi = span
-        p0, p1 = prm
         t = int32(cuda.threadIdx.x)
         T = int32(cuda.blockDim.x)
         CB = int32(C * B)
@@ -231,7 +252,7 @@ def nchw_walk(kind):
                 if pb >= B:
                     pb = int32(pb - B)
                     off = int32(off + CB - B)
-            s1, s2 = _add_at(kind, a, b, aux, mask, state_kind, offs, p0, p1, s1, s2)
+            s1, s2 = _add_at(kind, a, b, aux, mask, state_kind, offs, prm, s1, s2)
             j = int32(j + U * T)
         return s1, s2
     return walk
@@ -246,7 +267,6 @@ def nhwc_walk(kind):
     @cuda.jit(device=True, inline=True)
     def walk(a, b, aux, mask, state_kind, C, c, span, prm, groups, offs):
         lo, hi = span
-        p0, p1 = prm
         rg, RG = groups
         s1 = float64(0.0)
         s2 = float64(0.0)
@@ -256,7 +276,7 @@ def nhwc_walk(kind):
         while m < hi:
             for u in range(U):                       # U loads in flight
                 offs[u] = int32(off + u * step) if m + u * RG < hi else int32(-1)
-            s1, s2 = _add_at(kind, a, b, aux, mask, state_kind, offs, p0, p1, s1, s2)
+            s1, s2 = _add_at(kind, a, b, aux, mask, state_kind, offs, prm, s1, s2)
             m = int32(m + U * RG)
             off = int32(off + U * step)
         return s1, s2
@@ -310,6 +330,18 @@ def last_block(counters, row, parts, flag):
     return last
 
 
+@cuda.jit(device=True, inline=True)
+def _bwd_gate_source(fin, mean):
+    # the backward's finish tuple (kernels/batchnorm/cuda._finish_bwd): gamma, invstd, beta
+    return fin[0], fin[1], fin[7]
+
+
+@cuda.jit(device=True, inline=True)
+def _no_gate_source(fin, mean):
+    # the other reductions re-derive no gate: float64 stand-ins, never read
+    return mean, mean, mean
+
+
 @functools.lru_cache(maxsize=None)
 def channel_partials_kernel(kind, nhwc, finish=None):
     """``kernel(a, b, aux, mask, mean, state_kind, C, B, partials, counters, fin)``: partials
@@ -322,6 +354,7 @@ def channel_partials_kernel(kind, nhwc, finish=None):
     finishes it in the same launch, reading the parts in order, so no second kernel is
     launched; ``fin`` is the tuple of its arrays and scalars.
     """
+    gate_source = _bwd_gate_source if kind == ELEM_BWD else _no_gate_source
     if not nhwc:
         walk = nchw_walk(kind)
 
@@ -332,11 +365,13 @@ def channel_partials_kernel(kind, nhwc, finish=None):
             flag = cuda.shared.array(1, boolean)
             cvt = cuda.local.array(2, a.dtype)
             offs = cuda.local.array(U, int32)
+            gamma, invstd, beta = gate_source(fin, mean)
+            qv = cuda.local.array(4, gamma.dtype)
             parts = int32(cuda.gridDim.x)
             lo, hi = part_range(int32(a.size // C), int32(cuda.blockIdx.x), parts)
             for c in range(cuda.blockIdx.y, C, cuda.gridDim.y):   # block-uniform bounds
-                p0, p1 = _channel_params(kind, a, mean, c, B, cvt)
-                s1, s2 = walk(a, b, aux, mask, state_kind, C, B, c, (lo, hi), (p0, p1), offs)
+                prm = _channel_params(kind, a, mean, c, B, cvt, (gamma, invstd, beta, qv))
+                s1, s2 = walk(a, b, aux, mask, state_kind, C, B, c, (lo, hi), prm, offs)
                 s1, s2 = block_sum2(s1, s2, buf_a, buf_b)
                 if cuda.threadIdx.x == 0:
                     partials[c, cuda.blockIdx.x, 0] = s1
@@ -358,6 +393,8 @@ def channel_partials_kernel(kind, nhwc, finish=None):
         flag = cuda.shared.array(1, boolean)
         cvt = cuda.local.array(2, a.dtype)
         offs = cuda.local.array(U, int32)
+        gamma, invstd, beta = gate_source(fin, mean)
+        qv = cuda.local.array(4, gamma.dtype)
         t = int32(cuda.threadIdx.x)
         CW = int32(min(WARP, int32(cuda.blockDim.x)))
         RG = int32(cuda.blockDim.x // CW)
@@ -371,9 +408,8 @@ def channel_partials_kernel(kind, nhwc, finish=None):
             s1 = float64(0.0)
             s2 = float64(0.0)
             if c < C:
-                p0, p1 = _channel_params(kind, a, mean, c, 1, cvt)
-                s1, s2 = walk(a, b, aux, mask, state_kind, C, c, (lo, hi), (p0, p1), (rg, RG),
-                              offs)
+                prm = _channel_params(kind, a, mean, c, 1, cvt, (gamma, invstd, beta, qv))
+                s1, s2 = walk(a, b, aux, mask, state_kind, C, c, (lo, hi), prm, (rg, RG), offs)
             buf_a[t] = s1
             buf_b[t] = s2
             cuda.syncthreads()  # every row group's sums are in buf_*
