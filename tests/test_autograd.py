@@ -132,6 +132,55 @@ def test_gradient_accumulates_when_a_tensor_is_used_twice():
     np.testing.assert_allclose(x.grad, 4 * XS + 2, **TOL)
 
 
+class Twice(Function):
+    """y = 2 * x * w, whose backward can add the tape's gradient of an input so far into
+    its own (``backward_adding``), recording what it was offered."""
+    name = "twice"
+
+    def forward(self, x, w):
+        self.save_for_backward(x=x, w=w)
+        self.offered = []
+        return 2 * x * w
+
+    def backward(self, gy):
+        return 2 * gy * self.saved.w, 2 * gy * self.saved.x
+
+    def backward_adding(self, gy, addends):
+        self.offered.append(addends)
+        gx, gw = self.backward(gy)
+        added = [i for i, a in enumerate(addends) if a is not None]
+        return (gx + addends[0] if 0 in added else gx,
+                gw + addends[1] if 1 in added else gw), added
+
+
+def test_a_backward_that_adds_the_pending_gradient_replaces_it():
+    # the skip connection's gradient reaches x first and is offered to the op, whose dx
+    # comes back with it added (the CUDA conv's dx epilogue); a third path's gradient is then
+    # added in place into that array (the tape owns it); nothing else is offered
+    x, w = t(XS), t(XS + 1)
+    op = Twice()
+    y = op.apply(x, w)
+    (y + x + x).sum().backward()
+    np.testing.assert_allclose(x.grad, 2 * (XS + 1) + 2, **TOL)
+    np.testing.assert_allclose(w.grad, 2 * XS, **TOL)
+    assert len(op.offered) == 1 and op.offered[0][1] is None
+    np.testing.assert_allclose(op.offered[0][0], 2 * np.ones(3), **TOL)
+    x = t(XS)
+    op = Twice()
+    (op.apply(x, t(XS + 1)) * 3.0).sum().backward()          # nothing pending: backward
+    assert op.offered == [] and np.allclose(x.grad, 6 * (XS + 1))
+
+
+def test_an_input_taken_twice_is_not_offered_its_pending_gradient():
+    # twice(x, x) + x: adding x's pending gradient into both of its gradients would count
+    # it twice, so it is offered neither
+    x = t(XS)
+    op = Twice()
+    (op.apply(x, x) + x).sum().backward()
+    np.testing.assert_allclose(x.grad, 4 * XS + 1, **TOL)
+    assert op.offered == []
+
+
 def test_gradient_accumulates_across_backward_calls():
     x = t(XS)
     (x * 3.0).sum().backward()

@@ -3,10 +3,14 @@
 
 Gradients are summed where a tensor feeds several ops. The first contribution is kept as it
 is (no copy); a second one makes a new array that the tape owns, and every later one is added
-into it in place. A leaf's ``.grad`` never shares memory with the caller's ``grad`` or another
-leaf's (a shared array is copied once), and on a later ``backward()`` the new gradient is added
-*in place* into a ``.grad`` the tape made itself (one the user assigned is replaced, not
-written).
+into it in place. A Function with ``backward_adding(dy, addends)`` is offered the gradients
+already summed for its inputs (``addends``, None where there is none yet) and may return some
+of its input gradients with them added in (the indices it names in ``added``): a conv adds the
+skip connection's gradient in its dx kernel's epilogue, with no sum kernel after it.
+
+A leaf's ``.grad`` never shares memory with the caller's ``grad`` or another leaf's (a shared
+array is copied once), and on a later ``backward()`` the new gradient is added *in place* into
+a ``.grad`` the tape made itself (one the user assigned is replaced, not written).
 """
 from __future__ import annotations
 
@@ -61,19 +65,40 @@ def backward(root, grad):
         g = grads.pop(id(t), None)
         if g is None:
             continue
+        owned.discard(id(g))     # no longer in grads: its id may be reused by another array
         if t._fn is None:
             _deliver(t, g, handed_out)
             continue
-        for inp, g_in in zip(t._fn.inputs, t._fn.backward(g)):
+        grads_in, added = _input_grads(t._fn, g, grads)
+        for i, (inp, g_in) in enumerate(zip(t._fn.inputs, grads_in)):
             if inp is None or g_in is None or not inp.requires_grad:
                 continue
-            if id(inp) not in grads:
+            if i in added:                        # g_in holds the sum so far: a new array
+                owned.discard(id(grads[id(inp)]))
+                grads[id(inp)] = g_in
+                owned.add(id(g_in))
+            elif id(inp) not in grads:
                 grads[id(inp)] = g_in
             elif id(grads[id(inp)]) in owned:
                 add_into(grads[id(inp)], g_in)
             else:
                 grads[id(inp)] = add_new(grads[id(inp)], g_in)
                 owned.add(id(grads[id(inp)]))
+
+
+def _input_grads(fn, g, grads):
+    """(the input gradients of ``fn`` for its output's gradient ``g``, the indices of those
+    that include the input's gradient summed so far): ``backward_adding`` where ``fn`` has it
+    and an input has a gradient already, offered only for an input ``fn`` takes once (two
+    uses of one tensor would add it twice), else ``backward``."""
+    adding = getattr(fn, "backward_adding", None)
+    if adding is not None:
+        ids = [id(i) if i is not None and i.requires_grad else None for i in fn.inputs]
+        addends = [grads.get(k) if k is not None and ids.count(k) == 1 else None for k in ids]
+        if any(a is not None for a in addends):
+            grads_in, added = adding(g, tuple(addends))
+            return grads_in, frozenset(added)
+    return fn.backward(g), ()
 
 
 def _deliver(leaf, g, handed_out):

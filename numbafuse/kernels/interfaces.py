@@ -7,7 +7,8 @@ and parameter list), so the ops call any of these functions without asking first
 backend has no fused form of a step it says so in the function: ``ConvKernels.forward_stats``
 returns None on a backend without the conv's batch-norm epilogue, and the op then makes the
 statistics pass; ``BatchNormKernels.AFFINE_GATE`` is False where the backward cannot re-derive
-the ReLU gate from x.
+the ReLU gate from x; ``ConvKernels.DX_ADDEND`` is False where ``conv_backward`` cannot add a
+pending gradient into dx (then it takes no ``dx_addend`` and the tape adds).
 
 Arrays are host NumPy arrays (cpu) or device arrays (cuda), C-contiguous in their layout;
 ``geom`` is a ``validate.ConvGeometry``.
@@ -18,6 +19,10 @@ from typing import Protocol
 class ConvKernels(Protocol):
     """``kernels/conv/cpu.py``, ``cuda.py`` and, for ``groups > 1``, ``cpu_grouped.py`` and
     ``cuda_grouped.py``."""
+
+    DX_ADDEND: bool     # conv_backward takes ``dx_addend=`` (an array of x's shape and gy's
+                        # dtype, contiguous, that dx is returned plus: the tape's sum of two
+                        # gradients of x done by the dx epilogue); given only where True
 
     def conv_forward(self, x, w, b, geom, relu):
         """``y = relu?(conv(x, w) + b?)``; ``b`` None: no bias."""

@@ -69,11 +69,31 @@ def conv_forward(x, w, b, geometry, relu):
     return precision.store(y, dtype)
 
 
-def conv_backward(dy, x, w, geometry, y=None, need=(True, True, True)):
+def adds_into_dx(geometry, dy, addend, need_dx=True):
+    """Whether :func:`conv_backward` can return dx plus ``addend`` (the tape's gradient of x
+    so far) from the dx kernel's own epilogue, with no sum kernel after it: where the
+    backend's kernels say so (``DX_ADDEND``: the CUDA GEMMs), dx is needed, neither the batch
+    nor dy is empty, and ``addend`` is an array of x's shape and dy's dtype on dy's backend
+    (not half precision: the tape's half sums round in float32 first)."""
+    if addend is None or not need_dx or geometry.N == 0 or dy.size == 0:
+        return False
+    which = backend.backend_of_array(dy)
+    if not _conv_kernels(which, geometry).DX_ADDEND:
+        return False
+    return (backend.backend_of_array(addend) == which and not validate.is_half(dy.dtype)
+            and addend.dtype == dy.dtype and tuple(addend.shape) == tuple(geometry.x_shape))
+
+
+def conv_backward(dy, x, w, geometry, y=None, need=(True, True, True), dx_addend=None):
     """``(dx, dw, db)`` of a conv [+ bias] [+ ReLU whose output is ``y``] (module docstring).
     An empty batch (N = 0): dx empty, dw and db zero (sums over no pixels); no kernel runs.
-    Half precision: float32 kernels, the gradients converted back to dy's dtype."""
+    Half precision: float32 kernels, the gradients converted back to dy's dtype.
+    ``dx_addend``: dx comes back plus it, only where :func:`adds_into_dx` said so."""
     which = backend.backend_of_array(dy)
+    if dx_addend is not None:                   # (the caller asked adds_into_dx first)
+        grads = _conv_kernels(which, geometry).conv_backward(
+            dy, x, w, geometry, y, tuple(need), dx_addend=kernels.contiguous(dx_addend))
+        return tuple(grads)
     dtype = dy.dtype
     if geometry.N == 0:
         need_x, need_w, need_b = need
@@ -136,10 +156,16 @@ class Conv2d(Function):
 
     # bwd :: (residuals=(x, w), dy) -> (dx, dw)
     def backward(self, dy):
+        return self.backward_adding(dy, (None, None))[0]
+
+    # bwd, with the tape's gradient of x so far added into dx where the kernels can
+    def backward_adding(self, dy, addends):
         need_x, need_w = self.needs_input_grad
-        dx, dw, _ = conv_backward(kernels.contiguous(dy), self.saved.x, self.saved.w, self.geometry,
-                                  None, (need_x, need_w, False))
-        return dx, dw
+        dy = kernels.contiguous(dy)
+        addend = addends[0] if adds_into_dx(self.geometry, dy, addends[0], need_x) else None
+        dx, dw, _ = conv_backward(dy, self.saved.x, self.saved.w, self.geometry, None,
+                                  (need_x, need_w, False), dx_addend=addend)
+        return (dx, dw), (() if addend is None else (0,))
 
 
 # --------------------------------------------------------------------------- bias_add (unfused)
@@ -213,9 +239,16 @@ class ConvBiasReLU(Function):
 
     # bwd :: (residuals=(x, w, y), dy) -> (dx, dw, db)
     def backward(self, dy):
+        return self.backward_adding(dy, (None, None, None))[0]
+
+    # bwd, with the tape's gradient of x so far added into dx where the kernels can
+    def backward_adding(self, dy, addends):
         s = self.saved
-        return conv_backward(kernels.contiguous(dy), s.x, s.w, self.geometry, s.y,
-                             self.needs_input_grad)                   # (need x, w, b)
+        dy = kernels.contiguous(dy)
+        need = self.needs_input_grad                                   # (need x, w, b)
+        addend = addends[0] if adds_into_dx(self.geometry, dy, addends[0], need[0]) else None
+        grads = conv_backward(dy, s.x, s.w, self.geometry, s.y, need, dx_addend=addend)
+        return grads, (() if addend is None else (0,))
 
 
 class ConvBias(ConvBiasReLU):

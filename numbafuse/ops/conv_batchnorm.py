@@ -13,8 +13,8 @@ Training (``training=True``)::
     saved     x, w, gamma, mean, invstd   (+ beta when relu: the mask is the sign of
               gamma*xhat + beta)          -- NOT h, NOT y: O(K) besides the inputs
     backward  h = conv(x, w) again; the ReLU gate is [gamma*xhat + beta > 0] of that h, decided
-              inside the batch-norm backward on the CPU (the same compiled arithmetic as the
-              forward's, so the same bits; no y is built) and from a rebuilt y on CUDA;
+              inside the batch-norm backward's kernels (the same arithmetic as the forward's,
+              so the same bits; no y is built);
               (dconv, dgamma, dbeta) = batch-norm backward;  (dx, dw) = conv backward of dconv
 
 ``beta`` (K values) is kept only with the ReLU: the mask is the sign of gamma*xhat + beta, so it
@@ -173,9 +173,11 @@ def _recompute_and_sums(which, dy, s, geometry, relu):
         s.x, s.w, geometry, dy, s.mean, s.invstd, s.gamma, s.beta if relu else None)
 
 
-def _conv_backward(which, dconv, x, w, geometry, need):
-    """(dx, dw) of the conv; an empty batch (or a rank without samples) gives dw = 0."""
-    return _conv.conv_backward(dconv, x, w, geometry, None, (need[0], need[1], False))[:2]
+def _conv_backward(which, dconv, x, w, geometry, need, dx_addend=None):
+    """(dx, dw) of the conv; an empty batch (or a rank without samples) gives dw = 0;
+    ``dx_addend``: added into dx by the conv's kernel (``conv.adds_into_dx``)."""
+    return _conv.conv_backward(dconv, x, w, geometry, None, (need[0], need[1], False),
+                               dx_addend=dx_addend)[:2]
 
 
 # --------------------------------------------------------------------------- the cores
@@ -242,10 +244,11 @@ def forward(op, p, x, w, gamma, beta):
     return half.store(y), Call(geometry, count, half.param_dtype), saved
 
 
-def backward(p, call, saved, dy, need):
+def backward(p, call, saved, dy, need, dx_addend=None):
     """``(dx, dw, dgamma, dbeta)`` of :func:`forward` from its ``call`` and ``saved`` arrays
     (by name); ``need``: four flags, an unneeded gradient is None. h is recomputed unless
-    ``saved`` has it (then with ``relu_state``, the mask or y whose sign is the gate)."""
+    ``saved`` has it (then with ``relu_state``, the mask or y whose sign is the gate).
+    ``dx_addend``: dx comes back plus it (only where ``conv.adds_into_dx`` said so)."""
     geometry = call.geometry
     need_x, need_w, need_gamma, need_beta = need
     which, half, s, dy = _backward_inputs(call, saved, dy)
@@ -274,7 +277,7 @@ def backward(p, call, saved, dy, need):
     del h, relu_state
     dx = dw = None
     if need_x or need_w:
-        dx, dw = _conv_backward(which, dconv, s.x, s.w, geometry, (need_x, need_w))
+        dx, dw = _conv_backward(which, dconv, s.x, s.w, geometry, (need_x, need_w), dx_addend)
     return half.store(dx), half.store(dw), half.param(dgamma), half.param(dbeta)
 
 
@@ -375,6 +378,14 @@ class ConvBatchNormReLU(Function):
     # bwd :: (residuals, dy) -> (dx, dw, dgamma, dbeta)
     def backward(self, dy):
         return backward(self.params, self.call, vars(self.saved), dy, self.needs_input_grad)
+
+    # bwd, with the tape's gradient of x so far added into dx by the conv's kernel where it
+    # can (a residual block's input: the skip's gradient is there first)
+    def backward_adding(self, dy, addends):
+        geometry, need = self.call.geometry, self.needs_input_grad
+        addend = addends[0] if _conv.adds_into_dx(geometry, dy, addends[0], need[0]) else None
+        grads = backward(self.params, self.call, vars(self.saved), dy, need, addend)
+        return grads, (() if addend is None else (0,))
 
 
 class ConvBatchNormAddReLU(Function):

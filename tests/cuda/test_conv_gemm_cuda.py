@@ -185,3 +185,27 @@ def test_on_either_side_of_the_narrow_tiles(K, C, layout):
     ex, ew = ref.conv2d_backward(gy, x, w, **kw)
     _close(gx, ex, np.float32)
     _close(gw, ew, np.float32)
+
+
+@pytest.mark.parametrize("case, dtype", [(CASES[0], np.float32), (CASES[4], np.float64),
+                                         (CASES[5], np.float32)], ids=["s1", "s2_1x1", "s32"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_dx_addend_is_added_by_the_epilogue(case, layout, dtype):
+    """``dx_addend`` (the tape's gradient of x so far): dx comes back as the dx GEMM's sum
+    plus the addend, bit for bit what adding them afterwards gives (one rounding, either
+    order), at every phase (stride 2 with phases that have no tap: their dx is the addend
+    itself; 3 x 2 phases) and both layouts; the addend is not written."""
+    x, w, b, kw, geom = _problem(case, layout, dtype, seed=7)
+    rng = np.random.default_rng(8)
+    gy = rng.standard_normal(geom.y_shape).astype(dtype)
+    addend = rng.standard_normal(x.shape).astype(dtype)
+    d_x, d_w, d_gy, d_add = (cuda.to_device(a) for a in (x, w, gy, addend))
+    y = conv.conv_forward(d_x, d_w, None, geom, relu=True)
+    plain = conv.conv_backward(d_gy, d_x, d_w, geom, y=y, need=(True, True, False))
+    added = conv.conv_backward(d_gy, d_x, d_w, geom, y=y, need=(True, True, False),
+                               dx_addend=d_add)
+    np.testing.assert_array_equal(added[0].copy_to_host(), plain[0].copy_to_host() + addend)
+    np.testing.assert_array_equal(added[1].copy_to_host(), plain[1].copy_to_host())
+    np.testing.assert_array_equal(d_add.copy_to_host(), addend)
+    with pytest.raises(ValueError, match="dx_addend must be x's shape"):
+        conv.conv_backward(d_gy, d_x, d_w, geom, y=y, dx_addend=d_gy)

@@ -141,16 +141,17 @@ def test_sgd_step_and_training_step(fast_gemms):
         # bn_add_relu, conv (dx, dw)
         "_xent_bwd", "_matmul_tiled", "_matmul_tiled", "_column_sums", "_gap_bwd",
         "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm",
-        # conv_bn_relu (recompute the conv, bn backward gated from it, dx, dw), the
-        # residual's two gradients summed, the stem (dw, db: the image needs no dx)
+        # conv_bn_relu (recompute the conv, bn backward gated from it, dx with the skip
+        # connection's gradient added by its epilogue, dw), the stem (dw, db: the image
+        # needs no dx)
         "gemm", "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm",
-        "_axpby", "gemm", "channel_reduce_grad_nhwc",
+        "gemm", "channel_reduce_grad_nhwc",
         # the optimizer
         "_sgd"]
     # before (150db89): 70 launches, with 30 SGD axpby, 5 per-channel finalize kernels and
     # 2 running-statistics updates; 34 with the seed's fill and 3 split sums; 30 with the
-    # recompute's mask rebuilt
-    assert len(step) == 29
+    # recompute's mask rebuilt; 29 with the residual's gradients summed by a kernel (_axpby)
+    assert len(step) == 28
     # labels from the host (as numbafuse.train.fit passes them): checked there, uploaded
     # without a wait, no flag kernel and nothing read back
     reads = []
@@ -168,6 +169,23 @@ def test_sgd_step_and_training_step(fast_gemms):
     assert host == [n for n in step if n != "_flag_bad_labels"] and reads == []
     from numbafuse import kernels                # the shared seeds were never written
     assert kernels._ONES and all((a.copy_to_host() == 1).all() for a in kernels._ONES.values())
+
+
+def test_the_skip_gradient_added_by_the_dx_epilogue_changes_no_bit(fast_gemms, monkeypatch):
+    """The block input's two gradients (the skip's dz, conv_bn_relu's dx) summed by the dx
+    GEMM's epilogue (``DX_ADDEND``) or by the tape's _axpby afterwards: the same bits in
+    every parameter's gradient (one float32 rounding of the same two values)."""
+    from numbafuse.kernels.conv import cuda as conv_cuda
+    runs = []
+    for adds in (True, False):
+        monkeypatch.setattr(conv_cuda, "DX_ADDEND", adds)
+        model, opt, xb, yb = _digits_step_setup()
+        with recording() as rec:
+            nf.cross_entropy(model(nf.Tensor(xb)), yb).backward()
+        runs.append(([p.grad.copy_to_host() for p in model.parameters()], rec.names))
+    assert "_axpby" not in runs[0][1] and "_axpby" in runs[1][1]
+    for a, b in zip(runs[0][0], runs[1][0]):
+        np.testing.assert_array_equal(a, b)
 
 
 def _allocations_after(steps, model, opt, xb, yb):

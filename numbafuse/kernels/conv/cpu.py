@@ -58,7 +58,9 @@ from . import cpu_im2col_fwd as _im2col_fwd  # noqa: E402
 from .cpu_chunks import (balanced, count_chunks, phase_weights as _phase_weights,  # noqa: E402
                          phases as _phases, sum_groups, tile_chunks)
 
-__all__ = ["algorithm", "conv_forward", "conv_backward", "forward_stats", "forward_bn_sums"]
+__all__ = ["algorithm", "conv_forward", "conv_backward", "forward_stats", "forward_bn_sums",
+           "DX_ADDEND"]
+DX_ADDEND = False   # conv_backward takes no dx_addend: the tape adds (interfaces.ConvKernels)
 
 
 def _chunking(plan, pixels_per_image, rows, row_pixels, row_bytes, images):

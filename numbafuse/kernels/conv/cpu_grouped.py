@@ -44,6 +44,9 @@ def conv_forward(x, w, b, geom, relu):
     return y
 
 
+DX_ADDEND = False   # conv_backward takes no dx_addend (interfaces.ConvKernels)
+
+
 def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     """``(dx, dw, db)`` of a grouped conv [+ bias] [+ ReLU whose output is ``y``]; only
     ``need``'s are computed (``cpu.conv_backward``)."""

@@ -367,6 +367,16 @@ def _store(out, bias, off, col, v, e0, e1):
     out[off] = v
 
 
+@device
+def _store_dx(out, addend, off, col, v, e0, e1):
+    # dx: e0 set, the tape's pending gradient of x (``addend``, x's shape) added before the
+    # single store (``conv_backward``'s dx_addend: no separate sum kernel); each element of
+    # dx is written by one thread of one phase, so the addend may be dx itself
+    if e0 != 0:
+        v += addend[off]
+    out[off] = v
+
+
 # --------------------------------------------------------------------------- kernels
 
 KINDS = ("fwd", "dx", "dw")
@@ -394,7 +404,7 @@ def gemm_kernel(kind, layout, tile):
     if kind == "dw":
         return gemm.build(tile, a, b, _problem_split, _tap_row_base, _col_offset_0, _store,
                           name, finish=_finish_splits)
-    store = _store_bias_relu if kind == "fwd" else _store
+    store = _store_bias_relu if kind == "fwd" else _store_dx
     return gemm.build(tile, a, b, _problem_slices, _pixel_row_base, _col_offset, store, name)
 
 
@@ -451,9 +461,20 @@ def conv_forward(x, w, b, geom, relu):
     return y
 
 
-def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
-    """``(dx, dw, db)`` on the device; ``y`` given: g = gy * (y > 0). Only ``need`` computed."""
+DX_ADDEND = True    # conv_backward takes dx_addend (interfaces.ConvKernels)
+
+
+def conv_backward(gy, x, w, geom, y=None, need=(True, True, True), dx_addend=None):
+    """``(dx, dw, db)`` on the device; ``y`` given: g = gy * (y > 0). Only ``need`` computed.
+    ``dx_addend``: a contiguous device array of x's shape and gy's dtype that dx comes back
+    plus, added by the dx GEMM's epilogue (the tape's sum of two gradients of x, without a
+    kernel of its own); given only with dx needed and gy non-empty."""
     need_dx, need_dw, need_db = (bool(v) for v in need)
+    adding = dx_addend is not None
+    if adding and not (need_dx and gy.size and dx_addend.shape == tuple(geom.x_shape)
+                       and dx_addend.dtype == gy.dtype):
+        raise ValueError("conv backward (cuda): dx_addend must be x's shape and gy's dtype, "
+                         "with dx needed and gy non-empty")
     use_mask = y is not None
     gy_f = flat(gy)
     y_f = flat(y) if use_mask else gy_f
@@ -462,9 +483,10 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
         dx = _empty(geom.x_shape, gy.dtype)
         if dx.size and gy.size:
             tile = _tile("dx", gy.dtype, geom.layout, geom.C)
-            geo, table, grid = dx_plan(_geometry_key(geom), tile, use_mask)
+            geo, table, grid = dx_plan(_geometry_key(geom), tile, use_mask, adding)
             launch(gemm_kernel("dx", geom.layout, tile), grid, tile.threads,
-                gy_f, flat(w), y_f, flat(dx), gy_f, geo, table, reduce.counters(1))
+                gy_f, flat(w), y_f, flat(dx), flat(dx_addend) if adding else gy_f, geo, table,
+                reduce.counters(1))
         elif dx.size:
             fill(dx, 0.0)
     if need_dw:

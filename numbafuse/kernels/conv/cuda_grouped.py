@@ -28,6 +28,10 @@ def conv_forward(x, w, b, geom, relu):
     return y
 
 
+DX_ADDEND = False   # conv_backward takes no dx_addend: one GEMM set per group
+                    # (interfaces.ConvKernels)
+
+
 def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     """``(dx, dw, db)`` of a grouped conv [+ bias] [+ ReLU whose output is ``y``] on the
     device; only ``need``'s are computed (``cuda.conv_backward``)."""

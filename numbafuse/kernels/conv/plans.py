@@ -104,8 +104,9 @@ def forward_plan(g, tile, has_bias, relu):
 
 
 @functools.lru_cache(maxsize=256)
-def dx_plan(g, tile, use_mask):
-    """(geo, table, grid) of dx: one slice per output phase (ha, wb)."""
+def dx_plan(g, tile, use_mask, accumulate=False):
+    """(geo, table, grid) of dx: one slice per output phase (ha, wb); ``accumulate``: the
+    epilogue adds an addend of x's shape (flag E0)."""
     xs = _strides(g.layout, g.C, g.H, g.W)
     gs = _strides(g.layout, g.K, g.P, g.Q)
     rows, table = [], []
@@ -127,7 +128,8 @@ def dx_plan(g, tile, use_mask):
                                  SRC_NS=gs[0], SRC_HS=gs[2], SRC_WS=gs[3], SRC_H=g.P,
                                  SRC_W=g.Q, USE_MASK=int(use_mask), LDW=g.R * g.S,
                                  OUT_BASE=ha * xs[2] + wb * xs[3], OUT_NS=xs[0],
-                                 OUT_HS=g.sh * xs[2], OUT_WS=g.sw * xs[3], OUT_CS=xs[1]))
+                                 OUT_HS=g.sh * xs[2], OUT_WS=g.sw * xs[3], OUT_CS=xs[1],
+                                 E0=int(accumulate)))
     if not table:
         table = _pad_rows([], tile.BK)
     geo, tab = _device_tables(rows, table)
