@@ -69,53 +69,97 @@ def _relu_bwd(gy, y, gx):
 
 # --------------------------------------------------------------------------- linear
 
-@cuda.jit(cache=True)
-def _matmul_tiled(a, b, bias, out, trans_a, trans_b, has_bias):
-    # out (M, Nc) = op(a) @ op(b) (+ bias[None, :]);  op(a): (M, Kd), op(b): (Kd, Nc)
-    # a: (Kd, M) if trans_a else (M, Kd);  b: (Nc, Kd) if trans_b else (Kd, Nc);  bias: (Nc,)
-    # A (TILE, TILE) block computes one TILE x TILE tile of out per iteration of a grid-stride
-    # loop over tiles; loop bounds depend on the block only, so all its threads reach every
-    # syncthreads. Tiles and the accumulator are float64.
-    a_tile = cuda.shared.array((TILE, TILE), float64)
-    b_tile = cuda.shared.array((TILE, TILE), float64)
+@cuda.jit(device=True, inline=True)
+def _matmul_tile(a, b, bias, out, trans_a, trans_b, has_bias, tile, a_tile, b_tile):
+    # tile ``tile`` (row-major over TILE x TILE tiles) of out (M, Nc) = op(a) @ op(b)
+    # (+ bias[None, :]); op(a): (M, Kd), op(b): (Kd, Nc); a: (Kd, M) if trans_a else (M, Kd);
+    # b: (Nc, Kd) if trans_b else (Kd, Nc); bias: (Nc,). Run by a whole (TILE, TILE) block
+    # (it synchronises); a_tile, b_tile: its shared (TILE, TILE) float64 buffers. The
+    # accumulator is float64, the k order fixed
     ty, tx = cuda.threadIdx.y, cuda.threadIdx.x
     M, Nc = out.shape
     Kd = a.shape[0] if trans_a else a.shape[1]
     tiles_n = (Nc + TILE - 1) // TILE
-    n_tiles = ((M + TILE - 1) // TILE) * tiles_n
-    for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-        i = (tile // tiles_n) * TILE + ty                            # row of out
-        j = (tile % tiles_n) * TILE + tx                             # column of out
-        acc = 0.0
-        for k0 in range(0, Kd, TILE):
-            ka, kb = k0 + tx, k0 + ty
-            if i < M and ka < Kd:
-                a_tile[ty, tx] = a[ka, i] if trans_a else a[i, ka]
-            else:
-                a_tile[ty, tx] = 0.0
-            if j < Nc and kb < Kd:
-                b_tile[ty, tx] = b[j, kb] if trans_b else b[kb, j]
-            else:
-                b_tile[ty, tx] = 0.0
-            cuda.syncthreads()  # both tiles are loaded before anyone multiplies
-            for kk in range(TILE):
-                acc += a_tile[ty, kk] * b_tile[kk, tx]
-            cuda.syncthreads()  # everyone is done reading before the next load overwrites
-        if i < M and j < Nc:
-            if has_bias:
-                acc += bias[j]
-            out[i, j] = acc
+    i = _div(tile, tiles_n) * TILE + ty                              # row of out
+    j = _mod(tile, tiles_n) * TILE + tx                              # column of out
+    acc = 0.0
+    for k0 in range(0, Kd, TILE):
+        ka, kb = k0 + tx, k0 + ty
+        if i < M and ka < Kd:
+            a_tile[ty, tx] = a[ka, i] if trans_a else a[i, ka]
+        else:
+            a_tile[ty, tx] = 0.0
+        if j < Nc and kb < Kd:
+            b_tile[ty, tx] = b[j, kb] if trans_b else b[kb, j]
+        else:
+            b_tile[ty, tx] = 0.0
+        cuda.syncthreads()  # both tiles are loaded before anyone multiplies
+        for kk in range(TILE):
+            acc += a_tile[ty, kk] * b_tile[kk, tx]
+        cuda.syncthreads()  # everyone is done reading before the next load overwrites
+    if i < M and j < Nc:
+        if has_bias:
+            acc += bias[j]
+        out[i, j] = acc
+
+
+def _tiles(shape):
+    """TILE x TILE tiles of a 2-d output of ``shape``."""
+    return -(-shape[0] // TILE) * -(-shape[1] // TILE)
 
 
 @cuda.jit(cache=True)
-def _column_sums(g, out):
-    # g: (M, Nc), out: (Nc,); out[j] = sum_i g[i, j], one thread per column, rows in order
-    M, Nc = g.shape
-    for j in range(cuda.grid(1), Nc, cuda.gridsize(1)):
-        acc = 0.0
-        for i in range(M):
-            acc += g[i, j]
-        out[j] = acc
+def _matmul_tiled(a, b, bias, out, trans_a, trans_b, has_bias):
+    # out (M, Nc) = op(a) @ op(b) (+ bias[None, :]) (_matmul_tile): a (TILE, TILE) block
+    # computes one tile per iteration of a grid-stride loop over tiles; loop bounds depend on
+    # the block only, so all its threads reach every syncthreads
+    a_tile = cuda.shared.array((TILE, TILE), float64)
+    b_tile = cuda.shared.array((TILE, TILE), float64)
+    M, Nc = out.shape
+    n_tiles = ((M + TILE - 1) // TILE) * ((Nc + TILE - 1) // TILE)
+    for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
+        _matmul_tile(a, b, bias, out, trans_a, trans_b, has_bias, tile, a_tile, b_tile)
+
+
+@cuda.jit(cache=True)
+def _linear_bwd(gy, x, w, gx, gw, gb, parts):
+    # the linear layer's three gradients in one launch: gx (N, F_in) = gy @ w, gw (F_out,
+    # F_in) = gy.T @ x, gb (F_out,) = sum_n gy, as work items of one grid-stride loop:
+    # parts = (gx's tiles, gw's tiles, gb's chunks of TILE*TILE columns), a part 0 when its
+    # gradient is not wanted (its array then a placeholder). Each item is the whole block's
+    # (block-uniform bounds: every syncthreads is met); each output is summed as the separate
+    # kernels summed it (_matmul_tile's order; gb one thread a column, rows in order, float64)
+    a_tile = cuda.shared.array((TILE, TILE), float64)
+    b_tile = cuda.shared.array((TILE, TILE), float64)
+    n_gx, n_gw, n_gb = parts
+    for item in range(cuda.blockIdx.x, n_gx + n_gw + n_gb, cuda.gridDim.x):
+        if item < n_gx:
+            _matmul_tile(gy, w, gb, gx, False, False, False, item, a_tile, b_tile)
+        elif item < n_gx + n_gw:
+            _matmul_tile(gy, x, gb, gw, True, False, False, item - n_gx, a_tile, b_tile)
+        else:
+            j = (item - n_gx - n_gw) * (TILE * TILE) + cuda.threadIdx.y * TILE \
+                + cuda.threadIdx.x
+            if j < gb.shape[0]:
+                acc = float64(0.0)           # (explicit: the simulator's 0.0 + float32 is
+                for i in range(gy.shape[0]):  # float32 under NumPy 2's promotion rules)
+                    acc += float64(gy[i, j])
+                gb[j] = acc
+
+
+_PLACEHOLDERS = {}      # (dtype, ndim) -> a one-element device array, made once
+
+
+def _placeholder(dtype, ndim):
+    """A one-element device array standing in for an output a kernel does not write (one
+    first needed inside a CUDA graph capture is the graph's memory: not kept)."""
+    key = (np.dtype(dtype), ndim)
+    a = _PLACEHOLDERS.get(key)
+    if a is None:
+        a = empty((1,) * ndim, dtype)
+        if capture_in_progress() is None:
+            _PLACEHOLDERS[key] = a
+    return a
 
 
 def _matmul(a, b, bias, trans_a, trans_b, shape):
@@ -123,8 +167,7 @@ def _matmul(a, b, bias, trans_a, trans_b, shape):
     out = empty(shape, a.dtype)
     if out.size == 0:
         return out
-    n_tiles = -(-shape[0] // TILE) * -(-shape[1] // TILE)
-    blocks = max(1, min(config.max_blocks, n_tiles))
+    blocks = max(1, min(config.max_blocks, _tiles(shape)))
     has_bias = bias is not None
     bias = bias if has_bias else flat(out)  # never read: a placeholder of the type
     launch(_matmul_tiled, blocks, (TILE, TILE), a, b, bias, out, int(trans_a), int(trans_b),
@@ -140,14 +183,20 @@ def linear_forward(x, w, b):
 
 # bwd :: (x, w, gy) -> (gx, gw, gb)
 def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
-    """gx = gy @ w (N, F_in), gw = gy.T @ x (F_out, F_in), gb = sum_n gy (F_out,)."""
-    gx = _matmul(gy, w, None, False, False, (x.shape[0], w.shape[1])) if need_gx else None
-    gw = _matmul(gy, x, None, True, False, (w.shape[0], w.shape[1])) if need_gw else None
-    gb = None
-    if need_gb:
-        gb = empty(w.shape[0], gy.dtype)
-        blocks, threads = config.grid_1d(w.shape[0])
-        launch(_column_sums, blocks, threads, gy, gb)
+    """gx = gy @ w (N, F_in), gw = gy.T @ x (F_out, F_in), gb = sum_n gy (F_out,): the wanted
+    ones in one launch (``_linear_bwd``)."""
+    dtype = gy.dtype
+    gx = empty((x.shape[0], w.shape[1]), dtype) if need_gx else None
+    gw = empty((w.shape[0], w.shape[1]), dtype) if need_gw else None
+    gb = empty(w.shape[0], dtype) if need_gb else None
+    parts = (_tiles(gx.shape) if need_gx else 0, _tiles(gw.shape) if need_gw else 0,
+             -(-w.shape[0] // (TILE * TILE)) if need_gb else 0)
+    if sum(parts):
+        blocks = max(1, min(config.max_blocks, sum(parts)))
+        launch(_linear_bwd, blocks, (TILE, TILE), gy, x, w,
+               gx if need_gx else _placeholder(dtype, 2),
+               gw if need_gw else _placeholder(dtype, 2),
+               gb if need_gb else _placeholder(dtype, 1), parts)
     return gx, gw, gb
 
 
@@ -424,7 +473,8 @@ PTX_SIGNATURES = [
     (_relu_fwd, lambda f: (f[::1], f[::1])),
     (_relu_bwd, lambda f: (f[::1], f[::1], f[::1])),
     (_matmul_tiled, lambda f: (f[:, ::1], f[:, ::1], f[::1], f[:, ::1], _i, _i, _i)),
-    (_column_sums, lambda f: (f[:, ::1], f[::1])),
+    (_linear_bwd, lambda f: (f[:, ::1], f[:, ::1], f[:, ::1], f[:, ::1], f[:, ::1], f[::1],
+                             types.UniTuple(int64, 3))),
     (_max_pool_fwd, lambda f: (f[::1], f[::1], uint8[::1], _POOL, _STRIDES, _i)),
     (_max_pool_bwd, lambda f: (f[::1], uint8[::1], f[::1], _POOL, _i, _i, _STRIDES, _i)),
     (_gap_fwd, lambda f: (f[::1], f[::1]) + (_i,) * 7),
