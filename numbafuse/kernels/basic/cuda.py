@@ -244,12 +244,12 @@ def _max_pool_bwd(gy, argmax, gx, pool, H, W, ys, channels_last):
         q_lo = 0 if w < kw else _div(w - kw + sw, sw)
         p_hi = min(P - 1, _div(h, sh))
         q_hi = min(Q - 1, _div(w, sw))
-        acc = 0.0
+        acc = float64(0.0)     # (float64 in the simulator too: see _gap_fwd)
         for p in range(p_lo, p_hi + 1):
             for q in range(q_lo, q_hi + 1):
                 o = n * ys_n + c * ys_c + p * ys_h + q * ys_w
                 if argmax[o] == (h - p * sh) * kw + (w - q * sw):   # e is this window's max
-                    acc += gy[o]
+                    acc += float64(gy[o])
         gx[e] = acc
 
 
@@ -288,10 +288,10 @@ def _gap_fwd(x, y, C, H, W, xs_n, xs_c, xs_h, xs_w):
     inv = 1.0 / (H * W)
     for nc in range(cuda.grid(1), y.size, cuda.gridsize(1)):
         x0 = _div(nc, C) * xs_n + _mod(nc, C) * xs_c
-        acc = 0.0
-        for h in range(H):
+        acc = float64(0.0)     # (numba types 0.0 + float32 as float64; the simulator, under
+        for h in range(H):     # NumPy 2's promotion, as float32: made explicit for both)
             for w in range(W):
-                acc += x[x0 + h * xs_h + w * xs_w]
+                acc += float64(x[x0 + h * xs_h + w * xs_w])
         y[nc] = acc * inv
 
 

@@ -159,9 +159,9 @@ _COPY_BY_RANK = {1: _copy_strided1, 2: _copy_strided2, 3: _copy_strided3, 4: _co
 def _sum_partials(x, partials):
     # x: (n,), partials: (gridDim.x,). Block b writes the sum of its grid-stride share.
     buf = cuda.shared.array(BLOCK, float64)
-    acc = 0.0
+    acc = float64(0.0)         # (float64 in the simulator too: numba's type on a GPU)
     for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-        acc += x[i]
+        acc += float64(x[i])
     total = block_sum(buf, acc)
     if cuda.threadIdx.x == 0:
         partials[cuda.blockIdx.x] = total
