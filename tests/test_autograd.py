@@ -132,6 +132,23 @@ def test_gradient_accumulates_when_a_tensor_is_used_twice():
     np.testing.assert_allclose(x.grad, 4 * XS + 2, **TOL)
 
 
+def test_a_summed_gradient_passed_to_two_inputs_is_not_added_into_for_one():
+    """y = a + b used twice: y's gradient is a sum the tape made (and may add into in place);
+    add's backward hands that same array to a and b. A later contribution to a must not be
+    added into it in place, or b's gradient changes too. (Before 3d5c375 the tape did: b.grad
+    came out 10 where it is 5.)"""
+    for order in range(2):
+        a, b = t([1.0, 2.0]), t([3.0, 4.0])
+        y = a + b
+        if order == 0:
+            loss = (y * 2.0).sum() + (y * 3.0).sum() + (a * 5.0).sum()
+        else:
+            loss = ((y * 2.0 + y * 3.0) + a * 5.0).sum()
+        loss.backward()
+        np.testing.assert_allclose(a.grad, [10.0, 10.0], **TOL)
+        np.testing.assert_allclose(b.grad, [5.0, 5.0], **TOL)
+
+
 class Twice(Function):
     """y = 2 * x * w, whose backward can add the tape's gradient of an input so far into
     its own (``backward_adding``), recording what it was offered."""
