@@ -25,7 +25,7 @@ from ...cuda import capture_in_progress, empty, flat, numba_cuda as cuda, to_dev
 from ..cuda import config
 from ..cuda.launch import launch
 from .. import scalar
-from ..cuda.reduce import block_sum
+from ..cuda.reduce import block_sum, placeholder
 from . import math as basic_math
 
 BLOCK = config.BLOCK
@@ -147,21 +147,6 @@ def _linear_bwd(gy, x, w, gx, gw, gb, parts):
                 gb[j] = acc
 
 
-_PLACEHOLDERS = {}      # (dtype, ndim) -> a one-element device array, made once
-
-
-def _placeholder(dtype, ndim):
-    """A one-element device array standing in for an output a kernel does not write (one
-    first needed inside a CUDA graph capture is the graph's memory: not kept)."""
-    key = (np.dtype(dtype), ndim)
-    a = _PLACEHOLDERS.get(key)
-    if a is None:
-        a = empty((1,) * ndim, dtype)
-        if capture_in_progress() is None:
-            _PLACEHOLDERS[key] = a
-    return a
-
-
 def _matmul(a, b, bias, trans_a, trans_b, shape):
     """``op(a) @ op(b) (+ bias)`` into a new (M, Nc) device array."""
     out = empty(shape, a.dtype)
@@ -194,9 +179,9 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
     if sum(parts):
         blocks = max(1, min(config.max_blocks, sum(parts)))
         launch(_linear_bwd, blocks, (TILE, TILE), gy, x, w,
-               gx if need_gx else _placeholder(dtype, 2),
-               gw if need_gw else _placeholder(dtype, 2),
-               gb if need_gb else _placeholder(dtype, 1), parts)
+               gx if need_gx else placeholder(dtype, 2),
+               gw if need_gw else placeholder(dtype, 2),
+               gb if need_gb else placeholder(dtype, 1), parts)
     return gx, gw, gb
 
 

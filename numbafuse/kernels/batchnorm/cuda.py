@@ -410,7 +410,7 @@ def stats_update(x, layout, eps, running_mean, running_var, momentum):
     if update:
         rm, rv = backend.as_device_array(running_mean), backend.as_device_array(running_var)
     else:                       # (a float16 x's running statistics are float32)
-        rm = rv = reduce._placeholder(validate.compute_dtype(x.dtype))
+        rm = rv = reduce.placeholder(validate.compute_dtype(x.dtype))
     reduce.channel_partials(reduce.ELEM_STATS, x, x, x, reduce._NO_MASK(), reduce._NO_MEAN(),
                             STATE_NONE, layout, _empty, _finish_stats,
                             (out, rm, rv, float(eps), float(A * B), float(momentum), update))

@@ -548,19 +548,30 @@ def _zero3(a):
             a[c, p, 1] = 0.0
 
 
-@functools.lru_cache(maxsize=None)
-def _placeholder(dtype):
-    return pool_empty(1, dtype)          # kept for the process: allocated once
+_PLACEHOLDERS = {}      # (dtype as asked, ndim) -> a one-element device array, kept
+
+
+def placeholder(dtype, ndim=1):
+    """A one-element device array of ``ndim`` dimensions standing in for an argument a kernel
+    does not read or write; made once per (dtype, ndim) and kept for the process. One first
+    needed inside a CUDA graph capture is the graph's memory (released with it): not kept."""
+    key = (dtype, ndim)
+    a = _PLACEHOLDERS.get(key)
+    if a is None:
+        a = pool_empty((1,) * ndim, dtype)
+        if capture_in_progress() is None:
+            _PLACEHOLDERS[key] = a
+    return a
 
 
 def _NO_MASK():
     """A one-byte mask array for kernels that do not read the mask."""
-    return _placeholder(np.uint8)
+    return placeholder(np.uint8)
 
 
 def _NO_MEAN():
     """A one-element float64 array for kernels that do not read the mean."""
-    return _placeholder(np.float64)
+    return placeholder(np.float64)
 
 
 def _partials_signature(f, fin):
