@@ -203,8 +203,7 @@ def test_depthwise_nchw_tiles_equal_the_plane_loops(x_shape, mult, rs, kw, wide,
 # (cpu_depthwise_tiles.depthwise_dw_taps), dX phase by phase as the forward's tiles over the
 # gated g with flipped taps (cpu_depthwise_nhwc.dx_phases, in every case here). C = 8 to 104 crosses the dW channel
 # panels (64 + 32 + 8 on AVX-512, 16s and 8 on AVX2); 2x2 to 7x7 taps cross the tap tiles (4
-# taps: one tile; 9: 5 + 4; 25: five of 5; 49: ten; cpu_depthwise._tiled_dw: the first seven
-# cases, the others dW by the loops); Q =
+# taps: one tile; 9: 5 + 4; 25: five of 5; 49: ten; dW by the tiles in every case); Q =
 # 20 with 3x3 taps has an interior run of 18 pixels (a block of DW_PIXELS = 16 and 2); chunks
 # of one or two dX rows cross the gated rows' buffer; strides 2 and 3 (phases of 2 and 3
 # taps, and with 2x2 taps at stride 3 phases with none), dilation with stride 2 (a phase's
@@ -238,17 +237,28 @@ def test_depthwise_backward_tiles_match_reference(x_shape, rs, kw, chunk, wide, 
     x = rng.standard_normal(x_shape).astype(np.float32)
     w = rng.standard_normal((C, 1, *rs)).astype(np.float32)
     b = rng.standard_normal(C).astype(np.float32)
-    kw0, kw = kw, dict(kw, layout="NHWC", groups=C)
+    kw = dict(kw, layout="NHWC", groups=C)
     geom = validate.conv_geometry("t", x.shape, w.shape, **kw)
-    # dX by the phases in every case (the rule keeps the loops for few taps at stride > 1)
-    monkeypatch.setattr(cpu_depthwise, "_tiled_dx", cpu_depthwise._tiled)
-    assert cpu_depthwise._tiled_dw(geom, x.dtype) == (TILED_BWD.index((x_shape, rs, kw0)) < 8)
+    # dX by the phases in every case (the rule keeps the loops for few taps at stride > 1
+    # where dX is computed alone)
+    monkeypatch.setattr(cpu_depthwise, "_tiled_dx",
+                        lambda geom, dtype, gated=False: cpu_depthwise._tiled(geom, dtype))
+    assert cpu_depthwise._tiled_dw(geom, x.dtype)
     y = nf.conv_bias_relu(x, w, b, **kw)
     gy = rng.standard_normal(y.shape).astype(np.float32)
     threads = _launch.num_threads()
     try:
         _launch.set_num_threads(1)
         one = nf.conv_bias_relu_backward(gy, x, w, y, **kw)
+        # g gated once for both passes (gate_db) where dX and dW or db are asked for, each
+        # pass gating its own otherwise: the same bits either way
+        assert cpu_depthwise._gate_once(geom, x.dtype, True, (True, True, True))
+        for need in [(True, False, False), (False, True, True), (False, True, False),
+                     (False, False, True), (True, True, False), (True, False, True)]:
+            part = nf.conv_bias_relu_backward(gy, x, w, y, need=need, **kw)
+            for got, want, asked in zip(part, one, need):
+                assert (got is None) != asked
+                assert not asked or got.tobytes() == want.tobytes(), need
         _launch.set_num_threads(3)
         three = nf.conv_bias_relu_backward(gy, x, w, y, **kw)
     finally:

@@ -274,24 +274,36 @@ def _tap_offsets(geom, width=None):
                       for s in range(S)], [t * C for t in range(R * S)]], np.int64)
 
 
-def _tiled_dx(geom, dtype):
+def _gate_once(geom, dtype, use_mask, need):
+    """Whether the NHWC tiled backward gates g once for dX and dW both (``cpu_depthwise_nhwc.
+    gate_db``, db with it) instead of in each pass: the tiled case with a mask, dX and dW or
+    db needed."""
+    return (geom.layout == "NHWC" and use_mask and _tiled(geom, dtype) and need[0]
+            and (need[1] or need[2]))
+
+
+def _tiled_dx(geom, dtype, gated=False):
     """NHWC dX by the forward's register tiles, phase by phase (``cpu_depthwise_nhwc.
     dx_phases``): the tiled case at stride 1 or with 25 taps or more. Measured, 1 thread,
     batch 32, ms (the loops of _dx_nhwc_rows / _dx_nhwc against the phases): 3x3 at 56x56,
     64 channels 11.8-12.1 / 6.1-6.3, 7x7 at 28x28, 96 channels 11.8-12.0 / 5.6-6.4 and at
     stride 2 5.1-5.3 / 2.5-3.2; 3x3 stride 2 at 56x56 4.5 / 5.5-6.3 (four phases of 1 to 4
-    taps), so that one keeps the loops."""
-    return _tiled(geom, dtype) and (geom.sh == geom.sw == 1 or geom.R * geom.S >= 25)
+    taps, each gating the rows of g it reads), so that one keeps the loops, unless g is
+    ``gated`` once for dW too (_gate_once): then the phases read it in place, 1.83 ms
+    (machine E, Zen 5, against the loops' 2.1-2.6)."""
+    return _tiled(geom, dtype) and (gated or geom.sh == geom.sw == 1 or geom.R * geom.S >= 25)
     # (elsewhere, multiplier 1: _dx_nhwc_gated, 3x3 stride 2 there 4.7-4.9 -> 3.7 ms, gating
     # each row of g once instead of at every tap)
 
 
 def _tiled_dw(geom, dtype):
-    """NHWC dW by the dW register tiles: the tiled case, at stride 1 along w or with 25 taps
-    or more. Measured, 1 thread, batch 32, best of 6 (ms, the loops of _dw_nhwc against the
-    tiles): 3x3 at 56x56, 64 channels 10.4 / 7.5, 7x7 at 28x28, 96 channels 13.5 / 8.8 and
-    at stride 2 3.8 / 2.8; 3x3 stride 2 at 56x56 2.85 / 3.45, so that one keeps the loops."""
-    return _tiled(geom, dtype) and (geom.sw == 1 or geom.R * geom.S >= 25)
+    """NHWC dW by the dW register tiles: the tiled case, at every stride. Measured, 1 thread,
+    batch 32, best of 6 (ms, the loops of _dw_nhwc against the tiles): 3x3 at 56x56, 64
+    channels 10.4 / 7.5, 7x7 at 28x28, 96 channels 13.5 / 8.8 and at stride 2 3.8 / 2.8. 3x3
+    stride 2 at 56x56 had kept the loops (machine A, Zen 4: 2.85 / 3.45) until the tiles'
+    gating was one vectorised pass a row (it had been a loop per pixel): machine E, Zen 5,
+    aligned x, three alternating processes, dW + db 3.6-3.9 / 1.87."""
+    return _tiled(geom, dtype)
 
 
 def _flat_rows(geom):
@@ -535,11 +547,21 @@ def backward(gy, x, w, geom, y=None, need=(True, True, True)):
     nhwc = geom.layout == "NHWC"
     geo = conv_math.geo_tuple(geom)
     work = x.size + 2 * gy.size
-    dx = dw = db = None
+    dx = dw = db = db_parts = None
+    rpc = _rows_per_chunk(geom)
+    nchunks = N * blocks(P, rpc)
+    groups = min(nchunks, DW_GROUPS)
+    if _gate_once(geom, gy.dtype, use_mask, need):      # g for both passes, and db
+        g = _out.empty((N, P, Q * K), gy.dtype)
+        db_parts = np.empty((groups if need_db else 0, K))            # float64
+        launch(_nhwc.gate_db, groups, gy.reshape(N, P, Q * K), y.reshape(N, P, Q * K), True,
+               (rpc, nchunks, groups), g, db_parts, work=3 * gy.size, grain=1)
+        gy = y = g.reshape(gy.shape)
+        use_mask = False
     if need_dx:
         dx = _out.empty(geom.x_shape, gy.dtype)
         H, W = geom.H, geom.W
-        if nhwc and _tiled_dx(geom, gy.dtype):
+        if nhwc and _tiled_dx(geom, gy.dtype, db_parts is not None):
             _nhwc.dx_phases(gy, y, use_mask, w, geom, CHUNK_ELEMENTS, dx)
         elif nhwc and _flat_rows(geom):
             launch(_dx_nhwc_rows, N * H, gy.reshape(N, P, Q * K), y.reshape(N, P, Q * K),
@@ -554,15 +576,15 @@ def backward(gy, x, w, geom, y=None, need=(True, True, True)):
                    _phase_width(geom), dx, work=work)
     if need_dw or need_db:
         if nhwc:
-            rpc = _rows_per_chunk(geom)
-            nchunks = N * blocks(P, rpc)
-            groups = min(nchunks, DW_GROUPS)
+            gated = db_parts is not None
             dw_parts = np.empty((groups, M, R, S, C), gy.dtype)
-            db_parts = np.empty((groups, K))                          # float64
-            if _tiled_dw(geom, x.dtype):
+            db_parts = db_parts if gated else np.empty((groups, K))      # float64
+            if not need_dw and gated:                                 # db: gate_db's
+                dw_parts = None
+            elif _tiled_dw(geom, x.dtype):
                 launch(_nhwc.dw_tiled, groups, x, gy.reshape(N, P, Q * K),
                        y.reshape(N, P, Q * K), use_mask, need_dw, geo,
-                       (rpc, nchunks, groups, _gemm_taps.WIDE), _tap_offsets(geom),
+                       (rpc, nchunks, groups, _gemm_taps.WIDE, gated), _tap_offsets(geom),
                        dw_parts.reshape(groups, R * S, C), db_parts, work=work, grain=1)
             else:
                 launch(_dw_nhwc, groups, x, gy, y, use_mask, need_dw, geo,

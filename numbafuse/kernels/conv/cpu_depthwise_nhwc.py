@@ -179,21 +179,52 @@ def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
             p = last
 
 
+@njit(cache=True)
+def _add_pixels(g, db):
+    # db (C,) float64 += each pixel of the row g (Q*C,) in turn (views from 0: vectorised)
+    C = db.shape[0]
+    for q in range(g.shape[0] // C):
+        gq = g[q * C:(q + 1) * C]
+        for c in range(C):
+            db[c] += gq[c]
+
+
+@task_kernel(fastmath=FMA)
+def gate_db(t0, t1, gy, y, use_mask, plan, g, db_parts):
+    # g = gy * (y > 0) (or gy), once for dX and dW both (dw_tiled's gated plan, dx_phases
+    # unmasked), and db_parts[t] its sums as dw_tiled makes them: gy, y, g: (N, P, Q*C);
+    # db_parts: (groups, C) float64 (0 rows: db not needed);  plan: (rpc, nchunks, groups),
+    # dw_tiled's tasks, so that db is the same sum in the same order, bit for bit.
+    P = gy.shape[1]
+    rpc, nchunks, groups = plan
+    nb = (P + rpc - 1) // rpc
+    need_db = db_parts.shape[0] > 0
+    for t in range(t0, t1):
+        if need_db:
+            db_parts[t][:] = 0
+        for chunk in range(t * nchunks // groups, (t + 1) * nchunks // groups):
+            n, p0 = chunk // nb, (chunk % nb) * rpc
+            for p in range(p0, min(P, p0 + rpc)):
+                gate_row(gy[n, p], y[n, p], use_mask, g[n, p])
+                if need_db:
+                    _add_pixels(g[n, p], db_parts[t])
+
+
 @task_kernel(fastmath=FMA)
 def dw_tiled(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, aoff, dw_parts, db_parts):
     # Multiplier 1, float32, C % 8 == 0: dW by the register tiles (cpu_depthwise_tiles.
     # depthwise_dw_taps), addressed in x itself as forward_tiled's forward. x: (N, H, W, C);
     # gy, y: (N, P, Q*C);  aoff: cpu_depthwise._tap_offsets;  dw_parts: (groups, R*S, C);
-    # db_parts: (groups, C) float64;  plan: (rpc, nchunks, groups, wide), the tasks those of
-    # cpu_depthwise's _dw_nhwc. Per output row: the gated g row (db from it, pixel by pixel as
-    # _dw_nhwc), then its interior pixels over every tap inside in one run of tiles, and each
-    # border pixel over its own taps.
+    # db_parts: (groups, C) float64;  plan: (rpc, nchunks, groups, wide, gated), the tasks
+    # those of cpu_depthwise's _dw_nhwc. Per output row: the gated g row (db from it, pixel by
+    # pixel as _dw_nhwc), then its interior pixels over every tap inside in one run of tiles,
+    # and each border pixel over its own taps. gated: gy is g already (gate_db made it and db):
+    # its rows are read in place, db_parts not written.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    rpc, nchunks, groups, wide = plan
+    rpc, nchunks, groups, wide, gated = plan
     wid = np.int64(wide)
     nb = (P + rpc - 1) // rpc
     g = np.empty(Q * C, np.float32)                                   # one gated row
-    zero = np.float32(0)
     own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
     qa, qb = _interior(S, W, Q, sw, pw, dw)
     px, pg = np.int64(x.ctypes.data), np.int64(g.ctypes.data)
@@ -203,24 +234,17 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, aoff, dw_parts, db_
     for t in range(t0, t1):
         dwp, dbp = dw_parts[t], db_parts[t]
         dwp[:] = 0
-        dbp[:] = 0
+        if not gated:
+            dbp[:] = 0
         pacc = np.int64(dwp.ctypes.data)
         for chunk in range(t * nchunks // groups, (t + 1) * nchunks // groups):
             n, p0 = chunk // nb, (chunk % nb) * rpc
             for p in range(p0, min(P, p0 + rpc)):
-                gv, yv = gy[n, p], y[n, p]
-                for q in range(Q):                  # g = gy * (y > 0), db += g, as _dw_nhwc
-                    gq, gvq, yvq = g[q * C:(q + 1) * C], gv[q * C:(q + 1) * C], \
-                        yv[q * C:(q + 1) * C]
-                    if use_mask:
-                        for c in range(C):
-                            v = gvq[c] if yvq[c] > 0 else zero
-                            gq[c] = v
-                            dbp[c] += v
-                    else:
-                        for c in range(C):
-                            gq[c] = gvq[c]
-                            dbp[c] += gvq[c]
+                if gated:
+                    pg = np.int64(gy[n, p].ctypes.data)
+                else:
+                    gate_row(gy[n, p], y[n, p], use_mask, g)    # g = gy * (y > 0)
+                    _add_pixels(g, dbp)             # db += g pixel by pixel, as _dw_nhwc
                 if not need_dw:
                     continue
                 r0, r1 = _valid_range(p, dh, ph, sh, H, R)          # tap rows inside
