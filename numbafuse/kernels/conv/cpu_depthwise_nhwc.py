@@ -14,7 +14,9 @@ case, and the notation):
                    phase of dx (at stride 1 one, padding (R-1)*dh - ph, (S-1)*dw - pw), so
                    the two passes share one compiled kernel
     dw_tiled       per output row the gated g (and db from it), then ``depthwise_dw_taps`` over
-                   the interior run's pixels and every tap inside, each border pixel over its own
+                   the interior run's pixels and every tap inside, each border pixel over its own;
+                   it keeps g for dX where both are computed (dX then reads it in place: g
+                   gated once)
 
 ``gate_row`` is the ReLU gradient's gate that every depthwise kernel uses.
 """
@@ -190,61 +192,40 @@ def _add_pixels(g, db):
 
 
 @task_kernel(fastmath=FMA)
-def gate_db(t0, t1, gy, y, use_mask, plan, g, db_parts):
-    # g = gy * (y > 0) (or gy), once for dX and dW both (dw_tiled's gated plan, dx_phases
-    # unmasked), and db_parts[t] its sums as dw_tiled makes them: gy, y, g: (N, P, Q*C);
-    # db_parts: (groups, C) float64 (0 rows: db not needed);  plan: (rpc, nchunks, groups),
-    # dw_tiled's tasks, so that db is the same sum in the same order, bit for bit.
-    P = gy.shape[1]
-    rpc, nchunks, groups = plan
-    nb = (P + rpc - 1) // rpc
-    need_db = db_parts.shape[0] > 0
-    for t in range(t0, t1):
-        if need_db:
-            db_parts[t][:] = 0
-        for chunk in range(t * nchunks // groups, (t + 1) * nchunks // groups):
-            n, p0 = chunk // nb, (chunk % nb) * rpc
-            for p in range(p0, min(P, p0 + rpc)):
-                gate_row(gy[n, p], y[n, p], use_mask, g[n, p])
-                if need_db:
-                    _add_pixels(g[n, p], db_parts[t])
-
-
-@task_kernel(fastmath=FMA)
-def dw_tiled(t0, t1, x, gy, y, use_mask, need_dw, geo, plan, aoff, dw_parts, db_parts):
+def dw_tiled(t0, t1, x, gy, y, use_mask, geo, plan, aoff, dw_parts, db_parts, gout):
     # Multiplier 1, float32, C % 8 == 0: dW by the register tiles (cpu_depthwise_tiles.
     # depthwise_dw_taps), addressed in x itself as forward_tiled's forward. x: (N, H, W, C);
     # gy, y: (N, P, Q*C);  aoff: cpu_depthwise._tap_offsets;  dw_parts: (groups, R*S, C);
-    # db_parts: (groups, C) float64;  plan: (rpc, nchunks, groups, wide, gated), the tasks
+    # db_parts: (groups, C) float64;  plan: (rpc, nchunks, groups, wide, need_dw), the tasks
     # those of cpu_depthwise's _dw_nhwc. Per output row: the gated g row (db from it, pixel by
     # pixel as _dw_nhwc), then its interior pixels over every tap inside in one run of tiles,
-    # and each border pixel over its own taps. gated: gy is g already (gate_db made it and db):
-    # its rows are read in place, db_parts not written.
+    # and each border pixel over its own taps. gout (N, P, Q*C), or no rows: g is gated into
+    # it, not into a row buffer of the task's own, for dX to read afterwards (dx_phases
+    # unmasked: g gated once for both passes).
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    rpc, nchunks, groups, wide, gated = plan
+    rpc, nchunks, groups, wide, need_dw = plan
+    keep = gout.shape[0] > 0
     wid = np.int64(wide)
     nb = (P + rpc - 1) // rpc
     g = np.empty(Q * C, np.float32)                                   # one gated row
     own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
     qa, qb = _interior(S, W, Q, sw, pw, dw)
-    px, pg = np.int64(x.ctypes.data), np.int64(g.ctypes.data)
+    px = np.int64(x.ctypes.data)
     tables = (np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data),
               np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data))
     cols = (S, W, sw, pw, dw)
     for t in range(t0, t1):
         dwp, dbp = dw_parts[t], db_parts[t]
         dwp[:] = 0
-        if not gated:
-            dbp[:] = 0
+        dbp[:] = 0
         pacc = np.int64(dwp.ctypes.data)
         for chunk in range(t * nchunks // groups, (t + 1) * nchunks // groups):
             n, p0 = chunk // nb, (chunk % nb) * rpc
             for p in range(p0, min(P, p0 + rpc)):
-                if gated:
-                    pg = np.int64(gy[n, p].ctypes.data)
-                else:
-                    gate_row(gy[n, p], y[n, p], use_mask, g)    # g = gy * (y > 0)
-                    _add_pixels(g, dbp)             # db += g pixel by pixel, as _dw_nhwc
+                gp = gout[n, p] if keep else g
+                gate_row(gy[n, p], y[n, p], use_mask, gp)       # g = gy * (y > 0)
+                _add_pixels(gp, dbp)                # db += g pixel by pixel, as _dw_nhwc
+                pg = np.int64(gp.ctypes.data)
                 if not need_dw:
                     continue
                 r0, r1 = _valid_range(p, dh, ph, sh, H, R)          # tap rows inside
@@ -292,20 +273,53 @@ def dx_phases(gy, y, use_mask, w, geom, chunk, dx):
         step = offs[1] - offs[0] if len(offs) > 1 else 1
         return ts, (offs[0] if offs else 0), step, max(0, -(-(size - start) // stride))
 
+    phases = []                         # (wf, aoff, the table row) of each phase
     for a in range(sh):
         rs, e0, de, Hph = phase(a, sh, geom.ph, dh, H, geom.R)
         for b in range(sw):
             ss, f0, df, Wph = phase(b, sw, geom.pw, dw, W, geom.S)
             if Hph == 0 or Wph == 0:
                 continue
-            wf = _aligned(taps[:, rs][:, :, ss].reshape(C, len(rs) * len(ss)).T)
-            geo = conv_math.int_tuple(N, C, P, Q, C, len(rs), len(ss), Hph, Wph, 1, 1, -e0,
-                                      -f0, de, df, 1)
+            wf = taps[:, rs][:, :, ss].reshape(C, len(rs) * len(ss)).T
             aoff = np.array([[(u * de * Q + v * df) * C for u in range(len(rs))
                               for v in range(len(ss))],
                              [t * C for t in range(len(rs) * len(ss))]], np.int64).reshape(2, -1)
-            rpc = max(1, min(Hph, chunk // max(1, Wph * C)))
-            flags = (False, bool(use_mask), wide, slides(wide, C, len(ss), 1, df))
-            launch(forward_tiled, N * blocks(Hph, rpc), gy, y, wf, zeros, geo, rpc, flags,
-                   aoff, conv_math.int_tuple((a * W + b) * C, H * W * C, sh * W * C, sw * C),
-                   dx, work=Hph * Wph * C * N * (1 + len(rs) * len(ss)))
+            row = (N, C, P, Q, C, len(rs), len(ss), Hph, Wph, 1, 1, -e0, -f0, de, df, 1,
+                   0, bool(use_mask), wide, slides(wide, C, len(ss), 1, df),
+                   (a * W + b) * C, H * W * C, sh * W * C, sw * C)
+            phases.append((wf, aoff, row))
+    if not phases:
+        return
+    T = max(1, max(wf.shape[0] for wf, _, _ in phases))
+    wfs = _aligned(np.zeros((len(phases), T, C), np.float32))
+    aoffs = np.zeros((len(phases), 2, T), np.int64)
+    for f, (wf, aoff, _) in enumerate(phases):
+        wfs[f, :wf.shape[0]], aoffs[f, :, :aoff.shape[1]] = wf, aoff
+    table = np.array([row for _, _, row in phases], np.int64)
+    Hmax, Wmax = int(table[:, 7].max()), int(table[:, 8].max())
+    rpc = max(1, min(Hmax, chunk // max(1, Wmax * C)))
+    nb = blocks(Hmax, rpc)
+    launch(dx_tiled, N * nb, gy, y, wfs, zeros, table, (nb, rpc), aoffs, dx,
+           work=N * H * W * C * (1 + geom.R * geom.S // (sh * sw)))
+
+
+@task_kernel(fastmath=FMA)
+def dx_tiled(t0, t1, g, mask, wfs, b, table, plan, aoffs, dx):
+    # dX by forward_tiled, every phase of dx in one launch (dx_phases): task t = (image n,
+    # block k of rpc phase rows; plan = (nb, rpc)) runs block k of each phase f in turn,
+    # whose dx rows lie together (sh*rpc rows of dx: written while in cache, the rows of g they
+    # read read again from it). table[f]: phase f's geo (16), flags (4) and output layout (4);
+    # wfs[f], aoffs[f]: its taps' weights and offsets (rows past its taps unused).
+    nb, rpc = plan
+    for t in range(t0, t1):
+        n, k = t // nb, t % nb
+        for f in range(table.shape[0]):
+            e = table[f]
+            nbf = (e[7] + rpc - 1) // rpc                   # the phase's row blocks
+            if k >= nbf:
+                continue
+            geo = (e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7], e[8], e[9], e[10], e[11],
+                   e[12], e[13], e[14], e[15])
+            flags = (e[16] != 0, e[17] != 0, e[18] != 0, e[19] != 0)
+            forward_tiled(n * nbf + k, n * nbf + k + 1, g, mask, wfs[f], b, geo, rpc, flags,
+                          aoffs[f], (e[20], e[21], e[22], e[23]), dx)
