@@ -6,7 +6,7 @@ multiplier, >= 1): filter ``k = c * M + m`` sees input channel ``c`` only, and w
 bound by memory more than arithmetic: each pass reads its inputs once and writes its output
 once. The float32 NHWC passes with multiplier 1 and C % 8 == 0 sum in registers
 (``cpu_depthwise_tiles``'s micro-kernels, ``cpu_depthwise_nhwc``'s task kernels: the forward,
-dX at stride 1, dW where ``_tiled_dw``), as does the float32 NCHW forward
+dX where ``_tiled_dx``, dW), as does the float32 NCHW forward
 (``cpu_depthwise_nchw``); elsewhere the accumulators stay in L1 (docs/conv_bias_relu.md).
 
     forward   y[n,k,p,q] = relu(sum_{r,s} x[n, c, p*sh - ph + r*dh, q*sw - pw + s*dw] w[k,r,s] + b[k])
@@ -20,9 +20,10 @@ Loops (one compiled task kernel per pass, layout and case):
     NHWC  float32, multiplier 1, C % 8 == 0 (``cpu_depthwise_nhwc``): the forward, every
           pixel through the register tiles, addressed in x itself (one row per pixel, one
           offset per tap) with the taps that lie inside the image, the same sums, bit for
-          bit, as the loops below; dX at stride 1 the same tiles over the gated g with the
-          taps flipped; dW (``_tiled_dw``) tiles of taps x channels summed over blocks of
-          pixels in registers.
+          bit, as the loops below; dX the same tiles over the gated g with the taps flipped,
+          phase by phase; dW tiles of taps x channels summed over blocks of pixels in
+          registers. With dX and dW (or db) both asked for, dW gates g once and keeps it for
+          dX (``_gate_once``).
     NHWC  channels on the vector lanes. Stride 1 along w and multiplier 1 (``_flat_rows``):
           a tap of an output row is one flat loop over Q*C values of x (or the gated g) against
           the tap's weights repeated Q times (``_tiled_taps``), forward and dX. Otherwise, and
