@@ -220,10 +220,11 @@ def forward(x, w, b, geom, relu):
     if geom.layout == "NHWC":
         rpc = _rows_per_chunk(geom)
         if _tiled(geom, x.dtype):
-            launch(_nhwc.forward_tiled, N * blocks(P, rpc), x, x, _taps_rs(w, geom),
-                   _aligned(b), geo, rpc, (relu, False, bool(_gemm_taps.WIDE), _nhwc.slides(
-                       _gemm_taps.WIDE, C, geom.S, geom.sw, geom.dw)),
-                   _tap_offsets(geom), (0, P * Q * C, Q * C, C), y, work=work)
+            wide = bool(_gemm_taps.WIDE)
+            row = (*geo, relu, False, wide, _nhwc.slides(wide, C, geom.S, geom.sw, geom.dw),
+                   0, P * Q * C, Q * C, C)
+            _nhwc.run_tiled(x, x, [(_taps_rs(w, geom), _tap_offsets(geom), row)], _aligned(b),
+                            rpc, y, work)
         elif _flat_rows(geom):
             launch(_forward_nhwc_rows, N * blocks(P, rpc), x.reshape(N, geom.H, geom.W * C),
                    _tiled_taps(w, geom), np.tile(b, Q), relu, geo, rpc, y.reshape(N, P, Q * K),

@@ -85,100 +85,109 @@ def _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables):
 
 
 @task_kernel(fastmath=FMA)
-def forward_tiled(t0, t1, x, mask, wt, b, geo, rpc, flags, aoff, yl, y):
+def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
     # Multiplier 1, float32, C % 8 == 0, every pixel through the register tiles
     # (cpu_depthwise_tiles), addressed in x itself with the taps that lie inside the image: an
     # output row's rows of taps [r0, r1); its interior columns (every tap column inside) share
-    # one tap table, a border column gets a table of its own taps. x, mask: (N, H, W, C);  wt:
-    # (R*S, C);  b: (C,);  aoff: (2, R*S) int64 element offsets of each tap in x and in wt;
-    # y: output pixel (n, p, q) at element y0 + n*yimg + p*yrow + q*ypix of y, yl = (y0,
-    # yimg, yrow, ypix) ((0, P*Q*C, Q*C, C): a (N, P, Q, C) y);  flags: (relu, use_mask,
-    # wide). Tasks as cpu_depthwise's _forward_nhwc. Each value is the sum over the valid taps
-    # in (r, s) order, as the other NHWC kernels make it. With use_mask the input is x where
-    # mask > 0, else 0, its rows gated per task into a buffer of the task's own. dX runs here
-    # too, one phase of dx at a time (x = gy, mask = y, a phase's taps flipped, its pixels
-    # strided in dx: dx_phases): one compiled kernel for both passes.
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    relu, use_mask, wide, slide = flags
-    nb = (P + rpc - 1) // rpc
-    rows = np.empty(max(Q, rpc), np.int64)                            # pixel addresses in x
-    own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
-    y0, yimg, yrow, ypix = yl
-    gbuf = np.empty((max(0, (rpc - 1) * sh + (R - 1) * dh + 1) if use_mask else 0, W, C),
-                    np.float32)
-    qa, qb = _interior(S, W, Q, sw, pw, dw)
+    # one tap table, a border column gets a table of its own taps. x, mask: (N, H, W, C);
+    # b: (C,). Each value is the sum over the valid taps in (r, s) order, as the other NHWC
+    # kernels make it. With use_mask the input is x where mask > 0, else 0, its rows gated
+    # per task into a buffer of the task's own. One launch runs one or more problems f (the
+    # forward: one; dX: one per phase of dx, x = g, mask = y, a phase's taps flipped, its
+    # pixels strided in dx: dx_phases), one compiled kernel for both passes: table[f] = geo
+    # (16), flags (relu, use_mask, wide, slide) and yl = (y0, yimg, yrow, ypix) (output pixel
+    # (n, p, q) at element y0 + n*yimg + p*yrow + q*ypix of y; (0, P*Q*C, Q*C, C): a (N, P,
+    # Q, C) y);  wts[f]: (>= R*S, C) its taps' weights;  aoffs[f]: (2, >= R*S) int64 element
+    # offsets of each tap in x and in wts[f]. Task t = (image n, block blk of rpc output rows;
+    # plan = (nb, rpc)) runs block blk of every problem in turn: dX's phases of one block lie
+    # together in dx (sh*rpc of its rows: written while in cache).
+    nb, rpc = plan
     px, py, pb = np.int64(x.ctypes.data), np.int64(y.ctypes.data), np.int64(b.ctypes.data)
-    tables = (np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data),
-              np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data))
-    cols = (S, W, sw, pw, dw)
-    pr, pwt, pbuf = np.int64(rows.ctypes.data), np.int64(wt.ctypes.data), \
-        np.int64(gbuf.ctypes.data)
-    rel, wid = np.int64(relu), np.int64(wide)
     for t in range(t0, t1):
-        n, p0 = t // nb, (t % nb) * rpc
-        p1 = min(P, p0 + rpc)
-        base = px + 4 * n * H * W * C                              # input row h at base + 4hWC
-        if use_mask:                       # the input rows these output rows read, gated
-            h0 = max(0, p0 * sh - ph)
-            h1 = min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1)
-            for h in range(h0, h1):
-                gate_row(x[n, h].reshape(W * C), mask[n, h].reshape(W * C), True,
-                         gbuf[h - h0].reshape(W * C))
-            base = pbuf - 4 * h0 * W * C
-        # Rows whose every tap row lies inside (all but a few at the top and bottom) take
-        # their border columns column by column down the rows: the pixels (p, q) of one
-        # column share its tap table, so they are one run of tiles like an interior run (at
-        # 7x7, 6 of a 28-pixel row's columns are border: one pixel per tile call otherwise).
-        # One call site of the tiles (one inlined copy): each step below is a run of pixels
-        # (m, its tap table, its addresses, its output and output stride).
-        p = p0
-        while p < p1:
-            g1 = p
-            while g1 < p1 and _full_rows(g1, dh, ph, sh, H, R):
-                g1 += 1
-            down = g1 > p                   # rows [p, g1): interiors here, borders below
-            last = g1 if down else p + 1
-            zero = np.int64(0)          # (a literal 0 reaching _run_at compiles it again)
-            pp, q, end, pc, lo, hi, r0, r1 = p - 1, zero, zero, py, Q, Q, zero, zero
-            while True:
-                if pp < last and q >= end:                          # the next row
-                    pp += 1
-                    if pp < last:
-                        r0, r1 = _valid_range(pp, dh, ph, sh, H, R)
-                        r1 = max(r0, r1)
-                        for u in range(Q):                          # first taps' addresses
-                            rows[u] = base + 4 * ((pp * sh - ph) * W + u * sw - pw) * C
-                        pc = py + 4 * (y0 + n * yimg + pp * yrow)
-                        lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
-                        q, end = (lo, hi) if down else (0, Q)
-                    else:
-                        q = zero                                    # then the border columns
-                    continue
-                if pp < last:          # the interior run, else one border pixel at a time
-                    m, k, tx, tw = _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables)
-                    prow, pcq, ldc = pr + 8 * q, pc + 4 * q * ypix, ypix
-                    if slide and q == lo:   # its first pixels by the sliding tiles
-                        done = _tiles.depthwise_slide(
-                            m, C, r1 - r0, S, sw, rows[q] + 4 * r0 * dh * W * C, dh * W * C,
-                            pwt + 4 * r0 * S * C, pcq, ldc, pb, rel)
-                        m, prow, pcq = m - done, prow + 8 * done, pcq + 4 * done * ldc
-                        q += done
-                    q += m
-                else:                  # a border column of rows [p, g1)
-                    if not down or q >= Q:
-                        break
-                    if q == qa and qb > qa:
-                        q = qb
+        n, blk = t // nb, t % nb
+        for f in range(table.shape[0]):
+            e, wt, aoff = table[f], wts[f], aoffs[f]
+            C, H, W, R, S, P, Q = e[1], e[2], e[3], e[5], e[6], e[7], e[8]     # (geo's order)
+            sh, sw, ph, pw, dh, dw = e[9], e[10], e[11], e[12], e[13], e[14]
+            relu, use_mask, wide, slide = e[16] != 0, e[17] != 0, e[18], e[19] != 0
+            y0, yimg, yrow, ypix = e[20], e[21], e[22], e[23]
+            p0 = blk * rpc
+            if p0 >= P:
+                continue
+            p1 = min(P, p0 + rpc)
+            rows = np.empty(max(Q, rpc), np.int64)                    # pixel addresses in x
+            own = np.empty((2, R * S), np.int64)                      # a border pixel's taps
+            gbuf = np.empty((max(0, (rpc - 1) * sh + (R - 1) * dh + 1) if use_mask else 0,
+                             W, C), np.float32)
+            qa, qb = _interior(S, W, Q, sw, pw, dw)
+            tables = (np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data),
+                      np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data))
+            cols = (S, W, sw, pw, dw)
+            pr, pwt, pbuf = np.int64(rows.ctypes.data), np.int64(wt.ctypes.data), \
+                np.int64(gbuf.ctypes.data)
+            rel, wid = np.int64(relu), np.int64(wide)
+            base = px + 4 * n * H * W * C                              # input row h at base + 4hWC
+            if use_mask:                       # the input rows these output rows read, gated
+                h0 = max(0, p0 * sh - ph)
+                h1 = min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1)
+                for h in range(h0, h1):
+                    gate_row(x[n, h].reshape(W * C), mask[n, h].reshape(W * C), True,
+                             gbuf[h - h0].reshape(W * C))
+                base = pbuf - 4 * h0 * W * C
+            # Rows whose every tap row lies inside (all but a few at the top and bottom) take
+            # their border columns column by column down the rows: the pixels (p, q) of one
+            # column share its tap table, so they are one run of tiles like an interior run (at
+            # 7x7, 6 of a 28-pixel row's columns are border: one pixel per tile call otherwise).
+            # One call site of the tiles (one inlined copy): each step below is a run of pixels
+            # (m, its tap table, its addresses, its output and output stride).
+            p = p0
+            while p < p1:
+                g1 = p
+                while g1 < p1 and _full_rows(g1, dh, ph, sh, H, R):
+                    g1 += 1
+                down = g1 > p                   # rows [p, g1): interiors here, borders below
+                last = g1 if down else p + 1
+                zero = np.int64(0)          # (a literal 0 reaching _run_at compiles it again)
+                pp, q, end, pc, lo, hi, r0, r1 = p - 1, zero, zero, py, Q, Q, zero, zero
+                while True:
+                    if pp < last and q >= end:                          # the next row
+                        pp += 1
+                        if pp < last:
+                            r0, r1 = _valid_range(pp, dh, ph, sh, H, R)
+                            r1 = max(r0, r1)
+                            for u in range(Q):                          # first taps' addresses
+                                rows[u] = base + 4 * ((pp * sh - ph) * W + u * sw - pw) * C
+                            pc = py + 4 * (y0 + n * yimg + pp * yrow)
+                            lo, hi = (qa, qb) if r1 > r0 else (Q, Q)
+                            q, end = (lo, hi) if down else (0, Q)
+                        else:
+                            q = zero                                    # then the border columns
                         continue
-                    for u in range(g1 - p):
-                        rows[u] = base + 4 * (((p + u) * sh - ph) * W + q * sw - pw) * C
-                    c0, c1 = _valid_range(p, dh, ph, sh, H, R)      # (0, R): full rows
-                    _, k, tx, tw = _run_at(q, Q, Q, c0, c1, cols, aoff, own, tables)
-                    m, prow, ldc = g1 - p, pr, yrow
-                    pcq = py + 4 * (y0 + n * yimg + p * yrow + q * ypix)
-                    q += 1
-                _tiles.depthwise_taps(m, C, k, prow, tx, tw, pwt, pcq, ldc, pb, rel, wid)
-            p = last
+                    if pp < last:          # the interior run, else one border pixel at a time
+                        m, k, tx, tw = _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables)
+                        prow, pcq, ldc = pr + 8 * q, pc + 4 * q * ypix, ypix
+                        if slide and q == lo:   # its first pixels by the sliding tiles
+                            done = _tiles.depthwise_slide(
+                                m, C, r1 - r0, S, sw, rows[q] + 4 * r0 * dh * W * C, dh * W * C,
+                                pwt + 4 * r0 * S * C, pcq, ldc, pb, rel)
+                            m, prow, pcq = m - done, prow + 8 * done, pcq + 4 * done * ldc
+                            q += done
+                        q += m
+                    else:                  # a border column of rows [p, g1)
+                        if not down or q >= Q:
+                            break
+                        if q == qa and qb > qa:
+                            q = qb
+                            continue
+                        for u in range(g1 - p):
+                            rows[u] = base + 4 * (((p + u) * sh - ph) * W + q * sw - pw) * C
+                        c0, c1 = _valid_range(p, dh, ph, sh, H, R)      # (0, R): full rows
+                        _, k, tx, tw = _run_at(q, Q, Q, c0, c1, cols, aoff, own, tables)
+                        m, prow, ldc = g1 - p, pr, yrow
+                        pcq = py + 4 * (y0 + n * yimg + p * yrow + q * ypix)
+                        q += 1
+                    _tiles.depthwise_taps(m, C, k, prow, tx, tw, pwt, pcq, ldc, pb, rel, wid)
+                p = last
 
 
 @njit(cache=True)
@@ -288,38 +297,23 @@ def dx_phases(gy, y, use_mask, w, geom, chunk, dx):
                    0, bool(use_mask), wide, slides(wide, C, len(ss), 1, df),
                    (a * W + b) * C, H * W * C, sh * W * C, sw * C)
             phases.append((wf, aoff, row))
-    if not phases:
-        return
-    T = max(1, max(wf.shape[0] for wf, _, _ in phases))
-    wfs = _aligned(np.zeros((len(phases), T, C), np.float32))
-    aoffs = np.zeros((len(phases), 2, T), np.int64)
-    for f, (wf, aoff, _) in enumerate(phases):
-        wfs[f, :wf.shape[0]], aoffs[f, :, :aoff.shape[1]] = wf, aoff
-    table = np.array([row for _, _, row in phases], np.int64)
-    Hmax, Wmax = int(table[:, 7].max()), int(table[:, 8].max())
-    rpc = max(1, min(Hmax, chunk // max(1, Wmax * C)))
-    nb = blocks(Hmax, rpc)
-    launch(dx_tiled, N * nb, gy, y, wfs, zeros, table, (nb, rpc), aoffs, dx,
-           work=N * H * W * C * (1 + geom.R * geom.S // (sh * sw)))
+    if phases:
+        Hmax = max(row[7] for _, _, row in phases)
+        Wmax = max(row[8] for _, _, row in phases)
+        run_tiled(gy, y, phases, zeros, max(1, min(Hmax, chunk // max(1, Wmax * C))), dx,
+                  N * H * W * C * (1 + geom.R * geom.S // (sh * sw)))
 
 
-@task_kernel(fastmath=FMA)
-def dx_tiled(t0, t1, g, mask, wfs, b, table, plan, aoffs, dx):
-    # dX by forward_tiled, every phase of dx in one launch (dx_phases): task t = (image n,
-    # block k of rpc phase rows; plan = (nb, rpc)) runs block k of each phase f in turn,
-    # whose dx rows lie together (sh*rpc rows of dx: written while in cache, the rows of g they
-    # read read again from it). table[f]: phase f's geo (16), flags (4) and output layout (4);
-    # wfs[f], aoffs[f]: its taps' weights and offsets (rows past its taps unused).
-    nb, rpc = plan
-    for t in range(t0, t1):
-        n, k = t // nb, t % nb
-        for f in range(table.shape[0]):
-            e = table[f]
-            nbf = (e[7] + rpc - 1) // rpc                   # the phase's row blocks
-            if k >= nbf:
-                continue
-            geo = (e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7], e[8], e[9], e[10], e[11],
-                   e[12], e[13], e[14], e[15])
-            flags = (e[16] != 0, e[17] != 0, e[18] != 0, e[19] != 0)
-            forward_tiled(n * nbf + k, n * nbf + k + 1, g, mask, wfs[f], b, geo, rpc, flags,
-                          aoffs[f], (e[20], e[21], e[22], e[23]), dx)
+def run_tiled(x, mask, problems, b, rpc, y, work):
+    """Launch :func:`forward_tiled` over ``problems`` (wt (taps, C), aoff (2, taps), its
+    table row: geo, flags, yl), blocks of ``rpc`` output rows."""
+    C = x.shape[-1]
+    T = max(1, max(wt.shape[0] for wt, _, _ in problems))
+    wts = _aligned(np.zeros((len(problems), T, C), np.float32))
+    aoffs = np.zeros((len(problems), 2, T), np.int64)
+    for f, (wt, aoff, _) in enumerate(problems):
+        wts[f, :wt.shape[0]], aoffs[f, :, :aoff.shape[1]] = wt, aoff
+    table = np.array([row for _, _, row in problems], np.int64)
+    nb = blocks(int(table[:, 7].max()), rpc)
+    launch(forward_tiled, x.shape[0] * nb, x, mask, wts, b, table, (nb, rpc), aoffs, y,
+           work=work)
