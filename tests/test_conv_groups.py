@@ -276,6 +276,50 @@ def test_depthwise_backward_tiles_match_reference(x_shape, rs, kw, chunk, wide, 
     close(tw.grad, dw_want, np.float32, what="dw (no ReLU)")
 
 
+# Non-temporal stores (cpu_depthwise_nhwc.streams): the forward's y and dX's dx where they
+# outgrow the last-level cache, aligned, C % 16 == 0. Forced here (a cache of 0 bytes, every
+# output from the aligned output cache): stride 1 (sliding tiles at 7x7), stride 3 (phases
+# with none), stride 2 with 48 channels (panels 32 + 16); 1 and 3 threads (the fence).
+STREAMED = [((1, 6, 26, 32), (7, 7), dict(padding=3)),
+            ((2, 11, 10, 16), (3, 3), dict(stride=3, padding=(1, 0, 2, 1))),
+            ((2, 9, 12, 48), (3, 3), dict(stride=2, padding=1))]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("x_shape, rs, kw", STREAMED,
+                         ids=[f"{t[0][3]}ch-{t[1][0]}x{t[1][1]}-{i}" for i, t in enumerate(STREAMED)])
+def test_depthwise_streamed_outputs_are_the_same_bits(x_shape, rs, kw, threads, monkeypatch):
+    from numbafuse.kernels.conv import cpu_depthwise_nhwc as nhwc, cpu_depthwise_tiles as tiles
+    if not tiles.X86:
+        pytest.skip("non-temporal stores are x86's")
+    rng = np.random.default_rng(5)
+    C = x_shape[3]
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal((C, 1, *rs)).astype(np.float32)
+    b = rng.standard_normal(C).astype(np.float32)
+    kw = dict(kw, layout="NHWC", groups=C)
+    gy = None
+    saved = _launch.num_threads()
+    try:
+        _launch.set_num_threads(threads)
+        plain = [nf.conv_bias_relu(x, w, b, **kw)]
+        gy = rng.standard_normal(plain[0].shape).astype(np.float32)
+        plain += nf.conv_bias_relu_backward(gy, x, w, plain[0], **kw)
+        monkeypatch.setattr(nhwc, "LLC_BYTES", 0)
+        monkeypatch.setattr(cpu_depthwise._out, "MIN_BYTES", 0)
+        used = []
+        streams = nhwc.streams
+        monkeypatch.setattr(nhwc, "streams", lambda *a: used.append(streams(*a)) or used[-1])
+        streamed = [nf.conv_bias_relu(x, w, b, **kw)]
+        streamed += nf.conv_bias_relu_backward(gy, x, w, streamed[0], **kw)
+    finally:
+        _launch.set_num_threads(saved)
+    assert used and all(u == tiles.STREAM for u in used)     # y and every phase of dx
+    for got, want, what in zip(streamed, plain, ("y", "dx", "dw", "db")):
+        assert got.tobytes() == want.tobytes(), what
+    close(streamed[1], ref.conv_bias_relu_backward(gy, x, w, b, **kw)[0], np.float32, what="dx")
+
+
 def test_conv2d_groups_need_and_tape():
     """conv2d (no ReLU, no mask) with groups on the tape: gradients equal the reference; the
     backward's ``need`` computes only what is asked."""

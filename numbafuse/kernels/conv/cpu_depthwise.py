@@ -222,7 +222,7 @@ def forward(x, w, b, geom, relu):
         if _tiled(geom, x.dtype):
             wide = bool(_gemm_taps.WIDE)
             row = (*geo, relu, False, wide, _nhwc.slides(wide, C, geom.S, geom.sw, geom.dw),
-                   0, P * Q * C, Q * C, C)
+                   0, P * Q * C, Q * C, C, _nhwc.streams(y, x.nbytes, C))
             _nhwc.run_tiled(x, x, [(_taps_rs(w, geom), _tap_offsets(geom), row)], _aligned(b),
                             rpc, y, work)
         elif _flat_rows(geom):

@@ -1,6 +1,6 @@
 """A register-tiled micro-kernel for the depthwise NHWC forward, float32.
 
-``depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wide)``
+``depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, epilogue, wide)``
 computes, for m output pixels and n channels (a multiple of 8),
 
     c[i, :n] = relu?(sum over t < ntaps of x(i, t)[:n] * w(t)[:n] + bias?)
@@ -17,7 +17,11 @@ multiply-add per tap, in tap order: the sum the other depthwise kernels make, ea
 the same whatever the block), then the bias and ReLU, and stored once; the weights of a tap
 are loaded once per block of ``DW_ROWS`` pixels (``ROWS`` on AVX2). The loops of
 ``cpu_depthwise`` kept the accumulator in memory and loaded and stored it at every tap.
+With the ``STREAM`` bit c goes out by non-temporal stores: an output larger than the caches
+is then not read from memory before it is written (cpu_depthwise_nhwc.streams).
 """
+import platform
+
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -27,19 +31,21 @@ from ..cpu.gemm import Vec
 from ..cpu.gemm_taps import ROWS, panel
 
 _I64 = ir.IntType(64)
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _dw_tile(rows, nv, width):
     """The micro-kernel intrinsic for a (rows, width * nv) block of c."""
 
     @intrinsic
-    def tile(typingctx, ntaps, prow, paoff, xj, w, pwoff, c, ldc, bias, relu):
+    def tile(typingctx, ntaps, prow, paoff, xj, w, pwoff, c, ldc, bias, relu, stream):
         """c[r, :width*nv] = relu?(sum over t of x_r,t[:width*nv] * w[woff[t]:][:width*nv]
         + bias?) for r < rows; x_r,t = row[r] + aoff[t] + xj (float32 elements: xj, the
         block's first channel); prow, paoff, pwoff (int64 tables), w, c, bias: addresses
-        (bias 0: none); ldc the row stride of c in elements; relu 0 or 1."""
+        (bias 0: none); ldc the row stride of c in elements; relu 0 or 1; stream not 0:
+        c stored by non-temporal stores (Vec.store_rows)."""
         def codegen(context, builder, signature, args):
-            ntaps, prow, paoff, xj, w, pwoff, c, ldc, bias, relu = args
+            ntaps, prow, paoff, xj, w, pwoff, c, ldc, bias, relu, stream = args
             V = Vec(builder, width)
             prow = builder.inttoptr(prow, _I64.as_pointer())
             paoff = builder.inttoptr(paoff, _I64.as_pointer())
@@ -61,12 +67,29 @@ def _dw_tile(rows, nv, width):
                                                             builder.load(acc[r][v])]),
                                       acc[r][v])
             V.bias_relu(acc, bias, relu)
-            V.store_rows(acc, c, ldc)
+            V.store_rows(acc, c, ldc, stream)
             return context.get_dummy_value()
 
-        return types.void(*([types.int64] * 10)), codegen
+        return types.void(*([types.int64] * 11)), codegen
 
     return tile
+
+
+@intrinsic
+def store_fence(typingctx):
+    """Orders this thread's non-temporal stores before its later stores (x86 ``sfence``): a
+    kernel that streamed its output calls it before its task ends, so that the pool's hand-back
+    publishes the values. Elsewhere a sequentially consistent fence."""
+    def codegen(context, builder, signature, args):
+        if X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                ir.VoidType(), []), "llvm.x86.sse.sfence")
+            builder.call(fn, [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
 
 
 # AVX-512: panels of 64, 32, 16 channels (4, 2, 1 vectors of 16), then 8; AVX2: 24, 16, 8
@@ -84,6 +107,7 @@ def _dw_tile(rows, nv, width):
 # four), 7x7/2 the same; a cold first NHWC depthwise forward compiles 0.1-0.3 s longer (2.45-2.58 ->
 # 2.63-2.79 s CPU).
 DW_ROWS = 6
+STREAM = 2         # depthwise_taps' epilogue bit: c by non-temporal stores
 _w4, _w2, _w1 = (_dw_tile(DW_ROWS, 4, 16), _dw_tile(DW_ROWS, 2, 16),
                  _dw_tile(DW_ROWS, 1, 16))
 _w4s, _w2s, _w1s = (_dw_tile(ROWS, 4, 16), _dw_tile(ROWS, 2, 16),    # a run's remainder
@@ -94,9 +118,11 @@ _n3r, _n2r, _n1r = _dw_tile(1, 3, 8), _dw_tile(1, 2, 8), _dw_tile(1, 1, 8)
 
 
 @njit(nogil=True, cache=True)
-def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wide):
+def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, epilogue, wide):
     """See the module docstring (tap t's weights at ``w + woff[t]``, pwoff the address of an
-    int64 table); every argument int64 (one compilation), n % 8 == 0."""
+    int64 table; ``epilogue``: bit 0 the ReLU, bit 1 c streamed, ``STREAM``); every argument
+    int64 (one compilation), n % 8 == 0."""
+    relu, stream = epilogue & 1, epilogue & STREAM
     j = 0
     while j < n:
         cols = panel(wide, n - j)
@@ -125,41 +151,41 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, relu, wi
             pr, pcij = prow + 8 * i, pc + 4 * (i * ldc + j)
             if k == ROWS and short:
                 if cols == 64:
-                    _w4s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _w4s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 elif cols == 32:
-                    _w2s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _w2s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 else:
-                    _w1s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _w1s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 i += ROWS
             elif k == R:
                 if cols == 64:
-                    _w4(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _w4(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 elif cols == 32:
-                    _w2(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _w2(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 elif cols == 24:
-                    _n3(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _n3(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 elif cols == 16:
                     if wide:
-                        _w1(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                        _w1(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                     else:
-                        _n2(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                        _n2(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 else:
-                    _n1(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _n1(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 i += R
             else:
                 if cols == 64:
-                    _w4r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _w4r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 elif cols == 32:
-                    _w2r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _w2r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 elif cols == 24:
-                    _n3r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _n3r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 elif cols == 16:
                     if wide:
-                        _w1r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                        _w1r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                     else:
-                        _n2r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                        _n2r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 else:
-                    _n1r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu)
+                    _n1r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 i += 1
         j += cols
 

@@ -86,10 +86,30 @@ class Vec:
             for v, a in enumerate(row):
                 self.b.store(self.load(c, row_offset(self.b, r, ldc), v), a)
 
-    def store_rows(self, acc, c, ldc):               # c[r*ldc + width v ...] = acc[r][v]
+    def store_rows(self, acc, c, ldc, stream=None):  # c[r*ldc + width v ...] = acc[r][v]
+        """``stream``: an int64 value; where it is not 0, non-temporal stores (no read of the
+        lines first, not kept in the caches; every vector's address a multiple of its size,
+        which the caller guarantees, and a :func:`store_fence` before anyone reads them)."""
+        if stream is None:
+            self._store_rows(acc, c, ldc, False)
+            return
+        b = self.b
+        with b.if_else(b.icmp_signed("!=", stream, ir.Constant(_I64, 0))) as (nt, plain):
+            with nt:
+                self._store_rows(acc, c, ldc, True)
+            with plain:
+                self._store_rows(acc, c, ldc, False)
+
+    def _store_rows(self, acc, c, ldc, nt):
         for r, row in enumerate(acc):
             for v, a in enumerate(row):
-                self.store(self.b.load(a), c, row_offset(self.b, r, ldc), v)
+                if nt:
+                    st = self.b.store(self.b.load(a), self.ptr(c, row_offset(self.b, r, ldc), v),
+                                      align=4 * self.width)
+                    st.set_metadata("nontemporal", self.b.module.add_metadata(
+                        [ir.Constant(_I32, 1)]))
+                else:
+                    self.store(self.b.load(a), c, row_offset(self.b, r, ldc), v)
 
     def bias_relu(self, acc, bias, relu):
         """The micro-kernels' epilogue: + bias[width v ...] where the int64 address ``bias``
