@@ -43,6 +43,8 @@ one task each with its own partial (db in float64), summed in group order afterw
 do not depend on the thread count. dX: each dx element is written by exactly one task. Notation
 as in ``cpu.py``; ``geo`` is ``math.GEO_FIELDS``'s tuple.
 """
+import functools
+
 import numpy as np
 from numba import njit
 
@@ -269,11 +271,17 @@ def _taps_rs(w, geom):
 
 def _tap_offsets(geom, width=None):
     """(2, R*S) int64: element offsets of the taps (r, s), r-major, in x (NHWC; rows of
-    ``width`` pixels, default W) from a pixel's first tap, and in the (R*S, C) taps."""
-    R, S, C = geom.R, geom.S, geom.C
-    width = geom.W if width is None else width
-    return np.array([[(r * geom.dh * width + s * geom.dw) * C for r in range(R)
-                      for s in range(S)], [t * C for t in range(R * S)]], np.int64)
+    ``width`` pixels, default W) from a pixel's first tap, and in the (R*S, C) taps. One
+    array per geometry, made once (the host's part of a small forward), which nobody writes
+    (not flagged read-only: a read-only array is another type to Numba, another compilation
+    of the kernels that take it)."""
+    return _offsets(geom.R, geom.S, geom.C, geom.dh, geom.dw, geom.W if width is None else width)
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(R, S, C, dh, dw, width):
+    return np.array([[(r * dh * width + s * dw) * C for r in range(R) for s in range(S)],
+                     [t * C for t in range(R * S)]], np.int64)
 
 
 def _gate_once(geom, dtype, use_mask, need):

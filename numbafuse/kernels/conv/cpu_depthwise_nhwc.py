@@ -344,11 +344,15 @@ def run_tiled(x, mask, problems, b, rpc, y, work):
     """Launch :func:`forward_tiled` over ``problems`` (wt (taps, C), aoff (2, taps), its
     table row: geo, flags, yl), blocks of ``rpc`` output rows."""
     C = x.shape[-1]
-    T = max(1, max(wt.shape[0] for wt, _, _ in problems))
-    wts = _aligned(np.zeros((len(problems), T, C), np.float32))
-    aoffs = np.zeros((len(problems), 2, T), np.int64)
-    for f, (wt, aoff, _) in enumerate(problems):
-        wts[f, :wt.shape[0]], aoffs[f, :, :aoff.shape[1]] = wt, aoff
+    if len(problems) == 1 and problems[0][0].shape[0] > 0:     # (the forward: no copies)
+        wt, aoff, row = problems[0]
+        wts, aoffs = _aligned(wt)[None], aoff[None]
+    else:
+        T = max(1, max(wt.shape[0] for wt, _, _ in problems))
+        wts = _aligned(np.zeros((len(problems), T, C), np.float32))
+        aoffs = np.zeros((len(problems), 2, T), np.int64)
+        for f, (wt, aoff, _) in enumerate(problems):
+            wts[f, :wt.shape[0]], aoffs[f, :, :aoff.shape[1]] = wt, aoff
     table = np.array([row for _, _, row in problems], np.int64)
     nb = blocks(int(table[:, 7].max()), rpc)
     launch(forward_tiled, x.shape[0] * nb, x, mask, wts, b, table, (nb, rpc), aoffs, y,
