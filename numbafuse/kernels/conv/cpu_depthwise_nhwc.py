@@ -354,6 +354,6 @@ def run_tiled(x, mask, problems, b, rpc, y, work):
         for f, (wt, aoff, _) in enumerate(problems):
             wts[f, :wt.shape[0]], aoffs[f, :, :aoff.shape[1]] = wt, aoff
     table = np.array([row for _, _, row in problems], np.int64)
-    nb = blocks(int(table[:, 7].max()), rpc)
+    nb = blocks(max(row[7] for _, _, row in problems), rpc)
     launch(forward_tiled, x.shape[0] * nb, x, mask, wts, b, table, (nb, rpc), aoffs, y,
            work=work)

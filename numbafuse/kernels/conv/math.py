@@ -11,6 +11,7 @@ channels, H/W input size, K filters, R/S filter size, P/Q output size, sh/sw str
 top/left padding, dh/dw dilation.
 """
 import dataclasses
+import functools
 
 GEO_FIELDS = ("N", "C", "H", "W", "K", "R", "S", "P", "Q", "sh", "sw", "ph", "pw", "dh", "dw",
               "nhwc")
@@ -18,7 +19,13 @@ GEO_LEN = len(GEO_FIELDS)
 
 
 def geo_tuple(geom):
-    """The ``GEO_FIELDS`` tuple of a ``validate.ConvGeometry`` (host side)."""
+    """The ``GEO_FIELDS`` tuple of a ``validate.ConvGeometry`` (host side; made once per
+    geometry, a frozen dataclass: 16 attribute reads were a few microseconds of each call)."""
+    return _geo_tuple(geom)
+
+
+@functools.lru_cache(maxsize=1024)
+def _geo_tuple(geom):
     return tuple(int(geom.layout == "NHWC") if f == "nhwc" else int(getattr(geom, f))
                  for f in GEO_FIELDS)
 
