@@ -81,8 +81,16 @@ def _conv_cases():
             for layout in ("NCHW", "NHWC") for k in (3, 1) for s in (1, 2)}
 
 
+def _depthwise_cases():
+    # groups = C: the depthwise kernels (kernels/conv/cpu_depthwise*), w (C, 1, k, k)
+    return {f"conv_bias_relu {layout} dw 3x3 s{s}": dict(op="conv_bias_relu", layout=layout,
+                                                           k=3, stride=s, depthwise=True)
+            for layout in ("NCHW", "NHWC") for s in (1, 2)}
+
+
 CASES = {
     **_conv_cases(),
+    **_depthwise_cases(),
     **{f"conv_batchnorm_relu {layout} 3x3 s1": dict(op="conv_batchnorm_relu", layout=layout,
                                                     k=3, stride=1)
        for layout in ("NCHW", "NHWC")},
@@ -184,6 +192,8 @@ def _arrays(spec):
     shape = (N, C, H, W) if spec["layout"] == "NCHW" else (N, H, W, C)
     x = rng.standard_normal(shape).astype(np.float32)
     k = spec.get("k", 1)
+    if spec.get("depthwise"):
+        return rng, x, (rng.standard_normal((C, 1, k, k)) / k).astype(np.float32)
     w = (rng.standard_normal((K_OUT, C, k, k)) / (C * k * k) ** 0.5).astype(np.float32)
     return rng, x, w
 
@@ -196,8 +206,10 @@ def _numpy_op(spec, steps, log):
     layout, op = spec["layout"], spec["op"]
     C = SHAPE[1]
     if op == "conv_bias_relu":
-        b = rng.standard_normal(K_OUT).astype(np.float32)
+        b = rng.standard_normal(w.shape[0]).astype(np.float32)
         geo = dict(stride=spec["stride"], padding=spec["k"] // 2, layout=layout)
+        if spec.get("depthwise"):
+            geo["groups"] = C
         y = _timed(steps, log, "forward", lambda: nf.conv_bias_relu(x, w, b, **geo))
         dy = rng.standard_normal(y.shape).astype(np.float32)
         _timed(steps, log, "backward", lambda: nf.conv_bias_relu_backward(dy, x, w, y, **geo))

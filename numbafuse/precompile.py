@@ -5,7 +5,8 @@
 
 ``--cpu``: every CPU path a layer of a common network takes (:data:`CPU_CASES`: each conv
 algorithm's forward and backward in both layouts -- 3x3 stride 1 by Winograd and, at small
-maps, im2col; 3x3 stride 2; 1x1; the few-channel stem; Conv-BatchNorm-ReLU; BatchNorm-Add-ReLU)
+maps, im2col; 3x3 stride 2; 1x1; the few-channel stem; Conv-BatchNorm-ReLU; BatchNorm-Add-ReLU;
+depthwise 3x3 and 7x7)
 is called once at a small shape per dtype, one case per task, ``JOBS`` processes at a time, so
 that the first call of a later process (a training run, each MPI rank, the tests) loads the
 compiled code instead of compiling it (seconds per path on one core). A serial pass then runs
@@ -67,6 +68,11 @@ CPU_CASES = [
     ("conv 7x7 s2 stem (implicit forward)", "conv", (2, 3, 16, 16), 7, 2, 64),
     ("conv-batchnorm-relu 3x3", "cbr", (8, 32, 8, 8), 3, 1, 32),
     ("batchnorm-add-relu", "bn", (8, 32, 8, 8), 0, 0, 0),
+    # depthwise (groups = C, MobileNet / ConvNeXt): the register tiles at 3x3 strides 1 and 2,
+    # the sliding tiles at 7x7 (NHWC) and the 7x7 plane tiles (NCHW)
+    ("depthwise 3x3 s1", "dw", (4, 32, 8, 8), 3, 1, 32),
+    ("depthwise 3x3 s2", "dw", (4, 32, 16, 16), 3, 2, 32),
+    ("depthwise 7x7 s1", "dw", (2, 32, 20, 20), 7, 1, 32),
 ]
 
 
@@ -94,8 +100,9 @@ def run_cpu_case(case, layouts=("NCHW", "NHWC")) -> None:
             y = batchnorm_add_relu(x, x, g, b, layout=layout)
             batchnorm_add_relu_backward(y, x, x, g, b, layout=layout)
             continue
-        w = (rng.standard_normal((K, C, kernel, kernel)) / (C * kernel)).astype(dtype)
-        kw = dict(stride=stride, padding=kernel // 2, layout=layout)
+        groups = C if op == "dw" else 1
+        w = (rng.standard_normal((K, C // groups, kernel, kernel)) / (C * kernel)).astype(dtype)
+        kw = dict(stride=stride, padding=kernel // 2, layout=layout, groups=groups)
         if op == "cbr":
             g, b = np.ones(K, dtype), np.zeros(K, dtype)
             y = conv_batchnorm_relu(x, w, g, b, **kw)

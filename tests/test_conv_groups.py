@@ -320,6 +320,34 @@ def test_depthwise_streamed_outputs_are_the_same_bits(x_shape, rs, kw, threads, 
     close(streamed[1], ref.conv_bias_relu_backward(gy, x, w, b, **kw)[0], np.float32, what="dx")
 
 
+# The depthwise tiles are steps (cpu_depthwise_tiles: TAPS_TILES, SLIDE_TILES, DW_TILES,
+# ROWS7_TILES): each pass run alone with every slot empty, as in a new process, readies the
+# steps its kernels call (else a RuntimeError "called before its ready()"). NHWC 3x3 and 7x7
+# (the sliding tiles) forward, dX (phases), dW; NCHW 3x3 (depthwise_taps) and 7x7 (rows7).
+@pytest.mark.parametrize("layout, k", [("NHWC", 3), ("NHWC", 7), ("NCHW", 3), ("NCHW", 7)])
+def test_each_depthwise_pass_readies_its_tile_steps(layout, k):
+    from .test_conv_plan import _step_slots_emptied
+    rng = np.random.default_rng(2)
+    C = 32
+    x = rng.standard_normal((1, C, 20, 20) if layout == "NCHW" else (1, 20, 20, C))
+    x = x.astype(np.float32)
+    w = rng.standard_normal((C, 1, k, k)).astype(np.float32)
+    b = rng.standard_normal(C).astype(np.float32)
+    kw = dict(padding=k // 2, layout=layout, groups=C)
+    y = nf.conv_bias_relu(x, w, b, **kw)
+    gy = rng.standard_normal(y.shape).astype(np.float32)
+    runs = [lambda: [nf.conv_bias_relu(x, w, b, **kw)],
+            lambda: nf.conv_bias_relu_backward(gy, x, w, y, need=(True, False, False), **kw)[:1],
+            lambda: nf.conv_bias_relu_backward(gy, x, w, y, need=(False, True, False), **kw)[1:2],
+            lambda: nf.conv_bias_relu_backward(gy, x, w, y, **kw)]
+    for run in runs:
+        want = [a.copy() for a in run()]
+        with _step_slots_emptied():
+            got = run()
+        for g, v in zip(got, want):
+            assert g.tobytes() == v.tobytes()
+
+
 def test_conv2d_groups_need_and_tape():
     """conv2d (no ReLU, no mask) with groups on the tape: gradients equal the reference; the
     backward's ``need`` computes only what is asked."""

@@ -48,7 +48,7 @@ def test_the_cpu_cases_take_the_paths_layers_take():
     from numbafuse.kernels.conv import cpu as conv_cpu
     picked = {}
     for name, op, (N, C, H, W), kernel, stride, K, dtype in precompile.cpu_cases(("float32",)):
-        if op == "bn":
+        if op in ("bn", "dw"):
             continue
         for layout in ("NCHW", "NHWC"):
             shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
@@ -66,6 +66,14 @@ def test_the_cpu_cases_take_the_paths_layers_take():
         assert picked["conv 1x1 s1 float32", layout] == ("pointwise",) * 3
         assert picked["conv 3x3 stem (few channels) float32", layout][0] == "im2col"
     assert len(precompile.cpu_cases()) == 2 * len(precompile.CPU_CASES)
+    # the depthwise cases take the depthwise kernels' tiled paths (float32, C % 8 == 0)
+    from numbafuse.kernels.conv import cpu_depthwise
+    dws = [c for c in precompile.cpu_cases(("float32",)) if c[1] == "dw"]
+    assert {c[3] for c in dws} == {3, 7} and {c[4] for c in dws} == {1, 2}
+    for name, op, (N, C, H, W), kernel, stride, K, dtype in dws:
+        g = validate.conv_geometry("t", (N, H, W, C), (K, 1, kernel, kernel), stride,
+                                   kernel // 2, 1, "NHWC", groups=C)
+        assert cpu_depthwise.is_depthwise(g) and cpu_depthwise._tiled(g, np.float32)
 
 
 def test_a_cpu_case_runs_in_process():

@@ -55,6 +55,7 @@ from ..cpu.launch import blocks, launch, task_kernel
 from . import math as conv_math
 from . import cpu_depthwise_nchw as _nchw
 from . import cpu_depthwise_nhwc as _nhwc
+from . import cpu_depthwise_tiles as _tiles
 from .cpu_depthwise_nhwc import gate_row as _gate_row
 from .cpu_chunks import sum64
 from .cpu_phases import merge_phases as _merge_phases, split_phases as _split_phases
@@ -241,6 +242,7 @@ def forward(x, w, b, geom, relu):
             launch(_nchw.forward_rows7, N * C, x, w.reshape(K, R * S), brep, relu, geo, Wpt, y,
                    work=work)
         else:
+            _tiles.ready(_tiles.TAPS_TILES)
             wrep = _nchw.lanes(w, K * R * S, geom).reshape(K, R * S, -1)
             launch(_nchw.forward_tiled, N * C, x, wrep, brep, relu, geo, Wpt,
                    _phase_tap_offsets(geom, Wpt), _gemm_taps.WIDE, y, work=work)
@@ -599,6 +601,7 @@ def _dw_db(gy, x, y, use_mask, geom, flags, geo, work):
         dw_parts = np.empty((groups, M, R, S, C), gy.dtype)
         db_parts = np.empty((groups, K))                              # float64
         if _tiled_dw(geom, x.dtype):
+            _tiles.ready(_tiles.DW_TILES)
             g = _out.empty((N, P, Q * K), gy.dtype) if keep else np.empty((0, 0, 0), gy.dtype)
             launch(_nhwc.dw_tiled, groups, x, gy.reshape(N, P, Q * K), y.reshape(N, P, Q * K),
                    use_mask, geo, (rpc, nchunks, groups, _gemm_taps.WIDE, need_dw),

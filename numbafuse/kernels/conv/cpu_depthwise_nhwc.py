@@ -172,9 +172,10 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
                         m, k, tx, tw = _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables)
                         prow, pcq, ldc = pr + 8 * q, pc + 4 * q * ypix, ypix
                         if slide and q == lo:   # its first pixels by the sliding tiles
-                            done = _tiles.depthwise_slide(
+                            done = _tiles.slid(m)
+                            _tiles.slide_step((
                                 m, C, r1 - r0, S, sw, rows[q] + 4 * r0 * dh * W * C, dh * W * C,
-                                pwt + 4 * r0 * S * C, pcq, ldc, pb, rel & 1)
+                                pwt + 4 * r0 * S * C, pcq, ldc, pb, rel & 1))
                             m, prow, pcq = m - done, prow + 8 * done, pcq + 4 * done * ldc
                             q += done
                         q += m
@@ -191,7 +192,7 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
                         m, prow, ldc = g1 - p, pr, yrow
                         pcq = py + 4 * (y0 + n * yimg + p * yrow + q * ypix)
                         q += 1
-                    _tiles.depthwise_taps(m, C, k, prow, tx, tw, pwt, pcq, ldc, pb, rel, wid)
+                    _tiles.taps_step((m, C, k, prow, tx, tw, pwt, pcq, ldc, pb, rel, wid))
                 p = last
         if streamed:
             _tiles.store_fence()
@@ -252,8 +253,8 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, geo, plan, aoff, dw_parts, db_parts, go
                 while q < Q:           # the interior run, else one border pixel at a time
                     m, k, tx, tw = _run_at(q, qa, qb, r0, r1, cols, aoff, own, tables)
                     if k > 0:                                       # (one call site)
-                        _tiles.depthwise_dw_taps(m, C, k, first + 4 * q * sw * C, sw * C, tx,
-                                                 pg + 4 * q * C, C, pacc, tw, wid)
+                        _tiles.dw_taps_step((m, C, k, first + 4 * q * sw * C, sw * C, tx,
+                                             pg + 4 * q * C, C, pacc, tw, wid))
                     q += m
 
 
@@ -355,5 +356,6 @@ def run_tiled(x, mask, problems, b, rpc, y, work):
             wts[f, :wt.shape[0]], aoffs[f, :, :aoff.shape[1]] = wt, aoff
     table = np.array([row for _, _, row in problems], np.int64)
     nb = blocks(max(row[7] for _, _, row in problems), rpc)
+    _tiles.ready(_tiles.TAPS_TILES, _tiles.SLIDE_TILES)
     launch(forward_tiled, x.shape[0] * nb, x, mask, wts, b, table, (nb, rpc), aoffs, y,
            work=work)

@@ -27,8 +27,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..cpu import steps as _steps
 from ..cpu.gemm import Vec
 from ..cpu.gemm_taps import ROWS, panel
+from ..cpu.steps import Step
 
 _I64 = ir.IntType(64)
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -251,15 +253,13 @@ _s71, _s72 = _slide_tile(7, 1), _slide_tile(7, 2)
 @njit(nogil=True, cache=True)
 def depthwise_slide(m, n, R, S, sw, px, ldr, pw, pc, ldc, pbias, relu):
     """The first pixels of a run of m output pixels of one row by the sliding tiles, n (a
-    multiple of 16) channels; returns how many it did (0: m < SLIDE; the rest, ROWS or more
+    multiple of 16) channels: the first slid(m) (0: m < SLIDE; the rest, ROWS or more
     pixels, for :func:`depthwise_taps`; a shorter rest by a last tile overlapping the one
     before, the same bits again). Pixel i's first tap at ``px + 4*i*sw*n`` (tap (r, s) then
     ``r*ldr + s*n`` elements on), tap (r, s)'s weights at ``pw + 4*(r*S + s)*n``, its output
-    at ``pc + 4*i*ldc``; S in SLIDE_TAPS, sw 1 or 2; every argument int64."""
-    if m < SLIDE:
-        return 0
-    full = m - m % SLIDE
-    done = full if m - full >= ROWS else m
+    at ``pc + 4*i*ldc``; S in SLIDE_TAPS, sw 1 or 2; every argument int64. (A step, which
+    returns nothing: the caller learns the count from :func:`slid`.)"""
+    done = slid(m)
     for j in range(0, n, 16):
         pwj = pw + 4 * j
         pbiasj = pbias + 4 * j if pbias != 0 else 0
@@ -273,7 +273,16 @@ def depthwise_slide(m, n, R, S, sw, px, ldr, pw, pc, ldc, pbias, relu):
             else:
                 _s72(R, pxi, ldr, n, pwj, pci, ldc, pbiasj, relu)
             i += SLIDE
-    return done
+
+
+@njit(inline="always")
+def slid(m):
+    """How many of a run's m pixels :func:`depthwise_slide` computes: none under SLIDE, else
+    whole slides, and the rest too where it is under ROWS (a last slide overlapping)."""
+    if m < SLIDE:
+        return 0
+    full = m - m % SLIDE
+    return full if m - full >= ROWS else m
 
 
 # ------------------------------------------------------- NCHW forward, 7x7, stride 1 or 2
@@ -491,3 +500,25 @@ def depthwise_dw_taps(m, n, ntaps, px, xs, paoff, pg, ldg, pacc, pwoff, wide):
                 else:
                     _dw8(t1 - t0, mb, xj, xs, pa, gj, ldg, aj, pw)
             j += cols
+
+
+# ------------------------------------------------------------------ the tiles as steps
+
+# The task kernels call the tile drivers through steps (kernels/cpu/steps.py), not by linking
+# their code in: a driver's unrolled tiles were compiled again inside every kernel that called
+# it (cpu_depthwise_nhwc.forward_tiled 1.41 s of self compile time with depthwise_taps and
+# depthwise_slide linked in; cpu_depthwise_nchw.forward_tiled called depthwise_taps twice).
+# Every argument int64: one signature each, whatever the dtype. (depthwise_rows7 stays a
+# direct call: its NCHW 7x7/2 forward makes two calls a plane, 6144 at (32, 96, 28, 28),
+# and took 9% longer through a step: 1.21-1.24 -> 1.32-1.36 ms.)
+_ints = lambda k: lambda f: [(types.int64,) * k]                     # noqa: E731
+TAPS_TILES = Step(depthwise_taps.py_func, _ints(12), per_dtype=False)
+SLIDE_TILES = Step(depthwise_slide.py_func, _ints(12), per_dtype=False)
+DW_TILES = Step(depthwise_dw_taps.py_func, _ints(11), per_dtype=False)
+taps_step, slide_step, dw_taps_step = TAPS_TILES.call, SLIDE_TILES.call, DW_TILES.call
+
+
+def ready(*steps):
+    """Fill the slots of ``steps`` (compiled or loaded from the disk cache once a process):
+    the host calls it before it launches a kernel that calls them."""
+    _steps.ready(None, steps)
