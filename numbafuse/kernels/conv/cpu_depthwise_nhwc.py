@@ -328,15 +328,17 @@ LLC_BYTES = _last_level_cache()
 
 def streams(y, in_bytes, C):
     """``_tiles.STREAM`` where :func:`forward_tiled` stores y by non-temporal stores, else 0:
-    y and the pass's input together over half the last-level cache (y would mostly leave it
-    before anyone read it, and a plain store reads each line from memory before it writes
-    it), y on a 64-byte boundary and C a multiple of 16 (each stored vector aligned, as
-    non-temporal stores must be), float32, on x86. One thread, machine E (Zen 5, 32 MiB L3):
-    the tile kernel alone writing 25.7 MB 1.62 -> 0.86 ms at one tap, 2.18 -> 1.28 at nine;
-    3x3 (32, 64, 56, 56) forward 2.26 -> 1.61 ms, its dX 4.09 -> 3.43; 3x3/2 forward 1.18-1.50
-    -> 1.05-1.10 (y 6.4 MB, x 25.7), backward 4.24-4.55 -> 3.55-3.63; 7x7 (32, 96, 28, 28),
-    19 MB in all, the same either way (forward 1.80-1.95 / 1.91-1.98 ms)."""
-    big = y.nbytes + in_bytes > LLC_BYTES // 2
+    y over half the last-level cache (it would mostly leave the cache before anyone read it,
+    and a plain store reads each line from memory before it writes it), y on a 64-byte
+    boundary and C a multiple of 16 (each stored vector aligned, as non-temporal stores
+    must be), float32, on x86. ``in_bytes``, the pass's input, is not counted: outputs
+    smaller than that with large inputs measured the same either way. One thread, machine E
+    (Zen 5, 32 MiB L3): the tile kernel alone writing 25.7 MB 1.62 -> 0.86 ms at one tap,
+    2.18 -> 1.28 at nine; 3x3 (32, 64, 56, 56) forward 2.26 -> 1.61 ms, its dX 4.09 -> 3.43,
+    3x3/2 backward (dx 25.7 MB) 4.24-4.55 -> 3.55-3.63. Not streamed: the 3x3/2 forward (y 6.4
+    MB, x 25.7) and 7x7 (32, 96, 28, 28) (y 9.6 MB), the same either way (with the caches
+    flushed first, 3x3/2 1.35-1.63 / 1.39-1.46 ms, 7x7 on 2 threads 1.40-1.45 / 1.36-1.38)."""
+    big = y.nbytes > LLC_BYTES // 2
     ok = (_tiles.X86 and y.dtype == np.float32 and y.ctypes.data % 64 == 0 and C % 16 == 0)
     return _tiles.STREAM if big and ok else 0
 
