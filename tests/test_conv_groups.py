@@ -285,6 +285,26 @@ STREAMED = [((1, 6, 26, 32), (7, 7), dict(padding=3)),
             ((2, 9, 12, 48), (3, 3), dict(stride=2, padding=1))]
 
 
+def test_streams_only_aligned_float32_outputs_over_half_the_cache(monkeypatch):
+    # cpu_depthwise_nhwc.streams: non-temporal stores need every vector aligned (a fault
+    # otherwise), so the rule must refuse an unaligned output, C % 16 != 0 and float64,
+    # whatever the size; and stream only past half the last-level cache
+    from numbafuse.kernels.conv import cpu_depthwise_nhwc as nhwc, cpu_depthwise_tiles as tiles
+    from numbafuse.kernels.cpu.buffers import aligned
+    monkeypatch.setattr(nhwc, "LLC_BYTES", 4096)
+    y = aligned(np.zeros((4, 4, 4, 16), np.float32))                  # 4096 bytes
+    assert y.ctypes.data % 64 == 0
+    want = tiles.STREAM if tiles.X86 else 0
+    assert nhwc.streams(y, 0, 16) == want
+    assert nhwc.streams(y, 0, 8) == 0                                 # C % 16
+    assert nhwc.streams(y[:2], 10 ** 9, 16) == 0                      # 2048: not over half
+    raw = np.zeros(4 * 4 * 4 * 16 + 1, np.float32)
+    off = 1 if raw.ctypes.data % 64 == 0 else 0
+    assert nhwc.streams(raw[off:off + 1024].reshape(4, 4, 4, 16), 0, 16) == 0   # unaligned
+    assert nhwc.streams(aligned(np.zeros((4, 4, 4, 16))), 0, 16) == 0           # float64
+    assert nhwc.LLC_BYTES > 0 and nhwc._last_level_cache() > 0
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("x_shape, rs, kw", STREAMED,
                          ids=[f"{t[0][3]}ch-{t[1][0]}x{t[1][1]}-{i}" for i, t in enumerate(STREAMED)])
