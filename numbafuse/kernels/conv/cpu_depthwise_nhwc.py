@@ -107,6 +107,18 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
     nb, rpc = plan
     px, py, pb = np.int64(x.ctypes.data), np.int64(y.ctypes.data), np.int64(b.ctypes.data)
     streamed = table.shape[0] > 0 and table[0, 24] != 0
+    # a task's buffers, made once for every problem: pixel addresses in x, a border pixel's
+    # taps, the gated input rows (flat, rows of the problem's W*C)
+    qmax, gmax = rpc, 0
+    for f in range(table.shape[0]):
+        e = table[f]
+        qmax = max(qmax, e[8])
+        if e[17] != 0:
+            gmax = max(gmax, ((rpc - 1) * e[9] + (e[5] - 1) * e[13] + 1) * e[3] * e[1])
+    rows = np.empty(qmax, np.int64)
+    own = np.empty((2, aoffs.shape[2]), np.int64)
+    gbuf = np.empty(gmax, np.float32)
+    pr, pbuf = np.int64(rows.ctypes.data), np.int64(gbuf.ctypes.data)
     for t in range(t0, t1):
         n, blk = t // nb, t % nb
         for f in range(table.shape[0]):
@@ -120,25 +132,21 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
             if p0 >= P:
                 continue
             p1 = min(P, p0 + rpc)
-            rows = np.empty(max(Q, rpc), np.int64)                    # pixel addresses in x
-            own = np.empty((2, R * S), np.int64)                      # a border pixel's taps
-            gbuf = np.empty((max(0, (rpc - 1) * sh + (R - 1) * dh + 1) if use_mask else 0,
-                             W, C), np.float32)
             qa, qb = _interior(S, W, Q, sw, pw, dw)
             tables = (np.int64(aoff[0].ctypes.data), np.int64(aoff[1].ctypes.data),
                       np.int64(own[0].ctypes.data), np.int64(own[1].ctypes.data))
             cols = (S, W, sw, pw, dw)
-            pr, pwt, pbuf = np.int64(rows.ctypes.data), np.int64(wt.ctypes.data), \
-                np.int64(gbuf.ctypes.data)
+            pwt = np.int64(wt.ctypes.data)
             rel, wid = np.int64(relu) | stream, np.int64(wide)
             base = px + 4 * n * H * W * C                              # input row h at base + 4hWC
             if use_mask:                       # the input rows these output rows read, gated
                 h0 = max(0, p0 * sh - ph)
                 h1 = min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1)
+                L = W * C
                 for h in range(h0, h1):
-                    gate_row(x[n, h].reshape(W * C), mask[n, h].reshape(W * C), True,
-                             gbuf[h - h0].reshape(W * C))
-                base = pbuf - 4 * h0 * W * C
+                    gate_row(x[n, h].reshape(L), mask[n, h].reshape(L), True,
+                             gbuf[(h - h0) * L:(h - h0 + 1) * L])
+                base = pbuf - 4 * h0 * L
             # Rows whose every tap row lies inside (all but a few at the top and bottom) take
             # their border columns column by column down the rows: the pixels (p, q) of one
             # column share its tap table, so they are one run of tiles like an interior run (at
