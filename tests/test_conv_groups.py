@@ -126,6 +126,16 @@ TILED = [((2, 5, 6, 8), (3, 3), dict(padding=1)),
          ((1, 7, 24, 16), (5, 5), dict(padding=2))]
 
 
+def _nhwc_depthwise(rng, x_shape, rs, kw):
+    """x (x_shape, NHWC), w (C, 1, *rs), b (C,), float32 from rng in that order, and the
+    call's keywords: kw with the layout and groups = C."""
+    C = x_shape[3]
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal((C, 1, *rs)).astype(np.float32)
+    b = rng.standard_normal(C).astype(np.float32)
+    return x, w, b, dict(kw, layout="NHWC", groups=C)
+
+
 @pytest.mark.parametrize("wide", [True, False])
 @pytest.mark.parametrize("x_shape, rs, kw", TILED,
                          ids=[f"{t[0][3]}ch-{t[1][0]}x{t[1][1]}-{i}" for i, t in enumerate(TILED)])
@@ -134,11 +144,7 @@ def test_depthwise_register_tiles_equal_the_per_pixel_loops(x_shape, rs, kw, wid
     from numbafuse.kernels.cpu import gemm_taps as cpu_gemm_taps
     monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
     rng = np.random.default_rng(7)
-    C = x_shape[3]
-    x = rng.standard_normal(x_shape).astype(np.float32)
-    w = rng.standard_normal((C, 1, *rs)).astype(np.float32)
-    b = rng.standard_normal(C).astype(np.float32)
-    kw = dict(kw, layout="NHWC", groups=C)
+    x, w, b, kw = _nhwc_depthwise(rng, x_shape, rs, kw)
     geom = validate.conv_geometry("t", x.shape, w.shape, **kw)
     assert cpu_depthwise._tiled(geom, x.dtype)
     y = nf.conv_bias_relu(x, w, b, **kw)
@@ -148,7 +154,7 @@ def test_depthwise_register_tiles_equal_the_per_pixel_loops(x_shape, rs, kw, wid
     from numbafuse.kernels.conv import math as conv_math
     geo, rpc = conv_math.geo_tuple(geom), cpu_depthwise._rows_per_chunk(geom)
     _launch.launch(cpu_depthwise._forward_nhwc, geom.N * _launch.blocks(geom.P, rpc), x,
-                   cpu_depthwise._taps_nhwc(w, C, 1), b, True, geo, rpc, ref_y, work=0)
+                   cpu_depthwise._taps_nhwc(w, geom.C, 1), b, True, geo, rpc, ref_y, work=0)
     assert y.tobytes() == ref_y.tobytes()
 
 
@@ -233,11 +239,7 @@ def test_depthwise_backward_tiles_match_reference(x_shape, rs, kw, chunk, wide, 
     monkeypatch.setattr(cpu_depthwise, "DW_GROUPS", 3)
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
     rng = np.random.default_rng(11)
-    C = x_shape[3]
-    x = rng.standard_normal(x_shape).astype(np.float32)
-    w = rng.standard_normal((C, 1, *rs)).astype(np.float32)
-    b = rng.standard_normal(C).astype(np.float32)
-    kw = dict(kw, layout="NHWC", groups=C)
+    x, w, b, kw = _nhwc_depthwise(rng, x_shape, rs, kw)
     geom = validate.conv_geometry("t", x.shape, w.shape, **kw)
     # dX by the phases in every case (the rule keeps the loops for few taps at stride > 1
     # where dX is computed alone)
@@ -313,12 +315,7 @@ def test_depthwise_streamed_outputs_are_the_same_bits(x_shape, rs, kw, threads, 
     if not tiles.X86:
         pytest.skip("non-temporal stores are x86's")
     rng = np.random.default_rng(5)
-    C = x_shape[3]
-    x = rng.standard_normal(x_shape).astype(np.float32)
-    w = rng.standard_normal((C, 1, *rs)).astype(np.float32)
-    b = rng.standard_normal(C).astype(np.float32)
-    kw = dict(kw, layout="NHWC", groups=C)
-    gy = None
+    x, w, b, kw = _nhwc_depthwise(rng, x_shape, rs, kw)
     saved = _launch.num_threads()
     try:
         _launch.set_num_threads(threads)
