@@ -8,8 +8,10 @@ The model is torchvision's code (``numbafuse/torch/resnet.py``: the same modules
 forward), float32, NCHW, 1000 classes. A training step = gradients set to None, forward,
 cross-entropy, backward, SGD (lr 0.01, momentum 0.9, weight decay 1e-4); "eval" is a forward
 under ``torch.no_grad`` in eval mode. The numbafuse side runs ``numbafuse.torch.fuse(model)``
-(every Conv-BN(-add)-ReLU chain as one fused op with recompute) on the same model, and its
-training step also with ``fuse(model, recompute=False)`` (the conv outputs kept), and with
+(every Conv-BN(-add)-ReLU chain as one fused op; ``recompute="auto"``: the conv outputs
+recomputed in backward except the deep layers') on the same model, and its training step
+also with ``fuse(model, recompute=True)`` (every conv output recomputed) and
+``fuse(model, recompute=False)`` (the conv outputs kept), and with
 ``--weight-cache`` both inside ``numbafuse.torch.weight_cache()`` (the cached eval on a model
 of its own that is not trained: a training step gives every weight a new version); the torch
 side the model as written. Each library in its own process (``_runner.py``: the torch worker
@@ -29,7 +31,8 @@ import _runner
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESNET = os.path.join(os.path.dirname(HERE), "numbafuse", "torch", "resnet.py")
 LR, MOMENTUM, WEIGHT_DECAY, CLASSES = 0.01, 0.9, 1e-4, 1000
-KEEP_H = " (recompute=False)"        # the case name's suffix of fuse(model, recompute=False)
+ALL = " (recompute=True)"            # the case name's suffix of fuse(model, recompute=True)
+KEEP_H = " (recompute=False)"        # ... of fuse(model, recompute=False)
 CACHED = " (weight_cache)"           # ... of fuse(model) run inside numbafuse.torch.weight_cache()
 
 
@@ -58,8 +61,9 @@ def cases(side, options):
     x = torch.randn(batch, 3, size, size)
     labels = torch.randint(0, CLASSES, (batch,))
     out = {}
-    variants = [("", True)] + ([(KEEP_H, False)] if side == "numbafuse" else []) + (
-        [(CACHED, True)] if side == "numbafuse" and options.get("weight_cache") else [])
+    variants = [("", "auto")] + ([(ALL, True), (KEEP_H, False)] if side == "numbafuse"
+                                 else []) + (
+        [(CACHED, "auto")] if side == "numbafuse" and options.get("weight_cache") else [])
     for name, (suffix, recompute) in ((n, v) for n in options["models"].split(",")
                                        for v in variants):
         model = getattr(resnet, name)(num_classes=CLASSES)
@@ -93,7 +97,7 @@ def cases(side, options):
         print(f"# {side} {name}{suffix}: first step {first:.2f} s", file=sys.stderr,
               flush=True)
         out[f"{name} train step{suffix}"] = step
-        if suffix != KEEP_H:             # (inference folds the batch norm: no h either way)
+        if suffix not in (ALL, KEEP_H):  # (inference folds the batch norm: no h either way)
             out[f"{name} eval forward{suffix}"] = forward
     return out
 
@@ -120,17 +124,22 @@ def main(argv=None):
     names = list(best["torch"])
     lines = _runner.header(info, _report.command("bench_resnet.py"))
     lines += [f"Batch {args.batch}, 3x{args.size}x{args.size}, float32, NCHW. numbafuse: "
-              f"`fuse(model)` (recompute: backward keeps each conv's input only) and, for "
-              f"the training step, `fuse(model, recompute=False)` (keeps the conv outputs "
-              f"too, as PyTorch does; no conv forward in backward).", "",
+              f"`fuse(model)` (`recompute=\"auto\"`: backward keeps each conv's input, and "
+              f"the deep layers' conv outputs) and, for the training step, "
+              f"`fuse(model, recompute=True)` (every conv output recomputed) and "
+              f"`fuse(model, recompute=False)` (keeps the conv outputs too, as PyTorch does; "
+              f"no conv forward in backward).", "",
               "| case | numbafuse (fused) ms | PyTorch ms | speed vs PyTorch | "
+              "recompute=True ms | its speed vs PyTorch | "
               "recompute=False ms | its speed vs PyTorch"
               + (" | weight_cache ms | its speed vs PyTorch |" if args.weight_cache else " |"),
-              "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if args.weight_cache else "")]
+              "|---|---:|---:|---:|---:|---:|---:|---:|"
+              + ("---:|---:|" if args.weight_cache else "")]
+    suffixes = (ALL, KEEP_H) + ((CACHED,) if args.weight_cache else ())
     for n in names:
         a, b = best["numbafuse"][n], best["torch"][n]
         extra = ""
-        for suffix in (KEEP_H, CACHED) if args.weight_cache else (KEEP_H,):
+        for suffix in suffixes:
             v = best["numbafuse"].get(n + suffix)
             extra += f" | {v * 1e3:.1f} | {b / v:.2f}x" if v else " | - | -"
         lines.append(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x{extra} |")

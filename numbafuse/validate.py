@@ -188,6 +188,15 @@ def check_flag(op: str, name: str, value) -> bool:
     return bool(value)
 
 
+def check_recompute(op: str, value):
+    """A Conv-BatchNorm op's ``recompute``: True, False or "auto" (the value, a bool as bool)."""
+    if isinstance(value, str) and value == "auto":
+        return value
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: recompute must be True, False or 'auto', got {value!r}")
+    return bool(value)
+
+
 def check_writable(op: str, name: str, a) -> None:
     """A host array the op updates in place must be writable."""
     if isinstance(a, np.ndarray) and not a.flags.writeable:

@@ -7,6 +7,7 @@ agree to 1e-10 after training steps and in eval. Models: torchvision's ResNet co
 the log lists each match and refusal. Skipped where torch is not installed.
 """
 import copy
+import inspect
 import io
 import logging
 
@@ -52,7 +53,7 @@ def _assert_same(model, fused, x, steps=2):
             torch.testing.assert_close(state_f[key], state[key], **F64, msg=key)
 
 
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("recompute", [True, False, "auto"])
 @pytest.mark.parametrize("block,width", [(nft.BasicBlock, 4), (nft.Bottleneck, 2)])
 def test_fuse_torchvision_resnet(block, width, recompute):
     torch.manual_seed(0)
@@ -91,7 +92,7 @@ def test_fuse_torchvision_resnet(block, width, recompute):
     saved.seek(0)
     def recomputes(m):                 # each site call's recompute= (the default: True)
         return [n.kwargs.get("recompute", True) for n in m.graph.nodes if n.op == "call_function"]
-    assert (False in recomputes(fused)) == (not recompute)
+    assert {r for r in recomputes(fused) if r is not True} == {recompute} - {True}
     for clone in (copy.deepcopy(fused), torch.load(saved, weights_only=False)):
         assert recomputes(clone) == recomputes(fused)
         assert type(clone.layer1) is nn.Sequential and clone.layer1 is not fused.layer1
@@ -257,6 +258,41 @@ def test_recompute_keeps_the_conv_input_not_the_conv_output():
         assert [t.numel() for t in saved] == numels, fn.__name__
         assert saved[0] is x and saved[1] is w
         y.sum().backward()
+
+
+@pytest.mark.parametrize("fn", [nft.conv_batchnorm_relu, nft.conv_batchnorm_add_relu])
+def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn):
+    """recompute="auto" keeps h (as recompute=False) exactly where a value of h costs at least
+    KEEP_H_MIN_MACS multiply-adds (C/groups * R * S), at the line and one below it, grouped
+    or not; the values and gradients are the recomputing op's. fuse's default is "auto"."""
+    from numbafuse.ops.conv_batchnorm import KEEP_H_MIN_MACS as LINE
+    assert inspect.signature(nft.fuse).parameters["recompute"].default == "auto"
+    torch.manual_seed(0)
+    for C, groups, R, keeps in [(LINE, 1, 1, True), (LINE - 1, 1, 1, False),
+                                (2 * LINE, 2, 1, True), (2 * LINE - 2, 2, 1, False),
+                                (-(-LINE // 9), 1, 3, True), (3, 1, 3, False)]:
+        K = 2 * groups
+        x = torch.randn(2, C, 4, 4, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(K, C // groups, R, R, dtype=torch.float64, requires_grad=True)
+        z = torch.randn(2, K, 5 - R, 5 - R, dtype=torch.float64, requires_grad=True)
+        weight = torch.rand(K, dtype=torch.float64, requires_grad=True)
+        bias = torch.rand(K, dtype=torch.float64, requires_grad=True)
+        args = (x, w, weight, bias) if fn is nft.conv_batchnorm_relu else (x, w, z, weight, bias)
+        results = []
+        for recompute in (True, "auto"):
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                          lambda t: t):
+                y = fn(*args, groups=groups, recompute=recompute)
+            kept = z.numel() in [t.numel() for t in saved]
+            assert kept == (keeps and recompute == "auto"), (C, groups, R, recompute)
+            results.append((y, *torch.autograd.grad(y, args, torch.ones_like(y))))
+        for a, b in zip(*results):
+            torch.testing.assert_close(b, a, **F64)
+    with pytest.raises(TypeError, match="recompute must be True, False or 'auto'"):
+        fn(*args, groups=groups, recompute="yes")
+    with pytest.raises(TypeError, match="recompute"):
+        nft.ConvBatchNormReLU2d(3, 4, 3, recompute="sometimes")
 
 
 def test_recompute_false_keeps_the_conv_output_and_computes_the_same():

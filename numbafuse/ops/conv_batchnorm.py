@@ -52,6 +52,28 @@ from .spec import OpSpec
 OP = "conv_batchnorm_relu"
 
 
+# --------------------------------------------------------------------------- recompute
+
+# recompute="auto": a training forward keeps h (as recompute=False) where each value of h
+# costs at least this many multiply-adds to compute again, C/groups * R * S, and recomputes
+# it (as recompute=True) where it costs fewer. In a CNN the channels grow as the maps shrink,
+# so the layers this keeps h for are the deep ones, whose h is small and whose conv is the
+# slowest to repeat: in ResNet-18 the 3x3 convs of 256 and 512 input channels (2304 and 4608
+# per value) and no others. ResNet-18 / ResNet-50 training step, batch 16, 64x64, machine E
+# (numbafuse.torch.fuse, one run each): every h recomputed 90-92 / 294 ms, activations kept
+# 16.1 / 55.1 MB; this rule 82-84 / 275 ms, 17.4 / 57.4 MB; no h recomputed 82-87 / 252 ms,
+# 29.3 / 113.8 MB (PyTorch keeps 29.1 / 112.8 MB).
+KEEP_H_MIN_MACS = 2048
+
+
+def recomputes(recompute, geometry):
+    """Whether a training backward recomputes h: ``recompute`` itself (True or False), or
+    for "auto" the rule of ``KEEP_H_MIN_MACS`` on ``geometry``'s conv."""
+    if isinstance(recompute, str):                       # "auto" (validated)
+        return geometry.C // geometry.groups * geometry.R * geometry.S < KEEP_H_MIN_MACS
+    return bool(recompute)
+
+
 # --------------------------------------------------------------------------- validation
 
 def _validate(op, x, w, gamma, beta, p, relu, z=None, updates=True):
@@ -77,7 +99,7 @@ def _validate(op, x, w, gamma, beta, p, relu, z=None, updates=True):
         raise ValueError(f"{op}: z has shape {tuple(z.shape)}, the conv's output "
                          f"{geometry.y_shape}")
     validate.check_flag(op, "relu", relu)
-    validate.check_flag(op, "recompute", p.recompute)
+    validate.check_recompute(op, p.recompute)
     momentum, _ = validate.running_stats(op, geometry.K, geometry.N * geometry.P * geometry.Q,
                                          p.running_mean, p.running_var, p.training,
                                          p.momentum, p.eps, synced=synced, updates=updates)
@@ -221,7 +243,7 @@ def forward(op, p, x, w, gamma, beta):
     if p.training:
         h, mean, invstd, count = _training_forward(op, which, x, w, geometry, pc, momentum)
         half.store_running(p, pc)
-        keep_h = not p.recompute
+        keep_h = not recomputes(p.recompute, geometry)
         y = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=p.relu, layout=geometry.layout,
                          with_mask=keep_h and p.relu)
         if keep_h:   # trade memory for speed: keep h and a 1-bit ReLU mask, no recompute
@@ -303,7 +325,7 @@ def add_forward(op, p, x, w, z, gamma, beta):
         mean, invstd = _running_stats(pc)
     y, mask = _bn.bn_apply(h, mean, invstd, gamma, beta, z=z, relu=True,
                            layout=geometry.layout, with_mask=True)
-    kept = {} if p.recompute else dict(h=h)
+    kept = {} if recomputes(p.recompute, geometry) else dict(h=h)
     saved = dict(x=x_kept, w=w_kept, gamma=gamma, mean=mean, invstd=invstd, relu_state=mask,
                  **kept)
     return half.store(y), Call(geometry, count, half.param_dtype), saved
@@ -365,7 +387,8 @@ class ConvBatchNormReLU(Function):
         padding: object
         dilation: object
         relu: bool
-        recompute: bool          # False: keep h and a 1-bit mask instead of recomputing
+        recompute: bool          # False: keep h and a 1-bit mask instead of recomputing;
+        #                          "auto": as KEEP_H_MIN_MACS decides for the conv
         groups: int = 1          # a grouped conv: w is (K, C/groups, R, S)
 
     # fwd :: (x, w, gamma, beta) -> (y, residuals=(x, w, gamma, [beta], mean, invstd))
@@ -417,7 +440,8 @@ class ConvBatchNormAddReLU(Function):
         stride: object
         padding: object
         dilation: object
-        recompute: bool          # False: keep h besides the mask instead of recomputing it
+        recompute: bool          # False: keep h besides the mask instead of recomputing it;
+        #                          "auto": as KEEP_H_MIN_MACS decides for the conv
         groups: int = 1          # a grouped conv: w is (K, C/groups, R, S)
 
     # fwd :: (x, w, z, gamma, beta) -> (y, residuals=(x, w, gamma, mean, invstd, relu_state,

@@ -27,6 +27,8 @@ What each keeps for backward (``torch.autograd.graph.saved_tensors_hooks`` sees 
   x, h and y (or y's mask) besides; this keeps x and the mask only.
 
 ``recompute=False`` (both): the forward keeps h too and the backward runs no conv forward.
+``recompute="auto"``: False where h is cheap to keep and dear to recompute (C/groups * R * S
+at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``, the deep layers), else True.
 
 Both take torch tensors (CPU or CUDA, contiguous or channels_last: numbafuse's NHWC kernels,
 zero-copy, the outputs channels_last too; float32, float64 or half precision (float16;
@@ -186,9 +188,12 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
     stride, padding, dilation : as ``torch.nn.functional.conv2d``
     relu : bool (False: conv -> batch norm, the ResNet downsample branch)
     groups : int (``F.conv2d``'s: a grouped conv; ``groups == C``: depthwise)
-    recompute : bool (True: backward recomputes h; False: the training forward keeps h and,
-        with the ReLU, a 1-bit mask, and the backward runs no conv forward: faster, and about
-        the memory of PyTorch's unfused chain; inference folds the batch norm either way)
+    recompute : True, False or "auto" (True: backward recomputes h; False: the training
+        forward keeps h and, with the ReLU, a 1-bit mask, and the backward runs no conv
+        forward: faster, and about the memory of PyTorch's unfused chain; "auto": False where
+        a value of h costs at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``
+        multiply-adds (C/groups * R * S: the deep layers, whose h is small), else True;
+        inference folds the batch norm either way)
 
     Returns
     -------
@@ -212,7 +217,7 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
         dict(stride=stride, padding=padding, dilation=dilation, groups=groups), training,
         momentum, eps)
     validate.check_flag(op, "relu", relu)
-    validate.check_flag(op, "recompute", recompute)
+    recompute = validate.check_recompute(op, recompute)
     if capturing():
         return run_captured("conv_batchnorm_relu", x, w, weight, bias, running_mean,
                             running_var, bool(training), eps, conv_args(geometry), bool(relu),
@@ -220,7 +225,7 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
                             training=bool(training), momentum=momentum, eps=eps,
                             count=geometry.N * geometry.P * geometry.Q)
     p = ops_params(_cbn.ConvBatchNormReLU, geometry, bool(training), momentum, eps,
-                   running_mean, running_var, bool(recompute), relu=bool(relu))
+                   running_mean, running_var, recompute, relu=bool(relu))
     args = (x, w, weight, bias, running_mean, running_var, p, geometry, device)
     if not needs_grad(x, w, weight, bias):
         return ConvBatchNormReLUFunction.forward(Unrecorded(), *args)
@@ -291,8 +296,8 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
     weight, bias, running_mean, running_var, training, momentum, eps : as
         :func:`conv_batchnorm_relu`
     stride, padding, dilation, groups : as ``torch.nn.functional.conv2d``
-    recompute : bool (True: backward recomputes h; False: the forward keeps h too and the
-        backward runs no conv forward)
+    recompute : True, False or "auto" (True: backward recomputes h; False: the forward keeps
+        h too and the backward runs no conv forward; "auto": as :func:`conv_batchnorm_relu`'s)
 
     Returns
     -------
@@ -316,7 +321,7 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
                  running_var=running_var),
         dict(stride=stride, padding=padding, dilation=dilation, groups=groups), training,
         momentum, eps)
-    validate.check_flag(op, "recompute", recompute)
+    recompute = validate.check_recompute(op, recompute)
     if capturing():
         return run_captured("conv_batchnorm_add_relu", x, w, z, weight, bias, running_mean,
                             running_var, bool(training), eps, conv_args(geometry),
@@ -324,7 +329,7 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
                             training=bool(training), momentum=momentum, eps=eps,
                             count=geometry.N * geometry.P * geometry.Q)
     p = ops_params(_cbn.ConvBatchNormAddReLU, geometry, bool(training), momentum, eps,
-                   running_mean, running_var, bool(recompute))
+                   running_mean, running_var, recompute)
     args = (x, w, z, weight, bias, running_mean, running_var, p, geometry, device)
     if not needs_grad(x, w, z, weight, bias):
         return ConvBatchNormAddReLUFunction.forward(Unrecorded(), *args)

@@ -19,7 +19,8 @@ counts ``num_batches_tracked`` and updates the running statistics as ``BatchNorm
 does (:func:`numbafuse.torch.sites.bn_state`), then runs
 :func:`~numbafuse.torch.conv_batchnorm_relu` / :func:`~numbafuse.torch.conv_batchnorm_add_relu`:
 backward keeps the conv's input, not its output (``recompute=False``, an attribute too: it
-keeps the output as well and runs no conv forward in backward, faster). ``groups`` makes a
+keeps the output as well and runs no conv forward in backward, faster; ``"auto"``: that
+where the conv is dear to recompute and its output small, the deep layers). ``groups`` makes a
 grouped or depthwise conv (MobileNet's Conv(dw)-BN-ReLU: ``groups=in_channels``);
 channels_last inputs run the NHWC kernels and give channels_last outputs; ``dtype``
 float32/float64/half and ``device`` CPU/CUDA, else an error naming the argument.
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .. import validate
 from .conv_batchnorm import conv_batchnorm_add_relu, conv_batchnorm_relu
 from .layers import factory_kwargs
 from .sites import bn_state, conv_args
@@ -53,7 +55,7 @@ class ConvBatchNormReLU2d(nn.Module):
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  groups=1, eps=1e-5, momentum=0.1, device=None, dtype=None, recompute=True):
         super().__init__()
-        self.recompute = bool(recompute)
+        self.recompute = validate.check_recompute(type(self).__name__, recompute)
         like = factory_kwargs(type(self).__name__, device, dtype)
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation,
                               groups, bias=False, **like)
@@ -73,7 +75,7 @@ class ConvBatchNormReLU2d(nn.Module):
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.conv, module.bn = conv, bn
-        module.recompute = bool(recompute)
+        module.recompute = validate.check_recompute(f"{name}.from_modules", recompute)
         return module
 
     def forward(self, x):
