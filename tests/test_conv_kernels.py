@@ -405,11 +405,12 @@ def test_transpose_tiles_and_edges(dtype, rows, cols):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("K, C", [(5, 3), (16, 7), (17, 9), (40, 8)])
+@pytest.mark.parametrize("K, C", [(5, 3), (16, 7), (17, 9), (40, 8), (260, 9), (9, 517)])
 def test_winograd_taps_forward_and_flipped(dtype, K, C):
     # U = G g G^T per filter pair (F(2, 3)), formed in float64 and rounded once: the forward
-    # (16, C, K), stored through blocks of 16 filters (K 16, 17 and 40 end a block or not),
-    # and the dX's (16, K, C) of the flipped taps
+    # (16, C, K), a task per 8 input channels (C 7, 8, 9: a block ended or not), and the dX's
+    # (16, K, C) of the flipped taps, a task per 8 filters; rows of 260 and 517 values span
+    # segments of 256 (the last one short)
     from numbafuse.kernels.conv import cpu_winograd
     G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
     w = np.random.default_rng(K * C).standard_normal((K, C, 3, 3)).astype(dtype)

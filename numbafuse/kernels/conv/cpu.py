@@ -103,7 +103,7 @@ def _transposed(w, wm):
 
 
 def _winograd_taps(w, flip, shape):
-    U = np.empty(shape, w.dtype)                                   # the GEMMs' orientation
+    U = _out.empty(shape, w.dtype)                                 # the GEMMs' orientation
     _wino.winograd_taps(w, flip, U)
     return U
 
