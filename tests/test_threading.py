@@ -280,6 +280,36 @@ def _sleepy_launch(ntasks):
     return ran
 
 
+def test_a_job_says_once_when_its_last_range_is_handed_out():
+    calls = []
+    job = _launch._Job(lambda t0, t1: None, 5, 2, ())
+    job.exhausted = lambda: calls.append(job.next)
+    assert job._grab() == (0, 2) and job._grab() == (2, 4) and calls == []
+    assert job._grab() == (4, 5) and calls == [5]
+    assert job._grab() is None and calls == [5]
+
+
+def test_a_team_worker_skips_the_python_body_once_every_range_is_handed_out():
+    # cpu.team._team_entry, called as a GOMP region's threads call it: a worker (thread number
+    # 1) that finds the job's "done" flag set returns without calling the body (which would
+    # take the GIL); the caller (thread number 0) always calls it
+    import ctypes
+    entry = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(cpu_team._team_entry_address())
+    bodies = []
+    body = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda address: bodies.append(address))
+    for thread_num in (0, 1):
+        number = ctypes.CFUNCTYPE(ctypes.c_int)(lambda n=thread_num: n)
+        for done in (0, 1):
+            data = np.zeros(cpu_team._ENTRY_DONE + cpu_team.SLOT, np.int64)
+            data[cpu_team._ENTRY_BODY] = ctypes.cast(body, ctypes.c_void_p).value
+            data[cpu_team._ENTRY_THREAD_NUM] = ctypes.cast(number, ctypes.c_void_p).value
+            data[cpu_team._ENTRY_DONE] = done          # clock 0: no waits
+            bodies.clear()
+            entry(data.ctypes.data)
+            assert bodies == ([] if thread_num and done else [data.ctypes.data]), \
+                (thread_num, done)
+
+
 @pytest.mark.torch
 def test_with_torch_imported_calls_run_on_its_team(torch_team, monkeypatch):
     runs = _spy_team_runs(monkeypatch)

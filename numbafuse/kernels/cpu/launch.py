@@ -158,6 +158,7 @@ class _Job:
         self.caller = None                       # the launching thread's id (on a team)
         self.lock = threading.Lock()
         self.idle = None                         # a Condition, made once someone sleeps on it
+        self.exhausted = None                    # called once the last range is handed out
 
     def _grab(self):
         with self.lock:
@@ -165,6 +166,8 @@ class _Job:
             if t0 >= self.ntasks or self.error is not None:
                 return None
             self.next = min(self.ntasks, t0 + self.grain)
+            if self.next >= self.ntasks and self.exhausted is not None:
+                self.exhausted()
             return t0, self.next
 
     def work(self, before_first=None):

@@ -44,18 +44,23 @@ def _call_with(typingctx, fptr, data):
     return sig, codegen
 
 
-# A team region's data: _ENTRY_* int64 fields, then the caller's "in my first range" flag on
-# its own cache line.
+# A team region's data: _ENTRY_* int64 fields, then the caller's "in my first range" flag and
+# the job's "every range handed out" flag, each on its own cache line.
 _ENTRY_BODY, _ENTRY_THREAD_NUM, _ENTRY_CLOCK, _ENTRY_WAIT_NS, _ENTRY_LATE_NS = range(5)
 _ENTRY_FLAG = SLOT
+_ENTRY_DONE = 2 * SLOT
 
 
 def _team_entry(data):
     """Every team thread enters here, GIL-free. A worker (thread number > 0) first waits, at
     most WAIT_NS, until the calling thread is in its first range (it holds the GIL until then:
     asking for it puts a thread to sleep on it, ~70 us to wake here), and LATE_NS more, like
-    a parked helper; then each thread calls the Python body (which takes the GIL)."""
-    d = carray(data, _ENTRY_FLAG + 1)
+    a parked helper; then each thread calls the Python body (which takes the GIL). A worker
+    that finds every range handed out returns at once, without the GIL: a short job's caller
+    would otherwise wait at the region's end for a worker that asked for the GIL while the
+    caller held it, and slept (a fused ResNet-18 step's 143 launches waited 4.1 ms in all after
+    their callers' last ranges)."""
+    d = carray(data, _ENTRY_DONE + 1)
     if _call_int(d[_ENTRY_THREAD_NUM]) != 0:
         clock = d[_ENTRY_CLOCK]
         if clock != 0:
@@ -64,8 +69,10 @@ def _team_entry(data):
                 for _ in range(64):
                     cpu_relax()
             end = monotonic_ns(clock) + d[_ENTRY_LATE_NS]
-            while monotonic_ns(clock) < end:
+            while monotonic_ns(clock) < end and load_acquire(d[_ENTRY_DONE:]) == 0:
                 cpu_relax()
+        if load_acquire(d[_ENTRY_DONE:]) != 0:
+            return
     _call_with(d[_ENTRY_BODY], data)
 
 
@@ -112,11 +119,12 @@ class OpenMPTeam:
         return int(self._max_threads())
 
     def _body(self, address):
-        job, flag = self._jobs.get(address, (None, None))
+        job, flag, done = self._jobs.get(address, (None, None, None))
         if job is None:
             return
         ident = threading.get_ident()
         if ident == job.caller:                  # team thread 0: a Python thread already
+            job.exhausted = lambda: publish(done, 1)
             job.work(before_first=lambda: publish(flag, 1))
             return
         if ident not in self._adopted:           # a runtime's worker: keep the thread state
@@ -128,7 +136,7 @@ class OpenMPTeam:
         """``job.work()`` on ``threads`` team threads; a worker waits for the caller's first
         range at most ``wait_ns`` by the clock_gettime at ``clock`` (0: it does not wait), and
         ``late_ns`` more."""
-        data = np.zeros(_ENTRY_FLAG + SLOT, np.int64)
+        data = np.zeros(_ENTRY_DONE + SLOT, np.int64)
         data[_ENTRY_BODY] = self._body_address
         data[_ENTRY_THREAD_NUM] = self._thread_num
         data[_ENTRY_CLOCK] = clock
@@ -136,7 +144,7 @@ class OpenMPTeam:
         data[_ENTRY_LATE_NS] = late_ns
         address = data.ctypes.data
         job.caller = threading.get_ident()
-        self._jobs[address] = (job, data[_ENTRY_FLAG:])
+        self._jobs[address] = (job, data[_ENTRY_FLAG:], data[_ENTRY_DONE:])
         try:
             self._parallel(self._entry, address, threads, 0)   # GIL released
         finally:
