@@ -6,8 +6,10 @@ At a shape this small the kernels do almost nothing, so the time is the call's o
 checks, tensor views, records, kernel dispatch. Each library runs in its own process (a
 fresh interpreter per round, alternating), one thread each (``torch.set_num_threads(1)``,
 ``NUMBAFUSE_NUM_THREADS=1``); the table keeps the best of 7 x ``--calls`` calls per round,
-best over rounds. Forwards only, training and eval batch norm; the running statistics are
-updated in both libraries' training calls.
+best over rounds. Forwards, training and eval batch norm, and Conv-BN-ReLU's forward and
+forward + backward in training (numbafuse: ``conv_batchnorm_relu``, recompute; PyTorch:
+conv2d, batch_norm, relu; the backward from ``y.sum()``, x, w and the batch-norm parameters
+requiring grad); the running statistics are updated in both libraries' training calls.
 """
 import argparse
 import json
@@ -17,7 +19,8 @@ import sys
 import time
 
 CASES = ("conv + bias + ReLU forward", "BN + add + ReLU forward, training",
-         "BN + add + ReLU forward, eval")
+         "BN + add + ReLU forward, eval", "conv + BN + ReLU forward, training",
+         "conv + BN + ReLU forward + backward, training")
 
 
 def worker(side, shape, calls):
@@ -28,15 +31,23 @@ def worker(side, shape, calls):
     x, z = torch.randn(N, C, H, W), torch.randn(N, C, H, W)
     w, b = torch.randn(C, C, 3, 3), torch.randn(C)
     g, be, rm, rv = torch.ones(C), torch.zeros(C), torch.zeros(C), torch.ones(C)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    gg, beg = g.clone().requires_grad_(), be.clone().requires_grad_()
     if side == "numbafuse":
         import numbafuse.torch as nft
+
+        def cbr(x=x, w=w, g=g, be=be):
+            return nft.conv_batchnorm_relu(x, w, g, be, rm, rv, padding=1)
         fns = (lambda: nft.conv_bias_relu(x, w, b, 1, 1),
                lambda: nft.batchnorm_add_relu(x, z, g, be, rm, rv),
                lambda: nft.batchnorm_add_relu(x, z, g, be, rm, rv, training=False))
     else:
+        def cbr(x=x, w=w, g=g, be=be):
+            return F.batch_norm(F.conv2d(x, w, None, 1, 1), rm, rv, g, be, True).relu()
         fns = (lambda: F.conv2d(x, w, b, 1, 1).relu(),
                lambda: (F.batch_norm(x, rm, rv, g, be, True) + z).relu(),
                lambda: (F.batch_norm(x, rm, rv, g, be, False) + z).relu())
+    fns += (cbr, lambda: cbr(xg, wg, gg, beg).sum().backward())
     out = {}
     for name, f in zip(CASES, fns):
         for _ in range(200):

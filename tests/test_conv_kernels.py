@@ -316,6 +316,21 @@ def test_winograd_s2_only_where_it_fits(conv_rules):
     assert cpu_winograd_s2.taps(w).tobytes() == want.astype(np.float32).tobytes()
 
 
+@pytest.mark.parametrize("K, C", [(9, 13), (17, 300), (128, 128)])
+def test_winograd_s2_taps_in_tasks(K, C):
+    # U[o] = sum of the taps q with GG[o, q] = 1 (forward: U (25, C, K); dX: U (25, K, C)
+    # with the dX's GG), from tasks of 8 input channels (forward) or filters (dX): K and C of
+    # 9, 13, 17 end a block or not, 300 values a row cross the transposes' 8-wide tiles;
+    # (128, 128) (409 600 values) is split over the threads
+    from numbafuse.kernels.conv import cpu_winograd_s2, cpu_winograd_s2dx
+    w = np.random.default_rng(K + C).standard_normal((K, C, 3, 3)).astype(np.float32)
+    taps9 = w.astype(np.float64).reshape(K, C, 9)
+    for GG, dx in ((cpu_winograd_s2._GG, False), (cpu_winograd_s2dx._GG_DX, True)):
+        want = np.einsum("oq,kcq->okc" if dx else "oq,kcq->ock", GG.astype(np.float64), taps9)
+        got = cpu_winograd_s2.taps(w, GG, dx=dx)
+        assert got.shape == want.shape and got.tobytes() == want.astype(np.float32).tobytes()
+
+
 def test_taps_tiles_only_where_they_fit(conv_rules):
     """float64, K (forward) or C (dW) not a multiple of 8, NCHW 1x1 and the rules' ``taps``
     off keep the other paths."""

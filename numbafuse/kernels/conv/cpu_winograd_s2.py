@@ -37,7 +37,7 @@ from ..cpu import gemm_taps as _tiles
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import launch, task_kernel
 from ..cpu.steps import Step, array as _arr, ready as _ready_steps
-from ..cpu.transpose import transpose, transpose_rows
+from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_chunks import chunk, sum64, sum_groups, tile_chunks
 from .cpu_winograd import (OFF, STORE_NCHW, estride, gate_tiles, layout_steps, padded_rows,
@@ -107,43 +107,56 @@ def taps(w, GG=_GG, dx=False):
     """U (25, C, K) float32 = G g G^T of every filter pair g = w[k, c] of w (K, C, 3, 3)
     (``GG`` = kron(G, G)): each entry a sum of up to four taps, formed in float64 and rounded
     once. ``dx``: the transposed taps' U (25, K, C) (with the dX's G, ``cpu_winograd_s2dx``).
-    The taps are first laid out with each filter pair's 9 taps in rows of the GEMM's order
-    (8x8 tile transposes: numpy's gathering copy of w.transpose(2, 3, 1, 0) took 7.2 ms of
-    the forward's 18 ms at 512 x 512 filters)."""
+    A task per _TAPS_BLOCK rows of U's middle axis (input channels; dX: filters) lays their
+    filter pairs' 9 taps out as rows over U's inner axis (8x8 tile transposes: numpy's
+    gathering copy of w.transpose(2, 3, 1, 0) took 7.2 ms of the forward's 18 ms at 512 x 512
+    filters), then forms the 25 rows; on the calling thread below _TAPS_PARALLEL_MIN values
+    of U. It had been one single-threaded pass holding the GIL into a fresh array: 256 x 128
+    filters 371 us (dX 304), ~0.9 ms of a fused ResNet-18 training step (py-spy)."""
     K, C = w.shape[0], w.shape[1]
     w = np.ascontiguousarray(w, np.float32)
-    if dx:                                            # src[k, q, c] = w[k, c, q]
-        src = np.empty((K, 9, C), np.float32)
-        transpose_rows(w.reshape(K, C, 9), src)
-        out = np.empty((POSITIONS, K, C), np.float32)
-    else:                                             # src[c, q, k] = w[k, c, q]
-        src = np.empty((1, 9 * C, K), np.float32)
-        transpose_rows(w.reshape(1, K, 9 * C), src)
-        src = src.reshape(C, 9, K)
-        out = np.empty((POSITIONS, C, K), np.float32)
-    _block_sums(GG, src, out.reshape(POSITIONS, -1))
+    out = _out.empty((POSITIONS, K, C) if dx else (POSITIONS, C, K), np.float32)
+    tasks = -(-(K if dx else C) // _TAPS_BLOCK)
+    if out.size < _TAPS_PARALLEL_MIN:
+        _taps_tasks(0, tasks, GG, w, bool(dx), out)
+    else:
+        launch(_taps_tasks, tasks, GG, w, bool(dx), out, grain=1)
     return out
 
 
-@njit(cache=True)
-def _block_sums(A, src, out):
-    # out[o, b*L:(b + 1)*L] = the sum of src[b, q] over A[o, q] = 1 in q order, in float64,
-    # then stored in out's dtype (A 0/1 (len(out), 9); src (blocks, 9, L): each block's 9 rows
-    # stay in cache while the 25 outputs are formed)
-    L = src.shape[2]
+_TAPS_BLOCK = 8
+_TAPS_PARALLEL_MIN = 1 << 18
+
+
+@task_kernel
+def _taps_tasks(t0, t1, A, w, dx, out):
+    # Task t: rows [t*_TAPS_BLOCK, ...) of out's middle axis (see taps): out[o, i, :] = the
+    # sum over A[o, q] = 1, in q order and float64, of tap q's row over out's inner axis
+    K, C = w.shape[0], w.shape[1]
+    L = C if dx else K
     acc = np.empty(L)
-    for b in range(src.shape[0]):
-        rows = src[b]
-        for o in range(A.shape[0]):
-            acc[:] = 0.0
-            for q in range(A.shape[1]):
-                if A[o, q]:
-                    sq = rows[q]
-                    for i in range(L):
-                        acc[i] += sq[i]
-            dst = out[o, b * L:(b + 1) * L]
-            for i in range(L):
-                dst[i] = acc[i]
+    src = np.empty((_TAPS_BLOCK * 9, L), w.dtype)
+    w2 = w.reshape((K, C * 9))
+    for t in range(t0, t1):
+        i0 = t * _TAPS_BLOCK
+        n = min(K if dx else C, i0 + _TAPS_BLOCK) - i0
+        if dx:                                    # src[j*9 + q, c] = w[i0 + j, c, q]
+            for j in range(n):
+                transpose(w[i0 + j].reshape((C, 9)), src[j * 9:(j + 1) * 9])
+        else:                                     # src[j*9 + q, k] = w[k, i0 + j, q]
+            transpose(w2[:, i0 * 9:(i0 + n) * 9], src[:n * 9])
+        for j in range(n):
+            rows = src[j * 9:(j + 1) * 9]
+            for o in range(A.shape[0]):
+                acc[:] = 0.0
+                for q in range(9):
+                    if A[o, q]:
+                        sq = rows[q]
+                        for i in range(L):
+                            acc[i] += sq[i]
+                dst = out[o, i0 + j]
+                for i in range(L):
+                    dst[i] = acc[i]
 
 
 @njit(cache=True)
