@@ -161,7 +161,8 @@ def test_conv_backward_concurrent_shared_and_in_turn_agree(layout, winograd, mon
             _launch.set_num_threads(n)
             for mode, limit, shared in (("turn", 0, True), ("concurrently", 2**62, False),
                                         ("shared", 2**62, True)):
-                with cpu_plan.using(concurrent_max_elements=limit, shared_backward=shared):
+                with cpu_plan.using(concurrent_max_elements=limit, shared_max_elements=limit,
+                                    shared_backward=shared):
                     out[n, mode] = nf.conv_bias_relu_backward(gy, x, w, y, padding=1,
                                                               layout=layout)
     finally:

@@ -16,7 +16,8 @@ g = gy * (y > 0), formed while the kernels read gy. dW and db: chunks go into ``
 fixed groups (a function of the shape only), one task each with its own partial (db in
 float64), summed in group order afterwards: results do not depend on the thread count. dX:
 every dx element is written by exactly one task. A small backward runs dX and dW at once
-(``Rules.concurrent_max_elements``), as one shared job where both are Winograd passes.
+(``Rules.concurrent_max_elements``), as one shared job where both are Winograd passes
+(``Rules.shared_max_elements``).
 
 Conv-BatchNorm: :func:`forward_stats` and :func:`forward_bn_sums` run the Winograd forward
 with batch norm's per-channel sums in each chunk's epilogue (``cpu_epilogue.py``).
@@ -577,8 +578,8 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True), plans=None):
     def inputs():
         return _conv_dx(gy, y, use_mask, w, geom, dx_plan, work) if need_dx else None
 
-    small = need_dx and (need_dw or need_db) and work < rules.concurrent_max_elements
-    if (small and rules.shared_backward
+    both = need_dx and (need_dw or need_db)
+    if (both and work < rules.shared_max_elements and rules.shared_backward
             and dx_plan.algorithm == dw_plan.algorithm == "winograd"):
         # one job of dW's groups and dX's chunks, shared by the threads
         dx = _out.empty(geom.x_shape, gy.dtype)
@@ -587,7 +588,7 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True), plans=None):
         launch_all([dw_task, dx_task], work=work)
         dw, db_parts = finish()
         db = bias_grad(db_parts)
-    elif small:
+    elif both and work < rules.concurrent_max_elements:
         dx, (dw, db) = concurrently(inputs, weights, work=work)
     else:
         (dw, db), dx = weights(), inputs()

@@ -116,12 +116,19 @@ class Rules(NamedTuple):
     # 3.7-4.2 / 2.5-2.9. At most K / k_block tasks: on many cores fewer than the groups' 16
     whole_batch_bytes: int = 4 << 20
     k_block: int = 128
-    # a backward touching fewer elements (x, gy twice) runs dX and dW at once, each on one
-    # thread, instead of one after the other, each split over the threads: at the digits
-    # shapes (8x8, 24 channels) a split pass gains less than waking a helper costs ...
-    concurrent_max_elements: int = 1 << 20
-    # ... and where both are Winograd passes, their tasks in one job that the threads share
+    # a backward touching fewer elements (x, gy twice) whose dX and dW are both Winograd
+    # passes runs their tasks in one job that the threads share, instead of one pass after the
+    # other, each split over the threads: at the digits shapes (8x8, 24 channels) a split
+    # pass gains less than waking a helper costs ...
+    shared_max_elements: int = 1 << 20
     shared_backward: bool = True
+    # ... and other passes touching fewer elements run at once, each whole on one thread. The
+    # longer pass decides: ResNet-18's backwards at batch 16, 64x64 (2 threads, in a training
+    # step on PyTorch's team, machine E, ms at once / in turn): 1x1/2 64 -> 128 0.96 / 0.69
+    # (524 Ki elements), 128 -> 256 1.09 / 0.71 (262 Ki), 3x3 256 at 4x4 2.27 / 2.11 (196
+    # Ki), 3x3/2 128 -> 256 1.74 / 1.67 (262 Ki), 3x3 512 at 2x2 2.77 / 2.69 (98 Ki), 3x3/2
+    # 64 -> 128 1.15 / 1.24 (the one that gained: 524 Ki); 1 Mi elements until then
+    concurrent_max_elements: int = 1 << 17
 
 
 RULES = Rules()
