@@ -107,12 +107,11 @@ def taps(w, GG=_GG, dx=False):
     """U (25, C, K) float32 = G g G^T of every filter pair g = w[k, c] of w (K, C, 3, 3)
     (``GG`` = kron(G, G)): each entry a sum of up to four taps, formed in float64 and rounded
     once. ``dx``: the transposed taps' U (25, K, C) (with the dX's G, ``cpu_winograd_s2dx``).
-    A task per _TAPS_BLOCK rows of U's middle axis (input channels; dX: filters) lays their
-    filter pairs' 9 taps out as rows over U's inner axis (8x8 tile transposes: numpy's
-    gathering copy of w.transpose(2, 3, 1, 0) took 7.2 ms of the forward's 18 ms at 512 x 512
-    filters), then forms the 25 rows; on the calling thread below _TAPS_PARALLEL_MIN values
-    of U. It had been one single-threaded pass holding the GIL into a fresh array: 256 x 128
-    filters 371 us (dX 304), ~0.9 ms of a fused ResNet-18 training step (py-spy)."""
+    A task per _TAPS_BLOCK rows of U's middle axis (input channels; dX: filters) copies each
+    row's 9 taps out as rows along U's inner axis, then forms its 25 rows; on the calling
+    thread below _TAPS_PARALLEL_MIN values of U. It had been one single-threaded pass holding
+    the GIL into a fresh array: 256 x 128 filters 371 us (dX 304; now 155 and 199 on two
+    threads), ~0.9 ms of a fused ResNet-18 training step (py-spy)."""
     K, C = w.shape[0], w.shape[1]
     w = np.ascontiguousarray(w, np.float32)
     out = _out.empty((POSITIONS, K, C) if dx else (POSITIONS, C, K), np.float32)
@@ -131,32 +130,29 @@ _TAPS_PARALLEL_MIN = 1 << 18
 @task_kernel
 def _taps_tasks(t0, t1, A, w, dx, out):
     # Task t: rows [t*_TAPS_BLOCK, ...) of out's middle axis (see taps): out[o, i, :] = the
-    # sum over A[o, q] = 1, in q order and float64, of tap q's row over out's inner axis
+    # sum over A[o, q] = 1, in q order and float64, of tap q's row over out's inner axis. The
+    # 9 tap rows of a row i are first copied out of w (a filter pair's 9 taps are contiguous
+    # in w) into a buffer that stays in L1 (an 8x8 tile transpose took longer to compile)
     K, C = w.shape[0], w.shape[1]
     L = C if dx else K
     acc = np.empty(L)
-    src = np.empty((_TAPS_BLOCK * 9, L), w.dtype)
-    w2 = w.reshape((K, C * 9))
+    src = np.empty((9, L), w.dtype)
     for t in range(t0, t1):
-        i0 = t * _TAPS_BLOCK
-        n = min(K if dx else C, i0 + _TAPS_BLOCK) - i0
-        if dx:                                    # src[j*9 + q, c] = w[i0 + j, c, q]
-            for j in range(n):
-                transpose(w[i0 + j].reshape((C, 9)), src[j * 9:(j + 1) * 9])
-        else:                                     # src[j*9 + q, k] = w[k, i0 + j, q]
-            transpose(w2[:, i0 * 9:(i0 + n) * 9], src[:n * 9])
-        for j in range(n):
-            rows = src[j * 9:(j + 1) * 9]
+        for i in range(t * _TAPS_BLOCK, min(K if dx else C, (t + 1) * _TAPS_BLOCK)):
+            for j in range(L):
+                pair = w[i, j] if dx else w[j, i]                 # (3, 3)
+                for q in range(9):
+                    src[q, j] = pair[q // 3, q % 3]
             for o in range(A.shape[0]):
                 acc[:] = 0.0
                 for q in range(9):
                     if A[o, q]:
-                        sq = rows[q]
-                        for i in range(L):
-                            acc[i] += sq[i]
-                dst = out[o, i0 + j]
-                for i in range(L):
-                    dst[i] = acc[i]
+                        sq = src[q]
+                        for j in range(L):
+                            acc[j] += sq[j]
+                dst = out[o, i]
+                for j in range(L):
+                    dst[j] = acc[j]
 
 
 @njit(cache=True)

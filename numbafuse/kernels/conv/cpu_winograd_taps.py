@@ -3,18 +3,16 @@ taps U = G g G^T of every filter pair, forward and dX (flipped, transposed), and
 from the groups' partial transformed sums D. Task kernels over blocks of filters (or input
 channels), vectorised over the rows' inner axis; short ones run on the calling thread."""
 import numpy as np
-from numba import njit
 
 from ..cpu.launch import launch, task_kernel
-from ..cpu.transpose import transpose
 
 # G (4, 3), the taps transform, in float64 (U and dw are formed in float64, then cast)
 _G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.0]])
 
 
-# filters (forward: input channels) per task. A task transposes its block of w so that each
-# tap is a row over the output's inner axis (forward: the K filters; dX: the C channels), then
-# forms the 16 rows of U from those rows and writes them whole: the earlier loop over k wrote
+# filters (forward: input channels) per task. A task forms the 16 rows of U along the output's
+# inner axis (forward: the K filters; dX: the C channels) and writes them whole: the earlier
+# loop over k wrote
 # the forward's out[e, :, k] through 16-filter block transposes and ran on one thread, 131 us
 # for 128 x 128 filters and 765 for 256 x 256 (5.5-8 GB/s written), 3.1 ms of a fused
 # ResNet-18 training step (21 calls: the forward's, the recompute's and dX's taps of 7 convs)
@@ -29,65 +27,48 @@ _SEG = 256
 _PARALLEL_MIN = 1 << 20
 
 
-@njit(nogil=True, cache=True)
-def _transform(g, flip, out, i, t):
-    """out[e, i, :] = (G g G^T)[e] for the 3x3 taps g (9, n), rows r*3 + s, each a vector over
-    out's inner axis (flip: the taps g[2 - r, 2 - s]). Formed in float64, stored in out's
-    dtype; t: a (4, 3, _SEG) float64 buffer."""
-    n = g.shape[1]
-    for j0 in range(0, n, _SEG):
-        m = min(_SEG, n - j0)
-        for s in range(3):
-            sc = 2 - s if flip else s
-            a = g[(2 if flip else 0) * 3 + sc, j0:j0 + m]
-            b = g[3 + sc, j0:j0 + m]
-            c = g[(0 if flip else 2) * 3 + sc, j0:j0 + m]
-            t0, t1, t2, t3 = t[0, s, :m], t[1, s, :m], t[2, s, :m], t[3, s, :m]  # rows of G g
-            for q in range(m):
-                aq, bq, cq = np.float64(a[q]), np.float64(b[q]), np.float64(c[q])
-                t0[q] = aq
-                t1[q] = 0.5 * (aq + bq + cq)
-                t2[q] = 0.5 * (aq - bq + cq)
-                t3[q] = cq
-        for x in range(4):                        # row e = 4x + y of G g G^T
-            a, b, c = t[x, 0, :m], t[x, 1, :m], t[x, 2, :m]
-            for y in range(4):
-                dst = out[4 * x + y, i, j0:j0 + m]
-                if y == 0:
-                    for q in range(m):
-                        dst[q] = a[q]
-                elif y == 1:
-                    for q in range(m):
-                        dst[q] = 0.5 * (a[q] + b[q] + c[q])
-                elif y == 2:
-                    for q in range(m):
-                        dst[q] = 0.5 * (a[q] - b[q] + c[q])
-                else:
-                    for q in range(m):
-                        dst[q] = c[q]
-
-
 @task_kernel
 def taps_tasks(t0, t1, w, flip, out):
     # Task t: _BLOCK input channels (forward: out[e, c, :] over the K filters) or filters (dX:
-    # out[e, k, :] over the C channels) of w (K, C, 3, 3), contiguous. See winograd_taps.
+    # out[e, k, :] over the C channels) of w (K, C, 3, 3). See winograd_taps. Per output row
+    # i, G g a column s at a time (the taps read at w's stride: C*9 values forward, 9 dX),
+    # then a row x of (G g) G^T at a time, four rows each, all along out's inner axis in
+    # float64 (rows of _SEG values): written whole. (A transpose of w's block first, for
+    # contiguous reads, took 1.6 s more to compile.)
     K, C = w.shape[0], w.shape[1]
+    n = C if flip else K
     t = np.empty((4, 3, _SEG))
-    if flip:
-        g = np.empty((9, C), w.dtype)
-        for task in range(t0, t1):
-            for k in range(task * _BLOCK, min(K, (task + 1) * _BLOCK)):
-                transpose(w[k].reshape((C, 9)), g)                    # (C, 9) -> (9, C)
-                _transform(g, True, out, k, t)
-    else:
-        w2 = w.reshape((K, C * 9))
-        gb = np.empty((_BLOCK * 9, K), w.dtype)
-        for task in range(t0, t1):
-            c0 = task * _BLOCK
-            cb = min(C, c0 + _BLOCK) - c0
-            transpose(w2[:, c0 * 9:(c0 + cb) * 9], gb[:cb * 9])       # (K, 9cb) -> (9cb, K)
-            for j in range(cb):
-                _transform(gb[j * 9:(j + 1) * 9], False, out, c0 + j, t)
+    for task in range(t0, t1):
+        for i in range(task * _BLOCK, min(K if flip else C, (task + 1) * _BLOCK)):
+            for j0 in range(0, n, _SEG):
+                m = min(_SEG, n - j0)
+                for s in range(3):
+                    sc = 2 - s if flip else s
+                    if flip:                                  # g[c] = w[i, c, ::-1, ::-1]
+                        a = w[i, j0:j0 + m, 2, sc]
+                        b = w[i, j0:j0 + m, 1, sc]
+                        c = w[i, j0:j0 + m, 0, sc]
+                    else:                                     # g[k] = w[k, i]
+                        a = w[j0:j0 + m, i, 0, sc]
+                        b = w[j0:j0 + m, i, 1, sc]
+                        c = w[j0:j0 + m, i, 2, sc]
+                    r0, r1, r2, r3 = t[0, s, :m], t[1, s, :m], t[2, s, :m], t[3, s, :m]
+                    for q in range(m):                       # rows of G g
+                        aq, bq, cq = np.float64(a[q]), np.float64(b[q]), np.float64(c[q])
+                        r0[q] = aq
+                        r1[q] = 0.5 * (aq + bq + cq)
+                        r2[q] = 0.5 * (aq - bq + cq)
+                        r3[q] = cq
+                for x in range(4):                           # rows e = 4x + y of G g G^T
+                    a, b, c = t[x, 0, :m], t[x, 1, :m], t[x, 2, :m]
+                    d0, d1 = out[4 * x, i, j0:j0 + m], out[4 * x + 1, i, j0:j0 + m]
+                    d2, d3 = out[4 * x + 2, i, j0:j0 + m], out[4 * x + 3, i, j0:j0 + m]
+                    for q in range(m):
+                        aq, bq, cq = a[q], b[q], c[q]
+                        d0[q] = aq
+                        d1[q] = 0.5 * (aq + bq + cq)
+                        d2[q] = 0.5 * (aq - bq + cq)
+                        d3[q] = cq
 
 
 def winograd_taps(w, flip, out):
@@ -109,12 +90,12 @@ def winograd_taps(w, flip, out):
 @task_kernel
 def dw_tasks(t0, t1, parts, dw):
     # Task t: filters [t*_BLOCK, ...) of dw (K, C, 3, 3) = G^T D G per filter pair, D (16, K,
-    # C) the sum of parts (G, 16, K, C) over the groups in group order, in float64 (one row
-    # D[:, k, :] at a time, vectorised over c; dw[k] through a (9, C) -> (C, 9) transpose)
+    # C) the sum of parts (G, 16, K, C) over the groups in group order, in float64 (a row
+    # D[:, k, :] at a time), then each pair's transform as a scalar loop (vectorised over c,
+    # the transform's 7 loops took 0.5 s more to compile)
     groups, K, C = parts.shape[0], parts.shape[2], parts.shape[3]
     d = np.empty((16, C))
-    t = np.empty((3, 4, C))
-    o = np.empty((9, C), dw.dtype)
+    t = np.empty((3, 4))                                          # G^T D, one pair
     for task in range(t0, t1):
         for k in range(task * _BLOCK, min(K, (task + 1) * _BLOCK)):
             for e in range(16):
@@ -125,23 +106,17 @@ def dw_tasks(t0, t1, parts, dw):
                     src = parts[g, e, k]
                     for c in range(C):
                         de[c] += src[c]
-            for r in range(3):                    # G^T D
-                for y in range(4):
-                    tr = t[r, y]
-                    for c in range(C):
-                        tr[c] = 0.0
-                    for x in range(4):
-                        gx, dxy = _G[x, r], d[4 * x + y]
-                        for c in range(C):
-                            tr[c] += gx * dxy[c]
-            for r in range(3):                    # (G^T D) G
-                a, b, c_, e_ = t[r, 0], t[r, 1], t[r, 2], t[r, 3]
-                for s_ in range(3):
-                    g0, g1, g2, g3 = _G[0, s_], _G[1, s_], _G[2, s_], _G[3, s_]
-                    orow = o[3 * r + s_]
-                    for c in range(C):
-                        orow[c] = a[c] * g0 + b[c] * g1 + c_[c] * g2 + e_[c] * g3
-            transpose(o, dw[k].reshape((C, 9)))
+            for c in range(C):
+                for r in range(3):
+                    for y in range(4):
+                        acc = 0.0
+                        for x in range(4):
+                            acc += _G[x, r] * d[4 * x + y, c]
+                        t[r, y] = acc
+                for r in range(3):
+                    for s in range(3):
+                        dw[k, c, r, s] = (t[r, 0] * _G[0, s] + t[r, 1] * _G[1, s]
+                                          + t[r, 2] * _G[2, s] + t[r, 3] * _G[3, s])
 
 
 def winograd_dw(parts, dw):
