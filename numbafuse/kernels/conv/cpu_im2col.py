@@ -84,34 +84,32 @@ def _im2col_chw(x, n, p0, p1, geo, cols, col0):
     # p0 <= p < p1, go to columns col0 + (p - p0)*Q + q
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     fast = sh == 1 and sw == 1 and Q == W                      # rows contiguous in x and cols
-    # strided, undilated: each channel's input rows first split by phase (rows h = a + sh*i,
-    # columns w = b + sw*j: plane (a, b)), so that every tap reads a plane's rows contiguously
-    # (tap r reads rows of plane a = (r - ph) % sh at i = p + (r - ph - a) // sh). The strided
-    # gather of single values had taken 1.75 of a ResNet stem's (7x7/2, 3 -> 64, batch 16,
-    # 64x64) dW's 2.0 ms on one thread
-    split = not fast and dh == 1 and dw == 1 and (sh > 1 or sw > 1)
+    # strided: each channel's input rows that the chunk reads first split by phase (rows h =
+    # a + sh*i, columns w = b + sw*j: plane (a, b)), so that every tap reads a plane's row
+    # contiguously: tap (r, s) reads plane a = (r*dh - ph) % sh at row p + (r*dh - ph - a) //
+    # sh, columns from (s*dw - pw - b) // sw, b = (s*dw - pw) % sw. (Stride 1: x's rows
+    # themselves.) The strided gather of single values had taken 1.75 of a ResNet stem's
+    # (7x7/2, 3 -> 64, batch 16, 64x64) dW's 2.0 ms on one thread
+    split = sh > 1 or sw > 1
     h0 = min(max(0, p0 * sh - ph), H)                       # the input rows the chunk reads
     h1 = max(h0, min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1))
     i0 = h0 // sh
-    Hs = max(0, (h1 - 1) // sh - i0 + 1) if h1 > h0 else 0
-    Wp = -(-W // sw)
-    planes = np.empty((sh, sw, Hs if split else 0, Wp), x.dtype)
+    Hs = (h1 - 1) // sh - i0 + 1 if h1 > h0 and split else 0
+    planes = np.empty((sh, sw, Hs, -(-W // sw)), x.dtype)
     for c in range(C):
         plane = x[n, c]                                           # (H, W)
         flat = plane.reshape(H * W)                               # (H*W,)
-        if split:
-            for h in range(h0, h1):
-                a = h % sh
-                i = h // sh - i0
-                src = plane[h]
-                for b in range(sw):
-                    dst = planes[a, b, i]
-                    for j in range((W - b + sw - 1) // sw):
-                        dst[j] = src[j * sw + b]
+        for h in range(h0, h1 if split else h0):
+            src, i = plane[h], h // sh - i0
+            for b in range(sw):
+                dst = planes[h % sh, b, i]
+                for j in range((W - b + sw - 1) // sw):
+                    dst[j] = src[j * sw + b]
         for r in range(R):
             plo, phi = _valid_range(r, sh, ph, dh, H, P)          # rows inside the image
             plo = min(max(plo, p0), p1)                           # clamped to the chunk
             phi = max(min(phi, p1), plo)
+            a = (r * dh - ph) % sh
             for s in range(S):
                 row = cols[(c * R + r) * S + s]                   # (ld,)
                 blk = row[col0:col0 + (p1 - p0) * Q]              # ((p1-p0)*Q,)
@@ -128,31 +126,18 @@ def _im2col_chw(x, n, p0, p1, geo, cols, col0):
                     continue
                 lo, hi = _valid_range(s, sw, pw, dw, W, Q)
                 lo, hi = min(lo, Q), max(min(hi, Q), min(lo, Q))
-                off = s * dw - pw
-                if split:
-                    a = (r - ph) % sh
-                    b = (s - pw) % sw
-                    dr = (r - ph - a) // sh - i0                  # plane row of output row 0
-                    dc = (s - pw - b) // sw                       # plane column of output 0
-                    for p in range(plo, phi):
-                        src = planes[a, b, p + dr]                # (Wp,)
-                        dst = blk[(p - p0) * Q:(p - p0 + 1) * Q]  # (Q,)
-                        for q in range(lo):
-                            dst[q] = 0
-                        sv = src[lo + dc:hi + dc]
-                        dv = dst[lo:hi]
-                        for q in range(hi - lo):
-                            dv[q] = sv[q]
-                        for q in range(hi, Q):
-                            dst[q] = 0
-                    continue
+                b = (s * dw - pw) % sw
+                off = (s * dw - pw - b) // sw                     # source column of q = 0
                 for p in range(plo, phi):
-                    src = plane[_input_coord(p, r, sh, ph, dh)]   # (W,)
+                    src = (planes[a, b, p + (r * dh - ph - a) // sh - i0] if split
+                           else plane[_input_coord(p, r, sh, ph, dh)])
                     dst = blk[(p - p0) * Q:(p - p0 + 1) * Q]      # (Q,)
                     for q in range(lo):
                         dst[q] = 0
-                    for q in range(lo, hi):
-                        dst[q] = src[q * sw + off]
+                    sv = src[lo + off:hi + off]
+                    dv = dst[lo:hi]
+                    for q in range(hi - lo):
+                        dv[q] = sv[q]
                     for q in range(hi, Q):
                         dst[q] = 0
 
