@@ -162,6 +162,42 @@ def _on_threads(call, counts=(1, 3)):
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("size", [2, 4])                   # 4 and 16 pixels an image
+@pytest.mark.parametrize("C, K", [(40, 36), (100, 48)])   # blocks of 16: the last partial
+def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, K):
+    """A deep 1x1 conv (more channels than the batch's pixels): the passes that
+    ``cpu_plan._pointwise_blocked`` names run as the whole batch's k-blocked GEMM (k_block 16
+    here: blocks of 16, the last partial or empty), the others as pointwise GEMMs; forward,
+    dX, dW and db against the reference with bias and the ReLU's gate, bitwise the same on 1
+    and 3 threads."""
+    rng = np.random.default_rng(C + K + size)
+    shape = (2, C, size, size) if layout == "NCHW" else (2, size, size, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, 1, 1)) / 10).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    kwargs = dict(layout=layout)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, 1, 0, 1, layout)
+    y, dy = _relu_output_and_gradient(x, w, b, kwargs, rng)
+    want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)
+    thin = size * size < cpu_plan.RULES.pointwise_thin_pixels
+    blocked = {"forward": thin if layout == "NCHW" else True, "dx": layout == "NCHW",
+               "dw": True if layout == "NCHW" else thin}
+    with cpu_plan.using(k_block=16):
+        for pass_, expect in blocked.items():
+            plan = cpu_plan.plan(geom, pass_, np.float32)
+            assert (plan.algorithm, plan.k_blocks > 1) == (("im2col", True) if expect
+                                                           else ("pointwise", False)), pass_
+        got = _on_threads(lambda: (nf.conv_bias_relu(x, w, b, **kwargs),
+                                   *cpu_conv.conv_backward(dy, x, w, geom, y)))
+    np.testing.assert_allclose(got[1][0], ref.conv_bias_relu(x, w, b, **kwargs),
+                               **TOL[np.float32])
+    for g, r in zip(got[1][1:], want):
+        np.testing.assert_allclose(g, r, **TOL[np.float32])
+    for a, c in zip(got[1], got[3]):
+        assert a.tobytes() == c.tobytes()
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("stride, size", [(1, 3), (2, 5), (1, 1)])
 @pytest.mark.parametrize("K", [40, 100])        # blocks of 32 (the last 8), of 32 (two empty)
 def test_whole_batch_im2col_forward_in_blocks_of_output_channels(layout, stride, size, K):
