@@ -390,7 +390,7 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
         dwm = _out.empty((K if need_dw else 0, R * S * C), x.dtype)
         db = np.empty((1, K))                                          # float64
         _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
-        if need_dw and (geom.layout == "NHWC" or plan.slab):           # rows back in w's order
+        if need_dw and (geom.layout == "NHWC" or plan.slab) and R * S > 1:  # back in w's order
             _im2col.ready_reorder(x.dtype)
         launch(_im2col.dw_block_tasks, plan.k_blocks, x, _k_view(gy, geom), _k_view(y, geom),
                use_mask, geo_tuple(geom), int(plan.k_blocks), (bool(plan.slab), bool(need_dw)),
@@ -534,7 +534,7 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
         # k blocks over NHWC-ordered cols: each block's task reorders its weights itself
         # (into wdst, kept by the weight cache where it keeps w's arrays), unless cached
-        ordered = nhwc or plan.slab
+        ordered = (nhwc or plan.slab) and geom.R * geom.S > 1       # (1x1: w's order is)
         kept = _weights.peek(w, "matrix") if kb > 1 and ordered else None
         wt = kb > 1 and ordered and kept is None
         wdst = np.empty((K if wt and _weights.will_keep(w) else 0, w[0].size), x.dtype)

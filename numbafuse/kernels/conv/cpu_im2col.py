@@ -334,7 +334,8 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
     M = N * PQ
     kb_len = block_len(K, kb)
     gbuf = np.empty(M * min(K, kb_len), x.dtype)
-    reorder = need_dw and (nhwc or slab)              # cols in (r, s, c) order: dW too
+    # cols in (r, s, c) order: dW too, then reordered (a 1x1 conv's orders are one)
+    reorder = need_dw and (nhwc or slab) and R * S > 1
     dbuf = np.empty(min(K, kb_len) * RSC if reorder else 0, x.dtype)
     for t in range(t0, t1):
         k0 = t * kb_len
@@ -351,9 +352,10 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
             if not need_dw:
                 continue
             # dW[k0:k1] (kn, RSC) = g^T (kn, M) @ cols (M, RSC), then (kn, C, R*S) into dwk
-            d2 = dbuf[:kn * RSC].reshape((kn, RSC))
+            d2 = dbuf[:kn * RSC].reshape((kn, RSC)) if reorder else dwk[k0:k1]
             _blas.gemm(blas, True, False, (kn, RSC, M), 1.0, g, kn, pre, RSC, 0.0, d2, RSC)
-            _rows_step((d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S))))
+            if reorder:
+                _rows_step((d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S))))
             continue
         g = gbuf[:kn * M].reshape((kn, M))                        # (kn, M)
         for n in range(N):
@@ -361,9 +363,10 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
         if not need_dw:
             continue
         if slab:                                                  # pre: (M, R*S*C)
-            d2 = dbuf[:kn * RSC].reshape((kn, RSC))
+            d2 = dbuf[:kn * RSC].reshape((kn, RSC)) if reorder else dwk[k0:k1]
             _blas.gemm(blas, False, False, (kn, RSC, M), 1.0, g, M, pre, RSC, 0.0, d2, RSC)
-            _rows_step((d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S))))
+            if reorder:
+                _rows_step((d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S))))
         else:                                                     # pre: (C*R*S, M)
             _blas.gemm(blas, False, True, (kn, RSC, M), 1.0, g, M, pre, M, 0.0, dwk[k0:k1],
                        RSC)
