@@ -2,7 +2,7 @@
 timed by name.
 
     python benchmarks/profile_resnet.py [--model resnet18] [--batch 16] [--size 64]
-                                        [--steps 5] [--top 25]
+                                        [--steps 5] [--top 25] [--layers]
 
 The model is ``numbafuse/torch/resnet.py`` (torchvision's code) converted by
 ``numbafuse.torch.fuse``; a step as in ``bench_resnet.py`` (gradients set to None, forward,
@@ -12,8 +12,12 @@ under) and its wall time added to the kernel's name, after three warm-up steps. 
 made inside another's tasks (``launch.concurrently``, ``launch_all``: a pass's kernels run
 side by side) is counted under both, so the column does not sum to the step; the rest of
 the step (PyTorch's own ops, the autograd glue, Python) is the step's time less the
-outermost launches'. One process, the library's default threads: a profile, not a
-comparison (``bench_resnet.py`` compares against PyTorch).
+outermost launches'. ``--layers``: instead, the conv passes of the fused Conv-BatchNorm ops
+timed by layer shape (``ops.conv_batchnorm._conv_and_stats``, ``_conv_forward`` and
+``_conv_backward``: the forward with or without its statistics, the recompute, dX with dW),
+ms a call and calls a step. One process, the library's
+default threads: a profile, not a comparison (``bench_resnet.py`` compares against
+PyTorch; ``bench_conv_plan.py`` times each pass alone against PyTorch's).
 """
 import argparse
 import collections
@@ -63,6 +67,48 @@ def _wrap_launches(times, counts):
     return undo
 
 
+def _wrap_conv_passes(times, counts):
+    """Time the Conv-BatchNorm ops' conv passes by layer shape; returns the undo."""
+    from numbafuse.ops import conv_batchnorm as cbn
+    forward, backward, stats = cbn._conv_forward, cbn._conv_backward, cbn._conv_and_stats
+
+    def key(g, kind):
+        return f"{kind} {g.R}x{g.S}/{g.sh} {g.C}->{g.K} at {g.H}x{g.W}"
+
+    def timed_forward(which, x, w, b, geometry, relu):
+        t0 = time.perf_counter()
+        try:
+            return forward(which, x, w, b, geometry, relu)
+        finally:
+            k = key(geometry, "forward")
+            times[k] += time.perf_counter() - t0
+            counts[k] += 1
+
+    def timed_backward(which, dconv, x, w, geometry, need, dx_addend=None):
+        t0 = time.perf_counter()
+        try:
+            return backward(which, dconv, x, w, geometry, need, dx_addend)
+        finally:
+            k = key(geometry, "backward (" + "+".join(
+                n for n, on in zip(("dx", "dw"), need) if on) + ")")
+            times[k] += time.perf_counter() - t0
+            counts[k] += 1
+    def timed_stats(which, x, w, geometry, eps):
+        t0 = time.perf_counter()
+        out = stats(which, x, w, geometry, eps)
+        if out is not None:                  # (else the conv runs as _conv_forward)
+            k = key(geometry, "forward with statistics")
+            times[k] += time.perf_counter() - t0
+            counts[k] += 1
+        return out
+    cbn._conv_forward, cbn._conv_backward = timed_forward, timed_backward
+    cbn._conv_and_stats = timed_stats
+
+    def undo():
+        cbn._conv_forward, cbn._conv_backward, cbn._conv_and_stats = forward, backward, stats
+    return undo
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="resnet18", choices=["resnet18", "resnet50"])
@@ -70,6 +116,8 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--layers", action="store_true",
+                   help="time the conv passes by layer shape instead of the launches")
     args = p.parse_args(argv)
 
     import torch
@@ -91,7 +139,7 @@ def main(argv=None):
     for _ in range(3):                   # compilation, buffers, the plans' caches
         step()
     times, counts = collections.defaultdict(float), collections.Counter()
-    undo = _wrap_launches(times, counts)
+    undo = (_wrap_conv_passes if args.layers else _wrap_launches)(times, counts)
     try:
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -100,6 +148,14 @@ def main(argv=None):
     finally:
         undo()
     n = args.steps
+    if args.layers:
+        print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused, "
+              f"{torch.get_num_threads()} torch threads: step {total * 1e3:.1f} ms, of which "
+              f"the conv passes {sum(times.values()) / n * 1e3:.1f} ms (mean of {n} steps)")
+        print("\n| conv pass | ms a call | calls a step |\n|---|---:|---:|")
+        for name in sorted(times):
+            print(f"| {name} | {times[name] / counts[name] * 1e3:.2f} | {counts[name] / n:g} |")
+        return
     outer = times.pop("(outermost launches)", 0.0) / n
     print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused, "
           f"{torch.get_num_threads()} torch threads: step {total * 1e3:.1f} ms, of which "
