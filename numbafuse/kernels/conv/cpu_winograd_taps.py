@@ -12,10 +12,9 @@ _G = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0.0, 0.0, 1.
 
 # filters (forward: input channels) per task. A task forms the 16 rows of U along the output's
 # inner axis (forward: the K filters; dX: the C channels) and writes them whole: the earlier
-# loop over k wrote
-# the forward's out[e, :, k] through 16-filter block transposes and ran on one thread, 131 us
-# for 128 x 128 filters and 765 for 256 x 256 (5.5-8 GB/s written), 3.1 ms of a fused
-# ResNet-18 training step (21 calls: the forward's, the recompute's and dX's taps of 7 convs)
+# loop over k wrote the forward's out[e, :, k] through 16-filter block transposes on one
+# thread, 131 us for 128 x 128 filters and 765 for 256 x 256 (now 103 and 226 alone; in a
+# ResNet-18 step, beside the other thread's work, no change was measurable: 2-3 ms a step)
 _BLOCK = 8
 # values of a row transformed at a time (the float64 rows of G g stay in L1)
 _SEG = 256
