@@ -59,6 +59,15 @@ def test_threshold_picks_the_threads(monkeypatch):
     assert sorted(t for c in calls for t in range(c[0], c[1])) == list(range(8))
     if _launch.num_threads() > 1:
         assert len(calls) > 1                          # ranges handed out, not one call
+    # a launch's own threshold (parallel_min) in place of PARALLEL_MIN_ELEMENTS
+    calls.clear()
+    _launch.launch(kernel, 8, work=99, parallel_min=100)
+    assert calls == [(0, 8, threading.get_ident())]
+    calls.clear()
+    _launch.launch(kernel, 8, work=100, parallel_min=100, grain=1)
+    assert sorted(t for c in calls for t in range(c[0], c[1])) == list(range(8))
+    if _launch.num_threads() > 1:
+        assert len(calls) > 1
 
 
 def test_concurrently_runs_each_call_whole_on_one_thread(monkeypatch):

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..cpu import blas as _blas, gemm_taps as _gemm_taps
 from ..cpu.buffers import output_cache as _out
-from ..cpu.launch import blocks, concurrently, launch, launch_all, num_threads
+from ..cpu.launch import blocks, concurrently, launch, launch_all
 from . import cpu_plan
 from . import math as conv_math
 from . import weights as _weights
@@ -234,7 +234,7 @@ def _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, plan):
         if not need_dw:
             return None, db_parts
         dw = np.empty((K, C, 3, 3), x.dtype)
-        _wino.winograd_dw(D_parts, dw)                    # summed in group order
+        _wino.winograd_dw(sum_groups(D_parts, np.float64), dw)   # group order
         return dw, db_parts
     return (_wino.dw_tasks, groups, args), finish
 
@@ -425,13 +425,13 @@ def _im2col_dx(gy, y, use_mask, w, geom, plan, dx, work):
     (``plan.k_blocks`` > 1) one GEMM of the whole batch in blocks of input channels."""
     N, H, W, K, R, S = geom.N, geom.H, geom.W, geom.K, geom.R, geom.S
     if plan.k_blocks > 1:
-        # a range of blocks a thread, each gathering the gated g once (a range a block: once
-        # a block; 1x1 2048 -> 512 at 2x2, batch 16, 16 blocks: 1.09 ms, now 0.85)
+        # a range of blocks a thread (launch caps the grain), each gathering the gated g once
+        # (a range a block: once a block; 1x1 2048 -> 512, 2x2, batch 16: 1.09 ms, now 0.85)
         launch(_im2col.dx_block_tasks, plan.k_blocks, gy.reshape(geom.y_shape),
                y.reshape(geom.y_shape), use_mask,
                np.ascontiguousarray(w, gy.dtype).reshape(K, geom.C * R * S), geo_tuple(geom),
                int(plan.k_blocks), _blas.blas_for(gy.dtype), dx, work=work,
-               grain=blocks(plan.k_blocks, num_threads()))
+               grain=int(plan.k_blocks))
         return
     tr, orr, nr = _phases(H, R, geom.sh, geom.ph, geom.dh)
     ts, os_, ns = _phases(W, S, geom.sw, geom.pw, geom.dw)

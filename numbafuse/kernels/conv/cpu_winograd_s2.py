@@ -115,11 +115,8 @@ def taps(w, GG=_GG, dx=False):
     K, C = w.shape[0], w.shape[1]
     w = np.ascontiguousarray(w, np.float32)
     out = _out.empty((POSITIONS, K, C) if dx else (POSITIONS, C, K), np.float32)
-    tasks = -(-(K if dx else C) // _TAPS_BLOCK)
-    if out.size < _TAPS_PARALLEL_MIN:
-        _taps_tasks(0, tasks, GG, w, bool(dx), out)
-    else:
-        launch(_taps_tasks, tasks, GG, w, bool(dx), out, grain=1)
+    launch(_taps_tasks, -(-(K if dx else C) // _TAPS_BLOCK), GG, w, bool(dx), out,
+           work=out.size, grain=1, parallel_min=_TAPS_PARALLEL_MIN)
     return out
 
 

@@ -1,6 +1,6 @@
 """The Winograd F(2x2, 3x3) filter transforms of ``cpu_winograd`` (see its docstring): the
 taps U = G g G^T of every filter pair, forward and dX (flipped, transposed), and dW = G^T D G
-from the groups' partial transformed sums D. Task kernels over blocks of filters (or input
+from the transformed sums D. Task kernels over blocks of filters (or input
 channels), vectorised over the rows' inner axis; short ones run on the calling thread."""
 import numpy as np
 
@@ -79,38 +79,25 @@ def winograd_taps(w, flip, out):
     dX (K, C). Formed in float64 (G's rows are adds and halves), stored in out's dtype.
     """
     w = np.ascontiguousarray(w)
-    tasks = -(-(w.shape[0] if flip else w.shape[1]) // _BLOCK)
-    if out.size < _PARALLEL_MIN:
-        taps_tasks(0, tasks, w, bool(flip), out)
-    else:
-        launch(taps_tasks, tasks, w, bool(flip), out, grain=1)
+    launch(taps_tasks, -(-(w.shape[0] if flip else w.shape[1]) // _BLOCK), w, bool(flip), out,
+           work=out.size, grain=1, parallel_min=_PARALLEL_MIN)
 
 
 @task_kernel
-def dw_tasks(t0, t1, parts, dw):
+def dw_tasks(t0, t1, D, dw):
     # Task t: filters [t*_BLOCK, ...) of dw (K, C, 3, 3) = G^T D G per filter pair, D (16, K,
-    # C) the sum of parts (G, 16, K, C) over the groups in group order, in float64 (a row
-    # D[:, k, :] at a time), then each pair's transform as a scalar loop (vectorised over c,
-    # the transform's 7 loops took 0.5 s more to compile)
-    groups, K, C = parts.shape[0], parts.shape[2], parts.shape[3]
-    d = np.empty((16, C))
+    # C) float64, a scalar loop per pair (vectorised over c, the transform's 7 loops took 0.5
+    # s more to compile)
+    K, C = D.shape[1], D.shape[2]
     t = np.empty((3, 4))                                          # G^T D, one pair
     for task in range(t0, t1):
         for k in range(task * _BLOCK, min(K, (task + 1) * _BLOCK)):
-            for e in range(16):
-                de, src = d[e], parts[0, e, k]
-                for c in range(C):
-                    de[c] = src[c]
-                for g in range(1, groups):
-                    src = parts[g, e, k]
-                    for c in range(C):
-                        de[c] += src[c]
             for c in range(C):
                 for r in range(3):
                     for y in range(4):
                         acc = 0.0
                         for x in range(4):
-                            acc += _G[x, r] * d[4 * x + y, c]
+                            acc += _G[x, r] * D[4 * x + y, k, c]
                         t[r, y] = acc
                 for r in range(3):
                     for s in range(3):
@@ -118,14 +105,10 @@ def dw_tasks(t0, t1, parts, dw):
                                           + t[r, 2] * _G[2, s] + t[r, 3] * _G[3, s])
 
 
-def winograd_dw(parts, dw):
-    """dw (K, C, 3, 3) = G^T D G per filter pair, D the float64 sum of ``parts`` (G, 16, K,
-    C) over its groups in group order (the dW tasks' partial transformed sums), the tasks
-    split over the threads from _PARALLEL_MIN partial values. It had been a sum over the
-    groups into a float64 D (a launch), then a loop per filter pair holding the GIL: 1.1 ms
-    of a fused ResNet-18 training step on one thread (py-spy)."""
-    tasks = -(-parts.shape[2] // _BLOCK)
-    if parts.size < _PARALLEL_MIN:
-        dw_tasks(0, tasks, parts, dw)
-    else:
-        launch(dw_tasks, tasks, parts, dw, grain=1)
+def winograd_dw(D, dw):
+    """dw (K, C, 3, 3) = G^T D G per filter pair, from D (16, K, C), the float64 sums of the
+    dW tasks' groups (``cpu_chunks.sum_groups``), the tasks split over the threads from
+    _PARALLEL_MIN values of D. It had been a loop per filter pair holding the GIL: 1.1 ms of
+    a fused ResNet-18 training step on one thread (py-spy)."""
+    launch(dw_tasks, -(-D.shape[1] // _BLOCK), D, dw, work=D.size, grain=1,
+           parallel_min=_PARALLEL_MIN)

@@ -324,16 +324,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def launch(kernel, ntasks, *args, work=None, grain=None):
+def launch(kernel, ntasks, *args, work=None, grain=None, parallel_min=None):
     """Run ``kernel(t0, t1, *args)`` over the tasks ``[0, ntasks)``; ``work`` (elements
-    touched) below ``PARALLEL_MIN_ELEMENTS`` or a single thread: one call on this thread.
-    ``grain``: tasks per range handed out (default: from RANGES_PER_THREAD and
-    MIN_RANGE_ELEMENTS)."""
+    touched) below ``parallel_min`` (default ``PARALLEL_MIN_ELEMENTS``; a kernel whose
+    elements cost more or less than a pass's says so) or a single thread: one call on this
+    thread. ``grain``: tasks per range handed out (default: from RANGES_PER_THREAD and
+    MIN_RANGE_ELEMENTS), at most a thread's share."""
     ntasks = int(ntasks)
     if ntasks <= 0:
         return
     threads = _num_threads
-    if threads == 1 or ntasks == 1 or (work is not None and work < PARALLEL_MIN_ELEMENTS):
+    least = PARALLEL_MIN_ELEMENTS if parallel_min is None else parallel_min
+    if threads == 1 or ntasks == 1 or (work is not None and work < least):
         kernel(0, ntasks, *args)
         return
     team, threads = _usable_team(threads)
