@@ -7,10 +7,11 @@
 The model is torchvision's code (``numbafuse/torch/resnet.py``: the same modules, names and
 forward), float32, NCHW, 1000 classes. A training step = gradients set to None, forward,
 cross-entropy, backward, SGD (lr 0.01, momentum 0.9, weight decay 1e-4); "eval" is a forward
-under ``torch.no_grad`` in eval mode. The numbafuse side runs ``numbafuse.torch.fuse(model)``
-(every Conv-BN(-add)-ReLU chain as one fused op; ``recompute="auto"``: the conv outputs
-recomputed in backward except the deep layers') on the same model, and its training step
-also with ``fuse(model, recompute=True)`` (every conv output recomputed) and
+under ``torch.no_grad`` in eval mode. The numbafuse side runs
+``numbafuse.torch.fuse(model, recompute="auto")`` (every Conv-BN(-add)-ReLU chain as one
+fused op, the conv outputs recomputed in backward except the deep layers') on the same
+model, and its training step also with ``fuse(model)`` (``recompute=True``, the default:
+every conv output recomputed) and
 ``fuse(model, recompute=False)`` (the conv outputs kept), and with
 ``--weight-cache`` both inside ``numbafuse.torch.weight_cache()`` (the cached eval on a model
 of its own that is not trained: a training step gives every weight a new version); the torch
@@ -124,9 +125,9 @@ def main(argv=None):
     names = list(best["torch"])
     lines = _runner.header(info, _report.command("bench_resnet.py"))
     lines += [f"Batch {args.batch}, 3x{args.size}x{args.size}, float32, NCHW. numbafuse: "
-              f"`fuse(model)` (`recompute=\"auto\"`: backward keeps each conv's input, and "
+              f"`fuse(model, recompute=\"auto\")` (backward keeps each conv's input, and "
               f"the deep layers' conv outputs) and, for the training step, "
-              f"`fuse(model, recompute=True)` (every conv output recomputed) and "
+              f"`fuse(model)` (`recompute=True`, the default: every conv output recomputed) and "
               f"`fuse(model, recompute=False)` (keeps the conv outputs too, as PyTorch does; "
               f"no conv forward in backward).", "",
               "| case | numbafuse (fused) ms | PyTorch ms | speed vs PyTorch | "

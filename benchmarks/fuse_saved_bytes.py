@@ -36,6 +36,8 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--recompute", choices=("True", "False", "auto"), default="True",
+                        help="fuse(model, recompute=...) (default True, fuse's own)")
     args = parser.parse_args()
     print(f"{platform.processor() or platform.machine()}; Python {platform.python_version()}, "
           f"torch {torch.__version__}, numba {numba.__version__}, numpy {np.__version__}")
@@ -45,7 +47,8 @@ def main():
     for name, make in (("resnet18", nft.resnet18), ("resnet50", nft.resnet50)):
         torch.manual_seed(0)
         model = make(num_classes=args.classes)
-        fused = nft.fuse(model)
+        fused = nft.fuse(model, recompute={"True": True, "False": False}.get(args.recompute,
+                                                                            args.recompute))
         x = torch.randn(args.batch, 3, args.size, args.size)
         total, acts = saved_bytes(model, x)
         total_f, acts_f = saved_bytes(fused, x)

@@ -264,9 +264,10 @@ def test_recompute_keeps_the_conv_input_not_the_conv_output():
 def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn):
     """recompute="auto" keeps h (as recompute=False) exactly where a value of h costs at least
     KEEP_H_MIN_MACS multiply-adds (C/groups * R * S), at the line and one below it, grouped
-    or not; the values and gradients are the recomputing op's. fuse's default is "auto"."""
+    or not; the values and gradients are the recomputing op's. fuse's default stays True
+    (DESIGN.md: the fused chains keep only the conv input)."""
     from numbafuse.ops.conv_batchnorm import KEEP_H_MIN_MACS as LINE
-    assert inspect.signature(nft.fuse).parameters["recompute"].default == "auto"
+    assert inspect.signature(nft.fuse).parameters["recompute"].default is True
     torch.manual_seed(0)
     for C, groups, R, keeps in [(LINE, 1, 1, True), (LINE - 1, 1, 1, False),
                                 (2 * LINE, 2, 1, True), (2 * LINE - 2, 2, 1, False),
