@@ -12,6 +12,7 @@ groups of chunks summed in group order (results do not depend on the thread coun
 import numpy as np
 from numba import njit
 
+from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import blocks, launch, task_kernel
 from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
 
@@ -92,9 +93,11 @@ def _sum_groups_tasks(t0, t1, parts, block, out):
 
 def sum_groups(parts, dtype=None):
     """``parts`` (G, ...) summed over its first axis in group order, on the pool: an array of
-    shape ``parts.shape[1:]`` in ``dtype`` (default: parts' dtype)."""
+    shape ``parts.shape[1:]`` in ``dtype`` (default: parts' dtype). A large sum reuses a
+    buffer of the output cache: a fresh one's page faults took 3.9 of the 5.3 ms of summing
+    two (16, 512, 512) float32 Winograd partials into float64 (the 3x3 512 convs' dW at 7x7)."""
     flat = parts.reshape(parts.shape[0], -1)                      # (G, n)
-    out = np.empty(flat.shape[1], dtype or parts.dtype)
+    out = _out.empty(flat.shape[1], dtype or parts.dtype)
     launch(_sum_groups_tasks, blocks(flat.shape[1], SUM_BLOCK), flat, SUM_BLOCK, out,
            work=flat.size, grain=1)
     return out.reshape(parts.shape[1:])
