@@ -102,6 +102,31 @@ def test_boundary_shapes(layout, size, kernel, stride, padding, dilation, chunk_
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("H, W, stride", [(9, 11, 2), (8, 8, 2), (10, 7, (3, 2)), (7, 9, (2, 3)),
+                                          (1, 5, 3), (6, 6, 3)])
+@pytest.mark.parametrize("chunk_bytes", [1, RULES.chunk_bytes])
+def test_strided_pointwise_dx_scatters_the_compact_gradient(layout, dtype, H, W, stride,
+                                                            chunk_bytes):
+    """dX of a strided unpadded 1x1 conv (cpu_pointwise.dx): the pointwise GEMMs into the
+    compact gradient of the pixels read, scattered into dx with zeros between: strides 2 and 3
+    (per axis too), sizes a multiple of the stride and not (the last rows and columns unread),
+    one row; chunks of one pixel row and the default; against the reference (float64 at
+    1e-10), the same bits on 1 and 3 threads. The path is asserted."""
+    rng = np.random.default_rng(H * W)
+    N, C, K = 3, 5, 7
+    shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+    x = rng.standard_normal(shape).astype(dtype)
+    w = rng.standard_normal((K, C, 1, 1)).astype(dtype)
+    b = rng.standard_normal(K).astype(dtype)
+    kwargs = dict(stride=stride, padding=0, dilation=1, layout=layout)
+    geom = nf.validate.conv_geometry("t", x.shape, w.shape, stride, 0, 1, layout)
+    with cpu_plan.using(min_gemm_channels=1):
+        assert cpu_conv.algorithm(geom, "dx", dtype) == "pointwise"
+    _check(nfs.ConvProblem(x, w, b, kwargs), chunk_bytes, groups=4, min_channels=1)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("N, stride", [(9, 1), (9, 2), (3, 1)])
 def test_small_batches_split_into_min_chunks(layout, N, stride):
     # a stem (one input channel): the whole batch's im2col fits one chunk, so MIN_CHUNKS (the
@@ -162,7 +187,9 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     assert cpu_conv.algorithm(geom, "forward") == kind
     taps = cpu_plan.plan(geom, "dx", x.dtype).taps
     assert taps == ((2 if wide else 1) if layout == "NHWC" and C % 8 == 0 else 0)
-    assert cpu_conv.algorithm(geom, "dx") == ("pointwise" if kind == "pointwise" else "phase")
+    # a 1x1 (strided or not) unpadded: dX by the pointwise GEMMs (strided: then scattered)
+    assert cpu_conv.algorithm(geom, "dx") == ("pointwise" if kernel == 1 and padding == 0
+                                              else "phase")
     assert cpu_conv.algorithm(geom, "dw") == (kind if C % 8 == 0 else "im2col")
     _check(nfs.ConvProblem(x, w, b, kwargs), chunk_bytes, groups=4, min_channels=1)
     if kind == "implicit":                          # db without dW: the same db, no dW

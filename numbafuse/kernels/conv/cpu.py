@@ -320,39 +320,6 @@ def _phase_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     return np.ascontiguousarray(dwm.reshape(R, S, K, C).transpose(2, 3, 0, 1)), db_parts
 
 
-# --------------------------------------------------------------------------- pointwise
-
-def _pointwise_view(a, nhwc):
-    """A 1x1 conv's operand as the pointwise tasks take it: (N, C, HW) | (N*HW, C)."""
-    return a.reshape(-1, a.shape[3]) if nhwc else a.reshape(a.shape[0], a.shape[1], -1)
-
-
-def _pointwise_chunks(plan, geom, channels, itemsize):
-    """(pixels per chunk, chunks) of a pointwise pass."""
-    HW = geom.P * geom.Q
-    mpc = balanced(geom.N * HW if geom.layout == "NHWC" else HW,
-                    plan.chunk_bytes // max(1, channels * itemsize))
-    nchunks = blocks(geom.N * HW, mpc) if geom.layout == "NHWC" else geom.N * blocks(HW, mpc)
-    return mpc, nchunks
-
-
-def _pointwise_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
-    """(dw or None, db_parts) of a pointwise conv."""
-    K, C = geom.K, geom.C
-    nhwc = geom.layout == "NHWC"
-    mpc, nchunks = _pointwise_chunks(plan, geom, C + K, x.itemsize)
-    groups = min(nchunks, plan.dw_groups)
-    dw_parts = np.empty((groups if need_dw else 1, K, C), x.dtype)
-    db_parts = np.empty((groups, K))                                   # float64
-    launch(_pointwise.dw_hwc if nhwc else _pointwise.dw_chw, groups, _pointwise_view(x, nhwc),
-           _pointwise_view(gy, nhwc), _pointwise_view(y, nhwc), use_mask,
-           _ints(mpc, nchunks, groups), need_dw, _blas.blas_for(x.dtype), (dw_parts, db_parts),
-           work=work, grain=1)
-    if not need_dw:
-        return None, db_parts
-    return sum_groups(dw_parts).reshape(K, C, 1, 1), db_parts         # group order
-
-
 # --------------------------------------------------------------------------- im2col
 
 def _im2col_chunks(plan, geom, itemsize):
@@ -484,7 +451,7 @@ def _winograd_s2_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
 
 
 _DW = {"winograd": _winograd_dw, "winograd_s2": _winograd_s2_dw, "phase": _phase_dw,
-       "pointwise": _pointwise_dw, "im2col": _im2col_dw, "implicit": _implicit_dw}
+       "pointwise": _pointwise.dw, "im2col": _im2col_dw, "implicit": _implicit_dw}
 
 
 # --------------------------------------------------------------------------- drivers
@@ -511,13 +478,13 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         _wino_s2.forward(x, w, b, geom, relu, y, plan.tiles, plan.taps == 2, work)
     elif kind == "pointwise":
         wm = w.reshape(K, C)
-        mpc, nchunks = _pointwise_chunks(plan, geom, C + K, x.itemsize)
-        xv = _pointwise_view(x, nhwc)
+        mpc, nchunks = _pointwise.chunks(plan, geom, C + K, x.itemsize)
+        xv = _pointwise.view(x, nhwc)
         if plan.taps:
             _gemm_taps.ready(gather=False)
         launch(_pointwise.forward_hwc if nhwc else _pointwise.forward_chw, nchunks, xv, xv,
                False, _transposed(w, wm) if nhwc else wm, mpc, b, (has_bias, relu), blas,
-               plan.taps, _pointwise_view(y, nhwc), work=work, grain=1)
+               plan.taps, _pointwise.view(y, nhwc), work=work, grain=1)
     elif kind == "phase":
         tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
         rpc = balanced(geom.P, _phase_rows(plan, len(planes) * C + K, Wq, x.itemsize))
@@ -610,14 +577,7 @@ def _conv_dx(gy, y, use_mask, w, geom, plan, work):
     elif kind == "winograd_s2":
         _wino_s2dx.dx(gy, y, use_mask, w, geom, dx, plan.tiles, plan.taps == 2, work)
     elif kind == "pointwise":
-        wm = w.reshape(K, C)                                           # dx = g @ w | w^T @ g
-        mpc, nchunks = _pointwise_chunks(plan, geom, C + K, gy.itemsize)
-        if plan.taps:
-            _gemm_taps.ready(gather=False)
-        launch(_pointwise.forward_hwc if nhwc else _pointwise.forward_chw, nchunks,
-               _pointwise_view(gy, nhwc), _pointwise_view(y, nhwc), use_mask,
-               wm if nhwc else np.ascontiguousarray(wm.T), mpc, np.zeros(C, gy.dtype),
-               (False, False), blas, plan.taps, _pointwise_view(dx, nhwc), work=work, grain=1)
+        _pointwise.dx(gy, y, use_mask, w, geom, plan, dx, work)
     elif kind == "phase":
         ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack = _phase_dx_plan(geom)
         rpc = balanced(-(-H // geom.sh), _phase_rows(plan, K + C, Wg, gy.itemsize))

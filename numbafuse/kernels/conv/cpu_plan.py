@@ -12,7 +12,8 @@ result bitwise the same on 1 and 64 threads.
 
 Algorithms (``ALGORITHMS``) and what they compute:
 
-    pointwise    1x1, stride 1, unpadded: GEMMs straight on x, y, dx           (cpu_direct.py)
+    pointwise    1x1, stride 1, unpadded: GEMMs straight on x, y, dx; the dX of a strided
+                 unpadded 1x1 into the pixels it reads, then scattered   (cpu_pointwise.py)
     im2col       per chunk an im2col matrix and one GEMM with k = C*R*S; dX by input phase
                  over im2col chunks of the gated gradient; strided NCHW over NHWC slabs of a
                  chunk's rows (``slab``)                                      (cpu_im2col.py)
@@ -185,6 +186,13 @@ def is_pointwise(geom):
             and geom.ph == geom.pw == 0 and geom.ph_end == geom.pw_end == 0)
 
 
+def _strided_pointwise(geom):
+    """A strided 1x1 conv without padding (ResNet's downsample 1x1/2): its dX is a pointwise
+    GEMM into the pixels it reads, zeros elsewhere (``cpu_pointwise.dx``)."""
+    return (geom.R == geom.S == 1 and (geom.sh > 1 or geom.sw > 1) and geom.ph == geom.pw == 0
+            and geom.ph_end == geom.pw_end == 0)
+
+
 def _is_winograd(geom):
     return geom.R == geom.S == 3 and geom.sh == geom.sw == 1 and geom.dh == geom.dw == 1
 
@@ -195,7 +203,7 @@ def supports(algorithm, geom, pass_, dtype):
     if algorithm in ("im2col", "phase"):
         return True
     if algorithm == "pointwise":
-        return is_pointwise(geom)
+        return is_pointwise(geom) or pass_ == "dx" and _strided_pointwise(geom)
     if algorithm == "winograd":
         return _is_winograd(geom)
     if algorithm == "winograd_s2":
@@ -242,6 +250,11 @@ def choose(geom, pass_, dtype, rules):
                 and (pass_ == "dw" or geom.C <= rules.implicit_max_channels))
     if is_pointwise(geom):
         return "im2col" if _pointwise_blocked(geom, pass_, dtype, rules) else "pointwise"
+    if pass_ == "dx" and _strided_pointwise(geom):
+        # dX of a strided 1x1: the pointwise GEMMs into the pixels read, then scattered (by
+        # phase 2-3x the time: cpu_pointwise's docstring); a deep one k-blocked (ResNet-18's
+        # l4 1x1/2 at 2x2, NCHW / NHWC: 0.13 / 0.12 ms against 0.24 / 0.11)
+        return "im2col" if _k_blocks(geom, pass_, dtype, rules) > 1 else "pointwise"
     if (geom.K if pass_ == "dx" else min(geom.C, geom.K)) < rules.min_gemm_channels:
         return "implicit" if implicit and pass_ == "forward" else "im2col"
     if pass_ == "dx" and _k_blocks(geom, pass_, dtype, rules) > 1:

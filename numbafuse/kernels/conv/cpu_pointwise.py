@@ -1,7 +1,15 @@
 """CPU task kernels of the pointwise convolution (1x1, stride 1, unpadded), one per layout and
 pass: x itself is the GEMM operand, so a chunk is one GEMM straight into y (then bias and ReLU
 while it is in cache), dX one GEMM of the gated gradient straight into dx, dW one GEMM per
-chunk; nothing is copied but g. See ``cpu.py`` for when it runs.
+chunk; nothing is copied but g. See ``cpu_plan.py`` for when it runs; the host side of dX
+(:func:`dx`) and dW (:func:`dw`) is here.
+
+dX of a strided unpadded 1x1 conv (ResNet's downsample 1x1/2) is the same GEMM into the
+compact dx of the pixels the conv reads, scattered into dx with zeros between (:func:`dx`).
+By input phase (``cpu_direct``), where it ran before, the same products took 2-3x the time
+(NCHW, batch 16, 2 threads, ms phase / this: 64 -> 128 at 32x32 0.435 / 0.151, 128 -> 256 at
+16x16 0.419 / 0.135; 56x56, 28x28, 14x14 inputs 2.69 / 1.14, 2.08 / 0.88, 1.95 / 0.95;
+NHWC at 32x32 and 16x16 0.165 / 0.099, 0.158 / 0.108), the same bits.
 
 The host picks the kernel by the layout, so that a first call compiles one layout's body (the
 two layouts in one kernel: 1.06-1.12 s of compile for a 1x1 forward, of a 3.2-3.5 s first call;
@@ -17,9 +25,11 @@ import numpy as np
 
 from ..cpu import blas as _blas
 from ..cpu import gemm_taps as _gemm_taps
-from ..cpu.launch import task_kernel
+from ..cpu.buffers import output_cache as _out
+from ..cpu.launch import blocks, launch, task_kernel
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
-from .cpu_chunks import gated_chw, gated_hwc
+from . import math as _math
+from .cpu_chunks import balanced, gated_chw, gated_hwc, sum_groups
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -154,3 +164,59 @@ def dw_chw(t0, t1, x, gy, y, use_mask, counts, need_dw, blas, parts):
                 # dW (K, C) += g (K, m) @ x[n][:, c0:c1]^T (m, C)
                 _blas.gemm(blas, False, True, (K, C, m), 1.0, g, m, x[n, :, c0:], HW, beta,
                            dw_parts[grp], C)
+
+
+# --------------------------------------------------------------------------- the host side
+
+def view(a, nhwc):
+    """A 1x1 conv's operand as the pointwise tasks take it: (N, C, HW) | (N*HW, C)."""
+    return a.reshape(-1, a.shape[3]) if nhwc else a.reshape(a.shape[0], a.shape[1], -1)
+
+
+def chunks(plan, geom, channels, itemsize):
+    """(pixels per chunk, chunks) of a pointwise pass over the output's P x Q pixels."""
+    HW = geom.P * geom.Q
+    mpc = balanced(geom.N * HW if geom.layout == "NHWC" else HW,
+                   plan.chunk_bytes // max(1, channels * itemsize))
+    nchunks = blocks(geom.N * HW, mpc) if geom.layout == "NHWC" else geom.N * blocks(HW, mpc)
+    return mpc, nchunks
+
+
+def dx(gy, y, use_mask, w, geom, plan, out, work):
+    """``out`` = dx of a 1x1 conv (``dx = g @ w | w^T @ g``, g = gy gated by y when
+    ``use_mask``); strided (unpadded): the GEMMs into the compact dx of the pixels read
+    (N, C, P, Q), then those scattered into ``out`` with zeros between."""
+    K, C, nhwc = geom.K, geom.C, geom.layout == "NHWC"
+    strided = geom.sh > 1 or geom.sw > 1
+    shape = (geom.N, geom.P, geom.Q, C) if nhwc else (geom.N, C, geom.P, geom.Q)
+    compact = _out.empty(shape, gy.dtype) if strided else out
+    wm = w.reshape(K, C)
+    mpc, nchunks = chunks(plan, geom, C + K, gy.itemsize)
+    if plan.taps:
+        _gemm_taps.ready(gather=False)
+    launch(forward_hwc if nhwc else forward_chw, nchunks, view(gy, nhwc), view(y, nhwc),
+           use_mask, wm if nhwc else np.ascontiguousarray(wm.T), mpc, np.zeros(C, gy.dtype),
+           (False, False), _blas.blas_for(gy.dtype), plan.taps, view(compact, nhwc), work=work,
+           grain=1)
+    if strided:                                   # zeros, then every sh-th row, sw-th column
+        out.fill(0)
+        if nhwc:
+            out[:, :geom.P * geom.sh:geom.sh, :geom.Q * geom.sw:geom.sw] = compact
+        else:
+            out[:, :, :geom.P * geom.sh:geom.sh, :geom.Q * geom.sw:geom.sw] = compact
+
+
+def dw(x, gy, y, use_mask, geom, need_dw, plan, work):
+    """(dw or None, db_parts) of a pointwise conv: (groups, K) float64 db partials."""
+    K, C = geom.K, geom.C
+    nhwc = geom.layout == "NHWC"
+    mpc, nchunks = chunks(plan, geom, C + K, x.itemsize)
+    groups = min(nchunks, plan.dw_groups)
+    dw_parts = np.empty((groups if need_dw else 1, K, C), x.dtype)
+    db_parts = np.empty((groups, K))                                   # float64
+    launch(dw_hwc if nhwc else dw_chw, groups, view(x, nhwc), view(gy, nhwc), view(y, nhwc),
+           use_mask, _math.int_tuple(mpc, nchunks, groups), need_dw, _blas.blas_for(x.dtype),
+           (dw_parts, db_parts), work=work, grain=1)
+    if not need_dw:
+        return None, db_parts
+    return sum_groups(dw_parts).reshape(K, C, 1, 1), db_parts         # group order
