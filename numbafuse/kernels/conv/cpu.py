@@ -234,7 +234,7 @@ def _winograd_dw_launch(x, gy, y, use_mask, geom, need_dw, plan):
         if not need_dw:
             return None, db_parts
         dw = _out.empty((K, C, 3, 3), x.dtype)
-        _wino.winograd_dw(D_parts, dw)                  # group order, float64
+        _wino.winograd_dw(sum_groups(D_parts, np.float64), dw)   # group order
         return dw, db_parts
     return (_wino.dw_tasks, groups, args), finish
 

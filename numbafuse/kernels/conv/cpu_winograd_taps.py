@@ -84,45 +84,31 @@ def winograd_taps(w, flip, out):
 
 
 @task_kernel
-def dw_tasks(t0, t1, parts, dw):
+def dw_tasks(t0, t1, D, dw):
     # Task t: filters [t*_BLOCK, ...) of dw (K, C, 3, 3) = G^T D G per filter pair, D (16, K,
-    # C) = the sum of parts (G, 16, K, C) over its first axis in float64, in group order
-    # (cpu_chunks.sum_groups' arithmetic: the same bits), _SEG channels at a time; then a
-    # scalar loop per pair (vectorised over c, the transform's 7 loops took 0.5 s more to
-    # compile)
-    G, K, C = parts.shape[0], parts.shape[2], parts.shape[3]
-    d = np.empty((16, _SEG))
+    # C) float64, a scalar loop per pair (vectorised over c, the transform's 7 loops took 0.5
+    # s more to compile)
+    K, C = D.shape[1], D.shape[2]
     t = np.empty((3, 4))                                          # G^T D, one pair
     for task in range(t0, t1):
         for k in range(task * _BLOCK, min(K, (task + 1) * _BLOCK)):
-            for c0 in range(0, C, _SEG):
-                m = min(_SEG, C - c0)
-                for e in range(16):
-                    row, src = d[e, :m], parts[0, e, k, c0:c0 + m]
-                    for q in range(m):
-                        row[q] = src[q]
-                    for g in range(1, G):
-                        src = parts[g, e, k, c0:c0 + m]
-                        for q in range(m):
-                            row[q] += src[q]
-                for q in range(m):
-                    for r in range(3):
-                        for y in range(4):
-                            acc = 0.0
-                            for x in range(4):
-                                acc += _G[x, r] * d[4 * x + y, q]
-                            t[r, y] = acc
-                    for r in range(3):
-                        for s in range(3):
-                            dw[k, c0 + q, r, s] = (t[r, 0] * _G[0, s] + t[r, 1] * _G[1, s]
-                                                   + t[r, 2] * _G[2, s] + t[r, 3] * _G[3, s])
+            for c in range(C):
+                for r in range(3):
+                    for y in range(4):
+                        acc = 0.0
+                        for x in range(4):
+                            acc += _G[x, r] * D[4 * x + y, k, c]
+                        t[r, y] = acc
+                for r in range(3):
+                    for s in range(3):
+                        dw[k, c, r, s] = (t[r, 0] * _G[0, s] + t[r, 1] * _G[1, s]
+                                          + t[r, 2] * _G[2, s] + t[r, 3] * _G[3, s])
 
 
-def winograd_dw(parts, dw):
-    """dw (K, C, 3, 3) = G^T D G per filter pair, where D (16, K, C) is the float64 sum of
-    ``parts`` (G, 16, K, C), the dW tasks' groups, in group order (``cpu_chunks.sum_groups``'
-    sum, made here: the 33 MB float64 D of a 512 x 512 conv was written and read again), the
-    tasks split over the threads from _PARALLEL_MIN values of D. It had been a loop per filter
-    pair holding the GIL: 1.1 ms of a fused ResNet-18 training step on one thread (py-spy)."""
-    launch(dw_tasks, -(-parts.shape[2] // _BLOCK), parts, dw, work=parts[0].size, grain=1,
+def winograd_dw(D, dw):
+    """dw (K, C, 3, 3) = G^T D G per filter pair, from D (16, K, C), the float64 sums of the
+    dW tasks' groups (``cpu_chunks.sum_groups``), the tasks split over the threads from
+    _PARALLEL_MIN values of D. It had been a loop per filter pair holding the GIL: 1.1 ms of
+    a fused ResNet-18 training step on one thread (py-spy)."""
+    launch(dw_tasks, -(-D.shape[1] // _BLOCK), D, dw, work=D.size, grain=1,
            parallel_min=_PARALLEL_MIN)
