@@ -2,7 +2,7 @@
 timed by name.
 
     python benchmarks/profile_resnet.py [--model resnet18] [--batch 16] [--size 64]
-                                        [--steps 5] [--top 25] [--layers]
+                                        [--steps 5] [--top 25] [--layers | --torch]
 
 The model is ``numbafuse/torch/resnet.py`` (torchvision's code) converted by
 ``numbafuse.torch.fuse``; a step as in ``bench_resnet.py`` (gradients set to None, forward,
@@ -15,9 +15,14 @@ the step (PyTorch's own ops, the autograd glue, Python) is the step's time less 
 outermost launches'. ``--layers``: instead, the conv passes of the fused Conv-BatchNorm ops
 timed by layer shape (``ops.conv_batchnorm._conv_and_stats``, ``_conv_forward`` and
 ``_conv_backward``: the forward with or without its statistics, the recompute, dX with dW),
-ms a call and calls a step. One process, the library's
-default threads: a profile, not a comparison (``bench_resnet.py`` compares against
-PyTorch; ``bench_conv_plan.py`` times each pass alone against PyTorch's).
+ms a call and calls a step. ``--torch``: the same table for PyTorch's own unfused model in
+this process (numbafuse not imported: resnet.py is loaded from its file), from
+``torch.profiler`` (the self time of ``aten::mkldnn_convolution`` and
+``aten::convolution_backward`` by input shapes, over ``--steps`` profiled steps after the
+warm-up): the two tables, each from its own process, show every layer in the network side by
+side. One process, the library's default threads: a profile, not a comparison
+(``bench_resnet.py`` compares against PyTorch; ``bench_conv_plan.py`` times each pass alone
+against PyTorch's).
 """
 import argparse
 import collections
@@ -109,6 +114,50 @@ def _wrap_conv_passes(times, counts):
     return undo
 
 
+def _resnet_module():
+    """numbafuse/torch/resnet.py loaded from its file (torch only, no numbafuse import)."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(HERE), "numbafuse", "torch", "resnet.py")
+    spec = importlib.util.spec_from_file_location("_profile_resnet_models", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _torch_layers(model, step, steps):
+    """(times, counts) of PyTorch's conv passes by layer shape, in ``--layers``' keys, from
+    ``torch.profiler`` over ``steps`` calls of ``step``: forward, backward (dx+dw) or (dw)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    strides = {}
+
+    def hook(module, inputs, output):
+        strides[(tuple(inputs[0].shape), tuple(module.weight.shape))] = module.stride[0]
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if isinstance(m, torch.nn.Conv2d)]
+    step()
+    for h in handles:
+        h.remove()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+    times, counts = collections.defaultdict(float), collections.Counter()
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key == "aten::mkldnn_convolution":
+            x, w, kind = e.input_shapes[0], e.input_shapes[1], "forward"
+        elif e.key == "aten::convolution_backward":
+            x, w = e.input_shapes[1], e.input_shapes[2]
+            kind = "backward (dx+dw)" if x[1] > 3 else "backward (dw)"   # the stem: no dx
+        else:
+            continue
+        K, C, R, S = w
+        stride = strides.get((tuple(x), tuple(w)), "?")
+        key = f"{kind} {R}x{S}/{stride} {C}->{K} at {x[2]}x{x[3]}"
+        times[key] += e.self_cpu_time_total / 1e6
+        counts[key] += e.count
+    return times, counts
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="resnet18", choices=["resnet18", "resnet50"])
@@ -118,14 +167,20 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--layers", action="store_true",
                    help="time the conv passes by layer shape instead of the launches")
+    p.add_argument("--torch", action="store_true",
+                   help="PyTorch's own unfused model's conv passes by layer shape instead")
     args = p.parse_args(argv)
 
     import torch
-    import numbafuse.torch as nft
-    from numbafuse.torch import resnet
+    if args.torch:
+        resnet = _resnet_module()
+    else:
+        import numbafuse.torch as nft
+        from numbafuse.torch import resnet
 
     torch.manual_seed(0)
-    model = nft.fuse(getattr(resnet, args.model)(num_classes=1000))
+    model = getattr(resnet, args.model)(num_classes=1000)
+    model = model if args.torch else nft.fuse(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     x = torch.randn(args.batch, 3, args.size, args.size)
     labels = torch.randint(0, 1000, (args.batch,))
@@ -138,6 +193,16 @@ def main(argv=None):
 
     for _ in range(3):                   # compilation, buffers, the plans' caches
         step()
+    if args.torch:
+        times, counts = _torch_layers(model, step, args.steps)
+        n = args.steps
+        print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, PyTorch unfused, "
+              f"{torch.get_num_threads()} torch threads, torch.profiler: the conv passes "
+              f"{sum(times.values()) / n * 1e3:.1f} ms a step (mean of {n} steps)")
+        print("\n| conv pass | ms a call | calls a step |\n|---|---:|---:|")
+        for name in sorted(times):
+            print(f"| {name} | {times[name] / counts[name] * 1e3:.2f} | {counts[name] / n:g} |")
+        return
     times, counts = collections.defaultdict(float), collections.Counter()
     undo = (_wrap_conv_passes if args.layers else _wrap_launches)(times, counts)
     try:
