@@ -7,9 +7,10 @@ chunk; nothing is copied but g. See ``cpu_plan.py`` for when it runs; the host s
 dX of a strided unpadded 1x1 conv (ResNet's downsample 1x1/2) is the same GEMM into the
 compact dx of the pixels the conv reads, scattered into dx with zeros between (:func:`dx`).
 By input phase (``cpu_direct``), where it ran before, the same products took 2-3x the time
-(NCHW, batch 16, 2 threads, ms phase / this: 64 -> 128 at 32x32 0.435 / 0.151, 128 -> 256 at
-16x16 0.419 / 0.135; 56x56, 28x28, 14x14 inputs 2.69 / 1.14, 2.08 / 0.88, 1.95 / 0.95;
-NHWC at 32x32 and 16x16 0.165 / 0.099, 0.158 / 0.108), the same bits.
+(NCHW, batch 16, 2 threads, ms phase / this, the input's size: 64 -> 128 at 16x16 0.435 /
+0.151, 128 -> 256 at 8x8 0.419 / 0.135; the same at 56x56, 28x28 and 256 -> 512 at 14x14 2.69
+/ 1.14, 2.08 / 0.88, 1.95 / 0.95; NHWC at 16x16 and 8x8 0.165 / 0.099, 0.158 / 0.108), the
+same bits.
 
 The host picks the kernel by the layout, so that a first call compiles one layout's body (the
 two layouts in one kernel: 1.06-1.12 s of compile for a 1x1 forward, of a 3.2-3.5 s first call;
