@@ -54,6 +54,32 @@ def test_the_cap_evicts_free_buffers_then_falls_back_to_numpy():
     assert cache.owned_bytes() == 0
 
 
+def test_buffers_are_found_by_size_and_evicted_from_every_index():
+    # buffers of two sizes, two of each: a request reuses a free buffer of its own size only,
+    # never a held one; an evicted buffer is gone from the lookup by size too (a later request
+    # of its size makes a new one, counted), and the bytes owned stay the buffers' sum
+    cache = OutputCache(max_bytes=6 * MIB)
+    a1, a2 = cache.empty((MIB,), np.uint8), cache.empty((MIB,), np.uint8)
+    b = cache.empty((2 * MIB,), np.uint8)
+    c = cache.empty((MIB // 4,), np.float64)                         # 2 MiB too, other dtype
+    assert cache.owned_bytes() == 6 * MIB
+    addr_a2, addr_b = _addr(a2), _addr(b)
+    del a2, b
+    again = cache.empty((MIB // 2,), np.uint16)                      # 1 MiB: a2's (a1 held)
+    two = cache.empty((2 * MIB,), np.uint8)                          # 2 MiB: b's (c held)
+    assert _addr(again) == addr_a2 and _addr(two) == addr_b
+    assert cache.owned_bytes() == 6 * MIB
+    del again                                                        # a2's buffer free
+    three = cache.empty((3 * MIB,), np.uint8)      # evicts a2's buffer, still too big: NumPy's
+    assert three.base is None and cache.owned_bytes() == 5 * MIB
+    one = cache.empty((MIB,), np.uint8)            # a1 held, a2's gone: a new buffer
+    assert not np.shares_memory(one, a1) and cache.owned_bytes() == 6 * MIB
+    assert len(cache._by_size[MIB + OutputCache.ALIGN]) == 2 and len(cache._buffers) == 4
+    del a1, c, two, one
+    cache.clear()
+    assert cache.owned_bytes() == 0 and not cache._by_size and not cache._buffers
+
+
 def test_small_outputs_and_tracemalloc_bypass_the_cache():
     cache = OutputCache()
     assert cache.empty((OutputCache.MIN_BYTES // 8,), np.float32).base is None

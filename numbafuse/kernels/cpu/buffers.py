@@ -29,52 +29,72 @@ class OutputCache:
 
     def __init__(self, max_bytes=1 << 30):
         self.max_bytes = max_bytes
-        self._buffers = []              # uint8 (nbytes,) each, oldest first
+        self._buffers = []              # [buffer, start] each, oldest first
+        self._by_size = {}              # buffer bytes -> its entries, oldest first
+        self._held = 0                  # bytes owned (the arrays' bytes)
         self._lock = threading.Lock()
 
-    def _free(self, i):
-        # only the list references buffer i (getrefcount counts its own argument too)
-        return sys.getrefcount(self._buffers[i]) == 2
+    @staticmethod
+    def _free(entry):
+        # only the cache references the buffer: its entry's list holds it once (getrefcount
+        # counts its own argument too)
+        return sys.getrefcount(entry[0]) == 2
 
     def empty(self, shape, dtype):
         """An uninitialised C-contiguous array of ``shape`` and ``dtype``."""
         dtype = np.dtype(dtype)
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.MIN_BYTES or nbytes > self.max_bytes or tracemalloc.is_tracing():
             return np.empty(shape, dtype)
         size = nbytes + self.ALIGN              # each buffer: ALIGN bytes of slack
         with self._lock:
-            for i in range(len(self._buffers)):
-                if self._buffers[i].nbytes == size and self._free(i):
-                    return self._view(self._buffers[i], nbytes, shape, dtype)
-            held = self.owned_bytes()
+            for entry in self._by_size.get(size, ()):
+                if self._free(entry):
+                    return self._view(entry, nbytes, shape, dtype)
             i = 0
-            while held + nbytes > self.max_bytes and i < len(self._buffers):
-                if self._free(i):                    # the oldest free buffers make room
-                    held -= self._buffers.pop(i).nbytes - self.ALIGN
+            while self._held + nbytes > self.max_bytes and i < len(self._buffers):
+                if self._free(self._buffers[i]):     # the oldest free buffers make room
+                    self._drop(i)
                 else:
                     i += 1
-            if held + nbytes > self.max_bytes:
+            if self._held + nbytes > self.max_bytes:
                 return np.empty(shape, dtype)
-            self._buffers.append(np.empty(size, np.uint8))
-            return self._view(self._buffers[-1], nbytes, shape, dtype)
+            buffer = np.empty(size, np.uint8)
+            entry = [buffer, -buffer.ctypes.data % self.ALIGN]     # its first ALIGN boundary
+            self._buffers.append(entry)
+            self._by_size.setdefault(size, []).append(entry)
+            self._held += nbytes
+            return self._view(entry, nbytes, shape, dtype)
 
-    def _view(self, buffer, nbytes, shape, dtype):
-        """The array of ``shape`` and ``dtype`` at ``buffer``'s first ALIGN-byte boundary
-        (its base is ``buffer`` itself, whose reference count says whether it is in use)."""
-        return _aligned_view(buffer, nbytes, shape, dtype, self.ALIGN)
+    def _drop(self, i):
+        entry = self._buffers.pop(i)
+        size = entry[0].nbytes
+        same = self._by_size[size]
+        del same[next(j for j, e in enumerate(same) if e is entry)]   # (== compares arrays)
+        if not same:
+            del self._by_size[size]
+        self._held -= size - self.ALIGN
+
+    @staticmethod
+    def _view(entry, nbytes, shape, dtype):
+        """The array of ``shape`` and ``dtype`` at the entry's buffer's first ALIGN-byte
+        boundary (its base is that buffer, whose reference count says whether it is in
+        use)."""
+        start = entry[1]
+        return entry[0][start:start + nbytes].view(dtype).reshape(shape)
 
     def clear(self):
         """Drop the free buffers (those in use stay owned until released)."""
         with self._lock:
-            self._buffers = [self._buffers[i] for i in range(len(self._buffers))
-                             if not self._free(i)]
+            for i in range(len(self._buffers) - 1, -1, -1):
+                if self._free(self._buffers[i]):
+                    self._drop(i)
 
     def owned_bytes(self):
         """Bytes of the buffers owned, in use or free (the arrays' bytes; each buffer has
         ALIGN bytes more)."""
-        return sum(b.nbytes - self.ALIGN for b in self._buffers)
+        return self._held
 
 
 output_cache = OutputCache()
