@@ -182,7 +182,8 @@ def as_array(t, layout=LAYOUT):
     contiguous in that layout, else a contiguous copy."""
     if t is None:
         return None
-    t = t.detach()
+    if t.requires_grad:                   # (detach() costs a call of this function's time)
+        t = t.detach()
     if layout == "NHWC" and t.dim() == 4:
         t = t.permute(0, 2, 3, 1)                                 # (N, H, W, C)
     if not t.is_contiguous():
