@@ -198,6 +198,32 @@ def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, 
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("C, K", [(40, 36), (100, 48)])   # blocks of 16: the last partial
+def test_k_blocked_pointwise_dx_copies_its_blocks_into_dx(layout, size, C, K):
+    """The k-blocked dX of a 1x1 stride-1 unpadded conv (``cpu_im2col.dx_block_tasks``): its
+    GEMM's rows are dx's pixels in order, copied into dx instead of scattered tap by tap (NHWC
+    runs it only when a plan names it: the rule sends NHWC 1x1 dX to the pointwise GEMMs);
+    against the reference with the ReLU's gate, bitwise the same on 1 and 3 threads."""
+    rng = np.random.default_rng(C + K + size)
+    shape = (2, C, size, size) if layout == "NCHW" else (2, size, size, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, 1, 1)) / 10).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    kwargs = dict(layout=layout)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, 1, 0, 1, layout)
+    y, dy = _relu_output_and_gradient(x, w, b, kwargs, rng)
+    want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)[0]
+    with cpu_plan.using(k_block=16):
+        plans = (cpu_plan.plan(geom, "dx", np.float32, algorithm="im2col"),
+                 cpu_plan.plan(geom, "dw", np.float32))
+        assert plans[0].k_blocks == C // 16
+        got = _on_threads(lambda: cpu_conv.conv_backward(dy, x, w, geom, y, plans=plans)[0])
+    np.testing.assert_allclose(got[1], want, **TOL[np.float32])
+    assert got[1].tobytes() == got[3].tobytes()
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("stride, size", [(1, 3), (2, 5), (1, 1)])
 @pytest.mark.parametrize("K", [40, 100])        # blocks of 32 (the last 8), of 32 (two empty)
 def test_whole_batch_im2col_forward_in_blocks_of_output_channels(layout, stride, size, K):

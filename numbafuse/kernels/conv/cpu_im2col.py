@@ -387,6 +387,7 @@ def dx_block_tasks(t0, t1, gy, y, use_mask, wmat, geo, cb, blas, dx):
     RS = R * S
     PQ = P * Q
     M = N * PQ
+    pointwise = RS == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0 and P == H and Q == W
     cb_len = block_len(C, cb)
     g = np.empty((K, M), dx.dtype)                                # gated, pixels as columns
     dcols = np.empty(min(C, cb_len) * RS * M, dx.dtype)
@@ -416,6 +417,17 @@ def dx_block_tasks(t0, t1, gy, y, use_mask, wmat, geo, cb, blas, dx):
         # dcols (cn*RS, M) = wmat[:, block]^T @ g
         _blas.gemm(blas, True, False, (cn * RS, M, K), 1.0, wmat[:, c0 * RS:], C * RS, g, M,
                    0.0, d2, M)
+        if pointwise:               # 1x1, stride 1, unpadded: dcols is dx, pixels in order
+            for n in range(N):
+                for c in range(c0, c1):
+                    src = d2[c - c0, n * PQ:(n + 1) * PQ]
+                    for h in range(H):
+                        for x_ in range(W):
+                            if nhwc:
+                                dx[n, h, x_, c] = src[h * W + x_]
+                            else:
+                                dx[n, c, h, x_] = src[h * W + x_]
+            continue
         for n in range(N):
             if nhwc:                                              # this block's channels
                 for h in range(H):
