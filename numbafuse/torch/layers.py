@@ -182,8 +182,7 @@ def as_array(t, layout=LAYOUT):
     contiguous in that layout, else a contiguous copy."""
     if t is None:
         return None
-    if t.requires_grad:                   # (detach() costs a call of this function's time)
-        t = t.detach()
+    t = t.detach() if t.requires_grad else t    # (detach: a third of this call's time)
     if layout == "NHWC" and t.dim() == 4:
         t = t.permute(0, 2, 3, 1)                                 # (N, H, W, C)
     if not t.is_contiguous():
