@@ -180,13 +180,13 @@ def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, 
     y, dy = _relu_output_and_gradient(x, w, b, kwargs, rng)
     want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)
     thin = size * size < cpu_plan.RULES.pointwise_thin_pixels
-    blocked = {"forward": thin if layout == "NCHW" else True, "dx": layout == "NCHW",
-               "dw": True if layout == "NCHW" else thin}
+    blocked = {"forward": True, "dx": layout == "NCHW", "dw": True if layout == "NCHW" else thin}
     with cpu_plan.using(k_block=16):
         for pass_, expect in blocked.items():
             plan = cpu_plan.plan(geom, pass_, np.float32)
             assert (plan.algorithm, plan.k_blocks > 1) == (("im2col", True) if expect
                                                            else ("pointwise", False)), pass_
+            assert not plan.slab        # NCHW: the channels' planes whole, not HWC slabs
         got = _on_threads(lambda: (nf.conv_bias_relu(x, w, b, **kwargs),
                                    *cpu_conv.conv_backward(dy, x, w, geom, y)))
     np.testing.assert_allclose(got[1][0], ref.conv_bias_relu(x, w, b, **kwargs),

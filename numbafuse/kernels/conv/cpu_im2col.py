@@ -243,8 +243,15 @@ def cols_tasks(t0, t1, x, geo, orient, cols):
     PQ = P * Q
     M = N * PQ
     sbuf = slab_buffer(x, geo, N, P, orient == 1)
+    pointwise = RSC == C and sh == 1 and sw == 1 and ph == 0 and pw == 0 and P == H and Q == W
     for n in range(t0, t1):
-        if orient == 2:
+        if orient == 2 and pointwise:          # 1x1: each channel's plane, whole, in order
+            xf, c2 = x.reshape((N, C, PQ)), cols.reshape((C, M))
+            for c in range(C):
+                src, dst = xf[n, c], c2[c, n * PQ:(n + 1) * PQ]
+                for i in range(PQ):
+                    dst[i] = src[i]
+        elif orient == 2:
             _im2col_chw_step((x, n, 0, P, geo, cols.reshape((RSC, M)), n * PQ))
         elif orient == 1:
             _im2col_slab_step((x, n, n + 1, 0, P, geo, sbuf,

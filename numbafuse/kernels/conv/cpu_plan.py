@@ -234,13 +234,20 @@ def _pointwise_blocked(geom, pass_, dtype, rules):
     0.80 / 0.54. NHWC: 2048 -> 512 at 2x2 3.32 / 0.80, 0.85 / 0.78, 0.78 / 0.51; 1024 -> 512
     at 4x4 1.92 / 0.87, 0.90 / 2.90, 0.73 / 0.90; 256 -> 1024 at 4x4 0.88 / 0.46, 0.48 /
     1.16, 0.39 / 0.45. So: NCHW dX and dW and NHWC forwards whenever blocked (``_k_blocks``),
-    NCHW forwards and NHWC dW below ``pointwise_thin_pixels`` pixels an image, NHWC dX never."""
+    NHWC dW below ``pointwise_thin_pixels`` pixels an image, NHWC dX never. NCHW forwards
+    whenever blocked too since the blocked 1x1 passes gather the channels' planes whole
+    (``plan``'s ``slab`` False) instead of HWC slabs: forward, pointwise / blocked over slabs /
+    blocked over planes (machine E, two runs each): 1024 -> 256 at 4x4 0.50-0.54 / 0.53 /
+    0.39-0.48, 256 -> 1024 0.46-0.48 / 0.44 / 0.39-0.45, 1024 -> 512 0.90-0.94 / - /
+    0.71-0.83; at 2x2 (blocked before) 2048 -> 512 0.51-0.59 -> 0.42-0.52, 512 -> 2048
+    0.48-0.64 -> 0.44-0.59; dW over slabs / planes 1024 -> 256 at 4x4 0.60-0.63 / 0.49-0.50,
+    2048 -> 512 at 2x2 0.58-0.63 / 0.51-0.54, 1024 -> 512 at 4x4 0.95 / 0.83, the same bits."""
     if _k_blocks(geom, pass_, dtype, rules) <= 1:
         return False
     thin = geom.P * geom.Q < rules.pointwise_thin_pixels
     if geom.layout == "NHWC":
         return pass_ == "forward" or (pass_ == "dw" and thin)
-    return pass_ != "forward" or thin
+    return True
 
 
 def choose(geom, pass_, dtype, rules):
@@ -317,8 +324,11 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None):
     tiles = (rules.winograd_tiles if algorithm == "winograd" else
              rules.winograd_s2_tiles if algorithm == "winograd_s2" else 0)
     k_blocks = _k_blocks(geom, pass_, dtype, rules) if algorithm == "im2col" else 1
+    # a k-blocked NCHW forward or dW gathers HWC slabs, except a 1x1's: its cols are the
+    # channels' planes, copied whole (``_pointwise_blocked`` has the measurements)
     slab = algorithm == "im2col" and pass_ != "dx" and (_slab(geom, rules) or k_blocks > 1
-                                                       and geom.layout == "NCHW")
+                                                       and geom.layout == "NCHW"
+                                                       and not is_pointwise(geom))
     return Plan(algorithm, rules.chunk_bytes, rules.min_chunks, tiles, rules.dw_groups,
                 _taps_mode(algorithm, geom, pass_, dtype, rules), slab, k_blocks)
 
