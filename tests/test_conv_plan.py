@@ -147,6 +147,19 @@ def _relu_output_and_gradient(x, w, b, kwargs, rng):
     return y, rng.standard_normal(y.shape).astype(np.float32)
 
 
+def _deep_pointwise(layout, size, C, K):
+    """A deep 1x1 layer's float32 case of 2 images, stride 1, unpadded: (x, w, b, the
+    reference's keywords, the geometry, the reference's y and a random dy)."""
+    rng = np.random.default_rng(C + K + size)
+    shape = (2, C, size, size) if layout == "NCHW" else (2, size, size, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, 1, 1)) / 10).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    kwargs = dict(layout=layout)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, 1, 0, 1, layout)
+    return (x, w, b, kwargs, geom, *_relu_output_and_gradient(x, w, b, kwargs, rng))
+
+
 def _on_threads(call, counts=(1, 3)):
     """{n: call()} with numbafuse's CPU kernels on n threads; the thread count restored."""
     from numbafuse.kernels.cpu import launch as cpu_launch
@@ -170,14 +183,7 @@ def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, 
     here: blocks of 16, the last partial or empty), the others as pointwise GEMMs; forward,
     dX, dW and db against the reference with bias and the ReLU's gate, bitwise the same on 1
     and 3 threads."""
-    rng = np.random.default_rng(C + K + size)
-    shape = (2, C, size, size) if layout == "NCHW" else (2, size, size, C)
-    x = rng.standard_normal(shape).astype(np.float32)
-    w = (rng.standard_normal((K, C, 1, 1)) / 10).astype(np.float32)
-    b = rng.standard_normal(K).astype(np.float32)
-    kwargs = dict(layout=layout)
-    geom = nf.validate.conv_geometry("t", shape, w.shape, 1, 0, 1, layout)
-    y, dy = _relu_output_and_gradient(x, w, b, kwargs, rng)
+    x, w, b, kwargs, geom, y, dy = _deep_pointwise(layout, size, C, K)
     want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)
     thin = size * size < cpu_plan.RULES.pointwise_thin_pixels
     blocked = {"forward": True, "dx": layout == "NCHW", "dw": True if layout == "NCHW" else thin}
@@ -205,14 +211,7 @@ def test_k_blocked_pointwise_dx_copies_its_blocks_into_dx(layout, size, C, K):
     GEMM's rows are dx's pixels in order, copied into dx instead of scattered tap by tap (NHWC
     runs it only when a plan names it: the rule sends NHWC 1x1 dX to the pointwise GEMMs);
     against the reference with the ReLU's gate, bitwise the same on 1 and 3 threads."""
-    rng = np.random.default_rng(C + K + size)
-    shape = (2, C, size, size) if layout == "NCHW" else (2, size, size, C)
-    x = rng.standard_normal(shape).astype(np.float32)
-    w = (rng.standard_normal((K, C, 1, 1)) / 10).astype(np.float32)
-    b = rng.standard_normal(K).astype(np.float32)
-    kwargs = dict(layout=layout)
-    geom = nf.validate.conv_geometry("t", shape, w.shape, 1, 0, 1, layout)
-    y, dy = _relu_output_and_gradient(x, w, b, kwargs, rng)
+    x, w, b, kwargs, geom, y, dy = _deep_pointwise(layout, size, C, K)
     want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)[0]
     with cpu_plan.using(k_block=16):
         plans = (cpu_plan.plan(geom, "dx", np.float32, algorithm="im2col"),
