@@ -40,6 +40,13 @@ _input_coord = cpu_scalar(conv_math.input_coord)
 _valid_range = cpu_scalar(conv_math.valid_range)
 
 
+@njit(inline="always")
+def _is_pointwise(geo):
+    # a 1x1, stride-1, unpadded conv (the cols are x's pixels in order; P, Q = H, W)
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    return R == 1 and S == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0 and P == H and Q == W
+
+
 # --------------------------------------------------------------------------- gathers
 
 @njit(inline="always")
@@ -243,7 +250,7 @@ def cols_tasks(t0, t1, x, geo, orient, cols):
     PQ = P * Q
     M = N * PQ
     sbuf = slab_buffer(x, geo, N, P, orient == 1)
-    pointwise = RSC == C and sh == 1 and sw == 1 and ph == 0 and pw == 0 and P == H and Q == W
+    pointwise = _is_pointwise(geo)
     for n in range(t0, t1):
         if orient == 2 and pointwise:          # 1x1: each channel's plane, whole, in order
             xf, c2 = x.reshape((N, C, PQ)), cols.reshape((C, M))
@@ -394,7 +401,7 @@ def dx_block_tasks(t0, t1, gy, y, use_mask, wmat, geo, cb, blas, dx):
     RS = R * S
     PQ = P * Q
     M = N * PQ
-    pointwise = RS == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0 and P == H and Q == W
+    pointwise = _is_pointwise(geo)
     cb_len = block_len(C, cb)
     g = np.empty((K, M), dx.dtype)                                # gated, pixels as columns
     dcols = np.empty(min(C, cb_len) * RS * M, dx.dtype)

@@ -180,17 +180,20 @@ def using(**changes):
         _CURRENT.reset(token)
 
 
+def _unpadded_1x1(geom):
+    return (geom.R == geom.S == 1 and geom.ph == geom.pw == 0
+            and geom.ph_end == geom.pw_end == 0)
+
+
 def is_pointwise(geom):
     """1x1, stride 1, unpadded: the cols matrix is x itself."""
-    return (geom.R == geom.S == geom.sh == geom.sw == geom.dh == geom.dw == 1
-            and geom.ph == geom.pw == 0 and geom.ph_end == geom.pw_end == 0)
+    return _unpadded_1x1(geom) and geom.sh == geom.sw == geom.dh == geom.dw == 1
 
 
 def _strided_pointwise(geom):
     """A strided 1x1 conv without padding (ResNet's downsample 1x1/2): its dX is a pointwise
     GEMM into the pixels it reads, zeros elsewhere (``cpu_pointwise.dx``)."""
-    return (geom.R == geom.S == 1 and (geom.sh > 1 or geom.sw > 1) and geom.ph == geom.pw == 0
-            and geom.ph_end == geom.pw_end == 0)
+    return _unpadded_1x1(geom) and (geom.sh > 1 or geom.sw > 1)
 
 
 def _is_winograd(geom):
