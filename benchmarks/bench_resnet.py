@@ -37,7 +37,7 @@ KEEP_H = " (recompute=False)"        # ... of fuse(model, recompute=False)
 CACHED = " (weight_cache)"           # ... of fuse(model) run inside numbafuse.torch.weight_cache()
 
 
-def _resnet_module():
+def resnet_module():
     """numbafuse/torch/resnet.py loaded from its file (torch only, no numbafuse import)."""
     spec = importlib.util.spec_from_file_location("_bench_resnet_models", RESNET)
     mod = importlib.util.module_from_spec(spec)
@@ -57,7 +57,7 @@ def _cache(side, cached):
 def cases(side, options):
     import torch
     torch.manual_seed(0)
-    resnet = _resnet_module()
+    resnet = resnet_module()
     batch, size = int(options["batch"]), int(options["size"])
     x = torch.randn(batch, 3, size, size)
     labels = torch.randint(0, CLASSES, (batch,))

@@ -114,16 +114,6 @@ def _wrap_conv_passes(times, counts):
     return undo
 
 
-def _resnet_module():
-    """numbafuse/torch/resnet.py loaded from its file (torch only, no numbafuse import)."""
-    import importlib.util
-    path = os.path.join(os.path.dirname(HERE), "numbafuse", "torch", "resnet.py")
-    spec = importlib.util.spec_from_file_location("_profile_resnet_models", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _torch_layers(model, step, steps):
     """(times, counts) of PyTorch's conv passes by layer shape, in ``--layers``' keys, from
     ``torch.profiler`` over ``steps`` calls of ``step``: forward, backward (dx+dw) or (dw)."""
@@ -173,7 +163,8 @@ def main(argv=None):
 
     import torch
     if args.torch:
-        resnet = _resnet_module()
+        from bench_resnet import resnet_module       # resnet.py from its file, no numbafuse
+        resnet = resnet_module()
     else:
         import numbafuse.torch as nft
         from numbafuse.torch import resnet
