@@ -226,14 +226,17 @@ def _backward_inputs(call, saved, dy):
     return backend.backend_of_array(dy), half, half.residuals(saved), precision.compute(dy)
 
 
-def forward(op, p, x, w, gamma, beta):
+def forward(op, p, x, w, gamma, beta, checked=None):
     """Conv -> batch norm [-> ReLU] without a tape: ``(y, call, saved)``, ``saved`` the arrays
     :func:`backward` reads by name (x and w as given, a half x stays half; gamma, [beta], the
     float64 mean and invstd; with ``p.recompute`` False in training h and the packed 1-bit
     ReLU mask, ``relu_state``, instead of beta). ``p``: :class:`ConvBatchNormReLU.Params`.
     Everything is validated before anything is written; the running statistics are updated
-    in place in training (a half one written back)."""
-    which, geometry, momentum = _validate(op, x, w, gamma, beta, p, p.relu)
+    in place in training (a half one written back). ``checked``: the call's ``(backend,
+    geometry, momentum)`` where the caller has checked everything already
+    (``numbafuse.torch`` checks its tensors itself, with its own argument names), else
+    :func:`_validate` here."""
+    which, geometry, momentum = checked or _validate(op, x, w, gamma, beta, p, p.relu)
     x, w, gamma, beta = (kernels.contiguous(a) for a in (x, w, gamma, beta))
     half = _Half(x, gamma)
     x_kept, w_kept = x, w                        # saved as given: a half x stays half
@@ -303,14 +306,15 @@ def backward(p, call, saved, dy, need, dx_addend=None):
     return half.store(dx), half.store(dw), half.param(dgamma), half.param(dbeta)
 
 
-def add_forward(op, p, x, w, z, gamma, beta):
+def add_forward(op, p, x, w, z, gamma, beta, checked=None):
     """Conv -> batch norm -> + z -> ReLU without a tape: ``(y, call, saved)``, ``saved`` x
     and w as given, gamma, the float64 mean and invstd, the packed 1-bit mask of ``y > 0``
     (``relu_state``) and, with ``p.recompute`` False, h. ``p``:
-    :class:`ConvBatchNormAddReLU.Params`. Validation and running statistics as
-    :func:`forward`'s."""
-    validate.check_given(op, z=z)
-    which, geometry, momentum = _validate(op, x, w, gamma, beta, p, True, z=z)
+    :class:`ConvBatchNormAddReLU.Params`. Validation (``checked`` too) and running statistics
+    as :func:`forward`'s."""
+    if checked is None:
+        validate.check_given(op, z=z)
+    which, geometry, momentum = checked or _validate(op, x, w, gamma, beta, p, True, z=z)
     x, w, z, gamma, beta = (kernels.contiguous(a) for a in (x, w, z, gamma, beta))
     half = _Half(x, gamma)
     x_kept, w_kept = x, w                        # saved as given: a half x stays half

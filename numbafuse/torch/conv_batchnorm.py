@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .. import validate
+from .. import backend, validate
 from ..kernels.conv import weights as _weights
 from ..ops import conv_batchnorm as _cbn
 from .layers import (LAYOUT, Unrecorded, as_array, as_tensor, capturing, check_tensors,
@@ -107,6 +107,12 @@ def save(ctx, p, call, saved, tensors, device):
     ctx.p, ctx.call, ctx.names, ctx.device = p, call, tuple(saved), device
 
 
+def _checked(device, geometry, p):
+    """What the core's forward would validate, validated by :func:`_check` already: (its
+    backend, the geometry, the momentum in ``p``), so that the core does not check again."""
+    return (backend.CUDA if device.type == "cuda" else backend.CPU, geometry, p.momentum)
+
+
 def vouched(w_array, w, p, *bn):
     """``kernels.conv.weights.vouch`` of w's array: the arrays the conv derives from w (its
     transposes, Winograd taps) are cached while w is unchanged, and in inference (``p``'s
@@ -146,7 +152,8 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
         wa = as_array(w)
         with launch_order(device), vouched(wa, w, p, weight, bias, running_mean, running_var):
             y, call, saved = _cbn.forward(_cbn.OP, p, as_array(x, layout), wa,
-                                          as_array(weight), as_array(bias))
+                                          as_array(weight), as_array(bias),
+                                          checked=_checked(device, geometry, p))
         save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight, beta=bias), device)
         if p.training and running_mean is not None:
             updated_in_place(running_mean, running_var)
@@ -258,7 +265,8 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
             y, call, saved = _cbn.add_forward(_cbn.ConvBatchNormAddReLU.name, p,
                                               as_array(x, layout), wa,
                                               as_array(z, layout), as_array(weight),
-                                              as_array(bias))
+                                              as_array(bias),
+                                              checked=_checked(device, geometry, p))
         save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight), device)
         if p.training and running_mean is not None:
             updated_in_place(running_mean, running_var)

@@ -43,8 +43,7 @@ stream is another one, :func:`launch_order` orders the work on the device: the d
 waits for the current stream before numbafuse's kernels, and the current stream waits for the
 default stream after them (``Stream.wait_stream``; no host synchronization). numbafuse's kernels
 run on numba's current device; tensors on another CUDA device are refused. **The CUDA path is
-untested on a GPU** (this was written where no GPU was available: only its dispatch is tested,
-with fakes); the CPU path is tested against torch's own layers.
+untested on a GPU** (only its dispatch is tested, with fakes); the CPU path against torch's.
 
 What backward keeps (the numbafuse ops' residuals, not the pre-activations):
 
@@ -207,14 +206,16 @@ def as_tensor(a, device, layout=LAYOUT):
     return t.permute(0, 3, 1, 2) if layout == "NHWC" and t.dim() == 4 else t
 
 
-@contextlib.contextmanager
-def launch_order(device):
+def launch_order(device, _cpu=contextlib.nullcontext()):
     """Order numbafuse's kernels (on the legacy default stream) after the work queued on
     torch's current CUDA stream, and that stream's later work after them (device-side waits,
-    no host synchronization). Nothing to do on the CPU or on the default stream."""
-    if device is None or device.type != "cuda":
-        yield
-        return
+    no host synchronization). Nothing to do on the CPU (``_cpu``: one reusable no-op block)
+    or on the default stream."""
+    return _cpu if device is None or device.type != "cuda" else _cuda_launch_order(device)
+
+
+@contextlib.contextmanager
+def _cuda_launch_order(device):
     current, default = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
     if current.cuda_stream == default.cuda_stream:
         yield
@@ -285,8 +286,7 @@ class Unrecorded:
     """The ``ctx`` of a Function's ``forward`` called directly, where autograd would record
     nothing (inference, ``torch.no_grad()``, no input requiring grad): it keeps what
     ``forward`` sets and saves no tensor. ``Function.apply`` costs ~9 us a call in PyTorch's
-    own Python (a digits-size ``BatchNormAddReLU2d`` in ``eval()``: 66 us a call through it,
-    57 us direct; docs/pytorch.md)."""
+    own Python (a digits-size ``BatchNormAddReLU2d`` in ``eval()``: 66 -> 57 us a call)."""
 
     def save_for_backward(self, *tensors):
         pass

@@ -400,9 +400,9 @@ def _im2col_dx(gy, y, use_mask, w, geom, plan, dx, work):
                int(plan.k_blocks), _blas.blas_for(gy.dtype), dx, work=work,
                grain=int(plan.k_blocks))
         return
-    tr, orr, nr = _phases(H, R, geom.sh, geom.ph, geom.dh)
-    ts, os_, ns = _phases(W, S, geom.sw, geom.pw, geom.dw)
-    wphase, woff = _phase_weights(w, tr, nr, ts, ns, geom.layout == "NHWC")
+    rows, cols = (H, R, geom.sh, geom.ph, geom.dh), (W, S, geom.sw, geom.pw, geom.dw)
+    (tr, orr, nr), (ts, os_, ns) = _phases(*rows), _phases(*cols)
+    wphase, woff = _phase_weights(w, rows, cols, geom.layout == "NHWC")
     rows_max = -(-H // geom.sh)
     wb_max = -(-W // geom.sw)
     ipc, rpc = _chunking(plan, rows_max * wb_max, rows_max, wb_max,

@@ -55,19 +55,27 @@ def enabled(on=True):
         _ENABLED.reset(token)
 
 
-@contextlib.contextmanager
+_NOTHING = contextlib.nullcontext()     # the block of a call that vouches for nothing
+
+
 def vouch(w, *owners):
     """Within the block, arrays derived from the NumPy array ``w`` may be cached: its contents
     are a function of the ``owners``' data alone (objects with an int ``_version`` that changes
     whenever their data does, weak-referenceable: torch tensors; None ones are skipped), at
-    their versions now. ``w`` None or not a host array: nothing vouched."""
+    their versions now. ``w`` None or not a host array: nothing vouched. (Cache off, the
+    default: a shared no-op block, no generator: every fused call enters one.)"""
+    if not _ENABLED.get():
+        return _NOTHING
     address = getattr(getattr(w, "ctypes", None), "data", None)
-    if address is None or not _ENABLED.get():
-        yield
-        return
+    if address is None:
+        return _NOTHING
     owners = [o for o in owners if o is not None]
-    entry = (address, w.shape, w.dtype.str, tuple(weakref.ref(o) for o in owners),
-             tuple(o._version for o in owners))
+    return _vouching((address, w.shape, w.dtype.str, tuple(weakref.ref(o) for o in owners),
+                      tuple(o._version for o in owners)))
+
+
+@contextlib.contextmanager
+def _vouching(entry):
     token = _VOUCHED.set(_VOUCHED.get() + (entry,))
     try:
         yield
