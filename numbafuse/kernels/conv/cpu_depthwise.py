@@ -58,7 +58,8 @@ from . import cpu_depthwise_nhwc as _nhwc
 from . import cpu_depthwise_tiles as _tiles
 from .cpu_depthwise_nhwc import gate_row as _gate_row
 from .cpu_chunks import sum64
-from .cpu_phases import merge_phases as _merge_phases, split_phases as _split_phases
+from . import cpu_phases as _phases
+from .cpu_phases import merge as _merge_phases, split as _split_phases
 
 CHUNK_ELEMENTS = 1 << 15   # output values of one NHWC task's rows (forward, dW), at least a row
 DW_GROUPS = 16             # fixed groups of chunks, each with its own dW and db partial
@@ -236,6 +237,7 @@ def forward(x, w, b, geom, relu):
             launch(_forward_nhwc, N * blocks(P, rpc), x, _taps_nhwc(w, C, K // C), b, relu,
                    geo, rpc, y, work=work)
     elif np.dtype(x.dtype) == np.float32:
+        _phases.ready(x.dtype, geom)
         Wpt = _phase_width(geom, vector=True)
         brep = _nchw.lanes(b, K, geom)
         if _rows7(geom):
@@ -247,6 +249,7 @@ def forward(x, w, b, geom, relu):
             launch(_nchw.forward_tiled, N * C, x, wrep, brep, relu, geo, Wpt,
                    _phase_tap_offsets(geom, Wpt), _gemm_taps.WIDE, y, work=work)
     else:
+        _phases.ready(x.dtype, geom)
         launch(_forward_nchw, N * C, x, w.reshape(K, R, S), b, relu, geo, _phase_width(geom),
                y, work=work)
     return y
@@ -582,6 +585,7 @@ def backward(gy, x, w, geom, y=None, need=(True, True, True)):
         elif nhwc:
             launch(_dx_nhwc, N * H, gy, y, use_mask, _taps_nhwc(w, C, M), geo, dx, work=work)
         else:
+            _phases.ready(gy.dtype, geom, merging=True)
             launch(_dx_nchw, N * C, gy, y, use_mask, w.reshape(K, R, S), geo,
                    _phase_width(geom), dx, work=work)
     return dx, dw, db
@@ -618,6 +622,8 @@ def _dw_db(gy, x, y, use_mask, geom, flags, geo, work):
         groups = min(nchunks, DW_GROUPS)
         dw_parts = np.empty((groups, K, R, S))                        # float64
         db_parts = np.empty((groups, K))                              # float64
+        if need_dw:
+            _phases.ready(x.dtype, geom)
         launch(_dw_nchw, groups, x, gy, y, use_mask, need_dw, geo,
                (nchunks, groups, _phase_width(geom)), dw_parts, db_parts, work=work, grain=1)
         if need_dw:                                                   # group order

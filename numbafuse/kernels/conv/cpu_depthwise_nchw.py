@@ -18,7 +18,7 @@ from numba import njit
 from ..cpu import gemm_taps as _gemm_taps
 from ..cpu.launch import task_kernel
 from . import cpu_depthwise_tiles as _tiles
-from .cpu_phases import split_phases as _split_phases
+from .cpu_phases import split as _split_phases
 
 # a*b + c as one fused multiply-add (one rounding), as cpu_depthwise's loops
 FMA = {"contract"}

@@ -12,9 +12,10 @@ and a scalar remainder of 4 pairs); forward 6.3-6.4 -> 5.0-5.5 ms, 7x7 stride 2 
 alternating runs).
 """
 import numpy as np
-from numba import njit
+from numba import njit, types
 
 from ..cpu.pairs import copy_at, merge_pairs_at, split_pairs_at
+from ..cpu.steps import Step, array as _arr
 
 
 @njit(cache=True)
@@ -83,20 +84,40 @@ def split_phases(src, top, left, sh, sw, Wph, out):
         return
     for a in range(sh):
         for b in range(sw):
-            o = a * sw + b
-            j0, j1 = _phase_columns(b, sw, left, W, Wph)
-            c0 = j0 * sw + b - left                     # the source column of phase column j0
-            for i in range(Hph):
-                h = i * sh + a - top
-                if h < 0 or h >= H or j1 == j0:
-                    continue
-                d0 = i * Wph + j0
-                if sw == 1 and flat:
-                    copy_at(pout + (o * plane + d0) * isz, ps + (h * W + c0) * isz, j1 - j0,
-                            src)
-                else:
-                    for j in range(j1 - j0):
-                        out[o, d0 + j] = src[h, c0 + j * sw]
+            _split_phase(src, top, left, sh, sw, Wph, out, a, b)
+
+
+@njit(cache=True)
+def pad_plane(src, top, left, Wph, out):
+    # split_phases at stride 1: out (1, Hph*Wph) <- src zero-padded (the values from src
+    # only, as split_phases). A step of its own: it compiles in a fraction of split_phases'
+    # time, whose stride-2 paths a stride-1 conv never runs
+    _split_phase(src, top, left, 1, 1, Wph, out, 0, 0)
+
+
+@njit(cache=True)
+def _split_phase(src, top, left, sh, sw, Wph, out, a, b):
+    # phase (a, b) of split_phases, element by element or (sw == 1, contiguous rows) a row
+    # by address
+    H, W = src.shape
+    plane = out.shape[1]
+    Hph = plane // Wph
+    isz = src.itemsize
+    flat = src.strides[1] == isz and src.strides[0] == W * isz
+    ps, pout = np.intp(src.ctypes.data), np.intp(out.ctypes.data)
+    o = a * sw + b
+    j0, j1 = _phase_columns(b, sw, left, W, Wph)
+    c0 = j0 * sw + b - left                             # the source column of phase column j0
+    for i in range(Hph):
+        h = i * sh + a - top
+        if h < 0 or h >= H or j1 == j0:
+            continue
+        d0 = i * Wph + j0
+        if sw == 1 and flat:
+            copy_at(pout + (o * plane + d0) * isz, ps + (h * W + c0) * isz, j1 - j0, src)
+        else:
+            for j in range(j1 - j0):
+                out[o, d0 + j] = src[h, c0 + j * sw]
 
 
 @njit(cache=True)
@@ -143,17 +164,80 @@ def merge_phases(buf, top, left, sh, sw, Wph, dst):
         return
     for a in range(sh):
         for b in range(sw):
-            o = a * sw + b
-            j0, j1 = _phase_columns(b, sw, left, W, Wph)
-            c0 = j0 * sw + b - left                     # the column of phase column j0
-            for i in range(Hph):
-                h = i * sh + a - top
-                if h < 0 or h >= H or j1 == j0:
-                    continue
-                s0 = i * Wph + j0
-                if sw == 1 and flat:
-                    copy_at(pd + (h * W + c0) * isz, pbuf + (o * plane + s0) * isz, j1 - j0,
-                            dst)
-                else:
-                    for j in range(j1 - j0):
-                        dst[h, c0 + j * sw] = buf[o, s0 + j]
+            _merge_phase(buf, top, left, sh, sw, Wph, dst, a, b)
+
+
+@njit(cache=True)
+def crop_plane(buf, top, left, Wph, dst):
+    # merge_phases at stride 1 (pad_plane's inverse): dst (H, W) <- the window of buf's one
+    # phase plane, 0 past it
+    dst[:] = 0
+    _merge_phase(buf, top, left, 1, 1, Wph, dst, 0, 0)
+
+
+@njit(cache=True)
+def _merge_phase(buf, top, left, sh, sw, Wph, dst, a, b):
+    # phase (a, b) of merge_phases (as _split_phase)
+    H, W = dst.shape
+    plane = buf.shape[1]
+    Hph = plane // Wph
+    isz = dst.itemsize
+    flat = dst.strides[1] == isz and dst.strides[0] == W * isz
+    pd, pbuf = np.intp(dst.ctypes.data), np.intp(buf.ctypes.data)
+    o = a * sw + b
+    j0, j1 = _phase_columns(b, sw, left, W, Wph)
+    c0 = j0 * sw + b - left                             # the column of phase column j0
+    for i in range(Hph):
+        h = i * sh + a - top
+        if h < 0 or h >= H or j1 == j0:
+            continue
+        s0 = i * Wph + j0
+        if sw == 1 and flat:
+            copy_at(pd + (h * W + c0) * isz, pbuf + (o * plane + s0) * isz, j1 - j0, dst)
+        else:
+            for j in range(j1 - j0):
+                dst[h, c0 + j * sw] = buf[o, s0 + j]
+
+
+# The task kernels call the split and the merge through steps (kernels/cpu/steps.py), not by
+# linking their code in: each compiles once, not again inside every kernel that calls it (the
+# NCHW depthwise forward's first call compiled split_phases, 0.77 s of CPU with its helpers,
+# into forward_tiled; the dX merge_phases, 0.57 s, into _dx_nchw), and a kernel calls
+# pad_plane (crop_plane) at stride 1 and split_phases (merge_phases) else (:func:`split`,
+# :func:`merge`), so that a stride-1 conv never compiles the strided code. The host readies
+# what its kernel will call (:func:`ready`) before the launch.
+_I = types.int64
+SPLIT = Step(split_phases.py_func, lambda f: [(_arr(f, 2), _I, _I, _I, _I, _I, _arr(f, 2))])
+PAD = Step(pad_plane.py_func, lambda f: [(_arr(f, 2), _I, _I, _I, _arr(f, 2))])
+MERGE = Step(merge_phases.py_func, lambda f: [(_arr(f, 2), _I, _I, _I, _I, _I, _arr(f, 2))])
+CROP = Step(crop_plane.py_func, lambda f: [(_arr(f, 2), _I, _I, _I, _arr(f, 2))])
+_split_step, _pad_step = SPLIT.call, PAD.call
+_merge_step, _crop_step = MERGE.call, CROP.call
+
+
+@njit(inline="always")
+def split(src, top, left, sh, sw, Wph, out):
+    # split_phases through its step, pad_plane's at stride 1
+    if sh == 1 and sw == 1:
+        _pad_step((src, top, left, Wph, out))
+    else:
+        _split_step((src, top, left, sh, sw, Wph, out))
+
+
+@njit(inline="always")
+def merge(buf, top, left, sh, sw, Wph, dst):
+    # merge_phases through its step, crop_plane's at stride 1
+    if sh == 1 and sw == 1:
+        _crop_step((buf, top, left, Wph, dst))
+    else:
+        _merge_step((buf, top, left, sh, sw, Wph, dst))
+
+
+def ready(dtype, geom, merging=False):
+    """Fill the slot that :func:`split` (``merging``: :func:`merge`) calls for ``geom``'s
+    strides, at ``dtype``."""
+    stride1 = geom.sh == 1 and geom.sw == 1
+    if merging:
+        (CROP if stride1 else MERGE).ready(dtype)
+    else:
+        (PAD if stride1 else SPLIT).ready(dtype)
