@@ -3,11 +3,11 @@
 Conv-BatchNorm-ReLU takes the batch statistics (forward) and the first pass of batch norm's
 backward (recompute) from the conv's own chunks. Here both against NumPy, at shapes and
 ``winograd_tiles`` (a conv rule) that cut the output into one tile row a chunk (a last
-partial one), a few rows, or several whole images; odd output sizes (the last tiles' second row and column
-are not written, nor counted); channel counts whose rows are walked 64, 16, 8, 2 or 1 pixels
-at a time; channel means far from zero (the per-chunk shift); bitwise the same on 1 and 3
-threads, h bitwise the plain forward's. float32 only: the float64 kernels are the same code
-typed wider, and each of their compilations cost CI ~40 s a leg.
+partial one), a few rows, or several whole images; odd output sizes (the last tiles' second
+row and column are not written, nor counted); channel counts whose rows are walked 64, 16,
+8, 2 or 1 pixels at a time; channel means far from zero (the per-chunk shift); bitwise the
+same on 1 and 3 threads, h bitwise the plain forward's. float32 only: the float64 kernels
+are the same code typed wider, and each of their compilations cost CI ~40 s a leg.
 """
 import numpy as np
 import pytest
@@ -204,3 +204,35 @@ def test_conv_batchnorm_relu_through_the_epilogue(winograd_everywhere, monkeypat
         close(t.grad, want, np.float32, TOL)
     assert used == {"forward_stats": 1,
                     "forward_bn_sums": int(recompute and layout == "NHWC")}
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("relu", [True, False])
+def test_numpy_style_backward_takes_the_statistics_from_the_epilogue(winograd_everywhere,
+                                                                     monkeypatch, layout,
+                                                                     relu):
+    # nf.conv_batchnorm_relu_backward recomputes h with its batch statistics from the conv's
+    # chunks (forward_stats) and gates by gamma * xhat + beta of that h: against the reference
+    import numbafuse as nf
+    from numbafuse import reference as ref
+    winograd_everywhere(7)
+    used = []
+
+    def spy(*args, _f=cpu_conv.forward_stats):
+        out = _f(*args)
+        used.append(out is not None)
+        return out
+    monkeypatch.setattr(cpu_conv, "forward_stats", spy)
+    x, w, _ = _problem(layout, *SHAPES[0], np.float32)
+    K = w.shape[0]
+    rng = np.random.default_rng(K + 1)
+    gamma, beta = (rng.uniform(0.5, 1.5, K).astype(np.float32),
+                   rng.uniform(-0.5, 0.5, K).astype(np.float32))
+    kw = dict(eps=EPS, padding=1, relu=relu, layout=layout)
+    y_ref, _, _ = ref.conv_batchnorm_relu(x, w, gamma, beta, None, None, **kw)
+    dy = rng.standard_normal(y_ref.shape).astype(np.float32)
+    got = nf.conv_batchnorm_relu_backward(dy, x, w, gamma, beta, **kw)
+    want = ref.conv_batchnorm_relu_backward(dy, x, w, gamma, beta, **kw)
+    assert used == [True]
+    for a, b in zip(got, want):
+        close(a, b, np.float32, TOL)
