@@ -620,27 +620,22 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, *, running_mean=None, ru
     call = Call(geometry, geometry.N * geometry.P * geometry.Q, gamma.dtype)
     x, w, gamma, beta, dy = (precision.compute(kernels.contiguous(a))     # half: float32
                              for a in (x, w, gamma, beta, dy))
-    which = backend.backend_of_array(x)
     # the one conv, with the batch statistics from its own chunks where it can (the
-    # forward's epilogue, _conv_and_stats), else a statistics pass
+    # forward's epilogue), else a statistics pass
+    which = backend.backend_of_array(x)
     fused = _conv_and_stats(which, x, w, geometry, eps) if training else None
-    if fused is not None:
-        h, mean, _, invstd = fused
+    h = fused[0] if fused else _conv.conv_forward(x, w, None, geometry, False)
+    if fused:
+        mean, invstd = fused[1], fused[3]                                 # (K,) float64
+    elif training:
+        mean, _, invstd = _bn.bn_stats(h, eps=eps, layout=geometry.layout)
     else:
-        h = _conv.conv_forward(x, w, None, geometry, False)
-        if training:
-            mean, _, invstd = _bn.bn_stats(h, eps=eps, layout=geometry.layout)  # (K,) float64
-        else:
-            mean, invstd = _bn.bn_inference_stats(
-                *(precision.compute(kernels.contiguous(a)) for a in (running_mean, running_var)),
-                eps=eps)
-    if not relu:
-        relu_state = None
-    elif _bn.supports_affine_gate(which):      # the gate re-derived from h by the backward
-        relu_state = _bn.AffineGate(beta)
-    else:                                      # y: its sign is the mask
-        relu_state = _bn.bn_apply(h, mean, invstd, gamma, beta, relu=True,
-                                  layout=geometry.layout)
+        mean, invstd = _bn.bn_inference_stats(
+            *(precision.compute(kernels.contiguous(a)) for a in (running_mean, running_var)),
+            eps=eps)
+    gate = relu and _bn.supports_affine_gate(which)   # the gate re-derived from h, else y's sign
+    relu_state = (_bn.AffineGate(beta) if gate else None if not relu else
+                  _bn.bn_apply(h, mean, invstd, gamma, beta, relu=True, layout=geometry.layout))
     saved = dict(x=x, w=w, gamma=gamma, h=h, relu_state=relu_state, mean=mean, invstd=invstd)
     dx, dw, dgamma, dbeta = backward(p, call, saved, dy,       # dgamma, dbeta: gamma's dtype
                                      tuple(bool(n) for n in need))
