@@ -366,6 +366,8 @@ def run_tiled(x, mask, problems, b, rpc, y, work):
             wts[f, :wt.shape[0]], aoffs[f, :, :aoff.shape[1]] = wt, aoff
     table = np.array([row for _, _, row in problems], np.int64)
     nb = blocks(max(row[7] for _, _, row in problems), rpc)
-    _tiles.ready(_tiles.TAPS_TILES, _tiles.SLIDE_TILES)
+    # the sliding tiles' step only where a problem slides (7x7): a 3x3's first call does not
+    # compile it
+    _tiles.ready(_tiles.TAPS_TILES, *((_tiles.SLIDE_TILES,) if table[:, 19].any() else ()))
     launch(forward_tiled, x.shape[0] * nb, x, mask, wts, b, table, (nb, rpc), aoffs, y,
            work=work)
