@@ -338,11 +338,14 @@ def test_depthwise_streamed_outputs_are_the_same_bits(x_shape, rs, kw, threads, 
 
 
 # The depthwise tiles are steps (cpu_depthwise_tiles: TAPS_TILES, SLIDE_TILES, DW_TILES,
-# ROWS7_TILES): each pass run alone with every slot empty, as in a new process, readies the
+# ROWS7_TILES), and so are the NCHW phase planes (cpu_phases: PAD and CROP at stride 1, SPLIT
+# and MERGE else): each pass run alone with every slot empty, as in a new process, readies the
 # steps its kernels call (else a RuntimeError "called before its ready()"). NHWC 3x3 and 7x7
-# (the sliding tiles) forward, dX (phases), dW; NCHW 3x3 (depthwise_taps) and 7x7 (rows7).
-@pytest.mark.parametrize("layout, k", [("NHWC", 3), ("NHWC", 7), ("NCHW", 3), ("NCHW", 7)])
-def test_each_depthwise_pass_readies_its_tile_steps(layout, k):
+# (the sliding tiles) forward, dX (phases), dW; NCHW 3x3 (depthwise_taps) and 7x7 (rows7),
+# strides 1 and 2.
+@pytest.mark.parametrize("layout, k, stride", [("NHWC", 3, 1), ("NHWC", 7, 1), ("NCHW", 3, 1),
+                                               ("NCHW", 7, 1), ("NCHW", 3, 2)])
+def test_each_depthwise_pass_readies_its_tile_steps(layout, k, stride):
     from .test_conv_plan import _step_slots_emptied
     rng = np.random.default_rng(2)
     C = 32
@@ -350,7 +353,7 @@ def test_each_depthwise_pass_readies_its_tile_steps(layout, k):
     x = x.astype(np.float32)
     w = rng.standard_normal((C, 1, k, k)).astype(np.float32)
     b = rng.standard_normal(C).astype(np.float32)
-    kw = dict(padding=k // 2, layout=layout, groups=C)
+    kw = dict(padding=k // 2, layout=layout, groups=C, stride=stride)
     y = nf.conv_bias_relu(x, w, b, **kw)
     gy = rng.standard_normal(y.shape).astype(np.float32)
     runs = [lambda: [nf.conv_bias_relu(x, w, b, **kw)],
