@@ -45,6 +45,11 @@ class ConvKernels(Protocol):
         """``(h, g, sums)``: the conv recomputed with pass 1 of the batch-norm backward made
         by its chunks, or None where this backend has no such epilogue for ``geom``."""
 
+    def forward_scaled(self, x, w, values, geom, relu):
+        """``relu?(scale[k] * conv(x, w) + shift[k])`` with ``(scale, shift) = values()``
+        (inference batch norm, not folded into w), or None where this backend's conv for
+        ``geom`` has no such epilogue (``values`` then not called)."""
+
 
 class BatchNormKernels(Protocol):
     """``kernels/batchnorm/cpu.py`` and ``cuda.py``."""

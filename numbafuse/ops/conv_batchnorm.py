@@ -22,10 +22,11 @@ cannot be rebuilt without it. The Function (not the public function, whose signa
 also takes ``recompute=False``: keep h and a packed 1-bit ReLU mask instead of recomputing the
 conv - faster, but then the op keeps about what the unfused chain keeps.
 
-Inference (``training=False``): batch norm is folded into the conv,
-``w' = w * s[k]``, ``b' = beta - running_mean * s``, ``s = gamma / sqrt(running_var + eps)``
-(:func:`fold_batchnorm`), and one conv with bias (and ReLU) runs. Its backward recomputes the
-unfolded chain with the running statistics as constants.
+Inference (``training=False``): one conv with bias (and ReLU) runs, the batch norm folded
+into it, ``w' = w * s[k]``, ``b' = beta - running_mean * s``, ``s = gamma / sqrt(running_var +
+eps)`` (:func:`fold_batchnorm`), or where the backend's conv can, ``s`` applied to its sums in
+its epilogue instead of to w (``numbafuse.ops.fold``). Its backward recomputes the unfolded
+chain with the running statistics as constants.
 
 The work is done by the array-level helpers of the conv and batch-norm families
 (``numbafuse.ops.conv`` / ``numbafuse.ops.batchnorm``), which dispatch to the Numba CPU
@@ -34,17 +35,15 @@ no kernels of its own and results stay on the device.
 """
 from __future__ import annotations
 
-import numpy as np
-
 import dataclasses
 import types
 from typing import NamedTuple
 
 from .. import autograd, backend, kernels, reference, validate
 from ..autograd import Function
-from ..kernels.conv import weights as _weights
 from . import batchnorm as _bn
 from . import conv as _conv
+from .fold import fold_batchnorm, inference_forward as _inference_forward  # noqa: F401
 from . import precision
 from .batchnorm import BatchNormParams
 from .spec import OpSpec
@@ -257,13 +256,8 @@ def forward(op, p, x, w, gamma, beta, checked=None):
         del h                                                             # never kept
     else:
         mean, invstd = _running_stats(pc)
-        # the fold is cached where the caller vouches for w and the batch norm's tensors
-        # (numbafuse.torch in inference: kernels/conv/weights.py), and so what the conv
-        # derives from the folded w
-        w_folded, b_folded = _weights.derived(w, ("folded", float(pc.eps)), lambda: _fold(
-            which, w, None, gamma, beta, mean, invstd))
-        with _weights.vouch_like(w_folded, w):
-            y = _conv_forward(which, x, w_folded, b_folded, geometry, p.relu)
+        y = _inference_forward(which, x, w, gamma, beta, mean, invstd, geometry, p.relu,
+                               pc.eps)
     shift = dict(beta=beta) if p.relu else {}    # the ReLU's gate needs beta
     saved = dict(x=x_kept, w=w_kept, gamma=gamma, **shift, mean=mean, invstd=invstd)
     return half.store(y), Call(geometry, count, half.param_dtype), saved
@@ -459,70 +453,6 @@ class ConvBatchNormAddReLU(Function):
     def backward(self, dy):
         return add_backward(self.params, self.call, vars(self.saved), dy,
                             self.needs_input_grad)
-
-
-# --------------------------------------------------------------------------- folding
-
-def _fold(which, w, b, gamma, beta, mean, invstd):
-    """(w', b') with s = gamma*invstd: w' = w*s[k], b' = (b - mean)*s + beta (b may be None).
-
-    Batch norm's own apply kernel does both per-channel affine maps, on either backend:
-    w viewed as an NCHW activation (1, K, C*R*S, 1) has channel k = filter k.
-    """
-    K = w.shape[0]
-    CRS = int(np.prod(w.shape[1:]))
-    zero_mean = kernels.zeros(which, (K,), np.float64)                   # (K,)
-    zero_shift = kernels.zeros(which, (K,), w.dtype)                     # (K,)
-    w_folded = _bn.bn_apply(w.reshape(1, K, CRS, 1), zero_mean, invstd, gamma, zero_shift,
-                            relu=False, layout="NCHW").reshape(w.shape)    # gamma*invstd*w
-    bias = kernels.zeros(which, (1, K, 1, 1), w.dtype) if b is None else b.reshape(1, K, 1, 1)
-    b_folded = _bn.bn_apply(bias, mean, invstd, gamma, beta, relu=False,
-                            layout="NCHW").reshape(K)                      # (b-mean)*s + beta
-    return w_folded, b_folded
-
-
-def fold_batchnorm(w, b, gamma, beta, running_mean, running_var, eps=1e-5):
-    """Fold inference batch norm into the preceding conv's weights and bias.
-
-    Returns ``(w_folded, b_folded)`` with ``s = gamma / sqrt(running_var + eps)``,
-    ``w_folded[k] = w[k] * s[k]`` and ``b_folded = (b - running_mean) * s + beta``, so that
-    ``conv2d(x, w_folded) + b_folded == batchnorm(conv2d(x, w) + b, training=False)``.
-
-    Parameters
-    ----------
-    w : array (K, C, R, S)
-    b : array (K,) or None
-        The conv's bias (None: a conv without bias).
-    gamma, beta, running_mean, running_var : arrays (K,)
-    eps : float
-
-    Examples
-    --------
-    >>> import numpy as np, numbafuse as nf
-    >>> w = np.ones((2, 1, 1, 1)); g = np.array([1.0, 2.0]); z = np.zeros(2)
-    >>> wf, bf = nf.fold_batchnorm(w, None, g, z, z, np.ones(2), eps=0.0)
-    >>> wf.ravel(), bf
-    (array([1., 2.]), array([0., 0.]))
-    """
-    op = "fold_batchnorm"
-    w, b, gamma, beta, running_mean, running_var = (
-        autograd.unwrap(a) for a in (w, b, gamma, beta, running_mean, running_var))
-    validate.check_given(op, w=w, gamma=gamma, beta=beta, running_mean=running_mean,
-                         running_var=running_var)
-    which = backend.backend_of(op, w=w, b=b, gamma=gamma, beta=beta,
-                                 running_mean=running_mean, running_var=running_var)
-    validate.check_float_dtypes(op, w=w, b=b, gamma=gamma, beta=beta,
-                               running_mean=running_mean, running_var=running_var)
-    validate.check_ndim(op, "w", w, 4, "K, C, R, S")
-    K = w.shape[0]
-    for name, v in (("b", b), ("gamma", gamma), ("beta", beta), ("running_mean", running_mean),
-                    ("running_var", running_var)):
-        validate.check_vector(op, name, v, K)
-    validate.check_scalar(op, "eps", eps, lo=0.0)
-    w, b, gamma, beta = (None if a is None else kernels.contiguous(a) for a in (w, b, gamma, beta))
-    mean, invstd = _bn.bn_inference_stats(kernels.contiguous(running_mean),
-                                          kernels.contiguous(running_var), eps=eps)
-    return _fold(which, w, b, gamma, beta, mean, invstd)
 
 
 # --------------------------------------------------------------------------- public functions

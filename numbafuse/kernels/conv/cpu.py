@@ -60,7 +60,7 @@ from .cpu_chunks import (balanced, count_chunks, phase_weights as _phase_weights
                          phases as _phases, sum_groups, tile_chunks)
 
 __all__ = ["algorithm", "conv_forward", "conv_backward", "forward_stats", "forward_bn_sums",
-           "DX_ADDEND"]
+           "forward_scaled", "DX_ADDEND"]
 DX_ADDEND = False   # conv_backward takes no dx_addend: the tape adds (interfaces.ConvKernels)
 
 
@@ -196,6 +196,19 @@ def forward_stats(x, w, geom, eps):
     mean, var, invstd = np.empty((3, geom.K))
     _epi.merge_stats(parts, counts, float(eps), mean, var, invstd)
     return h, mean, var, invstd
+
+
+def forward_scaled(x, w, values, geom, relu):
+    """``relu?(scale[k] * conv(x, w) + shift[k])``, ``(scale, shift) = values()`` (K,) each
+    (inference batch norm after a bias-free conv, not folded into w: the im2col forward
+    scales its GEMM's rows in its epilogue), or None where the forward is not the im2col pass
+    (the caller folds; ``values`` is not called). The deep layers' weights are most of a
+    network's bytes and im2col runs them: the fold read and wrote them once more a call."""
+    plan = _plan(geom, "forward", x.dtype)
+    if plan.algorithm != "im2col" or geom.N == 0:
+        return None
+    scale, shift = values()
+    return conv_forward(x, w, shift, geom, relu, plan=plan, scale=scale)
 
 
 def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
@@ -456,9 +469,10 @@ _DW = {"winograd": _winograd_dw, "winograd_s2": _winograd_s2_dw, "phase": _phase
 
 # --------------------------------------------------------------------------- drivers
 
-def conv_forward(x, w, b, geom, relu, plan=None):
+def conv_forward(x, w, b, geom, relu, plan=None, scale=None):
     """``y = relu?(conv(x, w) + b?)`` for contiguous host arrays of one dtype, as ``plan``
-    says (default: :func:`cpu_plan.plan` of the forward by the current rules)."""
+    says (default: :func:`cpu_plan.plan` of the forward by the current rules); ``scale``
+    (K,): ``relu?(scale * conv(x, w) + b?)``, the im2col plans only (:func:`forward_scaled`)."""
     N, C, K = geom.N, geom.C, geom.K
     nhwc = geom.layout == "NHWC"
     plan = _plan(geom, "forward", x.dtype) if plan is None else plan
@@ -471,6 +485,8 @@ def conv_forward(x, w, b, geom, relu, plan=None):
     work = x.size + y.size + N * geom.P * geom.Q * K * C * geom.R * geom.S // 8
     relu = bool(relu)
     kind = plan.algorithm
+    if scale is not None and kind != "im2col":
+        raise ValueError(f"conv_forward: scale= needs the im2col plan, not {kind!r}")
     if kind == "winograd":
         _winograd_run(_Correlation(x, x, False, w, False, geom.ph, geom.pw, b, relu, nhwc, y),
                       plan, work)
@@ -513,8 +529,9 @@ def conv_forward(x, w, b, geom, relu, plan=None):
         wmat = (w.reshape(K, -1) if wt else kept if kept is not None
                 else _weight_matrix(w, ordered))
         tasks = _im2col_fwd.forward_tasks_hwc if nhwc else _im2col_fwd.forward_tasks_chw
-        launch(tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x, wmat, b,
-               (has_bias, relu, False, bool(plan.slab), wt), geo_tuple(geom),
+        launch(tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x, wmat,
+               (b, b if scale is None else scale),
+               (has_bias, relu, False, bool(plan.slab), wt, scale is not None), geo_tuple(geom),
                _ints(ipc, rpc, kb), blas, _batch_cols(x, geom, plan.slab, kb > 1), wdst,
                _k_view(y, geom), work=work, grain=1)
         if wdst.shape[0]:

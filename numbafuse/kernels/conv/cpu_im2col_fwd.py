@@ -54,20 +54,23 @@ def _forward_buffers(x, flags, geo, chunks, pre):
 
 
 # forward_tasks_hwc and forward_tasks_chw, their shared arguments: x: (N, H, W, C) | (N, C, H, W);
-# wmat: (K, R*S*C) (NHWC, or NCHW with slab) | (K, C*R*S); b: (K,); y: (N, PQ, K) | (N, K, PQ);
-# flags = (has_bias, relu, pointwise, slab, wt). Task t: the output channels [k0, k1) (block t %
-# kb of kb, each a multiple of 16 channels) of chunk t // kb. slab (NCHW): each image's input rows
-# of the chunk are transposed to (rows, W, C) first and the cols built as NHWC's, (m, R*S*C): a
-# strided NCHW gather reads single values, this one vectors. pre: the whole batch's cols ((M,
-# R*S*C), NCHW without slab (C*R*S, M)) built once by cols_tasks (kb > 1: one chunk), else empty.
-# wt: wmat is w as it is, (K, C*R*S), and each task reorders its own block of it to (kn, R*S*C)
-# (kb > 1: the blocks' reorderings run in parallel, not as one 9.4 MB transpose on the host first
-# at 512 -> 512 3x3), into its rows of wdst (K, R*S*C) where given (for the weight cache), else
-# into a buffer of its own.
+# wmat: (K, R*S*C) (NHWC, or NCHW with slab) | (K, C*R*S); bs = (b, scale), (K,) each; y: (N,
+# PQ, K) | (N, K, PQ); flags = (has_bias, relu, pointwise, slab, wt, scaled): with scaled each
+# output channel's sum is times scale[k] before the bias (inference batch norm not folded into
+# w). Task t: the output channels [k0, k1) (block t % kb of kb, each a multiple of 16
+# channels) of chunk t // kb. slab (NCHW): each image's input rows of the chunk are transposed
+# to (rows, W, C) first and the cols built as NHWC's, (m, R*S*C): a strided NCHW gather reads
+# single values, this one vectors. pre: the whole batch's cols ((M, R*S*C), NCHW without slab
+# (C*R*S, M)) built once by cols_tasks (kb > 1: one chunk), else empty. wt: wmat is w as it
+# is, (K, C*R*S), and each task reorders its own block of it to (kn, R*S*C) (kb > 1: the
+# blocks' reorderings run in parallel, not as one 9.4 MB transpose on the host first at 512 ->
+# 512 3x3), into its rows of wdst (K, R*S*C) where given (for the weight cache), else into a
+# buffer of its own.
 
 @task_kernel
-def forward_tasks_hwc(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, wdst, y):
-    has_bias, relu, pointwise = flags[0], flags[1], flags[2]
+def forward_tasks_hwc(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, y):
+    has_bias, relu, pointwise, scaled = flags[0], flags[1], flags[2], flags[5]
+    b, scale = bs
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
@@ -94,13 +97,15 @@ def forward_tasks_hwc(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, wdst, y
         for i in range(m):
             src, dst = yb[i], y2[i, k0:k1]                        # (kn,) each
             for k in range(kn):
-                v = src[k] + (b[k0 + k] if has_bias else 0)
+                v = (src[k] * scale[k0 + k] if scaled else src[k]) + (b[k0 + k] if has_bias
+                                                                      else 0)
                 dst[k] = _relu(v) if relu else v
 
 
 @task_kernel
-def forward_tasks_chw(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, wdst, y):
-    has_bias, relu, pointwise, slab = flags[0], flags[1], flags[2], flags[3]
+def forward_tasks_chw(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, y):
+    has_bias, relu, pointwise, slab, scaled = flags[0], flags[1], flags[2], flags[3], flags[5]
+    b, scale = bs
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
@@ -134,6 +139,7 @@ def forward_tasks_chw(t0, t1, x, wmat, b, flags, geo, chunks, blas, pre, wdst, y
                 src = yb[k, (n - n0) * per:(n - n0 + 1) * per]   # (per,)
                 dst = y[n, k0 + k, p0 * Q:p1 * Q]
                 bias = b[k0 + k] if has_bias else 0
+                sc = scale[k0 + k] if scaled else 1
                 for i in range(per):
-                    v = src[i] + bias
+                    v = (src[i] * sc if scaled else src[i]) + bias
                     dst[i] = _relu(v) if relu else v

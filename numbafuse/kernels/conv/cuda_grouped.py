@@ -11,7 +11,8 @@ depthwise CUDA kernel yet; the CPU has one, ``cpu_depthwise.py``).
 from ...cuda import empty as _empty
 from ..elementwise.cuda import contiguous_copy, copy_into
 from . import cuda as conv_cuda
-from .cuda import bias_add, channel_sum, forward_bn_sums, forward_stats  # noqa: F401
+from .cuda import (bias_add, channel_sum, forward_bn_sums, forward_scaled,  # noqa: F401
+                   forward_stats)
 from .math import channel_block, group_geometry
 
 
