@@ -21,10 +21,9 @@ def inference_forward(which, x, w, gamma, beta, mean, invstd, geometry, relu, ep
     (``forward_scaled``, its epilogue: w not rewritten) where the backend can, else folded
     into w and the bias (cached where the caller vouches for w and the batch norm's tensors,
     numbafuse.torch in inference: kernels/conv/weights.py, and so what the conv derives)."""
-    def values():           # (s, beta - mean*s), (K,) each, in the fold's own arithmetic
-        ones = np.ones((w.shape[0], 1, 1, 1), w.dtype)                # (host: CPU only)
-        scale, shift = fold(which, ones, None, gamma, beta, mean, invstd)
-        return scale.reshape(-1), shift
+    def values():    # (s, beta - mean*s), (K,) each in w's dtype, from float64 (host arrays:
+        s = gamma * invstd                                   # the CPU kernels ask for them)
+        return s.astype(w.dtype), (beta - mean * s).astype(w.dtype)
     y = kernels.conv_kernels(which, geometry.groups).forward_scaled(x, w, values, geometry,
                                                                     relu)
     if y is not None:
