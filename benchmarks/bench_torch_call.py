@@ -9,7 +9,9 @@ fresh interpreter per round, alternating), one thread each (``torch.set_num_thre
 best over rounds. Forwards, training and eval batch norm, and Conv-BN-ReLU's forward and
 forward + backward in training (numbafuse: ``conv_batchnorm_relu``, recompute; PyTorch:
 conv2d, batch_norm, relu; the backward from ``y.sum()``, x, w and the batch-norm parameters
-requiring grad); the running statistics are updated in both libraries' training calls.
+requiring grad), and Conv-BN-ReLU's forward in eval (numbafuse: the batch norm folded or, at
+the im2col plans, applied in the conv's epilogue; PyTorch: conv2d, batch_norm, relu); the
+running statistics are updated in both libraries' training calls.
 """
 import argparse
 import json
@@ -20,7 +22,7 @@ import time
 
 CASES = ("conv + bias + ReLU forward", "BN + add + ReLU forward, training",
          "BN + add + ReLU forward, eval", "conv + BN + ReLU forward, training",
-         "conv + BN + ReLU forward + backward, training")
+         "conv + BN + ReLU forward + backward, training", "conv + BN + ReLU forward, eval")
 
 
 def worker(side, shape, calls):
@@ -47,7 +49,13 @@ def worker(side, shape, calls):
         fns = (lambda: F.conv2d(x, w, b, 1, 1).relu(),
                lambda: (F.batch_norm(x, rm, rv, g, be, True) + z).relu(),
                lambda: (F.batch_norm(x, rm, rv, g, be, False) + z).relu())
-    fns += (cbr, lambda: cbr(xg, wg, gg, beg).sum().backward())
+    if side == "numbafuse":
+        def cbr_eval():
+            return nft.conv_batchnorm_relu(x, w, g, be, rm, rv, training=False, padding=1)
+    else:
+        def cbr_eval():
+            return F.batch_norm(F.conv2d(x, w, None, 1, 1), rm, rv, g, be, False).relu()
+    fns += (cbr, lambda: cbr(xg, wg, gg, beg).sum().backward(), cbr_eval)
     out = {}
     for name, f in zip(CASES, fns):
         for _ in range(200):
