@@ -272,7 +272,7 @@ def cols_tasks(t0, t1, x, geo, orient, cols):
 @task_kernel
 def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
     ipc, rpc, nchunks, groups = chunks
-    pointwise, slab, need_dw = flags
+    _, slab, need_dw = flags                 # (flags[0] unused: cpu_pointwise has the 1x1s')
     dw_parts, db_parts = parts
     # x as in the forward (slab too); gy, y: (N, K, PQ) | (N, PQ, K); dw_parts: (groups, K,
     # RSC) <- each group's dW (columns in the cols order: (r, s, c) with slab);
@@ -302,12 +302,9 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
                        g, 0, dbp)                                 # rows of gy
                 if not need_dw:
                     continue
-                if pointwise:
-                    c2 = x.reshape((N * PQ, C))[m0:m0 + m]        # (m, C)
-                else:
-                    c2 = cols[:m * RSC].reshape((m, RSC))         # (m, R*S*C)
-                    for n in range(n0, n1):
-                        _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
+                c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
+                for n in range(n0, n1):
+                    _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
                 # dW (K, RSC) += g^T (K, m) @ cols (m, RSC)
                 _blas.gemm(blas, True, False, (K, RSC, m), 1.0, g, K, c2, RSC, beta, dwp, RSC)
             else:

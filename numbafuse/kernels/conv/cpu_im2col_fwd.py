@@ -55,7 +55,8 @@ def _forward_buffers(x, flags, geo, chunks, pre):
 
 # forward_tasks_hwc and forward_tasks_chw, their shared arguments: x: (N, H, W, C) | (N, C, H, W);
 # wmat: (K, R*S*C) (NHWC, or NCHW with slab) | (K, C*R*S); bs = (b, scale), (K,) each; y: (N,
-# PQ, K) | (N, K, PQ); flags = (has_bias, relu, pointwise, slab, wt, scaled): with scaled each
+# PQ, K) | (N, K, PQ); flags = (has_bias, relu, _, slab, wt, scaled) (flags[2] unused: the 1x1
+# passes whose x is the cols are cpu_pointwise's kernels); with scaled each
 # output channel's sum is times scale[k] before the bias (inference batch norm not folded into
 # w). Task t: the output channels [k0, k1) (block t % kb of kb, each a multiple of 16
 # channels) of chunk t // kb. slab (NCHW): each image's input rows of the chunk are transposed
@@ -69,7 +70,7 @@ def _forward_buffers(x, flags, geo, chunks, pre):
 
 @task_kernel
 def forward_tasks_hwc(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, y):
-    has_bias, relu, pointwise, scaled = flags[0], flags[1], flags[2], flags[5]
+    has_bias, relu, scaled = flags[0], flags[1], flags[5]
     b, scale = bs
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
@@ -83,16 +84,12 @@ def forward_tasks_hwc(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, 
         per = (p1 - p0) * Q                                       # pixels per image
         m = (n1 - n0) * per
         yb = ybuf[:m * kn].reshape((m, kn))                       # (m, kn)
-        if pointwise:                                             # x's rows are the cols
-            xr = x.reshape((N * PQ, C))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]
-            _blas.gemm(blas, False, True, (m, kn, C), 1.0, xr, C, wk, C, 0.0, yb, kn)
-        else:
-            c2 = pre                                              # (m, R*S*C)
-            if pre.shape[0] == 0:
-                c2 = cols[:m * RSC].reshape((m, RSC))
-                for n in range(n0, n1):
-                    _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
-            _blas.gemm(blas, False, True, (m, kn, RSC), 1.0, c2, RSC, wk, RSC, 0.0, yb, kn)
+        c2 = pre                                                  # (m, R*S*C)
+        if pre.shape[0] == 0:
+            c2 = cols[:m * RSC].reshape((m, RSC))
+            for n in range(n0, n1):
+                _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
+        _blas.gemm(blas, False, True, (m, kn, RSC), 1.0, c2, RSC, wk, RSC, 0.0, yb, kn)
         y2 = y.reshape((N * PQ, K))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]   # (m, K)
         for i in range(m):
             src, dst = yb[i], y2[i, k0:k1]                        # (kn,) each
@@ -104,11 +101,10 @@ def forward_tasks_hwc(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, 
 
 @task_kernel
 def forward_tasks_chw(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, y):
-    has_bias, relu, pointwise, slab, scaled = flags[0], flags[1], flags[2], flags[3], flags[5]
+    has_bias, relu, slab, scaled = flags[0], flags[1], flags[3], flags[5]
     b, scale = bs
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
-    PQ = P * Q
     cols, ybuf, sbuf, wbuf = _forward_buffers(x, flags, geo, chunks, pre)
     for t in range(t0, t1):
         n0, n1, p0, p1, k0, k1, wk = _forward_block(t, wmat, flags, geo, chunks, wdst, wbuf)
@@ -118,10 +114,7 @@ def forward_tasks_chw(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, 
         per = (p1 - p0) * Q                                       # pixels per image
         m = (n1 - n0) * per
         yb = ybuf[:kn * m].reshape((kn, m))                       # (kn, m)
-        if pointwise and n1 - n0 == 1:                            # x[n] (C, HW) is the cols
-            xs = x[n0].reshape((C, PQ))[:, p0 * Q:]               # (C, m), ld PQ
-            _blas.gemm(blas, False, False, (kn, m, C), 1.0, wk, C, xs, PQ, 0.0, yb, m)
-        elif slab:
+        if slab:
             c2 = pre
             if pre.shape[0] == 0:
                 c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
