@@ -45,7 +45,7 @@ def test_the_cpu_cases_take_the_paths_layers_take():
     import numpy as np
 
     from numbafuse import precompile, validate
-    from numbafuse.kernels.conv import cpu as conv_cpu
+    from numbafuse.kernels.conv import cpu as conv_cpu, cpu_plan
     picked = {}
     for name, op, (N, C, H, W), kernel, stride, K, dtype in precompile.cpu_cases(("float32",)):
         if op in ("bn", "dw"):
@@ -56,6 +56,9 @@ def test_the_cpu_cases_take_the_paths_layers_take():
                                        kernel // 2, 1, layout)
             picked[name, layout] = tuple(conv_cpu.algorithm(g, p, np.float32)
                                          for p in ("forward", "dx", "dw"))
+            if name.startswith("conv 3x3 deep"):     # the k-blocked whole-batch passes
+                picked[name, layout, "blocks"] = tuple(
+                    cpu_plan.plan(g, p, np.float32).k_blocks for p in ("forward", "dx", "dw"))
     for layout in ("NCHW", "NHWC"):
         assert picked["conv 3x3 s1 (Winograd) float32", layout] == ("winograd",) * 3
         assert picked["conv-batchnorm-relu 3x3 float32", layout] == ("winograd",) * 3
@@ -65,6 +68,9 @@ def test_the_cpu_cases_take_the_paths_layers_take():
         assert picked["conv 3x3 s2 float32", layout] == ("winograd_s2",) * 3
         assert picked["conv 1x1 s1 float32", layout] == ("pointwise",) * 3
         assert picked["conv 3x3 stem (few channels) float32", layout][0] == "im2col"
+        deep = "conv 3x3 deep small map (k-blocked GEMMs) float32"
+        assert picked[deep, layout] == ("im2col",) * 3
+        assert min(picked[deep, layout, "blocks"]) > 1
     assert len(precompile.cpu_cases()) == 2 * len(precompile.CPU_CASES)
     # the depthwise cases take the depthwise kernels' tiled paths (float32, C % 8 == 0)
     from numbafuse.kernels.conv import cpu_depthwise
