@@ -497,7 +497,7 @@ def _batchnorm_static(op, shapes, layout, save, training, momentum, eps, synced)
 
 
 def running_stats(op, C, M, running_mean, running_var, training, momentum, eps, synced=False,
-                  updates=True):
+                  updates=True, static=False):
     """Validate the batch-norm state of a call: ``(momentum, eps)`` as floats.
 
     Shared by every op with a batch norm inside (``batchnorm``, ``batchnorm_add_relu``,
@@ -510,11 +510,14 @@ def running_stats(op, C, M, running_mean, running_var, training, momentum, eps, 
     in training (unless ``synced``: then the caller checks the global count). ``M = 0`` (an
     empty batch) passes: the ops return empty outputs and update nothing, as PyTorch does.
     Backend and dtype agreement with the other arrays is the caller's ``backend_of`` /
-    ``check_float_dtypes``. Raises a named ValueError/TypeError; writes nothing.
+    ``check_float_dtypes``. Raises a named ValueError/TypeError; writes nothing. ``static``:
+    only the checks that read shapes and scalars (torch's fake tensors, while it captures a
+    graph: numbafuse.torch's functions; their custom ops check the rest when they run).
     """
     momentum, eps = _running_stats_static(op, C, running_mean, running_var, training,
                                           momentum, eps)
-    _running_stats_arrays(op, running_mean, running_var, training and updates)
+    if not static:
+        _running_stats_arrays(op, running_mean, running_var, training and updates)
     _check_values_per_channel(op, M, training and not synced)
     return momentum, eps
 

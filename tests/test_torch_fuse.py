@@ -372,6 +372,37 @@ def test_torch_compile_and_jit_trace_see_the_fused_ops_as_custom_ops():
 
 
 @pytest.mark.parametrize("training", [True, False])
+def test_bad_running_statistics_are_refused_while_torch_compiles(training):
+    """Under torch.compile the functions check the running statistics' shapes and the
+    scalars on the fake tensors (their custom ops get them as None in training, and the
+    running update op checks none): a wrong length is the eager call's ValueError, and
+    nothing is written. (It had passed silently, the update writing K values into a
+    5-element buffer.)"""
+    g = torch.Generator().manual_seed(5)
+    x, w, z = torch.randn(2, 4, 6, 6, generator=g), torch.randn(8, 4, 3, 3, generator=g), None
+    z = torch.randn(2, 8, 6, 6, generator=g)
+    ones, zeros = torch.ones(8), torch.zeros(8)
+    calls = {"numbafuse.torch.conv_batchnorm_relu": lambda x, rm, rv, **kw:
+             nft.conv_batchnorm_relu(x, w, ones, zeros, rm, rv, padding=1, **kw),
+             "numbafuse.torch.conv_batchnorm_add_relu": lambda x, rm, rv, **kw:
+             nft.conv_batchnorm_add_relu(x, w, z, ones, zeros, rm, rv, padding=1, **kw),
+             "numbafuse.torch.batchnorm_add_relu": lambda x, rm, rv, **kw:
+             nft.batchnorm_add_relu(z, z, ones, zeros, rm, rv, **kw)}
+    for op, call in calls.items():
+        for bad in (dict(rm=torch.zeros(5), rv=torch.ones(5)),
+                    dict(rm=torch.zeros(8), rv=torch.ones(8), momentum=1.5)):
+            kept = [t.clone() for t in (bad["rm"], bad["rv"])]
+            compiled = torch.compile(lambda x: call(x, training=training, **bad),
+                                     backend="eager")
+            if not training and "momentum" in bad:     # (momentum unused in inference)
+                compiled(x)
+                continue
+            with pytest.raises(ValueError, match=op):
+                compiled(x)
+            assert all(torch.equal(a, b) for a, b in zip(kept, (bad["rm"], bad["rv"])))
+
+
+@pytest.mark.parametrize("training", [True, False])
 def test_conv_batchnorm_functions_equal_torch(training):
     """conv_batchnorm_relu (with and without the ReLU) and conv_batchnorm_add_relu against
     F.conv2d -> F.batch_norm (-> + z) -> relu, at a geometry the ResNets do not have

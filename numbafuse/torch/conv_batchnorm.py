@@ -75,11 +75,10 @@ def _check(op, tensors, conv, training, momentum, eps):
         if tensors[name] is not None and tensors[name].requires_grad:
             raise ValueError(f"{op}: {name} requires grad; running statistics are buffers "
                              f"updated in place (pass {name}.detach() or a buffer)")
-    if not capturing():      # (the custom op checks them when it runs: fake tensors here)
-        momentum, eps = validate.running_stats(op, geometry.K,
-                                               geometry.N * geometry.P * geometry.Q,
-                                               tensors["running_mean"], tensors["running_var"],
-                                               training, momentum, eps)
+    momentum, eps = validate.running_stats(op, geometry.K,
+                                           geometry.N * geometry.P * geometry.Q,
+                                           tensors["running_mean"], tensors["running_var"],
+                                           training, momentum, eps, static=capturing())
     return device, geometry, momentum, eps
 
 
@@ -109,7 +108,10 @@ def save(ctx, p, call, saved, tensors, device):
 
 def _checked(device, geometry, p):
     """What the core's forward would validate, validated by :func:`_check` already: (its
-    backend, the geometry, the momentum in ``p``), so that the core does not check again."""
+    backend, the geometry, the momentum in ``p``), so that the core does not check again.
+    The public functions pass it to their Function's forward (``checked=``); the custom ops
+    (``library.py``, whose tensors were checked as fake tensors while torch captured) pass
+    nothing, and the core validates."""
     return (backend.CUDA if device.type == "cuda" else backend.CPU, geometry, p.momentum)
 
 
@@ -146,14 +148,14 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
 
     # fwd :: (x, w, weight, bias) -> (y, residuals=(x, w, weight, [bias], mean, invstd))
     @staticmethod
-    def forward(ctx, x, w, weight, bias, running_mean, running_var, p, geometry, device):
+    def forward(ctx, x, w, weight, bias, running_mean, running_var, p, geometry, device,
+                checked=None):
         # p: ConvBatchNormReLU.Params (ops_params) on running_mean's and running_var's arrays
         layout = geometry.layout
         wa = as_array(w)
         with launch_order(device), vouched(wa, w, p, weight, bias, running_mean, running_var):
             y, call, saved = _cbn.forward(_cbn.OP, p, as_array(x, layout), wa,
-                                          as_array(weight), as_array(bias),
-                                          checked=_checked(device, geometry, p))
+                                          as_array(weight), as_array(bias), checked=checked)
         save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight, beta=bias), device)
         if p.training and running_mean is not None:
             updated_in_place(running_mean, running_var)
@@ -170,7 +172,7 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
                                                    as_array(dy, layout),
                                                    tuple(ctx.needs_input_grad[:4]))
         return (as_tensor(dx, d, layout), as_tensor(dw, d), as_tensor(dweight, d),
-                as_tensor(dbias, d)) + (None,) * 5
+                as_tensor(dbias, d)) + (None,) * 6
 
 
 def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None, training=True,
@@ -233,7 +235,8 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
                             count=geometry.N * geometry.P * geometry.Q)
     p = ops_params(_cbn.ConvBatchNormReLU, geometry, bool(training), momentum, eps,
                    running_mean, running_var, recompute, relu=bool(relu))
-    args = (x, w, weight, bias, running_mean, running_var, p, geometry, device)
+    args = (x, w, weight, bias, running_mean, running_var, p, geometry, device,
+            _checked(device, geometry, p))
     if not needs_grad(x, w, weight, bias):
         return ConvBatchNormReLUFunction.forward(Unrecorded(), *args)
     return ConvBatchNormReLUFunction.apply(*args)
@@ -257,7 +260,8 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
 
     # fwd :: (x, w, z, weight, bias) -> (y, residuals=(x, w, weight, mean, invstd, mask, [h]))
     @staticmethod
-    def forward(ctx, x, w, z, weight, bias, running_mean, running_var, p, geometry, device):
+    def forward(ctx, x, w, z, weight, bias, running_mean, running_var, p, geometry, device,
+                checked=None):
         # p: ConvBatchNormAddReLU.Params (ops_params) on the running statistics' arrays
         layout = geometry.layout                      # NHWC for a channels_last x
         wa = as_array(w)
@@ -265,8 +269,7 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
             y, call, saved = _cbn.add_forward(_cbn.ConvBatchNormAddReLU.name, p,
                                               as_array(x, layout), wa,
                                               as_array(z, layout), as_array(weight),
-                                              as_array(bias),
-                                              checked=_checked(device, geometry, p))
+                                              as_array(bias), checked=checked)
         save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight), device)
         if p.training and running_mean is not None:
             updated_in_place(running_mean, running_var)
@@ -283,7 +286,7 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
                                                            as_array(dy, layout),
                                                            tuple(ctx.needs_input_grad[:5]))
         return (as_tensor(dx, d, layout), as_tensor(dw, d), as_tensor(dz, d, layout),
-                as_tensor(dweight, d), as_tensor(dbias, d)) + (None,) * 5
+                as_tensor(dweight, d), as_tensor(dbias, d)) + (None,) * 6
 
 
 def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_var=None,
@@ -338,7 +341,8 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
                             count=geometry.N * geometry.P * geometry.Q)
     p = ops_params(_cbn.ConvBatchNormAddReLU, geometry, bool(training), momentum, eps,
                    running_mean, running_var, recompute)
-    args = (x, w, z, weight, bias, running_mean, running_var, p, geometry, device)
+    args = (x, w, z, weight, bias, running_mean, running_var, p, geometry, device,
+            _checked(device, geometry, p))
     if not needs_grad(x, w, z, weight, bias):
         return ConvBatchNormAddReLUFunction.forward(Unrecorded(), *args)
     return ConvBatchNormAddReLUFunction.apply(*args)

@@ -487,9 +487,8 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
         if t is not None and t.requires_grad:
             raise ValueError(f"{op}: {name} requires grad; running statistics are buffers "
                              f"updated in place (pass {name}.detach() or a buffer)")
-    if not capturing():      # (the custom op checks them when it runs: fake tensors here)
-        momentum, eps = validate.running_stats(op, C, x.numel() // C, running_mean,
-                                               running_var, training, momentum, eps)
+    momentum, eps = validate.running_stats(op, C, x.numel() // C, running_mean, running_var,
+                                           training, momentum, eps, static=capturing())
     args = (x, z, weight, bias, running_mean, running_var, bool(training), momentum, eps)
     if capturing():
         return run_captured("batchnorm_add_relu", x, z, weight, bias, running_mean,
