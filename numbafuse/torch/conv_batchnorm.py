@@ -100,9 +100,11 @@ def ops_params(op_class, geometry, training, momentum, eps, running_mean=None,
 def save(ctx, p, call, saved, tensors, device):
     """Keep a core forward's ``saved`` arrays on ``ctx`` as torch tensors (the inputs' own
     tensors where a residual is an input: ``tensors`` by residual name), with its params
-    ``p`` and ``call``, for :func:`restore`."""
-    ctx.save_for_backward(*(tensors[n] if n in tensors else as_tensor(a, device)
-                            for n, a in saved.items()))
+    ``p`` and ``call``, for :func:`restore`. (An :class:`Unrecorded` ctx keeps no tensor:
+    none is made.)"""
+    if not isinstance(ctx, Unrecorded):
+        ctx.save_for_backward(*(tensors[n] if n in tensors else as_tensor(a, device)
+                                for n, a in saved.items()))
     ctx.p, ctx.call, ctx.names, ctx.device = p, call, tuple(saved), device
 
 
