@@ -385,7 +385,7 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
     launch(_im2col.dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom), use_mask,
            geo_tuple(geom), _ints(ipc, rpc, nchunks, groups),
-           (False, bool(plan.slab), bool(need_dw)), _blas.blas_for(x.dtype),
+           (bool(plan.slab), bool(need_dw)), _blas.blas_for(x.dtype),
            (dw_parts.reshape(-1, K, R * S * C), db_parts), work=work, grain=1)
     if not need_dw:
         return None, db_parts
@@ -531,7 +531,7 @@ def conv_forward(x, w, b, geom, relu, plan=None, scale=None):
         tasks = _im2col_fwd.forward_tasks_hwc if nhwc else _im2col_fwd.forward_tasks_chw
         launch(tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x, wmat,
                (b, b if scale is None else scale),
-               (has_bias, relu, False, bool(plan.slab), wt, scale is not None), geo_tuple(geom),
+               (has_bias, relu, bool(plan.slab), wt, scale is not None), geo_tuple(geom),
                _ints(ipc, rpc, kb), blas, _batch_cols(x, geom, plan.slab, kb > 1), wdst,
                _k_view(y, geom), work=work, grain=1)
         if wdst.shape[0]:

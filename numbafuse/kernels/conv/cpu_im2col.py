@@ -272,7 +272,7 @@ def cols_tasks(t0, t1, x, geo, orient, cols):
 @task_kernel
 def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
     ipc, rpc, nchunks, groups = chunks
-    _, slab, need_dw = flags                 # (flags[0] unused: cpu_pointwise has the 1x1s')
+    slab, need_dw = flags
     dw_parts, db_parts = parts
     # x as in the forward (slab too); gy, y: (N, K, PQ) | (N, PQ, K); dw_parts: (groups, K,
     # RSC) <- each group's dW (columns in the cols order: (r, s, c) with slab);

@@ -20,7 +20,7 @@ _im2col_slab_step, _rows_step = IM2COL_SLAB.call, _ROWS.call
 def _forward_block(t, wmat, flags, geo, chunks, wdst, wbuf):
     # task t's block: (n0, n1, p0, p1, k0, k1, wk), wk its (kn, RSC) weight rows (reordered
     # to (kn, R*S*C) first where ``wt``; kn = k1 - k0 <= 0: nothing to do)
-    wt = flags[4]
+    wt = flags[3]
     ipc, rpc, kb = chunks
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
@@ -39,7 +39,7 @@ def _forward_block(t, wmat, flags, geo, chunks, wdst, wbuf):
 @njit(inline="always")
 def _forward_buffers(x, flags, geo, chunks, pre):
     # (cols, ybuf, sbuf, wbuf): a task range's buffers, reused by each of its tasks
-    slab, wt = flags[3], flags[4]
+    slab, wt = flags[2], flags[3]
     ipc, rpc, kb = chunks
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
@@ -55,22 +55,21 @@ def _forward_buffers(x, flags, geo, chunks, pre):
 
 # forward_tasks_hwc and forward_tasks_chw, their shared arguments: x: (N, H, W, C) | (N, C, H, W);
 # wmat: (K, R*S*C) (NHWC, or NCHW with slab) | (K, C*R*S); bs = (b, scale), (K,) each; y: (N,
-# PQ, K) | (N, K, PQ); flags = (has_bias, relu, _, slab, wt, scaled) (flags[2] unused: the 1x1
-# passes whose x is the cols are cpu_pointwise's kernels); with scaled each
-# output channel's sum is times scale[k] before the bias (inference batch norm not folded into
-# w). Task t: the output channels [k0, k1) (block t % kb of kb, each a multiple of 16
-# channels) of chunk t // kb. slab (NCHW): each image's input rows of the chunk are transposed
-# to (rows, W, C) first and the cols built as NHWC's, (m, R*S*C): a strided NCHW gather reads
-# single values, this one vectors. pre: the whole batch's cols ((M, R*S*C), NCHW without slab
-# (C*R*S, M)) built once by cols_tasks (kb > 1: one chunk), else empty. wt: wmat is w as it
-# is, (K, C*R*S), and each task reorders its own block of it to (kn, R*S*C) (kb > 1: the
-# blocks' reorderings run in parallel, not as one 9.4 MB transpose on the host first at 512 ->
-# 512 3x3), into its rows of wdst (K, R*S*C) where given (for the weight cache), else into a
-# buffer of its own.
+# PQ, K) | (N, K, PQ); flags = (has_bias, relu, slab, wt, scaled) (the 1x1 passes whose x is
+# the cols are cpu_pointwise's kernels): with scaled each output channel's sum is times
+# scale[k] before the bias (inference batch norm not folded into w). Task t: the output
+# channels [k0, k1) (block t % kb of kb, each a multiple of 16 channels) of chunk t // kb.
+# slab (NCHW): each image's input rows of the chunk are transposed to (rows, W, C) first and
+# the cols built as NHWC's, (m, R*S*C): a strided NCHW gather reads single values, this one
+# vectors. pre: the whole batch's cols ((M, R*S*C), NCHW without slab (C*R*S, M)) built once
+# by cols_tasks (kb > 1: one chunk), else empty. wt: wmat is w as it is, (K, C*R*S), and each
+# task reorders its own block of it to (kn, R*S*C) (kb > 1: the blocks' reorderings run in
+# parallel, not as one 9.4 MB transpose on the host first at 512 -> 512 3x3), into its rows
+# of wdst (K, R*S*C) where given (for the weight cache), else into a buffer of its own.
 
 @task_kernel
 def forward_tasks_hwc(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, y):
-    has_bias, relu, scaled = flags[0], flags[1], flags[5]
+    has_bias, relu, scaled = flags[0], flags[1], flags[4]
     b, scale = bs
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
@@ -101,7 +100,7 @@ def forward_tasks_hwc(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, 
 
 @task_kernel
 def forward_tasks_chw(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, y):
-    has_bias, relu, slab, scaled = flags[0], flags[1], flags[3], flags[5]
+    has_bias, relu, slab, scaled = flags[0], flags[1], flags[2], flags[4]
     b, scale = bs
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
