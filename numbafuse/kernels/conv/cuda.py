@@ -28,8 +28,11 @@ convolutions iterate only the taps that hit (a phase with none writes zeros). Th
 slices z of one launch (gridDim.z = sh*sw); ``geo[z]`` holds each one's sizes and offsets.
 
 **dw and db are deterministic**: M is cut into fixed splits, each (tile, split) writes its
-own partial, and the last block of each tile to finish (an atomic count per tile) adds the
-tile's partials in split order in float64, in the same launch. No float atomics.
+own partial, and the partials are added in split order in float64. No float atomics. Where
+the splits are few, the last block of each tile to finish (an atomic count per tile) adds its
+tile's partials in the same launch; where they are many, that one block would read them all
+serially (n_splits loads per output, at L2 latency: GPU run 14 measured the digits step's
+graph replay 0.70 -> 1.22 ms that way), and ``_sum_splits`` adds them with the whole GPU.
 """
 from __future__ import annotations
 
@@ -328,10 +331,15 @@ def _finish_splits(partials, final, geo, table, counters, BM, BN):
     # counts its (tile, split) partial done; the last of a tile's splits sums the tile's
     # partials in split order in float64 (_sum_splits' order and bits) into final
     n_splits = int32(cuda.gridDim.z)
-    if n_splits == 1:
-        return                      # the host passed final as the partials: nothing to sum
+    if n_splits == 1 or counters.size == 1:
+        # one split: the host passed final as the partials; a one-element counters array
+        # (reduce.placeholder): the host sums the splits with _sum_splits after this launch
+        return
     flag = cuda.shared.array(1, int32)
     cuda.threadfence()              # this thread's partials are visible before the count
+    cuda.syncthreads()              # every thread has written and fenced before thread 0
+    #                                 counts the block (GPU run 14: without it racecheck's
+    #                                 scheduling had the last block read unwritten partials)
     tile = int32(cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x)
     if not reduce.last_block(counters, tile, n_splits, flag):
         return
@@ -406,6 +414,25 @@ def gemm_kernel(kind, layout, tile):
                           name, finish=_finish_splits)
     store = _store_bias_relu if kind == "fwd" else _store_dx
     return gemm.build(tile, a, b, _problem_slices, _pixel_row_base, _col_offset, store, name)
+
+
+@cuda.jit(cache=True)
+def _sum_splits(partials, n_splits, out):
+    # partials: (n_splits * n,) in x's dtype, split-major;  out: (n,) = their sum over the
+    # splits in split order, in float64 (the bits of _finish_splits)
+    n = out.size
+    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+        acc = float64(0.0)
+        for s in range(n_splits):
+            acc += partials[s * n + i]
+        out[i] = acc
+
+
+def finish_in_kernel(tile, n_splits):
+    """Whether the dw GEMM's last blocks sum ``n_splits`` partials themselves: each of their
+    threads reads n_splits values for each of its BM*BN/threads outputs in turn."""
+    per_thread = -(-(tile.BM * tile.BN) // tile.threads)
+    return n_splits * per_thread <= config.dw_finish_max_loads
 
 
 @cuda.jit(cache=True)
@@ -495,12 +522,16 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True), dx_addend=Non
             tile = _tile("dw", gy.dtype, geom.layout)
             geo, table, grid, n_splits = dw_plan(_geometry_key(geom), tile, use_mask,
                                                  config.dw_max_splits)
-            # (splits, K*C*R*S) partials, summed into dw by each tile's last block (one
-            # split: written into dw itself)
+            # (splits, K*C*R*S) partials, summed into dw by each tile's last block or by
+            # _sum_splits (one split: written into dw itself)
             partials = _empty(n_splits * dw.size, gy.dtype) if n_splits > 1 else flat(dw)
+            inside = finish_in_kernel(tile, n_splits)
             launch(gemm_kernel("dw", geom.layout, tile), grid, tile.threads,
                    flat(x), gy_f, y_f, partials, flat(dw), geo, table,
-                   reduce.counters(grid[0] * grid[1]))
+                   reduce.counters(grid[0] * grid[1]) if inside
+                   else reduce.placeholder(np.int32))
+            if not inside:
+                launch(_sum_splits, *config.grid_1d(dw.size), partials, n_splits, flat(dw))
         elif dw.size:
             fill(dw, 0.0)
     if need_db:
@@ -572,5 +603,6 @@ for _kind, _layout, _dt, _tag, _k in _production_gemms():
     PTX_SIGNATURES.append((_k, (lambda dt: lambda f: (f[::1],) * 5 + (_GEO, _TAB, _COUNTS)
                                 if str(f) == dt else None)(_dt)))
 PTX_SIGNATURES += [
+    (_sum_splits, lambda f: (f[::1], types.int64, f[::1])),
     (_bias_add, lambda f: (f[::1], f[::1], f[::1], types.int64, types.int64, types.int64)),
 ]
