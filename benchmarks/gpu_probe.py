@@ -1,6 +1,6 @@
 """Questions for a lent GPU that the other scripts do not ask; each part isolated, printed.
 
-    python benchmarks/gpu_probe.py [bn] [knobs] [graph] [tiles] [tiles_nhwc] [labels] [dwfinish]
+    python benchmarks/gpu_probe.py [bn] [knobs] [graph] [tiles] [tiles_nhwc] [labels]
 
 ``bn``: where batch norm's forward time goes, per kernel: device time by CUDA events of the
 statistics kernel alone, the apply alone and the whole op, and the host time of a call
@@ -22,12 +22,6 @@ parallel processes, into Numba's disk cache.
 
 ``labels``: the eager digits training step with the cross-entropy label check (a flag kernel
 and a 4-byte read back, which waits for the forward) and without it, alternating.
-
-``dwfinish``: where dw's split partials are best summed: by each tile's last block inside
-the dw GEMM, or by ``_sum_splits`` after it (``config.dw_finish_max_loads`` forced each way),
-at the benchmark's conv shapes, ResNet's deep ones and the digits model's, both layouts: the
-dw pass's graph-replayed device time each way (and that the two give the same bits), then the
-digits training step (fused) replayed from a graph each way and at the default, alternating.
 
 ``graph``: what CUDA graph capture through cuda.core allows with numbafuse's launches and
 pool: a prepared launch captured into a GraphBuilder and replayed; which calls a capture in
@@ -286,7 +280,7 @@ def _compile_tile(kind, tile, layout):
     f = types.float32
     t0 = time.perf_counter()
     conv_cuda.gemm_kernel(kind, layout, tile).compile(
-        (f[::1],) * 5 + (types.int32[:, ::1], types.int32[:, ::1], types.int32[::1]))
+        (f[::1],) * 5 + (types.int32[:, ::1], types.int32[:, ::1]))
     return time.perf_counter() - t0
 
 
@@ -423,75 +417,12 @@ def labels(rounds=5, steps=20):
               f"{', '.join(f'{t:.0f}' for t in times)}", flush=True)
 
 
-DW_SHAPES = [((32, 24, 8, 8), (24, 24, 3, 3), 1), ((32, 64, 56, 56), (64, 64, 3, 3), 1),
-             ((32, 64, 32, 32), (64, 64, 3, 3), 1), ((32, 256, 56, 56), (64, 256, 1, 1), 0),
-             ((32, 128, 28, 28), (128, 128, 3, 3), 1), ((32, 256, 14, 14), (256, 256, 3, 3), 1),
-             ((32, 512, 7, 7), (512, 512, 3, 3), 1), ((32, 2048, 7, 7), (512, 2048, 1, 1), 0)]
-
-
-def dwfinish(rounds=3):
-    import numpy as np
-    from numbafuse import cuda as nfcuda, models, optim, validate
-    from numbafuse.kernels.conv import cuda as conv_cuda
-    from numbafuse.kernels.cuda import config
-    from numbafuse.train import train_step
-    from bench_gpu import DIGITS
-    cuda = nfcuda.numba_cuda
-    rng = np.random.default_rng(0)
-    modes = (("in the GEMM", 10**9), ("_sum_splits", -1))
-    default = config.dw_finish_max_loads
-    try:
-        for layout in ("NCHW", "NHWC"):
-            for x_shape, w_shape, pad in DW_SHAPES:
-                n, c, h, w_ = x_shape
-                shape = (n, h, w_, c) if layout == "NHWC" else x_shape
-                geom = validate.conv_geometry("probe", shape, w_shape, 1, pad, layout=layout)
-                x = nfcuda.to_device(rng.standard_normal(shape).astype(np.float32))
-                w = nfcuda.to_device((rng.standard_normal(w_shape) / 30).astype(np.float32))
-                gy = nfcuda.to_device(rng.standard_normal(geom.y_shape).astype(np.float32))
-                tile = config.conv_tile("dw", np.float32, None, layout)
-                n_splits = conv_cuda.dw_plan(conv_cuda._geometry_key(geom), tile, False,
-                                             config.dw_max_splits)[3]
-                loads = n_splits * -(-(tile.BM * tile.BN) // tile.threads)
-                row, bits = [], []
-                for name, most in modes:
-                    config.dw_finish_max_loads = most
-
-                    def dw_pass():
-                        return conv_cuda.conv_backward(gy, x, w, geom, None, (0, 1, 0))[1]
-                    bits.append(dw_pass().copy_to_host())
-                    with nfcuda.graph(dw_pass, warmup=1) as g:
-                        row.append(f"{name} {_events(cuda, g.replay, 20) * 1e3:8.1f} us")
-                same = np.array_equal(bits[0], bits[1])
-                print(f"dwfinish {layout} {x_shape} {w_shape}: {n_splits} splits, {loads} "
-                      f"loads a thread | " + " | ".join(row) + f" | same bits: {same} | "
-                      f"default: {'in the GEMM' if loads <= default else '_sum_splits'}",
-                      flush=True)
-        xb = nfcuda.to_device(rng.standard_normal((DIGITS["batch"], 8, 8, 1))
-                              .astype(np.float32))
-        yb = nfcuda.to_device(rng.integers(0, 10, DIGITS["batch"]))
-        steps = {name: [] for name in ("in the GEMM", "_sum_splits", "default")}
-        for _ in range(rounds):
-            for name, most in modes + (("default", default),):
-                config.dw_finish_max_loads = most
-                model = models.make_model("fused", width=24, blocks=2).to("cuda")  # bench_gpu's
-                opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-                with nfcuda.graph(train_step, model, opt, xb, yb) as step:
-                    steps[name].append(_events(cuda, step.replay, 20) * 1e3)
-        for name, times in steps.items():
-            print(f"dwfinish: digits step (fused), graph replay, dw splits summed {name}: "
-                  f"best {min(times):.1f} us of {', '.join(f'{t:.1f}' for t in times)}",
-                  flush=True)
-    finally:
-        config.dw_finish_max_loads = default
-
-
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["bn", "knobs", "graph"]
     for part in parts:
         print(f"#### {part}", flush=True)
         try:
             {"bn": bn, "knobs": knobs, "graph": graph, "tiles": tiles, "labels": labels,
-             "dwfinish": dwfinish, "tiles_nhwc": lambda: tiles("NHWC")}[part]()
+             "tiles_nhwc": lambda: tiles("NHWC")}[part]()
         except Exception:
             traceback.print_exc()

@@ -206,7 +206,7 @@ def test_min_blocks_caps_the_registers_of_a_tiling():
     from numbafuse.kernels.conv import cuda as conv_cuda
     from numbafuse.kernels.cuda.config import Tile
     f = numba.float32[::1]
-    signature = (f,) * 5 + (numba.int32[:, ::1], numba.int32[:, ::1], numba.int32[::1])
+    signature = (f,) * 5 + (numba.int32[:, ::1], numba.int32[:, ::1])
     tile = Tile(64, 64, 8, 4, 4, 4, min_blocks=8)
     r = sass.analyse(conv_cuda.gemm_kernel("fwd", "NCHW", tile), signature, "capped")
     assert r.registers <= 65536 // (tile.threads * 8), r.registers

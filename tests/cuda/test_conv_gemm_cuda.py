@@ -122,27 +122,6 @@ def test_reruns_are_bit_identical():
         assert np.array_equal(a, b_)
 
 
-@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_dw_splits_summed_in_the_gemm_or_by_their_own_kernel(layout, monkeypatch):
-    """dw's split partials are added by each tile's last block (few splits) or by _sum_splits
-    (many: config.dw_finish_max_loads): the same order, so the same bits, and dw right."""
-    x, w, b, kw, geom = _problem(CASES[0], layout, np.float64, seed=8)
-    tile = config.conv_tile("dw", np.float64)
-    n_splits = conv.dw_plan(geom, tile, True, config.dw_max_splits)[3]
-    assert n_splits >= 3
-    gy = np.random.default_rng(9).standard_normal(geom.y_shape)
-    ew = ref.conv2d_backward(gy, x, w, **kw)[1]
-    got = {}
-    for most in (10**9, 0):
-        monkeypatch.setattr(config, "dw_finish_max_loads", most)
-        assert conv.finish_in_kernel(tile, n_splits) == bool(most)
-        gw = conv.conv_backward(cuda.to_device(gy), cuda.to_device(x), cuda.to_device(w),
-                                geom, need=(False, True, False))[1]
-        got[most] = gw.copy_to_host()
-        _close(gw, ew, np.float64)
-    assert np.array_equal(got[0], got[10**9])
-
-
 def test_plans_are_built_once_per_geometry():
     *_, geom = _problem(CASES[1], "NCHW", np.float64)
     tile = config.conv_tile("fwd", np.float64)

@@ -28,11 +28,10 @@ convolutions iterate only the taps that hit (a phase with none writes zeros). Th
 slices z of one launch (gridDim.z = sh*sw); ``geo[z]`` holds each one's sizes and offsets.
 
 **dw and db are deterministic**: M is cut into fixed splits, each (tile, split) writes its
-own partial, and the partials are added in split order in float64. No float atomics. Where
-the splits are few, the last block of each tile to finish (an atomic count per tile) adds its
-tile's partials in the same launch; where they are many, that one block would read them all
-serially (n_splits loads per output, at L2 latency: GPU run 14 measured the digits step's
-graph replay 0.70 -> 1.22 ms that way), and ``_sum_splits`` adds them with the whole GPU.
+own partial, and ``_sum_splits`` adds the partials in split order in float64. No atomics.
+(Summing them in the dw GEMM instead, by each tile's last block, saves that launch but was
+slower at every shape GPU run 15 timed, from 4% at 2 splits to 4.2x at 251: one block reads
+its tile's n_splits partials serially while ``_sum_splits`` spreads them over the GPU.)
 """
 from __future__ import annotations
 
@@ -326,41 +325,6 @@ def _col_offset_0(geo, z, col):
 
 
 @device
-def _finish_splits(partials, final, geo, table, counters, BM, BN):
-    # dw: partials (n_splits * n,), split z's block at z * OUT_ZS; final (n,). Every block
-    # counts its (tile, split) partial done; the last of a tile's splits sums the tile's
-    # partials in split order in float64 (_sum_splits' order and bits) into final
-    n_splits = int32(cuda.gridDim.z)
-    if n_splits == 1 or counters.size == 1:
-        # one split: the host passed final as the partials; a one-element counters array
-        # (reduce.placeholder): the host sums the splits with _sum_splits after this launch
-        return
-    flag = cuda.shared.array(1, int32)
-    cuda.threadfence()              # this thread's partials are visible before the count
-    cuda.syncthreads()              # every thread has written and fenced before thread 0
-    #                                 counts the block (GPU run 14: without it racecheck's
-    #                                 scheduling had the last block read unwritten partials)
-    tile = int32(cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x)
-    if not reduce.last_block(counters, tile, n_splits, flag):
-        return
-    n_rows, n_cols = geo[0, F_ROWS], geo[0, F_COLS]
-    zs, cs = geo[0, F_OUT_ZS], geo[0, F_OUT_CS]
-    r0 = int32(cuda.blockIdx.x * BM)
-    c0 = int32(cuda.blockIdx.y * BN)
-    for i in range(int32(cuda.threadIdx.x), BM * BN, int32(cuda.blockDim.x)):
-        row = int32(r0 + int32(uint32(i) % uint32(BM)))     # rows fastest: woff contiguous
-        col = int32(c0 + int32(uint32(i) // uint32(BM)))
-        if row < n_rows and col < n_cols:
-            off = uint32(table[row, 3] + col * cs)
-            acc = float64(0.0)
-            for z in range(n_splits):
-                acc += reduce.load_l2(partials, uint32(uint32(z) * uint32(zs) + off))
-            final[off] = acc
-    if cuda.threadIdx.x == 0:
-        counters[tile] = 0          # left zero for the next launch
-
-
-@device
 def _store_bias_relu(out, bias, off, col, v, has_bias, relu):
     # forward: relu?(v + b?) before the single store
     if has_bias:
@@ -411,7 +375,7 @@ def gemm_kernel(kind, layout, tile):
             f"_v{tile.VEC}_b{tile.min_blocks or 0}")      # one disk-cache index each
     if kind == "dw":
         return gemm.build(tile, a, b, _problem_split, _tap_row_base, _col_offset_0, _store,
-                          name, finish=_finish_splits)
+                          name)
     store = _store_bias_relu if kind == "fwd" else _store_dx
     return gemm.build(tile, a, b, _problem_slices, _pixel_row_base, _col_offset, store, name)
 
@@ -419,20 +383,13 @@ def gemm_kernel(kind, layout, tile):
 @cuda.jit(cache=True)
 def _sum_splits(partials, n_splits, out):
     # partials: (n_splits * n,) in x's dtype, split-major;  out: (n,) = their sum over the
-    # splits in split order, in float64 (the bits of _finish_splits)
+    # splits in split order, in float64 (deterministic)
     n = out.size
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
         acc = float64(0.0)
         for s in range(n_splits):
             acc += partials[s * n + i]
         out[i] = acc
-
-
-def finish_in_kernel(tile, n_splits):
-    """Whether the dw GEMM's last blocks sum ``n_splits`` partials themselves: each of their
-    threads reads n_splits values for each of its BM*BN/threads outputs in turn."""
-    per_thread = -(-(tile.BM * tile.BN) // tile.threads)
-    return n_splits * per_thread <= config.dw_finish_max_loads
 
 
 @cuda.jit(cache=True)
@@ -484,7 +441,7 @@ def conv_forward(x, w, b, geom, relu):
     geo, table, grid = forward_plan(_geometry_key(geom), tile, has_bias, bool(relu))
     kern = gemm_kernel("fwd", geom.layout, tile)
     launch(kern, grid, tile.threads, flat(x), flat(w), flat(x), flat(y),
-                             flat(b) if has_bias else flat(w), geo, table, reduce.counters(1))
+                             flat(b) if has_bias else flat(w), geo, table)
     return y
 
 
@@ -512,8 +469,7 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True), dx_addend=Non
             tile = _tile("dx", gy.dtype, geom.layout, geom.C)
             geo, table, grid = dx_plan(_geometry_key(geom), tile, use_mask, adding)
             launch(gemm_kernel("dx", geom.layout, tile), grid, tile.threads,
-                gy_f, flat(w), y_f, flat(dx), flat(dx_addend) if adding else gy_f, geo, table,
-                reduce.counters(1))
+                gy_f, flat(w), y_f, flat(dx), flat(dx_addend) if adding else gy_f, geo, table)
         elif dx.size:
             fill(dx, 0.0)
     if need_dw:
@@ -522,15 +478,12 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True), dx_addend=Non
             tile = _tile("dw", gy.dtype, geom.layout)
             geo, table, grid, n_splits = dw_plan(_geometry_key(geom), tile, use_mask,
                                                  config.dw_max_splits)
-            # (splits, K*C*R*S) partials, summed into dw by each tile's last block or by
-            # _sum_splits (one split: written into dw itself)
+            # (splits, K*C*R*S) partials summed in order by _sum_splits (one split: written
+            # into dw itself)
             partials = _empty(n_splits * dw.size, gy.dtype) if n_splits > 1 else flat(dw)
-            inside = finish_in_kernel(tile, n_splits)
             launch(gemm_kernel("dw", geom.layout, tile), grid, tile.threads,
-                   flat(x), gy_f, y_f, partials, flat(dw), geo, table,
-                   reduce.counters(grid[0] * grid[1]) if inside
-                   else reduce.placeholder(np.int32))
-            if not inside:
+                   flat(x), gy_f, y_f, partials, gy_f, geo, table)
+            if n_splits > 1:
                 launch(_sum_splits, *config.grid_1d(dw.size), partials, n_splits, flat(dw))
         elif dw.size:
             fill(dw, 0.0)
@@ -593,14 +546,13 @@ def _production_gemms():
 
 _GEO = types.int32[:, ::1]
 _TAB = types.int32[:, ::1]
-_COUNTS = types.int32[::1]       # the last-block counters (dw's; unread by fwd and dx)
 GEMM_KERNELS = []
 PTX_SIGNATURES = []
 for _kind, _layout, _dt, _tag, _k in _production_gemms():
     _k.__name__ = f"gemm_{_kind}_{_layout.lower()}_{_dt[-2:]}{_tag}"
     GEMM_KERNELS.append(_k)
     # each tiling is compiled only for its own dtype: the other is a "wrong" dtype entry
-    PTX_SIGNATURES.append((_k, (lambda dt: lambda f: (f[::1],) * 5 + (_GEO, _TAB, _COUNTS)
+    PTX_SIGNATURES.append((_k, (lambda dt: lambda f: (f[::1],) * 5 + (_GEO, _TAB)
                                 if str(f) == dt else None)(_dt)))
 PTX_SIGNATURES += [
     (_sum_splits, lambda f: (f[::1], types.int64, f[::1])),

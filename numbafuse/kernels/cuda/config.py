@@ -97,11 +97,6 @@ tile_override = None     # a Tile used for every conv pass and dtype when set (t
 
 dw_target_blocks = 512   # dw: (tile, split) blocks to aim for (fills a GPU a few times)
 dw_max_splits = 256      # dw: at most this many splits of M (partials memory: splits*K*CRS)
-# dw: the most partials one thread of a tile's last block sums in the GEMM itself (n_splits *
-# BM*BN/threads, each an L2 read in turn); more are summed by a kernel of their own
-# (kernels/conv/cuda._sum_splits). GPU run 14: 4096 (the digits model's 128 splits) took the
-# graph-replayed training step from 0.70 to 1.22 ms.
-dw_finish_max_loads = 256
 
 
 _DTYPE_NAMES = {}

@@ -180,28 +180,16 @@ def _unrolled_epilogue(tile: Tile, row_base, col_offset, store):
                                             store=store))
 
 
-@cuda.jit(device=True, inline=True)
-def no_finish(out, bias, geo, table, counters, BM, BN):
-    pass
-
-
 def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, store,
-          name="gemm", finish=no_finish):
-    """The GEMM kernel ``kernel(src_a, src_b, aux, out, bias, geo, table, counters)`` of one
-    tiling.
-
-    ``finish``: a device function ``finish(out, bias, geo, table, counters, BM, BN)`` every
-    block runs after its epilogue (``counters``: int32 zeros, to be left zero): dw's last
-    block of each tile sums the tile's split partials there, so no second kernel is
-    launched. The forward and dx take ``no_finish`` (and ignore ``counters``).
+          name="gemm"):
+    """The GEMM kernel ``kernel(src_a, src_b, aux, out, bias, geo, table)`` of one tiling.
 
     ``name`` must differ between the kernels built: it is the kernel's qualified name, and
     Numba keeps one disk-cache index per qualified name, which processes compiling at once
     (``numbafuse.precompile``) would each rewrite, losing each other's entries.
 
     src_a, src_b, aux, out, bias: (n,) flat arrays (aux: the ReLU output masking an operand,
-    read by the loaders); geo: (slices, fields) int32; table: (T, 4) int32 per-k offsets;
-    counters: (n,) int32, read by ``finish`` alone.
+    read by the loaders); geo: (slices, fields) int32; table: (T, 4) int32 per-k offsets.
     Launch: grid (ceil(rows / BM), ceil(cols / BN), slices), ``tile.threads`` threads.
     """
     tile.check()
@@ -220,7 +208,7 @@ def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, sto
     store_b = _unrolled_store(B_NK, B_NR, B_LK * SB, B_LR, b.gated)
     epilogue = _unrolled_epilogue(tile, row_base, col_offset, store)
 
-    def gemm(src_a, src_b, aux, out, bias, geo, table, counters):
+    def gemm(src_a, src_b, aux, out, bias, geo, table):
         z = int32(cuda.blockIdx.z)
         n_rows, n_cols, k_lo, k_hi, e0, e1 = problem(geo, z)
         r0 = int32(cuda.blockIdx.x * BM)
@@ -279,7 +267,6 @@ def build(tile: Tile, a: Operand, b: Operand, problem, row_base, col_offset, sto
             # (which the step after next overwrites)
             cuda.syncthreads()
         epilogue(out, bias, geo, table, z, r0, c0, tx, ty, n_rows, n_cols, e0, e1, acc)
-        finish(out, bias, geo, table, counters, BM, BN)
 
     bounds = (THREADS, tile.min_blocks) if tile.min_blocks else THREADS
     gemm.__name__ = gemm.__qualname__ = name
