@@ -1,13 +1,17 @@
 """Where the digits training step's device time goes, kernel by kernel, on a GPU.
 
     TREE=<checkout> python benchmarks/gpu_step_kernels.py [--steps 20] [--rounds 3]
+                                                       [--affine-gate on|off]
 
 The fused digits step (bench_gpu.py's model, batch and optimizer) run eagerly ``--steps``
 times under PyTorch's profiler (CUPTI sees numba's kernels too): each kernel's launches per
 step and device time per step, the heaviest first; then the same step captured in a CUDA
 graph and replayed (device time alone, best of ``--rounds``). ``TREE`` picks the checkout
 whose numbafuse is imported (default: this one), so that two trees can be compared on one
-machine in one call, as ``gpu_pair.py`` compares their per-call rows.
+machine in one call, as ``gpu_pair.py`` compares their per-call rows. ``--affine-gate``
+sets the CUDA batch norm's ``AFFINE_GATE`` for the run (Conv-BN-ReLU's recompute: the ReLU
+gate re-derived from h by the batch-norm backward, or the mask rebuilt by the apply kernel;
+trees since 08b6328 only).
 """
 import argparse
 import os
@@ -23,6 +27,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--affine-gate", choices=("on", "off"), default=None)
     args = parser.parse_args(argv)
     import numpy as np
     import torch
@@ -32,6 +37,10 @@ def main(argv=None):
     from numbafuse.train import train_step
     from bench_gpu import DIGITS, median_events
     assert os.path.dirname(os.path.dirname(os.path.abspath(numbafuse.__file__))) == TREE
+    from numbafuse.kernels.batchnorm import cuda as bn_cuda
+    if args.affine_gate is not None:
+        bn_cuda.AFFINE_GATE = args.affine_gate == "on"
+    gate = getattr(bn_cuda, "AFFINE_GATE", None)
     cuda = nfcuda.numba_cuda
     torch.cuda.init()
     rng = np.random.default_rng(0)
@@ -50,8 +59,8 @@ def main(argv=None):
     rows = [(e.device_time_total / args.steps, e.count / args.steps, e.key)
             for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(reverse=True)
-    print(f"tree {TREE}: the fused digits step's kernels (eager, {args.steps} steps), "
-          f"device us a step, launches a step:")
+    print(f"tree {TREE} (AFFINE_GATE {gate}): the fused digits step's kernels (eager, "
+          f"{args.steps} steps), device us a step, launches a step:")
     for us, n, name in rows:
         print(f"  {us:8.1f} us  {n:4.1f}x  {name[:70]}")
     print(f"  {sum(r[0] for r in rows):8.1f} us  {sum(r[1] for r in rows):4.1f}x  in all")

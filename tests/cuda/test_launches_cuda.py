@@ -96,10 +96,10 @@ def test_conv_batchnorm_relu(problem):
         padding=1, layout="NHWC"))
     _, bwd = _count(lambda: y._fn.backward(p["dy"]))
     assert fwd == ["gemm", "channel_reduce_stats_nhwc", "_apply"]           # before: 5
-    # recompute the conv (the ReLU's gate re-derived from it in the batch-norm backward's two
-    # kernels, STATE_AFFINE), batch-norm backward, conv dx, dw and dw's ordered split sum;
-    # before: 8, then 7 (the mask rebuilt by the apply kernel)
-    assert bwd == ["gemm", "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm",
+    # recompute the conv and the ReLU mask (the apply kernel: the gate re-derived from h in
+    # the batch-norm backward, STATE_AFFINE, made its reduction slower on a GPU, run 16),
+    # batch-norm backward, conv dx, dw and dw's ordered split sum; before: 8
+    assert bwd == ["gemm", "_apply", "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm",
                    "_sum_splits"]
 
 
@@ -142,18 +142,19 @@ def test_sgd_step_and_training_step(fast_gemms):
         # bn_add_relu, conv (dx, dw)
         "_xent_bwd", "_linear_bwd", "_gap_bwd",
         "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm",
-        # conv_bn_relu (recompute the conv, bn backward gated from it, dx with the skip
+        # conv_bn_relu (recompute the conv and its ReLU mask, bn backward, dx with the skip
         # connection's gradient added by its epilogue, dw), the stem (dw, db: the image
         # needs no dx)
-        "gemm", "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm",
+        "gemm", "_apply", "channel_reduce_bwd_nhwc", "_bwd_apply", "gemm", "gemm",
         "gemm", "channel_reduce_grad_nhwc",
         # the optimizer
         "_sgd"]
     # before (150db89): 70 launches, with 30 SGD axpby, 5 per-channel finalize kernels and
     # 2 running-statistics updates; 34 with the seed's fill and 3 split sums; 30 with the
     # recompute's mask rebuilt; 29 with the residual's gradients summed by a kernel (_axpby);
-    # 28 with the linear layer's three gradients in three launches
-    assert len(step) == 26
+    # 28 with the linear layer's three gradients in three launches; 26 with the recompute's
+    # gate re-derived from h (STATE_AFFINE, off since GPU run 16: slower on the device)
+    assert len(step) == 27
     # labels from the host (as numbafuse.train.fit passes them): checked there, uploaded
     # without a wait, no flag kernel and nothing read back
     reads = []

@@ -56,7 +56,16 @@ from ..cuda.launch import launch
 from ..cuda import reduce
 
 BLOCK = config.BLOCK
-AFFINE_GATE = True       # the backward takes STATE_AFFINE (ops.batchnorm.AffineGate)
+# Whether Conv-BatchNorm-ReLU's recompute hands the backward STATE_AFFINE
+# (ops.batchnorm.AffineGate) instead of rebuilding the ReLU's mask with the apply kernel. The
+# kernels take it (tests/cuda/test_batchnorm_kernels_cuda.py), but GPU run 16 (an H200, the
+# digits step's kernels under PyTorch's profiler, benchmarks/gpu_step_kernels.py) timed the
+# four channel_reduce_bwd_nhwc launches of a step at 164.4 us with it against 66.8 us at
+# 9781246 (before it), while it saved two _apply launches (7.5 us): the step replayed from a
+# graph 803 against 716 us. The cause, read in its SASS afterwards: the walk loaded g only
+# where the gate was open, each load waiting for x's and the compare (reduce._elem now loads
+# g first). Off until a GPU times that (benchmarks/gpu_step_kernels.py --affine-gate on/off).
+AFFINE_GATE = False
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 U = 4                    # groups of 32 elements in flight per warp
