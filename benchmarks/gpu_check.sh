@@ -16,6 +16,8 @@
 #   bench      benchmarks/bench_gpu.py --quick (numbafuse and PyTorch each in its own process;
 #              its kernel tables in float32 and float16, GPU_CHECK_BENCH_DTYPES=float32: those
 #              of float32 alone)
+#   steps      benchmarks/gpu_step_kernels.py: the digits step's device time per kernel and
+#              from a graph, the batch-norm backward's AFFINE_GATE off and on
 #   pair       with GPU_CHECK_BASE=<another checkout in the tree>: benchmarks/gpu_pair.py, the
 #              per-call and training-step rows of both trees, alternating processes
 #   hostpath   benchmarks/host_path.py: the same calls' host time with the device stubbed out
@@ -114,6 +116,12 @@ TAIL=4 section train 90 bash -c 'for graph in "" --cuda-graph; do
 TAIL=80 section bench 220 python3 benchmarks/bench_gpu.py --quick --worker-timeout 180 \
     --rounds "${GPU_CHECK_BENCH_ROUNDS:-2}" --dtypes "${GPU_CHECK_BENCH_DTYPES:-float32,float16}" \
     --markdown "$OUT/bench_gpu.md" --json "$OUT/bench_gpu.json"
+# the digits step's device time kernel by kernel (PyTorch's profiler) and from a graph, with
+# the CUDA batch norm's AFFINE_GATE off (the default) and on (run 16 found it slower; the walk's
+# loads were reordered after, untimed)
+TAIL=4 section steps 60 bash -c 'for gate in off on; do
+    python3 benchmarks/gpu_step_kernels.py --rounds 2 --affine-gate $gate > /tmp/steps_$gate.log 2>&1;
+    cat /tmp/steps_$gate.log; done; grep -h "^tree" /tmp/steps_off.log /tmp/steps_on.log'
 # this tree against another checkout carried in the tree (GPU_CHECK_BASE=.base, made by
 # `git archive <rev> | tar -x -C .base`): per-call and training-step figures, alternating
 if [ -n "${GPU_CHECK_BASE:-}" ]; then

@@ -63,14 +63,16 @@ def main(argv=None):
           f"{args.steps} steps), device us a step, launches a step:")
     for us, n, name in rows:
         print(f"  {us:8.1f} us  {n:4.1f}x  {name[:70]}")
-    print(f"  {sum(r[0] for r in rows):8.1f} us  {sum(r[1] for r in rows):4.1f}x  in all")
+    total, launches = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    print(f"  {total:8.1f} us  {launches:4.1f}x  in all")
     times = []
     for _ in range(args.rounds):
         m = models.make_model("fused", width=24, blocks=2).to("cuda")
         o = optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
         with nfcuda.graph(train_step, m, o, xb, yb) as step:
             times.append(median_events(step.replay, 20, cuda.event, cuda.synchronize) * 1e3)
-    print(f"tree {TREE}: the step replayed from a CUDA graph: best {min(times):.1f} us of "
+    print(f"tree {TREE} (AFFINE_GATE {gate}): every kernel {total:.1f} us a step eagerly "
+          f"({launches:.0f} launches); replayed from a CUDA graph best {min(times):.1f} us of "
           + ", ".join(f"{t:.1f}" for t in times), flush=True)
 
 
