@@ -59,7 +59,10 @@ def _compile_one(index: int, dtypes: tuple) -> tuple:
 # conv_batchnorm_relu's (training, recompute). The shapes pick the algorithm that layers of
 # that kind take (kernels/conv/cpu.algorithm): channels >= 32 and multiples of 8, 128 tiles.
 CPU_CASES = [
-    ("conv 3x3 s1 (Winograd)", "conv", (8, 32, 8, 8), 3, 1, 32),
+    # 3x3 stride 1: Winograd above 64 channels, the implicit GEMM's forward at 64 and fewer
+    # (kernels/conv/cpu_plan.Rules.implicit_s1_max_channels; Winograd's dX and dW)
+    ("conv 3x3 s1 (Winograd)", "conv", (8, 72, 8, 8), 3, 1, 72),
+    ("conv 3x3 s1 few channels (implicit forward)", "conv", (8, 32, 8, 8), 3, 1, 32),
     ("conv 3x3 s1 small map (im2col forward)", "conv", (2, 32, 4, 4), 3, 1, 32),
     # deep layers (more output channels than pixels: ResNet's 256 and 512 at 2x2 to 8x8): the
     # whole batch's GEMMs in blocks of channels (cols built once, each block's weights
@@ -70,7 +73,8 @@ CPU_CASES = [
     ("conv 1x1 s2", "conv", (4, 32, 8, 8), 1, 2, 64),
     ("conv 3x3 stem (few channels)", "conv", (4, 3, 16, 16), 3, 1, 32),
     ("conv 7x7 s2 stem (implicit forward)", "conv", (2, 3, 16, 16), 7, 2, 64),
-    ("conv-batchnorm-relu 3x3", "cbr", (8, 32, 8, 8), 3, 1, 32),
+    ("conv-batchnorm-relu 3x3", "cbr", (8, 72, 8, 8), 3, 1, 72),
+    ("conv-batchnorm-relu 3x3 few channels", "cbr", (8, 32, 8, 8), 3, 1, 32),
     ("batchnorm-add-relu", "bn", (8, 32, 8, 8), 0, 0, 0),
     # depthwise (groups = C, MobileNet / ConvNeXt): the register tiles at 3x3 strides 1 and 2,
     # the sliding tiles at 7x7 (NHWC) and the 7x7 plane tiles (NCHW)

@@ -55,7 +55,8 @@ def _on_threads(threads, fn):
 def winograd_everywhere(monkeypatch, conv_rules):
     """Small channel counts through Winograd, every call on the pool; returns a setter of
     the rules' winograd_tiles."""
-    conv_rules(min_gemm_channels=1, nchw_im2col_channels=1, winograd_min_tiles=0)
+    conv_rules(min_gemm_channels=1, nchw_im2col_channels=1, winograd_min_tiles=0,
+               implicit_s1_max_channels=0)
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
     return lambda tiles: conv_rules(winograd_tiles=tiles)
 

@@ -401,7 +401,7 @@ def test_float64_keeps_its_precision_where_float32_has_own_paths(layout, kind, k
     Winograd on float64 data: dx to 2e-7)."""
     # the Winograd forward at 50 tiles; the stride-2 Winograd or else the implicit GEMM
     conv_rules(taps=True, winograd_min_tiles=0, winograd_s2=kind == "winograd_s2",
-               implicit_max_channels=1 << 30)
+               implicit_max_channels=1 << 30, implicit_s1_max_channels=0)
     rng = np.random.default_rng(34)
     N, C, K, H, W = 2, 32, 32, 9, 9
     x = rng.standard_normal((N, C, H, W) if layout == "NCHW" else (N, H, W, C))
@@ -540,14 +540,36 @@ def test_channel_counts_of_the_small_gemm(layout, kernel, stride, padding, dilat
                                               (7, 8, "im2col"), (8, 8, "winograd"),
                                               (8, 7, "winograd"), (32, 8, "winograd")])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_winograd_forward_needs_enough_tiles(N, size, forward, layout):
+def test_winograd_forward_needs_enough_tiles(N, size, forward, layout, conv_rules):
     # a 3x3 stride-1 forward and dW with fewer than winograd_min_tiles (128) 2x2 output tiles in the
     # batch runs im2col (deep layers' 2x2 and 4x4 maps: 2-4x faster there); dX and dW stay
     # Winograd. 7 images of 8x8 are 112 tiles, 8 are 128 (the edge), and 7x7 maps have 4x4
-    # tiles an image as 8x8 maps do
+    # tiles an image as 8x8 maps do (the few-channels forward rule off: 64 channels would
+    # take the implicit GEMM, test_few_channels_forward_takes_the_implicit_gemm)
+    conv_rules(implicit_s1_max_channels=0)
     shape = (N, 64, size, size) if layout == "NCHW" else (N, size, size, 64)
     geom = nf.validate.conv_geometry("t", shape, (64, 64, 3, 3), 1, 1, 1, layout)
     tiles = N * ((geom.P + 1) // 2) * ((geom.Q + 1) // 2)
     assert (tiles >= RULES.winograd_min_tiles) == (forward == "winograd")
     assert cpu_conv.algorithm(geom, "forward") == cpu_conv.algorithm(geom, "dw") == forward
     assert cpu_conv.algorithm(geom, "dx") == "winograd"
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("C, K, forward", [(64, 64, "implicit"), (32, 64, "implicit"),
+                                           (64, 65, "winograd"), (96, 96, "winograd"),
+                                           (128, 128, "winograd")])
+def test_few_channels_forward_takes_the_implicit_gemm(layout, C, K, forward, conv_rules):
+    # a 3x3 stride-1 float32 forward with at most implicit_s1_max_channels (64) channels each
+    # side and enough tiles for Winograd runs the implicit GEMM's register tiles (10-35%
+    # faster at 64 channels, slower from 96: the rule's measurements); dX and dW stay
+    # Winograd, float64 (which the tiles do not take) too, and so do narrow tiles (taps off)
+    shape = (16, C, 16, 16) if layout == "NCHW" else (16, 16, 16, C)
+    geom = nf.validate.conv_geometry("t", shape, (K, C, 3, 3), 1, 1, 1, layout)
+    if forward == "implicit" and not cpu_plan.RULES.taps:
+        pytest.skip("the implicit GEMM's tiles need AVX-512 here")
+    assert cpu_conv.algorithm(geom, "forward") == forward
+    assert cpu_conv.algorithm(geom, "dx") == cpu_conv.algorithm(geom, "dw") == "winograd"
+    assert cpu_plan.plan(geom, "forward", np.float64).algorithm == "winograd"
+    conv_rules(taps=False)
+    assert cpu_conv.algorithm(geom, "forward") == "winograd"

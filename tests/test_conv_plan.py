@@ -88,7 +88,8 @@ def test_rules_are_a_value_that_using_changes_for_a_block_only():
     before = cpu_plan.current_rules()
     assert before == cpu_plan.RULES
     assert cpu_plan.plan(g, "forward", np.float32).algorithm == "im2col"   # 50 tiles < 128
-    with cpu_plan.using(winograd_min_tiles=0, winograd_tiles=7) as rules:
+    with cpu_plan.using(winograd_min_tiles=0, winograd_tiles=7,
+                        implicit_s1_max_channels=0) as rules:
         assert rules.winograd_tiles == 7 and cpu_plan.current_rules() is rules
         plan = cpu_plan.plan(g, "forward", np.float32)
         assert (plan.algorithm, plan.tiles) == ("winograd", 7)
@@ -105,8 +106,8 @@ def test_rules_are_a_value_that_using_changes_for_a_block_only():
             pass
     assert cpu_plan.current_rules() == before
     # an explicit rules value wins over the context's
-    assert cpu_plan.plan(g, "forward", np.float32,
-                         cpu_plan.RULES._replace(winograd_min_tiles=0)).algorithm == "winograd"
+    assert cpu_plan.plan(g, "forward", np.float32, cpu_plan.RULES._replace(
+        winograd_min_tiles=0, implicit_s1_max_channels=0)).algorithm == "winograd"
 
 
 def test_the_plan_under_using_reaches_the_kernels_through_the_op(monkeypatch):
@@ -381,7 +382,8 @@ def test_the_batchnorm_epilogue_readies_its_steps(layout, conv_rules):
     """The Winograd forward with batch norm's sums (cpu.forward_stats, forward_bn_sums: the
     Conv-BN ops) run with every slot empty, as a new process's first Conv-BN: the same bits
     as with the slots filled (cpu_epilogue.block is a step)."""
-    conv_rules(min_gemm_channels=1, nchw_im2col_channels=1, winograd_min_tiles=0)
+    conv_rules(min_gemm_channels=1, nchw_im2col_channels=1, winograd_min_tiles=0,
+               implicit_s1_max_channels=0)
     x, w, b, geom, _ = _problem(3, 1, 1, 1, 16, 16, layout, np.float32)
     want = cpu_conv.forward_stats(x, w, geom, 1e-5)
     assert want is not None                          # the epilogue ran, not the fallback

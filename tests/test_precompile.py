@@ -62,6 +62,10 @@ def test_the_cpu_cases_take_the_paths_layers_take():
     for layout in ("NCHW", "NHWC"):
         assert picked["conv 3x3 s1 (Winograd) float32", layout] == ("winograd",) * 3
         assert picked["conv-batchnorm-relu 3x3 float32", layout] == ("winograd",) * 3
+        few = "implicit" if cpu_plan.RULES.taps else "winograd"     # (AVX-512's tiles)
+        for name in ("conv 3x3 s1 few channels (implicit forward) float32",
+                     "conv-batchnorm-relu 3x3 few channels float32"):
+            assert picked[name, layout] == (few, "winograd", "winograd")
         assert picked["conv 3x3 s1 small map (im2col forward) float32", layout] == (
             "im2col", "winograd", "im2col")
         assert picked["conv 7x7 s2 stem (implicit forward) float32", layout][0] == "implicit"

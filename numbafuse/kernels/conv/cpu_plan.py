@@ -81,6 +81,20 @@ class Rules(NamedTuple):
     # im2col took 0.6-0.9x its time (l4 3x3/2 256 -> 512: 2.8 against 10.1 ms), at the stem
     # (7x7/2, 3 -> 64) 1.5-1.9x (9.4 against 5.0 ms NCHW, 6.3 against 4.2 NHWC)
     implicit_max_channels: int = 15
+    # a 3x3 stride-1 float32 forward with enough tiles for Winograd and at most this many
+    # channels each side runs the implicit GEMM's register tiles instead (machine E, 2
+    # threads, best of 5 x 5 calls, ms Winograd / implicit, NCHW then NHWC): C = K = 64 at
+    # 16x16, batch 16 0.82 / 0.72 and 0.76 / 0.70; 32x32 3.47 / 3.03 and 3.03 / 2.67; 56x56,
+    # batch 8 4.66 / 4.06 and 4.64 / 4.04; 32 channels at 32x32 1.32 / 1.04 and 1.12 / 0.83;
+    # but 96 at 16x16 1.19 / 1.93 and 1.08 / 1.52, 128 at 8x8 0.54 / 0.91 and 0.54 / 0.76
+    # (bench_conv_plan.py: ResNet-18's l1 3x3 64 forward was the one such pass > 10% off the
+    # fastest). A training Conv-BN-ReLU then makes its statistics in a pass of their own, not
+    # in Winograd's epilogue, and still gained: forward, C = K = 64, two runs each, ms before /
+    # after: NCHW (16, 64, 16, 16) 0.98-0.99 / 0.85-0.90, (8, 64, 56, 56) 5.33-5.54 /
+    # 4.75-4.80; NHWC 0.87-0.95 / 0.80-0.89, 5.06-5.36 / 4.62-4.83; forward + backward within
+    # the spread (NCHW 3.45-3.87 / 3.44-3.52, 19.61-19.65 / 18.93-19.03; NHWC 3.27-3.31 /
+    # 3.12-3.59, 19.21-19.67 / 18.89-19.66). Tests that mean Winograd set this to 0.
+    implicit_s1_max_channels: int = 64
     # 16-float register tiles (AVX-512) rather than 8-float ones
     wide: bool = _gemm_taps.WIDE
     # the register tiles of cpu.gemm_taps for the strided forward and dW (implicit), the NHWC
@@ -277,8 +291,13 @@ def choose(geom, pass_, dtype, rules):
         # on HWC slabs for NCHW too: Winograd won at every width and channel count measured
         # from 16 up, except the forward and dW of few tiles
         tiles = geom.N * ((geom.P + 1) // 2) * ((geom.Q + 1) // 2)
-        few = pass_ != "dx" and tiles < rules.winograd_min_tiles
-        return "im2col" if few else "winograd"
+        if pass_ != "dx" and tiles < rules.winograd_min_tiles:
+            return "im2col"
+        if (pass_ == "forward" and rules.taps
+                and max(geom.C, geom.K) <= rules.implicit_s1_max_channels
+                and supports("implicit", geom, pass_, dtype)):
+            return "implicit"
+        return "winograd"
     limit = rules.winograd_s2_dx_taps_bytes if pass_ == "dx" else rules.winograd_s2_taps_bytes
     if (rules.winograd_s2 and _wino_s2.fits(geom, dtype, pass_)
             and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= limit):
