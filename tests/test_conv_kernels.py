@@ -573,3 +573,15 @@ def test_few_channels_forward_takes_the_implicit_gemm(layout, C, K, forward, con
     assert cpu_plan.plan(geom, "forward", np.float64).algorithm == "winograd"
     conv_rules(taps=False)
     assert cpu_conv.algorithm(geom, "forward") == "winograd"
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("C, K, size", [(64, 128, 16), (128, 256, 8), (256, 512, 56)])
+def test_strided_pointwise_dw_takes_im2col(layout, C, K, size):
+    # the dW of an unpadded strided 1x1 (ResNet's downsample) runs im2col, faster than the
+    # implicit GEMM at every shape measured (the rule's comment); its forward keeps its own
+    # rules and its dX the pointwise GEMMs (or the k-blocked im2col)
+    shape = (8, C, size, size) if layout == "NCHW" else (8, size, size, C)
+    geom = nf.validate.conv_geometry("t", shape, (K, C, 1, 1), 2, 0, 1, layout)
+    assert cpu_conv.algorithm(geom, "dw") == "im2col"
+    assert cpu_conv.algorithm(geom, "dx") in ("pointwise", "im2col")

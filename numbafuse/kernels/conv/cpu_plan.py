@@ -279,6 +279,15 @@ def choose(geom, pass_, dtype, rules):
         # phase 2-3x the time: cpu_pointwise's docstring); a deep one k-blocked (ResNet-18's
         # l4 1x1/2 at 2x2, NCHW / NHWC: 0.13 / 0.12 ms against 0.24 / 0.11)
         return "im2col" if _k_blocks(geom, pass_, dtype, rules) > 1 else "pointwise"
+    if pass_ == "dw" and _strided_pointwise(geom):
+        # dW of a strided 1x1: im2col (its cols are the strided pixels) beat the implicit GEMM
+        # at every shape measured, machine E, 2 threads, best of 5 x 5, ms NCHW / NHWC:
+        # 64 -> 128 at 16x16, batch 16 0.116 / 0.089 against 0.166 / 0.152; 128 -> 256 at 8x8
+        # 0.116 / 0.114 against 0.140 / 0.121; 64 -> 128 at 56x56, batch 8 0.478 / 0.460
+        # against 0.541 / 0.544; ResNet-50's 256 -> 512 at 56x56, batch 4 2.52 / 2.21 against
+        # 3.79 / 2.77, 512 -> 1024 at 28x28, batch 8 4.98 / 4.26 against 7.85 / 7.14
+        # (machine B's bench_conv_plan.py table too: 0.19 against 0.22-0.23)
+        return "im2col"
     if (geom.K if pass_ == "dx" else min(geom.C, geom.K)) < rules.min_gemm_channels:
         return "implicit" if implicit and pass_ == "forward" else "im2col"
     if pass_ == "dx" and _k_blocks(geom, pass_, dtype, rules) > 1:
