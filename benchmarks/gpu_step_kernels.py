@@ -35,7 +35,7 @@ def main(argv=None):
     import numbafuse
     from numbafuse import cuda as nfcuda, models, optim
     from numbafuse.train import train_step
-    from bench_gpu import DIGITS, median_events
+    from bench_gpu import DIGITS, FULL, median_events
     assert os.path.dirname(os.path.dirname(os.path.abspath(numbafuse.__file__))) == TREE
     from numbafuse.kernels.batchnorm import cuda as bn_cuda
     if args.affine_gate is not None:
@@ -47,8 +47,11 @@ def main(argv=None):
     xb = nfcuda.to_device(rng.standard_normal((DIGITS["batch"], 8, 8, 1)).astype(np.float32))
     yb = nfcuda.to_device(rng.integers(0, 10, DIGITS["batch"]))   # device labels: both trees
 
-    model = models.make_model("fused", width=24, blocks=2).to("cuda")     # bench_gpu's
-    opt = optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    def model_and_optimizer():          # bench_gpu's model and SGD
+        model = models.make_model("fused", **FULL["model"]).to("cuda")
+        return model, optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+    model, opt = model_and_optimizer()
     for _ in range(3):
         train_step(model, opt, xb, yb)
     cuda.synchronize()
@@ -67,9 +70,7 @@ def main(argv=None):
     print(f"  {total:8.1f} us  {launches:4.1f}x  in all")
     times = []
     for _ in range(args.rounds):
-        m = models.make_model("fused", width=24, blocks=2).to("cuda")
-        o = optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-        with nfcuda.graph(train_step, m, o, xb, yb) as step:
+        with nfcuda.graph(train_step, *model_and_optimizer(), xb, yb) as step:
             times.append(median_events(step.replay, 20, cuda.event, cuda.synchronize) * 1e3)
     print(f"tree {TREE} (AFFINE_GATE {gate}): every kernel {total:.1f} us a step eagerly "
           f"({launches:.0f} launches); replayed from a CUDA graph best {min(times):.1f} us of "

@@ -298,7 +298,8 @@ def choose(geom, pass_, dtype, rules):
         return "im2col"
     if _is_winograd(geom):
         # on HWC slabs for NCHW too: Winograd won at every width and channel count measured
-        # from 16 up, except the forward and dW of few tiles
+        # from 16 up, except the forward and dW of few tiles and the forward of few channels
+        # (implicit_s1_max_channels)
         tiles = geom.N * ((geom.P + 1) // 2) * ((geom.Q + 1) // 2)
         if pass_ != "dx" and tiles < rules.winograd_min_tiles:
             return "im2col"

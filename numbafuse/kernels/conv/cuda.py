@@ -30,8 +30,9 @@ slices z of one launch (gridDim.z = sh*sw); ``geo[z]`` holds each one's sizes an
 **dw and db are deterministic**: M is cut into fixed splits, each (tile, split) writes its
 own partial, and ``_sum_splits`` adds the partials in split order in float64. No atomics.
 (Summing them in the dw GEMM instead, by each tile's last block, saves that launch but was
-slower at every shape GPU run 15 timed, from 4% at 2 splits to 4.2x at 251: one block reads
-its tile's n_splits partials serially while ``_sum_splits`` spreads them over the GPU.)
+slower at every shape GPU run 15 timed, 1.01-1.09x at 2-8 splits and up to 4.1x at 251: one
+block reads its tile's n_splits partials serially while ``_sum_splits`` spreads them over the
+GPU.)
 """
 from __future__ import annotations
 
