@@ -557,12 +557,14 @@ def test_winograd_forward_needs_enough_tiles(N, size, forward, layout, conv_rule
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("C, K, forward", [(64, 64, "implicit"), (32, 64, "implicit"),
-                                           (64, 65, "winograd"), (96, 96, "winograd"),
-                                           (128, 128, "winograd")])
+                                           (32, 32, "implicit"), (31, 64, "winograd"),
+                                           (24, 24, "winograd"), (64, 65, "winograd"),
+                                           (96, 96, "winograd"), (128, 128, "winograd")])
 def test_few_channels_forward_takes_the_implicit_gemm(layout, C, K, forward, conv_rules):
-    # a 3x3 stride-1 float32 forward with at most implicit_s1_max_channels (64) channels each
-    # side and enough tiles for Winograd runs the implicit GEMM's register tiles (10-35%
-    # faster at 64 channels, slower from 96: the rule's measurements); dX and dW stay
+    # a 3x3 stride-1 float32 forward with 32 to 64 channels each side (implicit_s1_min_channels,
+    # implicit_s1_max_channels) and enough tiles for Winograd runs the implicit GEMM's register
+    # tiles (10-35% faster at 32-64 channels, no faster at 24, slower from 96: the rule's
+    # measurements); dX and dW stay
     # Winograd, float64 (which the tiles do not take) too, and so do narrow tiles (taps off)
     shape = (16, C, 16, 16) if layout == "NCHW" else (16, 16, 16, C)
     geom = nf.validate.conv_geometry("t", shape, (K, C, 3, 3), 1, 1, 1, layout)

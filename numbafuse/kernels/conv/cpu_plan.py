@@ -93,8 +93,11 @@ class Rules(NamedTuple):
     # after: NCHW (16, 64, 16, 16) 0.98-0.99 / 0.85-0.90, (8, 64, 56, 56) 5.33-5.54 /
     # 4.75-4.80; NHWC 0.87-0.95 / 0.80-0.89, 5.06-5.36 / 4.62-4.83; forward + backward within
     # the spread (NCHW 3.45-3.87 / 3.44-3.52, 19.61-19.65 / 18.93-19.03; NHWC 3.27-3.31 /
-    # 3.12-3.59, 19.21-19.67 / 18.89-19.66). Tests that mean Winograd set this to 0.
+    # 3.12-3.59, 19.21-19.67 / 18.89-19.66). Tests that mean Winograd set this to 0. Not
+    # below implicit_s1_min_channels a side: 24 at 8x8, batch 32 (the digits model) 0.160 /
+    # 0.161 and 0.131 / 0.137, no gain for the implicit kernels' first-call compile
     implicit_s1_max_channels: int = 64
+    implicit_s1_min_channels: int = 32
     # 16-float register tiles (AVX-512) rather than 8-float ones
     wide: bool = _gemm_taps.WIDE
     # the register tiles of cpu.gemm_taps for the strided forward and dW (implicit), the NHWC
@@ -298,12 +301,13 @@ def choose(geom, pass_, dtype, rules):
         return "im2col"
     if _is_winograd(geom):
         # on HWC slabs for NCHW too: Winograd won at every width and channel count measured
-        # from 16 up, except the forward and dW of few tiles and the forward of few channels
-        # (implicit_s1_max_channels)
+        # from 16 up, except the forward and dW of few tiles and the forward of 32-64 channels
+        # (implicit_s1_min_channels, implicit_s1_max_channels)
         tiles = geom.N * ((geom.P + 1) // 2) * ((geom.Q + 1) // 2)
         if pass_ != "dx" and tiles < rules.winograd_min_tiles:
             return "im2col"
         if (pass_ == "forward" and rules.taps
+                and rules.implicit_s1_min_channels <= min(geom.C, geom.K)
                 and max(geom.C, geom.K) <= rules.implicit_s1_max_channels
                 and supports("implicit", geom, pass_, dtype)):
             return "implicit"
