@@ -130,6 +130,32 @@ def test_released_conv_outputs_are_reused(rng):
     assert len(addresses) == 1 and len(owned) == 1
 
 
+def _root(a):
+    while a.base is not None:
+        a = a.base
+    return a
+
+
+def test_the_digits_models_activations_come_from_the_cache(rng):
+    # The quick start's activations (batch 32, 24 channels, 8x8: 196 KB) are under glibc's
+    # mmap threshold; as fresh arrays their pages went back to the OS each step and faulted
+    # in again (buffers.py: why MIN_BYTES is 64 KiB). The forward's y and the backward's dx,
+    # both layouts, and the smallest size the cache takes.
+    assert OutputCache.MIN_BYTES <= 64 << 10
+    owned = {id(e[0]) for e in output_cache._buffers}
+    for layout in ("NCHW", "NHWC"):
+        shape = (32, 24, 8, 8) if layout == "NCHW" else (32, 8, 8, 24)
+        x = rng.standard_normal(shape).astype(np.float32)
+        w = (rng.standard_normal((24, 24, 3, 3)) / 8).astype(np.float32)
+        y = nf.conv_bias_relu(x, w, None, padding=1, layout=layout)
+        dx, _, _ = nf.conv_bias_relu_backward(np.ones_like(y), x, w, y, padding=1,
+                                              layout=layout)
+        owned = {id(e[0]) for e in output_cache._buffers}
+        assert id(_root(y)) in owned and id(_root(dx)) in owned, layout
+    small = output_cache.empty((OutputCache.MIN_BYTES // 4,), np.float32)
+    assert id(_root(small)) in {id(e[0]) for e in output_cache._buffers}
+
+
 def test_aligned_starts_on_a_cache_line_and_keeps_the_values():
     """buffers.aligned: a C-contiguous copy on a 64-byte boundary (the depthwise kernels'
     taps and bias), or the array itself where it is one already."""

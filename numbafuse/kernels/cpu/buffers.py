@@ -20,11 +20,21 @@ class OutputCache:
     ``MIN_BYTES`` and while ``tracemalloc`` traces (so peak-memory measurements see every
     allocation). ``max_bytes = 0`` disables it; :meth:`clear` drops the free buffers.
 
+    Why ``MIN_BYTES`` is 64 KiB, not the 1 MiB it was: outputs below glibc's mmap threshold
+    come from its heap, and freed together at the heap's top they pass its trim threshold
+    (128 KiB, or twice the largest mmapped block freed so far) and go back to the kernel, to
+    fault in again on the next call: the digits quick start (batch 32, 24 channels, 8x8:
+    196 KB activations) faulted ~300 pages a step, and its step took 3.30-3.93 ms against
+    2.99-3.09 with the cache from 64 KiB (machine E, ``python -m numbafuse.train``, three
+    alternating runs each; the whole run's minor faults 149-228k against 34k, the floor that
+    import and compilation take). Scratch arrays made inside the task kernels still come from
+    malloc (docs/benchmarks.md#conv_plan: the Winograd forward at (8, 64, 8, 8)).
+
     The arrays it hands out start on a 64-byte boundary (``ALIGN``: a cache line, one
     AVX-512 vector), as PyTorch's CPU tensors do; NumPy's large arrays start 16 bytes into a
     page, so that every 64-byte vector load or store of a row crossed two cache lines.
     """
-    MIN_BYTES = 1 << 20
+    MIN_BYTES = 1 << 16
     ALIGN = 64
 
     def __init__(self, max_bytes=1 << 30):
