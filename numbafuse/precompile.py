@@ -5,8 +5,8 @@
 
 ``--cpu``: every CPU path a layer of a common network takes (:data:`CPU_CASES`: each conv
 algorithm's forward and backward in both layouts -- 3x3 stride 1 by Winograd and, at small
-maps, im2col; the deep layers' k-blocked GEMMs; 3x3 stride 2; 1x1; the few-channel stem;
-Conv-BatchNorm-ReLU; BatchNorm-Add-ReLU; depthwise 3x3 and 7x7)
+maps, im2col; the deep layers' k-blocked GEMMs and tapwise forward; 3x3 stride 2; 1x1; the
+few-channel stem; Conv-BatchNorm-ReLU; BatchNorm-Add-ReLU; depthwise 3x3 and 7x7)
 is called once at a small shape per dtype, one case per task, ``JOBS`` processes at a time, so
 that the first call of a later process (a training run, each MPI rank, the tests) loads the
 compiled code instead of compiling it (seconds per path on one core). A serial pass then runs
@@ -66,8 +66,10 @@ CPU_CASES = [
     ("conv 3x3 s1 small map (im2col forward)", "conv", (2, 32, 4, 4), 3, 1, 32),
     # deep layers (more output channels than pixels: ResNet's 256 and 512 at 2x2 to 8x8): the
     # whole batch's GEMMs in blocks of channels (cols built once, each block's weights
-    # reordered by its task)
-    ("conv 3x3 deep small map (k-blocked GEMMs)", "conv", (2, 256, 2, 2), 3, 1, 256),
+    # reordered by its task); at 2x2 and 4x4 the forward by tap (cpu_tapwise: no products
+    # with the padding)
+    ("conv 3x3 deep small map (tapwise forward)", "conv", (2, 256, 2, 2), 3, 1, 256),
+    ("conv 3x3 deep (k-blocked GEMMs)", "conv", (2, 256, 8, 8), 3, 1, 256),
     ("conv 3x3 s2", "conv", (4, 32, 16, 16), 3, 2, 32),
     ("conv 1x1 s1", "conv", (4, 32, 8, 8), 1, 1, 32),
     ("conv 1x1 s2", "conv", (4, 32, 8, 8), 1, 2, 64),

@@ -545,8 +545,9 @@ def test_winograd_forward_needs_enough_tiles(N, size, forward, layout, conv_rule
     # batch runs im2col (deep layers' 2x2 and 4x4 maps: 2-4x faster there); dX and dW stay
     # Winograd. 7 images of 8x8 are 112 tiles, 8 are 128 (the edge), and 7x7 maps have 4x4
     # tiles an image as 8x8 maps do (the few-channels forward rule off: 64 channels would
-    # take the implicit GEMM, test_few_channels_forward_takes_the_implicit_gemm)
-    conv_rules(implicit_s1_max_channels=0)
+    # take the implicit GEMM, test_few_channels_forward_takes_the_implicit_gemm; the tapwise
+    # forward off: it takes the 2x2 and 4x4 maps, test_conv_tapwise.py)
+    conv_rules(implicit_s1_max_channels=0, tapwise_max_density=0.0)
     shape = (N, 64, size, size) if layout == "NCHW" else (N, size, size, 64)
     geom = nf.validate.conv_geometry("t", shape, (64, 64, 3, 3), 1, 1, 1, layout)
     tiles = N * ((geom.P + 1) // 2) * ((geom.Q + 1) // 2)

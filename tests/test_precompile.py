@@ -72,9 +72,12 @@ def test_the_cpu_cases_take_the_paths_layers_take():
         assert picked["conv 3x3 s2 float32", layout] == ("winograd_s2",) * 3
         assert picked["conv 1x1 s1 float32", layout] == ("pointwise",) * 3
         assert picked["conv 3x3 stem (few channels) float32", layout][0] == "im2col"
-        deep = "conv 3x3 deep small map (k-blocked GEMMs) float32"
+        deep = "conv 3x3 deep (k-blocked GEMMs) float32"
         assert picked[deep, layout] == ("im2col",) * 3
         assert min(picked[deep, layout, "blocks"]) > 1
+        small = "conv 3x3 deep small map (tapwise forward) float32"
+        assert picked[small, layout] == ("tapwise", "im2col", "im2col")
+        assert min(picked[small, layout, "blocks"]) > 1
     assert len(precompile.cpu_cases()) == 2 * len(precompile.CPU_CASES)
     # the depthwise cases take the depthwise kernels' tiled paths (float32, C % 8 == 0)
     from numbafuse.kernels.conv import cpu_depthwise

@@ -56,6 +56,7 @@ from . import cpu_direct as _direct  # noqa: E402
 from . import cpu_pointwise as _pointwise  # noqa: E402
 from . import cpu_im2col as _im2col  # noqa: E402
 from . import cpu_im2col_fwd as _im2col_fwd  # noqa: E402
+from . import cpu_tapwise as _tapwise  # noqa: E402
 from .cpu_chunks import (balanced, count_chunks, phase_weights as _phase_weights,  # noqa: E402
                          phases as _phases, sum_groups, tile_chunks)
 
@@ -200,12 +201,12 @@ def forward_stats(x, w, geom, eps):
 
 def forward_scaled(x, w, values, geom, relu):
     """``relu?(scale[k] * conv(x, w) + shift[k])``, ``(scale, shift) = values()`` (K,) each
-    (inference batch norm after a bias-free conv, not folded into w: the im2col forward
-    scales its GEMM's rows in its epilogue), or None where the forward is not the im2col pass
+    (inference batch norm after a bias-free conv, not folded into w: the im2col and tapwise
+    forwards scale their sums in the epilogue), or None where the forward is neither
     (the caller folds; ``values`` is not called). The deep layers' weights are most of a
     network's bytes and im2col runs them: the fold read and wrote them once more a call."""
     plan = _plan(geom, "forward", x.dtype)
-    if plan.algorithm != "im2col" or geom.N == 0:
+    if plan.algorithm not in ("im2col", "tapwise") or geom.N == 0:
         return None
     scale, shift = values()
     return conv_forward(x, w, shift, geom, relu, plan=plan, scale=scale)
@@ -472,7 +473,8 @@ _DW = {"winograd": _winograd_dw, "winograd_s2": _winograd_s2_dw, "phase": _phase
 def conv_forward(x, w, b, geom, relu, plan=None, scale=None):
     """``y = relu?(conv(x, w) + b?)`` for contiguous host arrays of one dtype, as ``plan``
     says (default: :func:`cpu_plan.plan` of the forward by the current rules); ``scale``
-    (K,): ``relu?(scale * conv(x, w) + b?)``, the im2col plans only (:func:`forward_scaled`)."""
+    (K,): ``relu?(scale * conv(x, w) + b?)``, the im2col and tapwise plans only
+    (:func:`forward_scaled`)."""
     N, C, K = geom.N, geom.C, geom.K
     nhwc = geom.layout == "NHWC"
     plan = _plan(geom, "forward", x.dtype) if plan is None else plan
@@ -485,8 +487,8 @@ def conv_forward(x, w, b, geom, relu, plan=None, scale=None):
     work = x.size + y.size + N * geom.P * geom.Q * K * C * geom.R * geom.S // 8
     relu = bool(relu)
     kind = plan.algorithm
-    if scale is not None and kind != "im2col":
-        raise ValueError(f"conv_forward: scale= needs the im2col plan, not {kind!r}")
+    if scale is not None and kind not in ("im2col", "tapwise"):
+        raise ValueError(f"conv_forward: scale= needs the im2col or tapwise plan, not {kind!r}")
     if kind == "winograd":
         _winograd_run(_Correlation(x, x, False, w, False, geom.ph, geom.pw, b, relu, nhwc, y),
                       plan, work)
@@ -509,6 +511,8 @@ def conv_forward(x, w, b, geom, relu, plan=None, scale=None):
                (tap_plane, tap_off, planes),
                _ints(geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc), b, relu, nhwc,
                blas, y, work=work, grain=1)
+    elif kind == "tapwise":
+        _tapwise.forward(x, w, b, has_bias, scale, geom, relu, plan.k_blocks, y, blas, work)
     elif kind == "implicit":
         ipc, rpc, nchunks, Hmax, Ws, aoff = _implicit_plan(plan, geom, x.itemsize)
         _implicit.ready()

@@ -26,6 +26,9 @@ Algorithms (``ALGORITHMS``) and what they compute:
                                                     (cpu_winograd_s2.py, cpu_winograd_s2dx.py)
     phase        any convolution: shifted GEMMs over phase planes (forward, dW), dX by input
                  phase over one padded copy of the gradient                    (cpu_direct.py)
+    tapwise      forward: a GEMM per tap over only the outputs it reaches inside the map (no
+                 products with the padding: small maps), in blocks of output channels
+                                                                            (cpu_tapwise.py)
 
 Tests and benchmarks choose other rules with :func:`using` (a context: the ops called inside
 it plan with the changed rules) or hand a plan to ``cpu.conv_forward`` / ``conv_backward``;
@@ -44,7 +47,7 @@ from . import cpu_implicit as _implicit
 from . import cpu_winograd_s2 as _wino_s2
 
 PASSES = ("forward", "dx", "dw")
-ALGORITHMS = ("pointwise", "im2col", "implicit", "winograd", "winograd_s2", "phase")
+ALGORITHMS = ("pointwise", "im2col", "implicit", "winograd", "winograd_s2", "phase", "tapwise")
 
 
 class Rules(NamedTuple):
@@ -150,6 +153,22 @@ class Rules(NamedTuple):
     # Ki), 3x3/2 128 -> 256 1.74 / 1.67 (262 Ki), 3x3 512 at 2x2 2.77 / 2.69 (98 Ki), 3x3/2
     # 64 -> 128 1.15 / 1.24 (the one that gained: 524 Ki); 1 Mi elements until then
     concurrent_max_elements: int = 1 << 17
+    # a forward whose products with the zero padding are more than this share of im2col's
+    # (1 - ``tapwise_max_density``: a small map's) and with this many channels each side
+    # runs tapwise, a GEMM per tap over only the outputs it reaches. Machine E, 2 threads,
+    # NCHW, batch 16 unless said, 3x3 C -> K, best of 30, ms, the plan's before / tapwise:
+    # 2x2 maps (density 0.44) 64 0.122 / 0.049, 128 0.254 / 0.088, 256 0.318 / 0.222, 512
+    # 1.11 / 0.72 (NHWC 1.09 / 0.69), batch 8 0.692 / 0.434, batch 32 1.87 / 1.15; 4x4
+    # (0.69) 64 0.173 / 0.118, 128 0.411 / 0.260, 256 0.879 / 0.735 (NHWC 0.800 / 0.705),
+    # batch 32 Winograd 1.64 / 1.38, 512 3.97 / 2.56; stride 2 4x4 -> 2x2 (0.69) 256 -> 512
+    # 0.577 / 0.532, 64 -> 128 (stride-2 Winograd) 0.153 / 0.076. Not at 8x8 stride 2 (0.84:
+    # 128 -> 256 im2col 0.466 / 0.489) nor 7x7 (0.82, 512: Winograd 7.76 / 10.1)
+    tapwise_max_density: float = 0.75
+    tapwise_min_channels: int = 64
+    # output channels per task of the tapwise forward, half of it where the batch has at
+    # most 64 output pixels (512 channels at 2x2, batch 8 / 16 / 32: 0.434 / 0.722 / 1.237 ms
+    # in blocks of 64, 0.515 / 0.797 / 1.153 in blocks of 128; 256 at 4x4 0.772 and 0.735)
+    tapwise_k_block: int = 128
 
 
 RULES = Rules()
@@ -230,6 +249,8 @@ def supports(algorithm, geom, pass_, dtype):
         return _wino_s2.fits(geom, dtype, pass_)
     if algorithm == "implicit":
         return pass_ != "dx" and _implicit.fits(geom, dtype, pass_)
+    if algorithm == "tapwise":
+        return pass_ == "forward" and geom.R * geom.S > 1
     raise ValueError(f"conv plan: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
 
 
@@ -293,6 +314,8 @@ def choose(geom, pass_, dtype, rules):
         return "im2col"
     if (geom.K if pass_ == "dx" else min(geom.C, geom.K)) < rules.min_gemm_channels:
         return "implicit" if implicit and pass_ == "forward" else "im2col"
+    if _tapwise(geom, pass_, rules):
+        return "tapwise"
     if pass_ == "dx" and _k_blocks(geom, pass_, dtype, rules) > 1:
         # a deep layer's dX: one GEMM of the whole batch in blocks of input channels, then
         # col2im. ms, batch 16, 2 threads, best of 15 (NCHW / NHWC): 3x3 512 at 2x2 4.7 / 4.5
@@ -359,7 +382,8 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None):
                          f"K={geom.K}, {np.dtype(dtype)})")
     tiles = (rules.winograd_tiles if algorithm == "winograd" else
              rules.winograd_s2_tiles if algorithm == "winograd_s2" else 0)
-    k_blocks = _k_blocks(geom, pass_, dtype, rules) if algorithm == "im2col" else 1
+    k_blocks = (_k_blocks(geom, pass_, dtype, rules) if algorithm == "im2col" else
+                _tapwise_blocks(geom, rules) if algorithm == "tapwise" else 1)
     # a k-blocked NCHW forward or dW gathers HWC slabs, except a 1x1's: its cols are the
     # channels' planes, copied whole (``_pointwise_blocked`` has the measurements)
     slab = algorithm == "im2col" and pass_ != "dx" and (_slab(geom, rules) or k_blocks > 1
@@ -378,6 +402,35 @@ def _k_blocks(geom, pass_, dtype, rules):
     if not deep or pixels == 0 or cols > rules.whole_batch_bytes:
         return 1
     return max(1, (geom.C if pass_ == "dx" else geom.K) // rules.k_block)
+
+
+def _tapwise_blocks(geom, rules):
+    """Blocks of output channels of the tapwise forward: ``rules.tapwise_k_block`` each (half
+    that where the batch has at most 64 output pixels), at least two (the threads) where
+    there are 32 channels."""
+    block = rules.tapwise_k_block // (2 if geom.N * geom.P * geom.Q <= 64 else 1)
+    return max(1, min(geom.K // 16, max(2, geom.K // max(block, 16))))
+
+
+def _valid_pairs(out, size, k, stride, dilation, pad):
+    """How many (output, tap) pairs along one axis read inside the input (not the padding)."""
+    return sum(1 for o in range(out) for t in range(k)
+               if 0 <= o * stride + t * dilation - pad < size)
+
+
+def tapwise_density(geom):
+    """The share of im2col's products that tapwise computes (those not with the padding)."""
+    total = geom.P * geom.Q * geom.R * geom.S
+    if total == 0:
+        return 1.0
+    return (_valid_pairs(geom.P, geom.H, geom.R, geom.sh, geom.dh, geom.ph)
+            * _valid_pairs(geom.Q, geom.W, geom.S, geom.sw, geom.dw, geom.pw) / total)
+
+
+def _tapwise(geom, pass_, rules):
+    return (pass_ == "forward" and geom.R * geom.S > 1 and geom.P * geom.Q <= 64
+            and min(geom.C, geom.K) >= rules.tapwise_min_channels
+            and tapwise_density(geom) <= rules.tapwise_max_density)
 
 
 def algorithm(geom, pass_="forward", dtype=np.float32):

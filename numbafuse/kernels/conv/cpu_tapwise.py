@@ -1,0 +1,156 @@
+r"""The forward of a convolution over a small map, a GEMM per tap over only the outputs the
+tap reaches: no products with the zero padding.
+
+On a 2x2 map with a 3x3 kernel and padding 1 each output reads 4 of its 9 taps inside the
+input; on 4x4, 100 of 144 (69%). im2col multiplies the padding's zeros as well: at ResNet's
+deepest layers (3x3, 512 channels, 2x2 maps at a 64x64 input) more than half of the GEMM's
+products are with zeros. Here tap (r, s) reaches the outputs (p, q) whose input pixel
+``(p*sh + r*dh - ph, q*sw + s*dw - pw)`` is inside the map, and only those:
+
+    cols_t (m_t, C)    the input pixels tap t reads, one row per (image, output) it reaches
+    acc[dst_t] += cols_t @ w_t^T          w_t (K, C) = w[:, :, r, s]
+
+then y = relu?(acc * scale + b) in y's layout. ``cols`` holds every tap's rows, tap after
+tap (the host gathers them from an NHWC copy of x: ``tables``, ``gather``); a task is a block
+of output channels [k0, k1) (a multiple of 16, as the k-blocked im2col forward's:
+``cpu_chunks.block_len``) that reorders its own weights to (kn, R*S*C) first, unless a cached
+reordering is given (``wmat`` then is it), so every weight is read once; the tap's GEMM goes
+to a buffer whose rows are then added to the outputs' rows. The sums are those of im2col
+without its zero products, in tap order (not bitwise im2col's: its GEMM sums the taps inside
+one dot product).
+"""
+import functools
+
+import numpy as np
+
+from ..cpu import blas as _blas
+from ..cpu.launch import task_kernel
+from ..cpu.transpose import ROWS as _ROWS
+from ..scalar import cpu_scalar, relu as _relu_math
+from .cpu_chunks import block_len
+
+_relu = cpu_scalar(_relu_math)
+_rows_step = _ROWS.call
+
+
+@functools.lru_cache(maxsize=256)
+def tables(geo):
+    """(offsets (R*S + 1,), src (T,), dst (T,)) for a ``math.geo_tuple``: tap t's rows of
+    ``cols`` are [offsets[t], offsets[t + 1]); row i gathers the NHWC input pixel src[i]
+    (``(n*H + h)*W + w``) and adds to the output pixel dst[i] (``(n*P + p)*Q + q``)."""
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    n = np.arange(N)[:, None, None]
+    offsets, src, dst = [0], [], []
+    for r in range(R):
+        p = np.arange(P)
+        h = p * sh + r * dh - ph
+        p, h = p[(h >= 0) & (h < H)], h[(h >= 0) & (h < H)]
+        for s in range(S):
+            q = np.arange(Q)
+            w = q * sw + s * dw - pw
+            q, w = q[(w >= 0) & (w < W)], w[(w >= 0) & (w < W)]
+            src.append(((n * H + h[None, :, None]) * W + w[None, None, :]).ravel())
+            dst.append(((n * P + p[None, :, None]) * Q + q[None, None, :]).ravel())
+            offsets.append(offsets[-1] + src[-1].size)
+    return (np.array(offsets, np.int64), np.concatenate(src).astype(np.int64),
+            np.concatenate(dst).astype(np.int64))
+
+
+def gather(x, geom, src, out):
+    """``out`` (T, C) = the rows ``src`` of x as an (N*H*W, C) NHWC matrix."""
+    N, C, H, W = geom.N, geom.C, geom.H, geom.W
+    if geom.layout == "NHWC":
+        xh = x.reshape(N * H * W, C)
+    else:
+        xh = np.empty((N, H, W, C), x.dtype)
+        np.copyto(xh, x.transpose(0, 2, 3, 1))
+        xh = xh.reshape(N * H * W, C)
+    np.take(xh, src, axis=0, out=out)
+    return out
+
+
+@task_kernel
+def forward_tasks(t0, t1, cols, wmat, bs, flags, dims, taps, blas, wdst, y):
+    # cols (T, C); wmat: w as (K, C*R*S) (flags[2], wt: each task reorders its block to
+    # (kn, R*S*C), into its rows of wdst (K, R*S*C) where given, else a buffer) or already
+    # (K, R*S*C); bs = (b, scale), (K,) each; flags = (has_bias, relu, wt, scaled); dims = (N,
+    # C, K, RS, PQ, kb, nhwc); taps = (offsets, dst) of ``tables``; y (N, PQ, K) NHWC or (N,
+    # K, PQ) NCHW. Task t: output channels [k0, k1), block t of kb.
+    has_bias, relu, wt, scaled = flags
+    b, scale = bs
+    N, C, K, RS, PQ, kb, nhwc = dims
+    offsets, dst = taps
+    RSC = RS * C
+    M = N * PQ
+    kb_len = block_len(K, kb)
+    most = 0
+    for t in range(RS):
+        most = max(most, offsets[t + 1] - offsets[t])
+    acc = np.empty((M, min(K, kb_len)), y.dtype)
+    tmp = np.empty(most * min(K, kb_len), y.dtype)
+    wbuf = np.empty(min(K, kb_len) * RSC if wt and wdst.shape[0] == 0 else 0, y.dtype)
+    for task in range(t0, t1):
+        k0 = task * kb_len
+        k1 = min(K, k0 + kb_len)
+        kn = k1 - k0
+        if kn <= 0:
+            continue
+        wk = wmat[k0:k1]                                          # (kn, R*S*C)
+        if wt:                                                    # (kn, C, RS) -> (kn, RS, C)
+            wk = wdst[k0:k1] if wdst.shape[0] > 0 else wbuf[:kn * RSC].reshape((kn, RSC))
+            _rows_step((wmat[k0:k1].reshape((kn, C, RS)), wk.reshape((kn, RS, C))))
+        wflat = wk.reshape(kn * RSC)
+        a = acc[:, :kn]
+        a[:] = 0
+        for t in range(RS):
+            r0, r1 = offsets[t], offsets[t + 1]
+            m = r1 - r0
+            if m == 0:
+                continue
+            part = tmp[:m * kn].reshape((m, kn))
+            _blas.gemm(blas, False, True, (m, kn, C), 1.0, cols[r0:r1], C, wflat[t * C:], RSC,
+                       0.0, part, kn)
+            for i in range(m):
+                row, src = a[dst[r0 + i]], part[i]
+                for k in range(kn):
+                    row[k] += src[k]
+        for i in range(M):
+            n, pq = i // PQ, i % PQ
+            src = a[i]
+            for k in range(kn):
+                v = (src[k] * scale[k0 + k] if scaled else src[k]) + (b[k0 + k] if has_bias
+                                                                      else 0)
+                v = _relu(v) if relu else v
+                if nhwc:
+                    y[n, pq, k0 + k] = v
+                else:
+                    y[n, k0 + k, pq] = v
+
+
+def forward(x, w, b, has_bias, scale, geom, relu, k_blocks, y, blas, work):
+    """``y`` = relu?(conv(x, w) * scale? + b?) tap by tap (``forward_tasks``), in
+    ``k_blocks`` blocks of output channels; ``b`` (K,) (read where ``has_bias``). The
+    weights reordered to (K, R*S*C) come from the weight cache (kind "matrix", the im2col
+    forward's) where it has them and go to it where it keeps them."""
+    from ..cpu.buffers import output_cache as _out
+    from ..cpu.launch import launch
+    from . import weights as _weights
+    from .cpu_im2col import ready_reorder
+    from .math import geo_tuple
+    K, R, S = geom.K, geom.R, geom.S
+    offsets, src, dst = tables(geo_tuple(geom))
+    cols = gather(x, geom, src, _out.empty((src.size, geom.C), x.dtype))
+    kept = _weights.peek(w, "matrix")
+    wt = kept is None
+    wdst = np.empty((K if wt and _weights.will_keep(w) else 0, w[0].size), x.dtype)
+    if wt:
+        ready_reorder(x.dtype)
+    nhwc = geom.layout == "NHWC"
+    PQ = geom.P * geom.Q
+    launch(forward_tasks, k_blocks, cols, w.reshape(K, -1) if wt else kept,
+           (b, b if scale is None else scale), (bool(has_bias), bool(relu), wt, scale is not None),
+           (geom.N, geom.C, K, R * S, PQ, k_blocks, int(nhwc)), (offsets, dst), blas, wdst,
+           y.reshape(geom.N, PQ, K) if nhwc else y.reshape(geom.N, K, PQ), work=work, grain=1)
+    if wdst.shape[0]:
+        _weights.put(w, "matrix", wdst)
+    return y

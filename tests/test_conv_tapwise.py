@@ -1,0 +1,123 @@
+"""The tapwise forward (``kernels/conv/cpu_tapwise.py``): a GEMM per tap over only the outputs
+it reaches, in blocks of output channels; against the float64 reference (plain NumPy), at the
+blocks' edges (a partial last block, empty trailing ones), taps that reach nothing, strides,
+dilations, uneven padding, both layouts, the scaled epilogue and the weight cache; and the
+plan's rule."""
+import numpy as np
+import pytest
+
+import numbafuse as nf
+from numbafuse import reference as ref
+from numbafuse.kernels.conv import cpu as cpu_conv, cpu_plan, cpu_tapwise, weights
+from numbafuse.kernels.conv.math import geo_tuple
+
+TOL = {np.float32: dict(rtol=2e-5, atol=2e-5), np.float64: dict(rtol=1e-12, atol=1e-12)}
+
+# (N, C, K, H, W, kernel, stride, padding, dilation)
+CASES = [
+    (3, 16, 40, 2, 2, 3, 1, 1, 1),          # 2x2: 4 of 9 taps a pixel; K = 40: blocks 32 + 8
+    (2, 24, 100, 4, 3, 3, 1, 1, 1),         # 4x3; K = 100 in 16-blocks: 6 tasks, one empty
+    (2, 16, 16, 1, 1, 3, 1, 1, 1),          # a 1x1 map: eight taps reach nothing
+    (2, 16, 33, 2, 3, 5, 1, 2, 1),          # 5x5 over 2x3: most taps reach nothing
+    (3, 17, 24, 5, 4, 3, 2, (0, 2), 1),     # strided, uneven padding, odd C
+    (2, 16, 48, 5, 5, 3, 1, 2, 2),          # dilated
+    (2, 16, 32, 4, 4, (1, 3), 1, (0, 1), 1),  # a 1x3 kernel
+]
+
+
+def _problem(case, layout, dtype, seed=0):
+    N, C, K, H, W, kernel, stride, padding, dilation = case
+    R, S = (kernel, kernel) if isinstance(kernel, int) else kernel
+    rng = np.random.default_rng(seed + N * 7 + C + K)
+    shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+    x = rng.standard_normal(shape).astype(dtype)
+    w = (rng.standard_normal((K, C, R, S)) / np.sqrt(C * R * S)).astype(dtype)
+    b = rng.standard_normal(K).astype(dtype)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, stride, padding, dilation, layout)
+    kwargs = dict(stride=stride, padding=padding, dilation=dilation, layout=layout)
+    return x, w, b, geom, kwargs
+
+
+def _tapwise(geom, dtype):
+    return cpu_plan.plan(geom, "forward", dtype, algorithm="tapwise")
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("case", CASES)
+def test_tapwise_forward_matches_the_reference(case, layout):
+    x, w, b, geom, kwargs = _problem(case, layout, np.float64)
+    want = ref.conv_bias_relu(x, w, b, **kwargs)
+    with cpu_plan.using(tapwise_k_block=16):                  # as many blocks as can be
+        plan = _tapwise(geom, np.float64)
+        assert plan.k_blocks == max(1, min(geom.K // 16, max(2, geom.K // 16)))
+        got = cpu_conv.conv_forward(x, w, b, geom, True, plan=plan)
+        np.testing.assert_allclose(got, want, **TOL[np.float64])
+    # no bias, no ReLU, float32, the default blocks
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    want = ref.conv2d(x32.astype(np.float64), w32.astype(np.float64), **kwargs)
+    got = cpu_conv.conv_forward(x32, w32, None, geom, False, plan=_tapwise(geom, np.float32))
+    np.testing.assert_allclose(got, want, **TOL[np.float32])
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_tapwise_scaled_epilogue_and_the_weight_cache(layout):
+    torch = pytest.importorskip("torch")
+    x, w, b, geom, kwargs = _problem(CASES[1], layout, np.float32)
+    scale = np.linspace(0.5, 2.0, geom.K).astype(np.float32)
+    y64 = ref.conv2d(x.astype(np.float64), w.astype(np.float64), **kwargs)
+    axis = (1, -1, 1, 1) if layout == "NCHW" else (1, 1, 1, -1)
+    want = np.maximum(y64 * scale.reshape(axis) + b.reshape(axis), 0)
+    plan = _tapwise(geom, np.float32)
+    fresh = cpu_conv.conv_forward(x, w, b, geom, True, plan=plan, scale=scale)
+    np.testing.assert_allclose(fresh, want, **TOL[np.float32])
+    owner = torch.from_numpy(w)
+    weights.clear()
+    with weights.enabled(), weights.vouch(w, owner):
+        stored = cpu_conv.conv_forward(x, w, b, geom, True, plan=plan, scale=scale)
+        hits = weights.stats()["hits"]
+        kept = cpu_conv.conv_forward(x, w, b, geom, True, plan=plan, scale=scale)
+        assert weights.stats()["hits"] == hits + 1        # the reordered weights, kept
+    weights.clear()
+    np.testing.assert_array_equal(stored, fresh)
+    np.testing.assert_array_equal(kept, fresh)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_tables_count_what_the_plan_computes_as_density(case):
+    _, _, _, geom, _ = _problem(case, "NCHW", np.float32)
+    offsets, src, dst = cpu_tapwise.tables(geo_tuple(geom))
+    assert src.size == dst.size == offsets[-1]
+    assert np.all(np.diff(offsets) >= 0)
+    total = geom.N * geom.P * geom.Q * geom.R * geom.S
+    assert offsets[-1] / total == pytest.approx(cpu_plan.tapwise_density(geom))
+    # every output pixel is reached by some tap or by none (all padding), and no pixel twice
+    # by one tap
+    for t in range(geom.R * geom.S):
+        rows = dst[offsets[t]:offsets[t + 1]]
+        assert np.unique(rows).size == rows.size
+
+
+def test_the_plan_takes_tapwise_for_small_maps_only():
+    def chosen(N, C, K, H, stride=1, kernel=3, layout="NCHW"):
+        shape = (N, C, H, H) if layout == "NCHW" else (N, H, H, C)
+        g = nf.validate.conv_geometry("t", shape, (K, C, kernel, kernel), stride,
+                                      kernel // 2, 1, layout)
+        return cpu_plan.plan(g, "forward", np.float32).algorithm
+
+    # ResNet-18's l4 and l3 3x3 convs at a 64x64 input, their stride-2 entries, both layouts
+    for layout in ("NCHW", "NHWC"):
+        assert chosen(16, 512, 512, 2, layout=layout) == "tapwise"
+        assert chosen(16, 256, 256, 4, layout=layout) == "tapwise"
+        assert chosen(16, 256, 512, 4, 2, layout=layout) == "tapwise"
+    assert chosen(16, 64, 128, 4, 2) == "tapwise"
+    assert chosen(16, 128, 256, 8, 2) != "tapwise"               # density 0.84
+    assert chosen(16, 128, 128, 8) != "tapwise"                  # 0.77
+    assert chosen(16, 512, 512, 7) != "tapwise"                  # 0.82
+    assert chosen(16, 32, 32, 2) != "tapwise"                    # few channels
+    assert chosen(16, 512, 512, 2, kernel=1) != "tapwise"        # one tap: nothing to skip
+    g = nf.validate.conv_geometry("t", (16, 512, 2, 2), (512, 512, 3, 3), 1, 1, 1, "NCHW")
+    for pass_ in ("dx", "dw"):
+        assert cpu_plan.plan(g, pass_, np.float32).algorithm != "tapwise"
+        assert not cpu_plan.supports("tapwise", g, pass_, np.float32)
+    with cpu_plan.using(tapwise_max_density=0.0):
+        assert cpu_plan.plan(g, "forward", np.float32).algorithm != "tapwise"
