@@ -66,9 +66,9 @@ CPU_CASES = [
     ("conv 3x3 s1 small map (im2col forward)", "conv", (2, 32, 4, 4), 3, 1, 32),
     # deep layers (more output channels than pixels: ResNet's 256 and 512 at 2x2 to 8x8): the
     # whole batch's GEMMs in blocks of channels (cols built once, each block's weights
-    # reordered by its task); at 2x2 and 4x4 the forward by tap (cpu_tapwise: no products
+    # reordered by its task); at 2x2 and 4x4 the forward and dX by tap (cpu_tapwise: no products
     # with the padding)
-    ("conv 3x3 deep small map (tapwise forward)", "conv", (2, 256, 2, 2), 3, 1, 256),
+    ("conv 3x3 deep small map (tapwise forward, dX)", "conv", (2, 256, 2, 2), 3, 1, 256),
     ("conv 3x3 deep (k-blocked GEMMs)", "conv", (2, 256, 8, 8), 3, 1, 256),
     ("conv 3x3 s2", "conv", (4, 32, 16, 16), 3, 2, 32),
     ("conv 1x1 s1", "conv", (4, 32, 8, 8), 1, 1, 32),

@@ -1,8 +1,8 @@
-"""The tapwise forward (``kernels/conv/cpu_tapwise.py``): a GEMM per tap over only the outputs
-it reaches, in blocks of output channels; against the float64 reference (plain NumPy), at the
-blocks' edges (a partial last block, empty trailing ones), taps that reach nothing, strides,
-dilations, uneven padding, both layouts, the scaled epilogue and the weight cache; and the
-plan's rule."""
+"""The tapwise forward and dX (``kernels/conv/cpu_tapwise.py``): a GEMM per tap over only the
+outputs it reaches, in blocks of channels; against the float64 reference (plain NumPy), at
+the blocks' edges (a partial last block, empty trailing ones), taps that reach nothing (and
+input pixels no tap reaches: dX zeros there), strides, dilations, uneven padding, both
+layouts, the ReLU gate, the scaled epilogue and the weight cache; and the plan's rule."""
 import numpy as np
 import pytest
 
@@ -38,8 +38,8 @@ def _problem(case, layout, dtype, seed=0):
     return x, w, b, geom, kwargs
 
 
-def _tapwise(geom, dtype):
-    return cpu_plan.plan(geom, "forward", dtype, algorithm="tapwise")
+def _tapwise(geom, dtype, pass_="forward"):
+    return cpu_plan.plan(geom, pass_, dtype, algorithm="tapwise")
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -56,6 +56,38 @@ def test_tapwise_forward_matches_the_reference(case, layout):
     x32, w32 = x.astype(np.float32), w.astype(np.float32)
     want = ref.conv2d(x32.astype(np.float64), w32.astype(np.float64), **kwargs)
     got = cpu_conv.conv_forward(x32, w32, None, geom, False, plan=_tapwise(geom, np.float32))
+    np.testing.assert_allclose(got, want, **TOL[np.float32])
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("case", CASES + [
+    (2, 40, 16, 2, 2, 3, 1, 1, 1),          # C = 40: dX's blocks 32 + 8
+    (2, 100, 24, 4, 3, 3, 2, 1, 1),         # C = 100 in 16-blocks: 6 tasks, one empty; strided
+    (2, 16, 24, 5, 5, 1, 2, 0, 1)])
+def test_tapwise_dx_matches_the_reference(case, layout):
+    # (the last case: a 1x1/2 reaches every other input pixel, dX zero between; the rule
+    # never takes a 1x1, plan= can)
+    x, w, b, geom, kwargs = _problem(case, layout, np.float64, seed=1)
+    y = ref.conv_bias_relu(x, w, b, **kwargs)                    # the ReLU mask: y > 0
+    gy = np.random.default_rng(2).standard_normal(y.shape)
+    want = ref.conv_bias_relu_backward(gy, x, w, b, y=y, **kwargs)[0]
+    unmasked = ref.conv2d_backward(gy, x, w, **kwargs)[0]
+    dw_plan = cpu_plan.plan(geom, "dw", np.float64, algorithm="im2col")
+    with cpu_plan.using(tapwise_k_block=16):                  # as many blocks as can be
+        plan = _tapwise(geom, np.float64, "dx")
+        assert plan.k_blocks == max(1, min(geom.C // 16, max(2, geom.C // 16)))
+        got = cpu_conv.conv_backward(gy, x, w, geom, y, need=(True, False, False),
+                                     plans=(plan, dw_plan))[0]
+        np.testing.assert_allclose(got, want, **TOL[np.float64])
+        got = cpu_conv.conv_backward(gy, x, w, geom, None, need=(True, False, False),
+                                     plans=(plan, dw_plan))[0]
+        np.testing.assert_allclose(got, unmasked, **TOL[np.float64])
+    g32, x32, w32, y32 = (a.astype(np.float32) for a in (gy, x, w, y))
+    plan = _tapwise(geom, np.float32, "dx")
+    got = cpu_conv.conv_backward(g32, x32, w32, geom, y32, need=(True, False, False),
+                                 plans=(plan, cpu_plan.plan(geom, "dw", np.float32)))[0]
+    want = ref.conv_bias_relu_backward(g32.astype(np.float64), x, w32.astype(np.float64), b,
+                                       y=y32.astype(np.float64), **kwargs)[0]
     np.testing.assert_allclose(got, want, **TOL[np.float32])
 
 
@@ -77,9 +109,17 @@ def test_tapwise_scaled_epilogue_and_the_weight_cache(layout):
         hits = weights.stats()["hits"]
         kept = cpu_conv.conv_forward(x, w, b, geom, True, plan=plan, scale=scale)
         assert weights.stats()["hits"] == hits + 1        # the reordered weights, kept
+        gy = np.ones_like(fresh)
+        plans = (_tapwise(geom, np.float32, "dx"), cpu_plan.plan(geom, "dw", np.float32))
+        dx_kept = cpu_conv.conv_backward(gy, x, w, geom, fresh, need=(True, False, False),
+                                         plans=plans)[0]
+        assert weights.stats()["hits"] == hits + 2        # dX read them too
     weights.clear()
     np.testing.assert_array_equal(stored, fresh)
     np.testing.assert_array_equal(kept, fresh)
+    dx_own = cpu_conv.conv_backward(gy, x, w, geom, fresh, need=(True, False, False),
+                                    plans=plans)[0]
+    np.testing.assert_array_equal(dx_kept, dx_own)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -116,8 +156,15 @@ def test_the_plan_takes_tapwise_for_small_maps_only():
     assert chosen(16, 32, 32, 2) != "tapwise"                    # few channels
     assert chosen(16, 512, 512, 2, kernel=1) != "tapwise"        # one tap: nothing to skip
     g = nf.validate.conv_geometry("t", (16, 512, 2, 2), (512, 512, 3, 3), 1, 1, 1, "NCHW")
-    for pass_ in ("dx", "dw"):
-        assert cpu_plan.plan(g, pass_, np.float32).algorithm != "tapwise"
-        assert not cpu_plan.supports("tapwise", g, pass_, np.float32)
+    assert cpu_plan.plan(g, "dx", np.float32).algorithm == "tapwise"
+    assert cpu_plan.plan(g, "dw", np.float32).algorithm != "tapwise"
+    assert not cpu_plan.supports("tapwise", g, "dw", np.float32)
     with cpu_plan.using(tapwise_max_density=0.0):
-        assert cpu_plan.plan(g, "forward", np.float32).algorithm != "tapwise"
+        for pass_ in ("forward", "dx"):
+            assert cpu_plan.plan(g, pass_, np.float32).algorithm != "tapwise"
+    # a strided dX that the k-blocked im2col runs stays there; one that it does not, not
+    s2 = nf.validate.conv_geometry("t", (16, 256, 4, 4), (512, 256, 3, 3), 2, 1, 1, "NCHW")
+    assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "im2col"
+    assert cpu_plan.plan(s2, "forward", np.float32).algorithm == "tapwise"
+    s2 = nf.validate.conv_geometry("t", (16, 64, 4, 4), (128, 64, 3, 3), 2, 1, 1, "NCHW")
+    assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "tapwise"

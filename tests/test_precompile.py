@@ -75,8 +75,8 @@ def test_the_cpu_cases_take_the_paths_layers_take():
         deep = "conv 3x3 deep (k-blocked GEMMs) float32"
         assert picked[deep, layout] == ("im2col",) * 3
         assert min(picked[deep, layout, "blocks"]) > 1
-        small = "conv 3x3 deep small map (tapwise forward) float32"
-        assert picked[small, layout] == ("tapwise", "im2col", "im2col")
+        small = "conv 3x3 deep small map (tapwise forward, dX) float32"
+        assert picked[small, layout] == ("tapwise", "tapwise", "im2col")
         assert min(picked[small, layout, "blocks"]) > 1
     assert len(precompile.cpu_cases()) == 2 * len(precompile.CPU_CASES)
     # the depthwise cases take the depthwise kernels' tiled paths (float32, C % 8 == 0)

@@ -599,6 +599,8 @@ def _conv_dx(gy, y, use_mask, w, geom, plan, work):
         _wino_s2dx.dx(gy, y, use_mask, w, geom, dx, plan.tiles, plan.taps == 2, work)
     elif kind == "pointwise":
         _pointwise.dx(gy, y, use_mask, w, geom, plan, dx, work)
+    elif kind == "tapwise":
+        _tapwise.dx(gy, y, use_mask, w, geom, plan.k_blocks, dx, blas, work)
     elif kind == "phase":
         ph_taps, ph_start, ent_tap, ent_off, gmin, gext, gleft, Wg, slack = _phase_dx_plan(geom)
         rpc = balanced(-(-H // geom.sh), _phase_rows(plan, K + C, Wg, gy.itemsize))

@@ -26,8 +26,8 @@ Algorithms (``ALGORITHMS``) and what they compute:
                                                     (cpu_winograd_s2.py, cpu_winograd_s2dx.py)
     phase        any convolution: shifted GEMMs over phase planes (forward, dW), dX by input
                  phase over one padded copy of the gradient                    (cpu_direct.py)
-    tapwise      forward: a GEMM per tap over only the outputs it reaches inside the map (no
-                 products with the padding: small maps), in blocks of output channels
+    tapwise      forward and dX: a GEMM per tap over only the outputs it reaches inside the
+                 map (no products with the padding: small maps), in blocks of channels
                                                                             (cpu_tapwise.py)
 
 Tests and benchmarks choose other rules with :func:`using` (a context: the ops called inside
@@ -162,7 +162,12 @@ class Rules(NamedTuple):
     # (0.69) 64 0.173 / 0.118, 128 0.411 / 0.260, 256 0.879 / 0.735 (NHWC 0.800 / 0.705),
     # batch 32 Winograd 1.64 / 1.38, 512 3.97 / 2.56; stride 2 4x4 -> 2x2 (0.69) 256 -> 512
     # 0.577 / 0.532, 64 -> 128 (stride-2 Winograd) 0.153 / 0.076. Not at 8x8 stride 2 (0.84:
-    # 128 -> 256 im2col 0.466 / 0.489) nor 7x7 (0.82, 512: Winograd 7.76 / 10.1)
+    # 128 -> 256 im2col 0.466 / 0.489) nor 7x7 (0.82, 512: Winograd 7.76 / 10.1). dX the
+    # same (NCHW / NHWC): 2x2, 512, batch 16 (k-blocked im2col) 1.08-1.21 / 0.78-1.11 and
+    # 1.01-1.19 / 0.82-1.16; 4x4, 256 1.11-1.16 / 0.69-0.74 and 1.13-1.17 / 0.67-0.99; 2x2,
+    # 64 (Winograd) 0.078 / 0.050; 4x4, 128 0.371 / 0.336 and 0.314 / 0.306; 4x4, 256, batch
+    # 32 2.32 / 1.52 and 2.04 / 1.28; 4x4 -> 2x2, 64 -> 128 (stride-2 Winograd) 0.205 / 0.119
+    # and 0.185 / 0.107. Not at 8x8 (0.77, 128: Winograd 0.55 / 1.47)
     tapwise_max_density: float = 0.75
     tapwise_min_channels: int = 64
     # output channels per task of the tapwise forward, half of it where the batch has at
@@ -250,7 +255,7 @@ def supports(algorithm, geom, pass_, dtype):
     if algorithm == "implicit":
         return pass_ != "dx" and _implicit.fits(geom, dtype, pass_)
     if algorithm == "tapwise":
-        return pass_ == "forward" and geom.R * geom.S > 1
+        return pass_ != "dw"
     raise ValueError(f"conv plan: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
 
 
@@ -314,7 +319,7 @@ def choose(geom, pass_, dtype, rules):
         return "im2col"
     if (geom.K if pass_ == "dx" else min(geom.C, geom.K)) < rules.min_gemm_channels:
         return "implicit" if implicit and pass_ == "forward" else "im2col"
-    if _tapwise(geom, pass_, rules):
+    if _tapwise(geom, pass_, dtype, rules):
         return "tapwise"
     if pass_ == "dx" and _k_blocks(geom, pass_, dtype, rules) > 1:
         # a deep layer's dX: one GEMM of the whole batch in blocks of input channels, then
@@ -383,7 +388,7 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None):
     tiles = (rules.winograd_tiles if algorithm == "winograd" else
              rules.winograd_s2_tiles if algorithm == "winograd_s2" else 0)
     k_blocks = (_k_blocks(geom, pass_, dtype, rules) if algorithm == "im2col" else
-                _tapwise_blocks(geom, rules) if algorithm == "tapwise" else 1)
+                _tapwise_blocks(geom, pass_, rules) if algorithm == "tapwise" else 1)
     # a k-blocked NCHW forward or dW gathers HWC slabs, except a 1x1's: its cols are the
     # channels' planes, copied whole (``_pointwise_blocked`` has the measurements)
     slab = algorithm == "im2col" and pass_ != "dx" and (_slab(geom, rules) or k_blocks > 1
@@ -404,12 +409,13 @@ def _k_blocks(geom, pass_, dtype, rules):
     return max(1, (geom.C if pass_ == "dx" else geom.K) // rules.k_block)
 
 
-def _tapwise_blocks(geom, rules):
-    """Blocks of output channels of the tapwise forward: ``rules.tapwise_k_block`` each (half
-    that where the batch has at most 64 output pixels), at least two (the threads) where
-    there are 32 channels."""
+def _tapwise_blocks(geom, pass_, rules):
+    """Blocks of output channels of the tapwise forward, of input channels of its dX:
+    ``rules.tapwise_k_block`` each (half that where the batch has at most 64 output pixels),
+    at least two (the threads) where there are 32 channels."""
     block = rules.tapwise_k_block // (2 if geom.N * geom.P * geom.Q <= 64 else 1)
-    return max(1, min(geom.K // 16, max(2, geom.K // max(block, 16))))
+    channels = geom.C if pass_ == "dx" else geom.K
+    return max(1, min(channels // 16, max(2, channels // max(block, 16))))
 
 
 def _valid_pairs(out, size, k, stride, dilation, pad):
@@ -427,9 +433,18 @@ def tapwise_density(geom):
             * _valid_pairs(geom.Q, geom.W, geom.S, geom.sw, geom.dw, geom.pw) / total)
 
 
-def _tapwise(geom, pass_, rules):
-    return (pass_ == "forward" and geom.R * geom.S > 1 and geom.P * geom.Q <= 64
-            and min(geom.C, geom.K) >= rules.tapwise_min_channels
+def _tapwise(geom, pass_, dtype, rules):
+    """The forward or dX by tap (``Rules.tapwise_max_density``), but not a strided dX that
+    the k-blocked im2col runs (ResNet-18's l4 3x3/2 256 -> 512 at batch 16, 2x2 output,
+    machine E, ms im2col / tapwise over four runs: NCHW 0.578-0.584 / 0.561-0.637, NHWC
+    0.520-0.526 / 0.498-0.588: the weights' reordering costs what the padding's products
+    did)."""
+    if pass_ == "dw" or geom.R * geom.S == 1 or geom.P * geom.Q > 64:
+        return False
+    if (pass_ == "dx" and (geom.sh > 1 or geom.sw > 1)
+            and _k_blocks(geom, pass_, dtype, rules) > 1):
+        return False
+    return (min(geom.C, geom.K) >= rules.tapwise_min_channels
             and tapwise_density(geom) <= rules.tapwise_max_density)
 
 

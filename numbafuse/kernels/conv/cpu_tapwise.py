@@ -26,10 +26,11 @@ import numpy as np
 from ..cpu import blas as _blas
 from ..cpu.launch import task_kernel
 from ..cpu.transpose import ROWS as _ROWS
-from ..scalar import cpu_scalar, relu as _relu_math
+from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from .cpu_chunks import block_len
 
 _relu = cpu_scalar(_relu_math)
+_relu_grad = cpu_scalar(_relu_grad_math)
 _rows_step = _ROWS.call
 
 
@@ -154,3 +155,110 @@ def forward(x, w, b, has_bias, scale, geom, relu, k_blocks, y, blas, work):
     if wdst.shape[0]:
         _weights.put(w, "matrix", wdst)
     return y
+
+
+# --------------------------------------------------------------------------- dX by tap
+
+@task_kernel
+def dx_prep_tasks(t0, t1, w3, wt3, kb, gy3, y3, use_mask, dst, nhwc, gb, gcols):
+    # What the dX tasks read, made in parallel: tasks [0, kb) reorder blocks of filters of w3
+    # (K, C, RS) into wt3 (K, RS, C) (kb = 0: the weight cache has them); tasks [kb, kb + gb)
+    # gather blocks of rows of gcols (T, K): row i the gated gradient g = gy * (y > 0) (gy
+    # where not use_mask) of output pixel dst[i] (gy3, y3: (N, K, PQ) NCHW, (N, PQ, K) NHWC).
+    K = w3.shape[0]
+    T = gcols.shape[0]
+    PQ = gy3.shape[1] if nhwc else gy3.shape[2]
+    for task in range(t0, t1):
+        if task < kb:
+            k_len = block_len(K, kb)
+            k0 = task * k_len
+            k1 = min(K, k0 + k_len)
+            if k1 > k0:
+                _rows_step((w3[k0:k1], wt3[k0:k1]))
+            continue
+        g_len = (T + gb - 1) // gb
+        for i in range((task - kb) * g_len, min(T, (task - kb + 1) * g_len)):
+            n, pq = dst[i] // PQ, dst[i] % PQ
+            row = gcols[i]
+            for k in range(K):
+                g = gy3[n, pq, k] if nhwc else gy3[n, k, pq]
+                if use_mask:
+                    g = _relu_grad(g, y3[n, pq, k] if nhwc else y3[n, k, pq])
+                row[k] = g
+
+
+@task_kernel
+def dx_tasks(t0, t1, gcols, wmat, dims, taps, blas, dx):
+    # dX by tap: dx[src_t] += gcols_t @ w_t, w_t (K, C) = w[:, :, r, s]: gcols (T, K) the
+    # gated gradient's rows of each tap's outputs (``tables``' order), wmat w as (K, R*S*C);
+    # dims = (N, C, K, RS, HW, cb, nhwc); taps = (offsets, src); dx (N, HW, C) NHWC or (N, C,
+    # HW) NCHW. Task t: input channels [c0, c1), block t of cb; every dx value is one task's.
+    N, C, K, RS, HW, cb, nhwc = dims
+    offsets, src = taps
+    M = N * HW
+    RSC = RS * C
+    cb_len = block_len(C, cb)
+    most = 0
+    for t in range(RS):
+        most = max(most, offsets[t + 1] - offsets[t])
+    cmax = min(C, cb_len)
+    acc = np.empty((M, cmax), dx.dtype)
+    tmp = np.empty(most * cmax, dx.dtype)
+    wflat = wmat.reshape(K * RSC)
+    for task in range(t0, t1):
+        c0 = task * cb_len
+        c1 = min(C, c0 + cb_len)
+        cn = c1 - c0
+        if cn <= 0:
+            continue
+        a = acc[:, :cn]
+        a[:] = 0
+        for t in range(RS):
+            r0, r1 = offsets[t], offsets[t + 1]
+            m = r1 - r0
+            if m == 0:
+                continue
+            part = tmp[:m * cn].reshape((m, cn))
+            _blas.gemm(blas, False, False, (m, cn, K), 1.0, gcols[r0:r1], K,
+                       wflat[t * C + c0:], RSC, 0.0, part, cn)
+            for i in range(m):
+                row, add = a[src[r0 + i]], part[i]
+                for c in range(cn):
+                    row[c] += add[c]
+        for i in range(M):
+            n, hw = i // HW, i % HW
+            row = a[i]
+            for c in range(cn):
+                if nhwc:
+                    dx[n, hw, c0 + c] = row[c]
+                else:
+                    dx[n, c0 + c, hw] = row[c]
+
+
+def dx(gy, y, use_mask, w, geom, c_blocks, out, blas, work):
+    """``out`` = dX of the convolution by tap (``dx_tasks``) in ``c_blocks`` blocks of input
+    channels, from gy gated by y > 0 where ``use_mask``. One launch first makes what they
+    read (``dx_prep_tasks``): the weights as (K, R*S*C) (unless the weight cache has them:
+    the forward's) and the gated gradient's rows of each tap."""
+    from ..cpu.buffers import output_cache as _out
+    from ..cpu.launch import launch
+    from . import weights as _weights
+    from .math import geo_tuple
+    N, K, C, R, S = geom.N, geom.K, geom.C, geom.R, geom.S
+    PQ, RS = geom.P * geom.Q, R * S
+    offsets, src, dst = tables(geo_tuple(geom))
+    nhwc = geom.layout == "NHWC"
+    kept = _weights.peek(w, "matrix")
+    wmat = kept if kept is not None else _out.empty((K, RS * C), gy.dtype)
+    kb = 0 if kept is not None else max(1, min(K // 16, 2 * c_blocks))
+    gcols = _out.empty((dst.size, K), gy.dtype)
+    gb = max(1, min(8, dst.size // 64))
+    _ROWS.ready(gy.dtype)
+    view = (lambda a: a.reshape(N, PQ, K)) if nhwc else (lambda a: a.reshape(N, K, PQ))
+    launch(dx_prep_tasks, kb + gb, w.reshape(K, C, RS), wmat.reshape(K, RS, C), kb, view(gy),
+           view(y), bool(use_mask), dst, bool(nhwc), gb, gcols, work=work, grain=1)
+    HW = geom.H * geom.W
+    launch(dx_tasks, c_blocks, gcols, wmat, (N, C, K, RS, HW, c_blocks, int(nhwc)),
+           (offsets, src), blas, out.reshape(N, HW, C) if nhwc else out.reshape(N, C, HW),
+           work=work, grain=1)
+    return out
