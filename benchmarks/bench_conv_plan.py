@@ -23,7 +23,9 @@ import sys
 import _report
 import _runner
 
-ALGORITHMS = ("pointwise", "im2col", "implicit", "winograd", "winograd_s2", "phase")
+# cpu_plan.ALGORITHMS, written out (the PyTorch processes do not import numbafuse; the
+# numbafuse ones check that the two agree)
+ALGORITHMS = ("pointwise", "im2col", "implicit", "winograd", "winograd_s2", "phase", "tapwise")
 PASSES = ("forward", "dx", "dw")
 
 
@@ -70,6 +72,9 @@ def _numbafuse_cases(options):
 
     import numbafuse as nf
     from numbafuse.kernels.conv import cpu as cpu_conv, cpu_plan
+    if tuple(cpu_plan.ALGORITHMS) != ALGORITHMS:
+        raise SystemExit(f"bench_conv_plan.ALGORITHMS {ALGORITHMS} is not the plan's "
+                         f"{tuple(cpu_plan.ALGORITHMS)}")
     out = {}
     rng = np.random.default_rng(0)
     B, layout = int(options["batch"]), options["layout"]
