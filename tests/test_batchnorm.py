@@ -175,10 +175,13 @@ def test_tensor_arguments_are_accepted_everywhere(backend):
 
 
 @pytest.mark.parametrize("layout, shape", [("NHWC", (4, 32, 32, 24)), ("NCHW", (4, 24, 32, 32))])
-def test_result_does_not_depend_on_thread_count(layout, shape):
+def test_result_does_not_depend_on_thread_count(layout, shape, monkeypatch):
     """CPU: the reductions' partials are fixed by the shape, not by the threads (98304
-    elements: past PARALLEL_MIN_ELEMENTS, several tasks per pass)."""
+    elements: past the passes' parallel threshold, set to 65536 here, several tasks per
+    pass)."""
+    from numbafuse.kernels.batchnorm import cpu as bn_cpu
     from numbafuse.kernels.cpu import launch as cpu_launch
+    monkeypatch.setattr(bn_cpu, "PARALLEL_MIN", 1 << 16)
     p = _problem(layout, shape=shape)
     dy = np.random.default_rng(6).standard_normal(p.x.shape)
     runs = []
@@ -193,6 +196,32 @@ def test_result_does_not_depend_on_thread_count(layout, shape):
         cpu_launch.set_num_threads(before)
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_small_batch_norm_passes_stay_on_the_calling_thread(layout, monkeypatch):
+    """CPU: an x of fewer than ``PARALLEL_MIN`` elements runs every pass on the calling thread
+    (the helpers' hand-off cost more than they saved there); a larger one is split."""
+    from numbafuse.kernels.batchnorm import cpu as bn_cpu
+    from numbafuse.kernels.cpu import launch as cpu_launch
+    seen = []
+    real = cpu_launch.launch
+
+    def spy(kernel, ntasks, *args, work=None, grain=None, parallel_min=None):
+        least = cpu_launch.PARALLEL_MIN_ELEMENTS if parallel_min is None else parallel_min
+        seen.append(work is not None and work < least)
+        return real(kernel, ntasks, *args, work=work, grain=grain, parallel_min=parallel_min)
+    monkeypatch.setattr(bn_cpu, "launch", spy)
+    for shape, serial in (((16, 256, 4, 4), True), ((8, 64, 32, 32), False)):
+        C = shape[1]
+        shape = shape if layout == "NCHW" else (shape[0], shape[2], shape[3], C)
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        g, b = np.ones(C, np.float32), np.zeros(C, np.float32)
+        seen.clear()
+        y = nf.batchnorm_add_relu(x, x, g, b, layout=layout)
+        nf.batchnorm_add_relu_backward(np.ones_like(y), x, x, g, b, layout=layout, y=y)
+        assert len(seen) >= 4 and all(s == serial for s in seen), (shape, seen)
+    assert bn_cpu.PARALLEL_MIN == 1 << 19
 
 
 def _near_zero_preactivations(layout, dtype, shape, rng):

@@ -48,6 +48,13 @@ from .cpu_channels import channel_totals, channel_values, finalize_backward, fin
 
 CHUNK = 1 << 14          # elements per parallel task of the elementwise passes; multiple of 8
 REDUCE_CHUNK = 1 << 15   # elements per parallel task of the NHWC reductions (rows = this // C)
+# the passes of a smaller x run on the calling thread: a helper's hand-off costs more than
+# it saves. BatchNorm-Add-ReLU through the NumPy API, own pool, machine E, us on 1 / 2
+# threads, forward and backward (NCHW; NHWC): 65,536 elements (16, 256, 4, 4) 63 / 88 and
+# 98 / 158 (44 / 74, 74 / 119); 131,072 60 / 90, 92 / 155 (65 / 88, 123 / 175); 262,144 77 /
+# 114, 131 / 175 (98 / 135, 213 / 230); 524,288 126 / 142, 243 / 256 (171 / 172, 398 / 337);
+# 1,048,576 193 / 207, 454 / 394 (289 / 253, 787 / 568)
+PARALLEL_MIN = 1 << 19
 # NHWC rows shorter than this walk m = 2^k rows at a time as one row of m*C elements with the
 # per-channel values tiled m times: LLVM's vector loops (8 float32 x 4 unrolled) skip rows of
 # fewer than 32 elements. Measured on (2048, 24): backward reduce 113 -> 36 us, apply 64 -> 19.
@@ -458,12 +465,14 @@ def stats(x, layout, eps):
     m = _repeat(x.shape, layout)                                  # NCHW: 1
     if layout == "NCHW":
         partials = np.empty((N, 2, C))
-        launch(_stats_nchw, N * C, x.reshape(N, C, HW), shift, partials, work=x.size)
+        launch(_stats_nchw, N * C, x.reshape(N, C, HW), shift, partials, work=x.size,
+               parallel_min=PARALLEL_MIN)
     else:
         rows = max(1, REDUCE_CHUNK // (m * C))                    # ~REDUCE_CHUNK a task
         partials = np.empty((-(-N * HW // (m * rows)), 2, m * C))
         launch(_stats_nhwc, partials.shape[0], _rows(x, layout, m), *_tile(m, shift), rows,
-               partials, work=x.size)
+               partials, work=x.size,
+               parallel_min=PARALLEL_MIN)
     out = np.empty((3, C))                                        # mean, var, invstd
     finalize_stats(partials, m, shift, float(N * HW), float(eps), out[0], out[1], out[2])
     return out[0], out[1], out[2]
@@ -542,10 +551,12 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     tasks = -(-x2.shape[0] // rows)
     if layout == "NCHW":
         launch(_apply_nchw, tasks, x2, z2, z is not None, vals, bool(relu), y2, mask,
-               bool(want_mask), mean.shape[0], rows, work=x.size)
+               bool(want_mask), mean.shape[0], rows, work=x.size,
+               parallel_min=PARALLEL_MIN)
     else:
         launch(_apply_nhwc, tasks, x2, z2, z is not None, vals, bool(relu), y2, mask,
-               bool(want_mask), rows, work=x.size)
+               bool(want_mask), rows, work=x.size,
+               parallel_min=PARALLEL_MIN)
     return y, (mask if want_mask else None)
 
 
@@ -596,11 +607,13 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         if layout == "NCHW":
             partials = np.empty((N, 2, C))
             launch(_bwd_reduce_nchw, tasks, gy2, x2, vals, state_kind, y2, mask, (C, rows),
-                   gz2, bool(need_gz), partials, work=x.size)
+                   gz2, bool(need_gz), partials, work=x.size,
+               parallel_min=PARALLEL_MIN)
         else:
             partials = np.empty((tasks, 2, L))
             launch(_bwd_reduce_nhwc, tasks, gy2, x2, vals, state_kind, y2, mask, rows, gz2,
-                   bool(need_gz), partials, work=x.size)
+                   bool(need_gz), partials, work=x.size,
+               parallel_min=PARALLEL_MIN)
             pm = m
         g_written = need_gz
     else:  # inference, gx/gz only: the coefficients need no reduction
@@ -627,10 +640,12 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         if layout == "NCHW":
             launch(_bwd_apply_nchw, tasks, g_in, x2, vals, coefs,
                    (kind, bool(need_gx), want_gz), y_in, mask_in, (C, rows), gx2, gz2,
-                   work=x.size)
+                   work=x.size,
+               parallel_min=PARALLEL_MIN)
         else:
             launch(_bwd_apply_nhwc, tasks, g_in, x2, vals, coefs,
-                   (kind, bool(need_gx), want_gz), y_in, mask_in, rows, gx2, gz2, work=x.size)
+                   (kind, bool(need_gx), want_gz), y_in, mask_in, rows, gx2, gz2, work=x.size,
+               parallel_min=PARALLEL_MIN)
     if gx is None and need_gx:                                    # an empty rank
         gx = np.empty(x.shape, dtype)
     return (gx, grads[0] if need_ggamma else None, grads[1] if need_gbeta else None, gz)
