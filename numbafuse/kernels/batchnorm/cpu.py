@@ -471,8 +471,7 @@ def stats(x, layout, eps):
         rows = max(1, REDUCE_CHUNK // (m * C))                    # ~REDUCE_CHUNK a task
         partials = np.empty((-(-N * HW // (m * rows)), 2, m * C))
         launch(_stats_nhwc, partials.shape[0], _rows(x, layout, m), *_tile(m, shift), rows,
-               partials, work=x.size,
-               parallel_min=PARALLEL_MIN)
+               partials, work=x.size, parallel_min=PARALLEL_MIN)
     out = np.empty((3, C))                                        # mean, var, invstd
     finalize_stats(partials, m, shift, float(N * HW), float(eps), out[0], out[1], out[2])
     return out[0], out[1], out[2]
@@ -551,12 +550,10 @@ def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     tasks = -(-x2.shape[0] // rows)
     if layout == "NCHW":
         launch(_apply_nchw, tasks, x2, z2, z is not None, vals, bool(relu), y2, mask,
-               bool(want_mask), mean.shape[0], rows, work=x.size,
-               parallel_min=PARALLEL_MIN)
+               bool(want_mask), mean.shape[0], rows, work=x.size, parallel_min=PARALLEL_MIN)
     else:
         launch(_apply_nhwc, tasks, x2, z2, z is not None, vals, bool(relu), y2, mask,
-               bool(want_mask), rows, work=x.size,
-               parallel_min=PARALLEL_MIN)
+               bool(want_mask), rows, work=x.size, parallel_min=PARALLEL_MIN)
     return y, (mask if want_mask else None)
 
 
@@ -607,13 +604,11 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         if layout == "NCHW":
             partials = np.empty((N, 2, C))
             launch(_bwd_reduce_nchw, tasks, gy2, x2, vals, state_kind, y2, mask, (C, rows),
-                   gz2, bool(need_gz), partials, work=x.size,
-               parallel_min=PARALLEL_MIN)
+                   gz2, bool(need_gz), partials, work=x.size, parallel_min=PARALLEL_MIN)
         else:
             partials = np.empty((tasks, 2, L))
             launch(_bwd_reduce_nhwc, tasks, gy2, x2, vals, state_kind, y2, mask, rows, gz2,
-                   bool(need_gz), partials, work=x.size,
-               parallel_min=PARALLEL_MIN)
+                   bool(need_gz), partials, work=x.size, parallel_min=PARALLEL_MIN)
             pm = m
         g_written = need_gz
     else:  # inference, gx/gz only: the coefficients need no reduction
@@ -640,8 +635,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         if layout == "NCHW":
             launch(_bwd_apply_nchw, tasks, g_in, x2, vals, coefs,
                    (kind, bool(need_gx), want_gz), y_in, mask_in, (C, rows), gx2, gz2,
-                   work=x.size,
-               parallel_min=PARALLEL_MIN)
+                   work=x.size, parallel_min=PARALLEL_MIN)
         else:
             launch(_bwd_apply_nhwc, tasks, g_in, x2, vals, coefs,
                    (kind, bool(need_gx), want_gz), y_in, mask_in, rows, gx2, gz2, work=x.size,
