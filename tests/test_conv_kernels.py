@@ -294,9 +294,10 @@ def test_winograd_s2_under_conv_batchnorm(layout):
 
 def test_winograd_s2_only_where_it_fits(conv_rules):
     """float64, K not a multiple of 8, other strides, kernels or dilations, the backward
-    passes and the flag off keep the other paths; the transformed taps are G g G^T."""
+    passes and the flag off keep the other paths; the transformed taps are G g G^T. (The
+    tapwise passes off: they take some of these small maps, test_conv_tapwise.py.)"""
     g = nf.validate.conv_geometry
-    conv_rules(taps=True)
+    conv_rules(taps=True, tapwise_max_density=0.0, tapwise_strided_dx_max_density=0.0)
     s2 = g("t", (2, 9, 9, 32), (32, 32, 3, 3), 2, 1, 1, "NHWC")
     assert cpu_conv.algorithm(s2, "forward") == "winograd_s2"
     assert cpu_conv.algorithm(s2, "dw") == "winograd_s2"

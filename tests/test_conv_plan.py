@@ -287,6 +287,20 @@ def test_whole_batch_im2col_dw_in_blocks_of_output_channels(layout, stride, size
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_a_strided_dw_with_as_many_channels_as_pixels_runs_blocked(layout):
+    # ResNet-18's l3 3x3/2 128 -> 256 at batch 16: 256 output pixels, K = 256 (the k-blocked
+    # im2col dW measured faster than the implicit GEMM there: cpu_plan.choose); one channel
+    # fewer than pixels stays implicit (the register tiles: AVX-512; else im2col in chunks)
+    for K, want in ((256, "im2col"), (255, "implicit" if cpu_plan.RULES.taps else "chunks")):
+        shape = (16, 128, 8, 8) if layout == "NCHW" else (16, 8, 8, 128)
+        g = nf.validate.conv_geometry("t", shape, (K, 128, 3, 3), 2, 1, 1, layout)
+        assert g.N * g.P * g.Q == 256
+        plan = cpu_plan.plan(g, "dw", np.float32)
+        assert plan.algorithm == want.replace("chunks", "im2col")
+        assert (plan.k_blocks > 1) == (want == "im2col")
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("stride, size", [(1, 3), (2, 5), (1, 1)])
 @pytest.mark.parametrize("C", [40, 100])        # blocks of 32 (the last 8), of 32 (two empty)
 def test_whole_batch_im2col_dx_in_blocks_of_input_channels(layout, stride, size, C):

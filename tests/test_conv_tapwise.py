@@ -168,3 +168,10 @@ def test_the_plan_takes_tapwise_for_small_maps_only():
     assert cpu_plan.plan(s2, "forward", np.float32).algorithm == "tapwise"
     s2 = nf.validate.conv_geometry("t", (16, 64, 4, 4), (128, 64, 3, 3), 2, 1, 1, "NCHW")
     assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "tapwise"
+    # a strided dX up to density 0.85 (ResNet-18's l3 3x3/2 at 8x8 -> 4x4: 0.84), its forward
+    # not; a stride-1 dX at 8x8 (0.77) neither
+    s2 = nf.validate.conv_geometry("t", (16, 128, 8, 8), (256, 128, 3, 3), 2, 1, 1, "NCHW")
+    assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "tapwise"
+    assert cpu_plan.plan(s2, "forward", np.float32).algorithm != "tapwise"
+    s1 = nf.validate.conv_geometry("t", (16, 128, 8, 8), (128, 128, 3, 3), 1, 1, 1, "NCHW")
+    assert cpu_plan.plan(s1, "dx", np.float32).algorithm != "tapwise"

@@ -169,6 +169,10 @@ class Rules(NamedTuple):
     # 32 2.32 / 1.52 and 2.04 / 1.28; 4x4 -> 2x2, 64 -> 128 (stride-2 Winograd) 0.205 / 0.119
     # and 0.185 / 0.107. Not at 8x8 (0.77, 128: Winograd 0.55 / 1.47)
     tapwise_max_density: float = 0.75
+    # ... and a strided dX up to this share: the stride-2 Winograd dX it replaces at 8x8 -> 4x4
+    # (0.84) was slower at every shape measured: 128 -> 256, batch 16, NCHW 0.84-1.01 / 0.53-0.57
+    # ms, NHWC 0.75 / 0.49; 128 -> 128 0.485 / 0.432 and 0.420 / 0.381
+    tapwise_strided_dx_max_density: float = 0.85
     tapwise_min_channels: int = 64
     # output channels per task of the tapwise forward, half of it where the batch has at
     # most 64 output pixels (512 channels at 2x2, batch 8 / 16 / 32: 0.434 / 0.722 / 1.237 ms
@@ -348,11 +352,13 @@ def choose(geom, pass_, dtype, rules):
         return "im2col"
     if not strided or pass_ == "dx":
         return "phase"
-    if pass_ == "dw" and geom.K > geom.N * geom.P * geom.Q and _k_blocks(geom, pass_, dtype,
-                                                                         rules) > 1:
+    if pass_ == "dw" and geom.K >= geom.N * geom.P * geom.Q and _k_blocks(geom, pass_, dtype,
+                                                                          rules) > 1:
         # a deep strided layer's dW: the whole batch in blocks of output channels (ResNet-18's
-        # l4 3x3/2, batch 16, 2x2 output: 2.1 ms against the implicit GEMM's 3.2; l3, where K
-        # equals the pixels, 1.2 against 1.0: implicit)
+        # l4 3x3/2, batch 16, 2x2 output: 2.1 ms against the implicit GEMM's 3.2). Also where K
+        # equals the pixels (l3 3x3/2 128 -> 256, 4x4 output): machine E, four runs of
+        # bench_conv_plan.py, 0.44-0.49 ms against the implicit GEMM's 0.54-0.55 (an older
+        # machine had measured 1.2 against 1.0 there: implicit, until 2026-11-29)
         return "im2col"
     return "implicit" if implicit else rules.strided
 
@@ -441,11 +447,12 @@ def _tapwise(geom, pass_, dtype, rules):
     did)."""
     if pass_ == "dw" or geom.R * geom.S == 1 or geom.P * geom.Q > 64:
         return False
-    if (pass_ == "dx" and (geom.sh > 1 or geom.sw > 1)
-            and _k_blocks(geom, pass_, dtype, rules) > 1):
+    strided_dx = pass_ == "dx" and (geom.sh > 1 or geom.sw > 1)
+    if strided_dx and _k_blocks(geom, pass_, dtype, rules) > 1:
         return False
+    limit = rules.tapwise_strided_dx_max_density if strided_dx else rules.tapwise_max_density
     return (min(geom.C, geom.K) >= rules.tapwise_min_channels
-            and tapwise_density(geom) <= rules.tapwise_max_density)
+            and tapwise_density(geom) <= limit)
 
 
 def algorithm(geom, pass_="forward", dtype=np.float32):
