@@ -11,13 +11,13 @@ products are with zeros. Here tap (r, s) reaches the outputs (p, q) whose input 
     acc[dst_t] += cols_t @ w_t^T          w_t (K, C) = w[:, :, r, s]
 
 then y = relu?(acc * scale + b) in y's layout. ``cols`` holds every tap's rows, tap after
-tap (the host gathers them from an NHWC copy of x: ``tables``, ``gather``); a task is a block
-of output channels [k0, k1) (a multiple of 16, as the k-blocked im2col forward's:
-``cpu_chunks.block_len``) that reorders its own weights to (kn, R*S*C) first, unless a cached
-reordering is given (``wmat`` then is it), so every weight is read once; the tap's GEMM goes
-to a buffer whose rows are then added to the outputs' rows. The sums are those of im2col
-without its zero products, in tap order (not bitwise im2col's: its GEMM sums the taps inside
-one dot product).
+tap (gathered first, an image a task, from its NHWC rows: ``tables``, ``prep_tasks``); a
+task is a block of output channels [k0, k1) (a multiple of 16, as the k-blocked im2col
+forward's: ``cpu_chunks.block_len``) that reorders its own weights to (kn, R*S*C) first,
+unless a cached reordering is given (``wmat`` then is it), so every weight is read once; the
+tap's GEMM goes to a buffer whose rows are then added to the outputs' rows. The sums are
+those of im2col without its zero products, in tap order (not bitwise im2col's: its GEMM sums
+the taps inside one dot product).
 """
 import functools
 
@@ -55,19 +55,6 @@ def tables(geo):
             offsets.append(offsets[-1] + src[-1].size)
     return (np.array(offsets, np.int64), np.concatenate(src).astype(np.int64),
             np.concatenate(dst).astype(np.int64))
-
-
-def gather(x, geom, src, out):
-    """``out`` (T, C) = the rows ``src`` of x as an (N*H*W, C) NHWC matrix."""
-    N, C, H, W = geom.N, geom.C, geom.H, geom.W
-    if geom.layout == "NHWC":
-        xh = x.reshape(N * H * W, C)
-    else:
-        xh = np.empty((N, H, W, C), x.dtype)
-        np.copyto(xh, x.transpose(0, 2, 3, 1))
-        xh = xh.reshape(N * H * W, C)
-    np.take(xh, src, axis=0, out=out)
-    return out
 
 
 @task_kernel
@@ -140,13 +127,19 @@ def forward(x, w, b, has_bias, scale, geom, relu, k_blocks, y, blas, work):
     from .math import geo_tuple
     K, R, S = geom.K, geom.R, geom.S
     offsets, src, dst = tables(geo_tuple(geom))
-    cols = gather(x, geom, src, _out.empty((src.size, geom.C), x.dtype))
+    N, C, HW = geom.N, geom.C, geom.H * geom.W
+    nhwc = geom.layout == "NHWC"
+    cols = _out.empty((src.size, C), x.dtype)                    # each tap's input rows
+    _ROWS.ready(x.dtype)
+    x3 = np.ascontiguousarray(x).reshape((N, HW, C) if nhwc else (N, C, HW))
+    none = np.empty((0, 1, 1), x.dtype)
+    launch(prep_tasks, N, none, none, 0, x3, x3, False, bool(nhwc), offsets, src, cols,
+           work=cols.size, grain=1)
     kept = _weights.peek(w, "matrix")
     wt = kept is None
     wdst = np.empty((K if wt and _weights.will_keep(w) else 0, w[0].size), x.dtype)
     if wt:
         ready_reorder(x.dtype)
-    nhwc = geom.layout == "NHWC"
     PQ = geom.P * geom.Q
     launch(forward_tasks, k_blocks, cols, w.reshape(K, -1) if wt else kept,
            (b, b if scale is None else scale), (bool(has_bias), bool(relu), wt, scale is not None),
@@ -160,14 +153,20 @@ def forward(x, w, b, has_bias, scale, geom, relu, k_blocks, y, blas, work):
 # --------------------------------------------------------------------------- dX by tap
 
 @task_kernel
-def dx_prep_tasks(t0, t1, w3, wt3, kb, gy3, y3, use_mask, dst, nhwc, gb, gcols):
-    # What the dX tasks read, made in parallel: tasks [0, kb) reorder blocks of filters of w3
-    # (K, C, RS) into wt3 (K, RS, C) (kb = 0: the weight cache has them); tasks [kb, kb + gb)
-    # gather blocks of rows of gcols (T, K): row i the gated gradient g = gy * (y > 0) (gy
-    # where not use_mask) of output pixel dst[i] (gy3, y3: (N, K, PQ) NCHW, (N, PQ, K) NHWC).
+def prep_tasks(t0, t1, w3, wt3, kb, a3, b3, gate, nhwc, offsets, pix, out):
+    # What the tap GEMMs read, made in parallel. Tasks [0, kb): blocks of filters of w3 (K, C,
+    # RS) reordered into wt3 (K, RS, C) (dX; kb = 0: none). Task kb + n: image n's rows of out
+    # (T, L): row i is pixel pix[i] (``tables``' src or dst: n*HW + its pixel) of a3 as (HW,
+    # L) rows, a3 (N, L, HW) NCHW (transposed first, in cache) or (N, HW, L) NHWC; with gate,
+    # a3 where b3 (shaped as a3: the ReLU's output) > 0, else 0. A tap's rows are image after
+    # image (``tables``), so image n's are a block of each tap's.
     K = w3.shape[0]
-    T = gcols.shape[0]
-    PQ = gy3.shape[1] if nhwc else gy3.shape[2]
+    N = a3.shape[0]
+    L = out.shape[1]
+    HW = a3.shape[1] if nhwc else a3.shape[2]
+    RS = offsets.shape[0] - 1
+    rows = np.empty((0 if nhwc else HW) * L, a3.dtype)
+    mask = np.empty((HW if gate and not nhwc else 0) * L, a3.dtype)
     for task in range(t0, t1):
         if task < kb:
             k_len = block_len(K, kb)
@@ -176,15 +175,27 @@ def dx_prep_tasks(t0, t1, w3, wt3, kb, gy3, y3, use_mask, dst, nhwc, gb, gcols):
             if k1 > k0:
                 _rows_step((w3[k0:k1], wt3[k0:k1]))
             continue
-        g_len = (T + gb - 1) // gb
-        for i in range((task - kb) * g_len, min(T, (task - kb + 1) * g_len)):
-            n, pq = dst[i] // PQ, dst[i] % PQ
-            row = gcols[i]
-            for k in range(K):
-                g = gy3[n, pq, k] if nhwc else gy3[n, k, pq]
-                if use_mask:
-                    g = _relu_grad(g, y3[n, pq, k] if nhwc else y3[n, k, pq])
-                row[k] = g
+        n = task - kb
+        src = a3[n]
+        gate_rows = b3[n]
+        if not nhwc:                                   # (L, HW) -> (HW, L)
+            src = rows.reshape((HW, L))
+            _rows_step((a3[n:n + 1], rows.reshape((1, HW, L))))
+            if gate:
+                gate_rows = mask.reshape((HW, L))
+                _rows_step((b3[n:n + 1], mask.reshape((1, HW, L))))
+        for t in range(RS):
+            per = (offsets[t + 1] - offsets[t]) // N
+            for i in range(offsets[t] + n * per, offsets[t] + (n + 1) * per):
+                j = pix[i] - n * HW
+                row, from_ = out[i], src[j]
+                if gate:
+                    y = gate_rows[j]
+                    for c in range(L):
+                        row[c] = _relu_grad(from_[c], y[c])
+                else:
+                    for c in range(L):
+                        row[c] = from_[c]
 
 
 @task_kernel
@@ -238,8 +249,8 @@ def dx_tasks(t0, t1, gcols, wmat, dims, taps, blas, dx):
 def dx(gy, y, use_mask, w, geom, c_blocks, out, blas, work):
     """``out`` = dX of the convolution by tap (``dx_tasks``) in ``c_blocks`` blocks of input
     channels, from gy gated by y > 0 where ``use_mask``. One launch first makes what they
-    read (``dx_prep_tasks``): the weights as (K, R*S*C) (unless the weight cache has them:
-    the forward's) and the gated gradient's rows of each tap."""
+    read (``prep_tasks``): the weights as (K, R*S*C) (unless the weight cache has them: the
+    forward's) and the gated gradient's rows of each tap."""
     from ..cpu.buffers import output_cache as _out
     from ..cpu.launch import launch
     from . import weights as _weights
@@ -252,11 +263,11 @@ def dx(gy, y, use_mask, w, geom, c_blocks, out, blas, work):
     wmat = kept if kept is not None else _out.empty((K, RS * C), gy.dtype)
     kb = 0 if kept is not None else max(1, min(K // 16, 2 * c_blocks))
     gcols = _out.empty((dst.size, K), gy.dtype)
-    gb = max(1, min(8, dst.size // 64))
     _ROWS.ready(gy.dtype)
-    view = (lambda a: a.reshape(N, PQ, K)) if nhwc else (lambda a: a.reshape(N, K, PQ))
-    launch(dx_prep_tasks, kb + gb, w.reshape(K, C, RS), wmat.reshape(K, RS, C), kb, view(gy),
-           view(y), bool(use_mask), dst, bool(nhwc), gb, gcols, work=work, grain=1)
+    def view(a):                                                  # (a C-contiguous copy if not)
+        return np.ascontiguousarray(a).reshape((N, PQ, K) if nhwc else (N, K, PQ))
+    launch(prep_tasks, kb + N, w.reshape(K, C, RS), wmat.reshape(K, RS, C), kb, view(gy),
+           view(y), bool(use_mask), bool(nhwc), offsets, dst, gcols, work=work, grain=1)
     HW = geom.H * geom.W
     launch(dx_tasks, c_blocks, gcols, wmat, (N, C, K, RS, HW, c_blocks, int(nhwc)),
            (offsets, src), blas, out.reshape(N, HW, C) if nhwc else out.reshape(N, C, HW),
