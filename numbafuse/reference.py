@@ -47,7 +47,7 @@ batchnorm, inference: as above with running_mean, running_var in place of the ba
 which are then constants: dx = gamma*invstd*g, dgamma = sum g*xhat, dbeta = sum g.
 linear: y = x @ w.T + b with w (out_features, in_features);  dx = dy @ w, dw = dy.T @ x,
 db = sum_n dy.
-max_pool2d: y = max over each k x k window (stride defaults to k, no padding, floor);
+max_pool2d: y = max over each k x k window (stride defaults to k, padding never wins, floor);
 the gradient goes to the FIRST maximum of its window in row-major order, like PyTorch.
 global_avg_pool2d: y[n,c] = mean_{h,w} x;  dx = dy[n,c] / (H*W) everywhere.
 cross_entropy: L = mean_n (logsumexp(logits[n]) - logits[n, label[n]]);
@@ -408,41 +408,41 @@ def linear_backward(dy, x, w):
     return _cast(dy @ w, dtype), _cast(dy.T @ x, dtype), _cast(dy.sum(axis=0), dtype)
 
 
-def _pool_windows(x_nchw, k, stride):
-    """All k*k window taps stacked: (kh*kw, N, C, P, Q), taps in row-major window order."""
+def _pool_windows(x_nchw, k, stride, padding=0):
+    """All k*k window taps of x padded by -inf (wins only where nothing is larger: not the
+    kernels' rule), (kh*kw, N, C, P, Q), taps in row-major order; and (slices, ph, pw)."""
     kh, kw = _pair("max_pool2d", "k", k)
     sh, sw = (kh, kw) if stride is None else _pair("max_pool2d", "stride", stride)
+    ph, pw = _pair("max_pool2d", "padding", padding)
     if min(kh, kw, sh, sw) < 1:
         raise ValueError(f"max_pool2d: k and stride must be >= 1, got {k!r}, {stride!r}")
-    H, W = x_nchw.shape[2:]
-    P, Q = (H - kh) // sh + 1, (W - kw) // sw + 1
+    x_nchw = np.pad(x_nchw, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf)
+    P, Q = (x_nchw.shape[2] - kh) // sh + 1, (x_nchw.shape[3] - kw) // sw + 1
     if P < 1 or Q < 1:
         raise ValueError(f"max_pool2d: output size would be {P}x{Q} (< 1)")
     slices = [(rows, cols) for rows in _taps(kh, 1, sh, P) for cols in _taps(kw, 1, sw, Q)]
-    return np.stack([x_nchw[:, :, rows, cols] for rows, cols in slices]), slices
+    return np.stack([x_nchw[:, :, rows, cols] for rows, cols in slices]), (slices, ph, pw)
 
 
-def max_pool2d(x, k, stride=None, layout="NCHW"):
-    """Max over each k x k window; stride defaults to k; no padding; floor output size."""
+def max_pool2d(x, k, stride=None, layout="NCHW", padding=0):
+    """Max over each k x k window; stride defaults to k; padding never wins; floor size."""
     _check_layout("max_pool2d", layout)
     _check_4d("max_pool2d", "x", x)
-    dtype = _result_dtype(x)
-    windows, _ = _pool_windows(_to_nchw(_f64(x), layout), k, stride)   # (kh*kw, N, C, P, Q)
-    return _cast(_from_nchw(windows.max(axis=0), layout), dtype)
+    windows, _ = _pool_windows(_to_nchw(_f64(x), layout), k, stride, padding)
+    return _cast(_from_nchw(windows.max(axis=0), layout), _result_dtype(x))
 
 
-def max_pool2d_backward(dy, x, k, stride=None, layout="NCHW"):
+def max_pool2d_backward(dy, x, k, stride=None, layout="NCHW", padding=0):
     """dx: each dy goes to the FIRST maximum (row-major) of its window; overlaps accumulate."""
     _check_layout("max_pool2d_backward", layout)
     _check_4d("max_pool2d_backward", "x", x)
-    dtype = _result_dtype(dy, x)
-    x, dy = _to_nchw(_f64(x), layout), _to_nchw(_f64(dy), layout)
-    windows, slices = _pool_windows(x, k, stride)                  # (kh*kw, N, C, P, Q)
+    dtype, x, dy = _result_dtype(dy, x), _to_nchw(_f64(x), layout), _to_nchw(_f64(dy), layout)
+    windows, (slices, ph, pw) = _pool_windows(x, k, stride, padding)   # (kh*kw, N, C, P, Q)
     first_max = windows.argmax(axis=0)                             # (N, C, P, Q); argmax: first
-    dx = np.zeros_like(x)                                          # (N, C, H, W)
+    dx = np.zeros(windows.shape[1:3] + (x.shape[2] + 2 * ph, x.shape[3] + 2 * pw))
     for t, (rows, cols) in enumerate(slices):
         dx[:, :, rows, cols] += dy * (first_max == t)
-    return _cast(_from_nchw(dx, layout), dtype)
+    return _cast(_from_nchw(dx[:, :, ph:ph + x.shape[2], pw:pw + x.shape[3]], layout), dtype)
 
 
 def global_avg_pool2d(x, layout="NCHW"):

@@ -587,6 +587,8 @@ class PoolGeometry:
     sh: int
     sw: int
     layout: str
+    ph: int = 0                  # padding (the window's taps outside the map never win)
+    pw: int = 0
 
     @staticmethod
     def _strides(layout, C, H, W):
@@ -618,13 +620,19 @@ class PoolGeometry:
         return self._strides(self.layout, self.C, self.P, self.Q)
 
 
-def pool_geometry(op, x, k, stride, layout) -> PoolGeometry:
-    """Validate a max-pool call and compute its :class:`PoolGeometry`."""
+def pool_geometry(op, x, k, stride, layout, padding=0) -> PoolGeometry:
+    """Validate a max-pool call and compute its :class:`PoolGeometry` (padding at most half
+    the window, as PyTorch requires: every window keeps a tap inside the map)."""
     layout = check_layout(op, layout)
     N, C, H, W = activation_dims(op, x, layout)
     kh, kw = pair(op, "k", k, 1)
     sh, sw = (kh, kw) if stride is None else pair(op, "stride", stride, 1)
-    if kh > H or kw > W:
-        raise ValueError(f"{op}: k: the {kh}x{kw} window is larger than the {H}x{W} input")
-    P, Q = (H - kh) // sh + 1, (W - kw) // sw + 1                    # floor, no padding
-    return PoolGeometry(N, C, H, W, P, Q, kh, kw, sh, sw, layout)
+    ph, pw = pair(op, "padding", padding, 0)
+    if ph > kh // 2 or pw > kw // 2:
+        raise ValueError(f"{op}: padding must be at most half the {kh}x{kw} window, got "
+                         f"{padding!r}")
+    if kh > H + 2 * ph or kw > W + 2 * pw:
+        raise ValueError(f"{op}: k: the {kh}x{kw} window is larger than the {H}x{W} input "
+                         f"with its padding")
+    P, Q = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1    # floor
+    return PoolGeometry(N, C, H, W, P, Q, kh, kw, sh, sw, layout, ph, pw)

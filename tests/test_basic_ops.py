@@ -225,3 +225,63 @@ def test_cross_entropy_and_linear_with_warp_sized_blocks(threads, monkeypatch):
     close(cuda.get(y.data), ref.linear(x, w, b), np.float64)
     for t, r in zip(ts, ref.linear_backward(dy, x, w)):
         close(cuda.get(t.grad), r, np.float64)
+
+
+# --------------------------------------------------------------------------- max pool, padded
+
+# (shape NCHW, k, stride, padding): ResNet's stem pool, channels in 16-lane blocks with a
+# partial last (40: 16 + 16 + 8; 17), odd maps, stride 1, a non-square window and padding
+POOL_PADDED = [((2, 64, 12, 12), 3, 2, 1), ((2, 40, 9, 7), 3, 2, 1), ((3, 17, 10, 11), 3, 1, 1),
+               ((1, 5, 6, 8), (3, 2), (2, 1), (1, 1)), ((2, 3, 5, 5), 2, 2, 0)]
+
+
+def _padded_pool_case(shape, layout, seed):
+    x = _seeded(shape, seed, np.float32)
+    x[0, 0, 0, :3] = x[0, 0, 0, 0]                     # a tie in the first window
+    x[-1, -1, -1, -1] = np.nan                         # a NaN in the last
+    return x if layout == "NCHW" else np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("shape, k, stride, padding", POOL_PADDED)
+def test_max_pool2d_with_padding_matches_the_reference(shape, k, stride, padding, layout):
+    """CPU (padding is CPU-only): the padded rows and columns never win, every pixel's
+    gradient sums its windows' dy, both layouts, NaN and a tie."""
+    x = _padded_pool_case(shape, layout, 3)
+    t = nf.Tensor(x, requires_grad=True)
+    y = nf.max_pool2d(t, k, stride, padding=padding, layout=layout)
+    want = ref.max_pool2d(x, k, stride, layout, padding)
+    np.testing.assert_array_equal(y.data, want)
+    dy = _seeded(y.shape, 4, np.float32)
+    y.backward(dy)
+    np.testing.assert_allclose(t.grad, ref.max_pool2d_backward(dy, x, k, stride, layout,
+                                                               padding), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("shape, k, stride, padding", POOL_PADDED)
+def test_max_pool2d_with_padding_is_pytorchs_bit_for_bit(shape, k, stride, padding, layout):
+    """Values and gradients equal to ``torch.nn.functional.max_pool2d``'s bit for bit (the
+    first maximum wins; gradients summed per pixel in PyTorch's order), without NaN (PyTorch
+    sends a window's gradient to its last NaN, numbafuse to its first)."""
+    torch = pytest.importorskip("torch")
+    x = _padded_pool_case(shape, layout, 5)
+    x = np.nan_to_num(x, nan=0.5)
+    xt = torch.from_numpy(x if layout == "NCHW" else x.transpose(0, 3, 1, 2)).requires_grad_()
+    yt = torch.nn.functional.max_pool2d(xt, k, stride, padding)
+    t = nf.Tensor(x, requires_grad=True)
+    y = nf.max_pool2d(t, k, stride, padding=padding, layout=layout)
+    to_nchw = (lambda a: a) if layout == "NCHW" else (lambda a: a.transpose(0, 3, 1, 2))
+    np.testing.assert_array_equal(to_nchw(y.data), yt.detach().numpy())
+    dy = _seeded(yt.shape, 6, np.float32)
+    yt.backward(torch.from_numpy(dy))
+    y.backward(dy if layout == "NCHW" else np.ascontiguousarray(dy.transpose(0, 2, 3, 1)))
+    np.testing.assert_array_equal(to_nchw(t.grad), xt.grad.numpy())
+
+
+def test_max_pool2d_padding_is_at_most_half_the_window():
+    x = np.zeros((1, 1, 6, 6), np.float32)
+    with pytest.raises(ValueError, match="padding must be at most half"):
+        nf.max_pool2d(x, 3, 2, padding=2)
+    with pytest.raises(ValueError, match="padding must be >= 0"):
+        nf.max_pool2d(x, 3, 2, padding=-1)

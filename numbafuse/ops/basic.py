@@ -104,7 +104,8 @@ class Linear(Function):
 # --------------------------------------------------------------------------- pooling
 
 class MaxPool2d(Function):
-    r"""Max pooling over ``k`` windows (stride defaults to ``k``), no padding, floor size.
+    r"""Max pooling over ``k`` windows (stride defaults to ``k``), padding that never wins
+    (CPU), floor size; below, :math:`x` is read with its padding's offsets.
 
     .. math::
         t_{n,c,p,q} = \operatorname{argmax}_{r<k_h,\,s<k_w} x_{n,c,p s_h + r,\,q s_w + s}
@@ -129,11 +130,15 @@ class MaxPool2d(Function):
         k: object
         stride: object
         layout: str
+        padding: object = 0
 
     # fwd :: x -> (y, residuals=(argmax,))
     def forward(self, x):
         which, self.dtype = _validated(self.name, x=x)
         self.geometry = pool_geometry(self.name, x, *dataclasses.astuple(self.params))
+        if which == "cuda" and (self.geometry.ph or self.geometry.pw):
+            raise ValueError(f"{self.name}: padding is not supported on CUDA yet (CPU only), "
+                             f"got {self.params.padding!r}")
         y, argmax = _kernels(which).max_pool2d_forward(kernels.contiguous(x), self.geometry)
         self.save_for_backward(argmax=argmax)       # shapes: self.geometry (plain attributes)
         return y
@@ -350,10 +355,12 @@ def linear(x, w, b=None):
     return Linear().apply(x, w, b)
 
 
-def max_pool2d(x, k, stride=None, *, layout="NCHW"):
+def max_pool2d(x, k, stride=None, *, padding=0, layout="NCHW"):
     """Max pooling over ``k`` x ``k`` windows (``k`` an int or an ``(h, w)`` pair).
 
-    ``stride`` defaults to ``k``; no padding; the output size is rounded down. The gradient
+    ``stride`` defaults to ``k``; ``padding`` (an int or a pair, at most half the window; the
+    CPU only) adds rows and columns that never win, as PyTorch's; the output size is rounded
+    down. The gradient
     goes to the first maximum of each window (row-major), like PyTorch; a NaN counts as the
     maximum. Backward keeps only a window argmax, one byte per output for windows up to 16x16.
 
@@ -364,7 +371,7 @@ def max_pool2d(x, k, stride=None, *, layout="NCHW"):
     array([[[[ 5.,  7.],
              [13., 15.]]]])
     """
-    return MaxPool2d(k=k, stride=stride, layout=layout).apply(x)
+    return MaxPool2d(k=k, stride=stride, layout=layout, padding=padding).apply(x)
 
 
 def global_avg_pool2d(x, *, layout="NCHW"):

@@ -18,11 +18,10 @@ import numpy as np
 
 from .. import scalar
 from ..cpu.launch import blocks, launch, task_kernel
-from . import math as basic_math
+from . import cpu_pool as _pool, math as basic_math
 
 _relu = scalar.cpu_scalar(scalar.relu)
 _relu_grad = scalar.cpu_scalar(scalar.relu_grad)
-_first_max_tap = scalar.cpu_scalar(basic_math.first_max_tap)
 _row_logsumexp = scalar.cpu_scalar(basic_math.row_logsumexp)
 _xent_grad = scalar.cpu_scalar(basic_math.xent_grad)
 
@@ -84,64 +83,37 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
 # --------------------------------------------------------------------------- max_pool2d
 # Forward writes y and, in the same pass, the window argmax: the row-major tap t = r*kw + s of
 # each window's first maximum, in the smallest unsigned dtype holding kh*kw - 1 (uint8 up to
-# 16x16 windows; ``PoolGeometry.argmax_dtype``). Backward reads only the argmax, never x: for
-# k == stride == 2 that is 1/16 of a float32 x's bytes (a quarter of the elements, 1 byte each).
+# 16x16 windows; ``PoolGeometry.argmax_dtype``). Backward reads only the argmax, never x.
+# The kernels: ``cpu_pool.py``.
 
-@task_kernel
-def _max_pool_fwd(t0, t1, x, y, argmax, geo):
-    # x: (N*C*H*W,), y, argmax: (N*C*P*Q,), all flat in their layout; geo (_geo): the sizes,
-    # window, stride and the element strides xs_*/ys_* (y and argmax share theirs)
-    N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w, ys_n, ys_c, ys_h, ys_w = geo
-    for nc in range(t0, t1):
-        n, c = nc // C, nc % C
-        x0, y0 = n * xs_n + c * xs_c, n * ys_n + c * ys_c
-        for p in range(P):
-            for q in range(Q):
-                start = x0 + p * sh * xs_h + q * sw * xs_w
-                t = _first_max_tap(x, start, kh, kw, xs_h, xs_w)
-                o = y0 + p * ys_h + q * ys_w
-                y[o] = x[start + (t // kw) * xs_h + (t % kw) * xs_w]
-                argmax[o] = t
-
-
-@task_kernel
-def _max_pool_bwd(t0, t1, gy, argmax, gx, geo):
-    # gy, argmax: (N*C*P*Q,), gx: (N*C*H*W,) flat, gx zeroed; geo as _max_pool_fwd's. One
-    # (n, c) plane per iteration: the planes are disjoint, so overlapping windows (stride < k)
-    # scatter without races.
-    N, C, P, Q, kh, kw, sh, sw, xs_n, xs_c, xs_h, xs_w, ys_n, ys_c, ys_h, ys_w = geo
-    for nc in range(t0, t1):
-        n, c = nc // C, nc % C
-        x0, y0 = n * xs_n + c * xs_c, n * ys_n + c * ys_c
-        for p in range(P):
-            for q in range(Q):
-                o = y0 + p * ys_h + q * ys_w
-                t = np.int64(argmax[o])
-                gx[x0 + (p * sh + t // kw) * xs_h + (q * sw + t % kw) * xs_w] += gy[o]
-
-
-def _geo(g):
-    """The pooling kernels' one tuple of ints: N, C, P, Q, kh, kw, sh, sw, then the element
-    strides of x and of y (n, c, h, w each)."""
-    return tuple(int(v) for v in (g.N, g.C, g.P, g.Q, g.kh, g.kw, g.sh, g.sw, *g.x_strides,
-                                  *g.y_strides))
-
-
-# fwd :: (x, geometry) -> (y, argmax)
+# fwd :: (x, geometry) -> (y, argmax): cpu_pool's kernels (padding, vectorised over channels)
 def max_pool2d_forward(x, g):
     y = np.empty(g.y_shape, x.dtype)
     argmax = np.empty(g.y_shape, g.argmax_dtype)
-    launch(_max_pool_fwd, g.N * g.C, x.reshape(-1), y.reshape(-1), argmax.reshape(-1), _geo(g),
-           work=x.size)
+    N, C, HW, PQ = g.N, g.C, g.H * g.W, g.P * g.Q
+    nhwc = g.layout == "NHWC"
+    flat = ((lambda a, n: a.reshape(N, n, C)) if nhwc else (lambda a, n: a.reshape(N, C, n)))
+    if y.size:
+        launch(_pool.max_pool_fwd_tasks, N if nhwc else N * -(-C // _pool.LANES),
+               flat(x, HW), flat(y, PQ), flat(argmax, PQ), _pool_geo(g), nhwc, work=x.size)
     return y, argmax
 
 
 # bwd :: (argmax, gy, geometry) -> gx
 def max_pool2d_backward(gy, argmax, g, dtype):
     gx = np.zeros(g.x_shape, dtype)
-    launch(_max_pool_bwd, g.N * g.C, gy.reshape(-1), argmax.reshape(-1), gx.reshape(-1),
-           _geo(g), work=gx.size)
+    N, C, HW, PQ = g.N, g.C, g.H * g.W, g.P * g.Q
+    nhwc = g.layout == "NHWC"
+    flat = ((lambda a, n: a.reshape(N, n, C)) if nhwc else (lambda a, n: a.reshape(N, C, n)))
+    if gy.size:
+        launch(_pool.max_pool_bwd_tasks, N, flat(gy.astype(dtype, copy=False), PQ),
+               flat(argmax, PQ), flat(gx, HW), _pool_geo(g), nhwc, work=gx.size)
     return gx
+
+
+def _pool_geo(g):
+    """cpu_pool's geometry tuple: (H, W, P, Q, kh, kw, sh, sw, ph, pw)."""
+    return tuple(int(v) for v in (g.H, g.W, g.P, g.Q, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw))
 
 
 # --------------------------------------------------------------------------- global_avg_pool2d
