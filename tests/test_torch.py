@@ -571,8 +571,8 @@ def test_the_examples_of_docs_pytorch_md_run(capsys):
     fuse_example, by_hand = re.findall(r"```python\n(.+?)\n```", text, re.S)
     exec(compile(fuse_example, "docs/pytorch.md", "exec"), {"__name__": "docs_example"})
     out = capsys.readouterr().out
-    log = out.splitlines()[:6]
-    assert len(log) == 6 and all(f"    {line}\n" in text for line in log), out
+    log = out.splitlines()[:7]
+    assert len(log) == 7 and all(f"    {line}\n" in text for line in log), out
     assert "layer1.0.bn1 has seen 3 batches" in out
     exec(compile(by_hand, "docs/pytorch.md", "exec"), {"__name__": "docs_example"})
     out = capsys.readouterr().out

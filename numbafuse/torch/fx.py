@@ -12,6 +12,8 @@ node the patterns ending there are tried, longest first:
     Conv2d -> BatchNorm2d -> ReLU           conv_batchnorm_relu (recompute)
     Conv2d -> ReLU   (bias or not)          conv_bias_relu
     Conv2d -> BatchNorm2d                   conv_batchnorm_relu(relu=False) (recompute)
+    MaxPool2d                               numbafuse's max pool (``numbafuse.torch.pool``:
+                                            not a fusion; PyTorch's NCHW CPU kernel is slow)
 
 ``add`` is ``a + b``, ``a += b``, ``torch.add(a, b)``, ``a.add(b)`` or ``a.add_(b)`` (no
 ``alpha``); ReLU is an ``nn.ReLU`` module (in place or not, shared by several call sites or
@@ -47,7 +49,8 @@ from torch import nn
 from .. import validate
 from .layers import BatchNormAddReLU2d, ConvBiasReLU2d
 from .sites import (SITE_FUNCTIONS, bn_refusal, conv_refusal, fused_bn_add_relu,
-                    fused_conv_bn_add_relu, fused_conv_bn_relu, fused_conv_relu)
+                    fused_conv_bn_add_relu, fused_conv_bn_relu, fused_conv_relu, pool_refusal,
+                    pooled_max)
 
 F = nn.functional
 LOG_ENV = "NUMBAFUSE_LOG"      # NUMBAFUSE_LOG=fuse prints fuse's log to stderr
@@ -59,6 +62,7 @@ FUSE_BN_ADD_RELU = "Fuse BatchNorm2d with add and ReLU"
 FUSE_CONV_BN_RELU = "Fuse Conv2d with BatchNorm2d and ReLU"
 FUSE_CONV_RELU = "Fuse Conv2d with ReLU"
 FUSE_CONV_BN = "Fuse Conv2d with BatchNorm2d"
+RUN_MAX_POOL = "Run MaxPool2d on numbafuse's max pool"
 
 NUMBAFUSE_MODULES = (ConvBiasReLU2d, BatchNormAddReLU2d)     # leaves: never traced into
 RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu, F.relu_)
@@ -265,8 +269,18 @@ def conv_relu(m, root):
                  (conv_node.args[0], _Module(conv_node.target)))
 
 
-# patterns ending at a ReLU, longest first; then those ending at a batch norm
-PATTERNS = (conv_bn_add_relu, bn_add_relu, conv_bn_relu, conv_relu, conv_bn)
+def max_pool(m, root):
+    pool = m.module(root, nn.MaxPool2d)
+    if pool is None or len(root.args) != 1 or root.kwargs:
+        return None
+    reason = pool_refusal(pool)
+    if reason:
+        return Refusal([root], reason)
+    return Match(RUN_MAX_POOL, [root], pooled_max, (root.args[0], _Module(root.target)))
+
+
+# patterns ending at a ReLU, longest first; then those ending at a batch norm; the max pool
+PATTERNS = (conv_bn_add_relu, bn_add_relu, conv_bn_relu, conv_relu, conv_bn, max_pool)
 
 
 # --------------------------------------------------------------------------- fuse

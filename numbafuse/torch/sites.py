@@ -5,6 +5,7 @@ pattern, called by the rewritten graph with the activations and the modules them
     fused_conv_bn_add_relu(x, z, conv, bn, site)    relu(bn(conv(x)) + z)
     fused_bn_add_relu(x, z, bn, site)               relu(bn(x) + z)
     fused_conv_relu(x, conv, site)                  relu(conv(x))
+    pooled_max(x, pool, site)                       pool(x), a MaxPool2d on numbafuse's kernel
 
 Each reads its modules at the call (parameters, buffers, ``training``, ``momentum``, ``eps``,
 ``track_running_stats``), counts ``num_batches_tracked`` and updates the running statistics
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from .conv_batchnorm import conv_batchnorm_add_relu, conv_batchnorm_relu
+from . import pool as _pool
 from .layers import DEVICE_TYPES, TENSOR_DTYPES, batchnorm_add_relu, conv_bias_relu
 
 logger = logging.getLogger("numbafuse.torch")
@@ -44,6 +46,21 @@ def conv_refusal(conv, with_bn=False):
                 "bias moves the running mean)")
     if _hooked(conv):
         return "the conv has hooks (a fused call would skip them)"
+    return None
+
+
+def pool_refusal(pool):
+    """Why numbafuse's max pool cannot stand for ``pool`` (None if it can)."""
+    if type(pool) is not nn.MaxPool2d:
+        return f"{type(pool).__name__} is not torch.nn.MaxPool2d (a subclass may compute more)"
+    if pool.dilation not in (1, (1, 1)):
+        return f"dilation={pool.dilation!r} (numbafuse's max pool has none)"
+    if pool.ceil_mode:
+        return "ceil_mode=True (numbafuse's max pool rounds the output size down)"
+    if pool.return_indices:
+        return "return_indices=True (numbafuse keeps a window argmax, not PyTorch's indices)"
+    if _hooked(pool):
+        return "the max pool has hooks (a call of numbafuse's would skip them)"
     return None
 
 
@@ -192,5 +209,17 @@ def fused_conv_relu(x, conv, site):
     return conv_bias_relu(x, conv.weight, conv.bias, **conv_args(conv))
 
 
+def pooled_max(x, pool, site):
+    """``pool(x)`` (a ``torch.nn.MaxPool2d``) by numbafuse's max pool where it can run
+    (``numbafuse.torch.pool``: CPU float tensors; elsewhere, e.g. on CUDA, PyTorch's own,
+    without a warning: that is by design); ``pool`` itself where the module changed since."""
+    reason = pool_refusal(pool)
+    if reason is not None:
+        _unfused(site, reason)
+        return pool(x)
+    return _pool.max_pool2d(x, pool.kernel_size, pool.stride, pool.padding)
+
+
 # the site functions: recorded as calls (not traced into) when a fused model is traced again
-SITE_FUNCTIONS = (fused_conv_bn_relu, fused_conv_bn_add_relu, fused_bn_add_relu, fused_conv_relu)
+SITE_FUNCTIONS = (fused_conv_bn_relu, fused_conv_bn_add_relu, fused_bn_add_relu, fused_conv_relu,
+                  pooled_max)
