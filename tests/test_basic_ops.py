@@ -229,9 +229,9 @@ def test_cross_entropy_and_linear_with_warp_sized_blocks(threads, monkeypatch):
 
 # --------------------------------------------------------------------------- max pool, padded
 
-# (shape NCHW, k, stride, padding): ResNet's stem pool, channels in 16-lane blocks with a
-# partial last (40: 16 + 16 + 8; 17), odd maps, stride 1, a non-square window and padding
-POOL_PADDED = [((2, 64, 12, 12), 3, 2, 1), ((2, 40, 9, 7), 3, 2, 1), ((3, 17, 10, 11), 3, 1, 1),
+# (shape NCHW, k, stride, padding): ResNet's stem pool, channels in 64-lane blocks with a
+# partial last (80: 64 + 16; 17), odd maps, stride 1, a non-square window and padding
+POOL_PADDED = [((2, 64, 12, 12), 3, 2, 1), ((2, 80, 9, 7), 3, 2, 1), ((3, 17, 10, 11), 3, 1, 1),
                ((1, 5, 6, 8), (3, 2), (2, 1), (1, 1)), ((2, 3, 5, 5), 2, 2, 0)]
 
 

@@ -13,7 +13,7 @@ from numbafuse.torch import pool  # noqa: E402
 pytestmark = pytest.mark.torch
 F = torch.nn.functional
 
-CASES = [((4, 64, 16, 16), 3, 2, 1), ((2, 40, 9, 7), 3, 2, 1), ((3, 17, 10, 11), 3, 1, 1),
+CASES = [((4, 64, 16, 16), 3, 2, 1), ((2, 80, 9, 7), 3, 2, 1), ((3, 17, 10, 11), 3, 1, 1),
          ((2, 5, 6, 8), (3, 2), (2, 1), (1, 1)), ((2, 8, 6, 6), 2, None, 0)]
 
 

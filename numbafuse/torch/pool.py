@@ -13,7 +13,7 @@ captures a graph: ``torch.compile`` compiles its own) it is ``F.max_pool2d`` its
 Why: PyTorch's CPU max pool of an NCHW tensor is a scalar loop per output; at ResNet's stem
 pool (3x3/2, padding 1, (16, 64, 32, 32), 2 threads, machine E) it took 3.0 ms (its
 channels_last kernel 0.17 ms), 4% of a ResNet-18 training step at 64x64 and 15% of an eval
-forward; numbafuse's 0.59 ms forward, 0.29 backward (docs/pytorch.md).
+forward; numbafuse's 0.29 ms forward, 0.30 backward (docs/pytorch.md).
 """
 from __future__ import annotations
 
