@@ -6,7 +6,8 @@
 ``--cpu``: every CPU path a layer of a common network takes (:data:`CPU_CASES`: each conv
 algorithm's forward and backward in both layouts -- 3x3 stride 1 by Winograd and, at small
 maps, im2col; the deep layers' k-blocked GEMMs and tapwise forward; 3x3 stride 2; 1x1; the
-few-channel stem; Conv-BatchNorm-ReLU; BatchNorm-Add-ReLU; depthwise 3x3 and 7x7)
+few-channel stem; Conv-BatchNorm-ReLU; BatchNorm-Add-ReLU; the max pool; depthwise 3x3 and
+7x7)
 is called once at a small shape per dtype, one case per task, ``JOBS`` processes at a time, so
 that the first call of a later process (a training run, each MPI rank, the tests) loads the
 compiled code instead of compiling it (seconds per path on one core). A serial pass then runs
@@ -78,6 +79,8 @@ CPU_CASES = [
     ("conv-batchnorm-relu 3x3", "cbr", (8, 72, 8, 8), 3, 1, 72),
     ("conv-batchnorm-relu 3x3 few channels", "cbr", (8, 32, 8, 8), 3, 1, 32),
     ("batchnorm-add-relu", "bn", (8, 32, 8, 8), 0, 0, 0),
+    # the max pool (a fused ResNet's stem pool runs it: numbafuse.torch.pool), 3x3/2 padding 1
+    ("max pool 3x3 s2", "pool", (2, 16, 9, 9), 3, 2, 0),
     # depthwise (groups = C, MobileNet / ConvNeXt): the register tiles at 3x3 strides 1 and 2,
     # the sliding tiles at 7x7 (NHWC) and the 7x7 plane tiles (NCHW)
     ("depthwise 3x3 s1", "dw", (4, 32, 8, 8), 3, 1, 32),
@@ -97,6 +100,7 @@ def run_cpu_case(case, layouts=("NCHW", "NHWC")) -> None:
     """Call the case's op forward and backward once per layout (what compiles its kernels)."""
     import numpy as np
 
+    from .ops.basic import max_pool2d
     from .ops.batchnorm import batchnorm_add_relu, batchnorm_add_relu_backward
     from .ops.conv import conv_bias_relu, conv_bias_relu_backward
     from .ops.conv_batchnorm import conv_batchnorm_relu, conv_batchnorm_relu_backward
@@ -105,6 +109,12 @@ def run_cpu_case(case, layouts=("NCHW", "NHWC")) -> None:
     for layout in layouts:
         shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
         x = rng.standard_normal(shape).astype(dtype)
+        if op == "pool":
+            from .autograd import Tensor
+            t = Tensor(x, requires_grad=True)
+            y = max_pool2d(t, kernel, stride, padding=kernel // 2, layout=layout)
+            y.backward(np.ones(y.shape, dtype))
+            continue
         if op == "bn":
             g, b = np.ones(C, dtype), np.zeros(C, dtype)
             y = batchnorm_add_relu(x, x, g, b, layout=layout)
