@@ -286,6 +286,25 @@ def test_whole_batch_im2col_dw_in_blocks_of_output_channels(layout, stride, size
                                                                  **kwargs)[1], **TOL[np.float64])
 
 
+def test_a_widening_nchw_1x1_forward_on_small_images_runs_im2col_chunks():
+    # (cpu_plan._pointwise_chunked: ResNet-50's 128 -> 512 at 8x8)
+    def chosen(C, K, H, layout="NCHW", N=16, pass_="forward"):
+        shape = (N, C, H, H) if layout == "NCHW" else (N, H, H, C)
+        g = nf.validate.conv_geometry("t", shape, (K, C, 1, 1), 1, 0, 1, layout)
+        plan = cpu_plan.plan(g, pass_, np.float32)
+        return plan.algorithm, plan.k_blocks
+    assert chosen(128, 512, 8) == ("im2col", 1)
+    assert chosen(64, 256, 8) == ("im2col", 1)
+    assert chosen(128, 512, 16, N=4)[0] == "pointwise"              # 256 pixels an image
+    assert chosen(512, 128, 8)[0] == "pointwise"                    # narrowing
+    assert chosen(32, 128, 8)[0] == "pointwise"                     # few channels
+    assert chosen(128, 512, 8, "NHWC")[0] == "pointwise"
+    for pass_ in ("dx", "dw"):
+        assert chosen(128, 512, 8, pass_=pass_)[0] == "pointwise"
+    with cpu_plan.using(pointwise_chunked_pixels=0):
+        assert chosen(128, 512, 8)[0] == "pointwise"
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_a_strided_dw_with_as_many_channels_as_pixels_runs_blocked(layout):
     # ResNet-18's l3 3x3/2 128 -> 256 at batch 16: 256 output pixels, K = 256 (the k-blocked
