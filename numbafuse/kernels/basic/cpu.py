@@ -5,7 +5,8 @@ normalises) and returns new arrays. ``kernels/cuda/basic.py`` has the same funct
 same names and arguments, for device arrays: ``ops/basic.py`` picks one module per call.
 
 Activations are handled as flat ``(n,)`` buffers addressed through *element strides*
-``(sN, sC, sH, sW)``, so one compiled kernel serves both layouts (see ``ops.basic.PoolGeometry``).
+``(sN, sC, sH, sW)``, so one compiled kernel serves both layouts (see ``ops.basic.PoolGeometry``);
+the max pool's kernels (``cpu_pool.py``) work on rows of channels instead.
 
 Scalar math shared with the CUDA kernels is written once, as plain Python, in
 ``kernels/basic_math.py`` and wrapped per target (``scalar.cpu_scalar`` here,

@@ -17,23 +17,29 @@ _im2col_slab_step, _rows_step = IM2COL_SLAB.call, _ROWS.call
 
 
 @njit(inline="always")
+def block_weights(wmat, k0, k1, C, RS, wt, wdst, wbuf):
+    """Filters [k0, k1)'s weights as (kn, R*S*C) rows: wmat's own (already in that order),
+    or with ``wt`` reordered from (kn, C, R*S) into their rows of wdst (K, R*S*C) where it
+    has rows (the weight cache's), else into wbuf. (Also the tapwise forward's.)"""
+    kn = k1 - k0
+    wk = wmat[k0:k1]                                              # (kn, RSC)
+    if wt and kn > 0:                                             # (kn, C, RS) -> (kn, RS, C)
+        wk = wdst[k0:k1] if wdst.shape[0] > 0 else wbuf[:kn * RS * C].reshape((kn, RS * C))
+        _rows_step((wmat[k0:k1].reshape((kn, C, RS)), wk.reshape((kn, RS, C))))
+    return wk
+
+
+@njit(inline="always")
 def _forward_block(t, wmat, flags, geo, chunks, wdst, wbuf):
     # task t's block: (n0, n1, p0, p1, k0, k1, wk), wk its (kn, RSC) weight rows (reordered
     # to (kn, R*S*C) first where ``wt``; kn = k1 - k0 <= 0: nothing to do)
-    wt = flags[3]
     ipc, rpc, kb = chunks
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    RSC = R * S * C
     kb_len = block_len(K, kb)
     n0, n1, p0, p1 = chunk(t // kb, N, P, ipc, rpc)
     k0 = (t % kb) * kb_len
     k1 = min(K, k0 + kb_len)
-    kn = k1 - k0
-    wk = wmat[k0:k1]                                              # (kn, RSC)
-    if wt and kn > 0:                                             # (kn, C, RS) -> (kn, RS, C)
-        wk = wdst[k0:k1] if wdst.shape[0] > 0 else wbuf[:kn * RSC].reshape((kn, RSC))
-        _rows_step((wmat[k0:k1].reshape((kn, C, R * S)), wk.reshape((kn, R * S, C))))
-    return n0, n1, p0, p1, k0, k1, wk
+    return n0, n1, p0, p1, k0, k1, block_weights(wmat, k0, k1, C, R * S, flags[3], wdst, wbuf)
 
 
 @njit(inline="always")

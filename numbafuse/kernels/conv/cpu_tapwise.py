@@ -23,11 +23,18 @@ import functools
 
 import numpy as np
 
+from numba import njit
+
 from ..cpu import blas as _blas
-from ..cpu.launch import task_kernel
+from ..cpu.buffers import output_cache as _out
+from ..cpu.launch import launch, task_kernel
 from ..cpu.transpose import ROWS as _ROWS
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
+from . import weights as _weights
 from .cpu_chunks import block_len
+from .cpu_im2col import ready_reorder
+from .cpu_im2col_fwd import block_weights
+from .math import geo_tuple
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -57,6 +64,37 @@ def tables(geo):
             np.concatenate(dst).astype(np.int64))
 
 
+@njit(inline="always")
+def _most_rows(offsets):
+    """The most rows of one tap (``tables``' offsets)."""
+    most = 0
+    for t in range(offsets.shape[0] - 1):
+        most = max(most, offsets[t + 1] - offsets[t])
+    return most
+
+
+@njit(inline="always")
+def _sum_taps(acc, tmp, lhs, offsets, pix, wflat, first, tap, ldb, tb, inner, blas):
+    """acc (M, n) = the sum over taps t of lhs's rows of t (m_t, inner) times t's weights,
+    which start at wflat[first + t*tap], rows ``ldb`` apart: (n, inner) used transposed
+    (``tb``) or (inner, n); each product's row i added into acc's row pix[i]. tmp: at
+    least the most rows of a tap times n values."""
+    n = acc.shape[1]
+    acc[:] = 0
+    for t in range(offsets.shape[0] - 1):
+        r0, r1 = offsets[t], offsets[t + 1]
+        m = r1 - r0
+        if m == 0:
+            continue
+        part = tmp[:m * n].reshape((m, n))
+        _blas.gemm(blas, False, tb, (m, n, inner), 1.0, lhs[r0:r1], inner,
+                   wflat[first + t * tap:], ldb, 0.0, part, n)
+        for i in range(m):
+            row, add = acc[pix[r0 + i]], part[i]
+            for c in range(n):
+                row[c] += add[c]
+
+
 @task_kernel
 def forward_tasks(t0, t1, cols, wmat, bs, flags, dims, taps, blas, wdst, y):
     # cols (T, C); wmat: w as (K, C*R*S) (flags[2], wt: each task reorders its block to
@@ -71,11 +109,8 @@ def forward_tasks(t0, t1, cols, wmat, bs, flags, dims, taps, blas, wdst, y):
     RSC = RS * C
     M = N * PQ
     kb_len = block_len(K, kb)
-    most = 0
-    for t in range(RS):
-        most = max(most, offsets[t + 1] - offsets[t])
     acc = np.empty((M, min(K, kb_len)), y.dtype)
-    tmp = np.empty(most * min(K, kb_len), y.dtype)
+    tmp = np.empty(_most_rows(offsets) * min(K, kb_len), y.dtype)
     wbuf = np.empty(min(K, kb_len) * RSC if wt and wdst.shape[0] == 0 else 0, y.dtype)
     for task in range(t0, t1):
         k0 = task * kb_len
@@ -83,25 +118,9 @@ def forward_tasks(t0, t1, cols, wmat, bs, flags, dims, taps, blas, wdst, y):
         kn = k1 - k0
         if kn <= 0:
             continue
-        wk = wmat[k0:k1]                                          # (kn, R*S*C)
-        if wt:                                                    # (kn, C, RS) -> (kn, RS, C)
-            wk = wdst[k0:k1] if wdst.shape[0] > 0 else wbuf[:kn * RSC].reshape((kn, RSC))
-            _rows_step((wmat[k0:k1].reshape((kn, C, RS)), wk.reshape((kn, RS, C))))
-        wflat = wk.reshape(kn * RSC)
+        wk = block_weights(wmat, k0, k1, C, RS, wt, wdst, wbuf)  # (kn, R*S*C)
         a = acc[:, :kn]
-        a[:] = 0
-        for t in range(RS):
-            r0, r1 = offsets[t], offsets[t + 1]
-            m = r1 - r0
-            if m == 0:
-                continue
-            part = tmp[:m * kn].reshape((m, kn))
-            _blas.gemm(blas, False, True, (m, kn, C), 1.0, cols[r0:r1], C, wflat[t * C:], RSC,
-                       0.0, part, kn)
-            for i in range(m):
-                row, src = a[dst[r0 + i]], part[i]
-                for k in range(kn):
-                    row[k] += src[k]
+        _sum_taps(a, tmp, cols, offsets, dst, wk.reshape(kn * RSC), 0, C, RSC, True, C, blas)
         for i in range(M):
             n, pq = i // PQ, i % PQ
             src = a[i]
@@ -120,11 +139,6 @@ def forward(x, w, b, has_bias, scale, geom, relu, k_blocks, y, blas, work):
     ``k_blocks`` blocks of output channels; ``b`` (K,) (read where ``has_bias``). The
     weights reordered to (K, R*S*C) come from the weight cache (kind "matrix", the im2col
     forward's) where it has them and go to it where it keeps them."""
-    from ..cpu.buffers import output_cache as _out
-    from ..cpu.launch import launch
-    from . import weights as _weights
-    from .cpu_im2col import ready_reorder
-    from .math import geo_tuple
     K, R, S = geom.K, geom.R, geom.S
     offsets, src, dst = tables(geo_tuple(geom))
     N, C, HW = geom.N, geom.C, geom.H * geom.W
@@ -209,12 +223,9 @@ def dx_tasks(t0, t1, gcols, wmat, dims, taps, blas, dx):
     M = N * HW
     RSC = RS * C
     cb_len = block_len(C, cb)
-    most = 0
-    for t in range(RS):
-        most = max(most, offsets[t + 1] - offsets[t])
     cmax = min(C, cb_len)
     acc = np.empty((M, cmax), dx.dtype)
-    tmp = np.empty(most * cmax, dx.dtype)
+    tmp = np.empty(_most_rows(offsets) * cmax, dx.dtype)
     wflat = wmat.reshape(K * RSC)
     for task in range(t0, t1):
         c0 = task * cb_len
@@ -223,19 +234,8 @@ def dx_tasks(t0, t1, gcols, wmat, dims, taps, blas, dx):
         if cn <= 0:
             continue
         a = acc[:, :cn]
-        a[:] = 0
-        for t in range(RS):
-            r0, r1 = offsets[t], offsets[t + 1]
-            m = r1 - r0
-            if m == 0:
-                continue
-            part = tmp[:m * cn].reshape((m, cn))
-            _blas.gemm(blas, False, False, (m, cn, K), 1.0, gcols[r0:r1], K,
-                       wflat[t * C + c0:], RSC, 0.0, part, cn)
-            for i in range(m):
-                row, add = a[src[r0 + i]], part[i]
-                for c in range(cn):
-                    row[c] += add[c]
+        # w_t's (K, cn) block: columns c0.. of tap t's C in each filter's (R*S*C) row
+        _sum_taps(a, tmp, gcols, offsets, src, wflat, c0, C, RSC, False, K, blas)
         for i in range(M):
             n, hw = i // HW, i % HW
             row = a[i]
@@ -251,10 +251,6 @@ def dx(gy, y, use_mask, w, geom, c_blocks, out, blas, work):
     channels, from gy gated by y > 0 where ``use_mask``. One launch first makes what they
     read (``prep_tasks``): the weights as (K, R*S*C) (unless the weight cache has them: the
     forward's) and the gated gradient's rows of each tap."""
-    from ..cpu.buffers import output_cache as _out
-    from ..cpu.launch import launch
-    from . import weights as _weights
-    from .math import geo_tuple
     N, K, C, R, S = geom.N, geom.K, geom.C, geom.R, geom.S
     PQ, RS = geom.P * geom.Q, R * S
     offsets, src, dst = tables(geo_tuple(geom))
