@@ -432,3 +432,53 @@ def test_half_agrees_with_pytorch():
 def test_half_tolerances_are_stated():
     """Every half dtype numbafuse takes has a tolerance in TOL (no KeyError in a test)."""
     assert set(HALF) <= set(TOL)
+
+
+@pytest.mark.parametrize("pdtype", [np.float32, np.float16])
+@pytest.mark.parametrize("training", [True, False])
+def test_remapped_half_conv_batchnorm(backend, training, pdtype):
+    """nf.remap fuses float16 conv2d -> batchnorm -> relu with float32 (autocast's mix) or
+    float16 batch-norm parameters and running statistics into conv_batchnorm_relu, as that
+    op takes them; inference is recomputed, not folded (fold_batchnorm takes no half w: an
+    all-float16 chain was folded, and failed when run). y and the running statistics equal
+    the unfused program's within TOL; the graph's tape gradients the float64 reference's
+    (the unfused program's round dh to half once more, up to 2 ulps from the fused ones)."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 3, 5, 5)).astype(np.float16)
+    w16 = (rng.standard_normal((4, 3, 3, 3)) / 4).astype(np.float16)
+    g0, b0 = (a.astype(pdtype) for a in (rng.uniform(0.5, 1.5, 4), rng.standard_normal(4)))
+    stats0 = rng.standard_normal(4).astype(pdtype), rng.uniform(0.5, 2.0, 4).astype(pdtype)
+    w, gamma, beta = (nf.Tensor(backend.put(a), requires_grad=True) for a in (w16, g0, b0))
+    stats = [backend.put(a) for a in stats0]
+
+    def program(x):
+        h = nf.batchnorm(nf.conv2d(x, w, padding=1), gamma, beta, running_mean=stats[0],
+                         running_var=stats[1], training=training, momentum=0.3)
+        return nf.relu(h)
+
+    graph = nf.remap(nf.trace(program, backend.put(x)))
+    assert graph.ops == ["conv_batchnorm_relu"], graph.log
+    assert training or "not folded: fold_batchnorm: w must be" in graph.log[0]
+    dy = rng.standard_normal((2, 4, 5, 5)).astype(np.float16)
+    results = []
+    for run in (program, graph):
+        for a, a0 in zip(stats, stats0):                     # the same statistics each run
+            if backend.name == "cpu":
+                a[...] = a0
+            else:
+                a.copy_to_device(a0)
+        for t in (w, gamma, beta):
+            t.zero_grad()
+        tx = nf.Tensor(backend.put(x), requires_grad=True)
+        y = run(tx)
+        y.backward(backend.put(dy))
+        results.append([backend.get(a) for a in (y.data, *stats)]
+                       + [backend.get(t.grad) for t in (tx, w, gamma, beta)])
+    unfused, fused = results
+    for name, a, b in zip(("y", "running_mean", "running_var"), fused, unfused):
+        _expect(a, _f64(b), b.dtype, name)
+    kw = dict(padding=1, relu=True, training=training, eps=1e-5, layout="NCHW")
+    want = _conv_bn_backward64(dy, x, w16, g0, *stats0, kw, fused[0])
+    for name, a, e, dtype in zip(("dx", "dw", "dgamma", "dbeta"), fused[3:], want,
+                                 (np.float16, np.float16, pdtype, pdtype)):
+        _expect(a, e, dtype, f"remapped {name}")

@@ -29,8 +29,8 @@ class FakeConv(Function):
     name = "conv2d"
     Params = nf.ops.conv.Conv2d.Params
 
-    def forward(self, x, w):
-        return ref.conv2d(x, w, *self.params.astuple())
+    def forward(self, x, w):                 # y in x's dtype, as the real op's
+        return ref.conv2d(x, w, *self.params.astuple()).astype(x.dtype)
 
 
 class FakeBiasAdd(Function):
@@ -45,19 +45,19 @@ class FakeReLU(Function):
     name = "relu"
 
     def forward(self, x):
-        return ref.relu(x)
+        return ref.relu(x).astype(x.dtype)
 
 
 class FakeBatchNorm(Function):
     name = "batchnorm"
     Params = nf.ops.batchnorm.BatchNorm.Params
 
-    def forward(self, x, gamma, beta):
+    def forward(self, x, gamma, beta):       # y in x's dtype, as the real op's
         p = self.params
         if p.training:
-            return ref.batchnorm_train(x, gamma, beta, p.eps, p.layout)[0]
+            return ref.batchnorm_train(x, gamma, beta, p.eps, p.layout)[0].astype(x.dtype)
         return ref.batchnorm_infer(x, gamma, beta, p.running_mean, p.running_var, p.eps,
-                                   p.layout)
+                                   p.layout).astype(x.dtype)
 
 
 def fconv(x, w, layout="NCHW"):
@@ -72,10 +72,14 @@ def frelu(x):
     return FakeReLU().apply(x)
 
 
-def fbn(x, C, training=True, layout="NCHW"):
-    return FakeBatchNorm(running_mean=np.zeros(C), running_var=np.ones(C), training=training,
-                         momentum=0.1, eps=EPS, layout=layout, comm=None).apply(x, np.ones(C),
-                                                                                np.zeros(C))
+def fbn(x, C, training=True, layout="NCHW", dtype=np.float64, stats_dtype=None):
+    """A stand-in batch norm: gamma, beta of ``dtype``, running stats of ``stats_dtype``
+    (``dtype`` if None)."""
+    stats_dtype = stats_dtype or dtype
+    return FakeBatchNorm(running_mean=np.zeros(C, stats_dtype),
+                         running_var=np.ones(C, stats_dtype), training=training,
+                         momentum=0.1, eps=EPS, layout=layout,
+                         comm=None).apply(x, np.ones(C, dtype), np.zeros(C, dtype))
 
 
 X = np.random.default_rng(0).standard_normal((1, 2, 4, 4))
@@ -202,6 +206,32 @@ def test_refused_dtype_mismatch():
                X.astype(np.float32))
     _only_line(g, "refused conv2d->bias_add->relu: dtype mismatch: conv2d output float32, "
                   "b float64, relu output float64")
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_refused_batchnorm_parameter_dtypes_as_the_fused_op_refuses_them(training):
+    """The batch-norm parameters and running statistics go through conv_batchnorm_relu's own
+    dtype check (validate.check_param_dtypes): float64 ones after a float32 conv, or float32
+    parameters with float16 running statistics after a float16 conv, are refused with its
+    message; float32 ones after a float16 conv (autocast's mix) fuse."""
+    x32, w32 = X.astype(np.float32), W.astype(np.float32)
+    g = _remap(lambda x: frelu(fbn(fconv(x, w32), 3, training=training)), x32)
+    _only_line(g, "refused conv2d->batchnorm->relu: conv_batchnorm_relu: gamma is float64 but "
+                  "x is float32; batch-norm parameters and running statistics must be float32 "
+                  "for a float32 x")
+    assert g.ops == ["conv2d", "batchnorm", "relu"]
+    x16, w16 = X.astype(np.float16), W.astype(np.float16)
+    g = _remap(lambda x: frelu(fbn(fconv(x, w16), 3, training=training, dtype=np.float32,
+                                   stats_dtype=np.float16)), x16)
+    _only_line(g, "refused conv2d->batchnorm->relu: conv_batchnorm_relu: running_mean is "
+                  "float16 but gamma is float32; batch-norm parameters and running "
+                  "statistics must share one dtype")
+    g = _remap(lambda x: frelu(fbn(fconv(x, w16), 3, training=training, dtype=np.float32)),
+               x16)
+    assert g.ops == ["conv_batchnorm_relu"], g.log
+    # inference: not folded (fold_batchnorm takes float32 or float64 only), recomputed
+    assert training or "not folded: fold_batchnorm: w must be float32 or float64, got " \
+                       "float16" in g.log[0]
 
 
 def test_refused_layout_mismatch():

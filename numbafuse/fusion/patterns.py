@@ -85,6 +85,24 @@ def _agree(pairs):
     return _same("dtype", pairs, "dtype") or _same("device", pairs, "device")
 
 
+def _typed(pairs):
+    """The labelled arguments that are arrays, by label: Values with a dtype (known at trace
+    time) and the arrays a node holds in its params (running statistics); the rest (absent
+    arguments, non-arrays) None, which ``validate``'s dtype checks skip."""
+    return {name: v if getattr(v, "dtype", None) is not None else None for name, v in pairs}
+
+
+def _dtype_reason(check, *args, **kwargs):
+    """The message of the TypeError ``validate``'s dtype check ``check`` raises on the traced
+    Values (they carry ``.dtype`` as arrays do; the message names the op that would refuse
+    them), or None when it takes them: the fused op's own rule, not a copy of it."""
+    try:
+        check(*args, **kwargs)
+    except TypeError as e:
+        return str(e)
+    return None
+
+
 def _layouts(*nodes):
     layouts = [(n.op, n.arg("layout", "NCHW")) for n in nodes]
     if len({layout for _, layout in layouts}) > 1:
@@ -242,10 +260,22 @@ def _conv_bn(m, root):
         return None
     chain = [conv] + ([badd] if badd else []) + [bn] + ([root] if with_relu else [])
     b = badd.arg("b") if badd else None
+    # the activations share one dtype; x, w and the batch-norm parameters and running
+    # statistics are checked as conv_batchnorm_relu checks them (validate's
+    # check_half_dtypes, check_param_dtypes): the parameters x's dtype or, for a half x,
+    # float32 (autocast's mix)
+    activations = [("conv2d output", conv.output), ("b", b),
+                   (f"{root.op} output", root.output)]
+    params = [(k, bn.arg(k)) for k in ("gamma", "beta", "running_mean", "running_var")]
+    op = "conv_batchnorm_relu"
     reason = (m.intermediate_reason(chain) or _layouts(*chain[:-1] if with_relu else chain)
-              or _agree([("conv2d output", conv.output), ("b", b)]
-                        + [(f"batchnorm {k}", bn.arg(k)) for k in ("gamma", "beta")]
-                        + [(f"{root.op} output", root.output)])
+              or _agree(activations)
+              or _same("device", activations + [(f"batchnorm {k}", v) for k, v in params],
+                       "device")
+              or _dtype_reason(validate.check_half_dtypes, op, conv.output.device,
+                               **_typed([("x", conv.arg("x")), ("w", conv.arg("w"))]))
+              or _dtype_reason(validate.check_param_dtypes, op, conv.output.dtype,
+                               **_typed(params))
               or (_bias_reason(b, _out_channels(conv)) if badd else None))
     if reason:
         return Refusal(chain, reason)
@@ -277,6 +307,12 @@ def _fold_reason(m, bn, conv, b):
     """Why batch norm cannot be folded into the conv's constants (None if it can)."""
     sources = dict(w=conv.arg("w"), b=b, gamma=bn.arg("gamma"), beta=bn.arg("beta"),
                    running_mean=bn.arg("running_mean"), running_var=bn.arg("running_var"))
+    # fold_batchnorm's dtypes (float32 or float64, one for all): a half conv, or half
+    # activations with float32 parameters, is not folded but recomputed (exact)
+    reason = _dtype_reason(validate.check_float_dtypes, "fold_batchnorm",
+                           **_typed(sources.items()))
+    if reason:
+        return reason
     for name, v in sources.items():
         if v is None and name == "b":
             continue
