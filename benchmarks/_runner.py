@@ -8,8 +8,9 @@ imports its library with the environment the parent was started with (nothing ad
 its cases, warms each up (compiles, starts thread pools), times ``repeats`` round-robin runs
 of every case and prints the best time of each as JSON. A case shorter than
 ``MIN_TIMED_SECONDS`` is timed over several calls in a row (up to ``MAX_CALLS``, the mean
-per call), except in the neighbour mode, whose point is the interleaving. The table keeps the best of each case
-over the rounds.
+per call), except in the neighbour mode, whose point is the interleaving. The table keeps the
+best of each case over the rounds. numbafuse's warm-up calls wait for its compiled kernels
+(``first_calls.set_wait(inf)``): no timed call meets a NumPy first call or a compilation.
 
 ``options["threads"]`` (the benchmarks' ``--threads N``), when given, sets each library's thread
 count through its own API in its worker (``numbafuse.kernels.cpu.launch.set_num_threads``,
@@ -106,6 +107,9 @@ def worker(module, side, repeats, options):
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.dirname(HERE))
     mod = __import__(module)
+    if side != "torch":     # warm-up calls wait for the compiled kernels (no NumPy first calls)
+        from numbafuse.kernels.cpu import first_calls
+        first_calls.set_wait(float("inf"))
     if options.get("threads"):
         _set_threads(side, int(options["threads"]))
     if side == "numbafuse-after-torch":

@@ -25,6 +25,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+# the kernels under test, not NumPy, on every first call (kernels/cpu/first_calls.py); set
+# before numbafuse is imported, and inherited by the tests' subprocesses
+os.environ.setdefault("NUMBAFUSE_FIRST_CALL_WAIT", "inf")
+
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                      HealthCheck.data_too_large],
                print_blob=True)

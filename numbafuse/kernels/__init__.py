@@ -36,8 +36,12 @@ def module(family: str, which: str):
 
 
 def conv_kernels(which: str, groups: int = 1) -> "interfaces.ConvKernels":
-    """The conv kernels of backend ``which`` (``interfaces.ConvKernels``): ``conv/cpu.py`` or
-    ``conv/cuda.py``, or their grouped modules for ``groups > 1``."""
+    """The conv kernels of backend ``which`` (``interfaces.ConvKernels``): on the CPU
+    ``conv/cpu_first.py`` (``cpu.py``, or ``cpu_grouped.py`` for ``groups > 1``, with each
+    pass's first call run by NumPy while they compile: ``cpu/first_calls.py``); on CUDA
+    ``conv/cuda.py``, or ``cuda_grouped.py`` for ``groups > 1``."""
+    if which == backend.CPU:
+        return module("conv", "cpu_first")
     return module("conv", which if groups == 1 else which + "_grouped")
 
 

@@ -17,7 +17,8 @@ from typing import Protocol
 
 
 class ConvKernels(Protocol):
-    """``kernels/conv/cpu.py``, ``cuda.py`` and, for ``groups > 1``, ``cpu_grouped.py`` and
+    """``kernels/conv/cpu_first.py`` (what the ops call on the CPU), ``cpu.py``, ``cuda.py``
+    and, for ``groups > 1``, ``cpu_grouped.py`` and
     ``cuda_grouped.py``."""
 
     DX_ADDEND: bool     # conv_backward takes ``dx_addend=`` (an array of x's shape and gy's
@@ -83,5 +84,5 @@ class BatchNormKernels(Protocol):
         them."""
 
 
-FAMILIES = {"conv": (ConvKernels, ("cpu", "cuda", "cpu_grouped", "cuda_grouped")),
+FAMILIES = {"conv": (ConvKernels, ("cpu_first", "cpu", "cuda", "cpu_grouped", "cuda_grouped")),
             "batchnorm": (BatchNormKernels, ("cpu", "cuda"))}
