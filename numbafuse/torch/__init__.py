@@ -25,7 +25,7 @@ the outputs keep the format); modules take ``device=`` and ``dtype=`` as torch's
 Modules of this package: ``layers`` (the tensor/array bridge, Conv-Bias-ReLU,
 BatchNorm-Add-ReLU), ``conv_batchnorm`` (Conv-BatchNorm(-ReLU) and Conv-BatchNorm-Add-ReLU
 with recompute), ``modules`` (their torch modules), ``fx`` (:func:`fuse`), ``sites`` (what a
-fused model calls), ``resnet``
+fused model calls), ``bfloat16`` (bfloat16 tensors without ``ml_dtypes``), ``resnet``
 (torchvision-compatible ResNets, written here). Described in docs/pytorch.md.
 """
 try:

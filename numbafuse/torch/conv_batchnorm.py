@@ -32,7 +32,7 @@ at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``, the deep layers), els
 
 Both take torch tensors (CPU or CUDA, contiguous or channels_last: numbafuse's NHWC kernels,
 zero-copy, the outputs channels_last too; float32, float64 or half precision (float16;
-bfloat16 on the CPU with ml_dtypes; float32 batch-norm parameters allowed); a grouped or
+bfloat16 on the CPU: ``bfloat16.py``; float32 batch-norm parameters allowed); a grouped or
 depthwise conv with ``groups``) and return one, differentiable by ``torch.autograd`` (once).
 Running statistics are updated in place.
 """
@@ -44,6 +44,7 @@ from torch.autograd.function import once_differentiable
 from .. import backend, validate
 from ..kernels.conv import weights as _weights
 from ..ops import conv_batchnorm as _cbn
+from .bfloat16 import widened
 from .layers import (LAYOUT, Unrecorded, as_array, as_tensor, capturing, check_tensors,
                      conv_args, launch_order, layout_of, needs_grad, run_captured, shape_in,
                      updated_in_place)
@@ -177,6 +178,7 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
                 as_tensor(dbias, d)) + (None,) * 6
 
 
+@widened(check_tensors)
 def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None, training=True,
                         momentum=0.1, eps=1e-5, stride=1, padding=0, dilation=1, relu=True,
                         groups=1, recompute=True):
@@ -291,6 +293,7 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
                 as_tensor(dweight, d), as_tensor(dbias, d)) + (None,) * 6
 
 
+@widened(check_tensors)
 def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_var=None,
                             training=True, momentum=0.1, eps=1e-5, stride=1, padding=0,
                             dilation=1, groups=1, recompute=True):

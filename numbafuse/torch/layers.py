@@ -10,14 +10,13 @@ Conv-Bias-ReLU and BatchNorm-Add-ReLU (functions and modules).
     BatchNormAddReLU2d(num_features, eps=1e-5, momentum=0.1, device=None, dtype=None)
                                         # m(x, z); the state_dict of torch.nn.BatchNorm2d
 
-torch tensors in (CPU or CUDA, contiguous or ``torch.channels_last``, float32 or float64 or half
-precision (float16; bfloat16 on the CPU where ``ml_dtypes`` is importable), all of one dtype
-(a half x's batch-norm parameters and running statistics may be float32) and on one
-device), torch tensors out, differentiable by ``torch.autograd``: each function is a
-``torch.autograd.Function`` whose forward and backward are numbafuse's fused kernels. While
-torch captures a graph (:func:`capturing`: ``torch.compile``, ``torch.jit.trace``) the
-functions call their ``torch.library`` custom ops instead
-(``numbafuse.torch.library``), which wrap the same Functions.
+torch tensors in (CPU or CUDA, contiguous or ``torch.channels_last``, float32, float64 or half
+precision (float16; bfloat16 on the CPU: ``bfloat16.py``), all of one dtype (a half x's
+batch-norm parameters and running statistics may be float32) and on one device), torch
+tensors out, differentiable by ``torch.autograd``: each function is a ``torch.autograd.Function``
+whose forward and backward are numbafuse's fused kernels. While torch captures a graph
+(:func:`capturing`: ``torch.compile``, ``torch.jit.trace``) the functions call their
+``torch.library`` custom ops instead (``numbafuse.torch.library``), which wrap the same Functions.
 
 Zero-copy both ways. A CPU tensor is read as the NumPy view ``t.detach().numpy()`` and an output
 comes back as ``torch.from_numpy(array)``, which keeps numbafuse's array alive; a CUDA tensor is
@@ -77,16 +76,16 @@ from .. import backend, validate
 from ..kernels.conv import weights as _weights
 from ..ops import batchnorm as _bn
 from ..ops import conv as _conv
+from .bfloat16 import NUMPY_BF16, numpy_dtype, widened
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
-# half precision: float16 everywhere, bfloat16 on the CPU where NumPy has it (ml_dtypes);
-# numbafuse computes in float32 (numbafuse/ops/precision.py)
-_BF16 = next((d for d in validate.HALF_DTYPES if d.name == "bfloat16"), None)
-HALF_DTYPES = (torch.float16,) + ((torch.bfloat16,) if _BF16 is not None else ())
+# half precision: float16 everywhere, bfloat16 on the CPU (bfloat16.py: NumPy's where
+# ml_dtypes is importable, else float32 copies made by torch); numbafuse computes in float32
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 TENSOR_DTYPES = FLOAT_DTYPES + HALF_DTYPES
 NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
                 torch.float16: np.dtype(np.float16),
-                **({torch.bfloat16: _BF16} if _BF16 is not None else {})}
+                **({torch.bfloat16: NUMPY_BF16} if NUMPY_BF16 is not None else {})}
 # batch-norm parameters and running statistics: float32 with a half x (PyTorch's rule)
 PARAMETERS = ("weight", "bias", "running_mean", "running_var")
 DEVICE_TYPES = ("cpu", "cuda")
@@ -129,8 +128,8 @@ def check_tensors(op, **tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in TENSOR_DTYPES:
-            raise TypeError(f"{op}: {name} must be float32 or float64 (or float16"
-                            f"{', bfloat16' if len(HALF_DTYPES) > 1 else ''}), got {t.dtype}")
+            raise TypeError(f"{op}: {name} must be float32 or float64 (or float16, bfloat16), "
+                            f"got {t.dtype}")
         if t.device.type not in DEVICE_TYPES:
             raise ValueError(f"{op}: {name} is on {t.device}; numbafuse runs on CPU and CUDA "
                              f"tensors")
@@ -189,7 +188,7 @@ def as_array(t, layout=LAYOUT):
     if t.device.type == "cuda":
         return backend.as_device_array(t)
     if t.dtype == torch.bfloat16:          # NumPy's bfloat16 is ml_dtypes': the same bits
-        return t.view(torch.int16).numpy().view(_BF16)
+        return t.view(torch.int16).numpy().view(numpy_dtype())
     return t.numpy()
 
 
@@ -199,8 +198,8 @@ def as_tensor(a, device, layout=LAYOUT):
     if a is None:
         return None
     if isinstance(a, np.ndarray):
-        t = (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-             if _BF16 is not None and a.dtype == _BF16 else torch.from_numpy(a))
+        bf16 = NUMPY_BF16 is not None and a.dtype == NUMPY_BF16   # (== None: float64's)
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if bf16 else torch.from_numpy(a)
     else:
         t = torch.as_tensor(a, device=device)
     return t.permute(0, 3, 1, 2) if layout == "NHWC" and t.dim() == 4 else t
@@ -333,6 +332,7 @@ class ConvBiasReLUFunction(torch.autograd.Function):
                 as_tensor(db, ctx.device), None, None)
 
 
+@widened(check_tensors)
 def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     """Fused ``relu(conv2d(x, w) + b)`` on torch tensors, differentiable by torch.autograd.
 
@@ -440,6 +440,7 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
                 as_tensor(dweight, ctx.device), as_tensor(dbias, ctx.device)) + (None,) * 7
 
 
+@widened(check_tensors)
 def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, training=True,
                        momentum=0.1, eps=1e-5):
     """Fused ``relu(batch_norm(x) + z)`` on torch tensors, differentiable by torch.autograd.
