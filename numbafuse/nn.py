@@ -354,7 +354,10 @@ class _BatchNormState(Module):
 
     ``momentum=None`` is PyTorch's cumulative moving average: each training batch (an empty
     one included) is counted, then weighted ``1 / num_batches_tracked``; an empty batch
-    updates no statistic, and a refused one is not counted (:meth:`counted`). ``comm`` (a
+    updates no statistic, and a refused one is not counted (:meth:`counted`). ``momentum``
+    is checked (in [0, 1], or None) where it is used, at a training call, before anything is
+    written, naming the layer called (``ConvBatchNormReLU``, not its ``bn``); construction
+    and inference take any value, as PyTorch's layers do. ``comm`` (a
     ``numbafuse.distributed.Communicator``): synchronized batch norm in training, the
     statistics of the batch of all ranks.
     """
@@ -362,8 +365,6 @@ class _BatchNormState(Module):
     def __init__(self, num_features, eps, momentum, layout, dtype, comm=None):
         super().__init__()
         self.comm = comm
-        if momentum is not None:
-            validate.check_scalar(type(self).__name__, "momentum", momentum, lo=0.0, hi=1.0)
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.layout = validate.check_layout(type(self).__name__, layout)
         self.weight = _param(np.ones(num_features, dtype))
@@ -372,11 +373,15 @@ class _BatchNormState(Module):
         self.register_buffer("running_var", np.ones(num_features, dtype))
         self.register_buffer("num_batches_tracked", np.zeros((), np.int64), host=True)
 
-    def step_momentum(self):
-        """The running-statistics factor of this call; in training, first counts the batch
+    def step_momentum(self, layer=None):
+        """The running-statistics factor of this call; in training, first checks ``momentum``
+        (an error naming ``layer``, this layer's class by default) and counts the batch
         (``num_batches_tracked += 1``, in place), as ``torch.nn.BatchNorm2d.forward`` does."""
         if not self.training:
             return 0.0 if self.momentum is None else self.momentum    # unused in inference
+        if self.momentum is not None:
+            validate.check_scalar(layer or type(self).__name__, "momentum", self.momentum,
+                                  lo=0.0, hi=1.0)
         self.num_batches_tracked[...] += 1
         if self.momentum is None:                                      # cumulative average
             backend.require_eager("batch norm with momentum=None (its factor, 1 / "
@@ -384,13 +389,14 @@ class _BatchNormState(Module):
             return 1.0 / float(self.num_batches_tracked)
         return self.momentum
 
-    def counted(self, call):
-        """``call(momentum)`` with this batch's factor (:meth:`step_momentum`); a call that
-        raises (bad input) leaves ``num_batches_tracked`` as it was, so a refused batch
-        changes no state. (PyTorch counts the batch before ``F.batch_norm`` checks it.)"""
+    def counted(self, call, layer=None):
+        """``call(momentum)`` with this batch's factor (:meth:`step_momentum`, errors naming
+        ``layer``); a call that raises (bad input) leaves ``num_batches_tracked`` as it was, so
+        a refused batch changes no state. (PyTorch counts the batch before ``F.batch_norm``
+        checks it.)"""
         before = int(self.num_batches_tracked)
         try:
-            return call(self.step_momentum())
+            return call(self.step_momentum(layer))
         except BaseException:
             self.num_batches_tracked[...] = before
             raise
@@ -571,7 +577,7 @@ class ConvBatchNormReLU(Module):
             stride=self.stride, padding=self.padding, dilation=self.dilation, relu=self.relu,
             layout=self.layout, recompute=self.recompute, comm=bn.comm,
             groups=self.groups).apply(
-                x, self.weight, bn.weight, bn.bias))
+                x, self.weight, bn.weight, bn.bias), layer="ConvBatchNormReLU")
 
     # the batch norm's running statistics, read through the conv layer too (``self.bn`` owns
     # them: the state_dict lists them once, as bn.running_mean / bn.running_var)

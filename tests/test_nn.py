@@ -158,8 +158,35 @@ def test_momentum_none_is_the_cumulative_average(rng):
     # of the first n-1 batches (and from the initial 0 / 1, weighted 0, at n = 1)
     np.testing.assert_allclose(bn.running_mean, np.mean(means, axis=0), rtol=1e-12)
     np.testing.assert_allclose(bn.running_var, np.mean(variances, axis=0), rtol=1e-12)
-    with pytest.raises(ValueError, match="BatchNorm2d: momentum"):
-        nn.BatchNorm2d(2, momentum=1.5)
+
+
+@pytest.mark.parametrize("layer", ["BatchNorm2d", "BatchNormAddReLU", "ConvBatchNormReLU"])
+def test_momentum_is_checked_where_it_is_used(rng, layer):
+    """A momentum outside [0, 1] is taken at construction and in eval (never read there, as
+    PyTorch's layers take it), and refused at a training call before anything is written
+    (running statistics, num_batches_tracked), the error naming the layer called."""
+    m = {"BatchNorm2d": lambda: nn.BatchNorm2d(2, momentum=5, dtype=np.float64),
+         "BatchNormAddReLU": lambda: nn.BatchNormAddReLU(2, momentum=5, dtype=np.float64),
+         "ConvBatchNormReLU": lambda: nn.ConvBatchNormReLU(2, 2, 1, momentum=5,
+                                                           dtype=np.float64)}[layer]()
+    bn = m.bn if layer == "ConvBatchNormReLU" else m
+    bn.running_mean[...], bn.running_var[...] = [0.5, -0.5], [2.0, 3.0]
+    state = {k: np.array(v, copy=True) for k, v in bn.state_dict().items()}
+    xb = _x(rng, (2, 2, 4, 4), np.float64)
+
+    def call():
+        return m(xb, np.zeros_like(xb)) if layer == "BatchNormAddReLU" else m(xb)
+
+    m.eval()
+    call()
+    m.train()
+    with pytest.raises(ValueError, match=rf"^{layer}: momentum must lie in \[0.0, 1.0\], got 5$"):
+        call()
+    for k, v in bn.state_dict().items():
+        np.testing.assert_array_equal(v, state[k], err_msg=k)
+    bn.momentum = 0.5                                  # a valid one: the call runs
+    call()
+    assert int(bn.num_batches_tracked) == 1
 
 
 def _cumulative_batches(rng):
