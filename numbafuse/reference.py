@@ -599,16 +599,16 @@ def batchnorm_add_relu_backward(dy, x, z, gamma, beta, running_mean=None, runnin
 
 def conv_batchnorm_relu(x, w, gamma, beta, running_mean=None, running_var=None, training=True,
                         momentum=0.1, eps=1e-5, stride=1, padding=0, dilation=1, relu=True,
-                        layout="NCHW"):
+                        layout="NCHW", groups=1):
     """(y, new_running_mean, new_running_var) with y = relu(batchnorm(conv2d(x, w))).
 
-    ``relu=False`` leaves the ReLU out. Running stats as in :func:`batchnorm_add_relu`.
+    ``relu=False`` leaves the ReLU out; ``groups``: conv2d's. Running stats: batchnorm_add_relu's.
     """
     op = "conv_batchnorm_relu"
     dtype = _result_dtype(x, w, gamma, beta)
     stats_dtype = _result_dtype(running_mean, running_var)
     h = conv2d(_f64(x), _f64(w), stride=stride, padding=padding, dilation=dilation,
-               layout=layout)
+               layout=layout, groups=groups)
     y, new_mean, new_var = _batchnorm_forward(
         op, h, _f64(gamma), _f64(beta), _f64(running_mean), _f64(running_var), training,
         momentum, eps, layout)
@@ -619,14 +619,14 @@ def conv_batchnorm_relu(x, w, gamma, beta, running_mean=None, running_var=None, 
 
 def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, running_mean=None, running_var=None,
                                  training=True, eps=1e-5, stride=1, padding=0, dilation=1,
-                                 relu=True, layout="NCHW"):
+                                 relu=True, layout="NCHW", groups=1):
     """(dx, dw, dgamma, dbeta) of conv_batchnorm_relu; recomputes the conv (and batch norm)."""
     op = "conv_batchnorm_relu_backward"
     dtype = _result_dtype(dy, x, w, gamma, beta)
     dy, x, w, gamma, beta = _f64(dy), _f64(x), _f64(w), _f64(gamma), _f64(beta)
     running_mean, running_var = _f64(running_mean), _f64(running_var)
     geometry = dict(stride=stride, padding=padding, dilation=dilation, layout=layout)
-    h = conv2d(x, w, **geometry)                                   # batch-norm input
+    h = conv2d(x, w, groups=groups, **geometry)                    # batch-norm input
     g = dy
     if relu:
         pre, _, _ = _batchnorm_forward(op, h, gamma, beta, running_mean, running_var, training,
@@ -634,7 +634,7 @@ def conv_batchnorm_relu_backward(dy, x, w, gamma, beta, running_mean=None, runni
         g = relu_backward(dy, pre)
     dh, dgamma, dbeta = _batchnorm_backward(g, h, gamma, running_mean, running_var, training,
                                             eps, layout)
-    dx, dw = conv2d_backward(dh, x, w, **geometry)
+    dx, dw = conv2d_backward(dh, x, w, groups=groups, **geometry)
     return _cast(dx, dtype), _cast(dw, dtype), _cast(dgamma, dtype), _cast(dbeta, dtype)
 
 

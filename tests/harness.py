@@ -102,6 +102,13 @@ def _images_per_chunk(images):
     return lambda d: images * d["C"] * d["R"] * d["S"] * d["P"] * d["Q"] * d["itemsize"]
 
 
+def _group_images_per_chunk(images):
+    """chunk_bytes holding ``images`` images' im2col matrix of one group (C/groups*R*S*P*Q
+    elements each: cpu_grouped.py runs cpu.py's kernels on one group's channels)."""
+    return lambda d: images * d["C"] // d["groups"] * d["R"] * d["S"] * d["P"] * d["Q"] * \
+        d["itemsize"]
+
+
 def _bn_tasks(d, chunk, nhwc_row):
     """Tasks of a CPU batch-norm pass over rows (R, L): NCHW (N*C, H*W), NHWC (M/m, m*C) with
     m doubled while m*C < nhwc_row and 2m divides M, each task ~chunk elements of
@@ -142,6 +149,31 @@ BOUNDARIES = {
                             max_stride=2, max_dilation=1,
                             dims=dict(N=_one_of(3, 5), H=_ints(5, 9), W=_ints(4, 9))),
         crosses=lambda d, k: d["N"] % 2 == 1 and d["H"] >= 5),
+    ("cpu", "grouped_conv"): Boundary(
+        why="grouped convs (kernels/conv/cpu_grouped.py), groups 2, 3 or 4 with 1 channel "
+            "per group (depthwise: cpu_depthwise.py, K = C or 2C) or an odd 3 or 5 (cpu.py's "
+            "kernels on each group's channel slice, copied in and out): per group, the conv "
+            "table's plan knobs (chunk_bytes of 1 or 2 images of one group's im2col: N of 3 "
+            "or 5 leaves a partial last chunk), the few channels of a group taking the "
+            "Winograd, phase-plane, pointwise and im2col paths; depthwise, CHUNK_ELEMENTS 1 "
+            "or one output row (NHWC: P of 3-7 rows a chunk each) with dW and db summed in "
+            "DW_GROUPS 2 or 3 groups of chunks (NCHW: of planes, N*C of them); "
+            "PARALLEL_MIN_ELEMENTS 0",
+        ops=("conv_bias_relu", "conv_batchnorm_relu"),
+        patch={RULES + "chunk_bytes": (_group_images_per_chunk(1), _group_images_per_chunk(2),
+                                       64),
+               RULES + "min_chunks": (1, 4),
+               RULES + "min_gemm_channels": (1, 16),
+               RULES + "nchw_im2col_channels": (1, 32),
+               RULES + "dw_groups": (2, 3),
+               "conv.cpu_depthwise.CHUNK_ELEMENTS": (1, lambda d: d["Q"] * d["K"]),
+               "conv.cpu_depthwise.DW_GROUPS": (2, 3),
+               "cpu.launch.PARALLEL_MIN_ELEMENTS": 0},
+        shapes=lambda: dict(groups=_one_of(2, 3, 4), max_kernel=3, paddings=("int", "same"),
+                            max_stride=2, max_dilation=1,
+                            dims=dict(N=_one_of(3, 5), H=_ints(5, 7), W=_ints(4, 6),
+                                      Cg=_one_of(1, 3, 5))),
+        crosses=lambda d, k: d["groups"] > 1 and d["N"] % 2 == 1 and d["H"] >= 5),
     ("cpu", "batchnorm"): Boundary(
         why="elementwise passes in tasks of ~CHUNK elements, the backward's reduction in "
             "tasks of ~REDUCE_CHUNK elements, both patched tiny (a task holds whole mask "

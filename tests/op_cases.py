@@ -31,8 +31,8 @@ def _limits(backend, small, normal, limits):
 
 def _conv_dims(x, w, kw, dtype):
     g = validate.conv_geometry("test", x.shape, w.shape, kw["stride"], kw["padding"],
-                               kw["dilation"], kw["layout"])
-    d = {k: getattr(g, k) for k in ("N", "C", "H", "W", "K", "R", "S", "P", "Q")}
+                               kw["dilation"], kw["layout"], kw.get("groups", 1))
+    d = {k: getattr(g, k) for k in ("N", "C", "H", "W", "K", "R", "S", "P", "Q", "groups")}
     return dict(d, M=g.N * g.P * g.Q, size=x.size, itemsize=np.dtype(dtype).itemsize,
                 layout=kw["layout"])
 
@@ -263,9 +263,9 @@ class ConvBatchNormReLU(OpCase):
 
     def chain(self, ex):
         def unfused(x, w, gamma, beta, *, running_mean, running_var, training, momentum, eps,
-                    stride, padding, dilation, relu, layout):
+                    stride, padding, dilation, relu, layout, groups=1):
             h = nf.conv2d(x, w, stride=stride, padding=padding, dilation=dilation,
-                          layout=layout)
+                          layout=layout, groups=groups)
             y = nf.batchnorm(h, gamma, beta, running_mean=running_mean,
                              running_var=running_var, training=training, momentum=momentum,
                              eps=eps, layout=layout)

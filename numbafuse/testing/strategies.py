@@ -141,15 +141,17 @@ def conv_geometries(draw, max_batch=2, max_channels=4, max_size=8, max_kernel=3,
     ``dims``: optional strategies for any of N, C, K, H, W, R, S, replacing the ``max_*``
     ranges of those dimensions (e.g. ``{"C": st.integers(17, 20)}``).
 
-    ``groups=True`` also draws ``groups`` G (C and K multiples of G; C == G: depthwise); the
-    dict always has ``groups`` (1 unless drawn).
+    ``groups=True`` also draws ``groups`` G (C and K multiples of G; C == G: depthwise), or
+    ``groups`` a strategy of G; then ``dims["Cg"]`` may give the channels per group (C = G *
+    Cg; 1: depthwise). The dict always has ``groups`` (1 unless drawn).
     """
     N = _dim(draw, dims, "N", 1, max_batch)
     C = _dim(draw, dims, "C", 1, max_channels)
     K = _dim(draw, dims, "K", 1, max_channels)
-    G = draw(st.integers(1, max_channels)) if groups else 1
+    G = (draw(groups) if isinstance(groups, st.SearchStrategy) else
+         draw(st.integers(1, max_channels)) if groups else 1)
     if G > 1:   # C = G * C/G input channels, K = G * (1 or 2) filters
-        C = G * draw(st.integers(1, max(1, max_channels // G)))
+        C = G * _dim(draw, dims, "Cg", 1, max(1, max_channels // G))
         K = G * draw(st.integers(1, 2))
     R = _dim(draw, dims, "R", 1, max_kernel)
     S = _dim(draw, dims, "S", 1, max_kernel)
