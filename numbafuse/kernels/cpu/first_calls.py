@@ -1,44 +1,59 @@
-"""First calls while Numba compiles: NumPy serves a compiled kernel's first call meanwhile.
+"""First calls while Numba compiles: NumPy serves a pass while another process compiles it.
 
 A CPU conv pass compiles 6-40 Numba functions the first time it runs with an empty cache
 (3-8 s of CPU on the 2-core machine, docs/benchmarks.md#compile), and a new user, a fresh
-container or every MPI rank on a new node waits for them. :func:`run` takes that wait away:
-the first call of a *key* (a pass, its dtypes, flags and geometry, the plan rules) hands the
-compiled call to one background thread, which loads what it needs from Numba's cache, or
-compiles it, and then runs it. The caller waits for it until one of:
+container or every MPI rank on a new node waits for them. :func:`run` takes that wait away.
+The first call of a *key* (a pass, its dtypes, flags and geometry, the plan rules) hands the
+compiled call to one background thread, the *worker*, and waits for it:
 
-- it is done (a warm cache: ~0.1-0.4 s of loads): its result is the call's result;
-- Numba starts to *compile* a function for it (a ``numba:compile`` event: those fire for
-  compilations, not for loads from the cache), ``WAIT_S`` seconds passed, or the thread was
-  still busy with an earlier key's call when this one came (no wait then): the call returns
-  ``fallback()`` instead (plain NumPy, which compiles nothing: the conv's ``cpu_numpy.py``;
-  or None for a fused epilogue the op can do without), and later calls of the key take the
-  fallback too until the background call has finished. From then on every call of the key
-  runs the compiled kernels directly, on the calling thread.
+- the worker first *probes*: it runs the call with Numba's compilations refused (a
+  ``numba:compile`` event, which fires for a compilation and not for a load from the cache,
+  raises there). Everything loaded (a warm cache: ~0.1-0.4 s): the result is the call's.
+- At the probe's first compilation, or after ``WAIT_S`` seconds, or at once where the worker
+  is still busy with an earlier key or another thread compiled within ``QUIET_S``, the call
+  returns ``fallback()`` instead: plain NumPy, which compiles nothing (the conv's
+  ``cpu_numpy.py``), or None for a fused epilogue the op can do without. Later calls of the
+  key take the fallback too until the worker is done.
+- The worker sends the call's *spec* (its function, shapes, dtypes and flags:
+  ``compile_child.py``) to a compiling process, started once, which runs it on zeros and so
+  compiles its functions into Numba's on-disk cache; then the worker probes again, which now
+  loads them. From then on every call of the key runs the compiled kernels directly, on the
+  calling thread. This process compiles none of them: a compilation here would hold Numba's
+  compiler lock for seconds (one function at a time) and the GIL in 5 ms slices, and the
+  caller's own first calls of other kernels (batch norm's, say) would wait behind it. Where
+  the compiling process fails (twice it could not start or died), or for a call without a
+  spec, the worker compiles on its own thread, after the other threads' compilations.
 
 The two paths compute the same function (tests compare both with the float64 reference) but
 round differently, so with an empty cache the first steps of a training run are not bitwise
 those of a run with a warm cache. ``NUMBAFUSE_FIRST_CALL_WAIT=inf`` (or :func:`set_wait`)
-waits for the compiled kernels always, as before this module: the test suite and
-:mod:`numbafuse.precompile` do; ``0`` never waits (a warm cache's first calls run NumPy too).
-Default: 5 seconds at most (loads are what it waits for).
+waits for the compiled kernels always, compiling on the calling thread, as before this module:
+the test suite, :mod:`numbafuse.precompile` and the benchmark runner's warm-up do. ``0`` never
+waits (a warm cache's first calls run NumPy too). Default: 5 seconds at most (loads are what
+it waits for). ``NUMBAFUSE_FIRST_CALL_PROCESS=0``: no compiling process (the worker
+compiles).
 
-The compiled call runs in a copy of the caller's ``contextvars`` context (the plan rules, the
-weight cache's state) on the same arrays (nothing is copied: the caller is blocked while the
-result can still be used, and a result that comes too late is dropped). One thread runs the
-background calls in order. While it compiles, Python code on the other threads runs slower
-(Numba's compiler is Python and holds the GIL in 5 ms slices; the fallback's GEMMs release
-it), and a call on the calling thread that needs a compilation of its own (a batch-norm
-kernel, say) waits for the function being compiled, since Numba compiles one at a time. A key
-whose compiled run raised runs compiled on the calling thread from then on (the error is
-raised there). At interpreter exit the thread finishes the function it is in and drops the
-rest; a forked child forgets the calls in flight (they run again there).
+The probe holds the thread pool (``launch._busy``), so its launches run on the worker alone
+and no helper thread compiles for it; a launch on another thread meanwhile runs on its own
+thread. The compiled call runs in a copy of the caller's ``contextvars`` context (the plan
+rules, the weight cache's state) on the same arrays (nothing is copied: the caller is blocked
+while the result can still be used, and a result that comes too late is dropped). A key whose
+compiled run raised runs compiled on the calling thread from then on (the error is raised
+there). At interpreter exit the compiling process is killed (Numba writes each cache file
+whole or not at all) and the worker finishes the call it is in; a forked child forgets the
+calls in flight and the compiling process (they run again there).
 """
 import contextvars
 import math
 import os
+import pickle
 import queue
+import subprocess
+import sys
 import threading
+import time
+
+from . import compile_child
 
 _READY, _PENDING = "ready", "pending"
 
@@ -63,8 +78,16 @@ _jobs = queue.SimpleQueue()
 _worker = None
 _running = None             # the job the background thread is in
 _stopping = False
-_listening = False
-_stats = {"compiled": 0, "fallback": 0, "background": 0}
+_probing = False            # the worker's probe is on: a compilation raises _Cold
+_child = None               # the compiling process (subprocess.Popen), started when needed
+_child_failures = 0         # after two, the worker compiles on its own thread
+_child_calls = 0
+USE_PROCESS = os.environ.get("NUMBAFUSE_FIRST_CALL_PROCESS", "1") != "0"
+_others_compiling = 0       # Numba compilations in progress on threads other than the worker
+_others_ended = -math.inf   # time.monotonic() when the last of them ended
+QUIET_S = 0.5               # the worker starts a call this long after the others' last one
+_stats = {"compiled": 0, "fallback": 0, "background": 0, "child errors": 0}
+_child_errors = []          # the compiling process's last few errors (text)
 
 
 def set_wait(seconds):
@@ -78,7 +101,8 @@ def set_wait(seconds):
 
 
 def stats():
-    """Counts of calls run compiled, run by the fallback, and handed to the background."""
+    """Counts of calls run compiled, run by the fallback, handed to the background, and of
+    the compiling process's errors (their text: ``first_calls._child_errors``)."""
     return dict(_stats)
 
 
@@ -97,36 +121,77 @@ def join(timeout=None):
 
 
 class _Job:
-    __slots__ = ("key", "call", "context", "done", "wake", "result", "error")
+    __slots__ = ("key", "call", "spec", "context", "done", "wake", "result", "error")
 
-    def __init__(self, key, call):
-        self.key, self.call, self.context = key, call, contextvars.copy_context()
+    def __init__(self, key, call, spec):
+        self.key, self.call, self.spec = key, call, spec
+        self.context = contextvars.copy_context()
         self.done, self.wake = threading.Event(), threading.Event()   # wake: done or compiling
         self.result = self.error = None
 
 
-def _listen():
-    """Wake the caller of the background job when Numba starts a compilation for it."""
-    global _listening
-    from numba.core import event
-
-    class CompileStarts(event.Listener):
-        def on_start(self, ev):
-            job = _running
-            if job is not None and threading.current_thread() is _worker:
-                job.wake.set()
-
-        def on_end(self, ev):
-            pass
-
-    event.register("numba:compile", CompileStarts())
-    _listening = True
+class _Cold(BaseException):
+    """Raised in the worker, while it probes, where Numba would start a compilation."""
 
 
-def run(key, compiled, fallback):
+class _Listener:
+    """Follows Numba's compilations (``numba:compile`` fires for those, not for loads from
+    the cache): a probe's first one raises :class:`_Cold` on the worker; an unprobed one wakes
+    the job's caller; the other threads' are counted (the worker keeps out of their way)."""
+
+    instance = None
+
+    @classmethod
+    def last(cls):
+        """Registered, and last among the listeners: a raise from ours leaves every other
+        listener a balanced start and end (each is told the end)."""
+        from numba.core import event
+        if cls.instance is None:
+            class CompileStarts(event.Listener):
+                def on_start(self, ev):
+                    cls.on_start()
+
+                def on_end(self, ev):
+                    cls.on_end()
+            cls.instance = CompileStarts()
+        else:
+            event.unregister("numba:compile", cls.instance)
+        event.register("numba:compile", cls.instance)
+
+    @staticmethod
+    def on_start():
+        global _others_compiling
+        if threading.current_thread() is not _worker:
+            _others_compiling += 1
+        elif _probing:
+            raise _Cold()
+        elif _running is not None:
+            _running.wake.set()
+
+    @staticmethod
+    def on_end():
+        global _others_compiling, _others_ended
+        if threading.current_thread() is not _worker:
+            _others_compiling -= 1
+            _others_ended = time.monotonic()
+
+
+def _others_busy():
+    """Whether another thread compiles, or did within ``QUIET_S``."""
+    return _others_compiling > 0 or time.monotonic() - _others_ended < QUIET_S
+
+
+def is_ready(key):
+    """Whether ``key``'s calls run compiled on the calling thread (the fast path: no
+    partial objects made)."""
+    return WAIT_S == math.inf or _states.get(key) is _READY
+
+
+def run(key, compiled, fallback, spec=None):
     """``compiled()``, or ``fallback()`` while ``compiled``'s first run for ``key`` compiles in
     the background (module docstring). ``key``: hashable, equal for calls that run the same
-    compiled functions."""
+    compiled functions. ``spec``: the call for the compiling process (``compile_child.py``),
+    or None (compiled on the worker thread)."""
     state = _states.get(key)
     if state is _READY or WAIT_S == math.inf:
         _stats["compiled"] += 1
@@ -136,12 +201,13 @@ def run(key, compiled, fallback):
             state = _states.get(key)
             if state is None:
                 _states[key] = _PENDING
-                job = _Job(key, compiled)
+                job = _Job(key, compiled, spec)
         if state is None:
             _stats["background"] += 1
-            if not _listening:
-                _listen()
-            busy = _running is not None or not _jobs.empty()    # behind another: no wait
+            if _Listener.instance is None:
+                _Listener.last()
+            # behind another call, or after another thread's compilation: no wait
+            busy = _running is not None or not _jobs.empty() or _others_busy()
             _jobs.put(job)
             _start_worker()
             if not busy:
@@ -183,25 +249,97 @@ def _work():
             continue
         _running = job
         try:
-            job.result = job.context.run(job.call)
+            job.result = _execute(job)
         except BaseException as error:      # raised again by the caller, or on its next call
             job.error = error
         _running = None
         with _lock:
             _states[job.key] = _READY
-        job.call = job.context = None
+        job.call = job.context = job.spec = None
         job.done.set()
         job.wake.set()
+
+
+def _execute(job):
+    """The job's compiled call on this thread: first a probe that only loads from the cache;
+    at its first compilation the caller is woken, the compiling process compiles the spec,
+    and a second probe loads that. What is still missing then compiles here."""
+    if job.spec is not None and USE_PROCESS:
+        try:
+            return _probe(job)
+        except _Cold:
+            job.wake.set()
+            if _child_compile(job.spec):
+                try:
+                    return _probe(job)
+                except _Cold:
+                    pass
+    while _others_busy() and not _stopping:         # one compilation at a time: theirs first
+        time.sleep(0.02)
+    return job.context.run(job.call)
+
+
+def _probe(job):
+    """The call with compilations refused (:class:`_Cold`), holding the launcher's pool: its
+    launches run on this thread, so no helper thread compiles for it meanwhile."""
+    global _probing
+    from . import launch
+    with launch._busy:
+        _Listener.last()
+        _probing = True
+        try:
+            return job.context.run(job.call)
+        finally:
+            _probing = False
+
+
+def _child_compile(spec):
+    """Have the compiling process run ``spec``; True when it did (without an error)."""
+    global _child, _child_failures, _child_calls
+    if _child_failures >= 2 or _stopping:
+        return False
+    try:
+        if _child is None or _child.poll() is not None:
+            here = os.path.abspath(__file__)                # <root>/numbafuse/kernels/cpu/
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(here))))
+            path = os.environ.get("PYTHONPATH")
+            env = {**os.environ, "NUMBAFUSE_FIRST_CALL_WAIT": "inf",
+                   "NUMBAFUSE_NUM_THREADS": "1",
+                   "PYTHONPATH": root + (os.pathsep + path if path else "")}
+            _child = subprocess.Popen(
+                [sys.executable, "-m", "numbafuse.kernels.cpu.compile_child"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        _child_calls += 1
+        compile_child.write_message(_child.stdin, (_child_calls, spec))
+        reply = compile_child.read_message(_child.stdout)
+    except (OSError, ValueError, pickle.PicklingError):
+        reply = None
+    if reply is None:                               # it could not start, or it died
+        _child_failures += 1
+        _child = None
+        return False
+    if reply[1] is not None:
+        _stats["child errors"] += 1
+        _child_errors.append(reply[1])
+        del _child_errors[:-8]
+    return reply[1] is None
 
 
 def _stop():
     global _stopping
     _stopping = True
+    child = _child
+    if child is not None:
+        try:
+            child.kill()                    # its cache files are written whole or not at all
+        except OSError:
+            pass
 
 
 def _forget_in_child():
-    global _worker, _jobs, _lock
+    global _worker, _jobs, _lock, _child, _running, _probing
     _worker, _jobs, _lock = None, queue.SimpleQueue(), threading.Lock()
+    _child, _running, _probing = None, None, False
     for key in [k for k, state in _states.items() if state is _PENDING]:
         del _states[key]
 
