@@ -4,7 +4,8 @@ that Numba compiles their functions into its on-disk cache, where the parent the
 Started by the parent (``python -m numbafuse.kernels.cpu.compile_child``) with its environment
 (the same ``NUMBA_CACHE_DIR``) plus ``NUMBAFUSE_FIRST_CALL_WAIT=inf`` and
 ``NUMBAFUSE_NUM_THREADS=1`` (a launch then runs its tasks on this one thread: the same task
-kernels, compiled once), at a lower priority (``os.nice``): the parent's own work comes first.
+kernels, compiled once), at the parent's priority: niced (10), it got ~10% of a core beside
+a training loop on both cores, and the quick start ran its whole warm-up on NumPy.
 Protocol on stdin/stdout: each message is a 4-byte length and a pickle; a request is
 ``(job_id, spec)``, the reply ``(job_id, None)`` or ``(job_id, "error text")``.
 
@@ -16,7 +17,6 @@ Values do not decide what compiles (shapes, dtypes and flags do), so zeros compi
 functions the caller's arrays would.
 """
 import importlib
-import os
 import pickle
 import struct
 import sys
@@ -74,10 +74,6 @@ def run_spec(spec):
 
 
 def main():
-    try:
-        os.nice(10)
-    except (AttributeError, OSError):
-        pass
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr                 # nothing else may write to the protocol stream
     while True:

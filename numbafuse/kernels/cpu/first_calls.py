@@ -328,6 +328,7 @@ def _child_compile(spec):
 def _stop():
     global _stopping
     _stopping = True
+    _jobs.put(threading.Event())            # wakes an idle worker, which then ends
     child = _child
     if child is not None:
         try:
