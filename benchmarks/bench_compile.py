@@ -534,10 +534,11 @@ def first_call_rows(results):
         st = first["extra"]["first_calls"]
         for s in first["steps"]:
             if s["name"] in ("forward", "backward"):
+                after = (f"{first['extra']['compiled_after']:.1f}" if st["background"]
+                         else "- (none)")
                 lines.append(
                     f"| {case} | {s['name']} | {s['wall']:.2f} | {s['cpu']:.2f} | "
-                    f"{st['background']} / {st['fallback']} | "
-                    f"{first['extra']['compiled_after']:.1f} | "
+                    f"{st['background']} / {st['fallback']} | {after} | "
                     f"{_ok(s['wall'], TARGET_COLD_CALL)} |")
     return lines
 
