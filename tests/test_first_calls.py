@@ -390,3 +390,31 @@ def test_the_compiling_process_reports_its_errors():
     assert first_calls._child_compile(("numbafuse.kernels.conv.cpu", "channel_sum", (
         __import__("numbafuse.kernels.cpu.compile_child").kernels.cpu.compile_child.Zeros(
             (1, 2, 3, 3), "<f8"), "NCHW"), cpu_plan.current_rules()))
+
+
+def test_a_short_lived_process_leaves_its_compilation_in_the_cache(tmp_path):
+    """A process that makes one call and ends at once does not wait for the compiling
+    process, which still finishes that compilation: a later process loads it (its first
+    call compiled, no NumPy)."""
+    script = textwrap.dedent("""
+        import numpy as np
+        import numbafuse as nf
+        from numbafuse.kernels.cpu import first_calls
+        x = np.random.default_rng(0).standard_normal((2, 8, 6, 6))
+        w = np.random.default_rng(1).standard_normal((8, 8, 1, 1))
+        nf.conv_bias_relu(x, w)
+        print(first_calls.stats()["fallback"])
+    """)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBAFUSE_FIRST_CALL_WAIT": "5"}
+
+    def once():
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return int(out.stdout.split()[-1])
+
+    assert once() == 1                         # cold: NumPy served it, and it ended
+    deadline = time.monotonic() + 240
+    while once() != 0:                          # until the orphaned compilation is cached
+        assert time.monotonic() < deadline, "the compilation never reached the cache"
+        time.sleep(1)

@@ -86,7 +86,10 @@ def main():
             error = None
         except Exception as exc:            # reported to the parent, which compiles itself
             error = f"{type(exc).__name__}: {exc}"
-        write_message(stdout, (job_id, error))
+        try:
+            write_message(stdout, (job_id, error))
+        except (BrokenPipeError, OSError):  # the parent has ended: its cache files are written
+            return
 
 
 if __name__ == "__main__":          # run as a script: the classes the specs pickle are the

@@ -39,9 +39,10 @@ thread. The compiled call runs in a copy of the caller's ``contextvars`` context
 rules, the weight cache's state) on the same arrays (nothing is copied: the caller is blocked
 while the result can still be used, and a result that comes too late is dropped). A key whose
 compiled run raised runs compiled on the calling thread from then on (the error is raised
-there). At interpreter exit the compiling process is killed (Numba writes each cache file
-whole or not at all) and the worker finishes the call it is in; a forked child forgets the
-calls in flight and the compiling process (they run again there).
+there). At interpreter exit the compiling process finishes the spec it is on and gets no
+more (a short-lived process still leaves the cache one call further; the compiling process may
+outlive it by that one compilation); the worker finishes a probe it is in. A forked child
+forgets the calls in flight and the compiling process (they run again there).
 """
 import contextvars
 import math
@@ -78,6 +79,7 @@ _jobs = queue.SimpleQueue()
 _worker = None
 _running = None             # the job the background thread is in
 _stopping = False
+_waiting_child = False      # the worker waits for the compiling process (no code of its own)
 _probing = False            # the worker's probe is on: a compilation raises _Cold
 _child = None               # the compiling process (subprocess.Popen), started when needed
 _child_failures = 0         # after two, the worker compiles on its own thread
@@ -227,7 +229,8 @@ def _start_worker():
     global _worker
     with _lock:
         if _worker is None:
-            _worker = threading.Thread(target=_work, name="numbafuse-first-calls")
+            _worker = threading.Thread(target=_work, name="numbafuse-first-calls",
+                                       daemon=True)     # (at exit: _stop)
             _worker.start()
 
 
@@ -269,7 +272,15 @@ def _execute(job):
             return _probe(job)
         except _Cold:
             job.wake.set()
-            if _child_compile(job.spec):
+            global _waiting_child
+            _waiting_child = True
+            try:
+                compiled = _child_compile(job.spec)
+            finally:
+                _waiting_child = False
+            if _stopping:                           # exiting: its result is not needed
+                raise _Cold()
+            if compiled:
                 try:
                     return _probe(job)
                 except _Cold:
@@ -306,9 +317,10 @@ def _child_compile(spec):
             env = {**os.environ, "NUMBAFUSE_FIRST_CALL_WAIT": "inf",
                    "NUMBAFUSE_NUM_THREADS": "1",
                    "PYTHONPATH": root + (os.pathsep + path if path else "")}
-            _child = subprocess.Popen(
+            _child = subprocess.Popen(       # (stderr: none; it may outlive this process)
                 [sys.executable, "-m", "numbafuse.kernels.cpu.compile_child"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                env=env)
         _child_calls += 1
         compile_child.write_message(_child.stdin, (_child_calls, spec))
         reply = compile_child.read_message(_child.stdout)
@@ -326,15 +338,23 @@ def _child_compile(spec):
 
 
 def _stop():
+    """At exit (before the interpreter joins its threads): the worker takes no more calls; the
+    compiling process gets no more specs and ends after the one it is compiling, whose cache
+    files it still writes (so that a short-lived process leaves the cache one call further
+    each time); the worker, a daemon thread, is waited for only where it runs code of its
+    own (a probe, or a compilation without the process), never while it waits for that."""
     global _stopping
     _stopping = True
     _jobs.put(threading.Event())            # wakes an idle worker, which then ends
     child = _child
     if child is not None:
         try:
-            child.kill()                    # its cache files are written whole or not at all
+            child.stdin.close()
         except OSError:
             pass
+    worker = _worker
+    while worker is not None and worker.is_alive() and not _waiting_child:
+        worker.join(0.05)
 
 
 def _forget_in_child():
