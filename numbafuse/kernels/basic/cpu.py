@@ -95,8 +95,12 @@ def max_pool2d_forward(x, g):
     nhwc = g.layout == "NHWC"
     flat = ((lambda a, n: a.reshape(N, n, C)) if nhwc else (lambda a, n: a.reshape(N, C, n)))
     if y.size:
-        launch(_pool.max_pool_fwd_tasks, N if nhwc else N * -(-C // _pool.LANES),
-               flat(x, HW), flat(y, PQ), flat(argmax, PQ), _pool_geo(g), nhwc, work=x.size)
+        if nhwc:
+            launch(_pool.max_pool_fwd_nhwc, N, flat(x, HW), flat(y, PQ), flat(argmax, PQ),
+                   _pool_geo(g), work=x.size)
+        else:
+            launch(_pool.max_pool_fwd_nchw, N * -(-C // _pool.LANES), flat(x, HW), flat(y, PQ),
+                   flat(argmax, PQ), _pool_geo(g), work=x.size)
     return y, argmax
 
 

@@ -57,23 +57,30 @@ def _pool_rows(src, W, p0, p1, Q, geo, y, arg):
                         t[c] = tap if better else t[c]
 
 
+# The forward is one task kernel per layout, each inlining _pool_rows once: one kernel with
+# both layouts' paths took 1.8-2.2 s of self compile time (issue 33's line: 2 s).
+
 @task_kernel
-def max_pool_fwd_tasks(t0, t1, x, y, arg, geo, nhwc):
-    # x (N, H*W, C) NHWC or (N, C, H*W) NCHW; y, arg likewise with P*Q; geo = (H, W, P, Q, kh,
-    # kw, sh, sw, ph, pw). Task: NHWC one image; NCHW one image's block of LANES channels
-    # (blocks = ceil(C / LANES) an image).
+def max_pool_fwd_nhwc(t0, t1, x, y, arg, geo):
+    # x (N, H*W, C); y, arg (N, P*Q, C); geo = (H, W, P, Q, kh, kw, sh, sw, ph, pw). Task: one
+    # image.
+    for task in range(t0, t1):
+        _pool_rows(x[task], geo[1], 0, geo[2], geo[3], geo, y[task], arg[task])
+
+
+@task_kernel
+def max_pool_fwd_nchw(t0, t1, x, y, arg, geo):
+    # x (N, C, H*W); y, arg (N, C, P*Q); geo as above. Task: one image's block of LANES
+    # channels (blocks = ceil(C / LANES) an image), transposed to rows and back.
     H, W, P, Q = geo[0], geo[1], geo[2], geo[3]
-    C = x.shape[2] if nhwc else x.shape[1]
+    C = x.shape[1]
     nb = (C + LANES - 1) // LANES
     # (flat: a block's (H*W, cb) rows C-contiguous, so that the lanes' loops vectorise; views
     # [:, :cb] of (H*W, LANES) arrays had left them scalar: 0.59 ms at the stem pool)
-    rows = np.empty(0 if nhwc else H * W * LANES, x.dtype)
-    yrows = np.empty(0 if nhwc else P * Q * LANES, x.dtype)
-    arows = np.empty(0 if nhwc else P * Q * LANES, arg.dtype)
+    rows = np.empty(H * W * LANES, x.dtype)
+    yrows = np.empty(P * Q * LANES, x.dtype)
+    arows = np.empty(P * Q * LANES, arg.dtype)
     for task in range(t0, t1):
-        if nhwc:
-            _pool_rows(x[task], W, 0, P, Q, geo, y[task], arg[task])
-            continue
         n, c0 = task // nb, (task % nb) * LANES
         c1 = min(C, c0 + LANES)
         cb = c1 - c0
