@@ -23,7 +23,8 @@ arrays' device::
 
 Grouped convolutions (``groups > 1``, the geometry's ``groups``) run ``kernels/conv/
 cpu_grouped.py`` (depthwise stencils for ``groups == C``, else ``cpu.py``'s kernels per group)
-and ``cuda_grouped.py`` (``cuda.py``'s GEMMs per group); ``groups == 1`` calls ``cpu.py`` /
+and ``cuda_grouped.py`` (depthwise stencils, ``cuda_depthwise.py``, for ``groups == C``, else
+``cuda.py``'s GEMMs per group); ``groups == 1`` calls ``cpu.py`` /
 ``cuda.py`` as it always did.
 
 Half precision (float16; bfloat16 on the CPU with ``ml_dtypes``): x, w, b, y, dy and the

@@ -1,16 +1,22 @@
-"""CUDA grouped convolutions (``groups > 1``): ``cuda.py``'s implicit GEMMs once per group.
+"""CUDA grouped convolutions (``groups > 1``): depthwise kernels, or ``cuda.py``'s implicit
+GEMMs once per group.
 
 Same interface as ``cuda.py`` (``kernels.interfaces.ConvKernels``), for a geometry with
-``groups > 1`` (``groups == 1`` never comes here). Each group's channel slice of x (and of gy,
-y in backward) is copied contiguous on the device (the GEMMs take flat C-contiguous arrays),
-the group's GEMMs run with its ungrouped geometry (C/groups channels, K/groups filters), and
-the result is copied into its channel block of y (dx) and its rows of dw, db. Depthwise
-(``groups == C``) runs the same way, one launch set per channel: correct, not fast (no
-depthwise CUDA kernel yet; the CPU has one, ``cpu_depthwise.py``).
+``groups > 1`` (``groups == 1`` never comes here), as ``cpu_grouped.py`` on the CPU:
+
+    depthwise  groups == C (one input channel per group, K = C * multiplier): the direct
+               stencils of ``cuda_depthwise.py`` (one forward launch; dx, dW's partials and
+               their sum, db's channel sums in the backward)
+    per group  1 < groups < C: each group's channel slice of x (and of gy, y in backward)
+               copied contiguous on the device (the GEMMs take flat C-contiguous arrays),
+               the group's GEMMs run with its ungrouped geometry (C/groups channels, K/groups
+               filters), and the result copied into its channel block of y (dx) and its rows
+               of dw, db.
 """
 from ...cuda import empty as _empty
 from ..elementwise.cuda import contiguous_copy, copy_into
 from . import cuda as conv_cuda
+from . import cuda_depthwise
 from .cuda import (bias_add, channel_sum, forward_bn_sums, forward_scaled,  # noqa: F401
                    forward_stats)
 from .math import channel_block, group_geometry
@@ -18,6 +24,8 @@ from .math import channel_block, group_geometry
 
 def conv_forward(x, w, b, geom, relu):
     """``y = relu?(conv(x, w, groups) + b?)`` for contiguous device arrays of one dtype."""
+    if cuda_depthwise.is_depthwise(geom):
+        return cuda_depthwise.forward(x, w, b, geom, relu)
     one, layout = group_geometry(geom), geom.layout
     Cg, Kg = one.C, one.K
     y = _empty(geom.y_shape, x.dtype)
@@ -36,6 +44,8 @@ DX_ADDEND = False   # conv_backward takes no dx_addend: one GEMM set per group
 def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     """``(dx, dw, db)`` of a grouped conv [+ bias] [+ ReLU whose output is ``y``] on the
     device; only ``need``'s are computed (``cuda.conv_backward``)."""
+    if cuda_depthwise.is_depthwise(geom):
+        return cuda_depthwise.backward(gy, x, w, geom, y, need)
     need_dx, need_dw, need_db = (bool(v) for v in need)
     one, layout = group_geometry(geom), geom.layout
     Cg, Kg = one.C, one.K

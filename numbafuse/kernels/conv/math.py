@@ -42,6 +42,13 @@ def group_geometry(geom):
     return dataclasses.replace(geom, C=geom.C // geom.groups, K=geom.K // geom.groups, groups=1)
 
 
+def is_depthwise(geom):
+    """Whether a grouped ``validate.ConvGeometry`` is depthwise: one input channel per group
+    (``groups == C``, K = C * multiplier), which runs the direct stencils
+    (``cpu_depthwise.py``, ``cuda_depthwise.py``) instead of a GEMM per group."""
+    return geom.groups > 1 and geom.groups == geom.C
+
+
 def channel_block(a, layout, lo, hi):
     """Channels [lo, hi) of a 4-d activation ``a`` in ``layout``, as a view (host or device)."""
     return a[:, lo:hi] if layout == "NCHW" else a[:, :, :, lo:hi]

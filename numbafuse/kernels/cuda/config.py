@@ -138,6 +138,10 @@ reduce_blocks = 64   # blocks of per-block partials in a two-stage deterministic
 reduce_target_blocks = 1024
 max_grid_y = 65535   # hardware limit of gridDim.y; kernels with a y grid stride over the rest
 sgd_chunk = 8192     # elements of one parameter per block row of the fused SGD step
+# depthwise conv dW in NHWC (kernels/conv/cuda_depthwise.py): a block's lanes take this many
+# consecutive channels (a warp: 128 contiguous bytes of float32 a load), its other threads
+# rows of pixels; a power of two
+depthwise_lanes = 32
 
 
 # How kernels are launched (kernels/cuda/launch.py): "prepared" (numbafuse lays out the
