@@ -22,8 +22,9 @@ Every case runs in its own processes (issue 33), each with a fresh, empty ``NUMB
 Cases: ``conv_bias_relu`` forward + backward (``conv_bias_relu_backward``) in both layouts,
 strides 1 and 2, 1x1 and 3x3 (padding k // 2); ``conv_batchnorm_relu`` and
 ``batchnorm_add_relu`` forward + backward, both layouts, training mode; ``numbafuse.torch``'s
-``ConvBiasReLU2d`` and ``BatchNormAddReLU2d`` forward + backward through torch.autograd (only
-with torch importable; torch's own import is timed apart and not counted); all at x
+``ConvBiasReLU2d``, ``ConvBatchNormReLU2d``, ``BatchNormAddReLU2d`` and ``fuse``'s max pool
+(3x3/2, padding 1) forward + backward through torch.autograd (only with torch importable;
+torch's own import is timed apart and not counted); all at x
 ``(8, 16, 32, 32)`` float32 (NHWC: ``(8, 32, 32, 16)``), w ``(16, 16, k, k)``. ``train``: the
 quick start ``python -m numbafuse.train`` with its defaults (``--no-progress`` added and a
 ``--report`` JSON read back for its training seconds). ``cuda``: every numba.cuda kernel a
@@ -98,6 +99,8 @@ CASES = {
        for layout in ("NCHW", "NHWC")},
     "torch ConvBiasReLU2d 3x3 s1": dict(op="torch_conv", layout="NCHW", k=3, stride=1),
     "torch BatchNormAddReLU2d": dict(op="torch_bn", layout="NCHW"),
+    "torch ConvBatchNormReLU2d 3x3 s1": dict(op="torch_cbr", layout="NCHW", k=3, stride=1),
+    "torch MaxPool2d 3x3 s2": dict(op="torch_pool", layout="NCHW", k=3, stride=2),
     "train": dict(op="train"),
     "numba floor": dict(op="floor"),
     "cuda": dict(op="cuda", kernels="step"),
@@ -264,9 +267,13 @@ def _torch_op(spec, steps, log):
     torch.manual_seed(0)
     N, C, H, W = SHAPE
     x = torch.randn(N, C, H, W, requires_grad=True)
-    if spec["op"] == "torch_conv":
-        m = nft.ConvBiasReLU2d(C, K_OUT, spec["k"], stride=spec["stride"],
-                               padding=spec["k"] // 2)
+    if spec["op"] in ("torch_conv", "torch_cbr"):
+        module = nft.ConvBiasReLU2d if spec["op"] == "torch_conv" else nft.ConvBatchNormReLU2d
+        m = module(C, K_OUT, spec["k"], stride=spec["stride"], padding=spec["k"] // 2)
+        y = _timed(steps, log, "forward", lambda: m(x))
+    elif spec["op"] == "torch_pool":           # fuse()'s max pool (the ResNet stem's)
+        m = nft.fuse(torch.nn.Sequential(torch.nn.MaxPool2d(spec["k"], spec["stride"],
+                                                            spec["k"] // 2)))
         y = _timed(steps, log, "forward", lambda: m(x))
     else:
         m = nft.BatchNormAddReLU2d(C)
@@ -390,6 +397,7 @@ def worker(case, spec):
     if spec["op"] != "cuda":
         log = _timed(steps, None, "import numba", CompileLog)
     run = {"train": _train, "cuda": _cuda, "torch_conv": _torch_op, "torch_bn": _torch_op,
+           "torch_cbr": _torch_op, "torch_pool": _torch_op,
            "import": _import_only, "floor": _floor}.get(spec["op"], _numpy_op)
     extra = run(spec, steps, log)
     if spec.get("first_calls"):     # every background compilation done: how long after the
