@@ -22,9 +22,11 @@ strategy                        draws
 ``arrays(shape, dtype)``        seeded standard-normal arrays (fast shrinking)
 ``conv_geometries(...)``        dict N, C, H, W, K, R, S, stride, padding (int, pair,
                                 asymmetric 4-tuple, "same", "valid"), dilation
-``conv_problems(...)``          :class:`ConvProblem` for ``conv_bias_relu(p.x, p.w, p.b, **p.kwargs)``
+``conv_problems(...)``          :class:`ConvProblem` for ``conv_bias_relu(p.x, p.w, p.b,
+                                **p.kwargs)``
 ``batchnorm_problems(...)``     :class:`BatchNormProblem` (x, z, gamma, beta, running stats)
 ``conv_batchnorm_problems()``   :class:`ConvBatchNormProblem` for ``conv_batchnorm_relu``
+                                (``half``, ``param_dtype``, ``groups`` as the others)
 ``pool_problems(...)``          :class:`PoolProblem` for ``max_pool2d(p.x, p.k, p.stride, ...)``
 ``linear_problems(...)``        :class:`LinearProblem` for ``linear(p.x, p.w, p.b)``
 ``cross_entropy_problems()``    :class:`CrossEntropyProblem` (logits, int labels in range)
@@ -274,22 +276,27 @@ class ConvBatchNormProblem:
 
 
 @st.composite
-def conv_batchnorm_problems(draw, dtype=None, layout=None, **geometry_kwargs):
+def conv_batchnorm_problems(draw, dtype=None, layout=None, half=False, param_dtype=None,
+                            **geometry_kwargs):
     """A :class:`ConvBatchNormProblem` whose conv output has at least two values per channel
     (N*P*Q >= 2, so training batch norm is defined). ``geometry_kwargs`` as in
-    :func:`conv_problems` (default limits: batch 2, channels 3, size 6, kernel 3)."""
+    :func:`conv_problems` (default limits: batch 2, channels 3, size 6, kernel 3; ``groups``
+    too). ``half``: the dtype drawn (when not given) may be half precision; ``param_dtype``:
+    that of gamma, beta and the running statistics, drawn from :func:`param_dtypes` when None
+    (x's dtype, or float32 for a half x: autocast's mix)."""
     geometry_kwargs = {**dict(max_batch=2, max_channels=3, max_size=6, max_kernel=3),
                        **geometry_kwargs}
     g = draw(conv_geometries(**geometry_kwargs))
     assume(g["N"] * g["P"] * g["Q"] >= 2)
-    dtype = draw(dtypes()) if dtype is None else dtype
+    dtype = draw(dtypes(half)) if dtype is None else dtype
+    param_dtype = draw(param_dtypes(dtype)) if param_dtype is None else param_dtype
     layout = draw(layouts()) if layout is None else layout
     x = draw(arrays(_activation_shape(layout, g["N"], g["C"], g["H"], g["W"]), dtype))
     Cg = g["C"] // g["groups"]                                     # input channels per group
     w = draw(arrays((g["K"], Cg, g["R"], g["S"]), dtype,
                     scale=1.0 / np.sqrt(Cg * g["R"] * g["S"])))
     rng = np.random.default_rng(draw(SEEDS))
-    return ConvBatchNormProblem(x=x, w=w, **_batchnorm_parameters(rng, g["K"], dtype),
+    return ConvBatchNormProblem(x=x, w=w, **_batchnorm_parameters(rng, g["K"], param_dtype),
                                 kwargs=dict(stride=g["stride"], padding=g["padding"],
                                             dilation=g["dilation"], layout=layout,
                                             **_groups(g)))
