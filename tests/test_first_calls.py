@@ -418,3 +418,21 @@ def test_a_short_lived_process_leaves_its_compilation_in_the_cache(tmp_path):
     while once() != 0:                          # until the orphaned compilation is cached
         assert time.monotonic() < deadline, "the compilation never reached the cache"
         time.sleep(1)
+
+
+def test_a_compiling_process_that_hangs_is_given_up(monkeypatch):
+    """No answer within CHILD_TIMEOUT_S: the process is killed and counted as a failure (the
+    worker then compiles on its own thread); the next spec starts a new process."""
+    from numbafuse.kernels.conv import cpu_plan
+    monkeypatch.setattr(first_calls, "CHILD_TIMEOUT_S", 1)
+    monkeypatch.setattr(first_calls, "_child_failures", 0)
+    rules = cpu_plan.current_rules()
+    first_calls._child_compile(("time", "sleep", (0,), rules))      # started and answering
+    child = first_calls._child
+    t0 = time.perf_counter()
+    assert not first_calls._child_compile(("time", "sleep", (30,), rules))
+    assert time.perf_counter() - t0 < 10
+    assert first_calls._child_failures == 1 and first_calls._child is None
+    assert child.wait(10) is not None                                # killed
+    assert first_calls._child_compile(("time", "sleep", (0,), rules))   # a new process
+    assert first_calls._child is not child

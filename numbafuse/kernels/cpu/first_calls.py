@@ -21,8 +21,9 @@ compiled call to one background thread, the *worker*, and waits for it:
   calling thread. This process compiles none of them: a compilation here would hold Numba's
   compiler lock for seconds (one function at a time) and the GIL in 5 ms slices, and the
   caller's own first calls of other kernels (batch norm's, say) would wait behind it. Where
-  the compiling process fails (twice it could not start or died), or for a call without a
-  spec, the worker compiles on its own thread, after the other threads' compilations.
+  the compiling process fails (twice it could not start, died, or gave no answer within
+  ``CHILD_TIMEOUT_S``: then it is killed), or for a call without a spec, the worker compiles
+  on its own thread, after the other threads' compilations.
 
 The two paths compute the same function (tests compare both with the float64 reference) but
 round differently, so with an empty cache the first steps of a training run are not bitwise
@@ -49,6 +50,7 @@ import math
 import os
 import pickle
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -84,6 +86,7 @@ _probing = False            # the worker's probe is on: a compilation raises _Co
 _child = None               # the compiling process (subprocess.Popen), started when needed
 _child_failures = 0         # after two, the worker compiles on its own thread
 _child_calls = 0
+CHILD_TIMEOUT_S = 300       # a spec's compilation takes ~1-15 s; past this the process hangs
 USE_PROCESS = os.environ.get("NUMBAFUSE_FIRST_CALL_PROCESS", "1") != "0"
 _others_compiling = 0       # Numba compilations in progress on threads other than the worker
 _others_ended = -math.inf   # time.monotonic() when the last of them ended
@@ -272,21 +275,16 @@ def _execute(job):
             return _probe(job)
         except _Cold:
             job.wake.set()
-            global _waiting_child
-            _waiting_child = True
-            try:
-                compiled = _child_compile(job.spec)
-            finally:
-                _waiting_child = False
-            if _stopping:                           # exiting: its result is not needed
-                raise _Cold()
-            if compiled:
+            compiled = _child_compile(job.spec)
+            if compiled and not _stopping:
                 try:
                     return _probe(job)
                 except _Cold:
                     pass
     while _others_busy() and not _stopping:         # one compilation at a time: theirs first
         time.sleep(0.02)
+    if _stopping:                                   # exiting: the result is not needed
+        raise _Cold()
     return job.context.run(job.call)
 
 
@@ -306,8 +304,8 @@ def _probe(job):
 
 def _child_compile(spec):
     """Have the compiling process run ``spec``; True when it did (without an error)."""
-    global _child, _child_failures, _child_calls
-    if _child_failures >= 2 or _stopping:
+    global _child, _child_failures, _child_calls, _waiting_child
+    if _child_failures >= 2:
         return False
     try:
         if _child is None or _child.poll() is not None:
@@ -323,12 +321,18 @@ def _child_compile(spec):
                 env=env)
         _child_calls += 1
         compile_child.write_message(_child.stdin, (_child_calls, spec))
-        reply = compile_child.read_message(_child.stdout)
+        _waiting_child = True           # sent: from here an exit need not wait for this thread
+        reply = (compile_child.read_message(_child.stdout)
+                 if _replies_within(_child.stdout, CHILD_TIMEOUT_S) else None)
     except (OSError, ValueError, pickle.PicklingError):
         reply = None
-    if reply is None:                               # it could not start, or it died
+    finally:
+        _waiting_child = False
+    if reply is None:                   # it could not start, died, or hangs: the worker compiles
         _child_failures += 1
-        _child = None
+        child, _child = _child, None
+        if child is not None and child.poll() is None:
+            child.kill()
         return False
     if reply[1] is not None:
         _stats["child errors"] += 1
@@ -337,24 +341,34 @@ def _child_compile(spec):
     return reply[1] is None
 
 
+def _replies_within(stream, seconds):
+    """Whether ``stream`` (the compiling process's stdout) has something to read within
+    ``seconds`` (where ``select.poll`` exists; elsewhere it is not timed)."""
+    if not hasattr(select, "poll"):
+        return True
+    poller = select.poll()
+    poller.register(stream.fileno(), select.POLLIN | select.POLLHUP)
+    return bool(poller.poll(seconds * 1000))
+
+
 def _stop():
-    """At exit (before the interpreter joins its threads): the worker takes no more calls; the
-    compiling process gets no more specs and ends after the one it is compiling, whose cache
-    files it still writes (so that a short-lived process leaves the cache one call further
-    each time); the worker, a daemon thread, is waited for only where it runs code of its
-    own (a probe, or a compilation without the process), never while it waits for that."""
+    """At exit (before the interpreter joins its threads): the worker takes no more calls. It
+    is waited for while it runs code of its own (a probe, or sending the call in flight to
+    the compiling process), not while it waits for that process's answer; then the compiling
+    process's input is closed: it finishes the spec it has, writing its cache files, and ends
+    (so that a short-lived process leaves the cache one call further each time)."""
     global _stopping
     _stopping = True
     _jobs.put(threading.Event())            # wakes an idle worker, which then ends
+    worker = _worker
+    while worker is not None and worker.is_alive() and not _waiting_child:
+        worker.join(0.05)
     child = _child
     if child is not None:
         try:
             child.stdin.close()
         except OSError:
             pass
-    worker = _worker
-    while worker is not None and worker.is_alive() and not _waiting_child:
-        worker.join(0.05)
 
 
 def _forget_in_child():
