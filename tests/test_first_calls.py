@@ -436,3 +436,18 @@ def test_a_compiling_process_that_hangs_is_given_up(monkeypatch):
     assert child.wait(10) is not None                                # killed
     assert first_calls._child_compile(("time", "sleep", (0,), rules))   # a new process
     assert first_calls._child is not child
+
+
+def test_the_compiling_process_needs_a_plain_python(monkeypatch):
+    """A frozen application or an embedding program (uWSGI, an editor) as sys.executable
+    would start itself again with -m: no compiling process there."""
+    for exe, frozen, ok in (("/usr/bin/python3.11", False, True), ("C:\\Py\\python.exe",
+                                                                      False, True),
+                            ("/usr/bin/uwsgi", False, False), ("/opt/app/app", True, False),
+                            ("", False, False), ("/usr/bin/python3", True, False)):
+        monkeypatch.setattr(sys, "executable", exe)
+        if frozen:
+            monkeypatch.setattr(sys, "frozen", True, raising=False)
+        else:
+            monkeypatch.delattr(sys, "frozen", raising=False)
+        assert (first_calls._python_executable() is not None) == ok, exe

@@ -32,7 +32,7 @@ waits for the compiled kernels always, compiling on the calling thread, as befor
 the test suite, :mod:`numbafuse.precompile` and the benchmark runner's warm-up do. ``0`` never
 waits (a warm cache's first calls run NumPy too). Default: 5 seconds at most (loads are what
 it waits for). ``NUMBAFUSE_FIRST_CALL_PROCESS=0``: no compiling process (the worker
-compiles).
+compiles), as where ``sys.executable`` is not a plain Python (a frozen or embedding program).
 
 The probe holds the thread pool (``launch._busy``), so its launches run on the worker alone
 and no helper thread compiles for it; a launch on another thread meanwhile runs on its own
@@ -87,7 +87,20 @@ _child = None               # the compiling process (subprocess.Popen), started 
 _child_failures = 0         # after two, the worker compiles on its own thread
 _child_calls = 0
 CHILD_TIMEOUT_S = 300       # a spec's compilation takes ~1-15 s; past this the process hangs
-USE_PROCESS = os.environ.get("NUMBAFUSE_FIRST_CALL_PROCESS", "1") != "0"
+
+
+def _python_executable():
+    """The interpreter to start the compiling process with, or None where ``sys.executable``
+    is not a plain Python (a frozen application, or an embedding program such as uWSGI or a
+    3-D editor, which ``-m`` would start again)."""
+    exe = sys.executable
+    if not exe or getattr(sys, "frozen", False):
+        return None
+    return exe if "python" in os.path.basename(exe).lower() else None
+
+
+USE_PROCESS = (os.environ.get("NUMBAFUSE_FIRST_CALL_PROCESS", "1") != "0"
+               and _python_executable() is not None)
 _others_compiling = 0       # Numba compilations in progress on threads other than the worker
 _others_ended = -math.inf   # time.monotonic() when the last of them ended
 QUIET_S = 0.5               # the worker starts a call this long after the others' last one
@@ -316,7 +329,7 @@ def _child_compile(spec):
                    "NUMBAFUSE_NUM_THREADS": "1",
                    "PYTHONPATH": root + (os.pathsep + path if path else "")}
             _child = subprocess.Popen(       # (stderr: none; it may outlive this process)
-                [sys.executable, "-m", "numbafuse.kernels.cpu.compile_child"],
+                [_python_executable(), "-m", "numbafuse.kernels.cpu.compile_child"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 env=env)
         _child_calls += 1
