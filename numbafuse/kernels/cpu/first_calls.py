@@ -160,20 +160,19 @@ class _Listener:
     instance = None
 
     @classmethod
-    def last(cls):
-        """Registered, and last among the listeners: a raise from ours leaves every other
-        listener a balanced start and end (each is told the end)."""
+    def register(cls):
+        """Registered once, at the first call handed over: after the listeners registered
+        before it (Numba's trace, a profiler), which see a refused compilation's start and
+        end as usual; one registered later sees its end only."""
         from numba.core import event
-        if cls.instance is None:
-            class CompileStarts(event.Listener):
-                def on_start(self, ev):
-                    cls.on_start()
 
-                def on_end(self, ev):
-                    cls.on_end()
-            cls.instance = CompileStarts()
-        else:
-            event.unregister("numba:compile", cls.instance)
+        class CompileStarts(event.Listener):
+            def on_start(self, ev):
+                cls.on_start()
+
+            def on_end(self, ev):
+                cls.on_end()
+        cls.instance = CompileStarts()
         event.register("numba:compile", cls.instance)
 
     @staticmethod
@@ -190,7 +189,7 @@ class _Listener:
     def on_end():
         global _others_compiling, _others_ended
         if threading.current_thread() is not _worker:
-            _others_compiling -= 1
+            _others_compiling = max(0, _others_compiling - 1)   # (one begun before we listened)
             _others_ended = time.monotonic()
 
 
@@ -223,7 +222,7 @@ def run(key, compiled, fallback, spec=None):
         if state is None:
             _stats["background"] += 1
             if _Listener.instance is None:
-                _Listener.last()
+                _Listener.register()
             # behind another call, or after another thread's compilation: no wait
             busy = _running is not None or not _jobs.empty() or _others_busy()
             _jobs.put(job)
@@ -294,8 +293,10 @@ def _execute(job):
                     return _probe(job)
                 except _Cold:
                     pass
-    while _others_busy() and not _stopping:         # one compilation at a time: theirs first
+    waited = 0.0
+    while _others_busy() and not _stopping and waited < 30:   # one at a time: theirs first
         time.sleep(0.02)
+        waited += 0.02
     if _stopping:                                   # exiting: the result is not needed
         raise _Cold()
     return job.context.run(job.call)
@@ -307,7 +308,6 @@ def _probe(job):
     global _probing
     from . import launch
     with launch._busy:
-        _Listener.last()
         _probing = True
         try:
             return job.context.run(job.call)
