@@ -491,8 +491,26 @@ def test_batchnorm_add_relu_refuses_bad_modes():
                                training=False)
     with pytest.raises(ValueError, match="momentum must lie in"):
         nft.batchnorm_add_relu(**_bn_args(), momentum=2.0)
-    with pytest.raises(ValueError, match="BatchNormAddReLU2d: momentum"):
-        nft.BatchNormAddReLU2d(3, momentum=-1)
+
+
+
+def test_batchnorm_add_relu_module_checks_momentum_where_it_is_used():
+    """Any momentum is accepted at construction and in eval (torch.nn.BatchNorm2d's rule:
+    it is unused there); a training call refuses one outside [0, 1], naming the module,
+    before anything is written (the running statistics and the batch count)."""
+    x, z = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    for bad in (-1, 5):
+        m = nft.BatchNormAddReLU2d(3, momentum=bad).eval()
+        ours = m(x, z)
+        theirs = torch.relu(torch.nn.functional.batch_norm(
+            x, m.running_mean, m.running_var, m.weight, m.bias, False, 0.1, m.eps) + z)
+        torch.testing.assert_close(ours, theirs)
+        m.train()
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        with pytest.raises(ValueError, match="BatchNormAddReLU2d: momentum must lie in"):
+            m(x, z)
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, before[k]), k                       # nothing written
 
 
 CONV_BAD = [

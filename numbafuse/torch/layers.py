@@ -601,8 +601,6 @@ class BatchNormAddReLU2d(torch.nn.Module):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, device=None, dtype=None):
         super().__init__()
-        if momentum is not None:
-            validate.check_scalar("BatchNormAddReLU2d", "momentum", momentum, lo=0.0, hi=1.0)
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         like = factory_kwargs("BatchNormAddReLU2d", device, dtype)
         self.weight = torch.nn.Parameter(torch.empty(num_features, **like))
@@ -626,6 +624,8 @@ class BatchNormAddReLU2d(torch.nn.Module):
     def forward(self, x, z):
         momentum = 0.0 if self.momentum is None else self.momentum
         if self.training:
+            if self.momentum is not None:   # checked where used, before anything is written
+                validate.check_scalar("BatchNormAddReLU2d", "momentum", self.momentum, 0.0, 1.0)
             self.num_batches_tracked.add_(1)
             if self.momentum is None:                   # cumulative moving average
                 momentum = 1.0 / float(self.num_batches_tracked)
