@@ -315,11 +315,13 @@ def test_specs_run_on_zeros_in_the_compiling_process():
     from numbafuse.kernels.conv import cpu_first, cpu_plan
     rng = np.random.default_rng(4)
     x, w, geom = _case(rng, "NCHW", 4, 6, 1, 3, 3, 1, 1, 1, np.float32)
-    spec = cpu_first._spec("conv_forward", geom, x, w, None, geom, True)
+    spec = cpu_first._spec("conv_forward", geom, (x, w, None, geom, True))
     module, function, args, rules = spec
     assert module == "numbafuse.kernels.conv.cpu" and function == "conv_forward"
     assert args[0] == compile_child.Zeros(x.shape, x.dtype.str) and args[2] is None
     assert rules == cpu_plan.current_rules()
+    scaled = cpu_first._spec("forward_scaled", geom, (x, w, lambda: None, geom, True))[2]
+    assert scaled[2] == compile_child.Values(geom.K, x.dtype.str)    # values() as (K,) arrays
     seen = []
 
     def record(*a):

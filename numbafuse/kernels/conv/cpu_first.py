@@ -30,59 +30,56 @@ def _kernels(geom):
     return cpu_grouped if geom.groups > 1 else cpu
 
 
-def _spec(function, geom, *args):
+def _spec(function, geom, args):
     """The call for the compiling process (``cpu/compile_child.py``): arrays as their shapes
-    and dtypes."""
-    args = tuple(Zeros(a.shape, a.dtype.str) if isinstance(a, np.ndarray) else a for a in args)
-    return _kernels(geom).__name__, function, args, current_rules()
+    and dtypes, a callable (``forward_scaled``'s ``values``) as the (K,) arrays it returns."""
+    def described(a):
+        if isinstance(a, np.ndarray):
+            return Zeros(a.shape, a.dtype.str)
+        return Values(geom.K, args[0].dtype.str) if callable(a) else a
+    return _kernels(geom).__name__, function, tuple(described(a) for a in args), current_rules()
+
+
+def _call(function, flags, geom, args, fallback=None):
+    """``function`` of the kernels that run ``geom`` on ``args``: on the calling thread once
+    its key (the function, ``flags``, the geometry, the plan rules) is ready, else through
+    ``first_calls.run`` with ``fallback`` on the same arguments (None: the call returns
+    None, "no such epilogue here")."""
+    kernel = getattr(_kernels(geom), function)
+    key = (function, flags, geom, current_rules())
+    if first_calls.is_ready(key):
+        return kernel(*args)
+    return first_calls.run(key, partial(kernel, *args),
+                           partial(fallback, *args) if fallback else _none,
+                           _spec(function, geom, args))
 
 
 def conv_forward(x, w, b, geom, relu):
     """``y = relu?(conv(x, w, groups) + b?)`` (``cpu.conv_forward``)."""
-    key = ("forward", x.dtype.char, b is None, bool(relu), geom, current_rules())
-    if first_calls.is_ready(key):
-        return _kernels(geom).conv_forward(x, w, b, geom, relu)
-    return first_calls.run(key, partial(_kernels(geom).conv_forward, x, w, b, geom, relu),
-                           partial(cpu_numpy.conv_forward, x, w, b, geom, relu),
-                           _spec("conv_forward", geom, x, w, b, geom, relu))
+    relu = bool(relu)
+    return _call("conv_forward", (x.dtype.char, b is None, relu), geom, (x, w, b, geom, relu),
+                 cpu_numpy.conv_forward)
 
 
 def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     """``(dx, dw, db)``, only ``need``'s (``cpu.conv_backward``)."""
     need = tuple(bool(v) for v in need)
-    key = ("backward", gy.dtype.char, y is None, need, geom, current_rules())
-    if first_calls.is_ready(key):
-        return _kernels(geom).conv_backward(gy, x, w, geom, y, need)
-    return first_calls.run(key, partial(_kernels(geom).conv_backward, gy, x, w, geom, y, need),
-                           partial(cpu_numpy.conv_backward, gy, x, w, geom, y, need),
-                           _spec("conv_backward", geom, gy, x, w, geom, y, need))
+    return _call("conv_backward", (gy.dtype.char, y is None, need), geom,
+                 (gy, x, w, geom, y, need), cpu_numpy.conv_backward)
 
 
 def forward_stats(x, w, geom, eps):
     """``cpu.forward_stats``, or None while its kernels compile."""
-    key = ("forward_stats", x.dtype.char, geom, current_rules())
-    if first_calls.is_ready(key):
-        return _kernels(geom).forward_stats(x, w, geom, eps)
-    return first_calls.run(key, partial(_kernels(geom).forward_stats, x, w, geom, eps), _none,
-                           _spec("forward_stats", geom, x, w, geom, eps))
+    return _call("forward_stats", x.dtype.char, geom, (x, w, geom, eps))
 
 
 def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
     """``cpu.forward_bn_sums``, or None while its kernels compile."""
-    key = ("forward_bn_sums", x.dtype.char, beta is None, geom, current_rules())
-    if first_calls.is_ready(key):
-        return _kernels(geom).forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta)
-    return first_calls.run(key, partial(_kernels(geom).forward_bn_sums, x, w, geom, dy, mean,
-                                        invstd, gamma, beta), _none,
-                           _spec("forward_bn_sums", geom, x, w, geom, dy, mean, invstd, gamma,
-                                 beta))
+    return _call("forward_bn_sums", (x.dtype.char, beta is None), geom,
+                 (x, w, geom, dy, mean, invstd, gamma, beta))
 
 
 def forward_scaled(x, w, values, geom, relu):
     """``cpu.forward_scaled``, or None while its kernels compile."""
-    key = ("forward_scaled", x.dtype.char, bool(relu), geom, current_rules())
-    if first_calls.is_ready(key):
-        return _kernels(geom).forward_scaled(x, w, values, geom, relu)
-    return first_calls.run(key, partial(_kernels(geom).forward_scaled, x, w, values, geom, relu),
-                           _none, _spec("forward_scaled", geom, x, w, Values(geom.K, x.dtype.str),
-                                        geom, relu))
+    relu = bool(relu)
+    return _call("forward_scaled", (x.dtype.char, relu), geom, (x, w, values, geom, relu))

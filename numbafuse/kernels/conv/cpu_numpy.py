@@ -25,10 +25,24 @@ def _in_layout(a_nhwc, layout):
     return np.ascontiguousarray(a_nhwc if layout == "NHWC" else a_nhwc.transpose(0, 3, 1, 2))
 
 
-def _padded_shape(geom):
-    """(Hp, Wp): x's rows and columns plus padding, enough for the last tap's last read."""
-    return (max(geom.ph + geom.H, (geom.P - 1) * geom.sh + (geom.R - 1) * geom.dh + 1),
-            max(geom.pw + geom.W, (geom.Q - 1) * geom.sw + (geom.S - 1) * geom.dw + 1))
+def _padded_zeros(geom, dtype):
+    """An (N, Hp, Wp, C) zero array: x's rows and columns plus padding, enough for the last
+    tap's last read."""
+    Hp = max(geom.ph + geom.H, (geom.P - 1) * geom.sh + (geom.R - 1) * geom.dh + 1)
+    Wp = max(geom.pw + geom.W, (geom.Q - 1) * geom.sw + (geom.S - 1) * geom.dw + 1)
+    return np.zeros((geom.N, Hp, Wp, geom.C), dtype)
+
+
+def _inside(a, geom):
+    """The (N, H, W, C) view of padded ``a`` where x lies."""
+    return a[:, geom.ph:geom.ph + geom.H, geom.pw:geom.pw + geom.W]
+
+
+def _padded(x, geom):
+    """x as NHWC in a zero array with its padding (:func:`_padded_zeros`)."""
+    xp = _padded_zeros(geom, x.dtype)
+    _inside(xp, geom)[...] = _nhwc(x, geom.layout)
+    return xp
 
 
 def _tap(a, geom, r, s):
@@ -46,9 +60,7 @@ def _grouped(a, groups):
 def conv_forward(x, w, b, geom, relu):
     """``y = relu?(conv(x, w, groups) + b?)``."""
     N, G, M = geom.N, geom.groups, geom.N * geom.P * geom.Q
-    Hp, Wp = _padded_shape(geom)
-    xp = np.zeros((N, Hp, Wp, geom.C), x.dtype)                            # (N, Hp, Wp, C)
-    xp[:, geom.ph:geom.ph + geom.H, geom.pw:geom.pw + geom.W] = _nhwc(x, geom.layout)
+    xp = _padded(x, geom)                                                  # (N, Hp, Wp, C)
     wg = w.reshape(G, geom.K // G, geom.C // G, geom.R, geom.S)            # (G, Kg, Cg, R, S)
     y = np.zeros((G, M, geom.K // G), x.dtype)                             # (G, M, Kg)
     for r in range(geom.R):
@@ -75,11 +87,9 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     db = (g.sum(axis=1, dtype=np.float64).reshape(geom.K).astype(gy.dtype)
           if need_db else None)
     dw = dx = None
-    Hp, Wp = _padded_shape(geom)
     wg = w.reshape(G, geom.K // G, geom.C // G, geom.R, geom.S)            # (G, Kg, Cg, R, S)
     if need_dw:
-        xp = np.zeros((N, Hp, Wp, geom.C), x.dtype)
-        xp[:, geom.ph:geom.ph + geom.H, geom.pw:geom.pw + geom.W] = _nhwc(x, geom.layout)
+        xp = _padded(x, geom)
         dw = np.empty_like(wg)
         for r in range(geom.R):
             for s in range(geom.S):
@@ -87,12 +97,11 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
                 dw[:, :, :, r, s] = g.transpose(0, 2, 1) @ tap              # (G, Kg, Cg)
         dw = dw.reshape(geom.w_shape)
     if need_dx:
-        dxp = np.zeros((N, Hp, Wp, geom.C), gy.dtype)
+        dxp = _padded_zeros(geom, gy.dtype)
         for r in range(geom.R):
             for s in range(geom.S):
                 part = g @ wg[:, :, :, r, s]                                # (G, M, Cg)
                 _tap(dxp, geom, r, s)[...] += part.transpose(1, 0, 2).reshape(
                     N, geom.P, geom.Q, geom.C)
-        dx = _in_layout(dxp[:, geom.ph:geom.ph + geom.H, geom.pw:geom.pw + geom.W],
-                        geom.layout)
+        dx = _in_layout(_inside(dxp, geom), geom.layout)
     return dx, dw, db

@@ -61,19 +61,20 @@ from . import compile_child
 _READY, _PENDING = "ready", "pending"
 
 
-def _wait_from_env():
-    value = os.environ.get("NUMBAFUSE_FIRST_CALL_WAIT", "5").strip().lower()
+def _seconds(value, what):
+    """``value`` as seconds to wait: a number >= 0 or inf (a ValueError naming ``what``)."""
     try:
-        wait = float(value)
-    except ValueError:
-        raise ValueError(f"NUMBAFUSE_FIRST_CALL_WAIT must be a number of seconds or 'inf', "
-                         f"got {value!r}") from None
-    if math.isnan(wait) or wait < 0:
-        raise ValueError(f"NUMBAFUSE_FIRST_CALL_WAIT must be >= 0, got {value!r}")
-    return wait
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number of seconds or 'inf', got {value!r}") \
+            from None
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"{what} must be >= 0, got {value!r}")
+    return seconds
 
 
-WAIT_S = _wait_from_env()
+WAIT_S = _seconds(os.environ.get("NUMBAFUSE_FIRST_CALL_WAIT", "5").strip().lower(),
+                  "NUMBAFUSE_FIRST_CALL_WAIT")
 
 _states = {}                # key -> _READY | _PENDING (absent: not called yet)
 _lock = threading.Lock()
@@ -111,16 +112,14 @@ _child_errors = []          # the compiling process's last few errors (text)
 def set_wait(seconds):
     """Set ``WAIT_S`` (``math.inf``: always wait for the compiled kernels); returns the old."""
     global WAIT_S
-    seconds = float(seconds)
-    if math.isnan(seconds) or seconds < 0:
-        raise ValueError(f"set_wait: seconds must be >= 0, got {seconds!r}")
-    old, WAIT_S = WAIT_S, seconds
+    old, WAIT_S = WAIT_S, _seconds(seconds, "set_wait: seconds")
     return old
 
 
 def stats():
-    """Counts of calls run compiled, run by the fallback, handed to the background, and of
-    the compiling process's errors (their text: ``first_calls._child_errors``)."""
+    """Counts of the calls :func:`run` ran compiled (not those a caller ran itself after
+    :func:`is_ready`, as ``conv/cpu_first.py`` does), ran by the fallback and handed to the
+    background, and of the compiling process's errors (``first_calls._child_errors``)."""
     return dict(_stats)
 
 
@@ -209,33 +208,31 @@ def run(key, compiled, fallback, spec=None):
     the background (module docstring). ``key``: hashable, equal for calls that run the same
     compiled functions. ``spec``: the call for the compiling process (``compile_child.py``),
     or None (compiled on the worker thread)."""
-    state = _states.get(key)
-    if state is _READY or WAIT_S == math.inf:
+    if is_ready(key):
+        _stats["compiled"] += 1
+        return compiled()
+    with _lock:
+        state = _states.get(key)
+        if state is None:
+            _states[key] = _PENDING
+            job = _Job(key, compiled, spec)
+    if state is _READY:                     # (done since is_ready looked)
         _stats["compiled"] += 1
         return compiled()
     if state is None:
-        with _lock:
-            state = _states.get(key)
-            if state is None:
-                _states[key] = _PENDING
-                job = _Job(key, compiled, spec)
-        if state is None:
-            _stats["background"] += 1
-            if _Listener.instance is None:
-                _Listener.register()
-            # behind another call, or after another thread's compilation: no wait
-            busy = _running is not None or not _jobs.empty() or _others_busy()
-            _jobs.put(job)
-            _start_worker()
-            if not busy:
-                job.wake.wait(WAIT_S)
-            if job.done.is_set():
-                if job.error is not None:
-                    raise job.error
-                return job.result
-        elif state is _READY:
-            _stats["compiled"] += 1
-            return compiled()
+        _stats["background"] += 1
+        if _Listener.instance is None:
+            _Listener.register()
+        # behind another call, or after another thread's compilation: no wait
+        busy = _running is not None or not _jobs.empty() or _others_busy()
+        _jobs.put(job)
+        _start_worker()
+        if not busy:
+            job.wake.wait(WAIT_S)
+        if job.done.is_set():
+            if job.error is not None:
+                raise job.error
+            return job.result
     _stats["fallback"] += 1
     return fallback()
 
