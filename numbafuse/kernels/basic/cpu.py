@@ -91,29 +91,31 @@ def linear_backward(gy, x, w, need_gx, need_gw, need_gb):
 def max_pool2d_forward(x, g):
     y = np.empty(g.y_shape, x.dtype)
     argmax = np.empty(g.y_shape, g.argmax_dtype)
-    N, C, HW, PQ = g.N, g.C, g.H * g.W, g.P * g.Q
-    nhwc = g.layout == "NHWC"
-    flat = ((lambda a, n: a.reshape(N, n, C)) if nhwc else (lambda a, n: a.reshape(N, C, n)))
+    HW, PQ = g.H * g.W, g.P * g.Q
     if y.size:
-        if nhwc:
-            launch(_pool.max_pool_fwd_nhwc, N, flat(x, HW), flat(y, PQ), flat(argmax, PQ),
-                   _pool_geo(g), work=x.size)
+        rows = (_rows(x, HW, g), _rows(y, PQ, g), _rows(argmax, PQ, g), _pool_geo(g))
+        if g.layout == "NHWC":
+            launch(_pool.max_pool_fwd_nhwc, g.N, *rows, work=x.size)
         else:
-            launch(_pool.max_pool_fwd_nchw, N * -(-C // _pool.LANES), flat(x, HW), flat(y, PQ),
-                   flat(argmax, PQ), _pool_geo(g), work=x.size)
+            launch(_pool.max_pool_fwd_nchw, g.N * -(-g.C // _pool.LANES), *rows, work=x.size)
     return y, argmax
 
 
 # bwd :: (argmax, gy, geometry) -> gx
 def max_pool2d_backward(gy, argmax, g, dtype):
     gx = np.zeros(g.x_shape, dtype)
-    N, C, HW, PQ = g.N, g.C, g.H * g.W, g.P * g.Q
-    nhwc = g.layout == "NHWC"
-    flat = ((lambda a, n: a.reshape(N, n, C)) if nhwc else (lambda a, n: a.reshape(N, C, n)))
+    HW, PQ = g.H * g.W, g.P * g.Q
     if gy.size:
-        launch(_pool.max_pool_bwd_tasks, N, flat(gy.astype(dtype, copy=False), PQ),
-               flat(argmax, PQ), flat(gx, HW), _pool_geo(g), nhwc, work=gx.size)
+        launch(_pool.max_pool_bwd_tasks, g.N, _rows(gy.astype(dtype, copy=False), PQ, g),
+               _rows(argmax, PQ, g), _rows(gx, HW, g), _pool_geo(g), g.layout == "NHWC",
+               work=gx.size)
     return gx
+
+
+def _rows(a, n, g):
+    """``a`` (x or gx: n = H*W; y, argmax or gy: n = P*Q) as cpu_pool's rows: (N, n, C) NHWC,
+    (N, C, n) NCHW."""
+    return a.reshape(g.N, n, g.C) if g.layout == "NHWC" else a.reshape(g.N, g.C, n)
 
 
 def _pool_geo(g):

@@ -110,9 +110,7 @@ def _gate_plane(gp, yp, use_mask, Wph, g):
                 g[o + q] = gp[p, q]
 
 
-def is_depthwise(geom):
-    """Whether a grouped convolution runs these kernels: one input channel per group."""
-    return geom.groups > 1 and geom.groups == geom.C
+is_depthwise = conv_math.is_depthwise     # whether a grouped conv runs these kernels
 
 
 # --------------------------------------------------------------------------- forward
