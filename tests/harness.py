@@ -121,6 +121,42 @@ def _bn_tasks(d, chunk, nhwc_row):
     return -(-R // rows)
 
 
+DW_LANES = 2   # depthwise dW's NHWC lanes in BOUNDARIES["cuda", "grouped_conv"]
+
+
+def _lane_groups(d):
+    """Channel groups of a CUDA depthwise dW (cuda_depthwise.dw_launch's kblocks): K in groups
+    of DW_LANES lanes in NHWC, one channel a group in NCHW."""
+    return -(-d["K"] // (DW_LANES if d["layout"] == "NHWC" else 1))
+
+
+def _cuda_grouped_crosses(d, k):
+    """BOUNDARIES["cuda", "grouped_conv"]'s boundaries, from the kernels' own launch plans at
+    the patched knobs: depthwise (cuda_depthwise.py), forward and dx over more values than
+    one grid-stride step, dW's pixels in several parts and its lane groups more than the
+    grid's z (the channel loop), db's channel sums over more channels than max_grid_y; per
+    group (cuda_grouped.py), C past one tile, the group's GEMMs over several row tiles of M
+    and several K-steps, its dw over several splits of M, the copies grid-striding."""
+    from numbafuse.kernels.conv import cuda as conv_cuda
+    from numbafuse.kernels.conv import cuda_depthwise
+    from numbafuse.kernels.conv.math import group_geometry
+    g, threads = d["geometry"], k("cuda.config.threads")
+    step = threads * k("cuda.config.max_blocks")          # a grid-stride loop's step
+    if g.groups < 2:
+        return False
+    if cuda_depthwise.is_depthwise(g):
+        grid, dims, parts = cuda_depthwise.dw_launch(g, threads)
+        kblocks = dims[13]              # dw_launch dims: (..., K, CW, kblocks, NPQ, chunk, DC, DM)
+        assert kblocks == _lane_groups(d), (dims, d)
+        return (min(g.N * g.K * g.P * g.Q, g.N * g.C * g.H * g.W) > step and parts > 1
+                and kblocks > grid[2] and g.K > k("cuda.config.max_grid_y"))
+    one, tile = group_geometry(g), k("cuda.config.tile_override")
+    fwd_grid = conv_cuda.forward_plan(one, tile, False, False)[2]
+    n_splits = conv_cuda.dw_plan(one, tile, False, k("cuda.config.dw_max_splits"))[3]
+    return (g.C > tile.BN and fwd_grid[0] > 1 and one.C * one.R * one.S > tile.BK
+            and n_splits > 1 and g.N * g.C * g.H * g.W > step)
+
+
 BOUNDARIES = {
     ("cpu", "conv"): Boundary(
         why="each pass runs per chunk as its plan says (kernels/conv/cpu_plan.py): the "
@@ -212,6 +248,37 @@ BOUNDARIES = {
                                       H=_ints(4, 5), W=_ints(4, 5))),
         crosses=lambda d, k: (min(d["C"], d["K"], d["M"]) > k("cuda.config.TINY_TILE").BN
                               and d["C"] * d["R"] * d["S"] > k("cuda.config.TINY_TILE").BK)),
+    ("cuda", "grouped_conv"): Boundary(
+        why="grouped convs on CUDA (kernels/conv/cuda_grouped.py), groups 3 or 4, N 2, "
+            "'same' padding, stride 1 or 2. With 3 channels per group (C = 9 or 12 > BN): "
+            "cuda.py's GEMMs once per group on the tiny test tile (tile_override = "
+            "TINY_TILE: BM x BN = 8 x 8 outputs, K-steps of BK = 4), so the groups split what "
+            "would be one tile of C and of K (3-8 filters): each group's forward GEMM has one "
+            "partial column tile of K/groups = 1 or 2 filters over several row tiles of M = "
+            "N*P*Q (12-50), its reduction C/groups*R*S = 6-18 (R 2 or 3) over several "
+            "K-steps, dx one partial tile of 3 channels, dw several splits of M "
+            "(dw_target_blocks 4); each group's channel slices copied in and out by "
+            "grid-striding kernels (threads 4, max_blocks 2). With 1 channel per group "
+            "(depthwise, K = C or 2C: cuda_depthwise.py's stencils): the forward and dx "
+            "grid-stride over more values than their 8 threads; dW's N*P*Q pixels in "
+            "reduce_blocks 2 parts (U 1), NHWC's channels in lane groups of depthwise_lanes "
+            "2 (the block's other threads 2 row groups, summed by the tree; the last lane "
+            "group partial where K is odd), NCHW's one channel a group; max_grid_y one less "
+            "than dW's channel groups (at least 1): the grid's z covers all but one, so the "
+            "channel loop runs a second round, and db's channel sums (the batch norm's "
+            "reductions too, grouped or not) loop over channels",
+        ops=("conv_bias_relu", "conv_batchnorm_relu"),
+        patch={"cuda.config.threads": 4, "cuda.config.max_blocks": 2,
+               "cuda.config.reduce_blocks": 2, "cuda.reduce.U": 1,
+               "cuda.config.tile_override": knob("cuda.config.TINY_TILE"),
+               "cuda.config.dw_target_blocks": 4,
+               "cuda.config.depthwise_lanes": DW_LANES,
+               "cuda.config.max_grid_y": lambda d: max(1, _lane_groups(d) - 1)},
+        shapes=lambda: dict(groups=_one_of(3, 4), max_kernel=3, paddings=("same",),
+                            max_stride=2, max_dilation=1,
+                            dims=dict(N=_one_of(2), H=_one_of(5), W=_ints(4, 5),
+                                      R=_one_of(2, 3), S=_ints(1, 2), Cg=_one_of(1, 3))),
+        crosses=_cuda_grouped_crosses),
     ("cuda", "batchnorm"): Boundary(
         why="reductions on a (parts, channels) grid: reduce_blocks 2 parts of M = N*H*W, "
             "each walked by threads 8 with U (patched 1; the simulator reads it at run time) "

@@ -34,7 +34,7 @@ def _conv_dims(x, w, kw, dtype):
                                kw["dilation"], kw["layout"], kw.get("groups", 1))
     d = {k: getattr(g, k) for k in ("N", "C", "H", "W", "K", "R", "S", "P", "Q", "groups")}
     return dict(d, M=g.N * g.P * g.Q, size=x.size, itemsize=np.dtype(dtype).itemsize,
-                layout=kw["layout"])
+                layout=kw["layout"], geometry=g)     # (the kernels' launch plans take g)
 
 
 def _activation_dims(x, layout):

@@ -9,6 +9,7 @@ the op's forward and tape backward are checked against the reference there.
 import pytest
 
 from numbafuse import kernels
+from numbafuse.kernels import interfaces
 
 from .harness import BACKENDS, BOUNDARIES, check_forward, check_tape, knob, patched, \
     run_property
@@ -30,6 +31,11 @@ def test_every_kernel_family_has_a_boundary_table():
     for family in kernels.FAMILIES:
         for b in BACKENDS:
             assert (b, family) in BOUNDARIES or (b, family) in NO_BOUNDARIES, (b, family)
+    for family, (_, modules) in interfaces.FAMILIES.items():   # grouped kernels (cpu_grouped,
+        for module in modules:                                  # cuda_grouped): a table each
+            b, _, kind = module.partition("_")
+            if kind == "grouped":
+                assert (b, f"grouped_{family}") in BOUNDARIES, module
     for boundary in BOUNDARIES.values():
         assert set(boundary.ops) <= set(CASES)
 
