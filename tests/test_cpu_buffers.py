@@ -8,6 +8,7 @@ import gc
 import tracemalloc
 
 import numpy as np
+from hypothesis import given, settings, strategies as st
 
 import numbafuse as nf
 from numbafuse.kernels.cpu.buffers import OutputCache, output_cache
@@ -19,6 +20,16 @@ def _addr(a):
     return a.__array_interface__["data"][0]
 
 
+def _tiny(max_bytes=1 << 20):
+    """A cache with its pools shrunk: requests from 64 bytes, up to SMALL 2 KiB from 4 KiB
+    segments, up to LARGE 8 KiB from 16 KiB ones, larger ones in own segments of 4 KiB
+    multiples."""
+    cache = OutputCache(max_bytes=max_bytes)
+    cache.MIN_BYTES, cache.SMALL, cache.SMALL_SEGMENT = 64, 2048, 4096
+    cache.LARGE, cache.LARGE_SEGMENT, cache.ROUND_LARGE = 8192, 16384, 4096
+    return cache
+
+
 def test_released_buffers_are_reused_held_ones_never():
     cache = OutputCache(max_bytes=8 * MIB)
     a = cache.empty((MIB // 4,), np.float32)                     # 1 MiB
@@ -27,57 +38,88 @@ def test_released_buffers_are_reused_held_ones_never():
     view = a[10:20]
     del a
     b = cache.empty((512, 512), np.float32)                       # same bytes: a is in use
-    assert not np.shares_memory(view, b) and cache.owned_bytes() == 2 * MIB
+    assert not np.shares_memory(view, b) and cache.owned_bytes() == OutputCache.SMALL_SEGMENT
     address = _addr(view) - 10 * 4
-    del view                                                      # a's buffer free again
+    del view                                                      # a's block free again
     c = cache.empty((1024, 256), np.float32)
-    assert _addr(c) == address and cache.owned_bytes() == 2 * MIB
+    assert _addr(c) == address and cache.owned_bytes() == OutputCache.SMALL_SEGMENT
     assert _addr(b) % 64 == 0 and _addr(c) % 64 == 0
     d = cache.empty((MIB // 8,), np.float64)                      # other dtype, same bytes
     assert not np.shares_memory(d, b) and not np.shares_memory(d, c)
 
 
-def test_the_cap_evicts_free_buffers_then_falls_back_to_numpy():
-    cache = OutputCache(max_bytes=3 * MIB)
-    held = [cache.empty((MIB,), np.uint8) for _ in range(2)]
-    free = cache.empty((MIB,), np.uint8)
-    del free                                                      # 3 MiB owned, 1 free
-    big = cache.empty((2 * MIB,), np.uint8)                       # evicts the free one: 4 > 3
-    assert cache.owned_bytes() == 2 * MIB and big.base is None    # ... still too big: NumPy's
-    del big
-    other = cache.empty((MIB,), np.uint8)
-    assert cache.owned_bytes() == 3 * MIB and other.base is not None
-    cache.clear()                                                 # the held ones stay
-    assert cache.owned_bytes() == 3 * MIB
-    del held, other
+def test_released_blocks_serve_other_sizes_and_merge_with_their_neighbours():
+    cache = _tiny()
+    a, b, c = (cache.empty((256,), np.float32) for _ in range(3))      # 1 KiB each, small
+    assert cache.owned_bytes() == 4096 and _addr(b) - _addr(a) == 1024
+    addr_a = _addr(a)
+    del a
+    half = cache.empty((128,), np.float32)              # 512 bytes: the first block, split
+    assert _addr(half) == addr_a and cache.owned_bytes() == 4096
+    del half, b                                         # 1 KiB + 1 KiB merged: 2 KiB from a's
+    two = cache.empty((512,), np.float32)
+    assert _addr(two) == addr_a and not np.shares_memory(two, c)
+    assert cache.owned_bytes() == 4096
+    big = cache.empty((3 * 1024,), np.uint8)            # large pool: a segment of its own kind
+    assert cache.owned_bytes() == 4096 + 16384 and not np.shares_memory(big, two)
+    del two, c, big
     cache.clear()
     assert cache.owned_bytes() == 0
 
 
-def test_buffers_are_found_by_size_and_evicted_from_every_index():
-    # buffers of two sizes, two of each: a request reuses a free buffer of its own size only,
-    # never a held one; an evicted buffer is gone from the lookup by size too (a later request
-    # of its size makes a new one, counted), and the bytes owned stay the buffers' sum
-    cache = OutputCache(max_bytes=6 * MIB)
-    a1, a2 = cache.empty((MIB,), np.uint8), cache.empty((MIB,), np.uint8)
-    b = cache.empty((2 * MIB,), np.uint8)
-    c = cache.empty((MIB // 4,), np.float64)                         # 2 MiB too, other dtype
-    assert cache.owned_bytes() == 6 * MIB
-    addr_a2, addr_b = _addr(a2), _addr(b)
-    del a2, b
-    again = cache.empty((MIB // 2,), np.uint16)                      # 1 MiB: a2's (a1 held)
-    two = cache.empty((2 * MIB,), np.uint8)                          # 2 MiB: b's (c held)
-    assert _addr(again) == addr_a2 and _addr(two) == addr_b
-    assert cache.owned_bytes() == 6 * MIB
-    del again                                                        # a2's buffer free
-    three = cache.empty((3 * MIB,), np.uint8)      # evicts a2's buffer, still too big: NumPy's
-    assert three.base is None and cache.owned_bytes() == 5 * MIB
-    one = cache.empty((MIB,), np.uint8)            # a1 held, a2's gone: a new buffer
-    assert not np.shares_memory(one, a1) and cache.owned_bytes() == 6 * MIB
-    assert len(cache._by_size[MIB + OutputCache.ALIGN]) == 2 and len(cache._buffers) == 4
-    del a1, c, two, one
+def test_the_cap_drops_free_segments_then_falls_back_to_numpy():
+    cache = _tiny(max_bytes=3 * 4096)
+    held = [cache.empty((1024,), np.uint8) for _ in range(4)]     # one small segment, full
+    free = cache.empty((1024,), np.uint8)                         # a second one
+    del free                                                      # 8 KiB owned, 4 KiB free
+    big = cache.empty((3 * 4096,), np.uint8)       # own 12 KiB segment: drops the free one,
+    assert big.base is None and cache.owned_bytes() == 4096       # ... still too big: NumPy's
+    del big
+    other = cache.empty((8 * 1024,), np.uint8)                    # 16 KiB > 12 - 4: NumPy's
+    assert other.base is None
+    small = cache.empty((1024,), np.uint8)
+    assert _from_cache(cache, small) and cache.owned_bytes() == 2 * 4096
+    cache.clear()                                                 # the held ones stay
+    assert cache.owned_bytes() == 2 * 4096
+    del held, small
     cache.clear()
-    assert cache.owned_bytes() == 0 and not cache._by_size and not cache._buffers
+    assert cache.owned_bytes() == 0
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.sampled_from(("new", "new", "new", "drop", "view", "clear")),
+                          st.integers(1, 24 * 1024), st.integers(0, 1 << 30)),
+                max_size=60))
+def test_live_arrays_never_share_bytes(program):
+    """Any program of requests (sizes in every pool, across the segment sizes and the cap),
+    releases, views kept past their base and clears: no two live arrays share a byte, each
+    keeps what was written into it, the bytes owned stay under the cap and are the segments'
+    sum, and with everything released one clear leaves nothing owned."""
+    cache = _tiny(max_bytes=64 * 1024)
+    live = []                                          # (array, its fill byte)
+    for k, (op, size, pick) in enumerate(program):
+        if op == "new":
+            a = cache.empty((size,), np.uint8)
+            a[...] = k % 251
+            live.append((a, k % 251))
+        elif op == "drop" and live:
+            live.pop(pick % len(live))
+        elif op == "view" and live:
+            a, fill = live.pop(pick % len(live))
+            live.append((a[len(a) // 3:], fill))       # the base let go, a view of it kept
+        elif op == "clear":
+            cache.clear()
+        for a, fill in live:
+            assert (a == fill).all()
+        for i in range(len(live)):
+            for j in range(i):
+                assert not np.shares_memory(live[i][0], live[j][0])
+        assert cache.owned_bytes() <= cache.max_bytes
+        assert cache.owned_bytes() == sum(seg.size for seg in cache._segments)
+    live = a = None
+    cache.clear()
+    assert cache.owned_bytes() == 0 and not cache._segments
+    assert not any(cache._free) and not cache._used
 
 
 def test_small_outputs_and_tracemalloc_bypass_the_cache():
@@ -130,10 +172,11 @@ def test_released_conv_outputs_are_reused(rng):
     assert len(addresses) == 1 and len(owned) == 1
 
 
-def _root(a):
-    while a.base is not None:
+def _from_cache(cache, a):
+    """Whether ``a`` views a block the cache handed out (its root array is a block's owner)."""
+    while isinstance(a.base, np.ndarray):
         a = a.base
-    return a
+    return any(block.ref() is a for block in cache._used)
 
 
 def test_the_digits_models_activations_come_from_the_cache(rng):
@@ -142,7 +185,6 @@ def test_the_digits_models_activations_come_from_the_cache(rng):
     # in again (buffers.py: why MIN_BYTES is 64 KiB). The forward's y and the backward's dx,
     # both layouts, and the smallest size the cache takes.
     assert OutputCache.MIN_BYTES <= 64 << 10
-    owned = {id(e[0]) for e in output_cache._buffers}
     for layout in ("NCHW", "NHWC"):
         shape = (32, 24, 8, 8) if layout == "NCHW" else (32, 8, 8, 24)
         x = rng.standard_normal(shape).astype(np.float32)
@@ -150,10 +192,9 @@ def test_the_digits_models_activations_come_from_the_cache(rng):
         y = nf.conv_bias_relu(x, w, None, padding=1, layout=layout)
         dx, _, _ = nf.conv_bias_relu_backward(np.ones_like(y), x, w, y, padding=1,
                                               layout=layout)
-        owned = {id(e[0]) for e in output_cache._buffers}
-        assert id(_root(y)) in owned and id(_root(dx)) in owned, layout
+        assert _from_cache(output_cache, y) and _from_cache(output_cache, dx), layout
     small = output_cache.empty((OutputCache.MIN_BYTES // 4,), np.float32)
-    assert id(_root(small)) in {id(e[0]) for e in output_cache._buffers}
+    assert _from_cache(output_cache, small)
 
 
 def test_aligned_starts_on_a_cache_line_and_keeps_the_values():

@@ -1,24 +1,63 @@
 """Reused CPU output buffers: large outputs without fresh page faults on every call."""
+import bisect
+import collections
 import math
-import sys
 import threading
 import tracemalloc
+import weakref
 
 import numpy as np
 
 
+class _Block:
+    """A run of a segment's bytes: free, or ``used``: handed out as an owner array (the base
+    of every view given away), watched by ``ref``, a weak reference whose callback queues the
+    block for release when the last view is gone."""
+    __slots__ = ("seg", "off", "size", "prev", "next", "used", "ref")
+
+    def __init__(self, seg, off, size, prev=None, nxt=None):
+        self.seg, self.off, self.size, self.prev, self.next = seg, off, size, prev, nxt
+        self.used, self.ref = False, None
+
+
+class _Segment:
+    """One allocation of the cache: ``size`` bytes from ``mem`` (a memoryview starting on an
+    ALIGN boundary of ``buffer``), cut into blocks linked in address order."""
+    __slots__ = ("buffer", "mem", "size", "first", "pool")
+
+    def __init__(self, size, align, pool):
+        self.pool = pool                # the free list its blocks go on
+        self.buffer = np.empty(size + align, np.uint8)
+        start = -self.buffer.ctypes.data % align
+        self.mem, self.size = memoryview(self.buffer)[start:start + size], size
+        self.first = _Block(self, 0, size)
+
+
 class OutputCache:
-    """Reuses the buffers of large outputs (y, gx, gz, the mask) once nobody references them.
+    """A caching allocator for large outputs (y, gx, gz, the mask, im2col columns): released
+    bytes are handed out again instead of fresh pages.
 
     A fresh large NumPy array is backed by fresh pages that the kernel zeroes on first touch
     (page faults): ~1.5 ms per 8 MiB and ~13 ms per 205 MB on the benchmark machine, as much as
-    the kernels themselves. The cache owns byte buffers and hands out views of them; a buffer
-    is free again when the cache holds its only reference (``sys.getrefcount``), i.e. when every
-    array viewing it has been released, so a training loop reuses last step's buffers, as
-    PyTorch's CUDA caching allocator does. At most ``max_bytes`` are owned (in use or free;
-    free buffers of other sizes are dropped first to make room). Bypassed for outputs under
-    ``MIN_BYTES`` and while ``tracemalloc`` traces (so peak-memory measurements see every
-    allocation). ``max_bytes = 0`` disables it; :meth:`clear` drops the free buffers.
+    the kernels themselves. The cache owns a few large byte segments, cuts each request from
+    a free block of one (the smallest that holds it, the rest left free) and hands out views
+    of a block; a block is free again once every array viewing it has been released (a weak
+    reference to the block's owner array, the base of those views, queues it from its
+    callback: no scan of the blocks in use), and merges with free neighbours at the next
+    request. A training loop thus reuses last step's bytes whatever the
+    sizes, as PyTorch's CUDA caching allocator does (and like it: requests up to ``SMALL``
+    come from segments of ``SMALL_SEGMENT`` bytes, up to ``LARGE`` from ``LARGE_SEGMENT``,
+    larger ones from a segment of their own, so that small blocks do not split the large
+    ones' segments). At most ``max_bytes`` of segments are owned (free segments are dropped
+    first to make room, else NumPy's array). Bypassed for outputs under ``MIN_BYTES`` and
+    while ``tracemalloc`` traces (so peak-memory measurements see every allocation).
+    ``max_bytes = 0`` disables it; :meth:`clear` drops the segments nothing uses.
+
+    Why blocks, not buffers of one size each (before 2026-11-30): a buffer served only its own
+    byte count, so the cache owned, per size, the most buffers of that size ever in use at
+    once, however far apart in time: a fused ResNet-18 step (batch 16, 224x224) owned 545 MiB
+    of buffers to serve a peak of 208 MiB in use at once, 89 for 53 at 64x64, and its process
+    peaked above PyTorch's (docs/benchmarks.md#resnet_memory).
 
     Why ``MIN_BYTES`` is 64 KiB, not the 1 MiB it was: outputs below glibc's mmap threshold
     come from its heap, and freed together at the heap's top they pass its trim threshold
@@ -36,19 +75,19 @@ class OutputCache:
     """
     MIN_BYTES = 1 << 16
     ALIGN = 64
+    SMALL, SMALL_SEGMENT = 1 << 20, 2 << 20
+    LARGE, LARGE_SEGMENT = 10 << 20, 20 << 20
+    ROUND_LARGE = 2 << 20          # a larger request's own segment: a multiple of this
 
     def __init__(self, max_bytes=1 << 30):
         self.max_bytes = max_bytes
-        self._buffers = []              # [buffer, start] each, oldest first
-        self._by_size = {}              # buffer bytes -> its entries, oldest first
-        self._held = 0                  # bytes owned (the arrays' bytes)
+        self._segments = []             # oldest first
+        self._used = set()              # blocks handed out and not yet released
+        self._gone = collections.deque()    # blocks whose arrays are gone (weakref callbacks)
+        self._free = ([], [])           # per pool (small, large): (size, serial, block), sorted
+        self._serial = 0                # tie-break of equal sizes: the newest free block first
+        self._held = 0                  # bytes of the segments
         self._lock = threading.Lock()
-
-    @staticmethod
-    def _free(entry):
-        # only the cache references the buffer: its entry's list holds it once (getrefcount
-        # counts its own argument too)
-        return sys.getrefcount(entry[0]) == 2
 
     def empty(self, shape, dtype):
         """An uninitialised C-contiguous array of ``shape`` and ``dtype``."""
@@ -57,53 +96,128 @@ class OutputCache:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.MIN_BYTES or nbytes > self.max_bytes or tracemalloc.is_tracing():
             return np.empty(shape, dtype)
-        size = nbytes + self.ALIGN              # each buffer: ALIGN bytes of slack
+        size = -(-nbytes // self.ALIGN) * self.ALIGN
         with self._lock:
-            for entry in self._by_size.get(size, ()):
-                if self._free(entry):
-                    return self._view(entry, nbytes, shape, dtype)
-            i = 0
-            while self._held + nbytes > self.max_bytes and i < len(self._buffers):
-                if self._free(self._buffers[i]):     # the oldest free buffers make room
-                    self._drop(i)
+            self._reclaim()
+            block = self._fit(size)
+            if block is None:
+                block = self._grow(size)
+                if block is None:
+                    return np.empty(shape, dtype)
+            self._split(block, size)
+            # the owner's base is a memoryview, not an array, so NumPy's views of it keep it as
+            # their base (a view of a view of an array is based on the array that owns the
+            # memory): it lives exactly as long as any view the caller holds
+            owner = np.frombuffer(block.seg.mem[block.off:block.off + size], np.uint8)
+            block.used, block.ref = True, weakref.ref(owner, self._callback(block))
+            self._used.add(block)
+            return owner[:nbytes].view(dtype).reshape(shape)
+
+    # ---------------------------------------------------------------- the blocks
+
+    def _callback(self, block):
+        # the weak reference's callback: runs wherever the last view dies (any thread, inside
+        # a request too), so it only queues (a deque's append is atomic)
+        gone = self._gone
+        return lambda ref: gone.append(block)
+
+    def _reclaim(self):
+        """Free the blocks whose arrays are all gone (merged with free neighbours)."""
+        while self._gone:
+            block = self._gone.popleft()
+            block.used, block.ref = False, None
+            self._used.discard(block)
+            self._release(block)
+
+    def _release(self, block):
+        for other in (block.next, block.prev):
+            if other is not None and not other.used and self._unlist(other):
+                if other is block.next:
+                    block.size += other.size
+                    block.next = other.next
                 else:
-                    i += 1
-            if self._held + nbytes > self.max_bytes:
-                return np.empty(shape, dtype)
-            buffer = np.empty(size, np.uint8)
-            entry = [buffer, -buffer.ctypes.data % self.ALIGN]     # its first ALIGN boundary
-            self._buffers.append(entry)
-            self._by_size.setdefault(size, []).append(entry)
-            self._held += nbytes
-            return self._view(entry, nbytes, shape, dtype)
+                    other.size += block.size
+                    other.next = block.next
+                    block = other
+                if block.next is not None:
+                    block.next.prev = block
+        self._list(block)
 
-    def _drop(self, i):
-        entry = self._buffers.pop(i)
-        size = entry[0].nbytes
-        same = self._by_size[size]
-        del same[next(j for j, e in enumerate(same) if e is entry)]   # (== compares arrays)
-        if not same:
-            del self._by_size[size]
-        self._held -= size - self.ALIGN
+    def _list(self, block):
+        self._serial += 1
+        bisect.insort(self._free[block.seg.pool], (block.size, -self._serial, block))
 
-    @staticmethod
-    def _view(entry, nbytes, shape, dtype):
-        """The array of ``shape`` and ``dtype`` at the entry's buffer's first ALIGN-byte
-        boundary (its base is that buffer, whose reference count says whether it is in
-        use)."""
-        start = entry[1]
-        return entry[0][start:start + nbytes].view(dtype).reshape(shape)
+    def _unlist(self, block):
+        """Take a free block off its pool's list; False if it is not on it."""
+        free = self._free[block.seg.pool]
+        k = bisect.bisect_left(free, (block.size,))
+        while k < len(free) and free[k][0] == block.size:
+            if free[k][2] is block:
+                del free[k]
+                return True
+            k += 1
+        return False
+
+    def _fit(self, size):
+        """The smallest free block of the request's pool that holds ``size`` bytes (of those,
+        the one freed last: its lines the likeliest still in cache), taken off the list; or
+        None."""
+        free = self._free[size > self.SMALL]
+        k = bisect.bisect_left(free, (size,))
+        if k == len(free):
+            return None
+        return free.pop(k)[2]
+
+    def _split(self, block, size):
+        """Cut ``block`` to ``size`` bytes; the rest, if any, a free block after it."""
+        if block.size > size:
+            rest = _Block(block.seg, block.off + size, block.size - size, block, block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            self._list(rest)
+
+    def _segment_bytes(self, size):
+        if size <= self.SMALL:
+            return self.SMALL_SEGMENT
+        if size <= self.LARGE:
+            return self.LARGE_SEGMENT
+        return -(-size // self.ROUND_LARGE) * self.ROUND_LARGE
+
+    def _grow(self, size):
+        """A new segment for a request of ``size`` bytes (free segments dropped first while
+        the cap would be passed), its one block off the free lists; or None."""
+        want = self._segment_bytes(size)
+        i = 0
+        while self._held + want > self.max_bytes and i < len(self._segments):
+            if not self._drop_if_free(i):
+                i += 1
+        if self._held + want > self.max_bytes:
+            return None
+        seg = _Segment(want, self.ALIGN, int(size > self.SMALL))
+        self._segments.append(seg)
+        self._held += want
+        return seg.first
+
+    def _drop_if_free(self, i):
+        """Drop segment i if it is one free block; whether it was."""
+        block = self._segments[i].first
+        if block.used or block.next is not None or not self._unlist(block):
+            return False
+        self._held -= self._segments.pop(i).size
+        return True
 
     def clear(self):
-        """Drop the free buffers (those in use stay owned until released)."""
+        """Drop the segments nothing uses (those with a block in use stay owned)."""
         with self._lock:
-            for i in range(len(self._buffers) - 1, -1, -1):
-                if self._free(self._buffers[i]):
-                    self._drop(i)
+            self._reclaim()
+            i = 0
+            while i < len(self._segments):
+                if not self._drop_if_free(i):
+                    i += 1
 
     def owned_bytes(self):
-        """Bytes of the buffers owned, in use or free (the arrays' bytes; each buffer has
-        ALIGN bytes more)."""
+        """Bytes of the segments owned, in use or free."""
         return self._held
 
 
