@@ -34,9 +34,12 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
                print_blob=True)
 settings.register_profile("dev", max_examples=10, **_common)
 # quick (CI's oldest leg) and ci (its newest): drawn examples per property test, sized so that
-# .ci/run stays under 20 minutes (each example of the ci profile costs the CPU suite ~6 s)
-settings.register_profile("quick", max_examples=9, derandomize=True, **_common)
-settings.register_profile("ci", max_examples=18, derandomize=True, **_common)
+# .ci/run stays under 20 minutes (each example of the ci profile costs the CPU suite ~6 s on
+# machine E). 9 and 18 until 2026-11-30: on an AVX2 machine (Zen 3, 2 cores, ~2x slower in
+# these suites) .ci/run took 30 min (oldest leg 1805 s: CPU 633, simulator 1045), hence 5 and
+# 10 (expensive checks keep harness.MIN_EXAMPLES)
+settings.register_profile("quick", max_examples=5, derandomize=True, **_common)
+settings.register_profile("ci", max_examples=10, derandomize=True, **_common)
 settings.register_profile("thorough", max_examples=300, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
