@@ -54,8 +54,9 @@ def _reset_peak():
         f.write("5")
 
 
-def saved_activation_bytes(model, x):
-    """Bytes saved for backward by one forward that are not the model's parameters."""
+def saved_bytes(model, x):
+    """(all bytes, bytes that are not the model's parameters) saved for backward by one
+    forward: every tensor given to a pack hook, each storage once."""
     import torch
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
@@ -66,7 +67,7 @@ def saved_activation_bytes(model, x):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x)
-    return sum(v for k, v in seen.items() if k not in params)
+    return sum(seen.values()), sum(v for k, v in seen.items() if k not in params)
 
 
 def worker(side, name, recompute, batch, size, steps, threads):
@@ -100,7 +101,7 @@ def worker(side, name, recompute, batch, size, steps, threads):
     for _ in range(steps):
         step()
     peak = _status_kib("VmHWM")
-    saved = saved_activation_bytes(model, x)
+    saved = saved_bytes(model, x)[1]
     return dict(rest=rest, peak=peak, process=resource.getrusage(resource.RUSAGE_SELF)
                 .ru_maxrss * 1024, saved=saved, info=_runner._library_info(side))
 

@@ -15,20 +15,7 @@ import numpy as np
 import torch
 
 import numbafuse.torch as nft
-
-
-def saved_bytes(model, x):
-    """(all bytes, bytes that are not the model's parameters) saved for backward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return sum(seen.values()), sum(v for k, v in seen.items() if k not in params)
+from bench_resnet_memory import saved_bytes   # (each storage once, parameters apart)
 
 
 def main():
