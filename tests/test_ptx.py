@@ -48,7 +48,8 @@ def test_there_are_kernels():
     assert len(_cases()) >= 6
 
 
-@pytest.mark.parametrize("module", _cuda_modules(), ids=lambda m: m.__name__.removeprefix("numbafuse.kernels."))
+@pytest.mark.parametrize("module", _cuda_modules(),
+                         ids=lambda m: m.__name__.removeprefix("numbafuse.kernels."))
 def test_every_kernel_is_listed(module):
     listed = {id(k) for k, _ in getattr(module, "PTX_SIGNATURES", [])}
     missing = [name for name, k in _kernels(module).items() if id(k) not in listed]
@@ -66,3 +67,50 @@ def test_compiles_to_ptx(kernel, signature, ftype):
     ptx = sass.compile_ptx(kernel, sig)
     assert ".target sm_90" in ptx
     assert ".entry" in ptx
+
+
+_PTX_SCRIPT = """
+import sys
+import numbafuse.cuda
+from numba.cuda import lowering
+from numbafuse.kernels import catalog
+from numbafuse.testing import cuda_sass
+if sys.argv[1] == "scanning":
+    lowering.Lower._find_singly_assigned_variable = \\
+        lowering.Lower._scanning_singly_assigned_variable
+cases = {name: (kernel, sig) for name, kernel, sig, _ in catalog.cases()}
+for name in sys.argv[2:]:
+    sys.stdout.write(cuda_sass._compile_ptx(*cases[name]) + "\\f")
+"""
+
+
+def _ptx_lines(ptx):
+    # the module's .common .global declarations (numba's environments) come in an order that
+    # varies with the process's string hashing, with numba-cuda's own lowering too: a set
+    lines = ptx.splitlines()
+    return (sorted(ln for ln in lines if ln.startswith(".common .global")),
+            [ln for ln in lines if not ln.startswith(".common .global")])
+
+
+def test_the_linear_lowering_count_generates_the_same_ptx():
+    """numbafuse.cuda replaces numba-cuda's quadratic search for singly assigned variables
+    (numbafuse/cuda/compat.py: speed_up_lowering) with a count: the same PTX comes out, for a
+    conv GEMM (long unrolled blocks) and the depthwise forward (loops over taps)."""
+    import subprocess
+    import sys
+
+    import numbafuse.cuda  # noqa: F401  (installs the count)
+    from numba.cuda import lowering
+    assert hasattr(lowering.Lower, "_scanning_singly_assigned_variable"), (
+        "numba-cuda's lowering no longer scans: drop numbafuse.cuda.compat.speed_up_lowering")
+    names = ["conv.gemm_dw_nhwc_64[f64]", "conv_depthwise._forward[f32]"]
+    out = {}
+    for how in ("scanning", "counted"):
+        run = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, how, *names],
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        out[how] = run.stdout.split("\f")[:-1]
+        assert len(out[how]) == len(names)
+    for name, scanning, counted in zip(names, out["scanning"], out["counted"]):
+        assert ".entry" in counted
+        assert _ptx_lines(scanning) == _ptx_lines(counted), name

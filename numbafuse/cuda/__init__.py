@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from .compat import (FIRST_NUMBA_CUDA_WITH_NUMPY_25, NUMPY_WITHOUT_ROW_STACK,  # noqa: F401
-                     SUPPORTED_NUMBA_CUDA, compatibility_error, require_compatible)
+                     SUPPORTED_NUMBA_CUDA, compatibility_error, require_compatible,
+                     speed_up_lowering)
 
 require_compatible()
 
@@ -46,6 +47,9 @@ from .arrays import c_array, flat, memory, rows  # noqa: E402,F401  (flat, rows:
 jit_cache.install_numbafuse()   # numba-cuda's cache too, before any CUDA kernel is decorated
 
 SIMULATOR = bool(numba_config.ENABLE_CUDASIM)   # NUMBA_ENABLE_CUDASIM=1: the CUDA simulator
+if not SIMULATOR:
+    from numba.cuda import lowering as _lowering  # noqa: E402
+    speed_up_lowering(_lowering)  # compat.py: numba-cuda's quadratic scan of long blocks, linear
 
 
 def is_available() -> bool:

@@ -51,3 +51,73 @@ def require_compatible(numpy_version: str | None = None,
                                   numba_cuda_version or _numba_cuda_version())
     if message:
         raise RuntimeError(message)
+
+
+# numba-cuda's lowering finds the variables assigned once (kept in registers, not stack slots)
+# by listing, for every such candidate, every assignment of its block: quadratic in a block's
+# length. The conv GEMM kernels' unrolled register tiles make blocks of thousands of
+# statements, so that scan was a third of their compilation (conv.gemm_fwd_nchw_32: 24 of 67 s
+# under cProfile, numba-cuda 0.30.4). numba's own CPU lowering counts each block's assignments
+# once (numba/core/lowering.py in numba 0.68); this is that count, installed on numba-cuda's
+# Lower class while its method is still the scanning one (a later numba-cuda that changes it
+# keeps its own). The same variables are found, so the same code is generated:
+# tests/test_ptx.py compares the PTX both ways.
+_SCANNING_LINE = "assign_stmts = self.blocks[defblk].find_insts("
+_LOWERING = []                           # numba.cuda.lowering, once speed_up_lowering ran
+
+
+def _counted_singly_assigned_variable(self):
+    from collections import defaultdict
+
+    lowering = _LOWERING[0]
+    ir = lowering.ir
+    sav = set()
+    if not self.func_ir.func_id.is_generator:
+        blocks = self.func_ir.blocks
+        use_defs = lowering.compute_use_defs(blocks)
+        alloca_vars = lowering.must_use_alloca(blocks)
+        defined_in = defaultdict(set)
+        for blk, names in use_defs.defmap.items():
+            for name in names:
+                defined_in[name].add(blk)
+        used_in = defaultdict(set)
+        for blk, names in use_defs.usemap.items():
+            for name in names:
+                used_in[name].add(blk)
+        assignments = {}                 # block label -> {variable name: assignments}
+        for label, block in self.blocks.items():
+            counts = defaultdict(int)
+            for stmt in block.find_insts(ir.assign_types):
+                counts[stmt.target.name] += 1
+            assignments[label] = counts
+        for name, where in defined_in.items():
+            if name not in alloca_vars and len(where) == 1 and not used_in[name]:
+                [label] = where
+                if assignments[label][name] == 1:
+                    sav.add(name)
+    self._singly_assigned_vars = sav
+    self._blk_local_varmap = {}
+
+
+def speed_up_lowering(lowering) -> bool:
+    """Install the linear count on ``numba.cuda.lowering.Lower`` (the module is passed: this
+    package imports numba.cuda in its ``__init__`` only) if it still scans; True if installed,
+    now or before. Not for the simulator, which lowers nothing."""
+    import inspect
+
+    lower = getattr(lowering, "Lower", None)
+    method = getattr(lower, "_find_singly_assigned_variable", None)
+    if method is None:
+        return False
+    if method is _counted_singly_assigned_variable:
+        return True
+    try:
+        source = inspect.getsource(method)
+    except (OSError, TypeError):
+        return False
+    if _SCANNING_LINE not in source:
+        return False
+    _LOWERING[:] = [lowering]
+    lower._scanning_singly_assigned_variable = method      # kept for the PTX comparison
+    lower._find_singly_assigned_variable = _counted_singly_assigned_variable
+    return True
