@@ -23,10 +23,17 @@ def _f64(a):
     return None if a is None else np.asarray(a, np.float64)
 
 
-def _limits(backend, small, normal, limits):
+def _limits(backend, small, normal, limits, grouped=False):
     """Strategy size limits: ``small`` on the simulator, ``normal`` elsewhere; the boundary
-    table's ``limits`` override both."""
-    return {**(small if backend.small else normal), **limits}
+    table's ``limits`` override both. ``grouped`` (the conv ops): a draw without limits (every
+    check of tests/test_ops.py, on each backend) draws ``groups`` too (GROUPS); a boundary
+    table's draw has the groups its table says (none for the ungrouped kernels' tables)."""
+    drawn = {"groups": GROUPS} if grouped and not limits else {}
+    return {**(small if backend.small else normal), **drawn, **limits}
+
+
+def _conv_limits(backend, limits):
+    return _limits(backend, CONV_SMALL, CONV_NORMAL, limits, grouped=True)
 
 
 def _conv_dims(x, w, kw, dtype):
@@ -62,6 +69,10 @@ CONV_NORMAL = dict()
 BN_SMALL = dict(max_batch=2, max_channels=3, max_size=3)
 BN_NORMAL = dict()
 HEAVY = 2          # a conv or batch norm example costs about two plain ones
+# groups of a conv op's draw: half the examples ungrouped; G 2 or 3 divides C and K (C == G:
+# depthwise; the simulator's 3 channels make every grouped draw depthwise, the CPU's 4 also
+# 2 groups of 2 channels), so grouped and depthwise kernels meet every check of test_ops.py
+GROUPS = st.sampled_from((1, 1, 2, 3))
 
 
 # =========================================================================== convolution family
@@ -71,7 +82,7 @@ class Conv2d(OpCase):
 
     def draw(self, draw, backend, dtype=None, **limits):
         p = draw(nfs.conv_problems(dtype=dtype, bias=False,
-                                   **_limits(backend, CONV_SMALL, CONV_NORMAL, limits)))
+                                   **_conv_limits(backend, limits)))
         return Example(dict(x=p.x, w=p.w), p.kwargs, _conv_dims(p.x, p.w, p.kwargs, p.x.dtype))
 
     def expected_grads(self, ex, dy):
@@ -96,7 +107,7 @@ class ConvBiasReLU(OpCase):
 
     def draw(self, draw, backend, dtype=None, **limits):
         p = draw(nfs.conv_problems(dtype=dtype,
-                                   **_limits(backend, CONV_SMALL, CONV_NORMAL, limits)))
+                                   **_conv_limits(backend, limits)))
         return Example(dict(x=p.x, w=p.w, b=p.b), p.kwargs,
                        _conv_dims(p.x, p.w, p.kwargs, p.x.dtype))
 
@@ -122,7 +133,7 @@ class ConvBias(ConvBiasReLU):
 
     def draw(self, draw, backend, dtype=None, **limits):
         p = draw(nfs.conv_problems(dtype=dtype, bias=True,
-                                   **_limits(backend, CONV_SMALL, CONV_NORMAL, limits)))
+                                   **_conv_limits(backend, limits)))
         return Example(dict(x=p.x, w=p.w, b=p.b), p.kwargs,
                        _conv_dims(p.x, p.w, p.kwargs, p.x.dtype))
 
@@ -244,7 +255,7 @@ class ConvBatchNormReLU(OpCase):
         training = limits.pop("training", None)     # a strategy, or None: drawn
         small = dict(max_batch=2, max_channels=2, max_size=4, max_kernel=2)
         p = draw(nfs.conv_batchnorm_problems(dtype=dtype,
-                                             **_limits(backend, small, {}, limits)))
+                                             **_limits(backend, small, {}, limits, grouped=True)))
         kw = _bn_keywords(draw, p, p.gamma.size, dict(p.kwargs, relu=draw(st.booleans())),
                           training)
         return Example(dict(x=p.x, w=p.w, gamma=p.gamma, beta=p.beta), kw,

@@ -2,6 +2,8 @@
 docstring, "NumPy 2.5"): checked before ``numba.cuda`` is imported."""
 from __future__ import annotations
 
+import inspect
+import threading
 from importlib import metadata
 
 import numpy as np
@@ -103,8 +105,6 @@ def speed_up_lowering(lowering) -> bool:
     """Install the linear count on ``numba.cuda.lowering.Lower`` (the module is passed: this
     package imports numba.cuda in its ``__init__`` only) if it still scans; True if installed,
     now or before. Not for the simulator, which lowers nothing."""
-    import inspect
-
     lower = getattr(lowering, "Lower", None)
     method = getattr(lower, "_find_singly_assigned_variable", None)
     if method is None:
@@ -120,4 +120,113 @@ def speed_up_lowering(lowering) -> bool:
     _LOWERING[:] = [lowering]
     lower._scanning_singly_assigned_variable = method      # kept for the PTX comparison
     lower._find_singly_assigned_variable = _counted_singly_assigned_variable
+    return True
+
+
+# numba-cuda's simulator runs a block as one Python thread per GPU thread, and its
+# BlockManager.run finds out when every live thread waits at a barrier (to release them) or
+# has finished by polling all of them in a loop that never sleeps (is_alive() and
+# syncthreads_blocked of each, over and over) while the threads wait for the GIL: profiling
+# benchmarks/bench_gpu.py --smoke under the simulator (numba-cuda 0.30.4) counted 24 million
+# is_alive() calls. speed_up_simulator replaces that loop, and the two places where a thread
+# changes state (reaching a barrier, finishing), with a condition variable the block's threads
+# notify; the manager sleeps until one does. numba-cuda's rules are kept: a barrier is released
+# once every live thread of the block waits at *some* syncthreads() (tests/conftest.py's
+# uniform_barriers checks they waited at the same one), and a thread's exception aborts the
+# others and is raised by the launch. Installed while numba-cuda's loop is the one described
+# (its source is read). The simulator's tests took 785 s in one process instead of 1604
+# (machine F), a replayed training step's test 54 s instead of 188.
+_POLLING_LINE = "livethreads = set([t for t in livethreads if t.is_alive()])"
+_SIMULATOR = []                          # numba.cuda.simulator.kernel, once installed
+
+
+def _barrier(self):
+    """``BlockThread.syncthreads``: wait at a barrier, telling the manager."""
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads call")
+    changed = self._manager._changed
+    with changed:
+        self.syncthreads_blocked = True
+        changed.notify()
+    self.syncthreads_event.wait()
+    self.syncthreads_event.clear()
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads clear")
+
+
+def _thread_body(run):
+    def body(self):
+        """``BlockThread.run``: the thread's function, then tell the manager it finished."""
+        try:
+            run(self)
+        finally:
+            changed = self._manager._changed
+            with changed:
+                self._finished = True
+                changed.notify()
+    return body
+
+
+def _abort(threads):
+    for t in threads:
+        t.abort = True
+        t.syncthreads_blocked = False
+        t.syncthreads_event.set()
+
+
+def _run_block(self, grid_point, *args):
+    """``BlockManager.run``: one block, its threads' barriers released as they all arrive."""
+    BlockThread = _SIMULATOR[0].BlockThread
+    self._changed = threading.Condition()
+    threads = []
+    for block_point in np.ndindex(*self._block_dim):
+        def target():
+            self._f(*args)
+        t = BlockThread(target, self, grid_point, block_point, self._debug)
+        t._finished = False
+        threads.append(t)
+    for t in threads:
+        t.start()
+    live = threads
+    with self._changed:
+        while live:
+            for t in live:
+                if t.exception:
+                    _abort(threads)
+                    raise t.exception[0].with_traceback(t.exception[1])
+            live = [t for t in live if not t._finished]
+            if live and all(t.syncthreads_blocked for t in live):
+                for t in live:
+                    t.syncthreads_blocked = False
+                    t.syncthreads_event.set()
+            elif live:
+                self._changed.wait()
+    for t in threads:
+        t.join()
+        if t.exception:
+            raise t.exception[0].with_traceback(t.exception[1])
+
+
+def speed_up_simulator(kernel) -> bool:
+    """Install :func:`_run_block` on ``numba.cuda.simulator.kernel`` (the module is passed,
+    as for :func:`speed_up_lowering`) if its ``BlockManager.run`` still polls; True if
+    installed, now or before. numba-cuda's own methods are kept as ``_polling_*``."""
+    manager = getattr(kernel, "BlockManager", None)
+    if manager is None or not hasattr(kernel, "BlockThread"):
+        return False
+    if manager.run is _run_block:
+        return True
+    try:
+        source = inspect.getsource(manager.run)
+    except (OSError, TypeError):
+        return False
+    if _POLLING_LINE not in source:
+        return False
+    _SIMULATOR[:] = [kernel]
+    thread = kernel.BlockThread
+    manager._polling_run = manager.run
+    thread._polling_syncthreads, thread._polling_body = thread.syncthreads, thread.run
+    manager.run = _run_block
+    thread.syncthreads = _barrier
+    thread.run = _thread_body(thread.run)
     return True

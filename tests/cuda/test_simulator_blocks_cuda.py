@@ -1,0 +1,114 @@
+"""The simulator's thread blocks as numbafuse.cuda runs them (``compat.speed_up_simulator``:
+a condition variable instead of numba-cuda's polling loop) keep numba-cuda's rules: barriers
+in loops and branches, threads that leave early, ``syncthreads_count``, a thread's exception
+raised by the launch, and (tests/conftest.py's ``uniform_barriers``) a block whose threads
+take different barriers is caught. Each check runs under both schedulers."""
+import numpy as np
+import pytest
+from numba import float64, int32
+
+from numbafuse.cuda import SIMULATOR, compat
+from numbafuse.cuda import numba_cuda as cuda
+
+pytestmark = pytest.mark.skipif(not SIMULATOR, reason="the simulator's scheduler")
+
+THREADS = 8
+
+
+@pytest.fixture(params=["sleeping", "polling"])
+def scheduler(request, monkeypatch):
+    from numba.cuda.simulator import kernel
+    if request.param == "polling":          # numba-cuda's own methods, kept by compat
+        monkeypatch.setattr(kernel.BlockManager, "run", kernel.BlockManager._polling_run)
+        monkeypatch.setattr(kernel.BlockThread, "syncthreads",
+                            kernel.BlockThread._polling_syncthreads)
+        monkeypatch.setattr(kernel.BlockThread, "run", kernel.BlockThread._polling_body)
+    return request.param
+
+
+def test_numbafuse_runs_the_sleeping_blocks():
+    from numba.cuda.simulator import kernel
+    assert kernel.BlockManager.run is compat._run_block
+    assert compat.speed_up_simulator(kernel)          # idempotent
+
+
+@cuda.jit
+def _tree_sums(x, out):
+    s = cuda.shared.array(THREADS, float64)
+    t = cuda.threadIdx.x
+    s[t] = x[cuda.blockIdx.x * THREADS + t]
+    cuda.syncthreads()
+    step = THREADS // 2
+    while step > 0:                          # a barrier in a loop, a branch between them
+        if t < step:
+            s[t] += s[t + step]
+        cuda.syncthreads()
+        step //= 2
+    if t == 0:
+        out[cuda.blockIdx.x] = s[0]
+
+
+@cuda.jit
+def _early_exit(out, live):
+    s = cuda.shared.array(THREADS, int32)
+    t = cuda.threadIdx.x
+    s[t] = t
+    if t >= live:
+        return                               # leaves before the barrier the others reach
+    cuda.syncthreads()
+    out[cuda.blockIdx.x, t] = s[(t + 1) % live] + cuda.syncthreads_count(t % 2 == 0)
+
+
+@cuda.jit
+def _out_of_bounds(x):
+    t = cuda.threadIdx.x
+    cuda.syncthreads()
+    x[t * 2] = 1.0                           # past the end for the upper half of the block
+
+
+@cuda.jit
+def _divergent_barrier(x):
+    t = cuda.threadIdx.x
+    if t < 4:
+        cuda.syncthreads()                   # half the block waits here ...
+    else:
+        cuda.syncthreads()                   # ... and half here: a hang or UB on a GPU
+    x[t] = t
+
+
+def test_barriers_in_loops_and_branches(scheduler):
+    x = np.arange(3 * THREADS, dtype=np.float64) ** 1.5
+    out = np.zeros(3)
+    _tree_sums[3, THREADS](x, out)
+    np.testing.assert_allclose(out, x.reshape(3, THREADS).sum(axis=1))
+
+
+# threads that leave early never reach the barrier: the simulator releases the others (as
+# numba-cuda does), and uniform_barriers reports it (undefined on a GPU), hence the marks
+@pytest.mark.parametrize("live", [pytest.param(1, marks=pytest.mark.divergent_barriers),
+                                  pytest.param(3, marks=pytest.mark.divergent_barriers),
+                                  THREADS])
+def test_threads_that_leave_before_a_barrier(scheduler, live):
+    out = np.full((2, THREADS), -1, np.int32)
+    _early_exit[2, THREADS](out, live)
+    t = np.arange(live)
+    expected = (t + 1) % live + (live + 1) // 2        # s[t+1] + even threads among the live
+    assert (out[:, :live] == expected).all() and (out[:, live:] == -1).all()
+
+
+def test_a_threads_exception_is_raised_and_the_next_launch_runs(scheduler):
+    x = np.zeros(THREADS)
+    with pytest.raises(IndexError, match=r"tid=\["):
+        _out_of_bounds[1, THREADS](x)
+    out = np.zeros(1)
+    _tree_sums[1, THREADS](np.ones(THREADS), out)
+    assert out[0] == THREADS
+
+
+@pytest.mark.divergent_barriers
+def test_the_uniform_barrier_check_catches_divergent_barriers(scheduler):
+    # the simulator releases the block; conftest's uniform_barriers, asked by the marker,
+    # fails this test at teardown unless it found the two barrier sequences
+    x = np.zeros(THREADS)
+    _divergent_barrier[1, THREADS](x)
+    assert (x == np.arange(THREADS)).all()
