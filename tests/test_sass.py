@@ -33,6 +33,16 @@ pytestmark = [pytest.mark.ptx, pytest.mark.skipif(
     os.environ.get("NUMBAFUSE_TEST_SM90", "1") == "0",
     reason="NUMBAFUSE_TEST_SM90=0: CI compiles for sm_90 in its newest-Python leg only")]
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_in_workers():
+    """Every listed kernel compiled to PTX first, in worker processes side by side
+    (``cuda_sass.compile_all``: faster than compiling in this process); the tests read them
+    from the cache ``cuda_sass.compile_ptx`` keeps."""
+    from numbafuse.kernels import catalog
+    from numbafuse.testing import cuda_sass
+    cuda_sass.compile_all(catalog.cases())
+
 MIN_FMA_SHARE = 0.30
 MIN_FMA_PER_LDS = 2.0
 GEMM_THREADS = 256                                   # every tiling of config.CONV_TILES

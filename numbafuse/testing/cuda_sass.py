@@ -249,6 +249,39 @@ def compile_ptx(kernel, signature) -> str:
     return _PTX[key][1]
 
 
+def _compile_case(name: str) -> str:
+    """PTX of the catalog case ``name`` (a worker process's task)."""
+    from ..kernels import catalog
+    for case, kernel, signature, _ in catalog.cases():
+        if case == name:
+            return _compile_ptx(kernel, signature)
+    raise KeyError(name)
+
+
+def compile_all(cases, jobs=None) -> None:
+    """Compile the catalog ``cases`` (``catalog.cases()`` entries) to PTX in ``jobs`` worker
+    processes (default: the cores, at most 8) and keep each in :func:`compile_ptx`'s cache.
+
+    Worker processes, not this one: compiling numbafuse's conv GEMMs took 20-22 s each in a
+    fresh process and 31-40 s inside a pytest process that had collected the test suite
+    (numba-cuda 0.30.4, machine F), and workers run side by side where there are cores.
+    Each worker compiles several cases, so the numba import is paid once per worker."""
+    import concurrent.futures as futures
+    import multiprocessing
+    todo = [(name, kernel, sig) for name, kernel, sig, _ in cases
+            if (id(kernel), str(sig)) not in _PTX]
+    if not todo:
+        return
+    jobs = max(1, min(jobs or os.cpu_count() or 1, 8, len(todo)))
+    context = multiprocessing.get_context("spawn")    # never fork a process holding numba
+    with futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        # the longest first (the GEMMs: gemm_*), so no worker is left with one at the end
+        order = sorted(todo, key=lambda c: "gemm_" not in c[0])
+        done = pool.map(_compile_case, [name for name, _, _ in order])
+        for (name, kernel, sig), ptx in zip(order, done):
+            _PTX[(id(kernel), str(sig))] = (kernel, ptx)
+
+
 def _compile_ptx(kernel, signature) -> str:
     from ..cuda import numba_cuda as cuda
     opts = kernel.targetoptions
