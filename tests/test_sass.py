@@ -59,8 +59,9 @@ def _sass():
 
 
 def _cases():
-    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
-        return []
+    if (os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+            or os.environ.get("NUMBAFUSE_TEST_SM90", "1") == "0"):
+        return []       # no kernel module imported to collect tests that skip
     from numbafuse.kernels import catalog
     return [pytest.param(k, s, g, _gated(n), SPILLS_MEASURED.get(n, 0), id=n)
             for n, k, s, g in catalog.cases()]
