@@ -24,13 +24,23 @@ pytestmark = [pytest.mark.ptx, pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _compiled_in_workers():
-    """Every listed kernel compiled to PTX first, in worker processes side by side
-    (``cuda_sass.compile_all``: faster than compiling in this process); the tests read them
-    from the cache ``cuda_sass.compile_ptx`` keeps."""
+def _compiled_in_workers(request):
+    """The kernels this run's tests of this module check, compiled to PTX first, in worker
+    processes side by side (``cuda_sass.compile_all``: faster than compiling in this
+    process); the tests read them from the cache ``cuda_sass.compile_ptx`` keeps."""
+    import numba
+
     from numbafuse.kernels import catalog
     from numbafuse.testing import cuda_sass
-    cuda_sass.compile_all(catalog.cases())
+    wanted = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if getattr(item, "module", None) is request.module and "kernel" in params:
+            sig = params["signature"]
+            if "ftype" in params:                       # test_ptx: a signature per dtype
+                sig = sig(getattr(numba, params["ftype"]))
+            wanted.add((id(params["kernel"]), str(sig)))
+    cuda_sass.compile_all([c for c in catalog.cases() if (id(c[1]), str(c[2])) in wanted])
 
 CC = (9, 0)
 
