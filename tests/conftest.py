@@ -139,6 +139,27 @@ def conv_rules():
         yield lambda **changes: stack.enter_context(cpu_plan.using(**changes))
 
 
+@pytest.fixture(scope="module")
+def compiled_in_workers(request):
+    """For tests/test_ptx.py and test_sass.py (their ``pytestmark``): the kernels this run's
+    tests of the module check, compiled to PTX first, in worker processes side by side
+    (``cuda_sass.compile_all``: faster than compiling in this process); the tests read them
+    from the cache ``cuda_sass.compile_ptx`` keeps."""
+    import numba
+
+    from numbafuse.kernels import catalog
+    from numbafuse.testing import cuda_sass
+    wanted = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if getattr(item, "module", None) is request.module and "kernel" in params:
+            sig = params["signature"]
+            if "ftype" in params:                       # test_ptx: a signature per dtype
+                sig = sig(getattr(numba, params["ftype"]))
+            wanted.add((id(params["kernel"]), str(sig)))
+    cuda_sass.compile_all([c for c in catalog.cases() if (id(c[1]), str(c[2])) in wanted])
+
+
 @pytest.fixture(autouse=True)
 def small_launches(request, monkeypatch):
     """Shrink launch sizes (simulator only) so several blocks run on tiny inputs."""

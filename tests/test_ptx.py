@@ -16,31 +16,12 @@ import pytest
 
 SKIPPED = (os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
            or os.environ.get("NUMBAFUSE_TEST_SM90", "1") == "0")
-pytestmark = [pytest.mark.ptx, pytest.mark.skipif(
+pytestmark = [pytest.mark.ptx, pytest.mark.usefixtures("compiled_in_workers"),
+              pytest.mark.skipif(
     os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1",
     reason="PTX compilation needs the real numba.cuda, not the simulator"), pytest.mark.skipif(
     os.environ.get("NUMBAFUSE_TEST_SM90", "1") == "0",
     reason="NUMBAFUSE_TEST_SM90=0: CI compiles for sm_90 in its newest-Python leg only")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _compiled_in_workers(request):
-    """The kernels this run's tests of this module check, compiled to PTX first, in worker
-    processes side by side (``cuda_sass.compile_all``: faster than compiling in this
-    process); the tests read them from the cache ``cuda_sass.compile_ptx`` keeps."""
-    import numba
-
-    from numbafuse.kernels import catalog
-    from numbafuse.testing import cuda_sass
-    wanted = set()
-    for item in request.session.items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if getattr(item, "module", None) is request.module and "kernel" in params:
-            sig = params["signature"]
-            if "ftype" in params:                       # test_ptx: a signature per dtype
-                sig = sig(getattr(numba, params["ftype"]))
-            wanted.add((id(params["kernel"]), str(sig)))
-    cuda_sass.compile_all([c for c in catalog.cases() if (id(c[1]), str(c[2])) in wanted])
 
 CC = (9, 0)
 
