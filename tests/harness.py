@@ -109,11 +109,19 @@ def _group_images_per_chunk(images):
         d["itemsize"]
 
 
-def _bn_tasks(d, chunk, nhwc_row):
-    """Tasks of a CPU batch-norm pass over rows (R, L): NCHW (N*C, H*W), NHWC (M/m, m*C) with
-    m doubled while m*C < nhwc_row and 2m divides M, each task ~chunk elements of
-    whole rows, a multiple of 8/gcd(L, 8) rows (whole mask bytes)."""
+def _bn_flat(d, flat_max_hw):
+    """Whether a CPU batch norm walks NCHW x as (N, C*H*W) rows (kernels/batchnorm/cpu_rows;
+    the boundary's C*H*W is under FLAT_MAX_ROW)."""
+    return d["layout"] == "NCHW" and d["H"] * d["W"] <= flat_max_hw
+
+
+def _bn_tasks(d, chunk, nhwc_row, flat_max_hw):
+    """Tasks of a CPU batch-norm pass over rows (R, L): NCHW (N*C, H*W), flat NCHW (N,
+    C*H*W), NHWC (M/m, m*C) with m doubled while m*C < nhwc_row and 2m divides M, each task
+    ~chunk elements of whole rows, a multiple of 8/gcd(L, 8) rows (whole mask bytes)."""
     R, L = (d["N"] * d["C"], d["H"] * d["W"]) if d["layout"] == "NCHW" else (d["M"], d["C"])
+    if _bn_flat(d, flat_max_hw):
+        R, L = d["N"], d["C"] * d["H"] * d["W"]
     while d["layout"] == "NHWC" and L < nhwc_row and R % 2 == 0:
         R, L = R // 2, L * 2
     group = 8 // math.gcd(L, 8)
@@ -216,16 +224,23 @@ BOUNDARIES = {
             "bytes: rows a multiple of 8/gcd(row length, 8)); NHWC statistics in tasks of "
             "REDUCE_CHUNK // C rows: every example spans several tasks of each, the last "
             "one partial; NHWC_ROW 1 (one NHWC row a row) or 16 (m of 2 to 8 rows walked as one "
-            "where M is even); PARALLEL_MIN_ELEMENTS 0: every call runs on the thread pool",
+            "where M is even); NCHW maps of at most FLAT_MAX_HW (0 or 9) pixels as one row a "
+            "sample (flat: each channel's values repeated along the row, its sums folded at "
+            "the end of a task; FLAT_CHUNK tiny as REDUCE_CHUNK), so NCHW reaches both "
+            "families; PARALLEL_MIN_ELEMENTS 0: every call runs on the thread pool",
         ops=("batchnorm_add_relu", "batchnorm"),
         patch={"batchnorm.cpu.CHUNK": (8, 16), "batchnorm.cpu.REDUCE_CHUNK": (1, 8),
+               "batchnorm.cpu.FLAT_CHUNK": (1, 24), "batchnorm.cpu.FLAT_MAX_HW": (0, 9),
                "batchnorm.cpu.NHWC_ROW": (1, 16), "cpu.launch.PARALLEL_MIN_ELEMENTS": 0},
         shapes=lambda: dict(training=st.just(True),
                             dims=dict(N=_ints(3, 4), C=_ints(3, 5), H=_ints(2, 4),
                                       W=_ints(2, 4))),
-        crosses=lambda d, k: min(_bn_tasks(d, k(f"batchnorm.cpu.{chunk}"),
-                                           k("batchnorm.cpu.NHWC_ROW"))
-                                 for chunk in ("CHUNK", "REDUCE_CHUNK")) >= 2),
+        crosses=lambda d, k: min(
+            _bn_tasks(d, k("batchnorm.cpu.CHUNK"), k("batchnorm.cpu.NHWC_ROW"),
+                      k("batchnorm.cpu.FLAT_MAX_HW")),
+            _bn_tasks(d, k("batchnorm.cpu." + ("FLAT_CHUNK" if _bn_flat(
+                d, k("batchnorm.cpu.FLAT_MAX_HW")) else "REDUCE_CHUNK")),
+                k("batchnorm.cpu.NHWC_ROW"), k("batchnorm.cpu.FLAT_MAX_HW"))) >= 2),
     ("cpu", "basic"): Boundary(
         why="PARALLEL_MIN_ELEMENTS 0: relu, pooling and the loss run on the thread pool",
         ops=("relu", "max_pool2d", "global_avg_pool2d", "cross_entropy"),

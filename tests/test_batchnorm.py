@@ -284,6 +284,62 @@ def test_affine_gate_decides_as_the_forward(layout, shape, dtype, threads):
         cpu_launch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("shape", [(5, 6, 1, 1), (4, 7, 2, 2), (3, 4, 2, 3), (6, 3, 4, 4)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_small_nchw_maps_walk_one_row_a_sample(shape, dtype, monkeypatch):
+    """CPU: an NCHW map of at most FLAT_MAX_HW pixels runs the row kernels on (N, C*H*W)
+    rows, each channel's values repeated along the row and its sums folded at a task's end
+    (kernels/batchnorm/cpu_rows.py). In tasks of one or two rows (several a pass, the last one
+    partial where N is odd), on the pool: the statistics, the forward with z and the ReLU,
+    and the backward of every ReLU state against the float64 reference."""
+    from numbafuse.kernels.batchnorm import cpu as bn_cpu
+    from numbafuse.kernels.cpu import launch as cpu_launch
+    monkeypatch.setattr(bn_cpu, "FLAT_CHUNK", 2 * shape[1] * shape[2] * shape[3])
+    monkeypatch.setattr(bn_cpu, "CHUNK", 1)
+    monkeypatch.setattr(bn_cpu, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(cpu_launch, "PARALLEL_MIN_ELEMENTS", 0)
+    assert bn_cpu._view(shape, "NCHW").family == "flat"
+    kernels = []
+    real = bn_cpu.launch
+
+    def spy(kernel, ntasks, *args, **kwargs):
+        kernels.append((kernel.py_func.__name__, ntasks))
+        return real(kernel, ntasks, *args, **kwargs)
+    monkeypatch.setattr(bn_cpu, "launch", spy)
+    p = _problem("NCHW", shape=shape, dtype=dtype, seed=12)
+    p.x[:] += 3.0                                                  # a shift to subtract
+    dy = np.random.default_rng(13).standard_normal(shape).astype(dtype)
+    mean, var, invstd = bn.bn_stats(p.x, layout="NCHW")
+    y_ref, mean_ref, var_ref = ref.batchnorm_train(p.x, p.gamma, p.beta)
+    pre = y_ref.astype(np.float64) + p.z                           # before the ReLU
+    y, mask = bn.bn_apply(p.x, mean, invstd, p.gamma, p.beta, z=p.z, relu=True,
+                          with_mask=True)
+    close(mean, mean_ref, dtype)
+    close(var, var_ref, dtype)
+    close(y, np.maximum(pre, 0), dtype)
+    g = dy * (pre > 0)
+    dx_ref, dgamma_ref, dbeta_ref = ref.batchnorm_backward(g, p.x, p.gamma)
+    need = (True, True, True, True)
+    for state in (y, mask):                                       # STATE_Y, STATE_MASK
+        dx, dgamma, dbeta, dz = bn.bn_backward(dy, p.x, mean, invstd, p.gamma, state,
+                                               need=need)
+        close(dz, g, dtype)
+        close(dx, dx_ref, dtype)
+        close(dgamma, dgamma_ref, dtype)
+        close(dbeta, dbeta_ref, dtype)
+    y_affine = bn.bn_apply(p.x, mean, invstd, p.gamma, p.beta, relu=True)
+    g = dy * (y_affine > 0)
+    dx_ref, dgamma_ref, dbeta_ref = ref.batchnorm_backward(g, p.x, p.gamma)
+    dx, dgamma, dbeta, _ = bn.bn_backward(dy, p.x, mean, invstd, p.gamma,
+                                          bn.AffineGate(p.beta), need=need)
+    close(dx, dx_ref, dtype)
+    close(dgamma, dgamma_ref, dtype)
+    close(dbeta, dbeta_ref, dtype)
+    ran = dict(kernels)
+    assert set(ran) == {"_stats_nhwc", "_apply_nhwc", "_bwd_reduce_nhwc", "_bwd_apply_nhwc"}
+    assert all(n >= 2 for n in ran.values()), kernels          # several tasks a pass
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("threads, shuffle, layout", [(32, True, "NCHW"), (64, True, "NHWC"),
                                                       (64, False, "NCHW")])

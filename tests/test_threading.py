@@ -65,6 +65,11 @@ def _work(layout, seed=0):
     go = np.sin(np.arange(o.size, dtype=np.float32)).reshape(o.shape)
     out += [o, rm, rv, *nf.batchnorm_add_relu_backward(go, h, z, gamma, beta, layout=layout,
                                                         y=o)]
+    # a 2x2 map: NCHW walks it as one row a sample (kernels/batchnorm/cpu_rows, "flat")
+    corner = (slice(None),) * (2 if layout == "NCHW" else 1) + (slice(0, 2), slice(0, 2))
+    hs, zs, gs = (np.ascontiguousarray(a[corner]) for a in (h, z, go))
+    os_ = nf.batchnorm_add_relu(hs, zs, gamma, beta, layout=layout)
+    out += [os_, *nf.batchnorm_add_relu_backward(gs, hs, zs, gamma, beta, layout=layout, y=os_)]
     return [np.array(a, copy=True) for a in out]
 
 
@@ -75,6 +80,7 @@ def small_tasks(monkeypatch, conv_rules):
     conv_rules(chunk_bytes=1, dw_groups=3)
     monkeypatch.setattr(cpu_bn, "CHUNK", 64)
     monkeypatch.setattr(cpu_bn, "REDUCE_CHUNK", 64)
+    monkeypatch.setattr(cpu_bn, "FLAT_CHUNK", 1)          # (3, 5, 2, 2) NCHW: 2 tasks
     threads = _launch.num_threads()
     yield
     _launch.set_num_threads(threads)

@@ -4,14 +4,19 @@ Notation: N batch, C channels, H, W spatial, M = N*H*W values per channel, ``siz
 Activations arrive C-contiguous in their layout and the kernels see them as
 
 * NCHW: ``x3`` (N, C, HW) for the statistics (one task per (n, c) row, HW values of one
-  channel) and ``x2`` (N*C, HW) rows for the other passes;
+  channel) and ``x2`` (N*C, HW) rows for the other passes (the ``_*_nchw`` kernels);
 * NHWC: ``x2`` (M/m, m*C) rows, m NHWC rows walked as one with the per-channel values tiled m
-  times (``NHWC_ROW``), cut into fixed blocks of rows, each block keeping its own partials.
+  times (``NHWC_ROW``), cut into fixed blocks of rows, each block keeping its own partials
+  (the ``_*_nhwc`` kernels);
+* NCHW maps of at most ``FLAT_MAX_HW`` pixels: ``x2`` (N, C*HW), one row a sample,
+  through the ``_*_nhwc`` kernels with each per-channel value repeated HW times along the row
+  (a 2x2 map's rows of 4 values had cost more a row than their work; ``cpu_rows``).
 
 Every task of the elementwise passes starts on a mask byte (``_byte_rows_per_task``). Every
 reduction writes per-task partials ``(P, 2, C)`` (float64; NHWC: ``(P, 2, m*C)``, the m tiles
-folded in a fixed order) that ``cpu_channels.finalize_*`` sums over P in a fixed order: results
-do not depend on the number of threads. The partition is a function of the shape only.
+folded in a fixed order; flat NCHW: ``(P, 2, C)``, each channel's HW sums added in order at
+the end of a task) that ``cpu_channels.finalize_*`` sums over P in a fixed order: results do
+not depend on the number of threads. The partition is a function of the shape only.
 
 Relu state codes (``state_kind``) for the backward: ``STATE_NONE`` (plain batch norm),
 ``STATE_Y`` (the forward output y: open where y > 0), ``STATE_MASK`` (packed bits, bit
@@ -45,6 +50,8 @@ from .. import scalar
 from ..scalar import cpu_scalar
 from .cpu_running import inference_stats, update_running  # noqa: F401
 from .cpu_channels import channel_totals, channel_values, finalize_backward, finalize_stats
+from . import cpu_rows
+from .cpu_rows import dims as _dims
 
 CHUNK = 1 << 14          # elements per parallel task of the elementwise passes; multiple of 8
 REDUCE_CHUNK = 1 << 15   # elements per parallel task of the NHWC reductions (rows = this // C)
@@ -59,6 +66,12 @@ PARALLEL_MIN = 1 << 19
 # per-channel values tiled m times: LLVM's vector loops (8 float32 x 4 unrolled) skip rows of
 # fewer than 32 elements. Measured on (2048, 24): backward reduce 113 -> 36 us, apply 64 -> 19.
 NHWC_ROW = 256
+# NCHW maps of at most FLAT_MAX_HW pixels, at most FLAT_MAX_ROW values a sample, run the NHWC
+# kernels on (N, C*HW) rows (cpu_rows), their reductions in tasks of ~FLAT_CHUNK elements
+# (a task's sums are L values of float64, zeroed and folded once a task)
+FLAT_MAX_HW = 16
+FLAT_MAX_ROW = 1 << 14
+FLAT_CHUNK = 1 << 17
 # Reductions may be reassociated (vectorised): the compiled order is fixed, so still
 # deterministic; NaN/Inf semantics are kept (no 'nnan'/'ninf').
 REDUCE_FASTMATH = {"reassoc", "contract"}
@@ -92,10 +105,12 @@ def _stats_nchw(t0, t1, x3, shift, partials):
 
 
 @task_kernel(fastmath=REDUCE_FASTMATH)
-def _stats_nhwc(t0, t1, x2, shift, rows_per_task, partials):
+def _stats_nhwc(t0, t1, x2, shift, rows_per_task, rep, partials):
     # x2: (M/m, L = m*C) rows (NHWC_ROW), element (r, k) of channel k % C; shift: (L,)
     # float64, tiled; partials: (P, 2, L) float64 (folded by the caller); task p owns rows
-    # [p*rows_per_task, (p+1)*rows_per_task)
+    # [p*rows_per_task, (p+1)*rows_per_task). Flat NCHW (cpu_rows): rows (N, C*HW), element
+    # k of channel k // rep, shift repeated, partials (P, 2, C): each channel's rep sums
+    # added here in order
     R, L = x2.shape
     for p in range(t0, t1):
         # task-local sums vectorise (accumulating into partials rows is 1.4x slower)
@@ -106,10 +121,22 @@ def _stats_nhwc(t0, t1, x2, shift, rows_per_task, partials):
                 d = xr[k] - shift[k]
                 s1[k] += d
                 s2[k] += d * d
-        p0, p1 = partials[p, 0], partials[p, 1]
-        for k in range(L):          # (element by element: an array assigned to a slice
-            p0[k] = s1[k]           # compiles numba's shape-mismatch message, 2 s)
-            p1[k] = s2[k]
+        _fold_sums(s1, s2, rep, partials[p, 0], partials[p, 1])
+
+
+@njit(inline="always")
+def _fold_sums(s1, s2, rep, p0, p1):
+    # p0, p1 (L/rep,) <- a task's two (L,) sums, each run of rep values added in order (rep
+    # 1: copied). Element by element: an array assigned to a slice compiles numba's
+    # shape-mismatch message, 2 s.
+    for c in range(p0.shape[0]):
+        a0 = 0.0
+        a1 = 0.0
+        for j in range(c * rep, (c + 1) * rep):
+            a0 += s1[j]
+            a1 += s2[j]
+        p0[c] = a0
+        p1[c] = a1
 
 
 # --------------------------------------------------------------------------- fused forward
@@ -328,12 +355,13 @@ def _bwd_reduce_nchw(t0, t1, gy2, x2, vals, state_kind, y2, mask, dims, gz2, wan
 
 
 @task_kernel(fastmath=REDUCE_FASTMATH)
-def _bwd_reduce_nhwc(t0, t1, gy2, x2, vals, state_kind, y2, mask, rows_per_task, gz2, want_gz,
-                     partials):
+def _bwd_reduce_nhwc(t0, t1, gy2, x2, vals, state_kind, y2, mask, dims, gz2, want_gz, partials):
     # gy2, x2, y2, gz2: (M/m, m*C) rows, per-channel values tiled (as _apply_nhwc);
     # partials: (P, 2, m*C) float64 <- per-task sums (folded by the caller); task p owns a
-    # block of rows starting on a mask byte
+    # block of rows starting on a mask byte; dims: (rows per task, rep). Flat NCHW: as
+    # _stats_nhwc's
     mean_hi, mean_lo, scale, beta = vals[0], vals[1], vals[2], vals[3]
+    rows_per_task, rep = dims
     R, L = x2.shape
     for p in range(t0, t1):
         r0 = p * rows_per_task
@@ -351,10 +379,7 @@ def _bwd_reduce_nhwc(t0, t1, gy2, x2, vals, state_kind, y2, mask, rows_per_task,
             for k in range(L):
                 sg[k] += g[k]
                 sgx[k] += g[k] * ((xr[k] - mean_hi[k]) - mean_lo[k])
-        p0, p1 = partials[p, 0], partials[p, 1]
-        for k in range(L):          # (element by element, as in _stats_nhwc)
-            p0[k] = sg[k]
-            p1[k] = sgx[k]
+        _fold_sums(sg, sgx, rep, partials[p, 0], partials[p, 1])
 
 
 @task_kernel
@@ -443,15 +468,6 @@ def _bwd_apply_nhwc(t0, t1, gy2, x2, vals, coefs, flags, y2, mask, rows_per_task
 
 # --------------------------------------------------------------------------- host entry points
 
-def _dims(shape, layout):
-    """(N, C, HW) of a 4-d activation shape."""
-    if layout == "NCHW":
-        N, C, H, W = shape
-    else:
-        N, H, W, C = shape
-    return N, C, H * W
-
-
 def _shift(x, layout, C):
     """One value of each channel (its first), as the float64 shift of the accumulation."""
     first = x[0, :, 0, 0] if layout == "NCHW" else x[0, 0, 0, :]   # (C,)
@@ -462,18 +478,19 @@ def stats(x, layout, eps):
     """(mean, var, invstd) float64 (C,) of a C-contiguous 4-d ``x``; var is biased."""
     N, C, HW = _dims(x.shape, layout)
     shift = _shift(x, layout, C)
-    m = _repeat(x.shape, layout)                                  # NCHW: 1
-    if layout == "NCHW":
+    v = _view(x.shape, layout)
+    if v.family == "nchw":
         partials = np.empty((N, 2, C))
         launch(_stats_nchw, N * C, x.reshape(N, C, HW), shift, partials, work=x.size,
                parallel_min=PARALLEL_MIN)
     else:
-        rows = max(1, REDUCE_CHUNK // (m * C))                    # ~REDUCE_CHUNK a task
-        partials = np.empty((-(-N * HW // (m * rows)), 2, m * C))
-        launch(_stats_nhwc, partials.shape[0], _rows(x, layout, m), *_tile(m, shift), rows,
+        R, L = v.shape
+        rows = max(1, _reduce_chunk(v) // L) if L else 1          # ~that many elements a task
+        partials = np.empty((-(-R // rows), 2, L // v.rep))
+        launch(_stats_nhwc, partials.shape[0], v.rows(x), v.spread(shift), rows, v.rep,
                partials, work=x.size, parallel_min=PARALLEL_MIN)
     out = np.empty((3, C))                                        # mean, var, invstd
-    finalize_stats(partials, m, shift, float(N * HW), float(eps), out[0], out[1], out[2])
+    finalize_stats(partials, v.m, shift, float(N * HW), float(eps), out[0], out[1], out[2])
     return out[0], out[1], out[2]
 
 
@@ -499,29 +516,14 @@ _NO_MASK = np.zeros(1, np.uint8)   # stands for "no mask" (kernels keep one sign
 AFFINE_GATE = True                 # backward takes STATE_AFFINE (ops.batchnorm.AffineGate)
 
 
-def _repeat(shape, layout):
-    """m, the NHWC rows walked as one (see NHWC_ROW): a power of 2 dividing N*H*W; NCHW 1."""
-    N, C, HW = _dims(shape, layout)
-    m = 1
-    while layout == "NHWC" and m * C < NHWC_ROW and (N * HW) % (2 * m) == 0 and C:
-        m *= 2
-    return m
+def _view(shape, layout):
+    """The shape's cpu_rows.RowView at this module's knobs."""
+    return cpu_rows.view(shape, layout, NHWC_ROW, FLAT_MAX_HW, FLAT_MAX_ROW)
 
 
-def _tile(m, *arrays):
-    """The (C,) arrays (one dtype) each tiled m times, (m*C,); themselves when m is 1."""
-    if m == 1:
-        return arrays
-    out = np.empty((len(arrays), m, arrays[0].size), arrays[0].dtype)
-    for i, a in enumerate(arrays):
-        out[i] = a                                                # (m, C) <- (C,) broadcast
-    return tuple(out.reshape(len(arrays), -1))
-
-
-def _rows(x, layout, m=1):
-    """The (R, L) row view of the elementwise kernels: NCHW (N*C, HW), NHWC (N*H*W/m, m*C)."""
-    N, C, HW = _dims(x.shape, layout)
-    return x.reshape(N * C, HW) if layout == "NCHW" else x.reshape(N * HW // m, m * C)
+def _reduce_chunk(v):
+    """Elements per task of a reduction over the view ``v``."""
+    return FLAT_CHUNK if v.family == "flat" else REDUCE_CHUNK
 
 
 def _byte_rows_per_task(L, chunk):
@@ -531,24 +533,25 @@ def _byte_rows_per_task(L, chunk):
     return -(-max(1, chunk // L) // group) * group
 
 
-def _values(mean, invstd, gamma, beta, m, dtype):
-    """(4, m*C) in ``dtype``: rows mean_hi, mean_lo, scale, beta (see channel_values)."""
-    out = np.empty((4, m * mean.shape[0]), dtype)
-    channel_values(mean, invstd, gamma, beta, m, out)
-    return out
+def _values(mean, invstd, gamma, beta, v, dtype):
+    """(4, L) in ``dtype``: rows mean_hi, mean_lo, scale, beta (see channel_values), laid
+    along the rows of the view ``v``."""
+    out = np.empty((4, mean.shape[0]), dtype)
+    channel_values(mean, invstd, gamma, beta, 1, out)
+    return v.spread(out)
 
 
 def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
     """(y, mask): y = [relu](gamma*xhat + beta [+ z]); mask (packed y > 0) or None."""
     y = output_cache.empty(x.shape, x.dtype)
     mask = output_cache.empty(mask_nbytes(x.size), np.uint8) if want_mask else _NO_MASK
-    m = _repeat(x.shape, layout)
-    x2, y2 = _rows(x, layout, m), _rows(y, layout, m)             # (R, L)
-    z2 = x2 if z is None else _rows(z, layout, m)                 # x stands in for "no z"
-    vals = _values(mean, invstd, gamma, beta, m, x.dtype)         # (4, m*C)
+    v = _view(x.shape, layout)
+    x2, y2 = v.rows(x), v.rows(y)                                 # (R, L)
+    z2 = x2 if z is None else v.rows(z)                           # x stands in for "no z"
+    vals = _values(mean, invstd, gamma, beta, v, x.dtype)         # (4, L) | (4, C)
     rows = _byte_rows_per_task(x2.shape[1], CHUNK)
     tasks = -(-x2.shape[0] // rows)
-    if layout == "NCHW":
+    if v.family == "nchw":
         launch(_apply_nchw, tasks, x2, z2, z is not None, vals, bool(relu), y2, mask,
                bool(want_mask), mean.shape[0], rows, work=x.size, parallel_min=PARALLEL_MIN)
     else:
@@ -578,21 +581,21 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     N, C, HW = _dims(x.shape, layout)
     count = float(N * HW)
     dtype = x.dtype
-    m = _repeat(x.shape, layout)
-    gy2, x2 = _rows(gy, layout, m), _rows(x, layout, m)           # (R, L)
+    v = _view(x.shape, layout)
+    gy2, x2 = v.rows(gy), v.rows(x)                               # (R, L)
     L = x2.shape[1]
-    y2 = _rows(state, layout, m) if state_kind == STATE_Y else x2  # x stands in for "no y"
+    y2 = v.rows(state) if state_kind == STATE_Y else x2           # x stands in for "no y"
     mask = state if state_kind == STATE_MASK else _NO_MASK
     state_beta = state if state_kind == STATE_AFFINE else gamma   # (unread unless AFFINE)
     # the forward's per-channel values (see apply); scale and beta read with STATE_AFFINE only
-    vals = _values(mean, invstd, gamma, state_beta, m, dtype)     # (4, m*C)
-    rows = _byte_rows_per_task(L, REDUCE_CHUNK)                   # rows of L = HW or C
+    vals = _values(mean, invstd, gamma, state_beta, v, dtype)     # (4, L) | (4, C)
+    rows = _byte_rows_per_task(L, _reduce_chunk(v))               # rows of L values
     tasks = -(-x2.shape[0] // rows)                               # row blocks of pass 1 and 2
     unused = np.empty((1, L), dtype)                              # stands in for a skipped output
     gz = output_cache.empty(x.shape, dtype) if need_gz else None
-    gz2 = _rows(gz, layout, m) if need_gz else unused
+    gz2 = v.rows(gz) if need_gz else unused
     grads = np.empty((2, C), dtype)                               # ggamma, gbeta
-    coefs = np.empty((3, m * C), dtype)                           # cg, cx, c0, tiled
+    coefs = np.empty((3, C), dtype)                               # cg, cx, c0
     g_written = False
     pm = 1                                                        # tiles in the partials
     if sums is not None:                                          # pass 1 made elsewhere
@@ -601,38 +604,39 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         partials = np.zeros((1, 2, C))
     elif need_ggamma or need_gbeta or (need_gx and training) or sync is not None:
         # pass 1: gbeta = sum g, ggamma = sum g*xhat (and the dx coefficients); gz = g
-        if layout == "NCHW":
+        if v.family == "nchw":
             partials = np.empty((N, 2, C))
             launch(_bwd_reduce_nchw, tasks, gy2, x2, vals, state_kind, y2, mask, (C, rows),
                    gz2, bool(need_gz), partials, work=x.size, parallel_min=PARALLEL_MIN)
         else:
-            partials = np.empty((tasks, 2, L))
-            launch(_bwd_reduce_nhwc, tasks, gy2, x2, vals, state_kind, y2, mask, rows, gz2,
-                   bool(need_gz), partials, work=x.size, parallel_min=PARALLEL_MIN)
-            pm = m
+            partials = np.empty((tasks, 2, L // v.rep))
+            launch(_bwd_reduce_nhwc, tasks, gy2, x2, vals, state_kind, y2, mask, (rows, v.rep),
+                   gz2, bool(need_gz), partials, work=x.size, parallel_min=PARALLEL_MIN)
+            pm = v.m
         g_written = need_gz
     else:  # inference, gx/gz only: the coefficients need no reduction
         partials = np.zeros((1, 2, C))
     # (an empty rank's count is 0: its own coefficients are replaced below, and ggamma,
     # gbeta do not depend on the count)
     finalize_backward(partials, pm, gamma, invstd, count or 1.0, bool(training), grads[0],
-                       grads[1], coefs, m)
+                       grads[1], coefs, 1)
     if sync is not None:            # the dx coefficients from the global sums and count
         local = np.empty((2, C))
         channel_totals(partials, pm, local)
         total, count = sync(local)                                # (2, C) float64
         finalize_backward(total[None], 1, gamma, invstd, float(count), bool(training),
-                           np.empty(C, dtype), np.empty(C, dtype), coefs, m)
+                           np.empty(C, dtype), np.empty(C, dtype), coefs, 1)
+    coefs = v.spread(coefs)                                       # (3, L) | (3, C)
     gx = None
     if (need_gx or (need_gz and not g_written)) and x.size:
         # pass 2: dx = cg*g + cx*(x - mean) + c0 (and dz = g if pass 1 did not write it)
         gx = output_cache.empty(x.shape, dtype) if need_gx else None
-        gx2 = _rows(gx, layout, m) if need_gx else unused
+        gx2 = v.rows(gx) if need_gx else unused
         if g_written:   # g is in gz: read it back as an ungated gy
             g_in, kind, y_in, mask_in, want_gz = gz2, STATE_NONE, x2, _NO_MASK, False
         else:
             g_in, kind, y_in, mask_in, want_gz = gy2, state_kind, y2, mask, bool(need_gz)
-        if layout == "NCHW":
+        if v.family == "nchw":
             launch(_bwd_apply_nchw, tasks, g_in, x2, vals, coefs,
                    (kind, bool(need_gx), want_gz), y_in, mask_in, (C, rows), gx2, gz2,
                    work=x.size, parallel_min=PARALLEL_MIN)
