@@ -6,11 +6,9 @@ Activations arrive C-contiguous in their layout and the kernels see them as
 * NCHW: ``x3`` (N, C, HW) for the statistics (one task per (n, c) row, HW values of one
   channel) and ``x2`` (N*C, HW) rows for the other passes (the ``_*_nchw`` kernels);
 * NHWC: ``x2`` (M/m, m*C) rows, m NHWC rows walked as one with the per-channel values tiled m
-  times (``NHWC_ROW``), cut into fixed blocks of rows, each block keeping its own partials
-  (the ``_*_nhwc`` kernels);
-* NCHW maps of at most ``FLAT_MAX_HW`` pixels: ``x2`` (N, C*HW), one row a sample,
-  through the ``_*_nhwc`` kernels with each per-channel value repeated HW times along the row
-  (a 2x2 map's rows of 4 values had cost more a row than their work; ``cpu_rows``).
+  times (``NHWC_ROW``), cut into fixed blocks of rows, each block keeping its own partials;
+* NCHW maps of at most ``FLAT_MAX_HW`` pixels: ``x2`` (N, C*HW) through the NHWC kernels, the
+  per-channel values each repeated HW times (``cpu_rows``: the views).
 
 Every task of the elementwise passes starts on a mask byte (``_byte_rows_per_task``). Every
 reduction writes per-task partials ``(P, 2, C)`` (float64; NHWC: ``(P, 2, m*C)``, the m tiles
@@ -49,7 +47,8 @@ from .math import BITS, STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y, mask_nbyt
 from .. import scalar
 from ..scalar import cpu_scalar
 from .cpu_running import inference_stats, update_running  # noqa: F401
-from .cpu_channels import channel_totals, channel_values, finalize_backward, finalize_stats
+from .cpu_channels import (channel_totals, channel_values, finalize_backward, finalize_stats,
+                           fold_sums, spread_in_place)
 from . import cpu_rows
 from .cpu_rows import dims as _dims
 
@@ -66,9 +65,9 @@ PARALLEL_MIN = 1 << 19
 # per-channel values tiled m times: LLVM's vector loops (8 float32 x 4 unrolled) skip rows of
 # fewer than 32 elements. Measured on (2048, 24): backward reduce 113 -> 36 us, apply 64 -> 19.
 NHWC_ROW = 256
-# NCHW maps of at most FLAT_MAX_HW pixels, at most FLAT_MAX_ROW values a sample, run the NHWC
-# kernels on (N, C*HW) rows (cpu_rows), their reductions in tasks of ~FLAT_CHUNK elements
-# (a task's sums are L values of float64, zeroed and folded once a task)
+# NCHW maps of at most FLAT_MAX_HW pixels and FLAT_MAX_ROW values a sample: the NHWC kernels
+# on (N, C*HW) rows (cpu_rows), reductions in tasks of ~FLAT_CHUNK values (a task's sums, a
+# row of float64, are zeroed and folded once a task). docs/benchmarks.md, "Small maps as ..."
 FLAT_MAX_HW = 16
 FLAT_MAX_ROW = 1 << 14
 FLAT_CHUNK = 1 << 17
@@ -121,22 +120,7 @@ def _stats_nhwc(t0, t1, x2, shift, rows_per_task, rep, partials):
                 d = xr[k] - shift[k]
                 s1[k] += d
                 s2[k] += d * d
-        _fold_sums(s1, s2, rep, partials[p, 0], partials[p, 1])
-
-
-@njit(inline="always")
-def _fold_sums(s1, s2, rep, p0, p1):
-    # p0, p1 (L/rep,) <- a task's two (L,) sums, each run of rep values added in order (rep
-    # 1: copied). Element by element: an array assigned to a slice compiles numba's
-    # shape-mismatch message, 2 s.
-    for c in range(p0.shape[0]):
-        a0 = 0.0
-        a1 = 0.0
-        for j in range(c * rep, (c + 1) * rep):
-            a0 += s1[j]
-            a1 += s2[j]
-        p0[c] = a0
-        p1[c] = a1
+        fold_sums(s1, s2, rep, partials[p, 0], partials[p, 1])
 
 
 # --------------------------------------------------------------------------- fused forward
@@ -379,7 +363,7 @@ def _bwd_reduce_nhwc(t0, t1, gy2, x2, vals, state_kind, y2, mask, dims, gz2, wan
             for k in range(L):
                 sg[k] += g[k]
                 sgx[k] += g[k] * ((xr[k] - mean_hi[k]) - mean_lo[k])
-        _fold_sums(sg, sgx, rep, partials[p, 0], partials[p, 1])
+        fold_sums(sg, sgx, rep, partials[p, 0], partials[p, 1])
 
 
 @task_kernel
@@ -487,8 +471,8 @@ def stats(x, layout, eps):
         R, L = v.shape
         rows = max(1, _reduce_chunk(v) // L) if L else 1          # ~that many elements a task
         partials = np.empty((-(-R // rows), 2, L // v.rep))
-        launch(_stats_nhwc, partials.shape[0], v.rows(x), v.spread(shift), rows, v.rep,
-               partials, work=x.size, parallel_min=PARALLEL_MIN)
+        launch(_stats_nhwc, partials.shape[0], v.rows(x), v.spread(shift[None])[0], rows,
+               v.rep, partials, work=x.size, parallel_min=PARALLEL_MIN)
     out = np.empty((3, C))                                        # mean, var, invstd
     finalize_stats(partials, v.m, shift, float(N * HW), float(eps), out[0], out[1], out[2])
     return out[0], out[1], out[2]
@@ -521,8 +505,7 @@ def _view(shape, layout):
     return cpu_rows.view(shape, layout, NHWC_ROW, FLAT_MAX_HW, FLAT_MAX_ROW)
 
 
-def _reduce_chunk(v):
-    """Elements per task of a reduction over the view ``v``."""
+def _reduce_chunk(v):   # elements per task of a reduction over the view v
     return FLAT_CHUNK if v.family == "flat" else REDUCE_CHUNK
 
 
@@ -536,9 +519,12 @@ def _byte_rows_per_task(L, chunk):
 def _values(mean, invstd, gamma, beta, v, dtype):
     """(4, L) in ``dtype``: rows mean_hi, mean_lo, scale, beta (see channel_values), laid
     along the rows of the view ``v``."""
-    out = np.empty((4, mean.shape[0]), dtype)
-    channel_values(mean, invstd, gamma, beta, 1, out)
-    return v.spread(out)
+    C = mean.shape[0]
+    out = np.empty((4, v.m * v.rep * C), dtype)
+    channel_values(mean, invstd, gamma, beta, v.m, out)          # (tiled m times)
+    if v.rep > 1:
+        spread_in_place(out, 1, v.rep, C)
+    return out
 
 
 def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
@@ -595,7 +581,7 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     gz = output_cache.empty(x.shape, dtype) if need_gz else None
     gz2 = v.rows(gz) if need_gz else unused
     grads = np.empty((2, C), dtype)                               # ggamma, gbeta
-    coefs = np.empty((3, C), dtype)                               # cg, cx, c0
+    coefs = np.empty((3, v.m * v.rep * C), dtype)                 # cg, cx, c0, spread
     g_written = False
     pm = 1                                                        # tiles in the partials
     if sums is not None:                                          # pass 1 made elsewhere
@@ -619,14 +605,15 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     # (an empty rank's count is 0: its own coefficients are replaced below, and ggamma,
     # gbeta do not depend on the count)
     finalize_backward(partials, pm, gamma, invstd, count or 1.0, bool(training), grads[0],
-                       grads[1], coefs, 1)
+                       grads[1], coefs, v.m)
     if sync is not None:            # the dx coefficients from the global sums and count
         local = np.empty((2, C))
         channel_totals(partials, pm, local)
         total, count = sync(local)                                # (2, C) float64
         finalize_backward(total[None], 1, gamma, invstd, float(count), bool(training),
-                           np.empty(C, dtype), np.empty(C, dtype), coefs, 1)
-    coefs = v.spread(coefs)                                       # (3, L) | (3, C)
+                           np.empty(C, dtype), np.empty(C, dtype), coefs, v.m)
+    if v.rep > 1:                                                 # (finalize tiles m times)
+        spread_in_place(coefs, 1, v.rep, C)
     gx = None
     if (need_gx or (need_gz and not g_written)) and x.size:
         # pass 2: dx = cg*g + cx*(x - mean) + c0 (and dz = g if pass 1 did not write it)

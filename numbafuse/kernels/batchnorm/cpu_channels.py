@@ -82,6 +82,35 @@ def _tile_in_place(rows, m, C):
                 rows[i, j * C + c] = rows[i, c]
 
 
+@njit(inline="always")
+def fold_sums(s1, s2, rep, p0, p1):
+    # p0, p1 (L/rep,) <- a task's two (L,) sums, each run of rep values added in order (rep
+    # 1: copied). Element by element: an array assigned to a slice compiles numba's
+    # shape-mismatch message, 2 s.
+    for c in range(p0.shape[0]):
+        a0 = 0.0
+        a1 = 0.0
+        for j in range(c * rep, (c + 1) * rep):
+            a0 += s1[j]
+            a1 += s2[j]
+        p0[c] = a0
+        p1[c] = a1
+
+
+@njit(cache=True)
+def spread_in_place(rows, m, rep, C):
+    # rows: (k, m*rep*C), columns [0, C) the per-channel values: tiled m times (NHWC) or each
+    # repeated rep times in place (flat NCHW: column c*rep + j <- c, from the last channel
+    # down, so that no column is overwritten before it is read); one of m, rep is 1
+    _tile_in_place(rows, m, C)
+    if rep > 1:
+        for i in range(rows.shape[0]):
+            for c in range(C - 1, -1, -1):
+                v = rows[i, c]
+                for j in range(rep):
+                    rows[i, c * rep + j] = v
+
+
 @njit(cache=True)
 def channel_values(mean, invstd, gamma, beta, m, out):
     # out: (4, m*C) in x's dtype <- the per-channel values of the elementwise kernels, each

@@ -14,9 +14,12 @@ Two families of kernels walk rows:
   them too: ``(N, C*HW)`` rows, one sample each, the values *repeated* HW times (channel
   ``k // HW``), the reductions adding each channel's HW sums at the end of a task.
 """
+import functools
 from typing import NamedTuple
 
 import numpy as np
+
+from .cpu_channels import spread_in_place
 
 
 class RowView(NamedTuple):
@@ -34,14 +37,16 @@ class RowView(NamedTuple):
         """x's (R, L) row view."""
         return x.reshape(self.shape)
 
-    def spread(self, a):
-        """(k, C) per-channel rows -> (k, L'): tiled m times or each value repeated rep
-        times (``a`` itself when both are 1); a (C,) array gives (L',)."""
-        if self.rep > 1:
-            return np.repeat(a, self.rep, axis=-1)
-        if self.m > 1:
-            return np.tile(a, self.m) if a.ndim == 1 else np.tile(a, (1, self.m))
-        return a
+    def spread(self, rows):
+        """(k, C) per-channel rows -> (k, L): tiled m times (NHWC) or each value repeated
+        rep times (flat NCHW); ``rows`` itself when both are 1."""
+        if self.m == 1 and self.rep == 1:
+            return rows
+        C = rows.shape[1]
+        out = np.empty((rows.shape[0], self.m * self.rep * C), rows.dtype)
+        out[:, :C] = rows
+        spread_in_place(out, self.m, self.rep, C)
+        return out
 
 
 def dims(shape, layout):
@@ -53,6 +58,7 @@ def dims(shape, layout):
     return N, C, H * W
 
 
+@functools.lru_cache(maxsize=1024)
 def view(shape, layout, nhwc_row, flat_max_hw, flat_max_row):
     """The :class:`RowView` of an activation shape in its layout (the knobs: ``kernels/
     batchnorm/cpu.py``'s NHWC_ROW, FLAT_MAX_HW, FLAT_MAX_ROW)."""
