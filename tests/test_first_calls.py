@@ -457,3 +457,81 @@ def test_the_compiling_process_needs_a_plain_python(monkeypatch):
         else:
             monkeypatch.delattr(sys, "frozen", raising=False)
         assert (first_calls._python_executable() is not None) == ok, exe
+
+
+# --------------------------------------------------------------------------- batch norm
+
+BN_SHAPES = [("NCHW", (3, 5, 4, 6)), ("NCHW", (4, 6, 2, 2)), ("NHWC", (3, 4, 6, 5)),
+             ("NHWC", (2, 3, 3, 16))]      # NCHW rows, flat NCHW rows (cpu_rows), NHWC rows
+
+
+@pytest.mark.parametrize("layout, shape", BN_SHAPES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_numpy_batch_norm_equals_the_compiled_kernels(layout, shape, dtype):
+    """``kernels/batchnorm/cpu_numpy.py`` (a first call's NumPy) against ``cpu.py``'s kernels:
+    the statistics and the running update, the forward with and without z, ReLU and mask,
+    and the backward of every ReLU state, every gradient asked alone and all together, in
+    training and inference, and with pass 1's sums given (the conv epilogue's)."""
+    from numbafuse.kernels.batchnorm import cpu as bn, cpu_numpy as bnp
+    from numbafuse.kernels.batchnorm.math import STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y
+    rng = np.random.default_rng(9)
+    C = shape[1] if layout == "NCHW" else shape[3]
+    x = (rng.standard_normal(shape) * 2 + 5).astype(dtype)
+    z, gy = rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype)
+    gamma, beta = rng.uniform(0.5, 1.5, C).astype(dtype), rng.standard_normal(C).astype(dtype)
+    sums = rng.standard_normal((3, 2, C))                         # (P, 2, C) partials
+    runs = {}
+    for name, impl in (("compiled", bn), ("numpy", bnp)):
+        rm, rv = np.linspace(-1, 1, C).astype(dtype), np.linspace(0.5, 2, C).astype(dtype)
+        mean, var, invstd = impl.stats_update(x, layout, 1e-5, rm, rv, 0.1)
+        y, mask = impl.apply(x, mean, invstd, gamma, beta, z, True, layout, True)
+        y_plain, none = impl.apply(x, mean, invstd, gamma, beta, None, False, layout, False)
+        assert none is None
+        out = [mean, var, invstd, rm, rv, y, y_plain]
+        for kind, state in ((STATE_Y, y), (STATE_MASK, mask), (STATE_AFFINE, beta),
+                            (STATE_NONE, None)):
+            for need in [(True,) * 4, (True, False, False, False), (False, True, True, False),
+                         (False, False, False, True)]:
+                for training in (True, False):
+                    out += [a for a in impl.backward(gy, x, mean, invstd, gamma, kind, state,
+                                                     layout, training, need) if a is not None]
+        out += list(impl.backward(gy, x, mean, invstd, gamma, STATE_NONE, None, layout, True,
+                                  (True, True, True, False), sums=sums)[:3])
+        runs[name] = out
+    assert len(runs["compiled"]) == len(runs["numpy"]) == 7 + 4 * 2 * 8 + 3
+    for i, (a, b) in enumerate(zip(runs["compiled"], runs["numpy"])):
+        assert a.shape == b.shape and a.dtype == b.dtype, i
+        close(b, a.astype(np.float64), dtype, what=f"output {i}")
+    # the packed mask: the same bits where y is not within rounding of 0
+    y = runs["compiled"][5]
+    np.testing.assert_array_equal(np.packbits(y.reshape(-1) > 0, bitorder="little"),
+                                  bnp.apply(x, *runs["compiled"][0:1], runs["compiled"][2],
+                                            gamma, beta, z, True, layout, True)[1])
+
+
+def test_a_batch_norm_whose_kernels_are_pending_returns_the_numpy_result(fc):
+    """Keys pending (the background thread kept busy): BatchNorm-Add-ReLU's forward and
+    backward come from NumPy (``kernels/batchnorm/cpu_first.py``), equal to the reference,
+    the running statistics updated once."""
+    import numbafuse as nf
+    gate = threading.Event()
+    fc.run("blocker", lambda: gate.wait(30), lambda: None)     # the thread is busy from here
+    try:
+        rng = np.random.default_rng(5)
+        x, z = rng.standard_normal((4, 3, 5, 5)), rng.standard_normal((4, 3, 5, 5))
+        gamma, beta = rng.uniform(0.5, 1.5, 3), rng.standard_normal(3)
+        rm, rv = np.zeros(3), np.ones(3)
+        y = nf.batchnorm_add_relu(x, z, gamma, beta, running_mean=rm, running_var=rv)
+        yr, mean, var = reference.batchnorm_train(x, gamma, beta)
+        np.testing.assert_allclose(y, np.maximum(yr + z, 0), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(rm, 0.1 * mean, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(rv, 0.9 + 0.1 * var * 100 / 99, rtol=1e-12)
+        dy = rng.standard_normal(y.shape)
+        dx, dz, dgamma, dbeta = nf.batchnorm_add_relu_backward(dy, x, z, gamma, beta, y=y)
+        g = dy * (y > 0)
+        rdx, rdgamma, rdbeta = reference.batchnorm_backward(g, x, gamma)
+        for a, b in ((dx, rdx), (dgamma, rdgamma), (dbeta, rdbeta), (dz, g)):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+        assert fc.stats()["fallback"] >= 3 and fc.stats()["compiled"] == 0, fc.stats()
+    finally:
+        gate.set()
