@@ -46,10 +46,8 @@ def conv_kernels(which: str, groups: int = 1) -> "interfaces.ConvKernels":
 
 
 def batchnorm_kernels(which: str) -> "interfaces.BatchNormKernels":
-    """The batch-norm kernels of backend ``which`` (``interfaces.BatchNormKernels``): on the
-    CPU ``batchnorm/cpu_first.py`` (``cpu.py``, each entry point's first call run by NumPy
-    while its kernels compile), on CUDA ``batchnorm/cuda.py``."""
-    return module("batchnorm", "cpu_first" if which == backend.CPU else which)
+    """The batch-norm kernels of backend ``which`` (``interfaces.BatchNormKernels``)."""
+    return module("batchnorm", which)
 
 
 def contiguous(a):

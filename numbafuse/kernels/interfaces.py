@@ -85,4 +85,4 @@ class BatchNormKernels(Protocol):
 
 
 FAMILIES = {"conv": (ConvKernels, ("cpu_first", "cpu", "cuda", "cpu_grouped", "cuda_grouped")),
-            "batchnorm": (BatchNormKernels, ("cpu_first", "cpu", "cuda"))}
+            "batchnorm": (BatchNormKernels, ("cpu", "cuda"))}

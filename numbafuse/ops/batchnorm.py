@@ -62,7 +62,7 @@ from ..kernels.batchnorm import math as bn_math
 from . import precision
 from .spec import OpSpec
 
-_kernels = kernels.batchnorm_kernels   # _kernels(which): the module (CPU: first calls)
+_kernels = functools.partial(kernels.module, "batchnorm")   # _kernels(which): the module
 # Backends whose batch-norm kernels load and store float16 activations themselves (float32
 # math inside, float32 parameters: kernels/batchnorm/cuda.py); elsewhere they are converted.
 HALF_KERNELS = (backend.CUDA,)

@@ -12,16 +12,15 @@ compiled call to one background thread, the *worker*, and waits for it:
 - At the probe's first compilation, or after ``WAIT_S`` seconds, or at once where the worker
   is still busy with an earlier key or another thread compiled within ``QUIET_S``, the call
   returns ``fallback()`` instead: plain NumPy, which compiles nothing (the conv's
-  ``cpu_numpy.py``; batch norm's ``kernels/batchnorm/cpu_numpy.py``), or None for a fused
-  epilogue the op can do without. Later calls of the key take the fallback too until the
-  worker is done.
+  ``cpu_numpy.py``), or None for a fused epilogue the op can do without. Later calls of the
+  key take the fallback too until the worker is done.
 - The worker sends the call's *spec* (its function, shapes, dtypes and flags:
   ``compile_child.py``) to a compiling process, started once, which runs it on zeros and so
   compiles its functions into Numba's on-disk cache; then the worker probes again, which now
   loads them. From then on every call of the key runs the compiled kernels directly, on the
   calling thread. This process compiles none of them: a compilation here would hold Numba's
   compiler lock for seconds (one function at a time) and the GIL in 5 ms slices, and the
-  caller's own first calls of other kernels (the smaller ops', say) would wait behind it. Where
+  caller's own first calls of other kernels (batch norm's, say) would wait behind it. Where
   the compiling process fails (twice it could not start, died, or gave no answer within
   ``CHILD_TIMEOUT_S``: then it is killed), or for a call without a spec, the worker compiles
   on its own thread, after the other threads' compilations.
