@@ -48,7 +48,7 @@ from .. import scalar
 from ..scalar import cpu_scalar
 from .cpu_running import inference_stats, update_running  # noqa: F401
 from .cpu_channels import (channel_totals, channel_values, finalize_backward, finalize_stats,
-                           fold_sums, spread_in_place)
+                           fold_sums)
 from . import cpu_rows
 from .cpu_rows import dims as _dims
 
@@ -519,12 +519,9 @@ def _byte_rows_per_task(L, chunk):
 def _values(mean, invstd, gamma, beta, v, dtype):
     """(4, L) in ``dtype``: rows mean_hi, mean_lo, scale, beta (see channel_values), laid
     along the rows of the view ``v``."""
-    C = mean.shape[0]
-    out = np.empty((4, v.m * v.rep * C), dtype)
-    channel_values(mean, invstd, gamma, beta, v.m, out)          # (tiled m times)
-    if v.rep > 1:
-        spread_in_place(out, 1, v.rep, C)
-    return out
+    out = np.empty((4, v.m * v.rep * mean.shape[0]), dtype)
+    channel_values(mean, invstd, gamma, beta, 1, out)
+    return v.fill(out)
 
 
 def apply(x, mean, invstd, gamma, beta, z, relu, layout, want_mask):
@@ -605,15 +602,14 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
     # (an empty rank's count is 0: its own coefficients are replaced below, and ggamma,
     # gbeta do not depend on the count)
     finalize_backward(partials, pm, gamma, invstd, count or 1.0, bool(training), grads[0],
-                       grads[1], coefs, v.m)
+                       grads[1], coefs, 1)
     if sync is not None:            # the dx coefficients from the global sums and count
         local = np.empty((2, C))
         channel_totals(partials, pm, local)
         total, count = sync(local)                                # (2, C) float64
         finalize_backward(total[None], 1, gamma, invstd, float(count), bool(training),
-                           np.empty(C, dtype), np.empty(C, dtype), coefs, v.m)
-    if v.rep > 1:                                                 # (finalize tiles m times)
-        spread_in_place(coefs, 1, v.rep, C)
+                           np.empty(C, dtype), np.empty(C, dtype), coefs, 1)
+    v.fill(coefs)                                                 # (3, L) | (3, C)
     gx = None
     if (need_gx or (need_gz and not g_written)) and x.size:
         # pass 2: dx = cg*g + cx*(x - mean) + c0 (and dz = g if pass 1 did not write it)

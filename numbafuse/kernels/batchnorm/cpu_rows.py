@@ -1,18 +1,18 @@
-"""How the CPU batch-norm kernels see a 4-d activation: the row views, the per-channel values
-laid along a row, and the reductions' partials folded back to channels (the notation of
-``kernels/batchnorm/cpu.py``).
+"""How the CPU batch-norm kernels see a 4-d activation: the row views and the per-channel
+values laid along a row (the notation of ``kernels/batchnorm/cpu.py``).
 
 Two families of kernels walk rows:
 
 * ``"nchw"`` (``_*_nchw``): ``(N*C, HW)`` rows, one channel each, its per-channel values read
   once a row. At small maps the rows are short and the per-row work dominates: a row of a 2x2
   map holds 4 values.
-* ``"rows"`` (``_*_nhwc``): ``(R, L)`` rows whose element ``k`` has its per-channel values at
-  index ``k`` of the ``(., L)`` value arrays, the loops vectorised along the whole row and the
-  reductions kept per element, per task. NHWC: ``(N*H*W/m, m*C)`` rows, the values *tiled* m
-  times (``NHWC_ROW``; channel ``k % C``). NCHW maps of at most ``FLAT_MAX_HW`` pixels take
-  them too: ``(N, C*HW)`` rows, one sample each, the values *repeated* HW times (channel
-  ``k // HW``), the reductions adding each channel's HW sums at the end of a task.
+* ``"nhwc"`` and ``"flat"`` (``_*_nhwc``): ``(R, L)`` rows whose element ``k`` has its
+  per-channel values at index ``k`` of the ``(., L)`` value arrays, the loops vectorised along
+  the whole row and the reductions kept per element, per task. NHWC: ``(N*H*W/m, m*C)`` rows,
+  the values *tiled* m times (``NHWC_ROW``; channel ``k % C``). NCHW maps of at most
+  ``FLAT_MAX_HW`` pixels take them too: ``(N, C*HW)`` rows, one sample each, the values
+  *repeated* HW times (channel ``k // HW``), the reductions adding each channel's HW sums at
+  the end of a task.
 """
 import functools
 from typing import NamedTuple
@@ -37,16 +37,21 @@ class RowView(NamedTuple):
         """x's (R, L) row view."""
         return x.reshape(self.shape)
 
+    def fill(self, out):
+        """``out`` (k, m*rep*C), its columns [0, C) per-channel values, laid along a row in
+        place: tiled m times (NHWC) or each value repeated rep times (flat NCHW)."""
+        if self.m > 1 or self.rep > 1:
+            spread_in_place(out, self.m, self.rep, self.C)
+        return out
+
     def spread(self, rows):
-        """(k, C) per-channel rows -> (k, L): tiled m times (NHWC) or each value repeated
-        rep times (flat NCHW); ``rows`` itself when both are 1."""
+        """(k, C) per-channel rows -> (k, L) (:meth:`fill`); ``rows`` itself when both m
+        and rep are 1."""
         if self.m == 1 and self.rep == 1:
             return rows
-        C = rows.shape[1]
-        out = np.empty((rows.shape[0], self.m * self.rep * C), rows.dtype)
-        out[:, :C] = rows
-        spread_in_place(out, self.m, self.rep, C)
-        return out
+        out = np.empty((rows.shape[0], self.m * self.rep * self.C), rows.dtype)
+        out[:, :self.C] = rows
+        return self.fill(out)
 
 
 def dims(shape, layout):
