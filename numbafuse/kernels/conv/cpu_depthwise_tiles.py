@@ -17,6 +17,14 @@ multiply-add per tap, in tap order: the sum the other depthwise kernels make, ea
 the same whatever the block), then the bias and ReLU, and stored once; the weights of a tap
 are loaded once per block of ``DW_ROWS`` pixels (``ROWS`` on AVX2). The loops of
 ``cpu_depthwise`` kept the accumulator in memory and loaded and stored it at every tap.
+A block of pixels goes through every channel panel before the next block starts, so its
+input pixels are read whole while they are in L1; panel by panel over the whole run, each
+panel read its slice of every pixel again (from L2: a 56-pixel run of 3x3 taps at 64
+channels reads 43 KiB), and on machine F (Zen 3, AVX2) the tap loop, which issues ~1.25
+loads per multiply-add, ran at ~6 cycles a multiply-add, the misses of the tile's last
+pixel (the one reading new input columns) holding it: one thread, NHWC, 3x3 (32, 64, 56,
+56) 11.3-12.8 -> 5.9-6.2 ms, 3x3/2 5.1-6.5 -> 4.6-4.7 (benchmarks and docs:
+docs/conv_bias_relu.md, "Depthwise: panels inside the pixel blocks").
 With the ``STREAM`` bit c goes out by non-temporal stores: an output larger than the caches
 is then not read from memory before it is written (cpu_depthwise_nhwc.streams).
 """
@@ -125,19 +133,24 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, epilogue
     int64 table; ``epilogue``: bit 0 the ReLU, bit 1 c streamed, ``STREAM``); every argument
     int64 (one compilation), n % 8 == 0."""
     relu, stream = epilogue & 1, epilogue & STREAM
-    j = 0
-    while j < n:
-        cols = panel(wide, n - j)
-        pwj = pw + 4 * j
-        pbiasj = pbias + 4 * j if pbias != 0 else 0
-        short = wide and cols >= 16      # DW_ROWS-pixel tiles, ROWS-pixel ones for the rest
+    j0 = 0
+    while j0 < n:
+        # a group of panels with the same tiles of pixels: every panel on AVX2; on AVX-512
+        # those of >= 16 channels (DW_ROWS pixels), then the last 8 (ROWS)
+        short = wide and panel(wide, n - j0) >= 16
         R = DW_ROWS if short else ROWS
+        j1 = j0
+        while j1 < n and (wide and panel(wide, n - j1) >= 16) == short:
+            j1 += panel(wide, n - j1)
         i = 0
         while i < m:
             # k pixels from i: full tiles, then the fewest pixels that finish the run: a
             # last tile overlapping the one before (its pixels there get the same sums again,
             # the same bits) of R pixels for a remainder over ROWS, else (short) of ROWS;
-            # 1-pixel tiles for a run shorter than any tile
+            # 1-pixel tiles for a run shorter than any tile. Every panel of the group takes
+            # the tile before the next tile starts: the tile's input pixels are read whole
+            # while they are in the cache (panel by panel over the run, each panel read
+            # its slice of every pixel again from L2)
             left = m - i
             k = 1
             if left >= R:
@@ -150,46 +163,55 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, epilogue
             elif short and m >= ROWS:
                 k = ROWS                                            # overlapping
                 i = m - ROWS
-            pr, pcij = prow + 8 * i, pc + 4 * (i * ldc + j)
-            if k == ROWS and short:
-                if cols == 64:
-                    _w4s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                elif cols == 32:
-                    _w2s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                else:
-                    _w1s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                i += ROWS
-            elif k == R:
-                if cols == 64:
-                    _w4(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                elif cols == 32:
-                    _w2(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                elif cols == 24:
-                    _n3(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                elif cols == 16:
-                    if wide:
-                        _w1(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+            pr = prow + 8 * i
+            j = j0
+            while j < j1:
+                cols = panel(wide, n - j)
+                pwj = pw + 4 * j
+                pbiasj = pbias + 4 * j if pbias != 0 else 0
+                pcij = pc + 4 * (i * ldc + j)
+                if k == ROWS and short:
+                    if cols == 64:
+                        _w4s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+                    elif cols == 32:
+                        _w2s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                     else:
-                        _n2(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                else:
-                    _n1(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                i += R
-            else:
-                if cols == 64:
-                    _w4r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                elif cols == 32:
-                    _w2r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                elif cols == 24:
-                    _n3r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                elif cols == 16:
-                    if wide:
-                        _w1r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+                        _w1s(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+                elif k == R:
+                    if cols == 64:
+                        _w4(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+                    elif cols == 32:
+                        _w2(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+                    elif cols == 24:
+                        _n3(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+                    elif cols == 16:
+                        if wide:
+                            _w1(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu,
+                                stream)
+                        else:
+                            _n2(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu,
+                                stream)
                     else:
-                        _n2r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+                        _n1(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
                 else:
-                    _n1r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
-                i += 1
-        j += cols
+                    if cols == 64:
+                        _w4r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+                    elif cols == 32:
+                        _w2r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+                    elif cols == 24:
+                        _n3r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+                    elif cols == 16:
+                        if wide:
+                            _w1r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu,
+                                 stream)
+                        else:
+                            _n2r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu,
+                                 stream)
+                    else:
+                        _n1r(ntaps, pr, paoff, j, pwj, pwoff, pcij, ldc, pbiasj, relu, stream)
+                j += cols
+            i += k
+        j0 = j1
 
 
 
