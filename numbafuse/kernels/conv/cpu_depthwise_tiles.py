@@ -136,12 +136,11 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, epilogue
     j0 = 0
     while j0 < n:
         # a group of panels with the same tiles of pixels: every panel on AVX2; on AVX-512
-        # those of >= 16 channels (DW_ROWS pixels), then the last 8 (ROWS)
-        short = wide and panel(wide, n - j0) >= 16
+        # those of >= 16 channels (DW_ROWS pixels: all but a last 8, n % 8 == 0), then the
+        # last 8 (ROWS)
+        short = wide and n - j0 >= 16
         R = DW_ROWS if short else ROWS
-        j1 = j0
-        while j1 < n and (wide and panel(wide, n - j1) >= 16) == short:
-            j1 += panel(wide, n - j1)
+        j1 = n - n % 16 if short else n
         i = 0
         while i < m:
             # k pixels from i: full tiles, then the fewest pixels that finish the run: a
