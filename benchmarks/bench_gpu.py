@@ -153,6 +153,9 @@ def numbafuse_worker(cfg, path=None):
         setattr(cuda_config, name, value)
     if "launch" in cfg:
         cuda_config.tile_override = cuda_config.Tile(64, 8, 8, 8, 8, 4)
+        if nfcuda.SIMULATOR:     # the linear layer's 16 x 16 thread blocks (as tests/conftest.py)
+            from numbafuse.kernels.basic import cuda as basic_cuda
+            basic_cuda.TILE = 4
     cuda = nfcuda.numba_cuda
     out = Results(path, device=_numba_device_name(cuda))
     sync = cuda.synchronize

@@ -173,6 +173,10 @@ def small_launches(request, monkeypatch):
         # to sm_90 and checked in tests/test_ptx.py and tests/test_sass.py)
         monkeypatch.setattr(config, "tile_override", config.TINY_TILE)
         monkeypatch.setattr(config, "dw_target_blocks", 24)
+        # the tiled matmul's TILE x TILE blocks (compile-time on a GPU, where it is 16: 256
+        # threads a block; the simulator reads the module's constant when a kernel runs)
+        from numbafuse.kernels.basic import cuda as basic_cuda
+        monkeypatch.setattr(basic_cuda, "TILE", 4)
     yield
 
 

@@ -51,7 +51,8 @@ SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 # knobs, read when a kernel runs), to what, and which shapes then cross the boundaries the
 # kernels partition work by. Compile-time constants (frozen into @njit / cuda.jit code, e.g.
 # the 16 x 16 TILE of basic/cuda.py) cannot be patched: the shapes are derived from their
-# values instead.
+# values instead. (Under the CUDA simulator, which runs a kernel's Python, conftest.py's
+# small_launches sets basic/cuda.py's TILE to 4, and the shapes follow by name.)
 # Everything is read from the kernel modules *by name* when a test runs, so when a kernel is
 # rewritten, adapting the tests is a change to this table alone:
 #
@@ -318,7 +319,8 @@ BOUNDARIES = {
         patch={"cuda.config.threads": 8, "cuda.config.max_blocks": 2,
                "cuda.config.reduce_blocks": 2},
         shapes=lambda: dict(dims=dict(
-            N=_ints(knob("basic.cuda.TILE") + 1, knob("basic.cuda.TILE") + 3),
+            N=_ints(max(knob("basic.cuda.TILE"), knob("cuda.config.threads")) + 1,
+                    max(knob("basic.cuda.TILE"), knob("cuda.config.threads")) + 3),
             F_in=_ints(knob("basic.cuda.TILE") + 1, knob("basic.cuda.TILE") + 2),
             F_out=_ints(knob("basic.cuda.TILE") + 1, knob("basic.cuda.TILE") + 2),
             L=_ints(2, 3), C=_ints(2, 2), H=_ints(4, 5), W=_ints(4, 5))),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import types
 from importlib import metadata
 
 import numpy as np
@@ -174,8 +175,97 @@ def _abort(threads):
         t.syncthreads_event.set()
 
 
+# A kernel that reaches no barrier (and no shared array, warp vote or shuffle) has no
+# order between its threads to keep: any order of them is one a GPU may run. Such a block
+# runs its threads one after another on the launching thread, each under its own
+# threadIdx (``threading.current_thread()`` is where the simulator's ``cuda.threadIdx``
+# looks), instead of a Python thread each: starting and switching threads was most of the
+# simulator's time for the elementwise and batch-norm kernels. What the kernel's code (its
+# nested functions, and the device functions and closures it names, followed) could reach is
+# read from its bytecode's names: any name with one of these in it keeps the threads.
+_THREAD_MARKERS = ("sync", "shared", "shfl", "ballot", "activemask", "lanemask", "match_",
+                   "vote", "threadfence")
+_SEQUENTIAL = {}                         # kernel function -> runs its blocks sequentially
+
+
+def _code_names(code, names):
+    names.update(code.co_names)
+    names.update(code.co_freevars)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _code_names(const, names)
+    return names
+
+
+def _python_function(obj):
+    fn = getattr(obj, "fn", None) if not isinstance(obj, types.FunctionType) else obj
+    return fn if isinstance(fn, types.FunctionType) else None
+
+
+def _needs_threads(fn, seen) -> bool:
+    """Whether ``fn`` (a kernel's or device function's Python function) or anything it names
+    may reach a barrier or another block-wide operation (conservatively: by name)."""
+    if fn in seen:
+        return False
+    seen.add(fn)
+    names = _code_names(fn.__code__, set())
+    if any(marker in name for name in names for marker in _THREAD_MARKERS):
+        return True
+    reached = [fn.__globals__.get(name) for name in names]
+    reached += [cell.cell_contents for cell in fn.__closure__ or ()
+                if cell.cell_contents is not None] if fn.__closure__ else []
+    for obj in list(reached):
+        if isinstance(obj, types.ModuleType):          # module.device_function(...)
+            reached += [getattr(obj, name, None) for name in names]
+    for obj in reached:
+        callee = _python_function(obj)
+        if callee is not None and _needs_threads(callee, seen):
+            return True
+    return False
+
+
+def _sequential(fn) -> bool:
+    runs = _SEQUENTIAL.get(fn)
+    if runs is None:
+        try:
+            runs = not _needs_threads(fn, set())
+        except Exception:                    # anything unexpected: the threads
+            runs = False
+        _SEQUENTIAL[fn] = runs
+    return runs
+
+
+def _run_sequentially(self, grid_point, args):
+    """One block of a barrier-free kernel, its threads in order on this thread; a thread's
+    exception is raised as the simulator's BlockThread words it."""
+    Dim3 = _SIMULATOR[0].Dim3
+    here = threading.current_thread()
+    kept = {name: here.__dict__[name] for name in ("blockIdx", "threadIdx", "thread_id")
+            if name in here.__dict__}
+    bx, by, bz = self._block_dim
+    here.blockIdx = Dim3(*grid_point)
+    try:
+        for block_point in np.ndindex(*self._block_dim):
+            x, y, z = block_point
+            here.threadIdx = Dim3(x, y, z)
+            here.thread_id = x + bx * (y + by * z)
+            try:
+                self._f(*args)
+            except Exception as e:
+                tid, ctaid = f"tid={list(block_point)}", f"ctaid={list(grid_point)}"
+                msg = f"{tid} {ctaid}" if str(e) == "" else f"{tid} {ctaid}: {e}"
+                raise type(e)(msg).with_traceback(e.__traceback__) from None
+    finally:
+        for name in ("blockIdx", "threadIdx", "thread_id"):
+            here.__dict__.pop(name, None)
+        here.__dict__.update(kept)
+
+
 def _run_block(self, grid_point, *args):
-    """``BlockManager.run``: one block, its threads' barriers released as they all arrive."""
+    """``BlockManager.run``: one block, its threads' barriers released as they all arrive
+    (a barrier-free kernel's threads one after another: :func:`_sequential`)."""
+    if not self._debug and _sequential(self._f):
+        return _run_sequentially(self, grid_point, args)
     BlockThread = _SIMULATOR[0].BlockThread
     self._changed = threading.Condition()
     threads = []

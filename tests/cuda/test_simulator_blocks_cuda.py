@@ -112,3 +112,77 @@ def test_the_uniform_barrier_check_catches_divergent_barriers(scheduler):
     x = np.zeros(THREADS)
     _divergent_barrier[1, THREADS](x)
     assert (x == np.arange(THREADS)).all()
+
+
+# --------------------------------------------------------------------------- barrier-free blocks
+
+@cuda.jit
+def _grid_ids(out):
+    # each thread writes its own ids: a block of (4, 2) threads in a (3, 2) grid
+    x, y = cuda.grid(2)
+    t = cuda.threadIdx.x + cuda.blockDim.x * cuda.threadIdx.y
+    out[x, y, 0] = t
+    out[x, y, 1] = cuda.blockIdx.x + 10 * cuda.blockIdx.y
+    out[x, y, 2] = cuda.laneid
+
+
+@cuda.jit
+def _past_the_end(x):
+    x[cuda.threadIdx.x * 2] = 1.0          # no barrier: past the end for the upper half
+
+
+@cuda.jit(device=True)
+def _block_sum_device(s, t):
+    cuda.syncthreads()                      # a device function's barrier
+    return s[0] + t
+
+
+@cuda.jit
+def _barrier_in_a_device_function(out):
+    s = cuda.shared.array(1, float64)
+    out[cuda.threadIdx.x] = _block_sum_device(s, cuda.threadIdx.x)
+
+
+def _make_closure_kernel():
+    helper = _block_sum_device
+
+    @cuda.jit
+    def kernel(out):
+        out[cuda.threadIdx.x] = helper(out, 0)
+    return kernel
+
+
+def test_barrier_free_kernels_run_their_threads_in_order_on_the_launching_thread():
+    """A kernel that reaches no barrier runs each block's threads one after another on the
+    launching thread (compat._run_sequentially), each with its own ids; kernels that reach
+    one, in their own code, a device function, a module's function or a closure, keep a
+    thread each."""
+    assert compat._sequential(_grid_ids.py_func)
+    assert compat._sequential(_past_the_end.py_func)
+    for kernel in (_tree_sums, _early_exit, _out_of_bounds, _divergent_barrier,
+                   _barrier_in_a_device_function, _make_closure_kernel()):
+        assert not compat._sequential(kernel.py_func), kernel
+    from numbafuse.kernels.batchnorm import cuda as bn_cuda   # through a module attribute
+    from numbafuse.kernels.elementwise import cuda as ew_cuda
+    assert not compat._sequential(bn_cuda._apply.py_func)     # _apply_walk's shared array
+    assert compat._sequential(ew_cuda._fill.py_func)
+    import threading
+    started = threading.active_count()
+    out = np.full((12, 4, 3), -1, np.int64)
+    _grid_ids[(3, 2), (4, 2)](out)
+    assert threading.active_count() == started                # no thread was started
+    assert not hasattr(threading.current_thread(), "threadIdx")   # and the ids are gone
+    x, y = np.meshgrid(np.arange(12), np.arange(4), indexing="ij")
+    assert (out[..., 0] == x % 4 + 4 * (y % 2)).all()
+    assert (out[..., 1] == x // 4 + 10 * (y // 2)).all()
+    assert (out[..., 2] == out[..., 0] % 32).all()
+
+
+def test_a_barrier_free_threads_exception_names_the_thread():
+    x = np.zeros(THREADS)
+    with pytest.raises(IndexError, match=r"tid=\[4, 0, 0\] ctaid=\[0, 0, 0\]"):
+        _past_the_end[2, THREADS](x)
+    assert not hasattr(__import__("threading").current_thread(), "threadIdx")
+    out = np.zeros(1)
+    _tree_sums[1, THREADS](np.ones(THREADS), out)
+    assert out[0] == THREADS
