@@ -212,8 +212,7 @@ def _needs_threads(fn, seen) -> bool:
     if any(marker in name for name in names for marker in _THREAD_MARKERS):
         return True
     reached = [fn.__globals__.get(name) for name in names]
-    reached += [cell.cell_contents for cell in fn.__closure__ or ()
-                if cell.cell_contents is not None] if fn.__closure__ else []
+    reached += [cell.cell_contents for cell in fn.__closure__ or ()]   # (empty: raises)
     for obj in list(reached):
         if isinstance(obj, types.ModuleType):          # module.device_function(...)
             reached += [getattr(obj, name, None) for name in names]
