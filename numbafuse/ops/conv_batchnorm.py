@@ -53,16 +53,22 @@ OP = "conv_batchnorm_relu"
 
 # --------------------------------------------------------------------------- recompute
 
-# recompute="auto": a training forward keeps h (as recompute=False) where each value of h
-# costs at least this many multiply-adds to compute again, C/groups * R * S, and recomputes
-# it (as recompute=True) where it costs fewer. In a CNN the channels grow as the maps shrink,
-# so the layers this keeps h for are the deep ones, whose h is small and whose conv is the
-# slowest to repeat: in ResNet-18 the 3x3 convs of 256 and 512 input channels (2304 and 4608
-# per value) and no others. ResNet-18 / ResNet-50 training step, batch 16, 64x64, machine E
-# (numbafuse.torch.fuse, one run each): every h recomputed 90-92 / 294 ms, activations kept
-# 16.1 / 55.1 MB; this rule 82-84 / 275 ms, 17.4 / 57.4 MB; no h recomputed 82-87 / 252 ms,
-# 29.3 / 113.8 MB (PyTorch keeps 29.1 / 112.8 MB).
-KEEP_H_MIN_MACS = 2048
+# recompute="auto": a training forward keeps h (as recompute=False) where each value of h costs at
+# least this many multiply-adds to compute again, C/groups * R * S, and recomputes it (as
+# recompute=True) where it costs fewer. In a CNN the channels grow as the maps shrink, so the layers
+# this keeps h for are the deep ones, whose h is small and whose conv is the slowest to repeat: in
+# ResNet-18 the 3x3 convs of 128, 256 and 512 input channels (1152, 2304 and 4608 per value) and no
+# others. ResNet-18 / ResNet-50 training step, batch 16, 64x64, machine E (numbafuse.torch.fuse, one
+# run each): every h recomputed 90-92 / 294 ms, activations kept 16.1 / 55.1 MB; this rule (at 2048)
+# 82-84 / 275 ms, 17.4 / 57.4 MB; no h recomputed 82-87 / 252 ms, 29.3 / 113.8 MB (PyTorch keeps
+# 29.1 / 112.8 MB). At 1024 (since 2026-11-30) it also keeps the 3x3 convs' h of 128 input channels
+# and the 1x1 convs' of 1024: activations kept 13.2 / 55.9 MB against 11.4 / 51.3 at 2048, 10.1 /
+# 49.0 with every h recomputed and PyTorch's 29.1 / 112.8 (0.46 / 0.50 of PyTorch's: issue 34 asks
+# <= 0.6; 512 would be 0.62 / 0.57), and it skips recomputed forwards that took ~33 ms of a
+# ResNet-50 step on machine F (their in-step times, profile_resnet.py --model resnet50 --layers; ~14
+# ms of ResNet-18's at the same shapes); the steps themselves were too noisy there to show it
+# (docs/benchmarks.md, "ResNet-50 on machine F").
+KEEP_H_MIN_MACS = 1024
 
 
 def recomputes(recompute, geometry):

@@ -325,8 +325,9 @@ def fuse(model, *, leaf_modules=(), copy=True, recompute=True):
         unfused chain. "auto": False where a value of the conv output
         costs at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS`` multiply-adds to
         recompute (C/groups * R * S; in a CNN the deep layers, whose outputs are small),
-        True elsewhere: on ResNet-18 at batch 16, 64x64, 17.4 MB of activations kept against
-        16.1 (recompute everywhere) and PyTorch's 29.1, 8-11% faster steps than True.
+        True elsewhere: on ResNet-18 at batch 16, 64x64, 13.2 MB of activations kept against
+        10.1 (recompute everywhere) and PyTorch's 29.1 (at the rule's first line, 2048 on
+        machine E, 8-11% faster steps than True).
         (Under ``torch.compile`` the custom ops recompute.)
 
     Returns
