@@ -11,6 +11,7 @@ import inspect
 import io
 import logging
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install "
@@ -260,12 +261,16 @@ def test_recompute_keeps_the_conv_input_not_the_conv_output():
         y.sum().backward()
 
 
-@pytest.mark.parametrize("fn", [nft.conv_batchnorm_relu, nft.conv_batchnorm_add_relu])
-def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn):
-    """recompute="auto" keeps h (as recompute=False) exactly where a value of h costs at least
-    KEEP_H_MIN_MACS multiply-adds (C/groups * R * S), at the line and one below it, grouped
-    or not; the values and gradients are the recomputing op's. fuse's default stays True
-    (DESIGN.md: the fused chains keep only the conv input)."""
+@pytest.mark.parametrize("fn,relu", [(nft.conv_batchnorm_relu, True),
+                                     (nft.conv_batchnorm_relu, False),
+                                     (nft.conv_batchnorm_add_relu, True)])
+def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn, relu):
+    """recompute="auto" keeps h (as recompute=False) in every float Conv-BN-ReLU (the next fused
+    conv keeps that h in place of its input: test_conv_batchnorm_relu_output_is_rebuilt_...),
+    and elsewhere exactly where a value of h costs at least KEEP_H_MIN_MACS multiply-adds
+    (C/groups * R * S), at the line and one below it, grouped or not; the values and
+    gradients are the recomputing op's. fuse's default stays True (DESIGN.md: the fused
+    chains keep only the conv input)."""
     from numbafuse.ops.conv_batchnorm import KEEP_H_MIN_MACS as LINE
     assert inspect.signature(nft.fuse).parameters["recompute"].default is True
     torch.manual_seed(0)
@@ -284,9 +289,12 @@ def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn):
             saved = []
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
                                                           lambda t: t):
-                y = fn(*args, groups=groups, recompute=recompute)
+                y = fn(*args, groups=groups, recompute=recompute,
+                       **({} if fn is nft.conv_batchnorm_add_relu else {"relu": relu}))
             kept = z.numel() in [t.numel() for t in saved]
-            assert kept == (keeps and recompute == "auto"), (C, groups, R, recompute)
+            always = fn is nft.conv_batchnorm_relu and relu
+            assert kept == ((keeps or always) and recompute == "auto"), (C, groups, R,
+                                                                          recompute)
             results.append((y, *torch.autograd.grad(y, args, torch.ones_like(y))))
         for a, b in zip(*results):
             torch.testing.assert_close(b, a, **F64)
@@ -294,6 +302,76 @@ def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn):
         fn(*args, groups=groups, recompute="yes")
     with pytest.raises(TypeError, match="recompute"):
         nft.ConvBatchNormReLU2d(3, 4, 3, recompute="sometimes")
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_batchnorm_relu_output_is_rebuilt_not_kept(channels_last):
+    """A Conv-BN-ReLU that keeps h (recompute False or "auto") marks its output y with its
+    source; the next fused conv (Conv-BN-ReLU, Conv-BN-Add-ReLU) keeps that h, mean, invstd,
+    weight and bias instead of y, and its backward rebuilds y bit for bit. So no saved tensor
+    is y; the gradients are the unfused chain's (float64); y changed in place after the
+    forward, or made by a recomputing producer, is kept as itself."""
+    from numbafuse.torch import conv_batchnorm as tcb
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+
+    def leaf(*shape, positive=False):
+        t = torch.rand(*shape, dtype=torch.float64) + 0.5 if positive else \
+            torch.randn(*shape, dtype=torch.float64)
+        return (t.contiguous(memory_format=fmt) if t.dim() == 4 else t).requires_grad_()
+
+    x, z = leaf(2, 3, 6, 6), leaf(2, 4, 6, 6)
+    w1, w2, w3 = leaf(5, 3, 3, 3), leaf(6, 5, 1, 1), leaf(4, 6, 3, 3)
+    g1, g2, g3 = leaf(5, positive=True), leaf(6, positive=True), leaf(4, positive=True)
+    b1, b2, b3 = leaf(5), leaf(6), leaf(4)
+    leaves = (x, z, w1, w2, w3, g1, g2, g3, b1, b2, b3)
+
+    def chain(recompute, touch=False, fused=True):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            if fused:
+                y1 = nft.conv_batchnorm_relu(x, w1, g1, b1, padding=1, recompute=recompute)
+                if touch:
+                    y1 = y1.mul_(1.0)                        # the same values, a new version
+                y2 = nft.conv_batchnorm_relu(y1, w2, g2, b2, recompute=recompute)
+                y3 = nft.conv_batchnorm_add_relu(y2, w3, z, g3, b3, padding=1,
+                                                 recompute=recompute)
+            else:
+                y1 = F.batch_norm(F.conv2d(x, w1, padding=1), None, None, g1, b1, True).relu()
+                y2 = F.batch_norm(F.conv2d(y1, w2), None, None, g2, b2, True).relu()
+                y3 = (F.batch_norm(F.conv2d(y2, w3, padding=1), None, None, g3, b3, True)
+                      + z).relu()
+        weights = torch.linspace(-1, 1, y3.numel(), dtype=torch.float64).reshape(y3.shape)
+        return y1, y2, y3, saved, torch.autograd.grad((y3 * weights).sum(), leaves,
+                                                      retain_graph=True)
+
+    *_, expected = chain(None, fused=False)
+    for recompute in (False, "auto"):
+        y1, y2, y3, saved, grads = chain(recompute)
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want, **F64)
+        storages = {t.untyped_storage().data_ptr() for t in saved}
+        assert y1.untyped_storage().data_ptr() not in storages, recompute
+        assert y2.untyped_storage().data_ptr() not in storages, recompute
+        source = getattr(y1, tcb.SOURCE)
+        assert source.h.untyped_storage().data_ptr() in storages
+        # y2's backward rebuilds y1 bit for bit
+        rebuilt = tcb.restore(y2.grad_fn)["x"]
+        layout = "NHWC" if channels_last else "NCHW"
+        assert np.array_equal(rebuilt, tcb.as_array(y1.detach(), layout))
+    if not channels_last:   # (torch refuses in-place changes of a Function's view output)
+        # changed in place after the forward: kept as itself (and still right)
+        y1, y2, y3, saved, grads = chain(False, touch=True)
+        assert y1.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr()
+                                                   for t in saved}
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want, **F64)
+    # a recomputing producer keeps no h: no source, its output kept by the next conv
+    y1, y2, y3, saved, grads = chain(True)
+    assert not hasattr(y1, tcb.SOURCE)
+    assert y1.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in saved}
 
 
 def test_recompute_false_keeps_the_conv_output_and_computes_the_same():

@@ -27,8 +27,15 @@ What each keeps for backward (``torch.autograd.graph.saved_tensors_hooks`` sees 
   x, h and y (or y's mask) besides; this keeps x and the mask only.
 
 ``recompute=False`` (both): the forward keeps h too and the backward runs no conv forward.
-``recompute="auto"``: False where h is cheap to keep and dear to recompute (C/groups * R * S
-at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``, the deep layers), else True.
+``recompute="auto"``: a float32/float64 ``conv_batchnorm_relu`` with the ReLU keeps h (as
+False), since the next fused conv then keeps that h in place of its input (:data:`SOURCE`);
+elsewhere False where h is cheap to keep and dear to recompute (C/groups * R * S at least
+``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``, the deep layers), else True.
+
+Where a Conv-BN-ReLU keeps h, the next fused Conv-BN(-Add)-ReLU does not keep its input (that
+output) but the producer's h, mean, invstd, weight and bias, and rebuilds it in its backward
+by the batch-norm apply that made it (an elementwise pass, the same bits): y is freed after
+the forward.
 
 Both take torch tensors (CPU or CUDA, contiguous or channels_last: numbafuse's NHWC kernels,
 zero-copy, the outputs channels_last too; float32, float64 or half precision (float16;
@@ -43,6 +50,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import backend, validate
 from ..kernels.conv import weights as _weights
+from ..ops import batchnorm as _bn
 from ..ops import conv_batchnorm as _cbn
 from .bfloat16 import widened
 from .layers import (LAYOUT, Unrecorded, as_array, as_tensor, capturing, check_tensors,
@@ -102,11 +110,66 @@ def save(ctx, p, call, saved, tensors, device):
     """Keep a core forward's ``saved`` arrays on ``ctx`` as torch tensors (the inputs' own
     tensors where a residual is an input: ``tensors`` by residual name), with its params
     ``p`` and ``call``, for :func:`restore`. (An :class:`Unrecorded` ctx keeps no tensor:
-    none is made.)"""
+    none is made.) An x that :func:`rebuilt_from` can rebuild is kept as its
+    :data:`SOURCE` (the tensors its producer keeps anyway), not as itself. Returns the
+    tensors kept by name (none for an Unrecorded ctx)."""
+    kept = {}
     if not isinstance(ctx, Unrecorded):
-        ctx.save_for_backward(*(tensors[n] if n in tensors else as_tensor(a, device)
-                                for n, a in saved.items()))
-    ctx.p, ctx.call, ctx.names, ctx.device = p, call, tuple(saved), device
+        kept = {n: tensors[n] if n in tensors else as_tensor(a, device)
+                for n, a in saved.items()}
+        source = rebuilt_from(ctx, tensors.get("x"), p.layout) if "x" in kept else None
+        if source is not None:
+            del kept["x"]
+            kept.update({f"x:{n}": getattr(source, n) for n in _SOURCE_PARTS})
+        ctx.save_for_backward(*kept.values())
+    ctx.p, ctx.call, ctx.device = p, call, device
+    ctx.names = tuple(kept) if kept else tuple(saved)
+    return kept
+
+
+# Where a Conv-BN-ReLU keeps h (recompute False, or "auto"'s rule), its output y is
+# relu(gamma * (h - mean) * invstd + beta) of tensors its own backward keeps: the next fused
+# conv, whose backward needs y as its input x, keeps those instead of y (no more memory than
+# the producer's own) and its backward rebuilds x from them by the same batch-norm apply that
+# made y (the same kernel on the same values: the same bits). So y itself is freed after the
+# forward (PyTorch's unfused chain keeps h and y; recompute keeps x and runs the conv again).
+SOURCE = "_numbafuse_source"           # the attribute of such a y: a _Source
+_SOURCE_PARTS = ("h", "mean", "invstd", "gamma", "beta")
+
+
+class _Source:
+    __slots__ = ("h", "mean", "invstd", "gamma", "beta", "layout", "version")
+
+    def __init__(self, h, mean, invstd, gamma, beta, layout, version):
+        self.h, self.mean, self.invstd, self.gamma, self.beta = h, mean, invstd, gamma, beta
+        self.layout, self.version = layout, version
+
+
+def _recorded(ctx):
+    """Whether ``ctx`` is autograd's own (a Function called through ``apply``): not an
+    :class:`Unrecorded` one nor the custom ops' (``library._Ctx``)."""
+    return isinstance(ctx, torch.autograd.function.FunctionCtx)
+
+
+def with_source(ctx, y, kept, p, weight, bias):
+    """``y`` (the tensor a Conv-BN-ReLU forward returns) marked with its :data:`SOURCE` where
+    its backward keeps h (``kept``: :func:`save`'s tensors) and it is float32 or float64."""
+    if (_recorded(ctx) and p.training and p.relu and "h" in kept
+            and y.dtype in (torch.float32, torch.float64)):
+        setattr(y, SOURCE, _Source(kept["h"], kept["mean"], kept["invstd"], weight, bias,
+                                   p.layout, y._version))
+    return y
+
+
+def rebuilt_from(ctx, x, layout):
+    """The :class:`_Source` of a conv input ``x`` its consumer may keep instead of x: x marked
+    by :func:`with_source`, unchanged since (its version), in this conv's ``layout``, and
+    ``ctx`` autograd's own; else None."""
+    source = getattr(x, SOURCE, None) if x is not None else None
+    if (source is None or not _recorded(ctx) or source.layout != layout
+            or x._version != source.version):
+        return None
+    return source
 
 
 def _checked(device, geometry, p):
@@ -127,10 +190,17 @@ def vouched(w_array, w, p, *bn):
 
 
 def restore(ctx):
-    """The ``saved`` arrays of :func:`save` by name (x in its layout)."""
+    """The ``saved`` arrays of :func:`save` by name (x in its layout; an x kept as its
+    :data:`SOURCE` rebuilt: ``relu(gamma * (h - mean) * invstd + beta)``)."""
     layout = ctx.p.layout
-    return {n: as_array(t, layout if n == "x" else LAYOUT)
-            for n, t in zip(ctx.names, ctx.saved_tensors)}
+    out = {n: as_array(t, layout if n == "x" else LAYOUT)
+           for n, t in zip(ctx.names, ctx.saved_tensors)}
+    if "x:h" in out:
+        s = {n: out.pop(f"x:{n}") for n in _SOURCE_PARTS}
+        with launch_order(ctx.device):
+            out["x"] = _bn.bn_apply(s["h"], s["mean"], s["invstd"], s["gamma"], s["beta"],
+                                    relu=True, layout=layout)
+    return out
 
 
 # --------------------------------------------------------------------------- conv_batchnorm_relu
@@ -159,10 +229,10 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
         with launch_order(device), vouched(wa, w, p, weight, bias, running_mean, running_var):
             y, call, saved = _cbn.forward(_cbn.OP, p, as_array(x, layout), wa,
                                           as_array(weight), as_array(bias), checked=checked)
-        save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight, beta=bias), device)
+        kept = save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight, beta=bias), device)
         if p.training and running_mean is not None:
             updated_in_place(running_mean, running_var)
-        return as_tensor(y, device, layout)
+        return with_source(ctx, as_tensor(y, device, layout), kept, p, weight, bias)
 
     # bwd :: (residuals, dy) -> (dx, dw, dweight, dbias)
     @staticmethod
@@ -203,8 +273,10 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
     groups : int (``F.conv2d``'s: a grouped conv; ``groups == C``: depthwise)
     recompute : True, False or "auto" (True: backward recomputes h; False: the training
         forward keeps h and, with the ReLU, a 1-bit mask, and the backward runs no conv
-        forward: faster, and about the memory of PyTorch's unfused chain; "auto": False where
-        a value of h costs at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``
+        forward: faster, and less memory than PyTorch's unfused chain where the next op is a
+        fused conv, which keeps this h instead of y; "auto": False with the ReLU on float32
+        and float64 (this h replaces y in the next fused conv's memory), else False where a
+        value of h costs at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``
         multiply-adds (C/groups * R * S: the deep layers, whose h is small), else True;
         inference folds the batch norm either way)
 
@@ -237,6 +309,8 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
                             running_mean=running_mean, running_var=running_var,
                             training=bool(training), momentum=momentum, eps=eps,
                             count=geometry.N * geometry.P * geometry.Q)
+    if recompute == "auto" and relu and x.dtype in (torch.float32, torch.float64):
+        recompute = False               # this h stands in for y in the next fused conv
     p = ops_params(_cbn.ConvBatchNormReLU, geometry, bool(training), momentum, eps,
                    running_mean, running_var, recompute, relu=bool(relu))
     args = (x, w, weight, bias, running_mean, running_var, p, geometry, device,
