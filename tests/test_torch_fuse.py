@@ -338,6 +338,8 @@ def test_conv_batchnorm_relu_output_is_rebuilt_not_kept(channels_last):
                 y2 = nft.conv_batchnorm_relu(y1, w2, g2, b2, recompute=recompute)
                 y3 = nft.conv_batchnorm_add_relu(y2, w3, z, g3, b3, padding=1,
                                                  recompute=recompute)
+                ref = getattr(y1, tcb.SOURCE, None)
+                sources.append(None if ref is None else ref().h.untyped_storage().data_ptr())
             else:
                 y1 = F.batch_norm(F.conv2d(x, w1, padding=1), None, None, g1, b1, True).relu()
                 y2 = F.batch_norm(F.conv2d(y1, w2), None, None, g2, b2, True).relu()
@@ -347,16 +349,18 @@ def test_conv_batchnorm_relu_output_is_rebuilt_not_kept(channels_last):
         return y1, y2, y3, saved, torch.autograd.grad((y3 * weights).sum(), leaves,
                                                       retain_graph=True)
 
+    sources = []
     *_, expected = chain(None, fused=False)
     for recompute in (False, "auto"):
+        sources = []
         y1, y2, y3, saved, grads = chain(recompute)
+        assert getattr(y1, tcb.SOURCE)() is None      # the producer's backward dropped it
         for got, want in zip(grads, expected):
             torch.testing.assert_close(got, want, **F64)
         storages = {t.untyped_storage().data_ptr() for t in saved}
         assert y1.untyped_storage().data_ptr() not in storages, recompute
         assert y2.untyped_storage().data_ptr() not in storages, recompute
-        source = getattr(y1, tcb.SOURCE)
-        assert source.h.untyped_storage().data_ptr() in storages
+        assert sources[-1] in storages                 # the producer's h, kept by y2
         # y2's backward rebuilds y1 bit for bit
         rebuilt = tcb.restore(y2.grad_fn)["x"]
         layout = "NHWC" if channels_last else "NCHW"
@@ -370,7 +374,7 @@ def test_conv_batchnorm_relu_output_is_rebuilt_not_kept(channels_last):
             torch.testing.assert_close(got, want, **F64)
     # a recomputing producer keeps no h: no source, its output kept by the next conv
     y1, y2, y3, saved, grads = chain(True)
-    assert not hasattr(y1, tcb.SOURCE)
+    assert sources[-1] is None and not hasattr(y1, tcb.SOURCE)
     assert y1.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in saved}
 
 

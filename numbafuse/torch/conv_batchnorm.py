@@ -45,6 +45,8 @@ Running statistics are updated in place.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -133,12 +135,14 @@ def save(ctx, p, call, saved, tensors, device):
 # the producer's own) and its backward rebuilds x from them by the same batch-norm apply that
 # made y (the same kernel on the same values: the same bits). So y itself is freed after the
 # forward (PyTorch's unfused chain keeps h and y; recompute keeps x and runs the conv again).
-SOURCE = "_numbafuse_source"           # the attribute of such a y: a _Source
+# y holds its source weakly (``weakref.ref``): the producer's ctx holds it until the
+# producer's backward, so a y kept after the step (a logged feature map) keeps no h alive.
+SOURCE = "_numbafuse_source"           # the attribute of such a y: a weakref to a _Source
 _SOURCE_PARTS = ("h", "mean", "invstd", "gamma", "beta")
 
 
 class _Source:
-    __slots__ = ("h", "mean", "invstd", "gamma", "beta", "layout", "version")
+    __slots__ = ("h", "mean", "invstd", "gamma", "beta", "layout", "version", "__weakref__")
 
     def __init__(self, h, mean, invstd, gamma, beta, layout, version):
         self.h, self.mean, self.invstd, self.gamma, self.beta = h, mean, invstd, gamma, beta
@@ -156,8 +160,9 @@ def with_source(ctx, y, kept, p, weight, bias):
     its backward keeps h (``kept``: :func:`save`'s tensors) and it is float32 or float64."""
     if (_recorded(ctx) and p.training and p.relu and "h" in kept
             and y.dtype in (torch.float32, torch.float64)):
-        setattr(y, SOURCE, _Source(kept["h"], kept["mean"], kept["invstd"], weight, bias,
-                                   p.layout, y._version))
+        ctx.source = _Source(kept["h"], kept["mean"], kept["invstd"], weight, bias,
+                             p.layout, y._version)
+        setattr(y, SOURCE, weakref.ref(ctx.source))
     return y
 
 
@@ -165,7 +170,8 @@ def rebuilt_from(ctx, x, layout):
     """The :class:`_Source` of a conv input ``x`` its consumer may keep instead of x: x marked
     by :func:`with_source`, unchanged since (its version), in this conv's ``layout``, and
     ``ctx`` autograd's own; else None."""
-    source = getattr(x, SOURCE, None) if x is not None else None
+    ref = getattr(x, SOURCE, None) if x is not None else None
+    source = ref() if ref is not None else None
     if (source is None or not _recorded(ctx) or source.layout != layout
             or x._version != source.version):
         return None
@@ -238,6 +244,7 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
+        ctx.source = None        # (its consumers, done before this, keep what they need)
         d, layout = ctx.device, ctx.p.layout
         saved, w = restore(ctx), ctx.saved_tensors[ctx.names.index("w")]
         with launch_order(d), vouched(saved["w"], w, ctx.p):
