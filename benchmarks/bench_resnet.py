@@ -125,9 +125,8 @@ def main(argv=None):
     names = list(best["torch"])
     lines = _runner.header(info, _report.command("bench_resnet.py"))
     lines += [f"Batch {args.batch}, 3x{args.size}x{args.size}, float32, NCHW. numbafuse: "
-              f"`fuse(model, recompute=\"auto\")` (backward keeps every Conv-BN-ReLU's "
-              f"conv output, which the next fused conv keeps in place of its input, and "
-              f"the deep tails' conv outputs) and, for the training step, "
+              f"`fuse(model, recompute=\"auto\")` (backward keeps each conv's input, and "
+              f"the deep layers' conv outputs) and, for the training step, "
               f"`fuse(model)` (`recompute=True`, the default: every conv output recomputed) and "
               f"`fuse(model, recompute=False)` (keeps the conv outputs too, as PyTorch does; "
               f"no conv forward in backward).", "",

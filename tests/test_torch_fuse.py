@@ -265,12 +265,10 @@ def test_recompute_keeps_the_conv_input_not_the_conv_output():
                                      (nft.conv_batchnorm_relu, False),
                                      (nft.conv_batchnorm_add_relu, True)])
 def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn, relu):
-    """recompute="auto" keeps h (as recompute=False) in every float Conv-BN-ReLU (the next fused
-    conv keeps that h in place of its input: test_conv_batchnorm_relu_output_is_rebuilt_...),
-    and elsewhere exactly where a value of h costs at least KEEP_H_MIN_MACS multiply-adds
-    (C/groups * R * S), at the line and one below it, grouped or not; the values and
-    gradients are the recomputing op's. fuse's default stays True (DESIGN.md: the fused
-    chains keep only the conv input)."""
+    """recompute="auto" keeps h (as recompute=False) exactly where a value of h costs at least
+    KEEP_H_MIN_MACS multiply-adds (C/groups * R * S), at the line and one below it, grouped
+    or not, with the ReLU or without; the values and gradients are the recomputing op's.
+    fuse's default stays True (DESIGN.md: the fused chains keep only the conv input)."""
     from numbafuse.ops.conv_batchnorm import KEEP_H_MIN_MACS as LINE
     assert inspect.signature(nft.fuse).parameters["recompute"].default is True
     torch.manual_seed(0)
@@ -292,9 +290,7 @@ def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn, 
                 y = fn(*args, groups=groups, recompute=recompute,
                        **({} if fn is nft.conv_batchnorm_add_relu else {"relu": relu}))
             kept = z.numel() in [t.numel() for t in saved]
-            always = fn is nft.conv_batchnorm_relu and relu
-            assert kept == ((keeps or always) and recompute == "auto"), (C, groups, R,
-                                                                          recompute)
+            assert kept == (keeps and recompute == "auto"), (C, groups, R, recompute)
             results.append((y, *torch.autograd.grad(y, args, torch.ones_like(y))))
         for a, b in zip(*results):
             torch.testing.assert_close(b, a, **F64)
@@ -305,12 +301,12 @@ def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn, 
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_conv_batchnorm_relu_output_is_rebuilt_not_kept(channels_last):
-    """A Conv-BN-ReLU that keeps h (recompute False or "auto") marks its output y with its
-    source; the next fused conv (Conv-BN-ReLU, Conv-BN-Add-ReLU) keeps that h, mean, invstd,
-    weight and bias instead of y, and its backward rebuilds y bit for bit. So no saved tensor
-    is y; the gradients are the unfused chain's (float64); y changed in place after the
-    forward, or made by a recomputing producer, is kept as itself."""
+def test_conv_batchnorm_relu_output_is_rebuilt_not_kept(channels_last, monkeypatch):
+    """A Conv-BN-ReLU that keeps h (recompute=False, or "auto" on a deep conv) marks its output
+    y with its source; the next fused conv (Conv-BN-ReLU, Conv-BN-Add-ReLU) keeps that h,
+    mean, invstd, weight and bias instead of y, and its backward rebuilds y bit for bit. So
+    no saved tensor is y; the gradients are the unfused chain's (float64); y changed in place
+    after the forward, or made by a recomputing producer, is kept as itself."""
     from numbafuse.torch import conv_batchnorm as tcb
     F = torch.nn.functional
     torch.manual_seed(0)
@@ -351,6 +347,8 @@ def test_conv_batchnorm_relu_output_is_rebuilt_not_kept(channels_last):
 
     sources = []
     *_, expected = chain(None, fused=False)
+    from numbafuse.ops import conv_batchnorm as ocb
+    monkeypatch.setattr(ocb, "KEEP_H_MIN_MACS", 1)        # "auto" keeps every h here
     for recompute in (False, "auto"):
         sources = []
         y1, y2, y3, saved, grads = chain(recompute)

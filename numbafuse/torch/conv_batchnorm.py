@@ -27,10 +27,8 @@ What each keeps for backward (``torch.autograd.graph.saved_tensors_hooks`` sees 
   x, h and y (or y's mask) besides; this keeps x and the mask only.
 
 ``recompute=False`` (both): the forward keeps h too and the backward runs no conv forward.
-``recompute="auto"``: a float32/float64 ``conv_batchnorm_relu`` with the ReLU keeps h (as
-False), since the next fused conv then keeps that h in place of its input (:data:`SOURCE`);
-elsewhere False where h is cheap to keep and dear to recompute (C/groups * R * S at least
-``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``, the deep layers), else True.
+``recompute="auto"``: False where h is cheap to keep and dear to recompute (C/groups * R * S
+at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``, the deep layers), else True.
 
 Where a Conv-BN-ReLU keeps h, the next fused Conv-BN(-Add)-ReLU does not keep its input (that
 output) but the producer's h, mean, invstd, weight and bias, and rebuilds it in its backward
@@ -129,7 +127,7 @@ def save(ctx, p, call, saved, tensors, device):
     return kept
 
 
-# Where a Conv-BN-ReLU keeps h (recompute False, or "auto"'s rule), its output y is
+# Where a Conv-BN-ReLU keeps h (recompute False, or where "auto"'s rule keeps it), its output y is
 # relu(gamma * (h - mean) * invstd + beta) of tensors its own backward keeps: the next fused
 # conv, whose backward needs y as its input x, keeps those instead of y (no more memory than
 # the producer's own) and its backward rebuilds x from them by the same batch-norm apply that
@@ -281,11 +279,10 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
     recompute : True, False or "auto" (True: backward recomputes h; False: the training
         forward keeps h and, with the ReLU, a 1-bit mask, and the backward runs no conv
         forward: faster, and less memory than PyTorch's unfused chain where the next op is a
-        fused conv, which keeps this h instead of y; "auto": False with the ReLU on float32
-        and float64 (this h replaces y in the next fused conv's memory), else False where a
-        value of h costs at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``
-        multiply-adds (C/groups * R * S: the deep layers, whose h is small), else True;
-        inference folds the batch norm either way)
+        fused conv, which keeps this h instead of y; "auto": False where a value of h costs
+        at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS`` multiply-adds (C/groups *
+        R * S: the deep layers, whose h is small), else True; inference folds the batch
+        norm either way)
 
     Returns
     -------
@@ -316,8 +313,6 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
                             running_mean=running_mean, running_var=running_var,
                             training=bool(training), momentum=momentum, eps=eps,
                             count=geometry.N * geometry.P * geometry.Q)
-    if recompute == "auto" and relu and x.dtype in (torch.float32, torch.float64):
-        recompute = False               # this h stands in for y in the next fused conv
     p = ops_params(_cbn.ConvBatchNormReLU, geometry, bool(training), momentum, eps,
                    running_mean, running_var, recompute, relu=bool(relu))
     args = (x, w, weight, bias, running_mean, running_var, p, geometry, device,

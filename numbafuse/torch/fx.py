@@ -324,14 +324,12 @@ def fuse(model, *, leaf_modules=(), copy=True, recompute=True):
         mask) and backward runs no conv forward: faster, with about the memory of PyTorch's
         unfused chain (less: a Conv-BN-ReLU's output feeding another fused conv is not
         kept, that conv keeps the producer's h instead and rebuilds the output from it in
-        backward, ``numbafuse.torch.conv_batchnorm.SOURCE``). "auto": False in every
-        float Conv-BN-ReLU (its h stands in for its output in the next fused conv), and in
-        the other chains where a value of the conv output costs at least
-        ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS`` multiply-adds to recompute
-        (C/groups * R * S; in a CNN the deep layers, whose outputs are small), True
-        elsewhere: so only the block tails' and the small downsample convs are recomputed;
-        at batch 16, 64x64, activations kept 16.3 MB on ResNet-18 (PyTorch's 29.1: 0.56) and
-        54.4 on ResNet-50 (112.8: 0.48) (``benchmarks/fuse_saved_bytes.py``).
+        backward, ``numbafuse.torch.conv_batchnorm.SOURCE``). "auto": False where a value
+        of the conv output costs at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``
+        multiply-adds to recompute (C/groups * R * S; in a CNN the deep layers, whose
+        outputs are small), True elsewhere: at batch 16, 64x64, activations kept 11.9 MB on
+        ResNet-18 (PyTorch's 29.1: 0.41) and 49.8 on ResNet-50 (112.8: 0.44)
+        (``benchmarks/fuse_saved_bytes.py``).
         (Under ``torch.compile`` the custom ops recompute.)
 
     Returns
