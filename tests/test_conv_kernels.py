@@ -390,6 +390,31 @@ def test_taps_tiles_only_where_they_fit(conv_rules):
     assert taps(pw) == 0
 
 
+def test_a_narrow_nhwc_stem_forward_takes_the_implicit_gemm_on_narrow_tiles(conv_rules):
+    """With 8-float tiles (``taps`` off: AVX2) the strided forward of an NHWC input with few
+    channels (a 7x7/2 stem) runs the implicit GEMM (``narrow_implicit_channels``), an NCHW one
+    and its dW im2col; the two forwards compute the same conv."""
+    g = nf.validate.conv_geometry
+    conv_rules(taps=False)
+    stem = g("t", (2, 19, 19, 3), (16, 3, 7, 7), 2, 3, 1, "NHWC")
+    assert cpu_conv.algorithm(stem, "forward") == "implicit"
+    assert cpu_conv.algorithm(stem, "dw") == "im2col"
+    assert cpu_conv.algorithm(g("t", (2, 3, 19, 19), (16, 3, 7, 7), 2, 3, 1, "NCHW"),
+                              "forward") == "im2col"
+    assert cpu_conv.algorithm(stem, "forward", np.float64) == "im2col"
+    wide = g("t", (2, 19, 19, 16), (16, 16, 3, 3), 2, 1, 1, "NHWC")      # past the line
+    assert cpu_conv.algorithm(wide, "forward") != "implicit"
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 19, 19, 3)).astype(np.float32)
+    w = rng.standard_normal((16, 3, 7, 7)).astype(np.float32)
+    y = cpu_conv.conv_forward(x, w, None, stem, False)
+    want = nf.reference.conv2d(x.astype(np.float64), w.astype(np.float64), stride=2,
+                               padding=3, layout="NHWC")
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+    conv_rules(narrow_implicit_channels=0)
+    assert cpu_conv.algorithm(stem, "forward") == "im2col"
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("kind, kernel, stride", [
     ("winograd_s2", 3, 2), ("implicit", 3, 2), ("winograd", 3, 1), ("pointwise", 1, 1)])

@@ -84,6 +84,13 @@ class Rules(NamedTuple):
     # im2col took 0.6-0.9x its time (l4 3x3/2 256 -> 512: 2.8 against 10.1 ms), at the stem
     # (7x7/2, 3 -> 64) 1.5-1.9x (9.4 against 5.0 ms NCHW, 6.3 against 4.2 NHWC)
     implicit_max_channels: int = 15
+    # ... and with 8-float tiles too (``taps`` off: AVX2) where the input is NHWC with at most
+    # this many channels: machine F (Zen 3, AVX2), the 7x7/2 3 -> 64 stem forward, the two
+    # alternating in one process, best / median of 7 x 3-10 calls, two runs, ms im2col /
+    # implicit: batch 16, 64x64 3.93 / 2.78 and 5.23 / 4.10; batch 8, 224x224 22.67 / 17.59
+    # and 25.89 / 17.43. Not NCHW: im2col was faster there (3.21 / 3.55 and 3.16 / 3.24;
+    # 16.48 / 19.02 and 17.60 / 19.90)
+    narrow_implicit_channels: int = 15
     # a 3x3 stride-1 float32 forward with enough tiles for Winograd and at most this many
     # channels each side runs the implicit GEMM's register tiles instead (machine E, 2
     # threads, best of 5 x 5 calls, ms Winograd / implicit, NCHW then NHWC): C = K = 64 at
@@ -319,8 +326,10 @@ def _pointwise_chunked(geom, pass_, rules):
 def choose(geom, pass_, dtype, rules):
     """The algorithm ``rules`` pick for ``pass_`` of ``geom`` on ``dtype`` inputs."""
     strided = geom.sh > 1 or geom.sw > 1
-    implicit = (rules.taps and strided and supports("implicit", geom, pass_, dtype)
-                and (pass_ == "dw" or geom.C <= rules.implicit_max_channels))
+    implicit = (strided and supports("implicit", geom, pass_, dtype)
+                and (rules.taps and (pass_ == "dw" or geom.C <= rules.implicit_max_channels)
+                     or pass_ == "forward" and geom.layout == "NHWC"
+                     and geom.C <= rules.narrow_implicit_channels))
     if is_pointwise(geom):
         if _pointwise_blocked(geom, pass_, dtype, rules) or _pointwise_chunked(geom, pass_, rules):
             return "im2col"
