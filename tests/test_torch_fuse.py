@@ -269,7 +269,7 @@ def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn, 
     KEEP_H_MIN_MACS multiply-adds (C/groups * R * S), at the line and one below it, grouped
     or not, with the ReLU or without; the values and gradients are the recomputing op's.
     fuse's default stays True (DESIGN.md: the fused chains keep only the conv input)."""
-    from numbafuse.ops.conv_batchnorm import KEEP_H_MIN_MACS as LINE
+    from numbafuse.torch.conv_batchnorm import KEEP_H_MIN_MACS as LINE
     assert inspect.signature(nft.fuse).parameters["recompute"].default is True
     torch.manual_seed(0)
     for C, groups, R, keeps in [(LINE, 1, 1, True), (LINE - 1, 1, 1, False),
@@ -347,8 +347,7 @@ def test_conv_batchnorm_relu_output_is_rebuilt_not_kept(channels_last, monkeypat
 
     sources = []
     *_, expected = chain(None, fused=False)
-    from numbafuse.ops import conv_batchnorm as ocb
-    monkeypatch.setattr(ocb, "KEEP_H_MIN_MACS", 1)        # "auto" keeps every h here
+    monkeypatch.setattr(tcb, "KEEP_H_MIN_MACS", 1)        # "auto" keeps every h here
     for recompute in (False, "auto"):
         sources = []
         y1, y2, y3, saved, grads = chain(recompute)

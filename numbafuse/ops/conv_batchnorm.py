@@ -67,15 +67,17 @@ OP = "conv_batchnorm_relu"
 # <= 0.6; 512 would be 0.62 / 0.57), and it skips recomputed forwards that took ~33 ms of a
 # ResNet-50 step on machine F (their in-step times, profile_resnet.py --model resnet50 --layers; ~14
 # ms of ResNet-18's at the same shapes); the steps themselves were too noisy there to show it
-# (docs/benchmarks.md, "ResNet-50 on machine F").
+# (docs/benchmarks.md, "ResNet-50 on machine F"). numbafuse.torch, whose next fused conv keeps a
+# Conv-BN-ReLU's h instead of its output, draws its own line (numbafuse.torch.conv_batchnorm).
 KEEP_H_MIN_MACS = 1024
 
 
-def recomputes(recompute, geometry):
+def recomputes(recompute, geometry, line=None):
     """Whether a training backward recomputes h: ``recompute`` itself (True or False), or
-    for "auto" the rule of ``KEEP_H_MIN_MACS`` on ``geometry``'s conv."""
+    for "auto" the rule of ``KEEP_H_MIN_MACS`` (or ``line``) on ``geometry``'s conv."""
     if isinstance(recompute, str):                       # "auto" (validated)
-        return geometry.C // geometry.groups * geometry.R * geometry.S < KEEP_H_MIN_MACS
+        line = KEEP_H_MIN_MACS if line is None else line
+        return geometry.C // geometry.groups * geometry.R * geometry.S < line
     return bool(recompute)
 
 

@@ -28,7 +28,7 @@ What each keeps for backward (``torch.autograd.graph.saved_tensors_hooks`` sees 
 
 ``recompute=False`` (both): the forward keeps h too and the backward runs no conv forward.
 ``recompute="auto"``: False where h is cheap to keep and dear to recompute (C/groups * R * S
-at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``, the deep layers), else True.
+at least :data:`KEEP_H_MIN_MACS`, this module's line), else True.
 
 Where a Conv-BN-ReLU keeps h, the next fused Conv-BN(-Add)-ReLU does not keep its input (that
 output) but the producer's h, mean, invstd, weight and bias, and rebuilds it in its backward
@@ -176,6 +176,20 @@ def rebuilt_from(ctx, x, layout):
     return source
 
 
+# recompute="auto" here: keep h where a value of it costs at least this many multiply-adds to
+# compute again (C/groups * R * S), as numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS (1024) does,
+# but lower: a Conv-BN-ReLU's kept h stands in for its output in the next fused conv (SOURCE), so
+# keeping it costs little memory. At 256, in ResNet-18 every conv but the stem and the 1x1
+# downsample convs keeps h, in ResNet-50 also all but the 1x1 convs of fewer than 256 input
+# channels. Activations kept at batch 16, 64x64 (benchmarks/fuse_saved_bytes.py --recompute
+# auto): ResNet-18 0.49 of PyTorch's (0.41 at 1024), ResNet-50 0.54 (0.44); issue 34 asks <= 0.6.
+# Machine F (AVX2, 2 cores), one process a step case, alternating, best / median of 5-6 processes
+# of 4-5 steps, two runs (ms, 1024 against 256): ResNet-18 226.9 / 242.3 against 175.1 / 226.7
+# and 215.1 / 224.7 against 194.7 / 217.9; ResNet-50 577.8 / 588.8 against 537.9 / 568.0 and
+# 547.1 / 646.1 against 583.5 / 643.5 (within that machine's spread).
+KEEP_H_MIN_MACS = 256
+
+
 def _checked(device, geometry, p):
     """What the core's forward would validate, validated by :func:`_check` already: (its
     backend, the geometry, the momentum in ``p``), so that the core does not check again.
@@ -280,9 +294,9 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
         forward keeps h and, with the ReLU, a 1-bit mask, and the backward runs no conv
         forward: faster, and less memory than PyTorch's unfused chain where the next op is a
         fused conv, which keeps this h instead of y; "auto": False where a value of h costs
-        at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS`` multiply-adds (C/groups *
-        R * S: the deep layers, whose h is small), else True; inference folds the batch
-        norm either way)
+        at least :data:`KEEP_H_MIN_MACS` multiply-adds (C/groups * R * S: in a CNN all but
+        the first and the narrowest layers), else True; inference folds the batch norm
+        either way)
 
     Returns
     -------
@@ -307,6 +321,8 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
         momentum, eps)
     validate.check_flag(op, "relu", relu)
     recompute = validate.check_recompute(op, recompute)
+    if recompute == "auto":                     # this module's line (KEEP_H_MIN_MACS)
+        recompute = _cbn.recomputes(recompute, geometry, KEEP_H_MIN_MACS)
     if capturing():
         return run_captured("conv_batchnorm_relu", x, w, weight, bias, running_mean,
                             running_var, bool(training), eps, conv_args(geometry), bool(relu),
@@ -414,6 +430,8 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
         dict(stride=stride, padding=padding, dilation=dilation, groups=groups), training,
         momentum, eps)
     recompute = validate.check_recompute(op, recompute)
+    if recompute == "auto":                     # this module's line (KEEP_H_MIN_MACS)
+        recompute = _cbn.recomputes(recompute, geometry, KEEP_H_MIN_MACS)
     if capturing():
         return run_captured("conv_batchnorm_add_relu", x, w, z, weight, bias, running_mean,
                             running_var, bool(training), eps, conv_args(geometry),

@@ -325,10 +325,10 @@ def fuse(model, *, leaf_modules=(), copy=True, recompute=True):
         unfused chain (less: a Conv-BN-ReLU's output feeding another fused conv is not
         kept, that conv keeps the producer's h instead and rebuilds the output from it in
         backward, ``numbafuse.torch.conv_batchnorm.SOURCE``). "auto": False where a value
-        of the conv output costs at least ``numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS``
-        multiply-adds to recompute (C/groups * R * S; in a CNN the deep layers, whose
-        outputs are small), True elsewhere: at batch 16, 64x64, activations kept 11.9 MB on
-        ResNet-18 (PyTorch's 29.1: 0.41) and 49.8 on ResNet-50 (112.8: 0.44)
+        of the conv output costs at least ``numbafuse.torch.conv_batchnorm.KEEP_H_MIN_MACS``
+        (256) multiply-adds to recompute (C/groups * R * S; in a CNN all but the stem and
+        the narrowest 1x1 convs), True elsewhere: at batch 16, 64x64, activations kept 14.2
+        MB on ResNet-18 (PyTorch's 29.1: 0.49) and 61.1 on ResNet-50 (112.8: 0.54)
         (``benchmarks/fuse_saved_bytes.py``).
         (Under ``torch.compile`` the custom ops recompute.)
 
