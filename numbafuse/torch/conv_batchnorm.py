@@ -179,10 +179,10 @@ def rebuilt_from(ctx, x, layout):
 # recompute="auto" here: keep h where a value of it costs at least this many multiply-adds to
 # compute again (C/groups * R * S), as numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS (1024) does,
 # but lower: a Conv-BN-ReLU's kept h stands in for its output in the next fused conv (SOURCE), so
-# keeping it costs little memory. At 256, in ResNet-18 every conv but the stem and the 1x1
-# downsample convs keeps h, in ResNet-50 also all but the 1x1 convs of fewer than 256 input
-# channels. Activations kept at batch 16, 64x64 (benchmarks/fuse_saved_bytes.py --recompute
-# auto): ResNet-18 0.49 of PyTorch's (0.41 at 1024), ResNet-50 0.54 (0.44); issue 34 asks <= 0.6.
+# keeping it costs little memory. At 256 every ResNet conv keeps h but the stem and the 1x1
+# convs of fewer than 256 input channels. Activations kept at batch 16, 64x64
+# (benchmarks/fuse_saved_bytes.py --recompute auto): ResNet-18 0.49 of PyTorch's (0.41 at
+# 1024), ResNet-50 0.54 (0.44); issue 34 asks <= 0.6.
 # Machine F (AVX2, 2 cores), one process a step case, alternating, best / median of 5-6 processes
 # of 4-5 steps, two runs (ms, 1024 against 256): ResNet-18 226.9 / 242.3 against 175.1 / 226.7
 # and 215.1 / 224.7 against 194.7 / 217.9; ResNet-50 577.8 / 588.8 against 537.9 / 568.0 and
