@@ -96,8 +96,11 @@ def ops_params(op_class, geometry, training, momentum, eps, running_mean=None,
     """The ``Params`` of numbafuse's ``op_class``
     (:class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormReLU`, with ``relu=`` in ``params``,
     or :class:`~numbafuse.ops.conv_batchnorm.ConvBatchNormAddReLU`) for ``geometry`` (its
-    layout, padding resolved, groups), on torch's running statistics."""
+    layout, padding resolved, groups), on torch's running statistics; "auto" resolved by
+    this module's line, :data:`KEEP_H_MIN_MACS`."""
     g = geometry
+    if recompute == "auto":
+        recompute = _cbn.recomputes(recompute, g, KEEP_H_MIN_MACS)
     return op_class.Params(running_mean=as_array(running_mean),
                            running_var=as_array(running_var), training=training,
                            momentum=momentum, eps=eps, stride=(g.sh, g.sw),
@@ -168,7 +171,7 @@ def rebuilt_from(ctx, x, layout):
     """The :class:`_Source` of a conv input ``x`` its consumer may keep instead of x: x marked
     by :func:`with_source`, unchanged since (its version), in this conv's ``layout``, and
     ``ctx`` autograd's own; else None."""
-    ref = getattr(x, SOURCE, None) if x is not None else None
+    ref = getattr(x, SOURCE, None)
     source = ref() if ref is not None else None
     if (source is None or not _recorded(ctx) or source.layout != layout
             or x._version != source.version):
@@ -321,8 +324,6 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
         momentum, eps)
     validate.check_flag(op, "relu", relu)
     recompute = validate.check_recompute(op, recompute)
-    if recompute == "auto":                     # this module's line (KEEP_H_MIN_MACS)
-        recompute = _cbn.recomputes(recompute, geometry, KEEP_H_MIN_MACS)
     if capturing():
         return run_captured("conv_batchnorm_relu", x, w, weight, bias, running_mean,
                             running_var, bool(training), eps, conv_args(geometry), bool(relu),
@@ -430,8 +431,6 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
         dict(stride=stride, padding=padding, dilation=dilation, groups=groups), training,
         momentum, eps)
     recompute = validate.check_recompute(op, recompute)
-    if recompute == "auto":                     # this module's line (KEEP_H_MIN_MACS)
-        recompute = _cbn.recomputes(recompute, geometry, KEEP_H_MIN_MACS)
     if capturing():
         return run_captured("conv_batchnorm_add_relu", x, w, z, weight, bias, running_mean,
                             running_var, bool(training), eps, conv_args(geometry),
