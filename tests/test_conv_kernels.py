@@ -402,6 +402,9 @@ def test_a_narrow_nhwc_stem_forward_takes_the_implicit_gemm_on_narrow_tiles(conv
     assert cpu_conv.algorithm(g("t", (2, 3, 19, 19), (16, 3, 7, 7), 2, 3, 1, "NCHW"),
                               "forward") == "im2col"
     assert cpu_conv.algorithm(stem, "forward", np.float64) == "im2col"
+    line = cpu_plan.RULES.narrow_implicit_channels
+    at_line = g("t", (2, 19, 19, line), (16, line, 7, 7), 2, 3, 1, "NHWC")
+    assert cpu_conv.algorithm(at_line, "forward") == "implicit"
     wide = g("t", (2, 19, 19, 16), (16, 16, 3, 3), 2, 1, 1, "NHWC")      # past the line
     assert cpu_conv.algorithm(wide, "forward") != "implicit"
     rng = np.random.default_rng(0)
