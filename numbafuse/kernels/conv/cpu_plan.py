@@ -92,7 +92,7 @@ class Rules(NamedTuple):
     # 16.48 / 19.02 and 17.60 / 19.90). The price: on AVX2 nothing else compiles the implicit
     # GEMM, so an empty cache's first NHWC stem forward takes 12.4-12.6 s of CPU against
     # im2col's 7.3-7.6 (two runs each, NUMBA_CACHE_DIR empty, NUMBAFUSE_FIRST_CALL_WAIT=inf,
-    # (2, 32, 32, 3)); once per machine, then ~1 ms a 64x64 batch of 16 and ~5-8 at 224x224
+    # (2, 32, 32, 3)); once per machine, for ~1 ms a call at batch 16, 64x64, ~5-8 at batch 8, 224
     narrow_implicit_channels: int = 15
     # a 3x3 stride-1 float32 forward with enough tiles for Winograd and at most this many
     # channels each side runs the implicit GEMM's register tiles instead (machine E, 2
