@@ -3,6 +3,7 @@ timed by name.
 
     python benchmarks/profile_resnet.py [--model resnet18] [--batch 16] [--size 64]
                                         [--steps 5] [--top 25] [--layers | --torch]
+                                        [--recompute True|False|auto]
 
 The model is ``numbafuse/torch/resnet.py`` (torchvision's code) converted by
 ``numbafuse.torch.fuse``; a step as in ``bench_resnet.py`` (gradients set to None, forward,
@@ -159,6 +160,8 @@ def main(argv=None):
                    help="time the conv passes by layer shape instead of the launches")
     p.add_argument("--torch", action="store_true",
                    help="PyTorch's own unfused model's conv passes by layer shape instead")
+    p.add_argument("--recompute", default="True", choices=["True", "False", "auto"],
+                   help="fuse(model, recompute=...) (default True, fuse's own default)")
     args = p.parse_args(argv)
 
     import torch
@@ -171,7 +174,8 @@ def main(argv=None):
 
     torch.manual_seed(0)
     model = getattr(resnet, args.model)(num_classes=1000)
-    model = model if args.torch else nft.fuse(model)
+    recompute = {"True": True, "False": False}.get(args.recompute, args.recompute)
+    model = model if args.torch else nft.fuse(model, recompute=recompute)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     x = torch.randn(args.batch, 3, args.size, args.size)
     labels = torch.randint(0, 1000, (args.batch,))
@@ -205,16 +209,18 @@ def main(argv=None):
         undo()
     n = args.steps
     if args.layers:
-        print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused, "
-              f"{torch.get_num_threads()} torch threads: step {total * 1e3:.1f} ms, of which "
+        print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused "
+              f"(recompute={args.recompute}), {torch.get_num_threads()} torch threads: "
+              f"step {total * 1e3:.1f} ms, of which "
               f"the conv passes {sum(times.values()) / n * 1e3:.1f} ms (mean of {n} steps)")
         print("\n| conv pass | ms a call | calls a step |\n|---|---:|---:|")
         for name in sorted(times):
             print(f"| {name} | {times[name] / counts[name] * 1e3:.2f} | {counts[name] / n:g} |")
         return
     outer = times.pop("(outermost launches)", 0.0) / n
-    print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused, "
-          f"{torch.get_num_threads()} torch threads: step {total * 1e3:.1f} ms, of which "
+    print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused "
+          f"(recompute={args.recompute}), {torch.get_num_threads()} torch threads: "
+          f"step {total * 1e3:.1f} ms, of which "
           f"numbafuse's outermost launches {outer * 1e3:.1f} ms ({outer / total:.0%}), "
           f"the rest {(total - outer) * 1e3:.1f} ms (mean of {n} steps)")
     print("\n| kernel | ms a step | launches a step |\n|---|---:|---:|")

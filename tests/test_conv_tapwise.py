@@ -162,10 +162,21 @@ def test_the_plan_takes_tapwise_for_small_maps_only():
     with cpu_plan.using(tapwise_max_density=0.0):
         for pass_ in ("forward", "dx"):
             assert cpu_plan.plan(g, pass_, np.float32).algorithm != "tapwise"
-    # a strided dX that the k-blocked im2col runs stays there; one that it does not, not
-    s2 = nf.validate.conv_geometry("t", (16, 256, 4, 4), (512, 256, 3, 3), 2, 1, 1, "NCHW")
-    assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "im2col"
-    assert cpu_plan.plan(s2, "forward", np.float32).algorithm == "tapwise"
+    # a strided dX that the k-blocked im2col runs stays there on images of fewer than
+    # tapwise_blocked_dx_min_pixels output pixels (ResNet-18's l4 3x3/2: 2x2); one that it
+    # does not, not; from that many on (ResNet-50's l3 3x3/2 256 at 8x8 -> 4x4) tapwise
+    for layout in ("NCHW", "NHWC"):
+        shape = (16, 256, 4, 4) if layout == "NCHW" else (16, 4, 4, 256)
+        s2 = nf.validate.conv_geometry("t", shape, (512, 256, 3, 3), 2, 1, 1, layout)
+        assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "im2col"
+        assert cpu_plan.plan(s2, "forward", np.float32).algorithm == "tapwise"
+        shape = (16, 256, 8, 8) if layout == "NCHW" else (16, 8, 8, 256)
+        s2 = nf.validate.conv_geometry("t", shape, (256, 256, 3, 3), 2, 1, 1, layout)
+        assert s2.P * s2.Q == cpu_plan.RULES.tapwise_blocked_dx_min_pixels
+        assert cpu_plan.plan(s2, "dx", np.float32, algorithm="im2col").k_blocks > 1
+        assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "tapwise"
+        with cpu_plan.using(tapwise_blocked_dx_min_pixels=17):
+            assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "im2col"
     s2 = nf.validate.conv_geometry("t", (16, 64, 4, 4), (128, 64, 3, 3), 2, 1, 1, "NCHW")
     assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "tapwise"
     # a strided dX up to density 0.85 (ResNet-18's l3 3x3/2 at 8x8 -> 4x4: 0.84), its forward

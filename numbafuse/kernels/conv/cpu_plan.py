@@ -151,8 +151,11 @@ class Rules(NamedTuple):
     # pixels than this (``_pointwise_blocked``: the measurements)
     pointwise_thin_pixels: int = 16
     # ... and a widening NCHW 1x1 forward on images of at most this many pixels runs im2col's
-    # chunks (``_pointwise_chunked``: ResNet-50's 128 -> 512 at 8x8, 1.39x)
-    pointwise_chunked_pixels: int = 64
+    # chunks (``_pointwise_chunked``: ResNet-50's 128 -> 512 at 8x8, 1.39x on machine E). Not
+    # with 8-float tiles (0: AVX2): on machine F (Zen 3, AVX2, 2 threads, batch 16, NCHW,
+    # ``bench_conv_plan.py --model resnet50``, three runs, ms pointwise / im2col) that layer's
+    # forward took 1.51 / 1.61, 1.20 / 1.47, 1.38 / 1.79: the GEMM per image won
+    pointwise_chunked_pixels: int = 64 if _gemm_taps.WIDE else 0
     # a backward touching fewer elements (x, gy twice) whose dX and dW are both Winograd
     # passes runs their tasks in one job that the threads share, instead of one pass after the
     # other, each split over the threads: at the digits shapes (8x8, 24 channels) a split
@@ -186,6 +189,13 @@ class Rules(NamedTuple):
     # (0.84) was slower at every shape measured: 128 -> 256, batch 16, NCHW 0.84-1.01 / 0.53-0.57
     # ms, NHWC 0.75 / 0.49; 128 -> 128 0.485 / 0.432 and 0.420 / 0.381
     tapwise_strided_dx_max_density: float = 0.85
+    # ... and a strided dX that the k-blocked im2col runs (``_tapwise``) with at least this
+    # many output pixels an image: ResNet-50's l3 3x3/2 256 at 8x8 -> 4x4, batch 16, machine F
+    # (Zen 3, AVX2, 2 threads, ``bench_conv_plan.py --model resnet50``, ms im2col / tapwise):
+    # NCHW 5.28 / 3.69, 4.07 / 3.53, 4.13 / 3.28; NHWC 4.14 / 2.94, 3.31 / 2.96. At 2x2 the
+    # two were even (ResNet-18's l4 3x3/2 256 -> 512: machine E in ``_tapwise``; F NCHW 2.81 /
+    # 2.22, 2.52 / 2.30, 1.93 / 2.43): im2col stays there
+    tapwise_blocked_dx_min_pixels: int = 16
     tapwise_min_channels: int = 64
     # output channels per task of the tapwise forward, half of it where the batch has at
     # most 64 output pixels (512 channels at 2x2, batch 8 / 16 / 32: 0.434 / 0.722 / 1.237 ms
@@ -471,14 +481,15 @@ def tapwise_density(geom):
 
 def _tapwise(geom, pass_, dtype, rules):
     """The forward or dX by tap (``Rules.tapwise_max_density``), but not a strided dX that
-    the k-blocked im2col runs (ResNet-18's l4 3x3/2 256 -> 512 at batch 16, 2x2 output,
-    machine E, ms im2col / tapwise over four runs: NCHW 0.578-0.584 / 0.561-0.637, NHWC
-    0.520-0.526 / 0.498-0.588: the weights' reordering costs what the padding's products
-    did)."""
+    the k-blocked im2col runs on images of fewer than ``Rules.tapwise_blocked_dx_min_pixels``
+    output pixels (ResNet-18's l4 3x3/2 256 -> 512 at batch 16, 2x2 output, machine E, ms
+    im2col / tapwise over four runs: NCHW 0.578-0.584 / 0.561-0.637, NHWC 0.520-0.526 /
+    0.498-0.588: the weights' reordering costs what the padding's products did)."""
     if pass_ == "dw" or geom.R * geom.S == 1 or geom.P * geom.Q > 64:
         return False
     strided_dx = pass_ == "dx" and (geom.sh > 1 or geom.sw > 1)
-    if strided_dx and _k_blocks(geom, pass_, dtype, rules) > 1:
+    if (strided_dx and geom.P * geom.Q < rules.tapwise_blocked_dx_min_pixels
+            and _k_blocks(geom, pass_, dtype, rules) > 1):
         return False
     limit = rules.tapwise_strided_dx_max_density if strided_dx else rules.tapwise_max_density
     return (min(geom.C, geom.K) >= rules.tapwise_min_channels
