@@ -277,6 +277,15 @@ class Forward(NamedTuple):
     count: int          # values per channel the statistics are over (all ranks' with comm)
 
 
+def inference_add_relu(x, z, gamma, beta, running_mean, running_var, eps, layout):
+    """``relu(gamma * (x - running_mean) / sqrt(running_var + eps) + beta + z)`` for CPU
+    float32/float64 arrays that :func:`forward`'s checks passed (C-contiguous in ``layout``,
+    ``eps`` a float): the one kernel call :func:`forward` makes for them in inference, nothing
+    else (``numbafuse.torch.prepared``: calls whose checks passed before)."""
+    return _kernels(backend.CPU).apply_running(x, running_mean, running_var, eps, gamma, beta,
+                                               z, True, layout, False)[0]
+
+
 def forward(op, x, z, gamma, beta, p, relu, with_mask, save="output", args=None):
     """The batch-norm forward without a tape, shared by every caller (the ops Functions, the
     PyTorch Function and custom op): validate, the statistics, the running ones updated in

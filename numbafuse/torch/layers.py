@@ -34,22 +34,21 @@ in either format; a channels_last weight (``model.to(memory_format=torch.channel
 converts them too) is read through a contiguous copy, and a residual ``z`` or gradient ``dy``
 in the other format than ``x`` is copied into ``x``'s.
 
-CUDA streams. numbafuse launches on numba's default stream, the legacy default stream (stream
-0), which is also PyTorch's default stream, so on the default stream nothing needs a
-synchronization. Neither side's ``__cuda_array_interface__`` carries a stream that the other
-waits on (torch's is version 2, without one; torch ignores numba's), so when the current torch
-stream is another one, :func:`launch_order` orders the work on the device: the default stream
-waits for the current stream before numbafuse's kernels, and the current stream waits for the
-default stream after them (``Stream.wait_stream``; no host synchronization). numbafuse's kernels
-run on numba's current device; tensors on another CUDA device are refused. **The CUDA path is
-untested on a GPU** (only its dispatch is tested, with fakes); the CPU path against torch's.
+CUDA streams. numbafuse launches on numba's default stream, the legacy default stream, also
+PyTorch's default: nothing to synchronize there. Neither side's ``__cuda_array_interface__``
+carries a stream the other waits on (torch's is version 2), so on another current torch stream
+:func:`launch_order` orders the work on the device (``Stream.wait_stream`` both ways, no host
+synchronization). Tensors on another CUDA device than numba's current one are refused. **The
+CUDA path is untested on a GPU** (its dispatch is tested with fakes); the CPU path against torch's.
+
+Inference calls of ``batchnorm_add_relu`` whose checks passed before skip them (``prepared.py``).
 
 What backward keeps (the numbafuse ops' residuals, not the pre-activations):
 
-* conv_bias_relu: x, w and y; the ReLU mask is read from y (``g = dy * (y > 0)``), and y is
-  often kept anyway by the next layer (torch shares one saved tensor).
-* batchnorm_add_relu: x, weight, the per-channel float64 mean and invstd, and the ReLU state as
-  a packed 1-bit mask (``numbafuse.ops.batchnorm.mask_nbytes``: 1/32 of a float32 y), not y.
+* conv_bias_relu: x, w and y; the ReLU mask is read from y (``g = dy * (y > 0)``; the next
+  layer often keeps y anyway: torch shares one saved tensor).
+* batchnorm_add_relu: x, weight, the float64 mean and invstd, and a packed 1-bit ReLU mask
+  (``numbafuse.ops.batchnorm.mask_nbytes``: 1/32 of a float32 y), not y.
 
 Examples
 --------
@@ -76,6 +75,7 @@ from .. import backend, validate
 from ..kernels.conv import weights as _weights
 from ..ops import batchnorm as _bn
 from ..ops import conv as _conv
+from . import prepared as _prepared
 from .bfloat16 import NUMPY_BF16, numpy_dtype, widened
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
@@ -443,10 +443,8 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
 @widened(check_tensors)
 def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, training=True,
                        momentum=0.1, eps=1e-5):
-    """Fused ``relu(batch_norm(x) + z)`` on torch tensors, differentiable by torch.autograd.
-
-    Computes ``torch.relu(torch.nn.functional.batch_norm(x, running_mean, running_var, weight,
-    bias, training, momentum, eps) + z)`` in one pass (and one backward pass).
+    """Fused ``torch.relu(torch.nn.functional.batch_norm(x, running_mean, running_var, weight,
+    bias, training, momentum, eps) + z)`` in one pass (and one backward pass), differentiable.
 
     Parameters
     ----------
@@ -458,9 +456,7 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
         unbiased variance (torch's rule). Inference (``training=False``): required and read.
     training : bool;  momentum : float in [0, 1];  eps : float >= 0
 
-    Returns
-    -------
-    y : torch.Tensor, x's shape, on x's device.
+    Returns y: torch.Tensor, x's shape, on x's device.
 
     Examples
     --------
@@ -471,6 +467,11 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
     >>> int((y > 0).sum()), rm
     (4, tensor([0.3500]))
     """
+    sig = _prepared.signature(training, x, z, weight, bias, running_mean, running_var, eps)
+    layout = _prepared.VALIDATED.get(sig)          # checked before (inference, CPU): run
+    if layout is not None:
+        return _prepared.batchnorm_add_relu(layout, x, z, weight, bias, running_mean,
+                                            running_var, eps)
     op = BATCHNORM_OP
     device = check_tensors(op, x=x, z=z, weight=weight, bias=bias, running_mean=running_mean,
                            running_var=running_var)
@@ -497,7 +498,9 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
                             running_var=running_var, training=bool(training),
                             momentum=momentum, eps=eps, count=x.numel() // C)
     if not needs_grad(x, z, weight, bias):
-        return BatchNormAddReLUFunction.forward(Unrecorded(), *args, False, device)
+        y = BatchNormAddReLUFunction.forward(Unrecorded(), *args, False, device)
+        _prepared.remember(sig, layout_of(x))       # (None: not a call prepared runs)
+        return y
     return BatchNormAddReLUFunction.apply(*args, True, device)
 
 
@@ -581,16 +584,12 @@ class ConvBiasReLU2d(torch.nn.Module):
 
 
 class BatchNormAddReLU2d(torch.nn.Module):
-    """``relu(batch_norm(x) + z)`` fused, called as ``m(x, z)``, with the parameters,
-    buffers, ``state_dict`` (version 2 metadata included) and initialisation of
-    ``torch.nn.BatchNorm2d(num_features, eps, momentum)`` (affine, tracking running stats):
-    ``weight = 1``, ``bias = 0``, ``running_mean = 0``, ``running_var = 1``,
-    ``num_batches_tracked = 0`` (int64).
-
-    As ``BatchNorm2d.forward``: in training, ``num_batches_tracked += 1`` and the running
-    statistics move by ``momentum`` (``momentum=None``: the cumulative average, factor
-    ``1 / num_batches_tracked``); in ``eval()`` the running statistics are used. The tail of a
-    torchvision-style residual block, ``relu(bn2(out) + identity)``, becomes
+    """``relu(batch_norm(x) + z)`` fused, called as ``m(x, z)``, with the parameters, buffers,
+    ``state_dict`` (version 2 metadata included) and initialisation (weight 1, bias 0, running
+    statistics 0 and 1, ``num_batches_tracked`` 0) of ``torch.nn.BatchNorm2d(num_features,
+    eps, momentum)``. As its forward: in training ``num_batches_tracked += 1`` and the running
+    statistics move by ``momentum`` (None: the cumulative average, ``1 / num_batches_tracked``);
+    in ``eval()`` they are used. A residual block's tail ``relu(bn2(out) + identity)`` becomes
     ``bn_add_relu(out, identity)`` with ``bn2``'s checkpoint loaded as it is.
 
     Not a subclass of ``torch.nn.BatchNorm2d``: ``SyncBatchNorm.convert_sync_batchnorm`` and

@@ -1,0 +1,139 @@
+"""numbafuse.torch.prepared: an inference call of batchnorm_add_relu whose signature passed
+every check before skips them and runs the kernel that call ran; anything else is checked."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="PyTorch is not installed (pip install 'numbafuse[torch]'); .ci/run's "
+    "torch leg has it")
+
+import numbafuse.torch as nft  # noqa: E402
+from numbafuse.torch import layers, prepared  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture(autouse=True)
+def fresh_signatures(monkeypatch):
+    monkeypatch.setattr(prepared, "VALIDATED", {})
+
+
+def _inputs(dtype=torch.float32, channels_last=False, seed=0, shape=(3, 5, 4, 6)):
+    g = torch.Generator().manual_seed(seed)
+    x, z = (torch.randn(shape, generator=g, dtype=dtype) for _ in range(2))
+    C = shape[1]
+    weight = torch.nn.Parameter(torch.rand(C, generator=g, dtype=dtype) + 0.5)
+    bias = torch.nn.Parameter(torch.randn(C, generator=g, dtype=dtype))
+    rm = torch.randn(C, generator=g, dtype=dtype)
+    rv = torch.rand(C, generator=g, dtype=dtype) + 0.5
+    if channels_last:
+        x, z = (t.contiguous(memory_format=torch.channels_last) for t in (x, z))
+    return x, z, weight, bias, rm, rv
+
+
+def _reference(x, z, weight, bias, rm, rv, eps=1e-5):
+    with torch.no_grad():
+        d = torch.float64
+        y = torch.nn.functional.batch_norm(x.to(d), rm.to(d), rv.to(d), weight.to(d),
+                                           bias.to(d), False, 0.0, eps)
+        return (y + z.to(d)).relu()
+
+
+def _checks_refused(monkeypatch):
+    """Make the checked path fail loudly: a call that reaches it raises."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checked path ran")
+    monkeypatch.setattr(layers, "check_tensors", refuse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_checked_inference_call_runs_again_without_its_checks(monkeypatch, dtype,
+                                                                channels_last):
+    args = _inputs(dtype, channels_last)
+    with torch.no_grad():
+        first = nft.batchnorm_add_relu(*args, training=False)
+        assert len(prepared.VALIDATED) == 1
+        _checks_refused(monkeypatch)
+        again = nft.batchnorm_add_relu(*args, training=False)
+    assert torch.equal(again, first)                       # the same kernel: the same bits
+    assert again.is_contiguous(memory_format=torch.channels_last) == channels_last
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    np.testing.assert_allclose(again.double().numpy(), _reference(*args).numpy(), rtol=tol,
+                               atol=tol)
+    # not under no_grad, no input requiring grad but the Parameters: recorded, so checked
+    x, z, weight, bias, rm, rv = args
+    weight.requires_grad_(False), bias.requires_grad_(False)
+    assert prepared.signature(False, x, z, weight, bias, rm, rv, 1e-5) not in prepared.VALIDATED
+
+
+def test_prepared_calls_read_every_value_anew():
+    """Writes no version counter sees (``.data``) reach the next call: nothing derived from
+    the values is kept."""
+    x, z, weight, bias, rm, rv = _inputs()
+    with torch.no_grad():
+        nft.batchnorm_add_relu(x, z, weight, bias, rm, rv, training=False)
+        for t in (x, z, weight, bias, rm, rv):
+            version = t._version
+            t.data.mul_(1.5).add_(0.25)
+            assert t._version == version
+        y = nft.batchnorm_add_relu(x, z, weight, bias, rm, rv, training=False)
+    assert len(prepared.VALIDATED) == 1
+    np.testing.assert_allclose(y.double().numpy(), _reference(x, z, weight, bias, rm, rv)
+                               .numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_what_is_never_prepared_or_differs_is_checked(monkeypatch):
+    x, z, weight, bias, rm, rv = _inputs()
+    with torch.no_grad():
+        nft.batchnorm_add_relu(x, z, weight, bias, rm, rv, training=True)       # training
+        assert not prepared.VALIDATED
+        nft.batchnorm_add_relu(x.half(), z.half(), weight, bias, rm, rv, training=False)
+        assert not prepared.VALIDATED                                            # half
+        nft.batchnorm_add_relu(x, z, weight, bias, rm, rv, training=False)
+        assert len(prepared.VALIDATED) == 1
+        # the same tensors otherwise: each a signature of its own, checked and refused
+        strided = torch.randn(3, 5, 4, 12)[..., ::2]
+        with pytest.raises(ValueError, match="x is not contiguous"):
+            nft.batchnorm_add_relu(strided, z, weight, bias, rm, rv, training=False)
+        with pytest.raises(ValueError, match="eps"):
+            nft.batchnorm_add_relu(x, z, weight, bias, rm, rv, training=False, eps=-1.0)
+        with pytest.raises(TypeError, match="training"):
+            nft.batchnorm_add_relu(x, z, weight, bias, rm, rv, training=0)
+        with pytest.raises(ValueError, match="shape"):
+            nft.batchnorm_add_relu(x, z[:, :, :2].contiguous(), weight, bias, rm, rv,
+                                   training=False)
+        with pytest.raises(TypeError, match="float64"):
+            nft.batchnorm_add_relu(x, z, weight, bias, rm.double(), rv, training=False)
+        with pytest.raises(ValueError, match="requires grad"):
+            nft.batchnorm_add_relu(x, z, weight, bias, rm.clone().requires_grad_(), rv,
+                                   training=False)
+    assert len(prepared.VALIDATED) == 1
+    # recorded by autograd (grad enabled, Parameters requiring grad): the Function, checked
+    y = nft.batchnorm_add_relu(x, z, weight, bias, rm, rv, training=False)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert weight.grad is not None and len(prepared.VALIDATED) == 1
+
+
+def test_the_signatures_kept_are_capped(monkeypatch):
+    monkeypatch.setattr(prepared, "MAX_SIGNATURES", 2)
+    with torch.no_grad():
+        for n in (1, 2, 3):
+            nft.batchnorm_add_relu(*_inputs(shape=(n, 5, 4, 6)), training=False)
+    assert len(prepared.VALIDATED) == 2
+
+
+def test_a_fused_model_in_eval_takes_the_prepared_calls(monkeypatch):
+    """The BatchNormAddReLU2d module (and so fuse()'s block tails) in eval: one checked call,
+    then prepared ones, the same outputs."""
+    torch.manual_seed(0)
+    m = nft.BatchNormAddReLU2d(5)
+    with torch.no_grad():
+        m.running_mean.normal_(), m.running_var.uniform_(0.5, 1.5)
+    m.eval()
+    x, z = torch.randn(3, 5, 4, 6), torch.randn(3, 5, 4, 6)
+    with torch.no_grad():
+        first = m(x, z)
+        _checks_refused(monkeypatch)
+        assert torch.equal(m(x, z), first)
