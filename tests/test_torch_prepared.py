@@ -137,3 +137,74 @@ def test_a_fused_model_in_eval_takes_the_prepared_calls(monkeypatch):
         first = m(x, z)
         _checks_refused(monkeypatch)
         assert torch.equal(m(x, z), first)
+
+
+# --------------------------------------------------------------------------- Conv-BatchNorm
+
+
+@pytest.fixture
+def fresh_checks(monkeypatch):
+    monkeypatch.setattr(prepared, "CHECKED", {})
+
+
+def _conv_inputs(channels_last=False, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 7, 6, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 3, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(2, 4, 4, 3, generator=g, dtype=torch.float64)
+    weight = torch.nn.Parameter(torch.rand(4, generator=g, dtype=torch.float64) + 0.5)
+    bias = torch.nn.Parameter(torch.randn(4, generator=g, dtype=torch.float64))
+    rm, rv = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    if channels_last:
+        x, z = (t.contiguous(memory_format=torch.channels_last) for t in (x, z))
+    return x, w, z, weight, bias, rm, rv
+
+
+def _conv_calls(x, w, z, weight, bias, rm, rv, training):
+    """Both Conv-BatchNorm functions (stride 2, padding 1), forward and backward."""
+    kw = dict(stride=2, padding=1, training=training)
+    y1 = nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, **kw)
+    y2 = nft.conv_batchnorm_add_relu(x, w, z, weight, bias, rm, rv, **kw)
+    (y1.sum() + y2.sum()).backward()
+    grads = [t.grad.clone() for t in (w, weight, bias)]
+    for t in (w, weight, bias):
+        t.grad = None
+    return [y1.detach(), y2.detach(), rm.clone(), rv.clone()] + grads
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_batchnorm_calls_checked_before_reuse_what_their_checks_returned(
+        monkeypatch, fresh_checks, channels_last):
+    from numbafuse.torch import conv_batchnorm
+    for training in (True, False):
+        args = _conv_inputs(channels_last)
+        first = _conv_calls(*args, training)            # checked: two signatures kept
+        assert len(prepared.CHECKED) == (2 if training else 4)
+        args = _conv_inputs(channels_last)
+        with monkeypatch.context() as m:
+            m.setattr(conv_batchnorm, "check_tensors", lambda *a, **k: pytest.fail("checked"))
+            again = _conv_calls(*args, training)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)                    # the same values, statistics, grads
+
+
+def test_conv_batchnorm_calls_that_differ_are_checked(fresh_checks):
+    x, w, z, weight, bias, rm, rv = _conv_inputs()
+    nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, stride=2, padding=1)
+    assert len(prepared.CHECKED) == 1
+    with pytest.raises(ValueError, match="momentum"):
+        nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, stride=2, padding=1, momentum=2.0)
+    with pytest.raises(ValueError, match="eps"):
+        nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, stride=2, padding=1, eps=-1.0)
+    with pytest.raises(ValueError, match="x is not contiguous"):
+        nft.conv_batchnorm_relu(torch.randn(2, 3, 7, 12, dtype=torch.float64)[..., ::2], w,
+                                weight, bias, rm, rv, stride=2, padding=1)
+    with pytest.raises(ValueError, match="requires grad"):
+        nft.conv_batchnorm_relu(x, w, weight, bias, rm.clone().requires_grad_(), rv,
+                                stride=2, padding=1)
+    with pytest.raises(ValueError, match="z has shape"):
+        nft.conv_batchnorm_add_relu(x, w, z, weight, bias, rm, rv, stride=1, padding=1)
+    assert len(prepared.CHECKED) == 1
+    # a list argument is not hashable: checked every time, and it runs
+    y = nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, stride=[2, 2], padding=1)
+    assert y.shape == (2, 4, 4, 3) and len(prepared.CHECKED) == 1

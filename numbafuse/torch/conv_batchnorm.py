@@ -52,6 +52,7 @@ from .. import backend, validate
 from ..kernels.conv import weights as _weights
 from ..ops import batchnorm as _bn
 from ..ops import conv_batchnorm as _cbn
+from . import prepared as _prepared
 from .bfloat16 import widened
 from .layers import (LAYOUT, Unrecorded, as_array, as_tensor, capturing, check_tensors,
                      conv_args, launch_order, layout_of, needs_grad, run_captured, shape_in,
@@ -61,7 +62,20 @@ def _check(op, tensors, conv, training, momentum, eps):
     """Validate everything before anything is written: (device, geometry, momentum, eps).
 
     ``tensors``: x, w, z (or None), weight, bias, running_mean, running_var by name; ``conv``:
-    stride, padding, dilation, groups. A channels_last x gives an NHWC geometry."""
+    stride, padding, dilation, groups. A channels_last x gives an NHWC geometry. A signature
+    checked before returns what its checks returned (``prepared.CHECKED``: nothing read from
+    a value)."""
+    sig = _prepared.checks_signature(op, tensors, (training, momentum, eps, *conv.values()))
+    checked = _prepared.CHECKED.get(sig)
+    if checked is not None:
+        return checked
+    checked = _checks(op, tensors, conv, training, momentum, eps)
+    if sig is not None and len(_prepared.CHECKED) < _prepared.MAX_SIGNATURES:
+        _prepared.CHECKED[sig] = checked
+    return checked
+
+
+def _checks(op, tensors, conv, training, momentum, eps):
     device = check_tensors(op, **tensors)
     x, w, z = tensors["x"], tensors["w"], tensors["z"]
     for name in ("x", "w", "weight", "bias"):

@@ -1,5 +1,6 @@
-"""Inference calls of ``batchnorm_add_relu`` whose signature passed every check before: the
-checks skipped, the kernels that call ran run straight (issue 34: the per-call cost).
+"""Calls whose signature passed every check before: the checks skipped (issue 34: the
+per-call cost). Inference calls of ``batchnorm_add_relu`` then run the kernel that call ran
+straight; the Conv-BatchNorm functions reuse what their checks returned (``CHECKED``).
 
 A call of :func:`numbafuse.torch.batchnorm_add_relu` in inference (``training=False``) that
 autograd does not record (``torch.no_grad()``, or no input requiring grad), outside a graph
@@ -11,7 +12,12 @@ passed every check passes them again, and runs what that call ran after them
 
 Nothing derived from a tensor's *values* is kept: the running statistics, weight and bias are
 read anew at every call, so a write that no version counter sees (``t.data.copy_(...)``)
-cannot leave a result stale. The signatures are kept in :data:`VALIDATED`, at most
+cannot leave a result stale. The Conv-BatchNorm functions' checks (``conv_batchnorm._check``:
+the tensors' types, shapes, strides, dtypes and ``requires_grad`` on the CPU, the conv
+arguments, training, momentum, eps) return the device, the geometry, momentum and eps, none
+of them read from a value: a call with a signature checked before (:func:`checks_signature`)
+takes them from :data:`CHECKED`, in training too. The signatures are kept in
+:data:`VALIDATED` and :data:`CHECKED`, at most each
 :data:`MAX_SIGNATURES` (then none is added: a long-running process with ever new shapes keeps
 the first ones, each a tuple of a few dozen small objects).
 
@@ -45,6 +51,40 @@ def signature(training, x, z, weight, bias, running_mean, running_var, eps):
             for t in (x, z, weight, bias, running_mean, running_var))
     except (AttributeError, TypeError):    # an argument that is not a tensor: the checks say
         return None
+
+
+def tensors_signature(tensors):
+    """``signature``'s part for a name -> tensor (or None) mapping: None unless every tensor
+    given is a CPU tensor (a CUDA call's checks also read numba's current device)."""
+    out = []
+    for t in tensors.values():
+        if t is None:
+            out.append(None)
+        elif not isinstance(t, torch.Tensor) or not t.is_cpu:
+            return None
+        else:
+            out.append((type(t), t.shape, t.stride(), t.dtype, t.requires_grad))
+    return tuple(out)
+
+
+def checks_signature(op, tensors, scalars):
+    """The tuple that decides every check of a Conv-BatchNorm call (``conv_batchnorm._check``:
+    its tensors by name, its scalars and conv arguments, each value with its type), or None
+    (a graph capture, a tensor off the CPU, an unhashable argument such as a list)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None
+    t = tensors_signature(tensors)
+    if t is None:
+        return None
+    key = (op, t) + tuple((type(v), v) for v in scalars)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+CHECKED = {}              # checks_signature -> what the checks returned (no value read)
 
 
 def remember(sig, layout):
