@@ -65,13 +65,12 @@ def _check(op, tensors, conv, training, momentum, eps):
     stride, padding, dilation, groups. A channels_last x gives an NHWC geometry. A signature
     checked before returns what its checks returned (``prepared.CHECKED``: nothing read from
     a value)."""
-    sig = _prepared.checks_signature(op, tensors, (training, momentum, eps, *conv.values()))
+    sig = _prepared.checks_signature(op, tensors.values(),
+                                     (training, momentum, eps, *conv.values()))
     checked = _prepared.CHECKED.get(sig)
-    if checked is not None:
-        return checked
-    checked = _checks(op, tensors, conv, training, momentum, eps)
-    if sig is not None and len(_prepared.CHECKED) < _prepared.MAX_SIGNATURES:
-        _prepared.CHECKED[sig] = checked
+    if checked is None:
+        checked = _checks(op, tensors, conv, training, momentum, eps)
+        _prepared.keep(_prepared.CHECKED, sig, checked)
     return checked
 
 

@@ -499,7 +499,7 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
                             momentum=momentum, eps=eps, count=x.numel() // C)
     if not needs_grad(x, z, weight, bias):
         y = BatchNormAddReLUFunction.forward(Unrecorded(), *args, False, device)
-        _prepared.remember(sig, layout_of(x))       # (None: not a call prepared runs)
+        _prepared.keep(_prepared.VALIDATED, sig, layout_of(x))    # (sig None: nothing)
         return y
     return BatchNormAddReLUFunction.apply(*args, True, device)
 

@@ -34,49 +34,22 @@ MAX_SIGNATURES = 1024
 _FLOATS = (torch.float32, torch.float64)
 
 
-def signature(training, x, z, weight, bias, running_mean, running_var, eps):
-    """The tuple that decides every check of this call, or None where the call is not one
-    this module runs (training, recorded by autograd, captured, not CPU float32/float64, a
-    None or non-tensor argument)."""
-    if training is not False or torch.compiler.is_compiling() or torch.jit.is_tracing():
+def checks_signature(op, tensors, scalars):
+    """The tuple that decides every check of a call of ``op``: each of ``tensors`` (or None)
+    by its type, shape, strides, dtype and ``requires_grad``, each of ``scalars`` (the conv
+    arguments too) with its type; or None (a graph capture, a tensor off the CPU: a CUDA
+    call's checks also read numba's current device; an unhashable argument such as a list)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return None
-    try:
-        if torch.is_grad_enabled() and (x.requires_grad or z.requires_grad
-                                        or weight.requires_grad or bias.requires_grad):
-            return None
-        if x.dtype not in _FLOATS or not x.is_cpu:
-            return None
-        return (type(eps), eps) + tuple(
-            (type(t), t.shape, t.stride(), t.dtype, t.is_cpu, t.requires_grad)
-            for t in (x, z, weight, bias, running_mean, running_var))
-    except (AttributeError, TypeError):    # an argument that is not a tensor: the checks say
-        return None
-
-
-def tensors_signature(tensors):
-    """``signature``'s part for a name -> tensor (or None) mapping: None unless every tensor
-    given is a CPU tensor (a CUDA call's checks also read numba's current device)."""
-    out = []
-    for t in tensors.values():
+    sigs = []
+    for t in tensors:
         if t is None:
-            out.append(None)
+            sigs.append(None)
         elif not isinstance(t, torch.Tensor) or not t.is_cpu:
             return None
         else:
-            out.append((type(t), t.shape, t.stride(), t.dtype, t.requires_grad))
-    return tuple(out)
-
-
-def checks_signature(op, tensors, scalars):
-    """The tuple that decides every check of a Conv-BatchNorm call (``conv_batchnorm._check``:
-    its tensors by name, its scalars and conv arguments, each value with its type), or None
-    (a graph capture, a tensor off the CPU, an unhashable argument such as a list)."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return None
-    t = tensors_signature(tensors)
-    if t is None:
-        return None
-    key = (op, t) + tuple((type(v), v) for v in scalars)
+            sigs.append((type(t), t.shape, t.stride(), t.dtype, t.requires_grad))
+    key = (op, tuple(sigs)) + tuple((type(v), v) for v in scalars)
     try:
         hash(key)
     except TypeError:
@@ -84,13 +57,32 @@ def checks_signature(op, tensors, scalars):
     return key
 
 
+def signature(training, x, z, weight, bias, running_mean, running_var, eps):
+    """:func:`checks_signature` of a ``batchnorm_add_relu`` call this module runs, or None
+    (training, recorded by autograd, not float32/float64, a None or non-tensor x, z, weight
+    or bias, or as :func:`checks_signature`)."""
+    if training is not False:
+        return None
+    try:
+        if torch.is_grad_enabled() and (x.requires_grad or z.requires_grad
+                                        or weight.requires_grad or bias.requires_grad):
+            return None
+        if x.dtype not in _FLOATS:
+            return None
+    except AttributeError:                 # an argument that is not a tensor: the checks say
+        return None
+    return checks_signature("batchnorm_add_relu, inference",
+                            (x, z, weight, bias, running_mean, running_var), (eps,))
+
+
 CHECKED = {}              # checks_signature -> what the checks returned (no value read)
 
 
-def remember(sig, layout):
-    """Keep ``sig`` (a call with it passed every check) with the layout its x ran in."""
-    if sig is not None and len(VALIDATED) < MAX_SIGNATURES:
-        VALIDATED[sig] = layout
+def keep(table, sig, value):
+    """``table[sig] = value`` (:data:`VALIDATED` or :data:`CHECKED`: a call with ``sig``
+    passed every check), unless ``sig`` is None or the table holds :data:`MAX_SIGNATURES`."""
+    if sig is not None and len(table) < MAX_SIGNATURES:
+        table[sig] = value
 
 
 def batchnorm_add_relu(layout, x, z, weight, bias, running_mean, running_var, eps):
