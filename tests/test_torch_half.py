@@ -41,7 +41,7 @@ def _f64(t):
 
 def _close(got, want, dtype, what):
     assert got.dtype == dtype, f"{what} is {got.dtype}, expected {dtype}"
-    tol = TOL[np.dtype(nft.layers.NUMPY_DTYPES[dtype])] if dtype in nft.layers.NUMPY_DTYPES \
+    tol = TOL[np.dtype(nft.bridge.NUMPY_DTYPES[dtype])] if dtype in nft.bridge.NUMPY_DTYPES \
         else BF16_TOL                                          # bfloat16 without ml_dtypes
     torch.testing.assert_close(got.double(), want.detach().double(), **tol, msg=what)
 

@@ -22,8 +22,9 @@ the outputs keep the format); modules take ``device=`` and ``dtype=`` as torch's
     resnet18(**kw), resnet50(**kw), resnext50_32x4d(**kw), ResNet, BasicBlock, Bottleneck
                                # torchvision's names
 
-Modules of this package: ``layers`` (the tensor/array bridge, Conv-Bias-ReLU,
-BatchNorm-Add-ReLU), ``conv_batchnorm`` (Conv-BatchNorm(-ReLU) and Conv-BatchNorm-Add-ReLU
+Modules of this package: ``bridge`` (the tensor/array bridge: checks, views, memory formats,
+stream order), ``layers`` (Conv-Bias-ReLU, BatchNorm-Add-ReLU), ``prepared`` (calls whose
+checks passed before), ``conv_batchnorm`` (Conv-BatchNorm(-ReLU) and Conv-BatchNorm-Add-ReLU
 with recompute), ``modules`` (their torch modules), ``fx`` (:func:`fuse`), ``sites`` (what a
 fused model calls), ``bfloat16`` (bfloat16 tensors without ``ml_dtypes``), ``resnet``
 (torchvision-compatible ResNets, written here). Described in docs/pytorch.md.
@@ -42,10 +43,10 @@ from .fx import fuse, unfuse
 from .modules import ConvBatchNorm2d, ConvBatchNormAddReLU2d, ConvBatchNormReLU2d
 from . import library  # noqa: F401,E402  (registers torch.ops.numbafuse.*)
 from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50, resnext50_32x4d
-from .layers import (  # noqa: F401  (the bridge's names, for tests and benchmarks)
-                     DEVICE_TYPES, FLOAT_DTYPES, LAYOUT, BatchNormAddReLU2d,
-                     BatchNormAddReLUFunction, ConvBiasReLU2d, ConvBiasReLUFunction, as_array,
-                     as_tensor, batchnorm_add_relu, check_tensors, conv_bias_relu,
+from .layers import (BatchNormAddReLU2d, BatchNormAddReLUFunction, ConvBiasReLU2d,
+                     ConvBiasReLUFunction, batchnorm_add_relu, conv_bias_relu)
+from .bridge import (  # noqa: F401  (the bridge's names, for tests and benchmarks)
+                     DEVICE_TYPES, FLOAT_DTYPES, LAYOUT, as_array, as_tensor, check_tensors,
                      launch_order, weight_cache)
 
 __all__ = ["fuse", "unfuse", "weight_cache", "conv_bias_relu", "batchnorm_add_relu",

@@ -2,7 +2,7 @@
 
 NumPy has a bfloat16 dtype only where the optional ``ml_dtypes`` package is importable
 (:data:`NUMPY_BF16`). There the bridge views a bfloat16 tensor's bits as such an array
-(``layers.as_array``, zero-copy) and numbafuse's ops convert it to float32 themselves
+(``bridge.as_array``, zero-copy) and numbafuse's ops convert it to float32 themselves
 (``numbafuse/ops/precision.py``). Without it, :func:`widened` lets torch do the same
 conversions around the float32 path of a public function:
 
@@ -45,7 +45,7 @@ def numpy_dtype():
 def widened(check):
     """Decorator: ``fn``, a public function of numbafuse.torch whose first argument is x, also
     for a bfloat16 x where NumPy has no bfloat16 (module docstring). ``check(op, **tensors)``
-    (``layers.check_tensors``) checks the tensors as given first: a bfloat16 x with a float32
+    (``bridge.check_tensors``) checks the tensors as given first: a bfloat16 x with a float32
     w is refused, as PyTorch refuses it, and not hidden by the conversion."""
     return functools.partial(_widened, check)
 

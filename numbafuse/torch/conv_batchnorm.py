@@ -54,7 +54,7 @@ from ..ops import batchnorm as _bn
 from ..ops import conv_batchnorm as _cbn
 from . import prepared as _prepared
 from .bfloat16 import widened
-from .layers import (LAYOUT, Unrecorded, as_array, as_tensor, capturing, check_tensors,
+from .bridge import (LAYOUT, Unrecorded, as_array, as_tensor, capturing, check_tensors,
                      conv_args, launch_order, layout_of, needs_grad, run_captured, shape_in,
                      updated_in_place)
 

@@ -11,8 +11,8 @@
 
 and a ``*_backward`` op for each (the gradients asked for; an empty tensor for the others).
 ``conv`` is the conv's geometry as one int list, ``[stride_h, stride_w, left, right, top,
-bottom, dilation_h, dilation_w, groups]`` (padding resolved; ``layers.conv_args``). A
-channels_last ``x`` runs numbafuse's NHWC kernels (``layers.layout_of``) and the outputs of x's
+bottom, dilation_h, dilation_w, groups]`` (padding resolved; ``bridge.conv_args``). A
+channels_last ``x`` runs numbafuse's NHWC kernels (``bridge.layout_of``) and the outputs of x's
 shape are channels_last, in the fake rules too. The running statistics are updated by
 ``update_running_stats``, the one op that mutates (``mutates_args``). Each op has a fake-tensor
 rule (shapes only), so ``torch.compile`` (any backend) treats it as one opaque op without a
@@ -35,6 +35,7 @@ from torch import Tensor
 from .. import validate
 from ..ops import batchnorm as _bn
 from ..ops import conv_batchnorm as _ops
+from . import bridge as _bridge
 from . import conv_batchnorm as _cbn
 from . import layers as _layers
 
@@ -57,10 +58,10 @@ class _Ctx:
 
 def _geometry(op, x, w, conv):
     """The validated geometry of the conv of ``x`` (its layout: channels_last runs NHWC) by
-    ``w`` with ``conv`` (``layers.conv_args``'s list)."""
-    layout = _layers.layout_of(x)
+    ``w`` with ``conv`` (``bridge.conv_args``'s list)."""
+    layout = _bridge.layout_of(x)
     sh, sw, left, right, top, bottom, dh, dw, groups = conv
-    return validate.conv_geometry(op, _layers.shape_in(layout, x), tuple(w.shape), (sh, sw),
+    return validate.conv_geometry(op, _bridge.shape_in(layout, x), tuple(w.shape), (sh, sw),
                                   (left, right, top, bottom), (dh, dw), layout, groups)
 
 
@@ -68,7 +69,7 @@ def _call(geometry, weight):
     """The core backward's :class:`~numbafuse.ops.conv_batchnorm.Call` of a forward over
     ``geometry`` with batch-norm scale ``weight`` (no ranks: the count is this batch's)."""
     return _ops.Call(geometry, geometry.N * geometry.P * geometry.Q,
-                     _layers.as_array(weight).dtype)
+                     _bridge.as_array(weight).dtype)
 
 
 def _y_shape(x_shape, w_shape, conv):
@@ -85,7 +86,7 @@ def _y_shape(x_shape, w_shape, conv):
 def _empty_like_layout(x, shape):
     """An empty (fake) tensor of ``shape`` in x's memory format (channels_last where x is)."""
     return torch.empty(shape, dtype=x.dtype, device=x.device,
-                       memory_format=_layers.memory_format(_layers.layout_of(x)))
+                       memory_format=_bridge.memory_format(_bridge.layout_of(x)))
 
 
 def _or_empty(g, like):
@@ -103,7 +104,7 @@ def _mask_numel(shape):
 
 def _like(dy, x):
     """``dy`` contiguous in x's memory format (the layout the backward op runs in)."""
-    return dy.contiguous(memory_format=_layers.memory_format(_layers.layout_of(x)))
+    return dy.contiguous(memory_format=_bridge.memory_format(_bridge.layout_of(x)))
 
 
 # --------------------------------------------------------------------------- conv_bias_relu
@@ -111,7 +112,7 @@ def _like(dy, x):
 @torch.library.custom_op(f"{LIBRARY}::conv_bias_relu", mutates_args=())
 def conv_bias_relu(x: Tensor, w: Tensor, b: Tensor | None, conv: list[int]) -> Tensor:
     geometry = _geometry("numbafuse::conv_bias_relu", x, w, conv)
-    device = _layers.check_tensors("numbafuse::conv_bias_relu", x=x, w=w, b=b)
+    device = _bridge.check_tensors("numbafuse::conv_bias_relu", x=x, w=w, b=b)
     return _layers.ConvBiasReLUFunction.forward(_Ctx(), x, w, b, geometry, device)
 
 
@@ -160,7 +161,7 @@ def batchnorm_add_relu(x: Tensor, z: Tensor, weight: Tensor, bias: Tensor,
                        running_mean: Tensor | None, running_var: Tensor | None, training: bool,
                        eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     op = "numbafuse::batchnorm_add_relu"
-    device = _layers.check_tensors(op, x=x, z=z, weight=weight, bias=bias,
+    device = _bridge.check_tensors(op, x=x, z=z, weight=weight, bias=bias,
                                    running_mean=running_mean, running_var=running_var)
     C = x.shape[1]
     validate.running_stats(op, C, x.numel() // C, running_mean, running_var, training, 0.0, eps)
@@ -185,7 +186,7 @@ def batchnorm_add_relu_backward(dy: Tensor, x: Tensor, weight: Tensor, mean: Ten
                                 invstd: Tensor, mask: Tensor, training: bool,
                                 need: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ctx = _Ctx((x, weight, mean, invstd, mask), need, device=x.device, training=training,
-               layout=_layers.layout_of(x))
+               layout=_bridge.layout_of(x))
     dx, dz, dweight, dbias = _layers.BatchNormAddReLUFunction.backward(ctx, dy)[:4]
     return (_or_empty(dx, x), _or_empty(dz, x), _or_empty(dweight, weight),
             _or_empty(dbias, weight))
@@ -225,7 +226,7 @@ def conv_batchnorm_relu(x: Tensor, w: Tensor, weight: Tensor, bias: Tensor,
                         relu: bool) -> tuple[Tensor, Tensor, Tensor]:
     op = "numbafuse::conv_batchnorm_relu"
     geometry = _geometry(op, x, w, conv)
-    device = _layers.check_tensors(op, x=x, w=w, weight=weight, bias=bias,
+    device = _bridge.check_tensors(op, x=x, w=w, weight=weight, bias=bias,
                                    running_mean=running_mean, running_var=running_var)
     ctx = _Ctx()
     p = _cbn.ops_params(_ops.ConvBatchNormReLU, geometry, training, 0.0, eps, running_mean,
@@ -295,7 +296,7 @@ def conv_batchnorm_add_relu(x: Tensor, w: Tensor, z: Tensor, weight: Tensor, bia
                             conv: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     op = "numbafuse::conv_batchnorm_add_relu"
     geometry = _geometry(op, x, w, conv)
-    device = _layers.check_tensors(op, x=x, w=w, z=z, weight=weight, bias=bias,
+    device = _bridge.check_tensors(op, x=x, w=w, z=z, weight=weight, bias=bias,
                                    running_mean=running_mean, running_var=running_var)
     validate.running_stats(op, geometry.K, geometry.N * geometry.P * geometry.Q, running_mean,
                            running_var, training, 0.0, eps)
@@ -368,8 +369,8 @@ def update_running_stats(running_mean: Tensor, running_var: Tensor, mean: Tensor
     rule), the batch's ``var = invstd**-2 - eps``: the functional ops above leave the running
     statistics alone (autograd needs functional ops), this updates them."""
     var = invstd.reciprocal().square_().sub_(eps)
-    _bn.update_running(_layers.as_array(running_mean), _layers.as_array(running_var),
-                       _layers.as_array(mean), _layers.as_array(var), count, momentum)
+    _bn.update_running(_bridge.as_array(running_mean), _bridge.as_array(running_var),
+                       _bridge.as_array(mean), _bridge.as_array(var), count, momentum)
 
 
 @update_running_stats.register_fake

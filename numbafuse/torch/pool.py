@@ -21,7 +21,7 @@ import torch
 
 from .. import validate
 from ..kernels.basic import cpu as _cpu
-from .layers import capturing, layout_of
+from .bridge import capturing, layout_of
 
 F = torch.nn.functional
 _DTYPES = (torch.float32, torch.float64)

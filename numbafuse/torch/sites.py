@@ -23,7 +23,8 @@ from torch import nn
 
 from .conv_batchnorm import conv_batchnorm_add_relu, conv_batchnorm_relu
 from . import pool as _pool
-from .layers import DEVICE_TYPES, TENSOR_DTYPES, batchnorm_add_relu, conv_bias_relu
+from .bridge import DEVICE_TYPES, TENSOR_DTYPES
+from .layers import batchnorm_add_relu, conv_bias_relu
 
 logger = logging.getLogger("numbafuse.torch")
 
