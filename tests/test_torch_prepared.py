@@ -16,6 +16,7 @@ pytestmark = pytest.mark.torch
 @pytest.fixture(autouse=True)
 def fresh_signatures(monkeypatch):
     monkeypatch.setattr(prepared, "VALIDATED", {})
+    monkeypatch.setattr(prepared, "CHECKED", {})
 
 
 def _inputs(dtype=torch.float32, channels_last=False, seed=0, shape=(3, 5, 4, 6)):
@@ -139,6 +140,58 @@ def test_a_fused_model_in_eval_takes_the_prepared_calls(monkeypatch):
         assert torch.equal(m(x, z), first)
 
 
+def _train_calls(x, z, weight, bias, rm, rv, momentum=0.1):
+    """A training call of batchnorm_add_relu recorded by autograd, and its backward."""
+    x, z = x.clone().requires_grad_(), z.clone().requires_grad_()
+    y = nft.batchnorm_add_relu(x, z, weight, bias, rm, rv, training=True, momentum=momentum)
+    (y * torch.linspace(-1, 2, y.numel(), dtype=y.dtype).view(y.shape)).sum().backward()
+    grads = [t.grad.clone() for t in (x, z, weight, bias)]
+    weight.grad = bias.grad = None
+    return [y.detach(), rm.clone(), rv.clone()] + grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_training_batch_norm_checked_before_skips_its_checks(monkeypatch, dtype,
+                                                               channels_last):
+    """Training calls (recorded, and not: no_grad) whose signature passed the checks reuse
+    what the checks gave: the same outputs, running statistics and gradients as checked."""
+    first = _train_calls(*_inputs(dtype, channels_last))
+    with torch.no_grad():
+        first.append(nft.batchnorm_add_relu(*_inputs(dtype, channels_last)))
+    assert len(prepared.CHECKED) == 2 and not prepared.VALIDATED
+    _checks_refused(monkeypatch)
+    again = _train_calls(*_inputs(dtype, channels_last))
+    with torch.no_grad():
+        again.append(nft.batchnorm_add_relu(*_inputs(dtype, channels_last)))
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert again[0].is_contiguous(memory_format=torch.channels_last) == channels_last
+
+
+def test_momentum_is_checked_at_every_call_and_no_part_of_the_signature():
+    x, z, weight, bias, rm, rv = _inputs()
+    for momentum in (0.1, 0.5, 1.0 / 3):
+        nft.batchnorm_add_relu(x, z, weight, bias, rm, rv, momentum=momentum)
+    assert len(prepared.CHECKED) == 1
+    kept = rm.clone(), rv.clone()
+    for bad, error in ((2.0, ValueError), (None, TypeError), (float("nan"), ValueError)):
+        with pytest.raises(error, match="momentum"):
+            nft.batchnorm_add_relu(x, z, weight, bias, rm, rv, momentum=bad)
+    assert torch.equal(rm, kept[0]) and torch.equal(rv, kept[1])     # nothing written
+    with torch.no_grad():                       # inference: momentum unused, any value passes
+        nft.batchnorm_add_relu(x, z, weight, bias, rm, rv, training=False, momentum=2.0)
+    # a module with the cumulative average (1/n each step): one signature, the statistics
+    m = nft.BatchNormAddReLU2d(5, momentum=None)
+    ref = torch.nn.BatchNorm2d(5, momentum=None)
+    for _ in range(4):
+        x, z = torch.randn(3, 5, 4, 6), torch.randn(3, 5, 4, 6)
+        m(x, z), ref(x)
+    assert len(prepared.CHECKED) == 2
+    torch.testing.assert_close(m.running_mean, ref.running_mean)
+    torch.testing.assert_close(m.running_var, ref.running_var)
+
+
 # --------------------------------------------------------------------------- Conv-BatchNorm
 
 
@@ -192,8 +245,11 @@ def test_conv_batchnorm_calls_that_differ_are_checked(fresh_checks):
     x, w, z, weight, bias, rm, rv = _conv_inputs()
     nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, stride=2, padding=1)
     assert len(prepared.CHECKED) == 1
+    kept = rm.clone()
     with pytest.raises(ValueError, match="momentum"):
         nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, stride=2, padding=1, momentum=2.0)
+    assert torch.equal(rm, kept)
+    nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, stride=2, padding=1, momentum=0.3)
     with pytest.raises(ValueError, match="eps"):
         nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, stride=2, padding=1, eps=-1.0)
     with pytest.raises(ValueError, match="x is not contiguous"):

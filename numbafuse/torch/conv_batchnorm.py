@@ -64,14 +64,17 @@ def _check(op, tensors, conv, training, momentum, eps):
     ``tensors``: x, w, z (or None), weight, bias, running_mean, running_var by name; ``conv``:
     stride, padding, dilation, groups. A channels_last x gives an NHWC geometry. A signature
     checked before returns what its checks returned (``prepared.CHECKED``: nothing read from
-    a value)."""
-    sig = _prepared.checks_signature(op, tensors.values(),
-                                     (training, momentum, eps, *conv.values()))
+    a value); momentum is no part of it but checked at every call (a cumulative average's
+    ``1/n`` is no new signature)."""
+    sig = _prepared.checks_signature(op, tensors.values(), (training, eps, *conv.values()))
     checked = _prepared.CHECKED.get(sig)
     if checked is None:
         checked = _checks(op, tensors, conv, training, momentum, eps)
         _prepared.keep(_prepared.CHECKED, sig, checked)
-    return checked
+        return checked
+    device, geometry, _, eps = checked
+    return device, geometry, validate.check_momentum(
+        op, momentum, training and tensors["running_mean"] is not None), eps
 
 
 def _checks(op, tensors, conv, training, momentum, eps):

@@ -209,6 +209,33 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
                 as_tensor(dweight, ctx.device), as_tensor(dbias, ctx.device)) + (None,) * 7
 
 
+def _batchnorm_checks(op, x, z, weight, bias, running_mean, running_var, training, momentum,
+                      eps):
+    """(device, eps) after every check of a ``batchnorm_add_relu`` call (momentum's too:
+    the caller checks it again at every call, so a cumulative average's ``1/n`` is no new
+    signature); nothing read from a value, so a call with a signature checked before
+    (``prepared.checks_signature``) takes them from ``prepared.CHECKED``."""
+    device = check_tensors(op, x=x, z=z, weight=weight, bias=bias, running_mean=running_mean,
+                           running_var=running_var)
+    for name, t in (("x", x), ("z", z), ("weight", weight), ("bias", bias)):
+        if t is None:
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got None")
+    validate.check_ndim(op, "x", x, 4, LAYOUT)
+    if min(x.shape) < 1:
+        raise ValueError(f"{op}: x must have no empty dimension, got shape {tuple(x.shape)}")
+    validate.check_same_shape(op, "z", z, "x", x)
+    C = x.shape[1]
+    validate.check_vector(op, "weight", weight, C)
+    validate.check_vector(op, "bias", bias, C)
+    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{op}: {name} requires grad; running statistics are buffers "
+                             f"updated in place (pass {name}.detach() or a buffer)")
+    _, eps = validate.running_stats(op, C, x.numel() // C, running_mean, running_var, training,
+                                    momentum, eps, static=capturing())
+    return device, eps
+
+
 @widened(check_tensors)
 def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, training=True,
                        momentum=0.1, eps=1e-5):
@@ -236,30 +263,21 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
     >>> int((y > 0).sum()), rm
     (4, tensor([0.3500]))
     """
-    sig = _prepared.signature(training, x, z, weight, bias, running_mean, running_var, eps)
-    layout = _prepared.VALIDATED.get(sig)          # checked before (inference, CPU): run
+    ready = _prepared.signature(training, x, z, weight, bias, running_mean, running_var, eps)
+    layout = _prepared.VALIDATED.get(ready)        # checked before (inference, CPU): run
     if layout is not None:
         return _prepared.batchnorm_add_relu(layout, x, z, weight, bias, running_mean,
                                             running_var, eps)
     op = BATCHNORM_OP
-    device = check_tensors(op, x=x, z=z, weight=weight, bias=bias, running_mean=running_mean,
-                           running_var=running_var)
-    for name, t in (("x", x), ("z", z), ("weight", weight), ("bias", bias)):
-        if t is None:
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got None")
-    validate.check_ndim(op, "x", x, 4, LAYOUT)
-    if min(x.shape) < 1:
-        raise ValueError(f"{op}: x must have no empty dimension, got shape {tuple(x.shape)}")
-    validate.check_same_shape(op, "z", z, "x", x)
+    tensors = (x, z, weight, bias, running_mean, running_var)
+    sig = _prepared.checks_signature(op, tensors, (training, eps))    # momentum: checked below
+    checked = _prepared.CHECKED.get(sig)          # these checks passed before: what they gave
+    if checked is None:
+        checked = _batchnorm_checks(op, *tensors, training, momentum, eps)
+        _prepared.keep(_prepared.CHECKED, sig, checked)
+    device, eps = checked
     C = x.shape[1]
-    validate.check_vector(op, "weight", weight, C)
-    validate.check_vector(op, "bias", bias, C)
-    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
-        if t is not None and t.requires_grad:
-            raise ValueError(f"{op}: {name} requires grad; running statistics are buffers "
-                             f"updated in place (pass {name}.detach() or a buffer)")
-    momentum, eps = validate.running_stats(op, C, x.numel() // C, running_mean, running_var,
-                                           training, momentum, eps, static=capturing())
+    momentum = validate.check_momentum(op, momentum, training and running_mean is not None)
     args = (x, z, weight, bias, running_mean, running_var, bool(training), momentum, eps)
     if capturing():
         return run_captured("batchnorm_add_relu", x, z, weight, bias, running_mean,
@@ -268,7 +286,7 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
                             momentum=momentum, eps=eps, count=x.numel() // C)
     if not needs_grad(x, z, weight, bias):
         y = BatchNormAddReLUFunction.forward(Unrecorded(), *args, False, device)
-        _prepared.keep(_prepared.VALIDATED, sig, layout_of(x))    # (sig None: nothing)
+        _prepared.keep(_prepared.VALIDATED, ready, layout_of(x))  # (None: nothing kept)
         return y
     return BatchNormAddReLUFunction.apply(*args, True, device)
 
