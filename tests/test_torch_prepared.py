@@ -264,3 +264,80 @@ def test_conv_batchnorm_calls_that_differ_are_checked(fresh_checks):
     # a list argument is not hashable: checked every time, and it runs
     y = nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, stride=[2, 2], padding=1)
     assert y.shape == (2, 4, 4, 3) and len(prepared.CHECKED) == 1
+
+
+def _eval_calls(x, w, z, weight, bias, rm, rv, relu, stride):
+    kw = dict(stride=stride, padding=1, training=False, eps=1e-3)
+    return (nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, relu=relu, **kw),
+            nft.conv_batchnorm_add_relu(x, w, z, weight, bias, rm, rv, **kw))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("relu", [True, False])
+def test_unrecorded_eval_conv_batchnorm_calls_compute_what_the_functions_do(
+        dtype, channels_last, relu):
+    """Eval calls autograd does not record run the ops layer's inference straight
+    (``conv_batchnorm.inference``): the same bits as the Functions (a recorded call), the
+    float64 reference's values, with and without the weight cache."""
+    from numbafuse.torch import conv_batchnorm
+    x, w, z, weight, bias, rm, rv = (t.detach().to(dtype) for t in _conv_inputs(channels_last))
+    with torch.no_grad():
+        rm.normal_(), rv.uniform_(0.5, 1.5)
+    for stride in (2, 1):
+        if stride == 1:                                    # z of the stride-1 conv's shape
+            z = torch.randn(2, 4, 7, 6, dtype=dtype).contiguous(
+                memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        with torch.no_grad():
+            lean = _eval_calls(x, w, z, weight, bias, rm, rv, relu, stride)
+            with nft.weight_cache():
+                cached = [_eval_calls(x, w, z, weight, bias, rm, rv, relu, stride)
+                          for _ in range(2)]
+        recorded = _eval_calls(x, w.clone().requires_grad_(), z, weight, bias, rm, rv, relu,
+                               stride)
+        assert all(t.grad_fn is not None for t in recorded)         # the Functions ran
+        assert all(t.grad_fn is None for t in lean)
+        for a, b, c, d in zip(lean, recorded, *cached):
+            assert torch.equal(a, b.detach()) and torch.equal(a, c) and torch.equal(a, d)
+            assert a.is_contiguous(memory_format=torch.channels_last) == channels_last
+        F = torch.nn.functional
+        d = torch.float64
+        h = F.batch_norm(F.conv2d(x.to(d), w.to(d), None, stride, 1), rm.to(d), rv.to(d),
+                         weight.to(d), bias.to(d), False, 0.1, 1e-3)
+        zz = z.to(d)
+        tol = 1e-10 if dtype == torch.float64 else 1e-4
+        torch.testing.assert_close(lean[0].to(d), h.relu() if relu else h, rtol=tol, atol=tol)
+        torch.testing.assert_close(lean[1].to(d), (h + zz).relu(), rtol=tol, atol=tol)
+    assert conv_batchnorm.unrecorded_inference(x.device, False, (x, w)) == (not x.requires_grad)
+
+
+def test_eval_calls_recorded_or_in_half_run_the_functions(monkeypatch):
+    from numbafuse.torch import conv_batchnorm
+    monkeypatch.setattr(conv_batchnorm, "inference",
+                        lambda *a, **k: pytest.fail("the inference path ran"))
+    x, w, z, weight, bias, rm, rv = _conv_inputs()
+    y = nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, training=False, padding=1)
+    assert y.grad_fn is not None                        # w requires grad: recorded
+    with torch.no_grad():                               # half: the Function's conversions
+        nft.conv_batchnorm_relu(x.half(), w.half(), weight.float(), bias.float(), rm.float(),
+                                rv.float(), training=False, padding=1)
+        nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, training=True, padding=1)
+
+
+def test_unrecorded_eval_calls_fold_anew_when_the_batch_norm_changes():
+    """A 1x1 conv's eval folds the batch norm into w (the pointwise plan has no epilogue
+    scale); under the weight cache, the folded w is kept while w and the batch norm's
+    tensors keep their versions, and an in-place change of any of them folds again."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6, 5, 5, generator=g)
+    w = torch.randn(4, 6, 1, 1, generator=g)
+    weight, bias = torch.rand(4, generator=g) + 0.5, torch.randn(4, generator=g)
+    rm, rv = torch.randn(4, generator=g), torch.rand(4, generator=g) + 0.5
+    with torch.no_grad(), nft.weight_cache():
+        for t in (None, weight, bias, rm, rv, w):
+            if t is not None:
+                t.mul_(1.5)                                 # in place: a new version
+            y = nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, training=False)
+            F = torch.nn.functional
+            ref = F.batch_norm(F.conv2d(x, w), rm, rv, weight, bias, False).relu()
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)

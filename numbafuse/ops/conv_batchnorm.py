@@ -337,6 +337,20 @@ def add_forward(op, p, x, w, z, gamma, beta, checked=None):
     return half.store(y), Call(geometry, count, half.param_dtype), saved
 
 
+def inference(which, x, w, gamma, beta, running_mean, running_var, eps, geometry, relu=True,
+              z=None):
+    """y of an inference call whose y has no backward (nothing saved), on contiguous arrays of
+    one dtype, float32 or float64 (no half copies), checked by the caller: :func:`forward`'s
+    inference y (``z`` None; ``relu``), or :func:`add_forward`'s (``relu(... + z)``), the same
+    kernels on the same values without the residuals and the mask (``numbafuse.torch``'s
+    eval calls that autograd does not record)."""
+    mean, invstd = _bn.bn_inference_stats(running_mean, running_var, eps=eps)
+    if z is None:
+        return _inference_forward(which, x, w, gamma, beta, mean, invstd, geometry, relu, eps)
+    h = _conv_forward(which, x, w, None, geometry, False)
+    return _bn.bn_apply(h, mean, invstd, gamma, beta, z=z, relu=True, layout=geometry.layout)
+
+
 def add_backward(p, call, saved, dy, need):
     """``(dx, dw, dz, dgamma, dbeta)`` of :func:`add_forward` from its ``call`` and
     ``saved`` arrays; ``need``: five flags. h is recomputed unless ``saved`` has it."""

@@ -240,6 +240,30 @@ def restore(ctx):
     return out
 
 
+def unrecorded_inference(device, training, tensors):
+    """Whether a checked call runs :func:`inference`: eval, on CPU float32 or float64
+    tensors, not recorded by autograd (``tensors``: the inputs that could require grad)."""
+    return (not training and device.type == "cpu" and tensors[0].dtype in _FLOATS
+            and not needs_grad(*tensors))
+
+
+def inference(x, w, z, weight, bias, running_mean, running_var, geometry, eps, relu=True):
+    """y of an eval call that :func:`unrecorded_inference` admits: the ops layer's
+    inference kernels straight (``ops.conv_batchnorm.inference``: the Function's y, the same
+    bits, without its params, residuals and mask; 119 -> 83 us a Conv-BN-ReLU call at
+    (2, 8, 4, 4) on machine F)."""
+    layout = geometry.layout
+    wa = as_array(w)
+    with _weights.vouch(wa, w, weight, bias, running_mean, running_var):
+        y = _cbn.inference(backend.CPU, as_array(x, layout), wa, as_array(weight),
+                           as_array(bias), as_array(running_mean), as_array(running_var), eps,
+                           geometry, relu, as_array(z, layout))
+    return as_tensor(y, None, layout)
+
+
+_FLOATS = (torch.float32, torch.float64)
+
+
 # --------------------------------------------------------------------------- conv_batchnorm_relu
 
 class ConvBatchNormReLUFunction(torch.autograd.Function):
@@ -346,6 +370,9 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
                             running_mean=running_mean, running_var=running_var,
                             training=bool(training), momentum=momentum, eps=eps,
                             count=geometry.N * geometry.P * geometry.Q)
+    if unrecorded_inference(device, training, (x, w, weight, bias)):
+        return inference(x, w, None, weight, bias, running_mean, running_var, geometry, eps,
+                         bool(relu))
     p = ops_params(_cbn.ConvBatchNormReLU, geometry, bool(training), momentum, eps,
                    running_mean, running_var, recompute, relu=bool(relu))
     args = (x, w, weight, bias, running_mean, running_var, p, geometry, device,
@@ -453,6 +480,8 @@ def conv_batchnorm_add_relu(x, w, z, weight, bias, running_mean=None, running_va
                             running_mean=running_mean, running_var=running_var,
                             training=bool(training), momentum=momentum, eps=eps,
                             count=geometry.N * geometry.P * geometry.Q)
+    if unrecorded_inference(device, training, (x, w, z, weight, bias)):
+        return inference(x, w, z, weight, bias, running_mean, running_var, geometry, eps)
     p = ops_params(_cbn.ConvBatchNormAddReLU, geometry, bool(training), momentum, eps,
                    running_mean, running_var, recompute)
     args = (x, w, z, weight, bias, running_mean, running_var, p, geometry, device,
