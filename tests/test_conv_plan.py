@@ -434,3 +434,24 @@ def test_the_batchnorm_epilogue_readies_its_steps(layout, conv_rules):
         got = cpu_conv.forward_stats(x, w, geom, 1e-5)
     for a, g in zip(want, got):
         np.testing.assert_array_equal(g, a)
+
+
+def test_plans_are_made_once_per_geometry_pass_dtype_and_rules(monkeypatch):
+    """plan() keeps what it made (a pure function of its arguments): the same Plan object
+    again, a new one under other rules (``using``), the kept one back after them; forced
+    algorithms and a full table are planned anew."""
+    monkeypatch.setattr(cpu_plan, "_PLANS", {})
+    g = nf.validate.conv_geometry("t", (2, 16, 9, 9), (16, 16, 3, 3), 1, 1, 1, "NCHW")
+    first = cpu_plan.plan(g, "forward", np.float32)
+    assert cpu_plan.plan(g, "forward", np.float32) is first
+    assert cpu_plan.plan(g, "dx", np.float32) is not first
+    with cpu_plan.using(chunk_bytes=first.chunk_bytes + 4096):
+        other = cpu_plan.plan(g, "forward", np.float32)
+        assert other.chunk_bytes == first.chunk_bytes + 4096
+    assert cpu_plan.plan(g, "forward", np.float32) is first
+    forced = cpu_plan.plan(g, "forward", np.float32, algorithm="im2col")
+    assert forced.algorithm == "im2col" and cpu_plan.plan(g, "forward", np.float32) is first
+    monkeypatch.setattr(cpu_plan, "MAX_PLANS", len(cpu_plan._PLANS))
+    g2 = nf.validate.conv_geometry("t", (2, 16, 9, 9), (8, 16, 3, 3), 1, 1, 1, "NCHW")
+    made = cpu_plan.plan(g2, "forward", np.float32)
+    assert cpu_plan.plan(g2, "forward", np.float32) == made and len(cpu_plan._PLANS) == 3

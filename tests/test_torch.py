@@ -445,6 +445,14 @@ class FakeCudaTensor(torch.Tensor):
     def device(self):
         return torch.device("cuda", 0)
 
+    @property
+    def is_cuda(self):
+        return True
+
+    @property
+    def is_cpu(self):
+        return False
+
 
 def _bn_args(dtype=torch.float64):
     x = torch.zeros(2, 3, 4, 4, dtype=dtype)

@@ -139,14 +139,15 @@ def as_array(t, layout=LAYOUT):
     contiguous in that layout, else a contiguous copy."""
     if t is None:
         return None
-    t = t.detach() if t.requires_grad else t    # (detach: a third of this call's time)
+    if t.requires_grad:
+        t = t.detach()                      # (a third of this call's time)
     if layout == "NHWC" and t.dim() == 4:
         t = t.permute(0, 2, 3, 1)                                 # (N, H, W, C)
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.device.type == "cuda":
+    if t.is_cuda:                           # (not t.device.type: a device object a call)
         return backend.as_device_array(t)
-    if t.dtype == torch.bfloat16:          # NumPy's bfloat16 is ml_dtypes': the same bits
+    if t.dtype is torch.bfloat16:           # NumPy's bfloat16 is ml_dtypes': the same bits
         return t.view(torch.int16).numpy().view(numpy_dtype())
     return t.numpy()
 

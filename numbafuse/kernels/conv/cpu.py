@@ -57,8 +57,9 @@ from . import cpu_pointwise as _pointwise  # noqa: E402
 from . import cpu_im2col as _im2col  # noqa: E402
 from . import cpu_im2col_fwd as _im2col_fwd  # noqa: E402
 from . import cpu_tapwise as _tapwise  # noqa: E402
-from .cpu_chunks import (balanced, count_chunks, phase_weights as _phase_weights,  # noqa: E402
-                         phases as _phases, sum_groups, tile_chunks)
+from .cpu_chunks import (balanced, count_chunks, most_taps as _most_taps,  # noqa: E402
+                         phase_weights as _phase_weights, phases as _phases, sum_groups,
+                         tile_chunks)
 
 __all__ = ["algorithm", "conv_forward", "conv_backward", "forward_stats", "forward_bn_sums",
            "forward_scaled", "DX_ADDEND"]
@@ -420,7 +421,7 @@ def _im2col_dx(gy, y, use_mask, w, geom, plan, dx, work):
     rows_max = -(-H // geom.sh)
     wb_max = -(-W // geom.sw)
     ipc, rpc = _chunking(plan, rows_max * wb_max, rows_max, wb_max,
-                         int(nr.max()) * int(ns.max()) * K * gy.itemsize, N)
+                         _most_taps(*rows) * _most_taps(*cols) * K * gy.itemsize, N)
     per_phase = count_chunks(N, rows_max, ipc, rpc)
     launch(_im2col.dx_tasks, geom.sh * geom.sw * per_phase, gy.reshape(geom.y_shape),
            y.reshape(geom.y_shape), use_mask, geo_tuple(geom),

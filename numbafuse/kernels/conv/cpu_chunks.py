@@ -164,6 +164,13 @@ def phases(size_in, taps, stride, pad, dilation):
     return tap, off, cnt
 
 
+@functools.lru_cache(maxsize=256)
+def most_taps(size_in, taps, stride, pad, dilation):
+    """The most taps of one phase (:func:`phases`' counts' max: asked by every backward,
+    a NumPy reduction's ~3 us host time each made once)."""
+    return int(phases(size_in, taps, stride, pad, dilation)[2].max())
+
+
 def phase_weights(w, rows, cols, nhwc):
     """w' of each phase, flat, and the offsets: NCHW (C, K*T) rows c, columns (k, r, s);
     NHWC (T*K, C), rows (r, s, k). ``rows``, ``cols``: the :func:`phases` arguments of the

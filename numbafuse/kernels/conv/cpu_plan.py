@@ -425,12 +425,30 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None):
     if pass_ not in PASSES:
         raise ValueError(f"conv plan: pass must be one of {PASSES}, got {pass_!r}")
     rules = current_rules() if rules is None else rules
-    if algorithm is None:
-        algorithm = choose(geom, pass_, dtype, rules)
-    elif not supports(algorithm, geom, pass_, dtype):
+    if algorithm is None:         # a pure function of these: made once (the host path's cost)
+        key = (geom, pass_, dtype, id(rules))
+        made = _PLANS.get(key)
+        if made is not None and made[0] is rules:
+            return made[1]
+        made = _planned(geom, pass_, dtype, rules, choose(geom, pass_, dtype, rules))
+        if len(_PLANS) < MAX_PLANS:
+            _PLANS[key] = (rules, made)            # (rules kept: their id stays theirs)
+        return made
+    if not supports(algorithm, geom, pass_, dtype):
         raise ValueError(f"conv plan: {algorithm} cannot run the {pass_} of this convolution "
                          f"({geom.R}x{geom.S}, stride {geom.sh}x{geom.sw}, C={geom.C}, "
                          f"K={geom.K}, {np.dtype(dtype)})")
+    return _planned(geom, pass_, dtype, rules, algorithm)
+
+
+# plan()'s plans by (geometry, pass, dtype, the rules' id): at most MAX_PLANS (then made anew
+# each call). A conv call made three of them (forward, dX, dW) at 5-12 us each, every call.
+_PLANS = {}
+MAX_PLANS = 4096
+
+
+def _planned(geom, pass_, dtype, rules, algorithm):
+    """The :class:`Plan` of ``algorithm`` for ``pass_`` of ``geom`` by ``rules``."""
     tiles = (rules.winograd_tiles if algorithm == "winograd" else
              rules.winograd_s2_tiles if algorithm == "winograd_s2" else 0)
     k_blocks = (_k_blocks(geom, pass_, dtype, rules) if algorithm == "im2col" else
