@@ -130,6 +130,14 @@ class Rules(NamedTuple):
     winograd_s2_dx_taps_bytes: int = 16 << 20
     # 2x2 output tiles (dX: 4x4 blocks of dx) per stride-2 Winograd chunk: the GEMMs' m
     winograd_s2_tiles: int = 64
+    # ... and its forward and dW on batches of at least this many output pixels: on fewer its
+    # taps' transform costs more than it saves. Machine F (Zen 3, AVX2, 2 threads, NCHW), 3x3/2
+    # 64 -> 128 on 8x8 (ResNet-18's l2 at a 32x32 input), ms stride-2 Winograd / the best other:
+    # forward batch 2 0.22 / 0.11 (tapwise), batch 16 > 0.47 / 0.36 (im2col), batch 32 (512
+    # pixels) 0.61 / 0.59; dW batch 2 0.38 / 0.24, batch 16 0.74 / 0.43 (implicit), batch 32
+    # 0.74 / 0.68; at 1024 (ResNet-50's l2 3x3/2 128 at batch 16, 64x64) a tie forward, dW
+    # 2.66-2.87 against im2col's 2.50-2.59 (left to it)
+    winograd_s2_min_pixels: int = 1024
     # an im2col forward with at least as many output channels as output pixels in the batch (deep
     # layers: the weights outweigh the activations) whose batch's cols take at most this
     # many bytes runs as one chunk of the whole batch (since the cols are gathered once and
@@ -147,6 +155,13 @@ class Rules(NamedTuple):
     # 3.7-4.2 / 2.5-2.9. At most K / k_block tasks: on many cores fewer than the groups' 16
     whole_batch_bytes: int = 4 << 20
     k_block: int = 128
+    # ... and in at least this many blocks (of 32 channels at least): 64-255 channels made one
+    # block, one task, one thread, at small batches. Machine F (AVX2, 2 threads, NCHW, ms one
+    # block / two): 3x3 128 at 4x4 dW batch 1 0.25 / 0.19, 2 0.38 / 0.20, 4 0.62 / 0.35, 8
+    # 0.98 / 0.60, dX batch 1 0.24 / 0.12; 3x3/2 64 -> 128 on 8x8 dW batch 1 0.20 / 0.09
+    # (im2col; 2 0.27 / 0.11), dX 0.19 / 0.07; 3x3 64 at 8x8 dW batch 1 0.14 / 0.11; forwards
+    # 3x3 128 at 4x4 batch 1 0.122 / 0.130, 2 0.153 / 0.156, 4 0.26 / 0.24, 8 0.44 / 0.38
+    min_k_blocks: int = 2
     # ... and a deep 1x1 conv likewise, by pass and layout, where its images have fewer
     # pixels than this (``_pointwise_blocked``: the measurements)
     pointwise_thin_pixels: int = 16
@@ -365,7 +380,7 @@ def choose(geom, pass_, dtype, rules):
         return "implicit" if implicit and pass_ == "forward" else "im2col"
     if _tapwise(geom, pass_, dtype, rules):
         return "tapwise"
-    if pass_ == "dx" and _k_blocks(geom, pass_, dtype, rules) > 1:
+    if pass_ == "dx" and _k_blocks(geom, pass_, dtype, rules, least=1) > 1:
         # a deep layer's dX: one GEMM of the whole batch in blocks of input channels, then
         # col2im. ms, batch 16, 2 threads, best of 15 (NCHW / NHWC): 3x3 512 at 2x2 4.7 / 4.5
         # by Winograd, 1.9 / 1.9 so; 256 at 4x4 2.0 / 1.9 and 1.6 / 1.7; 3x3/2 256->512 at
@@ -386,7 +401,8 @@ def choose(geom, pass_, dtype, rules):
         return "winograd"
     limit = rules.winograd_s2_dx_taps_bytes if pass_ == "dx" else rules.winograd_s2_taps_bytes
     if (rules.winograd_s2 and _wino_s2.fits(geom, dtype, pass_)
-            and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= limit):
+            and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= limit
+            and (pass_ == "dx" or geom.N * geom.P * geom.Q >= rules.winograd_s2_min_pixels)):
         return "winograd_s2"
     if geom.layout == "NCHW" and pass_ != "dx" and min(geom.C, geom.K) < rules.nchw_im2col_channels:
         return "im2col"
@@ -462,15 +478,19 @@ def _planned(geom, pass_, dtype, rules, algorithm):
                 _taps_mode(algorithm, geom, pass_, dtype, rules), slab, k_blocks)
 
 
-def _k_blocks(geom, pass_, dtype, rules):
+def _k_blocks(geom, pass_, dtype, rules, least=None):
     """Blocks of output channels of a whole-batch im2col forward or dW, of input channels of
-    its dX (``Rules.whole_batch_bytes``), or 1."""
+    its dX (``Rules.whole_batch_bytes``; at least ``least``, default ``rules.min_k_blocks``,
+    where there are 32 channels a block), or 1. (The rules that send a deep dX to im2col
+    were measured on blocks of ``k_block``: they ask with ``least`` 1.)"""
     pixels = geom.N * geom.P * geom.Q
     cols = pixels * geom.R * geom.S * geom.C * np.dtype(dtype).itemsize
     deep = geom.K >= pixels
     if not deep or pixels == 0 or cols > rules.whole_batch_bytes:
         return 1
-    return max(1, (geom.C if pass_ == "dx" else geom.K) // rules.k_block)
+    channels = geom.C if pass_ == "dx" else geom.K
+    least = rules.min_k_blocks if least is None else least
+    return max(1, min(least, channels // 32), channels // rules.k_block)
 
 
 def _tapwise_blocks(geom, pass_, rules):
@@ -507,8 +527,9 @@ def _tapwise(geom, pass_, dtype, rules):
         return False
     strided_dx = pass_ == "dx" and (geom.sh > 1 or geom.sw > 1)
     if (strided_dx and geom.P * geom.Q < rules.tapwise_blocked_dx_min_pixels
-            and _k_blocks(geom, pass_, dtype, rules) > 1):
-        return False
+            and _k_blocks(geom, pass_, dtype, rules, least=1) > 1):
+        return False        # (blocks of k_block: 64 -> 128 at 4x4 -> 2x2, batch 16, machine F,
+        # ms two blocks of 32 / tapwise: 0.285 / 0.200)
     limit = rules.tapwise_strided_dx_max_density if strided_dx else rules.tapwise_max_density
     return (min(geom.C, geom.K) >= rules.tapwise_min_channels
             and tapwise_density(geom) <= limit)
