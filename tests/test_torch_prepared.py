@@ -341,3 +341,34 @@ def test_unrecorded_eval_calls_fold_anew_when_the_batch_norm_changes():
             F = torch.nn.functional
             ref = F.batch_norm(F.conv2d(x, w), rm, rv, weight, bias, False).relu()
             torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("training", [True, False])
+def test_the_cpu_batch_norm_function_runs_what_the_ops_forward_runs(dtype, channels_last,
+                                                                   training):
+    """BatchNormAddReLUFunction on CPU float32/float64 tensors calls the kernels straight
+    (``ops.batchnorm.cpu_forward``): the same y, mask, mean, invstd and running statistics,
+    bit for bit, as ``ops.batchnorm.forward`` (the generic path, its params and checks) on the
+    same arrays."""
+    from numbafuse import ops
+    from numbafuse.torch import bridge
+    x, z, weight, bias, rm, rv = _inputs(dtype, channels_last)
+    layout = bridge.layout_of(x)
+    rm2, rv2 = rm.clone(), rv.clone()
+    xg = x.clone().requires_grad_()
+    y = nft.batchnorm_add_relu(xg, z, weight, bias, rm, rv, training=training, momentum=0.3,
+                               eps=1e-3)
+    saved = y.grad_fn.saved_tensors                       # x, weight, mean, invstd, mask
+    p = ops.batchnorm.BatchNormParams(running_mean=rm2.numpy(), running_var=rv2.numpy(),
+                                      training=training, momentum=0.3, eps=1e-3, layout=layout,
+                                      comm=None)
+    out = ops.batchnorm.forward("t", bridge.as_array(x, layout), bridge.as_array(z, layout),
+                                weight.detach().numpy(), bias.detach().numpy(), p, relu=True,
+                                with_mask=True, save="mask")
+    assert np.array_equal(bridge.as_array(y, layout), out.y)
+    for t, a in zip(saved[2:], (out.mean, out.invstd, out.mask)):
+        assert np.array_equal(t.numpy(), a)
+    assert torch.equal(rm, rm2) and torch.equal(rv, rv2)
+    assert training == (not torch.equal(rm, _inputs(dtype)[4]))   # updated in training only

@@ -55,9 +55,10 @@ from ..ops import batchnorm as _bn
 from ..ops import conv as _conv
 from . import prepared as _prepared
 from .bfloat16 import widened
-from .bridge import (DEVICE_TYPES, HALF_DTYPES, LAYOUT, NUMPY_DTYPES, TENSOR_DTYPES, Unrecorded,
-                     as_array, as_tensor, capturing, check_tensors, conv_args, launch_order,
-                     layout_of, needs_grad, run_captured, shape_in, updated_in_place)
+from .bridge import (DEVICE_TYPES, FLOAT_DTYPES, HALF_DTYPES, LAYOUT, NUMPY_DTYPES,
+                     TENSOR_DTYPES, Unrecorded, as_array, as_tensor, capturing, check_tensors,
+                     conv_args, launch_order, layout_of, needs_grad, run_captured, shape_in,
+                     updated_in_place)
 
 
 # --------------------------------------------------------------------------- conv_bias_relu
@@ -174,6 +175,14 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
     def forward(ctx, x, z, weight, bias, running_mean, running_var, training, momentum, eps,
                 keep_mask, device):
         layout = layout_of(x)                         # NHWC for a channels_last x
+        if not x.is_cuda and x.dtype in FLOAT_DTYPES and x.numel():   # the kernels straight
+            y, mask, mean, invstd = _bn.cpu_forward(
+                as_array(x, layout), as_array(z, layout), as_array(weight), as_array(bias),
+                as_array(running_mean), as_array(running_var), training, momentum, eps,
+                layout, keep_mask)
+            return BatchNormAddReLUFunction._done(ctx, x, weight, running_mean, running_var,
+                                                  training, device, layout, keep_mask, y, mask,
+                                                  mean, invstd)
         p = _bn.BatchNormParams(running_mean=as_array(running_mean),
                                 running_var=as_array(running_var), training=training,
                                 momentum=momentum, eps=eps, layout=layout, comm=None)
@@ -185,13 +194,21 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
             out = _bn.forward(BATCHNORM_OP, as_array(x, layout), as_array(z, layout),
                               as_array(weight), as_array(bias), p, relu=True,
                               with_mask=keep_mask, save="mask", args=args)
+        return BatchNormAddReLUFunction._done(ctx, x, weight, running_mean, running_var,
+                                              training, device, layout, keep_mask, out.y,
+                                              out.mask, out.mean, out.invstd)
+
+    @staticmethod
+    def _done(ctx, x, weight, running_mean, running_var, training, device, layout, keep_mask,
+              y, mask, mean, invstd):
+        # the forward's end, either way: versions bumped, residuals kept, y as a tensor
         if training and running_mean is not None:
             updated_in_place(running_mean, running_var)
         ctx.device, ctx.training, ctx.layout = device, training, layout
         if keep_mask:
-            ctx.save_for_backward(x, weight, as_tensor(out.mean, device),
-                                  as_tensor(out.invstd, device), as_tensor(out.mask, device))
-        return as_tensor(out.y, device, layout)
+            ctx.save_for_backward(x, weight, as_tensor(mean, device), as_tensor(invstd, device),
+                                  as_tensor(mask, device))
+        return as_tensor(y, device, layout)
 
     # bwd :: (residuals=(x, weight, mean, invstd, mask), dy) -> (dx, dz, dweight, dbias)
     @staticmethod
