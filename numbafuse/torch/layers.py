@@ -176,13 +176,12 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
                 keep_mask, device):
         layout = layout_of(x)                         # NHWC for a channels_last x
         if not x.is_cuda and x.dtype in FLOAT_DTYPES and x.numel():   # the kernels straight
-            y, mask, mean, invstd = _bn.cpu_forward(
+            out = _bn.cpu_forward(
                 as_array(x, layout), as_array(z, layout), as_array(weight), as_array(bias),
                 as_array(running_mean), as_array(running_var), training, momentum, eps,
                 layout, keep_mask)
-            return BatchNormAddReLUFunction._done(ctx, x, weight, running_mean, running_var,
-                                                  training, device, layout, keep_mask, y, mask,
-                                                  mean, invstd)
+            return BatchNormAddReLUFunction._done(ctx, x, weight, (running_mean, running_var),
+                                                  training, device, layout, keep_mask, out)
         p = _bn.BatchNormParams(running_mean=as_array(running_mean),
                                 running_var=as_array(running_var), training=training,
                                 momentum=momentum, eps=eps, layout=layout, comm=None)
@@ -194,16 +193,17 @@ class BatchNormAddReLUFunction(torch.autograd.Function):
             out = _bn.forward(BATCHNORM_OP, as_array(x, layout), as_array(z, layout),
                               as_array(weight), as_array(bias), p, relu=True,
                               with_mask=keep_mask, save="mask", args=args)
-        return BatchNormAddReLUFunction._done(ctx, x, weight, running_mean, running_var,
-                                              training, device, layout, keep_mask, out.y,
-                                              out.mask, out.mean, out.invstd)
+        return BatchNormAddReLUFunction._done(ctx, x, weight, (running_mean, running_var),
+                                              training, device, layout, keep_mask,
+                                              (out.y, out.mask, out.mean, out.invstd))
 
     @staticmethod
-    def _done(ctx, x, weight, running_mean, running_var, training, device, layout, keep_mask,
-              y, mask, mean, invstd):
-        # the forward's end, either way: versions bumped, residuals kept, y as a tensor
-        if training and running_mean is not None:
-            updated_in_place(running_mean, running_var)
+    def _done(ctx, x, weight, running, training, device, layout, keep_mask, out):
+        # the forward's end, either way (out: y, mask, mean, invstd): the running statistics'
+        # versions bumped, the residuals kept, y as a tensor
+        y, mask, mean, invstd = out
+        if training and running[0] is not None:
+            updated_in_place(*running)
         ctx.device, ctx.training, ctx.layout = device, training, layout
         if keep_mask:
             ctx.save_for_backward(x, weight, as_tensor(mean, device), as_tensor(invstd, device),
