@@ -239,3 +239,71 @@ def test_an_empty_batch_gives_empty_outputs_and_zero_gradients(backend, layout):
     assert backend.get(y).shape == y_shape and backend.get(dx).shape == x.shape
     np.testing.assert_array_equal(backend.get(dw), np.zeros(w.shape))
     np.testing.assert_array_equal(backend.get(db), np.zeros(4))
+
+
+# (N, C, K, H, kernel, stride, padding, dilation, groups): one tap alone reaches the input
+ONE_TAP = [(3, 16, 24, 1, 3, 1, 1, 1, 1), (2, 8, 8, 1, 5, 2, 2, 1, 8),
+           (2, 12, 16, 2, 3, 1, 2, 2, 1), (4, 16, 32, 1, 3, 2, (1, 1, 1, 1), 1, 1)]
+
+
+@pytest.mark.parametrize("case", ONE_TAP)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_conv_that_reaches_the_input_by_one_tap_runs_as_that_taps_1x1(case, layout, dtype):
+    """A conv of whose taps one alone reads inside the input from any output (a 3x3 with
+    padding 1 on a 1x1 map; 2x2 dilated by 2 with padding 2) runs every CPU pass as the 1x1
+    conv of that tap (kernels/conv/cpu_first._crop): the forward, dX, dW (zeros at the other
+    taps), db, the training Conv-BN-ReLU with its statistics and backward, and inference's
+    folded batch norm, all as the reference computes the whole kernel."""
+    from numbafuse.kernels.conv import cpu_first
+    N, C, K, H, R, stride, padding, dilation, groups = case
+    shape = (N, C, H, H) if layout == "NCHW" else (N, H, H, C)
+    x = _seeded(shape, 1, dtype)
+    w, b = _seeded((K, C // groups, R, R), 2, dtype), _seeded(K, 3, dtype)
+    kw = dict(stride=stride, padding=padding, dilation=dilation, layout=layout, groups=groups)
+    geom = validate.conv_geometry("t", shape, w.shape, stride, padding, dilation, layout,
+                                  groups)
+    crop = cpu_first._crop(geom)
+    assert crop is not None and crop[4].R == crop[4].S == 1
+    r, s = crop[0], crop[2]
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-10)
+    y = nf.conv_bias_relu(x, w, b, **kw)
+    np.testing.assert_allclose(y, ref.relu(ref.bias_add(ref.conv2d(x, w, **kw), b, layout)),
+                               **tol)
+    gy = _seeded(y.shape, 4, dtype)
+    dx, dw, db = cpu_first.conv_backward(gy, x, w, geom)
+    rdx, rdw = ref.conv2d_backward(gy, x, w, **kw)
+    np.testing.assert_allclose(dx, rdx, **tol)
+    np.testing.assert_allclose(dw, rdw, **tol)
+    others = np.ones((R, R), bool)
+    others[r, s] = False
+    assert dw.shape == w.shape and not dw[:, :, others].any()     # exact zeros elsewhere
+    np.testing.assert_allclose(db, gy.sum(axis=(0, 2, 3) if layout == "NCHW" else (0, 1, 2)),
+                               **tol)
+    gamma, beta = _seeded(K, 5, dtype) + 2, _seeded(K, 6, dtype)
+    got = nf.conv_batchnorm_relu(x, w, gamma, beta, **kw)
+    want = ref.conv_batchnorm_relu(x, w, gamma, beta, **kw)[0]
+    np.testing.assert_allclose(got, want, **tol)
+    dy = _seeded(got.shape, 7, dtype)
+    for a, e in zip(nf.conv_batchnorm_relu_backward(dy, x, w, gamma, beta, **kw),
+                    ref.conv_batchnorm_relu_backward(dy, x, w, gamma, beta, **kw)):
+        np.testing.assert_allclose(a, e, **tol)
+    rm, rv = _seeded(K, 8, dtype), _seeded(K, 9, dtype) ** 2 + 0.5
+    got = nf.conv_batchnorm_relu(x, w, gamma, beta, running_mean=rm, running_var=rv,
+                                 training=False, **kw)
+    want = ref.conv_batchnorm_relu(x, w, gamma, beta, running_mean=rm, running_var=rv,
+                                   training=False, **kw)[0]
+    np.testing.assert_allclose(got, want, **tol)
+
+
+def test_only_one_tap_convs_are_cropped():
+    from numbafuse.kernels.conv import cpu_first
+    g = validate.conv_geometry
+    assert cpu_first._crop(g("t", (2, 8, 2, 2), (8, 8, 3, 3), 1, 1, 1, "NCHW")) is None
+    assert cpu_first._crop(g("t", (2, 8, 2, 2), (8, 8, 3, 3), 2, 1, 1, "NCHW")) is None  # 2x2
+    assert cpu_first._crop(g("t", (2, 8, 1, 1), (8, 8, 1, 1), 1, 0, 1, "NCHW")) is None
+    assert cpu_first._crop(g("t", (2, 8, 3, 3), (8, 8, 3, 3), 1, 0, 1, "NCHW")) is None
+    r0, r1, s0, s1, one = cpu_first._crop(g("t", (2, 8, 1, 1), (8, 8, 3, 3), 1, 1, 1, "NCHW"))
+    assert (r0, r1, s0, s1) == (1, 2, 1, 2)
+    assert (one.R, one.S, one.ph, one.pw, one.ph_end, one.pw_end, one.P, one.Q) == (
+        1, 1, 0, 0, 0, 0, 1, 1)

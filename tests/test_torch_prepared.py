@@ -324,22 +324,26 @@ def test_eval_calls_recorded_or_in_half_run_the_functions(monkeypatch):
         nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, training=True, padding=1)
 
 
-def test_unrecorded_eval_calls_fold_anew_when_the_batch_norm_changes():
+@pytest.mark.parametrize("kernel, size", [(1, 5), (3, 1)])
+def test_unrecorded_eval_calls_fold_anew_when_the_batch_norm_changes(kernel, size):
     """A 1x1 conv's eval folds the batch norm into w (the pointwise plan has no epilogue
-    scale); under the weight cache, the folded w is kept while w and the batch norm's
+    scale), and so does a 3x3 on 1x1 maps (run as its center tap's 1x1: cpu_first._crop);
+    under the weight cache, the folded (cropped) w is kept while w and the batch norm's
     tensors keep their versions, and an in-place change of any of them folds again."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 6, 5, 5, generator=g)
-    w = torch.randn(4, 6, 1, 1, generator=g)
+    x = torch.randn(2, 6, size, size, generator=g)
+    w = torch.randn(4, 6, kernel, kernel, generator=g)
     weight, bias = torch.rand(4, generator=g) + 0.5, torch.randn(4, generator=g)
     rm, rv = torch.randn(4, generator=g), torch.rand(4, generator=g) + 0.5
     with torch.no_grad(), nft.weight_cache():
         for t in (None, weight, bias, rm, rv, w):
             if t is not None:
                 t.mul_(1.5)                                 # in place: a new version
-            y = nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, training=False)
+            y = nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, training=False,
+                                        padding=kernel // 2)
             F = torch.nn.functional
-            ref = F.batch_norm(F.conv2d(x, w), rm, rv, weight, bias, False).relu()
+            ref = F.batch_norm(F.conv2d(x, w, padding=kernel // 2), rm, rv, weight, bias,
+                               False).relu()
             torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
