@@ -195,3 +195,44 @@ def _phase_index(w_shape, rows, cols, nhwc):
                 mats.append(sub.transpose(1, 0, 2, 3).reshape(-1))    # (C, K, nr, ns)
     offs = np.cumsum([0] + [m.size for m in mats[:-1]]).astype(np.int64)
     return (np.concatenate(mats) if mats else np.zeros(0, np.int64)), offs
+
+
+# --------------------------------------------------------------------------- one tap
+
+@task_kernel
+def tap_tasks(t0, t1, w, r, s, out):
+    # filters [t0, t1) of w (K, Cg, R, S): out[k, c] = w[k, c, r, s] (a conv cropped to one
+    # tap: cpu_first._crop; a strided read that one thread made at ~10 GB/s)
+    for k in range(t0, t1):
+        wk, ok = w[k], out[k]
+        for c in range(wk.shape[0]):
+            ok[c] = wk[c, r, s]
+
+
+@task_kernel
+def spread_tap_tasks(t0, t1, d, r, s, full):
+    # filters [t0, t1): full[k] (Cg, R, S) zero but full[k, c, r, s] = d[k, c]: dW of a conv
+    # cropped to one tap, each value written once
+    for k in range(t0, t1):
+        dk, fk = d[k], full[k]
+        flat = fk.reshape(fk.size)
+        for i in range(flat.shape[0]):           # (a memset, in this filter's cache lines)
+            flat[i] = 0
+        for c in range(fk.shape[0]):
+            fk[c, r, s] = dk[c]
+
+
+def one_tap(w, r, s):
+    """w[:, :, r, s] as a C-contiguous (K, Cg, 1, 1) array, made by the threads."""
+    out = np.empty(w.shape[:2] + (1, 1), w.dtype)
+    launch(tap_tasks, w.shape[0], w, int(r), int(s), out.reshape(w.shape[:2]), work=w.size)
+    return out
+
+
+def spread_tap(d, shape, r, s):
+    """The (K, Cg, R, S) ``shape``d array, zero but for tap (r, s): ``d`` (K, Cg, 1, 1) (an
+    output-cache buffer, made by the threads)."""
+    full = _out.empty(shape, d.dtype)
+    launch(spread_tap_tasks, shape[0], np.ascontiguousarray(d).reshape(shape[:2]), int(r),
+           int(s), full, work=full.size)
+    return full
