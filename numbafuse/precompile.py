@@ -74,6 +74,9 @@ CPU_CASES = [
     # (1024 output pixels: the stride-2 Winograd's forward and dW take no fewer,
     # cpu_plan.Rules.winograd_s2_min_pixels)
     ("conv 3x3 s2", "conv", (16, 32, 16, 16), 3, 2, 32),
+    # a 3x3 on 1x1 maps: its center tap's 1x1 (kernels/conv/cpu_first._crop: the tap's copy
+    # and dW's spread, the pointwise GEMMs)
+    ("conv 3x3 on 1x1 maps (one tap)", "conv", (2, 32, 1, 1), 3, 1, 32),
     ("conv 1x1 s1", "conv", (4, 32, 8, 8), 1, 1, 32),
     ("conv 1x1 s2", "conv", (4, 32, 8, 8), 1, 2, 64),
     ("conv 3x3 stem (few channels)", "conv", (4, 3, 16, 16), 3, 1, 32),
