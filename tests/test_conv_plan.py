@@ -477,3 +477,20 @@ def test_deep_layers_split_into_at_least_two_blocks_of_channels():
     with cpu_plan.using(tapwise_max_density=0.0):
         assert cpu_plan.plan(g, "dx", np.float32).algorithm == "winograd"
         assert cpu_plan.plan(g, "dw", np.float32).algorithm == "im2col"
+
+
+def test_a_tiny_batch_dx_runs_the_blocked_im2col():
+    """A dX of a batch of fewer than tapwise_dx_min_batch_pixels output pixels that the
+    k-blocked im2col runs goes there, not tapwise (3x3 256 at 2x2, batch 1-2; 3x3/2 128 ->
+    256 to 2x2); from that many pixels tapwise as before."""
+    def dx(N, C, K, size, stride=1, **rules):
+        g = nf.validate.conv_geometry("t", (N, C, size, size), (K, C, 3, 3), stride, 1, 1,
+                                      "NCHW")
+        with cpu_plan.using(**rules):
+            return cpu_plan.plan(g, "dx", np.float32).algorithm
+    assert dx(2, 256, 256, 2) == "im2col" and dx(3, 256, 256, 2) == "im2col"       # 8, 12
+    assert dx(4, 256, 256, 2) == "tapwise"                                         # 16
+    assert dx(2, 256, 256, 2, tapwise_dx_min_batch_pixels=8) == "tapwise"
+    assert dx(2, 128, 256, 4, stride=2) == "im2col"                    # 2 blocks of 64
+    assert dx(4, 128, 256, 4, stride=2) == "tapwise"                                # 16
+    assert dx(2, 128, 256, 4, stride=2, min_k_blocks=1) == "tapwise"  # one block: no rule

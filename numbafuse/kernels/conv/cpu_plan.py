@@ -211,6 +211,12 @@ class Rules(NamedTuple):
     # two were even (ResNet-18's l4 3x3/2 256 -> 512: machine E in ``_tapwise``; F NCHW 2.81 /
     # 2.22, 2.52 / 2.30, 1.93 / 2.43): im2col stays there
     tapwise_blocked_dx_min_pixels: int = 16
+    # ... and no dX of a batch of fewer output pixels than this that the k-blocked im2col runs
+    # (``_tiny_blocked_dx``). Machine F, NCHW, ms blocked im2col / tapwise: 3x3 256 at 2x2,
+    # batch 1 (4 pixels) 0.23 / 0.37, 2 0.25 / 0.38, 8 (32) 0.74 / 0.54; 3x3/2 128 -> 256 at 4x4
+    # -> 2x2, batch 1 0.13 / 0.21, 2 0.14 / 0.21, 8 0.41 / 0.37; 3x3 128 at 4x4, batch 1 (16)
+    # 0.12 / 0.14, 2 0.21 / 0.18
+    tapwise_dx_min_batch_pixels: int = 16
     tapwise_min_channels: int = 64
     # output channels per task of the tapwise forward, half of it where the batch has at
     # most 64 output pixels (512 channels at 2x2, batch 8 / 16 / 32: 0.434 / 0.722 / 1.237 ms
@@ -380,7 +386,8 @@ def choose(geom, pass_, dtype, rules):
         return "implicit" if implicit and pass_ == "forward" else "im2col"
     if _tapwise(geom, pass_, dtype, rules):
         return "tapwise"
-    if pass_ == "dx" and _k_blocks(geom, pass_, dtype, rules, least=1) > 1:
+    if pass_ == "dx" and (_k_blocks(geom, pass_, dtype, rules, least=1) > 1
+                          or _tiny_blocked_dx(geom, pass_, dtype, rules)):
         # a deep layer's dX: one GEMM of the whole batch in blocks of input channels, then
         # col2im. ms, batch 16, 2 threads, best of 15 (NCHW / NHWC): 3x3 512 at 2x2 4.7 / 4.5
         # by Winograd, 1.9 / 1.9 so; 256 at 4x4 2.0 / 1.9 and 1.6 / 1.7; 3x3/2 256->512 at
@@ -530,9 +537,19 @@ def _tapwise(geom, pass_, dtype, rules):
             and _k_blocks(geom, pass_, dtype, rules, least=1) > 1):
         return False        # (blocks of k_block: 64 -> 128 at 4x4 -> 2x2, batch 16, machine F,
         # ms two blocks of 32 / tapwise: 0.285 / 0.200)
+    if _tiny_blocked_dx(geom, pass_, dtype, rules):
+        return False
     limit = rules.tapwise_strided_dx_max_density if strided_dx else rules.tapwise_max_density
     return (min(geom.C, geom.K) >= rules.tapwise_min_channels
             and tapwise_density(geom) <= limit)
+
+
+def _tiny_blocked_dx(geom, pass_, dtype, rules):
+    """A dX of a batch of fewer than ``Rules.tapwise_dx_min_batch_pixels`` output pixels that
+    the k-blocked im2col runs (its GEMM's rows are the batch's pixels; tapwise reorders every
+    tap's weights for a few products each)."""
+    return (pass_ == "dx" and geom.N * geom.P * geom.Q < rules.tapwise_dx_min_batch_pixels
+            and _k_blocks(geom, pass_, dtype, rules) > 1)
 
 
 def algorithm(geom, pass_="forward", dtype=np.float32):
