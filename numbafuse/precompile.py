@@ -69,7 +69,8 @@ CPU_CASES = [
     # whole batch's GEMMs in blocks of channels (cols built once, each block's weights
     # reordered by its task); at 2x2 and 4x4 the forward and dX by tap (cpu_tapwise: no products
     # with the padding)
-    ("conv 3x3 deep small map (tapwise forward, dX)", "conv", (2, 256, 2, 2), 3, 1, 256),
+    # (16 output pixels: a dX of fewer runs the blocked im2col, the next case's kernels)
+    ("conv 3x3 deep small map (tapwise forward, dX)", "conv", (4, 256, 2, 2), 3, 1, 256),
     ("conv 3x3 deep (k-blocked GEMMs)", "conv", (2, 256, 8, 8), 3, 1, 256),
     # (1024 output pixels: the stride-2 Winograd's forward and dW take no fewer,
     # cpu_plan.Rules.winograd_s2_min_pixels)
