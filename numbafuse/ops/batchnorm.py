@@ -277,22 +277,14 @@ class Forward(NamedTuple):
     count: int          # values per channel the statistics are over (all ranks' with comm)
 
 
-def inference_add_relu(x, z, gamma, beta, running_mean, running_var, eps, layout):
-    """``relu(gamma * (x - running_mean) / sqrt(running_var + eps) + beta + z)`` for CPU
-    float32/float64 arrays that :func:`forward`'s checks passed (C-contiguous in ``layout``,
-    ``eps`` a float): the one kernel call :func:`forward` makes for them in inference, nothing
-    else (``numbafuse.torch.prepared``: calls whose checks passed before)."""
-    return cpu_forward(x, z, gamma, beta, running_mean, running_var, False, 0.0, eps, layout,
-                       False)[0]
-
-
 def cpu_forward(x, z, gamma, beta, running_mean, running_var, training, momentum, eps, layout,
                 with_mask):
     """(y, mask or None, mean, invstd) of ``relu(gamma * xhat + beta [+ z])``, the running
     statistics updated in training: the kernel calls :func:`forward` makes for CPU float32 or
     float64 arrays of a non-empty x without ``comm`` (C-contiguous in ``layout``, everything
     checked by the caller: ``momentum`` and ``eps`` floats), nothing else (numbafuse.torch's
-    batch norm on CPU tensors: its params, arguments and half-precision steps skipped)."""
+    batch norm on CPU tensors, and its calls whose checks passed before:
+    ``numbafuse.torch.prepared``; the params, arguments and half-precision steps skipped)."""
     impl = _kernels(backend.CPU)
     if not training:
         y, mask, mean, invstd = impl.apply_running(x, running_mean, running_var, eps, gamma,

@@ -54,9 +54,9 @@ from ..ops import batchnorm as _bn
 from ..ops import conv_batchnorm as _cbn
 from . import prepared as _prepared
 from .bfloat16 import widened
-from .bridge import (LAYOUT, Unrecorded, as_array, as_tensor, capturing, check_tensors,
-                     conv_args, launch_order, layout_of, needs_grad, run_captured, shape_in,
-                     updated_in_place)
+from .bridge import (FLOAT_DTYPES, LAYOUT, Unrecorded, as_array, as_tensor, capturing,
+                     check_tensors, conv_args, launch_order, layout_of, needs_grad,
+                     run_captured, shape_in, updated_in_place)
 
 def _check(op, tensors, conv, training, momentum, eps):
     """Validate everything before anything is written: (device, geometry, momentum, eps).
@@ -66,13 +66,9 @@ def _check(op, tensors, conv, training, momentum, eps):
     checked before returns what its checks returned (``prepared.CHECKED``: nothing read from
     a value); momentum is no part of it but checked at every call (a cumulative average's
     ``1/n`` is no new signature)."""
-    sig = _prepared.checks_signature(op, tensors.values(), (training, eps, *conv.values()))
-    checked = _prepared.CHECKED.get(sig)
-    if checked is None:
-        checked = _checks(op, tensors, conv, training, momentum, eps)
-        _prepared.keep(_prepared.CHECKED, sig, checked)
-        return checked
-    device, geometry, _, eps = checked
+    device, geometry, _, eps = _prepared.checked(
+        op, tensors.values(), (training, eps, *conv.values()),
+        lambda: _checks(op, tensors, conv, training, momentum, eps))
     return device, geometry, validate.check_momentum(
         op, momentum, training and tensors["running_mean"] is not None), eps
 
@@ -243,7 +239,7 @@ def restore(ctx):
 def unrecorded_inference(device, training, tensors):
     """Whether a checked call runs :func:`inference`: eval, on CPU float32 or float64
     tensors, not recorded by autograd (``tensors``: the inputs that could require grad)."""
-    return (not training and device.type == "cpu" and tensors[0].dtype in _FLOATS
+    return (not training and device.type == "cpu" and tensors[0].dtype in FLOAT_DTYPES
             and not needs_grad(*tensors))
 
 
@@ -259,9 +255,6 @@ def inference(x, w, z, weight, bias, running_mean, running_var, geometry, eps, r
                            as_array(bias), as_array(running_mean), as_array(running_var), eps,
                            geometry, relu, as_array(z, layout))
     return as_tensor(y, None, layout)
-
-
-_FLOATS = (torch.float32, torch.float64)
 
 
 # --------------------------------------------------------------------------- conv_batchnorm_relu

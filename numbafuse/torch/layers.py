@@ -287,12 +287,9 @@ def batchnorm_add_relu(x, z, weight, bias, running_mean=None, running_var=None, 
                                             running_var, eps)
     op = BATCHNORM_OP
     tensors = (x, z, weight, bias, running_mean, running_var)
-    sig = _prepared.checks_signature(op, tensors, (training, eps))    # momentum: checked below
-    checked = _prepared.CHECKED.get(sig)          # these checks passed before: what they gave
-    if checked is None:
-        checked = _batchnorm_checks(op, *tensors, training, momentum, eps)
-        _prepared.keep(_prepared.CHECKED, sig, checked)
-    device, eps = checked
+    device, eps = _prepared.checked(op, tensors, (training, eps),      # momentum: below
+                                    lambda: _batchnorm_checks(op, *tensors, training,
+                                                              momentum, eps))
     C = x.shape[1]
     momentum = validate.check_momentum(op, momentum, training and running_mean is not None)
     args = (x, z, weight, bias, running_mean, running_var, bool(training), momentum, eps)

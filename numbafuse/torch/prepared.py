@@ -8,7 +8,7 @@ capture, on CPU float32 or float64 tensors, is checked by reading its tensors' t
 shapes, strides, dtypes, devices and ``requires_grad``, and its ``eps``: nothing else. So a
 call whose :func:`signature` (those, as one tuple) equals that of an earlier call that
 passed every check passes them again, and runs what that call ran after them
-(``ops.batchnorm.inference_add_relu``: the same kernel on the same arrays, the same bits).
+(``ops.batchnorm.cpu_forward``: the same kernel on the same arrays, the same bits).
 
 Nothing derived from a tensor's *values* is kept: the running statistics, weight and bias are
 read anew at every call, so a write that no version counter sees (``t.data.copy_(...)``)
@@ -28,10 +28,10 @@ unfused ops: 10); the Conv-BN-ReLU forward 183 -> 166 us in training, 139 -> 123
 import torch
 
 from ..ops import batchnorm as _bn
+from .bridge import FLOAT_DTYPES
 
 VALIDATED = {}            # signature -> the layout (NCHW or NHWC) its x runs in
 MAX_SIGNATURES = 1024
-_FLOATS = (torch.float32, torch.float64)
 
 
 def checks_signature(op, tensors, scalars):
@@ -67,7 +67,7 @@ def signature(training, x, z, weight, bias, running_mean, running_var, eps):
         if torch.is_grad_enabled() and (x.requires_grad or z.requires_grad
                                         or weight.requires_grad or bias.requires_grad):
             return None
-        if x.dtype not in _FLOATS:
+        if x.dtype not in FLOAT_DTYPES:
             return None
     except AttributeError:                 # an argument that is not a tensor: the checks say
         return None
@@ -85,12 +85,26 @@ def keep(table, sig, value):
         table[sig] = value
 
 
+def checked(op, tensors, scalars, checks):
+    """What ``checks()`` (every check of a call of ``op``: raises or returns what the call
+    needs, nothing read from a value) returned for a call with this call's
+    :func:`checks_signature` before (:data:`CHECKED`), else its result now, kept."""
+    sig = checks_signature(op, tensors, scalars)
+    found = CHECKED.get(sig)
+    if found is None:
+        found = checks()
+        keep(CHECKED, sig, found)
+    return found
+
+
 def batchnorm_add_relu(layout, x, z, weight, bias, running_mean, running_var, eps):
     """y of a call whose signature is in :data:`VALIDATED` (with ``layout``): as
     ``layers.BatchNormAddReLUFunction.forward`` computes it in inference."""
+    # (the views bridge.as_array makes, for the CPU float tensors a signature here has: its
+    # device, dtype and contiguity tests cost 3 us of this call's ~30)
     arrays = [t.detach().numpy() if t.requires_grad else t.numpy()
               for t in (x, z, weight, bias, running_mean, running_var)]
     if layout == "NHWC":
         arrays[0], arrays[1] = (a.transpose(0, 2, 3, 1) for a in arrays[:2])
-    y = torch.from_numpy(_bn.inference_add_relu(*arrays, float(eps), layout))
+    y = torch.from_numpy(_bn.cpu_forward(*arrays, False, 0.0, float(eps), layout, False)[0])
     return y.permute(0, 3, 1, 2) if layout == "NHWC" else y

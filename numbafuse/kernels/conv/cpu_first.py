@@ -26,9 +26,12 @@ import numpy as np
 from ..cpu import first_calls
 from ..cpu.compile_child import Values, Zeros
 from . import cpu, cpu_chunks, cpu_grouped, cpu_numpy
+from . import math as conv_math
 from . import weights as _weights
 from .cpu import bias_add, channel_sum  # noqa: F401  (kernels.interfaces.ConvKernels)
 from .cpu_plan import current_rules
+
+_valid_range = conv_math.valid_range
 
 DX_ADDEND = False   # conv_backward takes no dx_addend: the tape adds (interfaces.ConvKernels)
 
@@ -66,30 +69,31 @@ def _call(function, flags, geom, args, fallback=None):
 
 
 def _used(out, size, taps, stride, dilation, pad):
-    """[t0, t1): the taps along one axis that some output reads inside the input."""
-    used = [t for t in range(taps)
-            if any(0 <= o * stride + t * dilation - pad < size for o in range(out))]
-    return (used[0], used[-1] + 1) if used else (0, 0)
+    """The taps along one axis that some output reads inside the input (``math.valid_range``:
+    the outputs whose tap lands inside)."""
+    spans = (_valid_range(t, stride, pad, dilation, size, out) for t in range(taps))
+    return [t for t, (lo, hi) in enumerate(spans) if hi > lo]
 
 
 @functools.lru_cache(maxsize=256)
 def _crop(geom):
-    """(r0, r1, s0, s1, the geometry of ``w[:, :, r0:r1, s0:s1]``) where one tap alone
-    (r1 = r0 + 1, s1 = s0 + 1) reaches input pixels from any output, else None."""
-    r0, r1 = _used(geom.P, geom.H, geom.R, geom.sh, geom.dh, geom.ph)
-    s0, s1 = _used(geom.Q, geom.W, geom.S, geom.sw, geom.dw, geom.pw)
-    if r1 - r0 != 1 or s1 - s0 != 1 or geom.R * geom.S == 1:
+    """(r, s, the geometry of ``w[:, :, r:r+1, s:s+1]``) where tap (r, s) alone reaches input
+    pixels from any output, else None."""
+    rows = _used(geom.P, geom.H, geom.R, geom.sh, geom.dh, geom.ph)
+    cols = _used(geom.Q, geom.W, geom.S, geom.sw, geom.dw, geom.pw)
+    if len(rows) != 1 or len(cols) != 1 or geom.R * geom.S == 1:
         return None         # (one tap only: a 2x2 kernel cropped from a 3x3/2 on a 2x2 map
         # took 2.4 ms at 256 -> 512, batch 2, against tapwise's 0.33 on the 3x3; the 1x1 runs
         # the pointwise GEMMs: 512 at 1x1, batch 2, forward / dX / dW 0.56 / 0.98 / 0.96 ms
         # -> 0.32 / 0.30 / 0.75 on machine F)
-    ph, pw = geom.ph - r0 * geom.dh, geom.pw - s0 * geom.dw
-    ph_end = (geom.P - 1) * geom.sh + (r1 - r0 - 1) * geom.dh + 1 - geom.H - ph   # (P kept)
-    pw_end = (geom.Q - 1) * geom.sw + (s1 - s0 - 1) * geom.dw + 1 - geom.W - pw
+    (r,), (s,) = rows, cols
+    ph, pw = geom.ph - r * geom.dh, geom.pw - s * geom.dw
+    ph_end = (geom.P - 1) * geom.sh + 1 - geom.H - ph                           # (P kept)
+    pw_end = (geom.Q - 1) * geom.sw + 1 - geom.W - pw
     if ph_end < 0 or pw_end < 0:           # windows ending before the input's edge: as it is
         return None
-    return r0, r1, s0, s1, dataclasses.replace(geom, R=r1 - r0, S=s1 - s0, ph=ph, pw=pw,
-                                               ph_end=ph_end, pw_end=pw_end)
+    return r, s, dataclasses.replace(geom, R=1, S=1, ph=ph, pw=pw, ph_end=ph_end,
+                                     pw_end=pw_end)
 
 
 def _cropped(function, w, geom, args):
@@ -99,9 +103,9 @@ def _cropped(function, w, geom, args):
     crop = _crop(geom)
     if crop is None:
         return function(*args)
-    r0, r1, s0, s1, cropped = crop
-    wc = _weights.derived(w, ("cropped", r0, r1, s0, s1),
-                          lambda: cpu_chunks.one_tap(np.ascontiguousarray(w), r0, s0))
+    r, s, cropped = crop
+    wc = _weights.derived(w, ("cropped", r, s),
+                          lambda: cpu_chunks.one_tap(np.ascontiguousarray(w), r, s))
     swap = {id(w): wc, id(geom): cropped}
     with _weights.vouch_like(wc, w):
         return function(*(swap.get(id(a), a) for a in args))
@@ -125,10 +129,9 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     dx, dw, db = _cropped(_conv_backward, w, geom, (gy, x, w, geom, y, need))
     crop = _crop(geom)
     if crop is not None and dw is not None:
-        r0, r1, s0, s1, _ = crop
         # (an output-cache buffer: np.zeros' fresh pages each step cost 3 ms a step where
         # SGD faulted them in)
-        dw = cpu_chunks.spread_tap(dw, w.shape, r0, s0)
+        dw = cpu_chunks.spread_tap(dw, w.shape, crop[0], crop[1])
     return dx, dw, db
 
 
