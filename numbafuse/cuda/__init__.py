@@ -50,7 +50,7 @@ import numpy as np
 
 from .compat import (FIRST_NUMBA_CUDA_WITH_NUMPY_25, NUMPY_WITHOUT_ROW_STACK,  # noqa: F401
                      SUPPORTED_NUMBA_CUDA, compatibility_error, require_compatible,
-                     speed_up_lowering, speed_up_simulator)
+                     lock_shared_arrays, speed_up_lowering, speed_up_simulator)
 
 require_compatible()
 
@@ -71,6 +71,8 @@ SIMULATOR = bool(numba_config.ENABLE_CUDASIM)   # NUMBA_ENABLE_CUDASIM=1: the CU
 if SIMULATOR:
     from numba.cuda.simulator import kernel as _simulated  # noqa: E402
     speed_up_simulator(_simulated)  # compat.py: blocks that sleep until a thread changes state
+    from numba.cuda.simulator import kernelapi as _simulated_api  # noqa: E402
+    lock_shared_arrays(_simulated_api)  # compat.py: one shared array a line, however threads run
 else:
     from numba.cuda import lowering as _lowering  # noqa: E402
     speed_up_lowering(_lowering)  # compat.py: numba-cuda's quadratic scan of long blocks, linear

@@ -319,3 +319,58 @@ def speed_up_simulator(kernel) -> bool:
     thread.syncthreads = _barrier
     thread.run = _thread_body(thread.run)
     return True
+
+
+# numba-cuda's simulator finds a block's shared array by its line (FakeCUDAShared.array):
+# it looks the line up in the launch's allocations and, missing, makes the array and stores
+# it, with no lock between the look-up and the store. A thread switch between them (Python
+# may switch after any bytecode; the block's threads all reach the line together) gives two
+# threads arrays of their own, so a reduction through shared memory sums part of the block.
+# The one cause found for tests/cuda/test_graph_cuda.py's fit test failing once in CI (a loss
+# 0.98053 against 0.98316; it passed alone, 30 of 30 times) and in one of ten runs here under
+# sys.setswitchinterval(1e-6). _shared_array is the same look-up under a lock, the caller's
+# line read from its frame (numba-cuda reads it from a traceback of the whole stack);
+# installed while FakeCUDAShared.array is the unlocked one. tests/cuda/
+# test_simulator_blocks_cuda.py forces the switch: numba-cuda's method loses values there.
+_UNLOCKED_LINE = "res = self._allocations.get(caller)"
+_SHARED_LOCK = threading.Lock()
+_SIMULATOR_API = []                      # numba.cuda.simulator.kernelapi, once installed
+
+
+def _shared_array(self, shape, dtype, alignment=None):
+    """``FakeCUDAShared.array``: the block's array made at the caller's line, made once."""
+    import sys
+    if alignment is not None or shape == 0:       # refused / the dynamic array: no look-up
+        return self._unlocked_array(shape, dtype, alignment)
+    api = _SIMULATOR_API[0]
+    if isinstance(dtype, api.types.Type):         # as numba-cuda converts it
+        dtype = api.numpy_support.as_dtype(dtype)
+    frame = sys._getframe(1)
+    caller = (frame.f_code.co_filename, frame.f_lineno)
+    with _SHARED_LOCK:
+        array = self._allocations.get(caller)
+        if array is None:
+            array = self._allocations[caller] = np.empty(shape, dtype)
+    return array
+
+
+def lock_shared_arrays(kernelapi) -> bool:
+    """Install :func:`_shared_array` on ``numba.cuda.simulator.kernelapi.FakeCUDAShared``
+    (the module is passed) if its ``array`` is still the unlocked look-up; True if installed,
+    now or before. numba-cuda's own method is kept as ``_unlocked_array``."""
+    shared = getattr(kernelapi, "FakeCUDAShared", None)
+    method = getattr(shared, "array", None)
+    if method is None:
+        return False
+    if method is _shared_array:
+        return True
+    try:
+        source = inspect.getsource(method)
+    except (OSError, TypeError):
+        return False
+    if _UNLOCKED_LINE not in source:
+        return False
+    _SIMULATOR_API[:] = [kernelapi]
+    shared._unlocked_array = method
+    shared.array = _shared_array
+    return True

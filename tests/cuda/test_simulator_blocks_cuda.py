@@ -186,3 +186,43 @@ def test_a_barrier_free_threads_exception_names_the_thread():
     out = np.zeros(1)
     _tree_sums[1, THREADS](np.ones(THREADS), out)
     assert out[0] == THREADS
+
+
+@pytest.mark.parametrize("lookup", ["locked", "unlocked"])
+def test_a_blocks_threads_share_one_shared_array_however_they_interleave(lookup, monkeypatch):
+    """numba-cuda's simulator made a block's shared array by a look-up and then a store with no
+    lock between them: a thread switch there gave threads arrays of their own (a CI flake of
+    tests/cuda/test_graph_cuda.py's fit test). Forced here: every look-up sleeps, so every
+    thread looks up before any stores. numbafuse's lock (compat.lock_shared_arrays) keeps one
+    array; numba-cuda's own method, put back, loses the other threads' values (so this test
+    can tell them apart)."""
+    import time
+
+    from numba.cuda.simulator import kernelapi
+    assert kernelapi.FakeCUDAShared.array is compat._shared_array
+    assert compat.lock_shared_arrays(kernelapi)           # idempotent
+    if lookup == "unlocked":
+        monkeypatch.setattr(kernelapi.FakeCUDAShared, "array",
+                            kernelapi.FakeCUDAShared._unlocked_array)
+
+    class SlowLookups(dict):
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            time.sleep(0.002)                 # the block's other threads look up meanwhile
+            return found
+
+    made = kernelapi.FakeCUDAShared.__init__
+
+    def init(self, dynshared_size):
+        made(self, dynshared_size)
+        self._allocations = SlowLookups()
+
+    monkeypatch.setattr(kernelapi.FakeCUDAShared, "__init__", init)
+    x = np.arange(2 * THREADS, dtype=np.float64)
+    out = np.zeros(2)
+    _tree_sums[2, THREADS](x, out)
+    want = x.reshape(2, THREADS).sum(axis=1)
+    if lookup == "locked":
+        np.testing.assert_array_equal(out, want)
+    else:
+        assert not np.array_equal(out, want)
