@@ -30,6 +30,9 @@ Algorithms (``ALGORITHMS``) and what they compute:
                  map (no products with the padding: small maps), in blocks of channels
                                                                             (cpu_tapwise.py)
 
+A table of algorithms measured on this machine (``cpu_table``: ``NUMBAFUSE_CONV_TABLE`` or
+``cpu_table.use``) replaces the default rules' choice for the passes it has.
+
 Tests and benchmarks choose other rules with :func:`using` (a context: the ops called inside
 it plan with the changed rules) or hand a plan to ``cpu.conv_forward`` / ``conv_backward``;
 :func:`supports` says which algorithms can run a pass at all.
@@ -38,6 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -453,7 +458,13 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None):
         made = _PLANS.get(key)
         if made is not None and made[0] is rules:
             return made[1]
-        made = _planned(geom, pass_, dtype, rules, choose(geom, pass_, dtype, rules))
+        chosen = None
+        if rules is RULES or rules == RULES:    # the defaults: or what this machine measured
+            chosen = _measured(geom, pass_, dtype)
+            if chosen is not None and not supports(chosen, geom, pass_, dtype):
+                chosen = None
+        made = _planned(geom, pass_, dtype, rules,
+                        chosen or choose(geom, pass_, dtype, rules))
         if len(_PLANS) < MAX_PLANS:
             _PLANS[key] = (rules, made)            # (rules kept: their id stays theirs)
         return made
@@ -468,6 +479,63 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None):
 # each call). A conv call made three of them (forward, dX, dW) at 5-12 us each, every call.
 _PLANS = {}
 MAX_PLANS = 4096
+
+
+# The measured table (cpu_table.py): key -> algorithm, followed under the default rules; read
+# from TABLE_ENV's path by the first plan that asks, unless use_table() set one before.
+TABLE_ENV = "NUMBAFUSE_CONV_TABLE"
+TABLE_VERSION = 1
+_TABLE = {}
+_TABLE_READ = [False]
+_RECORDING = []           # sets of (geometry, pass, dtype) asked for (cpu_table.recording)
+
+
+def table_key(geom, pass_, dtype) -> str:
+    """The table's key of ``pass_`` of ``geom`` on ``dtype``: every field of the geometry."""
+    g = geom
+    return (f"{g.layout} {np.dtype(dtype).name} {pass_} N{g.N} C{g.C} H{g.H} W{g.W} K{g.K} "
+            f"R{g.R} S{g.S} stride{g.sh}x{g.sw} pad{g.ph},{g.pw},{g.ph_end},{g.pw_end} "
+            f"dil{g.dh}x{g.dw} groups{g.groups}")
+
+
+def read_table(path) -> dict:
+    """The table saved at ``path`` (ValueError naming the file if it is not one)."""
+    with open(path) as f:
+        try:
+            table = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"conv table {path}: not JSON ({e})") from None
+    if not isinstance(table, dict) or table.get("version") != TABLE_VERSION:
+        raise ValueError(f"conv table {path}: not a version-{TABLE_VERSION} numbafuse conv "
+                         f"table")
+    entries = table.get("entries")
+    if not isinstance(entries, dict):
+        raise ValueError(f"conv table {path}: no entries")
+    for k, entry in entries.items():
+        algorithm = entry.get("algorithm") if isinstance(entry, dict) else None
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"conv table {path}: entry {k!r} has algorithm {algorithm!r}, "
+                             f"not one of {ALGORITHMS}")
+    return table
+
+
+def use_table(table):
+    """Plan by ``table`` (from :func:`read_table`, or None: no table) from now on."""
+    _TABLE.clear()
+    if table is not None:
+        _TABLE.update({k: e["algorithm"] for k, e in table["entries"].items()})
+    _TABLE_READ[0] = True
+    _PLANS.clear()                       # plans made by the previous table
+
+
+def _measured(geom, pass_, dtype):
+    """The table's algorithm for the pass (recorded where cpu_table.recording asks), or None."""
+    for asked in _RECORDING:
+        asked.add((geom, pass_, np.dtype(dtype)))
+    if not _TABLE_READ[0]:
+        path = os.environ.get(TABLE_ENV)
+        use_table(read_table(path) if path else None)
+    return _TABLE.get(table_key(geom, pass_, dtype)) if _TABLE else None
 
 
 def _planned(geom, pass_, dtype, rules, algorithm):

@@ -1,0 +1,149 @@
+"""A table of conv algorithms measured on this machine, which :func:`cpu_plan.plan` follows
+where the default rules would guess.
+
+The default rules (``cpu_plan.RULES``) pick each pass's algorithm from thresholds measured on
+a few machines, and the machines disagree: ResNet-18's 3x3 64-channel forward at 16x16, batch
+16, takes the implicit GEMM by a rule measured on a Zen 5 (0.72 ms against Winograd's 0.82
+there), while on a Zen 4 with AVX-512 too Winograd takes 0.96 ms and the implicit GEMM 1.46
+(``benchmarks/bench_conv_plan.py``). :func:`tune` times every algorithm that can run each pass
+a model asks for, on this machine, and :func:`use` (or ``NUMBAFUSE_CONV_TABLE``, the path of a
+saved table, read at the first plan) makes the plans follow the fastest, as cuDNN's benchmark
+mode does, but measured once and kept in a file: the same algorithms, so the same bits, in
+every later process.
+
+    with recording() as asked:          # the (geometry, pass, dtype) that plan() is asked
+        step()                          # e.g. one training step of the model
+    table = tune(asked)                 # {key: {"algorithm": a, "ms": {algorithm: ms}}}
+    save(table, "conv_table.json")      # NUMBAFUSE_CONV_TABLE=conv_table.json, or use(table)
+
+The table applies only under the default rules: inside ``cpu_plan.using(...)`` (tests,
+benchmarks) the rules decide. An entry whose algorithm cannot run its pass is not followed.
+``python -m numbafuse.torch.tune`` tunes a ResNet's step (docs/pytorch.md, "A measured plan").
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import time
+
+import numpy as np
+
+from ..cpu import launch
+from . import cpu, cpu_plan
+
+ENV = cpu_plan.TABLE_ENV
+VERSION = cpu_plan.TABLE_VERSION
+# another algorithm replaces the rules' choice only when it is this much faster (the timings
+# of one pass move by a few per cent from run to run)
+MARGIN = 0.05
+
+key = cpu_plan.table_key
+load = cpu_plan.read_table
+
+
+def save(table, path):
+    """Write ``table`` (from :func:`tune`) to ``path`` as JSON."""
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+
+
+def use(table):
+    """Plan by ``table`` (a table, a path to one, or None: no table) from now on, in every
+    thread; returns the table in use."""
+    if isinstance(table, (str, os.PathLike)):
+        table = load(table)
+    cpu_plan.use_table(table)
+    return table
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the (geometry, pass, dtype) that the plans made inside the block are asked
+    for, under the default rules (a set, yielded)."""
+    asked = set()
+    cpu_plan._RECORDING.append(asked)
+    cpu_plan._PLANS.clear()              # memoised plans would not ask again
+    try:
+        yield asked
+    finally:
+        cpu_plan._RECORDING.remove(asked)
+
+
+def measure(geom, pass_, dtype, algorithms=None, repeats=5, rng=None):
+    """{algorithm: best ms of ``repeats`` calls} of ``pass_`` of ``geom`` on random
+    ``dtype`` inputs, for each of ``algorithms`` (default: every one that can run it); a first
+    call of each is not timed (it compiles)."""
+    rng = np.random.default_rng(0) if rng is None else rng
+    dtype = np.dtype(dtype)
+    x = rng.standard_normal(geom.x_shape).astype(dtype)
+    w = (rng.standard_normal((geom.K, geom.C // geom.groups, geom.R, geom.S))
+         / max(1, geom.C * geom.R)).astype(dtype)
+    gy = rng.standard_normal(geom.y_shape).astype(dtype)
+    if algorithms is None:
+        algorithms = [a for a in cpu_plan.ALGORITHMS
+                      if cpu_plan.supports(a, geom, pass_, dtype)]
+    out = {}
+    for algorithm in algorithms:
+        plan = cpu_plan.plan(geom, pass_, dtype, rules=cpu_plan.RULES, algorithm=algorithm)
+        if pass_ == "forward":
+            def call():
+                cpu.conv_forward(x, w, None, geom, False, plan=plan)
+        else:
+            need = (True, False, False) if pass_ == "dx" else (False, True, False)
+
+            def call():
+                cpu.conv_backward(gy, x, w, geom, None, need, plans=(plan, plan))
+        call()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - t0)
+        out[algorithm] = best * 1e3
+    return out
+
+
+def _processor():
+    """The CPU's model name (Linux's /proc/cpuinfo), else what platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def choose(timings, ruled, margin=MARGIN):
+    """The algorithm a table keeps from ``timings`` ({algorithm: ms}): the fastest, unless
+    the rules' choice ``ruled`` is within ``margin`` of it."""
+    fastest = min(timings, key=timings.get)
+    if ruled in timings and timings[ruled] <= timings[fastest] * (1 + margin):
+        return ruled
+    return fastest
+
+
+def tune(asked, repeats=5, margin=MARGIN, progress=None):
+    """A table of the passes in ``asked`` ((geometry, pass, dtype) triples, e.g. from
+    :func:`recording`): each pass timed by every algorithm that runs it (:func:`measure`),
+    the fastest kept (:func:`choose`). Grouped convolutions are skipped (their kernels are
+    not planned). ``progress(i, n, key)`` is called before each pass."""
+    todo = sorted(((g, p, d) for g, p, d in asked if g.groups == 1 and g.N > 0),
+                  key=lambda t: key(*t))
+    entries = {}
+    for i, (geom, pass_, dtype) in enumerate(todo):
+        k = key(geom, pass_, dtype)
+        if progress is not None:
+            progress(i, len(todo), k)
+        timings = measure(geom, pass_, dtype, repeats=repeats)
+        ruled = cpu_plan.choose(geom, pass_, dtype, cpu_plan.RULES)
+        entries[k] = {"algorithm": choose(timings, ruled, margin), "rules": ruled,
+                      "ms": {a: round(ms, 4) for a, ms in timings.items()}}
+    return {"version": VERSION, "entries": entries,
+            "machine": {"processor": _processor(),
+                        "threads": launch.num_threads(), "repeats": repeats,
+                        "margin": margin,
+                        "made": time.strftime("%Y-%m-%d %H:%M:%S")}}

@@ -1,0 +1,46 @@
+"""``python -m numbafuse.torch.tune``: a small ResNet's step tuned end to end; the table it
+saves loads and covers the step's conv passes, and a model planned by it computes what one
+planned by the rules does (to float32 rounding)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install "
+                                            "'numbafuse[torch]'); .ci/run's torch leg has it")
+
+import numbafuse.torch as nft  # noqa: E402
+from numbafuse.kernels.conv import cpu_table  # noqa: E402
+from numbafuse.torch import resnet, tune  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def test_tune_saves_a_table_of_the_steps_passes(tmp_path, capsys):
+    out = tmp_path / "conv_table.json"
+    try:
+        assert tune.main(["--model", "resnet18", "--batch", "2", "--size", "32",
+                          "--repeats", "1", "--out", str(out)]) == 0
+        table = cpu_table.load(out)
+        step = tune._resnet_step("resnet18", 2, 32, "auto", False)
+        step()
+        with cpu_table.recording() as asked:
+            step()
+        assert {cpu_table.key(*a) for a in asked} == set(table["entries"])
+        losses = []
+        for used in (None, table):
+            cpu_table.use(used)
+            torch.manual_seed(1)
+            model = nft.fuse(resnet.resnet18(num_classes=10), recompute="auto")
+            x = torch.randn(2, 3, 32, 32)
+            with torch.no_grad():
+                losses.append(float(model(x).square().mean()))
+        # other algorithms' float32 rounding, through 20 convs each normalised by the
+        # statistics of 2 images: the same to 3e-4 here
+        np.testing.assert_allclose(losses[1], losses[0], rtol=1e-2)
+    finally:
+        cpu_table.use(None)
+    assert "conv passes timed" in capsys.readouterr().out
+
+
+def test_tune_refuses_bad_sizes():
+    with pytest.raises(SystemExit):
+        tune.main(["--size", "8"])
