@@ -49,6 +49,7 @@ import numpy as np
 
 from ..cpu import gemm_taps as _gemm_taps
 from . import cpu_implicit as _implicit
+from . import math as conv_math
 from . import cpu_winograd_s2 as _wino_s2
 
 PASSES = ("forward", "dx", "dw")
@@ -578,9 +579,10 @@ def _tapwise_blocks(geom, pass_, rules):
 
 
 def _valid_pairs(out, size, k, stride, dilation, pad):
-    """How many (output, tap) pairs along one axis read inside the input (not the padding)."""
-    return sum(1 for o in range(out) for t in range(k)
-               if 0 <= o * stride + t * dilation - pad < size)
+    """How many (output, tap) pairs along one axis read inside the input (not the padding):
+    each tap's outputs by ``math.valid_range``."""
+    spans = (conv_math.valid_range(t, stride, pad, dilation, size, out) for t in range(k))
+    return sum(max(0, hi - lo) for lo, hi in spans)
 
 
 def tapwise_density(geom):
