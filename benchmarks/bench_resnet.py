@@ -2,7 +2,7 @@
 
     python benchmarks/bench_resnet.py [--models resnet18,resnet50] [--batch 16] [--size 64]
                                       [--rounds 3] [--repeats 5] [--threads N] [--weight-cache]
-                                      [--markdown FILE]
+                                      [--conv-table FILE] [--markdown FILE]
 
 The model is torchvision's code (``numbafuse/torch/resnet.py``: the same modules, names and
 forward), float32, NCHW, 1000 classes. A training step = gradients set to None, forward,
@@ -19,6 +19,11 @@ side the model as written. Each library in its own process (``_runner.py``: the 
 loads resnet.py from its file, without importing numbafuse), the processes alternating round
 by round, best of each. Each worker also prints its first step's time to stderr (compilation
 included on the numbafuse side, with whatever Numba cache the environment has).
+
+``--conv-table FILE``: the numbafuse side plans its convs by the measured table FILE
+(``numbafuse.kernels.conv.cpu_table``; docs/pytorch.md, "A measured plan"); where FILE does not
+exist, the first numbafuse worker makes it first (``numbafuse.torch.tune.tune_step`` on each
+model's "auto" training step, the tables merged), outside the timed rounds.
 """
 import argparse
 import importlib.util
@@ -54,6 +59,36 @@ def _cache(side, cached):
     return nft.weight_cache()
 
 
+def _use_conv_table(path, models, x, labels):
+    """Plan numbafuse's convs by the table at ``path``, made first if it does not exist."""
+    import torch
+
+    import numbafuse.torch as nft
+    from numbafuse.kernels.conv import cpu_table
+    from numbafuse.torch import tune
+    if not os.path.exists(path):
+        resnet = resnet_module()
+        table = None
+        for name in models:
+            model = nft.fuse(getattr(resnet, name)(num_classes=CLASSES), recompute="auto")
+            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
+                                  weight_decay=WEIGHT_DECAY)
+
+            def step(model=model, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                torch.nn.functional.cross_entropy(model(x), labels).backward()
+                opt.step()
+            made = tune.tune_step(step)
+            if table is None:
+                table = made
+            else:
+                table["entries"].update(made["entries"])
+        cpu_table.save(table, path)
+        print(f"# numbafuse: conv table {path} made ({len(table['entries'])} passes)",
+              file=sys.stderr, flush=True)
+    cpu_table.use(path)
+
+
 def cases(side, options):
     import torch
     torch.manual_seed(0)
@@ -61,6 +96,9 @@ def cases(side, options):
     batch, size = int(options["batch"]), int(options["size"])
     x = torch.randn(batch, 3, size, size)
     labels = torch.randint(0, CLASSES, (batch,))
+    if side == "numbafuse" and options.get("conv_table"):
+        _use_conv_table(options["conv_table"], options["models"].split(","), x, labels)
+        torch.manual_seed(0)
     out = {}
     variants = [("", "auto")] + ([(ALL, True), (KEEP_H, False)] if side == "numbafuse"
                                  else []) + (
@@ -114,8 +152,12 @@ def main(argv=None):
     p.add_argument("--markdown", default=None, help="write the table to this file")
     p.add_argument("--weight-cache", action="store_true",
                    help="also time fuse(model) inside numbafuse.torch.weight_cache()")
+    p.add_argument("--conv-table", default=None,
+                   help="plan numbafuse's convs by this measured table (made first if missing)")
     args = p.parse_args(argv)
     options = dict(models=args.models, batch=args.batch, size=args.size)
+    if args.conv_table:
+        options["conv_table"] = os.path.abspath(args.conv_table)
     if args.weight_cache:
         options["weight_cache"] = 1
     if args.threads:
@@ -129,7 +171,9 @@ def main(argv=None):
               f"the deep layers' conv outputs) and, for the training step, "
               f"`fuse(model)` (`recompute=True`, the default: every conv output recomputed) and "
               f"`fuse(model, recompute=False)` (keeps the conv outputs too, as PyTorch does; "
-              f"no conv forward in backward).", "",
+              f"no conv forward in backward)."
+              + (f" Conv plans: the measured table `{args.conv_table}` (`--conv-table`)."
+                 if args.conv_table else ""), "",
               "| case | numbafuse (fused) ms | PyTorch ms | speed vs PyTorch | "
               "recompute=True ms | its speed vs PyTorch | "
               "recompute=False ms | its speed vs PyTorch"
