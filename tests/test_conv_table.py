@@ -150,3 +150,14 @@ def test_load_refuses_what_is_not_a_table(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ValueError, match=f"conv table {path}: {match}"):
         cpu_table.load(path)
+
+
+def test_a_table_named_in_the_environment_that_is_missing_is_an_error(tmp_path, monkeypatch):
+    path = tmp_path / "missing.json"
+    monkeypatch.setenv(cpu_table.ENV, str(path))
+    monkeypatch.setattr(cpu_plan, "_TABLE_READ", [False])
+    cpu_plan._PLANS.clear()
+    with pytest.raises(ValueError, match=f"conv table {path}: cannot be read"):
+        cpu_plan.algorithm(_geometry())
+    with cpu_plan.using(chunk_bytes=cpu_plan.RULES.chunk_bytes + 64):
+        cpu_plan.algorithm(_geometry())         # other rules: no table asked for

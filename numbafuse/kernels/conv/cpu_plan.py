@@ -501,11 +501,13 @@ def table_key(geom, pass_, dtype) -> str:
 
 def read_table(path) -> dict:
     """The table saved at ``path`` (ValueError naming the file if it is not one)."""
-    with open(path) as f:
-        try:
+    try:
+        with open(path) as f:
             table = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"conv table {path}: not JSON ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"conv table {path}: not JSON ({e})") from None
+    except OSError as e:
+        raise ValueError(f"conv table {path}: cannot be read ({e.strerror or e})") from None
     if not isinstance(table, dict) or table.get("version") != TABLE_VERSION:
         raise ValueError(f"conv table {path}: not a version-{TABLE_VERSION} numbafuse conv "
                          f"table")
