@@ -129,6 +129,7 @@ def test_tune_times_every_algorithm_and_its_table_round_trips(tmp_path, monkeypa
         else:                                   # confirmed by a second timing, or not taken
             assert set(e["again_ms"]) == {first, e["rules"]}
             assert e["algorithm"] == cpu_table.choose(e["again_ms"], e["rules"])
+    assert set(table["machine"]) >= {"processor", "threads", "repeats", "load_average"}
     path = tmp_path / "table.json"
     cpu_table.save(table, path)
     assert cpu_table.load(path) == json.loads(json.dumps(table))

@@ -13,6 +13,7 @@ sizes or image sizes plan by the rules. :func:`tune_step` does the same for any 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..kernels.conv import cpu_table
@@ -61,6 +62,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.batch < 1 or args.size < 32 or args.repeats < 1:
         p.error("--batch and --repeats must be >= 1 and --size >= 32")
+    load = cpu_table._load_average()
+    if load is not None and load > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load} on {os.cpu_count()} CPUs: timings taken beside "
+              f"other work are noisy (a pass moves off the rules only when timed faster "
+              f"twice, but a quiet machine gives the better table)", file=sys.stderr)
     recompute = {"True": True, "False": False}.get(args.recompute, args.recompute)
     step = _resnet_step(args.model, args.batch, args.size, recompute, args.channels_last)
 

@@ -117,6 +117,14 @@ def _processor():
     return platform.processor() or platform.machine()
 
 
+def _load_average():
+    """The system's one-minute load average (None where the OS does not say)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
 def choose(timings, ruled, margin=MARGIN):
     """The algorithm a table keeps from ``timings`` ({algorithm: ms}): the fastest, unless
     the rules' choice ``ruled`` is within ``margin`` of it."""
@@ -154,5 +162,6 @@ def tune(asked, repeats=5, margin=MARGIN, progress=None):
     return {"version": VERSION, "entries": entries,
             "machine": {"processor": _processor(),
                         "threads": launch.num_threads(), "repeats": repeats,
+                        "load_average": _load_average(),
                         "margin": margin,
                         "made": time.strftime("%Y-%m-%d %H:%M:%S")}}
