@@ -50,8 +50,12 @@ def _resnet_step(model_name, batch, size, recompute, channels_last):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m numbafuse.torch.tune",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m numbafuse.torch.tune",
+        description="Time every algorithm of each CPU conv pass of a fused ResNet's training "
+                    "step on this machine and save the table of the fastest, which the conv "
+                    "plans then follow (NUMBAFUSE_CONV_TABLE=FILE; docs/pytorch.md, 'A "
+                    "measured plan').")
     p.add_argument("--model", default="resnet18", choices=("resnet18", "resnet50"))
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--size", type=int, default=64)
