@@ -102,6 +102,15 @@ def _counted_singly_assigned_variable(self):
     self._blk_local_varmap = {}
 
 
+def _source_has(method, line) -> bool:
+    """Whether ``method``'s source (numba-cuda's, before an install here replaced it) has
+    ``line``: the installers below replace a method only while it is the one they describe."""
+    try:
+        return line in inspect.getsource(method)
+    except (OSError, TypeError):
+        return False
+
+
 def speed_up_lowering(lowering) -> bool:
     """Install the linear count on ``numba.cuda.lowering.Lower`` (the module is passed: this
     package imports numba.cuda in its ``__init__`` only) if it still scans; True if installed,
@@ -112,11 +121,7 @@ def speed_up_lowering(lowering) -> bool:
         return False
     if method is _counted_singly_assigned_variable:
         return True
-    try:
-        source = inspect.getsource(method)
-    except (OSError, TypeError):
-        return False
-    if _SCANNING_LINE not in source:
+    if not _source_has(method, _SCANNING_LINE):
         return False
     _LOWERING[:] = [lowering]
     lower._scanning_singly_assigned_variable = method      # kept for the PTX comparison
@@ -305,11 +310,7 @@ def speed_up_simulator(kernel) -> bool:
         return False
     if manager.run is _run_block:
         return True
-    try:
-        source = inspect.getsource(manager.run)
-    except (OSError, TypeError):
-        return False
-    if _POLLING_LINE not in source:
+    if not _source_has(manager.run, _POLLING_LINE):
         return False
     _SIMULATOR[:] = [kernel]
     thread = kernel.BlockThread
@@ -364,11 +365,7 @@ def lock_shared_arrays(kernelapi) -> bool:
         return False
     if method is _shared_array:
         return True
-    try:
-        source = inspect.getsource(method)
-    except (OSError, TypeError):
-        return False
-    if _UNLOCKED_LINE not in source:
+    if not _source_has(method, _UNLOCKED_LINE):
         return False
     _SIMULATOR_API[:] = [kernelapi]
     shared._unlocked_array = method
