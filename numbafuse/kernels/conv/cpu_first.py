@@ -26,12 +26,9 @@ import numpy as np
 from ..cpu import first_calls
 from ..cpu.compile_child import Values, Zeros
 from . import cpu, cpu_chunks, cpu_grouped, cpu_numpy
-from . import math as conv_math
 from . import weights as _weights
 from .cpu import bias_add, channel_sum  # noqa: F401  (kernels.interfaces.ConvKernels)
-from .cpu_plan import current_rules
-
-_valid_range = conv_math.valid_range
+from .cpu_plan import current_rules, tap_spans
 
 DX_ADDEND = False   # conv_backward takes no dx_addend: the tape adds (interfaces.ConvKernels)
 
@@ -69,9 +66,8 @@ def _call(function, flags, geom, args, fallback=None):
 
 
 def _used(out, size, taps, stride, dilation, pad):
-    """The taps along one axis that some output reads inside the input (``math.valid_range``:
-    the outputs whose tap lands inside)."""
-    spans = (_valid_range(t, stride, pad, dilation, size, out) for t in range(taps))
+    """The taps along one axis that some output reads inside the input."""
+    spans = tap_spans(out, size, taps, stride, dilation, pad)
     return [t for t, (lo, hi) in enumerate(spans) if hi > lo]
 
 

@@ -580,11 +580,15 @@ def _tapwise_blocks(geom, pass_, rules):
     return max(1, min(channels // 16, max(2, channels // max(block, 16))))
 
 
+def tap_spans(out, size, taps, stride, dilation, pad):
+    """Per tap along one axis, the outputs ``[lo, hi)`` that read it inside the input (not
+    the padding; ``hi <= lo``: none), by ``math.valid_range``."""
+    return [conv_math.valid_range(t, stride, pad, dilation, size, out) for t in range(taps)]
+
+
 def _valid_pairs(out, size, k, stride, dilation, pad):
-    """How many (output, tap) pairs along one axis read inside the input (not the padding):
-    each tap's outputs by ``math.valid_range``."""
-    spans = (conv_math.valid_range(t, stride, pad, dilation, size, out) for t in range(k))
-    return sum(max(0, hi - lo) for lo, hi in spans)
+    """How many (output, tap) pairs along one axis read inside the input (not the padding)."""
+    return sum(max(0, hi - lo) for lo, hi in tap_spans(out, size, k, stride, dilation, pad))
 
 
 def tapwise_density(geom):
