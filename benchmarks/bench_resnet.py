@@ -23,7 +23,8 @@ included on the numbafuse side, with whatever Numba cache the environment has).
 ``--conv-table FILE``: the numbafuse side plans its convs by the measured table FILE
 (``numbafuse.kernels.conv.cpu_table``; docs/pytorch.md, "A measured plan"); where FILE does not
 exist, the first numbafuse worker makes it first (``numbafuse.torch.tune.tune_step`` on each
-model's "auto" training step, the tables merged), outside the timed rounds.
+model's "auto" training step, ``tune.resnet_step``; the tables merged), outside the timed
+rounds.
 """
 import argparse
 import importlib.util
@@ -59,26 +60,14 @@ def _cache(side, cached):
     return nft.weight_cache()
 
 
-def _use_conv_table(path, models, x, labels):
+def _use_conv_table(path, models, batch, size):
     """Plan numbafuse's convs by the table at ``path``, made first if it does not exist."""
-    import torch
-
-    import numbafuse.torch as nft
     from numbafuse.kernels.conv import cpu_table
     from numbafuse.torch import tune
     if not os.path.exists(path):
-        resnet = resnet_module()
         table = None
         for name in models:
-            model = nft.fuse(getattr(resnet, name)(num_classes=CLASSES), recompute="auto")
-            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
-                                  weight_decay=WEIGHT_DECAY)
-
-            def step(model=model, opt=opt):
-                opt.zero_grad(set_to_none=True)
-                torch.nn.functional.cross_entropy(model(x), labels).backward()
-                opt.step()
-            made = tune.tune_step(step)
+            made = tune.tune_step(tune.resnet_step(name, batch, size))
             if table is None:
                 table = made
             else:
@@ -97,8 +86,9 @@ def cases(side, options):
     x = torch.randn(batch, 3, size, size)
     labels = torch.randint(0, CLASSES, (batch,))
     if side == "numbafuse" and options.get("conv_table"):
-        _use_conv_table(options["conv_table"], options["models"].split(","), x, labels)
-        torch.manual_seed(0)
+        rng = torch.get_rng_state()        # (a table made here draws: the models stay as without)
+        _use_conv_table(options["conv_table"], options["models"].split(","), batch, size)
+        torch.set_rng_state(rng)
     out = {}
     variants = [("", "auto")] + ([(ALL, True), (KEEP_H, False)] if side == "numbafuse"
                                  else []) + (

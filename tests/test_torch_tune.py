@@ -20,7 +20,7 @@ def test_tune_saves_a_table_of_the_steps_passes(tmp_path, capsys):
         assert tune.main(["--model", "resnet18", "--batch", "2", "--size", "32",
                           "--repeats", "1", "--out", str(out)]) == 0
         table = cpu_table.load(out)
-        step = tune._resnet_step("resnet18", 2, 32, "auto", False)
+        step = tune.resnet_step("resnet18", 2, 32, "auto", False)
         step()
         with cpu_table.recording() as asked:
             step()

@@ -28,7 +28,8 @@ def tune_step(step, repeats=5, progress=None):
     return cpu_table.tune(asked, repeats=repeats, progress=progress)
 
 
-def _resnet_step(model_name, batch, size, recompute, channels_last):
+def resnet_step(model_name, batch, size, recompute="auto", channels_last=False):
+    """One training step (SGD, random data) of ``fuse(resnet.<model_name>())``, a callable."""
     import torch
 
     from . import fuse, resnet
@@ -72,7 +73,7 @@ def main(argv=None):
               f"other work are noisy (a pass moves off the rules only when timed faster "
               f"twice, but a quiet machine gives the better table)", file=sys.stderr)
     recompute = {"True": True, "False": False}.get(args.recompute, args.recompute)
-    step = _resnet_step(args.model, args.batch, args.size, recompute, args.channels_last)
+    step = resnet_step(args.model, args.batch, args.size, recompute, args.channels_last)
 
     def progress(i, n, key):
         print(f"\r[{i + 1}/{n}] {key[:90]:90s}", end="", file=sys.stderr, flush=True)
