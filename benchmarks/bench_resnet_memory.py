@@ -114,6 +114,12 @@ def run_case(side, name, recompute, args):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _ratio(value, base):
+    """value / base to two places, or "-" where base is not positive (PyTorch's step grew
+    its process by nothing: a ratio would divide by zero)."""
+    return f"{value / base:.2f}" if base > 0 else "-"
+
+
 def _recompute(text):
     return {"True": True, "False": False}.get(text, text)
 
@@ -160,7 +166,7 @@ def main(argv=None):
         above, above0 = r["peak"] - r["rest"], base["peak"] - base["rest"]
         lines.append(
             f"| {name} | {side} | {r['rest'] / MIB:.0f} | {r['peak'] / MIB:.0f} | "
-            f"{above / MIB:.0f} | {above / above0:.2f} | {r['process'] / MIB:.0f} | "
+            f"{above / MIB:.0f} | {_ratio(above, above0)} | {r['process'] / MIB:.0f} | "
             f"{r['process'] / base['process']:.2f} | {r['saved'] / MIB:.1f} | "
             f"{r['saved'] / base['saved']:.2f} |")
     _report.emit(lines, args.markdown)

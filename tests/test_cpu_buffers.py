@@ -75,15 +75,46 @@ def test_the_cap_drops_free_segments_then_falls_back_to_numpy():
     big = cache.empty((3 * 4096,), np.uint8)       # own 12 KiB segment: drops the free one,
     assert big.base is None and cache.owned_bytes() == 4096       # ... still too big: NumPy's
     del big
-    other = cache.empty((8 * 1024,), np.uint8)                    # 16 KiB > 12 - 4: NumPy's
-    assert other.base is None
-    small = cache.empty((1024,), np.uint8)
+    other = cache.empty((8 * 1024,), np.uint8)   # its pool's 16 KiB > 12 - 4: its own 8 KiB
+    assert _from_cache(cache, other) and cache.owned_bytes() == 4096 + 8192
+    del other
+    small = cache.empty((1024,), np.uint8)         # a small segment: other's (free) dropped
     assert _from_cache(cache, small) and cache.owned_bytes() == 2 * 4096
     cache.clear()                                                 # the held ones stay
     assert cache.owned_bytes() == 2 * 4096
     del held, small
     cache.clear()
     assert cache.owned_bytes() == 0
+
+
+def test_a_large_pool_segment_is_an_arena_its_pages_reached_as_blocks_are():
+    """Large requests of every size share the large pool's segments (arenas: address space,
+    resident only where blocks reach): released blocks of one size merge and serve another,
+    and touched_bytes is the highest block's end, not the segment's size."""
+    cache = _tiny()
+    a = cache.empty((3000,), np.uint8)                  # 3008 bytes (64-byte multiples)
+    b = cache.empty((5000,), np.uint8)
+    assert cache.owned_bytes() == 16384 and _addr(b) - _addr(a) == 3008
+    assert cache.touched_bytes() == 3008 + 5056
+    addr_a = _addr(a)
+    del a, b
+    c = cache.empty((8000,), np.uint8)                  # the two merged: from a's address
+    assert _addr(c) == addr_a and cache.owned_bytes() == 16384
+    assert cache.touched_bytes() == 3008 + 5056
+
+
+def test_an_arena_refused_its_address_space_falls_back_to_a_segment_of_its_own(monkeypatch):
+    import numbafuse.kernels.cpu.buffers as buffers
+    made = buffers._Segment
+
+    def strict(size, align, pool):                      # strict overcommit: no 16 KiB arena
+        if size == 16384:
+            raise MemoryError
+        return made(size, align, pool)
+    monkeypatch.setattr(buffers, "_Segment", strict)
+    cache = _tiny()
+    a = cache.empty((5000,), np.uint8)
+    assert _from_cache(cache, a) and cache.owned_bytes() == 8192        # 4 KiB multiples
 
 
 @settings(max_examples=200)

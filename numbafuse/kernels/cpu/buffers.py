@@ -22,15 +22,18 @@ class _Block:
 
 class _Segment:
     """One allocation of the cache: ``size`` bytes from ``mem`` (a memoryview starting on an
-    ALIGN boundary of ``buffer``), cut into blocks linked in address order."""
-    __slots__ = ("buffer", "mem", "size", "first", "pool")
+    ALIGN boundary of ``buffer``), cut into blocks linked in address order. ``high``: the end
+    of the highest block ever handed out (the bytes below it may be resident; none above,
+    which nobody has touched)."""
+    __slots__ = ("buffer", "mem", "size", "first", "pool", "high")
 
     def __init__(self, size, align, pool):
         self.pool = pool                # the free list its blocks go on
-        self.buffer = np.empty(size + align, np.uint8)
+        self.buffer = np.empty(size + align, np.uint8)      # (untouched: no pages yet)
         start = -self.buffer.ctypes.data % align
         self.mem, self.size = memoryview(self.buffer)[start:start + size], size
         self.first = _Block(self, 0, size)
+        self.high = 0
 
 
 class OutputCache:
@@ -49,7 +52,8 @@ class OutputCache:
     come from segments of ``SMALL_SEGMENT`` bytes, up to ``LARGE`` from ``LARGE_SEGMENT``,
     larger ones from a segment of their own, so that small blocks do not split the large
     ones' segments). At most ``max_bytes`` of segments are owned (free segments are dropped
-    first to make room, else NumPy's array). Bypassed for outputs under ``MIN_BYTES`` and
+    first to make room; else a segment of the request's own where that fits, else NumPy's
+    array). Bypassed for outputs under ``MIN_BYTES`` and
     while ``tracemalloc`` traces (so peak-memory measurements see every allocation).
     ``max_bytes = 0`` disables it; :meth:`clear` drops the segments nothing uses.
 
@@ -58,6 +62,19 @@ class OutputCache:
     once, however far apart in time: a fused ResNet-18 step (batch 16, 224x224) owned 545 MiB
     of buffers to serve a peak of 208 MiB in use at once, 89 for 53 at 64x64, and its process
     peaked above PyTorch's (docs/benchmarks.md#resnet_memory).
+
+    Why the large pool's segments are arenas of 256 MiB, not 20 MiB ones with every request
+    over 10 MiB in a segment of its own (before 2026-12-01): a segment is address space
+    (NumPy's uninitialised array), resident only where blocks have reached (``touched_bytes``),
+    so a large one costs nothing until used, and in one segment every released block merges
+    with its neighbours whatever their sizes, where separate segments kept a 50 MiB request
+    from two free 32 and 16 MiB ones: a fused ResNet-18 step (batch 16, 224x224, machine A)
+    owned 362 MiB of segments for 234 in use at once (two 50 MiB segments for the stem's
+    output and gradient, a third made by the second step), now 264, all but 10 of them one
+    arena, and its process peaked at 1043-1046 MiB against PyTorch's 997-999, now 919-948
+    against 997-1022; ResNet-50 1828 -> 1783 against 2290-2337
+    (docs/benchmarks.md#resnet_memory). A refused arena (strict overcommit) falls back to a
+    segment of the request's own.
 
     Why ``MIN_BYTES`` is 64 KiB, not the 1 MiB it was: outputs below glibc's mmap threshold
     come from its heap, and freed together at the heap's top they pass its trim threshold
@@ -76,7 +93,7 @@ class OutputCache:
     MIN_BYTES = 1 << 16
     ALIGN = 64
     SMALL, SMALL_SEGMENT = 1 << 20, 2 << 20
-    LARGE, LARGE_SEGMENT = 10 << 20, 20 << 20
+    LARGE, LARGE_SEGMENT = 256 << 20, 256 << 20
     ROUND_LARGE = 2 << 20          # a larger request's own segment: a multiple of this
 
     def __init__(self, max_bytes=1 << 30):
@@ -105,6 +122,7 @@ class OutputCache:
                 if block is None:
                     return np.empty(shape, dtype)
             self._split(block, size)
+            block.seg.high = max(block.seg.high, block.off + size)
             # the owner's base is a memoryview, not an array, so NumPy's views of it keep it as
             # their base (a view of a view of an array is based on the array that owns the
             # memory): it lives exactly as long as any view the caller holds
@@ -182,22 +200,32 @@ class OutputCache:
             return self.SMALL_SEGMENT
         if size <= self.LARGE:
             return self.LARGE_SEGMENT
+        return self._own_bytes(size)
+
+    def _own_bytes(self, size):
+        """A segment of a request's own: its bytes rounded up to ROUND_LARGE."""
         return -(-size // self.ROUND_LARGE) * self.ROUND_LARGE
 
     def _grow(self, size):
-        """A new segment for a request of ``size`` bytes (free segments dropped first while
-        the cap would be passed), its one block off the free lists; or None."""
-        want = self._segment_bytes(size)
-        i = 0
-        while self._held + want > self.max_bytes and i < len(self._segments):
-            if not self._drop_if_free(i):
-                i += 1
-        if self._held + want > self.max_bytes:
-            return None
-        seg = _Segment(want, self.ALIGN, int(size > self.SMALL))
-        self._segments.append(seg)
-        self._held += want
-        return seg.first
+        """A new segment for a request of ``size`` bytes, its one block off the free lists;
+        or None. Its pool's segment size first (an arena for a large request), else one of
+        the request's own where that one would pass the cap (free segments dropped first
+        while it would) or its address space is refused (MemoryError: strict overcommit)."""
+        for want in dict.fromkeys((self._segment_bytes(size), self._own_bytes(size))):
+            i = 0
+            while self._held + want > self.max_bytes and i < len(self._segments):
+                if not self._drop_if_free(i):
+                    i += 1
+            if self._held + want > self.max_bytes:
+                continue
+            try:
+                seg = _Segment(want, self.ALIGN, int(size > self.SMALL))
+            except MemoryError:
+                continue
+            self._segments.append(seg)
+            self._held += want
+            return seg.first
+        return None
 
     def _drop_if_free(self, i):
         """Drop segment i if it is one free block; whether it was."""
@@ -217,8 +245,15 @@ class OutputCache:
                     i += 1
 
     def owned_bytes(self):
-        """Bytes of the segments owned, in use or free."""
+        """Bytes of the segments owned, in use or free (address space: an arena's pages
+        that no block has reached are not resident)."""
         return self._held
+
+    def touched_bytes(self):
+        """Bytes of the segments up to the highest block each has handed out: at most what
+        the cache has made resident."""
+        with self._lock:
+            return sum(seg.high for seg in self._segments)
 
 
 output_cache = OutputCache()
