@@ -9,7 +9,7 @@ import pytest
 
 import numbafuse as nf
 from numbafuse import reference as ref
-from numbafuse.kernels.conv import cpu_plan, cpu_table
+from numbafuse.kernels.conv import cpu_plan, cpu_plan_table, cpu_table
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +59,39 @@ def test_plans_follow_the_table_under_the_default_rules_only():
     assert cpu_plan.algorithm(_geometry(N=3)) == cpu_plan.algorithm(_geometry(N=3))
     cpu_table.use(None)
     assert cpu_plan.algorithm(g) == ruled["forward"]
+
+
+def test_a_tables_blocks_of_channels_are_followed_where_the_algorithm_takes_them():
+    """An entry's k_blocks makes the plan's (im2col's whole-batch blocks, slab as that mode
+    has it; tapwise's), unless the algorithm cannot take that many; an entry without them
+    keeps the rules' blocks; the ops' results with such a table are the reference's."""
+    g = _geometry()                 # 128 pixels, 32 channels: the rules' im2col in chunks
+    k = {p: cpu_table.key(g, p, np.float32) for p in cpu_plan.PASSES}
+    ruled = cpu_plan.plan(g, "forward", np.float32, cpu_plan.RULES, "im2col")
+    assert (ruled.k_blocks, ruled.slab) == (1, False)
+    other = 2                       # the whole batch in 2 blocks (over NCHW slabs)
+    assert other in cpu_plan.k_block_choices("im2col", g, "forward", np.float32)
+    table = {"version": cpu_table.VERSION, "entries": {
+        k["forward"]: {"algorithm": "im2col", "k_blocks": other},
+        k["dx"]: {"algorithm": "tapwise", "k_blocks": 64},         # more blocks than 16s
+        k["dw"]: {"algorithm": "im2col"}}}
+    cpu_table.use(table)
+    made = cpu_plan.plan(g, "forward", np.float32)
+    assert made == cpu_plan.plan(g, "forward", np.float32, cpu_plan.RULES, "im2col", other)
+    assert (made.algorithm, made.k_blocks, made.slab) == ("im2col", other, True)
+    assert cpu_plan.plan(g, "dx", np.float32) == \
+        cpu_plan._planned(g, "dx", np.float32, cpu_plan.RULES,
+                          cpu_plan.choose(g, "dx", np.float32, cpu_plan.RULES))
+    assert cpu_plan.plan(g, "dw", np.float32) == \
+        cpu_plan.plan(g, "dw", np.float32, cpu_plan.RULES, "im2col")
+    with pytest.raises(ValueError, match="takes k_blocks in"):
+        cpu_plan.plan(g, "forward", np.float32, cpu_plan.RULES, "winograd", 2)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(g.x_shape).astype(np.float32)
+    w = (rng.standard_normal((32, 32, 3, 3)) / 300).astype(np.float32)
+    y = nf.conv_bias_relu(x, w, padding=1)
+    want = ref.conv_bias_relu(x.astype(np.float64), w.astype(np.float64), None, padding=1)
+    np.testing.assert_allclose(y, want, rtol=2e-4, atol=2e-4)
 
 
 def test_a_tables_other_layout_batch_and_dtype_keep_the_rules():
@@ -120,15 +153,20 @@ def test_tune_times_every_algorithm_and_its_table_round_trips(tmp_path, monkeypa
     assert set(table["entries"]) == {cpu_table.key(g, p, np.float32) for p in cpu_plan.PASSES}
     for p in cpu_plan.PASSES:
         e = table["entries"][cpu_table.key(g, p, np.float32)]
-        assert set(e["ms"]) == {a for a in cpu_plan.ALGORITHMS
-                                if cpu_plan.supports(a, g, p, np.float32)}
+        algorithms = {a for a in cpu_plan.ALGORITHMS if cpu_plan.supports(a, g, p, np.float32)}
+        assert {cpu_table.parse(v)[0] for v in e["ms"]} == algorithms <= set(e["ms"])
+        for a in algorithms:                    # every count of blocks, the rules' by name
+            ruled = cpu_plan.plan(g, p, np.float32, cpu_plan.RULES, a).k_blocks
+            blocks = {cpu_table.parse(v)[1] or ruled for v in e["ms"] if v.startswith(a)}
+            assert blocks == (set(cpu_plan.k_block_choices(a, g, p, np.float32)) or {1})
         assert e["rules"] == cpu_plan.choose(g, p, np.float32, cpu_plan.RULES)
         first = cpu_table.choose(e["ms"], e["rules"])
         if first == e["rules"]:
-            assert e["algorithm"] == first and "again_ms" not in e
+            assert e["algorithm"] == first and "again_ms" not in e and "k_blocks" not in e
         else:                                   # confirmed by a second timing, or not taken
             assert set(e["again_ms"]) == {first, e["rules"]}
-            assert e["algorithm"] == cpu_table.choose(e["again_ms"], e["rules"])
+            kept = cpu_table.choose(e["again_ms"], e["rules"])
+            assert (e["algorithm"], e.get("k_blocks")) == cpu_table.parse(kept)
     assert set(table["machine"]) >= {"processor", "threads", "repeats", "load_average"}
     path = tmp_path / "table.json"
     cpu_table.save(table, path)
@@ -139,7 +177,7 @@ def test_tune_times_every_algorithm_and_its_table_round_trips(tmp_path, monkeypa
     table["entries"][cpu_table.key(g, "forward", np.float32)]["algorithm"] = other
     cpu_table.save(table, path)
     monkeypatch.setenv(cpu_table.ENV, str(path))
-    monkeypatch.setattr(cpu_plan, "_TABLE_READ", [False])
+    monkeypatch.setattr(cpu_plan_table, "_TABLE_READ", [False])
     cpu_plan._PLANS.clear()
     assert cpu_plan.algorithm(g) == other != \
         cpu_plan.choose(g, "forward", np.float32, cpu_plan.RULES)
@@ -150,6 +188,12 @@ def test_tune_times_every_algorithm_and_its_table_round_trips(tmp_path, monkeypa
     ('{"version": 99, "entries": {}}', "not a version-1"),
     ('{"version": 1}', "no entries"),
     ('{"version": 1, "entries": {"k": {"algorithm": "fft"}}}', "entry 'k' has algorithm 'fft'"),
+    ('{"version": 1, "entries": {"k": {"algorithm": "im2col", "k_blocks": 0}}}',
+     "entry 'k' has k_blocks 0"),
+    ('{"version": 1, "entries": {"k": {"algorithm": "tapwise", "k_blocks": 2.0}}}',
+     "entry 'k' has k_blocks 2.0"),
+    ('{"version": 1, "entries": {"k": {"algorithm": "winograd", "k_blocks": 2}}}',
+     "entry 'k' has k_blocks 2 \\(a positive int, for im2col or tapwise only\\)"),
 ])
 def test_load_refuses_what_is_not_a_table(tmp_path, text, match):
     path = tmp_path / "bad.json"
@@ -161,7 +205,7 @@ def test_load_refuses_what_is_not_a_table(tmp_path, text, match):
 def test_a_table_named_in_the_environment_that_is_missing_is_an_error(tmp_path, monkeypatch):
     path = tmp_path / "missing.json"
     monkeypatch.setenv(cpu_table.ENV, str(path))
-    monkeypatch.setattr(cpu_plan, "_TABLE_READ", [False])
+    monkeypatch.setattr(cpu_plan_table, "_TABLE_READ", [False])
     cpu_plan._PLANS.clear()
     with pytest.raises(ValueError, match=f"conv table {path}: cannot be read"):
         cpu_plan.algorithm(_geometry())

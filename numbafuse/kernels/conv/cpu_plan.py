@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
-import os
 from typing import NamedTuple
 
 import numpy as np
 
 from ..cpu import gemm_taps as _gemm_taps
 from . import cpu_implicit as _implicit
+from . import cpu_plan_table as _ptable
 from . import math as conv_math
 from . import cpu_winograd_s2 as _wino_s2
 
@@ -447,10 +446,11 @@ def _taps_mode(algorithm, geom, pass_, dtype, rules):
     return 0
 
 
-def plan(geom, pass_, dtype, rules=None, algorithm=None):
+def plan(geom, pass_, dtype, rules=None, algorithm=None, k_blocks=None):
     """The :class:`Plan` of ``pass_`` ("forward", "dx" or "dw") of ``geom`` on ``dtype``
     inputs by ``rules`` (default: :func:`current_rules`); ``algorithm`` given: that one,
-    which must :func:`support <supports>` the pass (ValueError otherwise)."""
+    which must :func:`support <supports>` the pass (ValueError otherwise), in ``k_blocks``
+    blocks of channels where given (one of :func:`k_block_choices`, else ValueError)."""
     if pass_ not in PASSES:
         raise ValueError(f"conv plan: pass must be one of {PASSES}, got {pass_!r}")
     rules = current_rules() if rules is None else rules
@@ -462,10 +462,12 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None):
         chosen = None
         if rules is RULES or rules == RULES:    # the defaults: or what this machine measured
             chosen = _measured(geom, pass_, dtype)
-            if chosen is not None and not supports(chosen, geom, pass_, dtype):
+            if chosen is not None and not (
+                    supports(chosen[0], geom, pass_, dtype)
+                    and chosen[1] in (None, *k_block_choices(chosen[0], geom, pass_, dtype))):
                 chosen = None
-        made = _planned(geom, pass_, dtype, rules,
-                        chosen or choose(geom, pass_, dtype, rules))
+        made = (_planned(geom, pass_, dtype, rules, *chosen) if chosen else
+                _planned(geom, pass_, dtype, rules, choose(geom, pass_, dtype, rules)))
         if len(_PLANS) < MAX_PLANS:
             _PLANS[key] = (rules, made)            # (rules kept: their id stays theirs)
         return made
@@ -473,7 +475,12 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None):
         raise ValueError(f"conv plan: {algorithm} cannot run the {pass_} of this convolution "
                          f"({geom.R}x{geom.S}, stride {geom.sh}x{geom.sw}, C={geom.C}, "
                          f"K={geom.K}, {np.dtype(dtype)})")
-    return _planned(geom, pass_, dtype, rules, algorithm)
+    if k_blocks is not None and k_blocks not in k_block_choices(algorithm, geom, pass_, dtype,
+                                                                rules):
+        raise ValueError(f"conv plan: {algorithm}'s {pass_} of this convolution takes "
+                         f"k_blocks in {k_block_choices(algorithm, geom, pass_, dtype, rules)}"
+                         f", got {k_blocks!r}")
+    return _planned(geom, pass_, dtype, rules, algorithm, k_blocks)
 
 
 # plan()'s plans by (geometry, pass, dtype, the rules' id): at most MAX_PLANS (then made anew
@@ -482,71 +489,56 @@ _PLANS = {}
 MAX_PLANS = 4096
 
 
-# The measured table (cpu_table.py): key -> algorithm, followed under the default rules; read
-# from TABLE_ENV's path by the first plan that asks, unless use_table() set one before.
-TABLE_ENV = "NUMBAFUSE_CONV_TABLE"
-TABLE_VERSION = 1
-_TABLE = {}
-_TABLE_READ = [False]
+# The measured table (cpu_plan_table.py, made by cpu_table.py): followed under the default rules.
+TABLE_ENV, TABLE_VERSION = _ptable.ENV, _ptable.VERSION
+table_key = _ptable.key
 _RECORDING = []           # sets of (geometry, pass, dtype) asked for (cpu_table.recording)
-
-
-def table_key(geom, pass_, dtype) -> str:
-    """The table's key of ``pass_`` of ``geom`` on ``dtype``: every field of the geometry."""
-    g = geom
-    return (f"{g.layout} {np.dtype(dtype).name} {pass_} N{g.N} C{g.C} H{g.H} W{g.W} K{g.K} "
-            f"R{g.R} S{g.S} stride{g.sh}x{g.sw} pad{g.ph},{g.pw},{g.ph_end},{g.pw_end} "
-            f"dil{g.dh}x{g.dw} groups{g.groups}")
 
 
 def read_table(path) -> dict:
     """The table saved at ``path`` (ValueError naming the file if it is not one)."""
-    try:
-        with open(path) as f:
-            table = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"conv table {path}: not JSON ({e})") from None
-    except OSError as e:
-        raise ValueError(f"conv table {path}: cannot be read ({e.strerror or e})") from None
-    if not isinstance(table, dict) or table.get("version") != TABLE_VERSION:
-        raise ValueError(f"conv table {path}: not a version-{TABLE_VERSION} numbafuse conv "
-                         f"table")
-    entries = table.get("entries")
-    if not isinstance(entries, dict):
-        raise ValueError(f"conv table {path}: no entries")
-    for k, entry in entries.items():
-        algorithm = entry.get("algorithm") if isinstance(entry, dict) else None
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"conv table {path}: entry {k!r} has algorithm {algorithm!r}, "
-                             f"not one of {ALGORITHMS}")
-    return table
+    return _ptable.read(path, ALGORITHMS)
 
 
 def use_table(table):
     """Plan by ``table`` (from :func:`read_table`, or None: no table) from now on."""
-    _TABLE.clear()
-    if table is not None:
-        _TABLE.update({k: e["algorithm"] for k, e in table["entries"].items()})
-    _TABLE_READ[0] = True
+    _ptable.use(table)
     _PLANS.clear()                       # plans made by the previous table
 
 
 def _measured(geom, pass_, dtype):
-    """The table's algorithm for the pass (recorded where cpu_table.recording asks), or None."""
+    """The table's (algorithm, k_blocks or None) for the pass (recorded where
+    cpu_table.recording asks), or None."""
     for asked in _RECORDING:
         asked.add((geom, pass_, np.dtype(dtype)))
-    if not _TABLE_READ[0]:
-        path = os.environ.get(TABLE_ENV)
-        use_table(read_table(path) if path else None)
-    return _TABLE.get(table_key(geom, pass_, dtype)) if _TABLE else None
+    return _ptable.entry(geom, pass_, dtype, ALGORITHMS)
 
 
-def _planned(geom, pass_, dtype, rules, algorithm):
-    """The :class:`Plan` of ``algorithm`` for ``pass_`` of ``geom`` by ``rules``."""
+def k_block_choices(algorithm, geom, pass_, dtype, rules=RULES):
+    """The k_blocks a table may give ``algorithm`` for ``pass_`` (what ``cpu_table.tune``
+    times): tapwise's forward and dX 1, 2, 4, 8 or 16 blocks of at least 16 channels (the
+    output channels of the forward, the input ones of dX); im2col 1 (its chunks) and, where
+    the whole batch's columns fit ``rules.whole_batch_bytes``, the whole batch in 2 to 16
+    such blocks; () for the other algorithms (nothing to choose)."""
+    channels = geom.C if pass_ == "dx" else geom.K
+    most = [b for b in (1, 2, 4, 8, 16) if b == 1 or b <= channels // 16]
+    if algorithm == "tapwise" and pass_ != "dw":
+        return tuple(most)
+    if algorithm == "im2col":
+        cols = (geom.N * geom.P * geom.Q * geom.R * geom.S * geom.C
+                * np.dtype(dtype).itemsize)
+        return tuple(b for b in most if b == 1 or cols <= rules.whole_batch_bytes)
+    return ()
+
+
+def _planned(geom, pass_, dtype, rules, algorithm, k_blocks=None):
+    """The :class:`Plan` of ``algorithm`` for ``pass_`` of ``geom`` by ``rules`` (in
+    ``k_blocks`` blocks of channels where given: one of :func:`k_block_choices`)."""
     tiles = (rules.winograd_tiles if algorithm == "winograd" else
              rules.winograd_s2_tiles if algorithm == "winograd_s2" else 0)
-    k_blocks = (_k_blocks(geom, pass_, dtype, rules) if algorithm == "im2col" else
-                _tapwise_blocks(geom, pass_, rules) if algorithm == "tapwise" else 1)
+    if k_blocks is None:
+        k_blocks = (_k_blocks(geom, pass_, dtype, rules) if algorithm == "im2col" else
+                    _tapwise_blocks(geom, pass_, rules) if algorithm == "tapwise" else 1)
     # a k-blocked NCHW forward or dW gathers HWC slabs, except a 1x1's: its cols are the
     # channels' planes, copied whole (``_pointwise_blocked`` has the measurements)
     slab = algorithm == "im2col" and pass_ != "dx" and (_slab(geom, rules) or k_blocks > 1

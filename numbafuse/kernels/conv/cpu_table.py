@@ -13,8 +13,17 @@ every later process.
 
     with recording() as asked:          # the (geometry, pass, dtype) that plan() is asked
         step()                          # e.g. one training step of the model
-    table = tune(asked)                 # {key: {"algorithm": a, "ms": {algorithm: ms}}}
+    table = tune(asked)                 # {key: {"algorithm": a, "ms": {variant: ms}}}
     save(table, "conv_table.json")      # NUMBAFUSE_CONV_TABLE=conv_table.json, or use(table)
+
+The table picks parameters as well as algorithms: the blocks of channels that im2col's
+whole-batch passes and tapwise split a pass into (``cpu_plan.k_block_choices``), which the
+rules set from a block size measured elsewhere. On machine A (Zen 4), batch 16, ms by blocks:
+ResNet-50's 1x1 256 -> 1024 at 4x4 dX by im2col in the rules' 2 blocks 1.80-1.91, in 4
+0.96; its forward in 8 0.97, in 4 0.80; ResNet-18's 3x3 512 forward at 2x2 by tapwise in 8
+1.88, in 16 1.67 (``"k_blocks"`` in an entry; the sums are a GEMM's per block, so other
+blocks may round differently: a table's plans give the same bits in every process that reads
+it, not the rules' bits).
 
 The table applies only under the default rules: inside ``cpu_plan.using(...)`` (tests,
 benchmarks) the rules decide. An entry whose algorithm cannot run its pass is not followed.
@@ -71,10 +80,32 @@ def recording():
         cpu_plan._RECORDING.remove(asked)
 
 
+def variants(geom, pass_, dtype):
+    """The names :func:`measure` times by default: every algorithm that can run the pass
+    (with the rules' blocks of channels), and for those with blocks to choose
+    (``cpu_plan.k_block_choices``) each other count, ``"im2col k_blocks=4"``."""
+    names = []
+    for algorithm in cpu_plan.ALGORITHMS:
+        if not cpu_plan.supports(algorithm, geom, pass_, dtype):
+            continue
+        names.append(algorithm)
+        ruled = cpu_plan.plan(geom, pass_, dtype, rules=cpu_plan.RULES, algorithm=algorithm)
+        names += [f"{algorithm} k_blocks={b}"
+                  for b in cpu_plan.k_block_choices(algorithm, geom, pass_, dtype)
+                  if b != ruled.k_blocks]
+    return names
+
+
+def parse(name):
+    """(algorithm, k_blocks or None) of a :func:`variants` name."""
+    algorithm, _, blocks = name.partition(" k_blocks=")
+    return algorithm, (int(blocks) if blocks else None)
+
+
 def measure(geom, pass_, dtype, algorithms=None, repeats=5, rng=None):
-    """{algorithm: best ms of ``repeats`` calls} of ``pass_`` of ``geom`` on random
-    ``dtype`` inputs, for each of ``algorithms`` (default: every one that can run it); a first
-    call of each is not timed (it compiles)."""
+    """{name: best ms of ``repeats`` calls} of ``pass_`` of ``geom`` on random ``dtype``
+    inputs, for each of ``algorithms`` (names as :func:`variants`'; default: all of those);
+    a first call of each is not timed (it compiles)."""
     rng = np.random.default_rng(0) if rng is None else rng
     dtype = np.dtype(dtype)
     x = rng.standard_normal(geom.x_shape).astype(dtype)
@@ -82,11 +113,10 @@ def measure(geom, pass_, dtype, algorithms=None, repeats=5, rng=None):
          / max(1, geom.C * geom.R)).astype(dtype)
     gy = rng.standard_normal(geom.y_shape).astype(dtype)
     if algorithms is None:
-        algorithms = [a for a in cpu_plan.ALGORITHMS
-                      if cpu_plan.supports(a, geom, pass_, dtype)]
+        algorithms = variants(geom, pass_, dtype)
     out = {}
     for algorithm in algorithms:
-        plan = cpu_plan.plan(geom, pass_, dtype, rules=cpu_plan.RULES, algorithm=algorithm)
+        plan = cpu_plan.plan(geom, pass_, dtype, cpu_plan.RULES, *parse(algorithm))
         if pass_ == "forward":
             def call():
                 cpu.conv_forward(x, w, None, geom, False, plan=plan)
@@ -136,10 +166,13 @@ def choose(timings, ruled, margin=MARGIN):
 
 def tune(asked, repeats=5, margin=MARGIN, progress=None):
     """A table of the passes in ``asked`` ((geometry, pass, dtype) triples, e.g. from
-    :func:`recording`): each pass timed by every algorithm that runs it (:func:`measure`),
-    the fastest kept (:func:`choose`) where a second timing of it and the rules' choice
-    alone agrees (``again_ms``), else the rules' choice. Grouped convolutions are skipped
-    (their kernels are not planned). ``progress(i, n, key)`` is called before each pass."""
+    :func:`recording`): each pass timed by every algorithm that runs it and each count of
+    channel blocks those that split it may take (:func:`variants`, :func:`measure`), the
+    fastest kept (:func:`choose`) where a second timing of it and the rules' choice alone
+    agrees (``again_ms``), else the rules' choice; an entry ``{"algorithm": a, "rules": r,
+    "ms": {...}}`` with ``"k_blocks": n`` where the blocks kept are not the rules'. Grouped
+    convolutions are skipped (their kernels are not planned). ``progress(i, n, key)`` is
+    called before each pass."""
     todo = sorted(((g, p, d) for g, p, d in asked if g.groups == 1 and g.N > 0),
                   key=lambda t: key(*t))
     entries = {}
@@ -150,14 +183,17 @@ def tune(asked, repeats=5, margin=MARGIN, progress=None):
         timings = measure(geom, pass_, dtype, repeats=repeats)
         ruled = cpu_plan.choose(geom, pass_, dtype, cpu_plan.RULES)
         chosen = choose(timings, ruled, margin)
-        entry = {"algorithm": chosen, "rules": ruled,
-                 "ms": {a: round(ms, 4) for a, ms in timings.items()}}
+        entry = {"rules": ruled, "ms": {a: round(ms, 4) for a, ms in timings.items()}}
         if chosen != ruled:
             # timed again, the two alone: a pass slowed by something else running (another
             # process, a page fault) must not move the plan off the rules
             again = measure(geom, pass_, dtype, algorithms=(ruled, chosen), repeats=repeats)
             entry["again_ms"] = {a: round(ms, 4) for a, ms in again.items()}
-            entry["algorithm"] = choose(again, ruled, margin)
+            chosen = choose(again, ruled, margin)
+        algorithm, blocks = parse(chosen)
+        entry["algorithm"] = algorithm
+        if blocks is not None:
+            entry["k_blocks"] = blocks
         entries[k] = entry
     return {"version": VERSION, "entries": entries,
             "machine": {"processor": _processor(),
