@@ -494,3 +494,48 @@ def test_a_tiny_batch_dx_runs_the_blocked_im2col():
     assert dx(2, 128, 256, 4, stride=2) == "im2col"                    # 2 blocks of 64
     assert dx(4, 128, 256, 4, stride=2) == "tapwise"                                # 16
     assert dx(2, 128, 256, 4, stride=2, min_k_blocks=1) == "tapwise"  # one block: no rule
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("kernel, stride, padding, channels", [
+    (3, 1, 1, 48),      # 2 blocks of 32 and 16 channels
+    (3, 2, 1, 80),      # 4 blocks: 32, 32, 16 and an empty one (block_len rounds to 16s)
+    (1, 1, 0, 80),
+])
+def test_every_count_of_blocks_a_table_may_choose_matches_the_reference(
+        layout, kernel, stride, padding, channels):
+    """A measured table may run im2col and tapwise in any count of channel blocks that
+    ``cpu_plan.k_block_choices`` offers (``cpu_table.tune`` times them all): each count, every
+    pass, against the reference, blocks that do not divide the channels included."""
+    rng = np.random.default_rng(channels + stride)
+    C = K = channels
+    shape = (2, C, 5, 5) if layout == "NCHW" else (2, 5, 5, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, kernel, kernel)) / (C * kernel)).astype(np.float32)
+    kwargs = dict(stride=stride, padding=padding, layout=layout)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, stride, padding, 1, layout)
+    want_y = ref.conv_bias_relu(x, w, None, **kwargs)
+    gy = rng.standard_normal(want_y.shape).astype(np.float32)
+    y = np.ascontiguousarray(want_y, np.float32)
+    want_dx, want_dw, _ = ref.conv_bias_relu_backward(gy, x, w, None, **kwargs)
+    ran = 0
+    for algorithm in ("im2col", "tapwise"):
+        for pass_ in cpu_plan.PASSES:
+            if not cpu_plan.supports(algorithm, geom, pass_, np.float32):
+                continue
+            for blocks in cpu_plan.k_block_choices(algorithm, geom, pass_, np.float32):
+                plan = cpu_plan.plan(geom, pass_, np.float32, algorithm=algorithm,
+                                     k_blocks=blocks)
+                assert plan.k_blocks == blocks
+                msg = f"{algorithm} {pass_} k_blocks={blocks}"
+                if pass_ == "forward":
+                    got = cpu_conv.conv_forward(x, w, None, geom, True, plan=plan)
+                    np.testing.assert_allclose(got, want_y, **TOL[np.float32], err_msg=msg)
+                    ran += 1
+                    continue
+                need = (pass_ == "dx", pass_ == "dw", False)
+                dx, dw, _ = cpu_conv.conv_backward(gy, x, w, geom, y, need, plans=(plan, plan))
+                got, want = (dx, want_dx) if pass_ == "dx" else (dw, want_dw)
+                np.testing.assert_allclose(got, want, **TOL[np.float32], err_msg=msg)
+                ran += 1
+    assert ran >= 3 * 2 + 2 * 2      # im2col's three passes, tapwise's two, in >= 2 counts
