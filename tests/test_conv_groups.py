@@ -158,6 +158,31 @@ def test_depthwise_register_tiles_equal_the_per_pixel_loops(x_shape, rs, kw, wid
     assert y.tobytes() == ref_y.tobytes()
 
 
+@pytest.mark.parametrize("x_shape, rs, kw", [
+    ((2, 9, 11, 16), (3, 3), dict(padding=1)),
+    ((1, 13, 21, 32), (7, 7), dict(stride=2, padding=3)),
+    ((1, 10, 40, 32), (7, 7), dict(padding=3)),        # the sliding tiles
+])
+@pytest.mark.parametrize("offset", [4, 12])
+def test_a_depthwise_input_off_a_cache_line_is_copied_per_task_with_the_same_bits(
+        x_shape, rs, kw, offset):
+    """An NHWC x that does not start on a 64-byte boundary (NumPy's large arrays start 16
+    bytes past one) runs the tiles over a copy of each task's input rows on one
+    (``cpu_depthwise._copied``): the reference's values, bit for bit the aligned x's."""
+    from numbafuse.kernels.cpu.buffers import aligned
+    rng = np.random.default_rng(offset)
+    x, w, b, kw = _nhwc_depthwise(rng, x_shape, rs, kw)
+    xa = aligned(x)
+    base = aligned(np.zeros(x.size + 16, np.float32))
+    off = base[offset:offset + x.size].reshape(x.shape)           # offset floats past a line
+    off[...] = x
+    assert off.ctypes.data % 64 == 4 * offset and cpu_depthwise._copied(off, x.shape[3]) == 2
+    assert cpu_depthwise._copied(xa, x.shape[3]) == 0
+    y = nf.conv_bias_relu(off, w, b, **kw)
+    close(y, ref.conv_bias_relu(x, w, b, **kw), np.float32, what="y")
+    assert y.tobytes() == nf.conv_bias_relu(xa, w, b, **kw).tobytes()
+
+
 # NCHW float32 depthwise forwards run the same tiles with output columns on the lanes: Q =
 # 6 to 80 crosses the column panels (Qv = 8 to 80: 64 + 16, 32 + 8 on AVX-512; 24s on AVX2),
 # P = 1 to 11 output rows (blocks of 4 and a remainder), multiplier 2, stride 2 (phases),

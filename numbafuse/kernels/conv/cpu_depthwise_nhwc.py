@@ -94,7 +94,9 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
     # one tap table, a border column gets a table of its own taps. x, mask: (N, H, W, C);
     # b: (C,). Each value is the sum over the valid taps in (r, s) order, as the other NHWC
     # kernels make it. With use_mask the input is x where mask > 0, else 0, its rows gated
-    # per task into a buffer of the task's own. One launch runs one or more problems f (the
+    # per task into a buffer of the task's own (on a 64-byte boundary); use_mask 2: the rows
+    # copied there, not gated (a forward's x off a cache line: cpu_depthwise._copied). One
+    # launch runs one or more problems f (the
     # forward: one; dX: one per phase of dx, x = g, mask = y, a phase's taps flipped, its
     # pixels strided in dx: dx_phases), one compiled kernel for both passes: table[f] = geo
     # (16), flags (relu, use_mask, wide, slide), yl = (y0, yimg, yrow, ypix) and stream
@@ -117,7 +119,8 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
             gmax = max(gmax, ((rpc - 1) * e[9] + (e[5] - 1) * e[13] + 1) * e[3] * e[1])
     rows = np.empty(qmax, np.int64)
     own = np.empty((2, aoffs.shape[2]), np.int64)
-    gbuf = np.empty(gmax, np.float32)
+    gall = np.empty(gmax + 16, np.float32)           # (+ 16: rows from a 64-byte boundary)
+    gbuf = gall[(16 - (gall.ctypes.data // 4) % 16) % 16:][:gmax]
     pr, pbuf = np.int64(rows.ctypes.data), np.int64(gbuf.ctypes.data)
     for t in range(t0, t1):
         n, blk = t // nb, t % nb
@@ -126,6 +129,7 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
             C, H, W, R, S, P, Q = e[1], e[2], e[3], e[5], e[6], e[7], e[8]     # (geo's order)
             sh, sw, ph, pw, dh, dw = e[9], e[10], e[11], e[12], e[13], e[14]
             relu, use_mask, wide, slide = e[16] != 0, e[17] != 0, e[18], e[19] != 0
+            gate = e[17] == 1                   # 2: rows copied, not gated (aligned)
             y0, yimg, yrow, ypix = e[20], e[21], e[22], e[23]
             stream = e[24]                                  # 0 or _tiles.STREAM
             p0 = blk * rpc
@@ -144,7 +148,7 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
                 h1 = min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1)
                 L = W * C
                 for h in range(h0, h1):
-                    gate_row(x[n, h].reshape(L), mask[n, h].reshape(L), True,
+                    gate_row(x[n, h].reshape(L), mask[n, h].reshape(L), gate,
                              gbuf[(h - h0) * L:(h - h0 + 1) * L])
                 base = pbuf - 4 * h0 * L
             # Rows whose every tap row lies inside (all but a few at the top and bottom) take
