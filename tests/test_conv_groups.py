@@ -167,8 +167,8 @@ def test_depthwise_register_tiles_equal_the_per_pixel_loops(x_shape, rs, kw, wid
 def test_a_depthwise_input_off_a_cache_line_is_copied_per_task_with_the_same_bits(
         x_shape, rs, kw, offset):
     """An NHWC x that does not start on a 64-byte boundary (NumPy's large arrays start 16
-    bytes past one) runs the tiles over a copy of each task's input rows on one
-    (``cpu_depthwise._copied``): the reference's values, bit for bit the aligned x's."""
+    bytes past one) runs the forward's and dW's tiles over a copy of each task's input rows
+    on one (``cpu_depthwise._copied``): the reference's values, bit for bit the aligned x's."""
     from numbafuse.kernels.cpu.buffers import aligned
     rng = np.random.default_rng(offset)
     x, w, b, kw = _nhwc_depthwise(rng, x_shape, rs, kw)
@@ -181,6 +181,13 @@ def test_a_depthwise_input_off_a_cache_line_is_copied_per_task_with_the_same_bit
     y = nf.conv_bias_relu(off, w, b, **kw)
     close(y, ref.conv_bias_relu(x, w, b, **kw), np.float32, what="y")
     assert y.tobytes() == nf.conv_bias_relu(xa, w, b, **kw).tobytes()
+    dy = rng.standard_normal(y.shape).astype(np.float32)
+    got = nf.conv_bias_relu_backward(dy, off, w, y, **kw)
+    want = ref.conv_bias_relu_backward(dy, x, w, b, **kw)
+    for name, g, r, a in zip(("dx", "dw", "db"), got, want,
+                             nf.conv_bias_relu_backward(dy, xa, w, y, **kw)):
+        close(g, r, np.float32, what=name)
+        assert g.tobytes() == a.tobytes(), name
 
 
 # NCHW float32 depthwise forwards run the same tiles with output columns on the lanes: Q =

@@ -271,7 +271,9 @@ def _copied(x, C):
     machine A (Zen 4), NumPy's x, best of four alternating processes (ms, x itself ->
     copied): 2 threads, 7x7/2 (32, 96, 28, 28) 1.089 -> 0.888, 7x7 2.59 -> 2.23, 3x3/2 (32,
     64, 56, 56) 1.376 -> 1.282, 3x3 2.35 -> 2.19; one thread 7x7/2 1.50 -> 1.37, 3x3/2 3.01 ->
-    2.68. The same sums (the copy changes no value)."""
+    2.68. dW's tiles (``dw_tiled``) copy the rows the same way where it is 2: fwd+bwd, 2
+    threads, 3x3/2 4.99 -> 4.48 ms, 7x7/2 3.31 -> 3.17. The same sums (the copy changes no
+    value)."""
     return 2 if x.ctypes.data % 64 != 0 and C % 16 == 0 else 0
 
 
@@ -619,7 +621,8 @@ def _dw_db(gy, x, y, use_mask, geom, flags, geo, work):
             _tiles.ready(_tiles.DW_TILES)
             g = _out.empty((N, P, Q * K), gy.dtype) if keep else np.empty((0, 0, 0), gy.dtype)
             launch(_nhwc.dw_tiled, groups, x, gy.reshape(N, P, Q * K), y.reshape(N, P, Q * K),
-                   use_mask, geo, (rpc, nchunks, groups, _gemm_taps.WIDE, need_dw),
+                   use_mask, geo, (rpc, nchunks, groups, _gemm_taps.WIDE, need_dw,
+                                   bool(_copied(x, C))),
                    _tap_offsets(geom), dw_parts.reshape(groups, R * S, C), db_parts, g,
                    work=work, grain=1)
         else:

@@ -230,13 +230,22 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, geo, plan, aoff, dw_parts, db_parts, go
     # pixel as _dw_nhwc), then its interior pixels over every tap inside in one run of tiles,
     # and each border pixel over its own taps. gout (N, P, Q*C), or no rows: g is gated into
     # it, not into a row buffer of the task's own, for dX to read afterwards (dx_phases
-    # unmasked: g gated once for both passes).
+    # unmasked: g gated once for both passes). With copy, each chunk's input rows are copied
+    # into a buffer of the task's own on a 64-byte boundary first (x off one, as the
+    # forward's input mode 2: cpu_depthwise._copied), the same sums.
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    rpc, nchunks, groups, wide, need_dw = plan
+    rpc, nchunks, groups, wide, need_dw, copy = plan
     keep = gout.shape[0] > 0
     wid = np.int64(wide)
     nb = (P + rpc - 1) // rpc
-    g = np.empty(Q * C, np.float32)                                   # one gated row
+    L = W * C
+    band = ((rpc - 1) * sh + (R - 1) * dh + 1) * L if copy and need_dw else 0
+    gall = np.empty(Q * C + band + 32, np.float32)        # one gated row, the copied rows
+    a0 = (16 - (gall.ctypes.data // 4) % 16) % 16       # (each from a 64-byte boundary)
+    g = gall[a0:a0 + Q * C]
+    b0 = a0 + (Q * C + 15) // 16 * 16
+    xbuf = gall[b0:b0 + band]
+    pxbuf = np.int64(xbuf.ctypes.data)
     own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
     qa, qb = _interior(S, W, Q, sw, pw, dw)
     px = np.int64(x.ctypes.data)
@@ -250,7 +259,16 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, geo, plan, aoff, dw_parts, db_parts, go
         pacc = np.int64(dwp.ctypes.data)
         for chunk in range(t * nchunks // groups, (t + 1) * nchunks // groups):
             n, p0 = chunk // nb, (chunk % nb) * rpc
-            for p in range(p0, min(P, p0 + rpc)):
+            p1 = min(P, p0 + rpc)
+            base = px + 4 * n * H * L                           # input row h at base + 4hL
+            if copy and need_dw:                    # the rows these output rows read
+                h0 = max(0, p0 * sh - ph)
+                h1 = min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1)
+                for h in range(h0, h1):
+                    gate_row(x[n, h].reshape(L), x[n, h].reshape(L), False,
+                             xbuf[(h - h0) * L:(h - h0 + 1) * L])
+                base = pxbuf - 4 * h0 * L
+            for p in range(p0, p1):
                 gp = gout[n, p] if keep else g
                 gate_row(gy[n, p], y[n, p], use_mask, gp)       # g = gy * (y > 0)
                 _add_pixels(gp, dbp)                # db += g pixel by pixel, as _dw_nhwc
@@ -260,7 +278,7 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, geo, plan, aoff, dw_parts, db_parts, go
                 r0, r1 = _valid_range(p, dh, ph, sh, H, R)          # tap rows inside
                 if r1 <= r0:
                     continue
-                first = px + 4 * (((n * H + p * sh - ph) * W - pw) * C)
+                first = base + 4 * (((p * sh - ph) * W - pw) * C)
                 q = np.int64(0)        # (not a literal: see forward_tiled)
                 while q < Q:           # the interior run, else one border pixel at a time
                     m, k, tx, tw = _run_at(q, qa, qb, r0, r1, cols, aoff, own, tables)
