@@ -50,6 +50,29 @@ def gate_row(gv, yv, use_mask, g):
             g[i] = gv[i]
 
 
+@njit(inline="always")         # (each its own compiled call: a cold first forward +0.35 s)
+def _aligned_floats(n):
+    """A float32 buffer of n values starting on a 64-byte boundary (a task's rows: each
+    16-float vector of a row of C % 16 == 0 channels then starts on one)."""
+    a = np.empty(n + 16, np.float32)
+    return a[(16 - (a.ctypes.data // 4) % 16) % 16:][:n]
+
+
+@njit(inline="always")
+def _input_band(x, mask, gate, n, p0, p1, rows, buf):
+    # The input rows of image n that output rows [p0, p1) read, into buf (flat, rows of
+    # W*C), gated by mask (gate) or copied; rows = (sh, ph, dh, R). Returns the first row h0:
+    # input row h is then at element (h - h0)*W*C of buf.
+    sh, ph, dh, R = rows
+    H, L = x.shape[1], x.shape[2] * x.shape[3]
+    h0 = max(0, p0 * sh - ph)
+    h1 = min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1)
+    for h in range(h0, h1):
+        gate_row(x[n, h].reshape(L), mask[n, h].reshape(L), gate,
+                 buf[(h - h0) * L:(h - h0 + 1) * L])
+    return h0
+
+
 @njit(cache=True, nogil=True)
 def _interior(S, W, Q, sw, pw, dw):
     """(qa, qb): the output columns whose every tap column lies inside a row of W."""
@@ -119,8 +142,7 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
             gmax = max(gmax, ((rpc - 1) * e[9] + (e[5] - 1) * e[13] + 1) * e[3] * e[1])
     rows = np.empty(qmax, np.int64)
     own = np.empty((2, aoffs.shape[2]), np.int64)
-    gall = np.empty(gmax + 16, np.float32)           # (+ 16: rows from a 64-byte boundary)
-    gbuf = gall[(16 - (gall.ctypes.data // 4) % 16) % 16:][:gmax]
+    gbuf = _aligned_floats(gmax)
     pr, pbuf = np.int64(rows.ctypes.data), np.int64(gbuf.ctypes.data)
     for t in range(t0, t1):
         n, blk = t // nb, t % nb
@@ -144,13 +166,8 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
             rel, wid = np.int64(relu) | stream, np.int64(wide)
             base = px + 4 * n * H * W * C                              # input row h at base + 4hWC
             if use_mask:                       # the input rows these output rows read, gated
-                h0 = max(0, p0 * sh - ph)
-                h1 = min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1)
-                L = W * C
-                for h in range(h0, h1):
-                    gate_row(x[n, h].reshape(L), mask[n, h].reshape(L), gate,
-                             gbuf[(h - h0) * L:(h - h0 + 1) * L])
-                base = pbuf - 4 * h0 * L
+                h0 = _input_band(x, mask, gate, n, p0, p1, (sh, ph, dh, R), gbuf)
+                base = pbuf - 4 * h0 * W * C
             # Rows whose every tap row lies inside (all but a few at the top and bottom) take
             # their border columns column by column down the rows: the pixels (p, q) of one
             # column share its tap table, so they are one run of tiles like an interior run (at
@@ -239,12 +256,8 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, geo, plan, aoff, dw_parts, db_parts, go
     wid = np.int64(wide)
     nb = (P + rpc - 1) // rpc
     L = W * C
-    band = ((rpc - 1) * sh + (R - 1) * dh + 1) * L if copy and need_dw else 0
-    gall = np.empty(Q * C + band + 32, np.float32)        # one gated row, the copied rows
-    a0 = (16 - (gall.ctypes.data // 4) % 16) % 16       # (each from a 64-byte boundary)
-    g = gall[a0:a0 + Q * C]
-    b0 = a0 + (Q * C + 15) // 16 * 16
-    xbuf = gall[b0:b0 + band]
+    g = _aligned_floats(Q * C)                                        # one gated row
+    xbuf = _aligned_floats(((rpc - 1) * sh + (R - 1) * dh + 1) * L if copy and need_dw else 0)
     pxbuf = np.int64(xbuf.ctypes.data)
     own = np.empty((2, R * S), np.int64)                              # a border pixel's taps
     qa, qb = _interior(S, W, Q, sw, pw, dw)
@@ -262,11 +275,7 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, geo, plan, aoff, dw_parts, db_parts, go
             p1 = min(P, p0 + rpc)
             base = px + 4 * n * H * L                           # input row h at base + 4hL
             if copy and need_dw:                    # the rows these output rows read
-                h0 = max(0, p0 * sh - ph)
-                h1 = min(H, (p1 - 1) * sh - ph + (R - 1) * dh + 1)
-                for h in range(h0, h1):
-                    gate_row(x[n, h].reshape(L), x[n, h].reshape(L), False,
-                             xbuf[(h - h0) * L:(h - h0 + 1) * L])
+                h0 = _input_band(x, x, False, n, p0, p1, (sh, ph, dh, R), xbuf)
                 base = pxbuf - 4 * h0 * L
             for p in range(p0, p1):
                 gp = gout[n, p] if keep else g
