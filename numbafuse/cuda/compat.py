@@ -111,22 +111,30 @@ def _source_has(method, line) -> bool:
         return False
 
 
+def _replaced(owner, name, replacement, line, kept_as) -> bool:
+    """Replace ``owner.name`` (a class of numba-cuda's; None: not there) by ``replacement``
+    while its source has ``line``, keeping numba-cuda's method as ``owner.kept_as``; True if
+    replaced, now or before."""
+    method = getattr(owner, name, None)
+    if method is None:
+        return False
+    if method is replacement:
+        return True
+    if not _source_has(method, line):
+        return False
+    setattr(owner, kept_as, method)
+    setattr(owner, name, replacement)
+    return True
+
+
 def speed_up_lowering(lowering) -> bool:
     """Install the linear count on ``numba.cuda.lowering.Lower`` (the module is passed: this
     package imports numba.cuda in its ``__init__`` only) if it still scans; True if installed,
     now or before. Not for the simulator, which lowers nothing."""
-    lower = getattr(lowering, "Lower", None)
-    method = getattr(lower, "_find_singly_assigned_variable", None)
-    if method is None:
-        return False
-    if method is _counted_singly_assigned_variable:
-        return True
-    if not _source_has(method, _SCANNING_LINE):
-        return False
-    _LOWERING[:] = [lowering]
-    lower._scanning_singly_assigned_variable = method      # kept for the PTX comparison
-    lower._find_singly_assigned_variable = _counted_singly_assigned_variable
-    return True
+    _LOWERING[:] = [lowering]        # (read by the count at call time only)
+    return _replaced(getattr(lowering, "Lower", None), "_find_singly_assigned_variable",
+                     _counted_singly_assigned_variable, _SCANNING_LINE,
+                     "_scanning_singly_assigned_variable")    # kept for the PTX comparison
 
 
 # numba-cuda's simulator runs a block as one Python thread per GPU thread, and its
@@ -335,7 +343,7 @@ def speed_up_simulator(kernel) -> bool:
 # test_simulator_blocks_cuda.py forces the switch: numba-cuda's method loses values there.
 _UNLOCKED_LINE = "res = self._allocations.get(caller)"
 _SHARED_LOCK = threading.Lock()
-_SIMULATOR_API = []                      # numba.cuda.simulator.kernelapi, once installed
+_SIMULATOR_API = []                      # numba.cuda.simulator.kernelapi, lock_shared_arrays's
 
 
 def _shared_array(self, shape, dtype, alignment=None):
@@ -359,15 +367,6 @@ def lock_shared_arrays(kernelapi) -> bool:
     """Install :func:`_shared_array` on ``numba.cuda.simulator.kernelapi.FakeCUDAShared``
     (the module is passed) if its ``array`` is still the unlocked look-up; True if installed,
     now or before. numba-cuda's own method is kept as ``_unlocked_array``."""
-    shared = getattr(kernelapi, "FakeCUDAShared", None)
-    method = getattr(shared, "array", None)
-    if method is None:
-        return False
-    if method is _shared_array:
-        return True
-    if not _source_has(method, _UNLOCKED_LINE):
-        return False
-    _SIMULATOR_API[:] = [kernelapi]
-    shared._unlocked_array = method
-    shared.array = _shared_array
-    return True
+    _SIMULATOR_API[:] = [kernelapi]  # (read by _shared_array at call time only)
+    return _replaced(getattr(kernelapi, "FakeCUDAShared", None), "array", _shared_array,
+                     _UNLOCKED_LINE, "_unlocked_array")
