@@ -73,8 +73,8 @@ class OutputCache:
     output and gradient, a third made by the second step), now 264, all but 10 of them one
     arena, and its process peaked at 1043-1046 MiB against PyTorch's 997-999, now 919-948
     against 997-1022; ResNet-50 stays at ~1800 against ~2300 (its ~860 MiB in use at once
-    fill three arenas) (docs/benchmarks.md#resnet_memory). A refused arena (strict overcommit) falls back to a
-    segment of the request's own.
+    fill three arenas) (docs/benchmarks.md#resnet_memory). A refused arena (strict
+    overcommit) falls back to a segment of the request's own.
 
     Why ``MIN_BYTES`` is 64 KiB, not the 1 MiB it was: outputs below glibc's mmap threshold
     come from its heap, and freed together at the heap's top they pass its trim threshold
