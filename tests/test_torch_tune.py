@@ -44,3 +44,19 @@ def test_tune_saves_a_table_of_the_steps_passes(tmp_path, capsys):
 def test_tune_refuses_bad_sizes():
     with pytest.raises(SystemExit):
         tune.main(["--size", "8"])
+
+
+def test_tune_lists_a_pass_kept_by_the_rules_algorithm_in_other_blocks(tmp_path, capsys,
+                                                                        monkeypatch):
+    """A pass whose entry keeps the rules' algorithm in other blocks of channels is a change
+    the summary lists, with the time of the variant kept (not of the rules' blocks)."""
+    k1, k2 = "NCHW float32 forward one", "NCHW float32 dx two"
+    table = {"version": cpu_table.VERSION, "machine": {}, "entries": {
+        k1: {"algorithm": "im2col", "k_blocks": 4, "rules": "im2col",
+             "ms": {"im2col": 1.9, "im2col k_blocks=4": 0.96}},
+        k2: {"algorithm": "tapwise", "rules": "tapwise", "ms": {"tapwise": 1.0}}}}
+    monkeypatch.setattr(tune, "tune_step", lambda step, repeats, progress: table)
+    assert tune.main(["--batch", "2", "--size", "32", "--out", str(tmp_path / "t.json")]) == 0
+    out = capsys.readouterr().out
+    assert "1 take another algorithm or other blocks" in out
+    assert f"{k1}: im2col 1.900 ms -> im2col k_blocks=4 0.960 ms" in out and k2 not in out

@@ -90,16 +90,28 @@ def variants(geom, pass_, dtype):
             continue
         names.append(algorithm)
         ruled = cpu_plan.plan(geom, pass_, dtype, rules=cpu_plan.RULES, algorithm=algorithm)
-        names += [f"{algorithm} k_blocks={b}"
+        names += [name(algorithm, b)
                   for b in cpu_plan.k_block_choices(algorithm, geom, pass_, dtype)
                   if b != ruled.k_blocks]
     return names
+
+
+def name(algorithm, k_blocks=None):
+    """The :func:`variants` name of ``algorithm`` in ``k_blocks`` blocks (None: the rules'
+    blocks, the algorithm's name); :func:`parse` inverts it."""
+    return algorithm if k_blocks is None else f"{algorithm} k_blocks={k_blocks}"
 
 
 def parse(name):
     """(algorithm, k_blocks or None) of a :func:`variants` name."""
     algorithm, _, blocks = name.partition(" k_blocks=")
     return algorithm, (int(blocks) if blocks else None)
+
+
+def entry_variant(entry):
+    """The :func:`variants` name of the variant a table ``entry`` keeps (its timings are
+    ``entry["ms"][entry_variant(entry)]``)."""
+    return name(entry["algorithm"], entry.get("k_blocks"))
 
 
 def measure(geom, pass_, dtype, algorithms=None, repeats=5, rng=None):
