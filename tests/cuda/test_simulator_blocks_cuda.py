@@ -192,11 +192,14 @@ def test_a_barrier_free_threads_exception_names_the_thread():
 def test_a_blocks_threads_share_one_shared_array_however_they_interleave(lookup, monkeypatch):
     """numba-cuda's simulator made a block's shared array by a look-up and then a store with no
     lock between them: a thread switch there gave threads arrays of their own (a CI flake of
-    tests/cuda/test_graph_cuda.py's fit test). Forced here: every look-up sleeps, so every
-    thread looks up before any stores. numbafuse's lock (compat.lock_shared_arrays) keeps one
-    array; numba-cuda's own method, put back, loses the other threads' values (so this test
-    can tell them apart)."""
-    import time
+    tests/cuda/test_graph_cuda.py's fit test). Forced here: every look-up waits at a barrier
+    of the block's threads, so every thread looks up before any stores (under the lock only
+    one thread can look up at a time: the first wait times out, the barrier breaks, and the
+    look-ups go on one by one). numbafuse's lock (compat.lock_shared_arrays) keeps one array;
+    numba-cuda's own method, put back, loses the other threads' values (so this test can tell
+    them apart). (A 2 ms sleep instead of the barrier let a block whose threads started late
+    share the first thread's array: the unlocked case passed once in CI's oldest leg.)"""
+    import threading
 
     from numba.cuda.simulator import kernelapi
     assert kernelapi.FakeCUDAShared.array is compat._shared_array
@@ -205,10 +208,15 @@ def test_a_blocks_threads_share_one_shared_array_however_they_interleave(lookup,
         monkeypatch.setattr(kernelapi.FakeCUDAShared, "array",
                             kernelapi.FakeCUDAShared._unlocked_array)
 
+    everyone = threading.Barrier(THREADS)
+
     class SlowLookups(dict):
         def get(self, key, default=None):
             found = super().get(key, default)
-            time.sleep(0.002)                 # the block's other threads look up meanwhile
+            try:                              # the block's other threads look up meanwhile
+                everyone.wait(timeout=0.5)
+            except threading.BrokenBarrierError:
+                pass
             return found
 
     made = kernelapi.FakeCUDAShared.__init__
