@@ -286,6 +286,44 @@ def test_whole_batch_im2col_dw_in_blocks_of_output_channels(layout, stride, size
                                                                  **kwargs)[1], **TOL[np.float64])
 
 
+@pytest.mark.parametrize("wide", [True, False])                 # 16- and 8-float tiles
+@pytest.mark.parametrize("C, K, slab, gathers", [
+    (3, 120, False, True),     # dW^T (27, 120): 6 tiles of 4 rows + 3 of 1; panels 64+32+16+8
+    (8, 40, True, True),       # dW (40, 72): cols' rows gathered
+    (3, 12, False, False),     # K % 8: OpenBLAS
+    (5, 24, True, False),      # R*S*C = 45 % 8: OpenBLAS
+])
+def test_nchw_im2col_dw_chunks_by_the_gather_tiles(monkeypatch, wide, C, K, slab, gathers):
+    """The NCHW im2col dW over chunks (``cpu_im2col_dw.dw_tasks``) sums its products by
+    ``gemm_gather``'s register tiles where ``gathers_dw`` says (float32; without slab the
+    transposed product, with slab the cols' rows gathered): several chunks a group (the
+    first overwrites, the rest add), a last partial chunk, the ReLU's gate, stride 2; dW and
+    db against the reference and bitwise the same on 1 and 3 threads, on both tile widths."""
+    monkeypatch.setattr(gemm_taps, "WIDE", wide)
+    rng = np.random.default_rng(C * 1000 + K)
+    x = rng.standard_normal((5, C, 13, 9)).astype(np.float32)          # P, Q = 7, 5
+    w = (rng.standard_normal((K, C, 3, 3)) / 10).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    kwargs = dict(stride=2, padding=1, layout="NCHW")
+    geom = nf.validate.conv_geometry("t", x.shape, w.shape, 2, 1, 1, "NCHW")
+    y, dy = _relu_output_and_gradient(x, w, b, kwargs, rng)
+    _, dw_want, db_want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)
+    from numbafuse.kernels.conv import cpu_im2col_dw
+    assert cpu_im2col_dw.gathers_dw(geom, slab, np.float32) == gathers
+    assert not cpu_im2col_dw.gathers_dw(geom, slab, np.float64)
+    # chunks of 2 output rows (an image's 7: 2, 2, 2, 1), 4 groups of 5 chunks
+    with cpu_plan.using(chunk_bytes=2 * 5 * 9 * C * 4 + 1, min_chunks=1, dw_groups=4):
+        plan = cpu_plan.plan(geom, "dw", np.float32, algorithm="im2col")._replace(slab=slab)
+        assert plan.k_blocks == 1
+        assert cpu_conv._chunking(plan, 35, 7, 5, 9 * C * 4, 5) == (1, 2)
+        got = _on_threads(lambda: cpu_conv.conv_backward(dy, x, w, geom, y, (False, True, True),
+                                                         plans=(plan, plan))[1:])
+    np.testing.assert_allclose(got[1][0], dw_want, **TOL[np.float32])
+    np.testing.assert_allclose(got[1][1], db_want, **TOL[np.float32])
+    assert got[1][0].tobytes() == got[3][0].tobytes()
+    assert got[1][1].tobytes() == got[3][1].tobytes()
+
+
 def test_a_widening_nchw_1x1_forward_on_small_images_runs_im2col_chunks():
     # (cpu_plan._pointwise_chunked: ResNet-50's 128 -> 512 at 8x8), with 16-float tiles
     # (AVX-512) only: with 8-float ones the GEMM per image measured faster

@@ -56,6 +56,7 @@ from . import cpu_direct as _direct  # noqa: E402
 from . import cpu_pointwise as _pointwise  # noqa: E402
 from . import cpu_im2col as _im2col  # noqa: E402
 from . import cpu_im2col_fwd as _im2col_fwd  # noqa: E402
+from . import cpu_im2col_dw as _im2col_dwk  # noqa: E402
 from . import cpu_tapwise as _tapwise  # noqa: E402
 from .cpu_chunks import (balanced, count_chunks, most_taps as _most_taps,  # noqa: E402
                          phase_weights as _phase_weights, phases as _phases, sum_groups,
@@ -374,8 +375,12 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
         _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
         if need_dw and (geom.layout == "NHWC" or plan.slab) and R * S > 1:  # back in w's order
             _im2col.ready_reorder(x.dtype)
-        launch(_im2col.dw_block_tasks, plan.k_blocks, x, _k_view(gy, geom), _k_view(y, geom),
-               use_mask, geo_tuple(geom), int(plan.k_blocks), (bool(plan.slab), bool(need_dw)),
+        gather = need_dw and _im2col_dwk.gathers_dw(geom, plan.slab, x.dtype, blocks=True)
+        if gather:
+            _gemm_taps.ready_gather()
+        launch(_im2col_dwk.dw_block_tasks, plan.k_blocks, x, _k_view(gy, geom), _k_view(y, geom),
+               use_mask, geo_tuple(geom), int(plan.k_blocks),
+               (bool(plan.slab), bool(need_dw), gather, bool(_gemm_taps.WIDE)),
                _blas.blas_for(x.dtype), _batch_cols(x, geom, plan.slab, need_dw),
                (dwm, db[0]), work=work, grain=1)
         return (dwm.reshape(K, C, R, S) if need_dw else None), db      # (in w's order)
@@ -385,13 +390,21 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     dw_parts = _out.empty((groups if need_dw else 1, K * R * S * C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
     _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
-    launch(_im2col.dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom), use_mask,
+    gather = need_dw and _im2col_dwk.gathers_dw(geom, plan.slab, x.dtype)
+    if gather:
+        _gemm_taps.ready_gather()
+        _im2col.ready_reorder(x.dtype)
+    launch(_im2col_dwk.dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom), use_mask,
            geo_tuple(geom), _ints(ipc, rpc, nchunks, groups),
-           (bool(plan.slab), bool(need_dw)), _blas.blas_for(x.dtype),
-           (dw_parts.reshape(-1, K, R * S * C), db_parts), work=work, grain=1)
+           (bool(plan.slab), bool(need_dw), gather, bool(_gemm_taps.WIDE)),
+           _blas.blas_for(x.dtype), (dw_parts.reshape(-1, K, R * S * C), db_parts), work=work,
+           grain=1)
     if not need_dw:
         return None, db_parts
-    return _dw_from_cols_order(sum_groups(dw_parts), geom, plan), db_parts   # group order
+    dwm = sum_groups(dw_parts)                                         # group order
+    if gather and not plan.slab:                                       # dW^T (C*R*S, K)
+        dwm = np.ascontiguousarray(dwm.reshape(R * S * C, K).T)
+    return _dw_from_cols_order(dwm, geom, plan), db_parts
 
 
 def _dw_from_cols_order(dwm, geom, plan):

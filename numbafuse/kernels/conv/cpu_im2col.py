@@ -32,7 +32,7 @@ from ..cpu.steps import Step, array as _arr, ready as _ready_steps
 from ..cpu.transpose import ROWS as _ROWS, transpose
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as conv_math
-from .cpu_chunks import block_len, chunk, gated_chw, gated_hwc
+from .cpu_chunks import block_len, chunk
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -224,7 +224,7 @@ _im2col_slab_step, _rows_step = IM2COL_SLAB.call, _ROWS.call
 
 def ready(dtype, nhwc=None, slab=False):
     """The gathers compiled for ``dtype`` and their slots filled: host code calls this before
-    it launches cpu_im2col_fwd's tasks, cols_tasks, dw_tasks or dw_block_tasks. Only the
+    it launches cpu_im2col_fwd's or cpu_im2col_dw's tasks or cols_tasks. Only the
     layout's gather (``nhwc``; NCHW: the slab's, or the strided one): the kernels' code calls
     every gather's slot, but a call reaches only its layout's. ``nhwc`` None: all three."""
     if nhwc is None:
@@ -265,122 +265,6 @@ def cols_tasks(t0, t1, x, geo, orient, cols):
                                cols.reshape((M, RSC))[n * PQ:(n + 1) * PQ], PQ))
         else:
             _im2col_hwc_step((x, n, 0, P, geo, cols.reshape((M, RSC)), n * PQ))
-
-
-# --------------------------------------------------------------------------- backward: dW, db
-
-@task_kernel
-def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
-    ipc, rpc, nchunks, groups = chunks
-    slab, need_dw = flags
-    dw_parts, db_parts = parts
-    # x as in the forward (slab too); gy, y: (N, K, PQ) | (N, PQ, K); dw_parts: (groups, K,
-    # RSC) <- each group's dW (columns in the cols order: (r, s, c) with slab);
-    # db_parts: (groups, K) float64 <- its sum of g
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    RSC = R * S * C
-    PQ = P * Q
-    mmax = ipc * PQ if ipc > 1 else rpc * Q
-    cols = np.empty(mmax * RSC if need_dw else 0, x.dtype)
-    gbuf = np.empty(mmax * K, x.dtype)
-    sbuf = slab_buffer(x, geo, ipc, rpc, slab and need_dw)
-    for grp in range(t0, t1):
-        dbp = db_parts[grp]                                       # (K,)
-        dbp[:] = 0.0
-        dwp = dw_parts[grp if need_dw else 0]                     # (K, RSC); (1, ...) without dW
-        first = True
-        for t in range(grp * nchunks // groups, (grp + 1) * nchunks // groups):
-            n0, n1, p0, p1 = chunk(t, N, P, ipc, rpc)
-            per = (p1 - p0) * Q
-            m = (n1 - n0) * per
-            beta = 0.0 if first else 1.0
-            first = False
-            if nhwc:
-                g = gbuf[:m * K].reshape((m, K))                  # (m, K)
-                m0 = n0 * PQ + p0 * Q
-                gated_hwc(gy.reshape((N * PQ, K)), y.reshape((N * PQ, K)), use_mask, m0, m0 + m,
-                       g, 0, dbp)                                 # rows of gy
-                if not need_dw:
-                    continue
-                c2 = cols[:m * RSC].reshape((m, RSC))             # (m, R*S*C)
-                for n in range(n0, n1):
-                    _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
-                # dW (K, RSC) += g^T (K, m) @ cols (m, RSC)
-                _blas.gemm(blas, True, False, (K, RSC, m), 1.0, g, K, c2, RSC, beta, dwp, RSC)
-            else:
-                g = gbuf[:K * m].reshape((K, m))                  # (K, m)
-                for n in range(n0, n1):
-                    gated_chw(gy, y, use_mask, n, p0, p1, PQ, Q, g, (n - n0) * per, dbp)
-                if not need_dw:
-                    continue
-                if slab:
-                    c2 = cols[:m * RSC].reshape((m, RSC))         # (m, R*S*C)
-                    _im2col_slab_step((x, n0, n1, p0, p1, geo, sbuf, c2, per))
-                    # dW (K, RSC) += g (K, m) @ cols (m, RSC)
-                    _blas.gemm(blas, False, False, (K, RSC, m), 1.0, g, m, c2, RSC, beta, dwp,
-                               RSC)
-                    continue
-                c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
-                for n in range(n0, n1):
-                    _im2col_chw_step((x, n, p0, p1, geo, c2, (n - n0) * per))
-                # dW (K, RSC) += g (K, m) @ cols^T (m, RSC)
-                _blas.gemm(blas, False, True, (K, RSC, m), 1.0, g, m, c2, m, beta, dwp, RSC)
-
-
-@task_kernel
-def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
-    slab, need_dw = flags
-    dwk, db = out
-    # dW and db of the whole batch split by output channels, not by pixels (deep layers: few
-    # pixels, many weights): task t the channels [k0, k1) (block t of kb, a multiple of 16),
-    # dwk[k0:k1] (K, RSC) = g[k0:k1] (kn, M) @ cols (M, RSC) and db[k0:k1] (float64) = the
-    # sums of g, with M = N*P*Q; dwk (K, C*R*S) in w's order (a block computed in the cols'
-    # (r, s, c) order is reordered by its task). The batch's cols (a few MiB at most,
-    # Rules.whole_batch_bytes) come built once by cols_tasks in pre ((M, R*S*C) NHWC or
-    # slab, (C*R*S, M) NCHW; empty without need_dw); no partials to sum. x, gy, y as in
-    # dw_tasks.
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    RSC = R * S * C
-    PQ = P * Q
-    M = N * PQ
-    kb_len = block_len(K, kb)
-    gbuf = np.empty(M * min(K, kb_len), x.dtype)
-    # cols in (r, s, c) order: dW too, then reordered (a 1x1 conv's orders are one)
-    reorder = need_dw and (nhwc or slab) and R * S > 1
-    dbuf = np.empty(min(K, kb_len) * RSC if reorder else 0, x.dtype)
-    for t in range(t0, t1):
-        k0 = t * kb_len
-        k1 = min(K, k0 + kb_len)
-        kn = k1 - k0
-        if kn <= 0:
-            continue
-        dbk = db[k0:k1]
-        dbk[:] = 0.0
-        if nhwc:
-            g = gbuf[:M * kn].reshape((M, kn))                    # (M, kn)
-            gated_hwc(gy.reshape((M, K))[:, k0:k1], y.reshape((M, K))[:, k0:k1], use_mask, 0,
-                      M, g, 0, dbk)
-            if not need_dw:
-                continue
-            # dW[k0:k1] (kn, RSC) = g^T (kn, M) @ cols (M, RSC), then (kn, C, R*S) into dwk
-            d2 = dbuf[:kn * RSC].reshape((kn, RSC)) if reorder else dwk[k0:k1]
-            _blas.gemm(blas, True, False, (kn, RSC, M), 1.0, g, kn, pre, RSC, 0.0, d2, RSC)
-            if reorder:
-                _rows_step((d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S))))
-            continue
-        g = gbuf[:kn * M].reshape((kn, M))                        # (kn, M)
-        for n in range(N):
-            gated_chw(gy[:, k0:k1], y[:, k0:k1], use_mask, n, 0, P, PQ, Q, g, n * PQ, dbk)
-        if not need_dw:
-            continue
-        if slab:                                                  # pre: (M, R*S*C)
-            d2 = dbuf[:kn * RSC].reshape((kn, RSC)) if reorder else dwk[k0:k1]
-            _blas.gemm(blas, False, False, (kn, RSC, M), 1.0, g, M, pre, RSC, 0.0, d2, RSC)
-            if reorder:
-                _rows_step((d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S))))
-        else:                                                     # pre: (C*R*S, M)
-            _blas.gemm(blas, False, True, (kn, RSC, M), 1.0, g, M, pre, M, 0.0, dwk[k0:k1],
-                       RSC)
 
 
 # --------------------------------------------------------------------------- backward: dX
