@@ -10,6 +10,7 @@ import numbafuse as nf
 from numbafuse import reference as ref
 from numbafuse.kernels.conv import cpu as cpu_conv, cpu_plan, cpu_tapwise, weights
 from numbafuse.kernels.conv.math import geo_tuple
+from numbafuse.kernels.cpu import gemm_taps
 
 TOL = {np.float32: dict(rtol=2e-5, atol=2e-5), np.float64: dict(rtol=1e-12, atol=1e-12)}
 
@@ -44,7 +45,7 @@ def _tapwise(geom, dtype, pass_="forward"):
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("case", CASES)
-def test_tapwise_forward_matches_the_reference(case, layout):
+def test_tapwise_forward_matches_the_reference(monkeypatch, case, layout):
     x, w, b, geom, kwargs = _problem(case, layout, np.float64)
     want = ref.conv_bias_relu(x, w, b, **kwargs)
     with cpu_plan.using(tapwise_k_block=16):                  # as many blocks as can be
@@ -57,6 +58,16 @@ def test_tapwise_forward_matches_the_reference(case, layout):
     want = ref.conv2d(x32.astype(np.float64), w32.astype(np.float64), **kwargs)
     got = cpu_conv.conv_forward(x32, w32, None, geom, False, plan=_tapwise(geom, np.float32))
     np.testing.assert_allclose(got, want, **TOL[np.float32])
+    # float32 in blocks of 16 channels: the products on gemm_taps' tiles (K % 8 == 0; each
+    # block's weights transposed by its task) of both widths, else OpenBLAS
+    assert cpu_tapwise.tiles_forward(geom, np.float32) == (geom.K % 8 == 0)
+    assert not cpu_tapwise.tiles_forward(geom, np.float64)
+    for wide in (True, False):
+        monkeypatch.setattr(gemm_taps, "WIDE", wide)
+        with cpu_plan.using(tapwise_k_block=16):
+            got = cpu_conv.conv_forward(x32, w32, None, geom, False,
+                                        plan=_tapwise(geom, np.float32))
+        np.testing.assert_allclose(got, want, **TOL[np.float32])
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
@@ -64,7 +75,7 @@ def test_tapwise_forward_matches_the_reference(case, layout):
     (2, 40, 16, 2, 2, 3, 1, 1, 1),          # C = 40: dX's blocks 32 + 8
     (2, 100, 24, 4, 3, 3, 2, 1, 1),         # C = 100 in 16-blocks: 6 tasks, one empty; strided
     (2, 16, 24, 5, 5, 1, 2, 0, 1)])
-def test_tapwise_dx_matches_the_reference(case, layout):
+def test_tapwise_dx_matches_the_reference(monkeypatch, case, layout):
     # (the last case: a 1x1/2 reaches every other input pixel, dX zero between; the rule
     # never takes a 1x1, plan= can)
     x, w, b, geom, kwargs = _problem(case, layout, np.float64, seed=1)
@@ -89,12 +100,25 @@ def test_tapwise_dx_matches_the_reference(case, layout):
     want = ref.conv_bias_relu_backward(g32.astype(np.float64), x, w32.astype(np.float64), b,
                                        y=y32.astype(np.float64), **kwargs)[0]
     np.testing.assert_allclose(got, want, **TOL[np.float32])
+    # float32 in blocks of 16 channels: the products on gemm_taps' tiles (C % 8 == 0) of
+    # both widths, else OpenBLAS
+    assert cpu_tapwise.tiles_dx(geom, np.float32) == (geom.C % 8 == 0)
+    assert not cpu_tapwise.tiles_dx(geom, np.float64)
+    for wide in (True, False):
+        monkeypatch.setattr(gemm_taps, "WIDE", wide)
+        with cpu_plan.using(tapwise_k_block=16):
+            got = cpu_conv.conv_backward(g32, x32, w32, geom, y32, need=(True, False, False),
+                                         plans=(_tapwise(geom, np.float32, "dx"), dw_plan))[0]
+        np.testing.assert_allclose(got, want, **TOL[np.float32])
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_tapwise_scaled_epilogue_and_the_weight_cache(layout):
+@pytest.mark.parametrize("case", [CASES[1], CASES[0]])     # K = 100: OpenBLAS; 40: the tiles
+def test_tapwise_scaled_epilogue_and_the_weight_cache(layout, case):
     torch = pytest.importorskip("torch")
-    x, w, b, geom, kwargs = _problem(CASES[1], layout, np.float32)
+    x, w, b, geom, kwargs = _problem(case, layout, np.float32)
+    tiles = cpu_tapwise.tiles_forward(geom, np.float32)
+    assert tiles == (geom.K == 40)
     scale = np.linspace(0.5, 2.0, geom.K).astype(np.float32)
     y64 = ref.conv2d(x.astype(np.float64), w.astype(np.float64), **kwargs)
     axis = (1, -1, 1, 1) if layout == "NCHW" else (1, 1, 1, -1)
@@ -113,7 +137,8 @@ def test_tapwise_scaled_epilogue_and_the_weight_cache(layout):
         plans = (_tapwise(geom, np.float32, "dx"), cpu_plan.plan(geom, "dw", np.float32))
         dx_kept = cpu_conv.conv_backward(gy, x, w, geom, fresh, need=(True, False, False),
                                          plans=plans)[0]
-        assert weights.stats()["hits"] == hits + 2        # dX read them too
+        # dX read them too: OpenBLAS's (K, R*S*C), not the tiles' transposed blocks
+        assert weights.stats()["hits"] == hits + (1 if tiles else 2)
     weights.clear()
     np.testing.assert_array_equal(stored, fresh)
     np.testing.assert_array_equal(kept, fresh)
