@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from numbafuse.kernels.cpu import blas as cpu_blas, gemm as cpu_gemm
+from numbafuse.kernels.cpu import blas as cpu_blas, gemm as cpu_gemm, gemm_taps
 
 GUARD = np.float32(-777.0)
 
@@ -108,6 +108,43 @@ def test_blas_gemm_dispatch_gives_the_product(small, monkeypatch, rng):
             tol = 1e-5 if dtype == np.float32 else 1e-12
             np.testing.assert_allclose(c, want, rtol=tol, atol=tol * 10,
                                        err_msg=f"{dtype.__name__} {(m, n, k, ta, tb, alpha, beta)}")
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("tiles", [True, False])
+def test_blas_gemm_takes_the_gather_tiles_where_they_fit(tiles, wide, monkeypatch, rng):
+    """cpu.blas.gemm's other float32 products (not the small kernel's) on gemm_taps' gather
+    tiles (TILE_GEMM; 16- and 8-float): m >= 16 rows (4-row tiles and the 1-row rest), every
+    column panel (n = 8 ... 136), k = 1 to past SMALL_K, beta 0 and 1, row strides wider than
+    the rows; c's guard values untouched; and the products they do not take (m < 16, n not a
+    multiple of 8, a or b transposed, alpha 2, beta 0.5) by the BLAS, the same values."""
+    monkeypatch.setattr(cpu_blas, "SMALL_GEMM", False)
+    monkeypatch.setattr(cpu_blas, "TILE_GEMM", tiles)
+    monkeypatch.setattr(gemm_taps, "WIDE", wide)
+    blas = cpu_blas.blas_for(np.float32)
+    assert blas[2] == (2 if tiles else 0) | (4 if wide else 0)
+    for m, n, k in ((16, 8, 1), (17, 24, 40), (19, 136, 300), (37, 64, 129), (22, 96, 7)):
+        for beta in (0.0, 1.0):
+            a, b, c = _case(rng, m, n, k)
+            want = _expected(a, b, c, m, n, k, beta)
+            _via_blas(blas, False, False, (m, n, k), 1.0, a, a.shape[1], b, b.shape[1], beta,
+                      c, c.shape[1])
+            np.testing.assert_allclose(c, want, rtol=2e-5, atol=2e-5 * k ** 0.5,
+                                       err_msg=f"m={m} n={n} k={k} beta={beta}")
+            assert (c[:m, n:] == GUARD).all() and (c[m] == GUARD).all(), "wrote outside c"
+    for m, n, k, ta, tb, alpha, beta in ((15, 16, 24, False, False, 1.0, 0.0),
+                                         (20, 20, 24, False, False, 1.0, 0.0),
+                                         (20, 16, 24, True, False, 1.0, 0.0),
+                                         (20, 16, 24, False, True, 1.0, 1.0),
+                                         (20, 16, 24, False, False, 2.0, 0.0),
+                                         (20, 16, 24, False, False, 1.0, 0.5)):
+        a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
+        b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
+        c = rng.standard_normal((m, n)).astype(np.float32)
+        want = alpha * ((a.T if ta else a).astype(np.float64)
+                        @ (b.T if tb else b).astype(np.float64)) + beta * c
+        _via_blas(blas, ta, tb, (m, n, k), alpha, a, a.shape[1], b, b.shape[1], beta, c, n)
+        np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-4)
 
 
 def test_fits_is_the_documented_rule():

@@ -38,7 +38,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import gemm as _small
+from . import gemm as _small, gemm_taps as _tiles
 from .steps import Step, ready as _ready_steps
 from ..scalar import cpu_scalar, relu as _relu_math
 
@@ -150,15 +150,23 @@ _ADDRESSES = _private if PRIVATE else _scipy_fortran()
 # float32 products that fit go to numbafuse's register-tiled kernel (cpu/gemm.py) instead of
 # the BLAS; read at each call (blas_for), so it can be switched without recompiling
 SMALL_GEMM = True
+# ... and the other float32 products c = a @ b + beta c (neither operand transposed, alpha 1,
+# beta 0 or 1, n % 8 == 0, at least 16 rows: fewer run 1-row tiles, a ResNet stem's phase dX
+# 3.3 -> 5.1 ms) to cpu.gemm_taps's gather tiles (b's rows by address: a table of k
+# addresses), read the same way. Machine A (Zen 4), one thread, GFLOP/s tiles / OpenBLAS:
+# (128, 2304) @ (2304, 256)-shaped products 113 / 104, with k = 64 113 / 80-84; the passes
+# and networks: docs/conv_bias_relu.md, "The GEMMs on numbafuse's own tiles".
+TILE_GEMM = True
 
 
 def blas_for(dtype):
     """What the kernels' ``gemm`` takes as ``blas``: (function address, 1 if CBLAS else 0,
-    1 if small float32 products go to cpu.gemm). Host code asks for it before it launches a
-    kernel that multiplies, so the GEMM steps are made ready here."""
+    flags: 1 if small float32 products go to cpu.gemm, + 2 if the other float32 products
+    that fit go to gemm_taps' tiles, + 4 if those are 16 floats wide). Host code asks for it
+    before it launches a kernel that multiplies, so the GEMM steps are made ready here."""
     _ready_steps(None, _GEMM_STEPS)
     return (_ADDRESSES[0 if np.dtype(dtype) == np.float32 else 1], 1 if PRIVATE else 0,
-            1 if SMALL_GEMM else 0)
+            (1 if SMALL_GEMM else 0) | (2 if TILE_GEMM else 0) | (4 if _tiles.WIDE else 0))
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -179,12 +187,18 @@ def gemm_at(blas, ta, tb, mnk, alpha, pa, pb, beta, pc, lds, itemsize):
     (inlined at each call site, its three paths cost each calling kernel their compile
     time)."""
     i = np.int32
-    fptr, cblas, small = blas
+    fptr, cblas, flags = blas
     m, n, k = mnk
     lda, ldb, ldc = lds
-    if small and _small.fits(ta, tb, alpha, beta, m, n, k, itemsize):
+    if flags & 1 and _small.fits(ta, tb, alpha, beta, m, n, k, itemsize):
         _small.gemm_small(ta, mnk, pa, lda, pb, ldb, np.int64(1 if beta != 0.0 else 0), pc,
                           ldc, np.int64(0), np.int64(0))
+    elif (flags & 2 and itemsize == 4 and not ta and not tb and alpha == 1.0
+          and (beta == 0.0 or beta == 1.0) and n % 8 == 0 and m >= 16 and k > 0):
+        rows = np.empty(k, np.int64)                              # b's rows
+        _tiles.dense_rows(rows, pb, k, ldb)
+        _tiles.gemm_gather(m, n, k, pa, lda, np.int64(rows.ctypes.data), np.int64(0), pc, ldc,
+                           np.int64(1 if beta != 0.0 else 0), np.int64(1 if flags & 4 else 0))
     elif cblas:
         opa = _TRANS if ta else _NO_TRANS
         opb = _TRANS if tb else _NO_TRANS
@@ -245,8 +259,8 @@ def gemm_bias_relu(blas, m, n, k, a, lda, b, ldb, c, bias, relu):
     """c (m, n) = relu?(a (m, k) @ b (k, n) + bias (n,)), row-major, c a 2-d view; the bias and
     ReLU in registers (cpu.gemm) when the product fits, else one pass over c after the GEMM,
     while it is in cache. The same arithmetic either way: the float32 sum, + bias, ReLU."""
-    fptr, cblas, small = blas
-    if small and _small.fits_epilogue(n, k, c.itemsize):
+    fptr, cblas, flags = blas
+    if flags & 1 and _small.fits_epilogue(n, k, c.itemsize):
         _gemm_small(False, (m, n, k), a, lda, b, ldb, False, c, c.strides[0] // c.itemsize,
                     bias.ctypes.data, relu)
     else:
