@@ -309,6 +309,10 @@ def test_nchw_im2col_dw_chunks_by_the_gather_tiles(monkeypatch, wide, C, K, slab
     y, dy = _relu_output_and_gradient(x, w, b, kwargs, rng)
     _, dw_want, db_want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)
     from numbafuse.kernels.conv import cpu_im2col_dw
+    if not slab:                  # from this many output pixels an image (here 7 x 5): on
+        monkeypatch.setattr(cpu_im2col_dw, "GATHER_MIN_PIXELS", 36)
+        assert not cpu_im2col_dw.gathers_dw(geom, slab, np.float32)
+        monkeypatch.setattr(cpu_im2col_dw, "GATHER_MIN_PIXELS", 35)
     assert cpu_im2col_dw.gathers_dw(geom, slab, np.float32) == gathers
     assert not cpu_im2col_dw.gathers_dw(geom, slab, np.float64)
     # chunks of 2 output rows (an image's 7: 2, 2, 2, 1), 4 groups of 5 chunks
