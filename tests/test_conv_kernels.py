@@ -298,7 +298,8 @@ def test_winograd_s2_only_where_it_fits(conv_rules):
     passes and the flag off keep the other paths; the transformed taps are G g G^T. (The
     tapwise passes off: they take some of these small maps, test_conv_tapwise.py.)"""
     g = nf.validate.conv_geometry
-    conv_rules(taps=True, tapwise_max_density=0.0, tapwise_strided_dx_max_density=0.0)
+    conv_rules(taps=True, tapwise_max_density=0.0, tapwise_strided_dx_max_density=0.0,
+               tapwise_strided_max_density=0.0)
     s2 = g("t", (2, 9, 9, 32), (32, 32, 3, 3), 2, 1, 1, "NHWC")
     # its forward and dW on batches of winograd_s2_min_pixels output pixels and more (here
     # 2 x 5 x 5), its dX on any

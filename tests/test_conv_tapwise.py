@@ -175,8 +175,9 @@ def test_the_plan_takes_tapwise_for_small_maps_only():
         assert chosen(16, 256, 256, 4, layout=layout) == "tapwise"
         assert chosen(16, 256, 512, 4, 2, layout=layout) == "tapwise"
     assert chosen(16, 64, 128, 4, 2) == "tapwise"
-    assert chosen(16, 128, 256, 8, 2) != "tapwise"               # density 0.84
-    assert chosen(16, 128, 128, 8) != "tapwise"                  # 0.77
+    assert chosen(16, 128, 256, 8, 2) == "tapwise"               # strided, density 0.84
+    assert chosen(16, 128, 256, 16, 2) != "tapwise"              # 0.92
+    assert chosen(16, 128, 128, 8) != "tapwise"                  # stride 1, 0.77
     assert chosen(16, 512, 512, 7) != "tapwise"                  # 0.82
     assert chosen(16, 32, 32, 2) != "tapwise"                    # few channels
     assert chosen(16, 512, 512, 2, kernel=1) != "tapwise"        # one tap: nothing to skip
@@ -188,26 +189,33 @@ def test_the_plan_takes_tapwise_for_small_maps_only():
         for pass_ in ("forward", "dx"):
             assert cpu_plan.plan(g, pass_, np.float32).algorithm != "tapwise"
     # a strided dX that the k-blocked im2col runs stays there on images of fewer than
-    # tapwise_blocked_dx_min_pixels output pixels (ResNet-18's l4 3x3/2: 2x2); one that it
-    # does not, not; from that many on (ResNet-50's l3 3x3/2 256 at 8x8 -> 4x4) tapwise
+    # tapwise_blocked_dx_min_pixels output pixels (4: a 1x1 output); one that it does not,
+    # not; from that many on (ResNet-18's l4 3x3/2 at 4x4 -> 2x2, ResNet-50's l3 3x3/2 256
+    # at 8x8 -> 4x4) tapwise
     for layout in ("NCHW", "NHWC"):
+        shape = (16, 256, 2, 2) if layout == "NCHW" else (16, 2, 2, 256)
+        s2 = nf.validate.conv_geometry("t", shape, (512, 256, 3, 3), 2, 1, 1, layout)
+        assert s2.P * s2.Q == 1
+        assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "im2col"
         shape = (16, 256, 4, 4) if layout == "NCHW" else (16, 4, 4, 256)
         s2 = nf.validate.conv_geometry("t", shape, (512, 256, 3, 3), 2, 1, 1, layout)
-        assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "im2col"
-        assert cpu_plan.plan(s2, "forward", np.float32).algorithm == "tapwise"
-        shape = (16, 256, 8, 8) if layout == "NCHW" else (16, 8, 8, 256)
-        s2 = nf.validate.conv_geometry("t", shape, (256, 256, 3, 3), 2, 1, 1, layout)
         assert s2.P * s2.Q == cpu_plan.RULES.tapwise_blocked_dx_min_pixels
         assert cpu_plan.plan(s2, "dx", np.float32, algorithm="im2col").k_blocks > 1
         assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "tapwise"
-        with cpu_plan.using(tapwise_blocked_dx_min_pixels=17):
+        assert cpu_plan.plan(s2, "forward", np.float32).algorithm == "tapwise"
+        with cpu_plan.using(tapwise_blocked_dx_min_pixels=5):
             assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "im2col"
+        shape = (16, 256, 8, 8) if layout == "NCHW" else (16, 8, 8, 256)
+        s2 = nf.validate.conv_geometry("t", shape, (256, 256, 3, 3), 2, 1, 1, layout)
+        assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "tapwise"
     s2 = nf.validate.conv_geometry("t", (16, 64, 4, 4), (128, 64, 3, 3), 2, 1, 1, "NCHW")
     assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "tapwise"
-    # a strided dX up to density 0.85 (ResNet-18's l3 3x3/2 at 8x8 -> 4x4: 0.84), its forward
-    # not; a stride-1 dX at 8x8 (0.77) neither
+    # a strided dX and forward up to density 0.85 (ResNet-18's l3 3x3/2 at 8x8 -> 4x4: 0.84);
+    # a stride-1 dX at 8x8 (0.77) not
     s2 = nf.validate.conv_geometry("t", (16, 128, 8, 8), (256, 128, 3, 3), 2, 1, 1, "NCHW")
     assert cpu_plan.plan(s2, "dx", np.float32).algorithm == "tapwise"
-    assert cpu_plan.plan(s2, "forward", np.float32).algorithm != "tapwise"
+    assert cpu_plan.plan(s2, "forward", np.float32).algorithm == "tapwise"
+    with cpu_plan.using(tapwise_strided_max_density=0.83):
+        assert cpu_plan.plan(s2, "forward", np.float32).algorithm != "tapwise"
     s1 = nf.validate.conv_geometry("t", (16, 128, 8, 8), (128, 128, 3, 3), 1, 1, 1, "NCHW")
     assert cpu_plan.plan(s1, "dx", np.float32).algorithm != "tapwise"

@@ -209,13 +209,23 @@ class Rules(NamedTuple):
     # (0.84) was slower at every shape measured: 128 -> 256, batch 16, NCHW 0.84-1.01 / 0.53-0.57
     # ms, NHWC 0.75 / 0.49; 128 -> 128 0.485 / 0.432 and 0.420 / 0.381
     tapwise_strided_dx_max_density: float = 0.85
+    # ... and a strided forward up to this share (since its products run on gemm_taps' tiles:
+    # 8x8 -> 4x4 is 0.84). Machine A (Zen 4), 2 threads, batch 16, in one process alternating,
+    # best of 10, ms im2col / tapwise (NCHW, NHWC): ResNet-18's l3 3x3/2 128 -> 256 1.00 /
+    # 0.81, 0.89 / 0.78; ResNet-50's l3 3x3/2 256 1.82 / 1.45, 1.72 / 1.41; batch 32 1.76 /
+    # 1.49, 1.76 / 1.48 (before the tiles, machine E: 0.47 / 0.49, hence 0.75 until then)
+    tapwise_strided_max_density: float = 0.85
     # ... and a strided dX that the k-blocked im2col runs (``_tapwise``) with at least this
     # many output pixels an image: ResNet-50's l3 3x3/2 256 at 8x8 -> 4x4, batch 16, machine F
     # (Zen 3, AVX2, 2 threads, ``bench_conv_plan.py --model resnet50``, ms im2col / tapwise):
     # NCHW 5.28 / 3.69, 4.07 / 3.53, 4.13 / 3.28; NHWC 4.14 / 2.94, 3.31 / 2.96. At 2x2 the
     # two were even (ResNet-18's l4 3x3/2 256 -> 512: machine E in ``_tapwise``; F NCHW 2.81 /
     # 2.22, 2.52 / 2.30, 1.93 / 2.43): im2col stays there
-    tapwise_blocked_dx_min_pixels: int = 16
+    tapwise_blocked_dx_min_pixels: int = 4
+    # (16 until the tiles ran tapwise's products: at 2x2 it wins since, machine A, 2 threads,
+    # batch 16, alternating, best of 10, ms im2col / tapwise (NCHW, NHWC): ResNet-18's l4
+    # 3x3/2 256 -> 512 1.04 / 0.79, 1.11 / 0.78; ResNet-50's l4 3x3/2 512 2.14 / 1.74, 2.34 /
+    # 1.67)
     # ... and no dX of a batch of fewer output pixels than this that the k-blocked im2col runs
     # (``_tiny_blocked_dx``). Machine F, NCHW, ms blocked im2col / tapwise: 3x3 256 at 2x2,
     # batch 1 (4 pixels) 0.23 / 0.37, 2 0.25 / 0.38, 8 (32) 0.74 / 0.54; 3x3/2 128 -> 256 at 4x4
@@ -607,7 +617,9 @@ def _tapwise(geom, pass_, dtype, rules):
         # ms two blocks of 32 / tapwise: 0.285 / 0.200)
     if _tiny_blocked_dx(geom, pass_, dtype, rules):
         return False
-    limit = rules.tapwise_strided_dx_max_density if strided_dx else rules.tapwise_max_density
+    strided = geom.sh > 1 or geom.sw > 1
+    limit = (rules.tapwise_strided_dx_max_density if strided_dx else
+             rules.tapwise_strided_max_density if strided else rules.tapwise_max_density)
     return (min(geom.C, geom.K) >= rules.tapwise_min_channels
             and tapwise_density(geom) <= limit)
 
