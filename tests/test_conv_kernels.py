@@ -613,6 +613,12 @@ def test_few_channels_forward_takes_the_implicit_gemm(layout, C, K, forward, con
     geom = nf.validate.conv_geometry("t", shape, (K, C, 3, 3), 1, 1, 1, layout)
     if forward == "implicit" and not cpu_plan.RULES.taps:
         pytest.skip("the implicit GEMM's tiles need AVX-512 here")
+    # on a CPU that splits a 512-bit FMA in two (Zen 4) the rule is off: Winograd everywhere
+    from numbafuse.kernels.cpu import gemm_taps
+    assert cpu_plan.RULES.implicit_s1_max_channels == (0 if gemm_taps.SPLIT_512 else 64)
+    conv_rules(implicit_s1_max_channels=0)
+    assert cpu_conv.algorithm(geom, "forward") == "winograd"
+    conv_rules(implicit_s1_max_channels=64)                    # the rule where it is on
     assert cpu_conv.algorithm(geom, "forward") == forward
     assert cpu_conv.algorithm(geom, "dx") == cpu_conv.algorithm(geom, "dw") == "winograd"
     assert cpu_plan.plan(geom, "forward", np.float64).algorithm == "winograd"

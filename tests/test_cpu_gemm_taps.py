@@ -140,3 +140,20 @@ def test_gemm_gather_every_panel_row_remainder_and_beta(wide, n, m, rng):
                                        err_msg=f"m={m} n={n} k={k} beta={beta} wide={wide}")
             assert (got[:m, n:] == GUARD).all() and (got[m] == GUARD).all(), "wrote outside c"
             assert out[True].tobytes() == out[False].tobytes()
+
+
+def test_a_split_512_bit_fma_is_zen_4_alone():
+    """gemm_taps.splits_512_bit_fma reads /proc/cpuinfo's first processor: AMD family 25 with
+    AVX-512 (Zen 4) is the one; Zen 3 (no AVX-512), Zen 5 (family 26), Intel and an empty or
+    unreadable text are not."""
+    def info(vendor, family, flags):
+        return (f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\n"
+                f"model\t\t: 17\nflags\t\t: fpu sse2 {flags}\n\nprocessor\t: 1\n"
+                "vendor_id\t: GenuineIntel\n")
+    assert gt.splits_512_bit_fma(info("AuthenticAMD", 25, "avx2 avx512f avx512bw"))
+    assert not gt.splits_512_bit_fma(info("AuthenticAMD", 25, "avx2 fma"))
+    assert not gt.splits_512_bit_fma(info("AuthenticAMD", 26, "avx2 avx512f"))
+    assert not gt.splits_512_bit_fma(info("GenuineIntel", 6, "avx2 avx512f"))
+    assert not gt.splits_512_bit_fma(info("AuthenticAMD", 25, "avx512fx"))  # a whole flag
+    assert not gt.splits_512_bit_fma("")
+    assert gt.SPLIT_512 == (gt.WIDE and gt.splits_512_bit_fma())

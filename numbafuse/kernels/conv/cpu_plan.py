@@ -113,8 +113,13 @@ class Rules(NamedTuple):
     # the spread (NCHW 3.45-3.87 / 3.44-3.52, 19.61-19.65 / 18.93-19.03; NHWC 3.27-3.31 /
     # 3.12-3.59, 19.21-19.67 / 18.89-19.66). Tests that mean Winograd set this to 0. Not
     # below implicit_s1_min_channels a side: 24 at 8x8, batch 32 (the digits model) 0.160 /
-    # 0.161 and 0.131 / 0.137, no gain for the implicit kernels' first-call compile
-    implicit_s1_max_channels: int = 64
+    # 0.161 and 0.131 / 0.137, no gain for the implicit kernels' first-call compile. None where
+    # the CPU splits a 512-bit FMA in two (Zen 4, gemm_taps.SPLIT_512): machine A, 2 threads,
+    # alternating, best of 8, ms Winograd / implicit (NCHW, NHWC), C -> K at size, batch 16:
+    # 64 at 16x16 0.94 / 1.43, 0.89 / 1.40; 32 -> 64 0.56 / 0.76, 0.52 / 0.73; 32 0.37 /
+    # 0.41, 0.34 / 0.39; 64 at 32x32 3.79 / 5.89, 3.34 / 5.46; 32 at 32x32 1.38 / 1.75, 1.18
+    # / 1.58; batch 8, 64 at 56x56 5.50 / 8.67, 5.14 / 8.33
+    implicit_s1_max_channels: int = 0 if _gemm_taps.SPLIT_512 else 64
     implicit_s1_min_channels: int = 32
     # 16-float register tiles (AVX-512) rather than 8-float ones
     wide: bool = _gemm_taps.WIDE

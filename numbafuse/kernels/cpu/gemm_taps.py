@@ -61,6 +61,32 @@ def _has_avx512():
 WIDE = _has_avx512()
 
 
+def splits_512_bit_fma(cpuinfo=None):
+    """Whether this CPU runs a 512-bit fused multiply-add as two 256-bit halves (AMD Zen 4:
+    an AuthenticAMD family 25 that has AVX-512; Zen 3, the same family, has none), from
+    ``/proc/cpuinfo`` (or the text ``cpuinfo``); False where that does not say. There the
+    tiles' 16-float FMAs issue at half the rate of a Zen 5 or an Intel core with AVX-512, and
+    a pass that does fewer multiplies (Winograd's) beats them where it loses elsewhere
+    (``conv/cpu_plan.Rules.implicit_s1_max_channels``)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read(1 << 16)
+        except OSError:
+            return False
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("vendor_id", "cpu family", "flags") and key not in fields:
+            fields[key] = value.strip()
+    return (fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
+            and "avx512f" in fields.get("flags", "").split())
+
+
+SPLIT_512 = WIDE and splits_512_bit_fma()
+
+
 def _taps_tile(rows, nv, width):
     """The micro-kernel intrinsic for a (rows, width * nv) block of c."""
 
