@@ -458,10 +458,14 @@ def budget(cost):
     return max(MIN_EXAMPLES, settings.default.max_examples // cost)
 
 
-def run_property(key, cost, body):
+def run_property(key, cost, body, derandomize=False):
     """Run ``body(draw)`` over ``budget(cost)`` Hypothesis examples. ``key`` names the
-    property (its own seed under derandomized profiles and its own database entry)."""
-    @settings(max_examples=budget(cost))
+    property (its own seed under derandomized profiles and its own database entry);
+    ``derandomize``: its derandomized examples under any profile (a test whose outcome must
+    not depend on the draw)."""
+    @settings(max_examples=budget(cost),
+              derandomize=derandomize or settings.default.derandomize,
+              database=None if derandomize else settings.default.database)
     @given(st.data())
     def prop(data):
         body(data.draw)

@@ -23,11 +23,12 @@ def _ops(check):
     return sorted(CASES)
 
 
-def _run(check, op, backend, dtype=None):
+def _run(check, op, backend, dtype=None, derandomize=False):
     case = CASES[op]
     fn, cost = CHECKS[check]
     run_property(f"{check}:{op}:{backend.name}", cost * case.cost * backend.cost,
-                 lambda draw: fn(case, backend, case.draw(draw, backend, dtype=dtype), draw))
+                 lambda draw: fn(case, backend, case.draw(draw, backend, dtype=dtype), draw),
+                 derandomize)
 
 
 def test_every_op_has_a_case():
@@ -85,7 +86,11 @@ def test_the_checks_fail_on_a_wrong_kernel(kernel, backend):
         scale = lambda a: None if a is None else elementwise.axpby(1.001, a, 0.0, a)  # noqa
         return tuple(map(scale, out)) if isinstance(out, tuple) else scale(out)
 
+    # the examples CI's derandomized profiles draw, under any profile: some random draws had
+    # gradients too small for a 1.001 scale to leave the tolerance (the README's dev profile:
+    # 1 of 27 runs on machine A, 2026-12-01)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(module, kernel, wrong)
         with pytest.raises(AssertionError):
-            _run("forward" if kernel == "conv_forward" else "tape", "conv2d", backend)
+            _run("forward" if kernel == "conv_forward" else "tape", "conv2d", backend,
+                 derandomize=True)
