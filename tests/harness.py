@@ -458,14 +458,10 @@ def budget(cost):
     return max(MIN_EXAMPLES, settings.default.max_examples // cost)
 
 
-def run_property(key, cost, body, derandomize=False):
+def run_property(key, cost, body):
     """Run ``body(draw)`` over ``budget(cost)`` Hypothesis examples. ``key`` names the
-    property (its own seed under derandomized profiles and its own database entry);
-    ``derandomize``: its derandomized examples under any profile (a test whose outcome must
-    not depend on the draw)."""
-    @settings(max_examples=budget(cost),
-              derandomize=derandomize or settings.default.derandomize,
-              database=None if derandomize else settings.default.database)
+    property (its own seed under derandomized profiles and its own database entry)."""
+    @settings(max_examples=budget(cost))
     @given(st.data())
     def prop(data):
         body(data.draw)
