@@ -4,9 +4,10 @@ conv passes use them: the products alone, each ResNet conv pass, and the ResNet 
     python benchmarks/bench_tiles.py [--part gemm|passes|network|all] [--model resnet18]
                                      [--rounds 8] [--batch 16] [--size 64]
 
-The tiles run where ``blas.TILE_GEMM`` (float32 products of ``blas.gemm``),
-``cpu_im2col_dw.gathers_dw`` (the NCHW im2col dW), ``cpu_tapwise.tiles_forward`` and
-``tiles_dx`` say; "off" sets all four to OpenBLAS. Every comparison runs both variants in
+The tiles run where ``blas.TILE_GEMM`` (float32 products of ``blas.gemm`` with no operand
+transposed) says, and in that orientation where ``cpu_im2col_dw.gathers_dw`` (the NCHW
+im2col dW without slab) and ``cpu_tapwise.tiles_forward`` say; "off" sets all three to
+OpenBLAS and its orientations. Every comparison runs both variants in
 this one process, alternating round by round (the same arrays, the same model), and keeps
 the best of each; "faster in" counts the rounds the tiles won. ``gemm``: one thread, c (m, n)
 = a (m, k) @ b (k, n) by ``gemm_gather`` (b's rows by address) against NumPy's OpenBLAS on
@@ -43,12 +44,11 @@ def _switch(on, saved):
         return False
     cpu_im2col_dw.gathers_dw = saved[0] if on else off
     cpu_tapwise.tiles_forward = saved[1] if on else off
-    cpu_tapwise.tiles_dx = saved[2] if on else off
 
 
 def _saved():
     from numbafuse.kernels.conv import cpu_im2col_dw, cpu_tapwise
-    return (cpu_im2col_dw.gathers_dw, cpu_tapwise.tiles_forward, cpu_tapwise.tiles_dx)
+    return (cpu_im2col_dw.gathers_dw, cpu_tapwise.tiles_forward)
 
 
 def _alternate(fn, rounds, repeats, saved):

@@ -289,16 +289,17 @@ def test_whole_batch_im2col_dw_in_blocks_of_output_channels(layout, stride, size
 @pytest.mark.parametrize("wide", [True, False])                 # 16- and 8-float tiles
 @pytest.mark.parametrize("C, K, slab, gathers", [
     (3, 120, False, True),     # dW^T (27, 120): 6 tiles of 4 rows + 3 of 1; panels 64+32+16+8
-    (8, 40, True, True),       # dW (40, 72): cols' rows gathered
+    (8, 40, True, True),       # dW (40, 72): cols' rows gathered (blas.gemm's route)
     (3, 12, False, False),     # K % 8: OpenBLAS
     (5, 24, True, False),      # R*S*C = 45 % 8: OpenBLAS
 ])
 def test_nchw_im2col_dw_chunks_by_the_gather_tiles(monkeypatch, wide, C, K, slab, gathers):
     """The NCHW im2col dW over chunks (``cpu_im2col_dw.dw_tasks``) sums its products by
-    ``gemm_gather``'s register tiles where ``gathers_dw`` says (float32; without slab the
-    transposed product, with slab the cols' rows gathered): several chunks a group (the
-    first overwrites, the rest add), a last partial chunk, the ReLU's gate, stride 2; dW and
-    db against the reference and bitwise the same on 1 and 3 threads, on both tile widths."""
+    ``gemm_gather``'s register tiles (float32; without slab the transposed product where
+    ``gathers_dw`` says, with slab the cols' rows gathered, both by ``blas.gemm``'s route):
+    several chunks a group (the first overwrites, the rest add), a last partial chunk, the
+    ReLU's gate, stride 2; dW and db against the reference and bitwise the same on 1 and 3
+    threads, on both tile widths."""
     monkeypatch.setattr(gemm_taps, "WIDE", wide)
     rng = np.random.default_rng(C * 1000 + K)
     x = rng.standard_normal((5, C, 13, 9)).astype(np.float32)          # P, Q = 7, 5
@@ -313,7 +314,7 @@ def test_nchw_im2col_dw_chunks_by_the_gather_tiles(monkeypatch, wide, C, K, slab
         monkeypatch.setattr(cpu_im2col_dw, "GATHER_MIN_PIXELS", 36)
         assert not cpu_im2col_dw.gathers_dw(geom, slab, np.float32)
         monkeypatch.setattr(cpu_im2col_dw, "GATHER_MIN_PIXELS", 35)
-    assert cpu_im2col_dw.gathers_dw(geom, slab, np.float32) == gathers
+    assert cpu_im2col_dw.gathers_dw(geom, slab, np.float32) == (gathers and not slab)
     assert not cpu_im2col_dw.gathers_dw(geom, slab, np.float64)
     # chunks of 2 output rows (an image's 7: 2, 2, 2, 1), 4 groups of 5 chunks
     with cpu_plan.using(chunk_bytes=2 * 5 * 9 * C * 4 + 1, min_chunks=1, dw_groups=4):

@@ -100,10 +100,8 @@ def test_tapwise_dx_matches_the_reference(monkeypatch, case, layout):
     want = ref.conv_bias_relu_backward(g32.astype(np.float64), x, w32.astype(np.float64), b,
                                        y=y32.astype(np.float64), **kwargs)[0]
     np.testing.assert_allclose(got, want, **TOL[np.float32])
-    # float32 in blocks of 16 channels: the products on gemm_taps' tiles (C % 8 == 0) of
-    # both widths, else OpenBLAS
-    assert cpu_tapwise.tiles_dx(geom, np.float32) == (geom.C % 8 == 0)
-    assert not cpu_tapwise.tiles_dx(geom, np.float64)
+    # float32 in blocks of 16 channels: the products on gemm_taps' tiles (blas.gemm's route:
+    # C % 8 == 0, 16 rows a tap or more) of both widths, else OpenBLAS
     for wide in (True, False):
         monkeypatch.setattr(gemm_taps, "WIDE", wide)
         with cpu_plan.using(tapwise_k_block=16):

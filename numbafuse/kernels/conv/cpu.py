@@ -375,12 +375,8 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
         _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
         if need_dw and (geom.layout == "NHWC" or plan.slab) and R * S > 1:  # back in w's order
             _im2col.ready_reorder(x.dtype)
-        gather = need_dw and _im2col_dwk.gathers_dw(geom, plan.slab, x.dtype, blocks=True)
-        if gather:
-            _gemm_taps.ready_gather()
         launch(_im2col_dwk.dw_block_tasks, plan.k_blocks, x, _k_view(gy, geom), _k_view(y, geom),
-               use_mask, geo_tuple(geom), int(plan.k_blocks),
-               (bool(plan.slab), bool(need_dw), gather, bool(_gemm_taps.WIDE)),
+               use_mask, geo_tuple(geom), int(plan.k_blocks), (bool(plan.slab), bool(need_dw)),
                _blas.blas_for(x.dtype), _batch_cols(x, geom, plan.slab, need_dw),
                (dwm, db[0]), work=work, grain=1)
         return (dwm.reshape(K, C, R, S) if need_dw else None), db      # (in w's order)
@@ -392,17 +388,15 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
     gather = need_dw and _im2col_dwk.gathers_dw(geom, plan.slab, x.dtype)
     if gather:
-        _gemm_taps.ready_gather()
-        _im2col.ready_reorder(x.dtype)
+        _im2col.ready_reorder(x.dtype)                                 # (g's transposes)
     launch(_im2col_dwk.dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom), use_mask,
            geo_tuple(geom), _ints(ipc, rpc, nchunks, groups),
-           (bool(plan.slab), bool(need_dw), gather, bool(_gemm_taps.WIDE)),
-           _blas.blas_for(x.dtype), (dw_parts.reshape(-1, K, R * S * C), db_parts), work=work,
-           grain=1)
+           (bool(plan.slab), bool(need_dw), gather), _blas.blas_for(x.dtype),
+           (dw_parts.reshape(-1, K, R * S * C), db_parts), work=work, grain=1)
     if not need_dw:
         return None, db_parts
     dwm = sum_groups(dw_parts)                                         # group order
-    if gather and not plan.slab:                                       # dW^T (C*R*S, K)
+    if gather:                                                         # dW^T (C*R*S, K)
         dwm = np.ascontiguousarray(dwm.reshape(R * S * C, K).T)
     return _dw_from_cols_order(dwm, geom, plan), db_parts
 

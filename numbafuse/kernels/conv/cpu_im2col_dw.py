@@ -1,12 +1,12 @@
 """The im2col dW's task kernels (``cpu_im2col``'s docstring has the orientations and the
 chunks): a group of chunks a task (``dw_tasks``), or the whole batch in blocks of output
-channels (``dw_block_tasks``); their products by OpenBLAS or, NCHW and float32, by
-``gemm_taps.gemm_gather``'s register tiles (``gathers_dw``)."""
+channels (``dw_block_tasks``). Their products go through ``cpu.blas.gemm``, which runs those
+with no operand transposed on ``gemm_taps``' register tiles (``blas.TILE_GEMM``): the NCHW
+slab's dW = g @ cols does; without slab (a stem) ``gathers_dw`` says where g is transposed
+first so that dW^T = cols @ g^T does too."""
 import numpy as np
-from numba import njit
 
 from ..cpu import blas as _blas
-from ..cpu.gemm_taps import dense_rows, gather_step as _gather_step
 from ..cpu.launch import task_kernel
 from ..cpu.transpose import ROWS as _ROWS
 from .cpu_chunks import block_len, chunk, gated_chw, gated_hwc
@@ -16,24 +16,18 @@ _im2col_chw_step, _im2col_hwc_step = IM2COL_CHW.call, IM2COL_HWC.call
 _im2col_slab_step, _rows_step = IM2COL_SLAB.call, _ROWS.call
 
 
-def gathers_dw(geom, slab, dtype, blocks=False):
-    """Whether the NCHW dW (:func:`dw_tasks`; ``blocks``: :func:`dw_block_tasks`) sums its
-    products by ``gemm_taps.gemm_gather``'s register tiles instead of OpenBLAS, float32: with
-    slab, dW (K, R*S*C) = g (K, m) @ cols (m, R*S*C), the cols' rows gathered (R*S*C a
-    multiple of 8, the tiles' columns); without (chunks only), dW^T (C*R*S, K) = cols (C*R*S,
-    m) @ g^T (m, K), g transposed first (K a multiple of 8). One thread, machine A (Zen 4,
-    AVX-512), GFLOP/s gather / OpenBLAS (NumPy's, the same library): dW^T at (C*R*S, K, m) =
-    the ResNet stem's (147, 64, 1024) 111 / 69, (576, 64, 1024) 116 / 73, (1152, 128, 256)
-    115 / 92, but (27, 32, 1024) 84 / 96; dW at (K, R*S*C, m) = (128, 2304, 256) 113 / 104,
-    (128, 4608, 64) 113 / 93, (128, 1024, 64) 113 / 80, (256, 512, 64) 114 / 84 (OpenBLAS
-    packs both operands for each product; the tiles read them where they lie)."""
-    if geom.layout != "NCHW" or np.dtype(dtype) != np.float32:
-        return False
-    if slab:
-        return geom.R * geom.S * geom.C % 8 == 0
-    # without slab from GATHER_MIN_PIXELS output pixels an image: each chunk transposes its
-    # g and fills a row table first, which at 8x8 outweighs the tiles' gain
-    return not blocks and geom.K % 8 == 0 and geom.P * geom.Q >= GATHER_MIN_PIXELS
+def gathers_dw(geom, slab, dtype):
+    """Whether the NCHW dW over chunks without slab (:func:`dw_tasks`; cols (C*R*S, m))
+    transposes each chunk's g to (m, K) and multiplies dW^T (C*R*S, K) = cols @ g^T, the
+    orientation ``blas.gemm`` runs on the tiles, instead of OpenBLAS's (K, m) @ (m, C*R*S)^T:
+    float32, K a multiple of 8 (the tiles' columns), from GATHER_MIN_PIXELS output pixels an
+    image (each chunk's transpose and row table outweighed the tiles at 8x8). One thread,
+    machine A (Zen 4, AVX-512), GFLOP/s tiles / OpenBLAS (NumPy's, the same library) at
+    (C*R*S, K, m): the ResNet stem's (147, 64, 1024) 111 / 69, (576, 64, 1024) 116 / 73,
+    (1152, 128, 256) 115 / 92, but (27, 32, 1024) 84 / 96. (With slab, dW = g @ cols is that
+    orientation already: (128, 2304, 256) 113 / 104, (128, 1024, 64) 113 / 80.)"""
+    return (geom.layout == "NCHW" and not slab and np.dtype(dtype) == np.float32
+            and geom.K % 8 == 0 and geom.P * geom.Q >= GATHER_MIN_PIXELS)
 
 
 # The dW without slab, 2 threads, machine A, OpenBLAS -> tiles ms (in-process A/B, best of
@@ -43,34 +37,22 @@ def gathers_dw(geom, slab, dtype, blocks=False):
 GATHER_MIN_PIXELS = 256
 
 
-@njit(inline="always")
-def _gather_gemm(mnk, a, lda, rows, c, ldc, beta, wide):
-    # c (m, n) (+)= a (m, k) @ b (k, n) by gemm_taps.gemm_gather, b's row p at rows[p]
-    # (float32 addresses); a, c float32 arrays, row strides lda, ldc; beta 0 or 1
-    m, n, k = mnk
-    _gather_step((np.int64(m), np.int64(n), np.int64(k), np.int64(a.ctypes.data),
-                  np.int64(lda), np.int64(rows.ctypes.data), np.int64(0),
-                  np.int64(c.ctypes.data), np.int64(ldc), np.int64(beta), np.int64(wide)))
-
-
 @task_kernel
 def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
     ipc, rpc, nchunks, groups = chunks
-    slab, need_dw, gather, wide = flags
+    slab, need_dw, gather = flags
     dw_parts, db_parts = parts
     # x as in the forward (slab too); gy, y: (N, K, PQ) | (N, PQ, K); dw_parts: (groups, K,
     # RSC) <- each group's dW (columns in the cols order: (r, s, c) with slab), or with
-    # gather (NCHW, no slab, float32, K % 8 == 0: :func:`gathers_dw`) (groups, RSC, K) <- its
-    # dW^T = cols (RSC, m) @ g^T (m, K) by ``gemm_taps.gemm_gather``'s register tiles, g
-    # transposed first (the rows they gather); db_parts: (groups, K) float64 <- its sum of g
+    # gather (:func:`gathers_dw`) (groups, RSC, K) <- its dW^T = cols (RSC, m) @ g^T (m, K),
+    # g transposed first; db_parts: (groups, K) float64 <- its sum of g
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
     mmax = ipc * PQ if ipc > 1 else rpc * Q
     cols = np.empty(mmax * RSC if need_dw else 0, x.dtype)
     gbuf = np.empty(mmax * K, x.dtype)
-    gtbuf = np.empty(mmax * K if gather and not slab else 0, x.dtype)    # g^T: (m, K)
-    grows = np.empty(mmax if gather else 0, np.int64)             # its row addresses
+    gtbuf = np.empty(mmax * K if gather else 0, x.dtype)          # g^T: (m, K)
     sbuf = slab_buffer(x, geo, ipc, rpc, slab and need_dw)
     for grp in range(t0, t1):
         dbp = db_parts[grp]                                       # (K,)
@@ -105,22 +87,18 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
                     c2 = cols[:m * RSC].reshape((m, RSC))         # (m, R*S*C)
                     _im2col_slab_step((x, n0, n1, p0, p1, geo, sbuf, c2, per))
                     # dW (K, RSC) += g (K, m) @ cols (m, RSC)
-                    if gather:
-                        dense_rows(grows, np.int64(c2.ctypes.data), m, RSC)
-                        _gather_gemm((K, RSC, m), g, m, grows, dwp, RSC, beta != 0.0, wide)
-                    else:
-                        _blas.gemm(blas, False, False, (K, RSC, m), 1.0, g, m, c2, RSC, beta,
-                                   dwp, RSC)
+                    _blas.gemm(blas, False, False, (K, RSC, m), 1.0, g, m, c2, RSC, beta, dwp,
+                               RSC)
                     continue
                 c2 = cols[:RSC * m].reshape((RSC, m))             # (C*R*S, m)
                 for n in range(n0, n1):
                     _im2col_chw_step((x, n, p0, p1, geo, c2, (n - n0) * per))
                 if gather:
-                    # dW^T (RSC, K) += cols (RSC, m) @ g^T (m, K), g^T's rows gathered
+                    # dW^T (RSC, K) += cols (RSC, m) @ g^T (m, K)
                     gt = gtbuf[:m * K].reshape((m, K))
                     _rows_step((g.reshape((1, K, m)), gt.reshape((1, m, K))))
-                    dense_rows(grows, np.int64(gt.ctypes.data), m, K)
-                    _gather_gemm((RSC, K, m), c2, m, grows, dwp, K, beta != 0.0, wide)
+                    _blas.gemm(blas, False, False, (RSC, K, m), 1.0, c2, m, gt, K, beta,
+                               dwp.reshape((RSC, K)), K)
                     continue
                 # dW (K, RSC) += g (K, m) @ cols^T (m, RSC)
                 _blas.gemm(blas, False, True, (K, RSC, m), 1.0, g, m, c2, m, beta, dwp, RSC)
@@ -128,7 +106,7 @@ def dw_tasks(t0, t1, x, gy, y, use_mask, geo, chunks, flags, blas, parts):
 
 @task_kernel
 def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
-    slab, need_dw, gather, wide = flags
+    slab, need_dw = flags
     dwk, db = out
     # dW and db of the whole batch split by output channels, not by pixels (deep layers: few
     # pixels, many weights): task t the channels [k0, k1) (block t of kb, a multiple of 16),
@@ -147,11 +125,6 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
     # cols in (r, s, c) order: dW too, then reordered (a 1x1 conv's orders are one)
     reorder = need_dw and (nhwc or slab) and R * S > 1
     dbuf = np.empty(min(K, kb_len) * RSC if reorder else 0, x.dtype)
-    # with gather (NCHW slab, float32: gathers_dw) the GEMMs by gemm_gather, the rows of pre
-    # (M, R*S*C) gathered
-    prows = np.empty(M if gather and slab and need_dw else 0, np.int64)
-    if prows.shape[0] > 0:
-        dense_rows(prows, np.int64(pre.ctypes.data), M, RSC)
     for t in range(t0, t1):
         k0 = t * kb_len
         k1 = min(K, k0 + kb_len)
@@ -179,11 +152,7 @@ def dw_block_tasks(t0, t1, x, gy, y, use_mask, geo, kb, flags, blas, pre, out):
             continue
         if slab:                                                  # pre: (M, R*S*C)
             d2 = dbuf[:kn * RSC].reshape((kn, RSC)) if reorder else dwk[k0:k1]
-            if gather:
-                _gather_gemm((kn, RSC, M), g, M, prows, d2, RSC, False, wide)
-            else:
-                _blas.gemm(blas, False, False, (kn, RSC, M), 1.0, g, M, pre, RSC, 0.0, d2,
-                           RSC)
+            _blas.gemm(blas, False, False, (kn, RSC, M), 1.0, g, M, pre, RSC, 0.0, d2, RSC)
             if reorder:
                 _rows_step((d2.reshape((kn, R * S, C)), dwk[k0:k1].reshape((kn, C, R * S))))
         else:                                                     # pre: (C*R*S, M)

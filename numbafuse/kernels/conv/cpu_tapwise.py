@@ -25,8 +25,7 @@ import numpy as np
 
 from numba import njit
 
-from ..cpu import blas as _blas, gemm_taps as _gemm_taps
-from ..cpu.gemm_taps import dense_rows, taps_step as _taps_step
+from ..cpu import blas as _blas
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import launch, task_kernel
 from ..cpu.transpose import ROWS as _ROWS
@@ -75,35 +74,22 @@ def _most_rows(offsets):
 
 
 @njit(inline="always")
-def _sum_taps(acc, tmp, lhs, taps, wsel, gemm):
+def _sum_taps(acc, tmp, lhs, offsets, pix, wflat, first, tap, ldb, tb, inner, blas):
     """acc (M, n) = the sum over taps t of lhs's rows of t (m_t, inner) times t's weights,
     which start at wflat[first + t*tap], rows ``ldb`` apart: (n, inner) used transposed
     (``tb``) or (inner, n); each product's row i added into acc's row pix[i]. tmp: at
-    least the most rows of a tap times n values. taps = (offsets, pix, rows), wsel = (wflat,
-    first, tap, ldb, tb), gemm = (inner, blas, tiles, wide): with ``tiles`` (float32, not
-    tb, n % 8 == 0) each product by ``gemm_taps``' register tiles (one tap of k = inner;
-    rows: the addresses of lhs's rows), else by OpenBLAS."""
-    offsets, pix, rows = taps
-    wflat, first, tap, ldb, tb = wsel
-    inner, blas, tiles, wide = gemm
+    least the most rows of a tap times n values. (``blas.gemm`` runs the products with b
+    not transposed on gemm_taps' register tiles: dX's, and the forward's with tiles_forward.)"""
     n = acc.shape[1]
     acc[:] = 0
-    zero = np.zeros(1, np.int64)                          # the one tap's offset in lhs's rows
     for t in range(offsets.shape[0] - 1):
         r0, r1 = offsets[t], offsets[t + 1]
         m = r1 - r0
         if m == 0:
             continue
         part = tmp[:m * n].reshape((m, n))
-        if tiles:
-            _taps_step(((np.int64(m), np.int64(n), np.int64(inner)), np.int64(1),
-                        np.int64(rows.ctypes.data) + 8 * r0, np.int64(zero.ctypes.data),
-                        np.int64(wflat.ctypes.data) + 4 * (first + t * tap), np.int64(ldb),
-                        np.int64(part.ctypes.data), np.int64(n), np.int64(0), np.int64(0),
-                        np.int64(wide)))
-        else:
-            _blas.gemm(blas, False, tb, (m, n, inner), 1.0, lhs[r0:r1], inner,
-                       wflat[first + t * tap:], ldb, 0.0, part, n)
+        _blas.gemm(blas, False, tb, (m, n, inner), 1.0, lhs[r0:r1], inner,
+                   wflat[first + t * tap:], ldb, 0.0, part, n)
         for i in range(m):
             row, add = acc[pix[r0 + i]], part[i]
             for c in range(n):
@@ -114,15 +100,15 @@ def _sum_taps(acc, tmp, lhs, taps, wsel, gemm):
 def forward_tasks(t0, t1, cols, wmat, bs, flags, dims, taps, blas, wdst, y):
     # cols (T, C); wmat: w as (K, C*R*S) (flags[2], wt: each task reorders its block to
     # (kn, R*S*C), into its rows of wdst (K, R*S*C) where given, else a buffer) or already
-    # (K, R*S*C); bs = (b, scale), (K,) each; flags = (has_bias, relu, wt, scaled, tiles,
-    # wide); dims = (N, C, K, RS, PQ, kb, nhwc); taps = (offsets, dst) of ``tables``; y (N,
-    # PQ, K) NHWC or (N, K, PQ) NCHW. Task t: output channels [k0, k1), block t of kb.
-    # With tiles (flags[4]: float32, K % 8 == 0, ``tiles_forward``) the products run on
-    # gemm_taps' register tiles (flags[5]: 16-float), which read tap t's weights as (C, kn)
-    # rows: each task transposes its block of w (kn, C*R*S) to (C*R*S, kn) (row c*RS + t),
-    # into its C*R*S*kb_len values of wdst (kb*C*R*S, kb_len) from task*C*R*S*kb_len on
-    # where given (the weight cache's), else into a buffer (wt: unless wdst has them).
-    has_bias, relu, wt, scaled, tiles, wide = flags
+    # (K, R*S*C); bs = (b, scale), (K,) each; flags = (has_bias, relu, wt, scaled, tiles);
+    # dims = (N, C, K, RS, PQ, kb, nhwc); taps = (offsets, dst) of ``tables``; y (N, PQ, K)
+    # NHWC or (N, K, PQ) NCHW. Task t: output channels [k0, k1), block t of kb.
+    # With tiles (flags[4]: ``tiles_forward``) tap t's weights are read as (C, kn) rows, the
+    # orientation blas.gemm runs on gemm_taps' register tiles: each task transposes its block
+    # of w (kn, C*R*S) to (C*R*S, kn) (row c*RS + t), into its C*R*S*kb_len values of wdst
+    # (kb*C*R*S, kb_len) from task*C*R*S*kb_len on where given (the weight cache's), else
+    # into a buffer (wt: unless wdst has them).
+    has_bias, relu, wt, scaled, tiles = flags
     b, scale = bs
     N, C, K, RS, PQ, kb, nhwc = dims
     offsets, dst = taps
@@ -132,9 +118,6 @@ def forward_tasks(t0, t1, cols, wmat, bs, flags, dims, taps, blas, wdst, y):
     acc = np.empty((M, min(K, kb_len)), y.dtype)
     tmp = np.empty(_most_rows(offsets) * min(K, kb_len), y.dtype)
     wbuf = np.empty(min(K, kb_len) * RSC if wt and wdst.shape[0] == 0 else 0, y.dtype)
-    rows = np.empty(cols.shape[0] if tiles else 0, np.int64)
-    if tiles:
-        dense_rows(rows, np.int64(cols.ctypes.data), cols.shape[0], C)
     for task in range(t0, t1):
         k0 = task * kb_len
         k1 = min(K, k0 + kb_len)
@@ -148,12 +131,12 @@ def forward_tasks(t0, t1, cols, wmat, bs, flags, dims, taps, blas, wdst, y):
             wtk = wtk.reshape((RSC, kn))
             if wt:
                 _rows_step((wmat[k0:k1].reshape((1, kn, RSC)), wtk.reshape((1, RSC, kn))))
-            _sum_taps(a, tmp, cols, (offsets, dst, rows), (wtk.reshape(RSC * kn), 0, kn,
-                                                           RS * kn, False), (C, blas, True, wide))
+            _sum_taps(a, tmp, cols, offsets, dst, wtk.reshape(RSC * kn), 0, kn, RS * kn, False,
+                      C, blas)
         else:
             wk = block_weights(wmat, k0, k1, C, RS, wt, wdst, wbuf)  # (kn, R*S*C)
-            _sum_taps(a, tmp, cols, (offsets, dst, rows), (wk.reshape(kn * RSC), 0, C, RSC,
-                                                           True), (C, blas, False, wide))
+            _sum_taps(a, tmp, cols, offsets, dst, wk.reshape(kn * RSC), 0, C, RSC, True, C,
+                      blas)
         for i in range(M):
             n, pq = i // PQ, i % PQ
             src = a[i]
@@ -193,12 +176,10 @@ def forward(x, w, b, has_bias, scale, geom, relu, k_blocks, y, blas, work):
                                                    (0, rows[1]), x.dtype)
     if wt or tiles:
         ready_reorder(x.dtype)
-    if tiles:
-        _gemm_taps.ready(gather=False)
     PQ = geom.P * geom.Q
     launch(forward_tasks, k_blocks, cols, w.reshape(K, -1) if wt or tiles else kept,
            (b, b if scale is None else scale),
-           (bool(has_bias), bool(relu), wt, scale is not None, tiles, bool(_gemm_taps.WIDE)),
+           (bool(has_bias), bool(relu), wt, scale is not None, tiles),
            (geom.N, geom.C, K, R * S, PQ, k_blocks, int(nhwc)), (offsets, dst), blas, wdst,
            y.reshape(geom.N, PQ, K) if nhwc else y.reshape(geom.N, K, PQ), work=work, grain=1)
     if wt and wdst.shape[0]:
@@ -207,9 +188,10 @@ def forward(x, w, b, has_bias, scale, geom, relu, k_blocks, y, blas, work):
 
 
 def tiles_forward(geom, dtype):
-    """Whether :func:`forward`'s products run on ``gemm_taps``' register tiles instead of
-    OpenBLAS: float32 and K a multiple of 8 (each block's columns). Measured: see
-    docs/conv_bias_relu.md."""
+    """Whether :func:`forward` transposes each block of weights so that its products run on
+    ``gemm_taps``' register tiles (``blas.gemm``'s route for b not transposed) instead of
+    OpenBLAS's (m, C) @ (kn, C)^T: float32 and K a multiple of 8 (each block's columns).
+    Measured: see docs/conv_bias_relu.md."""
     return np.dtype(dtype) == np.float32 and geom.K % 8 == 0
 
 
@@ -265,11 +247,9 @@ def prep_tasks(t0, t1, w3, wt3, kb, a3, b3, gate, nhwc, offsets, pix, out):
 def dx_tasks(t0, t1, gcols, wmat, dims, taps, blas, dx):
     # dX by tap: dx[src_t] += gcols_t @ w_t, w_t (K, C) = w[:, :, r, s]: gcols (T, K) the
     # gated gradient's rows of each tap's outputs (``tables``' order), wmat w as (K, R*S*C);
-    # dims = (N, C, K, RS, HW, cb, nhwc, tiles, wide); taps = (offsets, src); dx (N, HW, C)
-    # NHWC or (N, C, HW) NCHW. Task t: input channels [c0, c1), block t of cb; every dx value
-    # is one task's. tiles (float32, C % 8 == 0: ``tiles_dx``): the products by gemm_taps'
-    # register tiles (wide: 16-float), the rows of gcols addressed in a table.
-    N, C, K, RS, HW, cb, nhwc, tiles, wide = dims
+    # dims = (N, C, K, RS, HW, cb, nhwc); taps = (offsets, src); dx (N, HW, C) NHWC or (N, C,
+    # HW) NCHW. Task t: input channels [c0, c1), block t of cb; every dx value is one task's.
+    N, C, K, RS, HW, cb, nhwc = dims
     offsets, src = taps
     M = N * HW
     RSC = RS * C
@@ -278,9 +258,6 @@ def dx_tasks(t0, t1, gcols, wmat, dims, taps, blas, dx):
     acc = np.empty((M, cmax), dx.dtype)
     tmp = np.empty(_most_rows(offsets) * cmax, dx.dtype)
     wflat = wmat.reshape(K * RSC)
-    rows = np.empty(gcols.shape[0] if tiles else 0, np.int64)
-    if tiles:
-        dense_rows(rows, np.int64(gcols.ctypes.data), gcols.shape[0], K)
     for task in range(t0, t1):
         c0 = task * cb_len
         c1 = min(C, c0 + cb_len)
@@ -289,8 +266,7 @@ def dx_tasks(t0, t1, gcols, wmat, dims, taps, blas, dx):
             continue
         a = acc[:, :cn]
         # w_t's (K, cn) block: columns c0.. of tap t's C in each filter's (R*S*C) row
-        _sum_taps(a, tmp, gcols, (offsets, src, rows), (wflat, c0, C, RSC, False),
-                  (K, blas, tiles, wide))
+        _sum_taps(a, tmp, gcols, offsets, src, wflat, c0, C, RSC, False, K, blas)
         for i in range(M):
             n, hw = i // HW, i % HW
             row = a[i]
@@ -299,14 +275,6 @@ def dx_tasks(t0, t1, gcols, wmat, dims, taps, blas, dx):
                     dx[n, hw, c0 + c] = row[c]
                 else:
                     dx[n, c0 + c, hw] = row[c]
-
-
-def tiles_dx(geom, dtype):
-    """Whether :func:`dx`'s products run on ``gemm_taps``' register tiles instead of OpenBLAS:
-    float32 and C a multiple of 8 (each block's columns). One call of each over the same
-    inputs, 3x3 256 -> 256 at 4x4, batch 16 (the tap GEMMs (100..256, 128, 256)): see
-    docs/conv_bias_relu.md."""
-    return np.dtype(dtype) == np.float32 and geom.C % 8 == 0
 
 
 def dx(gy, y, use_mask, w, geom, c_blocks, out, blas, work):
@@ -328,11 +296,7 @@ def dx(gy, y, use_mask, w, geom, c_blocks, out, blas, work):
     launch(prep_tasks, kb + N, w.reshape(K, C, RS), wmat.reshape(K, RS, C), kb, view(gy),
            view(y), bool(use_mask), bool(nhwc), offsets, dst, gcols, work=work, grain=1)
     HW = geom.H * geom.W
-    tiles = tiles_dx(geom, gy.dtype)
-    if tiles:
-        _gemm_taps.ready(gather=False)
-    launch(dx_tasks, c_blocks, gcols, wmat, (N, C, K, RS, HW, c_blocks, int(nhwc), int(tiles),
-                                             int(_gemm_taps.WIDE)),
+    launch(dx_tasks, c_blocks, gcols, wmat, (N, C, K, RS, HW, c_blocks, int(nhwc)),
            (offsets, src), blas, out.reshape(N, HW, C) if nhwc else out.reshape(N, C, HW),
            work=work, grain=1)
     return out

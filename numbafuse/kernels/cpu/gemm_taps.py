@@ -285,13 +285,6 @@ GEMM_GATHER = Step(gemm_gather.py_func, lambda f: [(types.int64,) * 11], per_dty
 taps_step, gather_step = GEMM_TAPS.call, GEMM_GATHER.call
 
 
-def ready_gather():
-    """:data:`gather_step`'s driver alone compiled and its slot filled, for kernels that never
-    reach :data:`taps_step`'s (the im2col dW: ``conv/cpu_im2col_dw.gathers_dw``; the taps' driver
-    would add ~0.75 s to a cold first backward on machine A)."""
-    _ready_steps(None, (GEMM_GATHER,))
-
-
 def ready(gather=True):
     """The drivers compiled and their slots filled: host code calls this before it launches
     a kernel that calls :data:`taps_step` or :data:`gather_step` (not sooner: a cold start
