@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import types
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -280,6 +281,18 @@ class ConvGeometry:
     layout: str
     groups: int = 1
 
+    def __hash__(self):
+        # Hashed at every conv call (plans, first calls' keys, cached crops): the fields'
+        # tuple hashed once per geometry. Kept out of pickles (__getstate__): a str's hash
+        # is the process's own.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(tuple(self.__dict__[f] for f in _CONV_FIELDS))
+        return h
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def x_shape(self):
         return activation_shape(self.layout, self.N, self.C, self.H, self.W)
@@ -296,6 +309,9 @@ class ConvGeometry:
     def flops(self) -> int:
         """Multiply-adds times two of the forward convolution."""
         return 2 * self.N * self.K * self.P * self.Q * self.C * self.R * self.S
+
+
+_CONV_FIELDS = tuple(f.name for f in dataclasses.fields(ConvGeometry))
 
 
 def _resolve_padding(op, padding, size, k, stride, dilation):

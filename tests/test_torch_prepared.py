@@ -266,6 +266,55 @@ def test_conv_batchnorm_calls_that_differ_are_checked(fresh_checks):
     assert y.shape == (2, 4, 4, 3) and len(prepared.CHECKED) == 1
 
 
+def _cbr_calls(x, w, b):
+    """conv_bias_relu forward without grad and forward + backward (stride 2, padding 1)."""
+    y0 = nft.conv_bias_relu(x.detach(), w.detach(), b.detach(), 2, 1)
+    xg = x.detach().requires_grad_()
+    y = nft.conv_bias_relu(xg, w, b, 2, 1)
+    y.sum().backward()
+    grads = [t.grad.clone() for t in (xg, w, b)]
+    for t in (w, b):
+        t.grad = None
+    return [y0, y.detach()] + grads
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_bias_relu_calls_checked_before_reuse_what_their_checks_returned(
+        monkeypatch, fresh_checks, channels_last):
+    x, w, *_ = _conv_inputs(channels_last)
+    b = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    first = _cbr_calls(x, w, b)                         # checked: two signatures kept
+    assert len(prepared.CHECKED) == 2
+    with monkeypatch.context() as m:
+        m.setattr(layers, "check_tensors", lambda *a, **k: pytest.fail("checked"))
+        m.setattr(layers.validate, "conv_geometry", lambda *a, **k: pytest.fail("checked"))
+        again = _cbr_calls(x, w, b)
+    for a, c in zip(first, again):
+        assert torch.equal(a, c)
+    ref = torch.nn.functional.conv2d(x, w.detach(), b.detach(), 2, 1).relu()
+    torch.testing.assert_close(again[0], ref, rtol=1e-12, atol=1e-12)
+
+
+def test_conv_bias_relu_calls_that_differ_are_checked(fresh_checks):
+    x, w, *_ = _conv_inputs()
+    b = torch.randn(4, dtype=torch.float64)
+    nft.conv_bias_relu(x, w.detach(), b, 2, 1)
+    assert len(prepared.CHECKED) == 1
+    with pytest.raises(ValueError, match="b"):
+        nft.conv_bias_relu(x, w.detach(), torch.randn(5, dtype=torch.float64), 2, 1)
+    with pytest.raises(ValueError, match="x is not contiguous"):
+        nft.conv_bias_relu(torch.randn(2, 3, 7, 12, dtype=torch.float64)[..., ::2], w.detach(),
+                           b, 2, 1)
+    with pytest.raises(ValueError, match="padding='same'"):
+        nft.conv_bias_relu(x, w.detach(), b, 2, "same")
+    with pytest.raises(TypeError, match="dtype|float"):
+        nft.conv_bias_relu(x, w.detach().float(), b, 2, 1)
+    assert len(prepared.CHECKED) == 1
+    # a list argument is not hashable: checked every time, and it runs
+    y = nft.conv_bias_relu(x, w.detach(), b, [2, 2], 1)
+    assert y.shape == (2, 4, 4, 3) and len(prepared.CHECKED) == 1
+
+
 def _eval_calls(x, w, z, weight, bias, rm, rv, relu, stride):
     kw = dict(stride=stride, padding=1, training=False, eps=1e-3)
     return (nft.conv_batchnorm_relu(x, w, weight, bias, rm, rv, relu=relu, **kw),

@@ -102,6 +102,28 @@ class ConvBiasReLUFunction(torch.autograd.Function):
                 as_tensor(db, ctx.device), None, None)
 
 
+CONV_OP = "numbafuse.torch.conv_bias_relu"
+
+
+def _conv_checks(op, x, w, b, stride, padding, dilation, groups):
+    """(device, geometry) after every check of a ``conv_bias_relu`` call; nothing read from a
+    value, so a call with a signature checked before (``prepared.checks_signature``) takes
+    them from ``prepared.CHECKED``."""
+    device = check_tensors(op, x=x, w=w, b=b)
+    for name, t in (("x", x), ("w", w)):
+        if t is None:
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got None")
+    if isinstance(padding, str) and padding == "same" and validate.pair(
+            op, "stride", stride, 1) != (1, 1):
+        raise ValueError(f"{op}: padding='same' needs stride 1 (as torch), got {stride!r}")
+    validate.check_ndim(op, "x", x, 4, "N, C, H, W")
+    layout = layout_of(x)
+    geometry = validate.conv_geometry(op, shape_in(layout, x), tuple(w.shape), stride, padding,
+                                      dilation, layout, groups)
+    validate.check_vector(op, "b", b, geometry.K)
+    return device, geometry
+
+
 @widened(check_tensors)
 def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     """Fused ``relu(conv2d(x, w) + b)`` on torch tensors, differentiable by torch.autograd.
@@ -129,19 +151,10 @@ def conv_bias_relu(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
     >>> conv_bias_relu(x, torch.ones(1, 1, 2, 2), torch.tensor([-10.0])).flatten()
     tensor([ 0.,  2., 10., 14.])
     """
-    op = "numbafuse.torch.conv_bias_relu"
-    device = check_tensors(op, x=x, w=w, b=b)
-    for name, t in (("x", x), ("w", w)):
-        if t is None:
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got None")
-    if isinstance(padding, str) and padding == "same" and validate.pair(
-            op, "stride", stride, 1) != (1, 1):
-        raise ValueError(f"{op}: padding='same' needs stride 1 (as torch), got {stride!r}")
-    validate.check_ndim(op, "x", x, 4, "N, C, H, W")
-    layout = layout_of(x)
-    geometry = validate.conv_geometry(op, shape_in(layout, x), tuple(w.shape), stride, padding,
-                                      dilation, layout, groups)
-    validate.check_vector(op, "b", b, geometry.K)
+    op = CONV_OP
+    device, geometry = _prepared.checked(
+        op, (x, w, b), (stride, padding, dilation, groups),
+        lambda: _conv_checks(op, x, w, b, stride, padding, dilation, groups))
     if capturing():
         return torch.ops.numbafuse.conv_bias_relu(x, w, b, conv_args(geometry))
     if not needs_grad(x, w, b):

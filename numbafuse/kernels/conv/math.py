@@ -33,7 +33,7 @@ def _geo_tuple(geom):
 def int_tuple(*values):
     """Scalars as one tuple of Python ints (host side): a task kernel's sizes in one argument
     of one type (a UniTuple of int64), however the host computed them."""
-    return tuple(int(v) for v in values)
+    return tuple(map(int, values))
 
 
 def group_geometry(geom):

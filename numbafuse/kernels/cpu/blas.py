@@ -165,8 +165,17 @@ def blas_for(dtype):
     that fit go to gemm_taps' tiles, + 4 if those are 16 floats wide). Host code asks for it
     before it launches a kernel that multiplies, so the GEMM steps are made ready here."""
     _ready_steps(None, _GEMM_STEPS)
-    return (_ADDRESSES[0 if np.dtype(dtype) == np.float32 else 1], 1 if PRIVATE else 0,
-            (1 if SMALL_GEMM else 0) | (2 if TILE_GEMM else 0) | (4 if _tiles.WIDE else 0))
+    key = (dtype, SMALL_GEMM, TILE_GEMM, _tiles.WIDE)
+    made = _MADE.get(key)                       # (the host path: a dictionary lookup)
+    if made is None:
+        made = (_ADDRESSES[0 if np.dtype(dtype) == np.float32 else 1], 1 if PRIVATE else 0,
+                (1 if SMALL_GEMM else 0) | (2 if TILE_GEMM else 0) | (4 if _tiles.WIDE else 0))
+        if len(_MADE) < 64:
+            _MADE[key] = made
+    return made
+
+
+_MADE = {}           # blas_for's answers by (dtype, SMALL_GEMM, TILE_GEMM, WIDE)
 
 
 @njit(nogil=True, cache=True, inline="always")

@@ -113,9 +113,16 @@ def ready(dtype, steps):
 
 
 def _key(dtype):
-    if dtype is None:
-        return _ANY
-    return str(types.float64 if np.dtype(dtype) == np.float64 else types.float32)
+    key = _KEYS.get(dtype)                      # (the host path: a dictionary lookup)
+    if key is None:
+        key = _ANY if dtype is None else str(
+            types.float64 if np.dtype(dtype) == np.float64 else types.float32)
+        if len(_KEYS) < 64:                 # (dtypes, their type objects and names: few)
+            _KEYS[dtype] = key
+    return key
+
+
+_KEYS = {}           # dtype (a NumPy dtype, its type or name, or None) -> its slots' key
 
 
 def _wrapper_address(dispatcher, argtypes):
