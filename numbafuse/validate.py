@@ -281,16 +281,12 @@ class ConvGeometry:
     layout: str
     groups: int = 1
 
-    def __hash__(self):
-        # Hashed at every conv call (plans, first calls' keys, cached crops): the fields'
-        # tuple hashed once per geometry. Kept out of pickles (__getstate__): a str's hash
-        # is the process's own.
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = self.__dict__["_hash"] = hash(tuple(self.__dict__[f] for f in _CONV_FIELDS))
-        return h
+    def __hash__(self):     # (at every conv call: once per geometry; not pickled: __getstate__)
+        if "_hash" not in self.__dict__:
+            self.__dict__["_hash"] = hash(tuple(self.__dict__[f] for f in _CONV_FIELDS))
+        return self.__dict__["_hash"]
 
-    def __getstate__(self):
+    def __getstate__(self):         # (a str's hash is the process's own)
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @property
