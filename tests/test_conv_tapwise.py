@@ -217,3 +217,41 @@ def test_the_plan_takes_tapwise_for_small_maps_only():
         assert cpu_plan.plan(s2, "forward", np.float32).algorithm != "tapwise"
     s1 = nf.validate.conv_geometry("t", (16, 128, 8, 8), (128, 128, 3, 3), 1, 1, 1, "NCHW")
     assert cpu_plan.plan(s1, "dx", np.float32).algorithm != "tapwise"
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[0], CASES[4]])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_residual_in_the_scaled_epilogue(layout, case, dtype):
+    """``forward_scaled``'s z (inference Conv-BN-Add-ReLU in one pass): relu(scale * conv +
+    shift + z) against the float64 reference, through every plan that has the epilogue:
+    tapwise in each of its k-block counts, im2col in chunks and in whole-batch k-blocks (the
+    NCHW slab's and the strided columns' orders), both layouts; other plans say None."""
+    x, w, b, geom, kwargs = _problem(case, layout, dtype)
+    rng = np.random.default_rng(5)
+    z = rng.standard_normal(geom.y_shape).astype(dtype)
+    scale = np.linspace(0.5, 2.0, geom.K).astype(dtype)
+    y64 = ref.conv2d(x.astype(np.float64), w.astype(np.float64), **kwargs)
+    axis = (1, -1, 1, 1) if layout == "NCHW" else (1, 1, 1, -1)
+    want = np.maximum(y64 * scale.reshape(axis) + b.reshape(axis) + z, 0)
+    plans = [cpu_plan.plan(geom, "forward", dtype, algorithm=a, k_blocks=kb)
+             for a in ("tapwise", "im2col") if cpu_plan.supports(a, geom, "forward", dtype)
+             for kb in cpu_plan.k_block_choices(a, geom, "forward", dtype)]
+    assert len({(p.algorithm, p.k_blocks > 1) for p in plans}) >= 2
+    for plan in plans:
+        for slab in ({False, True} if plan.algorithm == "im2col" and layout == "NCHW"
+                     else {plan.slab}):
+            got = cpu_conv.conv_forward(x, w, b, geom, True, plan=plan._replace(slab=slab),
+                                        scale=scale, z=z)
+            np.testing.assert_allclose(got, want, **TOL[dtype],
+                                       err_msg=f"{plan.algorithm} {plan.k_blocks} {slab}")
+            got = cpu_conv.conv_forward(x, w, b, geom, False, plan=plan._replace(slab=slab),
+                                        scale=scale, z=z)         # no ReLU: negatives kept
+            np.testing.assert_allclose(got, want + np.minimum(
+                y64 * scale.reshape(axis) + b.reshape(axis) + z, 0), **TOL[dtype])
+    with pytest.raises(ValueError, match="z= need"):
+        cpu_conv.conv_forward(x, w, b, geom, True, plan=cpu_plan.plan(
+            geom, "forward", dtype, algorithm="phase"), scale=scale, z=z)
+    with cpu_plan.using(tapwise_min_channels=10**6, tapwise_max_density=0.0):
+        if cpu_plan.plan(geom, "forward", dtype).algorithm not in ("im2col", "tapwise"):
+            assert cpu_conv.forward_scaled(x, w, lambda: (scale, b), geom, True, z=z) is None

@@ -360,6 +360,50 @@ def test_unrecorded_eval_conv_batchnorm_calls_compute_what_the_functions_do(
     assert conv_batchnorm.unrecorded_inference(x.device, False, (x, w)) == (not x.requires_grad)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_eval_conv_batchnorm_add_relu_runs_in_one_pass(monkeypatch, channels_last):
+    """In eval, Conv-BN-Add-ReLU's batch norm and z go into the conv's epilogue
+    (``cpu.forward_scaled``'s z) where its plan has one: the unrecorded call and the Function
+    the same bits, y and the gradients (the ReLU mask packed from that y) those of the
+    two-pass path (conv, then the batch norm's apply with z) to float64 rounding."""
+    from numbafuse.kernels.conv import cpu as cpu_conv
+    from numbafuse.ops import conv_batchnorm as ops_cbn
+    real, residual = cpu_conv.forward_scaled, []
+
+    def counted(x, w, values, geom, relu, z=None):
+        residual.append(z is not None)
+        return real(x, w, values, geom, relu, z)
+    monkeypatch.setattr(cpu_conv, "forward_scaled", counted)
+    x, w, _, weight, bias, rm, rv = _conv_inputs(channels_last)
+    with torch.no_grad():
+        rm.normal_(), rv.uniform_(0.5, 1.5)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    z = torch.randn(2, 4, 7, 6, dtype=torch.float64).contiguous(memory_format=fmt)
+    gy = torch.randn(2, 4, 7, 6, dtype=torch.float64)
+
+    def call():
+        xg, zg = x.clone().requires_grad_(), z.clone().requires_grad_()
+        y = nft.conv_batchnorm_add_relu(xg, w, zg, weight, bias, rm, rv, stride=1, padding=1,
+                                        training=False, eps=1e-3)
+        y.backward(gy)
+        grads = [t.grad.clone() for t in (xg, zg, w, weight, bias)]
+        for t in (w, weight, bias):
+            t.grad = None
+        return y.detach(), grads
+    with torch.no_grad():
+        lean = nft.conv_batchnorm_add_relu(x, w, z, weight, bias, rm, rv, stride=1, padding=1,
+                                           training=False, eps=1e-3)
+    y, grads = call()
+    assert any(residual)                                        # the one pass ran
+    assert torch.equal(lean, y)
+    assert 0 < int((y > 0).sum()) < y.numel()                  # the gate matters
+    monkeypatch.setattr(ops_cbn, "_inference_add", lambda *a: None)
+    y2, grads2 = call()                                         # conv, then apply with z
+    torch.testing.assert_close(y, y2, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, grads2):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_eval_calls_recorded_or_in_half_run_the_functions(monkeypatch):
     from numbafuse.torch import conv_batchnorm
     monkeypatch.setattr(conv_batchnorm, "inference",

@@ -46,10 +46,11 @@ class ConvKernels(Protocol):
         """``(h, g, sums)``: the conv recomputed with pass 1 of the batch-norm backward made
         by its chunks, or None where this backend has no such epilogue for ``geom``."""
 
-    def forward_scaled(self, x, w, values, geom, relu):
-        """``relu?(scale[k] * conv(x, w) + shift[k])`` with ``(scale, shift) = values()``
-        (inference batch norm, not folded into w), or None where this backend's conv for
-        ``geom`` has no such epilogue (``values`` then not called)."""
+    def forward_scaled(self, x, w, values, geom, relu, z=None):
+        """``relu?(scale[k] * conv(x, w) + shift[k] [+ z])`` with ``(scale, shift) =
+        values()`` (inference batch norm, not folded into w; ``z`` of y's shape, a residual),
+        or None where this backend's conv for ``geom`` has no such epilogue (``values`` then
+        not called)."""
 
 
 class BatchNormKernels(Protocol):

@@ -39,11 +39,14 @@ import dataclasses
 import types
 from typing import NamedTuple
 
+import numpy as np
+
 from .. import autograd, backend, kernels, reference, validate
 from ..autograd import Function
 from . import batchnorm as _bn
 from . import conv as _conv
 from .fold import fold_batchnorm, inference_forward as _inference_forward  # noqa: F401
+from .fold import inference_add_forward as _inference_add
 from . import precision
 from .batchnorm import BatchNormParams
 from .spec import OpSpec
@@ -327,14 +330,26 @@ def add_forward(op, p, x, w, z, gamma, beta, checked=None):
         h, mean, invstd, count = _training_forward(op, which, x, w, geometry, pc, momentum)
         half.store_running(p, pc)
     else:
-        h = _conv_forward(which, x, w, None, geometry, False)
         mean, invstd = _running_stats(pc)
+        y = (_inference_add(which, x, w, gamma, beta, mean, invstd, geometry, z)
+             if recomputes(p.recompute, geometry) else None)
+        if y is not None:     # one pass, as inference() makes it (the same bits); the mask
+            saved = dict(x=x_kept, w=w_kept, gamma=gamma, mean=mean, invstd=invstd,
+                         relu_state=_packed_mask(y))
+            return half.store(y), Call(geometry, count, half.param_dtype), saved
+        h = _conv_forward(which, x, w, None, geometry, False)
     y, mask = _bn.bn_apply(h, mean, invstd, gamma, beta, z=z, relu=True,
                            layout=geometry.layout, with_mask=True)
     kept = {} if recomputes(p.recompute, geometry) else dict(h=h)
     saved = dict(x=x_kept, w=w_kept, gamma=gamma, mean=mean, invstd=invstd, relu_state=mask,
                  **kept)
     return half.store(y), Call(geometry, count, half.param_dtype), saved
+
+
+def _packed_mask(y):
+    """The packed 1-bit mask of ``y > 0`` (``ops.batchnorm.mask_nbytes``: bit j of byte i is
+    element 8i + j of y in memory order), of a host y (the one-pass inference is the CPU's)."""
+    return np.packbits(y.reshape(-1) > 0, bitorder="little")
 
 
 def inference(which, x, w, gamma, beta, running_mean, running_var, eps, geometry, relu=True,
@@ -347,6 +362,9 @@ def inference(which, x, w, gamma, beta, running_mean, running_var, eps, geometry
     mean, invstd = _bn.bn_inference_stats(running_mean, running_var, eps=eps)
     if z is None:
         return _inference_forward(which, x, w, gamma, beta, mean, invstd, geometry, relu, eps)
+    y = _inference_add(which, x, w, gamma, beta, mean, invstd, geometry, z)
+    if y is not None:                       # the batch norm and z in the conv's epilogue
+        return y
     h = _conv_forward(which, x, w, None, geometry, False)
     return _bn.bn_apply(h, mean, invstd, gamma, beta, z=z, relu=True, layout=geometry.layout)
 

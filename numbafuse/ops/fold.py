@@ -16,22 +16,38 @@ from . import batchnorm as _bn
 from . import conv as _conv
 
 
+def _values(w, gamma, beta, mean, invstd):
+    """The batch norm as per-channel (scale, shift) for ``forward_scaled``: a callable of
+    (s, beta - mean*s), (K,) each in w's dtype, from float64 (host arrays: the CPU kernels
+    ask for them)."""
+    def values():
+        s = gamma * invstd
+        return s.astype(w.dtype), (beta - mean * s).astype(w.dtype)
+    return values
+
+
 def inference_forward(which, x, w, gamma, beta, mean, invstd, geometry, relu, eps):
     """y of inference: the batch norm as the conv's per-channel scale and shift
     (``forward_scaled``, its epilogue: w not rewritten) where the backend can, else folded
     into w and the bias (cached where the caller vouches for w and the batch norm's tensors,
     numbafuse.torch in inference: kernels/conv/weights.py, and so what the conv derives)."""
-    def values():    # (s, beta - mean*s), (K,) each in w's dtype, from float64 (host arrays:
-        s = gamma * invstd                                   # the CPU kernels ask for them)
-        return s.astype(w.dtype), (beta - mean * s).astype(w.dtype)
-    y = kernels.conv_kernels(which, geometry.groups).forward_scaled(x, w, values, geometry,
-                                                                    relu)
+    y = kernels.conv_kernels(which, geometry.groups).forward_scaled(
+        x, w, _values(w, gamma, beta, mean, invstd), geometry, relu)
     if y is not None:
         return y
     w_folded, b_folded = _weights.derived(w, ("folded", float(eps)), lambda: fold(
         which, w, None, gamma, beta, mean, invstd))
     with _weights.vouch_like(w_folded, w):
         return _conv.conv_forward(x, w_folded, b_folded, geometry, relu)
+
+
+def inference_add_forward(which, x, w, gamma, beta, mean, invstd, geometry, z):
+    """y = relu(batchnorm(conv(x, w)) + z) of inference in one pass: the batch norm as the
+    conv's scale and shift and z added in its epilogue (``forward_scaled``'s z), where the
+    backend's conv for ``geometry`` has that epilogue (the CPU's im2col and tapwise plans);
+    else None (the caller runs the conv, then the batch norm's apply with z)."""
+    return kernels.conv_kernels(which, geometry.groups).forward_scaled(
+        x, w, _values(w, gamma, beta, mean, invstd), geometry, True, z=z)
 
 
 def fold(which, w, b, gamma, beta, mean, invstd):

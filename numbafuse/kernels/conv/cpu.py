@@ -201,17 +201,18 @@ def forward_stats(x, w, geom, eps):
     return h, mean, var, invstd
 
 
-def forward_scaled(x, w, values, geom, relu):
-    """``relu?(scale[k] * conv(x, w) + shift[k])``, ``(scale, shift) = values()`` (K,) each
-    (inference batch norm after a bias-free conv, not folded into w: the im2col and tapwise
-    forwards scale their sums in the epilogue), or None where the forward is neither
-    (the caller folds; ``values`` is not called). The deep layers' weights are most of a
-    network's bytes and im2col runs them: the fold read and wrote them once more a call."""
+def forward_scaled(x, w, values, geom, relu, z=None):
+    """``relu?(scale[k] * conv(x, w) + shift[k] [+ z])``, ``(scale, shift) = values()`` (K,)
+    each (inference batch norm after a bias-free conv, not folded into w: the im2col and
+    tapwise forwards scale their sums in the epilogue; ``z``, y's shape: a residual added
+    there too, Conv-BN-Add-ReLU in one pass), or None where the forward is neither (the
+    caller folds; ``values`` is not called). The deep layers' weights are most of a network's
+    bytes and im2col runs them: the fold read and wrote them once more a call."""
     plan = _plan(geom, "forward", x.dtype)
     if plan.algorithm not in ("im2col", "tapwise") or geom.N == 0:
         return None
     scale, shift = values()
-    return conv_forward(x, w, shift, geom, relu, plan=plan, scale=scale)
+    return conv_forward(x, w, shift, geom, relu, plan=plan, scale=scale, z=z)
 
 
 def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
@@ -478,11 +479,11 @@ _DW = {"winograd": _winograd_dw, "winograd_s2": _winograd_s2_dw, "phase": _phase
 
 # --------------------------------------------------------------------------- drivers
 
-def conv_forward(x, w, b, geom, relu, plan=None, scale=None):
+def conv_forward(x, w, b, geom, relu, plan=None, scale=None, z=None):
     """``y = relu?(conv(x, w) + b?)`` for contiguous host arrays of one dtype, as ``plan``
     says (default: :func:`cpu_plan.plan` of the forward by the current rules); ``scale``
-    (K,): ``relu?(scale * conv(x, w) + b?)``, the im2col and tapwise plans only
-    (:func:`forward_scaled`)."""
+    (K,): ``relu?(scale * conv(x, w) + b?)``, and ``z`` (contiguous, y's shape and dtype):
+    ``z`` added before the ReLU, the im2col and tapwise plans only (:func:`forward_scaled`)."""
     N, C, K = geom.N, geom.C, geom.K
     nhwc = geom.layout == "NHWC"
     plan = _plan(geom, "forward", x.dtype) if plan is None else plan
@@ -495,8 +496,9 @@ def conv_forward(x, w, b, geom, relu, plan=None, scale=None):
     work = x.size + y.size + N * geom.P * geom.Q * K * C * geom.R * geom.S // 8
     relu = bool(relu)
     kind = plan.algorithm
-    if scale is not None and kind not in ("im2col", "tapwise"):
-        raise ValueError(f"conv_forward: scale= needs the im2col or tapwise plan, not {kind!r}")
+    if (scale is not None or z is not None) and kind not in ("im2col", "tapwise"):
+        raise ValueError(f"conv_forward: scale= and z= need the im2col or tapwise plan, not "
+                         f"{kind!r}")
     if kind == "winograd":
         _winograd_run(_Correlation(x, x, False, w, False, geom.ph, geom.pw, b, relu, nhwc, y),
                       plan, work)
@@ -520,7 +522,8 @@ def conv_forward(x, w, b, geom, relu, plan=None, scale=None):
                _ints(geom.sh, geom.sw, geom.ph, geom.pw, ext, Wq, slack, rpc), b, relu, nhwc,
                blas, y, work=work, grain=1)
     elif kind == "tapwise":
-        _tapwise.forward(x, w, b, has_bias, scale, geom, relu, plan.k_blocks, y, blas, work)
+        _tapwise.forward(x, w, b, has_bias, scale, geom, relu, plan.k_blocks, y, blas, work,
+                         z)
     elif kind == "implicit":
         ipc, rpc, nchunks, Hmax, Ws, aoff = _implicit_plan(plan, geom, x.itemsize)
         _implicit.ready()
@@ -541,9 +544,11 @@ def conv_forward(x, w, b, geom, relu, plan=None, scale=None):
         wmat = (w.reshape(K, -1) if wt else kept if kept is not None
                 else _weight_matrix(w, ordered))
         tasks = _im2col_fwd.forward_tasks_hwc if nhwc else _im2col_fwd.forward_tasks_chw
+        zv = np.empty((0, 0, 0), x.dtype) if z is None else _k_view(z, geom)
         launch(tasks, count_chunks(N, geom.P, ipc, rpc) * kb, x, wmat,
-               (b, b if scale is None else scale),
-               (has_bias, relu, bool(plan.slab), wt, scale is not None), geo_tuple(geom),
+               (b, b if scale is None else scale, zv),
+               (has_bias, relu, bool(plan.slab), wt, scale is not None, z is not None),
+               geo_tuple(geom),
                _ints(ipc, rpc, kb), blas, _batch_cols(x, geom, plan.slab, kb > 1), wdst,
                _k_view(y, geom), work=work, grain=1)
         if wdst.shape[0]:

@@ -155,10 +155,11 @@ def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
                  (x, w, geom, dy, mean, invstd, gamma, beta))
 
 
-def forward_scaled(x, w, values, geom, relu):
+def forward_scaled(x, w, values, geom, relu, z=None):
     """``cpu.forward_scaled``, or None while its kernels compile. Not cropped: inference
     scales the sums of the whole kernel's plan (ResNet-18 at batch 2, 32x32, eval forward
     on machine F 9.72 ms so, 9.99 with the cropped tap's weights scaled by NumPy, 10.97 with
     the whole w folded and then cropped)."""
     relu = bool(relu)
-    return _call("forward_scaled", (x.dtype.char, relu), geom, (x, w, values, geom, relu))
+    return _call("forward_scaled", (x.dtype.char, relu, z is None), geom,
+                 (x, w, values, geom, relu, z))

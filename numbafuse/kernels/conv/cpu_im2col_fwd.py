@@ -60,10 +60,12 @@ def _forward_buffers(x, flags, geo, chunks, pre):
 
 
 # forward_tasks_hwc and forward_tasks_chw, their shared arguments: x: (N, H, W, C) | (N, C, H, W);
-# wmat: (K, R*S*C) (NHWC, or NCHW with slab) | (K, C*R*S); bs = (b, scale), (K,) each; y: (N,
-# PQ, K) | (N, K, PQ); flags = (has_bias, relu, slab, wt, scaled) (the 1x1 passes whose x is
-# the cols are cpu_pointwise's kernels): with scaled each output channel's sum is times
-# scale[k] before the bias (inference batch norm not folded into w). Task t: the output
+# wmat: (K, R*S*C) (NHWC, or NCHW with slab) | (K, C*R*S); bs = (b, scale, z), b and scale
+# (K,), z shaped as y (read where has_z); y: (N, PQ, K) | (N, K, PQ); flags = (has_bias, relu,
+# slab, wt, scaled, has_z) (the 1x1 passes whose x is the cols are cpu_pointwise's kernels):
+# with scaled each output channel's sum is times scale[k] before the bias (inference batch
+# norm not folded into w), with has_z z's value is added after the bias, before the ReLU (a
+# residual: inference Conv-BN-Add-ReLU in one pass). Task t: the output
 # channels [k0, k1) (block t % kb of kb, each a multiple of 16 channels) of chunk t // kb.
 # slab (NCHW): each image's input rows of the chunk are transposed to (rows, W, C) first and
 # the cols built as NHWC's, (m, R*S*C): a strided NCHW gather reads single values, this one
@@ -75,8 +77,8 @@ def _forward_buffers(x, flags, geo, chunks, pre):
 
 @task_kernel
 def forward_tasks_hwc(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, y):
-    has_bias, relu, scaled = flags[0], flags[1], flags[4]
-    b, scale = bs
+    has_bias, relu, scaled, has_z = flags[0], flags[1], flags[4], flags[5]
+    b, scale, z = bs
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     PQ = P * Q
@@ -95,19 +97,23 @@ def forward_tasks_hwc(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, 
             for n in range(n0, n1):
                 _im2col_hwc_step((x, n, p0, p1, geo, c2, (n - n0) * per))
         _blas.gemm(blas, False, True, (m, kn, RSC), 1.0, c2, RSC, wk, RSC, 0.0, yb, kn)
-        y2 = y.reshape((N * PQ, K))[n0 * PQ + p0 * Q:n0 * PQ + p0 * Q + m]   # (m, K)
+        first = n0 * PQ + p0 * Q
+        y2 = y.reshape((N * PQ, K))[first:first + m]              # (m, K)
+        z2 = z.reshape((z.size // K if has_z else 0, K))          # (N*PQ, K) | none
         for i in range(m):
             src, dst = yb[i], y2[i, k0:k1]                        # (kn,) each
             for k in range(kn):
                 v = (src[k] * scale[k0 + k] if scaled else src[k]) + (b[k0 + k] if has_bias
                                                                       else 0)
+                if has_z:
+                    v += z2[first + i, k0 + k]
                 dst[k] = _relu(v) if relu else v
 
 
 @task_kernel
 def forward_tasks_chw(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, y):
-    has_bias, relu, slab, scaled = flags[0], flags[1], flags[2], flags[4]
-    b, scale = bs
+    has_bias, relu, slab, scaled, has_z = flags[0], flags[1], flags[2], flags[4], flags[5]
+    b, scale, z = bs
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     RSC = R * S * C
     cols, ybuf, sbuf, wbuf = _forward_buffers(x, flags, geo, chunks, pre)
@@ -136,8 +142,12 @@ def forward_tasks_chw(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, 
             for k in range(kn):
                 src = yb[k, (n - n0) * per:(n - n0 + 1) * per]   # (per,)
                 dst = y[n, k0 + k, p0 * Q:p1 * Q]
+                zk = z[n if has_z else 0, k0 + k if has_z else 0, p0 * Q:p1 * Q] if has_z \
+                    else dst
                 bias = b[k0 + k] if has_bias else 0
                 sc = scale[k0 + k] if scaled else 1
                 for i in range(per):
                     v = (src[i] * sc if scaled else src[i]) + bias
+                    if has_z:
+                        v += zk[i]
                     dst[i] = _relu(v) if relu else v

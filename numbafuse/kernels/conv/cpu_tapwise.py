@@ -100,7 +100,8 @@ def _sum_taps(acc, tmp, lhs, offsets, pix, wflat, first, tap, ldb, tb, inner, bl
 def forward_tasks(t0, t1, cols, wmat, bs, flags, dims, taps, blas, wdst, y):
     # cols (T, C); wmat: w as (K, C*R*S) (flags[2], wt: each task reorders its block to
     # (kn, R*S*C), into its rows of wdst (K, R*S*C) where given, else a buffer) or already
-    # (K, R*S*C); bs = (b, scale), (K,) each; flags = (has_bias, relu, wt, scaled, tiles);
+    # (K, R*S*C); bs = (b, scale, z), (K,) each and z shaped as y (a residual added before
+    # the ReLU where has_z); flags = (has_bias, relu, wt, scaled, tiles, has_z);
     # dims = (N, C, K, RS, PQ, kb, nhwc); taps = (offsets, dst) of ``tables``; y (N, PQ, K)
     # NHWC or (N, K, PQ) NCHW. Task t: output channels [k0, k1), block t of kb.
     # With tiles (flags[4]: ``tiles_forward``) tap t's weights are read as (C, kn) rows, the
@@ -108,8 +109,8 @@ def forward_tasks(t0, t1, cols, wmat, bs, flags, dims, taps, blas, wdst, y):
     # of w (kn, C*R*S) to (C*R*S, kn) (row c*RS + t), into its C*R*S*kb_len values of wdst
     # (kb*C*R*S, kb_len) from task*C*R*S*kb_len on where given (the weight cache's), else
     # into a buffer (wt: unless wdst has them).
-    has_bias, relu, wt, scaled, tiles = flags
-    b, scale = bs
+    has_bias, relu, wt, scaled, tiles, has_z = flags
+    b, scale, z = bs
     N, C, K, RS, PQ, kb, nhwc = dims
     offsets, dst = taps
     RSC = RS * C
@@ -143,6 +144,8 @@ def forward_tasks(t0, t1, cols, wmat, bs, flags, dims, taps, blas, wdst, y):
             for k in range(kn):
                 v = (src[k] * scale[k0 + k] if scaled else src[k]) + (b[k0 + k] if has_bias
                                                                       else 0)
+                if has_z:
+                    v += z[n, pq, k0 + k] if nhwc else z[n, k0 + k, pq]
                 v = _relu(v) if relu else v
                 if nhwc:
                     y[n, pq, k0 + k] = v
@@ -150,9 +153,10 @@ def forward_tasks(t0, t1, cols, wmat, bs, flags, dims, taps, blas, wdst, y):
                     y[n, k0 + k, pq] = v
 
 
-def forward(x, w, b, has_bias, scale, geom, relu, k_blocks, y, blas, work):
-    """``y`` = relu?(conv(x, w) * scale? + b?) tap by tap (``forward_tasks``), in
-    ``k_blocks`` blocks of output channels; ``b`` (K,) (read where ``has_bias``). The
+def forward(x, w, b, has_bias, scale, geom, relu, k_blocks, y, blas, work, z=None):
+    """``y`` = relu?(conv(x, w) * scale? + b? + z?) tap by tap (``forward_tasks``), in
+    ``k_blocks`` blocks of output channels; ``b`` (K,) (read where ``has_bias``); ``z``
+    shaped as y (a residual) or None. The
     weights reordered to (K, R*S*C) come from the weight cache (kind "matrix", the im2col
     forward's) where it has them and go to it where it keeps them."""
     K, R, S = geom.K, geom.R, geom.S
@@ -177,11 +181,15 @@ def forward(x, w, b, has_bias, scale, geom, relu, k_blocks, y, blas, work):
     if wt or tiles:
         ready_reorder(x.dtype)
     PQ = geom.P * geom.Q
+
+    def view(a):                                        # y, z: (N, PQ, K) | (N, K, PQ)
+        return a.reshape(geom.N, PQ, K) if nhwc else a.reshape(geom.N, K, PQ)
     launch(forward_tasks, k_blocks, cols, w.reshape(K, -1) if wt or tiles else kept,
-           (b, b if scale is None else scale),
-           (bool(has_bias), bool(relu), wt, scale is not None, tiles),
+           (b, b if scale is None else scale, np.empty((0, 0, 0), y.dtype) if z is None
+            else view(z)),
+           (bool(has_bias), bool(relu), wt, scale is not None, tiles, z is not None),
            (geom.N, geom.C, K, R * S, PQ, k_blocks, int(nhwc)), (offsets, dst), blas, wdst,
-           y.reshape(geom.N, PQ, K) if nhwc else y.reshape(geom.N, K, PQ), work=work, grain=1)
+           view(y), work=work, grain=1)
     if wt and wdst.shape[0]:
         _weights.put(w, kind, wdst)
     return y
