@@ -142,8 +142,7 @@ def forward_tasks_chw(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, 
             for k in range(kn):
                 src = yb[k, (n - n0) * per:(n - n0 + 1) * per]   # (per,)
                 dst = y[n, k0 + k, p0 * Q:p1 * Q]
-                zk = z[n if has_z else 0, k0 + k if has_z else 0, p0 * Q:p1 * Q] if has_z \
-                    else dst
+                zk = z[n, k0 + k, p0 * Q:p1 * Q] if has_z else dst   # (per,)
                 bias = b[k0 + k] if has_bias else 0
                 sc = scale[k0 + k] if scaled else 1
                 for i in range(per):
