@@ -34,7 +34,7 @@ import numpy as np
 
 import torch
 
-from .. import backend
+from .. import backend, validate
 from ..kernels.conv import weights as _weights
 from .bfloat16 import NUMPY_BF16, numpy_dtype
 
@@ -65,6 +65,19 @@ def shape_in(layout, t):
     """The shape of the 4-d tensor ``t`` as numbafuse's ``layout`` sees it."""
     N, C, H, W = t.shape
     return (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+
+
+def conv_geometry(op, x, w, stride, padding, dilation, groups):
+    """The ``validate.ConvGeometry`` of ``op``'s conv of the 4-d tensor ``x`` (an NHWC one
+    for a channels_last x) by ``w``, after torch's own checks of the arguments:
+    ``padding='same'`` with stride 1 only, x 4-d."""
+    if isinstance(padding, str) and padding == "same" and validate.pair(
+            op, "stride", stride, 1) != (1, 1):
+        raise ValueError(f"{op}: padding='same' needs stride 1 (as torch), got {stride!r}")
+    validate.check_ndim(op, "x", x, 4, "N, C, H, W")
+    layout = layout_of(x)
+    return validate.conv_geometry(op, shape_in(layout, x), tuple(w.shape), stride, padding,
+                                  dilation, layout, groups)
 
 
 def memory_format(layout):

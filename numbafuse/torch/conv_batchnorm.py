@@ -55,8 +55,8 @@ from ..ops import conv_batchnorm as _cbn
 from . import prepared as _prepared
 from .bfloat16 import widened
 from .bridge import (FLOAT_DTYPES, LAYOUT, Unrecorded, as_array, as_tensor, capturing,
-                     check_tensors, conv_args, launch_order, layout_of, needs_grad,
-                     run_captured, shape_in, updated_in_place)
+                     check_tensors, conv_args, conv_geometry, launch_order, needs_grad,
+                     run_captured, updated_in_place)
 
 def _check(op, tensors, conv, training, momentum, eps):
     """Validate everything before anything is written: (device, geometry, momentum, eps).
@@ -79,14 +79,8 @@ def _checks(op, tensors, conv, training, momentum, eps):
     for name in ("x", "w", "weight", "bias"):
         if tensors[name] is None:
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got None")
-    if isinstance(conv["padding"], str) and conv["padding"] == "same" and validate.pair(
-            op, "stride", conv["stride"], 1) != (1, 1):
-        raise ValueError(f"{op}: padding='same' needs stride 1 (as torch), got "
-                         f"{conv['stride']!r}")
-    validate.check_ndim(op, "x", x, 4, "N, C, H, W")
-    layout = layout_of(x)
-    geometry = validate.conv_geometry(op, shape_in(layout, x), tuple(w.shape), conv["stride"],
-                                      conv["padding"], conv["dilation"], layout, conv["groups"])
+    geometry = conv_geometry(op, x, w, conv["stride"], conv["padding"], conv["dilation"],
+                             conv["groups"])
     y_shape = (geometry.N, geometry.K, geometry.P, geometry.Q)                 # torch's order
     if z is not None and tuple(z.shape) != y_shape:
         raise ValueError(f"{op}: z has shape {tuple(z.shape)}, the conv's output {y_shape}")

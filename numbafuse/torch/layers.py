@@ -57,8 +57,8 @@ from . import prepared as _prepared
 from .bfloat16 import widened
 from .bridge import (DEVICE_TYPES, FLOAT_DTYPES, HALF_DTYPES, LAYOUT, NUMPY_DTYPES,
                      TENSOR_DTYPES, Unrecorded, as_array, as_tensor, capturing, check_tensors,
-                     conv_args, launch_order, layout_of, needs_grad, run_captured, shape_in,
-                     updated_in_place)
+                     conv_args, conv_geometry, launch_order, layout_of, needs_grad,
+                     run_captured, updated_in_place)
 
 
 # --------------------------------------------------------------------------- conv_bias_relu
@@ -113,13 +113,7 @@ def _conv_checks(op, x, w, b, stride, padding, dilation, groups):
     for name, t in (("x", x), ("w", w)):
         if t is None:
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got None")
-    if isinstance(padding, str) and padding == "same" and validate.pair(
-            op, "stride", stride, 1) != (1, 1):
-        raise ValueError(f"{op}: padding='same' needs stride 1 (as torch), got {stride!r}")
-    validate.check_ndim(op, "x", x, 4, "N, C, H, W")
-    layout = layout_of(x)
-    geometry = validate.conv_geometry(op, shape_in(layout, x), tuple(w.shape), stride, padding,
-                                      dilation, layout, groups)
+    geometry = conv_geometry(op, x, w, stride, padding, dilation, groups)
     validate.check_vector(op, "b", b, geometry.K)
     return device, geometry
 
