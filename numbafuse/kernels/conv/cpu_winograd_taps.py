@@ -86,23 +86,37 @@ def winograd_taps(w, flip, out):
 @task_kernel
 def dw_tasks(t0, t1, D, dw):
     # Task t: filters [t*_BLOCK, ...) of dw (K, C, 3, 3) = G^T D G per filter pair, D (16, K,
-    # C) float64, a scalar loop per pair (vectorised over c, the transform's 7 loops took 0.5
-    # s more to compile)
+    # C) float64. G's entries are 1, 1/2, -1/2 and 0, so each pair's 21 sums are written out
+    # (the products with 0 and 1 dropped): the same values as the sums over G's rows, term
+    # by term in the same order (G's zeros add nothing, its ones and halves are exact), and
+    # 2.9x faster than a loop over G (0.24 against 0.70 ms at 128 x 128, one thread; a
+    # version through a (9, C) row buffer, for stores along c, 0.29)
     K, C = D.shape[1], D.shape[2]
-    t = np.empty((3, 4))                                          # G^T D, one pair
     for task in range(t0, t1):
         for k in range(task * _BLOCK, min(K, (task + 1) * _BLOCK)):
+            o = dw[k].reshape(C * 9)
             for c in range(C):
-                for r in range(3):
-                    for y in range(4):
-                        acc = 0.0
-                        for x in range(4):
-                            acc += _G[x, r] * D[4 * x + y, k, c]
-                        t[r, y] = acc
-                for r in range(3):
-                    for s in range(3):
-                        dw[k, c, r, s] = (t[r, 0] * _G[0, s] + t[r, 1] * _G[1, s]
-                                          + t[r, 2] * _G[2, s] + t[r, 3] * _G[3, s])
+                d00, d01, d02, d03 = D[0, k, c], D[1, k, c], D[2, k, c], D[3, k, c]
+                d10, d11, d12, d13 = D[4, k, c], D[5, k, c], D[6, k, c], D[7, k, c]
+                d20, d21, d22, d23 = D[8, k, c], D[9, k, c], D[10, k, c], D[11, k, c]
+                d30, d31, d32, d33 = D[12, k, c], D[13, k, c], D[14, k, c], D[15, k, c]
+                # t = G^T D (3, 4), a row r at a time
+                a0, a1 = (d00 + 0.5 * d10) + 0.5 * d20, (d01 + 0.5 * d11) + 0.5 * d21
+                a2, a3 = (d02 + 0.5 * d12) + 0.5 * d22, (d03 + 0.5 * d13) + 0.5 * d23
+                b0, b1 = 0.5 * d10 - 0.5 * d20, 0.5 * d11 - 0.5 * d21
+                b2, b3 = 0.5 * d12 - 0.5 * d22, 0.5 * d13 - 0.5 * d23
+                e0, e1 = (0.5 * d10 + 0.5 * d20) + d30, (0.5 * d11 + 0.5 * d21) + d31
+                e2, e3 = (0.5 * d12 + 0.5 * d22) + d32, (0.5 * d13 + 0.5 * d23) + d33
+                j = 9 * c                                            # dw[k, c] = t G
+                o[j] = (a0 + 0.5 * a1) + 0.5 * a2
+                o[j + 1] = 0.5 * a1 - 0.5 * a2
+                o[j + 2] = (0.5 * a1 + 0.5 * a2) + a3
+                o[j + 3] = (b0 + 0.5 * b1) + 0.5 * b2
+                o[j + 4] = 0.5 * b1 - 0.5 * b2
+                o[j + 5] = (0.5 * b1 + 0.5 * b2) + b3
+                o[j + 6] = (e0 + 0.5 * e1) + 0.5 * e2
+                o[j + 7] = 0.5 * e1 - 0.5 * e2
+                o[j + 8] = (0.5 * e1 + 0.5 * e2) + e3
 
 
 def winograd_dw(D, dw):
