@@ -2,7 +2,7 @@
 timed by name.
 
     python benchmarks/profile_resnet.py [--model resnet18] [--batch 16] [--size 64]
-                                        [--steps 5] [--top 25] [--layers | --torch]
+                                        [--steps 5] [--top 25] [--layers | --torch | --host]
                                         [--recompute True|False|auto]
 
 The model is ``numbafuse/torch/resnet.py`` (torchvision's code) converted by
@@ -21,9 +21,12 @@ this process (numbafuse not imported: resnet.py is loaded from its file), from
 ``torch.profiler`` (the self time of ``aten::mkldnn_convolution`` and
 ``aten::convolution_backward`` by input shapes, over ``--steps`` profiled steps after the
 warm-up): the two tables, each from its own process, show every layer in the network side by
-side. One process, the library's default threads: a profile, not a comparison
-(``bench_resnet.py`` compares against PyTorch; ``bench_conv_plan.py`` times each pass alone
-against PyTorch's).
+side. ``--host``: the fused ops' autograd Functions (Conv-BN-ReLU, Conv-BN-Add-ReLU; forward
+and backward) timed whole and less numbafuse's outermost launches inside them: the rest is
+their host path (Python, NumPy and torch calls, compiled helpers called straight), by
+Function and direction, and SGD's step. One process, the library's default threads: a
+profile, not a comparison (``bench_resnet.py`` compares against PyTorch;
+``bench_conv_plan.py`` times each pass alone against PyTorch's).
 """
 import argparse
 import collections
@@ -115,6 +118,39 @@ def _wrap_conv_passes(times, counts):
     return undo
 
 
+def _wrap_functions(times, counts):
+    """Time the fused ops' autograd Functions (forward and backward of Conv-BN-ReLU and
+    Conv-BN-Add-ReLU) and, inside each, numbafuse's outermost launches (``_wrap_launches``):
+    what is left is the host path (Python, NumPy and torch calls, compiled code called
+    straight); returns the undo."""
+    from numbafuse.torch import conv_batchnorm as tcb
+    undo_launches = _wrap_launches(times, counts)
+    saved = []
+    for cls, label in ((tcb.ConvBatchNormReLUFunction, "Conv-BN-ReLU"),
+                       (tcb.ConvBatchNormAddReLUFunction, "Conv-BN-Add-ReLU")):
+        for name in ("forward", "backward"):
+            original = cls.__dict__[name]
+            fn = original.__func__ if isinstance(original, staticmethod) else original
+
+            def timed(ctx, *args, _fn=fn, _key=f"{label} {name}"):
+                launched = times["(outermost launches)"]
+                t0 = time.perf_counter()
+                try:
+                    return _fn(ctx, *args)
+                finally:
+                    times[_key] += time.perf_counter() - t0
+                    times[_key + " launches"] += times["(outermost launches)"] - launched
+                    counts[_key] += 1
+            saved.append((cls, name, original))
+            setattr(cls, name, staticmethod(timed))
+
+    def undo():
+        for cls, name, original in saved:
+            setattr(cls, name, original)
+        undo_launches()
+    return undo
+
+
 def _torch_layers(model, step, steps):
     """(times, counts) of PyTorch's conv passes by layer shape, in ``--layers``' keys, from
     ``torch.profiler`` over ``steps`` calls of ``step``: forward, backward (dx+dw) or (dw)."""
@@ -160,6 +196,8 @@ def main(argv=None):
                    help="time the conv passes by layer shape instead of the launches")
     p.add_argument("--torch", action="store_true",
                    help="PyTorch's own unfused model's conv passes by layer shape instead")
+    p.add_argument("--host", action="store_true",
+                   help="the fused ops' autograd Functions timed, less their launches")
     p.add_argument("--recompute", default="True", choices=["True", "False", "auto"],
                    help="fuse(model, recompute=...) (default True, fuse's own default)")
     args = p.parse_args(argv)
@@ -199,15 +237,39 @@ def main(argv=None):
             print(f"| {name} | {times[name] / counts[name] * 1e3:.2f} | {counts[name] / n:g} |")
         return
     times, counts = collections.defaultdict(float), collections.Counter()
-    undo = (_wrap_conv_passes if args.layers else _wrap_launches)(times, counts)
+    undo = (_wrap_conv_passes if args.layers else _wrap_functions if args.host
+            else _wrap_launches)(times, counts)
+    t_sgd = 0.0
     try:
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            step()
+            for param in model.parameters():
+                param.grad = None
+            torch.nn.functional.cross_entropy(model(x), labels).backward()
+            t1 = time.perf_counter()
+            opt.step()
+            t_sgd += time.perf_counter() - t1
         total = (time.perf_counter() - t0) / args.steps
     finally:
         undo()
     n = args.steps
+    if args.host:
+        outer = times["(outermost launches)"] / n
+        print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused "
+              f"(recompute={args.recompute}), {torch.get_num_threads()} torch threads: "
+              f"step {total * 1e3:.1f} ms, of which numbafuse's outermost launches "
+              f"{outer * 1e3:.1f} ms, SGD {t_sgd / n * 1e3:.1f} ms (mean of {n} steps)")
+        print("\n| fused Function | calls a step | ms a step | its launches ms | the rest ms "
+              "| the rest a call us |\n|---|---:|---:|---:|---:|---:|")
+        rest = 0.0
+        for key in sorted(k for k in counts if k.endswith(("forward", "backward"))):
+            c, t, la = counts[key] / n, times[key] / n, times[key + " launches"] / n
+            rest += t - la
+            print(f"| {key} | {c:g} | {t * 1e3:.2f} | {la * 1e3:.2f} | {(t - la) * 1e3:.2f} "
+                  f"| {(t - la) / c * 1e6:.0f} |")
+        print(f"\nThe fused Functions' host path: {rest * 1e3:.1f} ms a step "
+              f"({rest / total:.0%} of the step).")
+        return
     if args.layers:
         print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused "
               f"(recompute={args.recompute}), {torch.get_num_threads()} torch threads: "
