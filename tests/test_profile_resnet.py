@@ -5,6 +5,10 @@ import pathlib
 import re
 import sys
 
+import pytest
+
+pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'numbafuse[torch]'); "
+                    ".ci/run's torch leg has it")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_resnet  # noqa: E402
 
