@@ -524,9 +524,18 @@ def test_winograd_dw_of_the_groups_sums_transforms_back(dtype, groups, K, C):
     D = parts.astype(np.float64).sum(axis=0).reshape(4, 4, K, C)
     want = np.einsum("xr,xykc,ys->kcrs", G, D, G)
     dw = np.full((K, C, 3, 3), np.nan, dtype)
-    cpu_winograd.winograd_dw(sum_groups(parts, np.float64), dw)
+    D64 = sum_groups(parts, np.float64)
+    cpu_winograd.winograd_dw(D64, dw)
     tol = 8 * groups * np.finfo(dtype).eps * np.abs(parts).max()
     np.testing.assert_allclose(dw, want, rtol=0, atol=tol)
+    # the same sums in the same order as G's rows taken one after the other, left to right
+    # (the products with G's zeros add nothing, its ones and halves are exact): the same bits
+    Dk = D64.reshape(4, 4, K, C)
+    t = [[((G[0, r] * Dk[0, y] + G[1, r] * Dk[1, y]) + G[2, r] * Dk[2, y]) + G[3, r] * Dk[3, y]
+          for y in range(4)] for r in range(3)]
+    rows = np.stack([np.stack([((t[r][0] * G[0, s] + t[r][1] * G[1, s]) + t[r][2] * G[2, s])
+                               + t[r][3] * G[3, s] for s in range(3)], -1) for r in range(3)], -2)
+    assert np.array_equal(dw, rows.astype(dtype))
 
 
 @pytest.mark.parametrize("C, W", [(8, 8), (19, 21), (16, 9)])
