@@ -1,6 +1,6 @@
 """Per-call cost of numbafuse.torch's fused functions at a tiny shape, against PyTorch's ops.
 
-    python benchmarks/bench_torch_call.py [--rounds 2] [--calls 500] [--shape 2,8,4,4]
+    python benchmarks/bench_torch_call.py [--rounds 2] [--calls 500] [--shape 2,8,4,4] [--cold]
 
 At a shape this small the kernels do almost nothing, so the time is the call's own cost:
 checks, tensor views, records, kernel dispatch. Each library runs in its own process (a
@@ -12,6 +12,11 @@ conv2d, batch_norm, relu; the backward from ``y.sum()``, x, w and the batch-norm
 requiring grad), and Conv-BN-ReLU's forward in eval (numbafuse: the batch norm folded or, at
 the im2col plans, applied in the conv's epilogue; PyTorch: conv2d, batch_norm, relu); the
 running statistics are updated in both libraries' training calls.
+
+``--cold``: each call timed alone after a 64 MiB buffer is written (the sweep not timed), the
+median of ``--calls`` calls per round, best over rounds: the call as it runs inside a
+network, where the layers before it have pushed its code, Python objects and arrays out of
+the caches (machine A: a Conv-BN-ReLU forward + backward's ~0.4-0.5 ms warm doubles).
 """
 import argparse
 import json
@@ -25,7 +30,22 @@ CASES = ("conv + bias + ReLU forward", "BN + add + ReLU forward, training",
          "conv + BN + ReLU forward + backward, training", "conv + BN + ReLU forward, eval")
 
 
-def worker(side, shape, calls):
+def _timed_cold(f, calls):
+    """Median us of ``calls`` calls of ``f``, each after a 64 MiB buffer is written (not
+    timed): the caches hold none of the call's code, objects or arrays, as in a network,
+    where each fused op runs after the other layers' kernels have gone through the caches."""
+    import numpy as np
+    sweep = np.ones(16 << 20, np.float32)
+    times = []
+    for _ in range(calls):
+        sweep += 1.0
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1e6
+
+
+def worker(side, shape, calls, cold=False):
     import torch
     torch.set_num_threads(1)
     F = torch.nn.functional
@@ -60,6 +80,9 @@ def worker(side, shape, calls):
     for name, f in zip(CASES, fns):
         for _ in range(200):
             f()
+        if cold:
+            out[name] = _timed_cold(f, calls)
+            continue
         best = float("inf")
         for _ in range(7):
             t = time.perf_counter()
@@ -75,22 +98,25 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--shape", default="2,8,4,4")
+    p.add_argument("--cold", action="store_true",
+                   help="each call after a 64 MiB sweep of the caches; the median call")
     p.add_argument("--worker", choices=("numbafuse", "torch"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     shape = tuple(int(v) for v in args.shape.split(","))
     if args.worker:
-        return worker(args.worker, shape, args.calls)
+        return worker(args.worker, shape, args.calls, args.cold)
     env = dict(os.environ, NUMBAFUSE_NUM_THREADS="1")
     best = {side: {} for side in ("numbafuse", "torch")}
     for _ in range(args.rounds):
         for side in best:
             out = subprocess.run([sys.executable, __file__, "--worker", side, "--shape",
-                                  args.shape, "--calls", str(args.calls)], env=env,
+                                  args.shape, "--calls", str(args.calls)]
+                                 + (["--cold"] if args.cold else []), env=env,
                                  capture_output=True, text=True, check=True).stdout
             for name, us in json.loads(out.strip().splitlines()[-1]).items():
                 best[side][name] = min(best[side].get(name, us), us)
     print(f"Command: python benchmarks/bench_torch_call.py --rounds {args.rounds} --calls "
-          f"{args.calls} --shape {args.shape}\n")
+          f"{args.calls} --shape {args.shape}{' --cold' if args.cold else ''}\n")
     print(f"| call at {shape} | numbafuse.torch us | PyTorch us |\n|---|---:|---:|")
     for name in CASES:
         print(f"| {name} | {best['numbafuse'][name]:.1f} | {best['torch'][name]:.1f} |")
