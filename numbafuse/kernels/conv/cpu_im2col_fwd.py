@@ -83,6 +83,7 @@ def forward_tasks_hwc(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, 
     RSC = R * S * C
     PQ = P * Q
     cols, ybuf, sbuf, wbuf = _forward_buffers(x, flags, geo, chunks, pre)
+    z2 = z.reshape((z.size // K if has_z else 0, K))              # (N*PQ, K) | none
     for t in range(t0, t1):
         n0, n1, p0, p1, k0, k1, wk = _forward_block(t, wmat, flags, geo, chunks, wdst, wbuf)
         kn = k1 - k0
@@ -99,7 +100,6 @@ def forward_tasks_hwc(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, 
         _blas.gemm(blas, False, True, (m, kn, RSC), 1.0, c2, RSC, wk, RSC, 0.0, yb, kn)
         first = n0 * PQ + p0 * Q
         y2 = y.reshape((N * PQ, K))[first:first + m]              # (m, K)
-        z2 = z.reshape((z.size // K if has_z else 0, K))          # (N*PQ, K) | none
         for i in range(m):
             src, dst = yb[i], y2[i, k0:k1]                        # (kn,) each
             for k in range(kn):
