@@ -491,6 +491,26 @@ def test_transpose_tiles_and_edges(dtype, rows, cols):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows, cols", [(1, 9), (63, 17), (64, 8), (65, 33), (300, 130),
+                                        (2048, 40)])
+def test_transposed_in_row_blocks(dtype, rows, cols):
+    # cpu.transpose.transposed: tasks of TRANSPOSE_ROWS (64) source rows, each into its own
+    # columns of out, on two threads (work past the parallel threshold at 2048 x 40): a
+    # block ended or not, a short last block; every value of out written (it starts NaN)
+    from numbafuse.kernels.cpu import launch as cpu_launch
+    from numbafuse.kernels.cpu.transpose import TRANSPOSE_ROWS, transposed
+    assert TRANSPOSE_ROWS == 64
+    a = np.random.default_rng(rows + cols).standard_normal((rows, cols)).astype(dtype)
+    before = cpu_launch.num_threads()
+    cpu_launch.set_num_threads(2)
+    try:
+        out = transposed(a, np.full((cols, rows), np.nan, dtype))
+    finally:
+        cpu_launch.set_num_threads(before)
+    np.testing.assert_array_equal(out, a.T)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("K, C", [(5, 3), (16, 7), (17, 9), (40, 8), (260, 9), (9, 517)])
 def test_winograd_taps_forward_and_flipped(dtype, K, C):
     # U = G g G^T per filter pair (F(2, 3)), formed in float64 and rounded once: the forward

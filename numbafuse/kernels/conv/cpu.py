@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..cpu import blas as _blas, gemm_taps as _gemm_taps
+from ..cpu import blas as _blas, gemm_taps as _gemm_taps, transpose as _transpose
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import blocks, concurrently, launch, launch_all
 from . import cpu_plan
@@ -102,8 +102,10 @@ def _taps(w, k_rows, cache=True):
 
 
 def _transposed(w, wm):
-    """wm.T contiguous, wm the (K, C) matrix of a 1x1 w (cached as _weights says)."""
-    return _weights.derived(w, "transposed", lambda: np.ascontiguousarray(wm.T))
+    """wm.T contiguous, wm the (K, C) matrix of a 1x1 w (cached as _weights says; made by
+    ``cpu.transpose.transposed``'s tiles)."""
+    return _weights.derived(w, "transposed", lambda: _transpose.transposed(
+        wm, np.empty(wm.shape[::-1], wm.dtype)))
 
 
 def _winograd_taps(w, flip, shape):

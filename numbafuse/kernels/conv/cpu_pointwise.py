@@ -28,6 +28,7 @@ from ..cpu import blas as _blas
 from ..cpu import gemm_taps as _gemm_taps
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import blocks, launch, task_kernel
+from ..cpu.transpose import transposed as _transposed
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as _math
 from .cpu_chunks import balanced, gated_chw, gated_hwc, sum_groups
@@ -196,7 +197,8 @@ def dx(gy, y, use_mask, w, geom, plan, out, work):
     if plan.taps:
         _gemm_taps.ready(gather=False)
     launch(forward_hwc if nhwc else forward_chw, nchunks, view(gy, nhwc), view(y, nhwc),
-           use_mask, wm if nhwc else np.ascontiguousarray(wm.T), mpc, np.zeros(C, gy.dtype),
+           use_mask, wm if nhwc else _transposed(wm, _out.empty((C, K), gy.dtype)), mpc,
+           np.zeros(C, gy.dtype),
            (False, False), _blas.blas_for(gy.dtype), plan.taps, view(compact, nhwc), work=work,
            grain=1)
     if strided:                                   # zeros, then every sh-th row, sw-th column

@@ -113,3 +113,32 @@ def _rows_step(src, dst):
 # a block of weights or of dW between (C, R*S) and (R*S, C)) call it through a slot, not
 # compiled into each of them; ROWS.call((src, dst)) with 3-d C-contiguous arrays
 ROWS = Step(_rows_step.py_func, lambda f: [(array(f, 3), array(f, 3))])
+
+
+# --------------------------------------------------------------------------- a matrix's transpose
+
+TRANSPOSE_ROWS = 64         # source rows a task of transposed() transposes
+
+
+@njit(nogil=True, cache=True)
+def _transpose_tasks(t0, t1, src, dst):
+    # task t: src's rows [64t, 64t + 64) (TRANSPOSE_ROWS) into dst's columns
+    for t in range(t0, t1):
+        r0 = t * 64
+        r1 = min(src.shape[0], r0 + 64)
+        transpose(src[r0:r1], dst[:, r0:r1])
+
+
+def transposed(a, out):
+    """``out`` (cols, rows) <- ``a`` (rows, cols) transposed (both C-contiguous, one dtype),
+    in 8 x 8 tiles, row blocks in parallel (``launch``); returns ``out``.
+
+    For a weight matrix transposed at every call (a 1x1 conv's dX in NCHW: ``w^T @ g``),
+    where NumPy's ``np.ascontiguousarray(a.T)`` walks the source one value at a time: one
+    thread, machine A (Zen 4), float32, (2048, 512) 3.29 ms against 0.67 with the tiles
+    (one task), (256, 1024) 0.80 against 0.065, (1024, 256) 0.24 against 0.13. The same
+    values (a copy)."""
+    from .launch import launch                      # (launch imports nothing from here)
+    rows = a.shape[0]
+    launch(_transpose_tasks, -(-rows // TRANSPOSE_ROWS), a, out, work=a.size)
+    return out
