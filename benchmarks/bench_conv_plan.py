@@ -4,6 +4,7 @@ ResNet conv, the one ``kernels/conv/cpu_plan.plan`` picks, and PyTorch's time fo
     python benchmarks/bench_conv_plan.py [--model resnet18|resnet50] [--batch 16] [--size 64]
                                          [--layout NCHW] [--rounds 2] [--repeats 3]
                                          [--threads N] [--markdown FILE]
+                                         [--only NAME ...]
 
 Layers: the distinct conv shapes of torchvision's ResNet-18 (or -50) on a batch of
 ``size``x``size`` RGB images (the stem 7x7/2, each stage's 3x3 convs, its stride-2 3x3 and
@@ -29,8 +30,14 @@ ALGORITHMS = ("pointwise", "im2col", "implicit", "winograd", "winograd_s2", "pha
 PASSES = ("forward", "dx", "dw")
 
 
-def layers(model, size):
-    """[(name, C, K, kernel, stride, H)]: the distinct conv shapes, H the input's size."""
+def layers(model, size, only=None):
+    """[(name, C, K, kernel, stride, H)]: the distinct conv shapes, H the input's size;
+    ``only``: those whose name contains one of these strings."""
+    out = _layers(model, size)
+    return [layer for layer in out if not only or any(s in layer[0] for s in only)]
+
+
+def _layers(model, size):
     out = [("stem 7x7/2", 3, 64, 7, 2, size)]
     h = (size + 1) // 2 // 2                     # after the stem and the max pool
     widths = (64, 128, 256, 512)
@@ -78,7 +85,8 @@ def _numbafuse_cases(options):
     out = {}
     rng = np.random.default_rng(0)
     B, layout = int(options["batch"]), options["layout"]
-    for name, C, K, k, stride, H in layers(options["model"], int(options["size"])):
+    for name, C, K, k, stride, H in layers(options["model"], int(options["size"]),
+                                           options.get("only")):
         shape = (B, C, H, H) if layout == "NCHW" else (B, H, H, C)
         x = rng.standard_normal(shape).astype(np.float32)
         w = (rng.standard_normal((K, C, k, k)) / (C * k)).astype(np.float32)
@@ -103,7 +111,8 @@ def _torch_cases(options):
     out = {}
     B = int(options["batch"])
     memory = (torch.channels_last if options["layout"] == "NHWC" else torch.contiguous_format)
-    for name, C, K, k, stride, H in layers(options["model"], int(options["size"])):
+    for name, C, K, k, stride, H in layers(options["model"], int(options["size"]),
+                                           options.get("only")):
         x = torch.randn(B, C, H, H).contiguous(memory_format=memory)
         w = (torch.randn(K, C, k, k) / (C * k)).contiguous(memory_format=memory)
         y = F.conv2d(x, w, None, stride, k // 2)
@@ -127,7 +136,7 @@ def table(best, options):
             "fastest | PyTorch ms | PyTorch / plan |",
             "|---|---|" + "---:|" * len(ALGORITHMS) + "---|---|---:|---:|---:|"]
     worst, losses = 1.0, []
-    for name, *_ in layers(options["model"], int(options["size"])):
+    for name, *_ in layers(options["model"], int(options["size"]), options.get("only")):
         for pass_ in PASSES:
             times, planned = {}, None
             for key, t in best["numbafuse"].items():
@@ -161,8 +170,12 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--markdown", default=None, help="write the table to this file")
+    p.add_argument("--only", nargs="+", default=None,
+                   help="only the layers whose name contains one of these (e.g. 'l3 1x1')")
     args = p.parse_args(argv)
     options = dict(model=args.model, batch=args.batch, size=args.size, layout=args.layout)
+    if args.only:
+        options["only"] = args.only
     if args.threads:
         options["threads"] = args.threads
     best, info = _runner.compare("bench_conv_plan", ["numbafuse", "torch"], args.rounds,
