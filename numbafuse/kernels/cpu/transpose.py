@@ -16,6 +16,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .launch import launch
 from .steps import Step, array
 
 _I32 = ir.IntType(32)
@@ -121,11 +122,11 @@ TRANSPOSE_ROWS = 64         # source rows a task of transposed() transposes
 
 
 @njit(nogil=True, cache=True)
-def _transpose_tasks(t0, t1, src, dst):
-    # task t: src's rows [64t, 64t + 64) (TRANSPOSE_ROWS) into dst's columns
+def _transpose_tasks(t0, t1, src, dst, rows):
+    # task t: src's rows [rows*t, rows*t + rows) into dst's columns
     for t in range(t0, t1):
-        r0 = t * 64
-        r1 = min(src.shape[0], r0 + 64)
+        r0 = t * rows
+        r1 = min(src.shape[0], r0 + rows)
         transpose(src[r0:r1], dst[:, r0:r1])
 
 
@@ -138,7 +139,6 @@ def transposed(a, out):
     thread, machine A (Zen 4), float32, (2048, 512) 3.29 ms against 0.67 with the tiles
     (one task), (256, 1024) 0.80 against 0.065, (1024, 256) 0.24 against 0.13. The same
     values (a copy)."""
-    from .launch import launch                      # (launch imports nothing from here)
-    rows = a.shape[0]
-    launch(_transpose_tasks, -(-rows // TRANSPOSE_ROWS), a, out, work=a.size)
+    launch(_transpose_tasks, -(-a.shape[0] // TRANSPOSE_ROWS), a, out, TRANSPOSE_ROWS,
+           work=a.size)
     return out
