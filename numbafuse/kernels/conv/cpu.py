@@ -45,6 +45,7 @@ from .cpu_plan import algorithm, plan as _plan
 
 geo_tuple = conv_math.geo_tuple
 _ints = conv_math.int_tuple
+_k_view = conv_math.k_view
 
 from . import cpu_epilogue as _epi  # noqa: E402
 from ..batchnorm import cpu as _bn_cpu  # noqa: E402
@@ -112,12 +113,6 @@ def _winograd_taps(w, flip, shape):
     U = _out.empty(shape, w.dtype)                                 # the GEMMs' orientation
     _wino.winograd_taps(w, flip, U)
     return U
-
-
-def _k_view(a, geom):
-    """An output-shaped array as (N, PQ, K) (NHWC) or (N, K, PQ) (NCHW)."""
-    N, PQ, K = geom.N, geom.P * geom.Q, geom.K
-    return a.reshape(N, PQ, K) if geom.layout == "NHWC" else a.reshape(N, K, PQ)
 
 
 # --------------------------------------------------------------------------- Winograd

@@ -34,7 +34,7 @@ from . import weights as _weights
 from .cpu_chunks import block_len
 from .cpu_im2col import ready_reorder
 from .cpu_im2col_fwd import block_weights
-from .math import geo_tuple
+from .math import geo_tuple, k_view
 
 _relu = cpu_scalar(_relu_math)
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -181,15 +181,12 @@ def forward(x, w, b, has_bias, scale, geom, relu, k_blocks, y, blas, work, z=Non
     if wt or tiles:
         ready_reorder(x.dtype)
     PQ = geom.P * geom.Q
-
-    def view(a):                                        # y, z: (N, PQ, K) | (N, K, PQ)
-        return a.reshape(geom.N, PQ, K) if nhwc else a.reshape(geom.N, K, PQ)
     launch(forward_tasks, k_blocks, cols, w.reshape(K, -1) if wt or tiles else kept,
            (b, b if scale is None else scale, np.empty((0, 0, 0), y.dtype) if z is None
-            else view(z)),
+            else k_view(z, geom)),
            (bool(has_bias), bool(relu), wt, scale is not None, tiles, z is not None),
            (geom.N, geom.C, K, R * S, PQ, k_blocks, int(nhwc)), (offsets, dst), blas, wdst,
-           view(y), work=work, grain=1)
+           k_view(y, geom), work=work, grain=1)
     if wt and wdst.shape[0]:
         _weights.put(w, kind, wdst)
     return y

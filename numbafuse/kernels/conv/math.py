@@ -30,6 +30,13 @@ def _geo_tuple(geom):
                  for f in GEO_FIELDS)
 
 
+def k_view(a, geom):
+    """An output-shaped host array as (N, PQ, K) (NHWC) or (N, K, PQ) (NCHW), the view the
+    CPU forwards' tasks write y (and read a residual z) through."""
+    N, PQ, K = geom.N, geom.P * geom.Q, geom.K
+    return a.reshape(N, PQ, K) if geom.layout == "NHWC" else a.reshape(N, K, PQ)
+
+
 def int_tuple(*values):
     """Scalars as one tuple of Python ints (host side): a task kernel's sizes in one argument
     of one type (a UniTuple of int64), however the host computed them."""
