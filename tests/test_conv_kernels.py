@@ -172,12 +172,14 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     """The implicit-GEMM forward (cpu_implicit.py: a slab per chunk of one output row, a few
     rows, or whole images; the slab's padding on every side, uneven "same" padding, dilation,
     strides 2 and 3, K past every panel), its dW (C % 8 == 0: the slabs' rows gathered, in
-    groups of chunks; and db alone), the NHWC 1x1 forward and dX and the NHWC dX by input
+    groups of chunks; and db alone; a 1x1's dW of <= 64 pixels an image too, 5x7), the NHWC
+    1x1 forward and dX and the NHWC dX by input
     phase through the same tiles, at both vector widths whatever the CPU: against the
     reference, and bitwise the same on 1 and 3 threads. The path is asserted, so a change of
     the rules cannot skip it."""
     conv_rules(taps=True, wide=wide, winograd_s2=False,      # the stride-2 Winograd: below
-               min_gemm_channels=1, nchw_im2col_channels=1, implicit_max_channels=1 << 30)
+               min_gemm_channels=1, nchw_im2col_channels=1, implicit_max_channels=1 << 30,
+               pointwise_dw_implicit_pixels=64)    # (a 1x1's dW of <= 64 pixels: implicit)
     rng = np.random.default_rng(size + K)
     N = 3
     shape = (N, C, size, size + 2) if layout == "NCHW" else (N, size, size + 2, C)
@@ -192,7 +194,8 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     # a 1x1 (strided or not) unpadded: dX by the pointwise GEMMs (strided: then scattered)
     assert cpu_conv.algorithm(geom, "dx") == ("pointwise" if kernel == 1 and padding == 0
                                               else "phase")
-    assert cpu_conv.algorithm(geom, "dw") == (kind if C % 8 == 0 else "im2col")
+    dw_kind = "implicit" if kind == "pointwise" and geom.P * geom.Q <= 64 else kind
+    assert cpu_conv.algorithm(geom, "dw") == (dw_kind if C % 8 == 0 else "im2col")
     _check(nfs.ConvProblem(x, w, b, kwargs), chunk_bytes, groups=4, min_channels=1)
     if kind == "implicit":                          # db without dW: the same db, no dW
         with cpu_plan.using(chunk_bytes=chunk_bytes):

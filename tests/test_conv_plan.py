@@ -175,20 +175,27 @@ def _on_threads(call, counts=(1, 3)):
     return out
 
 
+@pytest.mark.parametrize("nchw_all", [True, False])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("size", [2, 4])                   # 4 and 16 pixels an image
 @pytest.mark.parametrize("C, K", [(40, 36), (100, 48)])   # blocks of 16: the last partial
-def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, K):
+def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, K, nchw_all):
     """A deep 1x1 conv (more channels than the batch's pixels): the passes that
     ``cpu_plan._pointwise_blocked`` names run as the whole batch's k-blocked GEMM (k_block 16
-    here: blocks of 16, the last partial or empty), the others as pointwise GEMMs; forward,
-    dX, dW and db against the reference with bias and the ReLU's gate, bitwise the same on 1
-    and 3 threads."""
+    here: blocks of 16, the last partial or empty), the others as pointwise GEMMs (a dW of
+    few pixels an image by the implicit GEMM where it fits, ``pointwise_dw_implicit_pixels``:
+    off here, below on); NCHW forwards and dX of 16 pixels an image blocked only where
+    ``pointwise_blocked_nchw_all`` (both settings, whatever this CPU's default); forward, dX,
+    dW and db against the reference with bias and the ReLU's gate, bitwise the same on 1 and
+    3 threads."""
     x, w, b, kwargs, geom, y, dy = _deep_pointwise(layout, size, C, K)
     want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)
     thin = size * size < cpu_plan.RULES.pointwise_thin_pixels
-    blocked = {"forward": True, "dx": layout == "NCHW", "dw": True if layout == "NCHW" else thin}
-    with cpu_plan.using(k_block=16):
+    nchw = layout == "NCHW"
+    blocked = {"forward": not nchw or thin or nchw_all, "dx": nchw and (thin or nchw_all),
+               "dw": True if nchw else thin}
+    with cpu_plan.using(k_block=16, pointwise_blocked_nchw_all=nchw_all,
+                        pointwise_dw_implicit_pixels=0):
         for pass_, expect in blocked.items():
             plan = cpu_plan.plan(geom, pass_, np.float32)
             assert (plan.algorithm, plan.k_blocks > 1) == (("im2col", True) if expect
@@ -199,6 +206,39 @@ def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, 
     np.testing.assert_allclose(got[1][0], ref.conv_bias_relu(x, w, b, **kwargs),
                                **TOL[np.float32])
     for g, r in zip(got[1][1:], want):
+        np.testing.assert_allclose(g, r, **TOL[np.float32])
+    for a, c in zip(got[1], got[3]):
+        assert a.tobytes() == c.tobytes()
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("H, W, C", [(8, 8, 24), (8, 9, 24), (8, 8, 20), (2, 2, 40)])
+def test_small_pointwise_dw_runs_the_implicit_gemm_where_the_rule_says(layout, H, W, C):
+    """The dW of a stride-1 1x1 conv with at most ``pointwise_dw_implicit_pixels`` pixels an
+    image runs the implicit GEMM where it fits (C a multiple of 8), else the pointwise GEMMs
+    (8x8 = 64 pixels: implicit, 8x9 = 72: not; C = 20: not; a blocked one stays blocked);
+    dW and db against the reference with the ReLU's gate, bitwise the same on 1 and 3
+    threads."""
+    rng = np.random.default_rng(H * W + C)
+    N, K = 2, (48 if H * W < 16 else 16)           # (a deep one at 2x2: blocked, as above)
+    shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = (rng.standard_normal((K, C, 1, 1)) / 10).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    kwargs = dict(layout=layout)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, 1, 0, 1, layout)
+    y, dy = _relu_output_and_gradient(x, w, b, kwargs, rng)
+    want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)
+    blocked = H * W < 16                           # (in blocks of 16 below)
+    expect = ("im2col" if blocked else "implicit" if H * W <= 64 and C % 8 == 0
+              else "pointwise")
+    with cpu_plan.using(pointwise_dw_implicit_pixels=64, k_block=16):
+        assert cpu_plan.plan(geom, "dw", np.float32).algorithm == expect
+        got = _on_threads(lambda: cpu_conv.conv_backward(dy, x, w, geom, y))
+    with cpu_plan.using(pointwise_dw_implicit_pixels=0, k_block=16):      # the rule off
+        assert cpu_plan.plan(geom, "dw", np.float32).algorithm == (
+            "im2col" if blocked else "pointwise")
+    for g, r in zip(got[1], want):
         np.testing.assert_allclose(g, r, **TOL[np.float32])
     for a, c in zip(got[1], got[3]):
         assert a.tobytes() == c.tobytes()
@@ -331,16 +371,18 @@ def test_nchw_im2col_dw_chunks_by_the_gather_tiles(monkeypatch, wide, C, K, slab
 
 def test_a_widening_nchw_1x1_forward_on_small_images_runs_im2col_chunks():
     # (cpu_plan._pointwise_chunked: ResNet-50's 128 -> 512 at 8x8), with 16-float tiles
-    # (AVX-512) only: with 8-float ones the GEMM per image measured faster
+    # (AVX-512) only, and not where the CPU splits 512-bit FMAs: with 8-float ones, and on
+    # Zen 4, the GEMM per image measured faster
     def chosen(C, K, H, layout="NCHW", N=16, pass_="forward"):
         shape = (N, C, H, H) if layout == "NCHW" else (N, H, H, C)
         g = nf.validate.conv_geometry("t", shape, (K, C, 1, 1), 1, 0, 1, layout)
         plan = cpu_plan.plan(g, pass_, np.float32)
         return plan.algorithm, plan.k_blocks
-    assert cpu_plan.RULES.pointwise_chunked_pixels == (64 if cpu_plan.RULES.wide else 0)
-    if not cpu_plan.RULES.wide:
+    chunks = cpu_plan.RULES.wide and not gemm_taps.SPLIT_512
+    assert cpu_plan.RULES.pointwise_chunked_pixels == (64 if chunks else 0)
+    if not chunks:
         assert chosen(128, 512, 8)[0] == "pointwise"
-    with cpu_plan.using(pointwise_chunked_pixels=64):
+    with cpu_plan.using(pointwise_chunked_pixels=64, pointwise_dw_implicit_pixels=0):
         _the_chunked_rule(chosen)
 
 

@@ -172,15 +172,20 @@ class Rules(NamedTuple):
     # (im2col; 2 0.27 / 0.11), dX 0.19 / 0.07; 3x3 64 at 8x8 dW batch 1 0.14 / 0.11; forwards
     # 3x3 128 at 4x4 batch 1 0.122 / 0.130, 2 0.153 / 0.156, 4 0.26 / 0.24, 8 0.44 / 0.38
     min_k_blocks: int = 2
-    # ... and a deep 1x1 conv likewise, by pass and layout, where its images have fewer
-    # pixels than this (``_pointwise_blocked``: the measurements)
+    # ... a deep 1x1 likewise, by pass and layout, below this many pixels (_pointwise_blocked)
     pointwise_thin_pixels: int = 16
     # ... and a widening NCHW 1x1 forward on images of at most this many pixels runs im2col's
     # chunks (``_pointwise_chunked``: ResNet-50's 128 -> 512 at 8x8, 1.39x on machine E). Not
-    # with 8-float tiles (0: AVX2): on machine F (Zen 3, AVX2, 2 threads, batch 16, NCHW,
-    # ``bench_conv_plan.py --model resnet50``, three runs, ms pointwise / im2col) that layer's
-    # forward took 1.51 / 1.61, 1.20 / 1.47, 1.38 / 1.79: the GEMM per image won
-    pointwise_chunked_pixels: int = 64 if _gemm_taps.WIDE else 0
+    # with 8-float tiles (AVX2) nor where the CPU splits 512-bit FMAs (SPLIT_512, Zen 4): the
+    # GEMM per image won there (ms pointwise / im2col, batch 16, ``bench_conv_plan.py --model
+    # resnet50``: machine F 1.51 / 1.61, 1.20 / 1.47, 1.38 / 1.79; machine A 0.88 / 1.13)
+    pointwise_chunked_pixels: int = 64 if _gemm_taps.WIDE and not _gemm_taps.SPLIT_512 else 0
+    # Where SPLIT_512 the deep NCHW 1x1 forwards and dX run blocked (``_pointwise_blocked``)
+    # only below ``pointwise_thin_pixels`` pixels an image ...
+    pointwise_blocked_nchw_all: bool = not _gemm_taps.SPLIT_512
+    # ... and (AVX-512) a stride-1 1x1's dW not blocked, of at most this many pixels an image,
+    # runs the implicit GEMM (docs/conv_bias_relu.md, "The 1x1 rules on Zen 4")
+    pointwise_dw_implicit_pixels: int = 64 if _gemm_taps.WIDE else 0
     # a backward touching fewer elements (x, gy twice) whose dX and dW are both Winograd
     # passes runs their tasks in one job that the threads share, instead of one pass after the
     # other, each split over the threads: at the digits shapes (8x8, 24 channels) a split
@@ -361,7 +366,7 @@ def _pointwise_blocked(geom, pass_, dtype, rules):
     thin = geom.P * geom.Q < rules.pointwise_thin_pixels
     if geom.layout == "NHWC":
         return pass_ == "forward" or (pass_ == "dw" and thin)
-    return True
+    return pass_ == "dw" or thin or rules.pointwise_blocked_nchw_all
 
 
 def _pointwise_chunked(geom, pass_, rules):
@@ -387,6 +392,9 @@ def choose(geom, pass_, dtype, rules):
     if is_pointwise(geom):
         if _pointwise_blocked(geom, pass_, dtype, rules) or _pointwise_chunked(geom, pass_, rules):
             return "im2col"
+        if (pass_ == "dw" and geom.P * geom.Q <= rules.pointwise_dw_implicit_pixels
+                and supports("implicit", geom, pass_, dtype)):
+            return "implicit"
         return "pointwise"
     if pass_ == "dx" and _strided_pointwise(geom):
         # dX of a strided 1x1: the pointwise GEMMs into the pixels read, then scattered (by
