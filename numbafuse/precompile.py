@@ -78,7 +78,9 @@ CPU_CASES = [
     # a 3x3 on 1x1 maps: its center tap's 1x1 (kernels/conv/cpu_first._crop: the tap's copy
     # and dW's spread, the pointwise GEMMs)
     ("conv 3x3 on 1x1 maps (one tap)", "conv", (2, 32, 1, 1), 3, 1, 32),
-    ("conv 1x1 s1", "conv", (4, 32, 8, 8), 1, 1, 32),
+    ("conv 1x1 s1", "conv", (4, 32, 16, 16), 1, 1, 32),
+    # (a small map's dW: the implicit GEMM's, cpu_plan.Rules.pointwise_dw_implicit_pixels)
+    ("conv 1x1 s1 small map (implicit dW)", "conv", (4, 32, 8, 8), 1, 1, 32),
     ("conv 1x1 s2", "conv", (4, 32, 8, 8), 1, 2, 64),
     ("conv 3x3 stem (few channels)", "conv", (4, 3, 16, 16), 3, 1, 32),
     ("conv 7x7 s2 stem (implicit forward)", "conv", (2, 3, 16, 16), 7, 2, 64),
