@@ -369,6 +369,38 @@ def test_an_error_on_torchs_team_reaches_the_caller(torch_team):
 
 
 @pytest.mark.torch
+def test_team_regions_from_two_threads_at_once_each_run_their_job(torch_team):
+    # one region at a time runs on the team's one data buffer (launch's own calls); a region
+    # that meets it in use (run called from two threads at once) gets data of its own: both
+    # jobs run every task once, on two threads each
+    import time
+    team = _launch.torch_team()
+    made = []
+    original = team._region_data
+    team._region_data = lambda: made.append(1) or original()
+    ran = {0: [], 1: []}
+    started = threading.Barrier(2)
+
+    def call(i):
+        def kernel(t0, t1):
+            for t in range(t0, t1):
+                time.sleep(0.02)
+                ran[i].append((t, threading.get_ident()))
+        started.wait()
+        team.run(_launch._Job(kernel, 8, 1, ()), 2, 0, 0, 0)
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    del team._region_data
+    assert made == [1]                                  # one region on data of its own
+    for i in range(2):
+        assert sorted(t for t, _ in ran[i]) == list(range(8))
+        assert len({ident for _, ident in ran[i]}) == 2
+
+
+@pytest.mark.torch
 def test_concurrent_calls_beside_torch(torch_team):
     _concurrent_callers("NHWC")
 
