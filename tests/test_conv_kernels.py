@@ -173,10 +173,9 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     rows, or whole images; the slab's padding on every side, uneven "same" padding, dilation,
     strides 2 and 3, K past every panel), its dW (C % 8 == 0: the slabs' rows gathered, in
     groups of chunks; and db alone; a 1x1's dW of <= 64 pixels an image too, 5x7), the NHWC
-    1x1 forward and dX and the NHWC dX by input
-    phase through the same tiles, at both vector widths whatever the CPU: against the
-    reference, and bitwise the same on 1 and 3 threads. The path is asserted, so a change of
-    the rules cannot skip it."""
+    1x1 forward and dX and the NHWC dX by input phase through the same tiles, at both vector
+    widths whatever the CPU: against the reference, and bitwise the same on 1 and 3 threads.
+    The path is asserted, so a change of the rules cannot skip it."""
     conv_rules(taps=True, wide=wide, winograd_s2=False,      # the stride-2 Winograd: below
                min_gemm_channels=1, nchw_im2col_channels=1, implicit_max_channels=1 << 30,
                pointwise_dw_implicit_pixels=64)    # (a 1x1's dW of <= 64 pixels: implicit)

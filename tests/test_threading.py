@@ -369,7 +369,7 @@ def test_an_error_on_torchs_team_reaches_the_caller(torch_team):
 
 
 @pytest.mark.torch
-def test_team_regions_from_two_threads_at_once_each_run_their_job(torch_team):
+def test_team_regions_from_two_threads_at_once_each_run_their_job(torch_team, monkeypatch):
     # one region at a time runs on the team's one data buffer (launch's own calls); a region
     # that meets it in use (run called from two threads at once) gets data of its own: both
     # jobs run every task once, on two threads each
@@ -377,7 +377,7 @@ def test_team_regions_from_two_threads_at_once_each_run_their_job(torch_team):
     team = _launch.torch_team()
     made = []
     original = team._region_data
-    team._region_data = lambda: made.append(1) or original()
+    monkeypatch.setattr(team, "_region_data", lambda: made.append(1) or original())
     ran = {0: [], 1: []}
     started = threading.Barrier(2)
 
@@ -393,7 +393,6 @@ def test_team_regions_from_two_threads_at_once_each_run_their_job(torch_team):
         t.start()
     for t in threads:
         t.join()
-    del team._region_data
     assert made == [1]                                  # one region on data of its own
     for i in range(2):
         assert sorted(t for t, _ in ran[i]) == list(range(8))
