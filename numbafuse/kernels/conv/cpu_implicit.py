@@ -1,4 +1,5 @@
-r"""The strided convolution's forward and dW as implicit GEMMs over a padded slab of each chunk.
+r"""The strided convolution's forward and dW as implicit GEMMs over a padded slab of each chunk
+(and the dW of a stride-1 1x1 on small maps: ``cpu_plan.Rules.pointwise_dw_implicit_pixels``).
 
 A chunk (output rows [p0, p1) of one image, or whole images: ``cpu._chunking``) copies the
 input rows it reads into a zero-padded slab, (images, Hs, Ws, C) with Hs = (rows - 1) * sh +
