@@ -175,26 +175,27 @@ def _on_threads(call, counts=(1, 3)):
     return out
 
 
-@pytest.mark.parametrize("nchw_all", [True, False])
+@pytest.mark.parametrize("unblocked", [0, 16])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("size", [2, 4])                   # 4 and 16 pixels an image
 @pytest.mark.parametrize("C, K", [(40, 36), (100, 48)])   # blocks of 16: the last partial
-def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, K, nchw_all):
+def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, K, unblocked):
     """A deep 1x1 conv (more channels than the batch's pixels): the passes that
     ``cpu_plan._pointwise_blocked`` names run as the whole batch's k-blocked GEMM (k_block 16
     here: blocks of 16, the last partial or empty), the others as pointwise GEMMs (a dW of
     few pixels an image by the implicit GEMM where it fits, ``pointwise_dw_implicit_pixels``:
-    off here, below on); NCHW forwards and dX of 16 pixels an image blocked only where
-    ``pointwise_blocked_nchw_all`` (both settings, whatever this CPU's default); forward, dX,
-    dW and db against the reference with bias and the ReLU's gate, bitwise the same on 1 and
-    3 threads."""
+    off here, below on); NCHW forwards and dX of 16 pixels an image not blocked where
+    ``pointwise_nchw_unblocked_pixels`` reaches 16 (both settings, whatever this CPU's
+    default); forward, dX, dW and db against the reference with bias and the ReLU's gate,
+    bitwise the same on 1 and 3 threads."""
     x, w, b, kwargs, geom, y, dy = _deep_pointwise(layout, size, C, K)
     want = ref.conv_bias_relu_backward(dy, x, w, b, y=y, **kwargs)
     thin = size * size < cpu_plan.RULES.pointwise_thin_pixels
     nchw = layout == "NCHW"
-    blocked = {"forward": not nchw or thin or nchw_all, "dx": nchw and (thin or nchw_all),
+    wide = size * size > unblocked
+    blocked = {"forward": not nchw or thin or wide, "dx": nchw and (thin or wide),
                "dw": True if nchw else thin}
-    with cpu_plan.using(k_block=16, pointwise_blocked_nchw_all=nchw_all,
+    with cpu_plan.using(k_block=16, pointwise_nchw_unblocked_pixels=unblocked,
                         pointwise_dw_implicit_pixels=0):
         for pass_, expect in blocked.items():
             plan = cpu_plan.plan(geom, pass_, np.float32)
@@ -209,6 +210,25 @@ def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, 
         np.testing.assert_allclose(g, r, **TOL[np.float32])
     for a, c in zip(got[1], got[3]):
         assert a.tobytes() == c.tobytes()
+
+
+def test_deep_nchw_1x1_forwards_at_4x4_only_leave_the_blocked_gemms_by_the_rule():
+    # pointwise_nchw_unblocked_pixels = 16 (where the CPU splits 512-bit FMAs): ResNet-50's
+    # deep NCHW 1x1 forwards and dX at 4x4 (64x64 input) run the pointwise GEMMs, at 2x2 and
+    # at 7x7 (224x224 input) the blocked ones, as with 0 (machine E's rule) everywhere
+    def chosen(C, K, H, pass_, unblocked):
+        g = nf.validate.conv_geometry("t", (16, C, H, H), (K, C, 1, 1), 1, 0, 1, "NCHW")
+        with cpu_plan.using(pointwise_nchw_unblocked_pixels=unblocked):
+            plan = cpu_plan.plan(g, pass_, np.float32)
+        return plan.algorithm, plan.k_blocks > 1
+    for pass_ in ("forward", "dx"):
+        assert chosen(256, 1024, 4, pass_, 16) == ("pointwise", False)
+        assert chosen(1024, 256, 4, pass_, 16) == ("pointwise", False)
+        assert chosen(256, 1024, 4, pass_, 0) == ("im2col", True)
+        for unblocked in (0, 16):
+            assert chosen(512, 2048, 2, pass_, unblocked) == ("im2col", True)
+            assert chosen(512, 2048, 7, pass_, unblocked) == ("im2col", True)
+    assert cpu_plan.RULES.pointwise_nchw_unblocked_pixels == (16 if gemm_taps.SPLIT_512 else 0)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])

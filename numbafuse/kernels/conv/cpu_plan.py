@@ -180,9 +180,9 @@ class Rules(NamedTuple):
     # GEMM per image won there (ms pointwise / im2col, batch 16, ``bench_conv_plan.py --model
     # resnet50``: machine F 1.51 / 1.61, 1.20 / 1.47, 1.38 / 1.79; machine A 0.88 / 1.13)
     pointwise_chunked_pixels: int = 64 if _gemm_taps.WIDE and not _gemm_taps.SPLIT_512 else 0
-    # Where SPLIT_512 the deep NCHW 1x1 forwards and dX run blocked (``_pointwise_blocked``)
-    # only below ``pointwise_thin_pixels`` pixels an image ...
-    pointwise_blocked_nchw_all: bool = not _gemm_taps.SPLIT_512
+    # Where SPLIT_512 the deep NCHW 1x1 forwards and dX of images of pointwise_thin_pixels to
+    # this many pixels (4x4) run the pointwise GEMMs, not blocked (``_pointwise_blocked``) ...
+    pointwise_nchw_unblocked_pixels: int = 16 if _gemm_taps.SPLIT_512 else 0
     # ... and (AVX-512) a stride-1 1x1's dW not blocked, of at most this many pixels an image,
     # runs the implicit GEMM (docs/conv_bias_relu.md, "The 1x1 rules on Zen 4")
     pointwise_dw_implicit_pixels: int = 64 if _gemm_taps.WIDE else 0
@@ -366,7 +366,7 @@ def _pointwise_blocked(geom, pass_, dtype, rules):
     thin = geom.P * geom.Q < rules.pointwise_thin_pixels
     if geom.layout == "NHWC":
         return pass_ == "forward" or (pass_ == "dw" and thin)
-    return pass_ == "dw" or thin or rules.pointwise_blocked_nchw_all
+    return pass_ == "dw" or thin or geom.P * geom.Q > rules.pointwise_nchw_unblocked_pixels
 
 
 def _pointwise_chunked(geom, pass_, rules):
