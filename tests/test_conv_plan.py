@@ -235,8 +235,9 @@ def test_deep_nchw_1x1_forwards_at_4x4_only_leave_the_blocked_gemms_by_the_rule(
 @pytest.mark.parametrize("H, W, C", [(8, 8, 24), (8, 9, 24), (8, 8, 20), (2, 2, 40)])
 def test_small_pointwise_dw_runs_the_implicit_gemm_where_the_rule_says(layout, H, W, C):
     """The dW of a stride-1 1x1 conv with at most ``pointwise_dw_implicit_pixels`` pixels an
-    image runs the implicit GEMM where it fits (C a multiple of 8), else the pointwise GEMMs
-    (8x8 = 64 pixels: implicit, 8x9 = 72: not; C = 20: not; a blocked one stays blocked);
+    image runs the implicit GEMM where it fits (C a multiple of 8) and the tiles are on
+    (``taps``), else the pointwise GEMMs (8x8 = 64 pixels: implicit, 8x9 = 72: not; C = 20:
+    not; a blocked one stays blocked);
     dW and db against the reference with the ReLU's gate, bitwise the same on 1 and 3
     threads."""
     rng = np.random.default_rng(H * W + C)
@@ -252,12 +253,13 @@ def test_small_pointwise_dw_runs_the_implicit_gemm_where_the_rule_says(layout, H
     blocked = H * W < 16                           # (in blocks of 16 below)
     expect = ("im2col" if blocked else "implicit" if H * W <= 64 and C % 8 == 0
               else "pointwise")
-    with cpu_plan.using(pointwise_dw_implicit_pixels=64, k_block=16):
+    with cpu_plan.using(pointwise_dw_implicit_pixels=64, k_block=16, taps=True):
         assert cpu_plan.plan(geom, "dw", np.float32).algorithm == expect
         got = _on_threads(lambda: cpu_conv.conv_backward(dy, x, w, geom, y))
-    with cpu_plan.using(pointwise_dw_implicit_pixels=0, k_block=16):      # the rule off
-        assert cpu_plan.plan(geom, "dw", np.float32).algorithm == (
-            "im2col" if blocked else "pointwise")
+    for off in (dict(pointwise_dw_implicit_pixels=0), dict(taps=False)):   # the rule off
+        with cpu_plan.using(k_block=16, **off):
+            assert cpu_plan.plan(geom, "dw", np.float32).algorithm == (
+                "im2col" if blocked else "pointwise")
     for g, r in zip(got[1], want):
         np.testing.assert_allclose(g, r, **TOL[np.float32])
     for a, c in zip(got[1], got[3]):

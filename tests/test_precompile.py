@@ -75,7 +75,7 @@ def test_the_cpu_cases_take_the_paths_layers_take():
             else "im2col")                                          # NHWC's narrow ones)
         assert picked["conv 3x3 s2 float32", layout] == ("winograd_s2",) * 3
         assert picked["conv 1x1 s1 float32", layout] == ("pointwise",) * 3
-        small_dw = "implicit" if cpu_plan.RULES.pointwise_dw_implicit_pixels >= 64 else "pointwise"
+        small_dw = "implicit" if cpu_plan.RULES.taps else "pointwise"     # (AVX-512's tiles)
         assert picked["conv 1x1 s1 small map (implicit dW) float32", layout] == (
             "pointwise", "pointwise", small_dw)
         assert picked["conv 3x3 stem (few channels) float32", layout][0] == "im2col"

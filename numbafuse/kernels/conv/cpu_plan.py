@@ -183,9 +183,9 @@ class Rules(NamedTuple):
     # Where SPLIT_512 the deep NCHW 1x1 forwards and dX of images of pointwise_thin_pixels to
     # this many pixels (4x4) run the pointwise GEMMs, not blocked (``_pointwise_blocked``) ...
     pointwise_nchw_unblocked_pixels: int = 16 if _gemm_taps.SPLIT_512 else 0
-    # ... and (AVX-512) a stride-1 1x1's dW not blocked, of at most this many pixels an image,
-    # runs the implicit GEMM (docs/conv_bias_relu.md, "The 1x1 rules on Zen 4")
-    pointwise_dw_implicit_pixels: int = 64 if _gemm_taps.WIDE else 0
+    # ... and with ``taps`` a stride-1 1x1's dW not blocked, of at most this many pixels an
+    # image, runs the implicit GEMM (docs/conv_bias_relu.md, "The 1x1 rules on Zen 4")
+    pointwise_dw_implicit_pixels: int = 64
     # a backward touching fewer elements (x, gy twice) whose dX and dW are both Winograd
     # passes runs their tasks in one job that the threads share, instead of one pass after the
     # other, each split over the threads: at the digits shapes (8x8, 24 channels) a split
@@ -392,7 +392,7 @@ def choose(geom, pass_, dtype, rules):
     if is_pointwise(geom):
         if _pointwise_blocked(geom, pass_, dtype, rules) or _pointwise_chunked(geom, pass_, rules):
             return "im2col"
-        if (pass_ == "dw" and geom.P * geom.Q <= rules.pointwise_dw_implicit_pixels
+        if (pass_ == "dw" and rules.taps and geom.P * geom.Q <= rules.pointwise_dw_implicit_pixels
                 and supports("implicit", geom, pass_, dtype)):
             return "implicit"
         return "pointwise"
