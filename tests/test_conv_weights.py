@@ -142,6 +142,44 @@ def test_k_blocked_forward_keeps_the_blocks_reordered_weights(layout):
                                    atol=1e-5)
 
 
+def test_a_1x1_convs_transposed_weights_are_one_entry_for_the_nhwc_forward_and_nchw_dx():
+    # cpu_pointwise.transposed_weights: w^T of a 1x1 conv, what the NHWC forward and the NCHW
+    # dX multiply by, kept once with the cache on (the second use a hit), the same bits as
+    # without it, and made again after w changes
+    import numbafuse as nf
+    from numbafuse.kernels.conv import cpu as cpu_conv, cpu_plan
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((24, 40, 1, 1)) / 10).astype(np.float32)
+    b = np.zeros(24, np.float32)
+    x = rng.standard_normal((2, 5, 6, 40)).astype(np.float32)                  # NHWC
+    g_nhwc = nf.validate.conv_geometry("t", x.shape, w.shape, 1, 0, 1, "NHWC")
+    xc = np.ascontiguousarray(x.transpose(0, 3, 1, 2))                         # NCHW
+    g_nchw = nf.validate.conv_geometry("t", xc.shape, w.shape, 1, 0, 1, "NCHW")
+    dy = rng.standard_normal((2, 24, 5, 6)).astype(np.float32)
+    plans = tuple(cpu_plan.plan(g_nchw, p, np.float32, algorithm="pointwise")
+                  for p in ("dx", "dw"))
+    fwd = cpu_plan.plan(g_nhwc, "forward", np.float32, algorithm="pointwise")
+    want_y = cpu_conv.conv_forward(x, w, b, g_nhwc, False, fwd)
+    want_dx = cpu_conv.conv_backward(dy, xc, w, g_nchw, None, (True, False, False), plans)[0]
+    w2 = w[:, :, 0, 0].astype(np.float64)                              # (K, C)
+    np.testing.assert_allclose(want_y, np.einsum("nhwc,kc->nhwk", x, w2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(want_dx, np.einsum("kc,nkhw->nchw", w2, dy), rtol=1e-5,
+                               atol=1e-5)
+    owner = Owner()
+    with weights.enabled():
+        with weights.vouch(w, owner):
+            y = cpu_conv.conv_forward(x, w, b, g_nhwc, False, fwd)
+            dx = cpu_conv.conv_backward(dy, xc, w, g_nchw, None, (True, False, False), plans)[0]
+        assert [k[3] for k in weights._CACHE] == ["transposed"], list(weights._CACHE)
+        assert weights.stats()["hits"] == 1, weights.stats()
+        assert y.tobytes() == want_y.tobytes() and dx.tobytes() == want_dx.tobytes()
+        w *= -1.0                                                     # changed in place ...
+        owner._version += 1                                           # ... and said so
+        with weights.vouch(w, owner):
+            dx = cpu_conv.conv_backward(dy, xc, w, g_nchw, None, (True, False, False), plans)[0]
+    assert dx.tobytes() == (-want_dx).tobytes()
+
+
 torch_tests = pytest.mark.torch
 
 

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..cpu import blas as _blas, gemm_taps as _gemm_taps, transpose as _transpose
+from ..cpu import blas as _blas, gemm_taps as _gemm_taps
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import blocks, concurrently, launch, launch_all
 from . import cpu_plan
@@ -100,13 +100,6 @@ def _taps(w, k_rows, cache=True):
         return np.ascontiguousarray(w.transpose(order)).reshape(R * S, *((K, C) if k_rows
                                                                          else (C, K)))
     return _weights.derived(w, ("taps", bool(k_rows)), make) if cache else make()
-
-
-def _transposed(w, wm):
-    """wm.T contiguous, wm the (K, C) matrix of a 1x1 w (cached as _weights says; made by
-    ``cpu.transpose.transposed``'s tiles)."""
-    return _weights.derived(w, "transposed", lambda: _transpose.transposed(
-        wm, np.empty(wm.shape[::-1], wm.dtype)))
 
 
 def _winograd_taps(w, flip, shape):
@@ -508,8 +501,8 @@ def conv_forward(x, w, b, geom, relu, plan=None, scale=None, z=None):
         if plan.taps:
             _gemm_taps.ready(gather=False)
         launch(_pointwise.forward_hwc if nhwc else _pointwise.forward_chw, nchunks, xv, xv,
-               False, _transposed(w, wm) if nhwc else wm, mpc, b, (has_bias, relu), blas,
-               plan.taps, _pointwise.view(y, nhwc), work=work, grain=1)
+               False, _pointwise.transposed_weights(w, wm) if nhwc else wm, mpc, b,
+               (has_bias, relu), blas, plan.taps, _pointwise.view(y, nhwc), work=work, grain=1)
     elif kind == "phase":
         tap_plane, tap_off, planes, ext, Wq, slack = _phase_plan(geom)
         rpc = balanced(geom.P, _phase_rows(plan, len(planes) * C + K, Wq, x.itemsize))

@@ -31,6 +31,7 @@ from ..cpu.launch import blocks, launch, task_kernel
 from ..cpu.transpose import transposed as _transposed
 from ..scalar import cpu_scalar, relu as _relu_math, relu_grad as _relu_grad_math
 from . import math as _math
+from . import weights as _weights
 from .cpu_chunks import balanced, gated_chw, gated_hwc, sum_groups
 
 _relu = cpu_scalar(_relu_math)
@@ -184,6 +185,21 @@ def chunks(plan, geom, channels, itemsize):
     return mpc, nchunks
 
 
+def transposed_weights(w, wm):
+    """wm.T contiguous (C, K), wm the (K, C) matrix of a 1x1 w: the NHWC forward's operand and
+    the NCHW dX's (``w^T @ g``), one entry of the weight cache for both where it keeps w's
+    arrays, else made again into an output-cache buffer (``cpu.transpose.transposed``)."""
+    kept = _weights.peek(w, "transposed")
+    if kept is not None:
+        return kept
+    keep = _weights.will_keep(w)
+    shape = wm.shape[::-1]
+    out = _transposed(wm, np.empty(shape, wm.dtype) if keep else _out.empty(shape, wm.dtype))
+    if keep:
+        _weights.put(w, "transposed", out)
+    return out
+
+
 def dx(gy, y, use_mask, w, geom, plan, out, work):
     """``out`` = dx of a 1x1 conv (``dx = g @ w | w^T @ g``, g = gy gated by y when
     ``use_mask``); strided (unpadded): the GEMMs into the compact dx of the pixels read
@@ -197,8 +213,7 @@ def dx(gy, y, use_mask, w, geom, plan, out, work):
     if plan.taps:
         _gemm_taps.ready(gather=False)
     launch(forward_hwc if nhwc else forward_chw, nchunks, view(gy, nhwc), view(y, nhwc),
-           use_mask, wm if nhwc else _transposed(wm, _out.empty((C, K), gy.dtype)), mpc,
-           np.zeros(C, gy.dtype),
+           use_mask, wm if nhwc else transposed_weights(w, wm), mpc, np.zeros(C, gy.dtype),
            (False, False), _blas.blas_for(gy.dtype), plan.taps, view(compact, nhwc), work=work,
            grain=1)
     if strided:                                   # zeros, then every sh-th row, sw-th column
