@@ -119,7 +119,7 @@ class OpenMPTeam:
         # caller's first range 25.5 -> 18.7 us after the launch began, the other thread's 43.6
         # -> 35.8, medians of 10 steps each, alternating, ~300 launches a step)
         self._shared = threading.Lock()
-        self._data = self._region_data()
+        self._region = self._region_data()
         ensure = ctypes.pythonapi.PyGILState_Ensure
         ensure.restype = ctypes.c_int
         self._ensure = ensure
@@ -148,7 +148,7 @@ class OpenMPTeam:
         ``late_ns`` more."""
         shared = self._shared.acquire(blocking=False)
         try:
-            data, address, flags = self._data if shared else self._region_data()
+            data, address, flags = self._region if shared else self._region_data()
             data[_ENTRY_CLOCK] = clock
             data[_ENTRY_WAIT_NS] = wait_ns
             data[_ENTRY_LATE_NS] = late_ns
