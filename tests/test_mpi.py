@@ -72,7 +72,8 @@ def test_a_failing_mpi_test_ends_the_job_instead_of_hanging(tmp_path):
                        str(tmp_path), str(tmp_path)], timeout=90)
     assert run.returncode != 0
     out = run.stdout + run.stderr
-    assert "rank 1 disagrees" in out and "[rank 1] " in out and "aborting all 2 ranks" in out
+    assert "rank 1 disagrees" in out and "[rank 1] " in out and "aborting all 2 ranks" in out, \
+        f"returncode {run.returncode}, output:\n{out[-3000:]}"
 
 
 def test_an_mpi_test_that_hangs_without_failing_ends_the_job(tmp_path):

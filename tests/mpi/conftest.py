@@ -15,10 +15,12 @@ which ends the job as well.
 import faulthandler
 import os
 import sys
+import time
 
 import pytest
 
-mpi4py = pytest.importorskip("mpi4py", reason="mpi4py is needed: pip install 'numbafuse[distributed]'")
+mpi4py = pytest.importorskip("mpi4py",
+                             reason="mpi4py is needed: pip install 'numbafuse[distributed]'")
 
 
 @pytest.fixture(scope="session")
@@ -65,4 +67,9 @@ def pytest_runtest_makereport(item, call):
         sys.stderr.write(f"\n[rank {world.Get_rank()}] {item.nodeid} failed ({report.when}); "
                          f"aborting all {world.Get_size()} ranks:\n{report.longreprtext}\n")
         sys.stderr.flush()
+        # mpiexec forwards a rank's output through its own process: MPI_Abort right after the
+        # write lost the whole message now and then under load (CI, 2026-12-01: empty stdout
+        # and stderr); the same grace as numbafuse.distributed's abort hook
+        from numbafuse.distributed import ABORT_GRACE_S
+        time.sleep(ABORT_GRACE_S)
         world.Abort(1)
