@@ -108,8 +108,9 @@ def run_cpu_case(case, layouts=("NCHW", "NHWC")) -> None:
     """Call the case's op forward and backward once per layout (what compiles its kernels)."""
     import numpy as np
 
-    from .kernels.cpu import first_calls
+    from .kernels.cpu import first_calls, launch
     first_calls.set_wait(float("inf"))      # compile here, not in the background
+    launch.NATIVE_WARM = True               # and the compiled launches' entries (cpu.native)
 
     from .ops.basic import max_pool2d
     from .ops.batchnorm import batchnorm_add_relu, batchnorm_add_relu_backward

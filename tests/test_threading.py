@@ -262,14 +262,21 @@ def torch_team(small_tasks, monkeypatch):
     torch.set_num_threads(torch_threads)
 
 
-def _spy_team_runs(monkeypatch):
+def _spy_team_runs(monkeypatch, native=None):
+    """The team size of each region run on torch's team (a Python job's or, where ``native``
+    is a list, a compiled launch's, which ``native`` gets instead)."""
     runs = []
-    original = cpu_team.OpenMPTeam.run
+    original, original_native = cpu_team.OpenMPTeam.run, cpu_team.OpenMPTeam.run_native
 
     def run(self, job, threads, *waits):
         runs.append(threads)
         return original(self, job, threads, *waits)
+
+    def run_native(self, kaddr, threads, *rest):
+        (runs if native is None else native).append(threads)
+        return original_native(self, kaddr, threads, *rest)
     monkeypatch.setattr(cpu_team.OpenMPTeam, "run", run)
+    monkeypatch.setattr(cpu_team.OpenMPTeam, "run_native", run_native)
     return runs
 
 
@@ -356,6 +363,24 @@ def test_torch_team_and_own_pool_agree_bitwise(layout, torch_team, monkeypatch):
     serial = _work(layout)
     for a, b, c in zip(on_team, own, serial):
         assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_compiled_and_python_launches_on_the_team_agree_bitwise(layout, torch_team,
+                                                                  monkeypatch):
+    # kernels/cpu/native.py: the same tasks, run by compiled code on each team thread
+    native = []
+    runs = _spy_team_runs(monkeypatch, native=native)
+    monkeypatch.setattr(_launch, "NATIVE", True)
+    compiled = _work(layout)
+    assert native and not runs or len(runs) < len(native)       # (concurrently's: Python)
+    monkeypatch.setattr(_launch, "NATIVE", False)
+    count = len(native)
+    python = _work(layout)
+    assert len(native) == count and runs
+    for a, b in zip(compiled, python):
+        assert a.tobytes() == b.tobytes()
 
 
 @pytest.mark.torch

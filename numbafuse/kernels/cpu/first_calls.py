@@ -56,7 +56,7 @@ import sys
 import threading
 import time
 
-from . import compile_child
+from . import compile_child, native
 
 _READY, _PENDING = "ready", "pending"
 
@@ -322,8 +322,10 @@ def _child_compile(spec):
             here = os.path.abspath(__file__)                # <root>/numbafuse/kernels/cpu/
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(here))))
             path = os.environ.get("PYTHONPATH")
+            from . import launch                 # (the compiled launches' entries too)
             env = {**os.environ, "NUMBAFUSE_FIRST_CALL_WAIT": "inf",
                    "NUMBAFUSE_NUM_THREADS": "1",
+                   "NUMBAFUSE_NATIVE_WARM": str(int(launch.NATIVE)),
                    "PYTHONPATH": root + (os.pathsep + path if path else "")}
             _child = subprocess.Popen(       # (stderr: none; it may outlive this process)
                 [_python_executable(), "-m", "numbafuse.kernels.cpu.compile_child"],
@@ -393,3 +395,4 @@ if hasattr(threading, "_register_atexit"):     # before the interpreter joins it
     threading._register_atexit(_stop)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
+native.first_calls_run = run       # a compiled launch's entry: compiled as a first call

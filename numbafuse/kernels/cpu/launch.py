@@ -64,6 +64,9 @@ import threading
 
 import numpy as np
 from numba import njit
+from numba.core.dispatcher import Dispatcher
+
+from . import native
 
 from .sync import CLOCK as _CLOCK
 from .sync import SLOT as _SLOT
@@ -188,7 +191,7 @@ class _Job:
                         self.error = e
                 return
 
-    def join_as_helper(self, slot):
+    def join_as_helper(self, slot, generation=None):
         with self.lock:
             if self.next >= self.ntasks:         # (final once the caller's work() is done)
                 return False
@@ -211,6 +214,17 @@ class _Job:
                 self.idle.wait()
 
 
+class _NativeJob:
+    """What a pool's helper joins for a compiled launch: the ranges of the launch open in
+    ``flag``, if it still is (``native.join``, GIL released)."""
+
+    def __init__(self, flag):
+        self.flag = flag
+
+    def join_as_helper(self, slot, generation):
+        return native.join(self.flag, generation)
+
+
 class _Pool:
     def __init__(self, helpers):
         self.helpers = helpers
@@ -221,6 +235,15 @@ class _Pool:
         # flag[0]: the generation (for spinning helpers); flag[(i + 1) * _SLOT]: the last
         # generation helper i finished and is parked after
         self.flag = np.zeros((helpers + 1) * _SLOT, np.int64)
+        # a compiled launch's (cpu.native): the record helpers join, the ranges' counter
+        self.native = _NativeJob(native.pool_flag())
+        self.state = np.zeros(native.STATE_SIZE, np.int64)
+        # the helpers' compiled code loaded here, before they start: a helper loading it
+        # itself (tens of ms with the cache, the GIL taken by turns) missed the first launches
+        if NATIVE:
+            native.join(self.native.flag, 0)      # (no launch open: returns)
+        if _spinning():
+            _park(self.flag, 0, 0, _CLOCK, 0, 0)  # (generation 0: returns)
         self.threads = [threading.Thread(target=self._helper, args=((i + 1) * _SLOT,),
                                          name=f"numbafuse-{i}", daemon=True)
                         for i in range(helpers)]
@@ -238,7 +261,7 @@ class _Pool:
                 if self.closed:
                     return
                 seen, job = self.generation, self.job
-            job.join_as_helper(slot)
+            job.join_as_helper(slot, seen)
 
     def run(self, job):
         with self.cv:
@@ -253,6 +276,22 @@ class _Pool:
             _await_parked(self.flag, np.array(job.joined, np.int64), gen, _CLOCK, SPIN_NS)
         job.wait_helpers()
 
+    def run_native(self, kaddr, ntasks, grain, args):
+        """A compiled launch (``cpu.native``): the helpers, woken as for a job, join it in
+        compiled code; it returns once every helper that joined has finished."""
+        flag = self.native.flag
+        with self.cv:
+            self.job = self.native
+            self.generation += 1
+            self.cv.notify_all()
+            gen = flag[native.NEXT] = self.generation
+        try:
+            _publish(self.flag, gen)
+            return native.enter(kaddr, 0, 0, flag, self.state, ntasks, grain, *args)
+        finally:
+            if flag[native.SEQUENCE] < gen:       # (raised before it opened: helpers go)
+                _publish(flag[native.SEQUENCE:], gen)
+
     def shutdown(self):
         with self.cv:
             self.closed = True
@@ -264,6 +303,12 @@ class _Pool:
 # --------------------------------------------------------------------------- PyTorch's team
 
 SHARE_TORCH_TEAM = os.environ.get("NUMBAFUSE_SHARE_TORCH_TEAM", "1") != "0"
+# A launch of a task kernel on PyTorch's team runs as compiled code on every thread
+# (``cpu.native``); 0: through the Python job below, as before (NUMBAFUSE_NATIVE_LAUNCH=0).
+NATIVE = os.environ.get("NUMBAFUSE_NATIVE_LAUNCH", "1") != "0"
+# Single-thread launches ready ``cpu.native``'s entry too (the compiling process of
+# ``first_calls`` and ``numbafuse.precompile``: what a team's launch will load).
+NATIVE_WARM = os.environ.get("NUMBAFUSE_NATIVE_WARM", "0") == "1"
 
 
 _team_for = None           # the torch module _team was looked up for
@@ -336,6 +381,8 @@ def launch(kernel, ntasks, *args, work=None, grain=None, parallel_min=None):
     threads = _num_threads
     least = PARALLEL_MIN_ELEMENTS if parallel_min is None else parallel_min
     if threads == 1 or ntasks == 1 or (work is not None and work < least):
+        if NATIVE_WARM and isinstance(kernel, Dispatcher):
+            native.address(kernel, args)         # (compiles what a team's launch would)
         kernel(0, ntasks, *args)
         return
     team, threads = _usable_team(threads)
@@ -344,6 +391,21 @@ def launch(kernel, ntasks, *args, work=None, grain=None, parallel_min=None):
         if work is not None:
             grain = max(grain, -(-ntasks * MIN_RANGE_ELEMENTS // max(int(work), 1)))
     grain = max(1, min(int(grain), -(-ntasks // threads)))
+    if NATIVE and isinstance(kernel, Dispatcher) and not _busy.locked():
+        # (not while another call, or first_calls' probe, holds the threads: address() may
+        # hand a compilation to first_calls, whose probe takes _busy)
+        kaddr = native.address(kernel, args)
+        if kaddr and _busy.acquire(blocking=False):
+            try:
+                failed = (_get_pool().run_native(kaddr, ntasks, grain, args) if team is None
+                          else team.run_native(kaddr, threads, ntasks, grain, args))
+            finally:
+                _busy.release()
+            if failed:                           # the kernel's error, with its message
+                kernel(0, ntasks, *args)
+                raise RuntimeError(f"launch: {kernel.__name__} failed in a compiled launch "
+                                   "and not when run again on this thread")
+            return
     job = _Job(kernel, ntasks, grain, args)
     if not _busy.acquire(blocking=False):       # another thread's call has the helpers
         job.work()

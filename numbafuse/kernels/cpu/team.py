@@ -16,6 +16,7 @@ from llvmlite import ir
 from numba import carray, cfunc, types
 from numba.extending import intrinsic
 
+from . import native
 from .sync import SLOT, cpu_relax, load_acquire, monotonic_ns, publish
 
 
@@ -120,6 +121,8 @@ class OpenMPTeam:
         # -> 35.8, medians of 10 steps each, alternating, ~300 launches a step)
         self._shared = threading.Lock()
         self._region = self._region_data()
+        self._gomp = ctypes.cast(self._parallel, ctypes.c_void_p).value
+        self._state = np.zeros(native.STATE_SIZE, np.int64)     # run_native's, as _region
         ensure = ctypes.pythonapi.PyGILState_Ensure
         ensure.restype = ctypes.c_int
         self._ensure = ensure
@@ -159,6 +162,19 @@ class OpenMPTeam:
                 self._parallel(self._entry, address, threads, 0)   # GIL released
             finally:
                 del self._jobs[address]
+        finally:
+            if shared:
+                self._shared.release()
+
+    def run_native(self, kaddr, threads, ntasks, grain, args):
+        """The task kernel at native address ``kaddr`` (``native.address``) on ``args``,
+        tasks [0, ntasks) in ranges of ``grain``, as one region of ``threads`` team threads
+        that run compiled code only (``cpu.native``); the count of failed kernel calls."""
+        shared = self._shared.acquire(blocking=False)
+        try:
+            state = self._state if shared else np.zeros(native.STATE_SIZE, np.int64)
+            return native.enter(kaddr, self._gomp, threads, native.NO_FLAG, state, ntasks,
+                                grain, *args)
         finally:
             if shared:
                 self._shared.release()
