@@ -162,6 +162,29 @@ def test_many_launches_in_a_row(where):
     assert where["native"] == 600
 
 
+def test_python_jobs_between_compiled_launches_still_get_both_threads(where, monkeypatch):
+    # a pool helper serving compiled launches in compiled code (native.serve) goes back to
+    # Python for a Python job (a closure's launch), and on to compiled launches after it
+    # (parked for up to 0.3 s here, so that it sees the Python job there)
+    import time
+    monkeypatch.setattr(_launch, "SPIN_NS", 300_000_000)
+    ran = []
+
+    def kernel(t0, t1):
+        for t in range(t0, t1):
+            time.sleep(0.002)
+            ran.append((t, threading.get_ident()))
+    counts = np.zeros(16, np.int64)
+    for i in range(3):
+        _launch.launch(_add_one, 16, counts, work=10**9, grain=2)
+        _launch.launch(kernel, 12, work=10**9, grain=1)      # (within the helper's park)
+        assert sorted(t for t, _ in ran) == list(range(12))
+        assert len({ident for _, ident in ran}) == 2
+        ran.clear()
+    assert counts.tolist() == [3] * 16
+    assert where == {"python": 3, "native": 3}
+
+
 @pytest.mark.parametrize("fresh", [True, False])
 def test_a_helper_waits_for_a_launch_whose_caller_is_slow_to_open_it(monkeypatch, fresh):
     # the helper, woken for a launch whose caller is still in Python (a first dispatch of

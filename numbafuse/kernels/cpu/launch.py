@@ -244,6 +244,8 @@ class _Pool:
             native.join(self.native.flag, 0)      # (no launch open: returns)
         if _spinning():
             _park(self.flag, 0, 0, _CLOCK, 0, 0)  # (generation 0: returns)
+            if NATIVE:
+                native.serve(self.flag, self.native.flag, 0, 0, _CLOCK, 0)     # (returns)
         self.threads = [threading.Thread(target=self._helper, args=((i + 1) * _SLOT,),
                                          name=f"numbafuse-{i}", daemon=True)
                         for i in range(helpers)]
@@ -251,9 +253,9 @@ class _Pool:
             t.start()
 
     def _helper(self, slot):
-        seen = 0
+        seen, parked = 0, False
         while True:
-            if _spinning():                      # the next job often comes within microseconds
+            if _spinning() and not parked:       # the next job often comes within microseconds
                 _park(self.flag, seen, slot, _CLOCK, SPIN_NS, LATE_NS)
             with self.cv:
                 while self.generation == seen and not self.closed:
@@ -261,7 +263,11 @@ class _Pool:
                 if self.closed:
                     return
                 seen, job = self.generation, self.job
-            job.join_as_helper(slot, seen)
+            parked = job is self.native and _spinning()
+            if parked:                           # compiled launches, one after another, and
+                seen = native.serve(self.flag, job.flag, seen, slot, _CLOCK, SPIN_NS)   # park
+            else:
+                job.join_as_helper(slot, seen)
 
     def run(self, job):
         with self.cv:

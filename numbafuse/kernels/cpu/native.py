@@ -43,7 +43,7 @@ from numba.core import callconv, cgutils
 from numba.core.typing.typeof import Purpose
 from numba.extending import intrinsic
 
-from .sync import SLOT, cpu_relax, load_acquire, store_release
+from .sync import SLOT, cpu_relax, load_acquire, monotonic_ns, store_release
 
 # the state of one launch: an int64 array of STATE_SIZE; [0] the next task to hand out,
 # [ERRORS] the ranges whose kernel call failed (on its own cache line)
@@ -253,6 +253,28 @@ def join(flag, generation):
     _call_entry(flag[ENTRY], flag[RECORD])
     _fetch_add(flag[FINISHED:], 1)
     return True
+
+
+@njit(nogil=True, cache=True)
+def serve(pool_flag, flag, generation, slot, clock, ns):
+    """A pool helper woken for the compiled launch of pool generation ``generation``: join
+    it, then park as ``sync.park`` does (``pool_flag[slot]``, at most ``ns``) and join the
+    next launches as long as they are compiled ones (``flag[NEXT]`` is their generation), all
+    without Python. Returns the last generation served, at the park's end or where the next
+    generation is not a compiled launch (a Python job, the pool's end)."""
+    while True:
+        join(flag, generation)
+        store_release(pool_flag[slot:], generation)
+        end = monotonic_ns(clock) + ns
+        while load_acquire(pool_flag) == generation:
+            for _ in range(64):
+                cpu_relax()
+            if monotonic_ns(clock) >= end:
+                return generation
+        following = load_acquire(pool_flag)
+        if flag[NEXT] != following:
+            return generation
+        generation = following
 
 
 @njit(nogil=True, cache=True)
