@@ -55,6 +55,15 @@ threads)`` threads; with PyTorch on one thread (no workers to spin) or
 ``fork``), numbafuse keeps its own pool.
 The same tasks run either way, so the results are bitwise the same.
 
+Compiled launches (``cpu.native``, ``NUMBAFUSE_NATIVE_LAUNCH=0`` turns them off): a launch
+of a task kernel (a Numba dispatcher) is one dispatch of ``native.enter``, which runs the
+ranges on every thread in compiled code (the kernel's native function called by address),
+on PyTorch's team (``GOMP_parallel`` called from compiled code) and on the own pool (helpers
+join through a shared int64 flag, and serve consecutive compiled launches without Python).
+The Python job below remains for callables that are not dispatchers (``launch_all``,
+``concurrently``), kernels returning a value, a call while another holds the threads, and
+the first launch of an argument-type tuple whose entry ``first_calls`` is still compiling.
+
 Threads used: ``NUMBAFUSE_NUM_THREADS`` if set, else the CPUs this process may run on;
 :func:`set_num_threads` changes it at run time.
 """
