@@ -64,6 +64,12 @@ def _add_one(t0, t1, out):
 
 
 @njit(nogil=True, cache=True)
+def _add_many(t0, t1, x, pair, flag):
+    for t in range(t0, t1):
+        x[t] += pair[1] if flag else pair[0][t]
+
+
+@njit(nogil=True, cache=True)
 def _returns(t0, t1, out):
     for t in range(t0, t1):
         out[t] += 1
@@ -270,3 +276,37 @@ def test_an_entry_not_in_the_cache_compiles_by_first_calls_meanwhile_the_python_
     assert counts.tolist() == [3] * 8
     assert answers == [("native entry", ("numbafuse.kernels.cpu.native", "compile_entry"))] * 2
     assert where == {"python": 1, "native": 2}
+
+
+def test_an_entry_compiles_from_a_pickled_spec_as_the_compiling_process_runs_it(monkeypatch):
+    # what first_calls sends its compiling process for an entry: (module, function, args,
+    # rules), pickled; run there by compile_child.run_spec
+    import pickle
+
+    from numbafuse.kernels.cpu import compile_child
+    args = (np.zeros((2, 3), np.float32), (np.zeros(2, np.int64), 1.5), True)
+    _, entry = native._resolve(_add_many, args)
+    spec = pickle.loads(pickle.dumps((native.__name__, "compile_entry", (entry,), None)))
+    compile_child.run_spec(spec)
+    assert any(tuple(s) == entry for s in native.enter.signatures)
+
+
+def test_an_entry_that_does_not_compile_turns_compiled_launches_off_for_its_types(
+        monkeypatch, where):
+    def broken(entry):
+        raise RuntimeError("planted")
+    monkeypatch.setattr(native, "compile_entry", broken)
+    monkeypatch.setattr(native, "_addresses", {})
+    monkeypatch.setattr(native, "_ready", set())
+    monkeypatch.setattr(native, "_failed", set())
+    monkeypatch.setattr(native, "first_calls_run", None)
+    counts = np.zeros(8, np.int64)
+    with pytest.warns(RuntimeWarning, match="compiled launches are off"):
+        _launch.launch(_add_one, 8, counts, work=10**9, grain=1)
+    import warnings
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        _launch.launch(_add_one, 8, counts, work=10**9, grain=1)
+    assert not again                                               # (said once)
+    assert counts.tolist() == [2] * 8
+    assert where == {"python": 2, "native": 0}

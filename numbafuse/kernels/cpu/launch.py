@@ -318,8 +318,8 @@ class _Pool:
 # --------------------------------------------------------------------------- PyTorch's team
 
 SHARE_TORCH_TEAM = os.environ.get("NUMBAFUSE_SHARE_TORCH_TEAM", "1") != "0"
-# A launch of a task kernel on PyTorch's team runs as compiled code on every thread
-# (``cpu.native``); 0: through the Python job below, as before (NUMBAFUSE_NATIVE_LAUNCH=0).
+# A launch of a task kernel runs as compiled code on every thread (``cpu.native``), on
+# PyTorch's team and on the own pool; 0: through the Python job below (NUMBAFUSE_NATIVE_LAUNCH).
 NATIVE = os.environ.get("NUMBAFUSE_NATIVE_LAUNCH", "1") != "0"
 # Single-thread launches ready ``cpu.native``'s entry too (the compiling process of
 # ``first_calls`` and ``numbafuse.precompile``: what a team's launch will load).

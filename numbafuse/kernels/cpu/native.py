@@ -34,11 +34,15 @@ counted in the state; ``cpu.launch`` then runs the kernel once more on the calli
 through its dispatcher, to raise it with its message.
 """
 import ctypes
+import warnings
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types, typeof
-from numba._dispatcher import compute_fingerprint
+try:                        # (Numba's own C helper, used by its dispatcher: private)
+    from numba._dispatcher import compute_fingerprint
+except ImportError:         # pragma: no cover  (then no launch runs compiled)
+    compute_fingerprint = None
 from numba.core import callconv, cgutils
 from numba.core.typing.typeof import Purpose
 from numba.extending import intrinsic
@@ -305,6 +309,8 @@ def address(kernel, args):
     dispatcher). The first call for a kernel and types compiles the kernel as a call would;
     the first for a tuple of types hands :func:`enter`'s compilation to ``first_calls`` (its
     compiling process, meanwhile 0), unless the cache has it."""
+    if compute_fingerprint is None:
+        return 0
     try:
         key = (kernel, compute_fingerprint(args))
     except (TypeError, ValueError, NotImplementedError):   # a type without a fingerprint
@@ -344,13 +350,25 @@ _ENTRY_HEAD = tuple(typeof(a, Purpose.argument) for a in
 first_calls_run = None
 
 
+_failed = set()     # the entry keys enter could not be compiled for (the Python job runs)
+
+
 def _entry_ready(entry):
-    if first_calls_run is None:
-        ready = compile_entry(entry)
-    else:
-        ready = first_calls_run(("native entry",) + entry, lambda: compile_entry(entry),
-                                lambda: False,
-                                spec=(__name__, "compile_entry", (entry,), None))
+    if entry in _failed:
+        return False
+    try:
+        if first_calls_run is None:
+            ready = compile_entry(entry)
+        else:
+            ready = first_calls_run(("native entry",) + entry, lambda: compile_entry(entry),
+                                    lambda: False,
+                                    spec=(__name__, "compile_entry", (entry,), None))
+    except Exception as error:      # (a Numba that compiles enter differently): never again
+        _failed.add(entry)
+        warnings.warn(f"numbafuse: compiled launches are off for arguments {entry[7]} "
+                      f"({type(error).__name__}: {error}); their launches run as before",
+                      RuntimeWarning, stacklevel=3)
+        return False
     if ready:
         _ready.add(entry)
     return ready
