@@ -250,8 +250,8 @@ def test_single_thread_launches_ready_the_entry_when_asked(monkeypatch):
     assert native._addresses == {}
     monkeypatch.setattr(_launch, "NATIVE_WARM", True)
     _launch.launch(_add_one, 4, *args, work=1)
-    (key, address), = native._addresses.items()
-    assert key[0] is _add_one and address != 0
+    (key, (address, entry, ready)), = native._addresses.items()
+    assert key[0] is _add_one and address != 0 and ready
     argtypes = tuple(native.typeof(a) for a in args)
     assert any(tuple(s[-1]) == argtypes for s in native.enter.signatures)
     assert args[0].tolist() == [2, 2, 2, 2]

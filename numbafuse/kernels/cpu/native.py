@@ -299,7 +299,10 @@ def enter(kaddr, gomp, threads, flag, state, ntasks, grain, *args):
     return state[ERRORS]
 
 
-_addresses = {}     # (kernel, the arguments' fingerprint) -> (native address or 0, entry key)
+# (kernel, the arguments' fingerprint) -> [native address or 0, entry key, entry ready]: one
+# lookup by a bytes key a launch (hashing the entry key, a tuple of Numba types, is Python
+# code: ~25 us a launch with the caches cold)
+_addresses = {}
 _ready = set()      # the entry keys whose enter is compiled (or loaded) in this process
 
 
@@ -317,11 +320,14 @@ def address(kernel, args):
         return 0
     found = _addresses.get(key)
     if found is None:
-        found = _addresses[key] = _resolve(kernel, args)
-    kaddr, entry = found
-    if kaddr and entry not in _ready and not _entry_ready(entry):
-        return 0
-    return kaddr
+        found = _addresses[key] = [*_resolve(kernel, args), False]
+    if not found[2]:
+        if not found[0] or not (found[1] in _ready or _entry_ready(found[1])):
+            if found[1] in _failed:
+                found[0] = 0
+            return 0
+        found[2] = True
+    return found[0]
 
 
 def _resolve(kernel, args):
