@@ -3,8 +3,9 @@ kernel's machine code with no Python and no GIL between the launch and its retur
 
 A launch otherwise runs Python on every thread: on PyTorch's OpenMP team (``cpu.team``) the
 ctypes callback that takes the GIL, and on either the job's lock and one Numba dispatch a
-range (the arguments typed and unboxed again each time). In ResNet-50's training step that
-was 45-60 ms of the launches' wall time a step (docs/benchmarks.md, session 75). Here a
+range (the arguments typed and unboxed again each time): ~21 us a launch of two threads on
+the team, warm, ~110-130 with the caches cold (docs/threading.md, "Compiled launches": ~11
+and ~75 here; in a ResNet step 0-5% of the launches' time). Here a
 launch is one dispatch of :func:`enter` on the calling thread, which unboxes the arguments
 once, keeps them in a record on its stack, and then runs :func:`_ranges` (compiled: ranges of
 tasks taken from an atomic counter, the kernel's native function called by its address) on
