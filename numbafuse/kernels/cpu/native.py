@@ -48,7 +48,8 @@ from numba.core import callconv, cgutils
 from numba.core.typing.typeof import Purpose
 from numba.extending import intrinsic
 
-from .sync import SLOT, cpu_relax, load_acquire, monotonic_ns, store_release
+from .sync import (SLOT, call_int, call_void, compare_swap, cpu_relax, exchange, fetch_add,
+                   load_acquire, monotonic_ns, store_release)
 
 # the state of one launch: an int64 array of STATE_SIZE; [0] the next task to hand out,
 # [ERRORS] the ranges whose kernel call failed (on its own cache line)
@@ -76,65 +77,6 @@ def pool_flag():
     flag = np.zeros(FLAG_SIZE, np.int64)
     flag[YIELD] = _sched_yield_address()
     return flag
-
-
-@intrinsic
-def _fetch_add(typingctx, state, value):
-    """state[0] += value, atomically; the old value."""
-    sig = types.int64(state, types.int64)
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", ary.data, args[1], "acq_rel")
-    return sig, codegen
-
-
-@intrinsic
-def _exchange(typingctx, state, value):
-    """state[0] = value, atomically; the old value."""
-    sig = types.int64(state, types.int64)
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("xchg", ary.data, args[1], "acq_rel")
-    return sig, codegen
-
-
-@intrinsic
-def _compare_swap(typingctx, state, expected, value):
-    """state[0] = value if it is ``expected``, atomically; whether it was."""
-    sig = types.boolean(state, types.int64, types.int64)
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        pair = builder.cmpxchg(ary.data, args[1], args[2], "acq_rel", "acquire")
-        return builder.extract_value(pair, 1)
-    return sig, codegen
-
-
-@intrinsic
-def _call_entry(typingctx, entry, record):
-    """``void entry(void *record)``, both addresses."""
-    sig = types.void(types.intp, types.intp)
-
-    def codegen(context, builder, sig, args):
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i8p])
-        builder.call(builder.inttoptr(args[0], fnty.as_pointer()),
-                     [builder.inttoptr(args[1], i8p)])
-        return context.get_dummy_value()
-    return sig, codegen
-
-
-@intrinsic
-def _call_int(typingctx, fptr):
-    """``int f(void)`` at address ``fptr``."""
-    sig = types.int32(types.intp)
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.IntType(32), [])
-        return builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [])
-    return sig, codegen
 
 
 @intrinsic
@@ -182,12 +124,12 @@ def _ranges(kaddr, state, ntasks, grain, args):
     """One thread's part of a launch: ranges of ``grain`` tasks until none is left. (Compiled
     into :func:`enter` by :func:`_record`.)"""
     while True:
-        t0 = _fetch_add(state, grain)
+        t0 = fetch_add(state, grain)
         if t0 >= ntasks:
             return 0
         if _call_kernel(kaddr, t0, min(t0 + grain, ntasks), args) != 0:
-            _fetch_add(state[ERRORS:], 1)
-            _fetch_add(state, ntasks)           # no more ranges for anyone
+            fetch_add(state[ERRORS:], 1)
+            fetch_add(state, ntasks)           # no more ranges for anyone
             return 0
 
 
@@ -232,14 +174,14 @@ def _pool_region(flag, entry, record):
     flag[FINISHED] = 0
     store_release(flag[WORD:], 1)                   # open, no helper joined
     store_release(flag[SEQUENCE:], flag[NEXT])
-    _call_entry(entry, record)
-    joined = _exchange(flag[WORD:], 0) >> 1         # closed
+    call_void(entry, record)
+    joined = exchange(flag[WORD:], 0) >> 1         # closed
     spins = 0
     while load_acquire(flag[FINISHED:]) < joined:   # (a helper in its last range)
         cpu_relax()
         spins += 1
         if spins >= 4096 and flag[YIELD] != 0:     # (its core may be this one)
-            _call_int(flag[YIELD])
+            call_int(flag[YIELD])
 
 
 @njit(nogil=True, cache=True)
@@ -253,10 +195,10 @@ def join(flag, generation):
         word = load_acquire(flag[WORD:])
         if word & 1 == 0:
             return False
-        if _compare_swap(flag[WORD:], word, word + 2):
+        if compare_swap(flag[WORD:], word, word + 2):
             break
-    _call_entry(flag[ENTRY], flag[RECORD])
-    _fetch_add(flag[FINISHED:], 1)
+    call_void(flag[ENTRY], flag[RECORD])
+    fetch_add(flag[FINISHED:], 1)
     return True
 
 
@@ -296,7 +238,7 @@ def enter(kaddr, gomp, threads, flag, state, ntasks, grain, *args):
     elif flag.size >= FLAG_SIZE:
         _pool_region(flag, entry, record)
     else:
-        _call_entry(entry, record)
+        call_void(entry, record)
     return state[ERRORS]
 
 

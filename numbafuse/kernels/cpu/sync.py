@@ -1,8 +1,9 @@
 """Spin-wait primitives for numbafuse's CPU threads, called from compiled code with the GIL
-released: a monotonic clock (the C library's ``clock_gettime``), atomic acquire loads and
-release stores on int64 arrays, the ``pause`` hint, and the waits built on them (a helper
-parking between calls, the launching thread waiting for parked helpers). Used by
-``cpu.launch`` (its own pool) and ``cpu.team`` (PyTorch's OpenMP team).
+released: a monotonic clock (the C library's ``clock_gettime``), atomic acquire loads, release
+stores, fetch-add, exchange and compare-and-swap on int64 arrays, calls of C functions by
+address, the ``pause`` hint, and the waits built on them (a helper parking between calls, the
+launching thread waiting for parked helpers). Used by ``cpu.launch`` (its own pool),
+``cpu.team`` (PyTorch's OpenMP team) and ``cpu.native`` (compiled launches).
 """
 import ctypes
 import sys
@@ -73,6 +74,63 @@ def store_release(typingctx, flag, value):
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])
         builder.store_atomic(args[1], ary.data, "release", 8)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+def _read_modify_write(op, name, doc):
+    """An intrinsic ``name(flag, value)``: flag[0] = flag[0] ``op`` value atomically
+    (acquire-release), returning the old value."""
+    def rmw(typingctx, flag, value):
+        sig = types.int64(flag, types.int64)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            return builder.atomic_rmw(op, ary.data, args[1], "acq_rel")
+        return sig, codegen
+    rmw.__name__ = rmw.__qualname__ = name
+    rmw.__doc__ = doc
+    return intrinsic(rmw)
+
+
+fetch_add = _read_modify_write("add", "fetch_add", "flag[0] += value, atomically; the old value.")
+exchange = _read_modify_write("xchg", "exchange", "flag[0] = value, atomically; the old value.")
+
+
+@intrinsic
+def compare_swap(typingctx, flag, expected, value):
+    """flag[0] = value if it is ``expected``, atomically; whether it was."""
+    sig = types.boolean(flag, types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        pair = builder.cmpxchg(ary.data, args[1], args[2], "acq_rel", "acquire")
+        return builder.extract_value(pair, 1)
+    return sig, codegen
+
+
+@intrinsic
+def call_int(typingctx, fptr):
+    """``int f(void)`` at address ``fptr``."""
+    sig = types.int32(types.intp)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.IntType(32), [])
+        return builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [])
+    return sig, codegen
+
+
+@intrinsic
+def call_void(typingctx, fptr, data):
+    """``void f(void *data)`` at address ``fptr``; ``data`` a pointer or an address."""
+    sig = types.void(types.intp, data)
+
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p])
+        data = (builder.bitcast(args[1], i8p) if isinstance(sig.args[1], types.CPointer)
+                else builder.inttoptr(args[1], i8p))
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [data])
         return context.get_dummy_value()
     return sig, codegen
 

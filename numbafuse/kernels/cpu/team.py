@@ -12,37 +12,10 @@ import os
 import threading
 
 import numpy as np
-from llvmlite import ir
 from numba import carray, cfunc, types
-from numba.extending import intrinsic
 
 from . import native
-from .sync import SLOT, cpu_relax, load_acquire, monotonic_ns, publish
-
-
-@intrinsic
-def _call_int(typingctx, fptr):
-    """``int f(void)`` at address ``fptr``."""
-    sig = types.int32(types.intp)
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.IntType(32), [])
-        return builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [])
-    return sig, codegen
-
-
-@intrinsic
-def _call_with(typingctx, fptr, data):
-    """``void f(void *data)`` at address ``fptr``."""
-    sig = types.void(types.intp, data)
-
-    def codegen(context, builder, sig, args):
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [i8p])
-        builder.call(builder.inttoptr(args[0], fnty.as_pointer()),
-                     [builder.bitcast(args[1], i8p)])
-        return context.get_dummy_value()
-    return sig, codegen
+from .sync import SLOT, call_int, call_void, cpu_relax, load_acquire, monotonic_ns, publish
 
 
 # A team region's data: _ENTRY_* int64 fields, then the caller's "in my first range" flag and
@@ -62,7 +35,7 @@ def _team_entry(data):
     caller held it, and slept (a fused ResNet-18 step's 143 launches waited 4.1 ms in all after
     their callers' last ranges)."""
     d = carray(data, _ENTRY_DONE + 1)
-    if _call_int(d[_ENTRY_THREAD_NUM]) != 0:
+    if call_int(d[_ENTRY_THREAD_NUM]) != 0:
         clock = d[_ENTRY_CLOCK]
         if clock != 0:
             end = monotonic_ns(clock) + d[_ENTRY_WAIT_NS]
@@ -74,7 +47,7 @@ def _team_entry(data):
                 cpu_relax()
         if load_acquire(d[_ENTRY_DONE:]) != 0:
             return
-    _call_with(d[_ENTRY_BODY], data)
+    call_void(d[_ENTRY_BODY], data)
 
 
 _team_entry_cfunc = None
