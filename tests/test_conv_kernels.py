@@ -348,6 +348,17 @@ def test_winograd_s2_only_where_it_fits(conv_rules):
     assert cpu_conv.algorithm(bigger, "dx") == "winograd_s2"
     largest = g("t", (2, 9, 9, 512), (328, 512, 3, 3), 2, 1, 1, "NHWC")     # U = 16400 KiB
     assert cpu_conv.algorithm(largest, "dx") != "winograd_s2"
+    # ... a forward's up to 8 MiB on batches of winograd_s2_wide_pixels output pixels (the
+    # taps' transform spread over them), not a dW's: 2 x 5 x 5 pixels here
+    with cpu_plan.using(winograd_s2_wide_pixels=50):
+        assert cpu_conv.algorithm(bigger, "forward") == "winograd_s2"
+        assert cpu_conv.algorithm(bigger, "dw") != "winograd_s2"
+        widest = g("t", (2, 9, 9, 512), (160, 512, 3, 3), 2, 1, 1, "NHWC")  # U = 8000 KiB
+        assert cpu_conv.algorithm(widest, "forward") == "winograd_s2"
+        wider = g("t", (2, 9, 9, 512), (168, 512, 3, 3), 2, 1, 1, "NHWC")   # U = 8400 KiB
+        assert cpu_conv.algorithm(wider, "forward") != "winograd_s2"
+    with cpu_plan.using(winograd_s2_wide_pixels=51):
+        assert cpu_conv.algorithm(bigger, "forward") != "winograd_s2"
     conv_rules(winograd_s2=False)
     assert cpu_conv.algorithm(s2, "forward") == "im2col"        # implicit: few channels only
     assert cpu_conv.algorithm(s2, "dw") == "implicit"

@@ -23,6 +23,7 @@ CASES = [
     (3, 17, 24, 5, 4, 3, 2, (0, 2), 1),     # strided, uneven padding, odd C
     (2, 16, 48, 5, 5, 3, 1, 2, 2),          # dilated
     (2, 16, 32, 4, 4, (1, 3), 1, (0, 1), 1),  # a 1x3 kernel
+    (2, 32, 40, 14, 14, 3, 2, 1, 1),        # 14x14 -> 7x7 stride 2 (the plan's 0.907)
 ]
 
 
@@ -217,6 +218,14 @@ def test_the_plan_takes_tapwise_for_small_maps_only():
         assert cpu_plan.plan(s2, "forward", np.float32).algorithm != "tapwise"
     s1 = nf.validate.conv_geometry("t", (16, 128, 8, 8), (128, 128, 3, 3), 1, 1, 1, "NCHW")
     assert cpu_plan.plan(s1, "dx", np.float32).algorithm != "tapwise"
+    # ... up to 0.91: a 224x224 input's l4 3x3/2 at 14x14 -> 7x7 (0.907), not 16x16 -> 8x8
+    # (0.918) nor 28x28 -> 14x14 (0.953), at any batch
+    for batch in (4, 16, 32):
+        for size, want in ((14, True), (16, False), (28, False)):
+            s2 = nf.validate.conv_geometry("t", (batch, 256, size, size), (512, 256, 3, 3), 2,
+                                           1, 1, "NCHW")
+            for pass_ in ("forward", "dx"):
+                assert (cpu_plan.plan(s2, pass_, np.float32).algorithm == "tapwise") == want
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])

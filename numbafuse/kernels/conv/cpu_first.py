@@ -28,7 +28,8 @@ from ..cpu.compile_child import Values, Zeros
 from . import cpu, cpu_chunks, cpu_grouped, cpu_numpy
 from . import weights as _weights
 from .cpu import bias_add, channel_sum  # noqa: F401  (kernels.interfaces.ConvKernels)
-from .cpu_plan import current_rules, tap_spans
+from .cpu_plan import current_rules
+from .math import tap_spans
 
 DX_ADDEND = False   # conv_backward takes no dx_addend: the tape adds (interfaces.ConvKernels)
 

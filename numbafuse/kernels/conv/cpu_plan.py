@@ -48,7 +48,7 @@ import numpy as np
 from ..cpu import gemm_taps as _gemm_taps
 from . import cpu_implicit as _implicit
 from . import cpu_plan_table as _ptable
-from . import math as conv_math
+from .math import tap_spans, tapwise_density  # noqa: F401 (the plan's names, as before)
 from . import cpu_winograd_s2 as _wino_s2
 
 PASSES = ("forward", "dx", "dw")
@@ -134,6 +134,13 @@ class Rules(NamedTuple):
     # bytes (forward, dW): at 256 -> 512 channels fwd+bwd took 1.2-1.3x the other paths'
     # time; l4 3x3/2 forward 10.8 against im2col's 2.8 ms, dW 24.6 against implicit's 9.6 ...
     winograd_s2_taps_bytes: int = 2 << 20
+    # ... a forward's up to this many on batches of ``winograd_s2_wide_pixels`` output pixels:
+    # machine A, 2 threads, alternating, best of 12, ms im2col (before) / implicit / stride-2
+    # Winograd, 28x28 -> 14x14, batch 16 (3136 pixels): 128 -> 256 (3.3 MB of taps) NCHW 11.28
+    # / 9.71 / 7.86, NHWC 10.59 / 8.93 / 8.08; 256 -> 256 (6.5 MB) 23.15 / 20.28 / 16.38; batch
+    # 4 even (3.09 / 2.91 / 2.92). Not dW: the implicit GEMM's 11.19 against 13.07 at batch 16
+    winograd_s2_wide_taps_bytes: int = 8 << 20
+    winograd_s2_wide_pixels: int = 2048
     # ... and for dX (phase, the alternative, has more to gain from): 1 thread, batch 16, ms
     # NCHW / NHWC: 128 -> 256 (3.3 MB of taps) 2.3 / 2.2 against phase's 3.3 / 1.6; 256 ->
     # 512 (13 MB) 7.4 / 7.4 against 10.8 / 11.1
@@ -218,13 +225,19 @@ class Rules(NamedTuple):
     # ... and a strided dX up to this share: the stride-2 Winograd dX it replaces at 8x8 -> 4x4
     # (0.84) was slower at every shape measured: 128 -> 256, batch 16, NCHW 0.84-1.01 / 0.53-0.57
     # ms, NHWC 0.75 / 0.49; 128 -> 128 0.485 / 0.432 and 0.420 / 0.381
-    tapwise_strided_dx_max_density: float = 0.85
+    # (0.91 since 2026-12-01: a 224x224 input's 14x14 -> 7x7, 0.907, below)
+    tapwise_strided_dx_max_density: float = 0.91
     # ... and a strided forward up to this share (since its products run on gemm_taps' tiles:
     # 8x8 -> 4x4 is 0.84). Machine A (Zen 4), 2 threads, batch 16, in one process alternating,
     # best of 10, ms im2col / tapwise (NCHW, NHWC): ResNet-18's l3 3x3/2 128 -> 256 1.00 /
     # 0.81, 0.89 / 0.78; ResNet-50's l3 3x3/2 256 1.82 / 1.45, 1.72 / 1.41; batch 32 1.76 /
-    # 1.49, 1.76 / 1.48 (before the tiles, machine E: 0.47 / 0.49, hence 0.75 until then)
-    tapwise_strided_max_density: float = 0.85
+    # 1.49, 1.76 / 1.48 (0.75 before the tiles). 0.91 (0.85 until 2026-12-01) for 14x14 ->
+    # 7x7 (0.907): machine A, 2 threads, batch 16, alternating, best of 12, ms the plan before
+    # / tapwise, forward, dX: ResNet-18's l4 3x3/2 256 -> 512 NCHW 12.18 / 9.77, 12.57 / 9.94,
+    # NHWC 12.05 / 9.62, 13.87 / 10.31; ResNet-50's l4 3x3/2 512 NCHW 30.48 / 18.47, 33.57 /
+    # 20.30. Not 16x16 -> 8x8 (0.918) nor 28x28 -> 14x14 (0.953: 128 -> 256 forward 11.84
+    # against im2col's 11.28, stride-2 Winograd's 7.86; dX 15.15 against its 7.97)
+    tapwise_strided_max_density: float = 0.91
     # ... and a strided dX that the k-blocked im2col runs (``_tapwise``) with at least this
     # many output pixels an image: ResNet-50's l3 3x3/2 256 at 8x8 -> 4x4, batch 16, machine F
     # (Zen 3, AVX2, 2 threads, ``bench_conv_plan.py --model resnet50``, ms im2col / tapwise):
@@ -434,10 +447,14 @@ def choose(geom, pass_, dtype, rules):
                 and supports("implicit", geom, pass_, dtype)):
             return "implicit"
         return "winograd"
-    limit = rules.winograd_s2_dx_taps_bytes if pass_ == "dx" else rules.winograd_s2_taps_bytes
+    pixels = geom.N * geom.P * geom.Q
+    limit = (rules.winograd_s2_dx_taps_bytes if pass_ == "dx" else
+             rules.winograd_s2_wide_taps_bytes if (pass_ == "forward"
+                                                   and pixels >= rules.winograd_s2_wide_pixels)
+             else rules.winograd_s2_taps_bytes)
     if (rules.winograd_s2 and _wino_s2.fits(geom, dtype, pass_)
             and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= limit
-            and (pass_ == "dx" or geom.N * geom.P * geom.Q >= rules.winograd_s2_min_pixels)):
+            and (pass_ == "dx" or pixels >= rules.winograd_s2_min_pixels)):
         return "winograd_s2"
     if geom.layout == "NCHW" and pass_ != "dx" and min(geom.C, geom.K) < rules.nchw_im2col_channels:
         return "im2col"
@@ -593,26 +610,6 @@ def _tapwise_blocks(geom, pass_, rules):
     block = rules.tapwise_k_block // (2 if geom.N * geom.P * geom.Q <= 64 else 1)
     channels = geom.C if pass_ == "dx" else geom.K
     return max(1, min(channels // 16, max(2, channels // max(block, 16))))
-
-
-def tap_spans(out, size, taps, stride, dilation, pad):
-    """Per tap along one axis, the outputs ``[lo, hi)`` that read it inside the input (not
-    the padding; ``hi <= lo``: none), by ``math.valid_range``."""
-    return [conv_math.valid_range(t, stride, pad, dilation, size, out) for t in range(taps)]
-
-
-def _valid_pairs(out, size, k, stride, dilation, pad):
-    """How many (output, tap) pairs along one axis read inside the input (not the padding)."""
-    return sum(max(0, hi - lo) for lo, hi in tap_spans(out, size, k, stride, dilation, pad))
-
-
-def tapwise_density(geom):
-    """The share of im2col's products that tapwise computes (those not with the padding)."""
-    total = geom.P * geom.Q * geom.R * geom.S
-    if total == 0:
-        return 1.0
-    return (_valid_pairs(geom.P, geom.H, geom.R, geom.sh, geom.dh, geom.ph)
-            * _valid_pairs(geom.Q, geom.W, geom.S, geom.sw, geom.dw, geom.pw) / total)
 
 
 def _tapwise(geom, pass_, dtype, rules):

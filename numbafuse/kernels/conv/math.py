@@ -91,3 +91,23 @@ def valid_range(t, stride, pad, dilation, size_in, size_out):
     if hi > size_out:
         hi = size_out
     return lo, hi
+
+
+def tap_spans(out, size, taps, stride, dilation, pad):
+    """Per tap along one axis, the outputs ``[lo, hi)`` that read it inside the input (not
+    the padding; ``hi <= lo``: none), by :func:`valid_range`."""
+    return [valid_range(t, stride, pad, dilation, size, out) for t in range(taps)]
+
+
+def _valid_pairs(out, size, k, stride, dilation, pad):
+    """How many (output, tap) pairs along one axis read inside the input (not the padding)."""
+    return sum(max(0, hi - lo) for lo, hi in tap_spans(out, size, k, stride, dilation, pad))
+
+
+def tapwise_density(geom):
+    """The share of im2col's products that tapwise computes (those not with the padding)."""
+    total = geom.P * geom.Q * geom.R * geom.S
+    if total == 0:
+        return 1.0
+    return (_valid_pairs(geom.P, geom.H, geom.R, geom.sh, geom.dh, geom.ph)
+            * _valid_pairs(geom.Q, geom.W, geom.S, geom.sw, geom.dw, geom.pw) / total)
