@@ -646,3 +646,28 @@ def test_every_count_of_blocks_a_table_may_choose_matches_the_reference(
                 np.testing.assert_allclose(got, want, **TOL[np.float32], err_msg=msg)
                 ran += 1
     assert ran >= 3 * 2 + 2 * 2      # im2col's three passes, tapwise's two, in >= 2 counts
+
+
+def test_a_strided_1x1_nchw_forward_by_the_rule():
+    """ResNet's downsample forward (NCHW 1x1/2): tapwise where the batch has at most
+    ``1 / strided_1x1_deep`` output pixels per output channel and 256+ input channels; else
+    the implicit GEMM (with the tiles on) from 2048 output pixels with at most 256 input
+    channels; else im2col. NHWC stays im2col."""
+    def chosen(N, C, K, H, layout="NCHW", **changes):
+        shape = (N, C, H, H) if layout == "NCHW" else (N, H, H, C)
+        geom = nf.validate.conv_geometry("t", shape, (K, C, 1, 1), 2, 0, 1, layout)
+        with cpu_plan.using(**{"taps": True, **changes}):
+            return cpu_plan.plan(geom, "forward", np.float32).algorithm
+    assert chosen(16, 256, 512, 4) == "tapwise"             # 64 pixels, 8 channels each
+    assert chosen(16, 1024, 2048, 14) == "tapwise"          # 784 pixels: 2048 >= 2 x 784
+    assert chosen(32, 1024, 2048, 14) == "im2col"           # 1568: 2048 < 2 x 1568
+    assert chosen(4, 128, 256, 8) == "im2col"               # 128 input channels
+    assert chosen(4, 128, 256, 8, strided_1x1_tapwise_min_channels=128) == "tapwise"
+    assert chosen(32, 64, 128, 16) == "implicit"            # 2048 pixels
+    assert chosen(16, 64, 128, 16) == "im2col"              # 1024
+    assert chosen(32, 64, 128, 16, strided_1x1_implicit_min_pixels=2049) == "im2col"
+    assert chosen(16, 256, 512, 56) == "implicit"
+    assert chosen(16, 512, 1024, 28) == "im2col"            # 512 input channels
+    assert chosen(32, 64, 128, 16, taps=False) == "im2col"  # (the tiles off: 8-float vectors)
+    for N, C, K, H in ((16, 256, 512, 4), (32, 64, 128, 16), (16, 256, 512, 56)):
+        assert chosen(N, C, K, H, "NHWC") == "im2col"

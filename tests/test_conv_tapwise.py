@@ -24,6 +24,7 @@ CASES = [
     (2, 16, 48, 5, 5, 3, 1, 2, 2),          # dilated
     (2, 16, 32, 4, 4, (1, 3), 1, (0, 1), 1),  # a 1x3 kernel
     (2, 32, 40, 14, 14, 3, 2, 1, 1),        # 14x14 -> 7x7 stride 2 (the plan's 0.907)
+    (3, 32, 40, 7, 6, 1, 2, 0, 1),          # a strided 1x1 (a deep downsample's forward)
 ]
 
 
