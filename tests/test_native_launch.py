@@ -26,6 +26,8 @@ from numbafuse.kernels.cpu import native
 from numbafuse.kernels.cpu import team as cpu_team
 from numbafuse.kernels.cpu.sync import cpu_relax
 
+from .teams import share_torch_team
+
 PTHREAD_SELF = ctypes.cast(ctypes.CDLL(None).pthread_self, ctypes.c_void_p).value
 
 
@@ -100,14 +102,7 @@ def where(request, monkeypatch):
     threads = _launch.num_threads()
     _launch.set_num_threads(2)
     if request.param == "torch-openmp":
-        torch = pytest.importorskip("torch", reason="PyTorch is not installed")
-        if _launch.torch_team() is None:
-            pytest.skip("this torch build has no GNU OpenMP runtime (libgomp) loaded")
-        monkeypatch.setattr(_launch, "SHARE_TORCH_TEAM", True)
-        torch_threads = torch.get_num_threads()
-        torch.set_num_threads(2)
-        torch.relu(torch.ones(1 << 16))
-        request.addfinalizer(lambda: torch.set_num_threads(torch_threads))
+        request.addfinalizer(share_torch_team(monkeypatch)[1])
         calls = _spy(monkeypatch, cpu_team.OpenMPTeam, "run")
     else:
         monkeypatch.setattr(_launch, "SHARE_TORCH_TEAM", False)

@@ -29,6 +29,8 @@ from numbafuse.kernels.cpu import launch as _launch
 from numbafuse.kernels.cpu import team as cpu_team
 from numbafuse.kernels.batchnorm import cpu as cpu_bn
 
+from .teams import share_torch_team
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREAD_COUNTS = (1, 2, 3, 5)
 CALLERS = 4                 # Python threads calling at once
@@ -250,16 +252,10 @@ def test_sharing_turned_off_keeps_the_own_pool(monkeypatch):
 def torch_team(small_tasks, monkeypatch):
     """torch imported (so numbafuse's calls run on its OpenMP team), torch and numbafuse on 2
     threads; both thread counts restored afterwards."""
-    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
-    if _launch.torch_team() is None:
-        pytest.skip("this torch build has no GNU OpenMP runtime (libgomp) loaded")
-    monkeypatch.setattr(_launch, "SHARE_TORCH_TEAM", True)
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(2)
     _launch.set_num_threads(2)
-    torch.relu(torch.ones(1 << 16))        # a parallel region of torch's own first
+    torch, undo = share_torch_team(monkeypatch)
     yield torch
-    torch.set_num_threads(torch_threads)
+    undo()
 
 
 def _spy_team_runs(monkeypatch, native=None):
