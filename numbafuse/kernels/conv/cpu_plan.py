@@ -391,7 +391,11 @@ def _planned(geom, pass_, dtype, rules, algorithm, k_blocks=None):
     slab = algorithm == "im2col" and pass_ != "dx" and (_slab(geom, rules) or k_blocks > 1
                                                        and geom.layout == "NCHW"
                                                        and not is_pointwise(geom))
-    return Plan(algorithm, rules.chunk_bytes, rules.min_chunks, tiles, rules.dw_groups,
+    chunk_bytes = rules.chunk_bytes
+    if algorithm == "implicit" and pass_ == "dw":      # (Rules.implicit_dw_chunk_scale)
+        partial = geom.K * geom.C * geom.R * geom.S * np.dtype(dtype).itemsize
+        chunk_bytes *= max(1, min(rules.implicit_dw_chunk_scale, 2 * partial // chunk_bytes))
+    return Plan(algorithm, chunk_bytes, rules.min_chunks, tiles, rules.dw_groups,
                 _taps_mode(algorithm, geom, pass_, dtype, rules), slab, k_blocks)
 
 
