@@ -179,7 +179,7 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
     conv_rules(taps=True, wide=wide, winograd_s2=False,      # the stride-2 Winograd: below
                min_gemm_channels=1, nchw_im2col_channels=1, implicit_max_channels=1 << 30,
                pointwise_dw_implicit_pixels=64,    # (a 1x1's dW of <= 64 pixels: implicit)
-               implicit_dw_chunk_scale=1)          # (dW's chunks of chunk_bytes too: rows)
+               dw_chunk_scale=1)          # (dW's chunks of chunk_bytes too: rows)
     rng = np.random.default_rng(size + K)
     N = 3
     shape = (N, C, size, size + 2) if layout == "NCHW" else (N, size, size + 2, C)

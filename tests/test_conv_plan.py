@@ -674,9 +674,9 @@ def test_a_strided_1x1_nchw_forward_by_the_rule():
 
 
 def test_the_implicit_dw_takes_larger_chunks_where_its_partial_dw_is_large():
-    """``Rules.implicit_dw_chunk_scale``: the implicit GEMM's dW chunks grow to 2 partial dW
-    (K C R S values) over a chunk times ``chunk_bytes``, at most 4 times; other passes and
-    algorithms keep ``chunk_bytes``; a test's tiny chunks stay tiny."""
+    """``Rules.dw_chunk_scale``: the implicit GEMM's and the pointwise GEMMs' dW chunks grow
+    to 2 partial dW (K C R S values) over a chunk times ``chunk_bytes``, at most 4 times;
+    other passes and algorithms keep ``chunk_bytes``; a test's tiny chunks stay tiny."""
     def dw_chunk(C, K, H, R, stride, **changes):
         geom = nf.validate.conv_geometry("t", (16, C, H, H), (K, C, R, R), stride, R // 2, 1,
                                          "NCHW")
@@ -685,11 +685,16 @@ def test_the_implicit_dw_takes_larger_chunks_where_its_partial_dw_is_large():
                     cpu_plan.plan(geom, "dw", np.float32, algorithm="im2col").chunk_bytes,
                     cpu_plan.plan(geom, "forward", np.float32, algorithm="implicit").chunk_bytes)
     base = cpu_plan.RULES.chunk_bytes
-    assert base == 768 << 10 and cpu_plan.RULES.implicit_dw_chunk_scale == 4
+    assert base == 768 << 10 and cpu_plan.RULES.dw_chunk_scale == 4
     assert dw_chunk(64, 128, 56, 3, 2) == (base, base, base)       # 288 KiB of partial
     assert dw_chunk(128, 128, 56, 3, 2)[0] == base                  # 576 KiB: 2 x 576 < 2 x 768
     assert dw_chunk(128, 256, 28, 3, 2) == (3 * base, base, base)   # 1152 KiB: 3 chunks' worth
     assert dw_chunk(512, 512, 14, 3, 2)[0] == 4 * base              # (at most 4)
     assert dw_chunk(2048, 512, 7, 1, 1)[0] == 4 * base
-    assert dw_chunk(512, 512, 14, 3, 2, implicit_dw_chunk_scale=1)[0] == base
+    assert dw_chunk(512, 512, 14, 3, 2, dw_chunk_scale=1)[0] == base
     assert dw_chunk(512, 512, 14, 3, 2, chunk_bytes=1)[0] == 4      # tests' one-row chunks
+    pointwise = nf.validate.conv_geometry("t", (16, 256, 14, 14), (1024, 256, 1, 1), 1, 0, 1,
+                                          "NCHW")                   # 1 MiB of partial
+    for pass_, want in (("dw", 2 * base), ("forward", base), ("dx", base)):
+        assert cpu_plan.plan(pointwise, pass_, np.float32,
+                             algorithm="pointwise").chunk_bytes == want

@@ -392,9 +392,9 @@ def _planned(geom, pass_, dtype, rules, algorithm, k_blocks=None):
                                                        and geom.layout == "NCHW"
                                                        and not is_pointwise(geom))
     chunk_bytes = rules.chunk_bytes
-    if algorithm == "implicit" and pass_ == "dw":      # (Rules.implicit_dw_chunk_scale)
+    if algorithm in ("implicit", "pointwise") and pass_ == "dw":   # (Rules.dw_chunk_scale)
         partial = geom.K * geom.C * geom.R * geom.S * np.dtype(dtype).itemsize
-        chunk_bytes *= max(1, min(rules.implicit_dw_chunk_scale, 2 * partial // chunk_bytes))
+        chunk_bytes *= max(1, min(rules.dw_chunk_scale, 2 * partial // chunk_bytes))
     return Plan(algorithm, chunk_bytes, rules.min_chunks, tiles, rules.dw_groups,
                 _taps_mode(algorithm, geom, pass_, dtype, rules), slab, k_blocks)
 

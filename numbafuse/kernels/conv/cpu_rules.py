@@ -10,15 +10,17 @@ class Rules(NamedTuple):
     """The thresholds :func:`plan` decides by (docs/conv_bias_relu.md has the measurements)."""
     # bytes of a chunk's gathered input + output: a chunk stays in one core's L2 (1 MiB)
     chunk_bytes: int = 768 << 10
-    # ... up to this many times that for the implicit GEMM's dW where its partial dW (K C R S
-    # values, added into once a chunk and tap) is more than half a chunk: 2 partial / chunk
-    # times. Machine A, 2 threads, batch 16, alternating, best of 12, ms 768 KiB / 3 MiB chunks
-    # (NCHW, 3x3/2 at a 224x224 input's maps unless said): 128 -> 256 at 28x28 11.86 / 10.66,
-    # 256 -> 256 25.46 / 22.51, 256 -> 512 at 14x14 12.67 / 11.63, 512 -> 512 28.18 / 23.02,
-    # 1x1 2048 -> 512 at 7x7 13.14 / 10.14; not 64 -> 128 at 56x56 (0.3 MB of partial: 10.23 /
-    # 10.69), 128 -> 128 even (21.21 / 19.89, 1.5 MiB 21.26). Batch 4 (4 chunks either way,
-    # ``min_chunks``): 256 -> 512 5.43 / 5.28
-    implicit_dw_chunk_scale: int = 4
+    # ... up to this many times that for the implicit GEMM's and the pointwise GEMMs' dW where
+    # its partial dW (K C R S values, added into once a chunk and tap) is more than half a
+    # chunk: 2 partial / chunk times. Machine A, 2 threads, batch 16, alternating, best of
+    # 12-18, ms 768 KiB / 3 MiB chunks (NCHW, a 224x224 input's maps): implicit, 3x3/2 128 ->
+    # 256 at 28x28 11.86 / 10.66, 256 -> 256 25.46 / 22.51, 256 -> 512 at 14x14 12.67 / 11.63,
+    # 512 -> 512 28.18 / 23.02, 1x1 2048 -> 512 at 7x7 13.14 / 10.14; pointwise, 256 -> 1024
+    # at 14x14 10.71 / 9.66, 1024 -> 512 21.27 / 20.09; not the smaller partials: implicit 64
+    # -> 128 at 56x56 (0.3 MB: 10.23 / 10.69), 128 -> 128 even (21.21 / 19.89); pointwise 64
+    # -> 256 at 56x56 12.80 / 12.87, 128 -> 512 at 8x8 0.842 / 0.975. Batch 4 (4 chunks
+    # either way, ``min_chunks``): 256 -> 512 5.43 / 5.28
+    dw_chunk_scale: int = 4
     # whole-image im2col chunks of a batch, at least: a batch whose im2col fits one chunk
     # (the stem's C = 1) still splits over the threads (a fixed count, not the thread count)
     min_chunks: int = 4
