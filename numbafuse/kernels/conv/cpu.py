@@ -364,11 +364,16 @@ def _im2col_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
         dwm = _out.empty((K if need_dw else 0, R * S * C), x.dtype)
         db = np.empty((1, K))                                          # float64
         _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
+        cols = _batch_cols(x, geom, plan.slab, need_dw)
+        ordered = False
         if need_dw and (geom.layout == "NHWC" or plan.slab) and R * S > 1:  # back in w's order
             _im2col.ready_reorder(x.dtype)
+            ordered = cols.shape[0] < K         # the batch's cols in (c, r, s) order, once
+            if ordered:
+                cols = _im2col_dwk.in_w_order(cols, R * S, C)
         launch(_im2col_dwk.dw_block_tasks, plan.k_blocks, x, _k_view(gy, geom), _k_view(y, geom),
-               use_mask, geo_tuple(geom), int(plan.k_blocks), (bool(plan.slab), bool(need_dw)),
-               _blas.blas_for(x.dtype), _batch_cols(x, geom, plan.slab, need_dw),
+               use_mask, geo_tuple(geom), int(plan.k_blocks),
+               (bool(plan.slab), bool(need_dw), ordered), _blas.blas_for(x.dtype), cols,
                (dwm, db[0]), work=work, grain=1)
         return (dwm.reshape(K, C, R, S) if need_dw else None), db      # (in w's order)
     ipc, rpc = _chunking(plan, P * Q, P, Q, R * S * C * x.itemsize, N)
