@@ -267,18 +267,23 @@ def test_recompute_keeps_the_conv_input_not_the_conv_output():
 def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn, relu):
     """recompute="auto" keeps h (as recompute=False) exactly where a value of h costs at least
     KEEP_H_MIN_MACS multiply-adds (C/groups * R * S), at the line and one below it, grouped
-    or not, with the ReLU or without; the values and gradients are the recomputing op's.
+    or not, with the ReLU or without, or where h has at most half x's values (a strided 1x1:
+    at half and one channel past it); the values and gradients are the recomputing op's.
     fuse's default stays True (DESIGN.md: the fused chains keep only the conv input)."""
     from numbafuse.torch.conv_batchnorm import KEEP_H_MIN_MACS as LINE
     assert inspect.signature(nft.fuse).parameters["recompute"].default is True
     torch.manual_seed(0)
-    for C, groups, R, keeps in [(LINE, 1, 1, True), (LINE - 1, 1, 1, False),
-                                (2 * LINE, 2, 1, True), (2 * LINE - 2, 2, 1, False),
-                                (-(-LINE // 9), 1, 3, True), (3, 1, 3, False)]:
-        K = 2 * groups
+    for C, groups, R, stride, K, keeps in [
+            (LINE, 1, 1, 1, None, True), (LINE - 1, 1, 1, 1, None, False),
+            (2 * LINE, 2, 1, 1, None, True), (2 * LINE - 2, 2, 1, 1, None, False),
+            (-(-LINE // 9), 1, 3, 1, None, True), (3, 1, 3, 1, None, False),
+            (12, 1, 1, 2, 24, True), (12, 1, 1, 2, 25, False)]:  # h 192 or 200 values, x 384
+        P = (4 - R) // stride + 1
+        # (None: the fewest channels whose h has more than half x's values)
+        K = K or groups * (C * 16 // (2 * P * P * groups) + 1)
         x = torch.randn(2, C, 4, 4, dtype=torch.float64, requires_grad=True)
         w = torch.randn(K, C // groups, R, R, dtype=torch.float64, requires_grad=True)
-        z = torch.randn(2, K, 5 - R, 5 - R, dtype=torch.float64, requires_grad=True)
+        z = torch.randn(2, K, P, P, dtype=torch.float64, requires_grad=True)
         weight = torch.rand(K, dtype=torch.float64, requires_grad=True)
         bias = torch.rand(K, dtype=torch.float64, requires_grad=True)
         args = (x, w, weight, bias) if fn is nft.conv_batchnorm_relu else (x, w, z, weight, bias)
@@ -287,15 +292,15 @@ def test_recompute_auto_keeps_the_conv_output_where_it_is_dear_to_recompute(fn, 
             saved = []
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
                                                           lambda t: t):
-                y = fn(*args, groups=groups, recompute=recompute,
+                y = fn(*args, stride=stride, groups=groups, recompute=recompute,
                        **({} if fn is nft.conv_batchnorm_add_relu else {"relu": relu}))
             kept = z.numel() in [t.numel() for t in saved]
-            assert kept == (keeps and recompute == "auto"), (C, groups, R, recompute)
+            assert kept == (keeps and recompute == "auto"), (C, groups, R, K, recompute)
             results.append((y, *torch.autograd.grad(y, args, torch.ones_like(y))))
         for a, b in zip(*results):
             torch.testing.assert_close(b, a, **F64)
     with pytest.raises(TypeError, match="recompute must be True, False or 'auto'"):
-        fn(*args, groups=groups, recompute="yes")
+        fn(*args, stride=stride, groups=groups, recompute="yes")
     with pytest.raises(TypeError, match="recompute"):
         nft.ConvBatchNormReLU2d(3, 4, 3, recompute="sometimes")
 

@@ -77,10 +77,14 @@ KEEP_H_MIN_MACS = 1024
 
 def recomputes(recompute, geometry, line=None):
     """Whether a training backward recomputes h: ``recompute`` itself (True or False), or
-    for "auto" the rule of ``KEEP_H_MIN_MACS`` (or ``line``) on ``geometry``'s conv."""
+    for "auto" the rule of ``KEEP_H_MIN_MACS`` (or ``line``) on ``geometry``'s conv, and
+    never where h has at most half as many values as x, which the backward keeps anyway (a
+    strided 1x1 downsample: keeping h costs at most half of that)."""
     if isinstance(recompute, str):                       # "auto" (validated)
+        g = geometry
         line = KEEP_H_MIN_MACS if line is None else line
-        return geometry.C // geometry.groups * geometry.R * geometry.S < line
+        return (g.C // g.groups * g.R * g.S < line
+                and 2 * g.K * g.P * g.Q > g.C * g.H * g.W)
     return bool(recompute)
 
 

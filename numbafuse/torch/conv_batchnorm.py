@@ -28,7 +28,8 @@ What each keeps for backward (``torch.autograd.graph.saved_tensors_hooks`` sees 
 
 ``recompute=False`` (both): the forward keeps h too and the backward runs no conv forward.
 ``recompute="auto"``: False where h is cheap to keep and dear to recompute (C/groups * R * S
-at least :data:`KEEP_H_MIN_MACS`, this module's line), else True.
+at least :data:`KEEP_H_MIN_MACS`, this module's line) or has at most half x's values (a
+strided 1x1 downsample), else True.
 
 Where a Conv-BN-ReLU keeps h, the next fused Conv-BN(-Add)-ReLU does not keep its input (that
 output) but the producer's h, mean, invstd, weight and bias, and rebuilds it in its backward
@@ -189,9 +190,12 @@ def rebuilt_from(ctx, x, layout):
 # compute again (C/groups * R * S), as numbafuse.ops.conv_batchnorm.KEEP_H_MIN_MACS (1024) does,
 # but lower: a Conv-BN-ReLU's kept h stands in for its output in the next fused conv (SOURCE), so
 # keeping it costs little memory. At 256 every ResNet conv keeps h but the stem and the 1x1
-# convs of fewer than 256 input channels. Activations kept at batch 16, 64x64
-# (benchmarks/fuse_saved_bytes.py --recompute auto): ResNet-18 0.49 of PyTorch's (0.41 at
-# 1024), ResNet-50 0.54 (0.44); issue 34 asks <= 0.6.
+# convs of fewer than 256 input channels, and of those the strided ones keep it too (h half
+# x's size or less: ``ops.conv_batchnorm.recomputes``; 2026-12-01, ResNet-18's downsample
+# forwards 1.75 -> 0.75 ms a step at 64x64, 10.9 -> 5.7 at 224x224). Activations kept at
+# batch 16, 64x64 (benchmarks/fuse_saved_bytes.py --recompute auto): ResNet-18 0.52 of
+# PyTorch's (0.49 before the strided 1x1s kept h, 0.41 at 1024), ResNet-50 0.54 (0.44);
+# issue 34 asks <= 0.6. At 224x224: 0.52 and 0.54.
 # Machine F (AVX2, 2 cores), one process a step case, alternating, best / median of 5-6 processes
 # of 4-5 steps, two runs (ms, 1024 against 256): ResNet-18 226.9 / 242.3 against 175.1 / 226.7
 # and 215.1 / 224.7 against 194.7 / 217.9; ResNet-50 577.8 / 588.8 against 537.9 / 568.0 and
@@ -325,8 +329,8 @@ def conv_batchnorm_relu(x, w, weight, bias, running_mean=None, running_var=None,
         forward: faster, and less memory than PyTorch's unfused chain where the next op is a
         fused conv, which keeps this h instead of y; "auto": False where a value of h costs
         at least :data:`KEEP_H_MIN_MACS` multiply-adds (C/groups * R * S: in a CNN all but
-        the first and the narrowest layers), else True; inference folds the batch norm
-        either way)
+        the first and the narrowest layers) or where h has at most half x's values (a
+        strided 1x1), else True; inference folds the batch norm either way)
 
     Returns
     -------

@@ -327,8 +327,9 @@ def fuse(model, *, leaf_modules=(), copy=True, recompute=True):
         backward, ``numbafuse.torch.conv_batchnorm.SOURCE``). "auto": False where a value
         of the conv output costs at least ``numbafuse.torch.conv_batchnorm.KEEP_H_MIN_MACS``
         (256) multiply-adds to recompute (C/groups * R * S; in a CNN all but the stem and
-        the narrowest 1x1 convs), True elsewhere: at batch 16, 64x64, activations kept 14.2
-        MB on ResNet-18 (PyTorch's 29.1: 0.49) and 61.1 on ResNet-50 (112.8: 0.54)
+        the narrowest 1x1 convs) or where it has at most half the input's values (a
+        strided 1x1 downsample), True elsewhere: at batch 16, 64x64, activations kept 15.0
+        MB on ResNet-18 (PyTorch's 29.1: 0.52) and 61.1 on ResNet-50 (112.8: 0.54)
         (``benchmarks/fuse_saved_bytes.py``).
         (Under ``torch.compile`` the custom ops recompute.)
 
