@@ -430,7 +430,7 @@ class ConvBatchNormReLU(Function):
         dilation: object
         relu: bool
         recompute: bool          # False: keep h and a 1-bit mask instead of recomputing;
-        #                          "auto": as KEEP_H_MIN_MACS decides for the conv
+        #                          "auto": as recomputes() decides for the conv
         groups: int = 1          # a grouped conv: w is (K, C/groups, R, S)
 
     # fwd :: (x, w, gamma, beta) -> (y, residuals=(x, w, gamma, [beta], mean, invstd))
@@ -483,7 +483,7 @@ class ConvBatchNormAddReLU(Function):
         padding: object
         dilation: object
         recompute: bool          # False: keep h besides the mask instead of recomputing it;
-        #                          "auto": as KEEP_H_MIN_MACS decides for the conv
+        #                          "auto": as recomputes() decides for the conv
         groups: int = 1          # a grouped conv: w is (K, C/groups, R, S)
 
     # fwd :: (x, w, z, gamma, beta) -> (y, residuals=(x, w, gamma, mean, invstd, relu_state,
