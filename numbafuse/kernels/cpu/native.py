@@ -49,7 +49,7 @@ from numba.core.typing.typeof import Purpose
 from numba.extending import intrinsic
 
 from .sync import (SLOT, call_int, call_void, compare_swap, cpu_relax, exchange, fetch_add,
-                   load_acquire, monotonic_ns, store_release)
+                   load_acquire, park, store_release)
 
 # the state of one launch: an int64 array of STATE_SIZE; [0] the next task to hand out,
 # [ERRORS] the ranges whose kernel call failed (on its own cache line)
@@ -205,19 +205,14 @@ def join(flag, generation):
 @njit(nogil=True, cache=True)
 def serve(pool_flag, flag, generation, slot, clock, ns):
     """A pool helper woken for the compiled launch of pool generation ``generation``: join
-    it, then park as ``sync.park`` does (``pool_flag[slot]``, at most ``ns``) and join the
+    it, then ``sync.park`` (``pool_flag[slot]``, at most ``ns``) and join the
     next launches as long as they are compiled ones (``flag[NEXT]`` is their generation), all
     without Python. Returns the last generation served, at the park's end or where the next
     generation is not a compiled launch (a Python job, the pool's end)."""
     while True:
         join(flag, generation)
-        store_release(pool_flag[slot:], generation)
-        end = monotonic_ns(clock) + ns
-        while load_acquire(pool_flag) == generation:
-            for _ in range(64):
-                cpu_relax()
-            if monotonic_ns(clock) >= end:
-                return generation
+        if not park(pool_flag, generation, slot, clock, ns, 0):
+            return generation
         following = load_acquire(pool_flag)
         if flag[NEXT] != following:
             return generation
