@@ -97,7 +97,7 @@ class Rules(NamedTuple):
     # time; l4 3x3/2 forward 10.8 against im2col's 2.8 ms, dW 24.6 against implicit's 9.6 ...
     winograd_s2_taps_bytes: int = 2 << 20
     # ... a forward's up to this many on batches of ``winograd_s2_wide_pixels`` output pixels:
-    # machine A, 2 threads, alternating, best of 12, ms im2col (before) / implicit / stride-2
+    # machine A, 2 threads, alternating, best of 12-15, ms im2col (before) / implicit / stride-2
     # Winograd, 28x28 -> 14x14, batch 16 (3136 pixels): 128 -> 256 (3.3 MB of taps) NCHW 11.28
     # / 9.71 / 7.86, NHWC 10.59 / 8.93 / 8.08; 256 -> 256 (6.5 MB) 23.15 / 20.28 / 16.38; batch
     # 4 even (3.09 / 2.91 / 2.92). Not dW: the implicit GEMM's 11.19 against 13.07 at batch 16
@@ -194,7 +194,7 @@ class Rules(NamedTuple):
     # best of 10, ms im2col / tapwise (NCHW, NHWC): ResNet-18's l3 3x3/2 128 -> 256 1.00 /
     # 0.81, 0.89 / 0.78; ResNet-50's l3 3x3/2 256 1.82 / 1.45, 1.72 / 1.41; batch 32 1.76 /
     # 1.49, 1.76 / 1.48 (0.75 before the tiles). 0.91 (0.85 until 2026-12-01) for 14x14 ->
-    # 7x7 (0.907): machine A, 2 threads, batch 16, alternating, best of 12, ms the plan before
+    # 7x7 (0.907): machine A, 2 threads, batch 16, alternating, best of 12-15, ms the plan before
     # / tapwise, forward, dX: ResNet-18's l4 3x3/2 256 -> 512 NCHW 12.18 / 9.77, 12.57 / 9.94,
     # NHWC 12.05 / 9.62, 13.87 / 10.31; ResNet-50's l4 3x3/2 512 NCHW 30.48 / 18.47, 33.57 /
     # 20.30. Not 16x16 -> 8x8 (0.918) nor 28x28 -> 14x14 (0.953: 128 -> 256 forward 11.84
