@@ -279,6 +279,27 @@ def test_max_pool2d_with_padding_is_pytorchs_bit_for_bit(shape, k, stride, paddi
     np.testing.assert_array_equal(to_nchw(t.grad), xt.grad.numpy())
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_max_pool2d_backward_zeroes_a_reused_buffer(layout):
+    """The CPU backward's dx comes from the output cache, uninitialised (a block released
+    before, here filled with NaN): every pixel that no window picked must still be 0, over
+    two of the NCHW kernel's 64-channel blocks (80 channels)."""
+    from numbafuse.kernels.cpu.buffers import output_cache
+    x = _padded_pool_case((2, 80, 12, 10), layout, 7)
+    x = np.nan_to_num(x, nan=0.5)
+    t = nf.Tensor(x, requires_grad=True)
+    y = nf.max_pool2d(t, 3, 2, padding=1, layout=layout)
+    dy = _seeded(y.shape, 8, np.float32)
+    assert x.nbytes >= output_cache.MIN_BYTES and output_cache.max_bytes
+    dirty = output_cache.empty(x.shape, x.dtype)
+    dirty[...] = np.nan
+    del dirty                                             # its block is free again
+    y.backward(dy)
+    np.testing.assert_allclose(t.grad, ref.max_pool2d_backward(dy, x, 3, 2, layout, 1),
+                               rtol=1e-6, atol=1e-6)
+    assert (t.grad == 0).sum() > x.size // 2
+
+
 def test_max_pool2d_padding_is_at_most_half_the_window():
     x = np.zeros((1, 1, 6, 6), np.float32)
     with pytest.raises(ValueError, match="padding must be at most half"):

@@ -18,6 +18,7 @@ kh/kw window, sh/sw stride; F_in/F_out linear features; L classes.
 import numpy as np
 
 from .. import scalar
+from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import blocks, launch, task_kernel
 from . import cpu_pool as _pool, math as basic_math
 
@@ -103,12 +104,16 @@ def max_pool2d_forward(x, g):
 
 # bwd :: (argmax, gy, geometry) -> gx
 def max_pool2d_backward(gy, argmax, g, dtype):
-    gx = np.zeros(g.x_shape, dtype)
+    gx = _out.empty(g.x_shape, dtype)                     # zeroed by the kernels, in cache
     HW, PQ = g.H * g.W, g.P * g.Q
-    if gy.size:
-        launch(_pool.max_pool_bwd_tasks, g.N, _rows(gy.astype(dtype, copy=False), PQ, g),
-               _rows(argmax, PQ, g), _rows(gx, HW, g), _pool_geo(g), g.layout == "NHWC",
-               work=gx.size)
+    args = (_rows(gy.astype(dtype, copy=False), PQ, g), _rows(argmax, PQ, g), _rows(gx, HW, g),
+            _pool_geo(g))
+    if not gy.size:
+        gx[...] = 0
+    elif g.layout == "NHWC":
+        launch(_pool.max_pool_bwd_nhwc, g.N, *args, work=gx.size)
+    else:
+        launch(_pool.max_pool_bwd_nchw, g.N * -(-g.C // _pool.LANES), *args, work=gx.size)
     return gx
 
 

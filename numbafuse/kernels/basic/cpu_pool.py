@@ -15,6 +15,12 @@ threads, machine E) the NCHW forward took 0.29 ms with 64 lanes, 0.40 with 32, 0
 with 16 (the loop over each output's taps paid per lane block); the generic strided loop it
 replaced 3.5 ms, PyTorch's NCHW kernel 3.0, its channels_last one 0.17. At (16, 64, 112,
 112) (a 224x224 input's stem): 4.4 ms against PyTorch's 57.2 (its own process).
+
+The backward adds into planes (NCHW) or image rows (NHWC) that it zeroes itself, in cache,
+in an output-cache buffer: before 2026-12-02 it added into a fresh ``np.zeros`` array (every
+page faulted inside the kernel) with each tap's row and column found by ``//`` and ``%``. At
+(16, 64, 112, 112), 2 threads, machine A, alone after a 64 MiB write: NCHW 8.9-14.7 ->
+3.2-3.4 ms, NHWC 24.6 -> 3.8; in ResNet-50's 224x224 training step 42.2 -> 3.9 ms.
 """
 import numpy as np
 from numba import njit
@@ -96,20 +102,56 @@ def max_pool_fwd_nchw(t0, t1, x, y, arg, geo):
                 ya[c, i] = ars[i, c]
 
 
+@njit(inline="always")
+def _tap_offsets(W, kh, kw):
+    """off[t]: where tap t = r*kw + s of a window lands, as a flat pixel offset (r*W + s)
+    from the window's corner."""
+    off = np.empty(kh * kw, np.int64)
+    for r in range(kh):
+        for s in range(kw):
+            off[r * kw + s] = r * W + s
+    return off
+
+
 @task_kernel
-def max_pool_bwd_tasks(t0, t1, gy, arg, gx, geo, nhwc):
-    # gy, arg (N, P*Q, C) NHWC or (N, C, P*Q) NCHW; gx (N, H*W, C) or (N, C, H*W), zeroed.
-    # Task: one image. Per channel, outputs in row-major order (PyTorch's order of the sums).
+def max_pool_bwd_nchw(t0, t1, gy, arg, gx, geo):
+    # gy, arg (N, C, P*Q); gx (N, C, H*W), not initialised: each task zeroes its planes
+    # first (in cache, no fresh pages) and adds each gy to its input pixel, output after
+    # output in row-major order (PyTorch's order of the sums). Task: one image's block of
+    # LANES channels, as the forward's.
     H, W, P, Q, kh, kw, sh, sw, ph, pw = geo
-    C = gy.shape[2] if nhwc else gy.shape[1]
-    for n in range(t0, t1):
-        for c in range(C):
+    C = gy.shape[1]
+    nb = (C + LANES - 1) // LANES
+    off = _tap_offsets(W, kh, kw)
+    for task in range(t0, t1):
+        n, c0 = task // nb, (task % nb) * LANES
+        for c in range(c0, min(C, c0 + LANES)):
+            plane, a, g = gx[n, c], arg[n, c], gy[n, c]
+            for i in range(H * W):
+                plane[i] = 0
             for p in range(P):
+                base = (p * sh - ph) * W - pw
                 for q in range(Q):
                     o = p * Q + q
-                    t = np.int64(arg[n, o, c] if nhwc else arg[n, c, o])
-                    i = (p * sh - ph + t // kw) * W + q * sw - pw + t % kw
-                    if nhwc:
-                        gx[n, i, c] += gy[n, o, c]
-                    else:
-                        gx[n, c, i] += gy[n, c, o]
+                    plane[base + q * sw + off[a[o]]] += g[o]
+
+
+@task_kernel
+def max_pool_bwd_nhwc(t0, t1, gy, arg, gx, geo):
+    # gy, arg (N, P*Q, C); gx (N, H*W, C), not initialised (zeroed here, as the NCHW one).
+    # Task: one image; per channel the sums in the same order.
+    H, W, P, Q, kh, kw, sh, sw, ph, pw = geo
+    C = gy.shape[2]
+    off = _tap_offsets(W, kh, kw)
+    for n in range(t0, t1):
+        rows, a, g = gx[n], arg[n], gy[n]
+        for i in range(H * W):
+            for c in range(C):
+                rows[i, c] = 0
+        for p in range(P):
+            base = (p * sh - ph) * W - pw
+            for q in range(Q):
+                o = p * Q + q
+                at, go = a[o], g[o]
+                for c in range(C):
+                    rows[base + q * sw + off[at[c]], c] += go[c]
