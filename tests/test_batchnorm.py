@@ -212,7 +212,8 @@ def test_small_batch_norm_passes_stay_on_the_calling_thread(layout, monkeypatch)
         seen.append(work is not None and work < least)
         return real(kernel, ntasks, *args, work=work, grain=grain, parallel_min=parallel_min)
     monkeypatch.setattr(bn_cpu, "launch", spy)
-    for shape, serial in (((16, 256, 4, 4), True), ((8, 64, 32, 32), False)):
+    for shape, serial in (((16, 256, 4, 4), True), ((16, 128, 8, 8), True),
+                          ((16, 64, 16, 16), False), ((8, 64, 32, 32), False)):
         C = shape[1]
         shape = shape if layout == "NCHW" else (shape[0], shape[2], shape[3], C)
         x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
@@ -221,7 +222,41 @@ def test_small_batch_norm_passes_stay_on_the_calling_thread(layout, monkeypatch)
         y = nf.batchnorm_add_relu(x, x, g, b, layout=layout)
         nf.batchnorm_add_relu_backward(np.ones_like(y), x, x, g, b, layout=layout, y=y)
         assert len(seen) >= 4 and all(s == serial for s in seen), (shape, seen)
-    assert bn_cpu.PARALLEL_MIN == 1 << 19
+    assert bn_cpu.PARALLEL_MIN == 1 << 18
+
+
+@pytest.mark.parametrize("need_gz", [True, False])
+@pytest.mark.parametrize("parallel_min", [0, 1 << 30])
+@pytest.mark.parametrize("layout, shape", [("NCHW", (6, 20, 9, 7)), ("NCHW", (4, 8, 5, 5)),
+                                           ("NHWC", (6, 9, 7, 20))])
+def test_backward_gated_by_the_mask_is_the_backward_gated_by_y(layout, shape, parallel_min,
+                                                                need_gz, monkeypatch):
+    """CPU: the backward gated by the packed 1-bit ReLU mask (the kept-h path) gives the bits of
+    the one gated by y: every row's own mask bits, over maps past FLAT_MAX_HW (the NCHW row
+    kernels: 63 values a row, rows not a multiple of 8, several tasks) and a flat small map,
+    on one thread and split; with gz (the second pass reads the first's g) and without (it
+    gates again)."""
+    from numbafuse.kernels.batchnorm import cpu as bn_cpu
+    monkeypatch.setattr(bn_cpu, "PARALLEL_MIN", parallel_min)
+    monkeypatch.setattr(bn_cpu, "REDUCE_CHUNK", 512)               # several tasks a pass
+    monkeypatch.setattr(bn_cpu, "CHUNK", 512)
+    rng = np.random.default_rng(7)
+    C = shape[1] if layout == "NCHW" else shape[3]
+    x = rng.standard_normal(shape).astype(np.float32)
+    gy = rng.standard_normal(shape).astype(np.float32)
+    gamma = rng.uniform(0.5, 1.5, C).astype(np.float32)
+    beta = rng.uniform(-0.5, 0.5, C).astype(np.float32)
+    mean, _, invstd = bn_cpu.stats(x, layout, 1e-5)
+    y, mask = bn_cpu.apply(x, mean, invstd, gamma, beta, None, True, layout, True)
+    assert 0.2 < (y > 0).mean() < 0.8
+    need = (True, True, True, need_gz)
+    by_y = bn_cpu.backward(gy, x, mean, invstd, gamma, bn_cpu.STATE_Y, y, layout, True, need)
+    by_mask = bn_cpu.backward(gy, x, mean, invstd, gamma, bn_cpu.STATE_MASK, mask, layout,
+                              True, need)
+    for a, b in zip(by_y, by_mask):
+        np.testing.assert_array_equal(a, b)
+    if need_gz:
+        np.testing.assert_array_equal(by_mask[3], np.where(y > 0, gy, 0))   # gz = the gate
 
 
 def _near_zero_preactivations(layout, dtype, shape, rng):

@@ -59,8 +59,13 @@ REDUCE_CHUNK = 1 << 15   # elements per parallel task of the NHWC reductions (ro
 # threads, forward and backward (NCHW; NHWC): 65,536 elements (16, 256, 4, 4) 63 / 88 and
 # 98 / 158 (44 / 74, 74 / 119); 131,072 60 / 90, 92 / 155 (65 / 88, 123 / 175); 262,144 77 /
 # 114, 131 / 175 (98 / 135, 213 / 230); 524,288 126 / 142, 243 / 256 (171 / 172, 398 / 337);
-# 1,048,576 193 / 207, 454 / 394 (289 / 253, 787 / 568)
-PARALLEL_MIN = 1 << 19
+# 1,048,576 193 / 207, 454 / 394 (289 / 253, 787 / 568). 2^18 since 2026-12-02 (machine A,
+# PyTorch's OpenMP team; the NCHW backward's mask gate vectorised, which had run slower on
+# two threads than on one): the fused BatchNorm-Add-ReLU module's forward and backward, us
+# serial / two threads, (16, 64, 16, 16) 746 / 637, (16, 128, 8, 8) 495 / 534, (16, 256, 4, 4)
+# 501 / 542; in the 64x64 training step (one process alternating 2^19 and 2^18, medians) the
+# batch-norm kernels 23.4 -> 21.2 ms a ResNet-50 step, 6.26 -> 5.68 a ResNet-18 step.
+PARALLEL_MIN = 1 << 18
 # NHWC rows shorter than this walk m = 2^k rows at a time as one row of m*C elements with the
 # per-channel values tiled m times: LLVM's vector loops (8 float32 x 4 unrolled) skip rows of
 # fewer than 32 elements. Measured on (2048, 24): backward reduce 113 -> 36 us, apply 64 -> 19.
@@ -303,6 +308,7 @@ def _bwd_reduce_nchw(t0, t1, gy2, x2, vals, state_kind, y2, mask, dims, gz2, wan
         zero = _zero_of(g)
         n = r0 // C
         c = r0 - n * C
+        eo = 0                                    # row r's offset in e: (r - r0) * L
         for r in range(r0, r1):
             mh, ml = mean_hi[c], mean_lo[c]
             # g = gy where the ReLU was open: the state branch once per row (the loops written
@@ -316,11 +322,18 @@ def _bwd_reduce_nchw(t0, t1, gy2, x2, vals, state_kind, y2, mask, dims, gz2, wan
                 for k in range(L):
                     g[k] = gy2[r, k] if y2[r, k] > zero else zero
             elif state_kind == STATE_MASK:
+                # (the row's view of e: indexed e[(r - r0) * L + k], or e[eo + k], this loop
+                # was not vectorised: 3-4x the STATE_Y loop's time, and slower on 2 threads
+                # than on 1; (16, 64, 16, 16), machine A, us on 1 / 2 threads: 270 / 680,
+                # with the view 85 / 79, STATE_Y 73 / 43. A row here has more than
+                # FLAT_MAX_HW values, so the view costs little.)
+                er = e[eo:eo + L]
                 for k in range(L):
-                    g[k] = gy2[r, k] if e[(r - r0) * L + k] != 0 else zero
+                    g[k] = gy2[r, k] if er[k] != 0 else zero
             else:
                 for k in range(L):
                     g[k] = gy2[r, k]
+            eo += L
             if want_gz:
                 for k in range(L):
                     gz2[r, k] = g[k]
@@ -385,6 +398,7 @@ def _bwd_apply_nchw(t0, t1, gy2, x2, vals, coefs, flags, y2, mask, dims, gx2, gz
         g = np.empty(L, x2.dtype)                                 # (HW,) one row's g
         zero = _zero_of(g)
         c = r0 % C
+        eo = 0                                    # row r's offset in e (_bwd_reduce_nchw's)
         for r in range(r0, r1):
             mh, ml, a, b, d = mean_hi[c], mean_lo[c], cg[c], cx[c], c0[c]
             if state_kind == STATE_NONE and not want_gz:          # g is gy
@@ -400,9 +414,10 @@ def _bwd_apply_nchw(t0, t1, gy2, x2, vals, coefs, flags, y2, mask, dims, gx2, gz
                 elif state_kind == STATE_Y:
                     for k in range(L):
                         g[k] = gy2[r, k] if y2[r, k] > zero else zero
-                elif state_kind == STATE_MASK:
+                elif state_kind == STATE_MASK:                    # (as _bwd_reduce_nchw)
+                    er = e[eo:eo + L]
                     for k in range(L):
-                        g[k] = gy2[r, k] if e[(r - r0) * L + k] != 0 else zero
+                        g[k] = gy2[r, k] if er[k] != 0 else zero
                 else:
                     for k in range(L):
                         g[k] = gy2[r, k]
@@ -412,6 +427,7 @@ def _bwd_apply_nchw(t0, t1, gy2, x2, vals, coefs, flags, y2, mask, dims, gx2, gz
                 if want_gx:
                     for k in range(L):
                         gx2[r, k] = _input_grad(g[k], x2[r, k] - mh, ml, a, b, d)
+            eo += L
             c += 1
             if c == C:
                 c = 0
