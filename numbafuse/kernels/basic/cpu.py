@@ -106,14 +106,14 @@ def max_pool2d_forward(x, g):
 def max_pool2d_backward(gy, argmax, g, dtype):
     gx = _out.empty(g.x_shape, dtype)                     # zeroed by the kernels, in cache
     HW, PQ = g.H * g.W, g.P * g.Q
-    args = (_rows(gy.astype(dtype, copy=False), PQ, g), _rows(argmax, PQ, g), _rows(gx, HW, g),
-            _pool_geo(g))
-    if not gy.size:
-        gx[...] = 0
-    elif g.layout == "NHWC":
-        launch(_pool.max_pool_bwd_nhwc, g.N, *args, work=gx.size)
-    else:
-        launch(_pool.max_pool_bwd_nchw, g.N * -(-g.C // _pool.LANES), *args, work=gx.size)
+    if gy.size:                                           # (else gx is empty too)
+        args = (_rows(gy.astype(dtype, copy=False), PQ, g), _rows(argmax, PQ, g),
+                _rows(gx, HW, g), _pool_geo(g))
+        if g.layout == "NHWC":
+            launch(_pool.max_pool_bwd_nhwc, g.N, *args, work=gx.size)
+        else:
+            launch(_pool.max_pool_bwd_nchw, g.N * -(-g.C // _pool.LANES), *args,
+                   work=gx.size)
     return gx
 
 
