@@ -128,6 +128,50 @@ def test_strided_pointwise_dx_scatters_the_compact_gradient(layout, dtype, H, W,
     _check(nfs.ConvProblem(x, w, b, kwargs), chunk_bytes, groups=4, min_channels=1)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("H, W", [(7, 9), (1, 5), (4, 4)])
+@pytest.mark.parametrize("chunk_bytes", [1, 700, RULES.chunk_bytes])
+def test_the_nchw_pointwise_forward_scales_and_adds_in_its_epilogue(dtype, H, W, chunk_bytes):
+    """``forward_scaled`` on the NCHW pointwise GEMMs (inference Conv-BN(-Add)-ReLU in one
+    pass): ``relu?(scale * conv + shift + z?)`` in each chunk's epilogue, against the float64
+    reference; chunks of one pixel to whole images (a last partial chunk: 63 and 5 pixels an
+    image), with and without z, ReLU and shift; the same bits on 1 and 3 threads. NHWC's
+    pointwise forward has no such epilogue: None (the caller folds)."""
+    rng = np.random.default_rng(H * 10 + W)
+    N, C, K = 3, 6, 10
+    x = rng.standard_normal((N, C, H, W)).astype(dtype)
+    w = rng.standard_normal((K, C, 1, 1)).astype(dtype)
+    z = rng.standard_normal((N, K, H, W)).astype(dtype)
+    scale = np.linspace(-1.5, 2.0, K).astype(dtype)            # a negative scale too
+    shift = rng.standard_normal(K).astype(dtype)
+    geom = nf.validate.conv_geometry("t", x.shape, w.shape, 1, 0, 1, "NCHW")
+    y64 = ref.conv2d(x.astype(np.float64), w.astype(np.float64))
+    axis = (1, -1, 1, 1)
+    with cpu_plan.using(chunk_bytes=chunk_bytes, min_gemm_channels=1):
+        assert cpu_plan.plan(geom, "forward", dtype).algorithm == "pointwise"
+        for with_z in (False, True):
+            for relu in (False, True):
+                want = y64 * scale.reshape(axis) + shift.reshape(axis) + (z if with_z else 0)
+                want = np.maximum(want, 0) if relu else want
+                got = [None, None]
+                for i, threads in enumerate((1, 3)):
+                    _launch.set_num_threads(threads)
+                    got[i] = cpu_conv.forward_scaled(x, w, lambda: (scale, shift), geom, relu,
+                                                     z=z if with_z else None)
+                np.testing.assert_allclose(got[0], want, **TOL[dtype],
+                                           err_msg=f"z {with_z} relu {relu}")
+                assert np.array_equal(got[0], got[1])
+        # a conv with a bias and no scale is the plain forward's epilogue, as before
+        b = rng.standard_normal(K).astype(dtype)
+        np.testing.assert_allclose(cpu_conv.conv_forward(x, w, b, geom, True),
+                                   np.maximum(y64 + b.reshape(axis), 0), **TOL[dtype])
+    nhwc = nf.validate.conv_geometry("t", (N, H, W, C), w.shape, 1, 0, 1, "NHWC")
+    with cpu_plan.using(min_gemm_channels=1):
+        assert cpu_plan.plan(nhwc, "forward", dtype).algorithm == "pointwise"
+        assert cpu_conv.forward_scaled(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), w,
+                                       lambda: (scale, shift), nhwc, True) is None
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("N, stride", [(9, 1), (9, 2), (3, 1)])
 def test_small_batches_split_into_min_chunks(layout, N, stride):

@@ -77,10 +77,15 @@ def forward_hwc(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, taps, o
 
 
 @task_kernel
-def forward_chw(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, taps, out):
-    # NCHW: src, gate (N, Ci, HW); wm (Co, Ci); out (N, Co, HW); flags (has_bias, relu); taps
-    # unused (forward_hwc's arguments, one call site on the host)
-    has_bias, relu = flags
+def forward_chw(t0, t1, src, gate, use_gate, wm, mpc, bs, flags, blas, taps, out):
+    # NCHW: src, gate (N, Ci, HW); wm (Co, Ci); out (N, Co, HW); bs = (bias, scale, z): bias
+    # zeros where not has_bias, scale ones where not scaled, z (N, Co, HW) or empty;
+    # flags (has_bias, relu, scaled, has_z): out = relu?(scale[k]? *
+    # sum + bias[k]? + z?) in place while the chunk is in cache (scaled, z: inference batch
+    # norm, Conv-BN-Add-ReLU in one pass, as the im2col forward's epilogue). taps unused
+    # (forward_hwc's place; one call site on the host)
+    has_bias, relu, scaled, has_z = flags
+    bias, scale, z = bs
     Ci, HW = src.shape[1], src.shape[2]
     Co = out.shape[1]
     nblk = (HW + mpc - 1) // mpc
@@ -102,13 +107,19 @@ def forward_chw(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, taps, o
             ldb = m
         _blas.gemm(blas, False, False, (Co, m, Ci), 1.0, wm, Ci, b, ldb, 0.0, out[n, :, c0:],
                    HW)
-        if relu or has_bias:                                      # in place, in cache
+        if relu or has_bias or scaled or has_z:                   # in place, in cache
             for k in range(Co):
                 r = out[n, k, c0:c1]                              # (m,)
-                bk = bias[k]
-                for i in range(m):
-                    v = r[i] + bk
-                    r[i] = _relu(v) if relu else v
+                bk, sk = bias[k], scale[k]      # (zeros, ones where not used: x's dtype)
+                if has_z:               # (a loop each: a test inside kept LLVM's vectors out)
+                    zr = z[n, k, c0:c1]
+                    for i in range(m):
+                        v = r[i] * sk + bk + zr[i]
+                        r[i] = _relu(v) if relu else v
+                else:
+                    for i in range(m):
+                        v = r[i] * sk + bk      # (times 1: r itself, exactly)
+                        r[i] = _relu(v) if relu else v
 
 
 # dW and db. counts = (mpc, nchunks, groups): the chunks as the forward's, in groups of
@@ -171,6 +182,31 @@ def dw_chw(t0, t1, x, gy, y, use_mask, counts, need_dw, blas, parts):
 
 # --------------------------------------------------------------------------- the host side
 
+# forward_chw's z where there is none, by dtype char (one per dtype: no array made a call)
+_NO_Z = {np.dtype(d).char: np.empty((0, 0, 0), d) for d in (np.float32, np.float64)}
+
+
+def forward(x, w, b, has_bias, scale, z, relu, geom, plan, blas, y, work):
+    """``y = relu?(scale? * conv(x, w) + b + z?)`` of a 1x1 stride-1 conv (``cpu.conv_forward``'s
+    pointwise plan): b (K,) (zeros where not ``has_bias``); ``scale`` (K,) and ``z`` (y's
+    shape) NCHW only, or None."""
+    K, C, nhwc = geom.K, geom.C, geom.layout == "NHWC"
+    wm = w.reshape(K, C)
+    mpc, nchunks = chunks(plan, geom, C + K, x.itemsize)
+    xv = view(x, nhwc)
+    if nhwc:
+        if plan.taps:
+            _gemm_taps.ready(gather=False)
+        launch(forward_hwc, nchunks, xv, xv, False, transposed_weights(w, wm), mpc, b,
+               (has_bias, relu), blas, plan.taps, view(y, nhwc), work=work, grain=1)
+        return
+    bs = (b, np.ones(K, x.dtype) if scale is None else scale,
+          _NO_Z[x.dtype.char] if z is None else view(z, False))
+    launch(forward_chw, nchunks, xv, xv, False, wm, mpc, bs,
+           (bool(has_bias), bool(relu), scale is not None, z is not None), blas, 0,
+           view(y, nhwc), work=work, grain=1)
+
+
 def view(a, nhwc):
     """A 1x1 conv's operand as the pointwise tasks take it: (N, C, HW) | (N*HW, C)."""
     return a.reshape(-1, a.shape[3]) if nhwc else a.reshape(a.shape[0], a.shape[1], -1)
@@ -212,10 +248,12 @@ def dx(gy, y, use_mask, w, geom, plan, out, work):
     mpc, nchunks = chunks(plan, geom, C + K, gy.itemsize)
     if plan.taps:
         _gemm_taps.ready(gather=False)
+    zero = np.zeros(C, gy.dtype)
     launch(forward_hwc if nhwc else forward_chw, nchunks, view(gy, nhwc), view(y, nhwc),
-           use_mask, wm if nhwc else transposed_weights(w, wm), mpc, np.zeros(C, gy.dtype),
-           (False, False), _blas.blas_for(gy.dtype), plan.taps, view(compact, nhwc), work=work,
-           grain=1)
+           use_mask, wm if nhwc else transposed_weights(w, wm), mpc,
+           zero if nhwc else (zero, np.ones(C, gy.dtype), _NO_Z[gy.dtype.char]),
+           (False, False) if nhwc else (False, False, False, False),
+           _blas.blas_for(gy.dtype), plan.taps, view(compact, nhwc), work=work, grain=1)
     if strided:                                   # zeros, then every sh-th row, sw-th column
         out.fill(0)
         if nhwc:
