@@ -45,8 +45,8 @@ def inference_add_forward(which, x, w, gamma, beta, mean, invstd, geometry, z):
     """y = relu(batchnorm(conv(x, w)) + z) of inference in one pass: the batch norm as the
     conv's scale and shift and z added in its epilogue (``forward_scaled``'s z), where the
     backend's conv for ``geometry`` has that epilogue (the CPU's im2col, tapwise and NCHW
-    pointwise plans);
-    else None (the caller runs the conv, then the batch norm's apply with z)."""
+    pointwise plans); else None (the caller runs the conv, then the batch norm's apply with
+    z)."""
     return kernels.conv_kernels(which, geometry.groups).forward_scaled(
         x, w, _values(w, gamma, beta, mean, invstd), geometry, True, z=z)
 

@@ -79,11 +79,10 @@ def forward_hwc(t0, t1, src, gate, use_gate, wm, mpc, bias, flags, blas, taps, o
 @task_kernel
 def forward_chw(t0, t1, src, gate, use_gate, wm, mpc, bs, flags, blas, taps, out):
     # NCHW: src, gate (N, Ci, HW); wm (Co, Ci); out (N, Co, HW); bs = (bias, scale, z): bias
-    # zeros where not has_bias, scale ones where not scaled, z (N, Co, HW) or empty;
-    # flags (has_bias, relu, scaled, has_z): out = relu?(scale[k]? *
-    # sum + bias[k]? + z?) in place while the chunk is in cache (scaled, z: inference batch
-    # norm, Conv-BN-Add-ReLU in one pass, as the im2col forward's epilogue). taps unused
-    # (forward_hwc's place; one call site on the host)
+    # zeros where not has_bias, scale ones where not scaled, z (N, Co, HW) or empty; flags
+    # (has_bias, relu, scaled, has_z): out = relu?(scale[k] * sum + bias[k] + z?) in place
+    # while the chunk is in cache (scale and z: an inference batch norm, Conv-BN-Add-ReLU in
+    # one pass, as the im2col forward's epilogue). taps unused (forward_hwc's place)
     has_bias, relu, scaled, has_z = flags
     bias, scale, z = bs
     Ci, HW = src.shape[1], src.shape[2]
