@@ -173,6 +173,43 @@ def test_the_nchw_pointwise_forward_scales_and_adds_in_its_epilogue(dtype, H, W,
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("H, W, tiles", [(9, 7, 1), (8, 8, 7), (5, 6, RULES.winograd_tiles)])
+def test_the_winograd_forward_scales_in_its_output_transform(layout, dtype, H, W, tiles):
+    """``forward_scaled`` on the Winograd plan (inference Conv-BN-ReLU of a 3x3): ``relu?(scale
+    * conv + shift)`` in the output transform, against the float64 reference; chunks of one
+    tile row to several images, odd sizes (a last half tile); with and without ReLU, a
+    negative scale; the same bits on 1 and 3 threads. A residual is not the transform's:
+    None (the caller runs the conv, then the batch norm's apply with z)."""
+    rng = np.random.default_rng(H * 10 + W)
+    N, C, K = 3, 8, 12
+    shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
+    x = rng.standard_normal(shape).astype(dtype)
+    w = (rng.standard_normal((K, C, 3, 3)) / np.sqrt(9 * C)).astype(dtype)
+    scale = np.linspace(-1.5, 2.0, K).astype(dtype)
+    shift = rng.standard_normal(K).astype(dtype)
+    geom = nf.validate.conv_geometry("t", shape, w.shape, 1, 1, 1, layout)
+    y64 = ref.conv2d(x.astype(np.float64), w.astype(np.float64), stride=1, padding=1,
+                     layout=layout)
+    axis = (1, -1, 1, 1) if layout == "NCHW" else (1, 1, 1, -1)
+    rules = dict(winograd_tiles=tiles, winograd_min_tiles=1, implicit_s1_max_channels=0,
+                 tapwise_max_density=0.0, min_gemm_channels=1)
+    with cpu_plan.using(**rules):
+        assert cpu_plan.plan(geom, "forward", dtype).algorithm == "winograd"
+        for relu in (False, True):
+            want = y64 * scale.reshape(axis) + shift.reshape(axis)
+            want = np.maximum(want, 0) if relu else want
+            got = [None, None]
+            for i, threads in enumerate((1, 3)):
+                _launch.set_num_threads(threads)
+                got[i] = cpu_conv.forward_scaled(x, w, lambda: (scale, shift), geom, relu)
+            np.testing.assert_allclose(got[0], want, **TOL[dtype], err_msg=f"relu {relu}")
+            assert np.array_equal(got[0], got[1])
+        z = np.zeros(geom.y_shape, dtype)
+        assert cpu_conv.forward_scaled(x, w, lambda: (scale, shift), geom, True, z=z) is None
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("N, stride", [(9, 1), (9, 2), (3, 1)])
 def test_small_batches_split_into_min_chunks(layout, N, stride):
     # a stem (one input channel): the whole batch's im2col fits one chunk, so MIN_CHUNKS (the

@@ -112,8 +112,9 @@ def _winograd_taps(w, flip, shape):
 
 class _Correlation(NamedTuple):
     """One Winograd pass: out = relu?(3x3 correlation of src (gated by gate > 0 where
-    ``use_gate``) zero-padded by top/left, taps w (K, C, 3, 3), + bias); ``flip``: the taps
-    flipped and transposed (dX)."""
+    ``use_gate``) zero-padded by top/left, taps w (K, C, 3, 3), * scale + bias), ``bias``
+    (2K,) the bias then the scale (:func:`_bias_scale`); ``flip``: the taps flipped and
+    transposed (dX)."""
     src: np.ndarray
     gate: np.ndarray
     use_gate: bool
@@ -170,8 +171,8 @@ def _bn_epilogue(geom, dtype, nhwc_only):
 
 def _forward_epilogue(x, w, geom, plan, epi, **values):
     h = _out.empty(geom.y_shape, x.dtype)
-    c = _Correlation(x, x, False, w, False, geom.ph, geom.pw, np.zeros(geom.K, x.dtype), False,
-                     geom.layout == "NHWC", h)
+    c = _Correlation(x, x, False, w, False, geom.ph, geom.pw, None, False,
+                     geom.layout == "NHWC", h)                  # (the epilogue's own bias)
     (kernel, ntasks, args), parts, counts = _winograd_launch(c, plan, epi, **values)
     launch(kernel, ntasks, *args, work=x.size + h.size, grain=1)
     return h, parts, counts
@@ -191,25 +192,28 @@ def forward_stats(x, w, geom, eps):
     return h, mean, var, invstd
 
 
-def _scales(algorithm, geom):
-    """Whether ``algorithm``'s forward of ``geom`` has the scale-and-residual epilogue
-    (:func:`forward_scaled`): im2col, tapwise, and the NCHW pointwise GEMMs."""
-    return algorithm in ("im2col", "tapwise") or algorithm == "pointwise" and (
-        geom.layout == "NCHW")
+def _scales(algorithm, geom, z=False):
+    """Whether ``algorithm``'s forward of ``geom`` has the scale (and, ``z``, residual)
+    epilogue (:func:`forward_scaled`): im2col, tapwise, the NCHW pointwise GEMMs; Winograd's
+    output transform without a residual."""
+    return (algorithm in ("im2col", "tapwise") or algorithm == "pointwise"
+            and geom.layout == "NCHW" or algorithm == "winograd" and not z)
+
+
+def _bias_scale(b, scale):
+    """The Winograd output transform's (2K,): b, then ``scale`` (ones where None)."""
+    return np.concatenate((b, np.ones_like(b) if scale is None else scale))
 
 
 def forward_scaled(x, w, values, geom, relu, z=None):
     """``relu?(scale[k] * conv(x, w) + shift[k] [+ z])``, ``(scale, shift) = values()`` (K,)
-    each (inference batch norm after a bias-free conv, not folded into w: the im2col,
-    tapwise and NCHW pointwise forwards scale their sums in the epilogue; ``z``, y's shape: a
-    residual added there too, Conv-BN-Add-ReLU in one pass), or None where the forward is
-    none of those (the caller folds; ``values`` is not called). The deep layers' weights are
-    most of a network's bytes and im2col runs them: the fold read and wrote them once more a
-    call. The pointwise GEMMs (ResNet-50's bottleneck 1x1s) had folded w (two batch-norm
-    launches a call unless the weight cache kept the fold) and, with a residual, run the
-    apply after the conv: ResNet-50's eval at batch 16, 64x64, those sites 38.2 -> 32.5 ms."""
+    each (inference batch norm after a bias-free conv, not folded into w: the forwards of
+    :func:`_scales` scale their sums in the epilogue; ``z``, y's shape: a residual added
+    there too, Conv-BN-Add-ReLU in one pass), or None (the caller folds, ``values`` not
+    called). A fold rewrote w every call (two batch-norm launches unless the weight cache
+    kept it): ResNet-50's eval, batch 16, 64x64, its 1x1 sites 38.2 -> 32.5 ms."""
     plan = _plan(geom, "forward", x.dtype)
-    if not _scales(plan.algorithm, geom) or geom.N == 0:
+    if not _scales(plan.algorithm, geom, z is not None) or geom.N == 0:
         return None
     scale, shift = values()
     return conv_forward(x, w, shift, geom, relu, plan=plan, scale=scale, z=z)
@@ -267,7 +271,8 @@ def _winograd_dx(gy, y, use_mask, w, geom, dx):
     """dX by Winograd: dx = 3x3 correlation of g padded by 2 - ph, taps w[:, :, 2-r, 2-s]^T
     (C, K)."""
     return _Correlation(gy, y, use_mask, w, True, 2 - geom.ph, 2 - geom.pw,
-                        np.zeros(geom.C, gy.dtype), False, geom.layout == "NHWC", dx)
+                        _bias_scale(np.zeros(geom.C, gy.dtype), None), False,
+                        geom.layout == "NHWC", dx)
 
 
 # --------------------------------------------------------------------------- phase planes
@@ -502,12 +507,12 @@ def conv_forward(x, w, b, geom, relu, plan=None, scale=None, z=None):
     work = x.size + y.size + N * geom.P * geom.Q * K * C * geom.R * geom.S // 8
     relu = bool(relu)
     kind = plan.algorithm
-    if (scale is not None or z is not None) and not _scales(kind, geom):
+    if (scale is not None or z is not None) and not _scales(kind, geom, z is not None):
         raise ValueError(f"conv_forward: scale= and z= need the im2col, tapwise or NCHW "
-                         f"pointwise plan, not {kind!r}")
+                         f"pointwise plan (scale= alone: Winograd too), not {kind!r}")
     if kind == "winograd":
-        _winograd_run(_Correlation(x, x, False, w, False, geom.ph, geom.pw, b, relu, nhwc, y),
-                      plan, work)
+        _winograd_run(_Correlation(x, x, False, w, False, geom.ph, geom.pw,
+                                   _bias_scale(b, scale), relu, nhwc, y), plan, work)
     elif kind == "winograd_s2":
         _wino_s2.forward(x, w, b, geom, relu, y, plan.tiles, plan.taps == 2, work)
     elif kind == "pointwise":

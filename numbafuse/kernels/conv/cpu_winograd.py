@@ -199,9 +199,12 @@ def _in_hwc(R, r0, TX, Ci, tv, V, t0):
 
 @njit(nogil=True, cache=True)
 def _out_hwc(M, t0, TX, p0, bias, relu, s, yn):
-    # yn: (Ho, Wo, Co), one image <- A^T m A + bias (relu?) of the TX tiles t0 ... of one
-    # tile row (rows of Co in M[e]), output rows p0, p0 + 1; s: (8, TX*Co) scratch
+    # yn: (Ho, Wo, Co), one image <- (A^T m A) * scale + bias (relu?) of the TX tiles t0 ...
+    # of one tile row (rows of Co in M[e]), output rows p0, p0 + 1; bias (2*Co,): the bias,
+    # then the scale (ones but for an inference batch norm's: times 1 is exact); s: (8,
+    # TX*Co) scratch
     Ho, Wo, Co = yn.shape
+    scale = bias[Co:]
     m = TX * Co
     base = t0 * Co
     for nu in range(4):
@@ -217,12 +220,12 @@ def _out_hwc(M, t0, TX, p0, bias, relu, s, yn):
             q2, q3 = s[4 * a + 2, o:o + Co], s[4 * a + 3, o:o + Co]
             dst = yn[p, 2 * tx]                                   # (Co,)
             for k in range(Co):
-                v = q0[k] + q1[k] + q2[k] + bias[k]
+                v = (q0[k] + q1[k] + q2[k]) * scale[k] + bias[k]
                 dst[k] = _relu(v) if relu else v
             if 2 * tx + 1 < Wo:
                 dst = yn[p, 2 * tx + 1]
                 for k in range(Co):
-                    v = q1[k] - q2[k] - q3[k] + bias[k]
+                    v = (q1[k] - q2[k] - q3[k]) * scale[k] + bias[k]
                     dst[k] = _relu(v) if relu else v
 
 
@@ -450,7 +453,8 @@ def ready(dtype, dw=False, nhwc=None):
 @task_kernel
 def forward_tasks(t0, t1, src, gate, use_gate, U, chunks, bias, relu, blas, out):
     # out: (N, Ho, Wo, Co) | (N, Co, Ho, Wo) (slabs) = relu?(3x3 correlation of src (gated)
-    # zero-padded by top/left + bias), bias (Co,) zeros for none; src, gate: (N, Hs, Ws, Ci)
+    # zero-padded by top/left, * scale + bias), bias (2*Co,): the bias (zeros for none), then
+    # the scale (ones for none: an inference batch norm's); src, gate: (N, Hs, Ws, Ci)
     # | (N, Ci, Hs, Ws); U: (16, Ci, Co) from winograd_taps. chunks = (top, left, ipc, tyb,
     # vs, ms, slabs): chunk t is images [n0, n1) (ipc > 1) or tile rows [ty0, ty1) of one
     # image (chunk); vs, ms: estride of V and M; slabs (NCHW): each image's input rows of
@@ -502,7 +506,8 @@ def forward_epilogue_tasks(t0, t1, x, U, chunks, blas, out, modes, ev, dg, parts
     s = np.empty((8, TX * Co), x.dtype)
     slab = (np.empty((2 * rows + 2) * Ws * Ci if slabs else 0, x.dtype), np.empty(0, x.dtype))
     ys = np.empty(2 * rows * Wo * Co if slabs else 0, x.dtype)
-    bias = np.zeros(Co, x.dtype)
+    bias = np.zeros(2 * Co, x.dtype)                              # no bias, scale 1
+    bias[Co:] = 1
     acc = np.empty((2, ev.shape[1]))                              # epilogue sums, tiled
     shift = np.empty(ev.shape[1])
     for t in range(t0, t1):
