@@ -196,8 +196,8 @@ def _scales(algorithm, geom, z=False):
     """Whether ``algorithm``'s forward of ``geom`` has the scale (and, ``z``, residual)
     epilogue (:func:`forward_scaled`): im2col, tapwise, the NCHW pointwise GEMMs; Winograd's
     output transform without a residual."""
-    return (algorithm in ("im2col", "tapwise") or algorithm == "pointwise"
-            and geom.layout == "NCHW" or algorithm == "winograd" and not z)
+    return (algorithm in ("im2col", "tapwise") or (algorithm == "pointwise"
+            and geom.layout == "NCHW") or (algorithm == "winograd" and not z))
 
 
 def _bias_scale(b, scale):
@@ -493,8 +493,7 @@ def conv_forward(x, w, b, geom, relu, plan=None, scale=None, z=None):
     """``y = relu?(conv(x, w) + b?)`` for contiguous host arrays of one dtype, as ``plan``
     says (default: :func:`cpu_plan.plan` of the forward by the current rules); ``scale``
     (K,): ``relu?(scale * conv(x, w) + b?)``, and ``z`` (contiguous, y's shape and dtype):
-    ``z`` added before the ReLU, the im2col, tapwise and NCHW pointwise plans only
-    (:func:`forward_scaled`)."""
+    ``z`` added before the ReLU; the plans of :func:`_scales` only (:func:`forward_scaled`)."""
     N, C, K = geom.N, geom.C, geom.K
     nhwc = geom.layout == "NHWC"
     plan = _plan(geom, "forward", x.dtype) if plan is None else plan

@@ -185,6 +185,12 @@ def dw_chw(t0, t1, x, gy, y, use_mask, counts, need_dw, blas, parts):
 _NO_Z = {np.dtype(d).char: np.empty((0, 0, 0), d) for d in (np.float32, np.float64)}
 
 
+def _chw_epilogue(b, scale, z, dtype):
+    """forward_chw's bs = (b, scale, z): scale ones where None, z the empty one."""
+    return (b, np.ones(b.shape[0], dtype) if scale is None else scale,
+            _NO_Z[np.dtype(dtype).char] if z is None else view(z, False))
+
+
 def forward(x, w, b, has_bias, scale, z, relu, geom, plan, blas, y, work):
     """``y = relu?(scale? * conv(x, w) + b + z?)`` of a 1x1 stride-1 conv (``cpu.conv_forward``'s
     pointwise plan): b (K,) (zeros where not ``has_bias``); ``scale`` (K,) and ``z`` (y's
@@ -199,9 +205,7 @@ def forward(x, w, b, has_bias, scale, z, relu, geom, plan, blas, y, work):
         launch(forward_hwc, nchunks, xv, xv, False, transposed_weights(w, wm), mpc, b,
                (has_bias, relu), blas, plan.taps, view(y, nhwc), work=work, grain=1)
         return
-    bs = (b, np.ones(K, x.dtype) if scale is None else scale,
-          _NO_Z[x.dtype.char] if z is None else view(z, False))
-    launch(forward_chw, nchunks, xv, xv, False, wm, mpc, bs,
+    launch(forward_chw, nchunks, xv, xv, False, wm, mpc, _chw_epilogue(b, scale, z, x.dtype),
            (bool(has_bias), bool(relu), scale is not None, z is not None), blas, 0,
            view(y, nhwc), work=work, grain=1)
 
@@ -250,7 +254,7 @@ def dx(gy, y, use_mask, w, geom, plan, out, work):
     zero = np.zeros(C, gy.dtype)
     launch(forward_hwc if nhwc else forward_chw, nchunks, view(gy, nhwc), view(y, nhwc),
            use_mask, wm if nhwc else transposed_weights(w, wm), mpc,
-           zero if nhwc else (zero, np.ones(C, gy.dtype), _NO_Z[gy.dtype.char]),
+           zero if nhwc else _chw_epilogue(zero, None, None, gy.dtype),
            (False, False) if nhwc else (False, False, False, False),
            _blas.blas_for(gy.dtype), plan.taps, view(compact, nhwc), work=work, grain=1)
     if strided:                                   # zeros, then every sh-th row, sw-th column
