@@ -213,7 +213,7 @@ def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, 
 
 
 def test_deep_nchw_1x1_forwards_at_4x4_only_leave_the_blocked_gemms_by_the_rule():
-    # pointwise_nchw_unblocked_pixels = 16 (where the CPU splits 512-bit FMAs): ResNet-50's
+    # pointwise_nchw_unblocked_pixels = 16 (but on full-width AVX-512, machine E): ResNet-50's
     # deep NCHW 1x1 forwards and dX at 4x4 (64x64 input) run the pointwise GEMMs, at 2x2 and
     # at 7x7 (224x224 input) the blocked ones, as with 0 (machine E's rule) everywhere
     def chosen(C, K, H, pass_, unblocked):
@@ -228,7 +228,8 @@ def test_deep_nchw_1x1_forwards_at_4x4_only_leave_the_blocked_gemms_by_the_rule(
         for unblocked in (0, 16):
             assert chosen(512, 2048, 2, pass_, unblocked) == ("im2col", True)
             assert chosen(512, 2048, 7, pass_, unblocked) == ("im2col", True)
-    assert cpu_plan.RULES.pointwise_nchw_unblocked_pixels == (16 if gemm_taps.SPLIT_512 else 0)
+    assert cpu_plan.RULES.pointwise_nchw_unblocked_pixels == (
+        0 if gemm_taps.WIDE and not gemm_taps.SPLIT_512 else 16)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])

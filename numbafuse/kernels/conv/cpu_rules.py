@@ -149,11 +149,19 @@ class Rules(NamedTuple):
     # GEMM per image won there (ms pointwise / im2col, batch 16, ``bench_conv_plan.py --model
     # resnet50``: machine F 1.51 / 1.61, 1.20 / 1.47, 1.38 / 1.79; machine A 0.88 / 1.13)
     pointwise_chunked_pixels: int = 64 if _gemm_taps.WIDE and not _gemm_taps.SPLIT_512 else 0
-    # Where SPLIT_512 the deep NCHW 1x1 forwards and dX of images of pointwise_thin_pixels to
-    # this many pixels (4x4) run the pointwise GEMMs, not blocked (``_pointwise_blocked``) ...
-    pointwise_nchw_unblocked_pixels: int = 16 if _gemm_taps.SPLIT_512 else 0
+    # Where SPLIT_512 or with 8-float tiles (AVX2), the deep NCHW 1x1 forwards and dX of
+    # images of pointwise_thin_pixels to this many pixels (4x4) run the pointwise GEMMs, not
+    # blocked (``_pointwise_blocked``): the blocked ones won on machine E (Zen 5) only (ms
+    # pointwise / blocked, ``bench_conv_plan.py --model resnet50``, machine F: 256 -> 1024
+    # forward 1.24 / 1.49, dX 1.24 / 1.68; 1024 -> 256 1.19 / 2.05, 1.49 / 1.54; 1024 -> 512
+    # 2.39 / 3.48, 2.94 / 3.42; machine A: docs/conv_bias_relu.md, "The 1x1 rules on Zen 4") ...
+    pointwise_nchw_unblocked_pixels: int = 0 if _gemm_taps.WIDE and not _gemm_taps.SPLIT_512 else 16
     # ... and with ``taps`` a stride-1 1x1's dW not blocked, of at most this many pixels an
-    # image, runs the implicit GEMM (docs/conv_bias_relu.md, "The 1x1 rules on Zen 4")
+    # image, runs the implicit GEMM (docs/conv_bias_relu.md, "The 1x1 rules on Zen 4"; not on
+    # 8-float tiles, though faster there too at 8x8, machine F, ms pointwise / implicit: 128 ->
+    # 512 1.76 / 1.48, 512 -> 128 1.61 / 1.55, 512 -> 256 3.71 / 3.25: ~1.8 ms of a ResNet-50
+    # step, where the implicit dW, compiled for nothing else there, cost a 512 -> 128
+    # backward's first call 9.4-9.9 s of CPU against 3.9-4.1 with an empty NUMBA_CACHE_DIR)
     pointwise_dw_implicit_pixels: int = 64
     # a backward touching fewer elements (x, gy twice) whose dX and dW are both Winograd
     # passes runs their tasks in one job that the threads share, instead of one pass after the
