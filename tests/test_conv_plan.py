@@ -19,6 +19,10 @@ GEOMETRIES = [
     (3, 2, 1, 1, 16, 16),       # winograd_s2, implicit (forward, dW), im2col, phase
     (1, 1, 0, 1, 16, 24),       # pointwise, implicit, im2col, phase
     (3, 2, (0, 2), 2, 8, 16),   # dilated, strided, uneven padding: implicit, im2col, phase
+    # the implicit forward's taps of a filter row's S*C values (cpu_implicit.forward_taps):
+    # dilated along H only, and a stem's 7x7/2 on 3 channels (taps of 21 values)
+    (3, 2, 1, (2, 1), 8, 16),
+    (7, 2, 3, 1, 3, 8),
 ]
 
 

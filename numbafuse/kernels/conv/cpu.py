@@ -451,27 +451,28 @@ def _im2col_dx(gy, y, use_mask, w, geom, plan, dx, work):
 
 def _implicit_plan(plan, geom, itemsize):
     """(images per chunk, rows per chunk, chunks, slab rows of the tallest chunk, slab width,
-    tap offsets) of the implicit forward and dW (cpu_implicit.py). A chunk's slab holds ~sh*sw
-    input pixels an output pixel (plus the halo) and its output K values: those bytes, not
-    im2col's R*S*C an output pixel, fill chunk_bytes."""
+    the forward's k, taps and offsets: ``cpu_implicit.row_taps``) of the implicit forward
+    and dW. A chunk's slab holds ~sh*sw input pixels an output pixel and its output K values:
+    those bytes, not im2col's R*S*C an output pixel, fill chunk_bytes."""
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     ipc, rpc = _chunking(plan, P * Q, P, Q, (geom.sh * geom.sw * C + K) * itemsize, N)
     Hmax, Ws = _implicit.slab_shape(geom, P if ipc > 1 else rpc)
-    return ipc, rpc, count_chunks(N, P, ipc, rpc), Hmax, Ws, _implicit.tap_offsets(geom, Ws)
+    return (ipc, rpc, count_chunks(N, P, ipc, rpc), Hmax, Ws, *_implicit.row_taps(geom, Ws))
 
 
 def _implicit_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     """(dw or None, db_parts) of a strided conv over the forward's padded slabs
     (cpu_implicit.implicit_dw_tasks), in dw_groups fixed groups of its chunks."""
     K, C, R, S = geom.K, geom.C, geom.R, geom.S
-    ipc, rpc, nchunks, Hmax, Ws, aoff = _implicit_plan(plan, geom, x.itemsize)
+    ipc, rpc, nchunks, Hmax, Ws, *_ = _implicit_plan(plan, geom, x.itemsize)
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64
     _implicit.ready()
     launch(_implicit.implicit_dw_tasks, groups, x, _k_view(gy, geom), _k_view(y, geom),
            use_mask, geo_tuple(geom), _ints(ipc, rpc, nchunks, groups, Hmax, Ws),
-           (bool(need_dw), plan.taps == 2), aoff, (dw_parts, db_parts), work=work, grain=1)
+           (bool(need_dw), plan.taps == 2), _implicit.tap_offsets(geom, Ws),
+           (dw_parts, db_parts), work=work, grain=1)
     if not need_dw:
         return None, db_parts
     dwm = sum_groups(dw_parts)                                         # group order
@@ -528,11 +529,11 @@ def conv_forward(x, w, b, geom, relu, plan=None, scale=None, z=None):
         _tapwise.forward(x, w, b, has_bias, scale, geom, relu, plan.k_blocks, y, blas, work,
                          z)
     elif kind == "implicit":
-        ipc, rpc, nchunks, Hmax, Ws, aoff = _implicit_plan(plan, geom, x.itemsize)
+        ipc, rpc, nchunks, Hmax, Ws, kt, ntaps, aoff = _implicit_plan(plan, geom, x.itemsize)
         _implicit.ready()
         launch(_implicit.implicit_tasks, nchunks, x, _taps(w, False), aoff, b,
-               (has_bias, relu, plan.taps == 2), geo_tuple(geom), _ints(ipc, rpc, Hmax, Ws),
-               _k_view(y, geom), work=work, grain=1)
+               (has_bias, relu, plan.taps == 2), geo_tuple(geom),
+               _ints(ipc, rpc, Hmax, Ws, kt, ntaps), _k_view(y, geom), work=work, grain=1)
     else:
         ipc, rpc, kb = _im2col_chunks(plan, geom, x.itemsize)
         _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))
