@@ -288,6 +288,75 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
         assert part[0].tobytes() == full[0].tobytes() and part[2].tobytes() == full[2].tobytes()
 
 
+def test_a_stems_nchw_forward_runs_by_output_rows_on_8_float_tiles(conv_rules):
+    # the 7x7/2 on 3 channels (ResNet's stem) at 64x64 and 224x224 inputs: by output rows
+    # with 8-float tiles (AVX2: machine F, 1.3-1.6x im2col), im2col with 16-float ones and no
+    # taps, the taps with them; not where Q % 8 (a 60x60 input: Q 30) nor on 5 channels
+    g = nf.validate.conv_geometry
+    for size in (64, 224):
+        stem = g("t", (16, 3, size, size), (64, 3, 7, 7), 2, 3, 1, "NCHW")
+        conv_rules(taps=False, wide=False)
+        assert cpu_conv.algorithm(stem, "forward") == "implicit"
+        assert cpu_conv.algorithm(stem, "dw") == "im2col"
+        conv_rules(wide=True)
+        assert cpu_conv.algorithm(stem, "forward") == "im2col"
+        conv_rules(taps=True)
+        assert cpu_conv.algorithm(stem, "forward") == "implicit"
+    conv_rules(taps=False, wide=False)
+    for other in (g("t", (16, 3, 60, 60), (64, 3, 7, 7), 2, 3, 1, "NCHW"),
+                  g("t", (16, 5, 64, 64), (64, 5, 7, 7), 2, 3, 1, "NCHW")):
+        assert cpu_conv.algorithm(other, "forward") == "im2col"
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("H, W, kernel, stride, padding, dilation, C, K", [
+    (64, 64, 7, 2, 3, 1, 3, 64),     # a stem: Q 32 (a 24- and an 8-float panel), K 16 blocks
+    (9, 15, 3, 1, 1, 1, 1, 8),       # stride 1, Q 15 -> not by rows (Q % 8)
+    (9, 16, 3, 1, 1, 1, 1, 8),       # Q 16: by rows
+    (11, 82, 5, (2, 1), (2, 1), 1, 4, 24),  # strides apart: one column phase; Q 80
+    (10, 48, 3, 2, (0, 2), (2, 2), 2, 40),  # dilated: taps of one phase; Q 24
+    (12, 48, 4, 3, "same", 1, 3, 8),        # stride 3: three phases; uneven "same"; Q 16
+    (5, 48, 7, 3, 3, 1, 3, 16),      # padding past every edge: whole rows of zeros; Q 16
+    (8, 16, 1, 1, 0, 1, 4, 16)])     # a 1x1 on 4 channels
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, RULES.chunk_bytes])
+def test_the_nchw_forward_of_few_channels_runs_by_output_rows(
+        wide, H, W, kernel, stride, padding, dilation, C, K, chunk_bytes, conv_rules):
+    """The implicit NCHW forward on at most 4 input channels with output rows of a multiple
+    of 8 pixels, with 8-float tiles (``cpu_implicit.gathers``): each output row is one
+    ``gemm_gather`` of w by the column phases' rows, in tasks of one row to whole images
+    (``chunk_bytes``), Q past the 24- and 16-float panels, the phases' zero padding on every
+    side, one to three column phases; with
+    and without bias and ReLU, against the reference, bitwise the same on 1 and 3 threads (the
+    16-float tiles run the taps over a slab instead: the same values)."""
+    conv_rules(taps=True, wide=wide, chunk_bytes=chunk_bytes, min_chunks=1)
+    rng = np.random.default_rng(H * W + K)
+    x = rng.standard_normal((2, C, H, W)).astype(np.float32)
+    w = (rng.standard_normal((K, C, kernel, kernel)) / (C * kernel)).astype(np.float32)
+    b = rng.standard_normal(K).astype(np.float32)
+    kwargs = dict(stride=stride, padding=padding, dilation=dilation)
+    geom = nf.validate.conv_geometry("t", x.shape, w.shape, stride, padding, dilation, "NCHW")
+    from numbafuse.kernels.conv import cpu_implicit
+    plan = cpu_plan.plan(geom, "forward", np.float32, algorithm="implicit")
+    assert cpu_implicit.gathers(geom, plan.taps == 2) == (not wide and geom.Q % 8 == 0)
+    for bias, relu in ((b, True), (None, False), (b, False)):
+        want = ref.conv_bias_relu(x, w, np.zeros(K, np.float32) if bias is None else bias,
+                                  **kwargs)
+        want = want if relu else ref.conv2d(x, w, **kwargs) + (0 if bias is None
+                                                               else bias[:, None, None])
+        got = {}
+        threads = _launch.num_threads()
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
+                for n in (1, 3):
+                    _launch.set_num_threads(n)
+                    got[n] = cpu_conv.conv_forward(x, w, bias, geom, relu, plan=plan).copy()
+        finally:
+            _launch.set_num_threads(threads)
+        assert got[1].tobytes() == got[3].tobytes()
+        np.testing.assert_allclose(got[1], want, rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.parametrize("wide", [True, False])
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("H, W, padding, C, K, bias", [

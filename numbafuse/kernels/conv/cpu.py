@@ -529,11 +529,8 @@ def conv_forward(x, w, b, geom, relu, plan=None, scale=None, z=None):
         _tapwise.forward(x, w, b, has_bias, scale, geom, relu, plan.k_blocks, y, blas, work,
                          z)
     elif kind == "implicit":
-        ipc, rpc, nchunks, Hmax, Ws, kt, ntaps, aoff = _implicit_plan(plan, geom, x.itemsize)
-        _implicit.ready()
-        launch(_implicit.implicit_tasks, nchunks, x, _taps(w, False), aoff, b,
-               (has_bias, relu, plan.taps == 2), geo_tuple(geom),
-               _ints(ipc, rpc, Hmax, Ws, kt, ntaps), _k_view(y, geom), work=work, grain=1)
+        _implicit.forward(x, w, b, has_bias, relu, geom, plan.taps == 2,
+                          _implicit_plan(plan, geom, x.itemsize), _taps, y, work)
     else:
         ipc, rpc, kb = _im2col_chunks(plan, geom, x.itemsize)
         _im2col.ready(x.dtype, geom.layout == "NHWC", bool(plan.slab))

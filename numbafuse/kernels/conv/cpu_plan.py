@@ -203,8 +203,8 @@ def choose(geom, pass_, dtype, rules):
     strided = geom.sh > 1 or geom.sw > 1
     implicit = (strided and supports("implicit", geom, pass_, dtype)
                 and (rules.taps and (pass_ == "dw" or geom.C <= rules.implicit_max_channels)
-                     or pass_ == "forward" and geom.layout == "NHWC"
-                     and geom.C <= rules.narrow_implicit_channels))
+                     or pass_ == "forward" and geom.C <= rules.narrow_implicit_channels
+                     and (geom.layout == "NHWC" or _implicit.gathers(geom, rules.wide))))
     if is_pointwise(geom):
         if _pointwise_blocked(geom, pass_, dtype, rules) or _pointwise_chunked(geom, pass_, rules):
             return "im2col"
