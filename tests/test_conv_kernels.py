@@ -289,19 +289,21 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
 
 
 def test_a_stems_nchw_forward_runs_by_output_rows_on_8_float_tiles(conv_rules):
-    # the 7x7/2 on 3 channels (ResNet's stem) at 64x64 and 224x224 inputs: by output rows
-    # with 8-float tiles (AVX2: machine F, 1.3-1.6x im2col), im2col with 16-float ones and no
-    # taps, the taps with them; not where Q % 8 (a 60x60 input: Q 30) nor on 5 channels
+    # the 7x7/2 on 3 channels (ResNet's stem) at 64x64 and 224x224 inputs: forward and dW by
+    # output rows with 8-float tiles (AVX2: machine F, 1.3-1.6x im2col), im2col with 16-float
+    # ones and no taps, the forward's taps with them (dW im2col); not where Q % 8 (a 60x60
+    # input: Q 30) nor on 5 channels
     g = nf.validate.conv_geometry
     for size in (64, 224):
         stem = g("t", (16, 3, size, size), (64, 3, 7, 7), 2, 3, 1, "NCHW")
         conv_rules(taps=False, wide=False)
-        assert cpu_conv.algorithm(stem, "forward") == "implicit"
-        assert cpu_conv.algorithm(stem, "dw") == "im2col"
+        assert cpu_conv.algorithm(stem, "forward") == cpu_conv.algorithm(stem, "dw") == (
+            "implicit")
         conv_rules(wide=True)
-        assert cpu_conv.algorithm(stem, "forward") == "im2col"
+        assert cpu_conv.algorithm(stem, "forward") == cpu_conv.algorithm(stem, "dw") == "im2col"
         conv_rules(taps=True)
         assert cpu_conv.algorithm(stem, "forward") == "implicit"
+        assert cpu_conv.algorithm(stem, "dw") == "im2col"
     conv_rules(taps=False, wide=False)
     for other in (g("t", (16, 3, 60, 60), (64, 3, 7, 7), 2, 3, 1, "NCHW"),
                   g("t", (16, 5, 64, 64), (64, 5, 7, 7), 2, 3, 1, "NCHW")):
@@ -327,7 +329,8 @@ def test_the_nchw_forward_of_few_channels_runs_by_output_rows(
     (``chunk_bytes``), Q past the 24- and 16-float panels, the phases' zero padding on every
     side, one to three column phases; with
     and without bias and ReLU, against the reference, bitwise the same on 1 and 3 threads (the
-    16-float tiles run the taps over a slab instead: the same values)."""
+    16-float tiles run the taps over a slab instead: the same values); and its dW by the same
+    rows (8-float tiles whatever ``wide``)."""
     conv_rules(taps=True, wide=wide, chunk_bytes=chunk_bytes, min_chunks=1)
     rng = np.random.default_rng(H * W + K)
     x = rng.standard_normal((2, C, H, W)).astype(np.float32)
@@ -355,6 +358,36 @@ def test_the_nchw_forward_of_few_channels_runs_by_output_rows(
             _launch.set_num_threads(threads)
         assert got[1].tobytes() == got[3].tobytes()
         np.testing.assert_allclose(got[1], want, rtol=2e-4, atol=2e-4)
+    # dW (and db) by output rows: the same rows, each task's dW^T partial by gemm_taps (in
+    # products of DW_ROWS_BYTES of g: all of a task's rows here, or one each), summed in task
+    # order; db alone without dW; gated by y and not (C < 8: where it gathers only)
+    assert cpu_implicit.fits(geom, np.float32, "dw") == (geom.Q % 8 == 0)
+    if geom.Q % 8:
+        return
+    dplan = cpu_plan.plan(geom, "dw", np.float32, algorithm="implicit")
+    y = np.ascontiguousarray(ref.conv_bias_relu(x, w, b, **kwargs))
+    gy = rng.standard_normal(y.shape).astype(np.float32)
+    for mask, rows_bytes in ((y, cpu_implicit.DW_ROWS_BYTES), (None, 1), (y, 1)):
+        want = ((ref.conv2d_backward(gy, x, w, **kwargs)[1], gy.sum(axis=(0, 2, 3)))
+                if mask is None else ref.conv_bias_relu_backward(gy, x, w, b, y=mask,
+                                                                 **kwargs)[1:])
+        got = {}
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
+                mp.setattr(cpu_implicit, "DW_ROWS_BYTES", rows_bytes)   # 1: a product a row
+                for n in (1, 3):
+                    _launch.set_num_threads(n)
+                    got[n] = cpu_conv.conv_backward(gy, x, w, geom, mask, (False, True, True),
+                                                    plans=(dplan, dplan))[1:]
+                db = cpu_conv.conv_backward(gy, x, w, geom, mask, (False, False, True),
+                                            plans=(dplan, dplan))
+        finally:
+            _launch.set_num_threads(threads)
+        assert db[1] is None and db[2].tobytes() == got[1][1].tobytes()
+        for a, c, r in zip(got[1], got[3], want):
+            assert a.tobytes() == c.tobytes()
+            np.testing.assert_allclose(a, r, rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("wide", [True, False])

@@ -464,7 +464,10 @@ def _implicit_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     """(dw or None, db_parts) of a strided conv over the forward's padded slabs
     (cpu_implicit.implicit_dw_tasks), in dw_groups fixed groups of its chunks."""
     K, C, R, S = geom.K, geom.C, geom.R, geom.S
-    ipc, rpc, nchunks, Hmax, Ws, *_ = _implicit_plan(plan, geom, x.itemsize)
+    chunks = _implicit_plan(plan, geom, x.itemsize)
+    if C % 8:                           # by output rows (a stem's: cpu_implicit.gathers)
+        return _implicit.dw_by_rows(x, gy, y, use_mask, geom, need_dw, chunks, work)
+    ipc, rpc, nchunks, Hmax, Ws, *_ = chunks
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64

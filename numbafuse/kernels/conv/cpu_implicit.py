@@ -28,31 +28,37 @@ planes), and each output row of K channels is ``cpu.gemm_taps.gemm_gather``'s c 
 (K, C*R*S) @ b, b's row for tap (c, r, s) the Q contiguous values of phase (s*dw) % sw of
 channel c at input row p*sh + r*dh from column (s*dw) // sw: y written in place in NCHW, no
 slab in HWC nor output transposed. Machine F (Zen 3, AVX2), the stem at batch 16, 64x64,
-best of 30 alternating calls, ms: im2col 4.45-5.25, the taps (S*C a tap) 3.6-4.2, a
-prototype of the rows 2.6-2.8 (PyTorch 2.9).
+best of 30 alternating calls, ms: im2col 4.45-5.25, the taps (S*C a tap) 3.6-4.2, the rows
+3.15 (PyTorch 2.9). Its dW likewise (``gather_dw_tasks``: gemm_taps with the taps (c, r, s)
+as rows and the output rows as taps, against g (pixels, K)): 3.0-3.25 against im2col's
+3.8-4.1 ms.
 
 float32; K (forward) or C (dW) a multiple of 8 (``fits``); the rest keeps im2col. Every y
 element is written by one task; its value is one float32 sum in (r, s, c) order ((c, r, s)
 by rows), the same on any thread count.
 """
 import numpy as np
-from numba import types
+from numba import njit, types
 
 from ..cpu import gemm_taps as _taps
+from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import launch, task_kernel
 from ..cpu.steps import Step, array as _arr, ready as _ready_steps
 from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math
 from . import math as conv_math
-from .cpu_chunks import chunk, gated_chw, gated_hwc
+from .cpu_chunks import chunk, gated_chw, gated_hwc, sum_groups
 
 _relu = cpu_scalar(_relu_math)
 
 
 def fits(geom, dtype, pass_="forward"):
     """Whether this module computes ``pass_`` ("forward" or "dw") of ``geom`` for inputs of
-    ``dtype``: float32, and the product's columns (K forward, C for dW) a multiple of 8."""
-    return np.dtype(dtype) == np.float32 and (geom.K if pass_ == "forward" else geom.C) % 8 == 0
+    ``dtype``: float32, and the product's columns (K forward, C for dW) a multiple of 8, or a
+    dW by output rows (:func:`gathers`, K a multiple of 8)."""
+    return np.dtype(dtype) == np.float32 and (
+        (geom.K if pass_ == "forward" else geom.C) % 8 == 0
+        or pass_ == "dw" and geom.K % 8 == 0 and gathers(geom))
 
 
 def gathers(geom, wide=False):
@@ -66,6 +72,10 @@ def gathers(geom, wide=False):
 
 
 GATHER_MAX_CHANNELS = 4
+# bytes of g (rows of K values) in one dW product by output rows: its every 4-tap block reads
+# them again (machine F, the stem's dW at batch 8, 224x224: 32 ms with a task's ~23 rows, 660
+# KB, in one product, as im2col's)
+DW_ROWS_BYTES = 128 << 10
 
 
 def slab_shape(geom, rows):
@@ -166,6 +176,34 @@ def ready():
     _ready_steps(None, (FILL, GATED_CHUNK))
 
 
+def row_chunks(geom, chunks):
+    """(rows a task, the phase planes' rows and columns) of the passes by output rows, from
+    ``cpu._implicit_plan``'s ``chunks``."""
+    ipc, rpc = chunks[:2]
+    rows = geom.P if ipc > 1 else rpc
+    return (rows, (rows - 1) * geom.sh + (geom.R - 1) * geom.dh + 1,
+            geom.Q + (geom.S - 1) * geom.dw // geom.sw)
+
+
+def dw_by_rows(x, gy, y, use_mask, geom, need_dw, chunks, work):
+    """(dW or None, db_parts) of a conv that :func:`gathers` (``gather_dw_tasks``' partials
+    summed in task order; 8-float tiles whatever the CPU: the plan sends no other here)."""
+    rows, Hs, Wh = row_chunks(geom, chunks)
+    ntasks = geom.N * -(-geom.P // rows)
+    dw_parts = _out.empty((ntasks if need_dw else 1, geom.C * geom.R * geom.S, geom.K),
+                          np.float32)
+    db_parts = np.empty((ntasks, geom.K))                              # float64
+    _ready_steps(None, (_taps.GEMM_TAPS,))
+    launch(gather_dw_tasks, ntasks, x, conv_math.k_view(gy, geom), conv_math.k_view(y, geom),
+           use_mask, conv_math.geo_tuple(geom),
+           conv_math.int_tuple(rows, Hs, Wh, max(1, DW_ROWS_BYTES // (4 * geom.Q * geom.K))),
+           bool(need_dw), (dw_parts, db_parts), work=work, grain=1)
+    if not need_dw:
+        return None, db_parts
+    dwt = sum_groups(dw_parts)                                          # (C*R*S, K)
+    return np.ascontiguousarray(dwt.T).reshape(geom.K, geom.C, geom.R, geom.S), db_parts
+
+
 def forward(x, w, b, has_bias, relu, geom, wide, chunks, taps_of, y, work):
     """y = relu?(conv(x, w) + b?) by ``gather_tasks`` where :func:`gathers`, else by
     ``implicit_tasks`` (``chunks``: ``cpu._implicit_plan``'s; ``taps_of``: w's (R*S, C, K)
@@ -173,9 +211,7 @@ def forward(x, w, b, has_bias, relu, geom, wide, chunks, taps_of, y, work):
     ipc, rpc, nchunks, Hmax, Ws, kt, ntaps, aoff = chunks
     geo = conv_math.geo_tuple(geom)
     if gathers(geom, wide):
-        rows = geom.P if ipc > 1 else rpc
-        Hs, Wh = ((rows - 1) * geom.sh + (geom.R - 1) * geom.dh + 1,
-                  geom.Q + (geom.S - 1) * geom.dw // geom.sw)
+        rows, Hs, Wh = row_chunks(geom, chunks)
         _ready_steps(None, (_taps.GEMM_GATHER,))
         launch(gather_tasks, geom.N * -(-geom.P // rows), x, w.reshape(geom.K, -1), b,
                (has_bias, relu, wide), geo, conv_math.int_tuple(rows, Hs, Wh), y, work=work,
@@ -187,41 +223,50 @@ def forward(x, w, b, has_bias, relu, geom, wide, chunks, taps_of, y, work):
            work=work, grain=1)
 
 
-@task_kernel
-def gather_tasks(t0, t1, x, wm, b, flags, geo, sizes, y):
-    has_bias, relu, wide = flags
-    rpc, Hs, Wh = sizes
-    # x (N, C, H, W); wm (K, C*R*S) (w as it is); b (K,); y (N, K, P, Q); task t: output
-    # rows [p0, p0 + rpc) of image t // blocks. planes (C, sw, Hs, Wh): plane (c, f) row u
-    # column j = input (c, p0*sh - ph + u, j*sw + f - pw), zero outside the image
+@njit(inline="always")
+def _phase_planes(x, n, p0, p1, geo, planes, offs):
+    # planes (C, sw, Hs, Wh) <- image n's input rows of output rows [p0, p1) as sw column
+    # phases: plane (c, f) row u column j = input (c, p0*sh - ph + u, j*sw + f - pw), zero
+    # outside the image; offs (C*R*S,) <- tap (c, r, s)'s first value in the planes, at
+    # output row p0 (a later row p: (p - p0) * sh * Wh further)
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    CRS = C * R * S
-    nblk = (P + rpc - 1) // rpc
-    planes = np.empty((C, sw, Hs, Wh), np.float32)
-    offs = np.empty(CRS, np.int64)                    # tap (c, r, s): its row's plane offset
+    Hs, Wh = planes.shape[2], planes.shape[3]
     for c in range(C):
         for r in range(R):
             for s in range(S):
                 offs[(c * R + r) * S + s] = ((c * sw + s * dw % sw) * Hs + r * dh) * Wh + \
                     s * dw // sw
+        for u in range((p1 - p0 - 1) * sh + (R - 1) * dh + 1):
+            h = p0 * sh - ph + u
+            for f in range(sw):
+                d = planes[c, f, u]
+                if h < 0 or h >= H:
+                    d[:] = 0
+                    continue
+                src = x[n, c, h]
+                for j in range(Wh):
+                    v = j * sw + f - pw
+                    d[j] = src[v] if 0 <= v < W else 0
+
+
+@task_kernel
+def gather_tasks(t0, t1, x, wm, b, flags, geo, sizes, y):
+    has_bias, relu, wide = flags
+    rpc, Hs, Wh = sizes
+    # x (N, C, H, W); wm (K, C*R*S) (w as it is); b (K,); y (N, K, P, Q); task t: output
+    # rows [p0, p0 + rpc) of image t // blocks, over _phase_planes' planes (C, sw, Hs, Wh)
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    CRS = C * R * S
+    nblk = (P + rpc - 1) // rpc
+    planes = np.empty((C, sw, Hs, Wh), np.float32)
+    offs = np.empty(CRS, np.int64)
     rows = np.empty(CRS, np.int64)
     base = np.int64(planes.ctypes.data)
     for t in range(t0, t1):
         n = t // nblk
         p0 = (t - n * nblk) * rpc
         p1 = min(P, p0 + rpc)
-        for c in range(C):
-            for u in range((p1 - p0 - 1) * sh + (R - 1) * dh + 1):
-                h = p0 * sh - ph + u
-                for f in range(sw):
-                    d = planes[c, f, u]
-                    if h < 0 or h >= H:
-                        d[:] = 0
-                        continue
-                    src = x[n, c, h]
-                    for j in range(Wh):
-                        v = j * sw + f - pw
-                        d[j] = src[v] if 0 <= v < W else 0
+        _phase_planes(x, n, p0, p1, geo, planes, offs)
         for p in range(p0, p1):
             a0 = base + 4 * (p - p0) * sh * Wh
             for i in range(CRS):
@@ -238,6 +283,60 @@ def gather_tasks(t0, t1, x, wm, b, flags, geo, sizes, y):
                     for q in range(Q):
                         v = o[q] + bk
                         o[q] = _relu(v) if relu else v
+
+
+@task_kernel
+def gather_dw_tasks(t0, t1, x, gy, y, use_mask, geo, sizes, need_dw, parts):
+    rpc, Hs, Wh, sub = sizes
+    dw_parts, db_parts = parts
+    # x (N, C, H, W); gy, y (N, K, PQ); task t (rows [p0, p1) of image t // blocks):
+    # dw_parts[t] (C*R*S, K) = dW^T of its pixels, ``gemm_taps`` with the taps (c, r, s) as
+    # c's rows (a tap's values along an output row: _phase_planes' row) and the output rows
+    # as its taps, summed over each row's Q pixels against g (m, K), in products of ``sub``
+    # rows (DW_ROWS_BYTES of g; each summed, then added in row order); db_parts[t] (K,)
+    # float64 its sums of g =
+    # gy * (y > 0) (cpu_chunks.gated_chw's order)
+    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
+    CRS = C * R * S
+    nblk = (P + rpc - 1) // rpc
+    planes = np.empty((C, sw, Hs, Wh) if need_dw else (0, 0, 0, 0), np.float32)
+    offs = np.empty(CRS, np.int64)
+    rows = np.empty(CRS, np.int64)
+    aoff = np.empty(rpc, np.int64)
+    gt = np.empty((K, rpc * Q), np.float32)                        # g^T (K, m)
+    g = np.empty((rpc * Q if need_dw else 0, K), np.float32)        # g (m, K)
+    cbuf = np.empty((CRS if need_dw else 0, K), np.float32)
+    base = np.int64(planes.ctypes.data)
+    for t in range(t0, t1):
+        n = t // nblk
+        p0 = (t - n * nblk) * rpc
+        p1 = min(P, p0 + rpc)
+        m = (p1 - p0) * Q
+        dbp = db_parts[t]
+        dbp[:] = 0.0
+        gated_chw(gy, y, use_mask, n, p0, p1, P * Q, Q, gt, 0, dbp)
+        if not need_dw:
+            continue
+        transpose(gt[:, :m], g[:m])
+        _phase_planes(x, n, p0, p1, geo, planes, offs)
+        for i in range(CRS):
+            rows[i] = base + 4 * offs[i]
+        for j in range(p1 - p0):
+            aoff[j] = j * sh * Wh
+        part = dw_parts[t]                                          # (CRS, K)
+        for j0 in range(0, p1 - p0, sub):           # g's rows read from L2 by every tap block
+            j1 = min(p1 - p0, j0 + sub)
+            c = part if j0 == 0 else cbuf
+            _taps.taps_step(((np.int64(CRS), np.int64(K), np.int64(Q)), np.int64(j1 - j0),
+                            np.int64(rows.ctypes.data), np.int64(aoff[j0:].ctypes.data),
+                            np.int64(g[j0 * Q:].ctypes.data), np.int64(K),
+                            np.int64(c.ctypes.data), np.int64(K), np.int64(0), np.int64(0),
+                            np.int64(0)))
+            if j0 > 0:
+                for i in range(CRS):
+                    pr, cr = part[i], cbuf[i]
+                    for k in range(K):
+                        pr[k] += cr[k]
 
 
 @task_kernel

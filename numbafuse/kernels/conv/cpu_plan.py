@@ -202,9 +202,12 @@ def choose(geom, pass_, dtype, rules):
     """The algorithm ``rules`` pick for ``pass_`` of ``geom`` on ``dtype`` inputs."""
     strided = geom.sh > 1 or geom.sw > 1
     implicit = (strided and supports("implicit", geom, pass_, dtype)
-                and (rules.taps and (pass_ == "dw" or geom.C <= rules.implicit_max_channels)
-                     or pass_ == "forward" and geom.C <= rules.narrow_implicit_channels
-                     and (geom.layout == "NHWC" or _implicit.gathers(geom, rules.wide))))
+                and (rules.taps and (pass_ == "dw" and geom.C % 8 == 0
+                                     or pass_ == "forward"
+                                     and geom.C <= rules.implicit_max_channels)
+                     or geom.C <= rules.narrow_implicit_channels
+                     and (pass_ == "forward" and geom.layout == "NHWC"
+                          or _implicit.gathers(geom, rules.wide))))
     if is_pointwise(geom):
         if _pointwise_blocked(geom, pass_, dtype, rules) or _pointwise_chunked(geom, pass_, rules):
             return "im2col"
@@ -227,7 +230,8 @@ def choose(geom, pass_, dtype, rules):
         # (machine B's bench_conv_plan.py table too: 0.19 against 0.22-0.23)
         return "im2col"
     if (geom.K if pass_ == "dx" else min(geom.C, geom.K)) < rules.min_gemm_channels:
-        return "implicit" if implicit and pass_ == "forward" else "im2col"
+        # (a dW by the implicit GEMM on so few channels: by output rows, C % 8 != 0)
+        return "implicit" if implicit and (pass_ == "forward" or geom.C % 8) else "im2col"
     if pass_ == "forward" and _strided_pointwise(geom) and geom.layout == "NCHW":
         strided_1x1 = _strided_1x1_forward(geom, dtype, rules)
         if strided_1x1:
