@@ -294,8 +294,7 @@ def gather_dw_tasks(t0, t1, x, gy, y, use_mask, geo, sizes, need_dw, parts):
     # c's rows (a tap's values along an output row: _phase_planes' row) and the output rows
     # as its taps, summed over each row's Q pixels against g (m, K), in products of ``sub``
     # rows (DW_ROWS_BYTES of g; each summed, then added in row order); db_parts[t] (K,)
-    # float64 its sums of g =
-    # gy * (y > 0) (cpu_chunks.gated_chw's order)
+    # float64 its sums of g = gy * (y > 0) (cpu_chunks.gated_chw's order)
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     CRS = C * R * S
     nblk = (P + rpc - 1) // rpc
