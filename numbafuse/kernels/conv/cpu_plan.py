@@ -18,7 +18,8 @@ Algorithms (``ALGORITHMS``) and what they compute:
                  over im2col chunks of the gated gradient; strided NCHW over NHWC slabs of a
                  chunk's rows (``slab``)                                      (cpu_im2col.py)
     implicit     strided float32 forward (K % 8 == 0) and dW (C % 8 == 0): register tiles
-                 over a zero-padded slab of each chunk's input, no im2col    (cpu_implicit.py)
+                 over a zero-padded slab of each chunk's input, no im2col; an NCHW stem's
+                 (C <= 4) forward and dW (K % 8 == 0) by output rows      (cpu_implicit.py)
     winograd     3x3, stride 1, no dilation: F(2x2, 3x3) forward, dX and dW on HWC slabs of
                  each chunk's rows                                           (cpu_winograd.py)
     winograd_s2  3x3 stride 2 float32 (K % 8 == 0 forward, C % 8 == 0 dX and dW): Winograd
