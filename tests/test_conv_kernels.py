@@ -306,8 +306,16 @@ def test_a_stems_nchw_forward_runs_by_output_rows_on_8_float_tiles(conv_rules):
         assert cpu_conv.algorithm(stem, "dw") == "im2col"
     conv_rules(taps=False, wide=False)
     for other in (g("t", (16, 3, 60, 60), (64, 3, 7, 7), 2, 3, 1, "NCHW"),
-                  g("t", (16, 5, 64, 64), (64, 5, 7, 7), 2, 3, 1, "NCHW")):
+                  g("t", (16, 5, 64, 64), (64, 5, 7, 7), 2, 3, 1, "NCHW"),
+                  g("t", (16, 32, 32, 3), (64, 3, 3, 3), 1, 1, 1, "NHWC")):
         assert cpu_conv.algorithm(other, "forward") == "im2col"
+    # stride 1 too (a CIFAR stem, 3x3/1 on 3 channels): by rows on 8-float tiles only
+    cifar = g("t", (16, 3, 32, 32), (64, 3, 3, 3), 1, 1, 1, "NCHW")
+    assert cpu_conv.algorithm(cifar, "forward") == cpu_conv.algorithm(cifar, "dw") == "implicit"
+    for wide in ({"wide": True}, {"wide": True, "taps": True}):
+        conv_rules(**wide)
+        assert cpu_conv.algorithm(cifar, "forward") == cpu_conv.algorithm(cifar, "dw") == (
+            "im2col")
 
 
 @pytest.mark.parametrize("wide", [True, False])

@@ -1,5 +1,6 @@
 r"""The strided convolution's forward and dW as implicit GEMMs over a padded slab of each chunk
-(and the dW of a stride-1 1x1 on small maps: ``cpu_plan.Rules.pointwise_dw_implicit_pixels``).
+(and the dW of a stride-1 1x1 on small maps: ``cpu_plan.Rules.pointwise_dw_implicit_pixels``;
+an NCHW stem's passes, any stride, by output rows: below).
 
 A chunk (output rows [p0, p1) of one image, or whole images: ``cpu._chunking``) copies the
 input rows it reads into a zero-padded slab, (images, Hs, Ws, C) with Hs = (rows - 1) * sh +
