@@ -61,10 +61,11 @@ class Rules(NamedTuple):
     # of 30 alternating calls, 5.10 / 3.15 at batch 16, 64x64 and 18.80 / 13.92 at batch 8,
     # 224x224 (2026-12-02; in ResNet-18's training step 6.01 -> 4.43 ms a call, two a step),
     # and so its dW (rows in L2, ``cpu_implicit.DW_ROWS_BYTES``): 4.13 / 3.25 and 3.80 / 3.00,
-    # 21.96 / 17.78 and 34.65 / 29.20 ms. The price: on AVX2 nothing else compiles the implicit GEMM, so an empty cache's first
-    # NHWC stem forward takes 12.4-12.6 s of CPU against im2col's 7.3-7.6 (two runs each,
-    # NUMBA_CACHE_DIR empty, NUMBAFUSE_FIRST_CALL_WAIT=inf, (2, 32, 32, 3)); once per machine,
-    # for ~1 ms a call at batch 16, 64x64, ~5-8 at batch 8, 224. NCHW's rows: forward 8.0-9.2
+    # 21.96 / 17.78 and 34.65 / 29.20 ms. The price: on AVX2 nothing else compiles the
+    # implicit GEMM, so an empty cache's first NHWC stem forward takes 12.4-12.6 s of CPU
+    # against im2col's 7.3-7.6 (two runs each, NUMBA_CACHE_DIR empty,
+    # NUMBAFUSE_FIRST_CALL_WAIT=inf, (2, 32, 32, 3)); once per machine, for ~1 ms a call at
+    # batch 16, 64x64, ~5-8 at batch 8, 224. NCHW's rows: forward 8.0-9.2
     # s against im2col's 14.0-15.0, backward after it 11.7-12.5 against 11.8-13.4 ((2, 3, 32,
     # 32), two runs each)
     narrow_implicit_channels: int = 15
