@@ -25,10 +25,11 @@ address (``cpu.gemm_taps.gemm_gather``), per fixed group of chunks as ``cpu_im2c
 An NCHW forward on few input channels whose output rows are a multiple of 8 pixels (a stem:
 7x7/2 on 3 channels, :func:`gathers`) runs by output rows instead (``gather_tasks``): each
 task splits its image's input rows into ``sw`` column phases, zero-padded (a few KB: C * sw
-planes), and each output row of K channels is ``cpu.gemm_taps.gemm_gather``'s c (K, Q) = w
-(K, C*R*S) @ b, b's row for tap (c, r, s) the Q contiguous values of phase (s*dw) % sw of
-channel c at input row p*sh + r*dh from column (s*dw) // sw: y written in place in NCHW, no
-slab in HWC nor output transposed. Machine F (Zen 3, AVX2), the stem at batch 16, 64x64,
+planes, by the phase algorithm's plane copy, ``cpu_direct._plane_chw``), and each output
+row of K channels is ``cpu.gemm_taps.gemm_gather``'s c (K, Q) = w (K, C*R*S) @ b, b's row
+for tap (c, r, s) the Q contiguous values of phase (s*dw) % sw of channel c at input row
+p*sh + r*dh from column (s*dw) // sw: y written in place in NCHW, no slab in HWC nor output
+transposed. Machine F (Zen 3, AVX2), the stem at batch 16, 64x64,
 best of 30 alternating calls, ms: im2col 4.45-5.25, the taps (S*C a tap) 3.6-4.2, the rows
 3.15 (PyTorch 2.9). Its dW likewise (``gather_dw_tasks``: gemm_taps with the taps (c, r, s)
 as rows and the output rows as taps, against g (pixels, K)): 3.0-3.25 against im2col's
@@ -49,6 +50,7 @@ from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math
 from . import math as conv_math
 from .cpu_chunks import chunk, gated_chw, gated_hwc, sum_groups
+from .cpu_direct import PLANE_CHW, _plane_chw_step
 
 _relu = cpu_scalar(_relu_math)
 
@@ -195,6 +197,7 @@ def dw_by_rows(x, gy, y, use_mask, geom, need_dw, chunks, work):
                           np.float32)
     db_parts = np.empty((ntasks, geom.K))                              # float64
     _ready_steps(None, (_taps.GEMM_TAPS,))
+    _ready_steps(np.float32, (PLANE_CHW,))
     launch(gather_dw_tasks, ntasks, x, conv_math.k_view(gy, geom), conv_math.k_view(y, geom),
            use_mask, conv_math.geo_tuple(geom),
            conv_math.int_tuple(rows, Hs, Wh, max(1, DW_ROWS_BYTES // (4 * geom.Q * geom.K))),
@@ -214,6 +217,7 @@ def forward(x, w, b, has_bias, relu, geom, wide, chunks, taps_of, y, work):
     if gathers(geom, wide):
         rows, Hs, Wh = row_chunks(geom, chunks)
         _ready_steps(None, (_taps.GEMM_GATHER,))
+        _ready_steps(np.float32, (PLANE_CHW,))
         launch(gather_tasks, geom.N * -(-geom.P // rows), x, w.reshape(geom.K, -1), b,
                (has_bias, relu, wide), geo, conv_math.int_tuple(rows, Hs, Wh), y, work=work,
                grain=1)
@@ -226,8 +230,9 @@ def forward(x, w, b, has_bias, relu, geom, wide, chunks, taps_of, y, work):
 
 @njit(inline="always")
 def _phase_planes(x, n, p0, p1, geo, planes, offs):
-    # planes (C, sw, Hs, Wh) <- image n's input rows of output rows [p0, p1) as sw column
-    # phases: plane (c, f) row u column j = input (c, p0*sh - ph + u, j*sw + f - pw), zero
+    # planes (sw, C, Hs, Wh) <- image n's input rows of output rows [p0, p1) as sw column
+    # phases, by the phase algorithm's plane copy (cpu_direct._plane_chw: all rows, column
+    # phase f): plane (f, c) row u column j = input (c, p0*sh - ph + u, j*sw + f - pw), zero
     # outside the image; offs (C*R*S,) <- tap (c, r, s)'s first value in the planes, at
     # output row p0 (a later row p: (p - p0) * sh * Wh further)
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
@@ -235,19 +240,12 @@ def _phase_planes(x, n, p0, p1, geo, planes, offs):
     for c in range(C):
         for r in range(R):
             for s in range(S):
-                offs[(c * R + r) * S + s] = ((c * sw + s * dw % sw) * Hs + r * dh) * Wh + \
+                offs[(c * R + r) * S + s] = ((s * dw % sw * C + c) * Hs + r * dh) * Wh + \
                     s * dw // sw
-        for u in range((p1 - p0 - 1) * sh + (R - 1) * dh + 1):
-            h = p0 * sh - ph + u
-            for f in range(sw):
-                d = planes[c, f, u]
-                if h < 0 or h >= H:
-                    d[:] = 0
-                    continue
-                src = x[n, c, h]
-                for j in range(Wh):
-                    v = j * sw + f - pw
-                    d[j] = src[v] if 0 <= v < W else 0
+    nrows = (p1 - p0 - 1) * sh + (R - 1) * dh + 1
+    for f in range(sw):
+        _plane_chw_step((x, x, False, (n, p0 * sh, nrows), (1, 0, sw, f), (ph, pw), Wh,
+                         planes[f].reshape((C, Hs * Wh))))
 
 
 @task_kernel
@@ -255,11 +253,11 @@ def gather_tasks(t0, t1, x, wm, b, flags, geo, sizes, y):
     has_bias, relu, wide = flags
     rpc, Hs, Wh = sizes
     # x (N, C, H, W); wm (K, C*R*S) (w as it is); b (K,); y (N, K, P, Q); task t: output
-    # rows [p0, p0 + rpc) of image t // blocks, over _phase_planes' planes (C, sw, Hs, Wh)
+    # rows [p0, p0 + rpc) of image t // blocks, over _phase_planes' planes (sw, C, Hs, Wh)
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     CRS = C * R * S
     nblk = (P + rpc - 1) // rpc
-    planes = np.empty((C, sw, Hs, Wh), np.float32)
+    planes = np.empty((sw, C, Hs, Wh), np.float32)
     offs = np.empty(CRS, np.int64)
     rows = np.empty(CRS, np.int64)
     base = np.int64(planes.ctypes.data)
@@ -299,7 +297,7 @@ def gather_dw_tasks(t0, t1, x, gy, y, use_mask, geo, sizes, need_dw, parts):
     N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
     CRS = C * R * S
     nblk = (P + rpc - 1) // rpc
-    planes = np.empty((C, sw, Hs, Wh) if need_dw else (0, 0, 0, 0), np.float32)
+    planes = np.empty((sw, C, Hs, Wh) if need_dw else (0, 0, 0, 0), np.float32)
     offs = np.empty(CRS, np.int64)
     rows = np.empty(CRS, np.int64)
     aoff = np.empty(rpc, np.int64)
