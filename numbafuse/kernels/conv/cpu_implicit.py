@@ -50,9 +50,10 @@ from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu as _relu_math
 from . import math as conv_math
 from .cpu_chunks import chunk, gated_chw, gated_hwc, sum_groups
-from .cpu_direct import PLANE_CHW, _plane_chw_step
+from .cpu_direct import PLANE_CHW
 
 _relu = cpu_scalar(_relu_math)
+_plane_chw_step = PLANE_CHW.call             # (the phase algorithm's plane copy, a step)
 
 
 def fits(geom, dtype, pass_="forward"):
