@@ -450,14 +450,14 @@ def _im2col_dx(gy, y, use_mask, w, geom, plan, dx, work):
 # --------------------------------------------------------------------------- implicit GEMM
 
 def _implicit_plan(plan, geom, itemsize):
-    """(images per chunk, rows per chunk, chunks, slab rows of the tallest chunk, slab width,
-    the forward's k, taps and offsets: ``cpu_implicit.row_taps``) of the implicit forward
-    and dW. A chunk's slab holds ~sh*sw input pixels an output pixel and its output K values:
-    those bytes, not im2col's R*S*C an output pixel, fill chunk_bytes."""
+    """(images per chunk, rows per chunk, chunks, slab rows of the tallest chunk, slab width)
+    of the implicit forward and dW (cpu_implicit.py). A chunk's slab holds ~sh*sw input pixels
+    an output pixel and its output K values: those bytes, not im2col's R*S*C an output pixel,
+    fill chunk_bytes."""
     N, C, K, P, Q = geom.N, geom.C, geom.K, geom.P, geom.Q
     ipc, rpc = _chunking(plan, P * Q, P, Q, (geom.sh * geom.sw * C + K) * itemsize, N)
     Hmax, Ws = _implicit.slab_shape(geom, P if ipc > 1 else rpc)
-    return (ipc, rpc, count_chunks(N, P, ipc, rpc), Hmax, Ws, *_implicit.row_taps(geom, Ws))
+    return ipc, rpc, count_chunks(N, P, ipc, rpc), Hmax, Ws
 
 
 def _implicit_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
@@ -467,7 +467,7 @@ def _implicit_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     chunks = _implicit_plan(plan, geom, x.itemsize)
     if C % 8:                           # by output rows (a stem's: cpu_implicit.gathers)
         return _implicit.dw_by_rows(x, gy, y, use_mask, geom, need_dw, chunks, work)
-    ipc, rpc, nchunks, Hmax, Ws, *_ = chunks
+    ipc, rpc, nchunks, Hmax, Ws = chunks
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)
     db_parts = np.empty((groups, K))                                   # float64

@@ -213,7 +213,7 @@ def forward(x, w, b, has_bias, relu, geom, wide, chunks, taps_of, y, work):
     """y = relu?(conv(x, w) + b?) by ``gather_tasks`` where :func:`gathers`, else by
     ``implicit_tasks`` (``chunks``: ``cpu._implicit_plan``'s; ``taps_of``: w's (R*S, C, K)
     taps, ``cpu._taps``)."""
-    ipc, rpc, nchunks, Hmax, Ws, kt, ntaps, aoff = chunks
+    ipc, rpc, nchunks, Hmax, Ws = chunks
     geo = conv_math.geo_tuple(geom)
     if gathers(geom, wide):
         rows, Hs, Wh = row_chunks(geom, chunks)
@@ -224,6 +224,7 @@ def forward(x, w, b, has_bias, relu, geom, wide, chunks, taps_of, y, work):
                grain=1)
         return
     ready()
+    kt, ntaps, aoff = row_taps(geom, Ws)
     launch(implicit_tasks, nchunks, x, taps_of(w, False), aoff, b, (has_bias, relu, wide), geo,
            conv_math.int_tuple(ipc, rpc, Hmax, Ws, kt, ntaps), conv_math.k_view(y, geom),
            work=work, grain=1)
