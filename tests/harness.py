@@ -686,3 +686,17 @@ def check_deterministic(case, backend, ex, draw):
 CHECKS = {"forward": (check_forward, 1), "tape": (check_tape, 1),
           "gradcheck": (check_gradcheck, 8), "numpy_backward": (check_numpy_backward, 1),
           "chain": (check_chain, 2), "deterministic": (check_deterministic, 5)}
+
+
+def on_threads(call, counts=(1, 3)):
+    """{n: call()} with numbafuse's CPU kernels on n threads; the thread count restored."""
+    from numbafuse.kernels.cpu import launch as cpu_launch
+    threads = cpu_launch.num_threads()
+    out = {}
+    try:
+        for n in counts:
+            cpu_launch.set_num_threads(n)
+            out[n] = call()
+    finally:
+        cpu_launch.set_num_threads(threads)
+    return out

@@ -23,6 +23,8 @@ from numbafuse import reference as ref
 from numbafuse.kernels.cpu import launch as _launch
 from numbafuse.kernels.conv import cpu as cpu_conv, cpu_chunks, cpu_plan
 
+from .harness import on_threads
+
 RULES = cpu_plan.RULES
 
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-12)}
@@ -354,16 +356,10 @@ def test_the_nchw_forward_of_few_channels_runs_by_output_rows(
                                   **kwargs)
         want = want if relu else ref.conv2d(x, w, **kwargs) + (0 if bias is None
                                                                else bias[:, None, None])
-        got = {}
-        threads = _launch.num_threads()
-        try:
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)        # always on the pool
-                for n in (1, 3):
-                    _launch.set_num_threads(n)
-                    got[n] = cpu_conv.conv_forward(x, w, bias, geom, relu, plan=plan).copy()
-        finally:
-            _launch.set_num_threads(threads)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)            # always on the pool
+            got = on_threads(lambda: cpu_conv.conv_forward(x, w, bias, geom, relu,
+                                                           plan=plan).copy())
         assert got[1].tobytes() == got[3].tobytes()
         np.testing.assert_allclose(got[1], want, rtol=2e-4, atol=2e-4)
     # dW (and db) by output rows: the same rows, each task's dW^T partial by gemm_taps (in
@@ -379,19 +375,13 @@ def test_the_nchw_forward_of_few_channels_runs_by_output_rows(
         want = ((ref.conv2d_backward(gy, x, w, **kwargs)[1], gy.sum(axis=(0, 2, 3)))
                 if mask is None else ref.conv_bias_relu_backward(gy, x, w, b, y=mask,
                                                                  **kwargs)[1:])
-        got = {}
-        try:
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
-                mp.setattr(cpu_implicit, "DW_ROWS_BYTES", rows_bytes)   # 1: a product a row
-                for n in (1, 3):
-                    _launch.set_num_threads(n)
-                    got[n] = cpu_conv.conv_backward(gy, x, w, geom, mask, (False, True, True),
-                                                    plans=(dplan, dplan))[1:]
-                db = cpu_conv.conv_backward(gy, x, w, geom, mask, (False, False, True),
-                                            plans=(dplan, dplan))
-        finally:
-            _launch.set_num_threads(threads)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)
+            mp.setattr(cpu_implicit, "DW_ROWS_BYTES", rows_bytes)       # 1: a product a row
+            got = on_threads(lambda: cpu_conv.conv_backward(
+                gy, x, w, geom, mask, (False, True, True), plans=(dplan, dplan))[1:])
+            db = cpu_conv.conv_backward(gy, x, w, geom, mask, (False, False, True),
+                                        plans=(dplan, dplan))
         assert db[1] is None and db[2].tobytes() == got[1][1].tobytes()
         for a, c, r in zip(got[1], got[3], want):
             assert a.tobytes() == c.tobytes()

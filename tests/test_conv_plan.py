@@ -11,6 +11,8 @@ from numbafuse import reference as ref
 from numbafuse.kernels.conv import cpu as cpu_conv, cpu_plan, cpu_winograd as _wino
 from numbafuse.kernels.cpu import gemm_taps, steps as cpu_steps
 
+from .harness import on_threads as _on_threads
+
 TOL = {np.float32: dict(rtol=2e-4, atol=2e-4), np.float64: dict(rtol=1e-10, atol=1e-11)}
 
 # (kernel, stride, padding, dilation, C, K): each runs on several algorithms per pass
@@ -163,20 +165,6 @@ def _deep_pointwise(layout, size, C, K):
     kwargs = dict(layout=layout)
     geom = nf.validate.conv_geometry("t", shape, w.shape, 1, 0, 1, layout)
     return (x, w, b, kwargs, geom, *_relu_output_and_gradient(x, w, b, kwargs, rng))
-
-
-def _on_threads(call, counts=(1, 3)):
-    """{n: call()} with numbafuse's CPU kernels on n threads; the thread count restored."""
-    from numbafuse.kernels.cpu import launch as cpu_launch
-    threads = cpu_launch.num_threads()
-    out = {}
-    try:
-        for n in counts:
-            cpu_launch.set_num_threads(n)
-            out[n] = call()
-    finally:
-        cpu_launch.set_num_threads(threads)
-    return out
 
 
 @pytest.mark.parametrize("unblocked", [0, 16])
