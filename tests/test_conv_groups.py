@@ -200,9 +200,11 @@ TILED_NCHW = [((2, 3, 6, 6), 1, (3, 3), dict(padding=1)),
               ((2, 2, 8, 33), 1, (3, 3), dict(stride=(2, 1), padding=2, dilation=(2, 1))),
               ((1, 2, 4, 7), 2, (2, 2), dict(padding=0)),
               ((1, 3, 7, 40), 1, (5, 5), dict(stride=2, padding=2)),
-              # 7x7 at stride 1 (AVX-512): depthwise_rows7, tiles of 4 rows and single rows,
-              # panels of 32 (+ 32 + 16 at Q = 80 above), 16 and 8; rows but the last stored
-              # into y with the next row's first columns overwritten (Qv one panel)
+              # 7x7 at stride 1: depthwise_rows7 (this machine's tiles, whatever "wide"),
+              # tiles of 4 rows and single rows, panels of 32 (+ 32 + 16 at Q = 80 above),
+              # 16 and 8 on AVX-512, 16 and 8 on AVX2 (Q = 28: 16 + 16, rows through the
+              # accumulator); rows but the last stored into y with the next row's first
+              # columns overwritten (Qv one panel)
               ((1, 2, 9, 28), 1, (7, 7), dict(padding=3)),
               ((1, 2, 5, 14), 1, (7, 7), dict(padding=3)),
               ((2, 2, 6, 5), 2, (7, 7), dict(padding=3)),

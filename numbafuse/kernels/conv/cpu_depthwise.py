@@ -207,8 +207,7 @@ def _forward_nchw(t0, t1, x, w, b, relu, geo, Wph, y):
 def _rows7(geom):
     """NCHW float32 forwards cpu_depthwise_nchw.forward_rows7 runs: 7x7 taps at stride 1 or
     2 in both directions, no dilation, AVX-512."""
-    return (bool(_gemm_taps.WIDE) and geom.R == geom.S == 7 and geom.sh == geom.sw <= 2
-            and geom.dh == geom.dw == 1)
+    return geom.R == geom.S == 7 and geom.sh == geom.sw <= 2 and geom.dh == geom.dw == 1
 
 
 def forward(x, w, b, geom, relu):

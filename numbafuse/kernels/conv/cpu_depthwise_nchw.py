@@ -66,7 +66,7 @@ def forward_tiled(t0, t1, x, wrep, brep, relu, geo, Wpt, aoff, wide, y):
 @task_kernel(fastmath=FMA)
 def forward_rows7(t0, t1, x, w, brep, relu, geo, Wpt, y):
     # forward_tiled's plane loop for 7x7 taps at stride 1 or 2 in both directions, no
-    # dilation, on AVX-512: cpu_depthwise_tiles.depthwise_rows7 (each phase row's vector
+    # dilation: cpu_depthwise_tiles.depthwise_rows7 (each phase row's vector
     # loaded once for every output row of a tile it reaches), the same sums in the same
     # order. w: (K, 49) the weights. A kernel of its own: its tiles compile only where a
     # 7x7 runs (its first call 5.46 s of CPU cold against 4.51, machine A).
@@ -77,7 +77,7 @@ def forward_rows7(t0, t1, x, w, brep, relu, geo, Wpt, y):
     plane = xph.shape[1]                                              # a phase plane's size
     pacc = np.int64(acc.ctypes.data)
     rel = np.int64(relu)
-    last = _rows_into_y(P, Q, Qv, Qv == 8 or Qv == 16 or Qv == 32)   # its panels: 32, 16, 8
+    last = _rows_into_y(P, Q, Qv, _tiles.rows7_panel(Qv) == Qv)
     for t in range(t0, t1):
         n, c = t // C, t % C
         _split_phases(x[n, c], ph, pw, sh, sw, Wpt, xph)

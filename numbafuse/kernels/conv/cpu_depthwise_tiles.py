@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 
 from ..cpu import steps as _steps
 from ..cpu.gemm import Vec
-from ..cpu.gemm_taps import ROWS, panel
+from ..cpu.gemm_taps import ROWS, WIDE, panel
 from ..cpu.steps import Step
 
 _I64 = ir.IntType(64)
@@ -365,31 +365,73 @@ def _rows7_tile(rows, nv, width, stride):
 
 
 _r7 = {(stride, rows, nv, width): _rows7_tile(rows, nv, width, stride)
-       for stride in (1, 2) for rows in (ROWS7, 1) for nv, width in ((2, 16), (1, 16), (1, 8))}
+       for stride in (1, 2) for rows in (ROWS7, 1)
+       for nv, width in ((2, 16), (1, 16), (1, 8), (2, 8))}
 _r7w2, _r7w1, _r7n1 = _r7[1, ROWS7, 2, 16], _r7[1, ROWS7, 1, 16], _r7[1, ROWS7, 1, 8]
 _r7w2r, _r7w1r, _r7n1r = _r7[1, 1, 2, 16], _r7[1, 1, 1, 16], _r7[1, 1, 1, 8]
 _r7w2s2, _r7w1s2, _r7n1s2 = _r7[2, ROWS7, 2, 16], _r7[2, ROWS7, 1, 16], _r7[2, ROWS7, 1, 8]
 _r7w2rs2, _r7w1rs2, _r7n1rs2 = _r7[2, 1, 2, 16], _r7[2, 1, 1, 16], _r7[2, 1, 1, 8]
+_r7n2, _r7n2r, _r7n2s2, _r7n2rs2 = (_r7[1, ROWS7, 2, 8], _r7[1, 1, 2, 8], _r7[2, ROWS7, 2, 8],
+                                    _r7[2, 1, 2, 8])
+
+
+# The tiles depthwise_rows7 compiles: this machine's only (a module constant, so numba prunes the
+# other branch before typing it). With both sets behind a runtime flag (as depthwise_taps has) the
+# first NCHW 7x7 forward compiled in 6.0-7.5 s of wall on machine F (AVX2), with this machine's
+# only 3.9-4.2, the general tiles' path before 3.4-3.8. The tests therefore reach the AVX-512
+# tiles on an AVX-512 machine only. On AVX2, 16-column panels (8 accumulators at 4 rows): 24
+# (12) measured 1.17x slower, and the 16-float tiles would take all 16 registers at 32 columns.
+ROWS7_WIDE = bool(WIDE)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def rows7_panel(rem):
+    """Columns of :func:`depthwise_rows7`'s next panel with ``rem`` (a multiple of 8) left:
+    32, 16, 8 on AVX-512; 16, 8 on AVX2 (two 8-float vectors a row: 8 accumulators at 4
+    rows, where 32 columns, four vectors a row, would take all 16 registers)."""
+    if ROWS7_WIDE:
+        return 32 if rem >= 32 else 16 if rem >= 16 else 8
+    return 16 if rem >= 16 else 8
 
 
 @njit(nogil=True, cache=True)
 def depthwise_rows7(m, n, px, ldx, plane, stride2, pw, pc, ldc, pbias, relu):
     """c (m, n) = relu?(x (*) w + bias?) of a 7x7 depthwise plane at stride 1 (``stride2``
-    0) or 2 (1) in both directions, n columns (a multiple of 8) on AVX-512 lanes in panels
-    of 32, 16 and 8: output row i's tap (r, s) in phase plane (r % stride, s % stride) at
-    row i + r // stride, column s // stride (px: the address of phase plane 0's row 0,
-    float32; ldx, plane: the rows' and planes' strides in elements), the 49 weights at pw,
-    c at pc (row stride ldc), the bias per lane at pbias (0: none). Every argument int64."""
+    0) or 2 (1) in both directions, n columns (a multiple of 8) in panels of
+    :func:`rows7_panel` (``wide``: AVX-512's): output row i's tap (r, s) in phase plane
+    (r % stride, s % stride) at row i + r // stride, column s // stride (px: the address of
+    phase plane 0's row 0, float32; ldx, plane: the rows' and planes' strides in elements),
+    the 49 weights at pw, c at pc (row stride ldc), the bias per lane at pbias (0: none).
+    Every argument int64."""
     j = 0
     while j < n:
-        rem = n - j
-        cols = 32 if rem >= 32 else 16 if rem >= 16 else 8
+        cols = rows7_panel(n - j)
         pxj, pbj = px + 4 * j, pbias + 4 * j if pbias != 0 else 0
         i = 0
         while i < m:
             pxi, pci = pxj + 4 * i * ldx, pc + 4 * (i * ldc + j)
             full = i + ROWS7 <= m
-            if stride2 == 0:
+            if not ROWS7_WIDE:
+                if stride2 == 0:
+                    if full:
+                        if cols == 16:
+                            _r7n2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                        else:
+                            _r7n1(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                    elif cols == 16:
+                        _r7n2r(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                    else:
+                        _r7n1r(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                elif full:
+                    if cols == 16:
+                        _r7n2s2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                    else:
+                        _r7n1s2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                elif cols == 16:
+                    _r7n2rs2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+                else:
+                    _r7n1rs2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
+            elif stride2 == 0:
                 if full:
                     if cols == 32:
                         _r7w2(pxi, ldx, plane, pw, pci, ldc, pbj, relu)
