@@ -371,8 +371,8 @@ def test_depthwise_streamed_outputs_are_the_same_bits(x_shape, rs, kw, threads, 
     close(streamed[1], ref.conv_bias_relu_backward(gy, x, w, b, **kw)[0], np.float32, what="dx")
 
 
-# The depthwise tiles are steps (cpu_depthwise_tiles: TAPS_TILES, SLIDE_TILES, DW_TILES,
-# ROWS7_TILES), and so are the NCHW phase planes (cpu_phases: PAD and CROP at stride 1, SPLIT
+# The depthwise tiles are steps (cpu_depthwise_tiles: TAPS_TILES, SLIDE_TILES, DW_TILES; the
+# NCHW 7x7 tiles, depthwise_rows7, are called directly), and so are the NCHW phase planes (cpu_phases: PAD and CROP at stride 1, SPLIT
 # and MERGE else): each pass run alone with every slot empty, as in a new process, readies the
 # steps its kernels call (else a RuntimeError "called before its ready()"). NHWC 3x3 and 7x7
 # (the sliding tiles) forward, dX (phases), dW; NCHW 3x3 (depthwise_taps) and 7x7 (rows7),
