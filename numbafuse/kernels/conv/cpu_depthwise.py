@@ -206,7 +206,8 @@ def _forward_nchw(t0, t1, x, w, b, relu, geo, Wph, y):
 
 def _rows7(geom):
     """NCHW float32 forwards cpu_depthwise_nchw.forward_rows7 runs: 7x7 taps at stride 1 or
-    2 in both directions, no dilation, AVX-512."""
+    2 in both directions, no dilation (AVX-512's tiles or AVX2's: cpu_depthwise_tiles.
+    ROWS7_WIDE)."""
     return geom.R == geom.S == 7 and geom.sh == geom.sw <= 2 and geom.dh == geom.dw == 1
 
 

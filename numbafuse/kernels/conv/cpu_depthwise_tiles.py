@@ -398,7 +398,7 @@ def rows7_panel(rem):
 def depthwise_rows7(m, n, px, ldx, plane, stride2, pw, pc, ldc, pbias, relu):
     """c (m, n) = relu?(x (*) w + bias?) of a 7x7 depthwise plane at stride 1 (``stride2``
     0) or 2 (1) in both directions, n columns (a multiple of 8) in panels of
-    :func:`rows7_panel` (``wide``: AVX-512's): output row i's tap (r, s) in phase plane
+    :func:`rows7_panel` (this machine's tiles: ROWS7_WIDE): output row i's tap (r, s) in phase plane
     (r % stride, s % stride) at row i + r // stride, column s // stride (px: the address of
     phase plane 0's row 0, float32; ldx, plane: the rows' and planes' strides in elements),
     the 49 weights at pw, c at pc (row stride ldc), the bias per lane at pbias (0: none).
