@@ -373,10 +373,10 @@ def test_depthwise_streamed_outputs_are_the_same_bits(x_shape, rs, kw, threads, 
 
 # The depthwise tiles are steps (cpu_depthwise_tiles: TAPS_TILES, SLIDE_TILES, DW_TILES; the
 # NCHW 7x7 tiles, depthwise_rows7, are called directly), and so are the NCHW phase planes
-# (cpu_phases: PAD and CROP at stride 1, SPLIT and MERGE else): each pass run alone with every slot empty, as in a new process, readies the
-# steps its kernels call (else a RuntimeError "called before its ready()"). NHWC 3x3 and 7x7
-# (the sliding tiles) forward, dX (phases), dW; NCHW 3x3 (depthwise_taps) and 7x7 (rows7),
-# strides 1 and 2.
+# (cpu_phases: PAD and CROP at stride 1, SPLIT and MERGE else): each pass run alone with every
+# slot empty, as in a new process, readies the steps its kernels call (else a RuntimeError
+# "called before its ready()"). NHWC 3x3 and 7x7 (the sliding tiles) forward, dX (phases), dW;
+# NCHW 3x3 (depthwise_taps) and 7x7 (rows7), strides 1 and 2.
 @pytest.mark.parametrize("layout, k, stride", [("NHWC", 3, 1), ("NHWC", 7, 1), ("NCHW", 3, 1),
                                                ("NCHW", 7, 1), ("NCHW", 3, 2)])
 def test_each_depthwise_pass_readies_its_tile_steps(layout, k, stride):
