@@ -240,14 +240,14 @@ def test_depthwise_nchw_tiles_equal_the_plane_loops(x_shape, mult, rs, kw, wide,
 
 
 # NHWC float32 depthwise backwards with C % 8 == 0: dW by the dW register tiles
-# (cpu_depthwise_tiles.depthwise_dw_taps), dX phase by phase as the forward's tiles over the
-# gated g with flipped taps (cpu_depthwise_nhwc.dx_phases, in every case here). C = 8 to 104 crosses the dW channel
-# panels (64 + 32 + 8 on AVX-512, 16s and 8 on AVX2); 2x2 to 7x7 taps cross the tap tiles (4
-# taps: one tile; 9: 5 + 4; 25: five of 5; 49: ten; dW by the tiles in every case); Q =
-# 20 with 3x3 taps has an interior run of 18 pixels (a block of DW_PIXELS = 16 and 2); chunks
-# of one or two dX rows cross the gated rows' buffer; strides 2 and 3 (phases of 2 and 3
-# taps, and with 2x2 taps at stride 3 phases with none), dilation with stride 2 (a phase's
-# taps two rows apart in g), padding past the taps' reach (a phase's padding < 0)
+# (cpu_depthwise_tiles.depthwise_dw_taps), dX phase by phase as the forward's tiles over the gated
+# g with flipped taps (cpu_depthwise_nhwc.dx_phases, in every case here). C = 8 to 104 crosses the
+# dW channel panels (64 + 32 + 8 on AVX-512, 16s and 8 on AVX2); 2x2 to 7x7 taps cross the tap
+# tiles (4 taps: one tile; 9: 5 + 4; 25: five of 5; 49: ten; dW by the tiles in every case); Q =
+# 20 with 3x3 taps has an interior run of 18 pixels (a block of DW_PIXELS = 16 and 2); chunks of
+# one or two dX rows cross the gated rows' buffer; strides 2 and 3 (phases of 2 and 3 taps, and
+# with 2x2 taps at stride 3 phases with none), dilation with stride 2 (a phase's taps two rows
+# apart in g), padding past the taps' reach (a phase's padding < 0)
 TILED_BWD = [((2, 5, 20, 8), (3, 3), dict(padding=1)),
              ((1, 9, 13, 24), (5, 5), dict(stride=2, padding=(0, 2, 1, 0))),
              ((1, 11, 14, 104), (7, 7), dict(padding=3)),
@@ -343,7 +343,8 @@ def test_streams_only_aligned_float32_outputs_over_half_the_cache(monkeypatch):
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("x_shape, rs, kw", STREAMED,
-                         ids=[f"{t[0][3]}ch-{t[1][0]}x{t[1][1]}-{i}" for i, t in enumerate(STREAMED)])
+                         ids=[f"{t[0][3]}ch-{t[1][0]}x{t[1][1]}-{i}"
+                              for i, t in enumerate(STREAMED)])
 def test_depthwise_streamed_outputs_are_the_same_bits(x_shape, rs, kw, threads, monkeypatch):
     from numbafuse.kernels.conv import cpu_depthwise_nhwc as nhwc, cpu_depthwise_tiles as tiles
     if not tiles.X86:
