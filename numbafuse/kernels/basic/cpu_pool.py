@@ -29,6 +29,15 @@ from ..cpu.launch import task_kernel
 from ..cpu.transpose import transpose
 
 LANES = 64                       # NCHW channels pooled together (a block's rows: 256 KB at 32x32)
+# The window argmax is made in int32 lanes, the float compares' width, and narrowed to the kept
+# dtype (uint8 up to 16x16 windows) as it is written out: with uint8 lanes LLVM left the tap loop
+# scalar on AVX2 (no AVX-512 masks to narrow the compares with), a branch per lane that random
+# data mispredicts: the stem pool (16, 64, 32, 32) took 4.2 ms on machine F (Zen 3), its rows
+# alone 6.9 ms on one thread against 1.3 with int32 (2026-12-02). Forward through numbafuse.torch,
+# 2 threads, best of 20, F, before -> after (PyTorch in its own process): (16, 64, 32, 32) NCHW
+# 4.33 -> 1.05 ms (4.54), NHWC 4.08 -> 0.82 (0.29); (16, 64, 112, 112) NCHW 53.8 -> 15.6 (54.3),
+# NHWC 49.0 -> 9.2 (3.5): PyTorch's channels_last kernel stays ahead.
+ARG_DTYPE = np.int32
 
 
 @njit(inline="always")
@@ -69,15 +78,22 @@ def _pool_rows(src, W, p0, p1, Q, geo, y, arg):
 @task_kernel
 def max_pool_fwd_nhwc(t0, t1, x, y, arg, geo):
     # x (N, H*W, C); y, arg (N, P*Q, C); geo = (H, W, P, Q, kh, kw, sh, sw, ph, pw). Task: one
-    # image.
+    # image, its argmax made in int32 rows (ARG_DTYPE) and narrowed into arg.
+    P, Q, C = geo[2], geo[3], x.shape[2]
+    ars = np.empty((P * Q, C), ARG_DTYPE)
     for task in range(t0, t1):
-        _pool_rows(x[task], geo[1], 0, geo[2], geo[3], geo, y[task], arg[task])
+        _pool_rows(x[task], geo[1], 0, P, Q, geo, y[task], ars)
+        a = arg[task]
+        for i in range(P * Q):
+            for c in range(C):
+                a[i, c] = ars[i, c]
 
 
 @task_kernel
 def max_pool_fwd_nchw(t0, t1, x, y, arg, geo):
     # x (N, C, H*W); y, arg (N, C, P*Q); geo as above. Task: one image's block of LANES
-    # channels (blocks = ceil(C / LANES) an image), transposed to rows and back.
+    # channels (blocks = ceil(C / LANES) an image), transposed to rows and back (the argmax
+    # rows int32, ARG_DTYPE, narrowed as they go back).
     H, W, P, Q = geo[0], geo[1], geo[2], geo[3]
     C = x.shape[1]
     nb = (C + LANES - 1) // LANES
@@ -85,7 +101,7 @@ def max_pool_fwd_nchw(t0, t1, x, y, arg, geo):
     # [:, :cb] of (H*W, LANES) arrays had left them scalar: 0.59 ms at the stem pool)
     rows = np.empty(H * W * LANES, x.dtype)
     yrows = np.empty(P * Q * LANES, x.dtype)
-    arows = np.empty(P * Q * LANES, arg.dtype)
+    arows = np.empty(P * Q * LANES, ARG_DTYPE)
     for task in range(t0, t1):
         n, c0 = task // nb, (task % nb) * LANES
         c1 = min(C, c0 + LANES)
