@@ -279,6 +279,29 @@ def test_max_pool2d_with_padding_is_pytorchs_bit_for_bit(shape, k, stride, paddi
     np.testing.assert_array_equal(to_nchw(t.grad), xt.grad.numpy())
 
 
+# The CPU forwards compare whole rows of channels at a time (cpu_pool._pool_rows: float lanes
+# with int32 argmax lanes, narrowed to a byte as they are written; NCHW in blocks of 64
+# channels: 80 = 64 + 16). NaNs and ties in many lanes, -inf and +inf, padding at every edge:
+# each lane's value and its argmax (the first maximum, a NaN beating every number) as NumPy's.
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("C", [8, 24, 80])
+def test_max_pool2d_lanes_keep_the_first_maximum_and_nan(C, layout):
+    rng = np.random.default_rng(C)
+    x = rng.standard_normal((2, C, 7, 6)).astype(np.float32)
+    x[0, :, 0, :3] = x[0, :, 0, :1]                       # ties in the first windows
+    x[:, ::3, 2, 3] = np.nan                              # NaNs in every third lane
+    x[1, 1::4, 4, 1:3] = np.nan                           # two in one window
+    x[1, 2::5, 6, :] = -np.inf
+    x[0, 5 % C, 3, 2] = np.inf
+    xl = x if layout == "NCHW" else np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    y = nf.max_pool2d(nf.Tensor(xl, requires_grad=True), 3, 2, padding=1, layout=layout)
+    np.testing.assert_array_equal(y.data, ref.max_pool2d(xl, 3, 2, layout, 1))
+    padded = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=-np.inf)
+    want = _first_max_taps(padded, 3, (2, 2), "NCHW")     # padding taps never win here
+    got = y._fn.saved.argmax
+    np.testing.assert_array_equal(got if layout == "NCHW" else got.transpose(0, 3, 1, 2), want)
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_max_pool2d_backward_zeroes_a_reused_buffer(layout):
     """The CPU backward's dx comes from the output cache, uninitialised (a block released
