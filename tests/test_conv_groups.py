@@ -239,6 +239,42 @@ def test_depthwise_nchw_tiles_equal_the_plane_loops(x_shape, mult, rs, kw, wide,
     assert y.tobytes() == ref_y.tobytes()
 
 
+# The NCHW 7x7 row tiles (cpu_depthwise_tiles._r7) of both widths, called directly: the kernel
+# compiles only this machine's (ROWS7_WIDE), so the test above reaches the other width's on
+# no machine of the other kind. Each tile against its definition in NumPy (float64): rows of 4
+# and 1, panels of 2 and 1 vectors of 16 and 8 floats, strides 1 and 2 (four phase planes),
+# the bias and ReLU, and the columns past the panel untouched.
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("rows", [4, 1])
+@pytest.mark.parametrize("nv, width", [(2, 16), (1, 16), (1, 8), (2, 8)])
+def test_the_7x7_row_tiles_of_both_widths(stride, rows, nv, width):
+    from numba import njit
+    from numbafuse.kernels.conv import cpu_depthwise_tiles as tiles
+    tile = tiles._r7[stride, rows, nv, width]
+
+    @njit
+    def run(px, ldx, plane, pw, pc, ldc, pb, relu):
+        tile(px, ldx, plane, pw, pc, ldc, pb, relu)
+
+    n = nv * width
+    prow, pcol = rows + 6 // stride, n + 6 // stride            # a phase plane's rows, columns
+    rng = np.random.default_rng(rows * 100 + n + stride)
+    x = rng.standard_normal((stride * stride, prow, pcol)).astype(np.float32)
+    w = rng.standard_normal(49).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    c = np.full((rows, n + 3), np.nan, np.float32)
+    run(np.int64(x.ctypes.data), np.int64(pcol), np.int64(prow * pcol), np.int64(w.ctypes.data),
+        np.int64(c.ctypes.data), np.int64(n + 3), np.int64(bias.ctypes.data), np.int64(1))
+    want = np.zeros((rows, n))
+    for r in range(7):
+        for s in range(7):
+            phase = (r % stride) * stride + s % stride
+            a, b = r // stride, s // stride
+            want += np.float64(w[7 * r + s]) * x[phase, a:a + rows, b:b + n]
+    close(c[:, :n], np.maximum(want + bias, 0.0), np.float32)
+    assert np.isnan(c[:, n:]).all()
+
+
 # NHWC float32 depthwise backwards with C % 8 == 0: dW by the dW register tiles
 # (cpu_depthwise_tiles.depthwise_dw_taps), dX phase by phase as the forward's tiles over the gated
 # g with flipped taps (cpu_depthwise_nhwc.dx_phases, in every case here). C = 8 to 104 crosses the

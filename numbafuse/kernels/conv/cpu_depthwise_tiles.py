@@ -378,9 +378,10 @@ _r7n2, _r7n2r, _r7n2s2, _r7n2rs2 = (_r7[1, ROWS7, 2, 8], _r7[1, 1, 2, 8], _r7[2,
 # The tiles depthwise_rows7 compiles: this machine's only (a module constant, so numba prunes the
 # other branch before typing it). With both sets behind a runtime flag (as depthwise_taps has) the
 # first NCHW 7x7 forward compiled in 6.0-7.5 s of wall on machine F (AVX2), with this machine's
-# only 3.9-4.2, the general tiles' path before 3.4-3.8. The tests therefore reach the AVX-512
-# tiles on an AVX-512 machine only. On AVX2, 16-column panels (8 accumulators at 4 rows): 24
-# (12) measured 1.17x slower, and the 16-float tiles would take all 16 registers at 32 columns.
+# only 3.9-4.2, the general tiles' path before 3.4-3.8. The other width's tiles are tested alone
+# (test_conv_groups.py, test_the_7x7_row_tiles_of_both_widths). On AVX2, 16-column panels (8
+# accumulators at 4 rows): 24 (12) measured 1.17x slower, and the 16-float tiles would take all 16
+# registers at 32 columns.
 ROWS7_WIDE = bool(WIDE)
 
 
