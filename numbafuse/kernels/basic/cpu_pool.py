@@ -32,11 +32,11 @@ LANES = 64                       # NCHW channels pooled together (a block's rows
 # The window argmax is made in int32 lanes, the float compares' width, and narrowed to the kept
 # dtype (uint8 up to 16x16 windows) as it is written out: with uint8 lanes LLVM left the tap loop
 # scalar on AVX2 (no AVX-512 masks to narrow the compares with), a branch per lane that random
-# data mispredicts: the stem pool (16, 64, 32, 32) took 4.2 ms on machine F (Zen 3), its rows
-# alone 6.9 ms on one thread against 1.3 with int32 (2026-12-02). Forward through numbafuse.torch,
-# 2 threads, best of 20, F, before -> after (PyTorch in its own process): (16, 64, 32, 32) NCHW
-# 4.33 -> 1.05 ms (4.54), NHWC 4.08 -> 0.82 (0.29); (16, 64, 112, 112) NCHW 53.8 -> 15.6 (54.3),
-# NHWC 49.0 -> 9.2 (3.5): PyTorch's channels_last kernel stays ahead.
+# data mispredicts (machine F, Zen 3, 2026-12-02: _pool_rows alone on one thread, an ad-hoc
+# script, 6.9 ms with random data against 1.3 with int32 lanes). `python benchmarks/bench_pool.py
+# --rounds 3 --repeats 5`, F, 2 threads, forward before -> after (PyTorch's): (16, 64, 32, 32)
+# NCHW 4.47 -> 1.07 ms (4.58), NHWC 4.06 -> 0.80 (0.26); (16, 64, 112, 112) NCHW 54.25 -> 13.21
+# (54.66), NHWC 48.44 -> 9.02 (3.56): PyTorch's channels_last kernel stays ahead.
 ARG_DTYPE = np.int32
 
 
