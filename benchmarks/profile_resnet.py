@@ -187,7 +187,8 @@ def _torch_layers(model, step, steps):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="resnet18", choices=["resnet18", "resnet50"])
+    p.add_argument("--model", default="resnet18",
+                   choices=["resnet18", "resnet50", "resnext50_32x4d"])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)

@@ -94,7 +94,13 @@ CPU_CASES = [
     ("depthwise 3x3 s1", "dw", (4, 32, 8, 8), 3, 1, 32),
     ("depthwise 3x3 s2", "dw", (4, 32, 16, 16), 3, 2, 32),
     ("depthwise 7x7 s1", "dw", (2, 32, 20, 20), 7, 1, 32),
+    # grouped (ResNeXt's 3x3s: 8 groups of 4 channels here, merged in pairs; float32 runs
+    # cpu_grouped_taps' implicit GEMMs, float64 the ungrouped kernels per group)
+    ("grouped 3x3 s1 (8 groups)", "grp", (4, 32, 8, 8), 3, 1, 32),
 ]
+
+
+GROUPS = 8                        # the "grp" cases' groups
 
 
 def cpu_cases(dtypes=("float32", "float64")):
@@ -132,7 +138,7 @@ def run_cpu_case(case, layouts=("NCHW", "NHWC")) -> None:
             y = batchnorm_add_relu(x, x, g, b, layout=layout)
             batchnorm_add_relu_backward(y, x, x, g, b, layout=layout)
             continue
-        groups = C if op == "dw" else 1
+        groups = C if op == "dw" else GROUPS if op == "grp" else 1
         w = (rng.standard_normal((K, C // groups, kernel, kernel)) / (C * kernel)).astype(dtype)
         kw = dict(stride=stride, padding=kernel // 2, layout=layout, groups=groups)
         if op == "cbr":                  # (with running statistics: their update too)

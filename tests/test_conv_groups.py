@@ -1,9 +1,12 @@
 """Grouped and depthwise convolutions (``groups``) on the CPU, against the float64 reference.
 
-``groups`` 1 < g < C runs ``kernels/conv/cpu.py``'s kernels per group (``cpu_grouped.py``);
-``groups == C`` the depthwise stencils of ``cpu_depthwise.py``, whose constants are shrunk here
-(``CHUNK_ELEMENTS``: one or two output rows per NHWC chunk, a partial last chunk; ``DW_GROUPS``
-3: groups of uneven sizes) so that small shapes cross every task boundary. Every case runs
+``groups`` 1 < g < C runs, in float32 where the groups (merged in 2s, 4s or 8s) have multiples of
+8 channels and filters, ``cpu_grouped_taps.py``'s implicit GEMMs (one launch a pass), else
+``kernels/conv/cpu.py``'s kernels per group (``cpu_grouped.py``); ``groups == C`` the depthwise
+stencils of ``cpu_depthwise.py``. Their constants are shrunk here (``CHUNK_ELEMENTS``: one or
+two output rows per NHWC chunk, a partial last chunk; ``DW_GROUPS`` 3: groups of uneven sizes;
+``ROWS_A_TASK``: one image a task, or a few with a partial last) so that small shapes cross
+every task boundary. Every case runs
 forward and backward on 1 and 3 threads (bitwise equal) and compares both with
 ``numbafuse.reference`` (block-diagonal weights, so independent of the kernels).
 """
@@ -13,7 +16,7 @@ import pytest
 import numbafuse as nf
 from numbafuse import reference as ref, validate
 from numbafuse.kernels.cpu import launch as _launch
-from numbafuse.kernels.conv import cpu_depthwise
+from numbafuse.kernels.conv import cpu_depthwise, cpu_grouped, cpu_grouped_taps
 
 from .harness import close
 
@@ -22,6 +25,15 @@ from .harness import close
 CASES = {
     "groups 2": ((2, 4, 7, 6), 6, (3, 3), 2, dict(padding=1)),
     "groups 3 stride 2": ((2, 6, 9, 8), 9, (3, 2), 3, dict(stride=2, padding=(1, 0, 2, 1))),
+    # the implicit GEMMs (cpu_grouped_taps): groups of 8 (no merge), of 4 (merged in pairs,
+    # as ResNeXt's first stage), of 2 x 4 filters (merged in fours); stride 2 with 4-tuple
+    # padding, dilation, a strided 1x1
+    "groups 4 of 8": ((3, 32, 7, 6), 32, (3, 3), 4, dict(padding=1)),
+    "groups 8 of 4 stride 2": ((5, 32, 9, 8), 32, (3, 3), 8,
+                               dict(stride=2, padding=(1, 0, 2, 1))),
+    "groups 8 of 2x4 dilated": ((3, 16, 8, 9), 32, (3, 3), 8,
+                                dict(stride=(1, 2), padding=2, dilation=2)),
+    "groups 2 1x1 stride 2": ((3, 16, 7, 6), 32, (1, 1), 2, dict(stride=2)),
     "depthwise 3x3": ((2, 5, 7, 9), 5, (3, 3), 5, dict(padding=1)),
     "depthwise stride 2 asym": ((3, 4, 9, 10), 4, (3, 3), 4,
                                 dict(stride=2, padding=(0, 2, 1, 0))),
@@ -31,6 +43,13 @@ CASES = {
 }
 # which cases run in which layout and dtype: each pair compiles kernels, so not all of them
 PLAN = [("groups 2", "NCHW", np.float64), ("groups 3 stride 2", "NHWC", np.float32),
+        ("groups 4 of 8", "NCHW", np.float32), ("groups 4 of 8", "NHWC", np.float32),
+        ("groups 8 of 4 stride 2", "NCHW", np.float32),
+        ("groups 8 of 4 stride 2", "NHWC", np.float32),
+        ("groups 8 of 2x4 dilated", "NCHW", np.float32),
+        ("groups 8 of 2x4 dilated", "NHWC", np.float32),
+        ("groups 2 1x1 stride 2", "NHWC", np.float32),
+        ("groups 2 1x1 stride 2", "NCHW", np.float32),
         ("depthwise 3x3", "NCHW", np.float32), ("depthwise 3x3", "NHWC", np.float64),
         ("depthwise stride 2 asym", "NCHW", np.float64),
         ("depthwise stride 2 asym", "NHWC", np.float32),
@@ -62,6 +81,7 @@ def _run(x, w, b, gy, kw, threads):
 def test_groups_match_reference_on_any_thread_count(name, layout, dtype, chunk, monkeypatch):
     monkeypatch.setattr(cpu_depthwise, "CHUNK_ELEMENTS", chunk)   # 1 or a few rows a chunk
     monkeypatch.setattr(cpu_depthwise, "DW_GROUPS", 3)
+    monkeypatch.setattr(cpu_grouped_taps, "ROWS_A_TASK", 1 if chunk == 1 else 2 * 42 + 1)
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)      # always on the pool
     x, w, b, kw = _problem(name, layout, dtype)
     gy = np.random.default_rng(1).standard_normal(
@@ -529,3 +549,39 @@ def test_groups_tape_matches_finite_differences(layout, x_shape, w_shape, groups
                for s in (x_shape, w_shape, (w_shape[0],)))
     assert nf.gradcheck(lambda x, w, b: nf.conv_bias_relu(x, w, b, layout=layout,
                                                           groups=groups, **kw), [x, w, b])
+
+
+@pytest.mark.parametrize("name, layout", [("groups 4 of 8", "NHWC"),
+                                          ("groups 8 of 4 stride 2", "NCHW"),
+                                          ("groups 8 of 2x4 dilated", "NHWC")])
+def test_grouped_implicit_gemms_against_the_loop_over_groups(name, layout, monkeypatch):
+    """The cases above run ``cpu_grouped_taps`` (checked here: it fits them); ungated and
+    gated backwards, with and without a bias, against the reference and against the loop
+    over groups, which the implicit GEMMs replace (``cpu_grouped.TAPS``)."""
+    x, w, b, kw = _problem(name, layout, np.float32)
+    geom = validate.conv_geometry("t", x.shape, w.shape, kw.get("stride", 1),
+                                  kw.get("padding", 0), kw.get("dilation", 1), layout,
+                                  kw["groups"])
+    assert cpu_grouped_taps.fits(geom, np.float32)
+    assert not cpu_grouped_taps.fits(geom, np.float64)
+    monkeypatch.setattr(cpu_grouped_taps, "ROWS_A_TASK", 40)     # a few images a task
+    gy = np.random.default_rng(7).standard_normal(geom.y_shape).astype(np.float32)
+    runs = {}
+    for taps in (True, False):
+        monkeypatch.setattr(cpu_grouped, "TAPS", taps)
+        y = cpu_grouped.conv_forward(x, w, None, geom, False)
+        yb = cpu_grouped.conv_forward(x, w, b, geom, True)
+        runs[taps] = (y, yb, *cpu_grouped.conv_backward(gy, x, w, geom, None, (True, True, True)),
+                      *cpu_grouped.conv_backward(gy, x, w, geom, yb, (True, True, True)))
+    for got, want in zip(runs[True], runs[False]):
+        close(got, want, np.float32)
+    close(runs[True][0], ref.conv2d(x, w, **kw), np.float32, what="y")
+    close(runs[True][1], ref.conv_bias_relu(x, w, b, **kw), np.float32, what="y relu")
+    for got, want, what in zip(runs[True][2:4], ref.conv2d_backward(gy, x, w, **kw),
+                               ("dx", "dw")):
+        close(got, want, np.float32, what=what)
+    close(runs[True][4], gy.sum(axis=(0, 1, 2) if layout == "NHWC" else (0, 2, 3)),
+          np.float32, what="db")
+    for got, want, what in zip(runs[True][5:], ref.conv_bias_relu_backward(gy, x, w, b, **kw),
+                               ("dx gated", "dw gated", "db gated")):
+        close(got, want, np.float32, what=what)

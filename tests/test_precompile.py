@@ -48,7 +48,7 @@ def test_the_cpu_cases_take_the_paths_layers_take():
     from numbafuse.kernels.conv import cpu as conv_cpu, cpu_plan
     picked = {}
     for name, op, (N, C, H, W), kernel, stride, K, dtype in precompile.cpu_cases(("float32",)):
-        if op in ("bn", "dw", "pool"):
+        if op in ("bn", "dw", "pool", "grp"):
             continue
         for layout in ("NCHW", "NHWC"):
             shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
@@ -95,6 +95,13 @@ def test_the_cpu_cases_take_the_paths_layers_take():
         g = validate.conv_geometry("t", (N, H, W, C), (K, 1, kernel, kernel), stride,
                                    kernel // 2, 1, "NHWC", groups=C)
         assert cpu_depthwise.is_depthwise(g) and cpu_depthwise._tiled(g, np.float32)
+    # the grouped case takes the implicit GEMMs in float32 (cpu_grouped_taps)
+    from numbafuse.kernels.conv import cpu_grouped_taps
+    (_, _, (N, C, H, W), kernel, stride, K, _), = [
+        c for c in precompile.cpu_cases(("float32",)) if c[1] == "grp"]
+    g = validate.conv_geometry("t", (N, C, H, W), (K, C // precompile.GROUPS, kernel, kernel),
+                               stride, kernel // 2, 1, "NCHW", groups=precompile.GROUPS)
+    assert cpu_grouped_taps.fits(g, np.float32) and cpu_grouped_taps.merged(g) == 2
 
 
 def test_a_cpu_case_runs_in_process():

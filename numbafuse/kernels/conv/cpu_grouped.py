@@ -14,9 +14,14 @@ Same interface as ``cpu.py`` (``kernels.interfaces.ConvKernels``), for a geometr
 import numpy as np
 
 from . import cpu as conv_cpu
-from . import cpu_depthwise
+from . import cpu_depthwise, cpu_grouped_taps
 from .cpu import bias_add, channel_sum  # noqa: F401  (kernels.interfaces.ConvKernels)
 from .math import channel_block as _channels, group_geometry
+
+
+# Grouped float32 convs whose (merged) groups are multiples of 8 channels run in one launch a
+# pass (cpu_grouped_taps.py); False: every one by the loop over groups below (tests, A/B)
+TAPS = True
 
 
 def forward_stats(x, w, geom, eps):
@@ -38,6 +43,8 @@ def conv_forward(x, w, b, geom, relu):
     """``y = relu?(conv(x, w, groups) + b?)`` for contiguous host arrays of one dtype."""
     if cpu_depthwise.is_depthwise(geom):
         return cpu_depthwise.forward(x, w, b, geom, relu)
+    if TAPS and cpu_grouped_taps.fits(geom, x.dtype):
+        return cpu_grouped_taps.forward(x, w, b, geom, relu)
     one, layout = group_geometry(geom), geom.layout
     Cg, Kg = one.C, one.K
     y = np.empty(geom.y_shape, x.dtype)
@@ -57,6 +64,8 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     ``need``'s are computed (``cpu.conv_backward``)."""
     if cpu_depthwise.is_depthwise(geom):
         return cpu_depthwise.backward(gy, x, w, geom, y, need)
+    if TAPS and cpu_grouped_taps.fits(geom, gy.dtype):
+        return cpu_grouped_taps.backward(gy, x, w, geom, y, need)
     need_dx, need_dw, need_db = (bool(v) for v in need)
     one, layout = group_geometry(geom), geom.layout
     Cg, Kg = one.C, one.K

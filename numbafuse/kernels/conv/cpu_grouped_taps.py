@@ -1,0 +1,318 @@
+r"""Grouped convolutions (1 < groups < C, float32) as implicit GEMMs, every group in one launch.
+
+ResNeXt's grouped 3x3 convs (32 groups of 4 to 32 channels) ran as ``cpu.py``'s kernels once
+per group (``cpu_grouped``'s loop: a copy in and out, a plan and launches for a GEMM of 4 to
+32 columns, 32 times a pass): at batch 16, 64x64 on machine F each pass took 4-17 ms against
+PyTorch's 0.6-8.5. Here every pass is one launch whose tasks are (a chunk of images, a group):
+the task copies its group's input channels of its images into a small zero-padded slab
+(pixels, group channels) and sums the taps in registers with ``cpu.gemm_taps``' tiles, as
+``cpu_implicit.py`` does for an ungrouped conv.
+
+    forward   y_g = relu?(conv(x_g, w_g) + b_g?): ``gemm_taps`` over the slab of x's group
+              channels, one row per output pixel, one offset per tap (r, s).
+    dX        the same kernel on g = gy * (y > 0)?: dx_g = conv(g upsampled by the stride,
+              the taps of w_g flipped and transposed), padding (R-1)*dh - ph, stride 1. The
+              slab of g is made with the stride's zeros between its pixels (no array of them).
+    dW        ``gemm_gather``, per group (one task each, all images in order): dW_g tap (r, s)
+              (Kg, Cg) += g_g^T (Kg, pixels) @ the pixels' tap-(r, s) rows of x's slab.
+
+The tiles' columns come in vectors of 8 floats: a group's filters (forward), its input
+channels (dX, dW) must be multiples of 8. Groups of 4 (ResNeXt's first stage) or 2 go in
+pairs or fours (``merged``): w of the merged group is block-diagonal (zeros between its
+groups), so the tiles multiply the zeros too (2x the products for groups of 4) and dW's
+blocks off the diagonal are computed and dropped.
+
+Each y and dx value is one float32 sum in tap order, then channel order, over its own
+group's channels (a merged group adds the zeros of the others exactly); each dW value one sum
+over the images in order, then pixels: results do not depend on the thread count.
+"""
+import numpy as np
+from numba import njit
+
+from ..cpu import gemm_taps as _taps
+from ..cpu.buffers import output_cache as _out
+from ..cpu.launch import launch, task_kernel
+from ..cpu.transpose import transpose
+from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
+
+_relu_grad = cpu_scalar(_relu_grad_math)
+
+ROWS_A_TASK = 256          # output pixels a task aims at (images of small maps go together)
+
+
+def merged(geom):
+    """How many groups go in one (1, 2, 4 or 8), so that the merged group's input channels and
+    filters are multiples of 8; None where no such merge divides the groups."""
+    Cg, Kg = geom.C // geom.groups, geom.K // geom.groups
+    for m in (1, 2, 4, 8):
+        if geom.groups % m == 0 and (m * Cg) % 8 == 0 and (m * Kg) % 8 == 0:
+            return m
+    return None
+
+
+def fits(geom, dtype):
+    """Whether this module runs ``geom``'s passes for ``dtype``: float32, grouped but not
+    depthwise, and the groups' channels and filters multiples of 8 when merged (:func:`merged`)."""
+    return (np.dtype(dtype) == np.float32 and 1 < geom.groups < geom.C
+            and merged(geom) is not None)
+
+
+def _taps_of(w, geom, m):
+    """w (K, C/groups, R, S) as the merged groups' taps (groups/m, R*S, m*Cg, m*Kg), float32,
+    block-diagonal where m > 1."""
+    G, R, S = geom.groups, geom.R, geom.S
+    Cg, Kg = geom.C // G, geom.K // G
+    wt = np.asarray(w, np.float32).reshape(G, Kg, Cg, R * S).transpose(0, 3, 2, 1)
+    if m == 1:
+        return np.ascontiguousarray(wt)
+    out = np.zeros((G // m, R * S, m * Cg, m * Kg), np.float32)
+    for a in range(m):
+        out[:, :, a * Cg:(a + 1) * Cg, a * Kg:(a + 1) * Kg] = wt[a::m]
+    return out
+
+
+def _images(N, pixels):
+    """Images a task (or a dW chunk) takes: enough for ROWS_A_TASK output pixels."""
+    return max(1, min(N, ROWS_A_TASK // max(1, pixels)))
+
+
+@njit(inline="always")
+def _sources(table, pad, up, size):
+    # table[u] = the source row (column) of slab row u: (u - pad) / up where that is whole
+    # and inside [0, size), else -1 (a zero of the padding or of the stride)
+    for u in range(table.shape[0]):
+        i = u - pad
+        table[u] = i // up if i >= 0 and i % up == 0 and i // up < size else -1
+
+
+@njit(inline="always")
+def _fill(src, gate, use_gate, nhwc, n, c0, hsrc, wsrc, pad_l, up_w, slab, i):
+    # slab[i] (Hs, Ws, cg) <- image n's channels [c0, c0 + cg) of src at the tables' rows and
+    # columns (zero at -1; column v's is v - pad_l where up_w is 1), gated by gate > 0 where
+    # use_gate. Elsewise flat indices: a view a row costs more than the row's few values at
+    # 2x2 and 4x4 maps.
+    _, Hs, Ws, cg = slab.shape
+    if nhwc:
+        _, Hin, Win, Cin = src.shape
+    else:
+        _, Cin, Hin, Win = src.shape
+    if not nhwc and not use_gate and up_w == 1:
+        # each row's channels (cg, columns) transposed into the slab's (columns, cg) by 8 x 8
+        # tiles (a value at a time: ~1.5 ns, cpu.transpose); the padding's columns zero
+        vlo = min(Ws, max(0, pad_l))
+        vhi = max(vlo, min(Ws, pad_l + Win))
+        for u in range(Hs):
+            h = hsrc[u]
+            du = slab[i, u]                                           # (Ws, cg)
+            if h < 0:
+                du[:, :] = 0
+                continue
+            du[:vlo, :] = 0
+            du[vhi:, :] = 0
+            if vhi > vlo:
+                transpose(src[n, c0:c0 + cg, h, vlo - pad_l:vhi - pad_l], du[vlo:vhi])
+        return
+    sf = src.reshape(src.size)
+    gf = gate.reshape(gate.size)
+    d = slab.reshape(slab.size)
+    d0 = i * Hs * Ws * cg
+    for u in range(Hs):
+        h = hsrc[u]
+        for v in range(Ws):
+            wi = wsrc[v]
+            o = d0 + (u * Ws + v) * cg
+            if h < 0 or wi < 0:
+                for c in range(cg):
+                    d[o + c] = 0
+            elif nhwc:
+                a = ((n * Hin + h) * Win + wi) * Cin + c0
+                for c in range(cg):
+                    d[o + c] = _relu_grad(sf[a + c], gf[a + c]) if use_gate else sf[a + c]
+            else:
+                a = ((n * Cin + c0) * Hin + h) * Win + wi
+                for c in range(cg):
+                    e = a + c * Hin * Win
+                    d[o + c] = _relu_grad(sf[e], gf[e]) if use_gate else sf[e]
+
+
+@njit(inline="always")
+def _corners(rows, i, base, P, Q, Hs, Ws, sh, sw, cg):
+    # rows of image i's output pixels: the slab address of each one's receptive field corner
+    for p in range(P):
+        r0 = (i * P + p) * Q
+        a0 = base + 4 * ((i * Hs + p * sh) * Ws) * cg
+        for q in range(Q):
+            rows[r0 + q] = a0 + 4 * q * sw * cg
+
+
+@task_kernel
+def conv_tasks(t0, t1, src, gate, wt, bias, dims, flags, out):
+    # out_g = relu?(conv(src_g gated?, wt_g) + bias_g?) for the merged groups g; src (N, Cin,
+    # Hin, Win) | (N, Hin, Win, Cin), gate src's shape (y: src where gate > 0, else 0), wt
+    # (Gm, R*S, cg, kg), bias (Kout,), out (N, Kout, P, Q) | (N, P, Q, Kout). Input pixel i
+    # of slab row u is src's (u - pad_t) / up_h where that is whole and inside (the stride's
+    # zeros of a dX), likewise columns. Task t: group t % Gm of images [c*ipc, c*ipc + ipc),
+    # c = t // Gm.
+    (N, Cin, Hin, Win, Kout, R, S, P, Q, sh, sw, dh, dw, pad_t, pad_l, up_h, up_w, Gm, cg, kg,
+     ipc, Hs, Ws, nhwc) = dims
+    has_bias, relu, use_gate, wide = flags
+    RS = R * S
+    PQ = P * Q
+    slab = np.empty((ipc, Hs, Ws, cg), np.float32)
+    rows = np.empty(ipc * PQ, np.int64)
+    aoff = np.empty(RS, np.int64)
+    cbuf = np.empty((0 if nhwc else ipc * PQ) * kg, np.float32)
+    hsrc = np.empty(Hs, np.int64)
+    wsrc = np.empty(Ws, np.int64)
+    _sources(hsrc, pad_t, up_h, Hin)
+    _sources(wsrc, pad_l, up_w, Win)
+    for r in range(R):
+        for s in range(S):
+            aoff[r * S + s] = (r * dh * Ws + s * dw) * cg
+    base = np.int64(slab.ctypes.data)
+    for t in range(t0, t1):
+        g = t % Gm
+        n0 = (t // Gm) * ipc
+        n1 = min(N, n0 + ipc)
+        c0 = g * cg
+        for i in range(n1 - n0):
+            _fill(src, gate, use_gate, nhwc, n0 + i, c0, hsrc, wsrc, pad_l, up_w, slab, i)
+            _corners(rows, i, base, P, Q, Hs, Ws, sh, sw, cg)
+        m = (n1 - n0) * PQ
+        if nhwc:
+            pc, ldc = np.int64(out[n0].ctypes.data) + 4 * g * kg, Kout
+        else:
+            pc, ldc = np.int64(cbuf.ctypes.data), kg
+        _taps.taps_step(((np.int64(m), np.int64(kg), np.int64(cg)), np.int64(RS),
+                        np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data),
+                        np.int64(wt[g].ctypes.data), np.int64(kg), pc, np.int64(ldc),
+                        np.int64(bias.ctypes.data) + 4 * g * kg if has_bias else np.int64(0),
+                        np.int64(1 if relu else 0), np.int64(1 if wide else 0)))
+        if not nhwc:                      # (pixels, kg) -> each image's (kg, PQ) block
+            cb = cbuf[:m * kg].reshape((m, kg))
+            o3 = out.reshape((N, Kout, PQ))
+            for i in range(n1 - n0):
+                transpose(cb[i * PQ:(i + 1) * PQ], o3[n0 + i, g * kg:(g + 1) * kg])
+
+
+@task_kernel
+def dw_tasks(t0, t1, x, gy, y, dims, flags, parts):
+    # parts[g] (R*S, kg, cg) <- merged group g's dW taps: for tap (r, s), sum over the images
+    # (in order, ipc at a time) of g^T (kg, pixels) @ the pixels' tap rows of x's slab, g =
+    # gy * (y > 0)? of the group's filters. x (N, C, H, W) | (N, H, W, C); gy, y (N, K, P, Q)
+    # | (N, P, Q, K).
+    (N, C, H, W, K, R, S, P, Q, sh, sw, dh, dw, ph, pw, Gm, cg, kg, ipc, Hs, Ws, nhwc) = dims
+    use_gate, wide = flags
+    RS = R * S
+    PQ = P * Q
+    slab = np.empty((ipc, Hs, Ws, cg), np.float32)
+    rows = np.empty(ipc * PQ, np.int64)
+    aoff = np.empty(RS, np.int64)
+    gt = np.empty((kg, ipc * PQ), np.float32)
+    gtf = gt.reshape(gt.size)
+    gyf, yf = gy.reshape(gy.size), y.reshape(y.size)
+    hsrc = np.empty(Hs, np.int64)
+    wsrc = np.empty(Ws, np.int64)
+    _sources(hsrc, ph, 1, H)
+    _sources(wsrc, pw, 1, W)
+    for r in range(R):
+        for s in range(S):
+            aoff[r * S + s] = (r * dh * Ws + s * dw) * cg
+    base = np.int64(slab.ctypes.data)
+    for g in range(t0, t1):
+        c0, k0 = g * cg, g * kg
+        for n0 in range(0, N, ipc):
+            n1 = min(N, n0 + ipc)
+            m = (n1 - n0) * PQ
+            for i in range(n1 - n0):
+                n = n0 + i
+                _fill(x, x, False, nhwc, n, c0, hsrc, wsrc, pw, 1, slab, i)
+                _corners(rows, i, base, P, Q, Hs, Ws, sh, sw, cg)
+                for k in range(kg):               # g^T's columns of image i
+                    for j in range(PQ):
+                        e = (n * PQ + j) * K + k0 + k if nhwc else (n * K + k0 + k) * PQ + j
+                        a = gyf[e]
+                        gtf[k * ipc * PQ + i * PQ + j] = _relu_grad(a, yf[e]) if use_gate \
+                            else a
+            for tap in range(RS):
+                _taps.gather_step((np.int64(kg), np.int64(cg), np.int64(m),
+                                   np.int64(gt.ctypes.data), np.int64(ipc * PQ),
+                                   np.int64(rows.ctypes.data), aoff[tap],
+                                   np.int64(parts[g, tap].ctypes.data), np.int64(cg),
+                                   np.int64(0 if n0 == 0 else 1), np.int64(1 if wide else 0)))
+
+
+def _dims(*values):
+    return tuple(np.int64(v) for v in values)
+
+
+def _layout(geom):
+    return int(geom.layout == "NHWC")
+
+
+def forward(x, w, b, geom, relu):
+    """``y = relu?(conv(x, w, groups) + b?)`` (:func:`fits`)."""
+    m = merged(geom)
+    G = geom.groups // m
+    cg, kg = m * geom.C // geom.groups, m * geom.K // geom.groups
+    P, Q = geom.P, geom.Q
+    ipc = _images(geom.N, P * Q)
+    Hs = (P - 1) * geom.sh + (geom.R - 1) * geom.dh + 1
+    Ws = (Q - 1) * geom.sw + (geom.S - 1) * geom.dw + 1
+    y = _out.empty(geom.y_shape, np.float32)
+    H, W = geom.H, geom.W
+    _taps.ready()
+    launch(conv_tasks, -(-geom.N // ipc) * G, x, x, _taps_of(w, geom, m),
+           b if b is not None else np.empty(0, np.float32),
+           _dims(geom.N, geom.C, H, W, geom.K, geom.R, geom.S, P, Q, geom.sh, geom.sw,
+                 geom.dh, geom.dw, geom.ph, geom.pw, 1, 1, G, cg, kg, ipc, Hs, Ws,
+                 _layout(geom)),
+           (b is not None, bool(relu), False, _taps.WIDE), y,
+           work=x.size + y.size, grain=1)
+    return y
+
+
+def backward(gy, x, w, geom, y, need):
+    """``(dx, dw, db)`` (``need``'s; the others None) of the grouped conv, gy gated by
+    ``y > 0`` where y is given (:func:`fits`)."""
+    need_dx, need_dw, need_db = (bool(v) for v in need)
+    m = merged(geom)
+    G = geom.groups // m
+    cg, kg = m * geom.C // geom.groups, m * geom.K // geom.groups
+    R, S, P, Q, H, W = geom.R, geom.S, geom.P, geom.Q, geom.H, geom.W
+    gate = y if y is not None else gy
+    use_gate = y is not None
+    nhwc = _layout(geom)
+    _taps.ready()
+    dx = dw = db = None
+    if need_dx:
+        # dx = conv(g upsampled by the stride, w flipped and transposed), stride 1
+        wd = np.ascontiguousarray(_taps_of(w, geom, m)[:, ::-1].transpose(0, 1, 3, 2))
+        ipc = _images(geom.N, H * W)
+        dx = _out.empty(geom.x_shape, np.float32)
+        launch(conv_tasks, -(-geom.N // ipc) * G, gy, gate, wd, np.empty(0, np.float32),
+               _dims(geom.N, geom.K, P, Q, geom.C, R, S, H, W, 1, 1, geom.dh, geom.dw,
+                     (R - 1) * geom.dh - geom.ph, (S - 1) * geom.dw - geom.pw, geom.sh,
+                     geom.sw, G, kg, cg, ipc, H + (R - 1) * geom.dh, W + (S - 1) * geom.dw,
+                     nhwc),
+               (False, False, use_gate, _taps.WIDE), dx, work=gy.size + dx.size, grain=1)
+    if need_dw:
+        ipc = _images(geom.N, P * Q)
+        Hs = (P - 1) * geom.sh + (R - 1) * geom.dh + 1
+        Ws = (Q - 1) * geom.sw + (S - 1) * geom.dw + 1
+        parts = _out.empty((G, R * S, kg, cg), np.float32)
+        _taps.ready(gather=True)
+        launch(dw_tasks, G, x, gy, gate,
+               _dims(geom.N, geom.C, H, W, geom.K, R, S, P, Q, geom.sh, geom.sw, geom.dh,
+                     geom.dw, geom.ph, geom.pw, G, cg, kg, ipc, Hs, Ws, nhwc),
+               (use_gate, _taps.WIDE), parts, work=x.size + gy.size, grain=1)
+        Cg, Kg = geom.C // geom.groups, geom.K // geom.groups
+        blocks = parts.reshape(G, R * S, m, Kg, m, Cg)
+        diag = np.stack([blocks[:, :, a, :, a, :] for a in range(m)], axis=1)  # (G, m, RS, Kg, Cg)
+        dw = np.ascontiguousarray(diag.reshape(geom.groups, R, S, Kg, Cg).transpose(0, 3, 4, 1, 2)
+                                  ).reshape(geom.K, Cg, R, S)
+    if need_db:
+        axes = (0, 1, 2) if nhwc else (0, 2, 3)
+        g = gy if y is None else np.where(y > 0, gy, np.float32(0))
+        db = np.sum(g, axis=axes, dtype=np.float64).astype(np.float32)
+    return dx, dw, db
