@@ -31,13 +31,20 @@ from numba import njit
 
 from ..cpu import gemm_taps as _taps
 from ..cpu.buffers import output_cache as _out
-from ..cpu.launch import launch, task_kernel
+from ..cpu.launch import launch, num_threads, task_kernel
 from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
 
 _relu_grad = cpu_scalar(_relu_grad_math)
+# Flat indices of the copy loops are unsigned: with a signed index Numba adds the wrap-around
+# of a negative one to every access, and LLVM then copies a value at a time (machine F, a
+# slab's runs of 8 floats: 1.43 ns a value signed, 0.46 unsigned)
+_U = np.uint64
 
 ROWS_A_TASK = 256          # output pixels a task aims at (images of small maps go together)
+TASKS_A_THREAD = 4         # tasks a pass aims at, a thread (blocks of groups down to that)
+BLOCK_VALUES = 1 << 16     # the most values of an NCHW input's block of channels transposed
+#                            at once, the task's images (its groups then read it from L2)
 
 
 def merged(geom):
@@ -86,63 +93,82 @@ def _sources(table, pad, up, size):
 
 
 @njit(inline="always")
-def _fill(src, gate, use_gate, nhwc, n, c0, hsrc, wsrc, pad_l, up_w, slab, i):
+def _fill(src, gate, use_gate, nhwc, n, c0, hsrc, wsrc, pad_l, up_w, tb, tc0, slab, i):
     # slab[i] (Hs, Ws, cg) <- image n's channels [c0, c0 + cg) of src at the tables' rows and
     # columns (zero at -1; column v's is v - pad_l where up_w is 1), gated by gate > 0 where
-    # use_gate. Elsewise flat indices: a view a row costs more than the row's few values at
-    # 2x2 and 4x4 maps.
+    # use_gate. An ungated NCHW src with up_w 1 is read from tb (H*W, cb), columns [tc0, tc0
+    # + cg): the image's block of channels transposed by :func:`_transposed` (a value at a
+    # time, as the strided reads below, takes ~1.5 ns); an NHWC one from src's pixel rows.
     _, Hs, Ws, cg = slab.shape
     if nhwc:
         _, Hin, Win, Cin = src.shape
     else:
         _, Cin, Hin, Win = src.shape
-    if not nhwc and not use_gate and up_w == 1:
-        # each row's channels (cg, columns) transposed into the slab's (columns, cg) by 8 x 8
-        # tiles (a value at a time: ~1.5 ns, cpu.transpose); the padding's columns zero
-        vlo = min(Ws, max(0, pad_l))
-        vhi = max(vlo, min(Ws, pad_l + Win))
-        for u in range(Hs):
-            h = hsrc[u]
-            du = slab[i, u]                                           # (Ws, cg)
-            if h < 0:
-                du[:, :] = 0
-                continue
-            du[:vlo, :] = 0
-            du[vhi:, :] = 0
-            if vhi > vlo:
-                transpose(src[n, c0:c0 + cg, h, vlo - pad_l:vhi - pad_l], du[vlo:vhi])
-        return
-    sf = src.reshape(src.size)
-    gf = gate.reshape(gate.size)
     d = slab.reshape(slab.size)
     d0 = i * Hs * Ws * cg
+    ucg = _U(cg)
+    if use_gate or up_w != 1:           # (a gated or strided dX: value by value)
+        sf = src.reshape(src.size)
+        gf = gate.reshape(gate.size)
+        for u in range(Hs):
+            h = hsrc[u]
+            for v in range(Ws):
+                wi = wsrc[v]
+                o = _U(d0 + (u * Ws + v) * cg)
+                if h < 0 or wi < 0:
+                    for c in range(ucg):
+                        d[o + c] = 0
+                elif nhwc:
+                    a = _U(((n * Hin + h) * Win + wi) * Cin + c0)
+                    for c in range(ucg):
+                        d[o + c] = _relu_grad(sf[a + c], gf[a + c]) if use_gate else sf[a + c]
+                else:
+                    a = _U(((n * Cin + c0) * Hin + h) * Win + wi)
+                    for c in range(ucg):
+                        e = a + c * _U(Hin * Win)
+                        d[o + c] = _relu_grad(sf[e], gf[e]) if use_gate else sf[e]
+        return
+    if nhwc:            # the values of slab pixel (u, v): a run of cg at pf[(h*W + w)*ld + col]
+        pf, r0, ld, col = src.reshape(src.size), n * Hin * Win, Cin, c0
+    else:
+        pf, r0, ld, col = tb.reshape(tb.size), 0, tb.shape[1], tc0
+    vlo = min(Ws, max(0, pad_l))
+    vhi = max(vlo, min(Ws, pad_l + Win))
     for u in range(Hs):
         h = hsrc[u]
-        for v in range(Ws):
-            wi = wsrc[v]
-            o = d0 + (u * Ws + v) * cg
-            if h < 0 or wi < 0:
-                for c in range(cg):
-                    d[o + c] = 0
-            elif nhwc:
-                a = ((n * Hin + h) * Win + wi) * Cin + c0
-                for c in range(cg):
-                    d[o + c] = _relu_grad(sf[a + c], gf[a + c]) if use_gate else sf[a + c]
-            else:
-                a = ((n * Cin + c0) * Hin + h) * Win + wi
-                for c in range(cg):
-                    e = a + c * Hin * Win
-                    d[o + c] = _relu_grad(sf[e], gf[e]) if use_gate else sf[e]
+        o = _U(d0 + u * Ws * cg)
+        if h < 0:
+            for e in range(o, o + _U(Ws * cg)):
+                d[e] = 0
+            continue
+        for e in range(o, o + _U(vlo * cg)):
+            d[e] = 0
+        for e in range(o + _U(vhi * cg), o + _U(Ws * cg)):
+            d[e] = 0
+        a = _U((r0 + h * Win + vlo - pad_l) * ld + col)
+        for v in range(vhi - vlo):
+            ov = o + _U((vlo + v) * cg)
+            av = a + _U(v * ld)
+            for c in range(ucg):
+                d[ov + c] = pf[av + c]
 
 
 @njit(inline="always")
-def _corners(rows, i, base, P, Q, Hs, Ws, sh, sw, cg):
+def _transposed(src, n, c0, tmp, i):
+    # tmp[i] (H*W, cb) <- image n's channels [c0, c0 + cb) of an NCHW src, by 8 x 8 tiles
+    _, C, H, W = src.shape
+    cb = tmp.shape[2]
+    transpose(src[n, c0:c0 + cb].reshape((cb, H * W)), tmp[i])
+
+
+@njit(inline="always")
+def _corners(rows, i, base, P, Q, Hs, Ws, sh, sw, cb):
     # rows of image i's output pixels: the slab address of each one's receptive field corner
     for p in range(P):
         r0 = (i * P + p) * Q
-        a0 = base + 4 * ((i * Hs + p * sh) * Ws) * cg
+        a0 = base + 4 * ((i * Hs + p * sh) * Ws) * cb
         for q in range(Q):
-            rows[r0 + q] = a0 + 4 * q * sw * cg
+            rows[r0 + q] = a0 + 4 * q * sw * cb
 
 
 @task_kernel
@@ -151,16 +177,20 @@ def conv_tasks(t0, t1, src, gate, wt, bias, dims, flags, out):
     # Hin, Win) | (N, Hin, Win, Cin), gate src's shape (y: src where gate > 0, else 0), wt
     # (Gm, R*S, cg, kg), bias (Kout,), out (N, Kout, P, Q) | (N, P, Q, Kout). Input pixel i
     # of slab row u is src's (u - pad_t) / up_h where that is whole and inside (the stride's
-    # zeros of a dX), likewise columns. Task t: group t % Gm of images [c*ipc, c*ipc + ipc),
-    # c = t // Gm.
+    # zeros of a dX), likewise columns. Task t: the gpb groups of block t % (Gm / gpb) (one
+    # slab of their channels) of images [c*ipc, c*ipc + ipc), c = t // (Gm / gpb).
     (N, Cin, Hin, Win, Kout, R, S, P, Q, sh, sw, dh, dw, pad_t, pad_l, up_h, up_w, Gm, cg, kg,
-     ipc, Hs, Ws, nhwc) = dims
+     ipc, Hs, Ws, gpb, nhwc) = dims
     has_bias, relu, use_gate, wide = flags
     RS = R * S
     PQ = P * Q
+    cb = gpb * cg
+    nblk = Gm // gpb
+    flat = nhwc or use_gate or up_w != 1          # (_fill reads src itself)
     slab = np.empty((ipc, Hs, Ws, cg), np.float32)
+    tmp = np.empty((1 if flat else ipc, 0 if flat else Hin * Win, cb), np.float32)
     rows = np.empty(ipc * PQ, np.int64)
-    aoff = np.empty(RS, np.int64)
+    toff = np.empty(RS, np.int64)
     cbuf = np.empty((0 if nhwc else ipc * PQ) * kg, np.float32)
     hsrc = np.empty(Hs, np.int64)
     wsrc = np.empty(Ws, np.int64)
@@ -168,31 +198,35 @@ def conv_tasks(t0, t1, src, gate, wt, bias, dims, flags, out):
     _sources(wsrc, pad_l, up_w, Win)
     for r in range(R):
         for s in range(S):
-            aoff[r * S + s] = (r * dh * Ws + s * dw) * cg
+            toff[r * S + s] = (r * dh * Ws + s * dw) * cg
     base = np.int64(slab.ctypes.data)
+    o3 = out.reshape((N, Kout, PQ)) if not nhwc else out.reshape((N, PQ, Kout))
     for t in range(t0, t1):
-        g = t % Gm
-        n0 = (t // Gm) * ipc
+        g0 = (t % nblk) * gpb
+        n0 = (t // nblk) * ipc
         n1 = min(N, n0 + ipc)
-        c0 = g * cg
         for i in range(n1 - n0):
-            _fill(src, gate, use_gate, nhwc, n0 + i, c0, hsrc, wsrc, pad_l, up_w, slab, i)
             _corners(rows, i, base, P, Q, Hs, Ws, sh, sw, cg)
+            if not flat:
+                _transposed(src, n0 + i, g0 * cg, tmp, i)
         m = (n1 - n0) * PQ
-        if nhwc:
-            pc, ldc = np.int64(out[n0].ctypes.data) + 4 * g * kg, Kout
-        else:
-            pc, ldc = np.int64(cbuf.ctypes.data), kg
-        _taps.taps_step(((np.int64(m), np.int64(kg), np.int64(cg)), np.int64(RS),
-                        np.int64(rows.ctypes.data), np.int64(aoff.ctypes.data),
-                        np.int64(wt[g].ctypes.data), np.int64(kg), pc, np.int64(ldc),
-                        np.int64(bias.ctypes.data) + 4 * g * kg if has_bias else np.int64(0),
-                        np.int64(1 if relu else 0), np.int64(1 if wide else 0)))
-        if not nhwc:                      # (pixels, kg) -> each image's (kg, PQ) block
-            cb = cbuf[:m * kg].reshape((m, kg))
-            o3 = out.reshape((N, Kout, PQ))
+        for g in range(g0, g0 + gpb):
             for i in range(n1 - n0):
-                transpose(cb[i * PQ:(i + 1) * PQ], o3[n0 + i, g * kg:(g + 1) * kg])
+                _fill(src, gate, use_gate, nhwc, n0 + i, g * cg, hsrc, wsrc, pad_l, up_w,
+                      tmp[0 if flat else i], (g - g0) * cg, slab, i)
+            if nhwc:
+                pc, ldc = np.int64(o3[n0].ctypes.data) + 4 * g * kg, Kout
+            else:
+                pc, ldc = np.int64(cbuf.ctypes.data), kg
+            _taps.taps_step(((np.int64(m), np.int64(kg), np.int64(cg)), np.int64(RS),
+                            np.int64(rows.ctypes.data), np.int64(toff.ctypes.data),
+                            np.int64(wt[g].ctypes.data), np.int64(kg), pc, np.int64(ldc),
+                            np.int64(bias.ctypes.data) + 4 * g * kg if has_bias else np.int64(0),
+                            np.int64(1 if relu else 0), np.int64(1 if wide else 0)))
+            if not nhwc:                  # (pixels, kg) -> each image's (kg, PQ) block
+                cbm = cbuf[:m * kg].reshape((m, kg))
+                for i in range(n1 - n0):
+                    transpose(cbm[i * PQ:(i + 1) * PQ], o3[n0 + i, g * kg:(g + 1) * kg])
 
 
 @task_kernel
@@ -200,15 +234,18 @@ def dw_tasks(t0, t1, x, gy, y, dims, flags, parts):
     # parts[g] (R*S, kg, cg) <- merged group g's dW taps: for tap (r, s), sum over the images
     # (in order, ipc at a time) of g^T (kg, pixels) @ the pixels' tap rows of x's slab, g =
     # gy * (y > 0)? of the group's filters. x (N, C, H, W) | (N, H, W, C); gy, y (N, K, P, Q)
-    # | (N, P, Q, K).
-    (N, C, H, W, K, R, S, P, Q, sh, sw, dh, dw, ph, pw, Gm, cg, kg, ipc, Hs, Ws, nhwc) = dims
+    # | (N, P, Q, K). Task t: the gpb groups of block t (one slab of their channels).
+    (N, C, H, W, K, R, S, P, Q, sh, sw, dh, dw, ph, pw, Gm, cg, kg, ipc, Hs, Ws, gpb,
+     nhwc) = dims
     use_gate, wide = flags
     RS = R * S
     PQ = P * Q
+    cb = gpb * cg
     slab = np.empty((ipc, Hs, Ws, cg), np.float32)
+    tmp = np.empty((1 if nhwc else ipc, 0 if nhwc else H * W, cb), np.float32)
     rows = np.empty(ipc * PQ, np.int64)
-    aoff = np.empty(RS, np.int64)
-    gt = np.empty((kg, ipc * PQ), np.float32)
+    toff = np.empty(RS, np.int64)
+    gt = np.empty((gpb * kg, ipc * PQ), np.float32)
     gtf = gt.reshape(gt.size)
     gyf, yf = gy.reshape(gy.size), y.reshape(y.size)
     hsrc = np.empty(Hs, np.int64)
@@ -217,29 +254,55 @@ def dw_tasks(t0, t1, x, gy, y, dims, flags, parts):
     _sources(wsrc, pw, 1, W)
     for r in range(R):
         for s in range(S):
-            aoff[r * S + s] = (r * dh * Ws + s * dw) * cg
+            toff[r * S + s] = (r * dh * Ws + s * dw) * cg
     base = np.int64(slab.ctypes.data)
-    for g in range(t0, t1):
-        c0, k0 = g * cg, g * kg
+    ld = ipc * PQ
+    for blk in range(t0, t1):
+        g0 = blk * gpb
+        k0 = g0 * kg
         for n0 in range(0, N, ipc):
             n1 = min(N, n0 + ipc)
             m = (n1 - n0) * PQ
             for i in range(n1 - n0):
                 n = n0 + i
-                _fill(x, x, False, nhwc, n, c0, hsrc, wsrc, pw, 1, slab, i)
                 _corners(rows, i, base, P, Q, Hs, Ws, sh, sw, cg)
-                for k in range(kg):               # g^T's columns of image i
+                if not nhwc:
+                    _transposed(x, n, g0 * cg, tmp, i)
+                if nhwc:                    # g^T's columns of image i: pixels' rows of K
                     for j in range(PQ):
-                        e = (n * PQ + j) * K + k0 + k if nhwc else (n * K + k0 + k) * PQ + j
-                        a = gyf[e]
-                        gtf[k * ipc * PQ + i * PQ + j] = _relu_grad(a, yf[e]) if use_gate \
-                            else a
-            for tap in range(RS):
-                _taps.gather_step((np.int64(kg), np.int64(cg), np.int64(m),
-                                   np.int64(gt.ctypes.data), np.int64(ipc * PQ),
-                                   np.int64(rows.ctypes.data), aoff[tap],
-                                   np.int64(parts[g, tap].ctypes.data), np.int64(cg),
-                                   np.int64(0 if n0 == 0 else 1), np.int64(1 if wide else 0)))
+                        e0 = _U((n * PQ + j) * K + k0)
+                        o = _U(i * PQ + j)
+                        for k in range(_U(gpb * kg)):
+                            a = gyf[e0 + k]
+                            gtf[k * _U(ld) + o] = _relu_grad(a, yf[e0 + k]) \
+                                if use_gate else a
+                else:
+                    for k in range(gpb * kg):
+                        e0 = _U((n * K + k0 + k) * PQ)
+                        o = _U(k * ld + i * PQ)
+                        for j in range(_U(PQ)):
+                            a = gyf[e0 + j]
+                            gtf[o + j] = _relu_grad(a, yf[e0 + j]) if use_gate else a
+            for g in range(g0, g0 + gpb):
+                for i in range(n1 - n0):
+                    _fill(x, x, False, nhwc, n0 + i, g * cg, hsrc, wsrc, pw, 1,
+                          tmp[0 if nhwc else i], (g - g0) * cg, slab, i)
+                for tap in range(RS):
+                    _taps.gather_step((np.int64(kg), np.int64(cg), np.int64(m),
+                                       np.int64(gt[(g - g0) * kg].ctypes.data), np.int64(ld),
+                                       np.int64(rows.ctypes.data), toff[tap],
+                                       np.int64(parts[g, tap].ctypes.data), np.int64(cg),
+                                       np.int64(0 if n0 == 0 else 1),
+                                       np.int64(1 if wide else 0)))
+
+
+def _blocks(G, least, most):
+    """Groups a block (a divisor of G): the most, up to ``most``, that still makes ``least``
+    blocks (one where G < least)."""
+    for blocks in range(1, G + 1):
+        if G % blocks == 0 and blocks >= least and G // blocks <= max(1, most):
+            return G // blocks
+    return 1
 
 
 def _dims(*values):
@@ -261,11 +324,14 @@ def forward(x, w, b, geom, relu):
     Ws = (Q - 1) * geom.sw + (geom.S - 1) * geom.dw + 1
     y = _out.empty(geom.y_shape, np.float32)
     H, W = geom.H, geom.W
+    chunks = -(-geom.N // ipc)
+    gpb = _blocks(G, -(-TASKS_A_THREAD * num_threads() // chunks),
+                  BLOCK_VALUES // (ipc * H * W * cg))
     _taps.ready()
-    launch(conv_tasks, -(-geom.N // ipc) * G, x, x, _taps_of(w, geom, m),
+    launch(conv_tasks, chunks * (G // gpb), x, x, _taps_of(w, geom, m),
            b if b is not None else np.empty(0, np.float32),
            _dims(geom.N, geom.C, H, W, geom.K, geom.R, geom.S, P, Q, geom.sh, geom.sw,
-                 geom.dh, geom.dw, geom.ph, geom.pw, 1, 1, G, cg, kg, ipc, Hs, Ws,
+                 geom.dh, geom.dw, geom.ph, geom.pw, 1, 1, G, cg, kg, ipc, Hs, Ws, gpb,
                  _layout(geom)),
            (b is not None, bool(relu), False, _taps.WIDE), y,
            work=x.size + y.size, grain=1)
@@ -289,22 +355,26 @@ def backward(gy, x, w, geom, y, need):
         # dx = conv(g upsampled by the stride, w flipped and transposed), stride 1
         wd = np.ascontiguousarray(_taps_of(w, geom, m)[:, ::-1].transpose(0, 1, 3, 2))
         ipc = _images(geom.N, H * W)
+        chunks = -(-geom.N // ipc)
+        gpb = _blocks(G, -(-TASKS_A_THREAD * num_threads() // chunks),
+                      BLOCK_VALUES // (ipc * P * Q * kg))
         dx = _out.empty(geom.x_shape, np.float32)
-        launch(conv_tasks, -(-geom.N // ipc) * G, gy, gate, wd, np.empty(0, np.float32),
+        launch(conv_tasks, chunks * (G // gpb), gy, gate, wd, np.empty(0, np.float32),
                _dims(geom.N, geom.K, P, Q, geom.C, R, S, H, W, 1, 1, geom.dh, geom.dw,
                      (R - 1) * geom.dh - geom.ph, (S - 1) * geom.dw - geom.pw, geom.sh,
                      geom.sw, G, kg, cg, ipc, H + (R - 1) * geom.dh, W + (S - 1) * geom.dw,
-                     nhwc),
+                     gpb, nhwc),
                (False, False, use_gate, _taps.WIDE), dx, work=gy.size + dx.size, grain=1)
     if need_dw:
         ipc = _images(geom.N, P * Q)
         Hs = (P - 1) * geom.sh + (R - 1) * geom.dh + 1
         Ws = (Q - 1) * geom.sw + (S - 1) * geom.dw + 1
         parts = _out.empty((G, R * S, kg, cg), np.float32)
+        gpb = _blocks(G, num_threads(), BLOCK_VALUES // (ipc * H * W * cg))
         _taps.ready(gather=True)
-        launch(dw_tasks, G, x, gy, gate,
+        launch(dw_tasks, G // gpb, x, gy, gate,
                _dims(geom.N, geom.C, H, W, geom.K, R, S, P, Q, geom.sh, geom.sw, geom.dh,
-                     geom.dw, geom.ph, geom.pw, G, cg, kg, ipc, Hs, Ws, nhwc),
+                     geom.dw, geom.ph, geom.pw, G, cg, kg, ipc, Hs, Ws, gpb, nhwc),
                (use_gate, _taps.WIDE), parts, work=x.size + gy.size, grain=1)
         Cg, Kg = geom.C // geom.groups, geom.K // geom.groups
         blocks = parts.reshape(G, R * S, m, Kg, m, Cg)
