@@ -247,3 +247,48 @@ def test_without_the_cache_a_write_through_data_is_seen():
         conv.weight.data.mul_(-1.0)
         assert conv.weight._version == version
         assert not torch.equal(fused(x), before)
+
+
+@torch_tests
+def test_grouped_taps_are_kept_per_groups_and_the_same_with_the_cache():
+    # cpu_grouped_taps reorders w into its merged groups' taps (forward) and their flipped
+    # transposes (dX): kept under the cache like the ungrouped passes' arrays, keyed by the
+    # groups too (one (32, 4, 3, 3) w is 8 groups of 4 channels or 4 groups of 4 -> 8)
+    torch = pytest.importorskip("torch")
+    import numbafuse.torch as nft
+    from numbafuse.kernels.conv import cpu_grouped_taps
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1, groups=4, bias=False),
+                          nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1, groups=8, bias=False),
+                          nn.BatchNorm2d(32), nn.ReLU())
+    fused = nft.fuse(model)
+    x = torch.randn(3, 16, 8, 8)
+
+    def step():
+        fused.zero_grad(set_to_none=True)
+        out = fused(x)
+        out.square().sum().backward()
+        return out.detach(), [p.grad.clone() for p in fused.parameters()]
+
+    kept = []
+    make = cpu_grouped_taps._taps_of
+    try:
+        cpu_grouped_taps._taps_of = lambda w, geom, m: kept.append(geom.groups) or make(w, geom,
+                                                                                         m)
+        y0, g0 = step()
+        made = [len(kept)]
+        with nft.weight_cache():
+            y1, g1 = step()
+            made.append(len(kept))
+            y2, g2 = step()
+            made.append(len(kept))
+    finally:
+        cpu_grouped_taps._taps_of = make
+    assert set(kept) == {4, 8}
+    # uncached: each conv's forward and recompute, and the second's dX (x needs no gradient);
+    # cached: those taps once each, and nothing again in the second step
+    assert made == [5, 5 + 3, 5 + 3]
+    assert torch.equal(y0, y1) and torch.equal(y1, y2)
+    assert all(torch.equal(a, b) and torch.equal(b, c) for a, b, c in zip(g0, g1, g2))

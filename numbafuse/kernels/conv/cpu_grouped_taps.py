@@ -34,6 +34,7 @@ from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import launch, num_threads, task_kernel
 from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
+from . import weights as _weights
 
 _relu_grad = cpu_scalar(_relu_grad_math)
 # Flat indices of the copy loops are unsigned: with a signed index Numba adds the wrap-around
@@ -328,7 +329,8 @@ def forward(x, w, b, geom, relu):
     gpb = _blocks(G, -(-TASKS_A_THREAD * num_threads() // chunks),
                   BLOCK_VALUES // (ipc * H * W * cg))
     _taps.ready()
-    launch(conv_tasks, chunks * (G // gpb), x, x, _taps_of(w, geom, m),
+    launch(conv_tasks, chunks * (G // gpb), x, x,
+           _weights.derived(w, ("grouped taps", geom.groups, m), lambda: _taps_of(w, geom, m)),
            b if b is not None else np.empty(0, np.float32),
            _dims(geom.N, geom.C, H, W, geom.K, geom.R, geom.S, P, Q, geom.sh, geom.sw,
                  geom.dh, geom.dw, geom.ph, geom.pw, 1, 1, G, cg, kg, ipc, Hs, Ws, gpb,
@@ -353,7 +355,8 @@ def backward(gy, x, w, geom, y, need):
     dx = dw = db = None
     if need_dx:
         # dx = conv(g upsampled by the stride, w flipped and transposed), stride 1
-        wd = np.ascontiguousarray(_taps_of(w, geom, m)[:, ::-1].transpose(0, 1, 3, 2))
+        wd = _weights.derived(w, ("grouped dx taps", geom.groups, m), lambda: np.ascontiguousarray(
+            _taps_of(w, geom, m)[:, ::-1].transpose(0, 1, 3, 2)))
         ipc = _images(geom.N, H * W)
         chunks = -(-geom.N // ipc)
         gpb = _blocks(G, -(-TASKS_A_THREAD * num_threads() // chunks),
