@@ -35,6 +35,10 @@ CASES = {
                                 dict(stride=(1, 2), padding=2, dilation=2)),
     "groups 2 1x1 stride 2": ((3, 16, 7, 6), 32, (1, 1), 2, dict(stride=2)),
     "depthwise 3x3": ((2, 5, 7, 9), 5, (3, 3), 5, dict(padding=1)),
+    # float32 NCHW on small maps: the NHWC tiles on transposed copies (cpu_depthwise._by_nhwc)
+    "depthwise small map": ((3, 16, 5, 6), 16, (3, 3), 16, dict(padding=1)),
+    "depthwise small map stride 2": ((2, 8, 9, 7), 8, (3, 3), 8,
+                                     dict(stride=2, padding=(1, 0, 2, 1))),
     "depthwise stride 2 asym": ((3, 4, 9, 10), 4, (3, 3), 4,
                                 dict(stride=2, padding=(0, 2, 1, 0))),
     "depthwise 7x7": ((2, 3, 11, 10), 3, (7, 7), 3, dict(padding=3)),
@@ -51,6 +55,8 @@ PLAN = [("groups 2", "NCHW", np.float64), ("groups 3 stride 2", "NHWC", np.float
         ("groups 2 1x1 stride 2", "NHWC", np.float32),
         ("groups 2 1x1 stride 2", "NCHW", np.float32),
         ("depthwise 3x3", "NCHW", np.float32), ("depthwise 3x3", "NHWC", np.float64),
+        ("depthwise small map", "NCHW", np.float32),
+        ("depthwise small map stride 2", "NCHW", np.float32),
         ("depthwise stride 2 asym", "NCHW", np.float64),
         ("depthwise stride 2 asym", "NHWC", np.float32),
         ("depthwise 7x7", "NHWC", np.float32), ("depthwise 7x7", "NCHW", np.float64),
@@ -585,3 +591,33 @@ def test_grouped_implicit_gemms_against_the_loop_over_groups(name, layout, monke
     for got, want, what in zip(runs[True][5:], ref.conv_bias_relu_backward(gy, x, w, b, **kw),
                                ("dx gated", "dw gated", "db gated")):
         close(got, want, np.float32, what=what)
+
+
+@pytest.mark.parametrize("name", ["depthwise small map", "depthwise small map stride 2"])
+def test_small_nchw_depthwise_maps_run_the_nhwc_tiles_with_the_planes_values(name,
+                                                                            monkeypatch):
+    """A float32 NCHW depthwise conv on a small map runs the NHWC tiles on transposed copies
+    (checked: the geometry takes that path), forward and backward, with and without the ReLU's
+    gate and with only some gradients asked: equal to the NCHW plane passes' results."""
+    x, w, b, kw = _problem(name, "NCHW", np.float32)
+    geom = validate.conv_geometry("t", x.shape, w.shape, kw.get("stride", 1),
+                                  kw.get("padding", 0), 1, "NCHW", kw["groups"])
+    assert cpu_depthwise._by_nhwc(geom, np.float32, cpu_depthwise.NHWC_FORWARD_MAX_PIXELS)
+    assert cpu_depthwise._by_nhwc(geom, np.float32, cpu_depthwise.NHWC_BACKWARD_MAX_PIXELS)
+    assert not cpu_depthwise._by_nhwc(geom, np.float64, 1 << 30)
+    gy = np.random.default_rng(8).standard_normal(geom.y_shape).astype(np.float32)
+    runs = {}
+    for limit in (1 << 30, 0):                              # (0: the NCHW planes)
+        monkeypatch.setattr(cpu_depthwise, "NHWC_FORWARD_MAX_PIXELS", limit)
+        monkeypatch.setattr(cpu_depthwise, "NHWC_BACKWARD_MAX_PIXELS", limit)
+        y = cpu_depthwise.forward(x, w, b, geom, True)
+        runs[limit] = (y, cpu_depthwise.forward(x, w, None, geom, False),
+                       *cpu_depthwise.backward(gy, x, w, geom, y, (True, True, True)),
+                       *cpu_depthwise.backward(gy, x, w, geom, None, (True, False, False)),
+                       *cpu_depthwise.backward(gy, x, w, geom, None, (False, True, True)))
+    for got, want in zip(runs[1 << 30], runs[0]):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.shape == want.shape and got.dtype == want.dtype
+            close(got, want, np.float32)
+    close(runs[1 << 30][0], ref.conv_bias_relu(x, w, b, **kw), np.float32, what="y")
