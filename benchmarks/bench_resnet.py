@@ -5,9 +5,10 @@
                                       [--conv-table FILE] [--markdown FILE]
 
 The model is torchvision's code (``numbafuse/torch/resnet.py``: the same modules, names and
-forward), float32, NCHW, 1000 classes. A training step = gradients set to None, forward,
-cross-entropy, backward, SGD (lr 0.01, momentum 0.9, weight decay 1e-4); "eval" is a forward
-under ``torch.no_grad`` in eval mode. The numbafuse side runs
+forward; ``--models`` takes any of its functions, resnext50_32x4d too, and mobilenet.py's
+mobilenet_v2 and mobilenet_v2_relu), float32, NCHW, 1000 classes. A training step =
+gradients set to None, forward, cross-entropy, backward, SGD (lr 0.01, momentum 0.9, weight
+decay 1e-4); "eval" is a forward under ``torch.no_grad`` in eval mode. The numbafuse side runs
 ``numbafuse.torch.fuse(model, recompute="auto")`` (every Conv-BN(-add)-ReLU chain as one
 fused op, the conv outputs recomputed in backward except the deep layers') on the same
 model, and its training step also with ``fuse(model)`` (``recompute=True``, the default:
@@ -37,18 +38,26 @@ import _runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESNET = os.path.join(os.path.dirname(HERE), "numbafuse", "torch", "resnet.py")
+MOBILENET = os.path.join(os.path.dirname(HERE), "numbafuse", "torch", "mobilenet.py")
 LR, MOMENTUM, WEIGHT_DECAY, CLASSES = 0.01, 0.9, 1e-4, 1000
 ALL = " (recompute=True)"            # the case name's suffix of fuse(model, recompute=True)
 KEEP_H = " (recompute=False)"        # ... of fuse(model, recompute=False)
 CACHED = " (weight_cache)"           # ... of fuse(model) run inside numbafuse.torch.weight_cache()
 
 
-def resnet_module():
-    """numbafuse/torch/resnet.py loaded from its file (torch only, no numbafuse import)."""
-    spec = importlib.util.spec_from_file_location("_bench_resnet_models", RESNET)
+def resnet_module(path=RESNET):
+    """numbafuse/torch/resnet.py (or ``path``: mobilenet.py) loaded from its file (torch only,
+    no numbafuse import)."""
+    spec = importlib.util.spec_from_file_location(
+        "_bench_" + os.path.basename(path)[:-3] + "_models", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def model_function(name):
+    """The function making model ``name``: resnet.py's, or mobilenet.py's for mobilenet_*."""
+    return getattr(resnet_module(MOBILENET if name.startswith("mobilenet") else RESNET), name)
 
 
 def _cache(side, cached):
@@ -81,7 +90,6 @@ def _use_conv_table(path, models, batch, size):
 def cases(side, options):
     import torch
     torch.manual_seed(0)
-    resnet = resnet_module()
     batch, size = int(options["batch"]), int(options["size"])
     x = torch.randn(batch, 3, size, size)
     labels = torch.randint(0, CLASSES, (batch,))
@@ -95,7 +103,7 @@ def cases(side, options):
         [(CACHED, "auto")] if side == "numbafuse" and options.get("weight_cache") else [])
     for name, (suffix, recompute) in ((n, v) for n in options["models"].split(",")
                                        for v in variants):
-        model = getattr(resnet, name)(num_classes=CLASSES)
+        model = model_function(name)(num_classes=CLASSES)
         if side == "numbafuse":
             import numbafuse.torch as nft
             model = nft.fuse(model, recompute=recompute)
@@ -112,7 +120,7 @@ def cases(side, options):
 
         # the cached eval runs a model of its own that no training step changes (serving):
         # after a step every weight has a new version and nothing cached is valid
-        served = nft.fuse(getattr(resnet, name)(num_classes=CLASSES)) if suffix == CACHED \
+        served = nft.fuse(model_function(name)(num_classes=CLASSES)) if suffix == CACHED \
             else model
 
         def forward(model=served, cached=suffix == CACHED):

@@ -188,7 +188,8 @@ def _torch_layers(model, step, steps):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="resnet18",
-                   choices=["resnet18", "resnet50", "resnext50_32x4d"])
+                   choices=["resnet18", "resnet50", "resnext50_32x4d", "mobilenet_v2",
+                            "mobilenet_v2_relu"])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
@@ -204,15 +205,12 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import torch
-    if args.torch:
-        from bench_resnet import resnet_module       # resnet.py from its file, no numbafuse
-        resnet = resnet_module()
-    else:
+    from bench_resnet import model_function    # the model's file, no numbafuse import
+    if not args.torch:
         import numbafuse.torch as nft
-        from numbafuse.torch import resnet
 
     torch.manual_seed(0)
-    model = getattr(resnet, args.model)(num_classes=1000)
+    model = model_function(args.model)(num_classes=1000)
     recompute = {"True": True, "False": False}.get(args.recompute, args.recompute)
     model = model if args.torch else nft.fuse(model, recompute=recompute)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)

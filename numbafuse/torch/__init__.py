@@ -19,15 +19,16 @@ r"""PyTorch interoperation (extra ``torch``): numbafuse's fused ops inside PyTor
 
 Tensors may be contiguous or ``torch.channels_last`` (numbafuse's NHWC kernels, zero-copy;
 the outputs keep the format); modules take ``device=`` and ``dtype=`` as torch's.
-    resnet18(**kw), resnet50(**kw), resnext50_32x4d(**kw), ResNet, BasicBlock, Bottleneck
-                               # torchvision's names
+    resnet18(**kw), resnet50(**kw), resnext50_32x4d(**kw), ResNet, BasicBlock, Bottleneck,
+    mobilenet_v2(**kw), MobileNetV2                 # torchvision's names
 
 Modules of this package: ``bridge`` (the tensor/array bridge: checks, views, memory formats,
 stream order), ``layers`` (Conv-Bias-ReLU, BatchNorm-Add-ReLU), ``prepared`` (calls whose
 checks passed before), ``conv_batchnorm`` (Conv-BatchNorm(-ReLU) and Conv-BatchNorm-Add-ReLU
 with recompute), ``modules`` (their torch modules), ``fx`` (:func:`fuse`), ``sites`` (what a
-fused model calls), ``bfloat16`` (bfloat16 tensors without ``ml_dtypes``), ``resnet``
-(torchvision-compatible ResNets, written here). Described in docs/pytorch.md.
+fused model calls), ``bfloat16`` (bfloat16 tensors without ``ml_dtypes``), ``resnet`` and
+``mobilenet`` (torchvision-compatible ResNets and MobileNetV2, written here). Described in
+docs/pytorch.md.
 """
 try:
     import torch  # noqa: F401  (nft.torch: tests patch torch.cuda through it)
@@ -43,6 +44,7 @@ from .fx import fuse, unfuse
 from .modules import ConvBatchNorm2d, ConvBatchNormAddReLU2d, ConvBatchNormReLU2d
 from . import library  # noqa: F401,E402  (registers torch.ops.numbafuse.*)
 from .resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50, resnext50_32x4d
+from .mobilenet import MobileNetV2, mobilenet_v2, mobilenet_v2_relu
 from .layers import (BatchNormAddReLU2d, BatchNormAddReLUFunction, ConvBiasReLU2d,
                      ConvBiasReLUFunction, batchnorm_add_relu, conv_bias_relu)
 from .bridge import (  # noqa: F401  (the bridge's names, for tests and benchmarks)
@@ -54,4 +56,4 @@ __all__ = ["fuse", "unfuse", "weight_cache", "conv_bias_relu", "batchnorm_add_re
            "ConvBatchNormReLU2d", "ConvBatchNorm2d", "ConvBatchNormAddReLU2d",
            "ConvBiasReLUFunction", "BatchNormAddReLUFunction", "ConvBatchNormReLUFunction",
            "ConvBatchNormAddReLUFunction", "ResNet", "BasicBlock", "Bottleneck", "resnet18",
-           "resnet50", "resnext50_32x4d"]
+           "resnet50", "resnext50_32x4d", "MobileNetV2", "mobilenet_v2", "mobilenet_v2_relu"]
