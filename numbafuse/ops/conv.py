@@ -22,7 +22,8 @@ arrays' device::
         flagged in need = (dx, dw, db) are computed; the others are None.
 
 Grouped convolutions (``groups > 1``, the geometry's ``groups``) run ``kernels/conv/
-cpu_grouped.py`` (depthwise stencils for ``groups == C``, else ``cpu.py``'s kernels per group)
+cpu_grouped.py`` (depthwise stencils for ``groups == C``, else grouped implicit GEMMs or
+``cpu.py``'s kernels per group)
 and ``cuda_grouped.py`` (depthwise stencils, ``cuda_depthwise.py``, for ``groups == C``, else
 ``cuda.py``'s GEMMs per group); ``groups == 1`` calls ``cpu.py`` /
 ``cuda.py`` as it always did.

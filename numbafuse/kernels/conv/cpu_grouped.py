@@ -1,11 +1,15 @@
-"""CPU grouped convolutions (``groups > 1``): depthwise kernels, or the ungrouped kernels per group.
+"""CPU grouped convolutions (``groups > 1``): depthwise kernels, grouped implicit GEMMs, or the
+ungrouped kernels per group.
 
 Same interface as ``cpu.py`` (``kernels.interfaces.ConvKernels``), for a geometry with
 ``groups > 1`` (``groups == 1`` never comes here: the ops call ``cpu.py`` directly, unchanged).
 
     depthwise  groups == C (one input channel per group, K = C * multiplier): the direct
                stencils of ``cpu_depthwise.py``
-    per group  1 < groups < C: each group's channel slice of x (and of gy, y in backward)
+    taps       1 < groups < C, float32, the groups' channels and filters multiples of 8 once
+               merged in 1s, 2s, 4s or 8s (``cpu_grouped_taps.fits``): every group in one
+               launch a pass, implicit GEMMs on ``cpu.gemm_taps``' tiles
+    per group  the other 1 < groups < C: each group's channel slice of x (and of gy, y in backward)
                copied contiguous (the kernels take C-contiguous arrays), ``cpu.py``'s kernels
                run on it with the group's geometry (C/groups channels, K/groups filters,
                groups=1), and the result written into its channel block of y (dx); dw and db
