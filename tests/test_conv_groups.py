@@ -16,7 +16,8 @@ import pytest
 import numbafuse as nf
 from numbafuse import reference as ref, validate
 from numbafuse.kernels.cpu import launch as _launch
-from numbafuse.kernels.conv import cpu_depthwise, cpu_grouped, cpu_grouped_taps
+from numbafuse.kernels.conv import (cpu_depthwise, cpu_depthwise_nchw, cpu_grouped,
+                                    cpu_grouped_taps)
 
 from .harness import close
 
@@ -35,7 +36,7 @@ CASES = {
                                 dict(stride=(1, 2), padding=2, dilation=2)),
     "groups 2 1x1 stride 2": ((3, 16, 7, 6), 32, (1, 1), 2, dict(stride=2)),
     "depthwise 3x3": ((2, 5, 7, 9), 5, (3, 3), 5, dict(padding=1)),
-    # float32 NCHW on small maps: the NHWC tiles on transposed copies (cpu_depthwise._by_nhwc)
+    # float32 NCHW on small maps: the NHWC tiles on transposed copies (cpu_depthwise_nchw.by_nhwc)
     "depthwise small map": ((3, 16, 5, 6), 16, (3, 3), 16, dict(padding=1)),
     "depthwise small map stride 2": ((2, 8, 9, 7), 8, (3, 3), 8,
                                      dict(stride=2, padding=(1, 0, 2, 1))),
@@ -602,14 +603,15 @@ def test_small_nchw_depthwise_maps_run_the_nhwc_tiles_with_the_planes_values(nam
     x, w, b, kw = _problem(name, "NCHW", np.float32)
     geom = validate.conv_geometry("t", x.shape, w.shape, kw.get("stride", 1),
                                   kw.get("padding", 0), 1, "NCHW", kw["groups"])
-    assert cpu_depthwise._by_nhwc(geom, np.float32, cpu_depthwise.NHWC_FORWARD_MAX_PIXELS)
-    assert cpu_depthwise._by_nhwc(geom, np.float32, cpu_depthwise.NHWC_BACKWARD_MAX_PIXELS)
-    assert not cpu_depthwise._by_nhwc(geom, np.float64, 1 << 30)
+    nchw = cpu_depthwise_nchw
+    assert nchw.by_nhwc(geom, np.float32, nchw.NHWC_FORWARD_MAX_PIXELS)
+    assert nchw.by_nhwc(geom, np.float32, nchw.NHWC_BACKWARD_MAX_PIXELS)
+    assert not nchw.by_nhwc(geom, np.float64, 1 << 30)
     gy = np.random.default_rng(8).standard_normal(geom.y_shape).astype(np.float32)
     runs = {}
     for limit in (1 << 30, 0):                              # (0: the NCHW planes)
-        monkeypatch.setattr(cpu_depthwise, "NHWC_FORWARD_MAX_PIXELS", limit)
-        monkeypatch.setattr(cpu_depthwise, "NHWC_BACKWARD_MAX_PIXELS", limit)
+        monkeypatch.setattr(nchw, "NHWC_FORWARD_MAX_PIXELS", limit)
+        monkeypatch.setattr(nchw, "NHWC_BACKWARD_MAX_PIXELS", limit)
         y = cpu_depthwise.forward(x, w, b, geom, True)
         runs[limit] = (y, cpu_depthwise.forward(x, w, None, geom, False),
                        *cpu_depthwise.backward(gy, x, w, geom, y, (True, True, True)),

@@ -6,11 +6,10 @@ multiplier, >= 1): filter ``k = c * M + m`` sees input channel ``c`` only, and w
 bound by memory more than arithmetic: each pass reads its inputs once and writes its output
 once. The float32 NHWC passes with multiplier 1 and C % 8 == 0 sum in registers
 (``cpu_depthwise_tiles``'s micro-kernels, ``cpu_depthwise_nhwc``'s task kernels: the forward,
-dX where ``_tiled_dx``, dW), as does the float32 NCHW forward
-(``cpu_depthwise_nchw``); elsewhere the accumulators stay in L1 (docs/conv_bias_relu.md).
+dX where ``_tiled_dx``, dW), as does the float32 NCHW forward (``cpu_depthwise_nchw``, which
+also sends small NCHW maps to the NHWC tiles); elsewhere the accumulators stay in L1.
 
-    forward   y[n,k,p,q] = relu(sum_{r,s} x[n, c, p*sh - ph + r*dh, q*sw - pw + s*dw] w[k,r,s]
-                                + b[k])
+    forward   y[n,k,p,q] = relu(sum_{r,s} x[n, c, p*sh-ph + r*dh, q*sw-pw + s*dw] w[k,r,s] + b[k])
     backward  g = gy * (y > 0);  db[k] = sum_{n,p,q} g[n,k,p,q]
               dw[k,r,s] = sum_{n,p,q} g[n,k,p,q] x[n, c, p*sh - ph + r*dh, q*sw - pw + s*dw]
               dx[n,c,h,w] = sum_{m,r,s} g[n, cM+m, p, q] w[cM+m, r, s]
@@ -44,7 +43,6 @@ one task each with its own partial (db in float64), summed in group order afterw
 do not depend on the thread count. dX: each dx element is written by exactly one task. Notation
 as in ``cpu.py``; ``geo`` is ``math.GEO_FIELDS``'s tuple.
 """
-import dataclasses
 import functools
 
 import numpy as np
@@ -54,7 +52,6 @@ from .. import scalar
 from ..cpu import gemm_taps as _gemm_taps
 from ..cpu.buffers import aligned as _aligned, output_cache as _out
 from ..cpu.launch import blocks, launch, task_kernel
-from ..cpu.transpose import transpose as _transpose
 from . import math as conv_math
 from . import cpu_depthwise_nchw as _nchw
 from . import cpu_depthwise_nhwc as _nhwc
@@ -207,41 +204,6 @@ def _forward_nchw(t0, t1, x, w, b, relu, geo, Wph, y):
                     yr[q] = _relu(v) if relu else v
 
 
-# A float32 NCHW depthwise conv whose output maps have at most this many pixels runs the NHWC
-# register tiles on transposed copies (x, and gy, y in backward; y and dx transposed back),
-# forward and backward apart: the NCHW passes' tasks are planes (n, c), each copied into padded
-# phases, which at a MobileNet's deep 2x2-8x8 maps cost far more than the plane's few values,
-# and their dW sums in float64 one plane at a time. Machine F, 2 threads, conv_bias_relu ms,
-# NCHW planes -> the NHWC tiles on copies (the NHWC tiles alone), forward / backward:
-# (16, 960, 2, 2) 1.76 -> 0.33 (0.17) / 6.69 -> 0.80 (0.46); (16, 192, 8, 8) 0.49 -> 0.34 /
-# 3.18 -> 0.81; (16, 144, 16, 16) 0.54 -> 0.68 / 5.57 -> 2.38; (16, 96, 32, 32) stride 2 0.47
-# -> 0.81 / 4.92 -> 3.54; (16, 32, 32, 32) 0.38 -> 0.68 / 1.39 -> 1.52.
-NHWC_FORWARD_MAX_PIXELS = 64
-NHWC_BACKWARD_MAX_PIXELS = 256
-
-
-def _by_nhwc(geom, dtype, limit):
-    """Whether the NCHW depthwise conv of ``geom`` runs the NHWC tiles on transposed copies:
-    ``limit`` output pixels at most."""
-    return geom.layout == "NCHW" and geom.P * geom.Q <= limit and _tiled(geom, dtype)
-
-
-@task_kernel
-def _transposed_images(t0, t1, src, dst):
-    # dst[n] (cols, rows) <- src[n] (rows, cols) for images n in [t0, t1): NCHW <-> NHWC as
-    # (C, H*W) <-> (H*W, C)
-    for n in range(t0, t1):
-        _transpose(src[n], dst[n])
-
-
-def _swapped(a, rows, cols):
-    """(N, cols, rows) C-contiguous from ``a`` viewed as (N, rows, cols)."""
-    N = a.shape[0]
-    out = _out.empty((N, cols, rows), a.dtype)
-    launch(_transposed_images, N, a.reshape(N, rows, cols), out, work=a.size)
-    return out
-
-
 def _rows7(geom):
     """NCHW float32 forwards cpu_depthwise_nchw.forward_rows7 runs: 7x7 taps at stride 1 or
     2 in both directions, no dilation (AVX-512's tiles or AVX2's: cpu_depthwise_tiles.
@@ -252,10 +214,8 @@ def _rows7(geom):
 def forward(x, w, b, geom, relu):
     """``y = relu?(depthwise_conv(x, w) + b?)`` for contiguous host arrays of one dtype."""
     N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
-    if _by_nhwc(geom, x.dtype, NHWC_FORWARD_MAX_PIXELS):
-        hwc = dataclasses.replace(geom, layout="NHWC")
-        y = forward(_swapped(x, C, geom.H * geom.W).reshape(hwc.x_shape), w, b, hwc, relu)
-        return _swapped(y, P * Q, K).reshape(geom.y_shape)
+    if _nchw.by_nhwc(geom, x.dtype, _nchw.NHWC_FORWARD_MAX_PIXELS):
+        return _nchw.forward_by_nhwc(forward, x, w, b, geom, relu)
     y = _out.empty(geom.y_shape, x.dtype)
     b = np.zeros(K, x.dtype) if b is None else b
     work = x.size + y.size
@@ -613,16 +573,9 @@ def backward(gy, x, w, geom, y=None, need=(True, True, True)):
     Only the gradients flagged in ``need`` are computed (the others are None)."""
     need_dx, need_dw, need_db = (bool(v) for v in need)
     N, C, K, R, S, P, Q = geom.N, geom.C, geom.K, geom.R, geom.S, geom.P, geom.Q
-    if _by_nhwc(geom, gy.dtype, NHWC_BACKWARD_MAX_PIXELS):
-        hwc, HW = dataclasses.replace(geom, layout="NHWC"), geom.H * geom.W
-        dx, dw, db = backward(
-            _swapped(gy, K, P * Q).reshape(hwc.y_shape),
-            _swapped(x, C, HW).reshape(hwc.x_shape) if need_dw
-            else np.empty(hwc.x_shape, x.dtype), w, hwc,
-            None if y is None else _swapped(y, K, P * Q).reshape(hwc.y_shape), need)
-        return (None if dx is None else _swapped(dx, HW, C).reshape(geom.x_shape)), dw, db
-    M = K // C
-    use_mask = y is not None
+    if _nchw.by_nhwc(geom, gy.dtype, _nchw.NHWC_BACKWARD_MAX_PIXELS):
+        return _nchw.backward_by_nhwc(backward, gy, x, w, geom, y, need)
+    M, use_mask = K // C, y is not None
     y = y if use_mask else gy
     nhwc = geom.layout == "NHWC"
     geo = conv_math.geo_tuple(geom)

@@ -12,11 +12,15 @@ filter's output rows with the output columns on the vector lanes.
 Both store the rows of a plane into y itself where they can (``_rows_into_y``) and make the
 same sums in the same order as ``cpu_depthwise._forward_nchw``'s plane loops: the same bits.
 """
+import dataclasses
+
 import numpy as np
 from numba import njit
 
 from ..cpu import gemm_taps as _gemm_taps
-from ..cpu.launch import task_kernel
+from ..cpu.buffers import output_cache as _out
+from ..cpu.launch import launch, task_kernel
+from ..cpu.transpose import transpose as _transpose
 from . import cpu_depthwise_tiles as _tiles
 from .cpu_phases import split as _split_phases
 
@@ -138,3 +142,58 @@ def lanes(a, rows, geom):
     out = np.empty((rows, Qv), np.float32)
     out[...] = a.reshape(rows, 1)
     return out
+
+
+# A float32 NCHW depthwise conv whose output maps have at most this many pixels runs the NHWC
+# register tiles on transposed copies (x, and gy, y in backward; y and dx transposed back),
+# forward and backward apart: the NCHW passes' tasks are planes (n, c), each copied into padded
+# phases, which at a MobileNet's deep 2x2-8x8 maps cost far more than the plane's few values,
+# and their dW sums in float64 one plane at a time. Machine F, 2 threads, conv_bias_relu ms,
+# NCHW planes -> the NHWC tiles on copies (the NHWC tiles alone), forward / backward:
+# (16, 960, 2, 2) 1.76 -> 0.33 (0.17) / 6.69 -> 0.80 (0.46); (16, 192, 8, 8) 0.49 -> 0.34 /
+# 3.18 -> 0.81; (16, 144, 16, 16) 0.54 -> 0.68 / 5.57 -> 2.38; (16, 96, 32, 32) stride 2 0.47
+# -> 0.81 / 4.92 -> 3.54; (16, 32, 32, 32) 0.38 -> 0.68 / 1.39 -> 1.52.
+NHWC_FORWARD_MAX_PIXELS = 64
+NHWC_BACKWARD_MAX_PIXELS = 256
+
+
+def by_nhwc(geom, dtype, limit):
+    """Whether the NCHW depthwise conv of ``geom`` runs the NHWC tiles on transposed copies:
+    ``limit`` output pixels at most."""
+    return (geom.layout == "NCHW" and geom.P * geom.Q <= limit and np.dtype(dtype) == np.float32
+            and geom.K == geom.C and geom.C % 8 == 0)     # (cpu_depthwise._tiled's NHWC)
+
+
+@task_kernel
+def _transposed_images(t0, t1, src, dst):
+    # dst[n] (cols, rows) <- src[n] (rows, cols) for images n in [t0, t1): NCHW <-> NHWC as
+    # (C, H*W) <-> (H*W, C)
+    for n in range(t0, t1):
+        _transpose(src[n], dst[n])
+
+
+def swapped(a, rows, cols):
+    """(N, cols, rows) C-contiguous from ``a`` viewed as (N, rows, cols)."""
+    N = a.shape[0]
+    out = _out.empty((N, cols, rows), a.dtype)
+    launch(_transposed_images, N, a.reshape(N, rows, cols), out, work=a.size)
+    return out
+
+
+def forward_by_nhwc(forward, x, w, b, geom, relu):
+    """``forward`` (cpu_depthwise's) of the NHWC geometry on x transposed, y transposed back."""
+    hwc = dataclasses.replace(geom, layout="NHWC")
+    y = forward(swapped(x, geom.C, geom.H * geom.W).reshape(hwc.x_shape), w, b, hwc, relu)
+    return swapped(y, geom.P * geom.Q, geom.K).reshape(geom.y_shape)
+
+
+def backward_by_nhwc(backward, gy, x, w, geom, y, need):
+    """``backward`` (cpu_depthwise's) of the NHWC geometry on gy, x (for dW) and y transposed,
+    dx transposed back."""
+    hwc, HW, PQ = dataclasses.replace(geom, layout="NHWC"), geom.H * geom.W, geom.P * geom.Q
+    dx, dw, db = backward(
+        swapped(gy, geom.K, PQ).reshape(hwc.y_shape),
+        swapped(x, geom.C, HW).reshape(hwc.x_shape) if need[1]
+        else np.empty(hwc.x_shape, x.dtype), w, hwc,
+        None if y is None else swapped(y, geom.K, PQ).reshape(hwc.y_shape), need)
+    return (None if dx is None else swapped(dx, HW, geom.C).reshape(geom.x_shape)), dw, db

@@ -94,13 +94,16 @@ def _sources(table, pad, up, size):
 
 
 @njit(inline="always")
-def _fill(src, gate, use_gate, nhwc, n, c0, hsrc, wsrc, pad_l, up_w, tb, tc0, slab, i):
-    # slab[i] (Hs, Ws, cg) <- image n's channels [c0, c0 + cg) of src at the tables' rows and
-    # columns (zero at -1; column v's is v - pad_l where up_w is 1), gated by gate > 0 where
-    # use_gate. An ungated NCHW src with up_w 1 is read from tb (H*W, cb), columns [tc0, tc0
-    # + cg): the image's block of channels transposed by :func:`_transposed` (a value at a
-    # time, as the strided reads below, takes ~1.5 ns); an NHWC one from src's pixel rows.
+def _fill(src, gate, use_gate, nhwc, n, c0, tables, cols, tb, tc0, slab, i):
+    # slab[i] (Hs, Ws, cg) <- image n's channels [c0, c0 + cg) of src at the rows and columns
+    # of tables = (hsrc, wsrc) (zero at -1; cols = (pad_l, up_w): column v's is v - pad_l
+    # where up_w is 1), gated by gate > 0 where use_gate. An ungated NCHW src with up_w 1 is
+    # read from tb (H*W, cb), columns [tc0, tc0 + cg): the image's block of channels
+    # transposed by :func:`_transposed` (a value at a time, as the strided reads below, takes
+    # ~1.5 ns); an NHWC one from src's pixel rows.
     _, Hs, Ws, cg = slab.shape
+    hsrc, wsrc = tables
+    pad_l, up_w = cols
     if nhwc:
         _, Hin, Win, Cin = src.shape
     else:
@@ -213,7 +216,7 @@ def conv_tasks(t0, t1, src, gate, wt, bias, dims, flags, out):
         m = (n1 - n0) * PQ
         for g in range(g0, g0 + gpb):
             for i in range(n1 - n0):
-                _fill(src, gate, use_gate, nhwc, n0 + i, g * cg, hsrc, wsrc, pad_l, up_w,
+                _fill(src, gate, use_gate, nhwc, n0 + i, g * cg, (hsrc, wsrc), (pad_l, up_w),
                       tmp[0 if flat else i], (g - g0) * cg, slab, i)
             if nhwc:
                 pc, ldc = np.int64(o3[n0].ctypes.data) + 4 * g * kg, Kout
@@ -286,7 +289,7 @@ def dw_tasks(t0, t1, x, gy, y, dims, flags, parts):
                             gtf[o + j] = _relu_grad(a, yf[e0 + j]) if use_gate else a
             for g in range(g0, g0 + gpb):
                 for i in range(n1 - n0):
-                    _fill(x, x, False, nhwc, n0 + i, g * cg, hsrc, wsrc, pw, 1,
+                    _fill(x, x, False, nhwc, n0 + i, g * cg, (hsrc, wsrc), (pw, 1),
                           tmp[0 if nhwc else i], (g - g0) * cg, slab, i)
                 for tap in range(RS):
                     _taps.gather_step((np.int64(kg), np.int64(cg), np.int64(m),
