@@ -73,10 +73,10 @@ def _taps_of(w, geom, m):
     wt = np.asarray(w, np.float32).reshape(G, Kg, Cg, R * S).transpose(0, 3, 2, 1)
     if m == 1:
         return np.ascontiguousarray(wt)
-    out = np.zeros((G // m, R * S, m * Cg, m * Kg), np.float32)
-    for a in range(m):
-        out[:, :, a * Cg:(a + 1) * Cg, a * Kg:(a + 1) * Kg] = wt[a::m]
-    return out
+    out = np.zeros((G // m, R * S, m, Cg, m, Kg), np.float32)
+    for a in range(m):                 # (host NumPy; copyto: see tests/test_cpu_steps.py)
+        np.copyto(out[:, :, a, :, a, :], wt[a::m])
+    return out.reshape(G // m, R * S, m * Cg, m * Kg)
 
 
 def _images(N, pixels):
@@ -252,6 +252,8 @@ def dw_tasks(t0, t1, x, gy, y, dims, flags, parts):
     gt = np.empty((gpb * kg, ipc * PQ), np.float32)
     gtf = gt.reshape(gt.size)
     gyf, yf = gy.reshape(gy.size), y.reshape(y.size)
+    gy2, y2 = gy.reshape((N * PQ, K)), y.reshape((N * PQ, K))
+    yt = np.empty((gpb * kg if nhwc and use_gate else 0, PQ), np.float32)
     hsrc = np.empty(Hs, np.int64)
     wsrc = np.empty(Ws, np.int64)
     _sources(hsrc, ph, 1, H)
@@ -273,13 +275,14 @@ def dw_tasks(t0, t1, x, gy, y, dims, flags, parts):
                 if not nhwc:
                     _transposed(x, n, g0 * cg, tmp, i)
                 if nhwc:                    # g^T's columns of image i: pixels' rows of K
-                    for j in range(PQ):
-                        e0 = _U((n * PQ + j) * K + k0)
-                        o = _U(i * PQ + j)
-                        for k in range(_U(gpb * kg)):
-                            a = gyf[e0 + k]
-                            gtf[k * _U(ld) + o] = _relu_grad(a, yf[e0 + k]) \
-                                if use_gate else a
+                    gti = gt[:, i * PQ:(i + 1) * PQ]                  # (gpb*kg, PQ)
+                    transpose(gy2[n * PQ:(n + 1) * PQ, k0:k0 + gpb * kg], gti)
+                    if use_gate:                    # (y's block the same way, then the gate)
+                        transpose(y2[n * PQ:(n + 1) * PQ, k0:k0 + gpb * kg], yt)
+                        for k in range(gpb * kg):
+                            gr, yr = gti[k], yt[k]
+                            for j in range(PQ):
+                                gr[j] = _relu_grad(gr[j], yr[j])
                 else:
                     for k in range(gpb * kg):
                         e0 = _U((n * K + k0 + k) * PQ)
