@@ -3,18 +3,21 @@ r"""Grouped convolutions (1 < groups < C, float32) as implicit GEMMs, every grou
 ResNeXt's grouped 3x3 convs (32 groups of 4 to 32 channels) ran as ``cpu.py``'s kernels once
 per group (``cpu_grouped``'s loop: a copy in and out, a plan and launches for a GEMM of 4 to
 32 columns, 32 times a pass): at batch 16, 64x64 on machine F each pass took 4-17 ms against
-PyTorch's 0.6-8.5. Here every pass is one launch whose tasks are (a chunk of images, a group):
-the task copies its group's input channels of its images into a small zero-padded slab
-(pixels, group channels) and sums the taps in registers with ``cpu.gemm_taps``' tiles, as
-``cpu_implicit.py`` does for an ungrouped conv.
+PyTorch's 0.6-8.5. Here every pass is one launch whose tasks are (a chunk of images, a block
+of groups): for each group the task copies the group's input channels of its images into a
+small zero-padded slab (pixels, group channels; an NCHW image's block of channels transposed
+once for the block's groups) and sums the taps in registers with ``cpu.gemm_taps``' tiles, as
+``cpu_implicit.py`` does for an ungrouped conv. The reordered weights go through the weight
+cache (``weights.derived``: kept only where a caller vouches for w).
 
     forward   y_g = relu?(conv(x_g, w_g) + b_g?): ``gemm_taps`` over the slab of x's group
               channels, one row per output pixel, one offset per tap (r, s).
     dX        the same kernel on g = gy * (y > 0)?: dx_g = conv(g upsampled by the stride,
               the taps of w_g flipped and transposed), padding (R-1)*dh - ph, stride 1. The
               slab of g is made with the stride's zeros between its pixels (no array of them).
-    dW        ``gemm_gather``, per group (one task each, all images in order): dW_g tap (r, s)
-              (Kg, Cg) += g_g^T (Kg, pixels) @ the pixels' tap-(r, s) rows of x's slab.
+    dW        ``gemm_gather``, per group (one task a block of groups, all images in order):
+              dW_g tap (r, s) (Kg, Cg) += g_g^T (Kg, pixels) @ the pixels' tap-(r, s) rows of
+              x's slab.
 
 The tiles' columns come in vectors of 8 floats: a group's filters (forward), its input
 channels (dX, dW) must be multiples of 8. Groups of 4 (ResNeXt's first stage) or 2 go in
