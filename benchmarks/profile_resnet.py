@@ -5,7 +5,8 @@ timed by name.
                                         [--steps 5] [--top 25] [--layers | --torch | --host]
                                         [--recompute True|False|auto]
 
-The model is ``numbafuse/torch/resnet.py`` (torchvision's code) converted by
+The model is ``numbafuse/torch/resnet.py`` (torchvision's code; ``--model`` also takes
+resnext50_32x4d and ``mobilenet.py``'s mobilenet_v2, mobilenet_v2_relu) converted by
 ``numbafuse.torch.fuse``; a step as in ``bench_resnet.py`` (gradients set to None, forward,
 cross-entropy, backward, SGD with momentum and weight decay). Every ``launch`` of a compiled
 task kernel is wrapped (``kernels/cpu/launch.launch`` and the names modules imported it
