@@ -38,6 +38,8 @@ from ..cpu.launch import launch, num_threads, task_kernel
 from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
 from . import weights as _weights
+from .cpu import channel_sum
+from .cpu_implicit import slab_shape
 
 _relu_grad = cpu_scalar(_relu_grad_math)
 # Flat indices of the copy loops are unsigned: with a signed index Numba adds the wrap-around
@@ -315,6 +317,12 @@ def _blocks(G, least, most):
     return 1
 
 
+def _sizes(geom):
+    """(m, merged groups, their channels, their filters) of ``geom`` (:func:`merged`)."""
+    m = merged(geom)
+    return m, geom.groups // m, m * geom.C // geom.groups, m * geom.K // geom.groups
+
+
 def _dims(*values):
     return tuple(np.int64(v) for v in values)
 
@@ -325,13 +333,10 @@ def _layout(geom):
 
 def forward(x, w, b, geom, relu):
     """``y = relu?(conv(x, w, groups) + b?)`` (:func:`fits`)."""
-    m = merged(geom)
-    G = geom.groups // m
-    cg, kg = m * geom.C // geom.groups, m * geom.K // geom.groups
+    m, G, cg, kg = _sizes(geom)
     P, Q = geom.P, geom.Q
     ipc = _images(geom.N, P * Q)
-    Hs = (P - 1) * geom.sh + (geom.R - 1) * geom.dh + 1
-    Ws = (Q - 1) * geom.sw + (geom.S - 1) * geom.dw + 1
+    Hs, Ws = slab_shape(geom, P)
     y = _out.empty(geom.y_shape, np.float32)
     H, W = geom.H, geom.W
     chunks = -(-geom.N // ipc)
@@ -353,9 +358,7 @@ def backward(gy, x, w, geom, y, need):
     """``(dx, dw, db)`` (``need``'s; the others None) of the grouped conv, gy gated by
     ``y > 0`` where y is given (:func:`fits`)."""
     need_dx, need_dw, need_db = (bool(v) for v in need)
-    m = merged(geom)
-    G = geom.groups // m
-    cg, kg = m * geom.C // geom.groups, m * geom.K // geom.groups
+    m, G, cg, kg = _sizes(geom)
     R, S, P, Q, H, W = geom.R, geom.S, geom.P, geom.Q, geom.H, geom.W
     gate = y if y is not None else gy
     use_gate = y is not None
@@ -379,8 +382,7 @@ def backward(gy, x, w, geom, y, need):
                (False, False, use_gate, _taps.WIDE), dx, work=gy.size + dx.size, grain=1)
     if need_dw:
         ipc = _images(geom.N, P * Q)
-        Hs = (P - 1) * geom.sh + (R - 1) * geom.dh + 1
-        Ws = (Q - 1) * geom.sw + (S - 1) * geom.dw + 1
+        Hs, Ws = slab_shape(geom, P)
         parts = _out.empty((G, R * S, kg, cg), np.float32)
         gpb = _blocks(G, num_threads(), BLOCK_VALUES // (ipc * H * W * cg))
         _taps.ready(gather=True)
@@ -394,7 +396,5 @@ def backward(gy, x, w, geom, y, need):
         dw = np.ascontiguousarray(diag.reshape(geom.groups, R, S, Kg, Cg).transpose(0, 3, 4, 1, 2)
                                   ).reshape(geom.K, Cg, R, S)
     if need_db:
-        axes = (0, 1, 2) if nhwc else (0, 2, 3)
-        g = gy if y is None else np.where(y > 0, gy, np.float32(0))
-        db = np.sum(g, axis=axes, dtype=np.float64).astype(np.float32)
+        db = channel_sum(gy if y is None else np.where(y > 0, gy, np.float32(0)), geom.layout)
     return dx, dw, db
