@@ -207,10 +207,12 @@ def test_deep_pointwise_passes_run_blocked_where_the_rule_says(layout, size, C, 
 def test_deep_nchw_1x1_forwards_at_4x4_only_leave_the_blocked_gemms_by_the_rule():
     # pointwise_nchw_unblocked_pixels = 16 (but on full-width AVX-512, machine E): ResNet-50's
     # deep NCHW 1x1 forwards and dX at 4x4 (64x64 input) run the pointwise GEMMs, at 2x2 and
-    # at 7x7 (224x224 input) the blocked ones, as with 0 (machine E's rule) everywhere
+    # at 7x7 (224x224 input) the blocked ones, as with 0 (machine E's rule) everywhere. (The
+    # widening forwards' im2col chunks off: on full-width AVX-512 they take the 4x4 ones first.)
     def chosen(C, K, H, pass_, unblocked):
         g = nf.validate.conv_geometry("t", (16, C, H, H), (K, C, 1, 1), 1, 0, 1, "NCHW")
-        with cpu_plan.using(pointwise_nchw_unblocked_pixels=unblocked):
+        with cpu_plan.using(pointwise_nchw_unblocked_pixels=unblocked,
+                            pointwise_chunked_pixels=0):
             plan = cpu_plan.plan(g, pass_, np.float32)
         return plan.algorithm, plan.k_blocks > 1
     for pass_ in ("forward", "dx"):

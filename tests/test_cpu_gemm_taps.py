@@ -157,3 +157,60 @@ def test_a_split_512_bit_fma_is_zen_4_alone():
     assert not gt.splits_512_bit_fma(info("AuthenticAMD", 25, "avx512fx"))  # a whole flag
     assert not gt.splits_512_bit_fma("")
     assert gt.SPLIT_512 == (gt.WIDE and gt.splits_512_bit_fma())
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("m", [16, 19, 64, 67])
+def test_gemm_gather_packed_panels_every_depth_block_the_same_bits(wide, m, rng):
+    """Where gemm_gather copies b's panels into blocks of depth (``packs_panel``: b's rows
+    spread over more than PACK_SPREAD_BYTES), c is the same sum over p in order: the same bits
+    as each row alone (one row: never packed), and the float64 product. Depths around the
+    blocks (PACK_BYTES of a 64-column panel: 64 rows; of an 8-column one: 512), panels of 64,
+    32/24, 16 and 8 columns, beta 0 and 1, rows 4 KiB apart or (m >= PACK_ROWS) a contiguous
+    panel spread wide; guards around c untouched."""
+    kc64 = gt.PACK_BYTES // (4 * 64)
+    for n in (8, 72, 120):
+        for k in (gt.PACK_MIN_DEPTH + 1, kc64, kc64 + 1, 2 * kc64 + 3, 520):
+            for beta in (0, 1):
+                dense = m >= gt.PACK_ROWS and k >= 300 and n > 8
+                ldb = n if dense else 1024
+                pool = rng.standard_normal(k * ldb + 64).astype(np.float32)
+                boff = 0 if dense else int(rng.integers(0, 5))
+                rows = pool.ctypes.data + 4 * (np.arange(k, dtype=np.int64) * ldb)
+                stride = 4 * ldb
+                cols = 64 if wide else 24
+                assert gt.packs_panel(m, k, stride, min(cols, n)), (m, k, n)
+                a = np.full((m, k + 3), GUARD, np.float32)
+                a[:, :k] = rng.standard_normal((m, k))
+                c = np.full((m + 1, n + 3), GUARD, np.float32)
+                c[:m, :n] = rng.standard_normal((m, n))
+                b = pool[:k * ldb].reshape(k, ldb)[:, boff:boff + n]
+                want = a[:, :k].astype(np.float64) @ b.astype(np.float64)
+                if beta:
+                    want += c[:m, :n]
+                got = c.copy()
+                gt.gemm_gather(m, n, k, a.ctypes.data, a.shape[1], rows.ctypes.data, boff,
+                               got.ctypes.data, got.shape[1], beta, int(wide))
+                np.testing.assert_allclose(got[:m, :n], want, rtol=2e-5, atol=2e-5 * k ** 0.5,
+                                           err_msg=f"m={m} n={n} k={k} beta={beta}")
+                assert (got[:m, n:] == GUARD).all() and (got[m] == GUARD).all()
+                alone = c.copy()
+                for i in range(m):
+                    gt.gemm_gather(1, n, k, a[i:].ctypes.data, a.shape[1], rows.ctypes.data,
+                                   boff, alone[i:].ctypes.data, alone.shape[1], beta, int(wide))
+                assert got.tobytes() == alone.tobytes(), (m, n, k, beta)
+
+
+def test_gemm_gather_packs_where_its_rules_say():
+    """packs_panel: a wide spread, enough rows and depth; a contiguous panel only with
+    PACK_ROWS rows; never a panel within PACK_SPREAD_BYTES."""
+    far, cols = 4096, 64
+    k = gt.PACK_SPREAD_BYTES // far + 1
+    assert gt.packs_panel(gt.PACK_MIN_ROWS, k, far, cols)
+    assert not gt.packs_panel(gt.PACK_MIN_ROWS - 1, k, far, cols)
+    assert not gt.packs_panel(gt.PACK_MIN_ROWS, k - 1, far, cols)
+    dense = 4 * cols
+    kd = gt.PACK_SPREAD_BYTES // dense + 1
+    assert not gt.packs_panel(gt.PACK_ROWS - 1, kd, dense, cols)
+    assert gt.packs_panel(gt.PACK_ROWS, kd, dense, cols)
+    assert not gt.packs_panel(gt.PACK_ROWS, kd - 1, dense, cols)

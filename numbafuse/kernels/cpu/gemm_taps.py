@@ -32,6 +32,7 @@ AMD EPYC (Zen 4, AVX-512), one thread, 4 x 4 x 16 against 4 x 3 x 8:
 ~108 against ~83 GFLOP/s over the stride-2 conv's 9 taps of k = 64.
 """
 import llvmlite.binding as _llvm
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils, config
@@ -235,45 +236,134 @@ def gemm_gather(m, n, k, pa, lda, prow, boff, pc, ldc, beta, wide):
     """c (m, n) = a (m, k) @ b (k, n) (+ c where beta), row p of b at ``row[p] + boff``
     (``prow``: the address of k int64 addresses); pa, pc addresses of float32 matrices with
     row strides lda, ldc; n % 8 == 0; every argument int64. Each c element is one sum over p
-    in order (after c's old value), as in gemm_taps."""
+    in order (after c's old value), as in gemm_taps.
+
+    Where :data:`PACK_ROWS` and the rules below it say, each panel of b is copied, a block of
+    depth at a time, into a contiguous buffer that stays in L1 while every row block of c
+    runs its tiles over it (GotoBLAS's packing of b; a is read in place): the tiles read b's
+    rows by address, whose stride (a weight matrix's width, an image row's) can map a panel
+    onto few cache sets (rows 2 KiB apart: 64 rows in 4 of L1's 64 sets) or outgrow L1. The
+    blocks after the first add into c: each c element is the same sum over p in order, the
+    same bits (docs/conv_bias_relu.md, "Packed panels of b")."""
+    packs = m >= PACK_MIN_ROWS and k >= PACK_MIN_DEPTH
+    stride = _address_at(prow, 1) - _address_at(prow, 0) if packs else np.int64(0)
+    buf = np.empty(PACK_BYTES // 4 if packs else 0, np.float32)
+    brows = np.empty(PACK_BYTES // 32 if packs else 0, np.int64)     # (at least kc rows)
+    pbuf, pbrows = np.int64(buf.ctypes.data), np.int64(brows.ctypes.data)
     j = 0
     while j < n:
         cols = panel(wide, n - j)
-        bo = boff + j
-        i = 0
-        while i < m:
-            pai, pcij = pa + 4 * i * lda, pc + 4 * (i * ldc + j)
-            if i + ROWS <= m:
-                if cols == 64:
-                    _g4(k, pai, lda, prow, bo, pcij, ldc, beta)
-                elif cols == 32:
-                    _g2(k, pai, lda, prow, bo, pcij, ldc, beta)
-                elif cols == 24:
-                    _h3(k, pai, lda, prow, bo, pcij, ldc, beta)
-                elif cols == 16:
-                    if wide:
-                        _g1(k, pai, lda, prow, bo, pcij, ldc, beta)
-                    else:
-                        _h2(k, pai, lda, prow, bo, pcij, ldc, beta)
-                else:
-                    _h1(k, pai, lda, prow, bo, pcij, ldc, beta)
-                i += ROWS
-            else:
-                if cols == 64:
-                    _g4r(k, pai, lda, prow, bo, pcij, ldc, beta)
-                elif cols == 32:
-                    _g2r(k, pai, lda, prow, bo, pcij, ldc, beta)
-                elif cols == 24:
-                    _h3r(k, pai, lda, prow, bo, pcij, ldc, beta)
-                elif cols == 16:
-                    if wide:
-                        _g1r(k, pai, lda, prow, bo, pcij, ldc, beta)
-                    else:
-                        _h2r(k, pai, lda, prow, bo, pcij, ldc, beta)
-                else:
-                    _h1r(k, pai, lda, prow, bo, pcij, ldc, beta)
-                i += 1
+        pack = packs and packs_panel(m, k, stride, cols)
+        kc = PACK_BYTES // (4 * cols) if pack else max(k, 1)
+        for block in range(max(1, -(-k // kc))):       # (k = 0: one block, c = beta c)
+            p0 = block * kc
+            kb = min(kc, k - p0)
+            rows, bo = prow + 8 * p0, boff + j
+            if pack:
+                _pack(kb, rows, bo, cols // 8, pbuf, pbrows)
+                rows, bo = pbrows, np.int64(0)
+            _gather_panel(m, kb, cols, pa + 4 * p0, lda, rows, bo, pc + 4 * j, ldc,
+                          beta if p0 == 0 else np.int64(1), wide)
         j += cols
+
+
+# gemm_gather packs b where its panel spreads over more than PACK_SPREAD_BYTES (k rows times
+# their stride) and c has at least PACK_ROWS rows, or PACK_MIN_ROWS and the panel is no
+# contiguous block (its rows further apart than its width); never below PACK_MIN_DEPTH.
+# Fewer rows (few tiles for each copied row), a panel in L1 anyway or a contiguous one of few
+# rows of c (streamed well by the prefetchers) lost: machine B, one thread, best of 7
+# alternating, GFLOP/s before / packed, (m, n, k, b's row stride in floats): (16, 64, 256,
+# 64) 159 / 123, (20, 128, 128, 128) 154 / 123, (48, 64, 576, 64) 158 / 130, (64, 64, 64,
+# 64) 150 / 134; but (147, 64, 1024, 64) 117 / 160, (16, 512, 576, 512) 102 / 116, (1152,
+# 128, 256, 128) 104 / 134, (128, 512, 2304, 512) 26 / 127
+PACK_ROWS = 64
+PACK_MIN_ROWS = 16
+PACK_MIN_DEPTH = 16
+PACK_SPREAD_BYTES = 64 << 10
+# the blocks of depth copied: at most this many bytes (64 columns: 64 rows of b)
+PACK_BYTES = 16 << 10
+
+
+@njit(nogil=True, cache=True, inline="always")
+def packs_panel(m, k, stride, cols):
+    """Whether :func:`gemm_gather` copies a panel of ``cols`` columns of b (k rows, the first
+    two ``stride`` bytes apart) for c's m rows (the rules above)."""
+    return (m >= PACK_MIN_ROWS and k >= PACK_MIN_DEPTH and k * abs(stride) > PACK_SPREAD_BYTES
+            and (m >= PACK_ROWS or stride != 4 * cols))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _gather_panel(m, k, cols, pa, lda, prow, bo, pc, ldc, beta, wide):
+    # c[:, :cols] (+)= a (m, k) @ b's panel of ``cols`` columns (its row p at row[p] + bo)
+    i = 0
+    while i < m:
+        pai, pcij = pa + 4 * i * lda, pc + 4 * i * ldc
+        if i + ROWS <= m:
+            if cols == 64:
+                _g4(k, pai, lda, prow, bo, pcij, ldc, beta)
+            elif cols == 32:
+                _g2(k, pai, lda, prow, bo, pcij, ldc, beta)
+            elif cols == 24:
+                _h3(k, pai, lda, prow, bo, pcij, ldc, beta)
+            elif cols == 16:
+                if wide:
+                    _g1(k, pai, lda, prow, bo, pcij, ldc, beta)
+                else:
+                    _h2(k, pai, lda, prow, bo, pcij, ldc, beta)
+            else:
+                _h1(k, pai, lda, prow, bo, pcij, ldc, beta)
+            i += ROWS
+        else:
+            if cols == 64:
+                _g4r(k, pai, lda, prow, bo, pcij, ldc, beta)
+            elif cols == 32:
+                _g2r(k, pai, lda, prow, bo, pcij, ldc, beta)
+            elif cols == 24:
+                _h3r(k, pai, lda, prow, bo, pcij, ldc, beta)
+            elif cols == 16:
+                if wide:
+                    _g1r(k, pai, lda, prow, bo, pcij, ldc, beta)
+                else:
+                    _h2r(k, pai, lda, prow, bo, pcij, ldc, beta)
+            else:
+                _h1r(k, pai, lda, prow, bo, pcij, ldc, beta)
+            i += 1
+
+
+@intrinsic
+def _address_at(typingctx, prow, p):
+    """The int64 at index ``p`` of the int64 array at the address ``prow``."""
+    def codegen(context, builder, signature, args):
+        prow, p = args
+        return builder.load(builder.gep(builder.inttoptr(prow, _I64.as_pointer()), [p]))
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _pack(typingctx, k, prow, boff, nv8, dst, drows):
+    """dst[p, :8 nv8] = b_p[:8 nv8] for p < k, b_p = row[p] + boff (float32 elements), dst
+    (k, 8 nv8) contiguous at the address ``dst``; drows[p] = dst's row p's address (the
+    tiles' row table of the copy). Every argument int64 (prow, dst, drows addresses)."""
+    def codegen(context, builder, signature, args):
+        k, prow, boff, nv8, dst, drows = args
+        V = Vec(builder, 8)
+        prow = builder.inttoptr(prow, _I64.as_pointer())
+        drows = builder.inttoptr(drows, _I64.as_pointer())
+        d = V.floats(dst)
+        ld = builder.mul(nv8, ir.Constant(_I64, 8))
+        with cgutils.for_range(builder, k) as loop:
+            p = loop.index
+            src = builder.gep(V.floats(builder.load(builder.gep(prow, [p]))), [boff])
+            dp = builder.mul(p, ld)
+            builder.store(builder.add(dst, builder.mul(dp, ir.Constant(_I64, 4))),
+                          builder.gep(drows, [p]))
+            with cgutils.for_range(builder, nv8) as vec:
+                off = builder.mul(vec.index, ir.Constant(_I64, 8))
+                V.store(V.load(src, off), d, builder.add(dp, off))
+        return context.get_dummy_value()
+
+    return types.void(*([types.int64] * 6)), codegen
 
 
 # The two drivers as steps (cpu/steps.py): the conv kernels call them through slots, so
