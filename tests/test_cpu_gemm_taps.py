@@ -214,3 +214,32 @@ def test_gemm_gather_packs_where_its_rules_say():
     assert not gt.packs_panel(gt.PACK_ROWS - 1, kd, dense, cols)
     assert gt.packs_panel(gt.PACK_ROWS, kd, dense, cols)
     assert not gt.packs_panel(gt.PACK_ROWS, kd - 1, dense, cols)
+
+
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("m", [16, 21, 64])
+def test_gemm_taps_packed_blocks_of_taps_and_of_one_tap_the_same_bits(wide, m, rng):
+    """Where gemm_taps copies b's panels (``packs_panel``: b's rows spread wide), a block of
+    depth is whole taps (k below the block's rows: several taps, the last block short) or part
+    of one tap (k above: the tap split, its offsets moved on): c is the same sum in tap, then p
+    order, the bias and ReLU applied once, at the end: the same bits as each row alone (one
+    row: never packed) and the float64 sum; guards untouched."""
+    rows64 = gt.PACK_BYTES // (4 * 64)
+    for n in (8, 72):
+        for k, ntaps in ((24, 9), (rows64, 3), (rows64 + 5, 2), (3 * rows64 + 1, 1), (40, 5)):
+            for with_bias, relu in ((False, False), (True, True)):
+                pad = 1024 - n                                  # b's rows 4 KiB apart
+                pool, starts, offs, b, c = _problem(rng, m, n, k, ntaps, pad=pad)
+                assert gt.packs_panel(m, k * ntaps, 4 * (n + pad), min(n, 24))
+                bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
+                got = c.copy()
+                _run(pool, starts, offs, b, got, m, n, k, bias, relu, wide)
+                want = _expected(pool, starts, offs, b, m, n, k, bias, relu)
+                np.testing.assert_allclose(got[:m, :n], want, rtol=2e-5,
+                                           atol=2e-5 * (k * ntaps) ** 0.5,
+                                           err_msg=f"m={m} n={n} k={k} taps={ntaps}")
+                assert (got[:m, n:] == GUARD).all() and (got[m] == GUARD).all()
+                alone = c.copy()
+                for i in range(m):
+                    _run(pool, starts[i:i + 1], offs, b, alone[i:], 1, n, k, bias, relu, wide)
+                assert got.tobytes() == alone.tobytes(), (m, n, k, ntaps, with_bias)

@@ -20,9 +20,13 @@ pixels)) and b's row p at ``row[p] + boff`` (pixel p's tap in the slab): dW_rs (
 im2col either.
 
 Each (rows, vectors) block of c is summed in registers over every tap and every p (rows *
-vectors accumulators), then the bias and ReLU, and stored once. Each c element is one sum in
-tap order, then p order, with a fused multiply-add where the target has one, so results do
-not depend on the block shape, the vector width or the thread count.
+vectors accumulators), then the bias and ReLU, and stored once. Where b's panels spread wide
+(``packs_panel``), both drivers copy each panel a block of depth at a time into an L1-sized
+buffer (``PACK_BYTES``) and sum block after block, c stored after each and read back by the
+next (the same float32 values in the same order), the bias and ReLU with the last. Each c
+element is one sum in tap order, then p order, with a fused multiply-add where the target has
+one, so results do not depend on the block shape, the packing, the vector width or the thread
+count.
 
 Vector width: 16 floats where the CPU has AVX-512 (``WIDE``: 4 x 4 zmm accumulators, 32
 registers), else 8 (4 x 3 ymm of AVX2's 16). The IR is target independent, so either width
@@ -92,13 +96,14 @@ def _taps_tile(rows, nv, width):
     """The micro-kernel intrinsic for a (rows, width * nv) block of c."""
 
     @intrinsic
-    def tile(typingctx, ntaps, k, prow, paoff, b, ldb, c, ldc, bias, relu):
-        """c[r, :width*nv] = relu?(sum over t, p of a_r,t[p] * b[t*k + p, :width*nv] + bias?)
-        for r < rows; a_r,t = row[r] + aoff[t] (float32 elements); prow, paoff, b, c, bias:
-        addresses (bias 0: none); ldb, ldc row strides in elements; relu 0 or 1 (all int64).
-        The epilogue is the scalar one's: the float32 sum + bias, then ReLU keeping NaN."""
+    def tile(typingctx, ntaps, k, prow, paoff, b, ldb, c, ldc, bias, relu, beta):
+        """c[r, :width*nv] = relu?((c[r] if beta) + sum over t, p of a_r,t[p] * b[t*k + p,
+        :width*nv] + bias?) for r < rows; a_r,t = row[r] + aoff[t] (float32 elements); prow,
+        paoff, b, c, bias: addresses (bias 0: none); ldb, ldc row strides in elements; relu,
+        beta 0 or 1 (all int64). The epilogue is the scalar one's: the float32 sum + bias,
+        then ReLU keeping NaN."""
         def codegen(context, builder, signature, args):
-            ntaps, k, prow, paoff, b, ldb, c, ldc, bias, relu = args
+            ntaps, k, prow, paoff, b, ldb, c, ldc, bias, relu, beta = args
             V = Vec(builder, width)
             prow = builder.inttoptr(prow, _I64.as_pointer())
             paoff = builder.inttoptr(paoff, _I64.as_pointer())
@@ -106,6 +111,8 @@ def _taps_tile(rows, nv, width):
             row = [V.floats(builder.load(builder.gep(prow, [ir.Constant(_I64, r)])))
                    for r in range(rows)]
             acc = V.accumulators(rows, nv)
+            with builder.if_then(builder.icmp_signed("!=", beta, ir.Constant(_I64, 0))):
+                V.load_rows(acc, c, ldc)
             tap_stride = builder.mul(k, ldb)
             with cgutils.for_range(builder, ntaps) as taps:
                 t = taps.index
@@ -121,7 +128,7 @@ def _taps_tile(rows, nv, width):
             V.store_rows(acc, c, ldc)
             return context.get_dummy_value()
 
-        return types.void(*([types.int64] * 10)), codegen
+        return types.void(*([types.int64] * 11)), codegen
 
     return tile
 
@@ -181,47 +188,90 @@ def dense_rows(rows, address, m, ld):
 
 @njit(nogil=True, cache=True)
 def gemm_taps(mnk, ntaps, prow, paoff, pb, ldb, pc, ldc, pbias, relu, wide):
-    """See the module docstring; every argument int64 (one compilation), n % 8 == 0."""
+    """See the module docstring; every argument int64 (one compilation), n % 8 == 0. Where
+    :func:`packs_panel` says (b's panels spread over ntaps * k rows, ``ldb`` apart), each
+    panel is copied a block of depth at a time as in :func:`gemm_gather`: a block is whole
+    taps (k at most the block's rows) or part of one tap's k; the blocks after the first add
+    into c, the bias and ReLU come with the last; the same sums in order, the same bits."""
     m, n, k = mnk
+    depth = ntaps * k
+    packs = packs_panel(m, depth, 4 * ldb, np.int64(0))
+    buf = np.empty(PACK_BYTES // 4 if packs else 0, np.float32)
+    brows = np.empty(PACK_BYTES // 32 if packs else 0, np.int64)
+    boffs = np.empty(PACK_BYTES // 32 if packs else 0, np.int64)
+    pbuf, pbrows = np.int64(buf.ctypes.data), np.int64(brows.ctypes.data)
+    pboffs = np.int64(boffs.ctypes.data)
     j = 0
     while j < n:
         cols = panel(wide, n - j)
         pbj = pb + 4 * j
         pbiasj = pbias + 4 * j if pbias != 0 else 0
-        i = 0
-        while i < m:
-            pr, pcij = prow + 8 * i, pc + 4 * (i * ldc + j)
-            if i + ROWS <= m:
-                if cols == 64:
-                    _w4(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
-                elif cols == 32:
-                    _w2(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
-                elif cols == 24:
-                    _n3(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
-                elif cols == 16:
-                    if wide:
-                        _w1(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
-                    else:
-                        _n2(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
+        pack = packs and packs_panel(m, depth, 4 * ldb, cols)
+        rows = PACK_BYTES // (4 * cols) if pack else max(depth, 1)
+        # a block: taps [t0, t0 + nt), p in [p0, p0 + kb) of each
+        nt = max(1, min(ntaps, rows // max(k, 1))) if pack else max(ntaps, 1)
+        kb = min(k, rows) if pack else k
+        parts = max(1, -(-k // kb)) if k > 0 else 1
+        t0 = 0
+        while t0 < max(ntaps, 1):
+            nt = min(nt, ntaps - t0) if ntaps > 0 else 0
+            for part in range(parts):
+                p0 = part * kb
+                kp = min(kb, k - p0)
+                last = t0 + nt >= ntaps and part == parts - 1
+                first = t0 == 0 and part == 0
+                if pack:
+                    for i in range(nt):
+                        dense_rows(brows[i * kp:], pbj + 4 * ((t0 + i) * k + p0) * ldb, kp, ldb)
+                        boffs[i] = _address_at(paoff, t0 + i) + p0
+                    _pack(nt * kp, pbrows, np.int64(0), cols // 8, pbuf, pbrows)
+                    aoff, bt, ld, bias = pboffs, pbuf, cols, pbiasj if last else 0
+                    act, beta = relu if last else 0, 0 if first else 1
                 else:
-                    _n1(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
-                i += ROWS
-            else:
-                if cols == 64:
-                    _w4r(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
-                elif cols == 32:
-                    _w2r(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
-                elif cols == 24:
-                    _n3r(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
-                elif cols == 16:
-                    if wide:
-                        _w1r(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
-                    else:
-                        _n2r(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
-                else:
-                    _n1r(ntaps, k, pr, paoff, pbj, ldb, pcij, ldc, pbiasj, relu)
-                i += 1
+                    aoff, bt, ld, bias = paoff + 8 * t0, pbj + 4 * t0 * k * ldb, ldb, pbiasj
+                    act, beta = relu, 0
+                _taps_panel(m, nt, kp, prow, aoff, bt, ld, pc + 4 * j, ldc, bias, act, beta,
+                            cols, wide)
+            t0 += max(nt, 1)
         j += cols
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _taps_panel(m, ntaps, k, prow, paoff, pb, ldb, pc, ldc, pbias, relu, beta, cols, wide):
+    # c[:, :cols] = relu?((c if beta) + the taps' sum over b's panel at pb + bias?)
+    i = 0
+    while i < m:
+        pr, pci = prow + 8 * i, pc + 4 * i * ldc
+        if i + ROWS <= m:
+            if cols == 64:
+                _w4(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+            elif cols == 32:
+                _w2(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+            elif cols == 24:
+                _n3(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+            elif cols == 16:
+                if wide:
+                    _w1(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+                else:
+                    _n2(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+            else:
+                _n1(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+            i += ROWS
+        else:
+            if cols == 64:
+                _w4r(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+            elif cols == 32:
+                _w2r(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+            elif cols == 24:
+                _n3r(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+            elif cols == 16:
+                if wide:
+                    _w1r(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+                else:
+                    _n2r(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+            else:
+                _n1r(ntaps, k, pr, paoff, pb, ldb, pci, ldc, pbias, relu, beta)
+            i += 1
 
 
 # the dW tiles: the same panels, b's rows gathered
