@@ -234,6 +234,7 @@ def gemm_taps(mnk, ntaps, prow, paoff, pb, ldb, pc, ldc, pbias, relu, wide):
                             cols, wide)
             t0 += max(nt, 1)
         j += cols
+    _keep(buf, brows, boffs)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -315,6 +316,7 @@ def gemm_gather(m, n, k, pa, lda, prow, boff, pc, ldc, beta, wide):
             _gather_panel(m, kb, cols, pa + 4 * p0, lda, rows, bo, pc + 4 * j, ldc,
                           beta if p0 == 0 else np.int64(1), wide)
         j += cols
+    _keep(buf, brows, brows)
 
 
 # gemm_gather packs b where its panel spreads over more than PACK_SPREAD_BYTES (k rows times
@@ -332,6 +334,15 @@ PACK_MIN_DEPTH = 16
 PACK_SPREAD_BYTES = 64 << 10
 # the blocks of depth copied: at most this many bytes (64 columns: 64 rows of b)
 PACK_BYTES = 16 << 10
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _keep(buf, rows, offs):
+    """A use of the packing buffers after the last use of their addresses: Numba frees an
+    array after its last use in the function, and the tiles reach these by address only."""
+    if buf.size:
+        buf[0] = 0.0
+        rows[0] = offs[0] = 0
 
 
 @njit(nogil=True, cache=True, inline="always")
