@@ -289,7 +289,7 @@ def test_packed_drivers_keep_their_buffers_on_threads_at_once():
     allocation took the memory, and a ResNet step segfaulted once). Four threads run both
     drivers at once, 40 calls each, in a process with one malloc arena (MALLOC_ARENA_MAX=1:
     the threads share the freed memory at once); every result bitwise the first's. Without
-    the drivers' ``_keep`` this process crashed or differed in each of three runs."""
+    the drivers' ``kept`` calls this process crashed or differed in each of three runs."""
     import os
     import subprocess
     import sys

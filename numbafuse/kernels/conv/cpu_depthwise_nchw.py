@@ -65,6 +65,7 @@ def forward_tiled(t0, t1, x, wrep, brep, relu, geo, Wpt, aoff, wide, y):
                 _tiles.taps_step((P - last, Qv, T, pr + 8 * last, pa, pwo, pwr, pacc, Qv, pb,
                                   rel, wid))
                 _from_acc(acc, last, yp)
+    _gemm_taps.kept(rows, woff, acc)             # (the tiles read rows and woff by address)
 
 
 @task_kernel(fastmath=FMA)
