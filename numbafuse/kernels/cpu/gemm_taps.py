@@ -230,16 +230,19 @@ def gemm_taps(mnk, ntaps, prow, paoff, pb, ldb, pc, ldc, pbias, relu, wide):
                 else:
                     aoff, bt, ld, bias = paoff + 8 * t0, pbj + 4 * t0 * k * ldb, ldb, pbiasj
                     act, beta = relu, 0
-                _taps_panel(m, nt, kp, prow, aoff, bt, ld, pc + 4 * j, ldc, bias, act, beta,
-                            cols, wide)
+                _taps_panel(m, nt, kp, prow, aoff, bt, ld, pc + 4 * j, ldc, (bias, act, beta),
+                            (cols, wide))
             t0 += max(nt, 1)
         j += cols
     kept(buf, brows, boffs)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _taps_panel(m, ntaps, k, prow, paoff, pb, ldb, pc, ldc, pbias, relu, beta, cols, wide):
-    # c[:, :cols] = relu?((c if beta) + the taps' sum over b's panel at pb + bias?)
+def _taps_panel(m, ntaps, k, prow, paoff, pb, ldb, pc, ldc, epilogue, shape):
+    # c[:, :cols] = relu?((c if beta) + the taps' sum over b's panel at pb + bias?);
+    # epilogue = (pbias, relu, beta), shape = (cols, wide)
+    pbias, relu, beta = epilogue
+    cols, wide = shape
     i = 0
     while i < m:
         pr, pci = prow + 8 * i, pc + 4 * i * ldc
