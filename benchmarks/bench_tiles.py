@@ -3,6 +3,7 @@ conv passes use them: the products alone, each ResNet conv pass, and the ResNet 
 
     python benchmarks/bench_tiles.py [--part gemm|passes|network|all] [--model resnet18]
                                      [--rounds 8] [--batch 16] [--size 64]
+                                     [--compare tiles|pack]
 
 The tiles run where ``blas.TILE_GEMM`` (float32 products of ``blas.gemm`` with no operand
 transposed) says, and in that orientation where ``cpu_im2col_dw.gathers_dw`` (the NCHW
@@ -16,6 +17,11 @@ pass of the model's layers (batch 16, 64x64, NCHW, the rules' plan, numbafuse's 
 ``network``: the fused model's training step and eval forward (``numbafuse.torch.fuse``,
 recompute "auto"). A profile of numbafuse against itself: ``bench_resnet.py`` compares
 with PyTorch.
+
+``--compare pack``: the tiles with b's panels packed (``gemm_taps.packs_panel``) against b
+read in place, by ``blas.PACK_B`` (the products of ``blas.gemm``: im2col, tapwise, pointwise,
+Winograd; the implicit, grouped and stride-2 Winograd passes call the drivers themselves and
+pack either way); the gemm part: ``gemm_gather`` with b in place against OpenBLAS.
 """
 import argparse
 import os
@@ -38,6 +44,9 @@ GEMM_SHAPES = [(147, 64, 1024), (576, 64, 1024), (1152, 128, 256), (128, 2304, 2
 def _switch(on, saved):
     from numbafuse.kernels.conv import cpu_im2col_dw, cpu_tapwise
     from numbafuse.kernels.cpu import blas
+    if saved == "pack":                   # --compare pack: b's panels packed or read in place
+        blas.PACK_B = on
+        return
     blas.TILE_GEMM = on
 
     def off(*args, **kwargs):
@@ -46,8 +55,10 @@ def _switch(on, saved):
     cpu_tapwise.tiles_forward = saved[1] if on else off
 
 
-def _saved():
+def _saved(compare="tiles"):
     from numbafuse.kernels.conv import cpu_im2col_dw, cpu_tapwise
+    if compare == "pack":
+        return "pack"
     return (cpu_im2col_dw.gathers_dw, cpu_tapwise.tiles_forward)
 
 
@@ -68,18 +79,24 @@ def _alternate(fn, rounds, repeats, saved):
     return best
 
 
+def _names(compare):
+    return ("b in place", "b packed") if compare == "pack" else ("OpenBLAS", "tiles")
+
+
 def _row(best):
     on, off = min(best[True]), min(best[False])
     wins = sum(a < b for a, b in zip(best[True], best[False]))
     return off * 1e3, on * 1e3, off / on, f"{wins}/{len(best[True])}"
 
 
-def gemm_part(rounds):
+def gemm_part(rounds, compare="tiles"):
     from threadpoolctl import threadpool_limits
 
     from numbafuse.kernels.cpu import gemm_taps
     rng = np.random.default_rng(0)
-    print("| (m, n, k) | tiles GFLOP/s | OpenBLAS GFLOP/s | tiles / OpenBLAS |")
+    unpacked = gemm_taps.UNPACKED if compare == "pack" else 0
+    print(f"| (m, n, k) | tiles{' (b read in place)' if unpacked else ''} GFLOP/s | OpenBLAS "
+          "GFLOP/s | tiles / OpenBLAS |")
     print("|---|---:|---:|---:|")
     for m, n, k in GEMM_SHAPES:
         a = rng.standard_normal((m, k)).astype(np.float32)
@@ -89,7 +106,7 @@ def gemm_part(rounds):
 
         def tiles():
             gemm_taps.gemm_gather(m, n, k, a.ctypes.data, k, rows.ctypes.data, 0, c.ctypes.data,
-                                  n, 0, int(gemm_taps.WIDE))
+                                  n, 0, int(gemm_taps.WIDE) | unpacked)
         tiles()
         np.testing.assert_allclose(c, a.astype(np.float64) @ b, rtol=1e-3, atol=1e-3)
         t_tiles = t_blas = 1e9
@@ -106,14 +123,16 @@ def gemm_part(rounds):
               f"{t_blas / t_tiles:.2f} |")
 
 
-def passes_part(model, batch, size, rounds):
+def passes_part(model, batch, size, rounds, compare="tiles"):
     import bench_conv_plan
 
     import numbafuse as nf
     from numbafuse.kernels.conv import cpu as cpu_conv, cpu_plan
-    saved = _saved()
+    saved = _saved(compare)
     rng = np.random.default_rng(0)
-    print("| layer | pass | algorithm | OpenBLAS ms | tiles ms | speed-up | tiles faster in |")
+    off_name, on_name = _names(compare)
+    print(f"| layer | pass | algorithm | {off_name} ms | {on_name} ms | speed-up | "
+          f"{on_name} faster in |")
     print("|---|---|---|---:|---:|---:|---|")
     for name, C, K, k, stride, H in bench_conv_plan.layers(model, size):
         shape = (batch, C, H, H)
@@ -137,7 +156,7 @@ def passes_part(model, batch, size, rounds):
                   f"{ratio:.2f}x | {wins} |", flush=True)
 
 
-def network_part(model, batch, size, rounds):
+def network_part(model, batch, size, rounds, compare="tiles"):
     import bench_resnet_memory
     import torch
 
@@ -162,8 +181,9 @@ def network_part(model, batch, size, rounds):
         net.eval()
         with torch.no_grad():
             net(x)
-    saved = _saved()
-    print("| case | OpenBLAS ms | tiles ms | speed-up | tiles faster in |")
+    saved = _saved(compare)
+    off_name, on_name = _names(compare)
+    print(f"| case | {off_name} ms | {on_name} ms | speed-up | {on_name} faster in |")
     print("|---|---:|---:|---:|---|")
     for name, fn in ((f"{model} train step", step), (f"{model} eval forward", forward)):
         off, on, ratio, wins = _row(_alternate(fn, rounds, 3, saved))
@@ -177,16 +197,20 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--size", type=int, default=64)
+    p.add_argument("--compare", default="tiles", choices=("tiles", "pack"),
+                   help="tiles: the tiles against OpenBLAS (default); pack: the tiles with b's "
+                        "panels packed against read in place (blas.PACK_B; the gemm part: "
+                        "gemm_gather unpacked against OpenBLAS)")
     args = p.parse_args(argv)
     from numbafuse.kernels.cpu import launch
     print(f"Command: `python benchmarks/bench_tiles.py {' '.join(sys.argv[1:])}`; "
           f"numbafuse threads {launch.num_threads()}, {os.cpu_count()} CPUs visible")
     if args.part in ("gemm", "all"):
-        gemm_part(args.rounds)
+        gemm_part(args.rounds, args.compare)
     if args.part in ("passes", "all"):
-        passes_part(args.model, args.batch, args.size, args.rounds)
+        passes_part(args.model, args.batch, args.size, args.rounds, args.compare)
     if args.part in ("network", "all"):
-        network_part(args.model, args.batch, args.size, args.rounds)
+        network_part(args.model, args.batch, args.size, args.rounds, args.compare)
 
 
 if __name__ == "__main__":

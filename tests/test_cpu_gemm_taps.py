@@ -199,6 +199,11 @@ def test_gemm_gather_packed_panels_every_depth_block_the_same_bits(wide, m, rng)
                     gt.gemm_gather(1, n, k, a[i:].ctypes.data, a.shape[1], rows.ctypes.data,
                                    boff, alone[i:].ctypes.data, alone.shape[1], beta, int(wide))
                 assert got.tobytes() == alone.tobytes(), (m, n, k, beta)
+                inplace = c.copy()               # UNPACKED (blas.PACK_B False): b read in place
+                gt.gemm_gather(m, n, k, a.ctypes.data, a.shape[1], rows.ctypes.data, boff,
+                               inplace.ctypes.data, inplace.shape[1], beta,
+                               int(wide) | gt.UNPACKED)
+                assert got.tobytes() == inplace.tobytes(), (m, n, k, beta)
 
 
 def test_gemm_gather_packs_where_its_rules_say():
@@ -298,3 +303,14 @@ def test_packed_drivers_keep_their_buffers_on_threads_at_once():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["differ", "0"], out.stdout
+
+
+def test_blas_pack_b_switch_reaches_the_driver(monkeypatch):
+    """blas.PACK_B False sets blas_for's flag 8, which gemm_at hands gemm_gather as UNPACKED
+    (b read in place); True: packed where the rules say. Both the same bits (test above)."""
+    from numbafuse.kernels.cpu import blas
+    assert gt.may_pack(64, 64, 1) and gt.may_pack(64, 64, 0)
+    assert not gt.may_pack(64, 64, 1 | gt.UNPACKED) and not gt.may_pack(64, 64, gt.UNPACKED)
+    assert blas.blas_for(np.float32)[2] & 8 == 0
+    monkeypatch.setattr(blas, "PACK_B", False)
+    assert blas.blas_for(np.float32)[2] & 8 == 8

@@ -157,25 +157,31 @@ SMALL_GEMM = True
 # (128, 2304) @ (2304, 256)-shaped products 113 / 104, with k = 64 113 / 80-84; the passes
 # and networks: docs/conv_bias_relu.md, "The GEMMs on numbafuse's own tiles".
 TILE_GEMM = True
+# ... with b's panels packed where gemm_taps.packs_panel says (False: read in place, as before
+# 8e30507; read at each call, for in-process comparisons: benchmarks/bench_tiles.py --part
+# pack)
+PACK_B = True
 
 
 def blas_for(dtype):
     """What the kernels' ``gemm`` takes as ``blas``: (function address, 1 if CBLAS else 0,
     flags: 1 if small float32 products go to cpu.gemm, + 2 if the other float32 products
-    that fit go to gemm_taps' tiles, + 4 if those are 16 floats wide). Host code asks for it
+    that fit go to gemm_taps' tiles, + 4 if those are 16 floats wide, + 8 if b is read in
+    place there, never packed: ``PACK_B`` False). Host code asks for it
     before it launches a kernel that multiplies, so the GEMM steps are made ready here."""
     _ready_steps(None, _GEMM_STEPS)
-    key = (dtype, SMALL_GEMM, TILE_GEMM, _tiles.WIDE)
+    key = (dtype, SMALL_GEMM, TILE_GEMM, _tiles.WIDE, PACK_B)
     made = _MADE.get(key)                       # (the host path: a dictionary lookup)
     if made is None:
         made = (_ADDRESSES[0 if np.dtype(dtype) == np.float32 else 1], 1 if PRIVATE else 0,
-                (1 if SMALL_GEMM else 0) | (2 if TILE_GEMM else 0) | (4 if _tiles.WIDE else 0))
+                (1 if SMALL_GEMM else 0) | (2 if TILE_GEMM else 0) | (4 if _tiles.WIDE else 0)
+                | (0 if PACK_B else 8))
         if len(_MADE) < 64:
             _MADE[key] = made
     return made
 
 
-_MADE = {}           # blas_for's answers by (dtype, SMALL_GEMM, TILE_GEMM, WIDE)
+_MADE = {}           # blas_for's answers by (dtype, SMALL_GEMM, TILE_GEMM, WIDE, PACK_B)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -207,7 +213,9 @@ def gemm_at(blas, ta, tb, mnk, alpha, pa, pb, beta, pc, lds, itemsize):
         rows = np.empty(k, np.int64)                              # b's rows
         _tiles.dense_rows(rows, pb, k, ldb)
         _tiles.gemm_gather(m, n, k, pa, lda, np.int64(rows.ctypes.data), np.int64(0), pc, ldc,
-                           np.int64(1 if beta != 0.0 else 0), np.int64(1 if flags & 4 else 0))
+                           np.int64(1 if beta != 0.0 else 0),
+                           np.int64((1 if flags & 4 else 0)
+                                    | (_tiles.UNPACKED if flags & 8 else 0)))
     elif cblas:
         opa = _TRANS if ta else _NO_TRANS
         opb = _TRANS if tb else _NO_TRANS

@@ -299,7 +299,8 @@ def gemm_gather(m, n, k, pa, lda, prow, boff, pc, ldc, beta, wide):
     onto few cache sets (rows 2 KiB apart: 64 rows in 4 of L1's 64 sets) or outgrow L1. The
     blocks after the first add into c: each c element is the same sum over p in order, the
     same bits (docs/conv_bias_relu.md, "Packed panels of b")."""
-    packs = m >= PACK_MIN_ROWS and k >= PACK_MIN_DEPTH
+    packs = may_pack(m, k, wide)
+    wide &= 1
     stride = _address_at(prow, 1) - _address_at(prow, 0) if packs else np.int64(0)
     buf = np.empty(PACK_BYTES // 4 if packs else 0, np.float32)
     brows = np.empty(PACK_BYTES // 32 if packs else 0, np.int64)     # (at least kc rows)
@@ -337,6 +338,8 @@ PACK_MIN_DEPTH = 16
 PACK_SPREAD_BYTES = 64 << 10
 # the blocks of depth copied: at most this many bytes (64 columns: 64 rows of b)
 PACK_BYTES = 16 << 10
+# gemm_gather's ``wide`` with this bit set: b read in place, never packed (blas.PACK_B False)
+UNPACKED = 2
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -347,6 +350,13 @@ def kept(a, b, c):
     memory may go to another allocation first, another thread's: ``tests/
     test_cpu_gemm_taps.py``, the drivers on threads at once)."""
     return a.size + b.size + c.size
+
+
+@njit(nogil=True, cache=True, inline="always")
+def may_pack(m, k, wide):
+    """Whether gemm_gather may pack b at all: enough rows and depth, and ``wide`` without
+    the :data:`UNPACKED` bit."""
+    return m >= PACK_MIN_ROWS and k >= PACK_MIN_DEPTH and wide & UNPACKED == 0
 
 
 @njit(nogil=True, cache=True, inline="always")
