@@ -705,6 +705,23 @@ def test_transposed_in_row_blocks(dtype, rows, cols):
     np.testing.assert_array_equal(out, a.T)
 
 
+@pytest.mark.parametrize("N, rows, cols", [(1, 8, 8), (3, 9, 4), (5, 64, 17), (16, 32, 256)])
+def test_transposed_images_an_image_a_task(N, rows, cols):
+    # cpu.transpose.transposed_images: out[n] = a[n].T for each image, a task an image, on two
+    # threads (work past the parallel threshold at (16, 32, 256)); tiles ended or not; every
+    # value of out written (it starts NaN)
+    from numbafuse.kernels.cpu import launch as cpu_launch
+    from numbafuse.kernels.cpu.transpose import transposed_images
+    a = np.random.default_rng(N + rows).standard_normal((N, rows, cols)).astype(np.float32)
+    before = cpu_launch.num_threads()
+    cpu_launch.set_num_threads(2)
+    try:
+        out = transposed_images(a, np.full((N, cols, rows), np.nan, np.float32))
+    finally:
+        cpu_launch.set_num_threads(before)
+    np.testing.assert_array_equal(out, a.transpose(0, 2, 1))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("K, C", [(5, 3), (16, 7), (17, 9), (40, 8), (260, 9), (9, 517)])
 def test_winograd_taps_forward_and_flipped(dtype, K, C):

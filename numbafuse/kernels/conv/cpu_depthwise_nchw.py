@@ -19,8 +19,8 @@ from numba import njit
 
 from ..cpu import gemm_taps as _gemm_taps
 from ..cpu.buffers import output_cache as _out
-from ..cpu.launch import launch, task_kernel
-from ..cpu.transpose import transpose as _transpose
+from ..cpu.launch import task_kernel
+from ..cpu.transpose import transposed_images
 from . import cpu_depthwise_tiles as _tiles
 from .cpu_phases import split as _split_phases
 
@@ -165,20 +165,10 @@ def by_nhwc(geom, dtype, limit):
             and geom.K == geom.C and geom.C % 8 == 0)     # (cpu_depthwise._tiled's NHWC)
 
 
-@task_kernel
-def _transposed_images(t0, t1, src, dst):
-    # dst[n] (cols, rows) <- src[n] (rows, cols) for images n in [t0, t1): NCHW <-> NHWC as
-    # (C, H*W) <-> (H*W, C)
-    for n in range(t0, t1):
-        _transpose(src[n], dst[n])
-
-
 def swapped(a, rows, cols):
     """(N, cols, rows) C-contiguous from ``a`` viewed as (N, rows, cols)."""
     N = a.shape[0]
-    out = _out.empty((N, cols, rows), a.dtype)
-    launch(_transposed_images, N, a.reshape(N, rows, cols), out, work=a.size)
-    return out
+    return transposed_images(a.reshape(N, rows, cols), _out.empty((N, cols, rows), a.dtype))
 
 
 def forward_by_nhwc(forward, x, w, b, geom, relu):

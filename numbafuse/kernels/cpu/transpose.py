@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .launch import launch
+from .launch import launch, task_kernel
 from .steps import Step, array
 
 _I32 = ir.IntType(32)
@@ -141,4 +141,20 @@ def transposed(a, out):
     values (a copy)."""
     launch(_transpose_tasks, -(-a.shape[0] // TRANSPOSE_ROWS), a, out, TRANSPOSE_ROWS,
            work=a.size)
+    return out
+
+
+@task_kernel
+def _image_tasks(t0, t1, src, dst):
+    # dst[n] (cols, rows) <- src[n] (rows, cols) for images n in [t0, t1)
+    for n in range(t0, t1):
+        transpose(src[n], dst[n])
+
+
+def transposed_images(a, out):
+    """``out`` (N, cols, rows) <- each of ``a``'s N (rows, cols) matrices transposed (both
+    C-contiguous, one dtype), in 8 x 8 tiles, an image a task (``launch``); returns ``out``.
+    An NCHW batch's NHWC copy and back: (C, H*W) <-> (H*W, C) an image (the depthwise
+    convs of small NCHW maps, ``conv/cpu_depthwise_nchw.swapped``)."""
+    launch(_image_tasks, a.shape[0], a, out, work=a.size)
     return out
