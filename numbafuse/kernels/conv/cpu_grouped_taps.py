@@ -209,15 +209,15 @@ def conv_tasks(t0, t1, src, gate, wt, bias, dims, flags, out):
         for s in range(S):
             toff[r * S + s] = (r * dh * Ws + s * dw) * cg
     base = np.int64(slab.ctypes.data)
+    for i in range(ipc):                    # (the same slab for every task: its corners once)
+        _corners(rows, i, base, P, Q, Hs, Ws, sh, sw, cg)
     o3 = out.reshape((N, Kout, PQ)) if not nhwc else out.reshape((N, PQ, Kout))
     for t in range(t0, t1):
         g0 = (t % nblk) * gpb
         n0 = (t // nblk) * ipc
         n1 = min(N, n0 + ipc)
-        for i in range(n1 - n0):
-            _corners(rows, i, base, P, Q, Hs, Ws, sh, sw, cg)
-            if not flat:
-                _transposed(src, n0 + i, g0 * cg, tmp, i)
+        for i in range(n1 - n0 if not flat else 0):
+            _transposed(src, n0 + i, g0 * cg, tmp, i)
         m = (n1 - n0) * PQ
         for g in range(g0, g0 + gpb):
             for i in range(n1 - n0):
@@ -267,6 +267,8 @@ def dw_tasks(t0, t1, x, gy, y, dims, flags, parts):
         for s in range(S):
             toff[r * S + s] = (r * dh * Ws + s * dw) * cg
     base = np.int64(slab.ctypes.data)
+    for i in range(ipc):                    # (the same slab for every task: its corners once)
+        _corners(rows, i, base, P, Q, Hs, Ws, sh, sw, cg)
     ld = ipc * PQ
     for blk in range(t0, t1):
         g0 = blk * gpb
@@ -276,7 +278,6 @@ def dw_tasks(t0, t1, x, gy, y, dims, flags, parts):
             m = (n1 - n0) * PQ
             for i in range(n1 - n0):
                 n = n0 + i
-                _corners(rows, i, base, P, Q, Hs, Ws, sh, sw, cg)
                 if not nhwc:
                     _transposed(x, n, g0 * cg, tmp, i)
                 if nhwc:                    # g^T's columns of image i: pixels' rows of K
