@@ -361,8 +361,9 @@ def may_pack(m, k, wide):
 
 @njit(nogil=True, cache=True, inline="always")
 def packs_panel(m, k, stride, cols):
-    """Whether :func:`gemm_gather` copies a panel of ``cols`` columns of b (k rows, the first
-    two ``stride`` bytes apart) for c's m rows (the rules above)."""
+    """Whether a driver copies a panel of ``cols`` columns of b (k rows, the first two
+    ``stride`` bytes apart; gemm_taps: its ntaps * k rows, ``ldb`` apart) for c's m rows (the
+    rules above)."""
     return (m >= PACK_MIN_ROWS and k >= PACK_MIN_DEPTH and k * abs(stride) > PACK_SPREAD_BYTES
             and (m >= PACK_ROWS or stride != 4 * cols))
 
@@ -419,7 +420,8 @@ def _address_at(typingctx, prow, p):
 def _pack(typingctx, k, prow, boff, nv8, dst, drows):
     """dst[p, :8 nv8] = b_p[:8 nv8] for p < k, b_p = row[p] + boff (float32 elements), dst
     (k, 8 nv8) contiguous at the address ``dst``; drows[p] = dst's row p's address (the
-    tiles' row table of the copy). Every argument int64 (prow, dst, drows addresses)."""
+    tiles' row table of the copy; it may be prow itself: row p is read before its entry is
+    written). Every argument int64 (prow, dst, drows addresses)."""
     def codegen(context, builder, signature, args):
         k, prow, boff, nv8, dst, drows = args
         V = Vec(builder, 8)
