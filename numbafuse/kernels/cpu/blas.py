@@ -158,7 +158,7 @@ SMALL_GEMM = True
 # and networks: docs/conv_bias_relu.md, "The GEMMs on numbafuse's own tiles".
 TILE_GEMM = True
 # ... with b's panels packed where gemm_taps.packs_panel says (False: read in place, as before
-# 8e30507; read at each call, for in-process comparisons: benchmarks/bench_tiles.py --part
+# 8e30507; read at each call, for in-process comparisons: benchmarks/bench_tiles.py --compare
 # pack)
 PACK_B = True
 
