@@ -195,7 +195,8 @@ def gemm_taps(mnk, ntaps, prow, paoff, pb, ldb, pc, ldc, pbias, relu, wide):
     into c, the bias and ReLU come with the last; the same sums in order, the same bits."""
     m, n, k = mnk
     depth = ntaps * k
-    packs = packs_panel(m, depth, 4 * ldb, np.int64(0))
+    packs = packs_panel(m, depth, 4 * ldb, np.int64(0))   # (any panel may: cols 0 is never
+    #  contiguous; each panel's own cols decide below)
     buf = np.empty(PACK_BYTES // 4 if packs else 0, np.float32)
     brows = np.empty(PACK_BYTES // 32 if packs else 0, np.int64)
     boffs = np.empty(PACK_BYTES // 32 if packs else 0, np.int64)
