@@ -159,6 +159,16 @@ def test_a_split_512_bit_fma_is_zen_4_alone():
     assert gt.SPLIT_512 == (gt.WIDE and gt.splits_512_bit_fma())
 
 
+def test_is_amd_reads_the_first_processors_vendor():
+    def info(vendor):
+        return (f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 26\n\n"
+                "processor\t: 1\nvendor_id\t: GenuineIntel\n")
+    assert gt.is_amd(info("AuthenticAMD"))
+    assert not gt.is_amd(info("GenuineIntel"))
+    assert not gt.is_amd("")
+    assert gt.AMD == gt.is_amd()
+
+
 @pytest.mark.parametrize("wide", [True, False])
 @pytest.mark.parametrize("m", [16, 19, 64, 67])
 def test_gemm_gather_packed_panels_every_depth_block_the_same_bits(wide, m, rng):

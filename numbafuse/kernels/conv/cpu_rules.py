@@ -152,11 +152,17 @@ class Rules(NamedTuple):
     # ... a deep 1x1 likewise, by pass and layout, below this many pixels (_pointwise_blocked)
     pointwise_thin_pixels: int = 16
     # ... and a widening NCHW 1x1 forward on images of at most this many pixels runs im2col's
-    # chunks (``_pointwise_chunked``: ResNet-50's 128 -> 512 at 8x8, 1.39x on machine E). Not
-    # with 8-float tiles (AVX2) nor where the CPU splits 512-bit FMAs (SPLIT_512, Zen 4): the
-    # GEMM per image won there (ms pointwise / im2col, batch 16, ``bench_conv_plan.py --model
-    # resnet50``: machine F 1.51 / 1.61, 1.20 / 1.47, 1.38 / 1.79; machine A 0.88 / 1.13)
-    pointwise_chunked_pixels: int = 64 if _gemm_taps.WIDE and not _gemm_taps.SPLIT_512 else 0
+    # chunks (``_pointwise_chunked``: ResNet-50's 128 -> 512 at 8x8, 1.39x on machine E, a Zen
+    # 5). On AMD's full-width AVX-512 only: with 8-float tiles (AVX2), where the CPU splits
+    # 512-bit FMAs (SPLIT_512, Zen 4) and on Intel's AVX-512 the GEMM per image won (ms
+    # pointwise / im2col, batch 16, ``bench_conv_plan.py --model resnet50``: machine F 1.51 /
+    # 1.61, 1.20 / 1.47, 1.38 / 1.79; machine A 0.88 / 1.13; machine B, an Intel Xeon, with
+    # the packed panels of 2026-12-02 and without (blas.PACK_B), one process, best of 5 x 15:
+    # 128 -> 512 at 8x8 0.664 / 0.981 (1.133 unpacked), batch 32 1.363 / 2.063, 64 -> 256
+    # 0.181 / 0.401, 128 -> 256 0.341 / 0.530, 256 -> 1024 at 4x4 0.689 / 0.714; ResNet-50's
+    # eval forward runs four 128 -> 512 at 8x8)
+    pointwise_chunked_pixels: int = (64 if _gemm_taps.WIDE and not _gemm_taps.SPLIT_512
+                                     and _gemm_taps.AMD else 0)
     # Where SPLIT_512 or with 8-float tiles (AVX2), the deep NCHW 1x1 forwards and dX of
     # images of pointwise_thin_pixels to this many pixels (4x4) run the pointwise GEMMs, not
     # blocked (``_pointwise_blocked``): the blocked ones won on machine E (Zen 5) only (ms

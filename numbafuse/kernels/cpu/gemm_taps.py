@@ -66,6 +66,24 @@ def _has_avx512():
 WIDE = _has_avx512()
 
 
+def _cpuinfo(cpuinfo=None):
+    """The first processor's vendor_id, cpu family and flags in ``/proc/cpuinfo`` (or the
+    text ``cpuinfo``), by name; {} where that cannot be read."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read(1 << 16)
+        except OSError:
+            return {}
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("vendor_id", "cpu family", "flags") and key not in fields:
+            fields[key] = value.strip()
+    return fields
+
+
 def splits_512_bit_fma(cpuinfo=None):
     """Whether this CPU runs a 512-bit fused multiply-add as two 256-bit halves (AMD Zen 4:
     an AuthenticAMD family 25 that has AVX-512; Zen 3, the same family, has none), from
@@ -73,23 +91,20 @@ def splits_512_bit_fma(cpuinfo=None):
     tiles' 16-float FMAs issue at half the rate of a Zen 5 or an Intel core with AVX-512, and
     a pass that does fewer multiplies (Winograd's) beats them where it loses elsewhere
     (``conv/cpu_plan.Rules.implicit_s1_max_channels``)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read(1 << 16)
-        except OSError:
-            return False
-    fields = {}
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key in ("vendor_id", "cpu family", "flags") and key not in fields:
-            fields[key] = value.strip()
+    fields = _cpuinfo(cpuinfo)
     return (fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
             and "avx512f" in fields.get("flags", "").split())
 
 
+def is_amd(cpuinfo=None):
+    """Whether ``/proc/cpuinfo`` (or the text ``cpuinfo``) names an AMD processor (False where
+    it does not say). A few plan rules measured on AMD's full-width AVX-512 (Zen 5) lose on
+    Intel's (``conv/cpu_rules.Rules.pointwise_chunked_pixels``)."""
+    return _cpuinfo(cpuinfo).get("vendor_id") == "AuthenticAMD"
+
+
 SPLIT_512 = WIDE and splits_512_bit_fma()
+AMD = is_amd()
 
 
 def _taps_tile(rows, nv, width):
