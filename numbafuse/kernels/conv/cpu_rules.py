@@ -175,8 +175,15 @@ class Rules(NamedTuple):
     # 8-float tiles, though faster there too at 8x8, machine F, ms pointwise / implicit: 128 ->
     # 512 1.76 / 1.48, 512 -> 128 1.61 / 1.55, 512 -> 256 3.71 / 3.25: ~1.8 ms of a ResNet-50
     # step, where the implicit dW, compiled for nothing else there, cost a 512 -> 128
-    # backward's first call 9.4-9.9 s of CPU against 3.9-4.1 with an empty NUMBA_CACHE_DIR)
-    pointwise_dw_implicit_pixels: int = 64
+    # backward's first call 9.4-9.9 s of CPU against 3.9-4.1 with an empty NUMBA_CACHE_DIR).
+    # 64 pixels until 2026-12-02; the implicit dW won at 16x16 on machine A too (64 -> 256 0.87
+    # against 1.03, 256 -> 64 0.94 / 1.21) and on machine B (an Intel Xeon) tied or won at
+    # every size measured (ms implicit / pointwise, batch 16 NCHW, one process, best of 4 x
+    # 10: 16x16 64 -> 64 0.231 / 0.242, 64 -> 256 0.674 / 0.830, 256 -> 64 0.820 / 0.804;
+    # 32x32 64 -> 256 2.61 / 3.04, 256 -> 64 3.17 / 3.24, 256 -> 128 5.09 / 5.22; 56x56,
+    # batch 8, 64 -> 256 4.18 / 4.87): ResNet-50's l1 dWs at 64x64, and at 224x224 its
+    # l1-l2 ones (56x56, 28x28)
+    pointwise_dw_implicit_pixels: int = 4096
     # a backward touching fewer elements (x, gy twice) whose dX and dW are both Winograd
     # passes runs their tasks in one job that the threads share, instead of one pass after the
     # other, each split over the threads: at the digits shapes (8x8, 24 channels) a split
