@@ -414,7 +414,8 @@ def test_winograd_s2_at_boundary_shapes(wide, layout, H, W, padding, C, K, bias,
     every register panel; both vector widths and layouts. Against the reference with and
     without bias and ReLU (dX, dW and db from g = gy, and db alone), and bitwise the same on 1
     and 3 threads (in _check)."""
-    conv_rules(wide=wide, winograd_s2_min_pixels=0)        # (its small maps take it)
+    conv_rules(wide=wide, winograd_s2_min_pixels=0,        # (its small maps take it)
+               winograd_s2_dw=True)
     rng = np.random.default_rng(H * W + K)
     N = 3
     shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
@@ -451,7 +452,7 @@ def test_winograd_s2_under_conv_batchnorm(layout, conv_rules):
     """Conv-BatchNorm-ReLU (recompute) with a stride-2 conv on the stride-2 Winograd passes
     (the batch-norm sums come from separate passes there, not the stride-1 Winograd's
     epilogue): forward, running statistics and all four gradients against the reference."""
-    conv_rules(winograd_s2_min_pixels=0)
+    conv_rules(winograd_s2_min_pixels=0, winograd_s2_dw=True)
     rng = np.random.default_rng(11)
     N, C, H, W, K = 3, 16, 9, 10, 16
     shape = (N, C, H, W) if layout == "NCHW" else (N, H, W, C)
@@ -485,6 +486,15 @@ def test_winograd_s2_only_where_it_fits(conv_rules):
     conv_rules(taps=True, tapwise_max_density=0.0, tapwise_strided_dx_max_density=0.0,
                tapwise_strided_max_density=0.0)
     s2 = g("t", (2, 9, 9, 32), (32, 32, 3, 3), 2, 1, 1, "NHWC")
+    # with the tiles, its dW only where the implicit GEMM's cannot run (C % 8) or the rule
+    # says so (winograd_s2_dw: off by default with AVX-512's tiles)
+    with cpu_plan.using(winograd_s2_min_pixels=0, winograd_s2_dw=False):
+        assert cpu_conv.algorithm(s2, "forward") == "winograd_s2"
+        assert cpu_conv.algorithm(s2, "dw") == "implicit"
+        with cpu_plan.using(taps=False):
+            assert cpu_conv.algorithm(s2, "dw") == "winograd_s2"
+    assert cpu_plan.RULES.winograd_s2_dw == (not cpu_plan.RULES.taps)
+    conv_rules(winograd_s2_dw=True)
     # its forward and dW on batches of winograd_s2_min_pixels output pixels and more (here
     # 2 x 5 x 5), its dX on any
     assert cpu_conv.algorithm(s2, "dx") == "winograd_s2"
@@ -638,7 +648,7 @@ def test_float64_keeps_its_precision_where_float32_has_own_paths(layout, kind, k
     # the Winograd forward at 50 tiles; the stride-2 Winograd or else the implicit GEMM
     conv_rules(taps=True, winograd_min_tiles=0, winograd_s2=kind == "winograd_s2",
                implicit_max_channels=1 << 30, implicit_s1_max_channels=0,
-               winograd_s2_min_pixels=0)
+               winograd_s2_min_pixels=0, winograd_s2_dw=True)
     rng = np.random.default_rng(34)
     N, C, K, H, W = 2, 32, 32, 9, 9
     x = rng.standard_normal((N, C, H, W) if layout == "NCHW" else (N, H, W, C))

@@ -270,7 +270,8 @@ def choose(geom, pass_, dtype, rules):
              else rules.winograd_s2_taps_bytes)
     if (rules.winograd_s2 and _wino_s2.fits(geom, dtype, pass_)
             and _wino_s2.POSITIONS * geom.C * geom.K * 4 <= limit
-            and (pass_ == "dx" or pixels >= rules.winograd_s2_min_pixels)):
+            and (pass_ == "dx" or pixels >= rules.winograd_s2_min_pixels)
+            and (pass_ != "dw" or rules.winograd_s2_dw or not implicit)):
         return "winograd_s2"
     if geom.layout == "NCHW" and pass_ != "dx" and min(geom.C, geom.K) < rules.nchw_im2col_channels:
         return "im2col"

@@ -125,6 +125,14 @@ class Rules(NamedTuple):
     # 0.74 / 0.68; at 1024 (ResNet-50's l2 3x3/2 128 at batch 16, 64x64) a tie forward, dW
     # 2.66-2.87 against im2col's 2.50-2.59 (left to it)
     winograd_s2_min_pixels: int = 1024
+    # ... and a dW by it where the implicit GEMM's dW can run instead (the register tiles,
+    # ``taps``, C % 8 == 0) only with this: the implicit dW won wherever it was measured
+    # with the tiles, machine A (above: 11.19 against 13.07 ms) and machine B (an Intel Xeon,
+    # 2026-12-02, batch 16 unless said, NCHW, one process, best of 3 x 8, ms implicit /
+    # stride-2 Winograd: 64 -> 128 at 16x16 0.791 / 1.126, 128 -> 128 1.492 / 1.900, batch 32
+    # 1.453 / 1.695 and 2.339 / 3.099; 32x32 64 -> 128 2.361 / 3.099, 128 -> 128 4.893 /
+    # 6.157: ResNet-18's and -50's l2 3x3/2 at 64x64). Without the tiles (AVX2) as before.
+    winograd_s2_dw: bool = not _gemm_taps.WIDE
     # an im2col forward with at least as many output channels as output pixels in the batch (deep
     # layers: the weights outweigh the activations) whose batch's cols take at most this
     # many bytes runs as one chunk of the whole batch (since the cols are gathered once and
