@@ -599,7 +599,8 @@ def test_taps_tiles_only_where_they_fit(conv_rules):
     assert taps(pw) in (1, 2)
     assert taps(g("t", (2, 9, 9, 32), (20, 32, 1, 1), 1, 0, 1, "NHWC")) == 0      # K % 8
     assert taps(pw, np.float64) == 0
-    assert cpu_plan.plan(pw, "dw", np.float32).taps == 0                   # dW: the BLAS
+    with cpu_plan.using(pointwise_dw_implicit_pixels=0):     # (else the implicit GEMM's)
+        assert cpu_plan.plan(pw, "dw", np.float32).taps == 0               # dW: the BLAS
     assert taps(g("t", (2, 32, 9, 9), (16, 32, 1, 1), 1, 0, 1, "NCHW")) == 0
     conv_rules(taps=False)
     assert cpu_conv.algorithm(strided, "forward") == "im2col"
@@ -648,7 +649,8 @@ def test_float64_keeps_its_precision_where_float32_has_own_paths(layout, kind, k
     # the Winograd forward at 50 tiles; the stride-2 Winograd or else the implicit GEMM
     conv_rules(taps=True, winograd_min_tiles=0, winograd_s2=kind == "winograd_s2",
                implicit_max_channels=1 << 30, implicit_s1_max_channels=0,
-               winograd_s2_min_pixels=0, winograd_s2_dw=True)
+               winograd_s2_min_pixels=0, winograd_s2_dw=True,
+               pointwise_dw_implicit_pixels=0)           # (the pointwise dW: its own)
     rng = np.random.default_rng(34)
     N, C, K, H, W = 2, 32, 32, 9, 9
     x = rng.standard_normal((N, C, H, W) if layout == "NCHW" else (N, H, W, C))

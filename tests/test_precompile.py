@@ -72,9 +72,11 @@ def test_the_cpu_cases_take_the_paths_layers_take():
             "im2col", "winograd", "im2col")
         # (AVX-512's tiles; NHWC's narrow ones; NCHW's by output rows of 8 pixels)
         assert picked["conv 7x7 s2 stem (implicit forward) float32", layout][0] == "implicit"
-        assert picked["conv 3x3 s2 float32", layout] == ("winograd_s2",) * 3
-        assert picked["conv 1x1 s1 float32", layout] == ("pointwise",) * 3
+        # (the dW by the implicit GEMM where the tiles run it: Rules.winograd_s2_dw)
+        s2_dw = "winograd_s2" if cpu_plan.RULES.winograd_s2_dw else "implicit"
+        assert picked["conv 3x3 s2 float32", layout] == ("winograd_s2", "winograd_s2", s2_dw)
         small_dw = "implicit" if cpu_plan.RULES.taps else "pointwise"     # (AVX-512's tiles)
+        assert picked["conv 1x1 s1 float32", layout] == ("pointwise", "pointwise", small_dw)
         assert picked["conv 1x1 s1 small map (implicit dW) float32", layout] == (
             "pointwise", "pointwise", small_dw)
         assert picked["conv 3x3 stem (few channels) float32", layout][0] == (
