@@ -35,6 +35,8 @@ not a compile-time constant, and the tests run both on any machine. Measured on 
 AMD EPYC (Zen 4, AVX-512), one thread, 4 x 4 x 16 against 4 x 3 x 8:
 ~108 against ~83 GFLOP/s over the stride-2 conv's 9 taps of k = 64.
 """
+import functools
+
 import llvmlite.binding as _llvm
 import numpy as np
 from llvmlite import ir
@@ -67,14 +69,21 @@ WIDE = _has_avx512()
 
 
 def _cpuinfo(cpuinfo=None):
-    """The first processor's vendor_id, cpu family and flags in ``/proc/cpuinfo`` (or the
-    text ``cpuinfo``), by name; {} where that cannot be read."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read(1 << 16)
-        except OSError:
-            return {}
+    """The first processor's vendor_id, cpu family and flags in ``/proc/cpuinfo`` (read once
+    a process) or the text ``cpuinfo``, by name; {} where that cannot be read."""
+    return _host_cpuinfo() if cpuinfo is None else _fields(cpuinfo)
+
+
+@functools.cache
+def _host_cpuinfo():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return _fields(f.read(1 << 16))
+    except OSError:
+        return {}
+
+
+def _fields(cpuinfo):
     fields = {}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
