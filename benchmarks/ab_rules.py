@@ -8,10 +8,10 @@ One process: ``numbafuse.torch.fuse(model, recompute="auto")`` of ``bench_resnet
 a training step (gradients set to None, forward, cross-entropy, backward, SGD) or with
 ``--eval`` a forward under ``torch.no_grad()`` in eval mode. Each round runs every variant
 (the defaults first, named "default") for ``--block`` steps inside ``cpu_plan.using(**its
-changes)``, and keeps the last ``block - drop`` of them: the first steps after a switch pay
-for the other variant's plans (derived arrays, output-cache blocks of other sizes, weights
-reordered for another algorithm). Machine E, 2026-12-03: ResNet-18's step alternating step
-by step had a median of 100 ms against 72 with blocks, for the same two variants.
+changes)``, and keeps the last ``block - drop`` of them: the first steps after a switch run
+slower (machine E, 2026-12-03: ResNet-18's step alternating variants step by step had a
+median of 100 ms against 72 in blocks, for the same two variants; the cause not measured:
+plans, output-cache blocks of other sizes and derived arrays are made anew there).
 
 Both variants run the same model on the same data in the same process, so what differs is
 the plan: the way to tell a rule's effect in the network from this machine's drift, which
