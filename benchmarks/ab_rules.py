@@ -21,11 +21,16 @@ matches (``ops.conv_batchnorm``'s forward / backward entry points; fields of
 ``validate.ConvGeometry`` as ``NAME=int``, comma-separated), summed a step.
 
 A variant is ``NAME: field=value, field=value`` with fields of ``cpu_plan.Rules``
-(ints, floats, True/False, or a quoted string).
+(ints, floats, True/False, or a quoted string), and dotted names of module attributes that
+numbafuse reads at call time (``numbafuse.torch.conv_batchnorm.KEEP_H_MIN_MACS=128``: the
+line of ``recompute="auto"``; ``numbafuse.kernels.cpu.blas.PACK_B=False``), set for the
+variant's blocks and restored after. An attribute copied at import by ``from ... import``
+elsewhere is not seen through that copy: such a variant changes nothing there.
 """
 import argparse
 import ast
 import collections
+import contextlib
 import os
 import statistics
 import sys
@@ -47,6 +52,40 @@ def parse_variant(text):
             raise ValueError(f"variant {name!r}: {part!r} is not field=value")
         changes[field.strip()] = ast.literal_eval(value.strip())
     return name, changes
+
+
+def split_changes(changes):
+    """(the Rules fields, {(module, attribute): value}) of a variant's changes; a dotted
+    name's module must be importable and have the attribute (a ValueError otherwise)."""
+    import importlib
+    rules, patches = {}, {}
+    for key, value in changes.items():
+        if "." not in key:
+            rules[key] = value
+            continue
+        module_name, _, attr = key.rpartition(".")
+        module = importlib.import_module(module_name)
+        if not hasattr(module, attr):
+            raise ValueError(f"{module_name} has no attribute {attr!r}")
+        patches[(module, attr)] = value
+    return rules, patches
+
+
+@contextlib.contextmanager
+def applied(changes):
+    """The variant's rules in force (``cpu_plan.using``) and its module attributes set, for
+    the block; the attributes restored after."""
+    from numbafuse.kernels.conv import cpu_plan
+    rules, patches = split_changes(changes)
+    old = {key: getattr(*key) for key in patches}
+    try:
+        for (module, attr), value in patches.items():
+            setattr(module, attr, value)
+        with cpu_plan.using(**rules):
+            yield
+    finally:
+        for (module, attr), value in old.items():
+            setattr(module, attr, value)
 
 
 def parse_sites(text):
@@ -96,7 +135,8 @@ def _wrap_sites(match, spent):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", action="append", default=[], required=True,
-                   help="'NAME: field=value, ...' (cpu_plan.Rules fields); repeatable")
+                   help="'NAME: field=value, ...' (cpu_plan.Rules fields, or dotted module "
+                        "attributes); repeatable")
     p.add_argument("--model", default="resnet18")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--size", type=int, default=64)
@@ -113,10 +153,9 @@ def main(argv=None):
     import torch
     from bench_resnet import model_function
     import numbafuse.torch as nft
-    from numbafuse.kernels.conv import cpu_plan
 
     for name, changes in variants.items():          # unknown fields: refused before any step
-        with cpu_plan.using(**changes):
+        with applied(changes):
             pass
     torch.manual_seed(0)
     model = nft.fuse(model_function(args.model)(num_classes=1000), recompute="auto")
@@ -144,7 +183,7 @@ def main(argv=None):
     try:
         for r in range(args.rounds + 1):              # round 0: compilation and warm-up
             for name, changes in variants.items():
-                with cpu_plan.using(**changes):
+                with applied(changes):
                     for i in range(args.block):
                         spent.clear()
                         t0 = time.perf_counter()

@@ -25,6 +25,24 @@ def test_variants_and_sites_parse_as_written():
     assert ab_rules.parse_sites(None) is None
 
 
+def test_a_variant_sets_its_rules_and_module_attributes_for_the_block_only():
+    from numbafuse.kernels.conv import cpu_plan
+    from numbafuse.torch import conv_batchnorm as tcb
+    line, k_block = tcb.KEEP_H_MIN_MACS, cpu_plan.current_rules().k_block
+    changes = {"k_block": k_block + 7, "numbafuse.torch.conv_batchnorm.KEEP_H_MIN_MACS": 3}
+    with ab_rules.applied(changes):
+        assert cpu_plan.current_rules().k_block == k_block + 7
+        assert tcb.KEEP_H_MIN_MACS == 3
+    assert tcb.KEEP_H_MIN_MACS == line and cpu_plan.current_rules().k_block == k_block
+    with pytest.raises(ValueError, match="no attribute 'NOPE'"):
+        with ab_rules.applied({"numbafuse.torch.conv_batchnorm.NOPE": 1}):
+            pass
+    with pytest.raises(RuntimeError):                     # restored when the block raises
+        with ab_rules.applied(changes):
+            raise RuntimeError
+    assert tcb.KEEP_H_MIN_MACS == line
+
+
 def test_an_unknown_rule_is_refused_before_any_step():
     with pytest.raises(TypeError, match="no rule named nope"):
         ab_rules.main(["--variant", "x: nope=1", "--batch", "2", "--size", "32"])
