@@ -9,9 +9,9 @@ a training step (gradients set to None, forward, cross-entropy, backward, SGD) o
 ``--eval`` a forward under ``torch.no_grad()`` in eval mode. Each round runs every variant
 (the defaults first, named "default") for ``--block`` steps inside ``cpu_plan.using(**its
 changes)``, and keeps the last ``block - drop`` of them: the first steps after a switch run
-slower (machine E, 2026-12-03: ResNet-18's step alternating variants step by step had a
-median of 100 ms against 72 in blocks, for the same two variants; the cause not measured:
-plans, output-cache blocks of other sizes and derived arrays are made anew there).
+slower (machine E, 2026-12-03: ResNet-18's steps alternating rule variants step by step
+had medians of 101-102 ms, in blocks of 4 with 2 dropped 69-70; the cause
+not measured: plans, output-cache blocks of other sizes and derived arrays are made anew).
 
 Both variants run the same model on the same data in the same process, so what differs is
 the plan: the way to tell a rule's effect in the network from this machine's drift, which
