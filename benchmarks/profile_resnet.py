@@ -3,7 +3,7 @@ timed by name.
 
     python benchmarks/profile_resnet.py [--model resnet18] [--batch 16] [--size 64]
                                         [--steps 5] [--top 25] [--layers | --torch | --host]
-                                        [--recompute True|False|auto]
+                                        [--replay REPEATS] [--recompute True|False|auto]
 
 The model is ``numbafuse/torch/resnet.py`` (torchvision's code; ``--model`` also takes
 resnext50_32x4d and ``mobilenet.py``'s mobilenet_v2, mobilenet_v2_relu) converted by
@@ -17,21 +17,29 @@ the step (PyTorch's own ops, the autograd glue, Python) is the step's time less 
 outermost launches'. ``--layers``: instead, the conv passes of the fused Conv-BatchNorm ops
 timed by layer shape (``ops.conv_batchnorm._conv_and_stats``, ``_conv_forward`` and
 ``_conv_backward``: the forward with or without its statistics, the recompute, dX with dW),
-ms a call and calls a step. ``--torch``: the same table for PyTorch's own unfused model in
-this process (numbafuse not imported: resnet.py is loaded from its file), from
-``torch.profiler`` (the self time of ``aten::mkldnn_convolution`` and
+ms a call and calls a step; with ``--replay REPEATS``, each pass's first call in the steps
+(its arrays copied) is called again REPEATS times in a row after them, and the table sets its
+time in the steps against that warm time (what the step's cold caches and host path add to
+a pass), with the GMAC/s of a direct convolution's multiply-adds at the warm time (what is
+left to the kernels: Winograd and tapwise passes do fewer). ``--torch``: the same table for
+PyTorch's own unfused model in this process (numbafuse not imported: resnet.py is loaded
+from its file), from ``torch.profiler`` (the self time of ``aten::mkldnn_convolution`` and
 ``aten::convolution_backward`` by input shapes, over ``--steps`` profiled steps after the
 warm-up): the two tables, each from its own process, show every layer in the network side by
 side. ``--host``: the fused ops' autograd Functions (Conv-BN-ReLU, Conv-BN-Add-ReLU; forward
 and backward) timed whole and less numbafuse's outermost launches inside them: the rest is
 their host path (Python, NumPy and torch calls, compiled helpers called straight), by
-Function and direction, and SGD's step. One process, the library's default threads: a
-profile, not a comparison (``bench_resnet.py`` compares against PyTorch;
-``bench_conv_plan.py`` times each pass alone against PyTorch's).
+Function and direction, split into the ops layer with the kernels' drivers below it and the
+Functions' own torch layer, and SGD's step and the rest of the step. One process, the
+library's default threads: a profile, not a comparison (``bench_resnet.py`` compares
+against PyTorch; ``bench_conv_plan.py`` times each pass alone against PyTorch's).
 """
 import argparse
 import collections
+import functools
 import os
+import re
+import statistics
 import sys
 import time
 
@@ -77,13 +85,21 @@ def _wrap_launches(times, counts):
     return undo
 
 
-def _wrap_conv_passes(times, counts):
-    """Time the Conv-BatchNorm ops' conv passes by layer shape; returns the undo."""
+def _wrap_conv_passes(times, counts, captured=None):
+    """Time the Conv-BatchNorm ops' conv passes by layer shape; returns the undo. ``captured``
+    (a dict): each key's first call kept there as (function, arguments: arrays copied), for
+    :func:`_replayed`."""
+    import numpy as np
     from numbafuse.ops import conv_batchnorm as cbn
     forward, backward, stats = cbn._conv_forward, cbn._conv_backward, cbn._conv_and_stats
 
     def key(g, kind):
         return f"{kind} {g.R}x{g.S}/{g.sh} {g.C}->{g.K} at {g.H}x{g.W}"
+
+    def keep(k, fn, args):
+        if captured is not None and k not in captured:
+            captured[k] = (fn, tuple(a.copy() if isinstance(a, np.ndarray) else a
+                                     for a in args))
 
     def timed_forward(which, x, w, b, geometry, relu):
         t0 = time.perf_counter()
@@ -93,6 +109,7 @@ def _wrap_conv_passes(times, counts):
             k = key(geometry, "forward")
             times[k] += time.perf_counter() - t0
             counts[k] += 1
+            keep(k, forward, (which, x, w, b, geometry, relu))
 
     def timed_backward(which, dconv, x, w, geometry, need, dx_addend=None):
         t0 = time.perf_counter()
@@ -103,6 +120,8 @@ def _wrap_conv_passes(times, counts):
                 n for n, on in zip(("dx", "dw"), need) if on) + ")")
             times[k] += time.perf_counter() - t0
             counts[k] += 1
+            keep(k, backward, (which, dconv, x, w, geometry, need, dx_addend))
+
     def timed_stats(which, x, w, geometry, eps):
         t0 = time.perf_counter()
         out = stats(which, x, w, geometry, eps)
@@ -110,6 +129,7 @@ def _wrap_conv_passes(times, counts):
             k = key(geometry, "forward with statistics")
             times[k] += time.perf_counter() - t0
             counts[k] += 1
+            keep(k, stats, (which, x, w, geometry, eps))
         return out
     cbn._conv_forward, cbn._conv_backward = timed_forward, timed_backward
     cbn._conv_and_stats = timed_stats
@@ -119,14 +139,59 @@ def _wrap_conv_passes(times, counts):
     return undo
 
 
+def direct_macs(key):
+    """Multiply-adds of a ``--layers`` key's pass as a direct convolution (batch aside: the
+    caller multiplies by N): per output pixel and filter, C * R * S (groups 1, as ResNet's);
+    a backward of dx and dw twice the forward's, of dw alone once."""
+    m = re.match(r"(.*) (\d+)x(\d+)/(\d+) (\d+)->(\d+) at (\d+)x(\d+)$", key)
+    kind, R, S, sh, C, K, H, W = m.group(1), *map(int, m.groups()[1:])
+    pad_h, pad_w = R // 2, S // 2                          # ResNet's convs: padding k // 2
+    P, Q = (H + 2 * pad_h - R) // sh + 1, (W + 2 * pad_w - S) // sh + 1
+    per = P * Q * K * C * R * S
+    return per * (2 if "dx+dw" in kind else 1)
+
+
+def _replayed(captured, repeats):
+    """{key: median seconds} of each captured pass called again ``repeats`` times in a row on
+    its own arguments (its data and code warm in the caches), after two calls not timed."""
+    out = {}
+    for k, (fn, args) in captured.items():
+        for _ in range(2):
+            fn(*args)
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(*args)
+            ts.append(time.perf_counter() - t0)
+        out[k] = statistics.median(ts)
+    return out
+
+
 def _wrap_functions(times, counts):
     """Time the fused ops' autograd Functions (forward and backward of Conv-BN-ReLU and
     Conv-BN-Add-ReLU) and, inside each, numbafuse's outermost launches (``_wrap_launches``):
     what is left is the host path (Python, NumPy and torch calls, compiled code called
-    straight); returns the undo."""
+    straight); and the ops layer they call (``ops.conv_batchnorm``'s forward, backward,
+    add_forward, add_backward: "ops ..." keys, with their launches) to split that host path
+    into the ops layer and the kernels' drivers below it, and the Functions' own torch layer
+    (tensor views, saving, the launch order) around it; returns the undo."""
+    from numbafuse.ops import conv_batchnorm as cbn
     from numbafuse.torch import conv_batchnorm as tcb
     undo_launches = _wrap_launches(times, counts)
     saved = []
+    ops = {name: getattr(cbn, name) for name in ("forward", "backward", "add_forward",
+                                                 "add_backward")}
+    for name, fn in ops.items():
+        def timed_op(*args, _fn=fn, _key=f"ops {name}", **kwargs):
+            launched = times["(outermost launches)"]
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                times[_key] += time.perf_counter() - t0
+                times[_key + " launches"] += times["(outermost launches)"] - launched
+                counts[_key] += 1
+        setattr(cbn, name, timed_op)
     for cls, label in ((tcb.ConvBatchNormReLUFunction, "Conv-BN-ReLU"),
                        (tcb.ConvBatchNormAddReLUFunction, "Conv-BN-Add-ReLU")):
         for name in ("forward", "backward"):
@@ -148,6 +213,8 @@ def _wrap_functions(times, counts):
     def undo():
         for cls, name, original in saved:
             setattr(cls, name, original)
+        for name, fn in ops.items():
+            setattr(cbn, name, fn)
         undo_launches()
     return undo
 
@@ -186,6 +253,25 @@ def _torch_layers(model, step, steps):
     return times, counts
 
 
+def _print_replayed(times, counts, n, warm, args):
+    """``--layers --replay``'s table: each pass in the step against the same call repeated."""
+    print(f"\nEach pass's first call in the steps called again {args.replay} times in a row "
+          "after them (median; its arrays, code and weights warm), against its mean in the "
+          "steps; GMAC/s: a direct convolution's multiply-adds (Winograd and tapwise passes "
+          "do fewer) over the replayed time.")
+    print("\n| conv pass | calls a step | in the step ms | replayed ms | step / replayed "
+          "| GMAC/s replayed |\n|---|---:|---:|---:|---:|---:|")
+    in_step = replayed = 0.0
+    for name in sorted(times, key=lambda k: -(times[k] - warm[k] * counts[k])):
+        calls, mean = counts[name] / n, times[name] / counts[name]
+        in_step, replayed = in_step + mean * calls, replayed + warm[name] * calls
+        macs = direct_macs(name) * args.batch
+        print(f"| {name} | {calls:g} | {mean * 1e3:.3f} | {warm[name] * 1e3:.3f} "
+              f"| {mean / warm[name]:.2f} | {macs / warm[name] / 1e9:.0f} |")
+    print(f"\nThe conv passes: {in_step * 1e3:.1f} ms a step in the steps, {replayed * 1e3:.1f} "
+          f"replayed ({in_step / replayed:.2f}x).")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="resnet18",
@@ -199,6 +285,9 @@ def main(argv=None):
                    help="time the conv passes by layer shape instead of the launches")
     p.add_argument("--torch", action="store_true",
                    help="PyTorch's own unfused model's conv passes by layer shape instead")
+    p.add_argument("--replay", type=int, default=0, metavar="REPEATS",
+                   help="with --layers: also call each conv pass again REPEATS times on its "
+                        "own arguments after the steps (warm), and compare")
     p.add_argument("--host", action="store_true",
                    help="the fused ops' autograd Functions timed, less their launches")
     p.add_argument("--recompute", default="True", choices=["True", "False", "auto"],
@@ -240,8 +329,9 @@ def main(argv=None):
             print(f"| {name} | {times[name] / counts[name] * 1e3:.2f} | {counts[name] / n:g} |")
         return
     times, counts = collections.defaultdict(float), collections.Counter()
-    undo = (_wrap_conv_passes if args.layers else _wrap_functions if args.host
-            else _wrap_launches)(times, counts)
+    captured = {} if args.layers and args.replay > 0 else None
+    undo = (functools.partial(_wrap_conv_passes, captured=captured) if args.layers
+            else _wrap_functions if args.host else _wrap_launches)(times, counts)
     t_sgd = 0.0
     try:
         t0 = time.perf_counter()
@@ -260,22 +350,35 @@ def main(argv=None):
         print("\n| fused Function | calls a step | ms a step | its launches ms | the rest ms "
               "| the rest a call us |\n|---|---:|---:|---:|---:|---:|")
         rest = 0.0
-        for key in sorted(k for k in counts if k.endswith(("forward", "backward"))):
+        for key in sorted(k for k in counts if k.startswith("Conv-")
+                         and k.endswith(("forward", "backward"))):
             c, t, la = counts[key] / n, times[key] / n, times[key + " launches"] / n
             rest += t - la
             print(f"| {key} | {c:g} | {t * 1e3:.2f} | {la * 1e3:.2f} | {(t - la) * 1e3:.2f} "
                   f"| {(t - la) / c * 1e6:.0f} |")
+        in_ops = sum(times[k] - times[k + " launches"] for k in counts
+                     if k.startswith("ops ")) / n
+        functions = sum(times[k] for k in counts if k.startswith("Conv-")) / n
         print(f"\nThe fused Functions' host path: {rest * 1e3:.1f} ms a step "
-              f"({rest / total:.0%} of the step).")
+              f"({rest / total:.0%} of the step): {in_ops * 1e3:.1f} ms in the ops layer and "
+              f"the kernels' drivers below it (ops.conv_batchnorm's calls less their "
+              f"launches), {(rest - in_ops) * 1e3:.1f} ms in the Functions' own torch layer "
+              f"around it; SGD {t_sgd / n * 1e3:.1f} ms; the rest of the step (PyTorch's "
+              f"autograd engine, the public functions' checks, Function.apply, the pool, "
+              f"the head) {(total - functions - t_sgd / n) * 1e3:.1f} ms.")
         return
     if args.layers:
         print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused "
               f"(recompute={args.recompute}), {torch.get_num_threads()} torch threads: "
               f"step {total * 1e3:.1f} ms, of which "
               f"the conv passes {sum(times.values()) / n * 1e3:.1f} ms (mean of {n} steps)")
-        print("\n| conv pass | ms a call | calls a step |\n|---|---:|---:|")
-        for name in sorted(times):
-            print(f"| {name} | {times[name] / counts[name] * 1e3:.2f} | {counts[name] / n:g} |")
+        if captured is None:
+            print("\n| conv pass | ms a call | calls a step |\n|---|---:|---:|")
+            for name in sorted(times):
+                print(f"| {name} | {times[name] / counts[name] * 1e3:.2f} "
+                      f"| {counts[name] / n:g} |")
+            return
+        _print_replayed(times, counts, n, _replayed(captured, args.replay), args)
         return
     outer = times.pop("(outermost launches)", 0.0) / n
     print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused "

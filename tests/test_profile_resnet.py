@@ -30,3 +30,48 @@ def test_host_rows_split_each_function_into_launches_and_the_rest(capsys):
         assert abs(total - launches - rest) <= 0.02, name
         assert abs(rest / float(calls) * 1e3 - float(per_call)) <= 1, name
     assert "The fused Functions' host path:" in out
+    parts = re.search(r"host path: (\S+) ms a step \(\d+% of the step\): (\S+) ms in the ops "
+                      r"layer .* (\S+) ms in the Functions' own torch layer", out, re.DOTALL)
+    assert parts, out
+    rest, in_ops, torch_layer = map(float, parts.groups())
+    assert 0 < in_ops < rest and 0 < torch_layer < rest
+    assert abs(in_ops + torch_layer - rest) <= 0.11
+
+
+def test_direct_macs_of_a_layer_key():
+    # per image: P*Q*K*C*R*S; dx and dw twice the forward's
+    assert profile_resnet.direct_macs("forward 3x3/1 64->64 at 16x16") == 16 * 16 * 64 * 64 * 9
+    assert profile_resnet.direct_macs("backward (dx+dw) 3x3/2 64->128 at 16x16") == \
+        2 * 8 * 8 * 128 * 64 * 9
+    assert profile_resnet.direct_macs("backward (dw) 7x7/2 3->64 at 64x64") == \
+        32 * 32 * 64 * 3 * 49
+    assert profile_resnet.direct_macs("forward with statistics 1x1/2 256->512 at 4x4") == \
+        2 * 2 * 512 * 256
+
+
+def test_layers_replay_rows_compare_each_pass_with_its_call_again(capsys):
+    profile_resnet.main(["--layers", "--replay", "3", "--batch", "2", "--size", "32",
+                         "--steps", "1", "--recompute", "auto"])
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| ((?:forward|backward)[^|]*?) \| (\S+) \| (\S+) \| (\S+) \| (\S+) "
+                      r"\| (\S+) \|$", out, re.MULTILINE)
+    names = {r[0] for r in rows}
+    # every conv of ResNet-18 has its forward (the 3x3 128s at 8x8: with the statistics) and
+    # its backward: the stem's dw alone (its input needs no gradient)
+    assert "backward (dw) 7x7/2 3->64 at 32x32" in names
+    assert "forward 7x7/2 3->64 at 32x32" in names
+    assert sum(n.startswith("backward (dx+dw)") for n in names) == 10, names
+    in_step = replayed = 0.0
+    for name, calls, mean, warm, ratio, gmacs in rows:
+        calls, mean, warm = float(calls), float(mean), float(warm)
+        assert mean > 0 and warm > 0, name
+        # (the columns as printed: ms to 3 decimals, the ratio to 2, GMAC/s to units)
+        slack = 0.0006 / warm + 0.0006 / mean
+        assert abs(mean / warm - float(ratio)) <= 0.006 + mean / warm * slack, name
+        expect = profile_resnet.direct_macs(name) * 2 / (warm * 1e-3) / 1e9
+        assert abs(expect - float(gmacs)) <= 0.6 + expect * 0.0006 / warm, name
+        in_step, replayed = in_step + mean * calls, replayed + warm * calls
+    total = re.search(r"The conv passes: (\S+) ms a step in the steps, (\S+) replayed", out)
+    assert total, out
+    assert abs(float(total.group(1)) - in_step) <= 0.05 * in_step + 0.1
+    assert abs(float(total.group(2)) - replayed) <= 0.05 * replayed + 0.1
