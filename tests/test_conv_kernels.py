@@ -697,6 +697,30 @@ def test_transpose_tiles_and_edges(dtype, rows, cols):
     assert (wide[:, 0] == -7).all() and (wide[:, 1 + rows:] == -7).all()
 
 
+@pytest.mark.parametrize("rows, cols", [(19, 21), (64, 32), (16, 40), (40, 16)])
+@pytest.mark.parametrize("src_extra, dst_extra", [(6, 3), (200, 3), (3, 200), (130, 130)])
+def test_transpose_tiles_in_either_order(rows, cols, src_extra, dst_extra):
+    # transpose's tiles go along the source's rows where its row stride is at least
+    # ORDER_RATIO times the destination's, else along the destination's: both orders, tiled
+    # sides ended or not, the margins of both views untouched
+    run = _transpose_runner()
+    rng = np.random.default_rng(rows * 1000 + cols + src_extra)
+    src = rng.standard_normal((rows, cols + src_extra)).astype(np.float32)[:, 1:1 + cols]
+    wide = np.full((cols, rows + dst_extra), -7.0, np.float32)
+    run(src, wide[:, 2:2 + rows])
+    np.testing.assert_array_equal(wide[:, 2:2 + rows], src.T)
+    assert (wide[:, :2] == -7).all() and (wide[:, 2 + rows:] == -7).all()
+
+
+def test_transpose_order_cases_reach_both_orders():
+    # (the grid of test_transpose_tiles_in_either_order runs each order more than once)
+    from numbafuse.kernels.cpu.transpose import ORDER_RATIO
+    grid = [(r, c, se, de) for r, c in [(19, 21), (64, 32), (16, 40), (40, 16)]
+            for se, de in [(6, 3), (200, 3), (3, 200), (130, 130)]]
+    first = [c + se >= ORDER_RATIO * (r + de) for r, c, se, de in grid]
+    assert 2 <= sum(first) <= len(grid) - 2
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("rows, cols", [(1, 9), (63, 17), (64, 8), (65, 33), (300, 130),
                                         (2048, 40)])
