@@ -38,7 +38,6 @@ import argparse
 import collections
 import functools
 import os
-import re
 import statistics
 import sys
 import time
@@ -139,16 +138,19 @@ def _wrap_conv_passes(times, counts, captured=None):
     return undo
 
 
-def direct_macs(key):
-    """Multiply-adds of a ``--layers`` key's pass as a direct convolution (batch aside: the
-    caller multiplies by N): per output pixel and filter, C * R * S (groups 1, as ResNet's);
-    a backward of dx and dw twice the forward's, of dw alone once."""
-    m = re.match(r"(.*) (\d+)x(\d+)/(\d+) (\d+)->(\d+) at (\d+)x(\d+)$", key)
-    kind, R, S, sh, C, K, H, W = m.group(1), *map(int, m.groups()[1:])
-    pad_h, pad_w = R // 2, S // 2                          # ResNet's convs: padding k // 2
-    P, Q = (H + 2 * pad_h - R) // sh + 1, (W + 2 * pad_w - S) // sh + 1
-    per = P * Q * K * C * R * S
-    return per * (2 if "dx+dw" in kind else 1)
+def direct_macs(key, geom):
+    """Multiply-adds of a ``--layers`` key's pass on ``geom`` (its ConvGeometry) as a direct
+    convolution: N*P*Q*K*(C/groups)*R*S for a forward or a dW alone, twice that for dX and
+    dW."""
+    per = geom.N * geom.P * geom.Q * geom.K * (geom.C // geom.groups) * geom.R * geom.S
+    return per * (2 if "(dx+dw)" in key else 1)
+
+
+def _geometry(key, captured):
+    """The ConvGeometry of a captured pass (the arguments of ``_conv_forward``,
+    ``_conv_backward``: its fifth; ``_conv_and_stats``: its fourth)."""
+    args = captured[key][1]
+    return args[3] if key.startswith("forward with statistics") else args[4]
 
 
 def _replayed(captured, repeats):
@@ -253,7 +255,7 @@ def _torch_layers(model, step, steps):
     return times, counts
 
 
-def _print_replayed(times, counts, n, warm, args):
+def _print_replayed(times, counts, n, warm, captured, args):
     """``--layers --replay``'s table: each pass in the step against the same call repeated."""
     print(f"\nEach pass's first call in the steps called again {args.replay} times in a row "
           "after them (median; its arrays, code and weights warm), against its mean in the "
@@ -265,7 +267,7 @@ def _print_replayed(times, counts, n, warm, args):
     for name in sorted(times, key=lambda k: -(times[k] - warm[k] * counts[k])):
         calls, mean = counts[name] / n, times[name] / counts[name]
         in_step, replayed = in_step + mean * calls, replayed + warm[name] * calls
-        macs = direct_macs(name) * args.batch
+        macs = direct_macs(name, _geometry(name, captured))
         print(f"| {name} | {calls:g} | {mean * 1e3:.3f} | {warm[name] * 1e3:.3f} "
               f"| {mean / warm[name]:.2f} | {macs / warm[name] / 1e9:.0f} |")
     print(f"\nThe conv passes: {in_step * 1e3:.1f} ms a step in the steps, {replayed * 1e3:.1f} "
@@ -378,7 +380,7 @@ def main(argv=None):
                 print(f"| {name} | {times[name] / counts[name] * 1e3:.2f} "
                       f"| {counts[name] / n:g} |")
             return
-        _print_replayed(times, counts, n, _replayed(captured, args.replay), args)
+        _print_replayed(times, counts, n, _replayed(captured, args.replay), captured, args)
         return
     outer = times.pop("(outermost launches)", 0.0) / n
     print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused "

@@ -38,21 +38,44 @@ def test_host_rows_split_each_function_into_launches_and_the_rest(capsys):
     assert abs(in_ops + torch_layer - rest) <= 0.11
 
 
-def test_direct_macs_of_a_layer_key():
-    # per image: P*Q*K*C*R*S; dx and dw twice the forward's
-    assert profile_resnet.direct_macs("forward 3x3/1 64->64 at 16x16") == 16 * 16 * 64 * 64 * 9
-    assert profile_resnet.direct_macs("backward (dx+dw) 3x3/2 64->128 at 16x16") == \
-        2 * 8 * 8 * 128 * 64 * 9
-    assert profile_resnet.direct_macs("backward (dw) 7x7/2 3->64 at 64x64") == \
-        32 * 32 * 64 * 3 * 49
-    assert profile_resnet.direct_macs("forward with statistics 1x1/2 256->512 at 4x4") == \
-        2 * 2 * 512 * 256
+def test_direct_macs_of_a_pass():
+    # N*P*Q*K*(C/groups)*R*S; dx and dw twice the forward's
+    from numbafuse.validate import conv_geometry
+    g = conv_geometry("t", (2, 64, 16, 16), (64, 64, 3, 3), 1, 1)
+    assert profile_resnet.direct_macs("forward 3x3/1 64->64 at 16x16", g) == \
+        2 * 16 * 16 * 64 * 64 * 9
+    g = conv_geometry("t", (2, 64, 16, 16), (128, 64, 3, 3), 2, 1)
+    assert profile_resnet.direct_macs("backward (dx+dw) 3x3/2 64->128 at 16x16", g) == \
+        2 * 2 * 8 * 8 * 128 * 64 * 9
+    g = conv_geometry("t", (2, 3, 64, 64), (64, 3, 7, 7), 2, 3)
+    assert profile_resnet.direct_macs("backward (dw) 7x7/2 3->64 at 64x64", g) == \
+        2 * 32 * 32 * 64 * 3 * 49
+    g = conv_geometry("t", (2, 96, 28, 28), (96, 1, 7, 7), 2, 3, groups=96)    # depthwise
+    assert profile_resnet.direct_macs("forward 7x7/2 96->96 at 28x28", g) == \
+        2 * 14 * 14 * 96 * 49
 
 
-def test_layers_replay_rows_compare_each_pass_with_its_call_again(capsys):
+def test_geometry_of_each_captured_pass():
+    # the captured arguments: _conv_and_stats(which, x, w, geometry, eps), _conv_forward(which,
+    # x, w, b, geometry, relu), _conv_backward(which, dconv, x, w, geometry, need, dx_addend)
+    captured = {"forward with statistics 3x3/1 8->8 at 8x8": (None, ("op", 1, 2, "g1", 1e-5)),
+                "forward 3x3/1 8->8 at 8x8": (None, ("op", 1, 2, None, "g2", True)),
+                "backward (dx+dw) 3x3/1 8->8 at 8x8": (None, ("op", 0, 1, 2, "g3", (1, 1), None))}
+    assert [profile_resnet._geometry(k, captured) for k in captured] == ["g1", "g2", "g3"]
+
+
+def test_layers_replay_rows_compare_each_pass_with_its_call_again(capsys, monkeypatch):
+    geometries = {}
+    replayed_of = profile_resnet._replayed
+
+    def replayed(captured, repeats):         # (the geometries the table's GMAC/s divide)
+        geometries.update({k: profile_resnet._geometry(k, captured) for k in captured})
+        return replayed_of(captured, repeats)
+    monkeypatch.setattr(profile_resnet, "_replayed", replayed)
     profile_resnet.main(["--layers", "--replay", "3", "--batch", "2", "--size", "32",
                          "--steps", "1", "--recompute", "auto"])
     out = capsys.readouterr().out
+    assert all(g.N == 2 for g in geometries.values())
     rows = re.findall(r"^\| ((?:forward|backward)[^|]*?) \| (\S+) \| (\S+) \| (\S+) \| (\S+) "
                       r"\| (\S+) \|$", out, re.MULTILINE)
     names = {r[0] for r in rows}
@@ -68,7 +91,7 @@ def test_layers_replay_rows_compare_each_pass_with_its_call_again(capsys):
         # (the columns as printed: ms to 3 decimals, the ratio to 2, GMAC/s to units)
         slack = 0.0006 / warm + 0.0006 / mean
         assert abs(mean / warm - float(ratio)) <= 0.006 + mean / warm * slack, name
-        expect = profile_resnet.direct_macs(name) * 2 / (warm * 1e-3) / 1e9
+        expect = profile_resnet.direct_macs(name, geometries[name]) / (warm * 1e-3) / 1e9
         assert abs(expect - float(gmacs)) <= 0.6 + expect * 0.0006 / warm, name
         in_step, replayed = in_step + mean * calls, replayed + warm * calls
     total = re.search(r"The conv passes: (\S+) ms a step in the steps, (\S+) replayed", out)
