@@ -295,6 +295,8 @@ def main(argv=None):
     p.add_argument("--recompute", default="True", choices=["True", "False", "auto"],
                    help="fuse(model, recompute=...) (default True, fuse's own default)")
     args = p.parse_args(argv)
+    if args.replay < 0 or (args.replay and not args.layers):
+        p.error("--replay takes a count of calls >= 0, and needs --layers")
 
     import torch
     from bench_resnet import model_function    # the model's file, no numbafuse import

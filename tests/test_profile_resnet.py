@@ -98,3 +98,10 @@ def test_layers_replay_rows_compare_each_pass_with_its_call_again(capsys, monkey
     assert total, out
     assert abs(float(total.group(1)) - in_step) <= 0.05 * in_step + 0.1
     assert abs(float(total.group(2)) - replayed) <= 0.05 * replayed + 0.1
+
+
+@pytest.mark.parametrize("argv", [["--replay", "3"], ["--layers", "--replay", "-1"]])
+def test_replay_needs_layers_and_a_count(argv, capsys):
+    with pytest.raises(SystemExit):
+        profile_resnet.main(argv)
+    assert "--replay" in capsys.readouterr().err
