@@ -86,8 +86,8 @@ def _wrap_launches(times, counts):
 
 def _wrap_conv_passes(times, counts, captured=None):
     """Time the Conv-BatchNorm ops' conv passes by layer shape; returns the undo. ``captured``
-    (a dict): each key's first call kept there as (function, arguments: arrays copied), for
-    :func:`_replayed`."""
+    (a dict): each key's first call kept there as (function, arguments: arrays copied, its
+    ConvGeometry), for :func:`_replayed` and the table's multiply-adds."""
     import numpy as np
     from numbafuse.ops import conv_batchnorm as cbn
     forward, backward, stats = cbn._conv_forward, cbn._conv_backward, cbn._conv_and_stats
@@ -95,10 +95,10 @@ def _wrap_conv_passes(times, counts, captured=None):
     def key(g, kind):
         return f"{kind} {g.R}x{g.S}/{g.sh} {g.C}->{g.K} at {g.H}x{g.W}"
 
-    def keep(k, fn, args):
+    def keep(k, fn, args, geometry):
         if captured is not None and k not in captured:
             captured[k] = (fn, tuple(a.copy() if isinstance(a, np.ndarray) else a
-                                     for a in args))
+                                     for a in args), geometry)
 
     def timed_forward(which, x, w, b, geometry, relu):
         t0 = time.perf_counter()
@@ -108,7 +108,7 @@ def _wrap_conv_passes(times, counts, captured=None):
             k = key(geometry, "forward")
             times[k] += time.perf_counter() - t0
             counts[k] += 1
-            keep(k, forward, (which, x, w, b, geometry, relu))
+            keep(k, forward, (which, x, w, b, geometry, relu), geometry)
 
     def timed_backward(which, dconv, x, w, geometry, need, dx_addend=None):
         t0 = time.perf_counter()
@@ -119,7 +119,7 @@ def _wrap_conv_passes(times, counts, captured=None):
                 n for n, on in zip(("dx", "dw"), need) if on) + ")")
             times[k] += time.perf_counter() - t0
             counts[k] += 1
-            keep(k, backward, (which, dconv, x, w, geometry, need, dx_addend))
+            keep(k, backward, (which, dconv, x, w, geometry, need, dx_addend), geometry)
 
     def timed_stats(which, x, w, geometry, eps):
         t0 = time.perf_counter()
@@ -128,7 +128,7 @@ def _wrap_conv_passes(times, counts, captured=None):
             k = key(geometry, "forward with statistics")
             times[k] += time.perf_counter() - t0
             counts[k] += 1
-            keep(k, stats, (which, x, w, geometry, eps))
+            keep(k, stats, (which, x, w, geometry, eps), geometry)
         return out
     cbn._conv_forward, cbn._conv_backward = timed_forward, timed_backward
     cbn._conv_and_stats = timed_stats
@@ -146,18 +146,11 @@ def direct_macs(key, geom):
     return per * (2 if "(dx+dw)" in key else 1)
 
 
-def _geometry(key, captured):
-    """The ConvGeometry of a captured pass (the arguments of ``_conv_forward``,
-    ``_conv_backward``: its fifth; ``_conv_and_stats``: its fourth)."""
-    args = captured[key][1]
-    return args[3] if key.startswith("forward with statistics") else args[4]
-
-
 def _replayed(captured, repeats):
     """{key: median seconds} of each captured pass called again ``repeats`` times in a row on
     its own arguments (its data and code warm in the caches), after two calls not timed."""
     out = {}
-    for k, (fn, args) in captured.items():
+    for k, (fn, args, _) in captured.items():
         for _ in range(2):
             fn(*args)
         ts = []
@@ -167,6 +160,21 @@ def _replayed(captured, repeats):
             ts.append(time.perf_counter() - t0)
         out[k] = statistics.median(ts)
     return out
+
+
+def _timed_with_launches(fn, key, times, counts):
+    """``fn`` timed under ``key`` in ``times`` / ``counts``, and the outermost launches made
+    inside it under ``key + " launches"`` (``_wrap_launches``' running total)."""
+    def timed(*args, **kwargs):
+        launched = times["(outermost launches)"]
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times[key] += time.perf_counter() - t0
+            times[key + " launches"] += times["(outermost launches)"] - launched
+            counts[key] += 1
+    return timed
 
 
 def _wrap_functions(times, counts):
@@ -184,33 +192,15 @@ def _wrap_functions(times, counts):
     ops = {name: getattr(cbn, name) for name in ("forward", "backward", "add_forward",
                                                  "add_backward")}
     for name, fn in ops.items():
-        def timed_op(*args, _fn=fn, _key=f"ops {name}", **kwargs):
-            launched = times["(outermost launches)"]
-            t0 = time.perf_counter()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                times[_key] += time.perf_counter() - t0
-                times[_key + " launches"] += times["(outermost launches)"] - launched
-                counts[_key] += 1
-        setattr(cbn, name, timed_op)
+        setattr(cbn, name, _timed_with_launches(fn, f"ops {name}", times, counts))
     for cls, label in ((tcb.ConvBatchNormReLUFunction, "Conv-BN-ReLU"),
                        (tcb.ConvBatchNormAddReLUFunction, "Conv-BN-Add-ReLU")):
         for name in ("forward", "backward"):
             original = cls.__dict__[name]
             fn = original.__func__ if isinstance(original, staticmethod) else original
-
-            def timed(ctx, *args, _fn=fn, _key=f"{label} {name}"):
-                launched = times["(outermost launches)"]
-                t0 = time.perf_counter()
-                try:
-                    return _fn(ctx, *args)
-                finally:
-                    times[_key] += time.perf_counter() - t0
-                    times[_key + " launches"] += times["(outermost launches)"] - launched
-                    counts[_key] += 1
             saved.append((cls, name, original))
-            setattr(cls, name, staticmethod(timed))
+            setattr(cls, name, staticmethod(
+                _timed_with_launches(fn, f"{label} {name}", times, counts)))
 
     def undo():
         for cls, name, original in saved:
@@ -267,7 +257,7 @@ def _print_replayed(times, counts, n, warm, captured, args):
     for name in sorted(times, key=lambda k: -(times[k] - warm[k] * counts[k])):
         calls, mean = counts[name] / n, times[name] / counts[name]
         in_step, replayed = in_step + mean * calls, replayed + warm[name] * calls
-        macs = direct_macs(name, _geometry(name, captured))
+        macs = direct_macs(name, captured[name][2])
         print(f"| {name} | {calls:g} | {mean * 1e3:.3f} | {warm[name] * 1e3:.3f} "
               f"| {mean / warm[name]:.2f} | {macs / warm[name] / 1e9:.0f} |")
     print(f"\nThe conv passes: {in_step * 1e3:.1f} ms a step in the steps, {replayed * 1e3:.1f} "
