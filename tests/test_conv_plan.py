@@ -416,6 +416,41 @@ def _the_chunked_rule(chosen):
         assert chosen(128, 512, 8)[0] == "pointwise"
 
 
+@pytest.mark.skipif(not cpu_plan.RULES.taps, reason="the implicit GEMM's register tiles: "
+                    "16-float (AVX-512) only")
+def test_the_chunked_1x1_forward_on_the_implicit_gemm_keeps_im2col_for_inference():
+    # Rules.pointwise_chunked_implicit (off by default: faster alone, slower in ResNet-50's
+    # step): the widening NCHW 1x1 forward that _pointwise_chunked admits runs the implicit
+    # GEMM, the float64 reference's values; forward_scaled (inference, batch norm and z in the
+    # epilogue) keeps the im2col plan (cpu_plan.scaled), the same bits as with the rule off,
+    # not None (a fold)
+    rng = np.random.default_rng(7)
+    N, C, K, H = 3, 64, 128, 8                       # 64 pixels an image: the chunked line
+    x = rng.standard_normal((N, C, H, H)).astype(np.float32)
+    w = rng.standard_normal((K, C, 1, 1)).astype(np.float32)
+    z = rng.standard_normal((N, K, H, H)).astype(np.float32)
+    scale = np.linspace(-1.5, 2.0, K).astype(np.float32)
+    shift = rng.standard_normal(K).astype(np.float32)
+    geom = nf.validate.conv_geometry("t", x.shape, w.shape, 1, 0, 1, "NCHW")
+    y64 = ref.conv2d(x.astype(np.float64), w.astype(np.float64))
+    axis = (1, -1, 1, 1)
+    want = np.maximum(y64 * scale.reshape(axis) + shift.reshape(axis) + z, 0)
+    scaled = {}
+    for on in (False, True):
+        with cpu_plan.using(pointwise_chunked_pixels=64, pointwise_chunked_implicit=on):
+            assert cpu_plan.plan(geom, "forward", np.float32).algorithm == (
+                "implicit" if on else "im2col")
+            assert cpu_plan.plan(geom, "dx", np.float32).algorithm == "pointwise"
+            assert cpu_plan.scaled(geom, np.float32).algorithm == "im2col"
+            np.testing.assert_allclose(cpu_conv.conv_forward(x, w, None, geom, False), y64,
+                                       **TOL[np.float32])
+            scaled[on] = cpu_conv.forward_scaled(x, w, lambda: (scale, shift), geom, True, z=z)
+            np.testing.assert_allclose(scaled[on], want, **TOL[np.float32])
+        with cpu_plan.using(pointwise_chunked_pixels=63, pointwise_chunked_implicit=on):
+            assert cpu_plan.plan(geom, "forward", np.float32).algorithm == "pointwise"
+    assert scaled[True].tobytes() == scaled[False].tobytes()
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_a_strided_dw_with_as_many_channels_as_pixels_runs_blocked(layout):
     # ResNet-18's l3 3x3/2 128 -> 256 at batch 16: 256 output pixels, K = 256 (the k-blocked

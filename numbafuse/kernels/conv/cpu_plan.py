@@ -214,7 +214,10 @@ def choose(geom, pass_, dtype, rules):
                      and (pass_ == "forward" and geom.layout == "NHWC"
                           or _implicit.gathers(geom, rules.wide))))
     if is_pointwise(geom):
-        if _pointwise_blocked(geom, pass_, dtype, rules) or _pointwise_chunked(geom, pass_, rules):
+        if _pointwise_chunked(geom, pass_, rules):
+            return ("implicit" if rules.pointwise_chunked_implicit and rules.taps
+                    and supports("implicit", geom, pass_, dtype) else "im2col")
+        if _pointwise_blocked(geom, pass_, dtype, rules):
             return "im2col"
         if (pass_ == "dw" and rules.taps and geom.P * geom.Q <= rules.pointwise_dw_implicit_pixels
                 and supports("implicit", geom, pass_, dtype)):
@@ -338,6 +341,26 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None, k_blocks=None):
                          f"k_blocks in {k_block_choices(algorithm, geom, pass_, dtype, rules)}"
                          f", got {k_blocks!r}")
     return _planned(geom, pass_, dtype, rules, algorithm, k_blocks)
+
+
+def scaled(geom, dtype):
+    """The :class:`Plan` of a forward with the scale (and residual) epilogue
+    (``cpu.forward_scaled``, inference): :func:`plan`'s, but where that is the implicit GEMM of
+    a widening 1x1 (``Rules.pointwise_chunked_implicit``, which has no such epilogue), the
+    plan the rules make without that rule (im2col's chunks, whose epilogue applies the batch
+    norm and z)."""
+    made = plan(geom, "forward", dtype)
+    if made.algorithm != "implicit" or not is_pointwise(geom):
+        return made
+    rules = current_rules()
+    key = (geom, "scaled", dtype, id(rules))
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0] is rules:
+        return hit[1]
+    made = plan(geom, "forward", dtype, rules._replace(pointwise_chunked_implicit=False))
+    if len(_PLANS) < MAX_PLANS:
+        _PLANS[key] = (rules, made)
+    return made
 
 
 # plan()'s plans by (geometry, pass, dtype, the rules' id): at most MAX_PLANS (then made anew
