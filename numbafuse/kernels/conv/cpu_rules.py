@@ -180,10 +180,11 @@ class Rules(NamedTuple):
     # ``profile_resnet.py --layers``) 0.66 ms each against PyTorch's four of 0.43. But
     # ``ab_rules.py --model resnet50 --variant 'im2col: pointwise_chunked_implicit=False'
     # --rounds 8 --block 6 --sites 'R=1,H=8'`` (on against off, one process): the fused 1x1
-    # calls at 8x8 2-4 ms a step faster, best and median, in the five runs that timed them;
-    # the step slower by median in six runs of seven and by best in six (medians 196.7 /
-    # 189.1 and 187.6 / 181.0 ms on a quiet machine; an A/A run: 205.2 / 203.0); what else
-    # slows was not found (the 3x3 calls and the 1x1 calls at 16x16 were not)
+    # calls at 8x8 1.3-4 ms a step faster, best and median, in the seven runs that timed them;
+    # the step slower by median in eight runs of nine, whichever variant ran first (medians
+    # 196.7 / 189.1 and 187.6 / 181.0 ms on a quiet machine; an A/A run: 205.2 / 203.0), also
+    # with glibc's mmap and trim thresholds off; what else slows was not found (the 3x3
+    # calls and the 1x1 calls at 16x16 were not: docs/benchmarks.md, "Machine E, 2026-12-03/04")
     pointwise_chunked_implicit: bool = False
     # Where SPLIT_512 or with 8-float tiles (AVX2), the deep NCHW 1x1 forwards and dX of
     # images of pointwise_thin_pixels to this many pixels (4x4) run the pointwise GEMMs, not
