@@ -404,8 +404,14 @@ def test_a_widening_nchw_1x1_forward_on_small_images_runs_im2col_chunks():
 
 
 def _the_chunked_rule(chosen):
-    assert chosen(128, 512, 8) == ("im2col", 1)
-    assert chosen(64, 256, 8) == ("im2col", 1)
+    # 8x8: the implicit GEMM where it has its register tiles (taps; pointwise_chunked_implicit_
+    # pixels), im2col below that and without them
+    eight = ("implicit", 1) if cpu_plan.current_rules().taps else ("im2col", 1)
+    assert chosen(128, 512, 8) == eight
+    assert chosen(64, 256, 8) == eight
+    assert chosen(256, 1024, 4)[0] == "im2col"
+    with cpu_plan.using(pointwise_chunked_implicit_pixels=65):
+        assert chosen(128, 512, 8) == ("im2col", 1)
     assert chosen(128, 512, 16, N=4)[0] == "pointwise"              # 256 pixels an image
     assert chosen(512, 128, 8)[0] == "pointwise"                    # narrowing
     assert chosen(32, 128, 8)[0] == "pointwise"                     # few channels
@@ -419,11 +425,11 @@ def _the_chunked_rule(chosen):
 @pytest.mark.skipif(not cpu_plan.RULES.taps, reason="the implicit GEMM's register tiles: "
                     "16-float (AVX-512) only")
 def test_the_chunked_1x1_forward_on_the_implicit_gemm_keeps_im2col_for_inference():
-    # Rules.pointwise_chunked_implicit (off by default: faster alone, slower in ResNet-50's
-    # step): the widening NCHW 1x1 forward that _pointwise_chunked admits runs the implicit
-    # GEMM, the float64 reference's values; forward_scaled (inference, batch norm and z in the
-    # epilogue) keeps the im2col plan (cpu_plan.scaled), the same bits as with the rule off,
-    # not None (a fold)
+    # Rules.pointwise_chunked_implicit_pixels: the widening NCHW 1x1 forward that
+    # _pointwise_chunked admits, on images of at least that many pixels (64: 8x8), runs the
+    # implicit GEMM, the float64 reference's values; on fewer pixels im2col; forward_scaled
+    # (inference, batch norm and z in the epilogue) keeps the im2col plan (cpu_plan.scaled),
+    # the same bits as with the rule off, not None (a fold)
     rng = np.random.default_rng(7)
     N, C, K, H = 3, 64, 128, 8                       # 64 pixels an image: the chunked line
     x = rng.standard_normal((N, C, H, H)).astype(np.float32)
@@ -437,7 +443,8 @@ def test_the_chunked_1x1_forward_on_the_implicit_gemm_keeps_im2col_for_inference
     want = np.maximum(y64 * scale.reshape(axis) + shift.reshape(axis) + z, 0)
     scaled = {}
     for on in (False, True):
-        with cpu_plan.using(pointwise_chunked_pixels=64, pointwise_chunked_implicit=on):
+        with cpu_plan.using(pointwise_chunked_pixels=64,
+                            pointwise_chunked_implicit_pixels=64 if on else 65):
             assert cpu_plan.plan(geom, "forward", np.float32).algorithm == (
                 "implicit" if on else "im2col")
             assert cpu_plan.plan(geom, "dx", np.float32).algorithm == "pointwise"
@@ -446,8 +453,13 @@ def test_the_chunked_1x1_forward_on_the_implicit_gemm_keeps_im2col_for_inference
                                        **TOL[np.float32])
             scaled[on] = cpu_conv.forward_scaled(x, w, lambda: (scale, shift), geom, True, z=z)
             np.testing.assert_allclose(scaled[on], want, **TOL[np.float32])
-        with cpu_plan.using(pointwise_chunked_pixels=63, pointwise_chunked_implicit=on):
+        with cpu_plan.using(pointwise_chunked_pixels=63,
+                            pointwise_chunked_implicit_pixels=64 if on else 65):
             assert cpu_plan.plan(geom, "forward", np.float32).algorithm == "pointwise"
+    assert cpu_plan.RULES.pointwise_chunked_implicit_pixels == 64
+    small = nf.validate.conv_geometry("t", (N, C, 4, 4), w.shape, 1, 0, 1, "NCHW")
+    with cpu_plan.using(pointwise_chunked_pixels=64):                 # 16 pixels: im2col
+        assert cpu_plan.plan(small, "forward", np.float32).algorithm == "im2col"
     assert scaled[True].tobytes() == scaled[False].tobytes()
 
 

@@ -215,7 +215,8 @@ def choose(geom, pass_, dtype, rules):
                           or _implicit.gathers(geom, rules.wide))))
     if is_pointwise(geom):
         if _pointwise_chunked(geom, pass_, rules):
-            return ("implicit" if rules.pointwise_chunked_implicit and rules.taps
+            return ("implicit" if rules.taps
+                    and geom.P * geom.Q >= rules.pointwise_chunked_implicit_pixels
                     and supports("implicit", geom, pass_, dtype) else "im2col")
         if _pointwise_blocked(geom, pass_, dtype, rules):
             return "im2col"
@@ -346,7 +347,7 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None, k_blocks=None):
 def scaled(geom, dtype):
     """The :class:`Plan` of a forward with the scale (and residual) epilogue
     (``cpu.forward_scaled``, inference): :func:`plan`'s, but where that is the implicit GEMM of
-    a widening 1x1 (``Rules.pointwise_chunked_implicit``, which has no such epilogue), the
+    a widening 1x1 (``Rules.pointwise_chunked_implicit_pixels``: no such epilogue), the
     plan the rules make without that rule (im2col's chunks, whose epilogue applies the batch
     norm and z)."""
     made = plan(geom, "forward", dtype)
@@ -357,7 +358,7 @@ def scaled(geom, dtype):
     hit = _PLANS.get(key)
     if hit is not None and hit[0] is rules:
         return hit[1]
-    made = plan(geom, "forward", dtype, rules._replace(pointwise_chunked_implicit=False))
+    made = plan(geom, "forward", dtype, rules._replace(pointwise_chunked_implicit_pixels=1 << 40))
     if len(_PLANS) < MAX_PLANS:
         _PLANS[key] = (rules, made)
     return made

@@ -171,21 +171,21 @@ class Rules(NamedTuple):
     # eval forward runs four 128 -> 512 at 8x8)
     pointwise_chunked_pixels: int = (64 if _gemm_taps.WIDE and not _gemm_taps.SPLIT_512
                                      and _gemm_taps.AMD else 0)
-    # ... and, where ``pointwise_chunked_implicit`` and ``taps``, such a forward in training
-    # (not ``forward_scaled``'s, inference: im2col applies the batch norm and z in its
-    # epilogue, ``cpu_plan.scaled``) runs the implicit GEMM. Off: faster alone, slower in the
-    # step. 2026-12-04, machine E, ``bench_conv_plan.py --model resnet50``, batch 16, two
-    # runs, ms pointwise / im2col / implicit at 128 -> 512, 8x8: 0.55 / 0.58 / 0.39 and 0.59 /
-    # 0.61 / 0.45 (PyTorch 0.36, 0.39); in ResNet-50's step its eight calls (four recomputed,
-    # ``profile_resnet.py --layers``) 0.66 ms each against PyTorch's four of 0.43. But
-    # ``ab_rules.py --model resnet50 --variant 'im2col: pointwise_chunked_implicit=False'
-    # --rounds 8 --block 6 --sites 'R=1,H=8'`` (on against off, one process): the fused 1x1
-    # calls at 8x8 1.3-4 ms a step faster, best and median, in the seven runs that timed them;
-    # the step slower by median in eight runs of nine, whichever variant ran first (medians
-    # 196.7 / 189.1 and 187.6 / 181.0 ms on a quiet machine; an A/A run: 205.2 / 203.0), also
-    # with glibc's mmap and trim thresholds off; what else slows was not found (the 3x3
-    # calls and the 1x1 calls at 16x16 were not: docs/benchmarks.md, "Machine E, 2026-12-03/04")
-    pointwise_chunked_implicit: bool = False
+    # ... and, with ``taps``, such a forward on images of at least this many pixels runs the
+    # implicit GEMM in training (not ``forward_scaled``'s, inference: im2col applies the batch
+    # norm and z in its epilogue, ``cpu_plan.scaled``). 2026-12-04, machine E,
+    # ``bench_conv_plan.py --model resnet50``, batch 16, ms pointwise / im2col / implicit:
+    # 128 -> 512 at 8x8 0.55 / 0.58 / 0.39 and 0.59 / 0.61 / 0.45 (PyTorch 0.36, 0.39); not
+    # 256 -> 1024 at 4x4 0.60 / 0.46 / 0.80, 512 -> 2048 at 2x2 1.72 / 0.50 / 3.67. At every
+    # chunked size (16 pixels and up) ResNet-50's step had run slower (``ab_rules.py``: median
+    # slower in eight runs of nine; ``profile_resnet.py --host``: the Conv-BN-Add-ReLU
+    # forwards' host path 153 -> 845 us a call, the implicit GEMM's (R*S, C, K) transposes of
+    # the deep weights, made every call in training); from 64 pixels (8x8),
+    # ``ab_rules.py --model resnet50 --variant 'off: pointwise_chunked_implicit_pixels=1000000'
+    # --rounds 8 --block 6 --sites 'R=1,H=8'``, two runs, best / median ms, on against off:
+    # 154.6 / 164.0 against 156.4 / 167.5 and 170.1 / 181.0 against 171.7 / 182.2, the fused
+    # 1x1 calls at 8x8 1.3-1.6 ms a step faster
+    pointwise_chunked_implicit_pixels: int = 64
     # Where SPLIT_512 or with 8-float tiles (AVX2), the deep NCHW 1x1 forwards and dX of
     # images of pointwise_thin_pixels to this many pixels (4x4) run the pointwise GEMMs, not
     # blocked (``_pointwise_blocked``): the blocked ones won on machine E (Zen 5) only (ms
