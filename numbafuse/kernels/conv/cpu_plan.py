@@ -347,18 +347,18 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None, k_blocks=None):
 def scaled(geom, dtype):
     """The :class:`Plan` of a forward with the scale (and residual) epilogue
     (``cpu.forward_scaled``, inference): :func:`plan`'s, but where that is the implicit GEMM of
-    a widening 1x1 (``Rules.pointwise_chunked_implicit_pixels``: no such epilogue), the
-    plan the rules make without that rule (im2col's chunks, whose epilogue applies the batch
-    norm and z)."""
+    a widening 1x1 that ``_pointwise_chunked`` admits (no such epilogue), im2col's, which the
+    rules pick there without ``pointwise_chunked_implicit_pixels`` (its epilogue applies the
+    batch norm and z)."""
     made = plan(geom, "forward", dtype)
-    if made.algorithm != "implicit" or not is_pointwise(geom):
-        return made
     rules = current_rules()
+    if made.algorithm != "implicit" or not _pointwise_chunked(geom, "forward", rules):
+        return made
     key = (geom, "scaled", dtype, id(rules))
     hit = _PLANS.get(key)
     if hit is not None and hit[0] is rules:
         return hit[1]
-    made = plan(geom, "forward", dtype, rules._replace(pointwise_chunked_implicit_pixels=1 << 40))
+    made = _planned(geom, "forward", dtype, rules, "im2col")
     if len(_PLANS) < MAX_PLANS:
         _PLANS[key] = (rules, made)
     return made
