@@ -17,8 +17,9 @@ the step (PyTorch's own ops, the autograd glue, Python) is the step's time less 
 outermost launches'. ``--layers``: instead, the conv passes of the fused Conv-BatchNorm ops
 timed by layer shape (``ops.conv_batchnorm._conv_and_stats``, ``_conv_forward`` and
 ``_conv_backward``: the forward with or without its statistics, the recompute, dX with dW),
-ms a call and calls a step; with ``--replay REPEATS``, each pass's first call in the steps
-(its arrays copied) is called again REPEATS times in a row after them, and the table sets its
+ms a call and calls a step; with ``--replay REPEATS``, each pass's first call (its arrays
+copied, in a step before the timed ones: not timed) is called again REPEATS times in a row
+after them, and the table sets its
 time in the steps against that warm time (what the step's cold caches and host path add to
 a pass), with the GMAC/s of a direct convolution's multiply-adds at the warm time (what is
 left to the kernels: Winograd and tapwise passes do fewer). ``--torch``: the same table for
@@ -328,6 +329,13 @@ def main(argv=None):
             else _wrap_functions if args.host else _wrap_launches)(times, counts)
     t_sgd = 0.0
     try:
+        if captured is not None:
+            # the passes' arguments copied in a step of their own, not timed: the copies
+            # (~100 MB of new pages at batch 16, 64x64) made the first timed step's passes
+            # 10x slower and the steps' means ~2x what they are without --replay
+            step()
+            times.clear()
+            counts.clear()
         t0 = time.perf_counter()
         for _ in range(args.steps):
             t_sgd += step()
