@@ -317,9 +317,9 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None, k_blocks=None):
     rules = current_rules() if rules is None else rules
     if algorithm is None:         # a pure function of these: made once (the host path's cost)
         key = (geom, pass_, dtype, id(rules))
-        made = _PLANS.get(key)
-        if made is not None and made[0] is rules:
-            return made[1]
+        made = _kept(key, rules)
+        if made is not None:
+            return made
         chosen = None
         if rules is RULES or rules == RULES:    # the defaults: or what this machine measured
             chosen = _measured(geom, pass_, dtype)
@@ -327,11 +327,9 @@ def plan(geom, pass_, dtype, rules=None, algorithm=None, k_blocks=None):
                     supports(chosen[0], geom, pass_, dtype)
                     and chosen[1] in (None, *k_block_choices(chosen[0], geom, pass_, dtype))):
                 chosen = None
-        made = (_planned(geom, pass_, dtype, rules, *chosen) if chosen else
-                _planned(geom, pass_, dtype, rules, choose(geom, pass_, dtype, rules)))
-        if len(_PLANS) < MAX_PLANS:
-            _PLANS[key] = (rules, made)            # (rules kept: their id stays theirs)
-        return made
+        return _keep(key, rules,
+                     _planned(geom, pass_, dtype, rules, *chosen) if chosen else
+                     _planned(geom, pass_, dtype, rules, choose(geom, pass_, dtype, rules)))
     if not supports(algorithm, geom, pass_, dtype):
         raise ValueError(f"conv plan: {algorithm} cannot run the {pass_} of this convolution "
                          f"({geom.R}x{geom.S}, stride {geom.sh}x{geom.sw}, C={geom.C}, "
@@ -355,19 +353,29 @@ def scaled(geom, dtype):
     if made.algorithm != "implicit" or not _pointwise_chunked(geom, "forward", rules):
         return made
     key = (geom, "scaled", dtype, id(rules))
-    hit = _PLANS.get(key)
-    if hit is not None and hit[0] is rules:
-        return hit[1]
-    made = _planned(geom, "forward", dtype, rules, "im2col")
-    if len(_PLANS) < MAX_PLANS:
-        _PLANS[key] = (rules, made)
-    return made
+    made = _kept(key, rules)
+    return made if made is not None else _keep(
+        key, rules, _planned(geom, "forward", dtype, rules, "im2col"))
 
 
-# plan()'s plans by (geometry, pass, dtype, the rules' id): at most MAX_PLANS (then made anew
-# each call). A conv call made three of them (forward, dX, dW) at 5-12 us each, every call.
+# plan()'s plans by (geometry, pass, dtype, the rules' id), and scaled()'s ("scaled" for the
+# pass): at most MAX_PLANS (then made anew each call). A conv call made three of them
+# (forward, dX, dW) at 5-12 us each, every call.
 _PLANS = {}
 MAX_PLANS = 4096
+
+
+def _kept(key, rules):
+    """The plan kept under ``key`` for these ``rules`` (the same object), or None."""
+    hit = _PLANS.get(key)
+    return hit[1] if hit is not None and hit[0] is rules else None
+
+
+def _keep(key, rules, made):
+    """``made``, kept under ``key`` with its ``rules`` while there is room."""
+    if len(_PLANS) < MAX_PLANS:
+        _PLANS[key] = (rules, made)            # (rules kept: their id stays theirs)
+    return made
 
 
 # The measured table (cpu_plan_table.py, made by cpu_table.py): followed under the default rules.
