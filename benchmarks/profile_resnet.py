@@ -19,10 +19,10 @@ timed by layer shape (``ops.conv_batchnorm._conv_and_stats``, ``_conv_forward`` 
 ``_conv_backward``: the forward with or without its statistics, the recompute, dX with dW),
 ms a call and calls a step; with ``--replay REPEATS``, each pass's first call (its arrays
 copied, in a step before the timed ones: not timed) is called again REPEATS times in a row
-after them, and the table sets its
-time in the steps against that warm time (what the step's cold caches and host path add to
-a pass), with the GMAC/s of a direct convolution's multiply-adds at the warm time (what is
-left to the kernels: Winograd and tapwise passes do fewer). ``--torch``: the same table for
+after them, and the table sets its time in the steps against that warm time (what the step's
+cold caches and host path add to a pass), with the GMAC/s of a direct convolution's
+multiply-adds at the warm time (what is left to the kernels: Winograd and tapwise passes do
+fewer). ``--torch``: the same table for
 PyTorch's own unfused model in this process (numbafuse not imported: resnet.py is loaded
 from its file), from ``torch.profiler`` (the self time of ``aten::mkldnn_convolution`` and
 ``aten::convolution_backward`` by input shapes, over ``--steps`` profiled steps after the
