@@ -248,3 +248,19 @@ def test_aligned_starts_on_a_cache_line_and_keeps_the_values():
                     assert out.tobytes() == np.ascontiguousarray(src).tobytes()
                     if off == 0 and src is a:
                         assert out is a                      # nothing copied
+
+
+def test_a_repeated_step_gets_the_same_blocks_back():
+    """A step's requests made again after its arrays are gone get the same bytes back, size by
+    size (the stash), with nothing more owned (released blocks still merge for a size not
+    stashed: test_released_blocks_serve_other_sizes_and_merge_with_their_neighbours)."""
+    cache = _tiny()
+    sizes = (300, 1000, 5000, 300, 2000, 7000, 1000)
+
+    def step():
+        arrays = [cache.empty((n,), np.uint8) for n in sizes]
+        return [_addr(a) for a in arrays]
+    first = step()
+    owned = cache.owned_bytes()
+    for _ in range(3):
+        assert step() == first and cache.owned_bytes() == owned
