@@ -2,7 +2,8 @@
 timed by name.
 
     python benchmarks/profile_resnet.py [--model resnet18] [--batch 16] [--size 64]
-                                        [--steps 5] [--top 25] [--layers | --torch | --host]
+                                        [--steps 5] [--top 25]
+                                        [--layers | --torch | --host | --exclusive]
                                         [--replay REPEATS] [--recompute True|False|auto]
 
 The model is ``numbafuse/torch/resnet.py`` (torchvision's code; ``--model`` also takes
@@ -34,6 +35,13 @@ Function and direction, split into the ops layer with the kernels' drivers below
 Functions' own torch layer, and SGD's step and the rest of the step. One process, the
 library's default threads: a profile, not a comparison (``bench_resnet.py`` compares
 against PyTorch; ``bench_conv_plan.py`` times each pass alone against PyTorch's).
+``--exclusive``: every Python function and method that numbafuse's host side defines
+(``numbafuse.torch``, ``numbafuse.ops``, the kernels' drivers; not the compiled kernels, not
+the pool's modules under ``launch``) wrapped and timed *exclusive* of the wrapped functions it
+calls, on every thread: ms a step, calls a step and us a call in the step, largest first, with
+``launch``, ``launch_all`` and ``concurrently`` as units (their exclusive time is the kernels
+and the hand-off). The wrappers cost time themselves (a few us a call with the caches cold):
+the step is also timed without them, before, and both are printed.
 """
 import argparse
 import collections
@@ -212,6 +220,90 @@ def _wrap_functions(times, counts):
     return undo
 
 
+# --exclusive: the pool's own modules stay whole inside launch (their time is the launch's)
+_OPAQUE = ("numbafuse.kernels.cpu.launch", "numbafuse.kernels.cpu.team",
+           "numbafuse.kernels.cpu.native", "numbafuse.kernels.cpu.sync")
+_UNITS = ("launch", "launch_all", "concurrently")
+
+
+def _wrap_exclusive(times, counts):
+    """Wrap numbafuse's host-side Python functions and methods (``--exclusive``), each timed
+    exclusive of the wrapped functions it calls (a stack of child times per thread), in
+    ``times``/``counts`` by qualified name; returns the undo."""
+    import inspect
+    import threading
+    from numbafuse.kernels.cpu import launch as launch_mod
+    local = threading.local()
+
+    def wrapped(fn, name):
+        def timed(*args, **kwargs):
+            stack = getattr(local, "stack", None)
+            if stack is None:
+                stack = local.stack = []
+            stack.append(0.0)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                times[name] += dt - stack.pop()
+                counts[name] += 1
+                if stack:
+                    stack[-1] += dt
+        return timed
+
+    modules = [m for n, m in list(sys.modules.items())
+               if n.startswith("numbafuse.") and m is not None and not n.startswith(_OPAQUE)
+               and not n.startswith("numbafuse.kernels.cpu.first_calls")]
+    originals = {}                                   # id(function) -> (function, wrapper)
+    for m in modules:
+        for v in list(vars(m).values()):
+            if (inspect.isfunction(v) and v.__module__ == m.__name__
+                    and not inspect.isgeneratorfunction(v) and id(v) not in originals):
+                short = m.__name__.rsplit(".", 1)[-1]
+                originals[id(v)] = (v, wrapped(v, f"{short}.{v.__qualname__}"))
+    for unit in _UNITS:
+        v = getattr(launch_mod, unit)
+        originals[id(v)] = (v, wrapped(v, f"launch.{unit}"))
+    patched = []                                     # (namespace, name, original)
+    for m in modules + [launch_mod]:
+        for k, v in list(vars(m).items()):
+            if id(v) in originals and originals[id(v)][0] is v:
+                patched.append((m, k, v))
+                setattr(m, k, originals[id(v)][1])
+    classes = {id(c): c for m in modules for c in vars(m).values()
+               if inspect.isclass(c) and c.__module__ == m.__name__}
+    for c in classes.values():
+        for k, v in list(vars(c).items()):
+            fn = v.__func__ if isinstance(v, staticmethod) else v
+            if (k.startswith("__") or not inspect.isfunction(fn)
+                    or inspect.isgeneratorfunction(fn)):
+                continue
+            w = wrapped(fn, f"{c.__module__.rsplit('.', 1)[-1]}.{fn.__qualname__}")
+            patched.append((c, k, v))
+            setattr(c, k, staticmethod(w) if isinstance(v, staticmethod) else w)
+
+    def undo():
+        for owner, k, v in reversed(patched):
+            setattr(owner, k, v)
+    return undo
+
+
+def _print_exclusive(times, counts, n, total, bare, args):
+    units = sum(times.get(f"launch.{u}", 0.0) for u in _UNITS) / n
+    host = sum(times.values()) / n - units
+    print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused "
+          f"(recompute={args.recompute}): step {bare * 1e3:.1f} ms unwrapped, "
+          f"{total * 1e3:.1f} wrapped (mean of {n} steps each); in the wrapped step "
+          f"numbafuse's Python functions {host * 1e3:.1f} ms exclusive of the launches "
+          f"(launch, launch_all, concurrently: {units * 1e3:.1f} ms, the kernels and their "
+          f"hand-off), on every thread")
+    print("\n| function | ms a step | calls a step | us a call |\n|---|---:|---:|---:|")
+    for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"| `{name}` | {t / n * 1e3:.2f} | {counts[name] / n:g} "
+              f"| {t / counts[name] * 1e6:.1f} |")
+
+
 def _torch_layers(model, step, steps):
     """(times, counts) of PyTorch's conv passes by layer shape, in ``--layers``' keys, from
     ``torch.profiler`` over ``steps`` calls of ``step``: forward, backward (dx+dw) or (dw)."""
@@ -283,6 +375,9 @@ def main(argv=None):
                         "own arguments after the steps (warm), and compare")
     p.add_argument("--host", action="store_true",
                    help="the fused ops' autograd Functions timed, less their launches")
+    p.add_argument("--exclusive", action="store_true",
+                   help="numbafuse's host-side Python functions timed, each exclusive of "
+                        "those it calls")
     p.add_argument("--recompute", default="True", choices=["True", "False", "auto"],
                    help="fuse(model, recompute=...) (default True, fuse's own default)")
     args = p.parse_args(argv)
@@ -323,10 +418,21 @@ def main(argv=None):
         for name in sorted(times):
             print(f"| {name} | {times[name] / counts[name] * 1e3:.2f} | {counts[name] / n:g} |")
         return
+    bare = 0.0
+    if args.exclusive:                   # the step unwrapped first, to set the wrapped beside
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        bare = (time.perf_counter() - t0) / args.steps
     times, counts = collections.defaultdict(float), collections.Counter()
     captured = {} if args.layers and args.replay > 0 else None
     undo = (functools.partial(_wrap_conv_passes, captured=captured) if args.layers
-            else _wrap_functions if args.host else _wrap_launches)(times, counts)
+            else _wrap_functions if args.host else _wrap_exclusive if args.exclusive
+            else _wrap_launches)(times, counts)
+    if args.exclusive:
+        step()                           # (the wrappers' first calls)
+        times.clear()
+        counts.clear()
     t_sgd = 0.0
     try:
         if captured is not None:
@@ -343,6 +449,9 @@ def main(argv=None):
     finally:
         undo()
     n = args.steps
+    if args.exclusive:
+        _print_exclusive(times, counts, n, total, bare, args)
+        return
     if args.host:
         outer = times["(outermost launches)"] / n
         print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused "

@@ -106,3 +106,41 @@ def test_replay_needs_layers_and_a_count(argv, capsys):
     with pytest.raises(SystemExit):
         profile_resnet.main(argv)
     assert "--replay" in capsys.readouterr().err
+
+
+def test_exclusive_rows_count_each_call_once_and_the_wrappers_are_undone(capsys):
+    import numbafuse.kernels.cpu.buffers as buffers
+    import numbafuse.ops.conv_batchnorm as cbn
+    import numbafuse.torch.conv_batchnorm as tcb
+    before = (buffers.OutputCache.empty, cbn.forward, cbn.backward,
+              tcb.ConvBatchNormReLUFunction.__dict__["forward"])
+    profile_resnet.main(["--exclusive", "--batch", "2", "--size", "32", "--steps", "1",
+                         "--recompute", "auto", "--top", "100000"])
+    out = capsys.readouterr().out
+    rows = {r[0]: (float(r[1]), float(r[2]), float(r[3])) for r in re.findall(
+        r"^\| `([^`]+)` \| (\S+) \| (\S+) \| (\S+) \|$", out, re.MULTILINE)}
+    # the Functions as autograd calls them: ResNet-18's 12 Conv-BN(-ReLU) and 8
+    # Conv-BN-Add-ReLU sites, forward and backward once a step each
+    assert rows["conv_batchnorm.ConvBatchNormReLUFunction.forward"][1] == 12
+    assert rows["conv_batchnorm.ConvBatchNormReLUFunction.backward"][1] == 12
+    assert rows["conv_batchnorm.ConvBatchNormAddReLUFunction.forward"][1] == 8
+    assert rows["conv_batchnorm.ConvBatchNormAddReLUFunction.backward"][1] == 8
+    assert rows["conv_batchnorm.forward"][1] == 12 and rows["conv_batchnorm.add_backward"][1] == 8
+    assert rows["launch.launch"][1] > 0 and rows["buffers.OutputCache.empty"][1] > 0
+    for name, (ms, calls, us) in rows.items():
+        assert ms >= 0 and calls > 0, name
+        assert abs(ms / calls * 1e3 - us) <= 0.06 + 5 / calls + us * 0.01, name  # (rounding)
+    head = re.search(r"numbafuse's Python functions (\S+) ms exclusive of the launches "
+                     r"\(launch, launch_all, concurrently: (\S+) ms", out)
+    assert head, out
+    units = sum(rows.get(f"launch.{u}", (0,))[0] for u in ("launch", "launch_all",
+                                                             "concurrently"))
+    assert abs(float(head.group(2)) - units) <= 0.02 + 0.01 * units
+    host = sum(ms for name, (ms, _, _) in rows.items()) - units
+    assert abs(float(head.group(1)) - host) <= 0.05 + 0.01 * host
+    # exclusive: the times partition the step's wall time on each of its (two) threads, where
+    # inclusive times would count each nesting level again
+    wrapped = float(re.search(r"ms unwrapped, (\S+) wrapped", out).group(1))
+    assert 0 < host + units <= 2 * wrapped + 0.1
+    assert (buffers.OutputCache.empty, cbn.forward, cbn.backward,
+            tcb.ConvBatchNormReLUFunction.__dict__["forward"]) == before

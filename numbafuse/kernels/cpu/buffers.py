@@ -130,7 +130,7 @@ class OutputCache:
                 self._reclaim()
             same = self._stash.get(size)
             if same:                        # a block of this size released since: as it is
-                block = same.pop()
+                block = same.pop()          # (its bytes' view and callback made before)
                 block.stashed = False
             else:
                 self._unstash()
@@ -141,9 +141,9 @@ class OutputCache:
                         return np.empty(shape, dtype)
                 self._split(block, size)
                 block.seg.high = max(block.seg.high, block.off + size)
-            if block.mem is None or len(block.mem) != size:
-                block.mem = block.seg.mem[block.off:block.off + size]
-                block.release = self._callback(block)
+                if block.mem is None or len(block.mem) != size:
+                    block.mem = block.seg.mem[block.off:block.off + size]
+                    block.release = self._callback(block)
             # the owner's base is a memoryview, not an array, so NumPy's views of it keep it as
             # their base (a view of a view of an array is based on the array that owns the
             # memory): it lives exactly as long as any view the caller holds
