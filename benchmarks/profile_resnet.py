@@ -41,7 +41,9 @@ the pool's modules under ``launch``) wrapped and timed *exclusive* of the wrappe
 calls, on every thread: ms a step, calls a step and us a call in the step, largest first, with
 ``launch``, ``launch_all`` and ``concurrently`` as units (their exclusive time is the kernels
 and the hand-off). The wrappers cost time themselves (a few us a call with the caches cold):
-the step is also timed without them, before, and both are printed.
+the step is also timed without them, before, and both are printed; a short function
+called often carries part of its callees' wrapper cost and can read high (time it by itself
+before acting on it).
 """
 import argparse
 import collections
