@@ -431,16 +431,13 @@ def main(argv=None):
     undo = (functools.partial(_wrap_conv_passes, captured=captured) if args.layers
             else _wrap_functions if args.host else _wrap_exclusive if args.exclusive
             else _wrap_launches)(times, counts)
-    if args.exclusive:
-        step()                           # (the wrappers' first calls)
-        times.clear()
-        counts.clear()
     t_sgd = 0.0
     try:
-        if captured is not None:
-            # the passes' arguments copied in a step of their own, not timed: the copies
-            # (~100 MB of new pages at batch 16, 64x64) made the first timed step's passes
-            # 10x slower and the steps' means ~2x what they are without --replay
+        if captured is not None or args.exclusive:
+            # a step of its own, not timed: --replay's copies of the passes' arguments (~100
+            # MB of new pages at batch 16, 64x64, which made the first timed step's passes 10x
+            # slower and the steps' means ~2x what they are without them); --exclusive's
+            # wrappers' first calls
             step()
             times.clear()
             counts.clear()
