@@ -293,31 +293,39 @@ def test_taps_tiles_at_boundary_shapes(wide, layout, size, kernel, stride, paddi
 def test_a_stems_nchw_forward_runs_by_output_rows_on_8_float_tiles(conv_rules):
     # the 7x7/2 on 3 channels (ResNet's stem) at 64x64 and 224x224 inputs: forward and dW by
     # output rows with 8-float tiles (AVX2: machine F, 1.3-1.6x im2col), im2col with 16-float
-    # ones and no taps, the forward's taps with them (dW im2col); not where Q % 8 (a 60x60
-    # input: Q 30) nor on 5 channels
+    # ones and no taps, the forward's taps with them and the dW by the rows on 16-float tiles
+    # (Rules.wide_rows_dw; without it im2col); not where Q % 8 (a 60x60 input: Q 30) nor on 5
+    # channels
     g = nf.validate.conv_geometry
     for size in (64, 224):
         stem = g("t", (16, 3, size, size), (64, 3, 7, 7), 2, 3, 1, "NCHW")
         conv_rules(taps=False, wide=False)
         assert cpu_conv.algorithm(stem, "forward") == cpu_conv.algorithm(stem, "dw") == (
             "implicit")
+        assert cpu_plan.plan(stem, "dw", np.float32).taps == 1
         conv_rules(wide=True)
         assert cpu_conv.algorithm(stem, "forward") == cpu_conv.algorithm(stem, "dw") == "im2col"
         conv_rules(taps=True)
-        assert cpu_conv.algorithm(stem, "forward") == "implicit"
+        assert cpu_conv.algorithm(stem, "forward") == cpu_conv.algorithm(stem, "dw") == (
+            "implicit")
+        assert cpu_plan.plan(stem, "dw", np.float32).taps == 2
+        conv_rules(wide_rows_dw=False)
         assert cpu_conv.algorithm(stem, "dw") == "im2col"
+        conv_rules(wide_rows_dw=True)
     conv_rules(taps=False, wide=False)
     for other in (g("t", (16, 3, 60, 60), (64, 3, 7, 7), 2, 3, 1, "NCHW"),
                   g("t", (16, 5, 64, 64), (64, 5, 7, 7), 2, 3, 1, "NCHW"),
                   g("t", (16, 32, 32, 3), (64, 3, 3, 3), 1, 1, 1, "NHWC")):
         assert cpu_conv.algorithm(other, "forward") == "im2col"
-    # stride 1 too (a CIFAR stem, 3x3/1 on 3 channels): by rows on 8-float tiles only
+    # stride 1 too (a CIFAR stem, 3x3/1 on 3 channels): by rows on 8-float tiles; with
+    # 16-float ones the forward by im2col, the dW by the rows where the tiles are on
     cifar = g("t", (16, 3, 32, 32), (64, 3, 3, 3), 1, 1, 1, "NCHW")
     assert cpu_conv.algorithm(cifar, "forward") == cpu_conv.algorithm(cifar, "dw") == "implicit"
-    for wide in ({"wide": True}, {"wide": True, "taps": True}):
-        conv_rules(**wide)
-        assert cpu_conv.algorithm(cifar, "forward") == cpu_conv.algorithm(cifar, "dw") == (
-            "im2col")
+    conv_rules(wide=True)
+    assert cpu_conv.algorithm(cifar, "forward") == cpu_conv.algorithm(cifar, "dw") == "im2col"
+    conv_rules(taps=True)
+    assert cpu_conv.algorithm(cifar, "forward") == "im2col"
+    assert cpu_conv.algorithm(cifar, "dw") == "implicit"
 
 
 @pytest.mark.parametrize("wide", [True, False])
@@ -340,7 +348,7 @@ def test_the_nchw_forward_of_few_channels_runs_by_output_rows(
     side, one to three column phases; with
     and without bias and ReLU, against the reference, bitwise the same on 1 and 3 threads (the
     16-float tiles run the taps over a slab instead: the same values); and its dW by the same
-    rows (8-float tiles whatever ``wide``)."""
+    rows, on the plan's tiles (16-float where ``wide``)."""
     conv_rules(taps=True, wide=wide, chunk_bytes=chunk_bytes, min_chunks=1)
     rng = np.random.default_rng(H * W + K)
     x = rng.standard_normal((2, C, H, W)).astype(np.float32)

@@ -466,7 +466,7 @@ def _implicit_dw(x, gy, y, use_mask, geom, need_dw, plan, work):
     K, C, R, S = geom.K, geom.C, geom.R, geom.S
     chunks = _implicit_plan(plan, geom, x.itemsize)
     if C % 8:                           # by output rows (a stem's: cpu_implicit.gathers)
-        return _implicit.dw_by_rows(x, gy, y, use_mask, geom, need_dw, chunks, work)
+        return _implicit.dw_by_rows(x, gy, y, use_mask, geom, need_dw, chunks, plan.taps, work)
     ipc, rpc, nchunks, Hmax, Ws = chunks
     groups = min(nchunks, plan.dw_groups)
     dw_parts = _out.empty((groups if need_dw else 1, R * S, K, C), x.dtype)

@@ -33,7 +33,8 @@ transposed. Machine F (Zen 3, AVX2), the stem at batch 16, 64x64,
 best of 30 alternating calls, ms: im2col 4.45-5.25, the taps (S*C a tap) 3.6-4.2, the rows
 3.15 (PyTorch 2.9). Its dW likewise (``gather_dw_tasks``: gemm_taps with the taps (c, r, s)
 as rows and the output rows as taps, against g (pixels, K)): 3.0-3.25 against im2col's
-3.8-4.1 ms.
+3.8-4.1 ms; with AVX-512 the dW too, its products on 16-float tiles (machine A, Zen 4: 1.96
+against im2col's 2.22 ms, ``Rules.wide_rows_dw``), where the forward keeps the taps.
 
 float32; K (forward) or C (dW) a multiple of 8 (``fits``); the rest keeps im2col. Every y
 element is written by one task; its value is one float32 sum in (r, s, c) order ((c, r, s)
@@ -189,9 +190,10 @@ def row_chunks(geom, chunks):
             geom.Q + (geom.S - 1) * geom.dw // geom.sw)
 
 
-def dw_by_rows(x, gy, y, use_mask, geom, need_dw, chunks, work):
-    """(dW or None, db_parts) of a conv that :func:`gathers` (``gather_dw_tasks``' partials
-    summed in task order; 8-float tiles whatever the CPU: the plan sends no other here)."""
+def dw_by_rows(x, gy, y, use_mask, geom, need_dw, chunks, taps, work):
+    """(dW or None, db_parts) of a conv that :func:`gathers` on 8-float tiles
+    (``gather_dw_tasks``' partials summed in task order), its products on the plan's tiles
+    (``taps``: 2 for 16-float ones, ``Rules.wide_rows_dw``; else 8-float)."""
     rows, Hs, Wh = row_chunks(geom, chunks)
     ntasks = geom.N * -(-geom.P // rows)
     dw_parts = _out.empty((ntasks if need_dw else 1, geom.C * geom.R * geom.S, geom.K),
@@ -201,7 +203,8 @@ def dw_by_rows(x, gy, y, use_mask, geom, need_dw, chunks, work):
     _ready_steps(np.float32, (PLANE_CHW,))
     launch(gather_dw_tasks, ntasks, x, conv_math.k_view(gy, geom), conv_math.k_view(y, geom),
            use_mask, conv_math.geo_tuple(geom),
-           conv_math.int_tuple(rows, Hs, Wh, max(1, DW_ROWS_BYTES // (4 * geom.Q * geom.K))),
+           conv_math.int_tuple(rows, Hs, Wh, max(1, DW_ROWS_BYTES // (4 * geom.Q * geom.K)),
+                               taps == 2),
            bool(need_dw), (dw_parts, db_parts), work=work, grain=1)
     if not need_dw:
         return None, db_parts
@@ -288,7 +291,7 @@ def gather_tasks(t0, t1, x, wm, b, flags, geo, sizes, y):
 
 @task_kernel
 def gather_dw_tasks(t0, t1, x, gy, y, use_mask, geo, sizes, need_dw, parts):
-    rpc, Hs, Wh, sub = sizes
+    rpc, Hs, Wh, sub, wide = sizes
     dw_parts, db_parts = parts
     # x (N, C, H, W); gy, y (N, K, PQ); task t (rows [p0, p1) of image t // blocks):
     # dw_parts[t] (C*R*S, K) = dW^T of its pixels, ``gemm_taps`` with the taps (c, r, s) as
@@ -331,7 +334,7 @@ def gather_dw_tasks(t0, t1, x, gy, y, use_mask, geo, sizes, need_dw, parts):
                             np.int64(rows.ctypes.data), np.int64(aoff[j0:].ctypes.data),
                             np.int64(g[j0 * Q:].ctypes.data), np.int64(K),
                             np.int64(c.ctypes.data), np.int64(K), np.int64(0), np.int64(0),
-                            np.int64(0)))
+                            np.int64(wide)))
             if j0 > 0:
                 for i in range(CRS):
                     pr, cr = part[i], cbuf[i]

@@ -205,11 +205,14 @@ def choose(geom, pass_, dtype, rules):
     # (by output rows stride 1 too: a CIFAR stem, 3x3/1 on 3 channels at 32x32, batch 16,
     # machine F, ms im2col / rows: forward 1.22 / 0.64, dW 1.86 / 1.12; batch 128 10.08 /
     # 5.13, 11.08 / 8.54)
-    implicit = ((strided or _implicit.gathers(geom, rules.wide))
+    rows_dw = (pass_ == "dw" and rules.taps and rules.wide_rows_dw
+               and _implicit.gathers(geom))         # the dW by output rows, 16-float tiles
+    implicit = ((strided or _implicit.gathers(geom, rules.wide) or rows_dw)
                 and supports("implicit", geom, pass_, dtype)
                 and (rules.taps and (pass_ == "dw" and geom.C % 8 == 0
                                      or pass_ == "forward"
                                      and geom.C <= rules.implicit_max_channels)
+                     or rows_dw
                      or geom.C <= rules.narrow_implicit_channels
                      and (pass_ == "forward" and geom.layout == "NHWC"
                           or _implicit.gathers(geom, rules.wide))))

@@ -69,6 +69,15 @@ class Rules(NamedTuple):
     # s against im2col's 14.0-15.0, backward after it 11.7-12.5 against 11.8-13.4 ((2, 3, 32,
     # 32), two runs each)
     narrow_implicit_channels: int = 15
+    # ... and with 16-float tiles (``taps`` and ``wide``) the dW of a conv that runs by output
+    # rows on 8-float tiles (``cpu_implicit.gathers``: the NCHW stem) by those rows too, its
+    # products on 16-float tiles (``cpu_implicit.dw_by_rows``), not im2col. Machine A (Zen 4,
+    # 2 threads), NCHW, the three alternating in one process, best of 10 x 5 calls, two runs, ms
+    # im2col / rows on 8-float tiles / rows on 16-float tiles: 7x7/2 3 -> 64, batch 16, 64x64
+    # 2.22 / 2.15 / 1.96 and 4.09 / 3.74 / 3.38; batch 32 4.89 / 4.58 / 4.00 and 4.92 / 4.54 /
+    # 4.03; batch 8, 224x224 12.71 / 12.74 / 11.62 and 13.78 / 13.95 / 12.84; a CIFAR stem,
+    # 3x3/1 3 -> 64, batch 16, 32x32 0.59 / 0.63 / 0.52 and 0.64 / 0.70 / 0.55
+    wide_rows_dw: bool = True
     # a 3x3 stride-1 float32 forward with enough tiles for Winograd and at most this many
     # channels each side runs the implicit GEMM's register tiles instead (machine E, 2
     # threads, best of 5 x 5 calls, ms Winograd / implicit, NCHW then NHWC): C = K = 64 at
