@@ -76,7 +76,10 @@ class Rules(NamedTuple):
     # im2col / rows on 8-float tiles / rows on 16-float tiles: 7x7/2 3 -> 64, batch 16, 64x64
     # 2.22 / 2.15 / 1.96 and 4.09 / 3.74 / 3.38; batch 32 4.89 / 4.58 / 4.00 and 4.92 / 4.54 /
     # 4.03; batch 8, 224x224 12.71 / 12.74 / 11.62 and 13.78 / 13.95 / 12.84; a CIFAR stem,
-    # 3x3/1 3 -> 64, batch 16, 32x32 0.59 / 0.63 / 0.52 and 0.64 / 0.70 / 0.55
+    # 3x3/1 3 -> 64, batch 16, 32x32 0.59 / 0.63 / 0.52 and 0.64 / 0.70 / 0.55. The price: with
+    # an empty cache the first such dW compiles the rows' kernel, 2.3 s against im2col's 0.8
+    # (after the stem's forward and another layer's im2col dW; NUMBA_CACHE_DIR empty,
+    # NUMBAFUSE_FIRST_CALL_WAIT=inf, (2, 3, 32, 32)), once per machine
     wide_rows_dw: bool = True
     # a 3x3 stride-1 float32 forward with enough tiles for Winograd and at most this many
     # channels each side runs the implicit GEMM's register tiles instead (machine E, 2
