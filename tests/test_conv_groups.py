@@ -144,11 +144,12 @@ TILED = [((2, 5, 6, 8), (3, 3), dict(padding=1)),
          ((1, 8, 8, 72), (3, 3), dict(padding=1)),
          ((2, 19, 19, 32), (7, 7), dict(padding=3)),
          ((1, 4, 13, 16), (3, 3), dict(padding=1)),
-         # the sliding tiles (7 tap columns, C % 16 == 0): stride 1, interior runs of SLIDE
-         # = 16 or more (16 + 8 for the tap tiles; 16 + 16), runs under 16 above; stride 2,
-         # runs of 8 or more cut into slides of 8 to 16 (cpu_depthwise_tiles.slides2): 17 =
-         # 9 + 8, 11, 8, 7 (none: the tap tiles), 33 = 11 + 11 + 11, 32 = 16 + 16, 15 (an odd
-         # W), 16, and along the row only; bias and ReLU on several 16-channel panels
+         # the sliding tiles (7 tap columns, C % 16 == 0): interior runs of 8 or more cut
+         # into slides of 8 to 16 pixels (cpu_depthwise_tiles.slides). Stride 2: 17 = 9 + 8,
+         # 11, 8, 7 (none: the tap tiles), 33 = 11 + 11 + 11, 32 = 16 + 16, 15 (an odd W),
+         # 16, and along the row only; stride 1: 24 = 12 + 12, 32 = 16 + 16, 18 = 9 + 9, 8,
+         # 7 (none), and above 10 (stride (2, 1)) and 8 on 88 channels (not a multiple of 16:
+         # none); bias and ReLU on several 16-channel panels
          ((1, 9, 40, 32), (7, 7), dict(stride=2, padding=3)),
          ((1, 5, 28, 32), (7, 7), dict(stride=2, padding=3)),
          ((1, 4, 22, 16), (7, 7), dict(stride=2, padding=3)),
@@ -158,6 +159,9 @@ TILED = [((2, 5, 6, 8), (3, 3), dict(padding=1)),
          ((1, 3, 37, 16), (7, 7), dict(stride=2, padding=3)),
          ((1, 3, 38, 16), (7, 7), dict(stride=2, padding=3)),
          ((1, 6, 28, 16), (7, 7), dict(stride=(1, 2), padding=3)),
+         ((1, 5, 24, 32), (7, 7), dict(padding=3)),
+         ((1, 4, 14, 16), (7, 7), dict(padding=3)),
+         ((1, 4, 13, 16), (7, 7), dict(padding=3)),
          ((1, 8, 30, 16), (7, 7), dict(padding=3)),
          ((2, 7, 38, 48), (7, 7), dict(padding=3)),
          ((1, 7, 24, 16), (5, 5), dict(padding=2))]

@@ -201,7 +201,7 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
                         m, k, tx, tw = _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables)
                         prow, pcq, ldc = pr + 8 * q, pc + 4 * q * ypix, ypix
                         if slide and q == lo:   # its first pixels by the sliding tiles
-                            done = _tiles.slid(m, sw)
+                            done = _tiles.slid(m)
                             _tiles.slide_step((
                                 m, C, r1 - r0, S, sw, rows[q] + 4 * r0 * dh * W * C, dh * W * C,
                                 pwt + 4 * r0 * S * C, pcq, ldc, pb, rel & 1))

@@ -225,24 +225,28 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, epilogue
 # tap tiles alone -> with the sliding ones): 7x7 (32, 96, 28, 28) 1.83-1.87 -> 1.58-1.62 (a 22-pixel
 # run: 16 + 6 by the tap tiles); 7x7/2 (11-pixel runs: unused) 0.574-0.592 -> 0.567-0.576.
 #
-# At stride 2 a run is covered exactly by slides of 8 to 16 pixels (``slides2``: as few as
-# 16-pixel ones would take, their sizes within one of each other), not by 16-pixel ones and
-# the tap tiles for the rest: the 7x7/2 interior runs are W/2 - 3 pixels (11 at a 28x28
-# input, under 16). Machine A (Zen 4), one thread, aligned NHWC (32, 96, 28, 28), 7x7/2, three
-# processes each alternating, best of 15 x 20 calls, ms: the tap tiles alone 1.03-1.05, one
-# 8-pixel slide and an overlapping second 0.92-0.98, one 8-pixel slide and the tap tiles for
-# the other 3 1.03-1.28, one 6-pixel slide and an overlapping second 1.10-1.20, one 11-pixel
-# slide 0.75-0.79 (PyTorch 0.98-0.99); two threads 0.59-0.79, 0.55-0.60 and 0.46-0.50 (8 with
-# overlap, 11) against PyTorch's 0.48-0.57 (`bench_conv_bias_relu.py --shapes 'dw 7x7 s2'
-# --layouts NHWC --aligned`: 0.77 against 0.65 ms before, 0.51 against 0.62 after). The price: a
-# cold first NHWC 7x7 depthwise forward compiles 0.4-0.5 s longer (3.5-3.6 -> 4.0 s, empty cache,
-# the nine stride-2 tiles).
+# A run is covered exactly by slides of 8 to 16 pixels (``slides``: as few as 16-pixel ones
+# would take, their sizes within one of each other), not by 16-pixel slides and the tap tiles
+# for the rest (or a last slide overlapping the one before): 7x7 interior runs are W - 6
+# pixels at stride 1 (22 at a 28x28 input: 11 + 11, not 16 + 6; 8 at 14x14: one slide, not
+# none) and W/2 - 3 at stride 2 (11 at 28x28, under 16: none before). Machine A (Zen 4), aligned
+# NHWC, 7x7/2 (32, 96, 28, 28), three processes each alternating, best of 15 x 20 calls, ms,
+# one thread: the tap tiles alone 1.03-1.05, one 8-pixel slide and an overlapping second
+# 0.92-0.98, one 8-pixel slide and the tap tiles for the other 3 1.03-1.28, one 6-pixel slide
+# and an overlapping second 1.10-1.20, one 11-pixel slide 0.75-0.79 (PyTorch 0.98-0.99); two
+# threads 0.59-0.79, 0.55-0.60 and 0.46-0.50 (8 with overlap, 11) against PyTorch's 0.48-0.57
+# (`bench_conv_bias_relu.py --shapes 'dw 7x7 s2' --layouts NHWC --aligned`: 0.77 against 0.65
+# ms before, 0.51 against 0.62 after). 7x7/1, two alternating processes twice, best of 10 x 10,
+# ms before / after, one thread: (32, 96, 28, 28) 2.83-3.39 / 2.70-2.76, (32, 192, 14, 14)
+# 2.04-2.05 / 1.51-1.53, (8, 96, 56, 56) 2.96-3.20 / 2.54-2.74; two threads 1.47-1.58 / 1.35-1.37
+# and 1.05 / 0.80-0.82. The price: a cold first NHWC 7x7 depthwise forward compiles longer (the
+# 7x7/2's 3.5-3.6 -> 4.0 s with the nine stride-2 tiles, empty cache).
 SLIDE = 16
-SLIDE2_MIN = 8
+SLIDE_MIN = 8
 SLIDE_TAPS = (7,)
 
 
-def _slide_tile(S, sw, width=16, n=SLIDE):
+def _slide_tile(S, sw, n, width=16):
     """The sliding micro-kernel for ``n`` consecutive output pixels of a row (pixel i's tap
     column s reads input column i*sw + s) and one vector of channels: per tap row, its S
     weight vectors stay in registers and each input vector of the row is loaded once and
@@ -254,7 +258,7 @@ def _slide_tile(S, sw, width=16, n=SLIDE):
     @intrinsic
     def tile(typingctx, R, px, ldr, ld, pw, c, ldc, bias, relu):
         """c[i, :width] = relu?(sum over r < R, s < S of x[r*ldr + (i*sw + s)*ld][:width] *
-        w[(r*S + s)*ld][:width] + bias?) for i < SLIDE, each sum in (r, s) order; px, pw, c,
+        w[(r*S + s)*ld][:width] + bias?) for i < n, each sum in (r, s) order; px, pw, c,
         bias: addresses (bias 0: none); ldr, ld, ldc: strides in float32 elements."""
         def codegen(context, builder, signature, args):
             R, px, ldr, ld, pw, c, ldc, bias, relu = args
@@ -283,86 +287,90 @@ def _slide_tile(S, sw, width=16, n=SLIDE):
     return tile
 
 
-_s71 = _slide_tile(7, 1)
-(_s72_8, _s72_9, _s72_10, _s72_11, _s72_12, _s72_13, _s72_14, _s72_15,
- _s72_16) = (_slide_tile(7, 2, n=k) for k in range(SLIDE2_MIN, SLIDE + 1))
+# the sliding tiles of 8 to 16 pixels, stride 1 then stride 2
+(_s1_8, _s1_9, _s1_10, _s1_11, _s1_12, _s1_13, _s1_14, _s1_15, _s1_16,
+ _s2_8, _s2_9, _s2_10, _s2_11, _s2_12, _s2_13, _s2_14, _s2_15, _s2_16) = (
+    _slide_tile(7, sw, k) for sw in (1, 2) for k in range(SLIDE_MIN, SLIDE + 1))
 
 
 @njit(inline="always")
-def _slide72(k, R, px, ldr, n, pw, pc, ldc, pbias, relu):
-    # the stride-2 sliding tile of k pixels (SLIDE2_MIN <= k <= SLIDE)
-    if k == 8:
-        _s72_8(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+def _slide(k, sw, R, px, ldr, n, pw, pc, ldc, pbias, relu):
+    # the sliding tile of k pixels (SLIDE_MIN <= k <= SLIDE) at stride sw
+    if sw == 1:
+        if k == 8:
+            _s1_8(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        elif k == 9:
+            _s1_9(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        elif k == 10:
+            _s1_10(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        elif k == 11:
+            _s1_11(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        elif k == 12:
+            _s1_12(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        elif k == 13:
+            _s1_13(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        elif k == 14:
+            _s1_14(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        elif k == 15:
+            _s1_15(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        else:
+            _s1_16(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+    elif k == 8:
+        _s2_8(R, px, ldr, n, pw, pc, ldc, pbias, relu)
     elif k == 9:
-        _s72_9(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        _s2_9(R, px, ldr, n, pw, pc, ldc, pbias, relu)
     elif k == 10:
-        _s72_10(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        _s2_10(R, px, ldr, n, pw, pc, ldc, pbias, relu)
     elif k == 11:
-        _s72_11(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        _s2_11(R, px, ldr, n, pw, pc, ldc, pbias, relu)
     elif k == 12:
-        _s72_12(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        _s2_12(R, px, ldr, n, pw, pc, ldc, pbias, relu)
     elif k == 13:
-        _s72_13(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        _s2_13(R, px, ldr, n, pw, pc, ldc, pbias, relu)
     elif k == 14:
-        _s72_14(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        _s2_14(R, px, ldr, n, pw, pc, ldc, pbias, relu)
     elif k == 15:
-        _s72_15(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        _s2_15(R, px, ldr, n, pw, pc, ldc, pbias, relu)
     else:
-        _s72_16(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+        _s2_16(R, px, ldr, n, pw, pc, ldc, pbias, relu)
 
 
 @njit(nogil=True, cache=True)
 def depthwise_slide(m, n, R, S, sw, px, ldr, pw, pc, ldc, pbias, relu):
-    """The first pixels of a run of m output pixels of one row by the sliding tiles, n (a
-    multiple of 16) channels: the first slid(m, sw). Stride 1: 16-pixel slides (0: m < SLIDE;
-    the rest, ROWS or more pixels, for :func:`depthwise_taps`; a shorter rest by a last tile
-    overlapping the one before, the same bits again); stride 2: every pixel, by the slides
-    :func:`slides2` cuts the run into (none under SLIDE2_MIN). Pixel i's first tap at
-    ``px + 4*i*sw*n`` (tap (r, s) then ``r*ldr + s*n`` elements on), tap (r, s)'s weights at
-    ``pw + 4*(r*S + s)*n``, its output at ``pc + 4*i*ldc``; S in SLIDE_TAPS, sw 1 or 2; every
-    argument int64. (A step, which returns nothing: the caller learns the count from
-    :func:`slid`.)"""
-    done = slid(m, sw)
-    k, big = slides2(done)
+    """A run of m output pixels of one row by the sliding tiles, n (a multiple of 16)
+    channels: every pixel, by the slides :func:`slides` cuts the run into (none under
+    SLIDE_MIN: :func:`slid`). Pixel i's first tap at ``px + 4*i*sw*n`` (tap (r, s) then
+    ``r*ldr + s*n`` elements on), tap (r, s)'s weights at ``pw + 4*(r*S + s)*n``, its output
+    at ``pc + 4*i*ldc``; S in SLIDE_TAPS, sw 1 or 2; every argument int64. (A step, which
+    returns nothing: the caller learns the count from :func:`slid`.)"""
+    done = slid(m)
+    k, big = slides(done)
     for j in range(0, n, 16):
         pwj = pw + 4 * j
         pbiasj = pbias + 4 * j if pbias != 0 else 0
         i = 0
         t = 0
         while i < done:
-            if sw == 1:
-                if i + SLIDE > m:
-                    i = m - SLIDE
-                pxi, pci = px + 4 * (i * sw * n + j), pc + 4 * (i * ldc + j)
-                _s71(R, pxi, ldr, n, pwj, pci, ldc, pbiasj, relu)
-                i += SLIDE
-            else:
-                size = k + 1 if t < big else k          # (the larger ones first)
-                pxi, pci = px + 4 * (i * sw * n + j), pc + 4 * (i * ldc + j)
-                _slide72(size, R, pxi, ldr, n, pwj, pci, ldc, pbiasj, relu)
-                i += size
-                t += 1
+            size = k + 1 if t < big else k              # (the larger ones first)
+            _slide(size, sw, R, px + 4 * (i * sw * n + j), ldr, n, pwj,
+                   pc + 4 * (i * ldc + j), ldc, pbiasj, relu)
+            i += size
+            t += 1
 
 
 @njit(inline="always")
-def slides2(m):
-    """(k, big): a stride-2 run of m >= SLIDE2_MIN pixels as ceil(m / SLIDE) slides, ``big``
-    of k + 1 pixels then the rest of k (SLIDE2_MIN <= k <= SLIDE: every pixel once)."""
+def slides(m):
+    """(k, big): a run of m >= SLIDE_MIN pixels as ceil(m / SLIDE) slides, ``big`` of k + 1
+    pixels, then the rest of k (SLIDE_MIN <= k <= SLIDE: every pixel once)."""
     count = max(1, (m + SLIDE - 1) // SLIDE)
     return m // count, m % count
 
 
 @njit(inline="always")
-def slid(m, sw):
-    """How many of a run's m pixels :func:`depthwise_slide` computes. Stride 1: none under
-    SLIDE, else whole slides, and the rest too where it is under ROWS (a last slide
-    overlapping). Stride 2: none under SLIDE2_MIN, else all."""
-    if sw != 1:
-        return m if m >= SLIDE2_MIN else 0
-    if m < SLIDE:
-        return 0
-    full = m - m % SLIDE
-    return full if m - full >= ROWS else m
+def slid(m):
+    """How many of a run's m pixels :func:`depthwise_slide` computes: none under
+    SLIDE_MIN, else all."""
+    return m if m >= SLIDE_MIN else 0
 
 
 # ------------------------------------------------------- NCHW forward, 7x7, stride 1 or 2
