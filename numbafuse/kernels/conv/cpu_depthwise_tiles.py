@@ -227,20 +227,10 @@ def depthwise_taps(m, n, ntaps, prow, paoff, pwoff, pw, pc, ldc, pbias, epilogue
 #
 # A run is covered exactly by slides of 8 to 16 pixels (``slides``: as few as 16-pixel ones
 # would take, their sizes within one of each other), not by 16-pixel slides and the tap tiles
-# for the rest (or a last slide overlapping the one before): 7x7 interior runs are W - 6
-# pixels at stride 1 (22 at a 28x28 input: 11 + 11, not 16 + 6; 8 at 14x14: one slide, not
-# none) and W/2 - 3 at stride 2 (11 at 28x28, under 16: none before). Machine A (Zen 4), aligned
-# NHWC, 7x7/2 (32, 96, 28, 28), three processes each alternating, best of 15 x 20 calls, ms,
-# one thread: the tap tiles alone 1.03-1.05, one 8-pixel slide and an overlapping second
-# 0.92-0.98, one 8-pixel slide and the tap tiles for the other 3 1.03-1.28, one 6-pixel slide
-# and an overlapping second 1.10-1.20, one 11-pixel slide 0.75-0.79 (PyTorch 0.98-0.99); two
-# threads 0.59-0.79, 0.55-0.60 and 0.46-0.50 (8 with overlap, 11) against PyTorch's 0.48-0.57
-# (`bench_conv_bias_relu.py --shapes 'dw 7x7 s2' --layouts NHWC --aligned`: 0.77 against 0.65
-# ms before, 0.51 against 0.62 after). 7x7/1, two alternating processes twice, best of 10 x 10,
-# ms before / after, one thread: (32, 96, 28, 28) 2.83-3.39 / 2.70-2.76, (32, 192, 14, 14)
-# 2.04-2.05 / 1.51-1.53, (8, 96, 56, 56) 2.96-3.20 / 2.54-2.74; two threads 1.47-1.58 / 1.35-1.37
-# and 1.05 / 0.80-0.82. The price: a cold first NHWC 7x7 depthwise forward compiles longer (the
-# 7x7/2's 3.5-3.6 -> 4.0 s with the nine stride-2 tiles, empty cache).
+# for the rest: 7x7 interior runs are W - 6 pixels at stride 1 and W/2 - 3 at stride 2 (11 at
+# a 28x28 input: none slid before). Machine A, (32, 96, 28, 28), two threads: 7x7/2 0.59-0.79
+# -> 0.46-0.50 ms (PyTorch 0.48-0.57), 7x7 1.47-1.58 -> 1.35-1.37 (docs/conv_bias_relu.md,
+# "The NHWC 7x7 runs cut exactly into sliding tiles").
 SLIDE = 16
 SLIDE_MIN = 8
 SLIDE_TAPS = (7,)
