@@ -150,11 +150,13 @@ def worker(module, side, repeats, options):
 
 def compare(module, sides, rounds, repeats, options=None, log=print):
     """{side: {case: best seconds}}, info: each side in its own processes, alternating.
-    ``info["cpu"]``: {side: {case: best CPU seconds}}."""
+    ``info["cpu"]``: {side: {case: best CPU seconds}}; ``info["rounds"]``: {side: [{case:
+    best seconds} of each round]} (:func:`round_ratios`)."""
     options = options or {}
     best = {side: {} for side in sides}
     cpu = {side: {} for side in sides}
-    info = {"machine": _machine(), "load": [os.getloadavg()[0]]}
+    info = {"machine": _machine(), "load": [os.getloadavg()[0]],
+            "rounds": {side: [] for side in sides}}
     for r in range(rounds):
         order = sides if r % 2 == 0 else list(reversed(sides))
         for side in order:
@@ -165,6 +167,7 @@ def compare(module, sides, rounds, repeats, options=None, log=print):
             if out.returncode != 0:
                 raise RuntimeError(f"{module} {side} worker failed:\n{out.stderr[-3000:]}")
             res = json.loads(out.stdout.strip().splitlines()[-1])
+            info["rounds"][side].append(dict(res["best"]))
             for name, t in res["best"].items():
                 best[side][name] = min(best[side].get(name, float("inf")), t)
             for name, t in res["best_cpu"].items():
@@ -178,6 +181,17 @@ def compare(module, sides, rounds, repeats, options=None, log=print):
     info["load"].append(os.getloadavg()[0])
     info["cpu"] = cpu
     return best, info
+
+
+def round_ratios(info, case, side="numbafuse", base="torch"):
+    """(lowest, highest) of ``base``'s time over ``side``'s for ``case``, each round's against
+    the same round's (:func:`compare`'s ``info["rounds"]``), or None where a round lacks it:
+    how far a best-of-each ratio moves with the machine."""
+    pairs = list(zip(info["rounds"][side], info["rounds"][base]))
+    if not pairs or any(case not in a or case not in b for a, b in pairs):
+        return None
+    ratios = [b[case] / a[case] for a, b in pairs]
+    return min(ratios), max(ratios)
 
 
 def header(info, command):

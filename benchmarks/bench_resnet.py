@@ -186,6 +186,11 @@ def main(argv=None):
             v = best["numbafuse"].get(n + suffix)
             extra += f" | {v * 1e3:.1f} | {b / v:.2f}x" if v else " | - | -"
         lines.append(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x{extra} |")
+    spread = [(n, _runner.round_ratios(info, n)) for n in names]
+    if args.rounds > 1 and all(r is not None for _, r in spread):
+        lines += ["", "Round by round (each round's PyTorch over the same round's numbafuse, "
+                  "`recompute=\"auto\"`): " + "; ".join(
+                      f"{n} {lo:.2f}-{hi:.2f}x" for n, (lo, hi) in spread) + "."]
     _report.emit(lines, args.markdown)
     return 0
 

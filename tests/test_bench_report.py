@@ -1,5 +1,6 @@
 """benchmarks/_report.py: ``--markdown PATH#SECTION`` rewrites one section of the shared
-benchmark page and nothing else (docs/benchmarks.md is built from such sections)."""
+benchmark page and nothing else (docs/benchmarks.md is built from such sections); and
+``_runner.round_ratios``, the round-by-round spread a table prints under its best-of ratios."""
 import pathlib
 import sys
 
@@ -47,3 +48,14 @@ def test_a_plain_path_is_written_whole(tmp_path):
     out.write_text("old\n")
     _report.write(str(out), "new\n")
     assert out.read_text() == "new\n"
+
+
+def test_round_ratios_pair_each_round_with_the_same_round():
+    import _runner
+    info = {"rounds": {"numbafuse": [{"a": 1.0, "b": 2.0}, {"a": 2.0, "b": 2.0}],
+                       "torch": [{"a": 1.5, "b": 2.0}, {"a": 2.0, "b": 3.0}]}}
+    assert _runner.round_ratios(info, "a") == (1.0, 1.5)
+    assert _runner.round_ratios(info, "b") == (1.0, 1.5)
+    info["rounds"]["torch"][1].pop("b")                   # a round without the case
+    assert _runner.round_ratios(info, "b") is None
+    assert _runner.round_ratios({"rounds": {"numbafuse": [], "torch": []}}, "a") is None
