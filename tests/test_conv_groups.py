@@ -164,7 +164,14 @@ TILED = [((2, 5, 6, 8), (3, 3), dict(padding=1)),
          ((1, 4, 13, 16), (7, 7), dict(padding=3)),
          ((1, 8, 30, 16), (7, 7), dict(padding=3)),
          ((2, 7, 38, 48), (7, 7), dict(padding=3)),
-         ((1, 7, 24, 16), (5, 5), dict(padding=2))]
+         ((1, 7, 24, 16), (5, 5), dict(padding=2)),
+         # 5 tap columns (sliding where SLIDE_TAPS has 5: Zen 4, and here always): stride 1
+         # runs of 20 = 10 + 10 above, 24 = 12 + 12, 8, 7 (none); stride 2 12, 18 = 9 + 9
+         ((1, 4, 28, 32), (5, 5), dict(padding=2)),
+         ((1, 4, 12, 16), (5, 5), dict(padding=2)),
+         ((1, 4, 11, 16), (5, 5), dict(padding=2)),
+         ((1, 5, 28, 16), (5, 5), dict(stride=2, padding=2)),
+         ((1, 5, 40, 16), (5, 5), dict(stride=2, padding=2))]
 
 
 def _nhwc_depthwise(rng, x_shape, rs, kw):
@@ -182,8 +189,10 @@ def _nhwc_depthwise(rng, x_shape, rs, kw):
                          ids=[f"{t[0][3]}ch-{t[1][0]}x{t[1][1]}-{i}" for i, t in enumerate(TILED)])
 def test_depthwise_register_tiles_equal_the_per_pixel_loops(x_shape, rs, kw, wide,
                                                              monkeypatch):
+    from numbafuse.kernels.conv import cpu_depthwise_slide
     from numbafuse.kernels.cpu import gemm_taps as cpu_gemm_taps
     monkeypatch.setattr(cpu_gemm_taps, "WIDE", wide)
+    monkeypatch.setattr(cpu_depthwise_slide, "SLIDE_TAPS", (7, 5))     # on every CPU
     rng = np.random.default_rng(7)
     x, w, b, kw = _nhwc_depthwise(rng, x_shape, rs, kw)
     geom = validate.conv_geometry("t", x.shape, w.shape, **kw)
@@ -449,16 +458,18 @@ def test_depthwise_streamed_outputs_are_the_same_bits(x_shape, rs, kw, threads, 
     close(streamed[1], ref.conv_bias_relu_backward(gy, x, w, b, **kw)[0], np.float32, what="dx")
 
 
-# The depthwise tiles are steps (cpu_depthwise_tiles: TAPS_TILES, SLIDE_TILES, DW_TILES; the
-# NCHW 7x7 tiles, depthwise_rows7, are called directly), and so are the NCHW phase planes
-# (cpu_phases: PAD and CROP at stride 1, SPLIT and MERGE else): each pass run alone with every
-# slot empty, as in a new process, readies the steps its kernels call (else a RuntimeError
-# "called before its ready()"). NHWC 3x3 and 7x7 (the sliding tiles) forward, dX (phases), dW;
-# NCHW 3x3 (depthwise_taps) and 7x7 (rows7), strides 1 and 2.
-@pytest.mark.parametrize("layout, k, stride", [("NHWC", 3, 1), ("NHWC", 7, 1), ("NCHW", 3, 1),
-                                               ("NCHW", 7, 1), ("NCHW", 3, 2)])
-def test_each_depthwise_pass_readies_its_tile_steps(layout, k, stride):
+# The depthwise tiles are steps (cpu_depthwise_tiles: TAPS_TILES, DW_TILES; cpu_depthwise_slide:
+# SLIDE_TILES, SLIDE5_TILES; the NCHW 7x7 tiles, depthwise_rows7, are called directly), and so
+# are the NCHW phase planes (cpu_phases: PAD and CROP at stride 1, SPLIT and MERGE else): each
+# pass run alone with every slot empty, as in a new process, readies the steps its kernels call
+# (else a RuntimeError "called before its ready()"). NHWC 3x3, 7x7 and 5x5/2 (the sliding
+# tiles) forward, dX (phases), dW; NCHW 3x3 (depthwise_taps) and 7x7 (rows7), strides 1 and 2.
+@pytest.mark.parametrize("layout, k, stride", [("NHWC", 3, 1), ("NHWC", 7, 1), ("NHWC", 5, 2),
+                                               ("NCHW", 3, 1), ("NCHW", 7, 1), ("NCHW", 3, 2)])
+def test_each_depthwise_pass_readies_its_tile_steps(layout, k, stride, monkeypatch):
+    from numbafuse.kernels.conv import cpu_depthwise_slide
     from .test_conv_plan import _step_slots_emptied
+    monkeypatch.setattr(cpu_depthwise_slide, "SLIDE_TAPS", (7, 5))     # 5x5 slides too
     rng = np.random.default_rng(2)
     C = 32
     x = rng.standard_normal((1, C, 20, 20) if layout == "NCHW" else (1, 20, 20, C))
@@ -637,3 +648,11 @@ def test_small_nchw_depthwise_maps_run_the_nhwc_tiles_with_the_planes_values(nam
             assert got.shape == want.shape and got.dtype == want.dtype
             close(got, want, np.float32)
     close(runs[1 << 30][0], ref.conv_bias_relu(x, w, b, **kw), np.float32, what="y")
+
+
+def test_five_tap_columns_slide_where_the_cpu_splits_512_bit_fmas():
+    from numbafuse.kernels.conv import cpu_depthwise_slide
+    from numbafuse.kernels.cpu import gemm_taps
+    assert cpu_depthwise_slide.SLIDE_TAPS == ((7, 5) if gemm_taps.SPLIT_512 else (7,))
+    assert [cpu_depthwise_slide.slides(m) for m in (8, 11, 16, 17, 32, 33, 53)] == [
+        (8, 0), (11, 0), (16, 0), (8, 1), (16, 0), (11, 0), (13, 1)]

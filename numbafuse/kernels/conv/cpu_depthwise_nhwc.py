@@ -4,8 +4,9 @@ case, and the notation):
 
     forward_tiled  every output pixel through ``depthwise_taps``, addressed in x itself with
                    the taps that lie inside the image (an output row's interior run shares one
-                   tap table, and with 7 tap columns on AVX-512 its first pixels go through the
-                   sliding tiles, ``depthwise_slide``; in rows whose tap rows all lie inside, a
+                   tap table, and with 7 tap columns on AVX-512, 5 too on Zen 4, it goes
+                   through the sliding tiles, ``cpu_depthwise_slide``; in rows whose tap rows
+                   all lie inside, a
                    border column's pixels share one down the rows; any other pixel gets its
                    own); with a mask, over
                    x gated by it,
@@ -30,6 +31,7 @@ from ..cpu import gemm_taps as _gemm_taps
 from ..cpu.buffers import aligned as _aligned
 from ..cpu.launch import blocks, launch, task_kernel
 from . import math as conv_math
+from . import cpu_depthwise_slide as _slide
 from . import cpu_depthwise_tiles as _tiles
 
 # a*b + c as one fused multiply-add (one rounding), as cpu_depthwise's loops
@@ -201,10 +203,13 @@ def forward_tiled(t0, t1, x, mask, wts, b, table, plan, aoffs, y):
                         m, k, tx, tw = _run_at(q, lo, hi, r0, r1, cols, aoff, own, tables)
                         prow, pcq, ldc = pr + 8 * q, pc + 4 * q * ypix, ypix
                         if slide and q == lo:   # its first pixels by the sliding tiles
-                            done = _tiles.slid(m)
-                            _tiles.slide_step((
-                                m, C, r1 - r0, S, sw, rows[q] + 4 * r0 * dh * W * C, dh * W * C,
-                                pwt + 4 * r0 * S * C, pcq, ldc, pb, rel & 1))
+                            done = _slide.slid(m)
+                            args = (m, C, r1 - r0, S, sw, rows[q] + 4 * r0 * dh * W * C,
+                                    dh * W * C, pwt + 4 * r0 * S * C, pcq, ldc, pb, rel & 1)
+                            if S == 5:
+                                _slide.slide5_step(args)
+                            else:
+                                _slide.slide_step(args)
                             m, prow, pcq = m - done, prow + 8 * done, pcq + 4 * done * ldc
                             q += done
                         q += m
@@ -301,9 +306,9 @@ def dw_tiled(t0, t1, x, gy, y, use_mask, geo, plan, aoff, dw_parts, db_parts, go
 
 def slides(wide, C, S, sw, dw):
     """Whether :func:`forward_tiled`'s interior runs start with the sliding tiles
-    (``cpu_depthwise_tiles.depthwise_slide``): AVX-512 tiles, C a multiple of 16, S taps in
-    SLIDE_TAPS one column apart, stride 1 or 2 along the row."""
-    return bool(wide) and C % 16 == 0 and S in _tiles.SLIDE_TAPS and sw in (1, 2) and dw == 1
+    (``cpu_depthwise_slide``): AVX-512 tiles, C a multiple of 16, S taps in SLIDE_TAPS one
+    column apart, stride 1 or 2 along the row."""
+    return bool(wide) and C % 16 == 0 and S in _slide.SLIDE_TAPS and sw in (1, 2) and dw == 1
 
 
 def dx_phases(gy, y, use_mask, w, geom, chunk, dx):
@@ -397,8 +402,9 @@ def run_tiled(x, mask, problems, b, rpc, y, work):
             wts[f, :wt.shape[0]], aoffs[f, :, :aoff.shape[1]] = wt, aoff
     table = np.array([row for _, _, row in problems], np.int64)
     nb = blocks(max(row[7] for _, _, row in problems), rpc)
-    # the sliding tiles' step only where a problem slides (7x7): a 3x3's first call does not
-    # compile it
-    _tiles.ready(_tiles.TAPS_TILES, *((_tiles.SLIDE_TILES,) if table[:, 19].any() else ()))
+    # the sliding tiles' steps only where a problem slides (7 or 5 tap columns), each for its
+    # tap count: a 3x3's first call compiles none
+    _tiles.ready(_tiles.TAPS_TILES)
+    _slide.ready(*_slide.steps_for({int(row[6]) for row in table if row[19]}))
     launch(forward_tiled, x.shape[0] * nb, x, mask, wts, b, table, (nb, rpc), aoffs, y,
            work=work)
