@@ -656,3 +656,25 @@ def test_five_tap_columns_slide_where_the_cpu_splits_512_bit_fmas():
     assert cpu_depthwise_slide.SLIDE_TAPS == ((7, 5) if gemm_taps.SPLIT_512 else (7,))
     assert [cpu_depthwise_slide.slides(m) for m in (8, 11, 16, 17, 32, 33, 53)] == [
         (8, 0), (11, 0), (16, 0), (8, 1), (16, 0), (11, 0), (13, 1)]
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_gated_channel_sums_are_the_bias_gradient_on_any_thread_count(layout, gated):
+    # cpu_chunks.gated_channel_sums (the grouped implicit GEMMs' db): the float64 sums of
+    # gy * (y > 0) per channel, an image a task, the images added in order
+    from numbafuse.kernels.conv import cpu_chunks
+    from .harness import on_threads
+    rng = np.random.default_rng(5)
+    shape = (5, 24, 3, 7) if layout == "NCHW" else (5, 3, 7, 24)
+    gy = rng.standard_normal(shape).astype(np.float32)
+    y = rng.standard_normal(shape).astype(np.float32) if gated else None
+    axes = (0, 2, 3) if layout == "NCHW" else (0, 1, 2)
+    g = gy.astype(np.float64) * ((y > 0) if gated else 1)
+    want = g.sum(axis=axes)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)                # always on the pool
+        got = on_threads(lambda: cpu_chunks.gated_channel_sums(gy, y, layout).copy())
+    assert got[1].dtype == np.float32 and got[1].shape == (24,)
+    assert got[1].tobytes() == got[3].tobytes()
+    np.testing.assert_allclose(got[1], want, rtol=1e-6, atol=1e-6)

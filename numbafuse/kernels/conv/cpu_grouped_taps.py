@@ -38,7 +38,7 @@ from ..cpu.launch import launch, num_threads, task_kernel
 from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
 from . import weights as _weights
-from .cpu import channel_sum
+from .cpu_chunks import gated_channel_sums
 from .cpu_implicit import slab_shape
 
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -397,5 +397,5 @@ def backward(gy, x, w, geom, y, need):
         dw = np.ascontiguousarray(diag.reshape(geom.groups, R, S, Kg, Cg).transpose(0, 3, 4, 1, 2)
                                   ).reshape(geom.K, Cg, R, S)
     if need_db:
-        db = channel_sum(gy if y is None else np.where(y > 0, gy, np.float32(0)), geom.layout)
+        db = gated_channel_sums(gy, y, geom.layout)
     return dx, dw, db
