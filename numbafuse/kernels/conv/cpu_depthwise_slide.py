@@ -41,43 +41,57 @@ SLIDE = 16
 SLIDE_MIN = 8
 
 
-def _slide_tile(S, sw, n, width=16):
+def _emit_slide(builder, S, sw, n, width, R, px, ldr, ld, pw, c, ldc, bias, relu):
     """The sliding micro-kernel for ``n`` consecutive output pixels of a row (pixel i's tap
-    column s reads input column i*sw + s) and one vector of channels: per tap row, its S
+    column s reads input column i*sw + s) and one vector of channels, emitted at the builder:
+    c[i, :width] = relu?(sum over r < R, s < S of x[r*ldr + (i*sw + s)*ld][:width] *
+    w[(r*S + s)*ld][:width] + bias?) for i < n, each sum in (r, s) order; px, pw, c, bias:
+    addresses (bias 0: none); ldr, ld, ldc: strides in float32 elements. Per tap row its S
     weight vectors stay in registers and each input vector of the row is loaded once and
-    added into every pixel whose tap it is ((n-1)*sw + S loads for n*S multiply-adds,
-    against one load each in ``depthwise_taps``)."""
-    SLIDE = n
-    U = (SLIDE - 1) * sw + S
+    added into every pixel whose tap it is ((n-1)*sw + S loads for n*S multiply-adds, against
+    one load each in ``depthwise_taps``)."""
+    V = Vec(builder, width)
+    x0, w0, c = V.floats(px), V.floats(pw), V.floats(c)
+    acc = V.accumulators(n, 1)
+    with cgutils.for_range(builder, R) as rows:
+        r = rows.index
+        xr = builder.gep(x0, [builder.mul(r, ldr)])
+        wr = builder.gep(w0, [builder.mul(builder.mul(r, ir.Constant(_I64, S)), ld)])
+        wv = [V.load(wr, builder.mul(ir.Constant(_I64, t), ld)) for t in range(S)]
+        for u in range((n - 1) * sw + S):
+            xv = V.load(xr, builder.mul(ir.Constant(_I64, u), ld))
+            for i in range(n):                      # ascending u: each pixel's s ascending
+                t = u - i * sw
+                if 0 <= t < S:
+                    builder.store(builder.call(V._fma, [xv, wv[t], builder.load(acc[i][0])]),
+                                  acc[i][0])
+    V.bias_relu(acc, bias, relu)
+    V.store_rows(acc, c, ldc)
 
+
+def _slide_tiles(S, width=16):
+    """An intrinsic ``tile(k, sw, R, px, ldr, ld, pw, c, ldc, bias, relu)`` (all int64): the
+    sliding tile of k pixels (SLIDE_MIN <= k <= SLIDE; another k computes nothing) at stride
+    sw (1 or 2) with S tap columns, :func:`_emit_slide`'s, one case of a switch on (sw, k)
+    in the compiled code for each."""
     @intrinsic
-    def tile(typingctx, R, px, ldr, ld, pw, c, ldc, bias, relu):
-        """c[i, :width] = relu?(sum over r < R, s < S of x[r*ldr + (i*sw + s)*ld][:width] *
-        w[(r*S + s)*ld][:width] + bias?) for i < n, each sum in (r, s) order; px, pw, c,
-        bias: addresses (bias 0: none); ldr, ld, ldc: strides in float32 elements."""
+    def tile(typingctx, k, sw, R, px, ldr, ld, pw, c, ldc, bias, relu):
         def codegen(context, builder, signature, args):
-            R, px, ldr, ld, pw, c, ldc, bias, relu = args
-            V = Vec(builder, width)
-            x0, w0, c = V.floats(px), V.floats(pw), V.floats(c)
-            acc = V.accumulators(SLIDE, 1)
-            with cgutils.for_range(builder, R) as rows:
-                r = rows.index
-                xr = builder.gep(x0, [builder.mul(r, ldr)])
-                wr = builder.gep(w0, [builder.mul(builder.mul(r, ir.Constant(_I64, S)), ld)])
-                wv = [V.load(wr, builder.mul(ir.Constant(_I64, t), ld)) for t in range(S)]
-                for u in range(U):
-                    xv = V.load(xr, builder.mul(ir.Constant(_I64, u), ld))
-                    for i in range(SLIDE):          # ascending u: each pixel's s ascending
-                        t = u - i * sw
-                        if 0 <= t < S:
-                            builder.store(builder.call(V._fma, [xv, wv[t],
-                                                                builder.load(acc[i][0])]),
-                                          acc[i][0])
-            V.bias_relu(acc, bias, relu)
-            V.store_rows(acc, c, ldc)
+            k, sw, rest = args[0], args[1], args[2:]
+            key = builder.add(builder.mul(sw, ir.Constant(_I64, SLIDE + 1)), k)
+            done = builder.append_basic_block("slide.done")
+            cases = builder.switch(key, done)
+            for stride in (1, 2):
+                for n in range(SLIDE_MIN, SLIDE + 1):
+                    block = builder.append_basic_block(f"slide.{stride}.{n}")
+                    cases.add_case(ir.Constant(_I64, stride * (SLIDE + 1) + n), block)
+                    with builder.goto_block(block):
+                        _emit_slide(builder, S, stride, n, width, *rest)
+                        builder.branch(done)
+            builder.position_at_end(done)
             return context.get_dummy_value()
 
-        return types.void(*([types.int64] * 9)), codegen
+        return types.void(*([types.int64] * 11)), codegen
 
     return tile
 
@@ -91,102 +105,7 @@ def _slide_tile(S, sw, n, width=16):
 # to slide: at (32, 64, 56, 56) 3.3-4.1 against 6.7-6.8 ms.)
 SLIDE_TAPS = (7, 5) if _gemm_taps.SPLIT_512 else (7,)
 
-_T7 = {sw: tuple(_slide_tile(7, sw, k) for k in range(SLIDE_MIN, SLIDE + 1)) for sw in (1, 2)}
-_T5 = {sw: tuple(_slide_tile(5, sw, k) for k in range(SLIDE_MIN, SLIDE + 1)) for sw in (1, 2)}
-(_s7_1_8, _s7_1_9, _s7_1_10, _s7_1_11, _s7_1_12,
- _s7_1_13, _s7_1_14, _s7_1_15, _s7_1_16) = _T7[1]
-(_s7_2_8, _s7_2_9, _s7_2_10, _s7_2_11, _s7_2_12,
- _s7_2_13, _s7_2_14, _s7_2_15, _s7_2_16) = _T7[2]
-(_s5_1_8, _s5_1_9, _s5_1_10, _s5_1_11, _s5_1_12,
- _s5_1_13, _s5_1_14, _s5_1_15, _s5_1_16) = _T5[1]
-(_s5_2_8, _s5_2_9, _s5_2_10, _s5_2_11, _s5_2_12,
- _s5_2_13, _s5_2_14, _s5_2_15, _s5_2_16) = _T5[2]
-
-
-@njit(inline="always")
-def _slide7(k, sw, R, px, ldr, n, pw, pc, ldc, pbias, relu):
-    # the 7-tap sliding tile of k pixels (SLIDE_MIN <= k <= SLIDE) at stride sw
-    if sw == 1:
-        if k == 8:
-            _s7_1_8(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 9:
-            _s7_1_9(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 10:
-            _s7_1_10(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 11:
-            _s7_1_11(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 12:
-            _s7_1_12(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 13:
-            _s7_1_13(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 14:
-            _s7_1_14(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 15:
-            _s7_1_15(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        else:
-            _s7_1_16(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-    else:
-        if k == 8:
-            _s7_2_8(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 9:
-            _s7_2_9(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 10:
-            _s7_2_10(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 11:
-            _s7_2_11(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 12:
-            _s7_2_12(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 13:
-            _s7_2_13(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 14:
-            _s7_2_14(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 15:
-            _s7_2_15(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        else:
-            _s7_2_16(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-
-
-@njit(inline="always")
-def _slide5(k, sw, R, px, ldr, n, pw, pc, ldc, pbias, relu):
-    # the 5-tap sliding tile of k pixels (SLIDE_MIN <= k <= SLIDE) at stride sw
-    if sw == 1:
-        if k == 8:
-            _s5_1_8(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 9:
-            _s5_1_9(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 10:
-            _s5_1_10(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 11:
-            _s5_1_11(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 12:
-            _s5_1_12(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 13:
-            _s5_1_13(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 14:
-            _s5_1_14(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 15:
-            _s5_1_15(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        else:
-            _s5_1_16(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-    else:
-        if k == 8:
-            _s5_2_8(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 9:
-            _s5_2_9(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 10:
-            _s5_2_10(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 11:
-            _s5_2_11(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 12:
-            _s5_2_12(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 13:
-            _s5_2_13(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 14:
-            _s5_2_14(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        elif k == 15:
-            _s5_2_15(R, px, ldr, n, pw, pc, ldc, pbias, relu)
-        else:
-            _s5_2_16(R, px, ldr, n, pw, pc, ldc, pbias, relu)
+_slide7, _slide5 = _slide_tiles(7), _slide_tiles(5)
 
 
 @njit(nogil=True, cache=True)
