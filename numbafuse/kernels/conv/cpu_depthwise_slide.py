@@ -41,15 +41,17 @@ SLIDE = 16
 SLIDE_MIN = 8
 
 
-def _emit_slide(builder, S, sw, n, width, R, px, ldr, ld, pw, c, ldc, bias, relu):
+def _emit_slide(builder, S, sw, n, args, width=16):
     """The sliding micro-kernel for ``n`` consecutive output pixels of a row (pixel i's tap
-    column s reads input column i*sw + s) and one vector of channels, emitted at the builder:
-    c[i, :width] = relu?(sum over r < R, s < S of x[r*ldr + (i*sw + s)*ld][:width] *
-    w[(r*S + s)*ld][:width] + bias?) for i < n, each sum in (r, s) order; px, pw, c, bias:
+    column s reads input column i*sw + s) and one vector of channels, emitted at the builder;
+    args = (R, px, ldr, ld, pw, c, ldc, bias, relu), int64 values: c[i, :width] = relu?(sum
+    over r < R, s < S of x[r*ldr + (i*sw + s)*ld][:width] * w[(r*S + s)*ld][:width] + bias?)
+    for i < n, each sum in (r, s) order; px, pw, c, bias:
     addresses (bias 0: none); ldr, ld, ldc: strides in float32 elements. Per tap row its S
     weight vectors stay in registers and each input vector of the row is loaded once and
     added into every pixel whose tap it is ((n-1)*sw + S loads for n*S multiply-adds, against
     one load each in ``depthwise_taps``)."""
+    R, px, ldr, ld, pw, c, ldc, bias, relu = args
     V = Vec(builder, width)
     x0, w0, c = V.floats(px), V.floats(pw), V.floats(c)
     acc = V.accumulators(n, 1)
@@ -86,7 +88,7 @@ def _slide_tiles(S, width=16):
                     block = builder.append_basic_block(f"slide.{stride}.{n}")
                     cases.add_case(ir.Constant(_I64, stride * (SLIDE + 1) + n), block)
                     with builder.goto_block(block):
-                        _emit_slide(builder, S, stride, n, width, *rest)
+                        _emit_slide(builder, S, stride, n, rest, width)
                         builder.branch(done)
             builder.position_at_end(done)
             return context.get_dummy_value()
