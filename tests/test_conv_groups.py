@@ -35,6 +35,9 @@ CASES = {
     "groups 8 of 2x4 dilated": ((3, 16, 8, 9), 32, (3, 3), 8,
                                 dict(stride=(1, 2), padding=2, dilation=2)),
     "groups 2 1x1 stride 2": ((3, 16, 7, 6), 32, (1, 1), 2, dict(stride=2)),
+    # groups of 16 and 24 channels: a slab pixel copied as 2 and 3 vectors of 8 (_copy8)
+    "groups 2 of 16 stride 2": ((2, 32, 8, 7), 32, (3, 3), 2, dict(stride=2, padding=1)),
+    "groups 2 of 24": ((2, 48, 5, 6), 48, (3, 3), 2, dict(padding=1)),
     "depthwise 3x3": ((2, 5, 7, 9), 5, (3, 3), 5, dict(padding=1)),
     # float32 NCHW on small maps: the NHWC tiles on transposed copies (cpu_depthwise_nchw.by_nhwc)
     "depthwise small map": ((3, 16, 5, 6), 16, (3, 3), 16, dict(padding=1)),
@@ -55,6 +58,9 @@ PLAN = [("groups 2", "NCHW", np.float64), ("groups 3 stride 2", "NHWC", np.float
         ("groups 8 of 2x4 dilated", "NHWC", np.float32),
         ("groups 2 1x1 stride 2", "NHWC", np.float32),
         ("groups 2 1x1 stride 2", "NCHW", np.float32),
+        ("groups 2 of 16 stride 2", "NHWC", np.float32),
+        ("groups 2 of 16 stride 2", "NCHW", np.float32),
+        ("groups 2 of 24", "NHWC", np.float32),
         ("depthwise 3x3", "NCHW", np.float32), ("depthwise 3x3", "NHWC", np.float64),
         ("depthwise small map", "NCHW", np.float32),
         ("depthwise small map stride 2", "NCHW", np.float32),

@@ -30,9 +30,13 @@ group's channels (a merged group adds the zeros of the others exactly); each dW 
 over the images in order, then pixels: results do not depend on the thread count.
 """
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from ..cpu import gemm_taps as _taps
+from ..cpu.gemm import Vec
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import launch, num_threads, task_kernel
 from ..cpu.transpose import transpose
@@ -87,6 +91,26 @@ def _taps_of(w, geom, m):
 def _images(N, pixels):
     """Images a task (or a dW chunk) takes: enough for ROWS_A_TASK output pixels."""
     return max(1, min(N, ROWS_A_TASK // max(1, pixels)))
+
+
+@intrinsic
+def _copy8(typingctx, dst, src, n8):
+    """dst[:8 n8] = src[:8 n8], float32 at the int64 addresses dst and src, 8 floats a
+    vector: a slab pixel's channels (a merged group's are a multiple of 8: :func:`merged`).
+    Before, a loop of ``cg`` values a pixel: machine A, one thread, (32, 256, 56, 56) groups
+    32 stride 2 NHWC forward 40.3-40.7 -> 35.9-36.6 ms; two threads 24.5 -> 23.1-24.0, NCHW
+    15.9-18.1 -> 14.6-15.0 (the fill of an NHWC slab, a run of 32 bytes a pixel 1 KiB apart,
+    still takes about half of that pass)."""
+    def codegen(context, builder, signature, args):
+        dst, src, n8 = args
+        V = Vec(builder, 8)
+        d, s = V.floats(dst), V.floats(src)
+        with cgutils.for_range(builder, n8) as loop:
+            off = builder.mul(loop.index, ir.Constant(ir.IntType(64), 8))
+            V.store(V.load(s, off), d, off)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64, types.int64), codegen
 
 
 @njit(inline="always")
@@ -156,12 +180,11 @@ def _fill(src, gate, use_gate, nhwc, n, c0, tables, cols, tb, tc0, slab, i):
             d[e] = 0
         for e in range(o + _U(vhi * cg), o + _U(Ws * cg)):
             d[e] = 0
-        a = _U((r0 + h * Win + vlo - pad_l) * ld + col)
+        a = (r0 + h * Win + vlo - pad_l) * ld + col
+        dv = np.int64(d.ctypes.data) + 4 * (np.int64(o) + vlo * cg)
+        sv = np.int64(pf.ctypes.data) + 4 * a
         for v in range(vhi - vlo):
-            ov = o + _U((vlo + v) * cg)
-            av = a + _U(v * ld)
-            for c in range(ucg):
-                d[ov + c] = pf[av + c]
+            _copy8(dv + 4 * v * cg, sv + 4 * v * ld, cg // 8)
 
 
 @njit(inline="always")
