@@ -95,6 +95,7 @@ def test_groups_match_reference_on_any_thread_count(name, layout, dtype, chunk, 
     monkeypatch.setattr(cpu_depthwise, "CHUNK_ELEMENTS", chunk)   # 1 or a few rows a chunk
     monkeypatch.setattr(cpu_depthwise, "DW_GROUPS", 3)
     monkeypatch.setattr(cpu_grouped_taps, "ROWS_A_TASK", 1 if chunk == 1 else 2 * 42 + 1)
+    monkeypatch.setattr(cpu_grouped_taps, "BAND_BYTES", 1 if chunk == 1 else 1 << 20)
     monkeypatch.setattr(_launch, "PARALLEL_MIN_ELEMENTS", 0)      # always on the pool
     x, w, b, kw = _problem(name, layout, dtype)
     gy = np.random.default_rng(1).standard_normal(
@@ -623,6 +624,39 @@ def test_grouped_implicit_gemms_against_the_loop_over_groups(name, layout, monke
     for got, want, what in zip(runs[True][5:], ref.conv_bias_relu_backward(gy, x, w, b, **kw),
                                ("dx gated", "dw gated", "db gated")):
         close(got, want, np.float32, what=what)
+
+
+@pytest.mark.parametrize("band_bytes, chunks", [(1, None), (3000, None), (1 << 20, None),
+                                               (1 << 20, "images")])
+def test_nhwc_grouped_forward_bands_equal_the_per_group_slabs(band_bytes, chunks, monkeypatch):
+    """An NHWC grouped forward by ``band_tasks`` (a chunk's slab of every channel, each
+    group's taps offset into it) gives conv_tasks' bytes (a slab per group, ``BANDS`` False):
+    chunks of one output row (``BAND_BYTES`` 1: every chunk's halo, a last chunk at the
+    bottom padding), of a few rows (3000 bytes: a partial last chunk), of whole images, and
+    of several images (``chunks`` "images": a task's rows cross images); groups of 8, 16 and
+    24 channels (merged pairs of 4 too), strides 1 and 2, 4-tuple padding, dilation, 1x1."""
+    monkeypatch.setattr(cpu_grouped_taps, "BAND_BYTES", band_bytes)
+    if chunks == "images":
+        monkeypatch.setattr(cpu_grouped_taps, "TASKS_A_THREAD", 0.25)
+    for name in ("groups 4 of 8", "groups 8 of 4 stride 2", "groups 8 of 2x4 dilated",
+                 "groups 2 1x1 stride 2", "groups 2 of 16 stride 2", "groups 2 of 24"):
+        x, w, b, kw = _problem(name, "NHWC", np.float32)
+        geom = validate.conv_geometry("t", x.shape, w.shape, kw.get("stride", 1),
+                                      kw.get("padding", 0), kw.get("dilation", 1), "NHWC",
+                                      kw["groups"])
+        ipc, rpc, nchunks = cpu_grouped_taps._bands(geom, 1)[:3]
+        if band_bytes == 1:
+            assert rpc == 1 and nchunks == geom.N * geom.P
+        if chunks == "images":
+            assert ipc > 1 and nchunks < geom.N, name
+        out = {}
+        for bands in (True, False):
+            monkeypatch.setattr(cpu_grouped_taps, "BANDS", bands)
+            out[bands] = [cpu_grouped_taps.forward(x, w, bias, geom, relu).copy()
+                          for bias, relu in ((b, True), (None, False))]
+        for got, want in zip(out[True], out[False]):
+            assert got.tobytes() == want.tobytes(), name
+        close(out[True][0], ref.conv_bias_relu(x, w, b, **kw), np.float32, what=name)
 
 
 @pytest.mark.parametrize("name", ["depthwise small map", "depthwise small map stride 2"])
