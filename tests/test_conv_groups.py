@@ -38,6 +38,9 @@ CASES = {
     # groups of 16 and 24 channels: a slab pixel copied as 2 and 3 vectors of 8 (_copy8)
     "groups 2 of 16 stride 2": ((2, 32, 8, 7), 32, (3, 3), 2, dict(stride=2, padding=1)),
     "groups 2 of 24": ((2, 48, 5, 6), 48, (3, 3), 2, dict(padding=1)),
+    "groups 4 of 8 wide padding": ((2, 32, 5, 6), 32, (3, 3), 4, dict(padding=(3, 1, 0, 2))),
+    "groups 2 of 16 dilated": ((2, 32, 7, 8), 32, (3, 3), 2, dict(padding=(2, 1, 1, 2),
+                                                                  dilation=2)),
     "depthwise 3x3": ((2, 5, 7, 9), 5, (3, 3), 5, dict(padding=1)),
     # float32 NCHW on small maps: the NHWC tiles on transposed copies (cpu_depthwise_nchw.by_nhwc)
     "depthwise small map": ((3, 16, 5, 6), 16, (3, 3), 16, dict(padding=1)),
@@ -628,18 +631,21 @@ def test_grouped_implicit_gemms_against_the_loop_over_groups(name, layout, monke
 
 @pytest.mark.parametrize("band_bytes, chunks", [(1, None), (3000, None), (1 << 20, None),
                                                (1 << 20, "images")])
-def test_nhwc_grouped_forward_bands_equal_the_per_group_slabs(band_bytes, chunks, monkeypatch):
+def test_nhwc_grouped_bands_equal_the_per_group_slabs(band_bytes, chunks, monkeypatch):
     """An NHWC grouped forward by ``band_tasks`` (a chunk's slab of every channel, each
-    group's taps offset into it) gives conv_tasks' bytes (a slab per group, ``BANDS`` False):
-    chunks of one output row (``BAND_BYTES`` 1: every chunk's halo, a last chunk at the
-    bottom padding), of a few rows (3000 bytes: a partial last chunk), of whole images, and
-    of several images (``chunks`` "images": a task's rows cross images); groups of 8, 16 and
-    24 channels (merged pairs of 4 too), strides 1 and 2, 4-tuple padding, dilation, 1x1."""
+    group's taps offset into it), and a stride-1 dX by them on the transposed geometry after
+    g is gated once (``_gated``; the dW and db read that g), give conv_tasks' bytes (a slab
+    per group, ``BANDS`` False): chunks of one output row (``BAND_BYTES`` 1: every chunk's
+    halo, a last chunk at the bottom padding), of a few rows (3000 bytes: a partial last
+    chunk), of whole images, and of several images (``chunks`` "images": a task's rows cross
+    images); groups of 8, 16 and 24 channels (merged pairs of 4 too), strides 1 and 2, 4-tuple
+    padding, dilation, 1x1, and a padding past the filter's reach (that dX not banded)."""
     monkeypatch.setattr(cpu_grouped_taps, "BAND_BYTES", band_bytes)
     if chunks == "images":
         monkeypatch.setattr(cpu_grouped_taps, "TASKS_A_THREAD", 0.25)
     for name in ("groups 4 of 8", "groups 8 of 4 stride 2", "groups 8 of 2x4 dilated",
-                 "groups 2 1x1 stride 2", "groups 2 of 16 stride 2", "groups 2 of 24"):
+                 "groups 2 1x1 stride 2", "groups 2 of 16 stride 2", "groups 2 of 24",
+                 "groups 2 of 16 dilated", "groups 4 of 8 wide padding"):
         x, w, b, kw = _problem(name, "NHWC", np.float32)
         geom = validate.conv_geometry("t", x.shape, w.shape, kw.get("stride", 1),
                                       kw.get("padding", 0), kw.get("dilation", 1), "NHWC",
@@ -649,14 +655,25 @@ def test_nhwc_grouped_forward_bands_equal_the_per_group_slabs(band_bytes, chunks
             assert rpc == 1 and nchunks == geom.N * geom.P
         if chunks == "images":
             assert ipc > 1 and nchunks < geom.N, name
+        monkeypatch.setattr(cpu_grouped_taps, "BANDS", True)
+        banded_dx = cpu_grouped_taps._dx_geometry(geom) is not None
+        assert banded_dx == (name in ("groups 4 of 8", "groups 2 of 16 dilated",
+                                      "groups 2 of 24")), name
+        gy = np.random.default_rng(2).standard_normal(geom.y_shape).astype(np.float32)
         out = {}
         for bands in (True, False):
             monkeypatch.setattr(cpu_grouped_taps, "BANDS", bands)
-            out[bands] = [cpu_grouped_taps.forward(x, w, bias, geom, relu).copy()
-                          for bias, relu in ((b, True), (None, False))]
-        for got, want in zip(out[True], out[False]):
-            assert got.tobytes() == want.tobytes(), name
+            y = cpu_grouped_taps.forward(x, w, b, geom, True).copy()
+            out[bands] = [y, cpu_grouped_taps.forward(x, w, None, geom, False).copy()]
+            for gate in (y, None):
+                out[bands] += [a.copy() for a in cpu_grouped_taps.backward(
+                    gy, x, w, geom, gate, (True, True, True))]
+            out[bands] += [cpu_grouped_taps.backward(gy, x, w, geom, y, (True, False, False))[0]]
+        for i, (got, want) in enumerate(zip(out[True], out[False])):
+            assert got.tobytes() == want.tobytes(), (name, i)
         close(out[True][0], ref.conv_bias_relu(x, w, b, **kw), np.float32, what=name)
+        close(out[True][2], ref.conv_bias_relu_backward(gy, x, w, b, **kw)[0], np.float32,
+              what=name + " dx")
 
 
 @pytest.mark.parametrize("name", ["depthwise small map", "depthwise small map stride 2"])

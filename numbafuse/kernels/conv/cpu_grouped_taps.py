@@ -35,6 +35,8 @@ Each y and dx value is one float32 sum in tap order, then channel order, over it
 group's channels (a merged group adds the zeros of the others exactly); each dW value one sum
 over the images in order, then pixels: results do not depend on the thread count.
 """
+import dataclasses
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -423,7 +425,8 @@ def forward(x, w, b, geom, relu):
     m, G, cg, kg = _sizes(geom)
     P, Q = geom.P, geom.Q
     if geom.layout == "NHWC" and BANDS:
-        return _banded(x, w, b, geom, relu)
+        return _banded(x, _weights.derived(w, ("grouped taps", geom.groups, m),
+                                           lambda: _taps_of(w, geom, m)), b, geom, relu)
     ipc = _images(geom.N, P * Q)
     Hs, Ws = slab_shape(geom, P)
     y = _out.empty(geom.y_shape, np.float32)
@@ -443,20 +446,54 @@ def forward(x, w, b, geom, relu):
     return y
 
 
-def _banded(x, w, b, geom, relu):
-    # forward's NHWC y by band_tasks
+def _banded(x, wt, b, geom, relu):
+    # the NHWC output of the conv geom by band_tasks; wt its merged groups' taps (Gm, R*S, cg,
+    # kg): the forward's, or a dX's flipped ones on its transposed geometry (_dx_geometry)
     m, G, cg, kg = _sizes(geom)
     ipc, rpc, nchunks, Hmax, Ws = _bands(geom, num_threads())
     aoff = _implicit.tap_offsets(geom, Ws)[None, :] + cg * np.arange(G, dtype=np.int64)[:, None]
     y = _out.empty(geom.y_shape, np.float32)
     _taps.ready(gather=False)
     _ready_steps(None, (_implicit.FILL,))
-    launch(band_tasks, nchunks, x,
-           _weights.derived(w, ("grouped taps", geom.groups, m), lambda: _taps_of(w, geom, m)),
+    launch(band_tasks, nchunks, x, wt,
            aoff, b if b is not None else np.empty(0, np.float32), conv_math.geo_tuple(geom),
            _dims(ipc, rpc, Hmax, Ws, G, cg, kg), (b is not None, bool(relu), _taps.WIDE), y,
            work=x.size + y.size, grain=1)
     return y
+
+
+def _dx_geometry(geom):
+    """The NHWC stride-1 conv whose output is ``geom``'s dX (its input g (N, P, Q, K), the
+    padding (R-1)*dh less the forward's on each side), run by :func:`_banded` with the flipped
+    taps; None where :data:`BANDS` is off, ``geom`` is NCHW or strided (conv_tasks' slabs
+    upsample g) or a side's padding exceeds the filter's reach (negative there)."""
+    pads = ((geom.R - 1) * geom.dh - geom.ph, (geom.S - 1) * geom.dw - geom.pw,
+            (geom.R - 1) * geom.dh - geom.ph_end, (geom.S - 1) * geom.dw - geom.pw_end)
+    if not BANDS or geom.layout != "NHWC" or (geom.sh, geom.sw) != (1, 1) or min(pads) < 0:
+        return None
+    return dataclasses.replace(geom, C=geom.K, H=geom.P, W=geom.Q, K=geom.C, P=geom.H,
+                               Q=geom.W, ph=pads[0], pw=pads[1], ph_end=pads[2],
+                               pw_end=pads[3])
+
+
+@task_kernel
+def _gate_tasks(t0, t1, gy, y, g):
+    # g[n] = gy[n] * (y[n] > 0) (the scalar relu_grad), images n in [t0, t1); (N, L) each
+    for n in range(t0, t1):
+        a, b, d = gy[n], y[n], g[n]
+        for i in range(a.shape[0]):
+            d[i] = _relu_grad(a[i], b[i])
+
+
+def _gated(gy, y):
+    """g = gy * (y > 0), float32, gy's shape: an NHWC backward's passes then read g ungated
+    (the same values: the same bits), not each its gate: the dX's slabs a value at a time,
+    the dW's blocks of y transposed."""
+    N = gy.shape[0]
+    g = _out.empty(gy.shape, np.float32)
+    launch(_gate_tasks, N, gy.reshape(N, -1), y.reshape(N, -1), g.reshape(N, -1),
+           work=3 * gy.size, grain=1)
+    return g
 
 
 def backward(gy, x, w, geom, y, need):
@@ -465,15 +502,21 @@ def backward(gy, x, w, geom, y, need):
     need_dx, need_dw, need_db = (bool(v) for v in need)
     m, G, cg, kg = _sizes(geom)
     R, S, P, Q, H, W = geom.R, geom.S, geom.P, geom.Q, geom.H, geom.W
+    nhwc = _layout(geom)
+    if nhwc and y is not None and BANDS and (need_dx or need_dw):
+        gy, y = _gated(gy, y), None          # (g once, for the passes below: the same values)
     gate = y if y is not None else gy
     use_gate = y is not None
-    nhwc = _layout(geom)
     _taps.ready()
     dx = dw = db = None
+    tgeom = _dx_geometry(geom) if need_dx else None
     if need_dx:
         # dx = conv(g upsampled by the stride, w flipped and transposed), stride 1
         wd = _weights.derived(w, ("grouped dx taps", geom.groups, m), lambda: np.ascontiguousarray(
             _taps_of(w, geom, m)[:, ::-1].transpose(0, 1, 3, 2)))
+    if tgeom is not None:
+        dx = _banded(gy, wd, None, tgeom, False)
+    elif need_dx:
         ipc = _images(geom.N, H * W)
         chunks = -(-geom.N // ipc)
         gpb = _blocks(G, -(-TASKS_A_THREAD * num_threads() // chunks),
