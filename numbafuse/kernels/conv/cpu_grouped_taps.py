@@ -11,13 +11,7 @@ once for the block's groups) and sums the taps in registers with ``cpu.gemm_taps
 cache (``weights.derived``: kept only where a caller vouches for w).
 
     forward   y_g = relu?(conv(x_g, w_g) + b_g?): ``gemm_taps`` over the slab of x's group
-              channels, one row per output pixel, one offset per tap (r, s). NHWC
-              (``band_tasks``): tasks are chunks of output rows (or of images), every group
-              in each; the chunk's padded input rows, every channel, are copied once into a
-              slab of at most BAND_BYTES (whole pixels, read in order, as ``cpu_implicit``'s
-              ungrouped forward does) and each group's taps read its channels there (its tap
-              offsets + g * cg): a slab per group read 32-64 bytes of every pixel 1 KiB
-              apart, and that copy took half of ResNeXt's stride-2 NHWC forward.
+              channels, one row per output pixel, one offset per tap (r, s).
     dX        the same kernel on g = gy * (y > 0)?: dx_g = conv(g upsampled by the stride,
               the taps of w_g flipped and transposed), padding (R-1)*dh - ph, stride 1. The
               slab of g is made with the stride's zeros between its pixels (no array of them).
@@ -34,9 +28,11 @@ blocks off the diagonal are computed and dropped.
 Each y and dx value is one float32 sum in tap order, then channel order, over its own
 group's channels (a merged group adds the zeros of the others exactly); each dW value one sum
 over the images in order, then pixels: results do not depend on the thread count.
-"""
-import dataclasses
 
+NHWC (:data:`BANDS`): the forward, a stride-1 dX and the dW run ``cpu_grouped_bands``' kernels
+instead (chunks of output rows, every group in each, a slab of every channel), on g gated once
+(``_gated``) in a backward: the same y and dx bits; dW summed in another order.
+"""
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -47,11 +43,10 @@ from ..cpu import gemm_taps as _taps
 from ..cpu.gemm import Vec
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import launch, num_threads, task_kernel
-from ..cpu.steps import ready as _ready_steps
 from ..cpu.transpose import transpose
 from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
-from . import cpu_implicit as _implicit, math as conv_math, weights as _weights
-from .cpu_chunks import chunk, count_chunks, gated_channel_sums
+from . import cpu_grouped_bands as _bands, weights as _weights
+from .cpu_chunks import gated_channel_sums
 from .cpu_implicit import slab_shape
 
 _relu_grad = cpu_scalar(_relu_grad_math)
@@ -64,8 +59,7 @@ ROWS_A_TASK = 256          # output pixels a task aims at (images of small maps 
 TASKS_A_THREAD = 4         # tasks a pass aims at, a thread (blocks of groups down to that)
 BLOCK_VALUES = 1 << 16     # the most values of an NCHW input's block of channels transposed
 #                            at once, the task's images (its groups then read it from L2)
-BAND_BYTES = 512 << 10     # an NHWC forward's slab of every channel (band_tasks): at most this
-BANDS = True               # NHWC forwards by band_tasks (False: conv_tasks, as NCHW; tests, A/B)
+BANDS = True               # NHWC passes by cpu_grouped_bands (False: here, as NCHW; tests, A/B)
 
 
 def merged(geom):
@@ -281,52 +275,6 @@ def conv_tasks(t0, t1, src, gate, wt, bias, dims, flags, out):
 
 
 @task_kernel
-def band_tasks(t0, t1, x, wt, aoff, bias, geo, sizes, flags, y):
-    # y = relu?(conv(x, w, groups) + bias?), NHWC: x (N, H, W, C), wt (Gm, R*S, cg, kg), aoff
-    # (Gm, R*S) the taps' element offsets in the slab, each group's + g * cg, y (N, P, Q, K).
-    # Chunk t (cpu_chunks.chunk: images [n0, n1) or one image's output rows [p0, p1)): its
-    # padded input rows, every channel, copied once into the slab (cpu_implicit's fill: whole
-    # pixels, read in order), then each merged group's taps over its cg channels of the slab,
-    # into its kg columns of the chunk's output rows
-    has_bias, relu, wide = flags
-    ipc, rpc, Hmax, Ws, Gm, cg, kg = sizes
-    N, C, H, W, K, R, S, P, Q, sh, sw, ph, pw, dh, dw, nhwc = geo
-    PQ = P * Q
-    slab = np.empty((ipc, Hmax, Ws, C), np.float32)
-    rows = np.empty(ipc * PQ if ipc > 1 else rpc * Q, np.int64)    # the pixels' corners
-    for t in range(t0, t1):
-        n0, n1, p0, p1 = chunk(t, N, P, ipc, rpc)
-        m = (n1 - n0) * (p1 - p0) * Q
-        _implicit._fill_step((x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows))
-        pc = np.int64(y.ctypes.data) + 4 * (n0 * PQ + p0 * Q) * K
-        for g in range(Gm):
-            _taps.taps_step(((np.int64(m), np.int64(kg), np.int64(cg)), np.int64(R * S),
-                            np.int64(rows.ctypes.data), np.int64(aoff[g].ctypes.data),
-                            np.int64(wt[g].ctypes.data), np.int64(kg), pc + 4 * g * kg,
-                            np.int64(K),
-                            np.int64(bias.ctypes.data) + 4 * g * kg if has_bias else np.int64(0),
-                            np.int64(1 if relu else 0), np.int64(1 if wide else 0)))
-
-
-def _bands(geom, threads):
-    """(images a chunk, output rows a chunk, chunks, slab rows, slab width) of
-    :func:`band_tasks`: a chunk's slab (every input channel) at most :data:`BAND_BYTES`, whole
-    images where one fits, and at least TASKS_A_THREAD chunks a thread where the rows allow."""
-    N, P = geom.N, geom.P
-    Hs, Ws = slab_shape(geom, P)
-    row_bytes = 4 * Ws * geom.C
-    ipc = int(max(1, min(N, BAND_BYTES // (Hs * row_bytes),
-                         -(-N // (TASKS_A_THREAD * threads)))))
-    rpc = P
-    if ipc == 1:
-        fit = (BAND_BYTES // row_bytes - (geom.R - 1) * geom.dh - 1) // geom.sh + 1
-        bands = max(-(-P // max(1, fit)), min(P, -(-TASKS_A_THREAD * threads // N)))
-        rpc = -(-P // bands)
-    Hmax = slab_shape(geom, P if ipc > 1 else rpc)[0]
-    return ipc, rpc, count_chunks(N, P, ipc, rpc), Hmax, Ws
-
-
-@task_kernel
 def dw_tasks(t0, t1, x, gy, y, dims, flags, parts):
     # parts[g] (R*S, kg, cg) <- merged group g's dW taps: for tap (r, s), sum over the images
     # (in order, ipc at a time) of g^T (kg, pixels) @ the pixels' tap rows of x's slab, g =
@@ -425,8 +373,9 @@ def forward(x, w, b, geom, relu):
     m, G, cg, kg = _sizes(geom)
     P, Q = geom.P, geom.Q
     if geom.layout == "NHWC" and BANDS:
-        return _banded(x, _weights.derived(w, ("grouped taps", geom.groups, m),
-                                           lambda: _taps_of(w, geom, m)), b, geom, relu)
+        return _bands.conv(x, _weights.derived(w, ("grouped taps", geom.groups, m),
+                                               lambda: _taps_of(w, geom, m)), b, geom, relu,
+                           (G, cg, kg))
     ipc = _images(geom.N, P * Q)
     Hs, Ws = slab_shape(geom, P)
     y = _out.empty(geom.y_shape, np.float32)
@@ -444,36 +393,6 @@ def forward(x, w, b, geom, relu):
            (b is not None, bool(relu), False, _taps.WIDE), y,
            work=x.size + y.size, grain=1)
     return y
-
-
-def _banded(x, wt, b, geom, relu):
-    # the NHWC output of the conv geom by band_tasks; wt its merged groups' taps (Gm, R*S, cg,
-    # kg): the forward's, or a dX's flipped ones on its transposed geometry (_dx_geometry)
-    m, G, cg, kg = _sizes(geom)
-    ipc, rpc, nchunks, Hmax, Ws = _bands(geom, num_threads())
-    aoff = _implicit.tap_offsets(geom, Ws)[None, :] + cg * np.arange(G, dtype=np.int64)[:, None]
-    y = _out.empty(geom.y_shape, np.float32)
-    _taps.ready(gather=False)
-    _ready_steps(None, (_implicit.FILL,))
-    launch(band_tasks, nchunks, x, wt,
-           aoff, b if b is not None else np.empty(0, np.float32), conv_math.geo_tuple(geom),
-           _dims(ipc, rpc, Hmax, Ws, G, cg, kg), (b is not None, bool(relu), _taps.WIDE), y,
-           work=x.size + y.size, grain=1)
-    return y
-
-
-def _dx_geometry(geom):
-    """The NHWC stride-1 conv whose output is ``geom``'s dX (its input g (N, P, Q, K), the
-    padding (R-1)*dh less the forward's on each side), run by :func:`_banded` with the flipped
-    taps; None where :data:`BANDS` is off, ``geom`` is NCHW or strided (conv_tasks' slabs
-    upsample g) or a side's padding exceeds the filter's reach (negative there)."""
-    pads = ((geom.R - 1) * geom.dh - geom.ph, (geom.S - 1) * geom.dw - geom.pw,
-            (geom.R - 1) * geom.dh - geom.ph_end, (geom.S - 1) * geom.dw - geom.pw_end)
-    if not BANDS or geom.layout != "NHWC" or (geom.sh, geom.sw) != (1, 1) or min(pads) < 0:
-        return None
-    return dataclasses.replace(geom, C=geom.K, H=geom.P, W=geom.Q, K=geom.C, P=geom.H,
-                               Q=geom.W, ph=pads[0], pw=pads[1], ph_end=pads[2],
-                               pw_end=pads[3])
 
 
 @task_kernel
@@ -509,13 +428,13 @@ def backward(gy, x, w, geom, y, need):
     use_gate = y is not None
     _taps.ready()
     dx = dw = db = None
-    tgeom = _dx_geometry(geom) if need_dx else None
+    tgeom = _bands.dx_geometry(geom) if need_dx and BANDS else None
     if need_dx:
         # dx = conv(g upsampled by the stride, w flipped and transposed), stride 1
         wd = _weights.derived(w, ("grouped dx taps", geom.groups, m), lambda: np.ascontiguousarray(
             _taps_of(w, geom, m)[:, ::-1].transpose(0, 1, 3, 2)))
     if tgeom is not None:
-        dx = _banded(gy, wd, None, tgeom, False)
+        dx = _bands.conv(gy, wd, None, tgeom, False, (G, kg, cg))
     elif need_dx:
         ipc = _images(geom.N, H * W)
         chunks = -(-geom.N // ipc)
@@ -528,7 +447,9 @@ def backward(gy, x, w, geom, y, need):
                      geom.sw, G, kg, cg, ipc, H + (R - 1) * geom.dh, W + (S - 1) * geom.dw,
                      gpb, nhwc),
                (False, False, use_gate, _taps.WIDE), dx, work=gy.size + dx.size, grain=1)
-    if need_dw:
+    if need_dw and nhwc and BANDS and _bands.banded_dw(cg):
+        parts = _bands.dw_parts(x, gy, geom, (G, cg, kg))
+    elif need_dw:
         ipc = _images(geom.N, P * Q)
         Hs, Ws = slab_shape(geom, P)
         parts = _out.empty((G, R * S, kg, cg), np.float32)
@@ -538,6 +459,7 @@ def backward(gy, x, w, geom, y, need):
                _dims(geom.N, geom.C, H, W, geom.K, R, S, P, Q, geom.sh, geom.sw, geom.dh,
                      geom.dw, geom.ph, geom.pw, G, cg, kg, ipc, Hs, Ws, gpb, nhwc),
                (use_gate, _taps.WIDE), parts, work=x.size + gy.size, grain=1)
+    if need_dw:
         Cg, Kg = geom.C // geom.groups, geom.K // geom.groups
         blocks = parts.reshape(G, R * S, m, Kg, m, Cg)
         diag = np.stack([blocks[:, :, a, :, a, :] for a in range(m)], axis=1)  # (G, m, RS, Kg, Cg)
