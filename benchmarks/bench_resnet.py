@@ -2,7 +2,7 @@
 
     python benchmarks/bench_resnet.py [--models resnet18,resnet50] [--batch 16] [--size 64]
                                       [--rounds 3] [--repeats 5] [--threads N] [--weight-cache]
-                                      [--conv-table FILE] [--markdown FILE]
+                                      [--channels-last] [--conv-table FILE] [--markdown FILE]
 
 The model is torchvision's code (``numbafuse/torch/resnet.py``: the same modules, names and
 forward; ``--models`` takes any of its functions, resnext50_32x4d too, and mobilenet.py's
@@ -26,6 +26,10 @@ included on the numbafuse side, with whatever Numba cache the environment has).
 exist, the first numbafuse worker makes it first (``numbafuse.torch.tune.tune_step`` on each
 model's "auto" training step, ``tune.resnet_step``; the tables merged), outside the timed
 rounds.
+
+``--channels-last``: both sides as a PyTorch user makes a model channels_last: the model
+``.to(memory_format=torch.channels_last)`` (before ``fuse`` on the numbafuse side, whose
+fused ops then run their NHWC kernels) and the input batch channels_last.
 """
 import argparse
 import importlib.util
@@ -92,6 +96,8 @@ def cases(side, options):
     torch.manual_seed(0)
     batch, size = int(options["batch"]), int(options["size"])
     x = torch.randn(batch, 3, size, size)
+    memory = torch.channels_last if options.get("channels_last") else torch.contiguous_format
+    x = x.contiguous(memory_format=memory)
     labels = torch.randint(0, CLASSES, (batch,))
     if side == "numbafuse" and options.get("conv_table"):
         rng = torch.get_rng_state()        # (a table made here draws: the models stay as without)
@@ -103,7 +109,7 @@ def cases(side, options):
         [(CACHED, "auto")] if side == "numbafuse" and options.get("weight_cache") else [])
     for name, (suffix, recompute) in ((n, v) for n in options["models"].split(",")
                                        for v in variants):
-        model = model_function(name)(num_classes=CLASSES)
+        model = model_function(name)(num_classes=CLASSES).to(memory_format=memory)
         if side == "numbafuse":
             import numbafuse.torch as nft
             model = nft.fuse(model, recompute=recompute)
@@ -120,8 +126,8 @@ def cases(side, options):
 
         # the cached eval runs a model of its own that no training step changes (serving):
         # after a step every weight has a new version and nothing cached is valid
-        served = nft.fuse(model_function(name)(num_classes=CLASSES)) if suffix == CACHED \
-            else model
+        served = nft.fuse(model_function(name)(num_classes=CLASSES).to(
+            memory_format=memory)) if suffix == CACHED else model
 
         def forward(model=served, cached=suffix == CACHED):
             model.eval()
@@ -150,6 +156,8 @@ def main(argv=None):
     p.add_argument("--markdown", default=None, help="write the table to this file")
     p.add_argument("--weight-cache", action="store_true",
                    help="also time fuse(model) inside numbafuse.torch.weight_cache()")
+    p.add_argument("--channels-last", action="store_true",
+                   help="both sides' model and input in torch.channels_last")
     p.add_argument("--conv-table", default=None,
                    help="plan numbafuse's convs by this measured table (made first if missing)")
     args = p.parse_args(argv)
@@ -160,11 +168,14 @@ def main(argv=None):
         options["weight_cache"] = 1
     if args.threads:
         options["threads"] = args.threads
+    if args.channels_last:
+        options["channels_last"] = 1
     best, info = _runner.compare("bench_resnet", ["numbafuse", "torch"], args.rounds,
                                  args.repeats, options, log=lambda s: print(s, file=sys.stderr))
     names = list(best["torch"])
     lines = _runner.header(info, _report.command("bench_resnet.py"))
-    lines += [f"Batch {args.batch}, 3x{args.size}x{args.size}, float32, NCHW. numbafuse: "
+    lines += [f"Batch {args.batch}, 3x{args.size}x{args.size}, float32, "
+              f"{'channels_last (NHWC)' if args.channels_last else 'NCHW'}. numbafuse: "
               f"`fuse(model, recompute=\"auto\")` (backward keeps each conv's input, and "
               f"the deep layers' conv outputs) and, for the training step, "
               f"`fuse(model)` (`recompute=True`, the default: every conv output recomputed) and "

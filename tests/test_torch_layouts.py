@@ -156,6 +156,42 @@ def test_a_channels_last_weight_and_a_residual_in_the_other_format():
     _assert_all_close(_grads(y, (x, w, z)), _grads(want, (x, w, z)))
 
 
+@pytest.mark.parametrize("op", ["conv_bias_relu", "conv_batchnorm_relu",
+                                "conv_batchnorm_add_relu"])
+def test_a_channels_last_weight_gets_its_gradient_channels_last(op):
+    """A channels_last weight (3x3; 5 and 12 channels: 8 x 8 tiles and their rest) is read as
+    NCHW by the tiled copy (``bridge._from_channels_last``: the bytes of ``w.contiguous()``)
+    and its gradient comes back in its strides (``as_weight_grad``), so autograd stores it
+    without a copy; the values as with a contiguous weight. A 1x1's formats are one: its
+    gradient as computed."""
+    from numbafuse.torch import bridge
+    for C, K, k in ((5, 12, 3), (12, 5, 3), (4, 6, 1)):
+        w32 = torch.randn(K, C, k, k).contiguous(memory_format=CL)
+        assert np.array_equal(bridge.as_array(w32), w32.contiguous().numpy())
+        dw = np.random.default_rng(0).standard_normal((K, C, k, k))
+        for w_ in (w32, w32.contiguous()):
+            g = bridge.as_weight_grad(dw, w_, w_.device)
+            assert np.array_equal(g.numpy(), dw)
+            assert g.stride() == w_.stride() or k == 1
+        x = _t(2, C, 6, 5, fmt=CL)
+        z = _t(2, K, 6, 5, seed=4, fmt=CL)
+        grads = {}
+        for fmt in FORMATS:
+            w = _t(K, C, k, k, seed=1).detach().contiguous(memory_format=fmt).requires_grad_()
+            weight, bias = _t(K, seed=2, lo=0.5), _t(K, seed=3)
+            if op == "conv_bias_relu":
+                y = nft.conv_bias_relu(x, w, bias, 1, k // 2)
+            elif op == "conv_batchnorm_relu":
+                y = nft.conv_batchnorm_relu(x, w, weight, bias, padding=k // 2)
+            else:
+                y = nft.conv_batchnorm_add_relu(x, w, z, weight, bias, padding=k // 2)
+            y.backward(torch.randn(y.shape, dtype=y.dtype,
+                                   generator=torch.Generator().manual_seed(7)))
+            assert w.grad.is_contiguous(memory_format=fmt)
+            grads[fmt] = w.grad
+        torch.testing.assert_close(grads[CL], grads[torch.contiguous_format], rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------- modules
 
 MODULES = [(nft.ConvBatchNormReLU2d, True, False), (nft.ConvBatchNorm2d, False, False),

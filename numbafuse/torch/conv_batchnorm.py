@@ -55,8 +55,8 @@ from ..ops import batchnorm as _bn
 from ..ops import conv_batchnorm as _cbn
 from . import prepared as _prepared
 from .bfloat16 import widened
-from .bridge import (FLOAT_DTYPES, LAYOUT, Unrecorded, as_array, as_tensor, capturing,
-                     check_tensors, conv_args, conv_geometry, launch_order, needs_grad,
+from .bridge import (FLOAT_DTYPES, LAYOUT, Unrecorded, as_array, as_tensor, as_weight_grad,
+                     capturing, check_tensors, conv_args, conv_geometry, launch_order, needs_grad,
                      run_captured, updated_in_place)
 
 def _check(op, tensors, conv, training, momentum, eps):
@@ -297,7 +297,7 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
             dx, dw, dweight, dbias = _cbn.backward(ctx.p, ctx.call, saved,
                                                    as_array(dy, layout),
                                                    tuple(ctx.needs_input_grad[:4]))
-        return (as_tensor(dx, d, layout), as_tensor(dw, d), as_tensor(dweight, d),
+        return (as_tensor(dx, d, layout), as_weight_grad(dw, w, d), as_tensor(dweight, d),
                 as_tensor(dbias, d)) + (None,) * 6
 
 
@@ -416,7 +416,7 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
             dx, dw, dz, dweight, dbias = _cbn.add_backward(ctx.p, ctx.call, saved,
                                                            as_array(dy, layout),
                                                            tuple(ctx.needs_input_grad[:5]))
-        return (as_tensor(dx, d, layout), as_tensor(dw, d), as_tensor(dz, d, layout),
+        return (as_tensor(dx, d, layout), as_weight_grad(dw, w, d), as_tensor(dz, d, layout),
                 as_tensor(dweight, d), as_tensor(dbias, d)) + (None,) * 6
 
 

@@ -56,8 +56,8 @@ from ..ops import conv as _conv
 from . import prepared as _prepared
 from .bfloat16 import widened
 from .bridge import (DEVICE_TYPES, FLOAT_DTYPES, HALF_DTYPES, LAYOUT, NUMPY_DTYPES,
-                     TENSOR_DTYPES, Unrecorded, as_array, as_tensor, capturing, check_tensors,
-                     conv_args, conv_geometry, launch_order, layout_of, needs_grad,
+                     TENSOR_DTYPES, Unrecorded, as_array, as_tensor, as_weight_grad, capturing,
+                     check_tensors, conv_args, conv_geometry, launch_order, layout_of, needs_grad,
                      run_captured, updated_in_place)
 
 
@@ -98,7 +98,7 @@ class ConvBiasReLUFunction(torch.autograd.Function):
             dx, dw, db = _conv.conv_backward(
                 as_array(dy, layout), as_array(x, layout), wa, ctx.geometry,
                 as_array(y, layout), (need_x, need_w, need_b and ctx.has_bias))
-        return (as_tensor(dx, ctx.device, layout), as_tensor(dw, ctx.device),
+        return (as_tensor(dx, ctx.device, layout), as_weight_grad(dw, w, ctx.device),
                 as_tensor(db, ctx.device), None, None)
 
 
