@@ -120,18 +120,25 @@ def _stats_nhwc(t0, t1, x2, shift, rows_per_task, rep, partials):
         # task-local sums vectorise (accumulating into partials rows is 1.4x slower)
         s1, s2 = np.zeros(L), np.zeros(L)                         # (L,) each
         for row in range(p * rows_per_task, min(R, (p + 1) * rows_per_task)):
-            xr = x2[row]                                          # (L,)
-            for k in range(L):
-                d = xr[k] - shift[k]
+            for k in range(L):                    # (x2[row, k]: rows by index, _ROWS_BY_INDEX)
+                d = x2[row, k] - shift[k]
                 s1[k] += d
                 s2[k] += d * d
         fold_sums(s1, s2, rep, partials[p, 0], partials[p, 1])
 
 
 # --------------------------------------------------------------------------- fused forward
-# Elementwise kernels walk 2-d row views with 0-based inner ranges (``xr = x2[r]``,
-# ``for k in range(L)``): Numba then knows the index is non-negative and LLVM vectorises the
-# loop; flat ``x[r*L + k]`` indexing keeps a wraparound check per access and does not.
+# Elementwise kernels index 2-d rows with 0-based inner ranges (``x2[r, k]``, ``for k in
+# range(L)``): Numba then knows the index is non-negative and LLVM vectorises the loop; flat
+# ``x[r*L + k]`` indexing keeps a wraparound check per access and does not.
+#
+# _ROWS_BY_INDEX: the NHWC kernels index x2[r, k] rather than take a view of each row (``xr =
+# x2[r]``): a view increments and decrements its array's reference count, an atomic on one
+# cache line shared by every thread of the launch, which then pass that line back and forth
+# for every row. Machine A, (16, 16, 16, 256) NHWC, the backward's apply pass on 1 / 2
+# threads: 0.55 / 0.93 ms with views (slower on two), 0.38 / 0.25 by index; the same
+# operations in the same order, so the same bits. (The NCHW kernels' per-row scalars take no
+# view: _bwd_reduce_nchw.)
 #
 # Per-element arithmetic runs in the dtype of x (float32 vectors are twice as wide as float64
 # ones) with every per-channel coefficient rounded to that dtype, except the mean, which is
@@ -187,14 +194,13 @@ def _apply_nchw(t0, t1, x2, z2, has_z, vals, relu, y2, mask, want_mask, C, rows_
         for r in range(r0, r1):
             c = r % C
             mh, ml, s, b = mean_hi[c], mean_lo[c], scale[c], beta[c]
-            xr, zr, yr = x2[r], z2[r], y2[r]                      # (HW,) each
-            for k in range(L):
-                v = _normalize_affine(xr[k] - mh, ml, s, b)
+            for k in range(L):                                    # (_ROWS_BY_INDEX)
+                v = _normalize_affine(x2[r, k] - mh, ml, s, b)
                 if has_z:
-                    v += zr[k]
+                    v += z2[r, k]
                 if relu:
                     v = _relu_t(v, zero)
-                yr[k] = v
+                y2[r, k] = v
         if want_mask:
             _pack_mask(yflat[r0 * L:r1 * L], mask[r0 * L // BITS:-(-r1 * L // BITS)])
 
@@ -202,7 +208,8 @@ def _apply_nchw(t0, t1, x2, z2, has_z, vals, relu, y2, mask, want_mask, C, rows_
 @task_kernel
 def _apply_nhwc(t0, t1, x2, z2, has_z, vals, relu, y2, mask, want_mask, rows_per_task):
     # as _apply_nchw for x2, z2, y2: (M/m, m*C) rows, element (r, k) of channel k % C; the
-    # per-channel values are tiled to (4, m*C), so element k's values are at index k
+    # per-channel values are tiled to (4, m*C), so element k's values are at index k. Rows
+    # by index (_ROWS_BY_INDEX)
     mean_hi, mean_lo, scale, beta = vals[0], vals[1], vals[2], vals[3]
     R, L = x2.shape
     yflat = y2.reshape(R * L)                                     # (size,)
@@ -211,14 +218,13 @@ def _apply_nhwc(t0, t1, x2, z2, has_z, vals, relu, y2, mask, want_mask, rows_per
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         for r in range(r0, r1):
-            xr, zr, yr = x2[r], z2[r], y2[r]                      # (L,) each
             for k in range(L):
-                v = _normalize_affine(xr[k] - mean_hi[k], mean_lo[k], scale[k], beta[k])
+                v = _normalize_affine(x2[r, k] - mean_hi[k], mean_lo[k], scale[k], beta[k])
                 if has_z:
-                    v += zr[k]
+                    v += z2[r, k]
                 if relu:
                     v = _relu_t(v, zero)
-                yr[k] = v
+                y2[r, k] = v
         if want_mask:
             _pack_mask(yflat[r0 * L:r1 * L], mask[r0 * L // BITS:-(-r1 * L // BITS)])
 
@@ -252,32 +258,6 @@ def _expand_mask(mask, start, n):
         for t in range(BITS):
             e8[q * BITS + t] = row[t]
     return e8
-
-
-@njit(inline="always")
-def _gate_row(gyr, state_kind, yr, er, g):
-    # g[k] = gy[k] * (relu open at k): the state branch is taken once per row, so each loop
-    # vectorises; er: the row's expanded mask (STATE_MASK), yr: its y (STATE_Y)
-    L = g.shape[0]
-    zero = _zero_of(g)
-    if state_kind == STATE_Y:
-        for k in range(L):
-            g[k] = gyr[k] if yr[k] > zero else zero
-    elif state_kind == STATE_MASK:
-        for k in range(L):
-            g[k] = gyr[k] if er[k] != 0 else zero
-    else:
-        for k in range(L):
-            g[k] = gyr[k]
-
-
-@njit(inline="always")
-def _gate_affine_row_nhwc(gyr, xr, mean_hi, mean_lo, scale, beta, g):
-    # _bwd_reduce_nchw's STATE_AFFINE gate for an NHWC row: element k's values at index k
-    zero = _zero_of(g)
-    for k in range(g.shape[0]):
-        g[k] = gyr[k] if _normalize_affine(xr[k] - mean_hi[k], mean_lo[k], scale[k],
-                                           beta[k]) > zero else zero
 
 
 @njit(inline="always")
@@ -356,7 +336,7 @@ def _bwd_reduce_nhwc(t0, t1, gy2, x2, vals, state_kind, y2, mask, dims, gz2, wan
     # gy2, x2, y2, gz2: (M/m, m*C) rows, per-channel values tiled (as _apply_nhwc);
     # partials: (P, 2, m*C) float64 <- per-task sums (folded by the caller); task p owns a
     # block of rows starting on a mask byte; dims: (rows per task, rep). Flat NCHW: as
-    # _stats_nhwc's
+    # _stats_nhwc's. Rows by index (see _ROWS_BY_INDEX), the gates written out.
     mean_hi, mean_lo, scale, beta = vals[0], vals[1], vals[2], vals[3]
     rows_per_task, rep = dims
     R, L = x2.shape
@@ -364,18 +344,33 @@ def _bwd_reduce_nhwc(t0, t1, gy2, x2, vals, state_kind, y2, mask, dims, gz2, wan
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         e = _task_mask(state_kind, mask, r0, r1, L)
-        buf = np.empty(L, x2.dtype)                               # (L,)
+        g = np.empty(L, x2.dtype)                                 # (L,) one row's g
+        zero = _zero_of(g)
         sg, sgx = np.zeros(L), np.zeros(L)                        # (L,) each, task-local
+        eo = 0                                    # row r's offset in e: (r - r0) * L
         for r in range(r0, r1):
-            xr = x2[r]                                            # (L,)
-            g = gz2[r] if want_gz else buf                        # (L,)
             if state_kind == STATE_AFFINE:
-                _gate_affine_row_nhwc(gy2[r], xr, mean_hi, mean_lo, scale, beta, g)
+                for k in range(L):
+                    g[k] = gy2[r, k] if _normalize_affine(x2[r, k] - mean_hi[k], mean_lo[k],
+                                                          scale[k], beta[k]) > zero else zero
+            elif state_kind == STATE_Y:
+                for k in range(L):
+                    g[k] = gy2[r, k] if y2[r, k] > zero else zero
+            elif state_kind == STATE_MASK:
+                er = e[eo:eo + L]
+                for k in range(L):
+                    g[k] = gy2[r, k] if er[k] != 0 else zero
             else:
-                _gate_row(gy2[r], state_kind, y2[r], e[(r - r0) * L:(r - r0 + 1) * L], g)
+                for k in range(L):
+                    g[k] = gy2[r, k]
+            eo += L
+            if want_gz:
+                for k in range(L):
+                    gz2[r, k] = g[k]
             for k in range(L):
-                sg[k] += g[k]
-                sgx[k] += g[k] * ((xr[k] - mean_hi[k]) - mean_lo[k])
+                gk = g[k]
+                sg[k] += gk
+                sgx[k] += gk * ((x2[r, k] - mean_hi[k]) - mean_lo[k])
         fold_sums(sg, sgx, rep, partials[p, 0], partials[p, 1])
 
 
@@ -444,26 +439,38 @@ def _bwd_apply_nhwc(t0, t1, gy2, x2, vals, coefs, flags, y2, mask, rows_per_task
         r0 = p * rows_per_task
         r1 = min(R, r0 + rows_per_task)
         e = _task_mask(state_kind, mask, r0, r1, L)
-        buf = np.empty(L, x2.dtype)                               # (L,)
+        g = np.empty(L, x2.dtype)                                 # (L,)
+        zero = _zero_of(g)
+        eo = 0
         for r in range(r0, r1):
-            xr = x2[r]                                            # (L,)
-            gxr = gx2[r] if want_gx else gx2[0]                   # (L,)
             if state_kind == STATE_NONE and not want_gz:          # g is gy
                 if want_gx:
-                    gyr = gy2[r]                                  # (L,)
                     for k in range(L):
-                        gxr[k] = _input_grad(gyr[k], xr[k] - mean_hi[k], mean_lo[k], cg[k],
-                                             cx[k], c0[k])
+                        gx2[r, k] = _input_grad(gy2[r, k], x2[r, k] - mean_hi[k], mean_lo[k],
+                                                cg[k], cx[k], c0[k])
             else:
-                g = gz2[r] if want_gz else buf                    # (L,)
                 if state_kind == STATE_AFFINE:
-                    _gate_affine_row_nhwc(gy2[r], xr, mean_hi, mean_lo, scale, beta, g)
+                    for k in range(L):
+                        g[k] = gy2[r, k] if _normalize_affine(x2[r, k] - mean_hi[k], mean_lo[k],
+                                                              scale[k], beta[k]) > zero else zero
+                elif state_kind == STATE_Y:
+                    for k in range(L):
+                        g[k] = gy2[r, k] if y2[r, k] > zero else zero
+                elif state_kind == STATE_MASK:
+                    er = e[eo:eo + L]
+                    for k in range(L):
+                        g[k] = gy2[r, k] if er[k] != 0 else zero
                 else:
-                    _gate_row(gy2[r], state_kind, y2[r], e[(r - r0) * L:(r - r0 + 1) * L], g)
+                    for k in range(L):
+                        g[k] = gy2[r, k]
+                if want_gz:
+                    for k in range(L):
+                        gz2[r, k] = g[k]
                 if want_gx:
                     for k in range(L):
-                        gxr[k] = _input_grad(g[k], xr[k] - mean_hi[k], mean_lo[k], cg[k],
-                                             cx[k], c0[k])
+                        gx2[r, k] = _input_grad(g[k], x2[r, k] - mean_hi[k], mean_lo[k], cg[k],
+                                                cx[k], c0[k])
+            eo += L
 
 
 # --------------------------------------------------------------------------- host entry points
