@@ -5,6 +5,7 @@ timed by name.
                                         [--steps 5] [--top 25]
                                         [--layers | --torch | --host | --exclusive]
                                         [--replay REPEATS] [--recompute True|False|auto]
+                                        [--channels-last]
 
 The model is ``numbafuse/torch/resnet.py`` (torchvision's code; ``--model`` also takes
 resnext50_32x4d and ``mobilenet.py``'s mobilenet_v2, mobilenet_v2_relu) converted by
@@ -380,6 +381,8 @@ def main(argv=None):
     p.add_argument("--exclusive", action="store_true",
                    help="numbafuse's host-side Python functions timed, each exclusive of "
                         "those it calls")
+    p.add_argument("--channels-last", action="store_true",
+                   help="the model and input channels_last (numbafuse's NHWC kernels)")
     p.add_argument("--recompute", default="True", choices=["True", "False", "auto"],
                    help="fuse(model, recompute=...) (default True, fuse's own default)")
     args = p.parse_args(argv)
@@ -392,11 +395,12 @@ def main(argv=None):
         import numbafuse.torch as nft
 
     torch.manual_seed(0)
-    model = model_function(args.model)(num_classes=1000)
+    memory = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = model_function(args.model)(num_classes=1000).to(memory_format=memory)
     recompute = {"True": True, "False": False}.get(args.recompute, args.recompute)
     model = model if args.torch else nft.fuse(model, recompute=recompute)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
-    x = torch.randn(args.batch, 3, args.size, args.size)
+    x = torch.randn(args.batch, 3, args.size, args.size).contiguous(memory_format=memory)
     labels = torch.randint(0, 1000, (args.batch,))
 
     def step():

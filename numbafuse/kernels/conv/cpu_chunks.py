@@ -136,12 +136,14 @@ def gated_chw(gy, y, use_mask, n, p0, p1, PQ, Q, g, col0, db):
 def gated_hwc(gy2, y2, use_mask, m0, m1, g, row0, db):
     # gy2, y2: (N*PQ, K); g: (rows, K) <- gy * (y > 0) of rows [m0, m1) at row0; db: (K,)
     # float64 += the column sums, row by row (a fixed order)
+    # (rows by index, no view of each: a view's reference count is an atomic on one cache
+    # line every thread of the launch shares; kernels/batchnorm/cpu.py, _ROWS_BY_INDEX)
     K = g.shape[1]
     for m in range(m0, m1):
-        gyr, yr, dst = gy2[m], y2[m], g[row0 + m - m0]            # (K,) each
+        d = row0 + m - m0
         for k in range(K):
-            v = _relu_grad(gyr[k], yr[k]) if use_mask else gyr[k]
-            dst[k] = v
+            v = _relu_grad(gy2[m, k], y2[m, k]) if use_mask else gy2[m, k]
+            g[d, k] = v
             db[k] += v
 
 
@@ -175,10 +177,9 @@ def _gated_sums_tasks(t0, t1, gy, y, use_mask, nhwc, parts):
         p = parts[n]
         p[:] = 0.0
         if nhwc:
-            for i in range(L):
-                gr, yr = gy[n, i], y[n, i]
+            for i in range(L):                    # (by index: gated_hwc's note)
                 for k in range(K):
-                    p[k] += _relu_grad(gr[k], yr[k]) if use_mask else gr[k]
+                    p[k] += _relu_grad(gy[n, i, k], y[n, i, k]) if use_mask else gy[n, i, k]
         else:
             for k in range(K):
                 gr, yr = gy[n, k], y[n, k]

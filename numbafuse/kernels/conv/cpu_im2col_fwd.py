@@ -100,14 +100,13 @@ def forward_tasks_hwc(t0, t1, x, wmat, bs, flags, geo, chunks, blas, pre, wdst, 
         _blas.gemm(blas, False, True, (m, kn, RSC), 1.0, c2, RSC, wk, RSC, 0.0, yb, kn)
         first = n0 * PQ + p0 * Q
         y2 = y.reshape((N * PQ, K))[first:first + m]              # (m, K)
-        for i in range(m):
-            src, dst = yb[i], y2[i, k0:k1]                        # (kn,) each
+        for i in range(m):          # (by index, no view of y's rows: cpu_chunks.gated_hwc)
             for k in range(kn):
-                v = (src[k] * scale[k0 + k] if scaled else src[k]) + (b[k0 + k] if has_bias
-                                                                      else 0)
+                v = (yb[i, k] * scale[k0 + k] if scaled else yb[i, k]) + (b[k0 + k] if has_bias
+                                                                          else 0)
                 if has_z:
                     v += z2[first + i, k0 + k]
-                dst[k] = _relu(v) if relu else v
+                y2[i, k0 + k] = _relu(v) if relu else v
 
 
 @task_kernel
