@@ -328,6 +328,27 @@ def test_fuse_mobilenet_block_groups_and_channels_last(fmt):
     _assert_same(model, fused, x)
 
 
+def test_fuse_makes_its_convs_weights_contiguous_and_leaves_the_rest():
+    """A channels_last model: fuse gives the weights of the convs it fuses torch's default
+    format in place (the same Parameter objects and values; numbafuse's kernels read (K, C,
+    R, S), a channels_last weight was copied at every call), and a conv it refuses (here one
+    with padding_mode="reflect", which PyTorch runs) keeps channels_last."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                          nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"),
+                          nn.ReLU()).double().to(memory_format=CL)
+    params = [p.detach().clone() for p in model.parameters()]
+    fused = nft.fuse(model)
+    assert any(line.startswith("refused") for line in fused.fuse_log), fused.fuse_log
+    w_fused, w_refused = fused.get_submodule("0").weight, fused.get_submodule("3").weight
+    assert w_fused.is_contiguous()
+    assert not w_refused.is_contiguous() and w_refused.is_contiguous(memory_format=CL)
+    for a, b in zip(fused.parameters(), params):
+        assert torch.equal(a, b)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64).contiguous(memory_format=CL)
+    torch.testing.assert_close(fused(x), model(x), **F64)     # (model: the original, unfused)
+
+
 def test_torch_compile_keeps_channels_last_and_groups():
     """aot_eager runs the custom ops' fake rules: the compiled graph's outputs have the real
     ops' shapes and memory format, and the values and gradients are the eager ones."""
