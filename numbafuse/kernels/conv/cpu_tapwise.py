@@ -237,15 +237,14 @@ def prep_tasks(t0, t1, w3, wt3, kb, a3, b3, gate, nhwc, offsets, pix, out):
         for t in range(RS):
             per = (offsets[t + 1] - offsets[t]) // N
             for i in range(offsets[t] + n * per, offsets[t] + (n + 1) * per):
+                # (by index, no view of each row: cpu_chunks.gated_hwc's note)
                 j = pix[i] - n * HW
-                row, from_ = out[i], src[j]
                 if gate:
-                    y = gate_rows[j]
                     for c in range(L):
-                        row[c] = _relu_grad(from_[c], y[c])
+                        out[i, c] = _relu_grad(src[j, c], gate_rows[j, c])
                 else:
                     for c in range(L):
-                        row[c] = from_[c]
+                        out[i, c] = src[j, c]
 
 
 @task_kernel
