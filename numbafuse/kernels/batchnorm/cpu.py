@@ -132,13 +132,9 @@ def _stats_nhwc(t0, t1, x2, shift, rows_per_task, rep, partials):
 # range(L)``): Numba then knows the index is non-negative and LLVM vectorises the loop; flat
 # ``x[r*L + k]`` indexing keeps a wraparound check per access and does not.
 #
-# _ROWS_BY_INDEX: the NHWC kernels index x2[r, k] rather than take a view of each row (``xr =
-# x2[r]``): a view increments and decrements its array's reference count, an atomic on one
-# cache line shared by every thread of the launch, which then pass that line back and forth
-# for every row. Machine A, (16, 16, 16, 256) NHWC, the backward's apply pass on 1 / 2
-# threads: 0.55 / 0.93 ms with views (slower on two), 0.38 / 0.25 by index; the same
-# operations in the same order, so the same bits. (The NCHW kernels' per-row scalars take no
-# view: _bwd_reduce_nchw.)
+# _ROWS_BY_INDEX: no view of each row (``xr = x2[r]``): a view's reference count is an atomic
+# on a cache line every thread of the launch shares. Machine A, (16, 16, 16, 256) NHWC, the
+# backward's apply on 1 / 2 threads: 0.55 / 0.93 ms with views, 0.38 / 0.25 by index.
 #
 # Per-element arithmetic runs in the dtype of x (float32 vectors are twice as wide as float64
 # ones) with every per-channel coefficient rounded to that dtype, except the mean, which is
@@ -333,10 +329,9 @@ def _bwd_reduce_nchw(t0, t1, gy2, x2, vals, state_kind, y2, mask, dims, gz2, wan
 
 @task_kernel(fastmath=REDUCE_FASTMATH)
 def _bwd_reduce_nhwc(t0, t1, gy2, x2, vals, state_kind, y2, mask, dims, gz2, want_gz, partials):
-    # gy2, x2, y2, gz2: (M/m, m*C) rows, per-channel values tiled (as _apply_nhwc);
-    # partials: (P, 2, m*C) float64 <- per-task sums (folded by the caller); task p owns a
-    # block of rows starting on a mask byte; dims: (rows per task, rep). Flat NCHW: as
-    # _stats_nhwc's. Rows by index (see _ROWS_BY_INDEX), the gates written out.
+    # gy2, x2, y2, gz2: (M/m, m*C) rows, per-channel values tiled (as _apply_nhwc); partials:
+    # (P, 2, m*C) float64 <- per-task sums (folded by the caller); task p owns rows from a
+    # mask byte on; dims: (rows per task, rep). Flat NCHW: as _stats_nhwc's. _ROWS_BY_INDEX.
     mean_hi, mean_lo, scale, beta = vals[0], vals[1], vals[2], vals[3]
     rows_per_task, rep = dims
     R, L = x2.shape
