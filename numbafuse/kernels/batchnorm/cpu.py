@@ -132,9 +132,8 @@ def _stats_nhwc(t0, t1, x2, shift, rows_per_task, rep, partials):
 # range(L)``): Numba then knows the index is non-negative and LLVM vectorises the loop; flat
 # ``x[r*L + k]`` indexing keeps a wraparound check per access and does not.
 #
-# _ROWS_BY_INDEX: no view of each row (``xr = x2[r]``): a view's reference count is an atomic
-# on a cache line every thread of the launch shares. Machine A, (16, 16, 16, 256) NHWC, the
-# backward's apply on 1 / 2 threads: 0.55 / 0.93 ms with views, 0.38 / 0.25 by index.
+# _ROWS_BY_INDEX: no view of a row (``x2[r]``: its count is an atomic all threads share): the
+# NHWC backward's apply at (16, 16, 16, 256) on 1 / 2 threads 0.55 / 0.93 ms, by index 0.38 / 0.25.
 #
 # Per-element arithmetic runs in the dtype of x (float32 vectors are twice as wide as float64
 # ones) with every per-channel coefficient rounded to that dtype, except the mean, which is
@@ -425,7 +424,8 @@ def _bwd_apply_nchw(t0, t1, gy2, x2, vals, coefs, flags, y2, mask, dims, gx2, gz
 
 @task_kernel
 def _bwd_apply_nhwc(t0, t1, gy2, x2, vals, coefs, flags, y2, mask, rows_per_task, gx2, gz2):
-    # as _bwd_apply_nchw for (M/m, m*C) rows, per-channel values tiled (as _apply_nhwc)
+    # as _bwd_apply_nchw for (M/m, m*C) rows, per-channel values tiled (as _apply_nhwc); gates
+    # written out (an inlined helper counted its arrays' references a row: 2.8x the time)
     mean_hi, mean_lo, scale, beta = vals[0], vals[1], vals[2], vals[3]
     cg, cx, c0 = coefs[0], coefs[1], coefs[2]
     state_kind, want_gx, want_gz = flags
