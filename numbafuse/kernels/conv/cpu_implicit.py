@@ -127,12 +127,11 @@ def _fill(x, n0, n1, p0, p1, geo, Hmax, Ws, slab, rows):
             d[:wlo, :] = 0
             d[whi:, :] = 0
             if nhwc:        # element loops: an array slice assigned from an array makes
-                #             Numba compile its shape-mismatch message, ~2.5 s on a cold start
-                src = x[n, h]                                     # (W, C)
+                #             Numba compile its shape-mismatch message, ~2.5 s on a cold start;
+                #             x by index, no view of each pixel (cpu_chunks.gated_hwc's note)
                 for w in range(wlo, whi):
-                    sr, dr = src[w - pw], d[w]
                     for c in range(C):
-                        dr[c] = sr[c]
+                        d[w, c] = x[n, h, w - pw, c]
             else:
                 transpose(x[n, :, h, wlo - pw:whi - pw], d[wlo:whi])   # (C, w) -> (w, C)
         for pp in range(p1 - p0):
