@@ -36,6 +36,25 @@ def test_relu_saves_its_output_and_keeps_nan(backend):
     np.testing.assert_array_equal(backend.get(x.grad), [0.0, 0.0, 0.0, 1.0])
 
 
+@pytest.mark.parametrize("n", [1, 16383, 16384, 2 * 16384 + 3])
+def test_cpu_relu_kernels_across_their_blocks(n):
+    """The CPU relu kernels' tasks take blocks of ELEMENT_BLOCK elements: sizes below, at and
+    past a block (a partial last one), against NumPy (NaN kept), relu_backward also into
+    ``out`` (the grouped convs' gate)."""
+    from numbafuse.kernels.basic import cpu as basic_cpu
+    assert basic_cpu.ELEMENT_BLOCK == 16384
+    x, gy = _seeded((n,), 1, np.float32), _seeded((n,), 2, np.float32)
+    x[n // 2] = np.nan
+    y = basic_cpu.relu_forward(x)
+    want = np.where(x > 0, x, np.where(np.isnan(x), x, 0)).astype(np.float32)
+    assert y.tobytes() == want.tobytes()
+    want_gx = np.where(y > 0, gy, 0).astype(np.float32)
+    assert basic_cpu.relu_backward(gy, y).tobytes() == want_gx.tobytes()
+    out = np.full(n, 7.0, np.float32)
+    assert basic_cpu.relu_backward(gy, y, out=out) is out
+    assert out.tobytes() == want_gx.tobytes()
+
+
 def test_relu_of_a_non_contiguous_view(backend):
     x = _seeded((3, 4))
     view = backend.put(x).T                                        # (4, 3), F-ordered

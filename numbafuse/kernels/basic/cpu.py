@@ -32,18 +32,32 @@ ELEMENT_BLOCK = 1 << 14   # elements per task of the elementwise kernels
 
 # --------------------------------------------------------------------------- relu
 
+# Each task's blocks as views indexed from 0: the loops vectorise (indexed from t0 * block,
+# Numba keeps a wraparound check on every access and they did not: machine A, 2 threads,
+# relu_backward at (32, 14, 14, 512) 1.38 -> 0.64 ms, (32, 56, 56, 128) 16.0 -> 8.8, (16, 16,
+# 16, 256) 0.44 -> 0.095; relu_forward changed alike, not timed), one view a block (a view's
+# reference count is an atomic all threads share: never one an element or a row)
+
 @task_kernel
 def _relu_fwd(t0, t1, x, y):
     # x, y: (n,)
-    for i in range(t0 * ELEMENT_BLOCK, min(x.size, t1 * ELEMENT_BLOCK)):
-        y[i] = _relu(x[i])
+    for t in range(t0, t1):
+        lo = t * ELEMENT_BLOCK
+        hi = min(x.size, lo + ELEMENT_BLOCK)
+        a, d = x[lo:hi], y[lo:hi]
+        for i in range(hi - lo):
+            d[i] = _relu(a[i])
 
 
 @task_kernel
 def _relu_bwd(t0, t1, gy, y, gx):
     # gy, y, gx: (n,); the mask comes from the output y
-    for i in range(t0 * ELEMENT_BLOCK, min(gy.size, t1 * ELEMENT_BLOCK)):
-        gx[i] = _relu_grad(gy[i], y[i])
+    for t in range(t0, t1):
+        lo = t * ELEMENT_BLOCK
+        hi = min(gy.size, lo + ELEMENT_BLOCK)
+        a, b, d = gy[lo:hi], y[lo:hi], gx[lo:hi]
+        for i in range(hi - lo):
+            d[i] = _relu_grad(a[i], b[i])
 
 
 # fwd :: x -> y
@@ -55,8 +69,11 @@ def relu_forward(x):
 
 
 # bwd :: (y, gy) -> gx
-def relu_backward(gy, y):
-    gx = np.empty_like(y)
+def relu_backward(gy, y, out=None):
+    """gx = gy * (y > 0) (NaN kept, the scalar ``relu_grad``); into ``out`` (C-contiguous, y's
+    shape and dtype) where given: the grouped convs' backward gates g once this way, into a
+    buffer of the output cache."""
+    gx = np.empty_like(y) if out is None else out
     launch(_relu_bwd, blocks(gy.size, ELEMENT_BLOCK), gy.reshape(-1), y.reshape(-1),
            gx.reshape(-1), work=gy.size)                             # (n,) views
     return gx

@@ -39,6 +39,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..basic.cpu import relu_backward as _relu_backward
 from ..cpu import gemm_taps as _taps
 from ..cpu.gemm import Vec
 from ..cpu.buffers import output_cache as _out
@@ -395,24 +396,12 @@ def forward(x, w, b, geom, relu):
     return y
 
 
-@task_kernel
-def _gate_tasks(t0, t1, gy, y, g):
-    # g[n] = gy[n] * (y[n] > 0) (the scalar relu_grad), images n in [t0, t1); (N, L) each
-    for n in range(t0, t1):
-        a, b, d = gy[n], y[n], g[n]
-        for i in range(a.shape[0]):
-            d[i] = _relu_grad(a[i], b[i])
-
-
 def _gated(gy, y):
-    """g = gy * (y > 0), float32, gy's shape: an NHWC backward's passes then read g ungated
-    (the same values: the same bits), not each its gate: the dX's slabs a value at a time,
-    the dW's blocks of y transposed."""
-    N = gy.shape[0]
-    g = _out.empty(gy.shape, np.float32)
-    launch(_gate_tasks, N, gy.reshape(N, -1), y.reshape(N, -1), g.reshape(N, -1),
-           work=3 * gy.size, grain=1)
-    return g
+    """g = gy * (y > 0), float32, gy's shape, in a buffer of the output cache
+    (``basic.cpu.relu_backward``): an NHWC backward's passes then read g ungated (the same
+    values: the same bits), not each its gate: the dX's slabs a value at a time, the dW's
+    blocks of y transposed."""
+    return _relu_backward(gy, y, out=_out.empty(gy.shape, np.float32))
 
 
 def backward(gy, x, w, geom, y, need):
