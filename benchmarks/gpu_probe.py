@@ -1,6 +1,6 @@
 """Questions for a lent GPU that the other scripts do not ask; each part isolated, printed.
 
-    python benchmarks/gpu_probe.py [bn] [knobs] [graph] [tiles] [tiles_nhwc] [labels]
+    python benchmarks/gpu_probe.py [bn] [knobs] [graph] [tiles] [tiles_nhwc] [labels] [groups]
 
 ``bn``: where batch norm's forward time goes, per kernel: device time by CUDA events of the
 statistics kernel alone, the apply alone and the whole op, and the host time of a call
@@ -22,6 +22,12 @@ parallel processes, into Numba's disk cache.
 
 ``labels``: the eager digits training step with the cross-entropy label check (a flag kernel
 and a 4-byte read back, which waits for the forward) and without it, alternating.
+
+``groups``: depthwise and grouped Conv-Bias-ReLU (the CPU conv benchmark's ``dw`` and ``g32``
+shapes, float32, both layouts) against cuDNN: each result against torch float64 on the GPU
+(relative error of y, dx, dw, db), then the forward and forward + backward as median CUDA
+events of eager calls (numbafuse's host path included) and of a CUDA-graph replay, beside
+PyTorch's eager conv2d + bias + relu and its autograd backward (cuDNN FP32, TF32 off).
 
 ``graph``: what CUDA graph capture through cuda.core allows with numbafuse's launches and
 pool: a prepared launch captured into a GraphBuilder and replayed; which calls a capture in
@@ -417,12 +423,98 @@ def labels(rounds=5, steps=20):
               f"{', '.join(f'{t:.0f}' for t in times)}", flush=True)
 
 
+def groups(names=None, repeats=20):
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    import numbafuse as nf
+    from numbafuse import cuda as nfcuda
+    from bench_conv_bias_relu import SHAPES
+    cuda = nfcuda.numba_cuda
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = np.random.default_rng(0)
+    names = names or [n for n in SHAPES if len(SHAPES[n]) > 4]
+    for name in names:
+        x_shape, w_shape, stride, pad, groups = SHAPES[name]
+        xh = rng.standard_normal(x_shape)
+        wh = rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))
+        bh = rng.standard_normal(w_shape[0]) * 0.1
+        # float64 oracle on the GPU (cuDNN float64 or torch's own kernels)
+        tx, tw, tb = (torch.tensor(a, device="cuda", requires_grad=True) for a in (xh, wh, bh))
+        ty = F.relu(F.conv2d(tx, tw, tb, stride=stride, padding=pad, groups=groups))
+        gyh = rng.standard_normal(tuple(ty.shape))
+        ty.backward(torch.tensor(gyh, device="cuda"))
+        oracle = [t.detach().cpu().numpy() for t in (ty, tx.grad, tw.grad, tb.grad)]
+        flops = 2.0 * np.prod(ty.shape) * np.prod(w_shape[1:])
+        bytes_fwd = 4.0 * (np.prod(x_shape) + np.prod(ty.shape))
+        for layout in ("NCHW", "NHWC"):
+            try:
+                nhwc = layout == "NHWC"
+                to = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1))) if nhwc \
+                    else (lambda a: a)
+                back = (lambda a: a.transpose(0, 3, 1, 2)) if nhwc else (lambda a: a)
+                f32 = lambda a: nfcuda.to_device(np.ascontiguousarray(a, np.float32))  # noqa
+                x, w, b, gy = f32(to(xh)), f32(wh), f32(bh), f32(to(gyh))
+                kw = dict(stride=stride, padding=pad, groups=groups, layout=layout)
+                y = nf.conv_bias_relu(x, w, b, **kw)
+                g = nf.conv_bias_relu_backward(gy, x, w, y, **kw)
+                got = [back(y.copy_to_host()), back(g[0].copy_to_host()),
+                       g[1].copy_to_host(), g[2].copy_to_host()]
+                errs = [float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
+                        for a, e in zip(got, oracle)]
+
+                def fwd():
+                    return nf.conv_bias_relu(x, w, b, **kw)
+
+                def fwd_bwd():
+                    yy = nf.conv_bias_relu(x, w, b, **kw)
+                    return nf.conv_bias_relu_backward(gy, x, w, yy, **kw)
+                eager = [_events(cuda, f, repeats) for f in (fwd, fwd_bwd)]
+                replay = []
+                for f in (fwd, fwd_bwd):
+                    with nfcuda.graph(f, warmup=1) as gr:
+                        replay.append(_events(cuda, gr.replay, repeats))
+                fmt = torch.channels_last if nhwc else torch.contiguous_format
+                px, pw, pb, pgy = (torch.tensor(a, device="cuda", dtype=torch.float32)
+                                   .contiguous(memory_format=fmt) if a.ndim == 4 else
+                                   torch.tensor(a, device="cuda", dtype=torch.float32)
+                                   for a in (xh, wh, bh, gyh))
+                for t in (px, pw, pb):
+                    t.requires_grad_(True)
+
+                def tfwd():
+                    with torch.no_grad():
+                        return F.relu(F.conv2d(px, pw, pb, stride=stride, padding=pad,
+                                               groups=groups))
+
+                def tfwd_bwd():
+                    yy = F.relu(F.conv2d(px, pw, pb, stride=stride, padding=pad,
+                                         groups=groups))
+                    return torch.autograd.grad(yy, (px, pw, pb), pgy)
+                tev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+                theirs = [median_events(f, repeats, tev, torch.cuda.synchronize)
+                          for f in (tfwd, tfwd_bwd)]
+                print(f"groups {name} {layout} x{x_shape} w{w_shape} s{stride} g{groups}: "
+                      f"rel err y dx dw db {' '.join(f'{e:.1e}' for e in errs)} | fwd ms: "
+                      f"ours {eager[0]:.3f} (graph {replay[0]:.3f}, "
+                      f"{bytes_fwd / replay[0] / 1e9:.0f} GB/s, "
+                      f"{flops / replay[0] / 1e9:.2f} TFLOP/s) cuDNN {theirs[0]:.3f} "
+                      f"-> {theirs[0] / replay[0]:.2f}x | fwd+bwd ms: ours {eager[1]:.3f} "
+                      f"(graph {replay[1]:.3f}) cuDNN {theirs[1]:.3f} -> "
+                      f"{theirs[1] / replay[1]:.2f}x (eager {theirs[1] / eager[1]:.2f}x)",
+                      flush=True)
+            except Exception:
+                print(f"groups {name} {layout}: failed", flush=True)
+                traceback.print_exc()
+
+
 if __name__ == "__main__":
     parts = sys.argv[1:] or ["bn", "knobs", "graph"]
     for part in parts:
         print(f"#### {part}", flush=True)
         try:
             {"bn": bn, "knobs": knobs, "graph": graph, "tiles": tiles, "labels": labels,
-             "tiles_nhwc": lambda: tiles("NHWC")}[part]()
+             "tiles_nhwc": lambda: tiles("NHWC"), "groups": groups}[part]()
         except Exception:
             traceback.print_exc()

@@ -51,6 +51,23 @@ def ops():
             bad += max(errs) > TOL
             print(f"conv_bias_relu {layout} stride {stride}: rel err y, dx, dw, db "
                   + " ".join(f"{e:.1e}" for e in errs), flush=True)
+        # grouped convolutions: depthwise kernels (groups == C; 7x7 stride 2 too) and the
+        # per-group GEMMs (groups 4)
+        for groups, k, r, stride in ((C, C, 3, 1), (C, 2 * C, 7, 2), (4, 32, 3, 1)):
+            x = to(rng.standard_normal(SHAPE))
+            w = rng.standard_normal((k, C // groups, r, r)) / np.sqrt(r * r * C // groups)
+            b = rng.standard_normal(k) * 0.1
+            kw = dict(stride=stride, padding=r // 2, layout=layout, groups=groups)
+            y64 = ref.conv_bias_relu(x, w, b, **kw)
+            gy = rng.standard_normal(y64.shape)
+            g64 = ref.conv_bias_relu_backward(gy, x, w, b, **kw)
+            y = nf.conv_bias_relu(f32(x), f32(w), f32(b), **kw)
+            g = nf.conv_bias_relu_backward(f32(gy), f32(x), f32(w), y, **kw)
+            errs = [_rel(y.copy_to_host(), y64)] + [_rel(a.copy_to_host(), e)
+                                                     for a, e in zip(g, g64)]
+            bad += max(errs) > TOL
+            print(f"conv_bias_relu {layout} groups {groups} {r}x{r} stride {stride}: rel err "
+                  "y, dx, dw, db " + " ".join(f"{e:.1e}" for e in errs), flush=True)
         xb, zb, gy = (to(rng.standard_normal((N, K, H, W))) for _ in range(3))
         gam, bet = rng.uniform(0.5, 1.5, K), rng.standard_normal(K)
         y64 = ref.batchnorm_add_relu(xb, zb, gam, bet, layout=layout)[0]
@@ -177,6 +194,31 @@ def torch_check():
         bad += max(errs) > TOL
         print(f"numbafuse.torch batchnorm_add_relu on cuda ({fmt}): rel err y, r_mean, r_var,"
               f" dx, dz, dgamma, dbeta " + " ".join(f"{e:.1e}" for e in errs), flush=True)
+        # Conv-BN-ReLU (training, recompute) with groups: depthwise and 4 groups
+        for groups, k in ((SHAPE[1], SHAPE[1]), (4, 32)):
+            x = torch.randn(SHAPE, **dev).contiguous(memory_format=fmt)
+            w = torch.randn(k, SHAPE[1] // groups, 3, 3, **dev) / 5
+            gam, bet = torch.rand(k, **dev) + 0.5, torch.randn(k, **dev)
+            gy = torch.randn(SHAPE[0], k, SHAPE[2], SHAPE[3], **dev)
+            ins = [t.float().detach().contiguous(memory_format=fmt if t.dim() == 4 else
+                                                  torch.contiguous_format).requires_grad_(True)
+                   for t in (x, w, gam, bet)]
+            rm, rv = torch.zeros(k, device="cuda"), torch.ones(k, device="cuda")
+            y = nft.conv_batchnorm_relu(ins[0], ins[1], ins[2], ins[3], rm, rv, training=True,
+                                        padding=1, groups=groups)
+            y.backward(gy.float())
+            refs = [t.clone().requires_grad_(True) for t in (x, w, gam, bet)]
+            rm64, rv64 = torch.zeros(k, **dev), torch.ones(k, **dev)
+            yr = F.relu(F.batch_norm(F.conv2d(refs[0], refs[1], padding=1, groups=groups),
+                                     rm64, rv64, refs[2], refs[3], training=True))
+            yr.backward(gy)
+            errs = [_rel(y.detach().cpu(), yr.detach().cpu()), _rel(rm.cpu(), rm64.cpu()),
+                    _rel(rv.cpu(), rv64.cpu())] + [_rel(a.grad.cpu(), r.grad.cpu())
+                                                   for a, r in zip(ins, refs)]
+            bad += max(errs) > TOL
+            print(f"numbafuse.torch conv_batchnorm_relu groups {groups} on cuda ({fmt}): rel "
+                  "err y, r_mean, r_var, dx, dw, dgamma, dbeta "
+                  + " ".join(f"{e:.1e}" for e in errs), flush=True)
     return bad
 
 
