@@ -498,7 +498,7 @@ def groups(names=None, repeats=20):
                 print(f"groups {name} {layout} x{x_shape} w{w_shape} s{stride} g{groups}: "
                       f"rel err y dx dw db {' '.join(f'{e:.1e}' for e in errs)} | fwd ms: "
                       f"ours {eager[0]:.3f} (graph {replay[0]:.3f}, "
-                      f"{bytes_fwd / replay[0] / 1e9:.0f} GB/s, "
+                      f"{bytes_fwd / replay[0] / 1e6:.0f} GB/s, "
                       f"{flops / replay[0] / 1e9:.2f} TFLOP/s) cuDNN {theirs[0]:.3f} "
                       f"-> {theirs[0] / replay[0]:.2f}x | fwd+bwd ms: ours {eager[1]:.3f} "
                       f"(graph {replay[1]:.3f}) cuDNN {theirs[1]:.3f} -> "

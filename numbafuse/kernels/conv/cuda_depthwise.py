@@ -114,9 +114,15 @@ def _forward(x, w, b, y, dims, strides, rad, step, flags):
     # x: (N*C*H*W,) in layout;  w: (K*R*S,);  b: (K,) (read under has_bias);  y: (N*K*P*Q,)
     # in layout, i its flat index;  dims: (H, W, R, S, sh, sw, ph, pw, dh, dw, M);
     # strides: x's (n, c, h, w);  rad/step: y's digits (NHWC (n, p, q, c, m), NCHW
-    # (n, c, m, p, q)) and the grid size's;  flags: (nhwc, has_bias, relu)
-    H, W, R, S, sh, sw, ph, pw, dh, dw, M = dims
-    xs_n, xs_c, xs_h, xs_w = strides
+    # (n, c, m, p, q)) and the grid size's;  flags: (nhwc, has_bias, relu).
+    # Index math in int32 (every sum truncated: numba widens int32 + int32 to int64), the
+    # taps walked by increments, a tap in the padding skipped by one unsigned compare.
+    H, W, R, S = int32(dims[0]), int32(dims[1]), int32(dims[2]), int32(dims[3])
+    sh, sw, ph, pw = int32(dims[4]), int32(dims[5]), int32(dims[6]), int32(dims[7])
+    dh, dw, M = int32(dims[8]), int32(dims[9]), int32(dims[10])
+    xs_n, xs_c = int32(strides[0]), int32(strides[1])
+    xs_h, xs_w = int32(strides[2]), int32(strides[3])
+    row_step, col_step = int32(dh * xs_h), int32(dw * xs_w)
     nhwc, has_bias, relu = flags
     start = cuda.grid(1)
     d0, d1, d2, d3, d4 = _digits(start, rad)
@@ -126,20 +132,27 @@ def _forward(x, w, b, y, dims, strides, rad, step, flags):
         else:
             n, c, m, p, q = d0, d1, d2, d3, d4
         k = int32(c * M + m)
-        h0 = int32(p * sh - ph)
+        h = int32(p * sh - ph)
         w0 = int32(q * sw - pw)
-        base = int32(n * xs_n + c * xs_c)
-        wk = int32(k * R * S)
+        xr = int32(int32(n * xs_n + c * xs_c) + int32(h * xs_h + w0 * xs_w))
+        wr = int32(k * R * S)
         acc = float32(0.0)                  # (y's dtype: float64 + float32 unify to float64)
-        for r in range(R):
-            h = int32(h0 + r * dh)
-            if 0 <= h and h < H:
-                row = int32(base + h * xs_h)
-                wr = int32(wk + r * S)
-                for s in range(S):
-                    col = int32(w0 + s * dw)
-                    if 0 <= col and col < W:
-                        acc += x[uint32(row + col * xs_w)] * w[uint32(wr + s)]
+        r = int32(0)
+        while r < R:
+            if uint32(h) < uint32(H):
+                xi = xr
+                col = w0
+                s = int32(0)
+                while s < S:
+                    if uint32(col) < uint32(W):
+                        acc += x[uint32(xi)] * w[uint32(wr + s)]
+                    xi = int32(xi + col_step)
+                    col = int32(col + dw)
+                    s = int32(s + 1)
+            h = int32(h + dh)
+            xr = int32(xr + row_step)
+            wr = int32(wr + S)
+            r = int32(r + 1)
         if has_bias:
             acc += b[k]
         if relu:

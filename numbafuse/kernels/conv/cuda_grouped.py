@@ -8,18 +8,19 @@ Same interface as ``cuda.py`` (``kernels.interfaces.ConvKernels``), for a geomet
                stencils of ``cuda_depthwise.py`` (one forward launch; dx, dW's partials and
                their sum, db's channel sums in the backward)
     per group  1 < groups < C: each group's channel slice of x (and of gy, y in backward)
-               copied contiguous on the device (the GEMMs take flat C-contiguous arrays),
+               copied contiguous on the device (the GEMMs take flat C-contiguous arrays;
+               ``elementwise.cuda.channel_slice``, no numba view of the slice),
                the group's GEMMs run with its ungrouped geometry (C/groups channels, K/groups
                filters), and the result copied into its channel block of y (dx) and its rows
                of dw, db.
 """
 from ...cuda import empty as _empty
-from ..elementwise.cuda import contiguous_copy, copy_into
+from ..elementwise.cuda import channel_slice, copy_into, put_channels
 from . import cuda as conv_cuda
 from . import cuda_depthwise
 from .cuda import (bias_add, channel_sum, forward_bn_sums, forward_scaled,  # noqa: F401
                    forward_stats)
-from .math import channel_block, group_geometry
+from .math import group_geometry
 
 
 def conv_forward(x, w, b, geom, relu):
@@ -30,10 +31,10 @@ def conv_forward(x, w, b, geom, relu):
     Cg, Kg = one.C, one.K
     y = _empty(geom.y_shape, x.dtype)
     for g in range(geom.groups):
-        xg = contiguous_copy(channel_block(x, layout, g * Cg, (g + 1) * Cg))
+        xg = channel_slice(x, layout, g * Cg, (g + 1) * Cg)
         bg = None if b is None else b[g * Kg:(g + 1) * Kg]
         yg = conv_cuda.conv_forward(xg, w[g * Kg:(g + 1) * Kg], bg, one, relu)
-        copy_into(yg, channel_block(y, layout, g * Kg, (g + 1) * Kg))
+        put_channels(yg, y, layout, g * Kg)
     return y
 
 
@@ -54,12 +55,12 @@ def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     db = _empty((geom.K,), gy.dtype) if need_db else None
     for g in range(geom.groups):
         c0, k0 = g * Cg, g * Kg
-        gyg = contiguous_copy(channel_block(gy, layout, k0, k0 + Kg))
-        yg = None if y is None else contiguous_copy(channel_block(y, layout, k0, k0 + Kg))
-        xg = contiguous_copy(channel_block(x, layout, c0, c0 + Cg))
+        gyg = channel_slice(gy, layout, k0, k0 + Kg)
+        yg = None if y is None else channel_slice(y, layout, k0, k0 + Kg)
+        xg = channel_slice(x, layout, c0, c0 + Cg)
         dxg, dwg, dbg = conv_cuda.conv_backward(gyg, xg, w[k0:k0 + Kg], one, yg, need)
         if need_dx:
-            copy_into(dxg, channel_block(dx, layout, c0, c0 + Cg))
+            put_channels(dxg, dx, layout, c0)
         if need_dw:
             copy_into(dwg, dw[k0:k0 + Kg])
         if need_db:

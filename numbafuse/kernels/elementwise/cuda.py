@@ -156,6 +156,54 @@ _COPY_BY_RANK = {1: _copy_strided1, 2: _copy_strided2, 3: _copy_strided3, 4: _co
 
 
 @cuda.jit(cache=True)
+def _copy_block(src, dst, inner, outer, base, put):
+    # src, dst: flat, C-contiguous. A block of channels is ``rows`` runs of ``inner`` elements,
+    # ``outer`` apart in the whole array, the first at ``base``. put 0: dst (the block, i its
+    # index) = the whole's runs; put 1: the whole's runs (dst) = src (the block)
+    n = src.size if put else dst.size
+    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+        row = _div(i, inner)
+        j = row * outer + base + (i - row * inner)
+        if put:
+            dst[j] = src[i]
+        else:
+            dst[i] = src[j]
+
+
+def _channel_runs(shape, layout, lo, hi):
+    """(inner, outer, base) of channels [lo, hi) of a C-contiguous 4-d ``shape``."""
+    N, A, B, D = shape
+    if layout == "NCHW":              # (N, C, H, W): per image one run of (hi - lo) planes
+        return (hi - lo) * B * D, A * B * D, lo * B * D
+    return hi - lo, D, lo             # (N, H, W, C): per pixel one run of (hi - lo) values
+
+
+def channel_slice(src, layout, lo, hi):
+    """A C-contiguous copy of channels [lo, hi) of a C-contiguous 4-d device array in
+    ``layout``. (numba's own view ``src[:, lo:hi]`` walks every contiguous run of the view in
+    Python: ~10 ms for an NHWC block of (32, 56, 56) pixels; this takes none.)"""
+    N, A, B, D = src.shape
+    shape = (N, hi - lo, B, D) if layout == "NCHW" else (N, A, B, hi - lo)
+    dst = empty(shape, src.dtype)
+    if dst.size:
+        inner, outer, base = _channel_runs(src.shape, layout, lo, hi)
+        blocks, threads = config.grid_1d(dst.size)
+        launch(_copy_block, blocks, threads, flat(src), flat(dst), inner, outer, base, 0)
+    return dst
+
+
+def put_channels(src, dst, layout, lo):
+    """Channels [lo, lo + src's channels) of ``dst`` = ``src``, both C-contiguous 4-d device
+    arrays in ``layout``, alike but for their channel counts; returns ``dst``."""
+    hi = lo + (src.shape[1] if layout == "NCHW" else src.shape[3])
+    if src.size:
+        inner, outer, base = _channel_runs(dst.shape, layout, lo, hi)
+        blocks, threads = config.grid_1d(src.size)
+        launch(_copy_block, blocks, threads, flat(src), flat(dst), inner, outer, base, 1)
+    return dst
+
+
+@cuda.jit(cache=True)
 def _sum_partials(x, partials):
     # x: (n,), partials: (gridDim.x,). Block b writes the sum of its grid-stride share.
     buf = cuda.shared.array(BLOCK, float64)
