@@ -475,6 +475,16 @@ def groups(names=None, repeats=20):
                 for f in (fwd, fwd_bwd):
                     with nfcuda.graph(f, warmup=1) as gr:
                         replay.append(_events(cuda, gr.replay, repeats))
+                gemm = ""
+                if 1 < groups < x_shape[1]:      # the forward as a GEMM per group, beside
+                    from numbafuse.kernels.cuda import config
+                    keep, config.direct_group_channels = config.direct_group_channels, 0
+                    try:
+                        with nfcuda.graph(fwd, warmup=1) as gr:
+                            ms = _events(cuda, gr.replay, repeats)
+                        gemm = f" (a GEMM per group: graph {ms:.3f})"
+                    finally:
+                        config.direct_group_channels = keep
                 fmt = torch.channels_last if nhwc else torch.contiguous_format
                 px, pw, pb, pgy = (torch.tensor(a, device="cuda", dtype=torch.float32)
                                    .contiguous(memory_format=fmt) if a.ndim == 4 else
@@ -499,7 +509,7 @@ def groups(names=None, repeats=20):
                       f"rel err y dx dw db {' '.join(f'{e:.1e}' for e in errs)} | fwd ms: "
                       f"ours {eager[0]:.3f} (graph {replay[0]:.3f}, "
                       f"{bytes_fwd / replay[0] / 1e6:.0f} GB/s, "
-                      f"{flops / replay[0] / 1e9:.2f} TFLOP/s) cuDNN {theirs[0]:.3f} "
+                      f"{flops / replay[0] / 1e9:.2f} TFLOP/s){gemm} cuDNN {theirs[0]:.3f} "
                       f"-> {theirs[0] / replay[0]:.2f}x | fwd+bwd ms: ours {eager[1]:.3f} "
                       f"(graph {replay[1]:.3f}) cuDNN {theirs[1]:.3f} -> "
                       f"{theirs[1] / replay[1]:.2f}x (eager {theirs[1] / eager[1]:.2f}x)",

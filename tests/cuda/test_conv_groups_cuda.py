@@ -19,7 +19,12 @@ from ..harness import close
     ("NHWC", 6, 9, 3, dict(padding=1, stride=(1, 2))),        # per group, NHWC
     ("NCHW", 8, 4, 4, dict(padding=2, dilation=2)),           # per group, Kg < Cg
 ])
-def test_grouped_conv_on_the_device_matches_reference(layout, C, K, groups, kw):
+@pytest.mark.parametrize("direct", [16, 0], ids=["direct forward", "GEMM per group"])
+def test_grouped_conv_on_the_device_matches_reference(monkeypatch, layout, C, K, groups, kw,
+                                                      direct):
+    monkeypatch.setattr(config, "direct_group_channels", direct)
+    monkeypatch.setattr(config, "threads", 16)          # grid-stride loops of several rounds
+    monkeypatch.setattr(config, "max_blocks", 3)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, C, 5, 6) if layout == "NCHW" else (2, 5, 6, C))
     w, b = rng.standard_normal((K, C // groups, 3, 3)), rng.standard_normal(K)

@@ -111,15 +111,16 @@ def host_digits(v, rad):
 
 @cuda.jit(cache=True)
 def _forward(x, w, b, y, dims, strides, rad, step, flags):
-    # x: (N*C*H*W,) in layout;  w: (K*R*S,);  b: (K,) (read under has_bias);  y: (N*K*P*Q,)
-    # in layout, i its flat index;  dims: (H, W, R, S, sh, sw, ph, pw, dh, dw, M);
-    # strides: x's (n, c, h, w);  rad/step: y's digits (NHWC (n, p, q, c, m), NCHW
-    # (n, c, m, p, q)) and the grid size's;  flags: (nhwc, has_bias, relu).
+    # x: (N*C*H*W,) in layout;  w: (K*Cg*R*S,);  b: (K,) (read under has_bias);  y:
+    # (N*K*P*Q,) in layout, i its flat index;  dims: (H, W, R, S, sh, sw, ph, pw, dh, dw, M,
+    # Cg): M filters and Cg input channels a group (depthwise: Cg = 1, M the multiplier);
+    # strides: x's (n, c, h, w);  rad/step: y's digits (NHWC (n, p, q, g, m), NCHW
+    # (n, g, m, p, q), g the group) and the grid size's;  flags: (nhwc, has_bias, relu).
     # Index math in int32 (every sum truncated: numba widens int32 + int32 to int64), the
     # taps walked by increments, a tap in the padding skipped by one unsigned compare.
     H, W, R, S = int32(dims[0]), int32(dims[1]), int32(dims[2]), int32(dims[3])
     sh, sw, ph, pw = int32(dims[4]), int32(dims[5]), int32(dims[6]), int32(dims[7])
-    dh, dw, M = int32(dims[8]), int32(dims[9]), int32(dims[10])
+    dh, dw, M, Cg = int32(dims[8]), int32(dims[9]), int32(dims[10]), int32(dims[11])
     xs_n, xs_c = int32(strides[0]), int32(strides[1])
     xs_h, xs_w = int32(strides[2]), int32(strides[3])
     row_step, col_step = int32(dh * xs_h), int32(dw * xs_w)
@@ -131,28 +132,34 @@ def _forward(x, w, b, y, dims, strides, rad, step, flags):
             n, p, q, c, m = d0, d1, d2, d3, d4
         else:
             n, c, m, p, q = d0, d1, d2, d3, d4
-        k = int32(c * M + m)
-        h = int32(p * sh - ph)
+        k = int32(c * M + m)                # (c: the group)
+        h0 = int32(p * sh - ph)
         w0 = int32(q * sw - pw)
-        xr = int32(int32(n * xs_n + c * xs_c) + int32(h * xs_h + w0 * xs_w))
-        wr = int32(k * R * S)
+        xc = int32(int32(n * xs_n + c * Cg * xs_c) + int32(h0 * xs_h + w0 * xs_w))
+        wr = int32(k * Cg * R * S)          # w's rows (k, cc, r) follow one another
         acc = float32(0.0)                  # (y's dtype: float64 + float32 unify to float64)
-        r = int32(0)
-        while r < R:
-            if uint32(h) < uint32(H):
-                xi = xr
-                col = w0
-                s = int32(0)
-                while s < S:
-                    if uint32(col) < uint32(W):
-                        acc += x[uint32(xi)] * w[uint32(wr + s)]
-                    xi = int32(xi + col_step)
-                    col = int32(col + dw)
-                    s = int32(s + 1)
-            h = int32(h + dh)
-            xr = int32(xr + row_step)
-            wr = int32(wr + S)
-            r = int32(r + 1)
+        cc = int32(0)
+        while cc < Cg:
+            h = h0
+            xr = xc
+            r = int32(0)
+            while r < R:
+                if uint32(h) < uint32(H):
+                    xi = xr
+                    col = w0
+                    s = int32(0)
+                    while s < S:
+                        if uint32(col) < uint32(W):
+                            acc += x[uint32(xi)] * w[uint32(wr + s)]
+                        xi = int32(xi + col_step)
+                        col = int32(col + dw)
+                        s = int32(s + 1)
+                h = int32(h + dh)
+                xr = int32(xr + row_step)
+                wr = int32(wr + S)
+                r = int32(r + 1)
+            xc = int32(xc + xs_c)
+            cc = int32(cc + 1)
         if has_bias:
             acc += b[k]
         if relu:
@@ -349,11 +356,11 @@ def _dx_plan(geom):
 
 @functools.lru_cache(maxsize=256)
 def _forward_plan(geom):
-    """(dims, x's strides, y's radices) of the forward."""
+    """(dims, x's strides, y's radices) of the forward (any groups: the direct stencil)."""
     g = geom
-    M = g.K // g.C
-    dims = (g.H, g.W, g.R, g.S, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, M)
-    rad = (g.N, g.P, g.Q, g.C, M) if g.layout == "NHWC" else (g.N, g.C, M, g.P, g.Q)
+    M, G = g.K // g.groups, g.groups
+    dims = (g.H, g.W, g.R, g.S, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, M, g.C // G)
+    rad = (g.N, g.P, g.Q, G, M) if g.layout == "NHWC" else (g.N, G, M, g.P, g.Q)
     return dims, _strides(g.layout, g.C, g.H, g.W), rad
 
 
@@ -385,7 +392,9 @@ def dw_launch(geom, threads):
 # --------------------------------------------------------------------------- host entry points
 
 def forward(x, w, b, geom, relu):
-    """``y = relu?(depthwise_conv(x, w) + b?)`` for contiguous device arrays of one dtype."""
+    """``y = relu?(depthwise_conv(x, w) + b?)`` for contiguous device arrays of one dtype;
+    also any grouped conv (``cuda_grouped`` sends those of few channels a group: each output
+    value sums its group's C/groups channels' taps)."""
     _check_size("conv_bias_relu", geom)
     y = pool_empty(geom.y_shape, x.dtype)
     if y.size == 0:
@@ -441,7 +450,7 @@ def backward(gy, x, w, geom, y=None, need=(True, True, True)):
 _DIGITS = types.UniTuple(types.int64, 5)
 _STRIDES = types.UniTuple(types.int64, 4)
 PTX_SIGNATURES = [
-    (_forward, lambda f: (f[::1],) * 4 + (types.UniTuple(types.int64, 11), _STRIDES, _DIGITS,
+    (_forward, lambda f: (f[::1],) * 4 + (types.UniTuple(types.int64, 12), _STRIDES, _DIGITS,
                                          _DIGITS, types.UniTuple(types.int64, 3))),
     (_dx, lambda f: (f[::1],) * 4 + (types.int32[:, ::1],) * 2
      + (types.UniTuple(types.int64, 7), _STRIDES, _DIGITS, _DIGITS,

@@ -142,6 +142,9 @@ sgd_chunk = 8192     # elements of one parameter per block row of the fused SGD 
 # consecutive channels (a warp: 128 contiguous bytes of float32 a load), its other threads
 # rows of pixels; a power of two
 depthwise_lanes = 32
+# grouped forwards with at most this many input channels a group run the direct stencil
+# (cuda_depthwise's forward) instead of a GEMM per group; 0: a GEMM per group always
+direct_group_channels = 16
 
 
 # How kernels are launched (kernels/cuda/launch.py): "prepared" (numbafuse lays out the
