@@ -57,15 +57,14 @@ from ..cuda import reduce
 
 BLOCK = config.BLOCK
 # Whether Conv-BatchNorm-ReLU's recompute hands the backward STATE_AFFINE
-# (ops.batchnorm.AffineGate) instead of rebuilding the ReLU's mask with the apply kernel. The
-# kernels take it (tests/cuda/test_batchnorm_kernels_cuda.py), but GPU run 16 (an H200, the
-# digits step's kernels under PyTorch's profiler, benchmarks/gpu_step_kernels.py) timed the
-# four channel_reduce_bwd_nhwc launches of a step at 164.4 us with it against 66.8 us at
-# 9781246 (before it), while it saved two _apply launches (7.5 us): the step replayed from a
-# graph 803 against 716 us. The cause, read in its SASS afterwards: the walk loaded g only
-# where the gate was open, each load waiting for x's and the compare (reduce._elem now loads
-# g first). Off until a GPU times that (benchmarks/gpu_step_kernels.py --affine-gate on/off).
-AFFINE_GATE = False
+# (ops.batchnorm.AffineGate) instead of rebuilding the ReLU's mask with the apply kernel.
+# GPU run 16 (an H200) timed it slower: its walk loaded g only where the gate was open, each
+# load waiting for x's and the compare (the four channel_reduce_bwd_nhwc launches of the
+# digits step 164.4 us against 66.8). With g loaded first (reduce._elem), runs 17 and 18 (an
+# H200, benchmarks/gpu_step_kernels.py --affine-gate on/off, one machine each) timed the
+# fused digits step's kernels at 703.5 / 704.3 us on against 728.2 / 728.4 off, replayed from a
+# graph 731.6 / 719.6 against 767.4 / 743.7 (47 launches against 49): on.
+AFFINE_GATE = True
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 U = 4                    # groups of 32 elements in flight per warp
