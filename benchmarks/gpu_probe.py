@@ -477,14 +477,16 @@ def groups(names=None, repeats=20):
                         replay.append(_events(cuda, gr.replay, repeats))
                 gemm = ""
                 if 1 < groups < x_shape[1]:      # the forward as a GEMM per group, beside
+                    # the production choice (config.direct_group_channels)
                     from numbafuse.kernels.cuda import config
-                    keep, config.direct_group_channels = config.direct_group_channels, 0
+                    keep = config.direct_group_channels, config.direct_group_channels_nhwc
+                    config.direct_group_channels = config.direct_group_channels_nhwc = 0
                     try:
                         with nfcuda.graph(fwd, warmup=1) as gr:
                             ms = _events(cuda, gr.replay, repeats)
                         gemm = f" (a GEMM per group: graph {ms:.3f})"
                     finally:
-                        config.direct_group_channels = keep
+                        config.direct_group_channels, config.direct_group_channels_nhwc = keep
                 fmt = torch.channels_last if nhwc else torch.contiguous_format
                 px, pw, pb, pgy = (torch.tensor(a, device="cuda", dtype=torch.float32)
                                    .contiguous(memory_format=fmt) if a.ndim == 4 else

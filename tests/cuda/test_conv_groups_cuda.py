@@ -23,6 +23,7 @@ from ..harness import close
 def test_grouped_conv_on_the_device_matches_reference(monkeypatch, layout, C, K, groups, kw,
                                                       direct):
     monkeypatch.setattr(config, "direct_group_channels", direct)
+    monkeypatch.setattr(config, "direct_group_channels_nhwc", direct)
     monkeypatch.setattr(config, "threads", 16)          # grid-stride loops of several rounds
     monkeypatch.setattr(config, "max_blocks", 3)
     rng = np.random.default_rng(0)

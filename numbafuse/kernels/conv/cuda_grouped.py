@@ -8,8 +8,9 @@ Same interface as ``cuda.py`` (``kernels.interfaces.ConvKernels``), for a geomet
                stencils of ``cuda_depthwise.py`` (one forward launch; dx, dW's partials and
                their sum, db's channel sums in the backward)
     direct     the forward where a group has at most ``config.direct_group_channels`` input
-               channels: the depthwise forward's stencil, summing the group's channels (a
-               GEMM per group runs its few filters in tiles of 64 or 128 columns)
+               channels (``_nhwc``: NHWC's): the depthwise forward's stencil, summing the
+               group's channels (a GEMM per group runs its few filters in tiles of 64 or 128
+               columns)
     per group  1 < groups < C: each group's channel slice of x (and of gy, y in backward)
                copied contiguous on the device (the GEMMs take flat C-contiguous arrays;
                ``elementwise.cuda.channel_slice``, no numba view of the slice),
@@ -29,7 +30,9 @@ from .math import group_geometry
 
 def conv_forward(x, w, b, geom, relu):
     """``y = relu?(conv(x, w, groups) + b?)`` for contiguous device arrays of one dtype."""
-    if cuda_depthwise.is_depthwise(geom) or geom.C // geom.groups <= config.direct_group_channels:
+    direct = (config.direct_group_channels if geom.layout == "NCHW"
+              else config.direct_group_channels_nhwc)
+    if cuda_depthwise.is_depthwise(geom) or geom.C // geom.groups <= direct:
         return cuda_depthwise.forward(x, w, b, geom, relu)
     one, layout = group_geometry(geom), geom.layout
     Cg, Kg = one.C, one.K

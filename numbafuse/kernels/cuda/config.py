@@ -143,8 +143,12 @@ sgd_chunk = 8192     # elements of one parameter per block row of the fused SGD 
 # rows of pixels; a power of two
 depthwise_lanes = 32
 # grouped forwards with at most this many input channels a group run the direct stencil
-# (cuda_depthwise's forward) instead of a GEMM per group; 0: a GEMM per group always
+# (cuda_depthwise's forward) instead of a GEMM per group; 0: a GEMM per group always. GPU run
+# 18 (an H200, gpu_probe.py groups, graph replays, ms, direct / GEMM per group): 4 channels
+# 0.651 / 1.303 NCHW, 0.632 / 1.533 NHWC; 8 (stride 2) 0.638 / 0.889, 0.695 / 0.850; 16
+# 0.567 / 0.821 NCHW but 0.990 / 0.749 NHWC
 direct_group_channels = 16
+direct_group_channels_nhwc = 8
 
 
 # How kernels are launched (kernels/cuda/launch.py): "prepared" (numbafuse lays out the
