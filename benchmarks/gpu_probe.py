@@ -482,9 +482,12 @@ def groups(names=None, repeats=20):
                     keep = config.direct_group_channels, config.direct_group_channels_nhwc
                     config.direct_group_channels = config.direct_group_channels_nhwc = 0
                     try:
-                        with nfcuda.graph(fwd, warmup=1) as gr:
-                            ms = _events(cuda, gr.replay, repeats)
-                        gemm = f" (a GEMM per group: graph {ms:.3f})"
+                        ms = []
+                        for f in (fwd, fwd_bwd):
+                            with nfcuda.graph(f, warmup=1) as gr:
+                                ms.append(_events(cuda, gr.replay, repeats))
+                        gemm = (f" (GEMMs per group: graph fwd {ms[0]:.3f}, fwd+bwd "
+                                f"{ms[1]:.3f})")
                     finally:
                         config.direct_group_channels, config.direct_group_channels_nhwc = keep
                 fmt = torch.channels_last if nhwc else torch.contiguous_format

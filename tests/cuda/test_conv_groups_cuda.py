@@ -26,6 +26,8 @@ def test_grouped_conv_on_the_device_matches_reference(monkeypatch, layout, C, K,
     monkeypatch.setattr(config, "direct_group_channels_nhwc", direct)
     monkeypatch.setattr(config, "threads", 16)          # grid-stride loops of several rounds
     monkeypatch.setattr(config, "max_blocks", 3)
+    monkeypatch.setattr(config, "depthwise_lanes", 2)   # dW: rows of w (k, cc) over lanes ...
+    monkeypatch.setattr(config, "max_grid_y", 2)        # ... and several channel-block rounds
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, C, 5, 6) if layout == "NCHW" else (2, 5, 6, C))
     w, b = rng.standard_normal((K, C // groups, 3, 3)), rng.standard_normal(K)

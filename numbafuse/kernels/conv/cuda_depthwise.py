@@ -170,32 +170,34 @@ def _forward(x, w, b, y, dims, strides, rad, step, flags):
 
 @cuda.jit(cache=True)
 def _dx(gy, y, w, dx, rtab, stab, dims, strides, rad, step, flags):
-    # gy, y: (N*K*P*Q,) in layout (y read under use_mask: g = gy * (y > 0));  w: (K*R*S,);
-    # dx: (N*C*H*W,) in layout, i its flat index;  rtab: (H, 3), stab: (W, 3) (dx_taps);
-    # dims: (R*S, S, M, rstep, pstep, sstep, qstep);  strides: gy's (n, k, p, q);
-    # rad/step: dx's digits (NHWC (0, n, h, w, c), NCHW (0, n, c, h, w)) and the grid
-    # size's;  flags: (nhwc, use_mask)
-    RS, S, M, rstep, pstep, sstep, qstep = dims
+    # gy, y: (N*K*P*Q,) in layout (y read under use_mask: g = gy * (y > 0));  w:
+    # (K*Cg*R*S,);  dx: (N*C*H*W,) in layout, i its flat index;  rtab: (H, 3), stab: (W, 3)
+    # (dx_taps);  dims: (R*S, S, M, rstep, pstep, sstep, qstep, Cg): M filters and Cg
+    # channels a group (depthwise: Cg = 1);  strides: gy's (n, k, p, q);  rad/step: dx's
+    # digits (NHWC (n, h, w, group, cc), NCHW (n, group, cc, h, w); channel c = group*Cg +
+    # cc) and the grid size's;  flags: (nhwc, use_mask)
+    RS, S, M, rstep, pstep, sstep, qstep, Cg = dims
     gs_n, gs_k, gs_p, gs_q = strides
     nhwc, use_mask = flags
     start = cuda.grid(1)
     d0, d1, d2, d3, d4 = _digits(start, rad)
     for i in range(start, dx.size, cuda.gridsize(1)):
         if nhwc:
-            n, h, col, c = d1, d2, d3, d4
+            n, h, col, grp, cc = d0, d1, d2, d3, d4
         else:
-            n, c, h, col = d1, d2, d3, d4
+            n, grp, cc, h, col = d0, d1, d2, d3, d4
         r0, p0, nr = rtab[h, 0], rtab[h, 1], rtab[h, 2]
         s0, q0, ns = stab[col, 0], stab[col, 1], stab[col, 2]
         acc = float32(0.0)                  # (dx's dtype)
         for m in range(M):
-            k = int32(c * M + m)
+            k = int32(grp * M + m)
             gk = int32(n * gs_n + k * gs_k)
+            wk = int32(int32(k * Cg + cc) * RS)
             r = r0
             p = p0
             for _ in range(nr):             # the taps reaching row h, from output rows p
                 grow = int32(gk + p * gs_p)
-                wr = int32(k * RS + r * S)
+                wr = int32(wk + r * S)
                 s = s0
                 q = q0
                 for _ in range(ns):         # ... and column col, from output columns q
@@ -223,13 +225,14 @@ def _next_pixel(n, p, q, step, rad):
 @cuda.jit(cache=True)
 def _dw_partials(x, gy, y, partials, dims, xstrides, gstrides, rad, use_mask):
     # x: (N*C*H*W,), gy, y: (N*K*P*Q,) in layout (y read under use_mask);  partials:
-    # (K*R*S*parts,) float64, [(k*RS + tap)*parts + part];  dims: (H, W, S, RS, sh, sw, ph,
-    # pw, dh, dw, M, K, CW, kblocks, NPQ, chunk, DC, DM);  x's and gy's strides (n, c, h,
-    # w);  rad: (1, 1, N, P, Q), the pixel digits. Block (part, tap, channel group): lane l
-    # of CW takes channel kb*CW + l, row group rg of RG = threads / CW the pixels lo + rg,
-    # + RG, ... of [lo, hi), part's fixed share of the N*P*Q; grid.y = R*S taps
+    # (K*Cg*R*S*parts,) float64, [(kc*RS + tap)*parts + part], kc = k*Cg + cc a row of w;
+    # dims: (H, W, S, RS, sh, sw, ph, pw, dh, dw, M, KC, CW, kblocks, NPQ, chunk, Cg): M
+    # filters and Cg channels a group, KC = K*Cg rows;  x's and gy's strides (n, c, h, w);
+    # rad: (1, 1, N, P, Q), the pixel digits. Block (part, tap, row group): lane l of CW
+    # takes row kb*CW + l, row group rg of RG = threads / CW the pixels lo + rg, + RG, ...
+    # of [lo, hi), part's fixed share of the N*P*Q; grid.y = R*S taps
     buf = cuda.shared.array(BLOCK, float64)
-    H, W, S, RS, sh, sw, ph, pw, dh, dw, M, K, CW, kblocks, NPQ, chunk, DC, DM = dims
+    H, W, S, RS, sh, sw, ph, pw, dh, dw, M, KC, CW, kblocks, NPQ, chunk, Cg = dims
     xs_n, xs_c, xs_h, xs_w = xstrides
     gs_n, gs_k, gs_p, gs_q = gstrides
     t = int32(cuda.threadIdx.x)
@@ -246,13 +249,13 @@ def _dw_partials(x, gy, y, partials, dims, xstrides, gstrides, rad, use_mask):
     r = int32(uint32(tap) // uint32(S))
     hr = int32(r * dh - ph)
     ws = int32((tap - r * S) * dw - pw)
-    k = int32(cuda.blockIdx.z * CW + lane)           # this lane's channel k = c*M + m ...
-    c = int32(uint32(k) // uint32(M))
-    m = int32(k - c * M)
+    kc = int32(cuda.blockIdx.z * CW + lane)          # this lane's row of w (k, cc) ...
     kb = int32(cuda.blockIdx.z)
-    while kb < kblocks:     # ... and the next ones, gridDim.z*CW = DC*M + DM further on
+    while kb < kblocks:     # ... and the next ones, gridDim.z*CW further on
+        k = int32(uint32(kc) // uint32(Cg))          # filter k, its channel cc of group
+        c = int32(int32(uint32(k) // uint32(M)) * Cg + (kc - k * Cg))   # k // M: input c
         acc = float64(0.0)
-        if k < K:
+        if kc < KC:
             gk = int32(k * gs_k)
             xc = int32(c * xs_c)
             n, p, q = n0, p0, q0
@@ -277,16 +280,11 @@ def _dw_partials(x, gy, y, partials, dims, xstrides, gstrides, rad, use_mask):
                 buf[t] += buf[t + half * CW]
             cuda.syncthreads()  # this level is complete before the next reads it
             half = int32(half >> 1)
-        if rg == 0 and k < K:
-            partials[uint32((k * RS + tap) * parts + part)] = buf[t]
+        if rg == 0 and kc < KC:
+            partials[uint32((kc * RS + tap) * parts + part)] = buf[t]
         cuda.syncthreads()  # buf is read before the next channel group writes it
         kb = int32(kb + cuda.gridDim.z)
-        k = int32(k + cuda.gridDim.z * CW)
-        m = int32(m + DM)
-        c = int32(c + DC)
-        if m >= M:
-            m = int32(m - M)
-            c = int32(c + 1)
+        kc = int32(kc + cuda.gridDim.z * CW)
 
 
 @cuda.jit(cache=True)
@@ -347,9 +345,10 @@ def _dx_plan(geom):
     """(rtab, stab on the device, dims, gy's strides, dx's radices) of dx (once per geometry)."""
     rtab, rstep, pstep = dx_taps(geom.H, geom.R, geom.sh, geom.ph, geom.dh, geom.P)
     stab, sstep, qstep = dx_taps(geom.W, geom.S, geom.sw, geom.pw, geom.dw, geom.Q)
-    dims = (geom.R * geom.S, geom.S, geom.K // geom.C, rstep, pstep, sstep, qstep)
-    N, C, H, W = geom.N, geom.C, geom.H, geom.W
-    rad = (1, N, H, W, C) if geom.layout == "NHWC" else (1, N, C, H, W)
+    G, Cg = geom.groups, geom.C // geom.groups
+    dims = (geom.R * geom.S, geom.S, geom.K // G, rstep, pstep, sstep, qstep, Cg)
+    N, H, W = geom.N, geom.H, geom.W
+    rad = (N, H, W, G, Cg) if geom.layout == "NHWC" else (N, G, Cg, H, W)
     return (to_device(rtab), to_device(stab), dims,
             _strides(geom.layout, geom.K, geom.P, geom.Q), rad)
 
@@ -373,7 +372,8 @@ def dw_launch(geom, threads):
         raise ValueError(f"kernels.cuda.config: depthwise_lanes must be a power of two, "
                          f"got {config.depthwise_lanes}")
     RG, RS, NPQ = threads // CW, g.R * g.S, g.N * g.P * g.Q
-    kblocks = -(-g.K // CW)
+    Cg = g.C // g.groups
+    kblocks = -(-g.K * Cg // CW)
     parts = max(1, min(config.reduce_blocks, -(-NPQ // (RG * reduce.U)),
                        -(-config.reduce_target_blocks // (RS * kblocks))))
     chunk = -(-NPQ // parts)
@@ -382,10 +382,8 @@ def dw_launch(geom, threads):
         raise ValueError(f"conv_bias_relu_backward: a depthwise filter of {RS} taps; at most "
                          f"{MAX_TAPS} on the device")
     grid = (parts, RS, min(kblocks, config.max_grid_y))
-    M = g.K // g.C
-    DC, DM = divmod(grid[2] * CW, M)                  # a channel-group step, as (c, m)
-    dims = (g.H, g.W, g.S, RS, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, M, g.K, CW, kblocks, NPQ,
-            chunk, DC, DM)
+    dims = (g.H, g.W, g.S, RS, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.K // g.groups,
+            g.K * Cg, CW, kblocks, NPQ, chunk, Cg)
     return grid, dims, parts
 
 
@@ -410,7 +408,8 @@ def forward(x, w, b, geom, relu):
 
 def backward(gy, x, w, geom, y=None, need=(True, True, True)):
     """``(dx, dw, db)`` of ``y = relu?(depthwise_conv(x, w) + b?)`` on the device; ``y``
-    given: g = gy * (y > 0). Only the gradients flagged in ``need`` are computed."""
+    given: g = gy * (y > 0). Only the gradients flagged in ``need`` are computed. Any grouped
+    conv too (``cuda_grouped`` sends those of few channels a group)."""
     need_dx, need_dw, need_db = (bool(v) for v in need)
     _check_size("conv_bias_relu_backward", geom)
     use_mask = y is not None
@@ -453,9 +452,9 @@ PTX_SIGNATURES = [
     (_forward, lambda f: (f[::1],) * 4 + (types.UniTuple(types.int64, 12), _STRIDES, _DIGITS,
                                          _DIGITS, types.UniTuple(types.int64, 3))),
     (_dx, lambda f: (f[::1],) * 4 + (types.int32[:, ::1],) * 2
-     + (types.UniTuple(types.int64, 7), _STRIDES, _DIGITS, _DIGITS,
+     + (types.UniTuple(types.int64, 8), _STRIDES, _DIGITS, _DIGITS,
         types.UniTuple(types.int64, 2))),
-    (_dw_partials, lambda f: (f[::1],) * 3 + (float64[::1], types.UniTuple(types.int64, 18),
+    (_dw_partials, lambda f: (f[::1],) * 3 + (float64[::1], types.UniTuple(types.int64, 17),
                                               _STRIDES, _STRIDES, _DIGITS, types.int64)),
     (_sum_parts, lambda f: (float64[::1], types.int64, f[::1])),
 ]

@@ -7,10 +7,10 @@ Same interface as ``cuda.py`` (``kernels.interfaces.ConvKernels``), for a geomet
     depthwise  groups == C (one input channel per group, K = C * multiplier): the direct
                stencils of ``cuda_depthwise.py`` (one forward launch; dx, dW's partials and
                their sum, db's channel sums in the backward)
-    direct     the forward where a group has at most ``config.direct_group_channels`` input
-               channels (``_nhwc``: NHWC's): the depthwise forward's stencil, summing the
-               group's channels (a GEMM per group runs its few filters in tiles of 64 or 128
-               columns)
+    direct     where a group has at most ``config.direct_group_channels`` input channels
+               (``_nhwc``: NHWC's): the depthwise kernels, each value summing its group's
+               channels (a GEMM per group runs its few filters in tiles of 64 or 128 columns,
+               and a backward per group takes ~10 launches a group)
     per group  1 < groups < C: each group's channel slice of x (and of gy, y in backward)
                copied contiguous on the device (the GEMMs take flat C-contiguous arrays;
                ``elementwise.cuda.channel_slice``, no numba view of the slice),
@@ -28,11 +28,17 @@ from .cuda import (bias_add, channel_sum, forward_bn_sums, forward_scaled,  # no
 from .math import group_geometry
 
 
-def conv_forward(x, w, b, geom, relu):
-    """``y = relu?(conv(x, w, groups) + b?)`` for contiguous device arrays of one dtype."""
+def _direct(geom):
+    """Whether the direct stencils take a grouped geometry (depthwise, or few channels a
+    group: ``config.direct_group_channels``)."""
     direct = (config.direct_group_channels if geom.layout == "NCHW"
               else config.direct_group_channels_nhwc)
-    if cuda_depthwise.is_depthwise(geom) or geom.C // geom.groups <= direct:
+    return cuda_depthwise.is_depthwise(geom) or geom.C // geom.groups <= direct
+
+
+def conv_forward(x, w, b, geom, relu):
+    """``y = relu?(conv(x, w, groups) + b?)`` for contiguous device arrays of one dtype."""
+    if _direct(geom):
         return cuda_depthwise.forward(x, w, b, geom, relu)
     one, layout = group_geometry(geom), geom.layout
     Cg, Kg = one.C, one.K
@@ -52,7 +58,7 @@ DX_ADDEND = False   # conv_backward takes no dx_addend: one GEMM set per group
 def conv_backward(gy, x, w, geom, y=None, need=(True, True, True)):
     """``(dx, dw, db)`` of a grouped conv [+ bias] [+ ReLU whose output is ``y``] on the
     device; only ``need``'s are computed (``cuda.conv_backward``)."""
-    if cuda_depthwise.is_depthwise(geom):
+    if _direct(geom):
         return cuda_depthwise.backward(gy, x, w, geom, y, need)
     need_dx, need_dw, need_db = (bool(v) for v in need)
     one, layout = group_geometry(geom), geom.layout

@@ -359,6 +359,7 @@ PTX_SIGNATURES = [
     (_copy_strided2, lambda f: (f[:, :], f[:, ::1])),
     (_copy_strided3, lambda f: (f[:, :, :], f[:, :, ::1])),
     (_copy_strided4, lambda f: (f[:, :, :, :], f[:, :, :, ::1])),
+    (_copy_block, lambda f: (f[::1], f[::1]) + (types.int64,) * 4),
     (_sum_partials, lambda f: (f[::1], float64[::1])),
     # half precision: float16 <-> float32 only (a float64 signature is never launched)
     (_cast, lambda f: (types.float16[::1], f[::1]) if f == float32 else None),
