@@ -36,24 +36,12 @@ def ops():
         # arrays are drawn NCHW and moved to the layout; the reference runs in the layout
         to = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1))) \
             if layout == "NHWC" else (lambda a: a)
-        for stride in (1, 2):
-            x = to(rng.standard_normal(SHAPE))
-            w = rng.standard_normal((K, C, 3, 3)) / np.sqrt(9 * C)
-            b = rng.standard_normal(K) * 0.1
-            kw = dict(stride=stride, padding=1, layout=layout)
-            y64 = ref.conv_bias_relu(x, w, b, **kw)
-            gy = rng.standard_normal(y64.shape)
-            g64 = ref.conv_bias_relu_backward(gy, x, w, b, **kw)
-            y = nf.conv_bias_relu(f32(x), f32(w), f32(b), **kw)
-            g = nf.conv_bias_relu_backward(f32(gy), f32(x), f32(w), y, **kw)
-            errs = [_rel(y.copy_to_host(), y64)] + [_rel(a.copy_to_host(), e)
-                                                     for a, e in zip(g, g64)]
-            bad += max(errs) > TOL
-            print(f"conv_bias_relu {layout} stride {stride}: rel err y, dx, dw, db "
-                  + " ".join(f"{e:.1e}" for e in errs), flush=True)
-        # grouped convolutions: depthwise kernels (groups == C; 7x7 stride 2 too) and the
-        # per-group GEMMs (groups 4)
-        for groups, k, r, stride in ((C, C, 3, 1), (C, 2 * C, 7, 2), (4, 32, 3, 1)):
+        # (groups, filters, filter size, stride): plain convs, then grouped ones: depthwise
+        # (groups == C; 7x7 stride 2 too) and few channels a group by the direct kernels
+        # (groups 4: 6 channels), 12 channels a group (the direct kernels in NCHW, a GEMM
+        # set per group in NHWC: config.direct_group_channels)
+        for groups, k, r, stride in ((1, K, 3, 1), (1, K, 3, 2), (C, C, 3, 1), (C, 2 * C, 7, 2),
+                                     (4, 32, 3, 1), (2, 32, 3, 1)):
             x = to(rng.standard_normal(SHAPE))
             w = rng.standard_normal((k, C // groups, r, r)) / np.sqrt(r * r * C // groups)
             b = rng.standard_normal(k) * 0.1
@@ -66,8 +54,9 @@ def ops():
             errs = [_rel(y.copy_to_host(), y64)] + [_rel(a.copy_to_host(), e)
                                                      for a, e in zip(g, g64)]
             bad += max(errs) > TOL
-            print(f"conv_bias_relu {layout} groups {groups} {r}x{r} stride {stride}: rel err "
-                  "y, dx, dw, db " + " ".join(f"{e:.1e}" for e in errs), flush=True)
+            what = f"groups {groups} {r}x{r} " if groups > 1 else ""
+            print(f"conv_bias_relu {layout} {what}stride {stride}: rel err y, dx, dw, db "
+                  + " ".join(f"{e:.1e}" for e in errs), flush=True)
         xb, zb, gy = (to(rng.standard_normal((N, K, H, W))) for _ in range(3))
         gam, bet = rng.uniform(0.5, 1.5, K), rng.standard_normal(K)
         y64 = ref.batchnorm_add_relu(xb, zb, gam, bet, layout=layout)[0]
