@@ -347,8 +347,6 @@ class _Block:
 
     def release(self):
         """The finalizer of the block's array memory (its last array died)."""
-        if _CAPTURE is None:    # interpreter shutdown (module globals cleared): the context
-            return              # and its memory go with the process
         self.stats.bytes_in_use -= self.nbytes
         self.alive = False
         capture = _CAPTURE[0]

@@ -16,6 +16,8 @@ take numba's reshape and indexing.
 """
 from __future__ import annotations
 
+import sys
+
 _ARRAY_CLASS = []          # [PoolArray, numba's DeviceNDArray], made on first use (not
                            # simulated)
 _MEMORY_CLASS = []         # [the MemoryPointer subclass], likewise
@@ -60,8 +62,8 @@ def memory_class():
 
             def __del__(self):
                 release = self.__dict__.pop("_release", None)
-                if release is not None:
-                    release()
+                if release is not None and not sys.is_finalizing():   # (at exit the pool's
+                    release()                   # module globals are gone; so is the context)
 
             def free(self):                     # numba's forced free
                 release = self.__dict__.pop("_release", None)
