@@ -4,8 +4,10 @@ A depthwise convolution has one input channel per group and ``K = C * M`` filter
 channel multiplier, >= 1): filter ``k = c*M + m`` sees input channel c only; w is
 ``(K, 1, R, S)``. Each output value is R*S multiply-adds, so the passes are bound by memory,
 not arithmetic: one thread per value, reading its taps directly (``cuda_grouped.py`` ran it
-as C width-1 GEMMs, each with its copies: 3*C launches a pass). Same semantics as the CPU's
-``cpu_depthwise.py``::
+as C width-1 GEMMs, each with its copies: 3*C launches a pass). The same kernels take any
+grouped conv (Cg = C/groups input channels a group, each value summing its group's channels;
+``cuda_grouped`` sends those of few channels a group here: where Cg = 1 that sum is the one
+term below). Same semantics as the CPU's ``cpu_depthwise.py``::
 
     forward  y[n,k,p,q]  = relu?(sum_{r,s} x[n, c, p*sh - ph + r*dh, q*sw - pw + s*dw] w[k,r,s]
                                  + b?[k])
