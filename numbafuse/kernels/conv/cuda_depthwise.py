@@ -116,8 +116,8 @@ def _forward(x, w, b, y, dims, strides, rad, step, flags):
     # x: (N*C*H*W,) in layout;  w: (K*Cg*R*S,);  b: (K,) (read under has_bias);  y:
     # (N*K*P*Q,) in layout, i its flat index;  dims: (H, W, R, S, sh, sw, ph, pw, dh, dw, M,
     # Cg): M filters and Cg input channels a group (depthwise: Cg = 1, M the multiplier);
-    # strides: x's (n, c, h, w);  rad/step: y's digits (NHWC (n, p, q, g, m), NCHW
-    # (n, g, m, p, q), g the group) and the grid size's;  flags: (nhwc, has_bias, relu).
+    # strides: x's (n, c, h, w);  rad/step: y's digits (NHWC (n, p, q, grp, m), NCHW
+    # (n, grp, m, p, q), grp the group) and the grid size's;  flags: (nhwc, has_bias, relu).
     # Index math in int32 (every sum truncated: numba widens int32 + int32 to int64), the
     # taps walked by increments, a tap in the padding skipped by one unsigned compare.
     H, W, R, S = int32(dims[0]), int32(dims[1]), int32(dims[2]), int32(dims[3])
@@ -131,13 +131,13 @@ def _forward(x, w, b, y, dims, strides, rad, step, flags):
     d0, d1, d2, d3, d4 = _digits(start, rad)
     for i in range(start, y.size, cuda.gridsize(1)):
         if nhwc:
-            n, p, q, c, m = d0, d1, d2, d3, d4
+            n, p, q, grp, m = d0, d1, d2, d3, d4
         else:
-            n, c, m, p, q = d0, d1, d2, d3, d4
-        k = int32(c * M + m)                # (c: the group)
+            n, grp, m, p, q = d0, d1, d2, d3, d4
+        k = int32(grp * M + m)
         h0 = int32(p * sh - ph)
         w0 = int32(q * sw - pw)
-        xc = int32(int32(n * xs_n + c * Cg * xs_c) + int32(h0 * xs_h + w0 * xs_w))
+        xc = int32(int32(n * xs_n + grp * Cg * xs_c) + int32(h0 * xs_h + w0 * xs_w))
         wr = int32(k * Cg * R * S)          # w's rows (k, cc, r) follow one another
         acc = float32(0.0)                  # (y's dtype: float64 + float32 unify to float64)
         cc = int32(0)
@@ -381,7 +381,7 @@ def dw_launch(geom, threads):
     chunk = -(-NPQ // parts)
     parts = -(-NPQ // chunk)                          # no empty part
     if RS > MAX_TAPS:
-        raise ValueError(f"conv_bias_relu_backward: a depthwise filter of {RS} taps; at most "
+        raise ValueError(f"conv_bias_relu_backward: a grouped filter of {RS} taps; at most "
                          f"{MAX_TAPS} on the device")
     grid = (parts, RS, min(kblocks, config.max_grid_y))
     dims = (g.H, g.W, g.S, RS, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.K // g.groups,
