@@ -27,7 +27,10 @@ and a 4-byte read back, which waits for the forward) and without it, alternating
 shapes, float32, both layouts) against cuDNN: each result against torch float64 on the GPU
 (relative error of y, dx, dw, db), then the forward and forward + backward as median CUDA
 events of eager calls (numbafuse's host path included) and of a CUDA-graph replay, beside
-PyTorch's eager conv2d + bias + relu and its autograd backward (cuDNN FP32, TF32 off).
+PyTorch's eager conv2d + bias + relu and its autograd backward (cuDNN FP32, TF32 off); for
+a grouped conv (1 < groups < C) also the path not chosen (the direct stencil or the GEMMs per
+group, ``config.direct_group_channels[_nhwc]``) from a graph. ``groups:g32``: only the shapes
+whose names hold ``g32``.
 
 ``graph``: what CUDA graph capture through cuda.core allows with numbafuse's launches and
 pool: a prepared launch captured into a GraphBuilder and replayed; which calls a capture in
@@ -423,6 +426,12 @@ def labels(rounds=5, steps=20):
               f"{', '.join(f'{t:.0f}' for t in times)}", flush=True)
 
 
+def _names(word):
+    """``gpu_probe.py groups:g32``: the conv benchmark's shapes whose names hold ``word``."""
+    from bench_conv_bias_relu import SHAPES
+    return [n for n in SHAPES if word in n]
+
+
 def groups(names=None, repeats=20):
     import numpy as np
     import torch
@@ -475,19 +484,24 @@ def groups(names=None, repeats=20):
                 for f in (fwd, fwd_bwd):
                     with nfcuda.graph(f, warmup=1) as gr:
                         replay.append(_events(cuda, gr.replay, repeats))
-                gemm = ""
-                if 1 < groups < x_shape[1]:      # the forward as a GEMM per group, beside
-                    # the production choice (config.direct_group_channels)
+                other = ""
+                if 1 < groups < x_shape[1]:      # the path not chosen, beside the production
+                    # choice (config.direct_group_channels[_nhwc]): the GEMMs per group where
+                    # the direct stencil runs, the direct stencil where the GEMMs run
                     from numbafuse.kernels.cuda import config
+                    direct = x_shape[1] // groups <= (
+                        config.direct_group_channels_nhwc if nhwc
+                        else config.direct_group_channels)      # cuda_grouped._direct
                     keep = config.direct_group_channels, config.direct_group_channels_nhwc
-                    config.direct_group_channels = config.direct_group_channels_nhwc = 0
+                    config.direct_group_channels = config.direct_group_channels_nhwc = \
+                        0 if direct else 1 << 30
                     try:
                         ms = []
                         for f in (fwd, fwd_bwd):
                             with nfcuda.graph(f, warmup=1) as gr:
                                 ms.append(_events(cuda, gr.replay, repeats))
-                        gemm = (f" (GEMMs per group: graph fwd {ms[0]:.3f}, fwd+bwd "
-                                f"{ms[1]:.3f})")
+                        other = (f" ({'direct' if not direct else 'GEMMs per group'} instead: "
+                                 f"graph fwd {ms[0]:.3f}, fwd+bwd {ms[1]:.3f})")
                     finally:
                         config.direct_group_channels, config.direct_group_channels_nhwc = keep
                 fmt = torch.channels_last if nhwc else torch.contiguous_format
@@ -514,7 +528,7 @@ def groups(names=None, repeats=20):
                       f"rel err y dx dw db {' '.join(f'{e:.1e}' for e in errs)} | fwd ms: "
                       f"ours {eager[0]:.3f} (graph {replay[0]:.3f}, "
                       f"{bytes_fwd / replay[0] / 1e6:.0f} GB/s, "
-                      f"{flops / replay[0] / 1e9:.2f} TFLOP/s){gemm} cuDNN {theirs[0]:.3f} "
+                      f"{flops / replay[0] / 1e9:.2f} TFLOP/s){other} cuDNN {theirs[0]:.3f} "
                       f"-> {theirs[0] / replay[0]:.2f}x | fwd+bwd ms: ours {eager[1]:.3f} "
                       f"(graph {replay[1]:.3f}) cuDNN {theirs[1]:.3f} -> "
                       f"{theirs[1] / replay[1]:.2f}x (eager {theirs[1] / eager[1]:.2f}x)",
@@ -530,6 +544,7 @@ if __name__ == "__main__":
         print(f"#### {part}", flush=True)
         try:
             {"bn": bn, "knobs": knobs, "graph": graph, "tiles": tiles, "labels": labels,
-             "tiles_nhwc": lambda: tiles("NHWC"), "groups": groups}[part]()
+             "tiles_nhwc": lambda: tiles("NHWC"), "groups": groups}[part.split(":")[0]](
+                *([_names(part.split(":")[1])] if ":" in part else []))
         except Exception:
             traceback.print_exc()
