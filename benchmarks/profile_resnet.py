@@ -3,9 +3,9 @@ timed by name.
 
     python benchmarks/profile_resnet.py [--model resnet18] [--batch 16] [--size 64]
                                         [--steps 5] [--top 25]
-                                        [--layers | --torch | --host | --exclusive]
+                                        [--layers | --torch | --host | --exclusive | --gaps]
                                         [--replay REPEATS] [--recompute True|False|auto]
-                                        [--channels-last]
+                                        [--channels-last] [--threads N]
 
 The model is ``numbafuse/torch/resnet.py`` (torchvision's code; ``--model`` also takes
 resnext50_32x4d and ``mobilenet.py``'s mobilenet_v2, mobilenet_v2_relu) converted by
@@ -44,7 +44,12 @@ calls, on every thread: ms a step, calls a step and us a call in the step, large
 and the hand-off). The wrappers cost time themselves (a few us a call with the caches cold):
 the step is also timed without them, before, and both are printed; a short function
 called often carries part of its callees' wrapper cost and can read high (time it by itself
-before acting on it).
+before acting on it). ``--gaps``: inside the fused ops' autograd Functions, the host time
+between events (the Function's start, each outermost launch's start and end, its end), each
+gap added to the event it ends at: a launch by the chain of numbafuse frames that made it
+(file:line(function), innermost first), or the Function's end; one clock read an event and no
+other wrapper, so the step runs as unwrapped. ``--threads N``: torch's and numbafuse's
+threads (default: torch's own count).
 """
 import argparse
 import collections
@@ -223,6 +228,102 @@ def _wrap_functions(times, counts):
     return undo
 
 
+def _site(depth=4):
+    """The chain of numbafuse frames (file:line(function), innermost first, at most
+    ``depth``) that called the wrapper calling this: where a launch is made."""
+    frame, out = sys._getframe(2), []
+    while frame is not None and len(out) < depth:
+        name = frame.f_code.co_filename
+        if "numbafuse" in name:
+            out.append(f"{os.path.basename(name)}:{frame.f_lineno}({frame.f_code.co_name})")
+        frame = frame.f_back
+    return " < ".join(out)
+
+
+def _wrap_gaps(times, counts):
+    """``--gaps``: inside the fused ops' autograd Functions, the host time between events (the
+    Function's start, an outermost launch's start or end, the Function's end), each gap added
+    to the event it ends at: a launch by where it is made (``_site``), or the Function's end;
+    ``"(Function) forward"`` / ``backward`` keys hold each direction's gaps and calls. One
+    clock read an event, no other wrapper: the step runs as it does unwrapped, with the
+    Python frames walked at each launch (~a few us). Returns the undo."""
+    from numbafuse.kernels.cpu import launch as launch_mod
+    from numbafuse.torch import conv_batchnorm as tcb
+    original = launch_mod.launch
+    state = {"open": None, "last": 0.0, "depth": 0}      # open: the Function's key
+
+    def gap(key):
+        t = time.perf_counter()
+        if state["open"] is not None:
+            times[key] += t - state["last"]
+            counts[key] += 1
+            times[state["open"]] += t - state["last"]
+        return t
+
+    def timed(kernel, *args, **kwargs):
+        outer = state["depth"] == 0 and state["open"] is not None
+        if outer:
+            gap("launch at " + _site())
+        state["depth"] += 1
+        try:
+            return original(kernel, *args, **kwargs)
+        finally:
+            state["depth"] -= 1
+            if outer:
+                state["last"] = time.perf_counter()
+
+    patched = [m for m in list(sys.modules.values())
+               if getattr(m, "__name__", "").startswith("numbafuse")
+               and getattr(m, "launch", None) is original]
+    for m in patched:
+        m.launch = timed
+    saved = []
+    for cls in (tcb.ConvBatchNormReLUFunction, tcb.ConvBatchNormAddReLUFunction):
+        for name in ("forward", "backward"):
+            method = cls.__dict__[name]
+            fn = method.__func__ if isinstance(method, staticmethod) else method
+            saved.append((cls, name, method))
+            end = f"end of {cls.__name__}.{name}"
+
+            def wrapped(*args, _fn=fn, _end=end, _key=f"(Function) {name}", **kwargs):
+                state["open"], state["last"] = _key, time.perf_counter()
+                counts[_key] += 1
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    gap(_end)
+                    state["open"] = None
+            setattr(cls, name, staticmethod(wrapped))
+
+    def undo():
+        for cls, name, method in saved:
+            setattr(cls, name, method)
+        for m in patched:
+            m.launch = original
+    return undo
+
+
+def _print_gaps(times, counts, n, total, args):
+    fwd, bwd = (times.pop(f"(Function) {d}", 0.0) / n for d in ("forward", "backward"))
+    calls = {d: counts.pop(f"(Function) {d}", 0) / n for d in ("forward", "backward")}
+    print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, fused "
+          f"(recompute={args.recompute}), {_threads()} threads: step {total * 1e3:.1f} ms "
+          f"(mean of {n} steps); inside the fused Functions, outside their launches "
+          f"{(fwd + bwd) * 1e3:.2f} ms a step: forward {fwd * 1e3:.2f} ms in "
+          f"{calls['forward']:g} calls ({fwd / max(calls['forward'], 1) * 1e6:.0f} us a "
+          f"call), backward {bwd * 1e3:.2f} ms in {calls['backward']:g} "
+          f"({bwd / max(calls['backward'], 1) * 1e6:.0f} us a call)")
+    print("\n| the gap ends at | ms a step | gaps a step | us a gap |\n|---|---:|---:|---:|")
+    for key, t in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"| {key} | {t / n * 1e3:.3f} | {counts[key] / n:g} "
+              f"| {t / counts[key] * 1e6:.1f} |")
+
+
+def _threads():
+    import torch
+    return torch.get_num_threads()
+
+
 # --exclusive: the pool's own modules stay whole inside launch (their time is the launch's)
 _OPAQUE = ("numbafuse.kernels.cpu.launch", "numbafuse.kernels.cpu.team",
            "numbafuse.kernels.cpu.native", "numbafuse.kernels.cpu.sync")
@@ -381,6 +482,11 @@ def main(argv=None):
     p.add_argument("--exclusive", action="store_true",
                    help="numbafuse's host-side Python functions timed, each exclusive of "
                         "those it calls")
+    p.add_argument("--gaps", action="store_true",
+                   help="the host time between the launches inside the fused Functions, by "
+                        "where the next launch is made")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch's and numbafuse's threads (default: torch's own count)")
     p.add_argument("--channels-last", action="store_true",
                    help="the model and input channels_last (numbafuse's NHWC kernels)")
     p.add_argument("--recompute", default="True", choices=["True", "False", "auto"],
@@ -391,8 +497,13 @@ def main(argv=None):
 
     import torch
     from bench_resnet import model_function    # the model's file, no numbafuse import
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not args.torch:
         import numbafuse.torch as nft
+        if args.threads:
+            from numbafuse.kernels.cpu import launch as launch_mod
+            launch_mod.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     memory = torch.channels_last if args.channels_last else torch.contiguous_format
@@ -434,10 +545,10 @@ def main(argv=None):
     captured = {} if args.layers and args.replay > 0 else None
     undo = (functools.partial(_wrap_conv_passes, captured=captured) if args.layers
             else _wrap_functions if args.host else _wrap_exclusive if args.exclusive
-            else _wrap_launches)(times, counts)
+            else _wrap_gaps if args.gaps else _wrap_launches)(times, counts)
     t_sgd = 0.0
     try:
-        if captured is not None or args.exclusive:
+        if captured is not None or args.exclusive or args.gaps:
             # a step of its own, not timed: --replay's copies of the passes' arguments (~100
             # MB of new pages at batch 16, 64x64, which made the first timed step's passes 10x
             # slower and the steps' means ~2x what they are without them); --exclusive's
@@ -454,6 +565,9 @@ def main(argv=None):
     n = args.steps
     if args.exclusive:
         _print_exclusive(times, counts, n, total, bare, args)
+        return
+    if args.gaps:
+        _print_gaps(times, counts, n, total, args)
         return
     if args.host:
         outer = times["(outermost launches)"] / n

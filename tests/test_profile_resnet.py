@@ -144,3 +144,34 @@ def test_exclusive_rows_count_each_call_once_and_the_wrappers_are_undone(capsys)
     assert 0 < host + units <= 2 * wrapped + 0.1
     assert (buffers.OutputCache.empty, cbn.forward, cbn.backward,
             tcb.ConvBatchNormReLUFunction.__dict__["forward"]) == before
+
+
+def test_gaps_add_up_to_the_functions_host_time_and_the_wrappers_are_undone(capsys):
+    import numbafuse.kernels.cpu.launch as launch_mod
+    import numbafuse.torch.conv_batchnorm as tcb
+    before = (launch_mod.launch, tcb.ConvBatchNormReLUFunction.__dict__["forward"],
+              tcb.ConvBatchNormAddReLUFunction.__dict__["backward"])
+    profile_resnet.main(["--gaps", "--batch", "2", "--size", "32", "--steps", "2",
+                         "--recompute", "auto", "--top", "100000"])
+    out = capsys.readouterr().out
+    head = re.search(r"step (\S+) ms \(mean of 2 steps\); inside the fused Functions, outside "
+                     r"their launches (\S+) ms a step: forward (\S+) ms in (\S+) calls \((\S+) "
+                     r"us a call\), backward (\S+) ms in (\S+) \((\S+) us a call\)", out)
+    assert head, out
+    step, total, fwd, fwd_calls, fwd_us, bwd, bwd_calls, bwd_us = map(float, head.groups())
+    assert (fwd_calls, bwd_calls) == (20, 20)          # ResNet-18's 12 + 8 fused sites
+    assert abs(fwd + bwd - total) <= 0.011 and 0 < total < step
+    assert abs(fwd / fwd_calls * 1e3 - fwd_us) <= 1 and abs(bwd / bwd_calls * 1e3 - bwd_us) <= 1
+    rows = re.findall(r"^\| (.+?) \| (\S+) \| (\S+) \| (\S+) \|$", out, re.MULTILINE)
+    rows = [r for r in rows if r[0] != "the gap ends at" and not r[0].startswith("---")]
+    ends = {r[0]: float(r[2]) for r in rows if r[0].startswith("end of ")}
+    assert ends == {"end of ConvBatchNormReLUFunction.forward": 12,
+                    "end of ConvBatchNormReLUFunction.backward": 12,
+                    "end of ConvBatchNormAddReLUFunction.forward": 8,
+                    "end of ConvBatchNormAddReLUFunction.backward": 8}
+    launches = [r for r in rows if not r[0].startswith("end of ")]
+    assert launches and all(r[0].startswith("launch at ") and ".py:" in r[0] for r in launches)
+    # every gap is one row's and its Function's: the rows add up to the head's total
+    assert abs(sum(float(r[1]) for r in rows) - total) <= 0.001 * len(rows) + 0.011
+    assert (launch_mod.launch, tcb.ConvBatchNormReLUFunction.__dict__["forward"],
+            tcb.ConvBatchNormAddReLUFunction.__dict__["backward"]) == before
