@@ -489,9 +489,9 @@ def groups(names=None, repeats=20):
                     # choice (config.direct_group_channels[_nhwc]): the GEMMs per group where
                     # the direct stencil runs, the direct stencil where the GEMMs run
                     from numbafuse.kernels.cuda import config
-                    direct = x_shape[1] // groups <= (
-                        config.direct_group_channels_nhwc if nhwc
-                        else config.direct_group_channels)      # cuda_grouped._direct
+                    from numbafuse.kernels.conv import cuda_grouped
+                    direct = cuda_grouped._direct(nf.validate.conv_geometry(
+                        "gpu_probe", x.shape, w.shape, stride, pad, 1, layout, groups))
                     keep = config.direct_group_channels, config.direct_group_channels_nhwc
                     config.direct_group_channels = config.direct_group_channels_nhwc = \
                         0 if direct else 1 << 30
