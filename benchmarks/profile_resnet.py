@@ -552,7 +552,7 @@ def main(argv=None):
             # a step of its own, not timed: --replay's copies of the passes' arguments (~100
             # MB of new pages at batch 16, 64x64, which made the first timed step's passes 10x
             # slower and the steps' means ~2x what they are without them); --exclusive's
-            # wrappers' first calls
+            # and --gaps' wrappers' first calls (frames walked, keys made)
             step()
             times.clear()
             counts.clear()
