@@ -2,7 +2,8 @@
 
     python benchmarks/bench_resnet.py [--models resnet18,resnet50] [--batch 16] [--size 64]
                                       [--rounds 3] [--repeats 5] [--threads N] [--weight-cache]
-                                      [--channels-last] [--conv-table FILE] [--markdown FILE]
+                                      [--channels-last] [--fused-sgd] [--conv-table FILE]
+                                      [--markdown FILE]
 
 The model is torchvision's code (``numbafuse/torch/resnet.py``: the same modules, names and
 forward; ``--models`` takes any of its functions, resnext50_32x4d too, and mobilenet.py's
@@ -30,6 +31,11 @@ rounds.
 ``--channels-last``: both sides as a PyTorch user makes a model channels_last: the model
 ``.to(memory_format=torch.channels_last)`` (before ``fuse`` on the numbafuse side, whose
 fused ops then run their NHWC kernels) and the input batch channels_last.
+
+``--fused-sgd``: both sides' SGD is PyTorch's own ``torch.optim.SGD(..., fused=True)`` (one
+pass over each parameter, its gradient and momentum buffer, where the default runs three
+elementwise ops each: a PyTorch feature any model can use; the optimizer is the same on both
+sides either way).
 """
 import argparse
 import importlib.util
@@ -114,7 +120,8 @@ def cases(side, options):
             import numbafuse.torch as nft
             model = nft.fuse(model, recompute=recompute)
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM,
-                              weight_decay=WEIGHT_DECAY)
+                              weight_decay=WEIGHT_DECAY,
+                              **({"fused": True} if options.get("fused_sgd") else {}))
 
         def step(model=model, opt=opt, cached=suffix == CACHED):
             model.train()
@@ -158,6 +165,8 @@ def main(argv=None):
                    help="also time fuse(model) inside numbafuse.torch.weight_cache()")
     p.add_argument("--channels-last", action="store_true",
                    help="both sides' model and input in torch.channels_last")
+    p.add_argument("--fused-sgd", action="store_true",
+                   help="both sides' SGD as torch.optim.SGD(..., fused=True)")
     p.add_argument("--conv-table", default=None,
                    help="plan numbafuse's convs by this measured table (made first if missing)")
     args = p.parse_args(argv)
@@ -170,6 +179,8 @@ def main(argv=None):
         options["threads"] = args.threads
     if args.channels_last:
         options["channels_last"] = 1
+    if args.fused_sgd:
+        options["fused_sgd"] = 1
     best, info = _runner.compare("bench_resnet", ["numbafuse", "torch"], args.rounds,
                                  args.repeats, options, log=lambda s: print(s, file=sys.stderr))
     names = list(best["torch"])
@@ -182,7 +193,9 @@ def main(argv=None):
               f"`fuse(model, recompute=False)` (keeps the conv outputs too, as PyTorch does; "
               f"no conv forward in backward)."
               + (f" Conv plans: the measured table `{args.conv_table}` (`--conv-table`)."
-                 if args.conv_table else ""), "",
+                 if args.conv_table else "")
+              + (" Both sides' SGD `fused=True` (`--fused-sgd`)." if args.fused_sgd else ""),
+              "",
               "| case | numbafuse (fused) ms | PyTorch ms | speed vs PyTorch | "
               "recompute=True ms | its speed vs PyTorch | "
               "recompute=False ms | its speed vs PyTorch"
