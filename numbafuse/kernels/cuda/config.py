@@ -142,11 +142,13 @@ sgd_chunk = 8192     # elements of one parameter per block row of the fused SGD 
 # consecutive channels (a warp: 128 contiguous bytes of float32 a load), its other threads
 # rows of pixels; a power of two
 depthwise_lanes = 32
-# grouped forwards with at most this many input channels a group run the direct stencil
-# (cuda_depthwise's forward) instead of a GEMM per group; 0: a GEMM per group always. GPU run
-# 18 (an H200, gpu_probe.py groups, graph replays, ms, direct / GEMM per group): 4 channels
-# 0.651 / 1.303 NCHW, 0.632 / 1.533 NHWC; 8 (stride 2) 0.638 / 0.889, 0.695 / 0.850; 16
-# 0.567 / 0.821 NCHW but 0.990 / 0.749 NHWC
+# grouped convs with at most this many input channels a group run the direct stencils
+# (cuda_depthwise's forward, and since a8ab719 its dx and dW) instead of a GEMM set per group;
+# 0: a GEMM set per group always. GPU run 18 (an H200, gpu_probe.py groups, graph replays, ms,
+# forward, direct / GEMM per group): 4 channels 0.651 / 1.303 NCHW, 0.632 / 1.533 NHWC; 8
+# (stride 2) 0.638 / 0.889, 0.695 / 0.850; 16 0.567 / 0.821 NCHW but 0.990 / 0.749 NHWC. Run 19,
+# fwd+bwd: direct 3.29 / 3.56 (4 channels), 4.13 / 4.21 (8), 3.30 NCHW (16) against the GEMMs
+# per group's 6.47 / 8.85, 4.36 / 5.28, 3.79; NHWC at 16 not yet timed both ways
 direct_group_channels = 16
 direct_group_channels_nhwc = 8
 

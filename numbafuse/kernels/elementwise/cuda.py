@@ -157,9 +157,10 @@ _COPY_BY_RANK = {1: _copy_strided1, 2: _copy_strided2, 3: _copy_strided3, 4: _co
 
 @cuda.jit(cache=True)
 def _copy_block(src, dst, inner, outer, base, put):
-    # src, dst: flat, C-contiguous. A block of channels is ``rows`` runs of ``inner`` elements,
-    # ``outer`` apart in the whole array, the first at ``base``. put 0: dst (the block, i its
-    # index) = the whole's runs; put 1: the whole's runs (dst) = src (the block)
+    # src, dst: flat, C-contiguous. A block of channels is runs of ``inner`` elements (one an
+    # image in NCHW, one a pixel in NHWC), ``outer`` apart in the whole array, the first at
+    # ``base`` (_channel_runs). put 0: dst (the block, i its index) = the whole's runs; put 1:
+    # the whole's runs (dst) = src (the block)
     n = src.size if put else dst.size
     for i in range(cuda.grid(1), n, cuda.gridsize(1)):
         row = _div(i, inner)
