@@ -146,6 +146,24 @@ def test_choose_keeps_the_rules_pick_within_the_margin():
     assert cpu_table.choose({"a": 1.0, "b": 2.0}, "c", 0.05) == "a"
 
 
+def test_tune_chooses_from_the_timings_its_table_records(monkeypatch):
+    # two algorithms within 0.1 us round to a tie: the table must keep what a reader of its
+    # rounded numbers would choose (CI once saw the fastest before rounding kept instead)
+    g = _geometry(C=16, K=16)
+    ruled = cpu_plan.choose(g, "forward", np.float32, cpu_plan.RULES)
+    a, b = [v for v in cpu_table.variants(g, "forward", np.float32) if v != ruled][:2]
+
+    def measure(geom, pass_, dtype, algorithms=None, repeats=5):
+        ms = {a: 0.01234, b: 0.012336, ruled: 1.0}     # b fastest unrounded, a tie rounded
+        return {v: ms[v] for v in (algorithms or ms)}
+    monkeypatch.setattr(cpu_table, "measure", measure)
+    e = cpu_table.tune({(g, "forward", np.dtype(np.float32))})["entries"][
+        cpu_table.key(g, "forward", np.float32)]
+    first = cpu_table.choose(e["ms"], e["rules"])
+    assert set(e["again_ms"]) == {first, ruled}
+    assert cpu_table.entry_variant(e) == cpu_table.choose(e["again_ms"], e["rules"])
+
+
 def test_tune_times_every_algorithm_and_its_table_round_trips(tmp_path, monkeypatch):
     g = _geometry(C=16, K=16)
     asked = {(g, p, np.dtype(np.float32)) for p in cpu_plan.PASSES}

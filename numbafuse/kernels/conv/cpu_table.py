@@ -176,6 +176,11 @@ def choose(timings, ruled, margin=MARGIN):
     return fastest
 
 
+def _rounded(timings):
+    """``timings`` ({algorithm: ms}) as a table keeps them: to 0.1 us."""
+    return {a: round(ms, 4) for a, ms in timings.items()}
+
+
 def tune(asked, repeats=5, margin=MARGIN, progress=None):
     """A table of the passes in ``asked`` ((geometry, pass, dtype) triples, e.g. from
     :func:`recording`): each pass timed by every algorithm that runs it and each count of
@@ -192,15 +197,18 @@ def tune(asked, repeats=5, margin=MARGIN, progress=None):
         k = key(geom, pass_, dtype)
         if progress is not None:
             progress(i, len(todo), k)
-        timings = measure(geom, pass_, dtype, repeats=repeats)
+        # chosen from the timings as the table records them (rounded), so that a reader of
+        # the table reaches the same choice: two rounded to a tie go the same way for both
+        timings = _rounded(measure(geom, pass_, dtype, repeats=repeats))
         ruled = cpu_plan.choose(geom, pass_, dtype, cpu_plan.RULES)
         chosen = choose(timings, ruled, margin)
-        entry = {"rules": ruled, "ms": {a: round(ms, 4) for a, ms in timings.items()}}
+        entry = {"rules": ruled, "ms": timings}
         if chosen != ruled:
             # timed again, the two alone: a pass slowed by something else running (another
             # process, a page fault) must not move the plan off the rules
-            again = measure(geom, pass_, dtype, algorithms=(ruled, chosen), repeats=repeats)
-            entry["again_ms"] = {a: round(ms, 4) for a, ms in again.items()}
+            again = _rounded(measure(geom, pass_, dtype, algorithms=(ruled, chosen),
+                                     repeats=repeats))
+            entry["again_ms"] = again
             chosen = choose(again, ruled, margin)
         algorithm, blocks = parse(chosen)
         entry["algorithm"] = algorithm
