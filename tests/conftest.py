@@ -74,6 +74,35 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+# A test that needs PyTorch runs in one CI leg only: .ci/run's torch leg, which selects
+# ``-m torch``; the other legs have no torch and skip it. Unmarked, it is skipped in the legs
+# without torch and deselected in the one with it: it never runs (until 2026-12-04 the
+# compiled launches on PyTorch's team, tests/test_native_launch.py, and
+# tests/test_profile_resnet.py were such). So a skip for want of torch fails a test without the
+# marker. (A module that skips at import: tests/test_markers.py reads its source.)
+TORCH_SKIP_WORDS = ("'torch'", "PyTorch is not installed")
+
+
+def unmarked_torch_skip(item, skipped):
+    """Why the test ``item``, skipped with the exception ``skipped``, fails instead: it was
+    skipped for want of PyTorch and has no ``torch`` marker; else None."""
+    if item.get_closest_marker("torch") is not None:
+        return None
+    if not any(w in str(skipped) for w in TORCH_SKIP_WORDS):
+        return None
+    return (f"{item.nodeid} needs PyTorch ({skipped}) but is not marked torch: no CI leg "
+            "would run it (mark it pytest.mark.torch)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if report.skipped and call.excinfo is not None:
+        why = unmarked_torch_skip(item, call.excinfo.value)
+        if why is not None:
+            report.outcome, report.longrepr = "failed", why
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -12,6 +12,8 @@ pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'numb
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import ab_rules  # noqa: E402
 
+pytestmark = pytest.mark.torch
+
 
 def test_variants_and_sites_parse_as_written():
     assert ab_rules.parse_variant("off: pointwise_chunked_pixels=0, shared_backward=False") == (

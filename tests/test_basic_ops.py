@@ -277,6 +277,7 @@ def test_max_pool2d_with_padding_matches_the_reference(shape, k, stride, padding
                                                                padding), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("shape, k, stride, padding", POOL_PADDED)
 def test_max_pool2d_with_padding_is_pytorchs_bit_for_bit(shape, k, stride, padding, layout):

@@ -112,6 +112,7 @@ def test_tapwise_dx_matches_the_reference(monkeypatch, case, layout):
         np.testing.assert_allclose(got, want, **TOL[np.float32])
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("case", [CASES[1], CASES[0]])     # K = 100: OpenBLAS; 40: the tiles
 def test_tapwise_scaled_epilogue_and_the_weight_cache(layout, case):

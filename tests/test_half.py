@@ -380,6 +380,7 @@ def _within_one_ulp(a, b, what):
     assert (diff <= ulp * 1.001).all(), f"{what}: {diff.max()} > 1 ulp"
 
 
+@pytest.mark.torch
 def test_half_agrees_with_pytorch():
     """As PyTorch on the CPU (float16 x, float32 batch-norm parameters and running
     statistics, float32 arithmetic): y and dx within one half ulp, dgamma, dbeta and the

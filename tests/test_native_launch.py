@@ -94,7 +94,7 @@ def _spy(monkeypatch, cls, python_name):
     return calls
 
 
-@pytest.fixture(params=["torch-openmp", "own-pool"])
+@pytest.fixture(params=[pytest.param("torch-openmp", marks=pytest.mark.torch), "own-pool"])
 def where(request, monkeypatch):
     """numbafuse on 2 threads, on PyTorch's team (torch on 2 threads) or on its own pool; the
     calls that reach it counted by kind."""

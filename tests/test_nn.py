@@ -494,6 +494,7 @@ def test_sgd_bad_arguments(kwargs, match):
         optim.SGD([np.ones(1)], lr=0.1)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("groups, C, K", [(2, 4, 6), (4, 4, 8)])    # grouped; depthwise x2
 def test_grouped_layers_match_torch(rng, layout, groups, C, K):

@@ -12,6 +12,8 @@ pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'numb
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_resnet  # noqa: E402
 
+pytestmark = pytest.mark.torch
+
 
 def test_host_rows_split_each_function_into_launches_and_the_rest(capsys):
     profile_resnet.main(["--host", "--batch", "2", "--size", "32", "--steps", "1",
