@@ -22,10 +22,11 @@ recorded arrays, and the fused backward's time includes autograd's engine (the l
 gradients are set to None before each, as in a training step).
 
 Before timing, each replay is checked: every float array the call allocated is filled with
-NaN again, the replay run once, and each must come back bit for bit as the call left it; an
-array that does not was written by something the recording missed (a compiled step not in
-``STEPS``, NumPy arithmetic between launches), and the script stops. (An array computed in
-Python from the inputs and not allocated by these three is not seen: the replay reuses it.)
+NaN again, the replay run once, and each must come back bit for bit as the call left it; the
+table counts those that do not ("not rewritten"): written by something the recording does
+not see (NumPy work between launches, such as the batch norm's shift copied into its
+spread rows, or a compiled step not in ``STEPS``), which the replay leaves out. (An array
+made in Python by other means is not seen at all: the replay reuses it as it was.)
 """
 import argparse
 import contextlib
@@ -116,20 +117,20 @@ def replayer(steps):
     return replay
 
 
-def check(steps, replay, what):
-    """Each float array the recorded call allocated, NaN-filled, comes back from one replay
-    as the call left it (module docstring); a SystemExit naming the first that does not."""
+def check(steps, replay):
+    """(arrays checked, arrays not rewritten): each float array the recorded call allocated,
+    NaN-filled, run through one replay and compared bit for bit with what the call left in it
+    (module docstring)."""
     arrays = [s[1] for s in steps if s[0] == "alloc" and not s[2]
               and s[1].dtype.kind == "f" and s[1].size]
     kept = [a.copy() for a in arrays]
     for a in arrays:
         a[...] = np.nan
     replay()
-    for i, (a, k) in enumerate(zip(arrays, kept)):
-        if not np.array_equal(a, k, equal_nan=True):
-            raise SystemExit(f"replay_floor: the {what} replay did not rewrite array {i} "
-                             f"{a.shape} {a.dtype}: a step the recording missed")
-    return len(arrays)
+    missed = [a for a, k in zip(arrays, kept) if not np.array_equal(a, k, equal_nan=True)]
+    for a, k in zip(arrays, kept):
+        a[...] = k
+    return len(arrays), len(missed)
 
 
 def main(argv=None):
@@ -176,8 +177,8 @@ def main(argv=None):
     with recording(backward):
         y.backward(dy)
     replays = {"forward": replayer(forward), "backward": replayer(backward)}
-    checked = {d: check(s, replays[d], d) for d, s in (("forward", forward),
-                                                        ("backward", backward))}
+    checked = {d: check(s, replays[d]) for d, s in (("forward", forward),
+                                                     ("backward", backward))}
 
     def fused(direction):
         t = 0.0
@@ -213,17 +214,21 @@ def main(argv=None):
     print(f"{'Conv-BN-ReLU' if args.op == 'cbr' else 'Conv-BN-Add-ReLU'}, 3x3/{st} {C} -> {C} "
           f"at {S}x{S}, batch {N}, recompute={args.recompute}, {torch.get_num_threads()} "
           f"torch threads; us a call, best / median of {args.rounds} rounds of {args.calls}\n")
-    print("| direction | recorded: launches, steps, arrays (checked) | fused | replay "
-          "| fused less replay |\n|---|---|---:|---:|---:|")
+    print("| direction | recorded: launches, steps, arrays (checked, not rewritten) | fused "
+          "| replay | fused less replay |\n|---|---|---:|---:|---:|")
     for d, steps in (("forward", forward), ("backward", backward)):
         launches = sum(1 for s in steps if s[0] != "alloc" and s[0].__name__ == "launch")
         calls = sum(1 for s in steps if s[0] != "alloc") - launches
         arrays = sum(1 for s in steps if s[0] == "alloc")
         f, r = times[d, "fused"], times[d, "replay"]
-        print(f"| {d} | {launches}, {calls}, {arrays} ({checked[d]}) "
+        print(f"| {d} | {launches}, {calls}, {arrays} ({checked[d][0]}, {checked[d][1]}) "
               f"| {min(f) * 1e6:.1f} / {statistics.median(f) * 1e6:.1f} "
               f"| {min(r) * 1e6:.1f} / {statistics.median(r) * 1e6:.1f} "
               f"| {(min(f) - min(r)) * 1e6:.1f} |")
+    if any(missed for _, missed in checked.values()):
+        print("\nNot rewritten: arrays the call wrote with something the recording does not "
+              "see (NumPy work between launches, a compiled step not in STEPS); the replay "
+              "leaves that work out, so it reads low by its time.")
     return 0
 
 
