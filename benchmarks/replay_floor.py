@@ -10,14 +10,14 @@ training, 3x3, padding 1, float32, NCHW, on random tensors. One forward and one 
 compiled steps the drivers make between launches from Python (``STEPS``: statistics merges,
 running-statistics updates, per-channel values, the backward's coefficients), and every
 array the call allocates (the output cache's, ``np.empty``'s, ``np.zeros``'s; float ones
-filled with NaN as they are made). Then, in
-alternating rounds, the fused call is timed against its *replay*: the same output-cache
-requests made again, each ``np.zeros`` array zeroed again, the recorded calls made again in
-order, on the recorded arrays. The replay runs every kernel and each launch's own Python
-(threads, the native entry), and none of the layers between them: the torch layer's checks,
-views and records, the ops layer, the drivers' plans and views. That is what a prepared call
-(docs/architecture.md, "Next: a prepared call") would still do, less the views of a new
-call's tensors it would have to make. A floor, not a result: the replay computes on the
+filled with NaN as they are made). Then, in alternating rounds, the fused call is timed
+against its *replay*: the same output-cache requests made again, each ``np.zeros`` array
+zeroed again, the recorded calls made again in order, on the recorded arrays. The replay
+runs every kernel and each launch's own Python (threads, the native entry), and none of the
+layers between them: the torch layer's checks, views and records, the ops layer, the
+drivers' plans and views. That is what a prepared call (docs/architecture.md, "Next: a
+prepared call") would still do, less the views of a new call's tensors it would have to
+make. A floor, not a result: the replay computes on the
 recorded arrays, and the fused backward's time includes autograd's engine (the leaves'
 gradients are set to None before each, as in a training step).
 
