@@ -89,16 +89,28 @@ def _wrap_launches(times, counts):
             if depth[0] == 0:
                 times["(outermost launches)"] += dt
 
-    patched = [m for m in list(sys.modules.values())
-               if getattr(m, "__name__", "").startswith("numbafuse")
-               and getattr(m, "launch", None) is original]
-    for m in patched:
-        m.launch = timed
+    return replace_in_numbafuse(lambda name, value: value is original, lambda value: timed)
 
-    def undo():
-        for m in patched:
-            m.launch = original
-    return undo
+
+def replace_in_numbafuse(pick, make):
+    """Set each attribute of the imported numbafuse modules for which ``pick(name, value)``
+    holds to ``make(value)`` (made once a value: a function imported into several modules
+    gets one replacement); returns the undo."""
+    made, undo = {}, []
+    for m in list(sys.modules.values()):
+        if not getattr(m, "__name__", "").startswith("numbafuse"):
+            continue
+        for name, value in list(vars(m).items()):
+            if pick(name, value):
+                if id(value) not in made:
+                    made[id(value)] = make(value)
+                setattr(m, name, made[id(value)])
+                undo.append((m, name, value))
+
+    def restore():
+        for m, name, value in reversed(undo):
+            setattr(m, name, value)
+    return restore
 
 
 def _wrap_conv_passes(times, counts, captured=None):
@@ -272,11 +284,8 @@ def _wrap_gaps(times, counts):
             if outer:
                 state["last"] = time.perf_counter()
 
-    patched = [m for m in list(sys.modules.values())
-               if getattr(m, "__name__", "").startswith("numbafuse")
-               and getattr(m, "launch", None) is original]
-    for m in patched:
-        m.launch = timed
+    undo_launches = replace_in_numbafuse(lambda name, value: value is original,
+                                         lambda value: timed)
     saved = []
     for cls in (tcb.ConvBatchNormReLUFunction, tcb.ConvBatchNormAddReLUFunction):
         for name in ("forward", "backward"):
@@ -298,8 +307,7 @@ def _wrap_gaps(times, counts):
     def undo():
         for cls, name, method in saved:
             setattr(cls, name, method)
-        for m in patched:
-            m.launch = original
+        undo_launches()
     return undo
 
 

@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+from profile_resnet import replace_in_numbafuse
+
 # compiled steps the drivers call from Python between launches (module attribute names)
 STEPS = ("merge_stats", "_update_running", "channel_values", "spread_in_place",
          "finalize_stats", "finalize_backward", "channel_totals")
@@ -63,14 +65,11 @@ def recording(steps):
                 depth[0] -= 1
         return recorded
 
-    undo, launch = [], launch_mod.launch
-    for m in list(sys.modules.values()):
-        if not getattr(m, "__name__", "").startswith("numbafuse"):
-            continue
-        for name, value in list(vars(m).items()):
-            if value is launch or (name in STEPS and isinstance(value, Dispatcher)):
-                setattr(m, name, wrap(value))
-                undo.append((m, name, value))
+    launch = launch_mod.launch
+    undo_calls = replace_in_numbafuse(
+        lambda name, value: value is launch or (name in STEPS and isinstance(value, Dispatcher)),
+        wrap)
+    undo = []
 
     def allocator(make, zeroed, from_cache):
         def alloc(*args, **kwargs):
@@ -98,6 +97,7 @@ def recording(steps):
     finally:
         for owner, name, value in reversed(undo):
             setattr(owner, name, value)
+        undo_calls()
 
 
 def replayer(steps):
