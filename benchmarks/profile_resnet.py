@@ -49,7 +49,9 @@ between events (the Function's start, each outermost launch's start and end, its
 gap added to the event it ends at: a launch by the chain of numbafuse frames that made it
 (file:line(function), innermost first), or the Function's end; one clock read an event and no
 other wrapper, so the step runs as unwrapped. ``--threads N``: torch's and numbafuse's
-threads (default: torch's own count).
+threads (default: torch's own count). The numbafuse side is profiled with prepared calls off
+(``NUMBAFUSE_PREPARED=0``'s layered path, ``kernels/cpu/recorded.py``): a prepared call
+replays the launches it recorded, past every wrapper here.
 """
 import argparse
 import collections
@@ -95,8 +97,12 @@ def _wrap_launches(times, counts):
 def replace_in_numbafuse(pick, make):
     """Set each attribute of the imported numbafuse modules for which ``pick(name, value)``
     holds to ``make(value)`` (made once a value: a function imported into several modules
-    gets one replacement); returns the undo."""
-    made, undo = {}, []
+    gets one replacement); returns the undo. Prepared calls are off meanwhile: they replay
+    the functions they recorded, past any name replaced here (``kernels/cpu/recorded.py``),
+    so what is measured through the replacements is the layered path."""
+    from numbafuse.kernels.cpu import recorded
+    made, undo, enabled = {}, [], recorded.ENABLED
+    recorded.ENABLED = False
     for m in list(sys.modules.values()):
         if not getattr(m, "__name__", "").startswith("numbafuse"):
             continue
@@ -110,6 +116,7 @@ def replace_in_numbafuse(pick, make):
     def restore():
         for m, name, value in reversed(undo):
             setattr(m, name, value)
+        recorded.ENABLED = enabled
     return restore
 
 
@@ -543,6 +550,8 @@ def main(argv=None):
         for name in sorted(times):
             print(f"| {name} | {times[name] / counts[name] * 1e3:.2f} | {counts[name] / n:g} |")
         return
+    from numbafuse.kernels.cpu import recorded
+    recorded.ENABLED = False             # (the wrappers see the layered path: module docstring)
     bare = 0.0
     if args.exclusive:                   # the step unwrapped first, to set the wrapped beside
         t0 = time.perf_counter()

@@ -8,7 +8,8 @@ One process, numbafuse.torch's Conv-BN-ReLU (``cbr``) or Conv-BN-Add-ReLU (``cba
 training, 3x3, padding 1, float32, NCHW, on random tensors. One forward and one backward are
 *recorded*: every outermost ``launch`` (kernel, task count, arguments), every call of the
 compiled steps the drivers make between launches from Python (``STEPS``: statistics merges,
-running-statistics updates, per-channel values, the backward's coefficients), and every
+running-statistics updates, per-channel values, the backward's coefficients, and every
+``recorded.step``, the NumPy copies between launches among them), and every
 array the call allocates (the output cache's, ``np.empty``'s, ``np.zeros``'s; float ones
 filled with NaN as they are made). Then, in alternating rounds, the fused call is timed
 against its *replay*: the same output-cache requests made again, each ``np.zeros`` array
@@ -38,8 +39,9 @@ import numpy as np
 
 from profile_resnet import replace_in_numbafuse
 
-# compiled steps the drivers call from Python between launches (module attribute names)
-STEPS = ("merge_stats", "_update_running", "channel_values", "spread_in_place",
+# compiled steps the drivers call from Python between launches (module attribute names;
+# "step": kernels/cpu/recorded.step, through which the drivers call them and their copies)
+STEPS = ("step", "merge_stats", "_update_running", "channel_values", "spread_in_place",
          "finalize_stats", "finalize_backward", "channel_totals")
 
 
@@ -65,10 +67,11 @@ def recording(steps):
                 depth[0] -= 1
         return recorded
 
-    launch = launch_mod.launch
+    from numbafuse.kernels.cpu import recorded
+    launch, step = launch_mod.launch, recorded.step
     undo_calls = replace_in_numbafuse(
-        lambda name, value: value is launch or (name in STEPS and isinstance(value, Dispatcher)),
-        wrap)
+        lambda name, value: value is launch
+        or (name in STEPS and (isinstance(value, Dispatcher) or value is step)), wrap)
     undo = []
 
     def allocator(make, zeroed, from_cache):

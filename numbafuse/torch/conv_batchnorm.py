@@ -279,8 +279,9 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
         layout = geometry.layout
         wa = as_array(w)
         with launch_order(device), vouched(wa, w, p, weight, bias, running_mean, running_var):
-            y, call, saved = _cbn.forward(_cbn.OP, p, as_array(x, layout), wa,
-                                          as_array(weight), as_array(bias), checked=checked)
+            y, call, saved = _prepared.core(device, x.dtype, _cbn.forward, _cbn.OP, p,
+                                            as_array(x, layout), wa, as_array(weight),
+                                            as_array(bias), checked)
         kept = save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight, beta=bias), device)
         if p.training and running_mean is not None:
             updated_in_place(running_mean, running_var)
@@ -294,9 +295,9 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
         d, layout = ctx.device, ctx.p.layout
         saved, w = restore(ctx), ctx.saved_tensors[ctx.names.index("w")]
         with launch_order(d), vouched(saved["w"], w, ctx.p):
-            dx, dw, dweight, dbias = _cbn.backward(ctx.p, ctx.call, saved,
-                                                   as_array(dy, layout),
-                                                   tuple(ctx.needs_input_grad[:4]))
+            dx, dw, dweight, dbias = _prepared.core(d, dy.dtype, _cbn.backward, ctx.p,
+                                                    ctx.call, saved, as_array(dy, layout),
+                                                    tuple(ctx.needs_input_grad[:4]))
         return (as_tensor(dx, d, layout), as_weight_grad(dw, w, d), as_tensor(dweight, d),
                 as_tensor(dbias, d)) + (None,) * 6
 
@@ -397,10 +398,10 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
         layout = geometry.layout                      # NHWC for a channels_last x
         wa = as_array(w)
         with launch_order(device), vouched(wa, w, p, weight, bias, running_mean, running_var):
-            y, call, saved = _cbn.add_forward(_cbn.ConvBatchNormAddReLU.name, p,
-                                              as_array(x, layout), wa,
-                                              as_array(z, layout), as_array(weight),
-                                              as_array(bias), checked=checked)
+            y, call, saved = _prepared.core(device, x.dtype, _cbn.add_forward,
+                                            _cbn.ConvBatchNormAddReLU.name, p,
+                                            as_array(x, layout), wa, as_array(z, layout),
+                                            as_array(weight), as_array(bias), checked)
         save(ctx, p, call, saved, dict(x=x, w=w, gamma=weight), device)
         if p.training and running_mean is not None:
             updated_in_place(running_mean, running_var)
@@ -413,9 +414,10 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
         d, layout = ctx.device, ctx.p.layout
         saved, w = restore(ctx), ctx.saved_tensors[ctx.names.index("w")]
         with launch_order(d), vouched(saved["w"], w, ctx.p):
-            dx, dw, dz, dweight, dbias = _cbn.add_backward(ctx.p, ctx.call, saved,
-                                                           as_array(dy, layout),
-                                                           tuple(ctx.needs_input_grad[:5]))
+            dx, dw, dz, dweight, dbias = _prepared.core(d, dy.dtype, _cbn.add_backward,
+                                                        ctx.p, ctx.call, saved,
+                                                        as_array(dy, layout),
+                                                        tuple(ctx.needs_input_grad[:5]))
         return (as_tensor(dx, d, layout), as_weight_grad(dw, w, d), as_tensor(dz, d, layout),
                 as_tensor(dweight, d), as_tensor(dbias, d)) + (None,) * 6
 

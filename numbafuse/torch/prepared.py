@@ -27,6 +27,8 @@ unfused ops: 10); the Conv-BN-ReLU forward 183 -> 166 us in training, 139 -> 123
 """
 import torch
 
+from ..kernels.conv import cpu_plan as _cpu_plan, weights as _weights
+from ..kernels.cpu import launch as _launch, recorded as _recorded
 from ..ops import batchnorm as _bn
 from .bridge import FLOAT_DTYPES
 
@@ -108,3 +110,15 @@ def batchnorm_add_relu(layout, x, z, weight, bias, running_mean, running_var, ep
         arrays[0], arrays[1] = (a.transpose(0, 2, 3, 1) for a in arrays[:2])
     y = torch.from_numpy(_bn.cpu_forward(*arrays, False, 0.0, float(eps), layout, False)[0])
     return y.permute(0, 3, 1, 2) if layout == "NHWC" else y
+
+
+def core(device, dtype, fn, *args):
+    """``fn(*args)``, a tape-free core of the ops layer (``ops.conv_batchnorm.forward``,
+    ``backward``, ``add_forward``, ``add_backward``) on the arrays of a call's tensors: on
+    CPU float32 or float64 tensors, with the weight cache off, a prepared call
+    (``kernels/cpu/recorded.py``: its launches recorded for the call's signature and
+    replayed, the same bits without the host path that chose them; its signature includes
+    the conv rules in force, ``kernels.conv.cpu_plan.using``); else as it is."""
+    if device.type != "cpu" or dtype not in FLOAT_DTYPES or _weights.is_enabled():
+        return fn(*args)
+    return _recorded.call(fn, args, (_launch.num_threads(), _cpu_plan.current_rules()))

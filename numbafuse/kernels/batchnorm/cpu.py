@@ -45,7 +45,7 @@ from ..cpu.launch import launch, task_kernel
 from . import math as bm
 from .math import BITS, STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from .. import scalar
-from ..scalar import cpu_scalar
+from ..cpu import recorded as _rec
 from .cpu_running import inference_stats, update_running  # noqa: F401
 from .cpu_channels import (channel_totals, channel_values, finalize_backward, finalize_stats,
                            fold_sums)
@@ -81,11 +81,11 @@ FLAT_CHUNK = 1 << 17
 REDUCE_FASTMATH = {"reassoc", "contract"}
 
 
-_relu = cpu_scalar(scalar.relu)
-_normalize_affine = cpu_scalar(bm.normalize_affine)
-_mask_bit = cpu_scalar(bm.mask_bit)
-_gate = cpu_scalar(bm.gate)
-_input_grad = cpu_scalar(bm.input_grad)
+_relu = scalar.cpu_scalar(scalar.relu)
+_normalize_affine = scalar.cpu_scalar(bm.normalize_affine)
+_mask_bit = scalar.cpu_scalar(bm.mask_bit)
+_gate = scalar.cpu_scalar(bm.gate)
+_input_grad = scalar.cpu_scalar(bm.input_grad)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -473,7 +473,7 @@ def _bwd_apply_nhwc(t0, t1, gy2, x2, vals, coefs, flags, y2, mask, rows_per_task
 def _shift(x, layout, C):
     """One value of each channel (its first), as the float64 shift of the accumulation."""
     first = x[0, :, 0, 0] if layout == "NCHW" else x[0, 0, 0, :]   # (C,)
-    return np.ascontiguousarray(first, dtype=np.float64)
+    return _rec.copy(np.empty(C), first)
 
 
 def stats(x, layout, eps):
@@ -492,7 +492,7 @@ def stats(x, layout, eps):
         launch(_stats_nhwc, partials.shape[0], v.rows(x), v.spread(shift[None])[0], rows,
                v.rep, partials, work=x.size, parallel_min=PARALLEL_MIN)
     out = np.empty((3, C))                                        # mean, var, invstd
-    finalize_stats(partials, v.m, shift, float(N * HW), float(eps), out[0], out[1], out[2])
+    _rec.step(finalize_stats, partials, v.m, shift, float(N * HW), float(eps), *out)
     return out[0], out[1], out[2]
 
 
@@ -538,7 +538,7 @@ def _values(mean, invstd, gamma, beta, v, dtype):
     """(4, L) in ``dtype``: rows mean_hi, mean_lo, scale, beta (see channel_values), laid
     along the rows of the view ``v``."""
     out = np.empty((4, v.m * v.rep * mean.shape[0]), dtype)
-    channel_values(mean, invstd, gamma, beta, 1, out)
+    _rec.step(channel_values, mean, invstd, gamma, beta, 1, out)
     return v.fill(out)
 
 
@@ -619,14 +619,14 @@ def backward(gy, x, mean, invstd, gamma, state_kind, state, layout, training, ne
         partials = np.zeros((1, 2, C))
     # (an empty rank's count is 0: its own coefficients are replaced below, and ggamma,
     # gbeta do not depend on the count)
-    finalize_backward(partials, pm, gamma, invstd, count or 1.0, bool(training), grads[0],
-                       grads[1], coefs, 1)
+    _rec.step(finalize_backward, partials, pm, gamma, invstd, count or 1.0, bool(training),
+              grads[0], grads[1], coefs, 1)
     if sync is not None:            # the dx coefficients from the global sums and count
         local = np.empty((2, C))
-        channel_totals(partials, pm, local)
+        _rec.step(channel_totals, partials, pm, local)
         total, count = sync(local)                                # (2, C) float64
-        finalize_backward(total[None], 1, gamma, invstd, float(count), bool(training),
-                           np.empty(C, dtype), np.empty(C, dtype), coefs, 1)
+        _rec.step(finalize_backward, total[None], 1, gamma, invstd, float(count),
+                  bool(training), np.empty(C, dtype), np.empty(C, dtype), coefs, 1)
     v.fill(coefs)                                                 # (3, L) | (3, C)
     gx = None
     if (need_gx or (need_gz and not g_written)) and x.size:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..cpu import recorded as _rec
 from .cpu_channels import spread_in_place
 
 
@@ -41,7 +42,7 @@ class RowView(NamedTuple):
         """``out`` (k, m*rep*C), its columns [0, C) per-channel values, laid along a row in
         place: tiled m times (NHWC) or each value repeated rep times (flat NCHW)."""
         if self.m > 1 or self.rep > 1:
-            spread_in_place(out, self.m, self.rep, self.C)
+            _rec.step(spread_in_place, out, self.m, self.rep, self.C)
         return out
 
     def spread(self, rows):
@@ -50,7 +51,7 @@ class RowView(NamedTuple):
         if self.m == 1 and self.rep == 1:
             return rows
         out = np.empty((rows.shape[0], self.m * self.rep * self.C), rows.dtype)
-        out[:, :self.C] = rows
+        _rec.copy(out[:, :self.C], rows)
         return self.fill(out)
 
 

@@ -4,6 +4,7 @@ re-exported by ``kernels/batchnorm/cpu.py``)."""
 import numpy as np
 from numba import njit
 
+from ..cpu import recorded as _rec
 from . import math as bm
 from ..scalar import cpu_scalar
 
@@ -33,8 +34,8 @@ def inference_stats(running_mean, running_var, eps):
     """(mean, invstd) float64 (C,) from the running statistics."""
     C = running_mean.shape[0]
     mean, invstd = np.empty(C), np.empty(C)
-    _inference_stats(np.ascontiguousarray(running_mean), np.ascontiguousarray(running_var),
-                     float(eps), mean, invstd)
+    _rec.step(_inference_stats, np.ascontiguousarray(running_mean),
+              np.ascontiguousarray(running_var), float(eps), mean, invstd)
     return mean, invstd
 
 
@@ -42,7 +43,7 @@ def update_running(running_mean, running_var, mean, var, count, momentum):
     """In place: r_mean = (1-m) r_mean + m mean, r_var = (1-m) r_var + m var*M/(M-1)."""
     rm = np.ascontiguousarray(running_mean)
     rv = np.ascontiguousarray(running_var)
-    _update_running(rm, rv, mean, var, float(count), float(momentum))
+    _rec.step(_update_running, rm, rv, mean, var, float(count), float(momentum))
     if rm is not running_mean:   # a strided view: write the values back through it
         running_mean[...] = rm
     if rv is not running_var:

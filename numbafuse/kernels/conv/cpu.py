@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..cpu import blas as _blas, gemm_taps as _gemm_taps
+from ..cpu import blas as _blas, gemm_taps as _gemm_taps, recorded as _rec
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import blocks, concurrently, launch, launch_all
 from . import cpu_plan
@@ -188,7 +188,7 @@ def forward_stats(x, w, geom, eps):
         return None
     h, parts, counts = _forward_epilogue(x, w, geom, plan, _epi.EPI_STATS)
     mean, var, invstd = np.empty((3, geom.K))
-    _epi.merge_stats(parts, counts, float(eps), mean, var, invstd)
+    _rec.step(_epi.merge_stats, parts, counts, float(eps), mean, var, invstd)
     return h, mean, var, invstd
 
 
@@ -202,7 +202,7 @@ def _scales(algorithm, geom, z=False):
 
 def _bias_scale(b, scale):
     """The Winograd output transform's (2K,): b, then ``scale`` (ones where None)."""
-    return np.concatenate((b, np.ones_like(b) if scale is None else scale))
+    return _rec.joined(b, 1 if scale is None else scale)
 
 
 def forward_scaled(x, w, values, geom, relu, z=None):
@@ -229,9 +229,9 @@ def forward_bn_sums(x, w, geom, dy, mean, invstd, gamma, beta):
     plan = _bn_epilogue(geom, x.dtype, True)
     if plan is None:
         return None
-    m = _epi.tiles(geom.K)
+    m, shift = _epi.tiles(geom.K), gamma if beta is None else beta
     values = np.empty((4, m * geom.K), x.dtype)                   # batch norm's, tiled
-    _bn_cpu.channel_values(mean, invstd, gamma, gamma if beta is None else beta, m, values)
+    _rec.step(_bn_cpu.channel_values, mean, invstd, gamma, shift, m, values)
     g = _out.empty(geom.y_shape, x.dtype)
     h, parts, _ = _forward_epilogue(x, w, geom, plan, _epi.EPI_BN_SUMS, ev=values, dg=(dy, g),
                                     affine=beta is not None)

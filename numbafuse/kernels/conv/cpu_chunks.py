@@ -15,6 +15,7 @@ import functools
 import numpy as np
 from numba import njit
 
+from ..cpu import recorded as _rec
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import blocks, launch, task_kernel
 from ..scalar import cpu_scalar, relu_grad as _relu_grad_math
@@ -221,7 +222,8 @@ def phase_weights(w, rows, cols, nhwc):
     two axes. One gather of w by an index made once per shape and phases (a small map's
     backward spent ~8 us of host time here, slicing w phase by phase)."""
     index, offs = _phase_index(tuple(w.shape), tuple(rows), tuple(cols), bool(nhwc))
-    return w.reshape(-1).take(index), offs
+    out = np.empty(index.shape, w.dtype)                   # (a gather: a prepared call's step)
+    return _rec.step(np.take, w.reshape(-1), index, None, out), offs
 
 
 @functools.lru_cache(maxsize=256)

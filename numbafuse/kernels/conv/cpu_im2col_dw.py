@@ -6,7 +6,7 @@ slab's dW = g @ cols does; without slab (a stem) ``gathers_dw`` says where g is 
 first so that dW^T = cols @ g^T does too."""
 import numpy as np
 
-from ..cpu import blas as _blas
+from ..cpu import blas as _blas, recorded as _rec
 from ..cpu.launch import task_kernel
 from ..cpu.transpose import ROWS as _ROWS, transpose_rows
 from .cpu_chunks import block_len, chunk, gated_chw, gated_hwc
@@ -167,5 +167,6 @@ def in_w_order(cols, taps, C):
     of each reordering its block of dW (ResNet-18's l4 3x3 512 at 2x2, batch 16: 1.2 MB moved
     once instead of 9.4 MB)."""
     out = np.empty_like(cols)
-    transpose_rows(cols.reshape(cols.shape[0], taps, C), out.reshape(cols.shape[0], C, taps))
+    _rec.step(transpose_rows, cols.reshape(cols.shape[0], taps, C),
+              out.reshape(cols.shape[0], C, taps))
     return out

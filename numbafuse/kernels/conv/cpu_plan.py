@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..cpu import recorded as _recorded
 from . import cpu_implicit as _implicit
 from . import cpu_plan_table as _ptable
 from .cpu_rules import RULES, Rules
@@ -396,6 +397,7 @@ def use_table(table):
     """Plan by ``table`` (from :func:`read_table`, or None: no table) from now on."""
     _ptable.use(table)
     _PLANS.clear()                       # plans made by the previous table
+    _recorded.clear()                    # and the prepared calls that followed them
 
 
 def _measured(geom, pass_, dtype):

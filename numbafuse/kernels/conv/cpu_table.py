@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from ..cpu import launch
+from ..cpu import launch, recorded as _recorded
 from . import cpu, cpu_plan
 
 ENV = cpu_plan.TABLE_ENV
@@ -70,14 +70,17 @@ def use(table):
 @contextlib.contextmanager
 def recording():
     """Collect the (geometry, pass, dtype) that the plans made inside the block are asked
-    for, under the default rules (a set, yielded)."""
+    for, under the default rules (a set, yielded). Prepared calls are off within: a replay
+    asks no plan (``kernels/cpu/recorded.py``)."""
     asked = set()
     cpu_plan._RECORDING.append(asked)
     cpu_plan._PLANS.clear()              # memoised plans would not ask again
+    enabled, _recorded.ENABLED = _recorded.ENABLED, False
     try:
         yield asked
     finally:
         cpu_plan._RECORDING.remove(asked)
+        _recorded.ENABLED = enabled
 
 
 def variants(geom, pass_, dtype):

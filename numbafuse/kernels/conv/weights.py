@@ -36,12 +36,19 @@ import contextlib
 import contextvars
 import weakref
 
+from ..cpu import recorded as _recorded
+
 MAX_BYTES = 256 << 20          # derived arrays kept in all (ResNet-18's weights: 45 MB)
 
 _ENABLED = contextvars.ContextVar("numbafuse_conv_weight_cache", default=False)
 _VOUCHED = contextvars.ContextVar("numbafuse_conv_vouched_weights", default=())
 _CACHE = {}                    # (address, shape, dtype, kind) -> (owner refs, versions, value)
 _stats = {"hits": 0, "misses": 0, "bytes": 0, "refused": 0}
+
+
+def is_enabled():
+    """Whether :func:`vouch` caches in this thread and context (:func:`enabled`)."""
+    return _ENABLED.get()
 
 
 @contextlib.contextmanager
@@ -106,6 +113,9 @@ def _vouched(w):
     address = getattr(getattr(w, "ctypes", None), "data", None)
     for a, shape, dtype, refs, versions in vouched:
         if a == address and shape == w.shape and dtype == w.dtype.str:
+            # a call recorded for a prepared call would replay a hit's arrays of an earlier
+            # weight as constants (kernels/cpu/recorded.py): it stays layered
+            _recorded.taint("the weight cache")
             return refs, versions
     return None
 

@@ -8,6 +8,8 @@ import weakref
 
 import numpy as np
 
+from . import recorded as _recorded
+
 
 class _Block:
     """A run of a segment's bytes: free, or ``used``: handed out as an owner array (the base
@@ -123,7 +125,13 @@ class OutputCache:
         self._lock = threading.Lock()
 
     def empty(self, shape, dtype):
-        """An uninitialised C-contiguous array of ``shape`` and ``dtype``."""
+        """An uninitialised C-contiguous array of ``shape`` and ``dtype`` (one of the call's
+        allocations while a prepared call is recorded: ``recorded.py``)."""
+        if _recorded.ACTIVE:
+            return _recorded.allocated(False, self._empty, shape, dtype)
+        return self._empty(shape, dtype)
+
+    def _empty(self, shape, dtype):
         dtype = np.dtype(dtype)
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
         nbytes = math.prod(shape) * dtype.itemsize

@@ -56,7 +56,7 @@ import sys
 import threading
 import time
 
-from . import compile_child, native
+from . import compile_child, native, recorded
 
 _READY, _PENDING = "ready", "pending"
 
@@ -211,6 +211,8 @@ def run(key, compiled, fallback, spec=None):
     if is_ready(key):
         _stats["compiled"] += 1
         return compiled()
+    # (a call recorded for a prepared call: not while its kernels compile, recorded.py)
+    recorded.taint("a kernel still compiling", transient=True)
     with _lock:
         state = _states.get(key)
         if state is None:

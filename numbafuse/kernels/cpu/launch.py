@@ -76,6 +76,7 @@ from numba import njit
 from numba.core.dispatcher import Dispatcher
 
 from . import native
+from . import recorded as _recorded
 
 from .sync import CLOCK as _CLOCK
 from .sync import SLOT as _SLOT
@@ -389,7 +390,15 @@ def launch(kernel, ntasks, *args, work=None, grain=None, parallel_min=None):
     touched) below ``parallel_min`` (default ``PARALLEL_MIN_ELEMENTS``; a kernel whose
     elements cost more or less than a pass's says so) or a single thread: one call on this
     thread. ``grain``: tasks per range handed out (default: from RANGES_PER_THREAD and
-    MIN_RANGE_ELEMENTS), at most a thread's share."""
+    MIN_RANGE_ELEMENTS), at most a thread's share. (Recorded for a prepared call while one
+    is recorded: ``recorded.py``.)"""
+    if _recorded.ACTIVE:
+        return _recorded.recorded(_launch, kernel, ntasks, *args, work=work, grain=grain,
+                                  parallel_min=parallel_min)
+    return _launch(kernel, ntasks, *args, work=work, grain=grain, parallel_min=parallel_min)
+
+
+def _launch(kernel, ntasks, *args, work=None, grain=None, parallel_min=None):
     ntasks = int(ntasks)
     if ntasks <= 0:
         return
@@ -449,6 +458,12 @@ def launch_all(launches, work=None):
     both threads share all their tasks, instead of one pass per thread (:func:`concurrently`:
     the longer pass decides, and each thread's Python between its launches waits for the GIL).
     The same tasks as separate launches, so the same results. ``work`` as for :func:`launch`."""
+    if _recorded.ACTIVE:
+        return _recorded.recorded(_launch_all, launches, work=work)
+    return _launch_all(launches, work)
+
+
+def _launch_all(launches, work=None):
     launches = [(k, int(n), tuple(a)) for k, n, a in launches if int(n) > 0]
     starts = [0]
     for _, n, _ in launches:
@@ -469,6 +484,14 @@ def concurrently(*calls, work=None):
     from splitting, where waking a helper per launch costs what the split saves (a conv
     backward's dX and dW at 8x8 images). ``work`` as for :func:`launch`. Returns the calls'
     results in order."""
+    if _recorded.ACTIVE and _recorded.outermost():
+        # recorded for a prepared call: one call after another, each launch recorded (the
+        # same tasks, so the same results; the replay runs them so)
+        return [call() for call in calls]
+    return _concurrently(calls, work)
+
+
+def _concurrently(calls, work=None):
     results = [None] * len(calls)
 
     def task(t0, t1):
