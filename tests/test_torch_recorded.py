@@ -74,7 +74,7 @@ SHAPES = [
     (64, 64, 8, 16, 2, 3),       # stride 2
     (64, 64, 4, 16, 1, 3),       # a small map: flat rows spread by NumPy copies, implicit dW
     (256, 256, 2, 16, 1, 3),     # 2x2: im2col in blocks of output channels, dW in w's order
-    (64, 128, 8, 4, 2, 1),       # a strided 1x1 (the downsample)
+    (64, 128, 16, 16, 2, 1),     # a strided 1x1 (the downsample): dX scattered with zeros
 ]
 
 
@@ -90,7 +90,12 @@ def test_prepared_calls_give_the_layered_bits(op, shape, recompute, channels_las
     assert stats["prepared"] == 2 and stats["replays"] == 4, (stats, recorded.refusals())
     for a, b in zip(layered, prepared):
         for u, v in zip(a, b):
-            assert u.stride() == v.stride() and torch.equal(u, v)
+            assert _strides(u) == _strides(v) and torch.equal(u, v)
+
+
+def _strides(t):
+    """t's strides where they matter (dimensions longer than 1)."""
+    return tuple(s for s, n in zip(t.stride(), t.shape) if n > 1)
 
 
 def test_prepared_float64_calls_give_the_layered_bits():
@@ -139,6 +144,6 @@ def test_a_fused_resnet_trains_to_the_same_bits():
     losses, state = _fit(False)
     prepared_losses, prepared_state = _fit(True)
     stats = recorded.stats()
-    assert stats["prepared"] >= 20 and stats["replays"] >= 40, (stats, recorded.refusals())
+    assert stats["prepared"] >= 20 and not stats["refused"], (stats, recorded.refusals())
     assert prepared_losses == losses
     assert all(torch.equal(state[k], prepared_state[k]) for k in state)

@@ -24,7 +24,7 @@ y (``use_gate``; gate = y) with wm = w^T | w.
 """
 import numpy as np
 
-from ..cpu import blas as _blas
+from ..cpu import blas as _blas, recorded as _rec
 from ..cpu import gemm_taps as _gemm_taps
 from ..cpu.buffers import output_cache as _out
 from ..cpu.launch import blocks, launch, task_kernel
@@ -258,11 +258,11 @@ def dx(gy, y, use_mask, w, geom, plan, out, work):
            (False, False) if nhwc else (False, False, False, False),
            _blas.blas_for(gy.dtype), plan.taps, view(compact, nhwc), work=work, grain=1)
     if strided:                                   # zeros, then every sh-th row, sw-th column
-        out.fill(0)
+        _rec.copy(out, 0)                         # (copies a prepared call makes again)
         if nhwc:
-            out[:, :geom.P * geom.sh:geom.sh, :geom.Q * geom.sw:geom.sw] = compact
+            _rec.copy(out[:, :geom.P * geom.sh:geom.sh, :geom.Q * geom.sw:geom.sw], compact)
         else:
-            out[:, :, :geom.P * geom.sh:geom.sh, :geom.Q * geom.sw:geom.sw] = compact
+            _rec.copy(out[:, :, :geom.P * geom.sh:geom.sh, :geom.Q * geom.sw:geom.sw], compact)
 
 
 def dw(x, gy, y, use_mask, geom, need_dw, plan, work):

@@ -252,7 +252,7 @@ def _key(obj, arrays):
         arrays.append(obj)
         return (obj.shape, obj.strides, obj.dtype)
     if kind == _DEEP:                          # (the ops' Params: the running statistics)
-        return (cls,) + tuple(_key(v, arrays) for v in vars(obj).values())
+        return (cls,) + _keys(vars(obj).values(), arrays)
     if kind == _NAMED or kind == _FIELDS:
         try:
             hash(obj)                          # (a geometry: no array inside)
@@ -260,13 +260,29 @@ def _key(obj, arrays):
         except TypeError:
             if kind == _FIELDS:                # (an array inside: entered from now on)
                 _kinds[cls] = _DEEP
-                return (cls,) + tuple(_key(v, arrays) for v in vars(obj).values())
+                return (cls,) + _keys(vars(obj).values(), arrays)
     elif kind == _DICT:
-        return (dict,) + tuple((k, _key(v, arrays)) for k, v in obj.items())
+        return (dict, tuple(obj)) + _keys(obj.values(), arrays)
     elif kind == _OTHER:
         hash(obj)
         return (cls, obj)
-    return (cls,) + tuple(_key(v, arrays) for v in obj)
+    return (cls,) + _keys(obj, arrays)
+
+
+def _keys(values, arrays):
+    """:func:`_key` of each of ``values``, atoms and arrays inline (the common case)."""
+    out = []
+    for v in values:
+        cls = type(v)
+        kind = _kinds.get(cls)
+        if kind == _ATOM:
+            out.append((cls, v))
+        elif kind == _ARRAY:
+            arrays.append(v)
+            out.append((v.shape, v.strides, v.dtype))
+        else:
+            out.append(_key(v, arrays))
+    return tuple(out)
 
 
 def _range(a):
@@ -346,20 +362,54 @@ class _Node:
     def __init__(self, cls, keys, items):
         self.cls, self.keys, self.items = cls, keys, items
 
+    def fast(self):
+        """The :class:`_Built` that makes this container (what :meth:`_Program.run` calls)."""
+        base, dynamic = [], []
+        for i, v in enumerate(self.items):
+            kind = type(v)
+            if kind is _Node:
+                v = v.fast()
+            if kind is _Const:
+                base.append(v.value)
+            else:
+                base.append(None if kind in (_Slot, _Vacant, _Node) else v)
+                if kind in (_Slot, _Vacant, _Node):
+                    dynamic.append((i, v))
+        return _Built(self.cls, self.keys, base, dynamic)
+
+
+class _Built:
+    """A container made at each call from a list of its constant items (``base``) with the
+    slots' arrays put in (``dynamic``: (position, a _Slot, _Vacant or _Built))."""
+    __slots__ = ("cls", "keys", "base", "dynamic")
+
+    def __init__(self, cls, keys, base, dynamic):
+        self.cls, self.keys, self.base, self.dynamic = cls, keys, base, dynamic
+
     def make(self, sources):
-        values = [_make(v, sources) for v in self.items]
-        if self.cls is dict:
+        values = self.base.copy()
+        for i, t in self.dynamic:
+            values[i] = t.make(sources)
+        cls = self.cls
+        if cls is list:
+            return values
+        if cls is tuple:
+            return tuple(values)
+        if cls is dict:
             return dict(zip(self.keys, values))
-        if self.cls is tuple or self.cls is list:
-            return self.cls(values)
-        return self.cls(*values)                                  # a named tuple
+        return cls(*values)                                      # a named tuple
 
 
-def _make(t, sources):
-    cls = type(t)
-    if cls is _Slot or cls is _Node or cls is _Vacant:
-        return t.make(sources)
-    return t.value if cls is _Const else t
+_MADE = (_Slot, _Vacant, _Built)          # what _Program.run makes at each call
+
+
+def _fast(t):
+    """What :meth:`_Program.run` makes from the template ``t``: a constant as it is, else an
+    object whose ``make(sources)`` makes it."""
+    kind = type(t)
+    if kind is _Node:
+        return t.fast()
+    return t.value if kind is _Const else t
 
 
 class _Unreplayable(Exception):
@@ -444,6 +494,8 @@ class _Program:
         self.steps = [(fn, _template(list(args), find), _template(dict(kwargs), find))
                       for fn, args, kwargs in (c for c in rec.calls if c[0] != "alloc")]
         self.out = _template(out, find)
+        self.fast = [(fn, _fast(args), _fast(kwargs)) for fn, args, kwargs in self.steps]
+        self.fast_out = _fast(self.out)
 
     def same(self, other):
         return (len(self.allocs) == len(other.allocs) and len(self.steps) == len(other.steps)
@@ -460,9 +512,12 @@ class _Program:
             if poison and not filled:          # (what the replay leaves unwritten shows)
                 a.view(np.uint8).fill(0xFF) if a.flags.c_contiguous else a.fill(np.nan)
             sources.append(a)
-        for fn, args, kwargs in self.steps:
-            fn(*_make(args, sources), **_make(kwargs, sources))
-        return _make(self.out, sources)
+        made = _MADE
+        for fn, args, kwargs in self.fast:
+            fn(*(args.make(sources) if type(args) in made else args),
+               **(kwargs.make(sources) if type(kwargs) in made else kwargs))
+        out = self.fast_out
+        return out.make(sources) if type(out) in made else out
 
 
 def _bits(a):
