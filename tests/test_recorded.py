@@ -11,7 +11,7 @@ import pytest
 from numba import njit
 
 from numbafuse.kernels.conv import weights
-from numbafuse.kernels.cpu import recorded
+from numbafuse.kernels.cpu import programs, recorded
 from numbafuse.kernels.cpu.buffers import output_cache
 from numbafuse.kernels.cpu.launch import launch, launch_all, concurrently, num_threads
 
@@ -171,12 +171,12 @@ def test_the_same_data_again_is_not_a_second_recording():
 
 def test_the_check_catches_a_wrong_slot(monkeypatch):
     # planted: every view's offset one element off, as a slot bug would make it
-    make = recorded._Slot.__init__
+    make = programs.Slot.__init__
 
     def off_by_one(self, index, whole, offset=0, view=None, source=None):
         room = view is not None and offset + view.nbytes + view.itemsize <= source.nbytes
         make(self, index, whole, offset + (view.itemsize if room else 0), view, source)
-    monkeypatch.setattr(recorded._Slot, "__init__", off_by_one)
+    monkeypatch.setattr(programs.Slot, "__init__", off_by_one)
     running = np.zeros(10)
     for i in range(5):
         call(driver, *_data(i), running)
@@ -248,7 +248,7 @@ def test_other_threads_allocate_as_ever_while_one_records():
     call(slow, *_data(1), np.zeros(10))            # recorded, while other() allocates
     t.join()
     assert [a.shape for a in seen] == [(3,)] and np.empty is recorded._np_empty
-    program = next(p for p in recorded._programs.values() if isinstance(p, recorded._Program))
+    program = next(p for p in recorded._programs.values() if isinstance(p, programs.Program))
     assert len(program.allocs) == 4 and recorded.stats()["recordings"] == 1
 
 
