@@ -9,9 +9,12 @@ fresh interpreter per round, alternating), one thread each (``torch.set_num_thre
 best over rounds. Forwards, training and eval batch norm, and Conv-BN-ReLU's forward and
 forward + backward in training (numbafuse: ``conv_batchnorm_relu``, recompute; PyTorch:
 conv2d, batch_norm, relu; the backward from ``y.sum()``, x, w and the batch-norm parameters
-requiring grad), and Conv-BN-ReLU's forward in eval (numbafuse: the batch norm folded or, at
-the im2col plans, applied in the conv's epilogue; PyTorch: conv2d, batch_norm, relu); the
-running statistics are updated in both libraries' training calls.
+requiring grad; two inputs taken in turn, as a training loop gives new data), and
+Conv-BN-ReLU's forward in eval (numbafuse: the batch norm folded or, at the im2col plans,
+applied in the conv's epilogue; PyTorch: conv2d, batch_norm, relu); the running statistics
+are updated in both libraries' training calls. The numbafuse side also runs with prepared
+calls off (``NUMBAFUSE_PREPARED=0``: the layered path, ``kernels/cpu/recorded.py``), in a
+process of its own too.
 
 ``--cold``: each call timed alone after a 64 MiB buffer is written (the sweep not timed), the
 median of ``--calls`` calls per round, best over rounds: the call as it runs inside a
@@ -54,6 +57,7 @@ def worker(side, shape, calls, cold=False):
     w, b = torch.randn(C, C, 3, 3), torch.randn(C)
     g, be, rm, rv = torch.ones(C), torch.zeros(C), torch.zeros(C), torch.ones(C)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xgs = [xg, torch.randn(N, C, H, W, requires_grad=True)]
     gg, beg = g.clone().requires_grad_(), be.clone().requires_grad_()
     if side == "numbafuse":
         import numbafuse.torch as nft
@@ -75,7 +79,12 @@ def worker(side, shape, calls, cold=False):
     else:
         def cbr_eval():
             return F.batch_norm(F.conv2d(x, w, None, 1, 1), rm, rv, g, be, False).relu()
-    fns += (cbr, lambda: cbr(xg, wg, gg, beg).sum().backward(), cbr_eval)
+    turn = [0]
+
+    def cbr_backward():
+        turn[0] ^= 1
+        cbr(xgs[turn[0]], wg, gg, beg).sum().backward()
+    fns += (cbr, cbr_backward, cbr_eval)
     out = {}
     for name, f in zip(CASES, fns):
         for _ in range(200):
@@ -100,15 +109,18 @@ def main(argv=None):
     p.add_argument("--shape", default="2,8,4,4")
     p.add_argument("--cold", action="store_true",
                    help="each call after a 64 MiB sweep of the caches; the median call")
-    p.add_argument("--worker", choices=("numbafuse", "torch"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("numbafuse", "layered", "torch"),
+                   help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     shape = tuple(int(v) for v in args.shape.split(","))
     if args.worker:
-        return worker(args.worker, shape, args.calls, args.cold)
-    env = dict(os.environ, NUMBAFUSE_NUM_THREADS="1")
-    best = {side: {} for side in ("numbafuse", "torch")}
+        return worker("torch" if args.worker == "torch" else "numbafuse", shape, args.calls,
+                      args.cold)
+    best = {side: {} for side in ("numbafuse", "layered", "torch")}
     for _ in range(args.rounds):
         for side in best:
+            env = dict(os.environ, NUMBAFUSE_NUM_THREADS="1",
+                       NUMBAFUSE_PREPARED="0" if side == "layered" else "1")
             out = subprocess.run([sys.executable, __file__, "--worker", side, "--shape",
                                   args.shape, "--calls", str(args.calls)]
                                  + (["--cold"] if args.cold else []), env=env,
@@ -117,9 +129,11 @@ def main(argv=None):
                 best[side][name] = min(best[side].get(name, us), us)
     print(f"Command: python benchmarks/bench_torch_call.py --rounds {args.rounds} --calls "
           f"{args.calls} --shape {args.shape}{' --cold' if args.cold else ''}\n")
-    print(f"| call at {shape} | numbafuse.torch us | PyTorch us |\n|---|---:|---:|")
+    print(f"| call at {shape} | numbafuse.torch us | prepared calls off us | PyTorch us |\n"
+          "|---|---:|---:|---:|")
     for name in CASES:
-        print(f"| {name} | {best['numbafuse'][name]:.1f} | {best['torch'][name]:.1f} |")
+        print(f"| {name} | {best['numbafuse'][name]:.1f} | {best['layered'][name]:.1f} "
+              f"| {best['torch'][name]:.1f} |")
 
 
 if __name__ == "__main__":
