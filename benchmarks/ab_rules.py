@@ -25,7 +25,9 @@ A variant is ``NAME: field=value, field=value`` with fields of ``cpu_plan.Rules`
 numbafuse reads at call time (``numbafuse.torch.conv_batchnorm.KEEP_H_MIN_MACS=128``: the
 line of ``recompute="auto"``; ``numbafuse.kernels.cpu.blas.PACK_B=False``), set for the
 variant's blocks and restored after. An attribute copied at import by ``from ... import``
-elsewhere is not seen through that copy: such a variant changes nothing there.
+elsewhere is not seen through that copy: such a variant changes nothing there. Prepared
+calls are off for the whole run (``kernels/cpu/recorded.py``: a replay keeps the plans and
+knobs of the calls it recorded, and runs past the sites' wrappers).
 """
 import argparse
 import ast
@@ -133,6 +135,12 @@ def _wrap_sites(match, spent):
 
 
 def main(argv=None):
+    from numbafuse.kernels.cpu import recorded
+    with recorded.off():                 # (module docstring: every variant's own plans)
+        return _main(argv)
+
+
+def _main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", action="append", default=[], required=True,
                    help="'NAME: field=value, ...' (cpu_plan.Rules fields, or dotted module "

@@ -477,6 +477,12 @@ def _print_replayed(times, counts, n, warm, captured, args):
 
 
 def main(argv=None):
+    from numbafuse.kernels.cpu import recorded
+    with recorded.off():                 # (the wrappers see the layered path: module docstring)
+        return _main(argv)
+
+
+def _main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="resnet18",
                    choices=["resnet18", "resnet50", "resnext50_32x4d", "mobilenet_v2",
@@ -550,8 +556,6 @@ def main(argv=None):
         for name in sorted(times):
             print(f"| {name} | {times[name] / counts[name] * 1e3:.2f} | {counts[name] / n:g} |")
         return
-    from numbafuse.kernels.cpu import recorded
-    recorded.ENABLED = False             # (the wrappers see the layered path: module docstring)
     bare = 0.0
     if args.exclusive:                   # the step unwrapped first, to set the wrapped beside
         t0 = time.perf_counter()

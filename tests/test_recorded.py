@@ -52,7 +52,8 @@ def call(fn, *args):
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
+def _fresh(monkeypatch):
+    monkeypatch.setattr(recorded, "ENABLED", True)
     recorded.clear()
     yield
     recorded.clear()
@@ -252,8 +253,9 @@ def test_other_threads_allocate_as_ever_while_one_records():
     assert len(program.allocs) == 4 and recorded.stats()["recordings"] == 1
 
 
-def test_off_by_the_switch(monkeypatch):
-    monkeypatch.setattr(recorded, "ENABLED", False)
-    for i in range(5):
-        call(driver, *_data(i), np.zeros(10))
+def test_off_within_the_block_and_on_after():
+    with recorded.off():
+        for i in range(5):
+            call(driver, *_data(i), np.zeros(10))
     assert recorded.stats()["recordings"] == 0 and recorded.stats()["signatures"] == 0
+    assert recorded.ENABLED

@@ -75,12 +75,11 @@ def recording():
     asked = set()
     cpu_plan._RECORDING.append(asked)
     cpu_plan._PLANS.clear()              # memoised plans would not ask again
-    enabled, _recorded.ENABLED = _recorded.ENABLED, False
     try:
-        yield asked
+        with _recorded.off():
+            yield asked
     finally:
         cpu_plan._RECORDING.remove(asked)
-        _recorded.ENABLED = enabled
 
 
 def variants(geom, pass_, dtype):

@@ -36,6 +36,7 @@ calls had. ``NUMBAFUSE_PREPARED=0`` turns prepared calls off.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -69,6 +70,18 @@ def stats():
     """Counts: signatures ``prepared``, calls replayed, ``recordings`` made, and ``refused``
     signatures by reason."""
     return dict(_stats, refused=dict(_stats["refused"]), signatures=len(_programs))
+
+
+@contextlib.contextmanager
+def off():
+    """Within the block, prepared calls are off (every call takes the layered path: what a
+    wrapper of its functions sees, what a change of a module's knob changes)."""
+    global ENABLED
+    enabled, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = enabled
 
 
 def clear():
