@@ -2,17 +2,19 @@
 its later calls, without the Python that decided them (docs/architecture.md, "Prepared
 calls").
 
-    out = recorded.call(fn, args)    # fn(*args), or its replay once prepared
+    out = recorded.call(fn, args, context)    # fn(*args), or its replay once prepared
 
 A fused op's host path (the torch layer, the ops layer, the conv's driver, the batch norm's
 setup) decides, from shapes, strides, dtypes and flags alone, which compiled launches and
 steps to run on which arrays; at ResNet sizes that Python costs 0.2-0.8 ms a call, as much as
 the short kernels it drives. :func:`call` runs ``fn(*args)`` as it is until a *signature*
-(``fn`` and the arguments' structure: each array's shape, strides and dtype, every other
-value itself, and the thread count) has been seen; the next calls of that signature are
-*recorded*: every outermost :func:`~numbafuse.kernels.cpu.launch.launch` (and
-``launch_all``, ``concurrently``), every compiled step called from Python (:func:`step`),
-every array allocated (the output cache's, ``np.empty``'s, ``np.zeros``'s), with each array
+(``fn``, the ``context`` its plan depends on, and the arguments' structure: each array's
+shape, strides and dtype, every other value itself) has been seen; the next calls of that
+signature are *recorded*: every outermost :func:`~numbafuse.kernels.cpu.launch.launch` (and
+``launch_all``; ``concurrently``'s calls one after another), every compiled step and copy
+called from Python between launches (:func:`step`, :func:`copy`), every array allocated
+(the output cache's; ``np.empty``, ``np.zeros``, ``np.ones``, their ``_like``s and the copies
+``np.ascontiguousarray`` makes, replaced on the recording thread only), with each array
 argument written as a *slot* (a view, by byte offset, shape and strides, of one of the call's
 input arrays or of one of its allocations), and what ``fn`` returned the same way. Two
 recordings of calls whose inputs differ must make the same program, which is then checked:
