@@ -55,6 +55,7 @@ replays the launches it recorded, past every wrapper here.
 """
 import argparse
 import collections
+import contextlib
 import functools
 import os
 import statistics
@@ -101,8 +102,8 @@ def replace_in_numbafuse(pick, make):
     the functions they recorded, past any name replaced here (``kernels/cpu/recorded.py``),
     so what is measured through the replacements is the layered path."""
     from numbafuse.kernels.cpu import recorded
-    made, undo, enabled = {}, [], recorded.ENABLED
-    recorded.ENABLED = False
+    made, undo, layered = {}, [], contextlib.ExitStack()
+    layered.enter_context(recorded.off())
     for m in list(sys.modules.values()):
         if not getattr(m, "__name__", "").startswith("numbafuse"):
             continue
@@ -116,7 +117,7 @@ def replace_in_numbafuse(pick, make):
     def restore():
         for m, name, value in reversed(undo):
             setattr(m, name, value)
-        recorded.ENABLED = enabled
+        layered.close()
     return restore
 
 

@@ -154,14 +154,13 @@ class _Node:
         base, dynamic = [], []
         for i, v in enumerate(self.items):
             kind = type(v)
-            if kind is _Node:
-                v = v.fast()
             if kind is _Const:
                 base.append(v.value)
+            elif kind in (Slot, _Vacant, _Node):
+                base.append(None)
+                dynamic.append((i, v.fast() if kind is _Node else v))
             else:
-                base.append(None if kind in (Slot, _Vacant, _Node) else v)
-                if kind in (Slot, _Vacant, _Node):
-                    dynamic.append((i, v))
+                base.append(v)
         return _Built(self.cls, self.keys, base, dynamic)
 
 
@@ -210,8 +209,10 @@ def _template(obj, find):
         slot = find(obj)
         return _Const(obj) if slot is None else slot            # (a Slot or _Vacant)
     cls = type(obj)
-    named = isinstance(obj, tuple) and hasattr(obj, "_fields")
-    if cls is tuple or cls is list or cls is dict or named:
+    kind = _kinds.get(cls)
+    if kind is None:
+        kind = _kind(cls)
+    if kind == _SEQ or kind == _DICT or kind == _NAMED:       # (as :func:`key` enters them)
         keys = tuple(obj) if cls is dict else None
         items = [_template(v, find) for v in (obj.values() if cls is dict else obj)]
         if any(type(v) in (Slot, _Node, _Const, _Vacant) for v in items):

@@ -57,8 +57,10 @@ _lock = threading.Lock()
 _programs = {}            # signature -> _SEEN, a Program (ready once checked) or a _Refused
 _SEEN = object()
 _stats = {"prepared": 0, "replays": 0, "recordings": 0, "refused": {}}
-_np_empty, _np_zeros, _np_contiguous = np.empty, np.zeros, np.ascontiguousarray
-_np_empty_like, _np_zeros_like, _np_ones = np.empty_like, np.zeros_like, np.ones
+# NumPy's allocators, replaced by the recording's own (_REPLACEMENTS) while one is on
+_NUMPY = {n: getattr(np, n) for n in ("empty", "zeros", "ones", "empty_like", "zeros_like",
+                                      "ascontiguousarray")}
+_np_empty, _np_zeros, _np_ones = _NUMPY["empty"], _NUMPY["zeros"], _NUMPY["ones"]
 
 
 class _Refused:
@@ -192,20 +194,19 @@ def _ones(*args, **kwargs):
     return allocated(True, _np_ones, *args, **kwargs)
 
 
-def _empty_like(a, dtype=None, **kwargs):
-    if kwargs or not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
-        return _np_empty_like(a, dtype, **kwargs)     # (not recorded: a replay refuses it)
-    return allocated(False, _np_empty, a.shape, a.dtype if dtype is None else dtype)
-
-
-def _zeros_like(a, dtype=None, **kwargs):
-    if kwargs or not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
-        return _np_zeros_like(a, dtype, **kwargs)
-    return allocated(True, _np_zeros, a.shape, a.dtype if dtype is None else dtype)
+def _like(filled, make, original):
+    """The recording's ``np.empty_like`` (``np.zeros_like``): ``make`` of a C-contiguous
+    prototype's shape, recorded; ``original`` otherwise (not recorded: a replay refuses
+    it)."""
+    def like(a, dtype=None, **kwargs):
+        if kwargs or not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
+            return original(a, dtype, **kwargs)
+        return allocated(filled, make, a.shape, a.dtype if dtype is None else dtype)
+    return like
 
 
 def _contiguous(a, dtype=None, **kwargs):
-    out = _np_contiguous(a, dtype, **kwargs)
+    out = _NUMPY["ascontiguousarray"](a, dtype, **kwargs)
     rec = here()
     if (rec is not None and not rec.depth and isinstance(a, np.ndarray)
             and not np.may_share_memory(out, a)):     # a copy: an allocation and a step
@@ -214,12 +215,18 @@ def _contiguous(a, dtype=None, **kwargs):
     return out
 
 
+_REPLACEMENTS = {"empty": _empty, "zeros": _zeros, "ones": _ones,
+                 "empty_like": _like(False, _np_empty, _NUMPY["empty_like"]),
+                 "zeros_like": _like(True, _np_zeros, _NUMPY["zeros_like"]),
+                 "ascontiguousarray": _contiguous}
+
+
 def _start():
     global ACTIVE
     with _lock:
         if ACTIVE == 0:     # (np.empty is looked up at each call by the drivers' modules)
-            np.empty, np.zeros, np.ascontiguousarray = _empty, _zeros, _contiguous
-            np.empty_like, np.zeros_like, np.ones = _empty_like, _zeros_like, _ones
+            for name, fn in _REPLACEMENTS.items():
+                setattr(np, name, fn)
         ACTIVE += 1
     _local.recording = _Recording()
     return _local.recording
@@ -231,8 +238,8 @@ def _stop():
     with _lock:
         ACTIVE -= 1
         if ACTIVE == 0:
-            np.empty, np.zeros, np.ascontiguousarray = _np_empty, _np_zeros, _np_contiguous
-            np.empty_like, np.zeros_like, np.ones = _np_empty_like, _np_zeros_like, _np_ones
+            for name, fn in _NUMPY.items():
+                setattr(np, name, fn)
 
 
 _details = []             # (function, why in detail) of the latest refusals
