@@ -259,3 +259,98 @@ def test_off_within_the_block_and_on_after():
             call(driver, *_data(i), np.zeros(10))
     assert recorded.stats()["recordings"] == 0 and recorded.stats()["signatures"] == 0
     assert recorded.ENABLED
+
+
+def _kept_program():
+    return next(p for p in recorded._programs.values()
+                if isinstance(p, programs.Program) and p.ready)
+
+
+def test_small_scratch_is_kept_and_what_the_output_holds_is_not():
+    running = np.zeros(10)
+    ys = []
+    for i in range(6):
+        x, s = _data(i)
+        want, _, running_want = _expect(x, s, running)
+        got, _ = call(driver, x, s, running)
+        assert np.array_equal(got["y"], want["y"]) and np.array_equal(running, running_want)
+        ys.append(got)
+    kept = _kept_program().kept
+    # s2 (10 floats, np.empty) only: out, total and half are held by the output, total is
+    # np.zeros' (filled)
+    assert kept is not None and kept.nbytes == 80
+    assert sum(type(a) is np.ndarray for a in kept.allocs) == 1
+    assert not any(np.shares_memory(a, b) for a, b in
+                   zip(programs.leaves(ys[4], []), programs.leaves(ys[5], [])))
+    assert recorded.stats()["scratch bytes"] == 80
+
+
+def test_no_scratch_is_kept_at_zero_bytes(monkeypatch):
+    monkeypatch.setattr(recorded, "SCRATCH_BYTES", 0)
+    for i in range(5):
+        call(driver, *_data(i), np.zeros(10))
+    assert _kept_program().kept is None and recorded.stats()["replays"] == 2
+
+
+_gate = {"wait": None}
+
+
+def _gated(x):
+    """Copies x's first row into a scratch array, calls ``_gate["wait"]`` once (a step),
+    then copies the scratch to the output: a replay running meanwhile must not share the
+    scratch."""
+    scratch = np.empty(x.shape[1])
+    recorded.copy(scratch, x[0])
+    recorded.step(_wait)
+    out = np.empty((2, x.shape[1]))
+    recorded.copy(out, scratch)
+    return out
+
+
+def _wait():
+    hook, _gate["wait"] = _gate["wait"], None
+    if hook is not None:
+        hook()
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_replay_while_another_uses_the_kept_scratch_makes_its_own(monkeypatch, planted):
+    for i in range(5):
+        call(_gated, _data(i)[0])
+    assert _kept_program().kept is not None
+    if planted:                  # the lock that keeps a second run off the kept arrays: none
+        class Free:
+            def acquire(self, blocking=True):
+                return True
+
+            def release(self):
+                pass
+        monkeypatch.setattr(_kept_program().kept, "free", Free())
+    xa, xb = _data(10)[0], _data(11)[0]
+    got = {}
+
+    def second():                # another thread's replay, while the first waits at _wait
+        t = threading.Thread(target=lambda: got.setdefault("b", call(_gated, xb)))
+        t.start()
+        t.join(10)
+    _gate["wait"] = second
+    got["a"] = call(_gated, xa)
+    assert _gate["wait"] is None and recorded.stats()["replays"] == 4
+    assert np.array_equal(got["b"], np.tile(xb[0], (2, 1)))
+    assert np.array_equal(got["a"], np.tile(xa[0], (2, 1))) != planted
+
+
+def test_the_kept_scratch_is_checked_too(monkeypatch):
+    # planted: each step's view of a kept array a copy of it, so that what one step writes
+    # the next does not read
+    folded = programs._folded
+
+    def copied(t, kept, top=False):
+        v = folded(t, kept, top)
+        return v.copy() if type(t) is programs.Slot and isinstance(v, np.ndarray) else v
+    monkeypatch.setattr(programs, "_folded", copied)
+    for i in range(5):
+        x = _data(i)[0]
+        assert np.array_equal(call(_gated, x), np.tile(x[0], (2, 1)))
+    assert _kept_program().kept is None
+    assert recorded.stats()["scratch refused"] == 1 and recorded.stats()["replays"] == 2

@@ -4,6 +4,7 @@ allocations), the templates of its steps' arguments and its output, and the
 :class:`Program` that replays them; how two programs compare (:func:`same`, and where they
 differ first, :func:`difference`)."""
 import hashlib
+import threading
 
 import numpy as np
 
@@ -156,7 +157,9 @@ class _Node:
             kind = type(v)
             if kind is _Const:
                 base.append(v.value)
-            elif kind in (Slot, _Vacant, _Node):
+            elif kind is _Vacant:
+                base.append(v.array)
+            elif kind in (Slot, _Node):
                 base.append(None)
                 dynamic.append((i, v.fast() if kind is _Node else v))
             else:
@@ -195,7 +198,33 @@ def _fast(t):
     kind = type(t)
     if kind is _Node:
         return t.fast()
+    if kind is _Vacant:
+        return t.array
     return t.value if kind is _Const else t
+
+
+def _folded(t, kept, top=False):
+    """``t`` (what :func:`_fast` made) with the slots of the sources in ``kept`` (a list by
+    source index: the array kept from one run to the next, or None) made once: a constant
+    where nothing is left to make at a call (a tuple or named tuple; ``top``: the step's
+    argument list or keyword dict, which the call unpacks), else a :class:`_Built` with
+    fewer slots. A list or dict inside is made again at each call (a step may change it)."""
+    kind = type(t)
+    if kind is Slot:
+        return t.make(kept) if kept[t.index] is not None else t
+    if kind is not _Built:
+        return t
+    base, dynamic = t.base.copy(), []
+    for i, d in t.dynamic:
+        v = _folded(d, kept)
+        if type(v) in _MADE:
+            dynamic.append((i, v))
+        else:
+            base[i] = v
+    built = _Built(t.cls, t.keys, base, dynamic)
+    if not dynamic and (top or t.cls not in (list, dict)):
+        return built.make(kept)
+    return built
 
 
 class Unreplayable(Exception):
@@ -254,6 +283,7 @@ class Program:
     def __init__(self, rec, inputs, out):
         self.allocs = []              # (filled, make, its args, its kwargs)
         self.ready, self.digest, self.same_data = False, None, 0
+        self.inputs, self.kept = len(inputs), None
         sources = list(inputs)
         for c in rec.calls:
             if c[0] == "alloc":
@@ -293,19 +323,87 @@ class Program:
                         for a, b in zip(self.steps, other.steps))
                 and same(self.out, other.out))
 
-    def run(self, inputs, poison=False):
-        sources = list(inputs)
-        for filled, make, args, kwargs in self.allocs:
+    def escaping(self):
+        """The indices of the sources the output holds (itself or a view of it)."""
+        found, todo = set(), [self.out]
+        while todo:
+            t = todo.pop()
+            if type(t) is Slot:
+                found.add(t.index)
+            elif type(t) is _Node:
+                todo.extend(t.items)
+        return found
+
+    def keep_scratch(self, limit):
+        """Keep this program's small scratch from one run to the next (:class:`Kept`): each
+        allocation that the output does not hold, that its maker leaves unset (``np.empty``'s;
+        the check ran with them filled with 0xFF: no run reads what an earlier one left) and
+        that has at most ``limit`` bytes (those below the output cache's ``MIN_BYTES``
+        come from malloc), allocated once here, with every step argument cut from it made
+        once. Returns the bytes kept."""
+        out, sources = self.escaping(), [None] * (self.inputs + len(self.allocs))
+        for i, (filled, make, args, kwargs) in enumerate(self.allocs):
+            n = self.inputs + i
+            if filled or n in out:
+                continue
             a = make(*args, **kwargs)
-            if poison and not filled:          # (what the replay leaves unwritten shows)
-                a.view(np.uint8).fill(0xFF) if a.flags.c_contiguous else a.fill(np.nan)
-            sources.append(a)
-        made = _MADE
-        for fn, args, kwargs in self.fast:
-            fn(*(args.make(sources) if type(args) in made else args),
-               **(kwargs.make(sources) if type(kwargs) in made else kwargs))
-        out = self.fast_out
-        return out.make(sources) if type(out) in made else out
+            if a.nbytes <= limit:
+                a.view(np.uint8).fill(0xFF)      # (as the check's fresh arrays: poisoned)
+                sources[n] = a
+        if not any(a is not None for a in sources):
+            return 0
+        self.kept = Kept(self, sources)
+        return self.kept.nbytes
+
+    def run(self, inputs, poison=False):
+        kept = self.kept
+        if kept is not None and not poison and kept.free.acquire(blocking=False):
+            try:                            # (another thread replaying it: arrays of its own)
+                return _run(inputs, kept.allocs, kept.fast, kept.out)
+            finally:
+                kept.free.release()
+        return _run(inputs, self.allocs, self.fast, self.fast_out, poison)
+
+    def run_kept(self, inputs):
+        """:meth:`run` with the scratch kept, whoever else uses it (the check's: the program
+        is not in use yet)."""
+        kept = self.kept
+        return _run(inputs, kept.allocs, kept.fast, kept.out)
+
+
+class Kept:
+    """A :class:`Program`'s run with its small scratch kept (:meth:`Program.keep_scratch`):
+    ``allocs`` (an array kept, or what makes one at each call), the steps and the output with
+    the kept arrays' slots made once, ``free`` held by the run that uses them."""
+
+    def __init__(self, program, sources):
+        self.allocs = [a if a is not None else program.allocs[i]
+                       for i, a in enumerate(sources[program.inputs:])]
+        self.nbytes = sum(a.nbytes for a in sources if a is not None)
+        self.fast = [(fn, _folded(args, sources, True), _folded(kwargs, sources, True))
+                     for fn, args, kwargs in program.fast]
+        self.out = program.fast_out                  # (holds no kept array)
+        self.free = threading.Lock()
+
+
+def _run(inputs, allocs, steps, out, poison=False):
+    """The replay: the call's allocations (or arrays kept, :class:`Kept`), its steps on
+    their arguments made from ``inputs`` and them, its output."""
+    sources = list(inputs)
+    for alloc in allocs:
+        if type(alloc) is np.ndarray:
+            sources.append(alloc)
+            continue
+        filled, make, args, kwargs = alloc
+        a = make(*args, **kwargs)
+        if poison and not filled:              # (what the replay leaves unwritten shows)
+            a.view(np.uint8).fill(0xFF) if a.flags.c_contiguous else a.fill(np.nan)
+        sources.append(a)
+    made = _MADE
+    for fn, args, kwargs in steps:
+        fn(*(args.make(sources) if type(args) in made else args),
+           **(kwargs.make(sources) if type(kwargs) in made else kwargs))
+    return out.make(sources) if type(out) in made else out
 
 
 def bits(a):

@@ -50,13 +50,15 @@ from .programs import (Program, Unreplayable, bits, difference, digest, key, lea
 ENABLED = os.environ.get("NUMBAFUSE_PREPARED", "1") != "0"
 MAX_SIGNATURES = 4096
 SAME_DATA_LIMIT = 8       # recordings on the data the first one had, then refused
+SCRATCH_BYTES = 1 << 16   # a prepared program keeps its scratch arrays up to this size (0: none)
 ACTIVE = 0                # recordings in progress (any thread): the hooks' fast test
 
 _local = threading.local()
 _lock = threading.Lock()
 _programs = {}            # signature -> _SEEN, a Program (ready once checked) or a _Refused
 _SEEN = object()
-_stats = {"prepared": 0, "replays": 0, "recordings": 0, "refused": {}}
+_stats = {"prepared": 0, "replays": 0, "recordings": 0, "refused": {}, "scratch bytes": 0,
+          "scratch refused": 0}
 # NumPy's allocators, replaced by the recording's own (_REPLACEMENTS) while one is on
 _NUMPY = {n: getattr(np, n) for n in ("empty", "zeros", "ones", "empty_like", "zeros_like",
                                       "ascontiguousarray")}
@@ -93,7 +95,8 @@ def clear():
     with _lock:
         _programs.clear()
         _details.clear()
-        _stats.update(prepared=0, replays=0, recordings=0, refused={})
+        _stats.update({"prepared": 0, "replays": 0, "recordings": 0, "refused": {},
+                       "scratch bytes": 0, "scratch refused": 0})
 
 
 # ------------------------------------------------------------------------- the hooks
@@ -295,15 +298,34 @@ def _record(sig, fn, args, inputs, earlier):
         return out
     after = [a.copy() for a in inputs]
     expected = [a.copy() for a in leaves(out, [])]
+    wrong = _replayed(lambda a: program.run(a, poison=True), inputs, before, after, expected)
+    if wrong:
+        _refuse(sig, *wrong)
+        return out
+    if SCRATCH_BYTES and program.keep_scratch(SCRATCH_BYTES):     # (poisoned: checked)
+        if _replayed(program.run_kept, inputs, before, after, expected):   # (a bug)
+            program.kept = None
+            _stats["scratch refused"] += 1
+    with _lock:
+        _programs[sig] = program
+        program.ready = True
+        _stats["prepared"] += 1
+        _stats["scratch bytes"] += program.kept.nbytes if program.kept is not None else 0
+    return out
+
+
+def _replayed(run, inputs, before, after, expected):
+    """None if ``run(inputs)`` (a replay, its fresh arrays poisoned) on ``inputs`` restored to
+    ``before`` gives the ``expected`` outputs and leaves the inputs as ``after``, bit for bit;
+    else (the reason, what differed). The inputs are left as ``after``."""
     for a, b in zip(inputs, before):
         a[...] = b
     try:
-        got = leaves(program.run(inputs, poison=True), [])
+        got = leaves(run(inputs), [])
     except Exception as e:                       # noqa: BLE001 (a replay that cannot run)
         for a, b in zip(inputs, after):
             a[...] = b
-        _refuse(sig, "the replay failed", f"{type(e).__name__}: {e}")
-        return out
+        return "the replay failed", f"{type(e).__name__}: {e}"
     wrong = [f"output {i} {e.shape}" for i, (g, e) in enumerate(zip(got, expected))
              if g.dtype != e.dtype or g.shape != e.shape or bits(g) != bits(e)]
     wrong += [f"input {i} {b.shape}" for i, (a, b) in enumerate(zip(inputs, after))
@@ -313,14 +335,8 @@ def _record(sig, fn, args, inputs, earlier):
     for a, b in zip(inputs, after):
         a[...] = b
     if wrong:
-        _refuse(sig, "the replay's results differ (work the recording does not see)",
-                ", ".join(wrong))
-        return out
-    with _lock:
-        _programs[sig] = program
-        program.ready = True
-        _stats["prepared"] += 1
-    return out
+        return "the replay's results differ (work the recording does not see)", ", ".join(wrong)
+    return None
 
 
 def call(fn, args, context):
