@@ -1,7 +1,7 @@
 """Prepared calls on and off in a fused ResNet's training step, paired in one process.
 
     python benchmarks/bench_prepared.py [--models resnet18,resnet50] [--batch 16] [--size 64]
-                                        [--steps 20]
+                                        [--steps 20] [--scratch]
 
 One process a model: ``numbafuse.torch.fuse(model, recompute="auto")`` of
 ``numbafuse/torch/resnet.py``'s model (1000 classes), float32, NCHW, SGD (lr 0.01, momentum
@@ -16,6 +16,9 @@ still makes: allocations, views, the compiled steps between launches). Then the 
 the paired differences of the step. The wrappers that time the cores and the launches are
 installed before the model's first call, so the recorded programs call them too.
 
+``--scratch``: prepared calls on throughout, the pairs alternate between the programs' small
+scratch kept from one replay to the next and made at each replay (``programs.Kept``, each
+prepared program's ``kept`` set aside: the replay before it).
 One library on both sides of one process: this measures what prepared calls change, not a
 comparison with PyTorch (``bench_resnet.py``: each library in its own process).
 """
@@ -60,7 +63,7 @@ def _instrument(acc):
     return undo
 
 
-def run(model_name, batch, size, steps):
+def run(model_name, batch, size, steps, scratch=False):
     import torch
 
     import numbafuse.torch as nft
@@ -89,10 +92,15 @@ def run(model_name, batch, size, steps):
     try:
         for i in range(6):
             step(i)
+        kept = {p: p.kept for p in recorded._programs.values() if getattr(p, "ready", False)}
         rows = {True: [], False: []}
         for i in range(2 * steps):
             on = (i // 2) % 2 == 0
-            recorded.ENABLED = on
+            if scratch:
+                for p, k in kept.items():
+                    p.kept = k if on else None
+            else:
+                recorded.ENABLED = on
             rows[on].append(step(i))
         stats = recorded.stats()
     finally:
@@ -107,6 +115,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--scratch", action="store_true",
+                   help="pair the kept scratch on and off instead of prepared calls")
     args = p.parse_args(argv)
     import numba
     import numpy as np
@@ -114,15 +124,17 @@ def main(argv=None):
 
     from numbafuse.kernels.cpu import launch
     print(f"Command: python benchmarks/bench_prepared.py --models {args.models} --batch "
-          f"{args.batch} --size {args.size} --steps {args.steps}\n")
+          f"{args.batch} --size {args.size} --steps {args.steps}"
+          f"{' --scratch' if args.scratch else ''}\n")
     print(f"Machine: {platform.processor() or platform.machine()}, Python "
           f"{platform.python_version()}, numba {numba.__version__}, numpy {np.__version__}, "
           f"torch {torch.__version__}; {launch.num_threads()} numbafuse threads, "
           f"{torch.get_num_threads()} torch threads\n")
-    print("| model | prepared calls | step ms | cores ms | their launches ms | cores' host "
+    what = "kept scratch" if args.scratch else "prepared calls"
+    print(f"| model | {what} | step ms | cores ms | their launches ms | cores' host "
           "path ms | signatures prepared, refused |\n|---|---|---:|---:|---:|---:|---|")
     for name in args.models.split(","):
-        rows, stats = run(name, args.batch, args.size, args.steps)
+        rows, stats = run(name, args.batch, args.size, args.steps, args.scratch)
         for on in (True, False):
             r = rows[on]
 

@@ -17,11 +17,13 @@ from numbafuse.kernels.cpu import launch, recorded  # noqa: E402
 pytestmark = pytest.mark.torch
 
 
-def test_a_small_run_times_both_modes_and_undoes_its_wrappers(capsys):
+@pytest.mark.parametrize("scratch", [False, True])
+def test_a_small_run_times_both_modes_and_undoes_its_wrappers(capsys, scratch):
     run_launch, run_call = launch._launch, recorded.call
     assert bench_prepared.main(["--models", "resnet18", "--batch", "2", "--size", "32",
-                                "--steps", "2"]) == 0
+                                "--steps", "2"] + ["--scratch"] * scratch) == 0
     out = capsys.readouterr().out
+    assert ("| kept scratch |" in out) == scratch
     rows = re.findall(r"^\| resnet18 \| (on|off) \| (\S+) \| (\S+) \| (\S+) \| (\S+) "
                       r"\| (\d+), (\d+) \|$", out, re.MULTILINE)
     assert [r[0] for r in rows] == ["on", "off"]

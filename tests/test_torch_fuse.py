@@ -365,7 +365,7 @@ def test_conv_batchnorm_relu_output_is_rebuilt_not_kept(channels_last, monkeypat
         assert y2.untyped_storage().data_ptr() not in storages, recompute
         assert sources[-1] in storages                 # the producer's h, kept by y2
         # y2's backward rebuilds y1 bit for bit
-        rebuilt = tcb.restore(y2.grad_fn)["x"]
+        rebuilt = tcb.restore(y2.grad_fn)[0]["x"]
         layout = "NHWC" if channels_last else "NCHW"
         assert np.array_equal(rebuilt, tcb.as_array(y1.detach(), layout))
     if not channels_last:   # (torch refuses in-place changes of a Function's view output)

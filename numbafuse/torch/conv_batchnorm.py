@@ -222,16 +222,16 @@ def vouched(w_array, w, p, *bn):
 
 def restore(ctx):
     """The ``saved`` arrays of :func:`save` by name (x in its layout; an x kept as its
-    :data:`SOURCE` rebuilt: ``relu(gamma * (h - mean) * invstd + beta)``)."""
-    layout = ctx.p.layout
-    out = {n: as_array(t, layout if n == "x" else LAYOUT)
-           for n, t in zip(ctx.names, ctx.saved_tensors)}
+    :data:`SOURCE` rebuilt: ``relu(gamma * (h - mean) * invstd + beta)``), and the tensor w
+    (``ctx.saved_tensors`` read once: each read unpacks and checks every saved tensor)."""
+    layout, tensors = ctx.p.layout, ctx.saved_tensors
+    out = {n: as_array(t, layout if n == "x" else LAYOUT) for n, t in zip(ctx.names, tensors)}
     if "x:h" in out:
         s = {n: out.pop(f"x:{n}") for n in _SOURCE_PARTS}
         with launch_order(ctx.device):
             out["x"] = _bn.bn_apply(s["h"], s["mean"], s["invstd"], s["gamma"], s["beta"],
                                     relu=True, layout=layout)
-    return out
+    return out, tensors[ctx.names.index("w")]
 
 
 def unrecorded_inference(device, training, tensors):
@@ -293,7 +293,7 @@ class ConvBatchNormReLUFunction(torch.autograd.Function):
     def backward(ctx, dy):
         ctx.source = None        # (its consumers, done before this, keep what they need)
         d, layout = ctx.device, ctx.p.layout
-        saved, w = restore(ctx), ctx.saved_tensors[ctx.names.index("w")]
+        saved, w = restore(ctx)
         with launch_order(d), vouched(saved["w"], w, ctx.p):
             dx, dw, dweight, dbias = _prepared.core(d, dy.dtype, _cbn.backward, ctx.p,
                                                     ctx.call, saved, as_array(dy, layout),
@@ -412,7 +412,7 @@ class ConvBatchNormAddReLUFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         d, layout = ctx.device, ctx.p.layout
-        saved, w = restore(ctx), ctx.saved_tensors[ctx.names.index("w")]
+        saved, w = restore(ctx)
         with launch_order(d), vouched(saved["w"], w, ctx.p):
             dx, dw, dz, dweight, dbias = _prepared.core(d, dy.dtype, _cbn.add_backward,
                                                         ctx.p, ctx.call, saved,
