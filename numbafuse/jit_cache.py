@@ -14,14 +14,34 @@ roots, transitively (``from .x import y``, ``from . import x``, ``import pkg.x``
 functions too). A changed helper then changes the stamp of every file that reaches it, and
 numba recompiles those functions instead of loading them. The imports are read with a regular
 expression, not executed; a module imported some other way (``importlib``) is not followed.
+
+It also makes numba's cache safe for processes that compile at once (:func:`locked_saves`).
+Numba saves a new entry by reading the cache's index, taking the first data file number the
+index does not name, writing the index, then the data file, with no lock: two processes
+compiling two signatures of one function at the same time (MPI ranks, a job's workers,
+``first_calls``' compiling process beside the user's) both take number 1, and the index
+that one of them writes can name the data file the other wrote last. Every later process
+then loads that function's machine code for the wrong argument types: ``TypeError: can't
+unbox array from PyObject into native value`` (seen here in ``tests/test_mpi.py``, and in
+1 of 12 runs of four processes compiling one function on a cold cache), or a crash. Each
+save now holds an exclusive ``flock`` on one file of its cache directory (:data:`LOCK_NAME`)
+while it reads the index, writes the data file, then the index, so an index never names a
+data file another save is writing or has taken. A cache a racing save broke before stays
+broken: delete the cache directory (``NUMBA_CACHE_DIR``, or the package's ``__pycache__``).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import os
 import re
 import sys
+
+try:
+    import fcntl
+except ImportError:          # (not POSIX: numba's saves stay as they are)
+    fcntl = None
 
 _ROOTS: list = []          # (package directory, package name), e.g. (".../numbafuse", "numbafuse")
 
@@ -178,18 +198,66 @@ def _patch(cache_impl) -> None:
         cache_impl._locator_classes = [_locator_for(cache_impl), *cache_impl._locator_classes]
 
 
+LOCK_NAME = "numbafuse-saves.lock"      # in each cache directory: held while a save runs
+
+
+def _locked(save):
+    """Numba's ``IndexDataCacheFile.save``, under an exclusive lock of the cache directory,
+    the data file written before the index names it (the module docstring)."""
+    def locked_save(self, key, data):
+        try:
+            fd = os.open(os.path.join(self._cache_path, LOCK_NAME), os.O_RDWR | os.O_CREAT,
+                         0o666)
+        except OSError:                    # (a directory we cannot write: numba's own way)
+            return save(self, key, data)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            overloads = self._load_index()
+            name = overloads.get(key)
+            if name is None:
+                taken = set(overloads.values())
+                name = next(n for n in map(self._data_name, itertools.count(1))
+                            if n not in taken)
+                self._save_data(name, data)
+                overloads[key] = name
+                self._save_index(overloads)
+            else:
+                self._save_data(name, data)
+        finally:
+            os.close(fd)                   # (releases the lock)
+    locked_save.unlocked = save
+    return locked_save
+
+
+def locked_saves(caching) -> bool:
+    """Make the saves of ``caching`` (``numba.core.caching`` or numba-cuda's module of the
+    same name) lock their cache directory (the module docstring). Every numba cache in the
+    process saves so from then on, numbafuse's or not (the same files, in a safe order).
+    False where it cannot (not POSIX; a numba whose cache file lacks the methods used)."""
+    cls = getattr(caching, "IndexDataCacheFile", None)
+    needed = ("save", "_load_index", "_save_index", "_save_data", "_data_name")
+    if fcntl is None or cls is None or not all(hasattr(cls, n) for n in needed):
+        return False
+    if not hasattr(cls.save, "unlocked"):
+        cls.save = _locked(cls.save)
+    return True
+
+
 def install(package_dir: str, name: str) -> None:
     """Stamp the cached functions under ``package_dir`` (the package ``name``) by their imports
-    too; numba's CPU cache now, numba-cuda's where ``numba.cuda`` is imported (call again after
-    importing it). Functions decorated before this call keep numba's stamp."""
+    too, and lock the caches' saves (:func:`locked_saves`); numba's CPU cache now,
+    numba-cuda's where ``numba.cuda`` is imported (call again after importing it). Functions
+    decorated before this call keep numba's stamp."""
     entry = (os.path.abspath(package_dir), name)
     if entry not in _ROOTS:
         _ROOTS.append(entry)
     from numba.core import caching
     _patch(caching.CacheImpl)
+    locked_saves(caching)
     cuda_caching = sys.modules.get("numba.cuda.core.caching")
     if cuda_caching is not None and hasattr(cuda_caching, "CacheImpl"):
         _patch(cuda_caching.CacheImpl)
+        locked_saves(cuda_caching)
 
 
 def install_numbafuse() -> None:

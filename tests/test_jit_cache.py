@@ -115,3 +115,70 @@ def test_numbafuse_cuda_kernels_are_stamped_by_their_imports():
         pytest.skip("numba-cuda is not installed")
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) >= 1
+
+
+def _racing_saves(tmp_path, caching):
+    """Two saves of one function's cache, of two keys, in the order that breaks numba's
+    unlocked save: the second runs while the first has read the index (the first waits
+    there until the second has written the index, or 0.3 s), and writes its data file once
+    the first save has ended. What each key then loads."""
+    import threading
+    first, second = (caching.IndexDataCacheFile(str(tmp_path), "racer", "stamp")
+                     for _ in range(2))
+    read, indexed, done = threading.Event(), threading.Event(), threading.Event()
+    load, save_index, save_data = first._load_index, second._save_index, second._save_data
+
+    def paused_load():
+        overloads = load()
+        read.set()
+        indexed.wait(0.3)             # (the second save's index, unless it waits its turn)
+        return overloads
+
+    def second_index(overloads):
+        save_index(overloads)
+        indexed.set()
+
+    def late_data(name, data):
+        done.wait(5)
+        save_data(name, data)
+    first._load_index = paused_load
+    second._save_index, second._save_data = second_index, late_data
+
+    def second_save():
+        read.wait(5)
+        second.save(("f", "float32"), b"float32 code")
+    t = threading.Thread(target=second_save)
+    t.start()
+    first.save(("f", "float64"), b"float64 code")
+    done.set()
+    t.join(10)
+    reader = caching.IndexDataCacheFile(str(tmp_path), "racer", "stamp")
+    return reader.load(("f", "float64")), reader.load(("f", "float32"))
+
+
+@pytest.mark.skipif(jit_cache.fcntl is None, reason="no flock: numba's saves stay unlocked")
+@pytest.mark.parametrize("planted", [False, True])
+def test_saves_of_two_processes_at_once_keep_each_key_its_own_code(tmp_path, monkeypatch,
+                                                                   planted):
+    # the race numba's unlocked save has (jit_cache's module docstring), made certain: two
+    # saves (two threads with a file of their own each, as two processes have) of one
+    # function's cache; planted: numba's own save, which gives the float64 key the float32
+    # key's code (the TypeError of tests/test_mpi.py) and loses the float32 key
+    from numba.core import caching
+    save = caching.IndexDataCacheFile.save
+    assert hasattr(save, "unlocked"), "numbafuse's import locks numba's saves"
+    if planted:
+        monkeypatch.setattr(caching.IndexDataCacheFile, "save", save.unlocked)
+    got = _racing_saves(tmp_path, caching)
+    assert (got == (b"float64 code", b"float32 code")) != planted, got
+    assert (tmp_path / jit_cache.LOCK_NAME).exists() != planted
+
+
+def test_locked_saves_are_installed_once_and_on_numba_cudas_cache_too():
+    from numba.core import caching
+    assert jit_cache.locked_saves(caching) == (jit_cache.fcntl is not None)
+    if jit_cache.fcntl is not None:
+        assert not hasattr(caching.IndexDataCacheFile.save.unlocked, "unlocked")
+    cuda_caching = sys.modules.get("numba.cuda.core.caching")
+    if cuda_caching is not None and jit_cache.fcntl is not None:
+        assert hasattr(cuda_caching.IndexDataCacheFile.save, "unlocked")
