@@ -201,6 +201,18 @@ def test_tune_times_every_algorithm_and_its_table_round_trips(tmp_path, monkeypa
         cpu_plan.choose(g, "forward", np.float32, cpu_plan.RULES)
 
 
+def test_a_save_that_fails_leaves_the_old_table(tmp_path):
+    # written beside the path and renamed over it: a reader meanwhile, or a write that fails
+    # half way (here a value JSON cannot write, after the entries before it), sees the old
+    path = tmp_path / "table.json"
+    old = {"version": 1, "entries": {}}
+    cpu_table.save(old, path)
+    with pytest.raises(TypeError):
+        cpu_table.save({"version": 1, "entries": {"k": {"algorithm": object()}}}, path)
+    assert cpu_table.load(path) == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["table.json"]
+
+
 @pytest.mark.parametrize("text, match", [
     ("{", "not JSON"),
     ('{"version": 99, "entries": {}}', "not a version-1"),

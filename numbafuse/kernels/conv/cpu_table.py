@@ -53,9 +53,20 @@ load = cpu_plan.read_table
 
 
 def save(table, path):
-    """Write ``table`` (from :func:`tune`) to ``path`` as JSON."""
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
+    """Write ``table`` (from :func:`tune`) to ``path`` as JSON: into a file beside it, then
+    renamed over it, so that a process reading the path meanwhile (``NUMBAFUSE_CONV_TABLE``
+    on a shared file system) reads the old table or the new one, never part of one, and a
+    write that fails leaves the old table."""
+    path = os.fspath(path)
+    part = f"{path}.{os.getpid()}.part"
+    try:
+        with open(part, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(part, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise
 
 
 def use(table):
