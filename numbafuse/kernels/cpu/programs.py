@@ -338,8 +338,8 @@ class Program:
         """Keep this program's small scratch from one run to the next (:class:`Kept`): each
         allocation that the output does not hold, that its maker leaves unset (``np.empty``'s;
         the check ran with them filled with 0xFF: no run reads what an earlier one left) and
-        that has at most ``limit`` bytes (``recorded.SCRATCH_BYTES``), allocated once here, with every step argument cut from it made
-        once. Returns the bytes kept."""
+        that has at most ``limit`` bytes (``recorded.SCRATCH_BYTES``), allocated once here,
+        with every step argument cut from it made once. Returns the bytes kept."""
         out, sources = self.escaping(), [None] * (self.inputs + len(self.allocs))
         for i, (filled, make, args, kwargs) in enumerate(self.allocs):
             n = self.inputs + i
