@@ -354,3 +354,19 @@ def test_the_kept_scratch_is_checked_too(monkeypatch):
         assert np.array_equal(call(_gated, x), np.tile(x[0], (2, 1)))
     assert _kept_program().kept is None
     assert recorded.stats()["scratch refused"] == 1 and recorded.stats()["replays"] == 2
+
+
+def _fortran_scratch(x):
+    scratch = np.empty((2, x.shape[1]), order="F")          # (not C-contiguous: not kept)
+    recorded.copy(scratch, x[:2])
+    out = np.empty((2, x.shape[1]))
+    recorded.copy(out, scratch)
+    return out
+
+
+def test_a_scratch_not_c_contiguous_is_made_at_each_call():
+    for i in range(5):
+        x = _data(i)[0]
+        assert np.array_equal(call(_fortran_scratch, x), x[:2])
+    assert recorded.stats()["prepared"] == 1 and recorded.stats()["replays"] == 2
+    assert _kept_program().kept is None

@@ -346,7 +346,7 @@ class Program:
             if filled or n in out:
                 continue
             a = make(*args, **kwargs)
-            if a.nbytes <= limit:
+            if a.nbytes <= limit and a.ndim and a.flags.c_contiguous:
                 a.view(np.uint8).fill(0xFF)      # (as the check's fresh arrays: poisoned)
                 sources[n] = a
         if not any(a is not None for a in sources):
