@@ -370,3 +370,18 @@ def test_a_scratch_not_c_contiguous_is_made_at_each_call():
         assert np.array_equal(call(_fortran_scratch, x), x[:2])
     assert recorded.stats()["prepared"] == 1 and recorded.stats()["replays"] == 2
     assert _kept_program().kept is None
+
+
+def test_a_scratch_that_cannot_be_kept_leaves_the_call_prepared(monkeypatch):
+    def fails(self, limit):
+        raise ValueError("planted")
+    monkeypatch.setattr(programs.Program, "keep_scratch", fails)
+    running = np.zeros(10)
+    for i in range(5):
+        x, s = _data(i)
+        want, _, running_want = _expect(x, s, running)
+        got, _ = call(driver, x, s, running)
+        assert np.array_equal(got["y"], want["y"]) and np.array_equal(running, running_want)
+    stats = recorded.stats()
+    assert stats["replays"] == 2 and stats["scratch refused"] == 1
+    assert _kept_program().kept is None

@@ -305,9 +305,14 @@ def _record(sig, fn, args, inputs, earlier):
     if wrong:
         _refuse(sig, *wrong)
         return out
-    if SCRATCH_BYTES and program.keep_scratch(SCRATCH_BYTES):     # (poisoned: checked)
-        if _replayed(program.run_kept, inputs, before, after, expected):   # (a bug)
-            program.kept = None
+    if SCRATCH_BYTES:
+        try:
+            kept = program.keep_scratch(SCRATCH_BYTES)              # (poisoned: checked)
+        except Exception:                        # noqa: BLE001 (made at each call instead)
+            kept = program.kept = None
+        if kept is None or kept and _replayed(program.run_kept, inputs, before, after,
+                                               expected):
+            program.kept = None                  # (a bug, if ever)
             _stats["scratch refused"] += 1
     with _lock:
         _programs[sig] = program
