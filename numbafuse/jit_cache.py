@@ -211,7 +211,10 @@ def _locked(save):
         except OSError:                    # (a directory we cannot write: numba's own way)
             return save(self, key, data)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:                # (a file system without flock: numba's own way)
+                return save(self, key, data)
             overloads = self._load_index()
             name = overloads.get(key)
             if name is None:

@@ -182,3 +182,17 @@ def test_locked_saves_are_installed_once_and_on_numba_cudas_cache_too():
     cuda_caching = sys.modules.get("numba.cuda.core.caching")
     if cuda_caching is not None and jit_cache.fcntl is not None:
         assert hasattr(cuda_caching.IndexDataCacheFile.save, "unlocked")
+
+
+@pytest.mark.skipif(jit_cache.fcntl is None, reason="no flock: numba's saves stay unlocked")
+def test_a_cache_directory_without_locks_saves_as_numba_does(tmp_path, monkeypatch):
+    # a file system whose flock fails (some network file systems): numba's own save, not an
+    # error in the compilation that saves
+    from numba.core import caching
+
+    def no_lock(fd, op):
+        raise OSError(37, "No locks available")
+    monkeypatch.setattr(jit_cache.fcntl, "flock", no_lock)
+    cache = caching.IndexDataCacheFile(str(tmp_path), "nolock", "stamp")
+    cache.save(("f", "float64"), b"code")
+    assert cache.load(("f", "float64")) == b"code"
