@@ -26,7 +26,8 @@ unbox array from PyObject into native value`` (seen here in ``tests/test_mpi.py`
 1 of 12 runs of four processes compiling one function on a cold cache), or a crash. Each
 save now holds an exclusive ``flock`` on one file of its cache directory (:data:`LOCK_NAME`)
 while it reads the index, writes the data file, then the index, so an index never names a
-data file another save is writing or has taken. A cache a racing save broke before stays
+data file another save is writing or has taken (waiting at most :data:`LOCK_WAIT` seconds
+for it, then not saving). A cache a racing save broke before stays
 broken: delete the cache directory (``NUMBA_CACHE_DIR``, or the package's ``__pycache__``).
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ import itertools
 import os
 import re
 import sys
+import time
 
 try:
     import fcntl
@@ -199,6 +201,10 @@ def _patch(cache_impl) -> None:
 
 
 LOCK_NAME = "numbafuse-saves.lock"      # in each cache directory: held while a save runs
+# seconds a save waits for the lock (a save holds it for milliseconds); then the function is
+# not saved (compiled in this process all the same): a stopped process holding the lock
+# (a debugger, SIGSTOP) costs the others their cache entries, not a hang
+LOCK_WAIT = 30.0
 
 
 def _locked(save):
@@ -211,10 +217,17 @@ def _locked(save):
         except OSError:                    # (a directory we cannot write: numba's own way)
             return save(self, key, data)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError:                # (a file system without flock: numba's own way)
-                return save(self, key, data)
+            deadline = time.monotonic() + LOCK_WAIT
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:    # (another save: milliseconds)
+                    if time.monotonic() > deadline:
+                        return             # (its holder stopped: not cached, not hung)
+                    time.sleep(0.002)
+                except OSError:            # (a file system without flock: numba's own way)
+                    return save(self, key, data)
             overloads = self._load_index()
             name = overloads.get(key)
             if name is None:

@@ -196,3 +196,24 @@ def test_a_cache_directory_without_locks_saves_as_numba_does(tmp_path, monkeypat
     cache = caching.IndexDataCacheFile(str(tmp_path), "nolock", "stamp")
     cache.save(("f", "float64"), b"code")
     assert cache.load(("f", "float64")) == b"code"
+
+
+@pytest.mark.skipif(jit_cache.fcntl is None, reason="no flock: numba's saves stay unlocked")
+def test_a_save_whose_lock_is_held_too_long_gives_up_instead_of_hanging(tmp_path, monkeypatch):
+    # the lock held by a process that stopped (a debugger, SIGSTOP): the save does not wait
+    # for ever; the function is not cached (compiled all the same in a real process)
+    import threading
+    from numba.core import caching
+    monkeypatch.setattr(jit_cache, "LOCK_WAIT", 0.2)
+    holder = os.open(tmp_path / jit_cache.LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    jit_cache.fcntl.flock(holder, jit_cache.fcntl.LOCK_EX)
+    cache = caching.IndexDataCacheFile(str(tmp_path), "held", "stamp")
+    t = threading.Thread(target=cache.save, args=(("f", "float64"), b"code"))
+    try:
+        t.start()
+        t.join(3)
+        assert not t.is_alive(), "the save waits for a lock nobody releases"
+    finally:
+        os.close(holder)
+        t.join(5)
+    assert cache.load(("f", "float64")) is None
