@@ -435,3 +435,22 @@ def test_an_empty_batch_gives_empty_outputs_and_updates_nothing(backend, shape, 
     np.testing.assert_array_equal(backend.get(dbeta), np.zeros(C))
     np.testing.assert_array_equal(backend.get(stats["running_mean"]), rm)
     np.testing.assert_array_equal(backend.get(stats["running_var"]), rv)
+
+
+@pytest.mark.parametrize("params", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scale_shift_gives_numpys_bits(params, dtype):
+    # the inference batch norm as a conv's scale and shift (ops/fold.py), by a compiled step
+    # since prepared calls record the eval calls: the bits NumPy's expression gave
+    from numbafuse.kernels.batchnorm import cpu_running
+    rng = np.random.default_rng(5)
+    K = 1000
+    gamma = (rng.standard_normal(K) * 10.0 ** rng.integers(-3, 4, K)).astype(params)
+    beta = (rng.standard_normal(K) * 10.0 ** rng.integers(-3, 4, K)).astype(params)
+    mean = rng.standard_normal(K) * 10.0 ** rng.integers(-3, 4, K)
+    invstd = 1.0 / np.sqrt(rng.random(K) * 10.0 ** rng.integers(-3, 4, K) + 1e-5)
+    scale, shift = cpu_running.scale_shift(gamma, beta, mean, invstd, np.dtype(dtype))
+    s = gamma * invstd
+    assert scale.dtype == shift.dtype == dtype
+    assert scale.tobytes() == s.astype(dtype).tobytes()
+    assert shift.tobytes() == (beta - mean * s).astype(dtype).tobytes()

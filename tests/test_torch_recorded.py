@@ -122,6 +122,45 @@ def test_the_weight_cache_keeps_the_layered_path():
     assert recorded.stats()["recordings"] == 0
 
 
+def _evaluate(enabled, op, C, K, S, N, stride, kernel, channels_last, calls=6):
+    """Each eval call's y (autograd not recording), the running statistics, gamma and beta
+    changed between calls (their values read at every call, never kept by a replay)."""
+    recorded.ENABLED = enabled
+    recorded.clear()
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(K, C, kernel, kernel, generator=g) / (kernel * C ** 0.5)
+    pad = kernel // 2
+    P = (S + 2 * pad - kernel) // stride + 1
+    out = []
+    for _ in range(calls):
+        gamma, beta = 1 + 0.1 * torch.randn(K, generator=g), 0.1 * torch.randn(K, generator=g)
+        rm, rv = 0.1 * torch.randn(K, generator=g), 0.5 + torch.rand(K, generator=g)
+        x = torch.randn(N, C, S, S, generator=g)
+        z = torch.randn(N, K, P, P, generator=g)
+        if channels_last:
+            x, z = (t.contiguous(memory_format=torch.channels_last) for t in (x, z))
+        if op == "cbr":
+            y = nft.conv_batchnorm_relu(x, w, gamma, beta, rm, rv, training=False,
+                                        stride=stride, padding=pad)
+        else:
+            y = nft.conv_batchnorm_add_relu(x, w, z, gamma, beta, rm, rv, training=False,
+                                            stride=stride, padding=pad)
+        out.append(y)
+    return out
+
+
+@pytest.mark.parametrize("op", ["cbr", "cbar"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_prepared_eval_calls_give_the_layered_bits(op, shape, channels_last):
+    layered = _evaluate(False, op, *shape, channels_last)
+    prepared = _evaluate(True, op, *shape, channels_last)
+    stats = recorded.stats()
+    assert stats["prepared"] == 1 and stats["replays"] == 3, (stats, recorded.refusals())
+    for u, v in zip(layered, prepared):
+        assert _strides(u) == _strides(v) and torch.equal(u, v)
+
+
 def _fit(enabled, steps=5):
     recorded.ENABLED = enabled
     recorded.clear()
@@ -140,10 +179,22 @@ def _fit(enabled, steps=5):
     return losses, model.state_dict()
 
 
-def test_a_fused_resnet_trains_to_the_same_bits():
-    losses, state = _fit(False)
-    prepared_losses, prepared_state = _fit(True)
+def _fit_and_evaluate(enabled):
+    losses, state = _fit(enabled)
+    model = nft.fuse(resnet.resnet18(num_classes=10), recompute="auto")
+    model.load_state_dict(state)
+    model.eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        logits = [model(torch.randn(2, 3, 32, 32, generator=g)) for _ in range(5)]
+    return losses, state, logits
+
+
+def test_a_fused_resnet_trains_and_evaluates_to_the_same_bits():
+    losses, state, logits = _fit_and_evaluate(False)
+    prepared_losses, prepared_state, prepared_logits = _fit_and_evaluate(True)
     stats = recorded.stats()
-    assert stats["prepared"] >= 20 and not stats["refused"], (stats, recorded.refusals())
+    assert stats["prepared"] >= 35 and not stats["refused"], (stats, recorded.refusals())
     assert prepared_losses == losses
     assert all(torch.equal(state[k], prepared_state[k]) for k in state)
+    assert all(torch.equal(a, b) for a, b in zip(logits, prepared_logits))

@@ -19,10 +19,11 @@ from . import conv as _conv
 def _values(w, gamma, beta, mean, invstd):
     """The batch norm as per-channel (scale, shift) for ``forward_scaled``: a callable of
     (s, beta - mean*s), (K,) each in w's dtype, from float64 (host arrays: the CPU kernels
-    ask for them)."""
+    ask for them; a compiled step, ``kernels/batchnorm/cpu_running.scale_shift``, so that a
+    prepared call records it)."""
     def values():
-        s = gamma * invstd
-        return s.astype(w.dtype), (beta - mean * s).astype(w.dtype)
+        return kernels.batchnorm_kernels(backend.CPU).scale_shift(gamma, beta, mean, invstd,
+                                                                  w.dtype)
     return values
 
 

@@ -249,9 +249,10 @@ def inference(x, w, z, weight, bias, running_mean, running_var, geometry, eps, r
     layout = geometry.layout
     wa = as_array(w)
     with _weights.vouch(wa, w, weight, bias, running_mean, running_var):
-        y = _cbn.inference(backend.CPU, as_array(x, layout), wa, as_array(weight),
-                           as_array(bias), as_array(running_mean), as_array(running_var), eps,
-                           geometry, relu, as_array(z, layout))
+        y = _prepared.core(x.device, x.dtype, _cbn.inference, backend.CPU,
+                           as_array(x, layout), wa, as_array(weight), as_array(bias),
+                           as_array(running_mean), as_array(running_var), eps, geometry, relu,
+                           as_array(z, layout))
     return as_tensor(y, None, layout)
 
 

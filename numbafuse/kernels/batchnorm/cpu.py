@@ -46,7 +46,7 @@ from . import math as bm
 from .math import BITS, STATE_AFFINE, STATE_MASK, STATE_NONE, STATE_Y, mask_nbytes  # noqa: F401
 from .. import scalar
 from ..cpu import recorded as _rec
-from .cpu_running import inference_stats, update_running  # noqa: F401
+from .cpu_running import inference_stats, scale_shift, update_running  # noqa: F401
 from .cpu_channels import (channel_totals, channel_values, finalize_backward, finalize_stats,
                            fold_sums)
 from . import cpu_rows

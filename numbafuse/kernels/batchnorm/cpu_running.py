@@ -1,6 +1,7 @@
-"""Numba CPU kernels of batch norm's running statistics: the inference statistics and the
-running-average update (host entry points :func:`inference_stats`, :func:`update_running`,
-re-exported by ``kernels/batchnorm/cpu.py``)."""
+"""Numba CPU kernels of batch norm's running statistics: the inference statistics, the
+inference batch norm as a scale and shift, and the running-average update (host entry points
+:func:`inference_stats`, :func:`scale_shift`, :func:`update_running`, re-exported by
+``kernels/batchnorm/cpu.py``)."""
 import numpy as np
 from numba import njit
 
@@ -37,6 +38,33 @@ def inference_stats(running_mean, running_var, eps):
     _rec.step(_inference_stats, np.ascontiguousarray(running_mean),
               np.ascontiguousarray(running_var), float(eps), mean, invstd)
     return mean, invstd
+
+
+@njit(cache=True)
+def _scale_shift(gamma, beta, mean, invstd, scale, shift):
+    # gamma, beta: (K,) float32 or float64; mean, invstd: (K,) float64; scale, shift: (K,) in
+    # the conv's dtype. NumPy's ``s = gamma * invstd``, ``beta - mean * s`` (float64), cast
+    for k in range(gamma.shape[0]):
+        s = np.float64(gamma[k]) * invstd[k]
+        scale[k] = s
+        shift[k] = np.float64(beta[k]) - mean[k] * s
+
+
+def scale_shift(gamma, beta, mean, invstd, dtype):
+    """(scale, shift), (K,) each in ``dtype``: an inference batch norm as a per-channel affine
+    map, ``scale = gamma * invstd``, ``shift = beta - mean * scale`` computed in float64 (as
+    NumPy computes them from float32 or float64 parameters: the same bits), by a compiled
+    step (recorded by a prepared call); other parameter dtypes by NumPy."""
+    if gamma.dtype not in _PARAMS or beta.dtype not in _PARAMS:
+        s = gamma * invstd
+        return s.astype(dtype), (beta - mean * s).astype(dtype)
+    K = gamma.shape[0]
+    scale, shift = np.empty(K, dtype), np.empty(K, dtype)
+    _rec.step(_scale_shift, gamma, beta, mean, invstd, scale, shift)
+    return scale, shift
+
+
+_PARAMS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def update_running(running_mean, running_var, mean, var, count, momentum):

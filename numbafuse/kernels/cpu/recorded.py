@@ -13,8 +13,8 @@ shape, strides and dtype, every other value itself) has been seen; the next call
 signature are *recorded*: every outermost :func:`~numbafuse.kernels.cpu.launch.launch` (and
 ``launch_all``; ``concurrently``'s calls one after another), every compiled step and copy
 called from Python between launches (:func:`step`, :func:`copy`), every array allocated
-(the output cache's; ``np.empty``, ``np.zeros``, ``np.ones``, their ``_like``s and the copies
-``np.ascontiguousarray`` makes, replaced on the recording thread only), with each array
+(the output cache's; ``np.empty``, ``np.zeros``, ``np.ones``, ``np.full``, their ``_like``s
+and the copies ``np.ascontiguousarray`` makes, replaced on the recording thread only), with each array
 argument written as a *slot* (a view, by byte offset, shape and strides, of one of the call's
 input arrays or of one of its allocations), and what ``fn`` returned the same way. Two
 recordings of calls whose inputs differ must make the same program, which is then checked:
@@ -63,8 +63,8 @@ _SEEN = object()
 _stats = {"prepared": 0, "replays": 0, "recordings": 0, "refused": {}, "scratch bytes": 0,
           "scratch refused": 0}
 # NumPy's allocators, replaced by the recording's own (_REPLACEMENTS) while one is on
-_NUMPY = {n: getattr(np, n) for n in ("empty", "zeros", "ones", "empty_like", "zeros_like",
-                                      "ascontiguousarray")}
+_NUMPY = {n: getattr(np, n) for n in ("empty", "zeros", "ones", "full", "empty_like",
+                                      "zeros_like", "ascontiguousarray")}
 _np_empty, _np_zeros, _np_ones = _NUMPY["empty"], _NUMPY["zeros"], _NUMPY["ones"]
 
 
@@ -166,7 +166,7 @@ def outermost():
 def allocated(filled, make, *args, **kwargs):
     """``make(*args, **kwargs)``, a fresh array (its values set by ``make``: ``filled``),
     recorded as one of the call's allocations (the output cache's hook; ``np.empty``,
-    ``np.zeros``, ``np.ones`` and the ``_like`` ones while a recording is on)."""
+    ``np.zeros``, ``np.ones``, ``np.full`` and the ``_like`` ones while a recording is on)."""
     rec = here()
     if rec is None or rec.depth:
         return make(*args, **kwargs)
@@ -200,6 +200,10 @@ def _ones(*args, **kwargs):
     return allocated(True, _np_ones, *args, **kwargs)
 
 
+def _full(*args, **kwargs):
+    return allocated(True, _NUMPY["full"], *args, **kwargs)
+
+
 def _like(filled, make, original):
     """The recording's ``np.empty_like`` (``np.zeros_like``): ``make`` of a C-contiguous
     prototype's shape, recorded; ``original`` otherwise (not recorded: a replay refuses
@@ -221,7 +225,7 @@ def _contiguous(a, dtype=None, **kwargs):
     return out
 
 
-_REPLACEMENTS = {"empty": _empty, "zeros": _zeros, "ones": _ones,
+_REPLACEMENTS = {"empty": _empty, "zeros": _zeros, "ones": _ones, "full": _full,
                  "empty_like": _like(False, _np_empty, _NUMPY["empty_like"]),
                  "zeros_like": _like(True, _np_zeros, _NUMPY["zeros_like"]),
                  "ascontiguousarray": _contiguous}
