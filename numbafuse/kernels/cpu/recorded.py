@@ -14,9 +14,9 @@ signature are *recorded*: every outermost :func:`~numbafuse.kernels.cpu.launch.l
 ``launch_all``; ``concurrently``'s calls one after another), every compiled step and copy
 called from Python between launches (:func:`step`, :func:`copy`), every array allocated
 (the output cache's; ``np.empty``, ``np.zeros``, ``np.ones``, ``np.full``, their ``_like``s
-and the copies ``np.ascontiguousarray`` makes, replaced on the recording thread only), with each array
-argument written as a *slot* (a view, by byte offset, shape and strides, of one of the call's
-input arrays or of one of its allocations), and what ``fn`` returned the same way. Two
+and the copies ``np.ascontiguousarray`` makes, replaced on the recording thread only), with
+each array argument written as a *slot* (a view, by byte offset, shape and strides, of one of
+the call's input arrays or of one of its allocations), and what ``fn`` returned the same way. Two
 recordings of calls whose inputs differ must make the same program, which is then checked:
 run as a replay on the second call's inputs (restored to what they were before it), its
 fresh arrays filled with 0xFF bytes (NaN), it must give bit for bit the outputs and the input
