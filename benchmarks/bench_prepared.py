@@ -1,7 +1,7 @@
 """Prepared calls on and off in a fused ResNet's training step, paired in one process.
 
     python benchmarks/bench_prepared.py [--models resnet18,resnet50] [--batch 16] [--size 64]
-                                        [--steps 20] [--scratch]
+                                        [--steps 20] [--scratch] [--eval]
 
 One process a model: ``numbafuse.torch.fuse(model, recompute="auto")`` of
 ``numbafuse/torch/resnet.py``'s model (1000 classes), float32, NCHW, SGD (lr 0.01, momentum
@@ -16,6 +16,8 @@ still makes: allocations, views, the compiled steps between launches). Then the 
 the paired differences of the step. The wrappers that time the cores and the launches are
 installed before the model's first call, so the recorded programs call them too.
 
+``--eval``: the eval forward (``model.eval()``, ``torch.no_grad()``: the fused ops' inference
+calls, the batch norm in the conv's epilogue or folded) instead of the training step.
 ``--scratch``: prepared calls on throughout, the pairs alternate between the programs' small
 scratch kept from one replay to the next and made at each replay (``programs.Kept``, each
 prepared program's ``kept`` set aside: the replay before it).
@@ -63,7 +65,7 @@ def _instrument(acc):
     return undo
 
 
-def run(model_name, batch, size, steps, scratch=False):
+def run(model_name, batch, size, steps, scratch=False, evaluate=False):
     import torch
 
     import numbafuse.torch as nft
@@ -80,9 +82,16 @@ def run(model_name, batch, size, steps, scratch=False):
     xs = [torch.randn(batch, 3, size, size, generator=g) for _ in range(2)]
     ys = [torch.randint(0, 1000, (batch,), generator=g) for _ in range(2)]
 
+    if evaluate:
+        model.eval()
+
     def step(i):
         acc["cores"] = acc["launches"] = 0.0
         t0 = time.perf_counter()
+        if evaluate:
+            with torch.no_grad():
+                model(xs[i % 2])
+            return time.perf_counter() - t0, acc["cores"], acc["launches"]
         opt.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(model(xs[i % 2]), ys[i % 2]).backward()
         opt.step()
@@ -115,6 +124,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--eval", action="store_true",
+                   help="the eval forward instead of the training step")
     p.add_argument("--scratch", action="store_true",
                    help="pair the kept scratch on and off instead of prepared calls")
     args = p.parse_args(argv)
@@ -125,7 +136,7 @@ def main(argv=None):
     from numbafuse.kernels.cpu import launch
     print(f"Command: python benchmarks/bench_prepared.py --models {args.models} --batch "
           f"{args.batch} --size {args.size} --steps {args.steps}"
-          f"{' --scratch' if args.scratch else ''}\n")
+          f"{' --scratch' if args.scratch else ''}{' --eval' if args.eval else ''}\n")
     print(f"Machine: {platform.processor() or platform.machine()}, Python "
           f"{platform.python_version()}, numba {numba.__version__}, numpy {np.__version__}, "
           f"torch {torch.__version__}; {launch.num_threads()} numbafuse threads, "
@@ -134,7 +145,7 @@ def main(argv=None):
     print(f"| model | {what} | step ms | cores ms | their launches ms | cores' host "
           "path ms | signatures prepared, refused |\n|---|---|---:|---:|---:|---:|---|")
     for name in args.models.split(","):
-        rows, stats = run(name, args.batch, args.size, args.steps, args.scratch)
+        rows, stats = run(name, args.batch, args.size, args.steps, args.scratch, args.eval)
         for on in (True, False):
             r = rows[on]
 
