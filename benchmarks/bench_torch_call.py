@@ -11,7 +11,9 @@ forward + backward in training (numbafuse: ``conv_batchnorm_relu``, recompute; P
 conv2d, batch_norm, relu; the backward from ``y.sum()``, x, w and the batch-norm parameters
 requiring grad; two inputs taken in turn, as a training loop gives new data), and
 Conv-BN-ReLU's forward in eval (numbafuse: the batch norm folded or, at the im2col plans,
-applied in the conv's epilogue; PyTorch: conv2d, batch_norm, relu); the running statistics
+applied in the conv's epilogue; PyTorch: conv2d, batch_norm, relu; two inputs in turn too:
+a prepared call is recorded on two calls' different data, and one input again and again
+leaves it layered, ``recorded.SAME_DATA_LIMIT``); the running statistics
 are updated in both libraries' training calls. The numbafuse side also runs with prepared
 calls off (``NUMBAFUSE_PREPARED=0``: the layered path, ``kernels/cpu/recorded.py``), in a
 process of its own too.
@@ -73,13 +75,18 @@ def worker(side, shape, calls, cold=False):
         fns = (lambda: F.conv2d(x, w, b, 1, 1).relu(),
                lambda: (F.batch_norm(x, rm, rv, g, be, True) + z).relu(),
                lambda: (F.batch_norm(x, rm, rv, g, be, False) + z).relu())
+    turn = [0]
+    xs = [x, xgs[1].detach()]
     if side == "numbafuse":
         def cbr_eval():
-            return nft.conv_batchnorm_relu(x, w, g, be, rm, rv, training=False, padding=1)
+            turn[0] ^= 1
+            return nft.conv_batchnorm_relu(xs[turn[0]], w, g, be, rm, rv, training=False,
+                                           padding=1)
     else:
         def cbr_eval():
-            return F.batch_norm(F.conv2d(x, w, None, 1, 1), rm, rv, g, be, False).relu()
-    turn = [0]
+            turn[0] ^= 1
+            return F.batch_norm(F.conv2d(xs[turn[0]], w, None, 1, 1), rm, rv, g, be,
+                                False).relu()
 
     def cbr_backward():
         turn[0] ^= 1
