@@ -114,8 +114,8 @@ def batchnorm_add_relu(layout, x, z, weight, bias, running_mean, running_var, ep
 
 def core(device, dtype, fn, *args):
     """``fn(*args)``, a tape-free core of the ops layer (``ops.conv_batchnorm.forward``,
-    ``backward``, ``add_forward``, ``add_backward``) on the arrays of a call's tensors: on
-    CPU float32 or float64 tensors, with the weight cache off, a prepared call
+    ``backward``, ``add_forward``, ``add_backward``, ``inference``) on the arrays of a call's
+    tensors: on CPU float32 or float64 tensors, with the weight cache off, a prepared call
     (``kernels/cpu/recorded.py``: its launches recorded for the call's signature and
     replayed, the same bits without the host path that chose them; its signature includes
     the conv rules in force, ``kernels.conv.cpu_plan.using``); else as it is."""
