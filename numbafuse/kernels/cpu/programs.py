@@ -132,9 +132,6 @@ class _Vacant:
     def same(self):
         return (self.array.shape, self.array.strides, self.array.dtype)
 
-    def make(self, sources):
-        return self.array
-
 
 class _Const:
     __slots__ = ("value",)
@@ -169,7 +166,8 @@ class _Node:
 
 class _Built:
     """A container made at each call from a list of its constant items (``base``) with the
-    slots' arrays put in (``dynamic``: (position, a Slot, _Vacant or _Built))."""
+    slots' arrays put in (``dynamic``: (position, a Slot or _Built); a :class:`_Vacant`'s
+    array is a constant)."""
     __slots__ = ("cls", "keys", "base", "dynamic")
 
     def __init__(self, cls, keys, base, dynamic):
@@ -189,7 +187,7 @@ class _Built:
         return cls(*values)                                      # a named tuple
 
 
-_MADE = (Slot, _Vacant, _Built)          # what Program.run makes at each call
+_MADE = (Slot, _Built)                   # what Program.run makes at each call
 
 
 def _fast(t):
@@ -358,7 +356,7 @@ class Program:
         kept = self.kept
         if kept is not None and not poison and kept.free.acquire(blocking=False):
             try:                            # (another thread replaying it: arrays of its own)
-                return _run(inputs, kept.allocs, kept.fast, kept.out)
+                return self.run_kept(inputs)
             finally:
                 kept.free.release()
         return _run(inputs, self.allocs, self.fast, self.fast_out, poison)
@@ -366,14 +364,14 @@ class Program:
     def run_kept(self, inputs):
         """:meth:`run` with the scratch kept, whoever else uses it (the check's: the program
         is not in use yet)."""
-        kept = self.kept
-        return _run(inputs, kept.allocs, kept.fast, kept.out)
+        return _run(inputs, self.kept.allocs, self.kept.fast, self.fast_out)
 
 
 class Kept:
     """A :class:`Program`'s run with its small scratch kept (:meth:`Program.keep_scratch`):
-    ``allocs`` (an array kept, or what makes one at each call), the steps and the output with
-    the kept arrays' slots made once, ``free`` held by the run that uses them."""
+    ``allocs`` (an array kept, or what makes one at each call), the steps with the kept
+    arrays' slots made once (the output holds none: the program's own), ``free`` held by the
+    run that uses them."""
 
     def __init__(self, program, sources):
         self.allocs = [a if a is not None else program.allocs[i]
@@ -381,7 +379,6 @@ class Kept:
         self.nbytes = sum(a.nbytes for a in sources if a is not None)
         self.fast = [(fn, _folded(args, sources, True), _folded(kwargs, sources, True))
                      for fn, args, kwargs in program.fast]
-        self.out = program.fast_out                  # (holds no kept array)
         self.free = threading.Lock()
 
 

@@ -313,7 +313,7 @@ def _record(sig, fn, args, inputs, earlier):
         try:
             kept = program.keep_scratch(SCRATCH_BYTES)              # (poisoned: checked)
         except Exception:                        # noqa: BLE001 (made at each call instead)
-            kept = program.kept = None
+            kept = None
         if kept is None or kept and _replayed(program.run_kept, inputs, before, after,
                                                expected):
             program.kept = None                  # (a bug, if ever)
